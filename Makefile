@@ -1,0 +1,26 @@
+# `make demo` and `make test` create the environment on first use (Python >= 3.10, CPU torch).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NPROC ?= 8
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) examples/train_mimo.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=8 benchmarks/bridge.py
+
+clean:
+	rm -rf $(VENV) bench_results

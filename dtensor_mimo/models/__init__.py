@@ -1,0 +1,34 @@
+"""Reference models: a Llama-style decoder, a ViT, a Whisper-style audio encoder, a projection.
+
+Plain single-device modules; parallel layouts are applied to them from outside.
+"""
+
+from dtensor_mimo.models.audio import AudioConfig, AudioEncoder
+from dtensor_mimo.models.layers import (
+    AttentionFn,
+    RMSNorm,
+    apply_rope,
+    causal_attention,
+    init_weights,
+    rope_cos_sin,
+)
+from dtensor_mimo.models.llama import Llama, LlamaConfig
+from dtensor_mimo.models.projection import Projection
+from dtensor_mimo.models.vit import EncoderBlock, ViT, ViTConfig
+
+__all__ = [
+    "AttentionFn",
+    "AudioConfig",
+    "AudioEncoder",
+    "EncoderBlock",
+    "Llama",
+    "LlamaConfig",
+    "Projection",
+    "RMSNorm",
+    "ViT",
+    "ViTConfig",
+    "apply_rope",
+    "causal_attention",
+    "init_weights",
+    "rope_cos_sin",
+]

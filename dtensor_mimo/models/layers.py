@@ -1,0 +1,199 @@
+"""Pieces shared by every reference model: RMSNorm, rotary embeddings, the causal attention core,
+and deterministic weight initialisation.
+
+Each lives here once; `llama.py`, `vit.py`, `audio.py` and `projection.py` import them.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm
+# --------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in at least float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+# --------------------------------------------------------------------------------------------
+# Rotary position embedding (RoPE)
+# --------------------------------------------------------------------------------------------
+#
+# The angles are computed from explicit per-token positions, not from the row index of the
+# tensor: under context parallelism a rank holds a non-contiguous subset of the sequence, and in a
+# packed row the positions restart at every document. Computing cos/sin directly from the
+# positions (instead of gathering rows of a precomputed table) gives the same numbers and needs no
+# buffer, so meta-device init, checkpoints and pipeline stages have nothing to recompute.
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each `[*positions.shape, head_dim // 2]`.
+
+    Pair i of a head (elements 2i, 2i+1) is rotated by `position * theta ** (-2i / head_dim)`.
+    `dtype` is promoted to at least float32 so that large positions keep their precision.
+    """
+    dtype = torch.promote_types(dtype, torch.float32)
+    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=dtype) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    angles = positions.to(dtype).unsqueeze(-1) * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x [B, S, H, D]` by the angles of `cos, sin [B, S, D // 2]`.
+
+    Adjacent elements (2i, 2i+1) form one complex number, as in the original Llama. The number of
+    heads H is whatever the tensor holds, so a tensor-parallel shard of the heads works unchanged.
+    """
+    xf = x.to(cos.dtype).unflatten(-1, (-1, 2))  # [B, S, H, D/2, 2]
+    x_even, x_odd = xf[..., 0], xf[..., 1]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
+    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention core
+# --------------------------------------------------------------------------------------------
+
+
+class AttentionFn(Protocol):
+    """The contract every attention core (the default below, a context-parallel one, ...) meets.
+
+    Arguments:
+        q: `[B, Hq, Sq, D]` queries, rotary embedding already applied.
+        k, v: `[B, Hkv, Skv, D]`; `Hq` is a multiple of `Hkv` (grouped-query attention: query head
+            h reads key/value head `h // (Hq // Hkv)`). The core does the head repetition, so a
+            context-parallel core gathers only the `Hkv` heads.
+        q_pos: `[B, Sq]` integer *global sequence index* of each query row (its column in the
+            full, unsharded sequence; not the rotary position, which restarts per document).
+        kv_pos: `[B, Skv]` the same for each key/value row.
+        q_doc, kv_doc: optional `[B, Sq]` / `[B, Skv]` document ids of packed sequences; either
+            both or neither.
+
+    Returns `[B, Hq, Sq, D]`: query row i attends to key row j exactly when
+    `kv_pos[j] <= q_pos[i]` and (if documents are given) `kv_doc[j] == q_doc[i]`, with scale
+    `1 / sqrt(D)`. Every query must be allowed at least one key (it always sees itself when its
+    own row is among the keys).
+
+    The Llama model calls the core with `kv_pos = q_pos` and `kv_doc = q_doc` (its local rows). A
+    context-parallel core all-gathers k, v, kv_pos and kv_doc over the cp group and then applies
+    exactly this rule.
+    """
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        q_pos: torch.Tensor,
+        kv_pos: torch.Tensor,
+        q_doc: torch.Tensor | None = None,
+        kv_doc: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_pos: torch.Tensor,
+    kv_pos: torch.Tensor,
+    q_doc: torch.Tensor | None = None,
+    kv_doc: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The default attention core; see `AttentionFn` for the contract.
+
+    Builds the boolean mask explicitly (rather than `is_causal=True`) so that it is exact for any
+    q/kv index sets, including a context-parallel subset of rows, and runs on every device.
+    """
+    if (q_doc is None) != (kv_doc is None):
+        raise ValueError("causal_attention: pass both q_doc and kv_doc, or neither")
+    mask = kv_pos.unsqueeze(1) <= q_pos.unsqueeze(2)  # [B, Sq, Skv]
+    if q_doc is not None:
+        mask = mask & (kv_doc.unsqueeze(1) == q_doc.unsqueeze(2))
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+
+
+# --------------------------------------------------------------------------------------------
+# Deterministic initialisation
+# --------------------------------------------------------------------------------------------
+
+# Wrappers that torch.compile and activation checkpointing insert into parameter names; dropped so
+# that a wrapped block draws the same values as a plain one.
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
+
+
+def _parameter_seed(seed: int, fqn: str) -> int:
+    # zlib.crc32 is stable across processes (Python's hash() of a str is not).
+    return (seed * 1_000_003 + zlib.crc32(fqn.encode())) % 2**63
+
+
+def init_weights(module: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Initialise every parameter of `module` in place, deterministically, from `seed`.
+
+    - weight and bias of a norm layer (RMSNorm, LayerNorm): ones and zeros;
+    - any other bias: zeros;
+    - every other parameter (Linear, Embedding, Conv weights, position embeddings): normal with
+      mean 0 and `std`, drawn in float32 on the CPU from a generator seeded by `(seed, name)`.
+
+    A parameter's value depends only on `seed` and its name relative to `module`, so a pipeline
+    stage that deleted some layers, a tensor- or FSDP-sharded copy (DTensor parameters get the
+    matching shard of the full value), a float64 copy and the whole single-process model all start
+    from the same weights. Call it on the model the names are relative to (e.g. `vit.init_weights`,
+    not a parent that renames it).
+    """
+    norm_types = (RMSNorm, nn.LayerNorm)
+    with torch.no_grad():
+        for module_name, mod in module.named_modules():
+            for param_name, param in mod.named_parameters(recurse=False):
+                if isinstance(mod, norm_types):
+                    fill = 1.0 if param_name == "weight" else 0.0
+                    value = torch.full(param.shape, fill)
+                elif param_name == "bias":
+                    value = torch.zeros(param.shape)
+                else:
+                    fqn = f"{module_name}.{param_name}" if module_name else param_name
+                    for prefix in _WRAPPER_PREFIXES:
+                        fqn = fqn.replace(prefix, "")
+                    generator = torch.Generator().manual_seed(_parameter_seed(seed, fqn))
+                    value = torch.randn(param.shape, generator=generator) * std
+                _copy_full_value(param, value)
+
+
+def _copy_full_value(param: torch.Tensor, value: torch.Tensor) -> None:
+    if isinstance(param, DTensor):
+        # Every rank holds the same full value, so each takes its own shard without communication.
+        value = distribute_tensor(
+            value.to(param.device, param.dtype),
+            param.device_mesh,
+            param.placements,
+            src_data_rank=None,
+        )
+    param.copy_(value)

@@ -1,0 +1,234 @@
+"""A Llama-style decoder: RMSNorm, rotary embeddings, grouped-query causal attention, SwiGLU.
+
+Written to be parallelised from outside (torchtitan style), so the module itself stays plain:
+
+- tensor parallel: `wq, wk, wv, w1, w3` colwise and `wo, w2` rowwise; attention counts its heads
+  from the tensor shapes at run time, so a shard holding fewer heads needs no other change;
+- pipeline parallel: `layers` is an `nn.ModuleDict` keyed "0", "1", ...; a stage deletes the
+  layers it does not run and sets `tok_embeddings`, `norm` or `output` to None, and parameter
+  names stay those of the whole model;
+- context parallel and packed sequences: `forward` takes explicit rotary `positions`, the global
+  `sequence_index` of each row and `document_ids`, and the attention core (`attention_fn`) can be
+  swapped for one that gathers K/V across ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtensor_mimo.models.layers import (
+    AttentionFn,
+    RMSNorm,
+    apply_rope,
+    causal_attention,
+    init_weights,
+    rope_cos_sin,
+)
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 32000
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: same as n_heads (plain multi-head attention)
+    ffn_hidden: int | None = None  # None: Llama's 2/3 * 4 * dim, rounded up to multiple_of
+    multiple_of: int = 256
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048  # longest sequence the data layer may build; no buffer depends on it
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.ffn_hidden is None:
+            hidden = int(2 * 4 * self.dim / 3)
+            self.ffn_hidden = -(-hidden // self.multiple_of) * self.multiple_of
+        if self.dim % self.n_heads != 0:
+            raise ValueError(
+                f"LlamaConfig: dim={self.dim} must be divisible by n_heads={self.n_heads}"
+            )
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"LlamaConfig: n_heads={self.n_heads} must be a multiple of "
+                f"n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(
+                f"LlamaConfig: head_dim = dim / n_heads = {self.head_dim} must be even for RoPE"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def tiny(cls, **overrides) -> LlamaConfig:
+        """A few-thousand-parameter model for tests; keyword arguments override fields."""
+        config = cls(
+            vocab_size=64,
+            dim=32,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn_hidden=64,
+            max_seq_len=64,
+        )
+        return dataclasses.replace(config, **overrides)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention with rotary embeddings.
+
+    `attention_fn` is the swappable core (see `dtensor_mimo.models.layers.AttentionFn`).
+    """
+
+    def __init__(self, config: LlamaConfig, attention_fn: AttentionFn | None = None) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        self.attention_fn = attention_fn or causal_attention
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        sequence_index: torch.Tensor,
+        document_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        # -1: the number of heads this rank holds (all of them, or a tensor-parallel shard);
+        # unflatten rather than view(b, s, -1, d) so that an empty batch works too.
+        q = self.wq(x).unflatten(-1, (-1, self.head_dim))
+        k = self.wk(x).unflatten(-1, (-1, self.head_dim))
+        v = self.wv(x).unflatten(-1, (-1, self.head_dim))
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = self.attention_fn(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            q_pos=sequence_index,
+            kv_pos=sequence_index,
+            q_doc=document_ids,
+            kv_doc=document_ids,
+        )
+        return self.wo(out.transpose(1, 2).flatten(2))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: h = x + attention(norm(x)); out = h + feed_forward(norm(h))."""
+
+    def __init__(self, config: LlamaConfig, attention_fn: AttentionFn | None = None) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config, attention_fn)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config.dim, config.ffn_hidden)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        sequence_index: torch.Tensor,
+        document_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, sequence_index, document_ids)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Decoder-only language model. Output head is not tied to the token embedding.
+
+    Weights: the constructor uses PyTorch's default init (global RNG); call `init_weights(seed)`
+    for weights that depend only on the seed and each parameter's name, identical in a
+    single-process run and in any parallel layout of the same model.
+    """
+
+    def __init__(self, config: LlamaConfig, attention_fn: AttentionFn | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(config, attention_fn) for i in range(config.n_layers)}
+        )
+        self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic init from `seed`; see `dtensor_mimo.models.layers.init_weights`."""
+        init_weights(self, seed)
+
+    def set_attention_fn(self, attention_fn: AttentionFn) -> None:
+        """Use `attention_fn` as the attention core of every layer this module holds."""
+        for layer in self.layers.values():
+            layer.attention.attention_fn = attention_fn
+
+    def forward(
+        self,
+        tokens: torch.Tensor | None = None,
+        *,
+        h: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        sequence_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the decoder on one batch of rows.
+
+        Args:
+            tokens: `[B, S]` token ids. On a pipeline stage without `tok_embeddings`, the hidden
+                states `[B, S, dim]` arriving from the previous stage (passed positionally by
+                `torch.distributed.pipelining`).
+            h: `[B, S, dim]` input embeddings instead of tokens (the MIMO model assembles text
+                embeddings from `self.tok_embeddings` and modality embeddings itself).
+            positions: `[B, S]` integer rotary positions. Default: `sequence_index`. Give them for
+                packed rows, where they restart at every document.
+            document_ids: `[B, S]` document id of each token of a packed row; attention is then
+                causal within a document and blind across documents. Default: one document.
+            sequence_index: `[B, S]` each row's column in the full, unsharded sequence; it decides
+                causality. Default: `0..S-1`. Under context parallelism a rank holds a subset of
+                the columns and passes their global indices here.
+
+        Returns:
+            `[B, S, vocab_size]` logits, or hidden states `[B, S, dim]` when `output` is None
+            (normalised unless `norm` is None too).
+        """
+        if h is None:
+            if tokens is None:
+                raise ValueError("Llama.forward: pass token ids `tokens` or embeddings `h`")
+            h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        b, s = h.shape[0], h.shape[1]
+        if sequence_index is None:
+            sequence_index = torch.arange(s, device=h.device).expand(b, s)
+        if positions is None:
+            positions = sequence_index
+        # One set of angles for all layers.
+        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
+
+        for layer in self.layers.values():
+            h = layer(h, rope, sequence_index, document_ids)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h

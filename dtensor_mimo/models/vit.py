@@ -1,0 +1,143 @@
+"""A ViT image encoder: patch embedding, learned positions, pre-norm transformer blocks.
+
+Images `[N_img, C, H, W]` become patch embeddings `[N_img, n_patches, dim]`; there is no class
+token, since the language model consumes every patch. The block class `EncoderBlock` is shared with
+the audio encoder. Its Linear layers are named for tensor parallel plans: `attn.wq/wk/wv` and
+`mlp.fc1` colwise, `attn.wo` and `mlp.fc2` rowwise; attention counts its heads from the tensor
+shapes at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtensor_mimo.models.layers import init_weights
+
+
+@dataclass
+class ViTConfig:
+    image_size: int = 224  # square images, image_size x image_size pixels
+    patch_size: int = 16
+    in_channels: int = 3
+    dim: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    mlp_hidden: int | None = None  # None: 4 * dim
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.mlp_hidden is None:
+            self.mlp_hidden = 4 * self.dim
+        if self.image_size % self.patch_size != 0:
+            raise ValueError(
+                f"ViTConfig: image_size={self.image_size} must be divisible by "
+                f"patch_size={self.patch_size}"
+            )
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"ViTConfig: dim={self.dim} must be divisible by n_heads={self.n_heads}")
+
+    @property
+    def num_patches(self) -> int:
+        """Tokens per image: the length of the encoder output."""
+        return (self.image_size // self.patch_size) ** 2
+
+    @classmethod
+    def tiny(cls, **overrides) -> ViTConfig:
+        """16x16 images in 4x4 patches (16 tokens), dim 32; keyword arguments override fields."""
+        config = cls(image_size=16, patch_size=4, dim=32, n_layers=2, n_heads=4, mlp_hidden=64)
+        return dataclasses.replace(config, **overrides)
+
+
+class SelfAttention(nn.Module):
+    """Bidirectional multi-head self-attention (every token sees every token of its item)."""
+
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.wq = nn.Linear(dim, dim)
+        self.wk = nn.Linear(dim, dim)
+        self.wv = nn.Linear(dim, dim)
+        self.wo = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # -1: the number of heads this rank holds (all of them, or a tensor-parallel shard);
+        # unflatten rather than view(b, s, -1, d) so that an empty batch works too.
+        q = self.wq(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        k = self.wk(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        v = self.wv(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.wo(out.transpose(1, 2).flatten(2))
+
+
+class MLP(nn.Module):
+    """fc2(gelu(fc1 x))."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class EncoderBlock(nn.Module):
+    """Pre-norm block: h = x + attn(norm1(x)); out = h + mlp(norm2(h))."""
+
+    def __init__(self, dim: int, n_heads: int, mlp_hidden: int, norm_eps: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
+        self.attn = SelfAttention(dim, n_heads)
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
+        self.mlp = MLP(dim, mlp_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attn(self.norm1(x))
+        return h + self.mlp(self.norm2(h))
+
+
+class ViT(nn.Module):
+    """Image encoder: `[N_img, C, H, W]` -> `[N_img, num_patches, dim]`.
+
+    Call `init_weights(seed)` for weights that depend only on the seed and parameter names.
+    """
+
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        self.config = config
+        # A stride-p convolution with a p x p kernel is one Linear applied to every patch.
+        self.patch_embed = nn.Conv2d(
+            config.in_channels, config.dim, kernel_size=config.patch_size, stride=config.patch_size
+        )
+        self.pos_embed = nn.Parameter(torch.zeros(config.num_patches, config.dim))
+        self.layers = nn.ModuleDict(
+            {
+                str(i): EncoderBlock(config.dim, config.n_heads, config.mlp_hidden, config.norm_eps)
+                for i in range(config.n_layers)
+            }
+        )
+        self.norm = nn.LayerNorm(config.dim, eps=config.norm_eps)
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic init from `seed`; see `dtensor_mimo.models.layers.init_weights`."""
+        init_weights(self, seed)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        expected = (c.in_channels, c.image_size, c.image_size)
+        if images.dim() != 4 or tuple(images.shape[1:]) != expected:
+            raise ValueError(
+                f"ViT: expected images [N, {c.in_channels}, {c.image_size}, {c.image_size}], "
+                f"got {list(images.shape)}"
+            )
+        x = self.patch_embed(images)  # [N, dim, H/p, W/p]
+        x = x.flatten(2).transpose(1, 2)  # [N, num_patches, dim], patches in row-major order
+        x = x + self.pos_embed
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.norm(x)
