@@ -81,7 +81,8 @@ def naive_attention(q, k, v, q_pos, kv_pos, q_doc=None, kv_doc=None):
                 allowed = [
                     j
                     for j in range(k.shape[2])
-                    if kv_pos[b, j] <= q_pos[b, i] and (q_doc is None or kv_doc[b, j] == q_doc[b, i])
+                    if kv_pos[b, j] <= q_pos[b, i]
+                    and (q_doc is None or kv_doc[b, j] == q_doc[b, i])
                 ]
                 kh, vh = k[b, h // group], v[b, h // group]
                 scores = torch.stack([q[b, h, i] @ kh[j] for j in allowed]) / math.sqrt(d)
@@ -216,13 +217,14 @@ def test_llama_is_causal():
 def test_llama_packed_documents_equal_separate_runs():
     model = llama64()
     rows = [[3, 5, 2], [10]]  # document lengths of each packed row
-    docs = [[tokens_for(1, n, seed=10 * r + i) for i, n in enumerate(row)] for r, row in enumerate(rows)]
-    tokens = torch.stack([torch.cat(row, dim=1)[0] for row in docs])
-    positions, document_ids = zip(*(packed_positions(row) for row in rows))
-    packed = model(tokens, positions=torch.stack(positions), document_ids=torch.stack(document_ids))
-    for r, row in enumerate(docs):
+    docs = [[tokens_for(1, n, seed=len(row) + n) for n in row] for row in rows]
+    tokens = torch.cat([torch.cat(row_docs, dim=1) for row_docs in docs])
+    positions = torch.stack([packed_positions(row)[0] for row in rows])
+    document_ids = torch.stack([packed_positions(row)[1] for row in rows])
+    packed = model(tokens, positions=positions, document_ids=document_ids)
+    for r, row_docs in enumerate(docs):
         start = 0
-        for doc in row:
+        for doc in row_docs:
             n = doc.shape[1]
             torch.testing.assert_close(packed[r, start : start + n], model(doc)[0])
             start += n
@@ -405,15 +407,20 @@ def audio64(seed: int = 0, **overrides) -> AudioEncoder:
     return randomize(AudioEncoder(AudioConfig.tiny(**overrides)).double(), seed)
 
 
+def random_images(n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 3, 16, 16, generator=g, dtype=torch.float64)
+
+
 def test_vit_shapes_and_patch_order():
     model = vit64(n_layers=0)  # patch embedding + positions + final norm only
-    images = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    images = random_images(3)
     out = model(images)
     assert out.shape == (3, model.config.num_patches, 32) == (3, 16, 32)
     # Reference: cut the 4x4 patches by hand, row-major over the 4x4 grid of patches.
+    grid = [(i, j) for i in range(4) for j in range(4)]
     patches = torch.stack(
-        [images[:, :, 4 * i : 4 * i + 4, 4 * j : 4 * j + 4].flatten(1) for i in range(4) for j in range(4)],
-        dim=1,
+        [images[:, :, 4 * i : 4 * i + 4, 4 * j : 4 * j + 4].flatten(1) for i, j in grid], dim=1
     )  # [N, 16, C*4*4]
     conv = model.patch_embed
     x = patches @ conv.weight.flatten(1).T + conv.bias + model.pos_embed
@@ -423,7 +430,7 @@ def test_vit_shapes_and_patch_order():
 
 def test_vit_items_are_independent_and_attention_is_bidirectional():
     model = vit64()
-    images = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    images = random_images(3)
     out = model(images)
     for i in range(3):
         torch.testing.assert_close(out[i], model(images[i : i + 1])[0])
@@ -475,7 +482,7 @@ def test_projection_is_linear_gelu_linear():
         ("llama", lambda: llama64(), lambda: (tokens_for(2, 6),)),
         ("vit", lambda: vit64(), lambda: (torch.randn(2, 3, 16, 16, dtype=torch.float64),)),
         ("audio", lambda: audio64(), lambda: (torch.randn(2, 8, 12, dtype=torch.float64),)),
-        ("projection", lambda: randomize(Projection(8, 16).double(), 0), lambda: (torch.randn(3, 8, dtype=torch.float64),)),
+        ("projection", lambda: Projection(8, 16).double(), lambda: (torch.randn(3, 8).double(),)),
     ],
 )
 def test_gradients_reach_every_parameter(name, model, inputs):

@@ -28,3 +28,7 @@ __all__ = [
     "plan",
     "plan_backward",
 ]
+
+from dtensor_mimo.bridge.redistribute import Bridge, redistribute  # noqa: E402
+
+__all__ += ["Bridge", "redistribute"]

@@ -56,15 +56,23 @@ class PlanError(ValueError):
 # --------------------------------------------------------------------------- specs
 
 
+def _as_int(x: Any) -> int | None:
+    """`x` as a Python int (numpy and torch integers included), None if it is not one."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
 def _nested(mesh: Any, where: str) -> Any:
     if isinstance(mesh, (list, tuple)):
         return tuple(_nested(m, where) for m in mesh)
-    if isinstance(mesh, bool) or not isinstance(mesh, int):
-        try:
-            return operator.index(mesh)
-        except TypeError:
-            raise PlanError(f"{where}: mesh entries must be integer ranks, got {mesh!r}") from None
-    return mesh
+    rank = _as_int(mesh)
+    if rank is None:
+        raise PlanError(f"{where}: mesh entries must be integer ranks, got {mesh!r}")
+    return rank
 
 
 def _shape_and_flat(mesh: tuple, where: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -139,7 +147,7 @@ class MeshSpec:
             mesh = mesh.tolist()
         mesh = _nested(mesh, where)
         shape, flat = _shape_and_flat(mesh, where)
-        where = f"{where} (mesh shape {shape}, ranks {_ranks_summary(flat)})"
+        where = f"{where} (shape {shape}, ranks {_ranks_summary(flat)})"
         bad = [r for r in flat if r < 0]
         if bad:
             raise PlanError(f"{where}: negative rank(s) {bad[:8]}")
@@ -169,13 +177,15 @@ class MeshSpec:
                 "name the same dim"
             )
 
-        sizes = self.sample_sizes
         extent = self.extent
-        if sizes is not None:
-            sizes = tuple(sizes)
-            for i, s in enumerate(sizes):
-                if isinstance(s, bool) or not isinstance(s, int):
-                    raise PlanError(f"{where}: sample_sizes[{i}] = {s!r} is not an integer")
+        if extent is not None and (_as_int(extent) is None or extent < 0):
+            raise PlanError(f"{where}: the global extent must be an integer >= 0, got {extent!r}")
+        sizes = None
+        if self.sample_sizes is not None:
+            sizes = tuple(_as_int(s) for s in self.sample_sizes)
+            for i, (s, raw) in enumerate(zip(sizes, self.sample_sizes)):
+                if s is None:
+                    raise PlanError(f"{where}: sample_sizes[{i}] = {raw!r} is not an integer")
                 if s < 0:
                     raise PlanError(f"{where}: sample_sizes[{i}] = {s} is negative; a sample has >= 0 rows")
             total = sum(sizes)
@@ -188,8 +198,7 @@ class MeshSpec:
                 )
         if extent is None:
             raise PlanError(f"{where}: give the global extent or the sample_sizes")
-        if isinstance(extent, bool) or not isinstance(extent, int) or extent < 0:
-            raise PlanError(f"{where}: the global extent must be an integer >= 0, got {extent!r}")
+        extent = _as_int(extent)
 
         set_ = object.__setattr__
         set_(self, "mesh", mesh)
@@ -583,6 +592,9 @@ def _check_pair(src: MeshSpec, dst: MeshSpec, world_size: int | None) -> int:
     top = max(max(src.ranks), max(dst.ranks))
     if world_size is None:
         return top + 1
+    if _as_int(world_size) is None or world_size < 1:
+        raise PlanError(f"world_size must be an integer >= 1, got {world_size!r}")
+    world_size = _as_int(world_size)
     for role, spec in (("source", src), ("destination", dst)):
         out = [r for r in spec.ranks if r >= world_size]
         if out:
@@ -610,6 +622,7 @@ def _plan(src: MeshSpec, dst: MeshSpec, world_size: int) -> Plan:
 def _clear_caches() -> None:
     _plan.cache_clear()
     _layout.cache_clear()
+    _cached_backward_specs.cache_clear()
 
 
 plan.cache_clear = _clear_caches  # type: ignore[attr-defined]  # lru_cache's spelling, for benchmarks
@@ -630,8 +643,11 @@ def backward_specs(src: MeshSpec, dst: MeshSpec, grad_placements: Sequence[Place
     return grad_src, grad_dst
 
 
+_cached_backward_specs = functools.lru_cache(maxsize=32)(backward_specs)
+
+
 def plan_backward(
     src: MeshSpec, dst: MeshSpec, grad_placements: Sequence[Placement], world_size: int | None = None
 ) -> Plan:
-    """`plan` of the gradient of a `src` -> `dst` redistribution (see `backward_specs`)."""
-    return plan(*backward_specs(src, dst, grad_placements), world_size)
+    """`plan` of the gradient of a `src` -> `dst` redistribution (see `backward_specs`; cached)."""
+    return plan(*_cached_backward_specs(src, dst, tuple(grad_placements)), world_size)

@@ -68,11 +68,9 @@ class AudioEncoder(nn.Module):
         self.conv2 = nn.Conv1d(config.dim, config.dim, _KERNEL, stride=stride2, padding=pad)
         max_tokens = config.output_length(config.max_frames)
         self.pos_embed = nn.Parameter(torch.zeros(max_tokens, config.dim))
+        block_args = (config.dim, config.n_heads, config.mlp_hidden, config.norm_eps)
         self.layers = nn.ModuleDict(
-            {
-                str(i): EncoderBlock(config.dim, config.n_heads, config.mlp_hidden, config.norm_eps)
-                for i in range(config.n_layers)
-            }
+            {str(i): EncoderBlock(*block_args) for i in range(config.n_layers)}
         )
         self.norm = nn.LayerNorm(config.dim, eps=config.norm_eps)
 

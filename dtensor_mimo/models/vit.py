@@ -39,7 +39,9 @@ class ViTConfig:
                 f"patch_size={self.patch_size}"
             )
         if self.dim % self.n_heads != 0:
-            raise ValueError(f"ViTConfig: dim={self.dim} must be divisible by n_heads={self.n_heads}")
+            raise ValueError(
+                f"ViTConfig: dim={self.dim} must be divisible by n_heads={self.n_heads}"
+            )
 
     @property
     def num_patches(self) -> int:
@@ -115,11 +117,9 @@ class ViT(nn.Module):
             config.in_channels, config.dim, kernel_size=config.patch_size, stride=config.patch_size
         )
         self.pos_embed = nn.Parameter(torch.zeros(config.num_patches, config.dim))
+        block_args = (config.dim, config.n_heads, config.mlp_hidden, config.norm_eps)
         self.layers = nn.ModuleDict(
-            {
-                str(i): EncoderBlock(config.dim, config.n_heads, config.mlp_hidden, config.norm_eps)
-                for i in range(config.n_layers)
-            }
+            {str(i): EncoderBlock(*block_args) for i in range(config.n_layers)}
         )
         self.norm = nn.LayerNorm(config.dim, eps=config.norm_eps)
 

@@ -1,0 +1,220 @@
+"""`redistribute` across meshes on 8 gloo ranks: content, gradients and adjointness.
+
+| case                   | source (ranks)               | destination (ranks)              | tensor            | ragged |
+|------------------------|------------------------------|----------------------------------|-------------------|--------|
+| fan_in                 | dp4 (0-3)                    | dp1 (4)                          | [T, H], dim 0     | yes, 0-row samples |
+| fan_out                | dp1 (0)                      | dp4 (1-4)                        | [T, H], dim 0     | yes    |
+| dp3_to_dp2             | dp3 (0-2)                    | dp2 (3-4)                        | [B, H], dim 0     | no (5 samples)     |
+| tp_dp_to_tp4           | tp2·dp2 (0-3)                | tp4·dp1 (4-7)                    | [S, B, H], dim 1  | no     |
+| tp4_to_tp_dp           | tp4·dp1 (0-3)                | tp2·dp2 (4-7)                    | [S, B, H], dim 1  | no     |
+| equal                  | tp2·dp2 (0-3)                | tp2·dp2 (4-7)                    | [T, H], dim 0     | yes    |
+| cp_partial_grad        | dp2 (0-1)                    | tp2·cp2 (2-5), grad Partial(cp)  | [T, H], dim 0     | yes    |
+| partial_source         | tp2 Partial (0-1)            | dp2 (2-3)                        | [B, H], dim 0     | no     |
+| colocated_fan_in       | tp2·dp4 (0-7)                | tp4·dp2 (0-7)                    | [T, H], dim 0     | yes    |
+| colocated_fan_out      | tp4·dp2 (0-7)                | tp2·dp4 (0-7)                    | [T, H], dim 0     | yes    |
+| colocated_equal        | tp2·dp4 (0-7)                | tp2·dp4 (0-7), another mesh obj  | [T, H], dim 0     | yes    |
+
+Reference: the full tensor X (float64, same seed on every rank) sliced by hand with
+``torch.tensor_split`` over samples (ragged) or ``torch.chunk`` over rows (DTensor's rule).
+The loss is <y, G>; single-process autograd gives dL/dX = G (summed over cp replicas when
+the gradient is declared Partial there), which every source rank compares with its x.grad.
+Adjoint: <y, g> summed once per distinct destination value equals <x, x.grad> summed once
+per distinct source row.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from dtensor_mimo.bridge import PlanError, redistribute
+from tests.harness import run_on_ranks
+
+WORLD = 8
+H = 3
+
+
+@dataclass(frozen=True)
+class Side:
+    offset: int
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    placements: tuple
+
+
+@dataclass(frozen=True)
+class Case:
+    src: Side
+    dst: Side
+    shape: tuple[int, ...]
+    dim: int
+    sample_sizes: tuple[int, ...] | None = None
+    grad: tuple | None = None  # gradient placements on the destination; default = its placements
+
+
+RAGGED = (3, 0, 5, 2, 0, 4, 1, 6)  # 21 rows, two text-only samples
+CASES = {
+    "fan_in": Case(Side(0, (4,), ("dp",), (Shard(0),)), Side(4, (1,), ("dp",), (Shard(0),)),
+                   (21, H), 0, RAGGED),
+    "fan_out": Case(Side(0, (1,), ("dp",), (Shard(0),)), Side(1, (4,), ("dp",), (Shard(0),)),
+                    (21, H), 0, RAGGED),
+    "dp3_to_dp2": Case(Side(0, (3,), ("dp",), (Shard(0),)), Side(3, (2,), ("dp",), (Shard(0),)),
+                       (5, H), 0, (1,) * 5),
+    "tp_dp_to_tp4": Case(Side(0, (2, 2), ("dp", "tp"), (Shard(1), Replicate())),
+                         Side(4, (1, 4), ("dp", "tp"), (Shard(1), Replicate())), (4, 6, H), 1),
+    "tp4_to_tp_dp": Case(Side(0, (1, 4), ("dp", "tp"), (Shard(1), Replicate())),
+                         Side(4, (2, 2), ("dp", "tp"), (Shard(1), Replicate())), (4, 6, H), 1),
+    "equal": Case(Side(0, (2, 2), ("dp", "tp"), (Shard(0), Replicate())),
+                  Side(4, (2, 2), ("dp", "tp"), (Shard(0), Replicate())), (21, H), 0, RAGGED),
+    "cp_partial_grad": Case(Side(0, (2,), ("dp",), (Shard(0),)),
+                            Side(2, (2, 2), ("cp", "tp"), (Replicate(), Replicate())), (21, H), 0, RAGGED,
+                            grad=(Partial(), Replicate())),
+    "partial_source": Case(Side(0, (2,), ("tp",), (Partial(),)), Side(2, (2,), ("dp",), (Shard(0),)),
+                           (6, H), 0),
+    "colocated_fan_in": Case(Side(0, (4, 2), ("dp", "tp"), (Shard(0), Replicate())),
+                             Side(0, (2, 4), ("dp", "tp"), (Shard(0), Replicate())), (21, H), 0, RAGGED),
+    "colocated_fan_out": Case(Side(0, (2, 4), ("dp", "tp"), (Shard(0), Replicate())),
+                              Side(0, (4, 2), ("dp", "tp"), (Shard(0), Replicate())), (21, H), 0, RAGGED),
+    "colocated_equal": Case(Side(0, (4, 2), ("dp", "tp"), (Shard(0), Replicate())),
+                            Side(0, (4, 2), ("dp", "tp"), (Shard(0), Replicate())), (21, H), 0, RAGGED),
+}
+
+
+def _mesh(side: Side) -> DeviceMesh:
+    n = 1
+    for s in side.shape:
+        n *= s
+    ranks = torch.arange(side.offset, side.offset + n).reshape(side.shape)
+    return DeviceMesh("cpu", ranks, mesh_dim_names=side.names)
+
+
+def _expected_rows(side: Side, coord, extent, sample_sizes) -> torch.Tensor:
+    """Global row ids a rank holds, written from the placements' definition (not the planner)."""
+    shard_dims = [i for i, p in enumerate(side.placements) if isinstance(p, Shard)]
+    n, idx = 1, 0
+    for i in shard_dims:
+        n, idx = n * side.shape[i], idx * side.shape[i] + coord[i]
+    if sample_sizes is None:
+        chunks = torch.chunk(torch.arange(extent), n)
+        return chunks[idx] if idx < len(chunks) else torch.arange(0)
+    starts = torch.tensor([0, *sample_sizes]).cumsum(0)
+    mine = torch.tensor_split(torch.arange(len(sample_sizes)), n)[idx]
+    return torch.cat([torch.arange(starts[s], starts[s + 1]) for s in mine.tolist()] + [torch.arange(0)])
+
+
+def _coord(mesh: DeviceMesh):
+    c = mesh.get_coordinate()
+    return None if c is None else tuple(c)
+
+
+def _distinct(side: Side, coord, placements) -> bool:
+    """Count a rank's value once: coordinate 0 on every Replicate dim (all members on Partial)."""
+    return all(c == 0 for c, p in zip(coord, placements) if isinstance(p, Replicate))
+
+
+def _run_case(name):
+    case = CASES[name]
+    rank = dist.get_rank()
+    src_mesh, dst_mesh = _mesh(case.src), _mesh(case.dst)
+    gen = torch.Generator().manual_seed(1234)
+    X = torch.randn(case.shape, generator=gen, dtype=torch.float64)
+    G_full = torch.randn(case.shape, generator=gen, dtype=torch.float64)
+    dim, extent = case.dim, case.shape[case.dim]
+
+    # ---- source: local rows of X (Partial: split X into per-member pieces that sum to X)
+    sc = _coord(src_mesh)
+    if sc is None:
+        x_local = torch.empty(0, dtype=torch.float64, requires_grad=True)
+    else:
+        rows = _expected_rows(case.src, sc, extent, case.sample_sizes)
+        x_local = X.index_select(dim, rows)
+        for i, p in enumerate(case.src.placements):
+            if isinstance(p, Partial):  # member k holds (k+1)/sum(1..n) of the value
+                n = case.src.shape[i]
+                x_local = x_local * (sc[i] + 1) / (n * (n + 1) / 2)
+        x_local = x_local.detach().requires_grad_()
+    x = DTensor.from_local(x_local, src_mesh, case.src.placements, run_check=False,
+                           shape=X.shape, stride=X.stride())
+
+    grad_placements = case.grad or tuple(Replicate() if isinstance(p, Partial) else p for p in case.dst.placements)
+    y = redistribute(x, dst_mesh, case.dst.placements, sample_sizes=case.sample_sizes,
+                     grad_placements=case.grad)
+    assert y.device_mesh is dst_mesh and tuple(y.placements) == case.dst.placements
+    assert tuple(y.shape) == tuple(X.shape)
+
+    # ---- forward content and the loss <y, g>
+    dc = _coord(dst_mesh)
+    y_dot_g = torch.zeros((), dtype=torch.float64)
+    if dc is None:
+        torch.autograd.backward([y], [torch.zeros_like(y)])
+    else:
+        rows = _expected_rows(case.dst, dc, extent, case.sample_sizes)
+        torch.testing.assert_close(y.to_local(), X.index_select(dim, rows), rtol=1e-12, atol=1e-12)
+        g_local = G_full.index_select(dim, rows)
+        for i, p in enumerate(grad_placements):
+            if isinstance(p, Partial):  # each member contributes a different part of G
+                n = case.dst.shape[i]
+                g_local = g_local * (dc[i] + 1) / (n * (n + 1) / 2)
+        if _distinct(case.dst, dc, grad_placements):
+            y_dot_g = (y.to_local() * g_local).sum()
+        y_local = y.to_local(grad_placements=grad_placements)
+        torch.autograd.backward([y_local], [g_local])
+
+    # ---- gradient vs single-process autograd: d<X, G>/dX = G (Partial pieces sum to G)
+    x_dot_gx = torch.zeros((), dtype=torch.float64)
+    if sc is not None:
+        rows = _expected_rows(case.src, sc, extent, case.sample_sizes)
+        expected = G_full.index_select(dim, rows)
+        torch.testing.assert_close(x_local.grad, expected, rtol=1e-12, atol=1e-12)
+        if _distinct(case.src, sc, case.src.placements):
+            x_dot_gx = (x_local.detach() * x_local.grad).sum()
+    sums = torch.stack([y_dot_g, x_dot_gx])
+    dist.all_reduce(sums)
+    torch.testing.assert_close(sums[0], sums[1], rtol=1e-12, atol=0)
+    return True
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_redistribute(name):
+    assert run_on_ranks(_run_case, WORLD, name, timeout=120) == [True] * WORLD
+
+
+# ---------------------------------------------------------------- errors before communication
+
+def _bad_sample_sizes():
+    case = CASES["fan_in"]
+    src_mesh, dst_mesh = _mesh(case.src), _mesh(case.dst)
+    x = DTensor.from_local(torch.zeros(0, H), src_mesh, case.src.placements, run_check=False,
+                           shape=(21, H), stride=(H, 1))
+    with pytest.raises(PlanError, match=r"sample_sizes sum to 20 \(8 samples\) but the global extent is 21"):
+        redistribute(x, dst_mesh, case.dst.placements, sample_sizes=(3, 0, 5, 2, 0, 4, 1, 5))
+    with pytest.raises(PlanError, match=r"sample_sizes\[1\] = -1 is negative"):
+        redistribute(x, dst_mesh, case.dst.placements, sample_sizes=(3, -1, 6, 2, 0, 4, 1, 6))
+    with pytest.raises(PlanError, match=r"a placement the plan cannot serve"):
+        redistribute(x, dst_mesh, (Shard(1),), sample_sizes=RAGGED)
+    return True
+
+
+def _bad_local_shape_on_one_rank():
+    case = CASES["fan_in"]
+    src_mesh, dst_mesh = _mesh(case.src), _mesh(case.dst)
+    sc = _coord(src_mesh)
+    rows = 0 if sc is None else len(_expected_rows(case.src, sc, 21, RAGGED))
+    if dist.get_rank() == 2:
+        rows += 1  # only rank 2 is wrong: every rank must still raise, none may hang
+    local = torch.zeros(rows, H) if sc is not None else torch.empty(0)
+    x = DTensor.from_local(local, src_mesh, case.src.placements, run_check=False, shape=(21, H), stride=(H, 1))
+    with pytest.raises(PlanError, match=r"rank\(s\) \[2\] hold a local shard whose shape disagrees with the plan"):
+        redistribute(x, dst_mesh, case.dst.placements, sample_sizes=RAGGED)
+    return True
+
+
+def test_bad_metadata_raises_before_communication():
+    assert run_on_ranks(_bad_sample_sizes, WORLD, timeout=60) == [True] * WORLD
+
+
+def test_wrong_local_shape_fails_on_every_rank():
+    assert run_on_ranks(_bad_local_shape_on_one_rank, WORLD, timeout=60) == [True] * WORLD
