@@ -1,0 +1,480 @@
+"""The data layer: a global MIMO batch, its dp shards and microbatches, and a synthetic generator.
+
+A `MimoBatch` is one GLOBAL batch: every rank of every module builds (or loads) the same one.
+A module's dp rank k takes ``shard(batch, dp_size, k)``: the samples
+``torch.tensor_split(range(B), dp_size)[k]`` (uneven allowed: 5 samples over dp 3 -> 2, 2, 1),
+with each modality's items cut to exactly the items of those samples. Since every module cuts
+the same global batch with the same rule, encoder dp rank k and language dp rank j hold the
+samples that the bridge planner (`dtensor_mimo.bridge.plan`, ``sample_sizes`` given) says they
+hold: the alignment is true by construction, not a convention between two data loaders.
+
+Per modality the batch carries the encoder inputs of all items in sample order and two numbers
+of metadata, ``items_per_sample`` and ``tokens_per_item``. Their product,
+`MimoBatch.tokens_per_sample(name)`, is the per-sample row count of the flattened encoder output
+``[sum tokens, H]`` (samples contiguous, in sample order): the ragged sizes the bridge moves,
+known on every rank without a shape message. The batch checks on construction that its token
+ids carry exactly that many special tokens per row, so bridge sizes and the later assembly
+(`dtensor_mimo.assemble`) can never disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Mapping
+
+import torch
+
+from dtensor_mimo.models.audio import AudioConfig
+from dtensor_mimo.models.vit import ViTConfig
+
+__all__ = [
+    "IGNORE_INDEX",
+    "BatchError",
+    "MimoBatch",
+    "ModalityInputs",
+    "ModalitySpec",
+    "SyntheticSpec",
+    "microbatches",
+    "sample_range",
+    "shard",
+    "synthetic_batch",
+]
+
+IGNORE_INDEX = -100
+"""Label of a position with no text target (torch's `cross_entropy` default ``ignore_index``)."""
+
+
+class BatchError(ValueError):
+    """A batch whose parts disagree: the message names the field, the modality and the numbers."""
+
+
+def sample_range(num_samples: int, num_parts: int, index: int) -> range:
+    """Samples of part `index` when `num_samples` are split in `num_parts`.
+
+    The rule of ``torch.tensor_split(range(num_samples), num_parts)[index]``: the first
+    ``num_samples % num_parts`` parts take one sample more. Parts may be empty.
+    """
+    if num_parts < 1:
+        raise BatchError(f"cannot split a batch into {num_parts} parts; need at least 1")
+    if not 0 <= index < num_parts:
+        raise BatchError(f"part index {index} is outside 0..{num_parts - 1} ({num_parts} parts)")
+    base, extra = divmod(num_samples, num_parts)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (1 if index < extra else 0))
+
+
+# ---------------------------------------------------------------------------- the batch
+
+
+@dataclass(frozen=True, eq=False)  # tensors: compare fields explicitly
+class ModalityInputs:
+    """One modality's part of a batch.
+
+    Attributes:
+        inputs: encoder inputs of all items, samples in order and each sample's items in order:
+            images ``[N, C, H, W]``, spectrograms ``[N, n_mels, T]``. ``N = sum(items_per_sample)``.
+        items_per_sample: items (images, clips) of each sample; 0 for a sample without any.
+        tokens_per_item: encoder output tokens per item (ViT: ``num_patches``; audio:
+            ``AudioConfig.output_length(T)``); also the special tokens per item in the token row.
+        special_token_id: the token id that marks this modality's positions in ``tokens``.
+    """
+
+    inputs: torch.Tensor
+    items_per_sample: tuple[int, ...]
+    tokens_per_item: int
+    special_token_id: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "items_per_sample", tuple(int(n) for n in self.items_per_sample))
+
+    @property
+    def num_items(self) -> int:
+        return sum(self.items_per_sample)
+
+    def tokens_per_sample(self) -> list[int]:
+        """Special tokens (= encoder output rows) of each sample."""
+        return [n * self.tokens_per_item for n in self.items_per_sample]
+
+    def select_samples(self, samples: range) -> ModalityInputs:
+        """The items of the contiguous `samples`, in order."""
+        offsets = [0, *accumulate(self.items_per_sample)]
+        first, last = offsets[samples.start], offsets[samples.stop]
+        return dataclasses.replace(
+            self,
+            inputs=self.inputs[first:last],
+            items_per_sample=self.items_per_sample[samples.start : samples.stop],
+        )
+
+
+@dataclass(frozen=True, eq=False)  # tensors: compare fields explicitly
+class MimoBatch:
+    """A batch of `B` token rows of length `S` and the encoder inputs of their modality items.
+
+    Attributes:
+        tokens: ``[B, S]`` int64 token ids; a modality's positions hold its ``special_token_id``
+            (which may lie outside the text vocabulary), ``tokens_per_item`` contiguous ids per
+            item.
+        labels: ``[B, S]`` int64 next-token targets; `IGNORE_INDEX` where there is none.
+        loss_mask: ``[B, S]`` float or bool; which positions count in the loss.
+        modalities: ``{name: ModalityInputs}``, e.g. ``"vision"``, ``"audio"``.
+        document_ids: ``[B, S]`` int64 document of each token of a packed row, or None.
+        positions: ``[B, S]`` int64 rotary positions (restarting per document), or None.
+
+    Construction checks shapes, dtypes and that row b holds exactly
+    ``items_per_sample[b] * tokens_per_item`` tokens of each modality's special id.
+    """
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    modalities: Mapping[str, ModalityInputs] = field(default_factory=dict)
+    document_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "modalities", dict(self.modalities))
+        self._validate()
+
+    # -------------------------------------------------------------- queries
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def special_token_ids(self) -> dict[str, int]:
+        """``{modality: special token id}``, as `dtensor_mimo.assemble.assemble` takes it."""
+        return {name: m.special_token_id for name, m in self.modalities.items()}
+
+    def tokens_per_sample(self, modality: str) -> list[int]:
+        """Per-sample token counts of `modality`: the ragged sizes of its encoder output rows."""
+        return self._modality(modality).tokens_per_sample()
+
+    def num_tokens(self, modality: str) -> int:
+        """Rows of the flattened encoder output of `modality` for this batch."""
+        return sum(self.tokens_per_sample(modality))
+
+    def select_samples(self, samples: range) -> MimoBatch:
+        """The contiguous `samples` (a ``range`` with step 1) as a batch of their own."""
+        if samples.step != 1 or not 0 <= samples.start <= samples.stop <= self.batch_size:
+            raise BatchError(
+                f"select_samples needs a contiguous range inside 0..{self.batch_size}, "
+                f"got {samples}"
+            )
+        rows = slice(samples.start, samples.stop)
+        return self._derive(
+            lambda t: t[rows], {n: m.select_samples(samples) for n, m in self.modalities.items()}
+        )
+
+    def to(self, device: torch.device | str) -> MimoBatch:
+        """The batch with every tensor on `device`."""
+        modalities = {n: dataclasses.replace(m, inputs=m.inputs.to(device))
+                      for n, m in self.modalities.items()}
+        return self._derive(lambda t: t.to(device), modalities)
+
+    def _derive(self, per_token, modalities: dict[str, ModalityInputs]) -> MimoBatch:
+        """A batch of `per_token` applied to every [B, S] field, and `modalities`.
+
+        Not re-validated: slices and copies of a valid batch are valid, and counting special
+        tokens again would cost a device sync per shard or microbatch.
+        """
+        derived = object.__new__(MimoBatch)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "modalities":
+                value = modalities
+            elif value is not None:
+                value = per_token(value)
+            object.__setattr__(derived, f.name, value)
+        return derived
+
+    # -------------------------------------------------------------- validation
+    def _modality(self, name: str) -> ModalityInputs:
+        try:
+            return self.modalities[name]
+        except KeyError:
+            raise KeyError(
+                f"the batch has no modality {name!r}; its modalities are {list(self.modalities)}"
+            ) from None
+
+    def _validate(self) -> None:
+        if self.tokens.dim() != 2 or self.tokens.dtype != torch.int64:
+            raise BatchError(
+                f"tokens must be [B, S] int64, got {list(self.tokens.shape)} {self.tokens.dtype}"
+            )
+        shape = tuple(self.tokens.shape)
+        for name in ("labels", "loss_mask", "document_ids", "positions"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != shape:
+                raise BatchError(
+                    f"{name} has shape {list(t.shape)} but tokens have {list(shape)}; "
+                    f"every per-token field is [B, S]"
+                )
+        if not (self.loss_mask.dtype == torch.bool or self.loss_mask.is_floating_point()):
+            raise BatchError(f"loss_mask must be float or bool, got {self.loss_mask.dtype}")
+        b = shape[0]
+        owner: dict[int, str] = {}
+        for name, m in self.modalities.items():
+            if m.special_token_id in owner:
+                raise BatchError(
+                    f"modalities {owner[m.special_token_id]!r} and {name!r} share special token "
+                    f"id {m.special_token_id}; each modality needs its own id"
+                )
+            owner[m.special_token_id] = name
+            if len(m.items_per_sample) != b:
+                raise BatchError(
+                    f"{name!r}: items_per_sample has {len(m.items_per_sample)} entries for a "
+                    f"batch of {b} samples"
+                )
+            if any(n < 0 for n in m.items_per_sample) or m.tokens_per_item < 0:
+                raise BatchError(
+                    f"{name!r}: items_per_sample {list(m.items_per_sample)} and tokens_per_item "
+                    f"{m.tokens_per_item} must be >= 0"
+                )
+            if m.inputs.dim() < 1 or m.inputs.shape[0] != m.num_items:
+                raise BatchError(
+                    f"{name!r}: items_per_sample {list(m.items_per_sample)} sum to "
+                    f"{m.num_items} items but inputs have shape {list(m.inputs.shape)}; "
+                    f"inputs hold every item of the batch, samples in order"
+                )
+        if not self.modalities:
+            return
+        # One device->host copy for all modalities.
+        ids = torch.tensor([m.special_token_id for m in self.modalities.values()],
+                           device=self.tokens.device)
+        counts = (self.tokens.unsqueeze(-1) == ids).sum(dim=1).T.tolist()  # [modality][sample]
+        for (name, m), found in zip(self.modalities.items(), counts):
+            for sample, (have, want) in enumerate(zip(found, m.tokens_per_sample())):
+                if have != want:
+                    raise BatchError(
+                        f"sample {sample} has {have} {name!r} tokens (id {m.special_token_id}) "
+                        f"but items_per_sample[{sample}]={m.items_per_sample[sample]} x "
+                        f"tokens_per_item={m.tokens_per_item} = {want}"
+                    )
+
+
+def shard(batch: MimoBatch, dp_size: int, dp_rank: int) -> MimoBatch:
+    """Data-parallel rank `dp_rank`'s samples of the global `batch` (see `sample_range`)."""
+    return batch.select_samples(sample_range(batch.batch_size, dp_size, dp_rank))
+
+
+def microbatches(batch: MimoBatch, num_microbatches: int) -> list[MimoBatch]:
+    """`batch` cut into `num_microbatches` consecutive slices by the same rule as `shard`."""
+    if num_microbatches < 1:
+        raise BatchError(f"cannot split a batch into {num_microbatches} parts; need at least 1")
+    return [shard(batch, num_microbatches, i) for i in range(num_microbatches)]
+
+
+# ---------------------------------------------------------------------------- synthetic data
+
+
+@dataclass(frozen=True)
+class ModalitySpec:
+    """How the synthetic generator makes one modality's items.
+
+    Attributes:
+        special_token_id: id of the modality's positions in the token rows.
+        item_shape: shape of one encoder input, e.g. ``(C, H, W)`` or ``(n_mels, T)``.
+        tokens_per_item: encoder output tokens of one item.
+        max_items: items per sample are drawn from ``0..max_items``.
+    """
+
+    special_token_id: int
+    item_shape: tuple[int, ...]
+    tokens_per_item: int
+    max_items: int = 2
+
+    @classmethod
+    def image(cls, config: ViTConfig, special_token_id: int, max_items: int = 2) -> ModalitySpec:
+        """Images for a ViT with `config`: one token per patch."""
+        shape = (config.in_channels, config.image_size, config.image_size)
+        return cls(special_token_id, shape, config.num_patches, max_items)
+
+    @classmethod
+    def audio(
+        cls,
+        config: AudioConfig,
+        special_token_id: int,
+        frames: int | None = None,
+        max_items: int = 1,
+    ) -> ModalitySpec:
+        """Log-mel clips of `frames` frames (default ``config.max_frames``) for `AudioEncoder`."""
+        frames = config.max_frames if frames is None else frames
+        shape = (config.n_mels, frames)
+        return cls(special_token_id, shape, config.output_length(frames), max_items)
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Shape of a synthetic global batch.
+
+    Attributes:
+        batch_size, seq_len, vocab_size: rows, row length, text vocabulary ``0..vocab_size-1``.
+        modalities: ``{name: ModalitySpec}``.
+        text_only_samples: at least this many samples carry no item of any modality. Unless every
+            sample is text-only, one other sample carries ``max_items`` of every modality.
+        documents_per_row: above 1, rows are packed: cut into up to this many documents (never
+            inside an item), with ``document_ids`` and ``positions`` filled in.
+    """
+
+    batch_size: int
+    seq_len: int
+    vocab_size: int
+    modalities: Mapping[str, ModalitySpec] = field(default_factory=dict)
+    text_only_samples: int = 1
+    documents_per_row: int = 1
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 0 or self.seq_len < 1:
+            raise ValueError(
+                f"SyntheticSpec: batch_size={self.batch_size} must be >= 0 and "
+                f"seq_len={self.seq_len} >= 1"
+            )
+        ids = [m.special_token_id for m in self.modalities.values()]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"SyntheticSpec: special token ids {ids} must be distinct")
+        if self.vocab_size - sum(0 <= i < self.vocab_size for i in ids) < 1:
+            raise ValueError(
+                f"SyntheticSpec: vocab_size={self.vocab_size} leaves no text id besides the "
+                f"special ids {ids}"
+            )
+        longest = sum(m.max_items * m.tokens_per_item for m in self.modalities.values())
+        if longest > self.seq_len:
+            raise ValueError(
+                f"SyntheticSpec: a sample with max_items of every modality needs {longest} "
+                f"special tokens but seq_len is {self.seq_len}"
+            )
+        if any(m.max_items < 0 for m in self.modalities.values()):
+            raise ValueError("SyntheticSpec: max_items must be >= 0")
+        if not 0 <= self.text_only_samples <= self.batch_size:
+            raise ValueError(
+                f"SyntheticSpec: text_only_samples={self.text_only_samples} must be in "
+                f"0..batch_size={self.batch_size}"
+            )
+        if self.documents_per_row < 1:
+            raise ValueError(
+                f"SyntheticSpec: documents_per_row={self.documents_per_row} must be >= 1"
+            )
+
+    @classmethod
+    def tiny(cls, **overrides) -> SyntheticSpec:
+        """5 rows of 64 tokens over `LlamaConfig.tiny`'s vocabulary (64), with "vision" (id 64,
+        up to 2 images of 16 patches for `ViTConfig.tiny`) and "audio" (id 65, up to one clip of
+        32 frames = 16 tokens for `AudioConfig.tiny`); keyword arguments override fields."""
+        spec = cls(
+            batch_size=5,
+            seq_len=64,
+            vocab_size=64,
+            modalities={
+                "vision": ModalitySpec.image(ViTConfig.tiny(), special_token_id=64, max_items=2),
+                "audio": ModalitySpec.audio(AudioConfig.tiny(), special_token_id=65, max_items=1),
+            },
+        )
+        return dataclasses.replace(spec, **overrides)
+
+
+def _randint(high: int, g: torch.Generator) -> int:
+    """A uniform integer in ``0..high-1``."""
+    return int(torch.randint(high, (), generator=g))
+
+
+def synthetic_batch(spec: SyntheticSpec, seed: int) -> MimoBatch:
+    """A random global batch that depends only on `spec` and `seed` (same on every rank).
+
+    Each row: items of every modality (counts drawn from ``0..max_items``, see `SyntheticSpec`)
+    placed at random non-overlapping positions, ``tokens_per_item`` contiguous special ids each,
+    in a random order across modalities; random text ids (never a special id) elsewhere.
+    Labels are next-token ids where the next token is text in the same document, else
+    `IGNORE_INDEX`. The loss mask is 1.0 except on: a masked prompt prefix of random length
+    (up to half of each document), special-token positions, and positions without a label.
+    Encoder inputs are standard normal.
+    """
+    g = torch.Generator().manual_seed(seed)
+    b, s = spec.batch_size, spec.seq_len
+    names = list(spec.modalities)
+    specs = [spec.modalities[n] for n in names]
+    special_ids = [m.special_token_id for m in specs]
+
+    counts = [torch.randint(m.max_items + 1, (b,), generator=g).tolist() for m in specs]
+    order = torch.randperm(b, generator=g).tolist()
+    for sample in order[: spec.text_only_samples]:
+        for c in counts:
+            c[sample] = 0
+    if spec.text_only_samples < b:
+        for c, m in zip(counts, specs):
+            c[order[spec.text_only_samples]] = m.max_items
+
+    text_ids = torch.tensor([i for i in range(spec.vocab_size) if i not in special_ids],
+                            dtype=torch.int64)
+    tokens = text_ids[torch.randint(len(text_ids), (b, s), generator=g)]
+    is_special = torch.zeros(b, s, dtype=torch.bool)
+    document_ids = torch.zeros(b, s, dtype=torch.int64)
+
+    for row in range(b):
+        # This row's items, shuffled across modalities: (special id, length).
+        items = [(m.special_token_id, m.tokens_per_item)
+                 for c, m in zip(counts, specs) for _ in range(c[row])]
+        items = [items[i] for i in torch.randperm(len(items), generator=g).tolist()]
+        # Stars and bars: n sorted distinct draws from free + n slots give the text gaps.
+        free = s - sum(length for _, length in items)
+        slots = torch.randperm(free + len(items), generator=g)[: len(items)].sort().values.tolist()
+        inside = torch.zeros(s, dtype=torch.bool)  # a document may not start here
+        placed = 0
+        for i, ((token_id, length), slot) in enumerate(zip(items, slots)):
+            start = slot - i + placed
+            tokens[row, start : start + length] = token_id
+            is_special[row, start : start + length] = True
+            inside[start + 1 : start + length] = True
+            placed += length
+        if spec.documents_per_row > 1:
+            cuts = [p for p in range(1, s) if not inside[p]]
+            pick = torch.randperm(len(cuts), generator=g)[: spec.documents_per_row - 1].tolist()
+            for p in sorted(cuts[i] for i in pick):
+                document_ids[row, p:] += 1
+
+    # Next-token labels inside a document; nothing to predict at a row or document end.
+    labels = torch.full((b, s), IGNORE_INDEX, dtype=torch.int64)
+    same_doc = document_ids[:, 1:] == document_ids[:, :-1]
+    has_target = same_doc & ~is_special[:, 1:]
+    labels[:, :-1] = torch.where(has_target, tokens[:, 1:], IGNORE_INDEX)
+
+    # Positions: index within the document.
+    index = torch.arange(s).expand(b, s)
+    doc_start = torch.zeros(b, s, dtype=torch.int64)
+    doc_start[:, 1:] = torch.where(same_doc, 0, index[:, 1:])
+    doc_start = doc_start.cummax(dim=1).values
+    positions = index - doc_start
+
+    # Masked prompt prefix of each document, random length up to half of it.
+    loss_mask = torch.ones(b, s)
+    for row in range(b):
+        ids, lengths = document_ids[row].unique_consecutive(return_counts=True)
+        starts = [0, *accumulate(lengths.tolist())][:-1]
+        for start, length in zip(starts, lengths.tolist()):
+            prompt = _randint(length // 2 + 1, g)
+            loss_mask[row, start : start + prompt] = 0.0
+    loss_mask[is_special | (labels == IGNORE_INDEX)] = 0.0
+
+    modalities = {
+        name: ModalityInputs(
+            inputs=torch.randn(sum(c), *m.item_shape, generator=g),
+            items_per_sample=c,
+            tokens_per_item=m.tokens_per_item,
+            special_token_id=m.special_token_id,
+        )
+        for name, m, c in zip(names, specs, counts)
+    }
+    packed = spec.documents_per_row > 1
+    return MimoBatch(
+        tokens=tokens,
+        labels=labels,
+        loss_mask=loss_mask,
+        modalities=modalities,
+        document_ids=document_ids if packed else None,
+        positions=positions if packed else None,
+    )

@@ -1,0 +1,97 @@
+"""Context-parallel attention core: all-gather K/V over the cp group, then the ordinary mask.
+
+Each cp rank holds some of the sequence's columns (zigzag-sharded, see `sharding.py`; any split
+works, since the rows carry their global indices). Every rank all-gathers the keys, values and
+their global indices (and document ids) of the whole cp group and calls `causal_attention` with
+its own queries against all keys. Because the mask is built from the global indices, the result
+is exactly that of single-process attention over the full sequence, including packed documents.
+
+Backward: the gathered K/V receive gradient from this rank's queries only; the gradient of a
+rank's own K/V rows is the sum over all cp ranks of their contributions to those rows. The
+gather is a functional collective (`all_gather_single`), whose registered autograd formula is a
+sum reduce-scatter: each rank gets back the summed gradient of its own slice. It runs on gloo
+(CPU) and NCCL alike.
+
+Trade-offs, and why not ring attention:
+
+- Memory: each rank holds the full K and V of its batch for the kv heads, `2 * B * Hkv * S * D`
+  per layer, kept for backward, plus a `[B, S / cp, S]` mask; the attention work itself is split
+  by cp. With grouped-query attention (`Hkv` << `Hq`) the gathered K/V are small next to the
+  activations, which is why Llama 3 trains long context this way.
+- Ring attention passes one K/V chunk at a time and overlaps it with compute, so it needs less
+  memory at very long sequence lengths, but PyTorch's public `context_parallel()` fails on CPU
+  (no sharding rule for the CPU SDPA kernel) and its ring implementation is private API. The
+  all-gather core is exact for any mask (documents included), runs unchanged on CPU and GPU, and
+  is a few lines.
+- Communication: one all-gather of K/V and one of the integer indices per layer in forward; one
+  reduce-scatter of the K/V gradient per layer in backward. Every cp rank must hold the same
+  number of rows (zigzag sharding guarantees it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtensor_mimo.models.layers import causal_attention
+
+
+class ContextParallelAttention:
+    """An `AttentionFn` that is exact across the ranks of `cp_group`.
+
+    Every rank of the cp group calls it with its local rows (same shapes on every rank); the
+    keys and values of all cp ranks are gathered and masked by global index and document id
+    exactly as `causal_attention` does on the full sequence. Set it on a model with
+    `Llama.set_attention_fn(ContextParallelAttention(cp_group))`.
+
+    Args:
+        cp_group: the context-parallel `ProcessGroup`, or a 1-D `DeviceMesh` such as
+            `mesh["cp"]`.
+    """
+
+    def __init__(self, cp_group: dist.ProcessGroup | DeviceMesh) -> None:
+        if isinstance(cp_group, DeviceMesh):
+            if cp_group.ndim != 1:
+                raise ValueError(
+                    f"ContextParallelAttention: pass a 1-D mesh (e.g. mesh['cp']), got a mesh with "
+                    f"dims {cp_group.mesh_dim_names} of shape {tuple(cp_group.shape)}"
+                )
+            cp_group = cp_group.get_group()
+        self.group = cp_group
+        self.cp = dist.get_world_size(cp_group)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        q_pos: torch.Tensor,
+        kv_pos: torch.Tensor,
+        q_doc: torch.Tensor | None = None,
+        kv_doc: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if (q_doc is None) != (kv_doc is None):
+            # Checked before communicating, so every rank fails the same way instead of hanging.
+            raise ValueError("ContextParallelAttention: pass both q_doc and kv_doc, or neither")
+        if self.cp == 1:
+            return causal_attention(q, k, v, q_pos=q_pos, kv_pos=kv_pos, q_doc=q_doc, kv_doc=kv_doc)
+
+        # One gather for K and V together ([2, B, Hkv, S, D], sequence on dim 3) and one for the
+        # integer row metadata; the functional collective carries the reduce-scatter backward.
+        kv = funcol.all_gather_single(torch.stack((k, v)), 3, self.group)
+        k_all, v_all = kv.unbind(0)
+        if kv_doc is None:
+            kv_pos_all = funcol.all_gather_single(kv_pos.contiguous(), 1, self.group)
+            kv_doc_all = None
+        else:
+            ids = torch.stack((kv_pos, kv_doc.to(kv_pos.dtype)))  # [2, B, S]
+            kv_pos_all, kv_doc_all = funcol.all_gather_single(ids, 2, self.group).unbind(0)
+        return causal_attention(
+            q, k_all, v_all, q_pos=q_pos, kv_pos=kv_pos_all, q_doc=q_doc, kv_doc=kv_doc_all
+        )
+
+    def __repr__(self) -> str:
+        return f"ContextParallelAttention(cp={self.cp})"

@@ -1,0 +1,463 @@
+"""Specification of the data layer, `dtensor_mimo.data` (pure: one process, no process group).
+
+Shards are checked against hand-written sample and item indices, and (property tests) against a
+naive reference that assigns every item to its sample and keeps the items whose sample the rank
+owns. The generator is checked by its invariants, each recomputed from the raw tensors.
+
+Hand-built batch H: 5 samples, S = 8; "vision" 2 tokens per image, "audio" 1 token per clip;
+image i and clip i are constant tensors of value i (so an item's identity is readable):
+
+| sample             |   0   |   1    |  2  |     3     |   4    |
+|--------------------|-------|--------|-----|-----------|--------|
+| vision images      | 0     | 1, 2   | —   | 3, 4, 5   | 6      |
+| audio clips        | —     | 0      | 1   | —         | 2, 3   |
+| vision tokens      | 2     | 4      | 0   | 6         | 2      |
+| audio tokens       | 0     | 1      | 1   | 0         | 2      |
+
+| dp (or microbatches) | samples per rank            | vision images per rank         | audio clips per rank       |
+|----------------------|-----------------------------|--------------------------------|----------------------------|
+| 1                    | [0..4]                      | [0..6]                         | [0..3]                     |
+| 2                    | [0,1,2] [3,4]               | [0,1,2] [3,4,5,6]              | [0,1] [2,3]                |
+| 3                    | [0,1] [2,3] [4]             | [0,1,2] [3,4,5] [6]            | [0] [1] [2,3]              |
+| 7 (empty ranks)      | [0] [1] [2] [3] [4] [] []   | [0] [1,2] [] [3,4,5] [6] [] [] | [] [0] [1] [] [2,3] [] []  |
+
+Other cases:
+
+| case                                  | checked against                                           |
+|---------------------------------------|-----------------------------------------------------------|
+| sample_range == tensor_split          | torch.tensor_split(arange(n), parts), n 0..12, parts 1..8 |
+| property: random ragged batch, any dp | item -> owning sample reference; shards concatenate back  |
+| microbatches of a shard               | same rule, hand-written items                             |
+| packed fields; to()                   | sliced with the rows; every tensor moved                  |
+| generator determinism                 | same seed equal on every field; other seeds differ        |
+| generator invariants (many seeds,     | special count per row == items x tokens_per_item; blocks  |
+|   packed or not, ids in or outside    |   of an item contiguous; text ids in vocab, not special;  |
+|   the vocabulary)                     |   labels, loss mask, positions recomputed by a loop       |
+| generator raggedness                  | text-only samples >= requested; a sample with max_items   |
+| generator -> real encoders            | ViT / AudioEncoder rows == tokens_per_sample sums         |
+| validation errors                     | every BatchError / ValueError message                     |
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dtensor_mimo.data import (
+    IGNORE_INDEX,
+    BatchError,
+    MimoBatch,
+    ModalityInputs,
+    ModalitySpec,
+    SyntheticSpec,
+    microbatches,
+    sample_range,
+    shard,
+    synthetic_batch,
+)
+from dtensor_mimo.models import AudioConfig, AudioEncoder, ViT, ViTConfig
+
+VISION, AUDIO = 100, 101  # special ids outside a vocabulary of 50
+
+
+# ------------------------------------------------------------------ hand-built batch H
+
+H_IMAGES = [1, 2, 0, 3, 1]
+H_CLIPS = [0, 1, 1, 0, 2]
+
+
+def _row(vision_tokens: int, audio_tokens: int, s: int = 8) -> list[int]:
+    text = list(range(1, s - vision_tokens - audio_tokens + 1))
+    return [VISION] * vision_tokens + text + [AUDIO] * audio_tokens
+
+
+def hand_batch(with_packing: bool = False) -> MimoBatch:
+    tokens = torch.tensor([_row(2 * v, a) for v, a in zip(H_IMAGES, H_CLIPS)])
+    extra = {}
+    if with_packing:
+        extra = {
+            "document_ids": torch.arange(5).unsqueeze(1) * 10 + torch.arange(8) // 4,
+            "positions": torch.arange(5).unsqueeze(1) * 100 + torch.arange(8),
+        }
+    return MimoBatch(
+        tokens=tokens,
+        labels=tokens + 1000,
+        loss_mask=torch.arange(40, dtype=torch.float32).view(5, 8),
+        modalities={
+            "vision": ModalityInputs(
+                inputs=torch.arange(7.0).view(7, 1, 1, 1).expand(7, 3, 4, 4).clone(),
+                items_per_sample=H_IMAGES,
+                tokens_per_item=2,
+                special_token_id=VISION,
+            ),
+            "audio": ModalityInputs(
+                inputs=torch.arange(4.0).view(4, 1, 1).expand(4, 2, 6).clone(),
+                items_per_sample=H_CLIPS,
+                tokens_per_item=1,
+                special_token_id=AUDIO,
+            ),
+        },
+        **extra,
+    )
+
+
+# dp size -> per rank (samples, vision image ids, audio clip ids), written out by hand.
+H_SHARDS = {
+    1: [([0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3])],
+    2: [([0, 1, 2], [0, 1, 2], [0, 1]), ([3, 4], [3, 4, 5, 6], [2, 3])],
+    3: [([0, 1], [0, 1, 2], [0]), ([2, 3], [3, 4, 5], [1]), ([4], [6], [2, 3])],
+    7: [([0], [0], []), ([1], [1, 2], [0]), ([2], [], [1]), ([3], [3, 4, 5], []),
+        ([4], [6], [2, 3]), ([], [], []), ([], [], [])],
+}
+
+
+def _item_ids(inputs: torch.Tensor) -> list[int]:
+    """Item identities of H's inputs: every element of item i equals i."""
+    flat = inputs.flatten(1)
+    assert torch.equal(flat, flat[:, :1].expand_as(flat)), "item mixed with another"
+    return [int(v) for v in flat[:, 0]]
+
+
+@pytest.mark.parametrize("dp", sorted(H_SHARDS))
+def test_shard_hand_built(dp):
+    batch = hand_batch()
+    for rank, (samples, images, clips) in enumerate(H_SHARDS[dp]):
+        part = shard(batch, dp, rank)
+        assert part.batch_size == len(samples)
+        assert torch.equal(part.tokens, batch.tokens[samples])
+        assert torch.equal(part.labels, batch.labels[samples])
+        assert torch.equal(part.loss_mask, batch.loss_mask[samples])
+        assert _item_ids(part.modalities["vision"].inputs) == images
+        assert _item_ids(part.modalities["audio"].inputs) == clips
+        assert list(part.modalities["vision"].items_per_sample) == [H_IMAGES[s] for s in samples]
+        assert part.tokens_per_sample("vision") == [2 * H_IMAGES[s] for s in samples]
+        assert part.tokens_per_sample("audio") == [H_CLIPS[s] for s in samples]
+        assert part.modalities["vision"].inputs.shape[1:] == (3, 4, 4)
+        assert part.special_token_ids == {"vision": VISION, "audio": AUDIO}
+        assert part.document_ids is None and part.positions is None
+
+
+@pytest.mark.parametrize("dp", sorted(H_SHARDS))
+def test_microbatches_follow_the_shard_rule(dp):
+    batch = hand_batch(with_packing=True)
+    for rank, mb in enumerate(microbatches(batch, dp)):
+        samples, images, clips = H_SHARDS[dp][rank]
+        assert torch.equal(mb.tokens, batch.tokens[samples])
+        assert torch.equal(mb.document_ids, batch.document_ids[samples])
+        assert torch.equal(mb.positions, batch.positions[samples])
+        assert _item_ids(mb.modalities["vision"].inputs) == images
+        assert _item_ids(mb.modalities["audio"].inputs) == clips
+
+
+def test_tokens_per_sample_hand_built():
+    batch = hand_batch()
+    assert batch.tokens_per_sample("vision") == [2, 4, 0, 6, 2]
+    assert batch.tokens_per_sample("audio") == [0, 1, 1, 0, 2]
+    assert batch.num_tokens("vision") == 14 and batch.num_tokens("audio") == 4
+    assert batch.modalities["vision"].num_items == 7
+
+
+def test_microbatches_of_a_shard():
+    # dp 2 rank 0 holds samples [0,1,2]; 2 microbatches of it: [0,1] and [2].
+    part = shard(hand_batch(), 2, 0)
+    first, second = microbatches(part, 2)
+    assert _item_ids(first.modalities["vision"].inputs) == [0, 1, 2]
+    assert _item_ids(second.modalities["vision"].inputs) == []
+    assert _item_ids(second.modalities["audio"].inputs) == [1]
+    assert torch.equal(second.tokens, hand_batch().tokens[[2]])
+
+
+def test_to_moves_every_tensor():
+    batch = hand_batch(with_packing=True).to("meta")
+    tensors = [batch.tokens, batch.labels, batch.loss_mask, batch.document_ids, batch.positions,
+               *(m.inputs for m in batch.modalities.values())]
+    assert all(t.device.type == "meta" for t in tensors)
+
+
+def test_sample_range_is_tensor_split():
+    for n in range(13):
+        for parts in range(1, 9):
+            expected = [e.tolist() for e in torch.tensor_split(torch.arange(n), parts)]
+            assert [list(sample_range(n, parts, i)) for i in range(parts)] == expected, (n, parts)
+
+
+# ------------------------------------------------------------------ property: any ragged batch
+
+
+@st.composite
+def ragged_batches(draw):
+    b = draw(st.integers(0, 9))
+    per_item = {"vision": draw(st.integers(0, 3)), "audio": draw(st.integers(1, 2))}
+    counts = {name: draw(st.lists(st.integers(0, 3), min_size=b, max_size=b)) for name in per_item}
+    s = max([1] + [sum(counts[n][i] * per_item[n] for n in per_item) for i in range(b)]) + 2
+    ids = {"vision": VISION, "audio": AUDIO}
+    rows = []
+    for i in range(b):
+        row = []
+        for name in per_item:
+            row += [ids[name]] * (counts[name][i] * per_item[name])
+        rows.append(row + [7] * (s - len(row)))
+    modalities = {}
+    for name in per_item:
+        n = sum(counts[name])
+        modalities[name] = ModalityInputs(
+            inputs=torch.arange(float(n)).view(n, 1, 1).expand(n, 2, 3).clone(),
+            items_per_sample=counts[name],
+            tokens_per_item=per_item[name],
+            special_token_id=ids[name],
+        )
+    tokens = torch.tensor(rows, dtype=torch.int64).view(b, s)
+    batch = MimoBatch(tokens=tokens, labels=tokens, loss_mask=torch.ones(b, s, dtype=torch.bool),
+                      modalities=modalities)
+    return batch, counts, draw(st.integers(1, 12))
+
+
+@settings(max_examples=60, deadline=None)
+@given(ragged_batches())
+def test_shard_property(case):
+    batch, counts, dp = case
+    b = batch.batch_size
+    owner = {name: [s for s in range(b) for _ in range(c[s])] for name, c in counts.items()}
+    expected_samples = torch.tensor_split(torch.arange(b), dp)
+    parts = [shard(batch, dp, r) for r in range(dp)]
+    for part, samples in zip(parts, expected_samples):
+        samples = samples.tolist()
+        assert torch.equal(part.tokens, batch.tokens[samples])
+        for name in counts:
+            items = [j for j, s in enumerate(owner[name]) if s in samples]
+            assert _item_ids(part.modalities[name].inputs) == items
+            full = batch.tokens_per_sample(name)
+            assert part.tokens_per_sample(name) == [full[s] for s in samples]
+    for name in counts:
+        rejoined = torch.cat([p.modalities[name].inputs for p in parts])
+        assert torch.equal(rejoined, batch.modalities[name].inputs)
+
+
+# ------------------------------------------------------------------ generator
+
+
+def _runs(row: list[int], token_id: int) -> list[int]:
+    """Lengths of the maximal runs of `token_id` in `row`."""
+    runs, n = [], 0
+    for t in row + [None]:
+        if t == token_id:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    return runs
+
+
+def check_generated(batch: MimoBatch, spec: SyntheticSpec) -> None:
+    """Every documented invariant of `synthetic_batch`, recomputed from the raw tensors."""
+    b, s = spec.batch_size, spec.seq_len
+    assert batch.tokens.shape == (b, s) and batch.tokens.dtype == torch.int64
+    special = {m.special_token_id for m in spec.modalities.values()}
+    packed = spec.documents_per_row > 1
+    assert (batch.document_ids is not None) == packed and (batch.positions is not None) == packed
+    docs = batch.document_ids if packed else torch.zeros(b, s, dtype=torch.int64)
+    for name, m in spec.modalities.items():
+        got = batch.modalities[name]
+        assert got.tokens_per_item == m.tokens_per_item
+        assert got.special_token_id == m.special_token_id
+        assert got.inputs.shape == (sum(got.items_per_sample), *m.item_shape)
+        assert all(0 <= n <= m.max_items for n in got.items_per_sample)
+    for i in range(b):
+        row = batch.tokens[i].tolist()
+        for name, m in spec.modalities.items():
+            n_items = batch.modalities[name].items_per_sample[i]
+            assert row.count(m.special_token_id) == n_items * m.tokens_per_item
+            # Adjacent items merge into one run; an item is never cut by text.
+            assert all(r % m.tokens_per_item == 0 for r in _runs(row, m.special_token_id))
+        for p, t in enumerate(row):
+            if t not in special:
+                assert 0 <= t < spec.vocab_size
+        doc = docs[i].tolist()
+        assert doc[0] == 0 and all(doc[p + 1] - doc[p] in (0, 1) for p in range(s - 1))
+        assert max(doc) < spec.documents_per_row
+        # A document never starts inside an item: a cut between two equal special ids must
+        # fall on an item boundary (the run before the cut is a whole number of items).
+        for p in range(1, s):
+            if doc[p] != doc[p - 1] and row[p] == row[p - 1] and row[p] in special:
+                tpi = next(m.tokens_per_item for m in spec.modalities.values()
+                           if m.special_token_id == row[p])
+                run = 0
+                while p - 1 - run >= 0 and row[p - 1 - run] == row[p]:
+                    run += 1
+                assert run % tpi == 0
+        start = 0
+        for p in range(s):
+            if p and doc[p] != doc[p - 1]:
+                start = p
+            if packed:
+                assert batch.positions[i, p] == p - start
+            nxt_ok = p + 1 < s and doc[p + 1] == doc[p] and row[p + 1] not in special
+            assert batch.labels[i, p] == (row[p + 1] if nxt_ok else IGNORE_INDEX)
+            mask = float(batch.loss_mask[i, p])
+            assert mask in (0.0, 1.0)
+            if row[p] in special or not nxt_ok:
+                assert mask == 0.0
+        # The masked prompt prefix: each document's positions with a target are 0...0 1...1.
+        for d in set(doc):
+            cols = [p for p in range(s) if doc[p] == d]
+            eligible = [float(batch.loss_mask[i, p]) for p in cols
+                        if row[p] not in special and batch.labels[i, p] != IGNORE_INDEX]
+            assert eligible == sorted(eligible)
+            assert eligible.count(0.0) <= len(cols) // 2
+
+
+SPECS = {
+    "tiny": SyntheticSpec.tiny(),
+    "tiny packed": SyntheticSpec.tiny(documents_per_row=4, batch_size=7),
+    "ids inside vocab": SyntheticSpec(
+        batch_size=6, seq_len=40, vocab_size=20,
+        modalities={"vision": ModalitySpec(3, (1, 2, 2), 4, max_items=3),
+                    "audio": ModalitySpec(19, (2, 5), 3, max_items=2)},
+        text_only_samples=2),
+    "one modality, 1-token items": SyntheticSpec(
+        batch_size=4, seq_len=6, vocab_size=3,
+        modalities={"vision": ModalitySpec(1, (1,), 1, max_items=6)}, documents_per_row=3),
+    "text only": SyntheticSpec(batch_size=3, seq_len=5, vocab_size=4, text_only_samples=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("seed", range(6))
+def test_generator_invariants(name, seed):
+    check_generated(synthetic_batch(SPECS[name], seed), SPECS[name])
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_generator_deterministic(name):
+    spec = SPECS[name]
+
+    def fields(batch):
+        out = [batch.tokens, batch.labels, batch.loss_mask, batch.document_ids, batch.positions]
+        for m in batch.modalities.values():
+            out += [m.inputs, torch.tensor(m.items_per_sample)]
+        return out
+
+    a, again, other = (fields(synthetic_batch(spec, seed)) for seed in (3, 3, 4))
+    for x, y in zip(a, again):
+        assert (x is None and y is None) or torch.equal(x, y)
+    assert any(x is not None and not torch.equal(x, z) for x, z in zip(a, other))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_generator_raggedness(seed):
+    spec = SPECS["ids inside vocab"]
+    batch = synthetic_batch(spec, seed)
+    items = {n: batch.modalities[n].items_per_sample for n in spec.modalities}
+    text_only = [i for i in range(spec.batch_size) if all(items[n][i] == 0 for n in items)]
+    assert len(text_only) >= spec.text_only_samples
+    assert any(all(items[n][i] == spec.modalities[n].max_items for n in items)
+               for i in range(spec.batch_size))
+    # The loss mask is asymmetric: some text positions with a target are masked (prompts).
+    with_target = (batch.labels != IGNORE_INDEX) & ~torch.isin(batch.tokens, torch.tensor([3, 19]))
+    assert 0 < batch.loss_mask[with_target].sum() < with_target.sum()
+
+
+def test_generator_shards_feed_real_encoders():
+    """Encoder output rows per shard == the batch's token counts (what the bridge moves)."""
+    vit_cfg, audio_cfg = ViTConfig.tiny(n_layers=1), AudioConfig.tiny(n_layers=1)
+    spec = SyntheticSpec(
+        batch_size=5, seq_len=64, vocab_size=64,
+        modalities={"vision": ModalitySpec.image(vit_cfg, 64, max_items=2),
+                    "audio": ModalitySpec.audio(audio_cfg, 65, frames=20, max_items=1)})
+    batch = synthetic_batch(spec, 0)
+    vit, audio = ViT(vit_cfg), AudioEncoder(audio_cfg)
+    with torch.no_grad():
+        for rank in range(3):
+            part = shard(batch, 3, rank)
+            rows = vit(part.modalities["vision"].inputs).flatten(0, 1).shape[0]
+            assert rows == sum(part.tokens_per_sample("vision"))
+            assert rows == int((part.tokens == 64).sum())
+            rows = audio(part.modalities["audio"].inputs).flatten(0, 1).shape[0]
+            assert rows == sum(part.tokens_per_sample("audio")) == int((part.tokens == 65).sum())
+
+
+# ------------------------------------------------------------------ validation errors
+
+
+def _modality(**overrides) -> ModalityInputs:
+    fields = dict(inputs=torch.zeros(3, 2), items_per_sample=[1, 2], tokens_per_item=2,
+                  special_token_id=VISION)
+    fields.update(overrides)
+    return ModalityInputs(**fields)
+
+
+def _batch(**overrides) -> MimoBatch:
+    tokens = torch.tensor([[VISION, VISION, 1, 2, 3, 4], [VISION] * 4 + [5, 6]])
+    fields = dict(tokens=tokens, labels=tokens, loss_mask=torch.ones(2, 6),
+                  modalities={"vision": _modality()})
+    fields.update(overrides)
+    return MimoBatch(**fields)
+
+
+BATCH_ERRORS = [
+    ("tokens dtype", dict(tokens=torch.zeros(2, 6, dtype=torch.int32)),
+     "tokens must be [B, S] int64, got [2, 6] torch.int32"),
+    ("labels shape", dict(labels=torch.zeros(2, 5, dtype=torch.int64)),
+     "labels has shape [2, 5] but tokens have [2, 6]; every per-token field is [B, S]"),
+    ("positions shape", dict(positions=torch.zeros(6, 2, dtype=torch.int64)),
+     "positions has shape [6, 2] but tokens have [2, 6]"),
+    ("loss mask dtype", dict(loss_mask=torch.ones(2, 6, dtype=torch.int64)),
+     "loss_mask must be float or bool, got torch.int64"),
+    ("items_per_sample length", dict(modalities={"vision": _modality(items_per_sample=[3])}),
+     "'vision': items_per_sample has 1 entries for a batch of 2 samples"),
+    ("negative count", dict(modalities={"vision": _modality(items_per_sample=[4, -1])}),
+     "'vision': items_per_sample [4, -1] and tokens_per_item 2 must be >= 0"),
+    ("inputs rows", dict(modalities={"vision": _modality(inputs=torch.zeros(4, 2))}),
+     "'vision': items_per_sample [1, 2] sum to 3 items but inputs have shape [4, 2]"),
+    ("token count", dict(modalities={"vision": _modality(items_per_sample=[2, 1],
+                                                         inputs=torch.zeros(3, 2))}),
+     "sample 0 has 2 'vision' tokens (id 100) but items_per_sample[0]=2 x tokens_per_item=2 = 4"),
+    ("shared id", dict(modalities={"vision": _modality(),
+                                   "audio": _modality(inputs=torch.zeros(0, 2),
+                                                      items_per_sample=[0, 0])}),
+     "modalities 'vision' and 'audio' share special token id 100; each modality needs its own id"),
+]
+
+
+@pytest.mark.parametrize("case, overrides, message", BATCH_ERRORS, ids=[c[0] for c in BATCH_ERRORS])
+def test_batch_errors(case, overrides, message):
+    with pytest.raises(BatchError, match=re.escape(message)):
+        _batch(**overrides)
+
+
+def test_batch_query_and_split_errors():
+    batch = _batch()
+    with pytest.raises(KeyError, match=re.escape("the batch has no modality 'audio'; its "
+                                                 "modalities are ['vision']")):
+        batch.tokens_per_sample("audio")
+    with pytest.raises(BatchError, match=re.escape("part index 2 is outside 0..1 (2 parts)")):
+        shard(batch, 2, 2)
+    with pytest.raises(BatchError, match=re.escape("cannot split a batch into 0 parts")):
+        microbatches(batch, 0)
+    message = "contiguous range inside 0..2, got range(0, 3)"
+    with pytest.raises(BatchError, match=re.escape(message)):
+        batch.select_samples(range(3))
+
+
+SPEC_ERRORS = [
+    (dict(modalities={"a": ModalitySpec(70, (1,), 1), "b": ModalitySpec(70, (1,), 1)}),
+     "special token ids [70, 70] must be distinct"),
+    (dict(vocab_size=1, modalities={"a": ModalitySpec(0, (1,), 1)}),
+     "vocab_size=1 leaves no text id besides the special ids [0]"),
+    (dict(seq_len=10, modalities={"a": ModalitySpec(70, (1,), 4, max_items=2),
+                                  "b": ModalitySpec(71, (1,), 3, max_items=1)}),
+     "a sample with max_items of every modality needs 11 special tokens but seq_len is 10"),
+    (dict(text_only_samples=6), "text_only_samples=6 must be in 0..batch_size=5"),
+    (dict(documents_per_row=0), "documents_per_row=0 must be >= 1"),
+    (dict(seq_len=0), "batch_size=5 must be >= 0 and seq_len=0 >= 1"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", SPEC_ERRORS)
+def test_spec_errors(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SyntheticSpec.tiny(**overrides)
