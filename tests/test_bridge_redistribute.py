@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from dtensor_mimo.bridge import PlanError, redistribute
+from dtensor_mimo.bridge import PlanError, redistribute, redistribute_many
 from tests.harness import run_on_ranks
 
 WORLD = 8
@@ -218,3 +218,57 @@ def test_bad_metadata_raises_before_communication():
 
 def test_wrong_local_shape_fails_on_every_rank():
     assert run_on_ranks(_bad_local_shape_on_one_rank, WORLD, timeout=60) == [True] * WORLD
+
+
+# ---------------------------------------------------------------- several bridges, one node
+
+AUDIO_SIZES = (2, 2, 0, 2, 2, 0, 2, 2)  # 12 rows
+
+
+def _two_encoders_share_ranks():
+    """vision and audio dp2 on ranks 0-1 both feed a language tp2·dp2 mesh on ranks 2-5.
+
+    Both backward exchanges run between the same rank pairs; one autograd node orders them.
+    """
+    rank = dist.get_rank()
+    enc = DeviceMesh("cpu", torch.arange(0, 2), mesh_dim_names=("dp",))
+    lang = DeviceMesh("cpu", torch.arange(2, 6).reshape(2, 2), mesh_dim_names=("dp", "tp"))
+    gen = torch.Generator().manual_seed(7)
+    full = {"vision": torch.randn(21, H, generator=gen, dtype=torch.float64),
+            "audio": torch.randn(12, H, generator=gen, dtype=torch.float64)}
+    grads = {k: torch.randn(v.shape, generator=gen, dtype=torch.float64) for k, v in full.items()}
+    sizes = {"vision": RAGGED, "audio": AUDIO_SIZES}
+    enc_side = Side(0, (2,), ("dp",), (Shard(0),))
+    lang_side = Side(2, (2, 2), ("dp", "tp"), (Shard(0), Replicate()))
+    xs, x_locals = [], {}
+    for k in ("vision", "audio"):
+        ec = _coord(enc)
+        if ec is None:
+            local = torch.empty(0, dtype=torch.float64)
+        else:
+            local = full[k].index_select(0, _expected_rows(enc_side, ec, len(full[k]), sizes[k]))
+        x_locals[k] = local.detach().requires_grad_()
+        xs.append(DTensor.from_local(x_locals[k], enc, (Shard(0),), run_check=False,
+                                     shape=full[k].shape, stride=full[k].stride()))
+    ys = redistribute_many(xs, [lang, lang], [(Shard(0), Replicate())] * 2,
+                           sample_sizes=[sizes["vision"], sizes["audio"]])
+    lc = _coord(lang)
+    if lc is None:
+        torch.autograd.backward(list(ys), [torch.zeros_like(y) for y in ys])
+    else:
+        locals_, gs = [], []
+        for k, y in zip(("vision", "audio"), ys):
+            rows = _expected_rows(lang_side, lc, len(full[k]), sizes[k])
+            torch.testing.assert_close(y.to_local(), full[k].index_select(0, rows), rtol=0, atol=0)
+            locals_.append(y.to_local())
+            gs.append(grads[k].index_select(0, rows))
+        torch.autograd.backward(locals_, gs)
+    if _coord(enc) is not None:
+        for k in ("vision", "audio"):
+            rows = _expected_rows(enc_side, _coord(enc), len(full[k]), sizes[k])
+            torch.testing.assert_close(x_locals[k].grad, grads[k].index_select(0, rows), rtol=0, atol=0)
+    return True
+
+
+def test_two_bridges_sharing_ranks_in_one_node():
+    assert run_on_ranks(_two_encoders_share_ranks, 6, timeout=60) == [True] * 6

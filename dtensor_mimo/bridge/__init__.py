@@ -29,6 +29,6 @@ __all__ = [
     "plan_backward",
 ]
 
-from dtensor_mimo.bridge.redistribute import Bridge, redistribute  # noqa: E402
+from dtensor_mimo.bridge.redistribute import Bridge, redistribute, redistribute_many  # noqa: E402
 
-__all__ += ["Bridge", "redistribute"]
+__all__ += ["Bridge", "redistribute", "redistribute_many"]

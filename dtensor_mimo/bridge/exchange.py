@@ -23,21 +23,36 @@ def _rows(t: torch.Tensor, dim: int, lo: int, hi: int) -> torch.Tensor:
     return t.narrow(dim, lo, hi - lo)
 
 
+class _Works:
+    """The works of one batch, shared by its transfers, waited on exactly once.
+
+    gloo's send and receive works block on a second ``wait()`` (it waits for another
+    completion), so a batch shared by several `Pending`s must not be waited per transfer.
+    """
+
+    def __init__(self, works: list) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        works, self._works = self._works, []
+        for w in works:
+            w.wait()
+
+
 @dataclass
 class Pending:
     """In-flight transfers of one exchange on one rank; `wait()` returns the output (or None)."""
 
     rank_plan: RankPlan
     dim: int
-    works: list = field(default_factory=list)
+    works: _Works = field(default_factory=lambda: _Works([]))
     out: torch.Tensor | None = None
     staged: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (lo, hi, buffer)
     _done: bool = False
 
     def wait(self) -> torch.Tensor | None:
         if not self._done:
-            for w in self.works:
-                w.wait()
+            self.works.wait()
             if self.out is not None:
                 for lo, hi, buf in self.staged:  # ascending peer order: deterministic sums
                     target = _rows(self.out, self.dim, lo, hi)
@@ -47,50 +62,61 @@ class Pending:
         return self.out
 
 
-def start(
-    rank_plan: RankPlan,
-    dim: int,
-    *,
-    src_local: torch.Tensor | None,
-    out_shape: Sequence[int] | None,
-    dtype: torch.dtype,
-    device: torch.device,
-    send: bool = True,
-    recv: bool = True,
-) -> Pending:
-    """Post this rank's sends and/or receives of ``rank_plan`` in one batch; apply local copies.
+@dataclass
+class Transfer:
+    """One tensor's part of an exchange on this rank.
 
-    Args:
-        src_local: this rank's local source tensor (needed for sends and copies).
-        out_shape: local output shape (bridged dim = ``rank_plan.dst_rows``); None: no output.
-        send / recv: post only one side (split-phase use by a pipeline runtime). Local
-            copies happen on the receiving call, which must then be given ``src_local``.
+    Attributes:
+        rank_plan: this rank's part of the tensor's plan.
+        dim: the bridged tensor dim.
+        src_local: this rank's local source tensor (for sends and local copies), or None.
+        out_shape: local output shape (bridged dim = ``rank_plan.dst_rows``); None: no output here.
     """
-    pending = Pending(rank_plan, dim)
+
+    rank_plan: RankPlan
+    dim: int
+    src_local: torch.Tensor | None
+    out_shape: Sequence[int] | None
+    dtype: torch.dtype
+    device: torch.device
+
+
+def start(transfers: Sequence[Transfer], *, send: bool = True, recv: bool = True) -> list[Pending]:
+    """Post every send and/or receive of ``transfers`` in ONE batch; apply local copies.
+
+    Several tensors (e.g. one per encoder) go in one round, in list order, so the message
+    order between any two ranks is the same on both sides whatever order autograd runs
+    things in. ``send`` / ``recv`` post one side only (split-phase use by a pipeline
+    runtime); local copies happen on the receiving call, which then needs ``src_local``.
+    """
     ops: list[dist.P2POp] = []
-    if send and rank_plan.sends:
-        for s in rank_plan.sends:
-            piece = _rows(src_local, dim, s.lo, s.hi)
-            ops.append(dist.P2POp(dist.isend, piece if piece.is_contiguous() else piece.contiguous(), s.peer))
-    if recv and out_shape is not None:
-        direct = dim == 0 and not rank_plan.reduce
-        # The plan covers every output row except zero_fill ones; sums start from zero.
-        alloc = torch.zeros if rank_plan.reduce or rank_plan.zero_fill else torch.empty
-        out = alloc(tuple(out_shape), dtype=dtype, device=device)
-        for c in rank_plan.copies:
-            target = _rows(out, dim, c.dst_lo, c.dst_hi)
-            piece = _rows(src_local, dim, c.src_lo, c.src_hi)
-            target.add_(piece) if rank_plan.reduce else target.copy_(piece)
-        for r in rank_plan.recvs:
-            if direct:
-                buf = _rows(out, dim, r.lo, r.hi)
-            else:
-                shape = list(out_shape)
-                shape[dim] = r.hi - r.lo
-                buf = torch.empty(shape, dtype=dtype, device=device)
-                pending.staged.append((r.lo, r.hi, buf))
-            ops.append(dist.P2POp(dist.irecv, buf, r.peer))
-        pending.out = out
-    if ops:
-        pending.works = dist.batch_isend_irecv(ops)
-    return pending
+    pendings = [Pending(t.rank_plan, t.dim) for t in transfers]
+    for t, pending in zip(transfers, pendings):
+        rp, dim = t.rank_plan, t.dim
+        if send:
+            for s in rp.sends:
+                piece = _rows(t.src_local, dim, s.lo, s.hi)
+                ops.append(dist.P2POp(dist.isend, piece if piece.is_contiguous() else piece.contiguous(), s.peer))
+        if recv and t.out_shape is not None:
+            # The plan covers every output row except zero_fill ones; sums start from zero.
+            alloc = torch.zeros if rp.reduce or rp.zero_fill else torch.empty
+            out = alloc(tuple(t.out_shape), dtype=t.dtype, device=t.device)
+            for c in rp.copies:
+                target = _rows(out, dim, c.dst_lo, c.dst_hi)
+                piece = _rows(t.src_local, dim, c.src_lo, c.src_hi)
+                target.add_(piece) if rp.reduce else target.copy_(piece)
+            direct = dim == 0 and not rp.reduce  # receive straight into the output rows
+            for r in rp.recvs:
+                if direct:
+                    buf = _rows(out, dim, r.lo, r.hi)
+                else:
+                    shape = list(t.out_shape)
+                    shape[dim] = r.hi - r.lo
+                    buf = torch.empty(shape, dtype=t.dtype, device=t.device)
+                    pending.staged.append((r.lo, r.hi, buf))
+                ops.append(dist.P2POp(dist.irecv, buf, r.peer))
+            pending.out = out
+    works = _Works(dist.batch_isend_irecv(ops) if ops else [])
+    for pending in pendings:
+        pending.works = works
+    return pendings

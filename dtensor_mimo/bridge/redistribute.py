@@ -8,7 +8,7 @@ once and a `Partial` one (e.g. over cp ranks that each hold a partial sum) is su
 
 from __future__ import annotations
 
-from math import prod
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -63,71 +63,115 @@ def _wrap(local: torch.Tensor | None, mesh: DeviceMesh, placements: Sequence[Pla
                               shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape))
 
 
-def _check_local_shapes(x_local: torch.Tensor | None, expected: tuple[int, ...] | None, spec: MeshSpec,
-                        device: torch.device) -> None:
-    """Agree over the whole world that every rank's local shard has the planned shape.
+def _check_local_shapes(locals_: Sequence[torch.Tensor | None], expected: Sequence[tuple[int, ...] | None],
+                        specs: Sequence[MeshSpec], device: torch.device) -> None:
+    """Agree over the whole world that every rank's local shards have the planned shapes.
 
     A wrong shard is visible on its own rank only; raising there alone would leave the
     others waiting in the exchange. One small all-reduce lets every rank raise the same error.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    bad = expected is not None and tuple(x_local.shape) != expected
-    flags = torch.zeros(world, dtype=torch.int64, device=device)
-    flags[rank] = int(bad)
+    bad = [e is not None and tuple(x.shape) != e for x, e in zip(locals_, expected)]
+    flags = torch.zeros(len(specs), world, dtype=torch.int64, device=device)
+    flags[:, rank] = torch.tensor(bad, dtype=torch.int64)
     dist.all_reduce(flags)
-    if flags.any():
-        ranks = flags.nonzero().flatten().tolist()
-        mine = f" (this rank holds {tuple(x_local.shape)}, the plan expects {expected})" if bad else ""
-        raise PlanError(
-            f"rank(s) {ranks} hold a local shard whose shape disagrees with the plan for source "
-            f"{spec!r}{mine}; the local shards must follow the placements (and sample_sizes, if "
-            "given): build the input with distribute_tensor, or DTensor.from_local with the same sizes"
-        )
+    for i, spec in enumerate(specs):
+        if flags[i].any():
+            ranks = flags[i].nonzero().flatten().tolist()
+            mine = (f" (this rank holds {tuple(locals_[i].shape)}, the plan expects {expected[i]})"
+                    if bad[i] else "")
+            raise PlanError(
+                f"rank(s) {ranks} hold a local shard whose shape disagrees with the plan for source "
+                f"{spec!r}{mine}; the local shards must follow the placements (and sample_sizes, if "
+                "given): build the input with distribute_tensor, or DTensor.from_local with the same sizes"
+            )
+
+
+@dataclass(frozen=True)
+class _Leg:
+    """Static description of one tensor's trip, shared by forward and backward."""
+
+    src: MeshSpec
+    dst: MeshSpec
+    src_mesh: DeviceMesh
+    dst_mesh: DeviceMesh
+    dst_placements: tuple[Placement, ...]
+    grad_placements: tuple[Placement, ...]
+    shape: torch.Size
+    dtype: torch.dtype
+    dim: int
+
+    def transfer(self, p: Plan, local: torch.Tensor | None, out_mesh: DeviceMesh) -> exchange.Transfer:
+        rp = p.for_rank(dist.get_rank())
+        member = out_mesh.get_coordinate() is not None
+        out_shape = _local_shape(self.shape, self.dim, rp.dst_rows) if member else None
+        return exchange.Transfer(rp, self.dim, local, out_shape, self.dtype, _device(out_mesh))
 
 
 class _RedistributeFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: DTensor, src: MeshSpec, dst: MeshSpec, dst_mesh: DeviceMesh,
-                dst_placements: tuple[Placement, ...], grad_placements: tuple[Placement, ...],
-                dim: int, check: bool) -> DTensor:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        fwd = plan(src, dst, world)
-        rp = fwd.for_rank(rank)
-        src_mesh = x.device_mesh
-        in_src = src_mesh.get_coordinate() is not None
-        in_dst = dst_mesh.get_coordinate() is not None
-        x_local = x.to_local() if in_src else None
-        device = _device(dst_mesh)
-        if check:
-            expected = _local_shape(x.shape, dim, rp.src_rows) if in_src else None
-            _check_local_shapes(x_local, expected, src, device)
-        out_shape = _local_shape(x.shape, dim, rp.dst_rows) if in_dst else None
-        y_local = exchange.start(rp, dim, src_local=x_local, out_shape=out_shape,
-                                 dtype=x.dtype, device=device).wait()
-        ctx.meta = (src, dst, src_mesh, dst_mesh, grad_placements, x.shape, x.dtype, dim)
-        return _wrap(y_local, dst_mesh, dst_placements, x.shape)
+    """Many tensors, one autograd node: forward and backward are one batched round each."""
 
     @staticmethod
-    def backward(ctx, grad: DTensor):
-        src, dst, src_mesh, dst_mesh, grad_placements, shape, dtype, dim = ctx.meta
-        # Every rank plans with the placements declared at forward time: ranks off the
-        # destination mesh never see the real gradient, so they cannot read them off it.
-        rank = dist.get_rank()
-        rp = plan_backward(src, dst, grad_placements, dist.get_world_size()).for_rank(rank)
-        in_dst = dst_mesh.get_coordinate() is not None
-        g_local = None
-        if in_dst:
-            if isinstance(grad, DTensor):
-                if tuple(grad.placements) != grad_placements:  # same-mesh collective on its members
-                    grad = grad.redistribute(dst_mesh, grad_placements)
-                grad = grad.to_local()
-            g_local = grad
-        in_src = src_mesh.get_coordinate() is not None
-        out_shape = _local_shape(shape, dim, rp.dst_rows) if in_src else None
-        gx = exchange.start(rp, dim, src_local=g_local, out_shape=out_shape, dtype=dtype,
-                            device=_device(src_mesh)).wait()
-        x_grad_placements = tuple(Replicate() if isinstance(p, Partial) else p for p in src.placements)
-        return _wrap(gx, src_mesh, x_grad_placements, shape), None, None, None, None, None, None, None
+    def forward(ctx, legs: tuple[_Leg, ...], check: bool, *xs: DTensor) -> tuple[DTensor, ...]:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        plans = [plan(leg.src, leg.dst, world) for leg in legs]
+        x_locals = [x.to_local() if leg.src_mesh.get_coordinate() is not None else None
+                    for leg, x in zip(legs, xs)]
+        if check:
+            expected = [None if xl is None else _local_shape(leg.shape, leg.dim, p.for_rank(rank).src_rows)
+                        for leg, p, xl in zip(legs, plans, x_locals)]
+            _check_local_shapes(x_locals, expected, [leg.src for leg in legs], _device(legs[0].dst_mesh))
+        transfers = [leg.transfer(p, xl, leg.dst_mesh) for leg, p, xl in zip(legs, plans, x_locals)]
+        outs = [p.wait() for p in exchange.start(transfers)]
+        ctx.legs = legs
+        return tuple(_wrap(o, leg.dst_mesh, leg.dst_placements, leg.shape) for leg, o in zip(legs, outs))
+
+    @staticmethod
+    def backward(ctx, *grads: DTensor):
+        world = dist.get_world_size()
+        transfers = []
+        for leg, grad in zip(ctx.legs, grads):
+            # Every rank plans with the placements declared at forward time: ranks off the
+            # destination mesh never see the real gradient, so they cannot read them off it.
+            g_local = None
+            if leg.dst_mesh.get_coordinate() is not None and grad is not None:
+                if isinstance(grad, DTensor):
+                    if tuple(grad.placements) != leg.grad_placements:  # same-mesh, members only
+                        grad = grad.redistribute(leg.dst_mesh, leg.grad_placements)
+                    grad = grad.to_local()
+                g_local = grad
+            elif leg.dst_mesh.get_coordinate() is not None:  # output unused: a zero gradient
+                rows = plan(leg.src, leg.dst, world).for_rank(dist.get_rank()).dst_rows
+                g_local = torch.zeros(_local_shape(leg.shape, leg.dim, rows), dtype=leg.dtype,
+                                      device=_device(leg.dst_mesh))
+            p = plan_backward(leg.src, leg.dst, leg.grad_placements, world)
+            transfers.append(leg.transfer(p, g_local, leg.src_mesh))
+        outs = [p.wait() for p in exchange.start(transfers)]
+        grads_x = tuple(
+            _wrap(o, leg.src_mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in leg.src.placements),
+                  leg.shape)
+            for leg, o in zip(ctx.legs, outs)
+        )
+        return (None, None, *grads_x)
+
+
+def _leg(x: DTensor, device_mesh: DeviceMesh, placements: Sequence[Placement],
+         sample_sizes: Sequence[int] | None, grad_placements: Sequence[Placement] | None) -> _Leg:
+    if not isinstance(x, DTensor):
+        raise TypeError(f"redistribute expects a DTensor, got {type(x).__name__}; wrap it with "
+                        "DTensor.from_local or distribute_tensor first")
+    placements = tuple(placements)
+    dim = _bridged_dim(x.placements, placements)
+    extent = x.shape[dim] if x.ndim else 1
+    if grad_placements is None:
+        grad_placements = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+    grad_placements = tuple(grad_placements)
+    if len(grad_placements) != device_mesh.ndim:
+        raise PlanError(f"grad_placements {grad_placements} has {len(grad_placements)} entries for a "
+                        f"{device_mesh.ndim}-d destination mesh; give one placement per mesh dim")
+    return _Leg(_spec(x.device_mesh, x.placements, extent, sample_sizes, "source"),
+                _spec(device_mesh, placements, extent, sample_sizes, "destination"),
+                x.device_mesh, device_mesh, placements, grad_placements, x.shape, x.dtype, dim)
 
 
 def redistribute(
@@ -169,23 +213,37 @@ def redistribute(
     Errors in the metadata (sizes that do not sum, a placement the plan cannot serve, meshes
     over another world) raise `PlanError` on every rank before any communication.
     """
-    if not isinstance(x, DTensor):
-        raise TypeError(f"redistribute expects a DTensor, got {type(x).__name__}; wrap it with "
-                        "DTensor.from_local or distribute_tensor first")
-    placements = tuple(placements)
-    if sample_sizes is None and x.device_mesh == device_mesh:
-        return x.redistribute(device_mesh, placements)
-    dim = _bridged_dim(x.placements, placements)
-    extent = x.shape[dim] if x.ndim else 1
-    src = _spec(x.device_mesh, x.placements, extent, sample_sizes, "source")
-    dst = _spec(device_mesh, placements, extent, sample_sizes, "destination")
-    if grad_placements is None:
-        grad_placements = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
-    grad_placements = tuple(grad_placements)
-    if len(grad_placements) != device_mesh.ndim:
-        raise PlanError(f"grad_placements {grad_placements} has {len(grad_placements)} entries for a "
-                        f"{device_mesh.ndim}-d destination mesh; give one placement per mesh dim")
-    return _RedistributeFunction.apply(x, src, dst, device_mesh, placements, grad_placements, dim, check)
+    if sample_sizes is None and isinstance(x, DTensor) and x.device_mesh == device_mesh:
+        return x.redistribute(device_mesh, tuple(placements))
+    (y,) = redistribute_many([x], [device_mesh], [placements], sample_sizes=[sample_sizes],
+                             grad_placements=[grad_placements], check=check)
+    return y
+
+
+def redistribute_many(
+    xs: Sequence[DTensor],
+    device_meshes: Sequence[DeviceMesh],
+    placements: Sequence[Sequence[Placement]],
+    *,
+    sample_sizes: Sequence[Sequence[int] | None] | None = None,
+    grad_placements: Sequence[Sequence[Placement] | None] | None = None,
+    check: bool = True,
+) -> tuple[DTensor, ...]:
+    """`redistribute` of several tensors (e.g. one per encoder) as ONE autograd node.
+
+    Forward and backward each run as one batched point-to-point round, in list order on
+    every rank. Separate `redistribute` calls would leave the order of their backward
+    exchanges to the autograd engine, which need not agree across ranks that share two
+    bridges. Arguments are per-tensor lists with `redistribute`'s meaning.
+    """
+    n = len(xs)
+    if not (len(device_meshes) == len(placements) == n):
+        raise ValueError(f"redistribute_many: {n} tensors, {len(device_meshes)} meshes and "
+                         f"{len(placements)} placement lists; give one of each per tensor")
+    sample_sizes = [None] * n if sample_sizes is None else list(sample_sizes)
+    grad_placements = [None] * n if grad_placements is None else list(grad_placements)
+    legs = tuple(_leg(*args) for args in zip(xs, device_meshes, placements, sample_sizes, grad_placements))
+    return _RedistributeFunction.apply(legs, check, *xs)
 
 
 class Bridge:
@@ -237,8 +295,9 @@ class Bridge:
                send: bool, recv: bool) -> exchange.Pending:
         rp = p.for_rank(self.rank)
         out_shape = _local_shape(self.global_shape, self.dim, rp.dst_rows) if recv and member else None
-        return exchange.start(rp, self.dim, src_local=local, out_shape=out_shape, dtype=self.dtype,
-                              device=device, send=send, recv=recv)
+        (pending,) = exchange.start([exchange.Transfer(rp, self.dim, local, out_shape, self.dtype, device)],
+                                    send=send, recv=recv)
+        return pending
 
     def send_forward(self, x_local: torch.Tensor) -> exchange.Pending:
         return self._start(self.forward_plan, x_local, self._in_dst, self._dst_device, send=True, recv=False)
