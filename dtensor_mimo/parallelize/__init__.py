@@ -1,0 +1,33 @@
+"""Per-module parallel application (torchtitan style): tensor/sequence parallel plans, FSDP2 over
+dp with gradients summed, optional per-block torch.compile.
+
+| file                | concern                                                          |
+|---------------------|------------------------------------------------------------------|
+| options.py          | `ParallelOptions` (sp, fsdp, compile, backend, reshard)          |
+| tensor_parallel.py  | the shared block plan, sp entry/exit, `sequence_sharded_input`   |
+| language.py         | the Llama decoder: `parallelize_llama`                           |
+| encoders.py         | ViT / audio: `parallelize_encoder`; `parallelize_projection`     |
+| fsdp.py             | `apply_fsdp` (sum over dp), `allreduce_gradients`                |
+| compile.py          | `compile_blocks`                                                 |
+| apply.py            | `parallelize_module_for`: dispatch on the module kind            |
+"""
+
+from dtensor_mimo.parallelize.apply import parallelize_module_for
+from dtensor_mimo.parallelize.compile import compile_blocks
+from dtensor_mimo.parallelize.encoders import parallelize_encoder, parallelize_projection
+from dtensor_mimo.parallelize.fsdp import allreduce_gradients, apply_fsdp
+from dtensor_mimo.parallelize.language import parallelize_llama
+from dtensor_mimo.parallelize.options import ParallelOptions
+from dtensor_mimo.parallelize.tensor_parallel import sequence_sharded_input
+
+__all__ = [
+    "ParallelOptions",
+    "allreduce_gradients",
+    "apply_fsdp",
+    "compile_blocks",
+    "parallelize_encoder",
+    "parallelize_llama",
+    "parallelize_module_for",
+    "parallelize_projection",
+    "sequence_sharded_input",
+]

@@ -1,0 +1,102 @@
+"""How to parallelize the modality encoders (ViT, audio) and the projection into the LLM width.
+
+Input and output (tp = size of `tp_mesh`):
+
+- `ViT`: images `[N, C, H, W]`, `AudioEncoder`: mels `[N, n_mels, T]`, `Projection`: `[..., in]`
+  — plain tensors, replicated over tp (every tp rank of a dp replica holds the same items).
+- Output: a plain tensor `[N, n_tok, dim]` (projection: `[..., out]`), replicated over tp — the
+  form the bridge takes. Under sp the blocks run on sequence chunks (S need not divide tp) and
+  the final norm's output is all-gathered.
+
+The patch embedding / convolutions, position embeddings and the final norm (without sp) stay
+replicated over tp; their gradients are identical on every tp rank.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from dtensor_mimo.models import AudioEncoder, Projection, ViT
+from dtensor_mimo.parallelize.compile import compile_blocks
+from dtensor_mimo.parallelize.fsdp import apply_fsdp
+from dtensor_mimo.parallelize.options import ParallelOptions
+from dtensor_mimo.parallelize.tensor_parallel import (
+    SEQUENCE_DIM,
+    block_plan,
+    check_divisible,
+    replicated_local_output,
+    shard_sequence_on_entry,
+    tp_size,
+)
+
+
+def parallelize_encoder(
+    model: ViT | AudioEncoder,
+    tp_mesh: DeviceMesh | None,
+    dp_mesh: DeviceMesh | None,
+    options: ParallelOptions = ParallelOptions(),
+) -> ViT | AudioEncoder:
+    """Apply tp (+sp), per-block compile and FSDP2 to a ViT or audio encoder in place; returns it.
+
+    `tp_mesh`: the module's "tp" sub-mesh (None or size 1: no tensor parallel); `dp_mesh`: its
+    "dp" sub-mesh (dp·cp if the encoder has cp). Same mesh rules as `parallelize_llama`.
+    """
+    if tp_size(tp_mesh) > 1:
+        apply_encoder_tp(model, tp_mesh, sp=options.sp)
+    if options.compile:
+        compile_blocks(model.layers, options.compile_backend)
+    if options.fsdp and dp_mesh is not None and dp_mesh.size() > 1:
+        apply_fsdp(model, dp_mesh, list(model.layers.values()), options.reshard_after_forward)
+    return model
+
+
+def apply_encoder_tp(model: ViT | AudioEncoder, tp_mesh: DeviceMesh, *, sp: bool) -> None:
+    """Tensor parallel plan of the encoder blocks (in place); output replicated and plain."""
+    c = model.config
+    check_divisible(
+        type(model).__name__, {"n_heads": c.n_heads, "mlp_hidden": c.mlp_hidden}, tp_mesh.size()
+    )
+    layer_plan = block_plan(
+        sp=sp,
+        attention="attn",
+        attention_colwise=("wq", "wk", "wv"),
+        attention_rowwise="wo",
+        attention_extra_args=0,
+        mlp="mlp",
+        mlp_colwise=("fc1",),
+        mlp_rowwise="fc2",
+        norms=("norm1", "norm2"),
+    )
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, layer_plan)
+        if sp:
+            shard_sequence_on_entry(block, tp_mesh)
+    if sp:
+        parallelize_module(model, tp_mesh, {"norm": SequenceParallel(sequence_dim=SEQUENCE_DIM)})
+        replicated_local_output(model)
+
+
+def parallelize_projection(
+    model: Projection,
+    tp_mesh: DeviceMesh | None,
+    dp_mesh: DeviceMesh | None,
+    options: ParallelOptions = ParallelOptions(),
+) -> Projection:
+    """fc1 colwise, fc2 rowwise (output replicated, plain); compile and FSDP2 as one unit.
+
+    `options.sp` does not apply (no norm, and the output must be replicated anyway).
+    """
+    if tp_size(tp_mesh) > 1:
+        check_divisible("Projection", {"hidden_dim": model.fc1.out_features}, tp_mesh.size())
+        parallelize_module(model, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    if options.compile:
+        model.compile(backend=options.compile_backend)
+    if options.fsdp and dp_mesh is not None and dp_mesh.size() > 1:
+        apply_fsdp(model, dp_mesh, [], options.reshard_after_forward)
+    return model

@@ -1,0 +1,77 @@
+"""Data parallel: FSDP2 with gradients summed (not averaged) over dp, or a plain all-reduce-sum.
+
+Why a sum: the training loss is normalised by the global number of loss tokens (over every dp and
+cp rank and microbatch), so each rank's gradient is already its share of the global gradient and
+the shares must be added. FSDP2 divides by the dp size by default (a mean), which would make every
+gradient dp times too small — and, when an encoder's dp differs from the LLM's, scale encoder and
+LLM gradients differently. `apply_fsdp` therefore sets the divide factor to 1 on every FSDP module.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    blocks: Sequence[nn.Module],
+    reshard_after_forward: bool = True,
+) -> None:
+    """`fully_shard` each of `blocks`, then `model` (the rest of its parameters); sum over dp.
+
+    Parameters that are already DTensors on a tp mesh become 2-D (dp x tp) DTensors; `dp_mesh` and
+    that tp mesh must share one root mesh.
+    """
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            sum_gradients_over_dp(module)
+
+
+def sum_gradients_over_dp(module: FSDPModule) -> None:
+    """Make FSDP2 reduce this module's gradients with a plain sum over its dp mesh.
+
+    `set_gradient_divide_factor(1.0)` alone asks for `ReduceOp.PREMUL_SUM(1.0)` on fp32/bf16,
+    which gloo does not implement; forcing sum-only reductions makes FSDP2 use `ReduceOp.SUM`
+    and skip the division by 1. Both setters act on this module's own parameter group only, so
+    they are applied to every FSDP module.
+    """
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)
+
+
+@torch.no_grad()
+def allreduce_gradients(module: nn.Module, dp_mesh: DeviceMesh | None) -> None:
+    """Sum the gradients of `module`'s parameters over `dp_mesh` (the non-FSDP data parallel path).
+
+    Call after backward, before clipping and the optimizer step, on every rank of the mesh.
+    DTensor (tensor-parallel) gradients are reduced shard by shard: each tp rank sums its own
+    shard with the same shard on the other dp replicas. One flat all-reduce per dtype. A mesh of
+    size 1 or None does nothing.
+    """
+    if dp_mesh is None or dp_mesh.size() == 1:
+        return
+    group = dp_mesh.get_group()
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for param in module.parameters():
+        if param.grad is None:
+            continue
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -1,0 +1,112 @@
+"""How to parallelize the Llama decoder: tensor (+ sequence) parallel, compile, FSDP2 over dp·cp.
+
+Input and output of the parallelized `Llama` (tp = size of `tp_mesh`):
+
+- `tokens [B, S]`: plain int tensor, replicated over tp. `tok_embeddings` is vocab-sharded
+  (`RowwiseParallel`); its output is replicated (no sp) or reduce-scattered onto the sequence
+  shard (sp).
+- `h [B, S, dim]` (assembled input embeddings, or the hidden states a later pipeline stage
+  receives positionally): a plain tensor holding the full sequence, replicated over tp, in both
+  modes. Under sp the first block slices its own chunk (no communication), and the gradient that
+  flows back into `h` is the full one on every tp rank. A caller that holds only its sequence
+  chunk wraps it with `sequence_sharded_input(chunk, tp_mesh, seq_len)` (a `Shard(1)` DTensor)
+  and passes that instead.
+- `positions`, `document_ids`, `sequence_index`: plain `[B, S]` tensors for the full sequence
+  over tp (they describe the rows after the all-gather inside attention).
+- Output: plain logits `[B, S, vocab]`, replicated over tp (the colwise `output` layer gathers the
+  vocab shards), so any loss code works unchanged; every tp rank computes the same loss and
+  backward takes its gradient once. A stage without `output` returns its hidden states the same
+  way: plain, full, replicated over tp.
+
+Context parallelism changes none of this: cp splits S before the model sees it, and FSDP runs over
+the flattened dp·cp mesh so gradients are summed over both.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from dtensor_mimo.models import Llama
+from dtensor_mimo.parallelize.compile import compile_blocks
+from dtensor_mimo.parallelize.fsdp import apply_fsdp
+from dtensor_mimo.parallelize.options import ParallelOptions
+from dtensor_mimo.parallelize.tensor_parallel import (
+    SEQUENCE_DIM,
+    block_plan,
+    check_divisible,
+    replicated_local_output,
+    shard_sequence_on_entry,
+    tp_size,
+)
+
+
+def parallelize_llama(
+    model: Llama,
+    tp_mesh: DeviceMesh | None,
+    dp_mesh: DeviceMesh | None,
+    options: ParallelOptions = ParallelOptions(),
+) -> Llama:
+    """Apply tp (+sp), per-block compile and FSDP2 to `model` in place; returns it.
+
+    `tp_mesh`: the module's "tp" sub-mesh (None or size 1: no tensor parallel).
+    `dp_mesh`: the flattened dp·cp sub-mesh (`layout.mesh(name, ("dp", "cp"))`); FSDP2 shards
+    over it when `options.fsdp`, else the caller sums gradients with `allreduce_gradients`.
+    The meshes must share one root mesh (as `MimoLayout` builds them).
+    """
+    if tp_size(tp_mesh) > 1:
+        apply_llama_tp(model, tp_mesh, sp=options.sp)
+    if options.compile:
+        compile_blocks(model.layers, options.compile_backend)
+    if options.fsdp and dp_mesh is not None and dp_mesh.size() > 1:
+        apply_fsdp(model, dp_mesh, list(model.layers.values()), options.reshard_after_forward)
+    return model
+
+
+def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh, *, sp: bool) -> None:
+    """Tensor parallel plan of the decoder (in place); see the module docstring for the contract."""
+    c, tp = model.config, tp_mesh.size()
+    check_divisible(
+        "Llama",
+        {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "ffn_hidden": c.ffn_hidden,
+         "vocab_size": c.vocab_size},
+        tp,
+    )
+    activation = Shard(SEQUENCE_DIM) if sp else Replicate()
+    plan = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=activation, use_local_output=not sp
+        )
+    if model.norm is not None and sp:
+        plan["norm"] = SequenceParallel(sequence_dim=SEQUENCE_DIM)
+    if model.output is not None:
+        # Replicated logits: simplest correct choice; loss_parallel would save the all-gather.
+        plan["output"] = ColwiseParallel(
+            input_layouts=activation, output_layouts=Replicate(), use_local_output=True
+        )
+    parallelize_module(model, tp_mesh, plan)
+
+    layer_plan = block_plan(
+        sp=sp,
+        attention="attention",
+        attention_colwise=("wq", "wk", "wv"),
+        attention_rowwise="wo",
+        attention_extra_args=3,  # rope, sequence_index, document_ids
+        mlp="feed_forward",
+        mlp_colwise=("w1", "w3"),
+        mlp_rowwise="w2",
+        norms=("attention_norm", "ffn_norm"),
+    )
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, layer_plan)
+        if sp:
+            shard_sequence_on_entry(block, tp_mesh)
+    if sp:
+        replicated_local_output(model)

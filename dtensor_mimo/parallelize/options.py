@@ -1,0 +1,30 @@
+"""`ParallelOptions`: how one module is parallelized beyond its meshes (typed, validated)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """Per-module switches for `parallelize_module_for` and the per-kind functions.
+
+    Attributes:
+        sp: sequence parallel on top of tensor parallel: norms and residual adds run on a
+            sequence shard (dim 1) of the activations. Ignored without a tp mesh of size > 1.
+        fsdp: shard parameters over the dp mesh with FSDP2 (`fully_shard`), gradients *summed*
+            over dp. False, no dp mesh, or a dp mesh of size 1: parameters stay replicated over
+            dp (plain tensors, or tp DTensors) and the training loop sums gradients itself with
+            `allreduce_gradients(module, dp_mesh)` (a no-op for size 1).
+        compile: `torch.compile` each transformer block (the whole module for a projection).
+        compile_backend: backend for `compile`; "inductor" (default) or e.g. "aot_eager".
+        reshard_after_forward: FSDP2 frees the gathered parameters after forward (ZeRO-3) when
+            True, keeps them until backward (ZeRO-2-like, more memory, one all-gather less).
+            The root module is never resharded after forward (FSDP2's own default).
+    """
+
+    sp: bool = False
+    fsdp: bool = True
+    compile: bool = False
+    compile_backend: str = "inductor"
+    reshard_after_forward: bool = True

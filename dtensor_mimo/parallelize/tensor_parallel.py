@@ -1,0 +1,170 @@
+"""Tensor- and sequence-parallel building blocks shared by every module kind.
+
+One plan shape serves the Llama decoder and the ViT / audio encoders: a pre-norm block
+`h = x + attn(norm(x)); out = h + mlp(norm(h))` whose attention input projections and first MLP
+projection(s) are colwise, and whose attention output and last MLP projection are rowwise.
+
+Activation contract of a parallelized block (the residual stream between blocks):
+
+- without sp: a plain tensor `[B, S, dim]`, replicated over tp (Megatron-style TP);
+- with sp: a DTensor on the tp mesh, `Shard(1)` (each rank holds a contiguous chunk of the
+  sequence in the `torch.chunk` pattern, so S need not divide tp). Rowwise layers therefore keep
+  `use_local_output=False`: a residual add of a DTensor and a local tensor would fail.
+
+The first block of a module also accepts a plain tensor replicated over tp under sp, or a DTensor
+with any placement on the tp mesh (`sequence_shard_input` hook); it reshards it to `Shard(1)`
+locally (a slice, no communication; its gradient is all-gathered, so the caller's gradient is the
+full, replicated one). `replicated_local_output` turns whatever a module returns back into a plain
+tensor replicated over tp, the form every module hands to the next one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+SEQUENCE_DIM = 1  # activations are [batch, sequence, hidden] everywhere
+
+
+def block_plan(
+    *,
+    sp: bool,
+    attention: str,
+    attention_colwise: tuple[str, ...],
+    attention_rowwise: str,
+    attention_extra_args: int,
+    mlp: str,
+    mlp_colwise: tuple[str, ...],
+    mlp_rowwise: str,
+    norms: tuple[str, ...],
+) -> dict[str, ParallelStyle]:
+    """The `parallelize_module` plan of one pre-norm transformer block.
+
+    `attention` / `mlp` are submodule names; the projection names are relative to them.
+    `attention_extra_args` counts the positional arguments the attention module takes after the
+    activation (rope, indices, ...): they pass through untouched.
+    """
+    plan: dict[str, ParallelStyle] = {}
+    for name in attention_colwise:
+        plan[f"{attention}.{name}"] = ColwiseParallel()
+    for name in mlp_colwise:
+        plan[f"{mlp}.{name}"] = ColwiseParallel()
+    if not sp:
+        plan[f"{attention}.{attention_rowwise}"] = RowwiseParallel()
+        plan[f"{mlp}.{mlp_rowwise}"] = RowwiseParallel()
+        return plan
+    # Sequence parallel: norms on the sequence shard; attention and MLP all-gather their input
+    # (to a plain local tensor, so the module's own code sees ordinary tensors) and their rowwise
+    # output is reduce-scattered back onto the sequence shard, kept as a DTensor for the residual.
+    for name in norms:
+        plan[name] = SequenceParallel(sequence_dim=SEQUENCE_DIM)
+    extra = (None,) * attention_extra_args
+    plan[attention] = PrepareModuleInput(
+        input_layouts=(Shard(SEQUENCE_DIM), *extra),
+        desired_input_layouts=(Replicate(), *extra),
+        use_local_output=True,
+    )
+    plan[mlp] = PrepareModuleInput(
+        input_layouts=(Shard(SEQUENCE_DIM),),
+        desired_input_layouts=(Replicate(),),
+        use_local_output=True,
+    )
+    rowwise = RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM), use_local_output=False)
+    plan[f"{attention}.{attention_rowwise}"] = rowwise
+    plan[f"{mlp}.{mlp_rowwise}"] = RowwiseParallel(
+        output_layouts=Shard(SEQUENCE_DIM), use_local_output=False
+    )
+    return plan
+
+
+def shard_sequence_on_entry(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Under sp, make `block` accept a plain (replicated) or any-placement DTensor activation.
+
+    Registered on every block, it acts only where the activation is not yet a `Shard(1)`
+    DTensor: the first block, or a pipeline stage's first block.
+    """
+
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (to_sequence_shard(args[0], tp_mesh), *args[1:])
+
+    block.register_forward_pre_hook(hook)
+
+
+def to_sequence_shard(x: torch.Tensor, tp_mesh: DeviceMesh) -> DTensor:
+    """A plain tensor (replicated over tp) or a DTensor on `tp_mesh` -> DTensor `Shard(1)`."""
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
+    elif x.device_mesh != tp_mesh:
+        raise ValueError(
+            f"sequence-parallel input is a DTensor on mesh {x.device_mesh}, expected the module's "
+            f"tp mesh {tp_mesh}; build it with sequence_sharded_input(local, tp_mesh)"
+        )
+    if tuple(x.placements) != (Shard(SEQUENCE_DIM),):
+        x = x.redistribute(tp_mesh, [Shard(SEQUENCE_DIM)])
+    return x
+
+
+def replicated_local_output(module: nn.Module) -> None:
+    """Make `module` return a plain tensor replicated over tp, whatever its last layer returns."""
+
+    def hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        return output.full_tensor() if isinstance(output, DTensor) else output
+
+    module.register_forward_hook(hook)
+
+
+def sequence_sharded_input(
+    local: torch.Tensor, tp_mesh: DeviceMesh, seq_len: int | None = None
+) -> DTensor:
+    """Wrap this rank's sequence chunk `[B, S_local, ...]` as a DTensor `Shard(1)` of `[B, S, ...]`.
+
+    For callers that already hold only their sequence-parallel chunk (e.g. the sequence layer):
+    rank r of `tp_mesh` must hold chunk r of `torch.chunk(full, tp, dim=1)`. `seq_len` is the full
+    length S; omitted, it is `S_local * tp` (even split). Pass the result as the module input; a
+    plain full tensor needs no wrapping.
+    """
+    tp = tp_mesh.size()
+    rank = tp_mesh.get_local_rank()
+    if seq_len is None:
+        seq_len = local.shape[SEQUENCE_DIM] * tp
+    chunk = math.ceil(seq_len / tp)
+    expected = max(0, min(chunk, seq_len - rank * chunk))
+    if local.shape[SEQUENCE_DIM] != expected:
+        raise ValueError(
+            f"sequence_sharded_input: tp rank {rank} of {tp} holds {local.shape[SEQUENCE_DIM]} "
+            f"positions but chunk {rank} of a length-{seq_len} sequence (torch.chunk split) has "
+            f"{expected}; pass seq_len= the full length, or shard with torch.chunk"
+        )
+    shape = (*local.shape[:SEQUENCE_DIM], seq_len, *local.shape[SEQUENCE_DIM + 1 :])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        local, tp_mesh, [Shard(SEQUENCE_DIM)], run_check=False, shape=shape, stride=stride
+    )
+
+
+def tp_size(tp_mesh: DeviceMesh | None) -> int:
+    """1 without a tp mesh; tensor parallelism is applied only when this is > 1."""
+    return 1 if tp_mesh is None else tp_mesh.size()
+
+
+def check_divisible(module_name: str, sizes: dict[str, int], tp: int) -> None:
+    """Raise naming every size that tensor parallelism over `tp` ranks cannot split evenly."""
+    bad = {name: size for name, size in sizes.items() if size % tp != 0}
+    if bad:
+        detail = ", ".join(f"{name}={size}" for name, size in bad.items())
+        raise ValueError(
+            f"{module_name}: tensor parallel over tp={tp} needs these sizes divisible by {tp}: "
+            f"{detail}; choose a tp that divides them"
+        )

@@ -1,0 +1,263 @@
+"""Per-module parallel application (tp/sp plans, FSDP2 summed over dp, compile) against one process.
+
+Every case builds the same model from the same seed twice in each rank process: a single-process
+reference run on the whole batch, and the parallelized copy run on this rank's dp share. Both take
+two AdamW steps; the loss, every parameter's gradient (DTensors gathered with `full_tensor()`), the
+gradient of the model input and the weights after the last step must match (fp32).
+
+The loss is normalised by the GLOBAL number of loss elements (sum over the whole batch / count),
+never averaged per rank, so data-parallel gradients must be summed over dp: FSDP2's default mean
+would be off by the factor dp.
+
+| case                  | module              | ranks | pp dp cp tp | sp | dp sync                | input                               |
+|-----------------------|---------------------|-------|-------------|----|------------------------|-------------------------------------|
+| llama_tp2_sp          | Llama               | 2     | 1  1  1  2  | on | -                      | tokens, S=7 (uneven sequence split) |
+| llama_dp2_fsdp        | Llama               | 2     | 1  2  1  1  | -  | FSDP2, factor 1        | embeddings h, plain                 |
+| llama_dp2_allreduce   | Llama               | 2     | 1  2  1  1  | -  | allreduce_gradients    | embeddings h, plain                 |
+| llama_dp2_tp2_sp_fsdp | Llama               | 4     | 1  2  1  2  | on | FSDP2 (2-D), factor 1  | h sequence chunk (Shard(1) DTensor) |
+| llama_tp2_sp_compiled | Llama, aot_eager    | 2     | 1  1  1  2  | on | -                      | embeddings h, plain                 |
+| vit_tp2               | ViT + Projection    | 2     | 1  1  1  2  | -  | -                      | images                              |
+| audio_tp2_sp          | Audio + Projection  | 2     | 1  1  1  2  | on | -                      | mels, 15 tokens (uneven over tp)    |
+
+Encoder outputs are also checked to be plain tensors equal to the reference output (replicated
+over tp, the form the bridge takes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from dtensor_mimo import MimoLayout, Parallelism
+from dtensor_mimo.models import (
+    AudioConfig,
+    AudioEncoder,
+    Llama,
+    LlamaConfig,
+    Projection,
+    ViT,
+    ViTConfig,
+)
+from dtensor_mimo.parallelize import (
+    ParallelOptions,
+    allreduce_gradients,
+    parallelize_module_for,
+    sequence_sharded_input,
+)
+from tests.harness import run_on_ranks
+
+SEED = 1234
+STEPS = 2
+BATCH = 4
+SEQ = 7
+LR = 1e-2
+# Adam divides each gradient by its own magnitude, so with the default eps=1e-8 a gradient element
+# near zero turns its last-ulp rounding (sums reordered by sharding) into an O(LR) weight change.
+# eps=1e-3 bounds that amplification (update error <= LR * grad error / eps) and keeps the check
+# tight; the optimizer still runs AdamW on the sharded parameters and states.
+ADAM_EPS = 1e-3
+# fp32 with sums reordered by sharding: errors are a few ulps of the values compared.
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@dataclass(frozen=True)
+class Case:
+    module: str  # "llama", "vit" or "audio"
+    par: Parallelism
+    options: ParallelOptions
+    input: str = "tokens"  # llama only: "tokens", "h" or "h_chunk"
+
+    @property
+    def world(self) -> int:
+        return self.par.size
+
+
+CASES = {
+    "llama_tp2_sp": Case("llama", Parallelism(tp=2), ParallelOptions(sp=True)),
+    "llama_dp2_fsdp": Case("llama", Parallelism(dp=2), ParallelOptions(), input="h"),
+    "llama_dp2_allreduce": Case("llama", Parallelism(dp=2), ParallelOptions(fsdp=False), input="h"),
+    "llama_dp2_tp2_sp_fsdp": Case(
+        "llama", Parallelism(dp=2, tp=2), ParallelOptions(sp=True, reshard_after_forward=False),
+        input="h_chunk",
+    ),
+    "llama_tp2_sp_compiled": Case(
+        "llama", Parallelism(tp=2),
+        ParallelOptions(sp=True, compile=True, compile_backend="aot_eager"), input="h",
+    ),
+    "vit_tp2": Case("vit", Parallelism(tp=2), ParallelOptions()),
+    "audio_tp2_sp": Case("audio", Parallelism(tp=2), ParallelOptions(sp=True)),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Models, data and loss, identical in the reference and the parallel run
+# --------------------------------------------------------------------------------------------
+
+
+def _build(module: str) -> dict[str, torch.nn.Module]:
+    """Fresh modules from SEED; the encoder cases add a projection into a 48-wide LLM."""
+    if module == "llama":
+        modules = {"model": Llama(LlamaConfig.tiny())}
+    elif module == "vit":
+        modules = {"model": ViT(ViTConfig.tiny()), "proj": Projection(32, 48, hidden_dim=64)}
+    else:
+        modules = {"model": AudioEncoder(AudioConfig.tiny()), "proj": Projection(32, 48, hidden_dim=64)}
+    for i, m in enumerate(modules.values()):
+        m.init_weights(SEED + i)
+    return modules
+
+
+def _batch(module: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(SEED)
+    if module == "llama":
+        vocab, dim = LlamaConfig.tiny().vocab_size, LlamaConfig.tiny().dim
+        return {
+            "tokens": torch.randint(vocab, (BATCH, SEQ), generator=g),
+            "h": torch.randn(BATCH, SEQ, dim, generator=g),
+            "labels": torch.randint(vocab, (BATCH, SEQ), generator=g),
+        }
+    if module == "vit":
+        c = ViTConfig.tiny()
+        x = torch.randn(BATCH, c.in_channels, c.image_size, c.image_size, generator=g)
+        n_tok = c.num_patches
+    else:
+        c = AudioConfig.tiny()
+        x = torch.randn(BATCH, c.n_mels, 30, generator=g)
+        n_tok = c.output_length(30)  # 15: uneven over tp=2
+    return {"x": x, "target": torch.randn(BATCH, n_tok, 48, generator=g)}
+
+
+def _loss(out: torch.Tensor, batch: dict[str, torch.Tensor], rows: slice, global_count: int):
+    """Sum over this rank's rows, divided by the global count (a share of the global mean)."""
+    if "labels" in batch:
+        per_elem = F.cross_entropy(out.flatten(0, 1), batch["labels"][rows].flatten(), reduction="none")
+    else:
+        per_elem = (out - batch["target"][rows]).pow(2)
+    return per_elem.sum() / global_count
+
+
+def _global_count(batch: dict[str, torch.Tensor]) -> int:
+    return batch["labels"].numel() if "labels" in batch else batch["target"].numel()
+
+
+# --------------------------------------------------------------------------------------------
+# One training run: reference (whole batch, one process) or parallel (this rank's share)
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+    if isinstance(t, DTensor):
+        return t.full_tensor()
+    return None if t is None else t.detach().clone()
+
+
+def _train(case: Case, modules, batch, *, rows: slice, ctx=None) -> list[dict]:
+    """Two AdamW steps; per step the loss, input grad and full parameter gradients."""
+    params = [p for m in modules.values() for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=ADAM_EPS)
+    count = _global_count(batch)
+    records = []
+    for _ in range(STEPS):
+        record = {}
+        if case.module == "llama":
+            model = modules["model"]
+            if case.input == "tokens":
+                out = model(batch["tokens"][rows])
+                leaf, leaf_full_index = None, None
+            else:
+                h = batch["h"][rows]
+                leaf_full_index = (rows, slice(None))
+                if case.input == "h_chunk" and ctx is not None:
+                    tp, tp_rank = ctx["tp_mesh"].size(), ctx["tp_mesh"].get_local_rank()
+                    chunk = -(-SEQ // tp)
+                    seq = slice(tp_rank * chunk, min(SEQ, (tp_rank + 1) * chunk))
+                    leaf = h[:, seq].clone().requires_grad_()
+                    leaf_full_index = (rows, seq)
+                    model_in = sequence_sharded_input(leaf, ctx["tp_mesh"], SEQ)
+                else:
+                    leaf = h.clone().requires_grad_()
+                    model_in = leaf
+                out = model(h=model_in)
+        else:
+            leaf, leaf_full_index = None, None
+            feats = modules["model"](batch["x"][rows])
+            record["encoder_out"] = feats.detach().clone()
+            record["encoder_out_is_dtensor"] = isinstance(feats, DTensor)
+            out = modules["proj"](feats)
+        loss = _loss(out, batch, rows, count)
+        loss.backward()
+        if ctx is not None and not case.options.fsdp:
+            for m in modules.values():
+                allreduce_gradients(m, ctx["dp_mesh"])
+        if ctx is not None:  # the full loss is the sum of the dp shares
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=ctx["dp_mesh"].get_group())
+        record["loss"] = loss.detach().clone()
+        record["input_grad"] = (leaf_full_index, None if leaf is None else leaf.grad.clone())
+        record["grads"] = {
+            f"{k}.{n}": _full(p.grad) for k, m in modules.items() for n, p in m.named_parameters()
+        }
+        opt.step()
+        opt.zero_grad()
+        records.append(record)
+    records.append({"weights": {f"{k}.{n}": _full(p)
+                                for k, m in modules.items() for n, p in m.named_parameters()}})
+    return records
+
+
+def _check_case(name: str) -> dict[str, float]:
+    """Runs on every rank: reference and parallel training, compared; returns the worst errors."""
+    case = CASES[name]
+    batch = _batch(case.module)
+    reference = _train(case, _build(case.module), batch, rows=slice(None))
+
+    layout = MimoLayout({"m": case.par})
+    layout.init_meshes("cpu")
+    tp_mesh, dp_mesh = layout.mesh("m", "tp"), layout.mesh("m", ("dp", "cp"))
+    dp_rank, dp = layout.coordinate("m", dist.get_rank())["dp"], case.par.dp
+    per_rank = BATCH // dp
+    rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+
+    modules = _build(case.module)
+    for m in modules.values():
+        parallelize_module_for(m, tp_mesh, dp_mesh, case.options)
+    if case.options.fsdp and dp > 1:  # every parameter is now dp-sharded (a DTensor)
+        assert all(isinstance(p, DTensor) for m in modules.values() for p in m.parameters())
+    parallel = _train(case, modules, batch, rows=rows, ctx={"tp_mesh": tp_mesh, "dp_mesh": dp_mesh})
+
+    worst: dict[str, float] = {}
+
+    def close(what: str, actual, expected) -> None:
+        assert (actual is None) == (expected is None), f"{name}: {what}: gradient presence differs"
+        if actual is None:
+            return
+        torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"{name}: {what}: {m}")
+        worst[what.split(" ")[0]] = max(worst.get(what.split(" ")[0], 0.0),
+                                         (actual - expected).abs().max().item())
+
+    for step, (p, r) in enumerate(zip(parallel[:STEPS], reference[:STEPS])):
+        close(f"loss step {step}", p["loss"], r["loss"])
+        index, grad = p["input_grad"]
+        if grad is not None:
+            close(f"input_grad step {step}", grad, r["input_grad"][1][index])
+        if "encoder_out" in p:
+            assert not p["encoder_out_is_dtensor"], f"{name}: encoder output must be a plain tensor"
+            close(f"encoder_out step {step}", p["encoder_out"], r["encoder_out"])
+        assert p["grads"].keys() == r["grads"].keys(), f"{name}: parameter names differ"
+        for param, g in p["grads"].items():
+            close(f"grad step {step} {param}", g, r["grads"][param])
+    for param, w in parallel[-1]["weights"].items():
+        close(f"weight {param}", w, reference[-1]["weights"][param])
+    return worst
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_single_process(name: str) -> None:
+    results = run_on_ranks(_check_case, CASES[name].world, name, timeout=120)
+    print(name, "worst abs errors:", {k: f"{v:.1e}" for k, v in results[0].items()})
