@@ -1,5 +1,24 @@
 """dtensor_mimo: multimodal training where every module has its own DeviceMesh."""
 
+from dtensor_mimo.bridge import Bridge, redistribute, redistribute_many
 from dtensor_mimo.layout import LANGUAGE, LayoutError, MimoLayout, Parallelism
+from dtensor_mimo.mimo import MimoModel
+from dtensor_mimo.parallelize import ParallelOptions
+from dtensor_mimo.train import AdamWConfig, MimoOptimizer
+from dtensor_mimo.train.step import StepMetrics, train_step
 
-__all__ = ["LANGUAGE", "LayoutError", "MimoLayout", "Parallelism"]
+__all__ = [
+    "LANGUAGE",
+    "AdamWConfig",
+    "Bridge",
+    "LayoutError",
+    "MimoLayout",
+    "MimoModel",
+    "MimoOptimizer",
+    "ParallelOptions",
+    "Parallelism",
+    "StepMetrics",
+    "redistribute",
+    "redistribute_many",
+    "train_step",
+]

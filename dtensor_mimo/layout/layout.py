@@ -257,6 +257,11 @@ class MimoLayout:
 
         self._meshes = build_meshes(self, device_type)
 
+    @property
+    def meshes_ready(self) -> bool:
+        """Whether `init_meshes` has run on this rank."""
+        return self._meshes is not None
+
     def mesh(self, name: str, dims: str | tuple[str, ...] | None = None):
         """The module's DeviceMesh (dims pp, dp, cp, tp), or a sub-mesh such as ``("dp", "cp")``.
 

@@ -13,6 +13,7 @@ from dtensor_mimo.models.layers import (
     rope_cos_sin,
 )
 from dtensor_mimo.models.llama import Llama, LlamaConfig
+from dtensor_mimo.models.modality_encoder import ModalityEncoder
 from dtensor_mimo.models.projection import Projection
 from dtensor_mimo.models.vit import EncoderBlock, ViT, ViTConfig
 
@@ -23,6 +24,7 @@ __all__ = [
     "EncoderBlock",
     "Llama",
     "LlamaConfig",
+    "ModalityEncoder",
     "Projection",
     "RMSNorm",
     "ViT",

@@ -1,0 +1,298 @@
+"""`MimoModel`: encoders and a language model, each on its own mesh, joined by the bridge.
+
+One training forward, on every rank of the world, with the same GLOBAL batch (pp = 1):
+
+1. Each encoder rank encodes its dp shard of the batch's items and projects them to the language
+   width: a ``[tokens, dim]`` block of the encoder output, a DTensor on the encoder's mesh
+   ``(pp, dp, cp, tp)`` with placements ``(Replicate, Shard(0), Replicate, Replicate)`` and the
+   batch's per-sample token counts as ragged sizes.
+2. `redistribute_many` moves every encoder's output to the language mesh, same placements, in
+   one batched exchange (one autograd node, so several encoders sharing ranks stay ordered).
+   The gradient comes back declared `Partial` over cp: each cp rank only sees its positions.
+3. Each language rank embeds its dp shard's text, scatters the modality rows in at their
+   special-token positions (`assemble`), takes its load-balanced cp chunk, runs the decoder and
+   returns its share of the loss: summed token losses over the token count of the global batch.
+
+Ranks outside the language mesh return a zero that is still connected to the bridge, so
+``model(batch).backward()`` on every rank completes the backward exchange (DESIGN: "on a rank
+outside the target mesh ... backward with zeros").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from dtensor_mimo.assemble import assemble, embed_text
+from dtensor_mimo.bridge import redistribute_many
+from dtensor_mimo.data import MimoBatch, shard
+from dtensor_mimo.layout import LANGUAGE, LayoutError, MimoLayout
+from dtensor_mimo.models import Llama, ModalityEncoder
+from dtensor_mimo.parallelize import (
+    ParallelOptions,
+    allreduce_gradients,
+    apply_fsdp,
+    parallelize_encoder,
+    parallelize_llama,
+    parallelize_projection,
+)
+from dtensor_mimo.sequence import ContextParallelAttention, shard_for_cp
+from dtensor_mimo.train.loss import loss_normalizer, token_loss_sum
+
+# Encoder output rows on a module mesh (pp, dp, cp, tp): split over dp, whole on every other dim.
+TOKEN_PLACEMENTS = (Replicate(), Shard(0), Replicate(), Replicate())
+
+
+class _ZeroConnectedTo(torch.autograd.Function):
+    """A zero loss whose backward feeds zero gradients to `ys`: off the language mesh, this runs
+    the rank's part of the bridge's backward exchange (DTensor's ``to_local`` cannot be used
+    there: its backward rebuilds the gradient with a mismatched stride on non-member ranks)."""
+
+    @staticmethod
+    def forward(ctx, device: torch.device, *ys: DTensor) -> torch.Tensor:
+        ctx.ys = ys
+        return torch.zeros((), device=device)
+
+    @staticmethod
+    def backward(ctx, _grad: torch.Tensor):
+        return (None, *(torch.zeros_like(y) for y in ctx.ys))
+
+
+class _LanguageStep(nn.Module):
+    """The language side of one step: embed, assemble, cp-shard, decode. The FSDP root of the
+    language model, so that the text embedding (called before the decoder blocks) is unsharded."""
+
+    def __init__(self, llama: Llama, cp_size: int, cp_rank: int) -> None:
+        super().__init__()
+        self.llama = llama
+        self.cp_size, self.cp_rank = cp_size, cp_rank
+
+    def forward(
+        self, batch: MimoBatch, modality_embeddings: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Logits of this rank's rows, with the labels and loss mask of the same rows."""
+        ids = batch.special_token_ids
+        text = embed_text(self.llama.tok_embeddings, batch.tokens, ids)
+        if isinstance(text, DTensor):  # vocab-parallel embedding under sp: sequence-sharded
+            text = text.full_tensor()
+        h = assemble(text, batch.tokens, modality_embeddings, ids)
+        rows = dict(labels=batch.labels, loss_mask=batch.loss_mask, positions=batch.positions,
+                    document_ids=batch.document_ids)
+        sequence_index = None
+        if self.cp_size > 1:
+            chunk = shard_for_cp(self.cp_size, self.cp_rank, embeddings=h, **rows)
+            h, sequence_index = chunk.embeddings, chunk.sequence_index
+            rows = {k: getattr(chunk, k) for k in rows}
+        logits = self.llama(h=h, positions=rows["positions"], document_ids=rows["document_ids"],
+                            sequence_index=sequence_index)
+        return logits, rows["labels"], rows["loss_mask"]
+
+
+class MimoModel(nn.Module):
+    """Encoders and a Llama-style language model, each parallelized on its own mesh of `layout`.
+
+    Every rank of the world builds it with the same arguments (the full modules, e.g. built
+    from a seed); each rank keeps, parallelizes and trains only the modules it is a member of.
+
+    Args:
+        layout: per-module `Parallelism` (pp must be 1 here; encoders have cp 1).
+        language: the decoder; its name in the layout is `language_name`.
+        encoders: ``{modality: ModalityEncoder}``; each name is a layout module and a modality
+            of the batches (its special token id comes with the batch).
+        options: ``{module: ParallelOptions}`` (sp, FSDP2, compile); missing: the defaults.
+        device_type: "cpu" (gloo) or "cuda" (NCCL).
+
+    Example::
+
+        layout = MimoLayout({"vision": Parallelism(dp=2), "language": Parallelism(tp=2)})
+        model = MimoModel(layout, llama, {"vision": ModalityEncoder(vit, Projection(32, 48))},
+                          options={"language": ParallelOptions(sp=True)})
+        loss_share = model(global_batch)      # every rank, same global batch
+        loss_share.backward()                 # every rank
+        model.reduce_gradients()              # dp sums for modules without FSDP
+    """
+
+    def __init__(
+        self,
+        layout: MimoLayout,
+        language: Llama,
+        encoders: Mapping[str, ModalityEncoder],
+        *,
+        options: Mapping[str, ParallelOptions] | None = None,
+        language_name: str = LANGUAGE,
+        device_type: str = "cpu",
+    ) -> None:
+        super().__init__()
+        _check_model(layout, language, encoders, language_name, options or {})
+        if not dist.is_initialized():
+            raise RuntimeError("MimoModel needs torch.distributed initialised (torchrun + init_process_group)")
+        if not layout.meshes_ready:
+            layout.init_meshes(device_type)
+        self.layout, self.language_name = layout, language_name
+        self.encoder_names = list(encoders)
+        self.options = {name: (options or {}).get(name, ParallelOptions())
+                        for name in [*self.encoder_names, language_name]}
+        self.dim = language.config.dim
+        self.device = (torch.device(device_type) if device_type == "cpu"
+                       else torch.device(device_type, torch.accelerator.current_device_index()))
+        # Every rank must know whether an encoder trains: ranks off its mesh then join its backward.
+        self._trainable = {n: any(p.requires_grad for p in e.parameters()) for n, e in encoders.items()}
+        self.rank = dist.get_rank()
+
+        self.encoders = nn.ModuleDict()
+        for name, module in encoders.items():
+            if layout.is_member(name, self.rank):
+                self.encoders[name] = self._parallelize_encoder(name, module.to(self.device))
+        self.language = (self._parallelize_language(language.to(self.device))
+                         if layout.is_member(language_name, self.rank) else None)
+        lang = layout.parallelism(language_name)
+        self._grad_placements = (Replicate(), Shard(0), Partial() if lang.cp > 1 else Replicate(),
+                                 Replicate())
+
+    # ------------------------------------------------------------------ parallelization
+    def _meshes(self, name: str):
+        return self.layout.mesh(name, "tp"), self.layout.mesh(name, ("dp", "cp"))
+
+    def _parallelize_encoder(self, name: str, module: ModalityEncoder) -> ModalityEncoder:
+        options = self.options[name]
+        tp_mesh, dp_mesh = self._meshes(name)
+        no_fsdp = dataclasses.replace(options, fsdp=False)  # FSDP goes on the pair, below
+        parallelize_encoder(module.encoder, tp_mesh, dp_mesh, no_fsdp)
+        parallelize_projection(module.projection, tp_mesh, dp_mesh, no_fsdp)
+        if options.fsdp and dp_mesh.size() > 1:
+            blocks = [*module.encoder.layers.values(), module.projection]
+            apply_fsdp(module, dp_mesh, blocks, options.reshard_after_forward)
+        return module
+
+    def _parallelize_language(self, llama: Llama) -> _LanguageStep:
+        name, options = self.language_name, self.options[self.language_name]
+        tp_mesh, dp_mesh = self._meshes(name)
+        cp = self.layout.parallelism(name).cp
+        if cp > 1:
+            llama.set_attention_fn(ContextParallelAttention(self.layout.mesh(name, "cp")))
+        parallelize_llama(llama, tp_mesh, dp_mesh, dataclasses.replace(options, fsdp=False))
+        step = _LanguageStep(llama, cp, self.layout.coordinate(name, self.rank)["cp"])
+        if options.fsdp and dp_mesh.size() > 1:
+            apply_fsdp(step, dp_mesh, list(llama.layers.values()), options.reshard_after_forward)
+        return step
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def module_names(self) -> list[str]:
+        """Encoders in declaration order, then the language model: the same on every rank."""
+        return [*self.encoder_names, self.language_name]
+
+    def module_parameters(self, name: str) -> dict[str, nn.Parameter]:
+        """This rank's parameters of module `name`, named as in the user's module ({} off its mesh)."""
+        if name == self.language_name:
+            return {} if self.language is None else dict(self.language.llama.named_parameters())
+        return dict(self.encoders[name].named_parameters()) if name in self.encoders else {}
+
+    def holds_loss_share(self) -> bool:
+        """True on the ranks whose loss shares add up to the global loss (tp rank 0 of the LLM)."""
+        coord = self.layout.coordinate(self.language_name, self.rank)
+        return coord is not None and coord["tp"] == 0
+
+    # ------------------------------------------------------------------ one step
+    def forward(self, batch: MimoBatch) -> torch.Tensor:
+        """This rank's share of the loss of the global `batch` (call on every rank).
+
+        The shares of the language ranks (one per dp·cp coordinate; tp ranks hold copies) sum
+        to the single-process loss. Call ``.backward()`` on it on every rank where it requires
+        grad; then `reduce_gradients`.
+        """
+        self._check_batch(batch)
+        names = [n for n in self.encoder_names if n in batch.modalities]
+        xs = [self._encode(name, batch) for name in names]
+        ys = ()
+        if xs:
+            lang_mesh = self.layout.mesh(self.language_name)
+            ys = redistribute_many(
+                xs, [lang_mesh] * len(xs), [TOKEN_PLACEMENTS] * len(xs),
+                sample_sizes=[batch.tokens_per_sample(n) for n in names],
+                grad_placements=[self._grad_placements] * len(xs),
+            )
+        if self.language is None:
+            return _ZeroConnectedTo.apply(self.device, *ys)
+        embeddings = {n: y.to_local(grad_placements=self._grad_placements) for n, y in zip(names, ys)}
+        par = self.layout.parallelism(self.language_name)
+        local = shard(batch, par.dp, self.layout.coordinate(self.language_name, self.rank)["dp"])
+        logits, labels, loss_mask = self.language(local.to(self.device), embeddings)
+        return token_loss_sum(logits, labels, loss_mask) / loss_normalizer(batch)
+
+    def _encode(self, name: str, batch: MimoBatch) -> DTensor:
+        """This rank's encoder output rows (empty off the encoder's mesh) as a DTensor."""
+        shape = (batch.num_tokens(name), self.dim)
+        if name in self.encoders:
+            par = self.layout.parallelism(name)
+            items = shard(batch, par.dp, self.layout.coordinate(name, self.rank)["dp"]).modalities[name]
+            local = self.encoders[name](items.inputs.to(self.device))
+        else:
+            # DTensor's empty shard off the mesh; it requires grad when the encoder trains, so that
+            # this rank's bridge node exists and joins the backward exchange.
+            local = torch.empty(0, device=self.device, requires_grad=self._trainable[name])
+        return DTensor.from_local(local, self.layout.mesh(name), TOKEN_PLACEMENTS, run_check=False,
+                                  shape=torch.Size(shape), stride=(self.dim, 1))
+
+    def _check_batch(self, batch: MimoBatch) -> None:
+        """Pure checks on the global batch: the same verdict on every rank, before any collective."""
+        unknown = [n for n in batch.modalities if n not in self.encoder_names]
+        if unknown:
+            raise ValueError(
+                f"the batch carries modalities {unknown} that the model has no encoder for "
+                f"(encoders: {self.encoder_names}); add an encoder or drop them from the batch"
+            )
+        cp = self.layout.parallelism(self.language_name).cp
+        if cp > 1 and batch.seq_len % (2 * cp):
+            raise ValueError(
+                f"{self.language_name!r} has cp={cp}: the sequence length {batch.seq_len} must be a "
+                f"multiple of 2*cp={2 * cp} (load-balanced sharding); pad the rows"
+            )
+
+    def reduce_gradients(self) -> None:
+        """Finish this rank's gradients after backward (call on every rank).
+
+        Sums over dp (dp·cp) for modules that do not use FSDP (FSDP already did), and reduces
+        gradients that tensor parallelism left as pending partial sums (the norm weights under
+        sp) to their parameter's placements, so clipping and AdamW see ordinary shards.
+        """
+        for name in self.module_names:
+            params = self.module_parameters(name)
+            dp_mesh = self._meshes(name)[1] if params else None
+            if params and not (self.options[name].fsdp and dp_mesh.size() > 1):
+                module = self.language.llama if name == self.language_name else self.encoders[name]
+                allreduce_gradients(module, dp_mesh)
+            for param in params.values():
+                grad = param.grad
+                if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+                    param.grad = grad.redistribute(grad.device_mesh, param.placements)
+
+
+def _check_model(layout: MimoLayout, language: Llama, encoders: Mapping[str, ModalityEncoder],
+                 language_name: str, options: Mapping[str, ParallelOptions]) -> None:
+    """Pure validation of the model against the layout, before any process group is used."""
+    layout.require_mimo(language_name, encoders)
+    extra = [n for n in layout.names if n != language_name and n not in encoders]
+    if extra:
+        raise LayoutError(f"layout modules {extra} are neither the language model nor an encoder "
+                          f"(encoders: {list(encoders)}); remove them from the layout")
+    unknown = [n for n in options if n not in layout.names]
+    if unknown:
+        raise LayoutError(f"options given for {unknown}, which are not modules of the layout {layout.names}")
+    for name in layout.names:
+        par = layout.parallelism(name)
+        if par.pp != 1:
+            raise LayoutError(f"module {name!r} has pp={par.pp}; MimoModel runs pp=1 layouts "
+                              "(pipelined modules go through the pipeline schedule)")
+        if name != language_name and par.cp != 1:
+            raise LayoutError(f"encoder {name!r} has cp={par.cp}; context parallelism applies to the "
+                              "language model only: use dp for the encoder instead")
+    for name, module in encoders.items():
+        if module.out_dim != language.config.dim:
+            raise ValueError(f"encoder {name!r} projects to {module.out_dim} features but the language "
+                             f"model's dim is {language.config.dim}; set the projection's out_dim to it")

@@ -1,0 +1,13 @@
+"""Train layer: the global-batch token loss, per-module AdamW with a global clip, one train step."""
+
+from dtensor_mimo.train.loss import loss_normalizer, loss_weights, token_loss_sum
+from dtensor_mimo.train.optimizer import AdamWConfig, MimoOptimizer, grad_sumsq_shares
+
+__all__ = [
+    "AdamWConfig",
+    "MimoOptimizer",
+    "grad_sumsq_shares",
+    "loss_normalizer",
+    "loss_weights",
+    "token_loss_sum",
+]

@@ -1,0 +1,45 @@
+"""`train_step`: forward, backward, gradient reduction, global norm and clipped step, on every rank."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dtensor_mimo.data import MimoBatch
+from dtensor_mimo.mimo import MimoModel
+from dtensor_mimo.train.optimizer import MimoOptimizer, grad_sumsq_shares
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """The same numbers on every rank: global loss, global and per-module gradient norms."""
+
+    loss: float
+    grad_norm: float
+    module_grad_norms: dict[str, float]
+    skipped: bool
+
+
+def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch) -> StepMetrics:
+    """One optimizer step on the global `batch`; call on every rank with the same batch.
+
+    One small all-reduce over the world carries the loss and every module's squared gradient
+    norm, so every rank reports the same loss and takes the same clip and skip decision.
+    """
+    optimizer.zero_grad()
+    share = model(batch)
+    if share.requires_grad:
+        share.backward()
+    model.reduce_gradients()
+    loss_part = share.detach().double().reshape(1) if model.holds_loss_share() else \
+        torch.zeros(1, dtype=torch.float64, device=model.device)
+    totals = torch.cat([loss_part, grad_sumsq_shares(model)])
+    dist.all_reduce(totals)
+    loss, sumsq = totals[0].item(), totals[1:].tolist()
+    grad_norm = math.sqrt(sum(sumsq))
+    skipped = not optimizer.step(grad_norm)
+    return StepMetrics(loss, grad_norm, {n: math.sqrt(s) for n, s in zip(model.module_names, sumsq)},
+                       skipped)

@@ -1,0 +1,216 @@
+"""The whole MIMO training step on heterogeneous layouts against a single-process reference.
+
+The reference runs in the pytest process: the same modules from the same seeds, the same three
+global batches, plain autograd, `torch.nn.utils.clip_grad_norm_` over every parameter and one
+AdamW per module. The distributed run uses `MimoModel` + `train_step` on every rank. Per step we
+compare the loss, the global gradient norm, every parameter's (clipped) gradient and every
+weight after the step (fp32). Batches: 5 samples with ragged image counts (0-2 per sample), at
+least one text-only sample, random prompt masks (asymmetric loss masks); "packed" rows hold
+two documents each (positions restart, attention stays inside a document).
+
+| case          | vision (ranks)     | audio (ranks) | language (ranks)        | world | packed | notes                        |
+|---------------|--------------------|---------------|-------------------------|-------|--------|------------------------------|
+| fan_in        | dp2 (0-1)          | -             | dp1 (2)                 | 3     | no     | vision FSDP2                 |
+| fan_out       | dp1 (0)            | -             | dp2 (1-2)               | 3     | no     | LLM without FSDP (all-reduce)|
+| tp_sp         | dp2 (0-1)          | -             | tp2 + sp (2-3)          | 4     | no     |                              |
+| coloc_fan_in  | dp4 (0-3)          | -             | tp2·dp2 (0-3)           | 4     | no     | colocated                    |
+| coloc_tp      | tp2·dp2 (0-3)      | -             | tp4 (0-3)               | 4     | no     | colocated, tp change         |
+| cp            | dp2 (0-1)          | -             | cp2 (2-3)               | 4     | yes    |                              |
+| two_encoders  | dp2 (0-1)          | dp2 (0-1)     | dp2 (2-3)               | 4     | no     | encoders share ranks         |
+| coloc_cp_sp   | dp4 (0-3)          | -             | tp2·cp2 + sp (0-3)      | 4     | yes    | colocated                    |
+| eight         | dp3 (0-2)          | dp1 (3)       | tp2·dp2 + sp (4-7)      | 8     | yes    | dp3 -> dp2, compiled blocks  |
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from dtensor_mimo import (
+    AdamWConfig,
+    MimoLayout,
+    MimoModel,
+    MimoOptimizer,
+    ParallelOptions,
+    Parallelism,
+    train_step,
+)
+from dtensor_mimo.assemble import assemble, embed_text
+from dtensor_mimo.data import IGNORE_INDEX, ModalitySpec, SyntheticSpec, synthetic_batch
+from dtensor_mimo.models import (
+    AudioConfig,
+    AudioEncoder,
+    Llama,
+    LlamaConfig,
+    ModalityEncoder,
+    Projection,
+    ViT,
+    ViTConfig,
+)
+from tests.harness import run_on_ranks
+
+STEPS = 3
+SEEDS = (11, 12, 13)  # one global batch per step
+# Adam's eps bounds how much last-ulp gradient differences (sums reordered by sharding) move a
+# weight: update error <= lr * grad error / eps. A small max norm makes clipping engage.
+OPT = AdamWConfig(lr=1e-2, eps=1e-3, weight_decay=0.1, max_grad_norm=0.5)
+TOL = dict(rtol=2e-5, atol=2e-6)
+LLAMA = LlamaConfig.tiny(n_heads=8, n_kv_heads=4)  # tp4 needs kv heads divisible by 4
+VISION, AUDIO = ViTConfig.tiny(), AudioConfig.tiny()
+MODALITIES = {
+    "vision": ModalitySpec.image(VISION, special_token_id=64, max_items=2),
+    "audio": ModalitySpec.audio(AUDIO, special_token_id=65, max_items=1),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    modules: dict[str, Parallelism]
+    offsets: dict[str, int] | None = None
+    options: dict[str, ParallelOptions] = field(default_factory=dict)
+    packed: bool = False
+
+    @property
+    def encoders(self) -> tuple[str, ...]:
+        return tuple(n for n in self.modules if n != "language")
+
+    def layout(self) -> MimoLayout:
+        return MimoLayout(self.modules, offsets=self.offsets)
+
+
+P = Parallelism
+SP = ParallelOptions(sp=True)
+CASES = {
+    "fan_in": Case({"vision": P(dp=2), "language": P()}),
+    "fan_out": Case({"vision": P(), "language": P(dp=2)},
+                    options={"language": ParallelOptions(fsdp=False)}),
+    "tp_sp": Case({"vision": P(dp=2), "language": P(tp=2)}, options={"language": SP}),
+    "coloc_fan_in": Case({"vision": P(dp=4), "language": P(dp=2, tp=2)},
+                         offsets={"vision": 0, "language": 0}),
+    "coloc_tp": Case({"vision": P(dp=2, tp=2), "language": P(tp=4)},
+                     offsets={"vision": 0, "language": 0}),
+    "cp": Case({"vision": P(dp=2), "language": P(cp=2)}, packed=True),
+    "two_encoders": Case({"vision": P(dp=2), "audio": P(dp=2), "language": P(dp=2)},
+                         offsets={"vision": 0, "audio": 0, "language": 2}),
+    "coloc_cp_sp": Case({"vision": P(dp=4), "language": P(cp=2, tp=2)},
+                        offsets={"vision": 0, "language": 0}, options={"language": SP}, packed=True),
+    "eight": Case({"vision": P(dp=3), "audio": P(), "language": P(dp=2, tp=2)},
+                  options={"language": ParallelOptions(sp=True, compile=True, compile_backend="aot_eager")},
+                  packed=True),
+}
+
+
+# ------------------------------------------------------------------ shared by both runs
+
+
+def _modules(encoders: tuple[str, ...]) -> tuple[Llama, dict[str, ModalityEncoder]]:
+    llama = Llama(LLAMA)
+    llama.init_weights(1)
+    built = {}
+    for i, name in enumerate(encoders):
+        encoder = ViT(VISION) if name == "vision" else AudioEncoder(AUDIO)
+        built[name] = ModalityEncoder(encoder, Projection(32, LLAMA.dim, hidden_dim=64))
+        built[name].init_weights(100 * (i + 1))
+    return llama, built
+
+
+def _batches(encoders: tuple[str, ...], packed: bool):
+    spec = SyntheticSpec.tiny(modalities={n: MODALITIES[n] for n in encoders},
+                              documents_per_row=2 if packed else 1)
+    return [synthetic_batch(spec, seed) for seed in SEEDS]
+
+
+# ------------------------------------------------------------------ single-process reference
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(encoders: tuple[str, ...], packed: bool) -> list[dict]:
+    llama, encs = _modules(encoders)
+    modules = {**encs, "language": llama}
+    opts = {n: torch.optim.AdamW(m.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps,
+                                 weight_decay=OPT.weight_decay) for n, m in modules.items()}
+    records = []
+    for batch in _batches(encoders, packed):
+        ids = batch.special_token_ids
+        rows = {n: encs[n](m.inputs) for n, m in batch.modalities.items()}
+        h = assemble(embed_text(llama.tok_embeddings, batch.tokens, ids), batch.tokens, rows, ids)
+        logits = llama(h=h, positions=batch.positions, document_ids=batch.document_ids)
+        weight = torch.where(batch.labels == IGNORE_INDEX, 0.0, batch.loss_mask).flatten()
+        ce = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(),
+                             ignore_index=IGNORE_INDEX, reduction="none")
+        loss = (ce * weight).sum() / weight.sum()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_([p for m in modules.values() for p in m.parameters()],
+                                              OPT.max_grad_norm)
+        for opt in opts.values():
+            opt.step()
+        records.append(_record(loss.item(), norm.item(), {n: dict(m.named_parameters())
+                                                          for n, m in modules.items()}))
+        for opt in opts.values():
+            opt.zero_grad()
+    assert any(r["grad_norm"] > OPT.max_grad_norm for r in records), "clipping never engaged"
+    return records
+
+
+def _record(loss: float, norm: float, params: dict[str, dict[str, torch.Tensor]]) -> dict:
+    def full(t):  # a copy: a Replicate DTensor's full_tensor() is a view of the live parameter
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+    return {
+        "loss": loss,
+        "grad_norm": norm,
+        "grads": {f"{m}.{n}": None if p.grad is None else full(p.grad)
+                  for m, ps in params.items() for n, p in ps.items()},
+        "weights": {f"{m}.{n}": full(p) for m, ps in params.items() for n, p in ps.items()},
+    }
+
+
+# ------------------------------------------------------------------ distributed run
+
+
+def _distributed(name: str) -> list[dict] | None:
+    case = CASES[name]
+    layout = case.layout()
+    layout.init_meshes("cpu")
+    llama, encs = _modules(case.encoders)
+    model = MimoModel(layout, llama, encs, options=case.options)
+    optimizer = MimoOptimizer(model, OPT)
+    rank = dist.get_rank()
+    records = []
+    for batch in _batches(case.encoders, case.packed):
+        metrics = train_step(model, optimizer, batch)
+        assert not metrics.skipped
+        # Every module's ranks gather its full gradients and weights; its first rank reports them.
+        params = {m: model.module_parameters(m) for m in model.module_names}
+        record = _record(metrics.loss, metrics.grad_norm, params)
+        keep = {m for m in model.module_names if layout.ranks(m)[0] == rank}
+        for kind in ("grads", "weights"):
+            record[kind] = {k: v for k, v in record[kind].items() if k.split(".")[0] in keep}
+        records.append(record)
+    return records
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_training_matches_single_process(name: str) -> None:
+    case = CASES[name]
+    expected = _reference(case.encoders, case.packed)
+    per_rank = run_on_ranks(_distributed, case.layout().world_size, name, timeout=300)
+    for step, want in enumerate(expected):
+        got = {"grads": {}, "weights": {}}
+        for records in per_rank:
+            r = records[step]
+            assert r["loss"] == pytest.approx(want["loss"], rel=1e-5), f"step {step}: loss"
+            assert r["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), f"step {step}: norm"
+            for kind in got:
+                got[kind].update(r[kind])
+        for kind in got:
+            assert got[kind].keys() == want[kind].keys(), f"step {step}: {kind} names differ"
+            for param, value in want[kind].items():
+                torch.testing.assert_close(got[kind][param], value, **TOL,
+                                           msg=lambda m: f"step {step} {kind} {param}: {m}")
