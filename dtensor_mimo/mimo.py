@@ -72,10 +72,9 @@ class _LanguageStep(nn.Module):
         self.llama = llama
         self.cp_size, self.cp_rank = cp_size, cp_rank
 
-    def forward(
-        self, batch: MimoBatch, modality_embeddings: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Logits of this rank's rows, with the labels and loss mask of the same rows."""
+    def forward(self, batch: MimoBatch, modality_embeddings: dict[str, torch.Tensor],
+                normalizer: float) -> torch.Tensor:
+        """This rank's loss share: its rows' summed token losses over `normalizer`."""
         ids = batch.special_token_ids
         text = embed_text(self.llama.tok_embeddings, batch.tokens, ids)
         if isinstance(text, DTensor):  # vocab-parallel embedding under sp: sequence-sharded
@@ -90,7 +89,7 @@ class _LanguageStep(nn.Module):
             rows = {k: getattr(chunk, k) for k in rows}
         logits = self.llama(h=h, positions=rows["positions"], document_ids=rows["document_ids"],
                             sequence_index=sequence_index)
-        return logits, rows["labels"], rows["loss_mask"]
+        return token_loss_sum(logits, rows["labels"], rows["loss_mask"]) / normalizer
 
 
 class MimoModel(nn.Module):
@@ -222,8 +221,7 @@ class MimoModel(nn.Module):
         embeddings = {n: y.to_local(grad_placements=self._grad_placements) for n, y in zip(names, ys)}
         par = self.layout.parallelism(self.language_name)
         local = shard(batch, par.dp, self.layout.coordinate(self.language_name, self.rank)["dp"])
-        logits, labels, loss_mask = self.language(local.to(self.device), embeddings)
-        return token_loss_sum(logits, labels, loss_mask) / loss_normalizer(batch)
+        return self.language(local.to(self.device), embeddings, loss_normalizer(batch))
 
     def _encode(self, name: str, batch: MimoBatch) -> DTensor:
         """This rank's encoder output rows (empty off the encoder's mesh) as a DTensor."""

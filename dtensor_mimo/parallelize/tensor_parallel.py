@@ -104,8 +104,8 @@ def shard_sequence_on_entry(block: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 def to_sequence_shard(x: torch.Tensor, tp_mesh: DeviceMesh) -> DTensor:
     """A plain tensor (replicated over tp) or a DTensor on `tp_mesh` -> DTensor `Shard(1)`."""
-    if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
+    if not isinstance(x, DTensor):  # shape and stride given: nothing for dynamo to graph-break on
+        x = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False, shape=x.shape, stride=x.stride())
     elif x.device_mesh != tp_mesh:
         raise ValueError(
             f"sequence-parallel input is a DTensor on mesh {x.device_mesh}, expected the module's "
