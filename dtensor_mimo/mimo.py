@@ -142,6 +142,7 @@ class MimoModel(nn.Module):
         # Every rank must know whether an encoder trains: ranks off its mesh then join its backward.
         self._trainable = {n: any(p.requires_grad for p in e.parameters()) for n, e in encoders.items()}
         self.rank = dist.get_rank()
+        self._shapes_checked = False
 
         self.encoders = nn.ModuleDict()
         for name, module in encoders.items():
@@ -205,7 +206,7 @@ class MimoModel(nn.Module):
         to the single-process loss. Call ``.backward()`` on it on every rank where it requires
         grad; then `reduce_gradients`.
         """
-        self._check_batch(batch)
+        check_batch(self.layout, self.language_name, self.encoder_names, batch)
         names = [n for n in self.encoder_names if n in batch.modalities]
         xs = [self._encode(name, batch) for name in names]
         ys = ()
@@ -215,7 +216,11 @@ class MimoModel(nn.Module):
                 xs, [lang_mesh] * len(xs), [TOKEN_PLACEMENTS] * len(xs),
                 sample_sizes=[batch.tokens_per_sample(n) for n in names],
                 grad_placements=[self._grad_placements] * len(xs),
+                # Encoder output rows per item are fixed by each encoder's config: one world-wide
+                # shape check on the first step catches a mismatch with the batch metadata.
+                check=not self._shapes_checked,
             )
+            self._shapes_checked = True
         if self.language is None:
             return _ZeroConnectedTo.apply(self.device, *ys)
         embeddings = {n: y.to_local(grad_placements=self._grad_placements) for n, y in zip(names, ys)}
@@ -236,21 +241,6 @@ class MimoModel(nn.Module):
             local = torch.empty(0, device=self.device, requires_grad=self._trainable[name])
         return DTensor.from_local(local, self.layout.mesh(name), TOKEN_PLACEMENTS, run_check=False,
                                   shape=torch.Size(shape), stride=(self.dim, 1))
-
-    def _check_batch(self, batch: MimoBatch) -> None:
-        """Pure checks on the global batch: the same verdict on every rank, before any collective."""
-        unknown = [n for n in batch.modalities if n not in self.encoder_names]
-        if unknown:
-            raise ValueError(
-                f"the batch carries modalities {unknown} that the model has no encoder for "
-                f"(encoders: {self.encoder_names}); add an encoder or drop them from the batch"
-            )
-        cp = self.layout.parallelism(self.language_name).cp
-        if cp > 1 and batch.seq_len % (2 * cp):
-            raise ValueError(
-                f"{self.language_name!r} has cp={cp}: the sequence length {batch.seq_len} must be a "
-                f"multiple of 2*cp={2 * cp} (load-balanced sharding); pad the rows"
-            )
 
     def reduce_gradients(self) -> None:
         """Finish this rank's gradients after backward (call on every rank).
@@ -294,3 +284,20 @@ def _check_model(layout: MimoLayout, language: Llama, encoders: Mapping[str, Mod
         if module.out_dim != language.config.dim:
             raise ValueError(f"encoder {name!r} projects to {module.out_dim} features but the language "
                              f"model's dim is {language.config.dim}; set the projection's out_dim to it")
+
+
+def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str], batch: MimoBatch) -> None:
+    """Pure checks of a global batch against the model: the same verdict on every rank, raised
+    before any collective."""
+    unknown = [n for n in batch.modalities if n not in encoder_names]
+    if unknown:
+        raise ValueError(
+            f"the batch carries modalities {unknown} that the model has no encoder for "
+            f"(encoders: {encoder_names}); add an encoder or drop them from the batch"
+        )
+    cp = layout.parallelism(language_name).cp
+    if cp > 1 and batch.seq_len % (2 * cp):
+        raise ValueError(
+            f"{language_name!r} has cp={cp}: the sequence length {batch.seq_len} must be a "
+            f"multiple of 2*cp={2 * cp} (load-balanced sharding); pad the rows"
+        )

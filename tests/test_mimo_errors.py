@@ -1,0 +1,74 @@
+"""`MimoModel` refuses what it cannot run, in pure Python, naming the module and the numbers."""
+
+import pytest
+
+from dtensor_mimo import LayoutError, MimoLayout, MimoModel, ParallelOptions, Parallelism
+from dtensor_mimo.data import SyntheticSpec, synthetic_batch
+from dtensor_mimo.mimo import check_batch
+from dtensor_mimo.models import Llama, LlamaConfig, ModalityEncoder, Projection, ViT, ViTConfig
+
+P = Parallelism
+
+
+def _model_args(out_dim: int = 32):
+    llama = Llama(LlamaConfig.tiny())
+    return llama, {"vision": ModalityEncoder(ViT(ViTConfig.tiny()), Projection(32, out_dim))}
+
+
+@pytest.mark.parametrize("modules, options, match", [
+    ({"vision": P(dp=2), "language": P(pp=2)}, {}, r"module 'language' has pp=2; MimoModel runs pp=1"),
+    ({"vision": P(cp=2), "language": P()}, {}, r"encoder 'vision' has cp=2; context parallelism"),
+    ({"vision": P(), "audio": P(), "language": P()}, {},
+     r"layout modules \['audio'\] are neither the language model nor an encoder"),
+    ({"vision": P(), "language": P()}, {"lang": ParallelOptions()},
+     r"options given for \['lang'\], which are not modules"),
+    ({"vision": P()}, {}, r"needs a language module named 'language'"),
+])
+def test_layout_and_model_disagree(modules, options, match):
+    llama, encoders = _model_args()
+    with pytest.raises(LayoutError, match=match):
+        MimoModel(MimoLayout(modules), llama, encoders, options=options)
+
+
+def test_projection_width_must_match_language_model():
+    llama, encoders = _model_args(out_dim=48)
+    with pytest.raises(ValueError, match=r"encoder 'vision' projects to 48 features but the language "
+                                         r"model's dim is 32"):
+        MimoModel(MimoLayout({"vision": P(), "language": P()}), llama, encoders)
+
+
+def test_batch_with_a_modality_the_model_lacks():
+    batch = synthetic_batch(SyntheticSpec.tiny(), seed=0)  # vision and audio
+    layout = MimoLayout({"vision": P(), "language": P()})
+    with pytest.raises(ValueError, match=r"modalities \['audio'\] that the model has no encoder for"):
+        check_batch(layout, "language", ["vision"], batch)
+
+
+def test_cp_needs_sequence_multiple_of_two_cp():
+    batch = synthetic_batch(SyntheticSpec.tiny(seq_len=62, modalities={}), seed=0)
+    layout = MimoLayout({"vision": P(), "language": P(cp=2)})
+    with pytest.raises(ValueError, match=r"cp=2: the sequence length 62 must be a multiple of 2\*cp=4"):
+        check_batch(layout, "language", ["vision"], batch)
+
+
+def _encoder_disagrees_with_metadata():
+    import torch.distributed as dist
+
+    from dtensor_mimo.bridge import PlanError
+    from dtensor_mimo.data import ModalitySpec
+
+    llama, encoders = _model_args()
+    model = MimoModel(MimoLayout({"vision": P(dp=2), "language": P()}), llama, encoders)
+    wrong = ModalitySpec(64, (ViTConfig.tiny().in_channels, 16, 16), tokens_per_item=8,
+                         max_items=2)  # the ViT makes 16 tokens per image
+    batch = synthetic_batch(SyntheticSpec.tiny(modalities={"vision": wrong}), seed=0)
+    with pytest.raises(PlanError, match=r"hold a local shard whose shape disagrees with the plan"):
+        model(batch)
+    dist.barrier()  # every rank raised; none is left inside the exchange
+    return True
+
+
+def test_encoder_output_length_disagreeing_with_batch_fails_on_every_rank():
+    from tests.harness import run_on_ranks
+
+    assert run_on_ranks(_encoder_disagrees_with_metadata, 3, timeout=60) == [True] * 3
