@@ -460,7 +460,7 @@ def main() -> None:
         meta = dict(benchmark="bridge", torch=torch.__version__, backend=backend, device=device.type,
                     world_size=world, python=sys.version.split()[0], platform=platform.platform(),
                     cpus=os.cpu_count(), sizes_mib=sizes, hidden=args.hidden, ag_cap_mib=args.ag_cap_mib,
-                    elapsed_s=elapsed, argv=sys.argv[1:],
+                    elapsed_s=elapsed, argv=sys.argv[1:], glibc_tunables=os.environ.get("GLIBC_TUNABLES"),
                     target=f"redistribute <= {TARGET_FLOOR_RATIO}x floor at {TARGET_SIZE_MIB} MiB, < 1x all-gather")
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=2)
