@@ -219,6 +219,7 @@ class MimoModel(nn.Module):
                 # Encoder output rows per item are fixed by each encoder's config: one world-wide
                 # shape check on the first step catches a mismatch with the batch metadata.
                 check=not self._shapes_checked,
+                names=[(n, self.language_name) for n in names],
             )
             self._shapes_checked = True
         if self.language is None:

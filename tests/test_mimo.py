@@ -14,9 +14,9 @@ two documents each (positions restart, attention stays inside a document).
 | fan_out       | dp1 (0)            | -             | dp2 (1-2)               | 3     | no     | LLM without FSDP (all-reduce)|
 | tp_sp         | dp2 (0-1)          | -             | tp2 + sp (2-3)          | 4     | no     |                              |
 | coloc_fan_in  | dp4 (0-3)          | -             | tp2·dp2 (0-3)           | 4     | no     | colocated                    |
-| coloc_tp      | tp2·dp2 (0-3)      | -             | tp4 (0-3)               | 4     | no     | colocated, tp change         |
+| coloc_tp      | tp2·dp2 + sp (0-3) | -             | tp4 (0-3)               | 4     | no     | colocated, tp change         |
 | cp            | dp2 (0-1)          | -             | cp2 (2-3)               | 4     | yes    |                              |
-| two_encoders  | dp2 (0-1)          | dp2 (0-1)     | dp2 (2-3)               | 4     | no     | encoders share ranks         |
+| two_encoders  | dp2 (0-1)          | dp2 (0-1)     | dp2 (2-3)               | 4     | no     | shared ranks; audio all-reduce |
 | coloc_cp_sp   | dp4 (0-3)          | -             | tp2·cp2 + sp (0-3)      | 4     | yes    | colocated                    |
 | eight         | dp3 (0-2)          | dp1 (3)       | tp2·dp2 + sp (4-7)      | 8     | yes    | dp3 -> dp2, compiled blocks  |
 """
@@ -94,10 +94,11 @@ CASES = {
     "coloc_fan_in": Case({"vision": P(dp=4), "language": P(dp=2, tp=2)},
                          offsets={"vision": 0, "language": 0}),
     "coloc_tp": Case({"vision": P(dp=2, tp=2), "language": P(tp=4)},
-                     offsets={"vision": 0, "language": 0}),
+                     offsets={"vision": 0, "language": 0}, options={"vision": SP}),
     "cp": Case({"vision": P(dp=2), "language": P(cp=2)}, packed=True),
     "two_encoders": Case({"vision": P(dp=2), "audio": P(dp=2), "language": P(dp=2)},
-                         offsets={"vision": 0, "audio": 0, "language": 2}),
+                         offsets={"vision": 0, "audio": 0, "language": 2},
+                         options={"audio": ParallelOptions(fsdp=False)}),
     "coloc_cp_sp": Case({"vision": P(dp=4), "language": P(cp=2, tp=2)},
                         offsets={"vision": 0, "language": 0}, options={"language": SP}, packed=True),
     "eight": Case({"vision": P(dp=3), "audio": P(), "language": P(dp=2, tp=2)},

@@ -82,7 +82,7 @@ class Transfer:
 
 
 def start(transfers: Sequence[Transfer], *, send: bool = True, recv: bool = True) -> list[Pending]:
-    """Post every send and/or receive of ``transfers`` in ONE batch; apply local copies.
+    """Post every send and/or receive of ``transfers`` in ONE batch, then apply local copies.
 
     Several tensors (e.g. one per encoder) go in one round, in list order, so the message
     order between any two ranks is the same on both sides whatever order autograd runs
@@ -90,6 +90,7 @@ def start(transfers: Sequence[Transfer], *, send: bool = True, recv: bool = True
     runtime); local copies happen on the receiving call, which then needs ``src_local``.
     """
     ops: list[dist.P2POp] = []
+    copies = []  # (output, transfer, copy): done after posting, while the messages travel
     pendings = [Pending(t.rank_plan, t.dim) for t in transfers]
     for t, pending in zip(transfers, pendings):
         rp, dim = t.rank_plan, t.dim
@@ -101,10 +102,7 @@ def start(transfers: Sequence[Transfer], *, send: bool = True, recv: bool = True
             # The plan covers every output row except zero_fill ones; sums start from zero.
             alloc = torch.zeros if rp.reduce or rp.zero_fill else torch.empty
             out = alloc(tuple(t.out_shape), dtype=t.dtype, device=t.device)
-            for c in rp.copies:
-                target = _rows(out, dim, c.dst_lo, c.dst_hi)
-                piece = _rows(t.src_local, dim, c.src_lo, c.src_hi)
-                target.add_(piece) if rp.reduce else target.copy_(piece)
+            copies.extend((out, t, c) for c in rp.copies)
             direct = dim == 0 and not rp.reduce  # receive straight into the output rows
             for r in rp.recvs:
                 if direct:
@@ -117,6 +115,10 @@ def start(transfers: Sequence[Transfer], *, send: bool = True, recv: bool = True
                 ops.append(dist.P2POp(dist.irecv, buf, r.peer))
             pending.out = out
     works = _Works(dist.batch_isend_irecv(ops) if ops else [])
+    for out, t, c in copies:  # rows that no message touches
+        target = _rows(out, t.dim, c.dst_lo, c.dst_hi)
+        piece = _rows(t.src_local, t.dim, c.src_lo, c.src_hi)
+        target.add_(piece) if t.rank_plan.reduce else target.copy_(piece)
     for pending in pendings:
         pending.works = works
     return pendings

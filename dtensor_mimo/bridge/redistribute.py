@@ -75,13 +75,13 @@ def _check_local_shapes(locals_: Sequence[torch.Tensor | None], expected: Sequen
     flags = torch.zeros(len(specs), world, dtype=torch.int64, device=device)
     flags[:, rank] = torch.tensor(bad, dtype=torch.int64)
     dist.all_reduce(flags)
-    for i, spec in enumerate(specs):
-        if flags[i].any():
-            ranks = flags[i].nonzero().flatten().tolist()
+    for i, row in enumerate(flags.tolist()):  # one device-to-host copy
+        if any(row):
+            spec, ranks = specs[i], [r for r, bad_r in enumerate(row) if bad_r]
             mine = (f" (this rank holds {tuple(locals_[i].shape)}, the plan expects {expected[i]})"
                     if bad[i] else "")
             raise PlanError(
-                f"rank(s) {ranks} hold a local shard whose shape disagrees with the plan for source "
+                f"rank(s) {ranks} hold a local shard whose shape disagrees with the plan for "
                 f"{spec!r}{mine}; the local shards must follow the placements (and sample_sizes, if "
                 "given): build the input with distribute_tensor, or DTensor.from_local with the same sizes"
             )
@@ -156,7 +156,8 @@ class _RedistributeFunction(torch.autograd.Function):
 
 
 def _leg(x: DTensor, device_mesh: DeviceMesh, placements: Sequence[Placement],
-         sample_sizes: Sequence[int] | None, grad_placements: Sequence[Placement] | None) -> _Leg:
+         sample_sizes: Sequence[int] | None, grad_placements: Sequence[Placement] | None,
+         names: tuple[str, str]) -> _Leg:
     if not isinstance(x, DTensor):
         raise TypeError(f"redistribute expects a DTensor, got {type(x).__name__}; wrap it with "
                         "DTensor.from_local or distribute_tensor first")
@@ -169,8 +170,8 @@ def _leg(x: DTensor, device_mesh: DeviceMesh, placements: Sequence[Placement],
     if len(grad_placements) != device_mesh.ndim:
         raise PlanError(f"grad_placements {grad_placements} has {len(grad_placements)} entries for a "
                         f"{device_mesh.ndim}-d destination mesh; give one placement per mesh dim")
-    return _Leg(_spec(x.device_mesh, x.placements, extent, sample_sizes, "source"),
-                _spec(device_mesh, placements, extent, sample_sizes, "destination"),
+    return _Leg(_spec(x.device_mesh, x.placements, extent, sample_sizes, names[0]),
+                _spec(device_mesh, placements, extent, sample_sizes, names[1]),
                 x.device_mesh, device_mesh, placements, grad_placements, x.shape, x.dtype, dim)
 
 
@@ -228,13 +229,15 @@ def redistribute_many(
     sample_sizes: Sequence[Sequence[int] | None] | None = None,
     grad_placements: Sequence[Sequence[Placement] | None] | None = None,
     check: bool = True,
+    names: Sequence[tuple[str, str]] | None = None,
 ) -> tuple[DTensor, ...]:
     """`redistribute` of several tensors (e.g. one per encoder) as ONE autograd node.
 
     Forward and backward each run as one batched point-to-point round, in list order on
     every rank. Separate `redistribute` calls would leave the order of their backward
     exchanges to the autograd engine, which need not agree across ranks that share two
-    bridges. Arguments are per-tensor lists with `redistribute`'s meaning.
+    bridges. Arguments are per-tensor lists with `redistribute`'s meaning; ``names`` labels
+    each tensor's (source, destination) meshes in error messages, e.g. ``("vision", "language")``.
     """
     n = len(xs)
     if not (len(device_meshes) == len(placements) == n):
@@ -242,7 +245,8 @@ def redistribute_many(
                          f"{len(placements)} placement lists; give one of each per tensor")
     sample_sizes = [None] * n if sample_sizes is None else list(sample_sizes)
     grad_placements = [None] * n if grad_placements is None else list(grad_placements)
-    legs = tuple(_leg(*args) for args in zip(xs, device_meshes, placements, sample_sizes, grad_placements))
+    names = [("source", "destination")] * n if names is None else list(names)
+    legs = tuple(_leg(*args) for args in zip(xs, device_meshes, placements, sample_sizes, grad_placements, names))
     return _RedistributeFunction.apply(legs, check, *xs)
 
 
