@@ -142,7 +142,7 @@ class MimoModel(nn.Module):
         # Every rank must know whether an encoder trains: ranks off its mesh then join its backward.
         self._trainable = {n: any(p.requires_grad for p in e.parameters()) for n, e in encoders.items()}
         self.rank = dist.get_rank()
-        self._shapes_checked = False
+        self._shapes_checked: set[str] = set()  # modalities whose encoder output was checked
 
         self.encoders = nn.ModuleDict()
         for name, module in encoders.items():
@@ -217,11 +217,12 @@ class MimoModel(nn.Module):
                 sample_sizes=[batch.tokens_per_sample(n) for n in names],
                 grad_placements=[self._grad_placements] * len(xs),
                 # Encoder output rows per item are fixed by each encoder's config: one world-wide
-                # shape check on the first step catches a mismatch with the batch metadata.
-                check=not self._shapes_checked,
+                # shape check the first time a modality is seen catches a mismatch with the
+                # batch metadata (names: the same on every rank, so every rank agrees to check).
+                check=not self._shapes_checked.issuperset(names),
                 names=[(n, self.language_name) for n in names],
             )
-            self._shapes_checked = True
+            self._shapes_checked.update(names)
         if self.language is None:
             return _ZeroConnectedTo.apply(self.device, *ys)
         embeddings = {n: y.to_local(grad_placements=self._grad_placements) for n, y in zip(names, ys)}
