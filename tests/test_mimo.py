@@ -18,6 +18,8 @@ two documents each (positions restart, attention stays inside a document).
 | cp            | dp2 (0-1)          | -             | cp2 (2-3)               | 4     | yes    |                              |
 | two_encoders  | dp2 (0-1)          | dp2 (0-1)     | dp2 (2-3)               | 4     | no     | shared ranks; audio all-reduce |
 | coloc_cp_sp   | dp4 (0-3)          | -             | tp2·cp2 + sp (0-3)      | 4     | yes    | colocated                    |
+| frozen_vit    | dp2 (0-1), ViT frozen | -          | dp1 (2)                 | 3     | no     | only the projection trains   |
+| frozen_vision | dp4 (0-3), frozen  | -             | tp2·dp2 (0-3)           | 4     | no     | colocated; no backward bridge|
 | eight         | dp3 (0-2)          | dp1 (3)       | tp2·dp2 + sp (4-7)      | 8     | yes    | dp3 -> dp2, compiled blocks  |
 """
 
@@ -75,6 +77,7 @@ class Case:
     offsets: dict[str, int] | None = None
     options: dict[str, ParallelOptions] = field(default_factory=dict)
     packed: bool = False
+    frozen: tuple[str, ...] = ()  # parameter-name prefixes that do not train, e.g. "vision.encoder"
 
     @property
     def encoders(self) -> tuple[str, ...]:
@@ -101,6 +104,9 @@ CASES = {
                          options={"audio": ParallelOptions(fsdp=False)}),
     "coloc_cp_sp": Case({"vision": P(dp=4), "language": P(cp=2, tp=2)},
                         offsets={"vision": 0, "language": 0}, options={"language": SP}, packed=True),
+    "frozen_vit": Case({"vision": P(dp=2), "language": P()}, frozen=("vision.encoder",)),
+    "frozen_vision": Case({"vision": P(dp=4), "language": P(dp=2, tp=2)}, offsets={"vision": 0, "language": 0},
+                          frozen=("vision",)),
     "eight": Case({"vision": P(dp=3), "audio": P(), "language": P(dp=2, tp=2)},
                   options={"language": ParallelOptions(sp=True, compile=True, compile_backend="aot_eager")},
                   packed=True),
@@ -110,7 +116,7 @@ CASES = {
 # ------------------------------------------------------------------ shared by both runs
 
 
-def _modules(encoders: tuple[str, ...]) -> tuple[Llama, dict[str, ModalityEncoder]]:
+def _modules(encoders: tuple[str, ...], frozen: tuple[str, ...] = ()) -> tuple[Llama, dict[str, ModalityEncoder]]:
     llama = Llama(LLAMA)
     llama.init_weights(1)
     built = {}
@@ -118,6 +124,9 @@ def _modules(encoders: tuple[str, ...]) -> tuple[Llama, dict[str, ModalityEncode
         encoder = ViT(VISION) if name == "vision" else AudioEncoder(AUDIO)
         built[name] = ModalityEncoder(encoder, Projection(32, LLAMA.dim, hidden_dim=64))
         built[name].init_weights(100 * (i + 1))
+        for pname, p in built[name].named_parameters():
+            if f"{name}.{pname}".startswith(frozen):
+                p.requires_grad_(False)
     return llama, built
 
 
@@ -131,8 +140,8 @@ def _batches(encoders: tuple[str, ...], packed: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(encoders: tuple[str, ...], packed: bool) -> list[dict]:
-    llama, encs = _modules(encoders)
+def _reference(encoders: tuple[str, ...], packed: bool, frozen: tuple[str, ...]) -> list[dict]:
+    llama, encs = _modules(encoders, frozen)
     modules = {**encs, "language": llama}
     opts = {n: torch.optim.AdamW(m.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps,
                                  weight_decay=OPT.weight_decay) for n, m in modules.items()}
@@ -179,7 +188,7 @@ def _distributed(name: str) -> list[dict] | None:
     case = CASES[name]
     layout = case.layout()
     layout.init_meshes("cpu")
-    llama, encs = _modules(case.encoders)
+    llama, encs = _modules(case.encoders, case.frozen)
     model = MimoModel(layout, llama, encs, options=case.options)
     optimizer = MimoOptimizer(model, OPT)
     rank = dist.get_rank()
@@ -200,7 +209,7 @@ def _distributed(name: str) -> list[dict] | None:
 @pytest.mark.parametrize("name", list(CASES))
 def test_training_matches_single_process(name: str) -> None:
     case = CASES[name]
-    expected = _reference(case.encoders, case.packed)
+    expected = _reference(case.encoders, case.packed, case.frozen)
     per_rank = run_on_ranks(_distributed, case.layout().world_size, name, timeout=300)
     for step, want in enumerate(expected):
         got = {"grads": {}, "weights": {}}
@@ -213,5 +222,8 @@ def test_training_matches_single_process(name: str) -> None:
         for kind in got:
             assert got[kind].keys() == want[kind].keys(), f"step {step}: {kind} names differ"
             for param, value in want[kind].items():
+                if value is None:  # a frozen parameter
+                    assert got[kind][param] is None, f"step {step}: frozen {param} got a gradient"
+                    continue
                 torch.testing.assert_close(got[kind][param], value, **TOL,
                                            msg=lambda m: f"step {step} {kind} {param}: {m}")
