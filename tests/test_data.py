@@ -405,6 +405,7 @@ BATCH_ERRORS = [
      "labels has shape [2, 5] but tokens have [2, 6]; every per-token field is [B, S]"),
     ("positions shape", dict(positions=torch.zeros(6, 2, dtype=torch.int64)),
      "positions has shape [6, 2] but tokens have [2, 6]"),
+    ("labels dtype", dict(labels=torch.zeros(2, 6)), "labels must be int64 like tokens, got torch.float32"),
     ("loss mask dtype", dict(loss_mask=torch.ones(2, 6, dtype=torch.int64)),
      "loss_mask must be float or bool, got torch.int64"),
     ("items_per_sample length", dict(modalities={"vision": _modality(items_per_sample=[3])}),
@@ -427,6 +428,11 @@ BATCH_ERRORS = [
 def test_batch_errors(case, overrides, message):
     with pytest.raises(BatchError, match=re.escape(message)):
         _batch(**overrides)
+
+
+def test_item_counts_must_be_integers():
+    with pytest.raises(BatchError, match=re.escape("items_per_sample [1.7, 1] and tokens_per_item 2 must be integers")):
+        _modality(items_per_sample=[1.7, 1])
 
 
 def test_batch_query_and_split_errors():

@@ -53,8 +53,9 @@ def _non_member_submesh_error():
     layout.init_meshes("cpu")
     if layout.is_member("language", dist.get_rank()):
         return None
-    with pytest.raises(RuntimeError, match=r"is not in module 'language' \(ranks 4..7\)"):
-        layout.mesh("language", "tp")
+    for dims in ("tp", ("dp", "cp"), ("cp", "dp")):
+        with pytest.raises(RuntimeError, match=r"is not in module 'language' \(ranks 4..7\)"):
+            layout.mesh("language", dims)
     return "raised"
 
 

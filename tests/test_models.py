@@ -454,6 +454,8 @@ def test_audio_output_length_matches_encoder(strides):
         mels = torch.randn(2, 8, t, dtype=torch.float64)
         assert model(mels).shape == (2, model.config.output_length(t), 32)
     assert AudioConfig(conv_strides=(1, 2)).output_length(3000) == 1500  # Whisper's 1500 tokens
+    with pytest.raises(ValueError, match=r"conv_strides=\(2,\) must be two strides >= 1"):
+        AudioConfig(conv_strides=(2,))
     with pytest.raises(ValueError, match="max_frames=32"):
         model(torch.randn(1, 8, 33, dtype=torch.float64))
 

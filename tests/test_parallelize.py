@@ -187,7 +187,7 @@ def _train(case: Case, modules, batch, *, rows: slice, ctx=None) -> list[dict]:
         else:
             leaf, leaf_full_index = None, None
             feats = modules["model"](batch["x"][rows])
-            record["encoder_out"] = feats.detach().clone()
+            record["encoder_out"] = (rows, feats.detach().clone())
             record["encoder_out_is_dtensor"] = isinstance(feats, DTensor)
             out = modules["proj"](feats)
         loss = _loss(out, batch, rows, count)
@@ -248,7 +248,8 @@ def _check_case(name: str) -> dict[str, float]:
             close(f"input_grad step {step}", grad, r["input_grad"][1][index])
         if "encoder_out" in p:
             assert not p["encoder_out_is_dtensor"], f"{name}: encoder output must be a plain tensor"
-            close(f"encoder_out step {step}", p["encoder_out"], r["encoder_out"])
+            rows, out = p["encoder_out"]
+            close(f"encoder_out step {step}", out, r["encoder_out"][1][rows])
         assert p["grads"].keys() == r["grads"].keys(), f"{name}: parameter names differ"
         for param, g in p["grads"].items():
             close(f"grad step {step} {param}", g, r["grads"][param])
@@ -259,5 +260,11 @@ def _check_case(name: str) -> dict[str, float]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_single_process(name: str) -> None:
-    results = run_on_ranks(_check_case, CASES[name].world, name, timeout=120)
-    print(name, "worst abs errors:", {k: f"{v:.1e}" for k, v in results[0].items()})
+    run_on_ranks(_check_case, CASES[name].world, name, timeout=120)
+
+
+def test_options_are_validated():
+    with pytest.raises(TypeError, match=r"\{'sp': 'yes'\} must be True or False"):
+        ParallelOptions(sp="yes")
+    with pytest.raises(TypeError, match=r"compile_backend=None must be a backend name"):
+        ParallelOptions(compile_backend=None)

@@ -87,7 +87,14 @@ class ModalityInputs:
     special_token_id: int
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "items_per_sample", tuple(int(n) for n in self.items_per_sample))
+        counts = tuple(self.items_per_sample)
+        if not all(isinstance(n, int) or (torch.is_tensor(n) and not n.is_floating_point())
+                   for n in [*counts, self.tokens_per_item]):
+            raise BatchError(
+                f"items_per_sample {list(counts)} and tokens_per_item {self.tokens_per_item!r} must "
+                f"be integers"
+            )
+        object.__setattr__(self, "items_per_sample", tuple(int(n) for n in counts))
 
     @property
     def num_items(self) -> int:
@@ -208,6 +215,10 @@ class MimoBatch:
                 f"tokens must be [B, S] int64, got {list(self.tokens.shape)} {self.tokens.dtype}"
             )
         shape = tuple(self.tokens.shape)
+        for name in ("labels", "document_ids", "positions"):
+            t = getattr(self, name)
+            if t is not None and t.dtype != torch.int64:
+                raise BatchError(f"{name} must be int64 like tokens, got {t.dtype}")
         for name in ("labels", "loss_mask", "document_ids", "positions"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != shape:
@@ -343,14 +354,15 @@ class SyntheticSpec:
                 f"SyntheticSpec: vocab_size={self.vocab_size} leaves no text id besides the "
                 f"special ids {ids}"
             )
+        negative = {n: m.max_items for n, m in self.modalities.items() if m.max_items < 0}
+        if negative:
+            raise ValueError(f"SyntheticSpec: max_items must be >= 0, got {negative}")
         longest = sum(m.max_items * m.tokens_per_item for m in self.modalities.values())
         if longest > self.seq_len:
             raise ValueError(
                 f"SyntheticSpec: a sample with max_items of every modality needs {longest} "
                 f"special tokens but seq_len is {self.seq_len}"
             )
-        if any(m.max_items < 0 for m in self.modalities.values()):
-            raise ValueError("SyntheticSpec: max_items must be >= 0")
         if not 0 <= self.text_only_samples <= self.batch_size:
             raise ValueError(
                 f"SyntheticSpec: text_only_samples={self.text_only_samples} must be in "

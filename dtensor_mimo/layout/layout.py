@@ -265,8 +265,9 @@ class MimoLayout:
     def mesh(self, name: str, dims: str | tuple[str, ...] | None = None):
         """The module's DeviceMesh (dims pp, dp, cp, tp), or a sub-mesh such as ``("dp", "cp")``.
 
-        Sub-meshes of several dims are flattened views (e.g. ``"dp_cp"`` for FSDP over dp·cp),
-        built up front by `init_meshes` so that no rank ever creates a group alone.
+        ``("dp", "cp")`` (or ``"dp_cp"``) is the flattened dp·cp mesh for FSDP, built up front
+        by `init_meshes` so that no rank ever creates a group alone; other dims are slices.
+        Sub-meshes exist on the module's members only.
         """
         if self._meshes is None:
             raise RuntimeError("call layout.init_meshes(device_type) on every rank before layout.mesh()")

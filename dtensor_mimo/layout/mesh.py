@@ -52,9 +52,7 @@ class ModuleMeshes:
         if dims is None:
             return mesh
         dims = (dims,) if isinstance(dims, str) else tuple(dims)
-        if dims in (("dp_cp",), ("dp", "cp")):
-            return self._roots[name]["dp_cp"]
-        unknown = [d for d in dims if d not in MESH_DIMS]
+        unknown = [d for d in dims if d not in (*MESH_DIMS, "dp_cp")]
         if unknown:
             raise KeyError(f"unknown mesh dim(s) {unknown} for module {name!r}; dims are {list(MESH_DIMS)} or 'dp_cp'")
         if mesh.get_coordinate() is None:
@@ -63,6 +61,8 @@ class ModuleMeshes:
                 f"rank {rank} is not in module {name!r} (ranks {ranks[0]}..{ranks[-1]}): sub-meshes "
                 f"{dims} exist only on its members; check layout.is_member({name!r}, rank) first"
             )
+        if set(dims) in ({"dp_cp"}, {"dp", "cp"}):  # flat dp·cp (FSDP), in either order
+            return self._roots[name]["dp_cp"]
         return mesh[dims]
 
 

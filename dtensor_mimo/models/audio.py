@@ -38,6 +38,11 @@ class AudioConfig:
             raise ValueError(
                 f"AudioConfig: dim={self.dim} must be divisible by n_heads={self.n_heads}"
             )
+        if len(self.conv_strides) != 2 or any(s < 1 for s in self.conv_strides):
+            raise ValueError(
+                f"AudioConfig: conv_strides={self.conv_strides} must be two strides >= 1 "
+                f"(one per convolution)"
+            )
 
     def output_length(self, num_frames: int) -> int:
         """Encoder output length (audio tokens per clip) for `num_frames` input frames."""

@@ -213,6 +213,8 @@ class Llama(nn.Module):
             `[B, S, vocab_size]` logits, or hidden states `[B, S, dim]` when `output` is None
             (normalised unless `norm` is None too).
         """
+        if h is not None and tokens is not None:
+            raise ValueError("Llama.forward: pass token ids `tokens` or embeddings `h`, not both")
         if h is None:
             if tokens is None:
                 raise ValueError("Llama.forward: pass token ids `tokens` or embeddings `h`")

@@ -56,16 +56,24 @@ def allreduce_gradients(module: nn.Module, dp_mesh: DeviceMesh | None) -> None:
 
     Call after backward, before clipping and the optimizer step, on every rank of the mesh.
     DTensor (tensor-parallel) gradients are reduced shard by shard: each tp rank sums its own
-    shard with the same shard on the other dp replicas. One flat all-reduce per dtype. A mesh of
-    size 1 or None does nothing.
+    shard with the same shard on the other dp replicas. One flat all-reduce per dtype (plus one
+    of presence flags). A mesh of size 1 or None does nothing.
     """
     if dp_mesh is None or dp_mesh.size() == 1:
         return
     group = dp_mesh.get_group()
+    params = [p for p in module.parameters() if p.requires_grad]
+    # A parameter unused on one dp rank (no gradient) may be used on another: agree on which
+    # gradients exist, so every rank reduces the same flat buffers; unused everywhere stays None.
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                           device=params[0].device if params else dp_mesh.device_type)
+    dist.all_reduce(present, op=dist.ReduceOp.MAX, group=group)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for param in module.parameters():
-        if param.grad is None:
+    for param, used in zip(params, present.tolist()):
+        if not used:
             continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
         grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
         by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():

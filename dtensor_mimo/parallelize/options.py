@@ -28,3 +28,12 @@ class ParallelOptions:
     compile: bool = False
     compile_backend: str = "inductor"
     reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        flags = {n: getattr(self, n) for n in ("sp", "fsdp", "compile", "reshard_after_forward")}
+        wrong = {n: v for n, v in flags.items() if not isinstance(v, bool)}
+        if wrong:
+            raise TypeError(f"ParallelOptions: {wrong} must be True or False")
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            raise TypeError(f"ParallelOptions: compile_backend={self.compile_backend!r} must be a "
+                            "backend name such as 'inductor' or 'aot_eager'")

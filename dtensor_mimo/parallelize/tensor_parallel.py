@@ -12,7 +12,7 @@ Activation contract of a parallelized block (the residual stream between blocks)
   `use_local_output=False`: a residual add of a DTensor and a local tensor would fail.
 
 The first block of a module also accepts a plain tensor replicated over tp under sp, or a DTensor
-with any placement on the tp mesh (`sequence_shard_input` hook); it reshards it to `Shard(1)`
+with any placement on the tp mesh (`shard_sequence_on_entry`); it reshards it to `Shard(1)`
 locally (a slice, no communication; its gradient is all-gathered, so the caller's gradient is the
 full, replicated one). `replicated_local_output` turns whatever a module returns back into a plain
 tensor replicated over tp, the form every module hands to the next one.
