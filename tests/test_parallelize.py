@@ -268,3 +268,31 @@ def test_options_are_validated():
         ParallelOptions(sp="yes")
     with pytest.raises(TypeError, match=r"compile_backend=None must be a backend name"):
         ParallelOptions(compile_backend=None)
+
+
+# --------------------------------------------------------------------------------------------
+# init_weights on an already parallelized model: each shard gets its part of the full value
+# --------------------------------------------------------------------------------------------
+
+
+def _init_after_parallelize(par: Parallelism) -> bool:
+    reference = Llama(LlamaConfig.tiny())
+    reference.init_weights(SEED)
+    layout = MimoLayout({"m": par})
+    layout.init_meshes("cpu")
+    model = Llama(LlamaConfig.tiny())  # PyTorch's default init: different from the reference
+    parallelize_module_for(model, layout.mesh("m", "tp"), layout.mesh("m", ("dp", "cp")))
+    model.init_weights(SEED)
+    expected = dict(reference.named_parameters())
+    sharded = 0
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        sharded += isinstance(param, DTensor)
+        torch.testing.assert_close(full, expected[name], rtol=0, atol=0, msg=name)
+    return sharded > 0
+
+
+@pytest.mark.parametrize("par", [Parallelism(tp=2), Parallelism(dp=2), Parallelism(dp=2, tp=2)],
+                         ids=["tp2", "fsdp_dp2", "fsdp_dp2_tp2"])
+def test_init_weights_after_parallelize_matches_single_process(par: Parallelism) -> None:
+    assert run_on_ranks(_init_after_parallelize, par.size, par, timeout=120) == [True] * par.size
