@@ -296,3 +296,16 @@ def _init_after_parallelize(par: Parallelism) -> bool:
                          ids=["tp2", "fsdp_dp2", "fsdp_dp2_tp2"])
 def test_init_weights_after_parallelize_matches_single_process(par: Parallelism) -> None:
     assert run_on_ranks(_init_after_parallelize, par.size, par, timeout=120) == [True] * par.size
+
+
+def test_sizes_tensor_parallel_cannot_split_are_named():
+    from dtensor_mimo.parallelize.tensor_parallel import check_divisible
+
+    with pytest.raises(ValueError, match=r"Llama: tensor parallel over tp=4 needs these sizes divisible "
+                                         r"by 4: n_kv_heads=2, vocab_size=66; choose a tp that divides them"):
+        check_divisible("Llama", {"n_heads": 8, "n_kv_heads": 2, "vocab_size": 66}, 4)
+
+
+def test_unknown_module_kind_is_refused():
+    with pytest.raises(TypeError, match=r"no plan for Linear; supported: Llama, ViT, AudioEncoder"):
+        parallelize_module_for(torch.nn.Linear(2, 2), None, None)
