@@ -15,11 +15,22 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-__all__ = ["AssemblyError", "assemble", "embed_text", "mask_special_tokens"]
+__all__ = ["AssemblyError", "assemble", "embed_text", "mask_special_tokens", "special_id_clash"]
 
 
 class AssemblyError(ValueError):
     """Embeddings and tokens that cannot be assembled: names the modality and the numbers."""
+
+
+def special_id_clash(special_token_ids: Mapping[str, int]) -> str | None:
+    """The error message when two modalities share a special token id, else None."""
+    owner: dict[int, str] = {}
+    for name, token_id in special_token_ids.items():
+        if token_id in owner:
+            return (f"modalities {owner[token_id]!r} and {name!r} share special token id {token_id}; "
+                    f"each modality needs its own id")
+        owner[token_id] = name
+    return None
 
 
 def mask_special_tokens(
@@ -61,14 +72,9 @@ def _check(
             f"must be [B, S, H] and [B, S] with the same B and S"
         )
     hidden = text_embeddings.shape[-1]
-    owner: dict[int, str] = {}
-    for name, token_id in special_token_ids.items():
-        if token_id in owner:
-            raise AssemblyError(
-                f"modalities {owner[token_id]!r} and {name!r} share special token id {token_id}; "
-                f"each modality needs its own id"
-            )
-        owner[token_id] = name
+    clash = special_id_clash(special_token_ids)
+    if clash:
+        raise AssemblyError(clash)
     for name, emb in modality_embeddings.items():
         if name not in special_token_ids:
             raise AssemblyError(

@@ -373,7 +373,7 @@ def test_property_forward_matches_reference(case):
 @given(layouts(), st.data())
 def test_property_backward_matches_reference(case, data):
     src, dst, world = case
-    (s, sref), (d, _) = side(*src), side(*dst)
+    (s, _), (d, _) = side(*src), side(*dst)
     shard = next((x for x in list(src[2]) + list(dst[2]) if isinstance(x, Shard)), S)
     grad = tuple(data.draw(st.sampled_from([shard, R, P])) for _ in dst[0])
     d_shape, d_ranks, _, extent, d_sizes = dst

@@ -117,7 +117,6 @@ def _distinct(side: Side, coord, placements) -> bool:
 
 def _run_case(name):
     case = CASES[name]
-    rank = dist.get_rank()
     src_mesh, dst_mesh = _mesh(case.src), _mesh(case.dst)
     gen = torch.Generator().manual_seed(1234)
     X = torch.randn(case.shape, generator=gen, dtype=torch.float64)
@@ -230,7 +229,6 @@ def _two_encoders_share_ranks():
 
     Both backward exchanges run between the same rank pairs; one autograd node orders them.
     """
-    rank = dist.get_rank()
     enc = DeviceMesh("cpu", torch.arange(0, 2), mesh_dim_names=("dp",))
     lang = DeviceMesh("cpu", torch.arange(2, 6).reshape(2, 2), mesh_dim_names=("dp", "tp"))
     gen = torch.Generator().manual_seed(7)

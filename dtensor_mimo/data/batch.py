@@ -26,6 +26,7 @@ from typing import Mapping
 
 import torch
 
+from dtensor_mimo.assemble import special_id_clash
 from dtensor_mimo.models.audio import AudioConfig
 from dtensor_mimo.models.vit import ViTConfig
 
@@ -229,14 +230,10 @@ class MimoBatch:
         if not (self.loss_mask.dtype == torch.bool or self.loss_mask.is_floating_point()):
             raise BatchError(f"loss_mask must be float or bool, got {self.loss_mask.dtype}")
         b = shape[0]
-        owner: dict[int, str] = {}
+        clash = special_id_clash(self.special_token_ids)
+        if clash:
+            raise BatchError(clash)
         for name, m in self.modalities.items():
-            if m.special_token_id in owner:
-                raise BatchError(
-                    f"modalities {owner[m.special_token_id]!r} and {name!r} share special token "
-                    f"id {m.special_token_id}; each modality needs its own id"
-                )
-            owner[m.special_token_id] = name
             if len(m.items_per_sample) != b:
                 raise BatchError(
                     f"{name!r}: items_per_sample has {len(m.items_per_sample)} entries for a "

@@ -9,6 +9,7 @@ dp with gradients summed, optional per-block torch.compile.
 | encoders.py         | ViT / audio: `parallelize_encoder`; `parallelize_projection`     |
 | fsdp.py             | `apply_fsdp` (sum over dp), `allreduce_gradients`                |
 | compile.py          | `compile_blocks`                                                 |
+| stack.py            | `parallelize_stack`: tp, then per-block compile, then FSDP2      |
 | apply.py            | `parallelize_module_for`: dispatch on the module kind            |
 """
 

@@ -23,15 +23,15 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtensor_mimo.models import AudioEncoder, Projection, ViT
-from dtensor_mimo.parallelize.compile import compile_blocks
 from dtensor_mimo.parallelize.fsdp import apply_fsdp
 from dtensor_mimo.parallelize.options import ParallelOptions
+from dtensor_mimo.parallelize.stack import parallelize_stack
 from dtensor_mimo.parallelize.tensor_parallel import (
     SEQUENCE_DIM,
     block_plan,
     check_divisible,
+    parallelize_blocks,
     replicated_local_output,
-    shard_sequence_on_entry,
     tp_size,
 )
 
@@ -47,13 +47,7 @@ def parallelize_encoder(
     `tp_mesh`: the module's "tp" sub-mesh (None or size 1: no tensor parallel); `dp_mesh`: its
     "dp" sub-mesh (dp·cp if the encoder has cp). Same mesh rules as `parallelize_llama`.
     """
-    if tp_size(tp_mesh) > 1:
-        apply_encoder_tp(model, tp_mesh, sp=options.sp)
-    if options.compile:
-        compile_blocks(model.layers, options.compile_backend)
-    if options.fsdp and dp_mesh is not None and dp_mesh.size() > 1:
-        apply_fsdp(model, dp_mesh, list(model.layers.values()), options.reshard_after_forward)
-    return model
+    return parallelize_stack(model, tp_mesh, dp_mesh, options, apply_encoder_tp)
 
 
 def apply_encoder_tp(model: ViT | AudioEncoder, tp_mesh: DeviceMesh, *, sp: bool) -> None:
@@ -73,10 +67,7 @@ def apply_encoder_tp(model: ViT | AudioEncoder, tp_mesh: DeviceMesh, *, sp: bool
         mlp_rowwise="fc2",
         norms=("norm1", "norm2"),
     )
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, layer_plan)
-        if sp:
-            shard_sequence_on_entry(block, tp_mesh)
+    parallelize_blocks(model.layers.values(), tp_mesh, layer_plan, sp=sp)
     if sp:
         parallelize_module(model, tp_mesh, {"norm": SequenceParallel(sequence_dim=SEQUENCE_DIM)})
         replicated_local_output(model)

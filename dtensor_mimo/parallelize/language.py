@@ -34,16 +34,14 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtensor_mimo.models import Llama
-from dtensor_mimo.parallelize.compile import compile_blocks
-from dtensor_mimo.parallelize.fsdp import apply_fsdp
 from dtensor_mimo.parallelize.options import ParallelOptions
+from dtensor_mimo.parallelize.stack import parallelize_stack
 from dtensor_mimo.parallelize.tensor_parallel import (
     SEQUENCE_DIM,
     block_plan,
     check_divisible,
+    parallelize_blocks,
     replicated_local_output,
-    shard_sequence_on_entry,
-    tp_size,
 )
 
 
@@ -60,13 +58,7 @@ def parallelize_llama(
     over it when `options.fsdp`, else the caller sums gradients with `allreduce_gradients`.
     The meshes must share one root mesh (as `MimoLayout` builds them).
     """
-    if tp_size(tp_mesh) > 1:
-        apply_llama_tp(model, tp_mesh, sp=options.sp)
-    if options.compile:
-        compile_blocks(model.layers, options.compile_backend)
-    if options.fsdp and dp_mesh is not None and dp_mesh.size() > 1:
-        apply_fsdp(model, dp_mesh, list(model.layers.values()), options.reshard_after_forward)
-    return model
+    return parallelize_stack(model, tp_mesh, dp_mesh, options, apply_llama_tp)
 
 
 def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh, *, sp: bool) -> None:
@@ -104,9 +96,6 @@ def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh, *, sp: bool) -> None:
         mlp_rowwise="w2",
         norms=("attention_norm", "ffn_norm"),
     )
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, layer_plan)
-        if sp:
-            shard_sequence_on_entry(block, tp_mesh)
+    parallelize_blocks(model.layers.values(), tp_mesh, layer_plan, sp=sp)
     if sp:
         replicated_local_output(model)

@@ -21,7 +21,7 @@ tensor replicated over tp, the form every module hands to the next one.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    parallelize_module,
 )
 
 SEQUENCE_DIM = 1  # activations are [batch, sequence, hidden] everywhere
@@ -87,6 +88,15 @@ def block_plan(
         output_layouts=Shard(SEQUENCE_DIM), use_local_output=False
     )
     return plan
+
+
+def parallelize_blocks(blocks: Iterable[nn.Module], tp_mesh: DeviceMesh, layer_plan: dict[str, ParallelStyle],
+                       *, sp: bool) -> None:
+    """Apply `layer_plan` to every block; under sp each block also accepts a replicated input."""
+    for block in blocks:
+        parallelize_module(block, tp_mesh, layer_plan)
+        if sp:
+            shard_sequence_on_entry(block, tp_mesh)
 
 
 def shard_sequence_on_entry(block: nn.Module, tp_mesh: DeviceMesh) -> None:

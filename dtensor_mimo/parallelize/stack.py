@@ -1,0 +1,31 @@
+"""The order every transformer stack is parallelized in: tensor parallel, per-block compile, FSDP2."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtensor_mimo.parallelize.compile import compile_blocks
+from dtensor_mimo.parallelize.fsdp import apply_fsdp
+from dtensor_mimo.parallelize.options import ParallelOptions
+from dtensor_mimo.parallelize.tensor_parallel import tp_size
+
+
+def parallelize_stack(
+    model: nn.Module,
+    tp_mesh: DeviceMesh | None,
+    dp_mesh: DeviceMesh | None,
+    options: ParallelOptions,
+    apply_tp: Callable[..., None],
+) -> nn.Module:
+    """`apply_tp(model, tp_mesh, sp=...)` when tp > 1, then compile `model.layers` block by block,
+    then FSDP2 over `dp_mesh` (each block, then the rest) when asked and dp > 1; returns `model`."""
+    if tp_size(tp_mesh) > 1:
+        apply_tp(model, tp_mesh, sp=options.sp)
+    if options.compile:
+        compile_blocks(model.layers, options.compile_backend)
+    if options.fsdp and dp_mesh is not None and dp_mesh.size() > 1:
+        apply_fsdp(model, dp_mesh, list(model.layers.values()), options.reshard_after_forward)
+    return model
