@@ -4,6 +4,7 @@ from dtensor_mimo.bridge import Bridge, redistribute, redistribute_many
 from dtensor_mimo.layout import LANGUAGE, LayoutError, MimoLayout, Parallelism
 from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.parallelize import ParallelOptions
+from dtensor_mimo.schedule import PipelineConfig
 from dtensor_mimo.train import AdamWConfig, MimoOptimizer
 from dtensor_mimo.train.step import StepMetrics, train_step
 
@@ -17,6 +18,7 @@ __all__ = [
     "MimoOptimizer",
     "ParallelOptions",
     "Parallelism",
+    "PipelineConfig",
     "StepMetrics",
     "redistribute",
     "redistribute_many",

@@ -41,6 +41,13 @@ from dtensor_mimo.parallelize import (
     parallelize_llama,
     parallelize_projection,
 )
+from dtensor_mimo.schedule import (
+    LanguagePipeline,
+    PipelineConfig,
+    check_microbatching,
+    check_pipeline_layout,
+    pipelined_step,
+)
 from dtensor_mimo.sequence import ContextParallelAttention, shard_for_cp
 from dtensor_mimo.train.loss import loss_normalizer, token_loss_sum
 
@@ -99,12 +106,17 @@ class MimoModel(nn.Module):
     from a seed); each rank keeps, parallelizes and trains only the modules it is a member of.
 
     Args:
-        layout: per-module `Parallelism` (pp must be 1 here; encoders have cp 1).
+        layout: per-module `Parallelism` (encoders: pp 1 and cp 1; the language model may
+            have pp > 1 with a `pipeline`).
         language: the decoder; its name in the layout is `language_name`.
         encoders: ``{modality: ModalityEncoder}``; each name is a layout module and a modality
             of the batches (its special token id comes with the batch).
         options: ``{module: ParallelOptions}`` (sp, FSDP2, compile); missing: the defaults.
         device_type: "cpu" (gloo) or "cuda" (NCCL).
+        pipeline: microbatches and the language model's torch schedule. Needed for language
+            pp > 1; with pp = 1 and ``microbatches > 1``, encoders on ranks of their own
+            overlap their microbatches with the language model's. None (or one microbatch at
+            pp = 1): the unpipelined step.
 
     Example::
 
@@ -114,6 +126,11 @@ class MimoModel(nn.Module):
         loss_share = model(global_batch)      # every rank, same global batch
         loss_share.backward()                 # every rank
         model.reduce_gradients()              # dp sums for modules without FSDP
+
+    Pipelined (the step's forward and backward run inside the schedules)::
+
+        model = MimoModel(layout, llama, encoders, pipeline=PipelineConfig(microbatches=4))
+        loss_share = model.forward_backward(global_batch)   # every rank; or use train_step
     """
 
     def __init__(
@@ -125,9 +142,10 @@ class MimoModel(nn.Module):
         options: Mapping[str, ParallelOptions] | None = None,
         language_name: str = LANGUAGE,
         device_type: str = "cpu",
+        pipeline: PipelineConfig | None = None,
     ) -> None:
         super().__init__()
-        _check_model(layout, language, encoders, language_name, options or {})
+        _check_model(layout, language, encoders, language_name, options or {}, pipeline)
         if not dist.is_initialized():
             raise RuntimeError("MimoModel needs torch.distributed initialised (torchrun + init_process_group)")
         if not layout.meshes_ready:
@@ -144,13 +162,30 @@ class MimoModel(nn.Module):
         self.rank = dist.get_rank()
         self._shapes_checked: set[str] = set()  # modalities whose encoder output was checked
 
+        lang = layout.parallelism(language_name)
+        pipelined = pipeline is not None and (pipeline.microbatches > 1 or lang.pp > 1)
+        self.pipeline = pipeline if pipelined else None
+        # Encoders on ranks of their own overlap their microbatches with the language model's;
+        # an encoder sharing ranks with it (or a frozen one) takes the colocated three phases.
+        lang_ranks = set(layout.ranks(language_name))
+        self.overlapped = all(self._trainable.values()) and not any(
+            lang_ranks & set(layout.ranks(n)) for n in encoders)
+        self.dtype = language.tok_embeddings.weight.dtype  # what crosses the bridge
+
         self.encoders = nn.ModuleDict()
         for name, module in encoders.items():
             if layout.is_member(name, self.rank):
                 self.encoders[name] = self._parallelize_encoder(name, module.to(self.device))
-        self.language = (self._parallelize_language(language.to(self.device))
-                         if layout.is_member(language_name, self.rank) else None)
-        lang = layout.parallelism(language_name)
+        self.language: _LanguageStep | None = None
+        self.language_pipeline: LanguagePipeline | None = None
+        if layout.is_member(language_name, self.rank):
+            if self.pipeline is None:
+                self.language = self._parallelize_language(language.to(self.device))
+            else:
+                self.language_pipeline = LanguagePipeline(
+                    layout, language_name, language.to(self.device), self.options[language_name],
+                    self.pipeline, self.device)
+                self.language_stages = self.language_pipeline.stages  # registered: .parameters()
         self._grad_placements = (Replicate(), Shard(0), Partial() if lang.cp > 1 else Replicate(),
                                  Replicate())
 
@@ -190,13 +225,35 @@ class MimoModel(nn.Module):
     def module_parameters(self, name: str) -> dict[str, nn.Parameter]:
         """This rank's parameters of module `name`, named as in the user's module ({} off its mesh)."""
         if name == self.language_name:
+            if self.language_pipeline is not None:
+                return self.language_pipeline.named_parameters()
             return {} if self.language is None else dict(self.language.llama.named_parameters())
         return dict(self.encoders[name].named_parameters()) if name in self.encoders else {}
 
     def holds_loss_share(self) -> bool:
-        """True on the ranks whose loss shares add up to the global loss (tp rank 0 of the LLM)."""
+        """True on the ranks whose loss shares add up to the global loss: tp rank 0 of the
+        language model's last pipeline stage."""
         coord = self.layout.coordinate(self.language_name, self.rank)
-        return coord is not None and coord["tp"] == 0
+        last = self.layout.parallelism(self.language_name).pp - 1
+        return coord is not None and coord["tp"] == 0 and coord["pp"] == last
+
+    def forward_backward(self, batch: MimoBatch) -> torch.Tensor:
+        """Forward and backward of the global `batch` on every rank; returns this rank's loss
+        share (detached). Pipelined models run both inside the schedules; then call
+        `reduce_gradients` as after ``model(batch).backward()``."""
+        if self.pipeline is None:
+            share = self(batch)
+            if share.requires_grad:
+                share.backward()
+            return share.detach()
+        check_batch(self.layout, self.language_name, self.encoder_names, batch)
+        check_microbatching(batch.batch_size, self.pipeline.microbatches,
+                            self.layout.parallelism(self.language_name).dp, self.language_name)
+        return pipelined_step(
+            self.layout, self.language_name, batch, num_microbatches=self.pipeline.microbatches,
+            encoders=dict(self.encoders.items()), trainable=self._trainable,
+            language=self.language_pipeline, overlapped=self.overlapped,
+            normalizer=loss_normalizer(batch), dim=self.dim, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------ one step
     def forward(self, batch: MimoBatch) -> torch.Tensor:
@@ -206,6 +263,9 @@ class MimoModel(nn.Module):
         to the single-process loss. Call ``.backward()`` on it on every rank where it requires
         grad; then `reduce_gradients`.
         """
+        if self.pipeline is not None:
+            raise RuntimeError("a pipelined MimoModel runs forward and backward together: call "
+                               "model.forward_backward(batch) (or train_step) instead of model(batch)")
         check_batch(self.layout, self.language_name, self.encoder_names, batch)
         names = [n for n in self.encoder_names if n in batch.modalities]
         xs = [self._encode(name, batch) for name in names]
@@ -255,7 +315,12 @@ class MimoModel(nn.Module):
             params = self.module_parameters(name)
             dp_mesh = self._meshes(name)[1] if params else None
             if params and not (self.options[name].fsdp and dp_mesh.size() > 1):
-                module = self.language.llama if name == self.language_name else self.encoders[name]
+                if name != self.language_name:
+                    module = self.encoders[name]
+                elif self.language_pipeline is not None:
+                    module = self.language_pipeline.stages
+                else:
+                    module = self.language.llama
                 allreduce_gradients(module, dp_mesh)
             for param in params.values():
                 grad = param.grad
@@ -264,7 +329,8 @@ class MimoModel(nn.Module):
 
 
 def _check_model(layout: MimoLayout, language: Llama, encoders: Mapping[str, ModalityEncoder],
-                 language_name: str, options: Mapping[str, ParallelOptions]) -> None:
+                 language_name: str, options: Mapping[str, ParallelOptions],
+                 pipeline: PipelineConfig | None) -> None:
     """Pure validation of the model against the layout, before any process group is used."""
     layout.require_mimo(language_name, encoders)
     extra = [n for n in layout.names if n != language_name and n not in encoders]
@@ -276,12 +342,13 @@ def _check_model(layout: MimoLayout, language: Llama, encoders: Mapping[str, Mod
         raise LayoutError(f"options given for {unknown}, which are not modules of the layout {layout.names}")
     for name in layout.names:
         par = layout.parallelism(name)
-        if par.pp != 1:
-            raise LayoutError(f"module {name!r} has pp={par.pp}; MimoModel runs pp=1 layouts "
-                              "(pipelined modules go through the pipeline schedule)")
+        if name == language_name and par.pp > 1 and pipeline is None:
+            raise LayoutError(f"{name!r} has pp={par.pp}: pass pipeline=PipelineConfig(microbatches=...) "
+                              "to MimoModel (at least pp microbatches keep every stage busy)")
         if name != language_name and par.cp != 1:
             raise LayoutError(f"encoder {name!r} has cp={par.cp}; context parallelism applies to the "
                               "language model only: use dp for the encoder instead")
+    check_pipeline_layout(layout, language_name, list(encoders))
     for name, module in encoders.items():
         if module.out_dim != language.config.dim:
             raise ValueError(f"encoder {name!r} projects to {module.out_dim} features but the language "

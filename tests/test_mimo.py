@@ -25,6 +25,7 @@ two documents each (positions restart, attention stays inside a document).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ from dtensor_mimo import (
     MimoOptimizer,
     ParallelOptions,
     Parallelism,
+    PipelineConfig,
     train_step,
 )
 from dtensor_mimo.assemble import assemble, embed_text
@@ -78,6 +80,9 @@ class Case:
     options: dict[str, ParallelOptions] = field(default_factory=dict)
     packed: bool = False
     frozen: tuple[str, ...] = ()  # parameter-name prefixes that do not train, e.g. "vision.encoder"
+    pipeline: PipelineConfig | None = None
+    batch_size: int = 5
+    n_layers: int = 2  # of the language model
 
     @property
     def encoders(self) -> tuple[str, ...]:
@@ -116,8 +121,9 @@ CASES = {
 # ------------------------------------------------------------------ shared by both runs
 
 
-def _modules(encoders: tuple[str, ...], frozen: tuple[str, ...] = ()) -> tuple[Llama, dict[str, ModalityEncoder]]:
-    llama = Llama(LLAMA)
+def _modules(encoders: tuple[str, ...], frozen: tuple[str, ...] = (),
+             n_layers: int = 2) -> tuple[Llama, dict[str, ModalityEncoder]]:
+    llama = Llama(dataclasses.replace(LLAMA, n_layers=n_layers))
     llama.init_weights(1)
     built = {}
     for i, name in enumerate(encoders):
@@ -130,9 +136,10 @@ def _modules(encoders: tuple[str, ...], frozen: tuple[str, ...] = ()) -> tuple[L
     return llama, built
 
 
-def _batches(encoders: tuple[str, ...], packed: bool):
+def _batches(encoders: tuple[str, ...], packed: bool, batch_size: int = 5):
     spec = SyntheticSpec.tiny(modalities={n: MODALITIES[n] for n in encoders},
-                              documents_per_row=2 if packed else 1)
+                              documents_per_row=2 if packed else 1, batch_size=batch_size,
+                              text_only_samples=max(1, batch_size // 4))
     return [synthetic_batch(spec, seed) for seed in SEEDS]
 
 
@@ -140,13 +147,14 @@ def _batches(encoders: tuple[str, ...], packed: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(encoders: tuple[str, ...], packed: bool, frozen: tuple[str, ...]) -> list[dict]:
-    llama, encs = _modules(encoders, frozen)
+def _reference(encoders: tuple[str, ...], packed: bool, frozen: tuple[str, ...], batch_size: int = 5,
+               n_layers: int = 2) -> list[dict]:
+    llama, encs = _modules(encoders, frozen, n_layers)
     modules = {**encs, "language": llama}
     opts = {n: torch.optim.AdamW(m.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps,
                                  weight_decay=OPT.weight_decay) for n, m in modules.items()}
     records = []
-    for batch in _batches(encoders, packed):
+    for batch in _batches(encoders, packed, batch_size):
         ids = batch.special_token_ids
         rows = {n: encs[n](m.inputs) for n, m in batch.modalities.items()}
         h = assemble(embed_text(llama.tok_embeddings, batch.tokens, ids), batch.tokens, rows, ids)
@@ -184,22 +192,23 @@ def _record(loss: float, norm: float, params: dict[str, dict[str, torch.Tensor]]
 # ------------------------------------------------------------------ distributed run
 
 
-def _distributed(name: str) -> list[dict] | None:
-    case = CASES[name]
+def _distributed(case: Case) -> list[dict] | None:
     layout = case.layout()
     layout.init_meshes("cpu")
-    llama, encs = _modules(case.encoders, case.frozen)
-    model = MimoModel(layout, llama, encs, options=case.options)
+    llama, encs = _modules(case.encoders, case.frozen, case.n_layers)
+    model = MimoModel(layout, llama, encs, options=case.options, pipeline=case.pipeline)
     optimizer = MimoOptimizer(model, OPT)
     rank = dist.get_rank()
     records = []
-    for batch in _batches(case.encoders, case.packed):
+    for batch in _batches(case.encoders, case.packed, case.batch_size):
         metrics = train_step(model, optimizer, batch)
         assert not metrics.skipped
-        # Every module's ranks gather its full gradients and weights; its first rank reports them.
+        # Every module's ranks gather its full gradients and weights; the first rank of each of
+        # its pipeline stages reports them.
         params = {m: model.module_parameters(m) for m in model.module_names}
         record = _record(metrics.loss, metrics.grad_norm, params)
-        keep = {m for m in model.module_names if layout.ranks(m)[0] == rank}
+        keep = {m for m in model.module_names
+                if (c := layout.coordinate(m, rank)) is not None and c["dp"] == c["cp"] == c["tp"] == 0}
         for kind in ("grads", "weights"):
             record[kind] = {k: v for k, v in record[kind].items() if k.split(".")[0] in keep}
         records.append(record)
@@ -208,9 +217,13 @@ def _distributed(name: str) -> list[dict] | None:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_training_matches_single_process(name: str) -> None:
-    case = CASES[name]
-    expected = _reference(case.encoders, case.packed, case.frozen)
-    per_rank = run_on_ranks(_distributed, case.layout().world_size, name, timeout=300)
+    check_against_reference(CASES[name])
+
+
+def check_against_reference(case: Case) -> None:
+    """Train `case` for three steps on its ranks and compare with the single-process run."""
+    expected = _reference(case.encoders, case.packed, case.frozen, case.batch_size, case.n_layers)
+    per_rank = run_on_ranks(_distributed, case.layout().world_size, case, timeout=300)
     for step, want in enumerate(expected):
         got = {"grads": {}, "weights": {}}
         for records in per_rank:

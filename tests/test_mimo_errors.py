@@ -16,7 +16,7 @@ def _model_args(out_dim: int = 32):
 
 
 @pytest.mark.parametrize("modules, options, match", [
-    ({"vision": P(dp=2), "language": P(pp=2)}, {}, r"module 'language' has pp=2; MimoModel runs pp=1"),
+    ({"vision": P(dp=2), "language": P(pp=2)}, {}, r"'language' has pp=2: pass pipeline=PipelineConfig"),
     ({"vision": P(cp=2), "language": P()}, {}, r"encoder 'vision' has cp=2; context parallelism"),
     ({"vision": P(), "audio": P(), "language": P()}, {},
      r"layout modules \['audio'\] are neither the language model nor an encoder"),

@@ -30,9 +30,7 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch) -> 
     norm, so every rank reports the same loss and takes the same clip and skip decision.
     """
     optimizer.zero_grad()
-    share = model(batch)
-    if share.requires_grad:
-        share.backward()
+    share = model.forward_backward(batch)
     model.reduce_gradients()
     loss_part = share.detach().double().reshape(1) if model.holds_loss_share() else \
         torch.zeros(1, dtype=torch.float64, device=model.device)

@@ -1,0 +1,26 @@
+"""Schedule layer: microbatches, the language model's torch pipeline stages, and the module graph's
+step (encoder microbatches overlapping language microbatches; colocated three phases)."""
+
+from dtensor_mimo.schedule.config import (
+    SCHEDULES,
+    PipelineConfig,
+    check_microbatching,
+    check_pipeline_layout,
+    stage_layers,
+)
+from dtensor_mimo.schedule.crossing import Crossing
+from dtensor_mimo.schedule.language import LanguagePipeline, LanguageStage, llama_stage
+from dtensor_mimo.schedule.step import pipelined_step
+
+__all__ = [
+    "SCHEDULES",
+    "Crossing",
+    "LanguagePipeline",
+    "LanguageStage",
+    "PipelineConfig",
+    "check_microbatching",
+    "check_pipeline_layout",
+    "llama_stage",
+    "pipelined_step",
+    "stage_layers",
+]

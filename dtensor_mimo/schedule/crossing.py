@@ -1,0 +1,98 @@
+"""One microbatch's crossing from the encoders' meshes to the first language stage, and back.
+
+A crossing moves every encoder's output rows of ONE microbatch (a slice of the global batch,
+dp-sharded per module) in one exchange: the bridge's pure planner over the microbatch's ragged
+sizes, then one `batch_isend_irecv` per rank per direction. Source: the last pipeline stage
+of each encoder's mesh, ``(dp, cp, tp)`` with the rows split over dp. Destination: the first
+stage of the language mesh, rows split over dp and whole on every cp and tp rank; the gradient
+comes back `Partial` over cp (each cp rank only sees its positions) and replicated over tp.
+
+NCCL safety by construction: a rank posts ALL of its sends and receives of one crossing in
+ONE batch, and every rank runs the crossings of a step in the same global order: the forward
+crossings of microbatches 0..M-1, then the backward crossings 0..M-1 (torch's schedules run
+each stage's backward in microbatch order; `LanguageFeed` checks it). So the messages between
+any two ranks are posted in the same order on both sides, whatever runs between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from dtensor_mimo.bridge import MeshSpec, plan, plan_backward
+from dtensor_mimo.bridge import exchange
+from dtensor_mimo.data import MimoBatch
+from dtensor_mimo.layout import MimoLayout
+
+ROWS = (Shard(0), Replicate(), Replicate())
+"""Encoder output rows on a pipeline stage's ``(dp, cp, tp)`` slice: split over dp."""
+
+
+@dataclass(frozen=True)
+class _Leg:
+    name: str
+    src: MeshSpec
+    dst: MeshSpec
+    grad: tuple  # the gradient's placements on the destination slice
+
+
+class Crossing:
+    """The forward and backward exchanges of one microbatch, planned for this rank.
+
+    Args:
+        layout: the MIMO layout; `language` its language module.
+        microbatch: the microbatch (a global-batch slice) whose rows cross.
+        names: encoders whose rows cross, in the same order on every rank.
+        trainable: per name, whether its gradient crosses back (frozen encoders: no backward).
+        dim, dtype, device: row width, dtype and device of what crosses.
+    """
+
+    def __init__(self, layout: MimoLayout, language: str, microbatch: MimoBatch, names: Sequence[str],
+                 trainable: Sequence[bool], dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        world, self.rank = dist.get_world_size(), dist.get_rank()
+        lang = layout.parallelism(language)
+        grad = (Shard(0), Partial() if lang.cp > 1 else Replicate(), Replicate())
+        dst_grid = layout.rank_grid(language)[0]
+        self.names = list(names)
+        self.backward_names = [n for n, t in zip(names, trainable) if t]
+        self.dim, self.dtype, self.device = dim, dtype, device
+        self._forward, self._backward = [], []
+        for name in self.names:
+            sizes = tuple(microbatch.tokens_per_sample(name))
+            src = MeshSpec(layout.rank_grid(name)[-1], ROWS, sample_sizes=sizes, name=name)
+            dst = MeshSpec(dst_grid, ROWS, sample_sizes=sizes, name=language)
+            self._forward.append(plan(src, dst, world).for_rank(self.rank))
+            if name in self.backward_names:
+                self._backward.append(plan_backward(src, dst, grad, world).for_rank(self.rank))
+
+    def _start(self, names, rank_plans, locals_: Mapping[str, torch.Tensor | None], receives: bool) -> list[exchange.Pending]:
+        transfers = []
+        for name, rp in zip(names, rank_plans):
+            out = (rp.dst_rows, self.dim) if receives else None
+            local = locals_.get(name)
+            # Detached: what arrives is a new leaf on the other side, also for local copies.
+            local = None if local is None else local.detach()
+            transfers.append(exchange.Transfer(rp, 0, local, out, self.dtype, self.device))
+        return exchange.start(transfers)
+
+    def forward(self, rows: Mapping[str, torch.Tensor | None], receives: bool) -> list[exchange.Pending]:
+        """Post this rank's part of the forward exchange (its sends and receives in one batch).
+
+        `rows`: this rank's encoder output rows per encoder name (on encoder ranks).
+        `receives`: this rank is on the first language stage; ``wait()`` the results for its rows.
+        """
+        return self._start(self.names, self._forward, rows, receives)
+
+    def backward(self, grads: Mapping[str, torch.Tensor | None], receives: bool) -> list[exchange.Pending]:
+        """Post this rank's part of the backward exchange; `grads` on first-stage language ranks,
+        `receives` on encoder ranks (``wait()`` gives the gradient of their rows). Trainable
+        encoders only (`backward_names`)."""
+        return self._start(self.backward_names, self._backward, grads, receives)
+
+    def rows(self, name: str) -> int:
+        """Rows of `name` this rank sends from (its encoder output for this microbatch)."""
+        return self._forward[self.names.index(name)].src_rows

@@ -1,0 +1,93 @@
+"""How encoder rows enter the first language stage per microbatch, and how their gradients leave.
+
+The first stage's module asks the feed for microbatch i's rows when torch's schedule runs its
+forward; the rows go through `_Rows`, whose backward (run by the schedule's backward of that
+microbatch) hands their gradients back to the feed. The feed then either posts the backward
+crossing at once (encoders on other ranks: they are waiting for it, and run that microbatch's
+backward when it arrives) or keeps the gradients until the schedule is done (colocated: this
+process runs the encoder backward itself, after the language schedule).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from dtensor_mimo.bridge.exchange import Pending
+from dtensor_mimo.schedule.crossing import Crossing
+
+
+class _Rows(torch.autograd.Function):
+    """Identity on one microbatch's rows; backward gives their gradients to the feed."""
+
+    @staticmethod
+    def forward(ctx, feed: "LanguageFeed", index: int, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.feed, ctx.index = feed, index
+        return tuple(r.view_as(r) for r in rows)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        ctx.feed.gradient(ctx.index, grads)
+        return (None, None, *([None] * len(grads)))
+
+
+class LanguageFeed:
+    """Encoder rows for the first language stage, one microbatch at a time (on first-stage ranks).
+
+    Args:
+        crossings: one per microbatch.
+        received: per microbatch, the pending forward exchange (one `Pending` per encoder).
+        trainable: per encoder name (same order as the crossings' names), whether gradients go back.
+        post_gradients: True: post each microbatch's backward crossing as soon as its gradients
+            exist; False: keep them for `gradients()` (colocated encoders).
+    """
+
+    def __init__(self, crossings: Sequence[Crossing], received: Sequence[list[Pending]],
+                 trainable: Sequence[bool], post_gradients: bool) -> None:
+        self.crossings, self._received = list(crossings), list(received)
+        self.names = self.crossings[0].names if self.crossings else []
+        self.trainable = list(trainable)
+        self.post_gradients = post_gradients
+        self._grads: dict[int, dict[str, torch.Tensor]] = {}
+        self._sent: list[list[Pending]] = []
+        self._next_backward = 0
+        self._zero_like: dict[int, dict[str, torch.Tensor]] = {}
+
+    def rows(self, index: int) -> dict[str, torch.Tensor]:
+        """Microbatch `index`'s rows on this rank, ``{encoder: [rows, dim]}``, connected to the feed."""
+        outs = [p.wait() for p in self._received[index]]
+        for out, trains in zip(outs, self.trainable):
+            out.requires_grad_(trains)
+        if not any(self.trainable):
+            return dict(zip(self.names, outs))
+        self._zero_like[index] = {n: torch.zeros_like(o) for n, o in zip(self.names, outs)}
+        return dict(zip(self.names, _Rows.apply(self, index, *outs)))
+
+    def gradient(self, index: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """Called by `_Rows.backward` for microbatch `index`."""
+        if index != self._next_backward:
+            raise RuntimeError(
+                f"the language schedule ran the backward of microbatch {index} before microbatch "
+                f"{self._next_backward}; the bridge's gradient crossings must follow microbatch order "
+                "(torch's schedules do): use one of dtensor_mimo.schedule.SCHEDULES"
+            )
+        self._next_backward += 1
+        zeros = self._zero_like.pop(index)
+        full = {n: zeros[n] if g is None else g for n, g in zip(self.names, grads)}
+        grads_out = {n: g for n, g, t in zip(self.names, full.values(), self.trainable) if t}
+        if self.post_gradients:
+            self._sent.append(self.crossings[index].backward(grads_out, receives=False))
+        else:
+            self._grads[index] = grads_out
+
+    def gradients(self, index: int) -> dict[str, torch.Tensor]:
+        """The kept gradients of microbatch `index` (``post_gradients=False``)."""
+        return self._grads.pop(index, {})
+
+    def finish(self) -> None:
+        """Complete the posted gradient sends (each batch waited once)."""
+        for pendings in self._sent:
+            for p in pendings:
+                p.wait()
+        self._sent.clear()

@@ -1,0 +1,187 @@
+"""The language model as torch pipeline stages over its mesh's pp dim, run by torch's schedules.
+
+The decoder is cut into ``pp * virtual_stages`` stages (`stage_layers`); stage s lives on pp rank
+``s % pp`` (torch's looped placement) as a `PipelineStage` whose module is a `LanguageStage`:
+
+- the first stage embeds the microbatch's text, takes the encoder rows from the `LanguageFeed`,
+  scatters them in at their special tokens (`assemble`) and cuts this rank's cp chunk;
+- every stage runs its decoder layers on the cp chunk (rotary positions, causality and documents
+  come as per-microbatch keyword arguments, which torch passes to every stage);
+- the last stage applies norm and head; torch's schedule calls the loss on its logits: summed
+  token losses over the loss tokens of the GLOBAL batch, so the microbatch losses add up to the
+  single-process loss and gradients are sums (``scale_grads=False``).
+
+Each stage module is its own FSDP2 root over dp·cp (torch's stage defers the gradient
+reduce-scatter to the last microbatch), composed with the decoder's tp/sp plan and per-block
+compile exactly as at pp = 1. torch's stages have static shapes: the `PipelineStage`s and
+schedule are built per (microbatch rows, sequence length) and cached, so a new length bucket
+gets its own stages instead of a gloo abort or a stale buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.tensor import DTensor
+
+from dtensor_mimo.assemble import assemble, embed_text
+from dtensor_mimo.data import MimoBatch
+from dtensor_mimo.layout import MimoLayout
+from dtensor_mimo.models import Llama
+from dtensor_mimo.parallelize import ParallelOptions, apply_fsdp, parallelize_llama
+from dtensor_mimo.schedule.config import PipelineConfig, stage_layers
+from dtensor_mimo.sequence import ContextParallelAttention, shard_for_cp, zigzag_shard
+from dtensor_mimo.train.loss import token_loss_sum
+
+if TYPE_CHECKING:
+    from dtensor_mimo.schedule.feed import LanguageFeed
+
+
+class LanguageStage(nn.Module):
+    """One pipeline stage of the decoder (an FSDP root); `llama` holds only this stage's parts,
+    under the whole model's parameter names."""
+
+    def __init__(self, llama: Llama, first: bool, cp_size: int, cp_rank: int) -> None:
+        super().__init__()
+        self.llama, self.first = llama, first
+        self.cp_size, self.cp_rank = cp_size, cp_rank
+        self.feed: LanguageFeed | None = None  # set for each step on the first stage
+        self.special_token_ids: dict[str, int] = {}
+
+    def forward(self, x: torch.Tensor, *, microbatch: int, positions: torch.Tensor | None,
+                document_ids: torch.Tensor | None, sequence_index: torch.Tensor) -> torch.Tensor:
+        """`x`: token ids ``[b, S]`` on the first stage, else the previous stage's hidden states."""
+        if not self.first:
+            return self.llama(x, positions=positions, document_ids=document_ids,
+                              sequence_index=sequence_index)
+        ids = self.special_token_ids
+        text = embed_text(self.llama.tok_embeddings, x, ids)
+        if isinstance(text, DTensor):  # vocab-parallel embedding under sp: sequence-sharded
+            text = text.full_tensor()
+        rows = self.feed.rows(microbatch) if self.feed is not None else {}
+        h = assemble(text, x, rows, ids)
+        if self.cp_size > 1:
+            h = zigzag_shard(h, self.cp_size, self.cp_rank)
+        return self.llama(h=h, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
+
+
+def llama_stage(llama: Llama, layers: range, first: bool, last: bool) -> Llama:
+    """A `Llama` that shares `llama`'s modules for `layers` (plus the embedding on the first stage,
+    norm and head on the last); parameter names stay those of the whole model."""
+    stage = Llama.__new__(Llama)
+    nn.Module.__init__(stage)
+    stage.config = llama.config
+    stage.tok_embeddings = llama.tok_embeddings if first else None
+    stage.layers = nn.ModuleDict({str(i): llama.layers[str(i)] for i in layers})
+    stage.norm = llama.norm if last else None
+    stage.output = llama.output if last else None
+    return stage
+
+
+class LanguagePipeline:
+    """The language model's stages on this rank and torch's schedule over its pp group.
+
+    Args:
+        layout, name: the layout and the language module's name; this rank must be a member.
+        llama: the whole decoder (its stages' modules are taken from it, not copied).
+        options: the language module's `ParallelOptions`.
+        config: the `PipelineConfig`.
+        device: this rank's device.
+    """
+
+    def __init__(self, layout: MimoLayout, name: str, llama: Llama, options: ParallelOptions,
+                 config: PipelineConfig, device: torch.device) -> None:
+        par = layout.parallelism(name)
+        coord = layout.coordinate(name, torch.distributed.get_rank())
+        self.config, self.device, self.par = config, device, par
+        self.cp_rank = coord["cp"]
+        self.n_stages = config.num_stages(par.pp)
+        self.pp_group = layout.mesh(name, "pp").get_group()
+        self.dim, self.vocab = llama.config.dim, llama.config.vocab_size
+        tp_mesh, dp_mesh = layout.mesh(name, "tp"), layout.mesh(name, ("dp", "cp"))
+        if par.cp > 1:
+            llama.set_attention_fn(ContextParallelAttention(layout.mesh(name, "cp")))
+        bounds = stage_layers(llama.config.n_layers, self.n_stages, config.split)
+        self.stage_indices = list(range(coord["pp"], self.n_stages, par.pp))
+        self.stages = nn.ModuleList()
+        for s in self.stage_indices:
+            part = llama_stage(llama, bounds[s], s == 0, s == self.n_stages - 1)
+            parallelize_llama(part, tp_mesh, dp_mesh, dataclasses.replace(options, fsdp=False))
+            module = LanguageStage(part, s == 0, par.cp, self.cp_rank)
+            if options.fsdp and dp_mesh.size() > 1:
+                apply_fsdp(module, dp_mesh, list(part.layers.values()), options.reshard_after_forward)
+            self.stages.append(module)
+        self._schedules: dict[tuple[int, int], Any] = {}
+        self._normalizer = 1.0
+
+    @property
+    def first(self) -> LanguageStage | None:
+        """The first stage's module if this rank holds it."""
+        return self.stages[0] if self.stage_indices[0] == 0 else None
+
+    @property
+    def holds_loss(self) -> bool:
+        return self.stage_indices[-1] == self.n_stages - 1
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """This rank's parameters of the decoder, under the whole model's names."""
+        return {n: p for stage in self.stages for n, p in stage.llama.named_parameters()}
+
+    def _loss(self, logits: torch.Tensor, target: dict[str, torch.Tensor]) -> torch.Tensor:
+        return token_loss_sum(logits, target["labels"], target["loss_mask"]) / self._normalizer
+
+    def _schedule(self, rows: int, seq_len: int):
+        key = (rows, seq_len)
+        if key not in self._schedules:
+            s_local = seq_len // self.par.cp
+            dtype = next(self.stages[0].parameters()).dtype
+            stages = []
+            for s, module in zip(self.stage_indices, self.stages):
+                # Examples give torch static metadata (no inference pass); requires_grad marks
+                # the activations whose gradients travel between stages.
+                x = (torch.zeros(rows, seq_len, dtype=torch.int64, device=self.device) if s == 0 else
+                     torch.empty(rows, s_local, self.dim, dtype=dtype, device=self.device, requires_grad=True))
+                width = self.vocab if s == self.n_stages - 1 else self.dim
+                y = torch.empty(rows, s_local, width, dtype=dtype, device=self.device, requires_grad=True)
+                stages.append(PipelineStage(module, s, self.n_stages, self.device, input_args=(x,),
+                                            output_args=(y,), group=self.pp_group))
+            cls = get_schedule_class(self.config.schedule)
+            single = issubclass(cls, PipelineScheduleSingle)
+            self._schedules[key] = cls(stages[0] if single else stages, self.config.microbatches,
+                                       loss_fn=self._loss, scale_grads=False)
+        return self._schedules[key]
+
+    def run(self, microbatches: list[MimoBatch], normalizer: float, feed: LanguageFeed | None) -> torch.Tensor:
+        """Forward and backward of this rank's dp shards of the `microbatches` (one per global
+        microbatch, equal sizes); returns this rank's loss share (0 off the last stage)."""
+        first = microbatches[0]
+        schedule = self._schedule(first.batch_size, first.seq_len)
+        self._normalizer = normalizer
+        if self.first is not None:
+            self.first.feed = feed
+            self.first.special_token_ids = first.special_token_ids
+        args, kwargs, targets = [], [], []
+        for i, mb in enumerate(microbatches):
+            mb = mb.to(self.device)
+            chunk = shard_for_cp(self.par.cp, self.cp_rank, labels=mb.labels, loss_mask=mb.loss_mask,
+                                 positions=mb.positions, document_ids=mb.document_ids)
+            args.append((mb.tokens,))
+            kwargs.append(dict(microbatch=i, positions=chunk.positions, document_ids=chunk.document_ids,
+                               sequence_index=chunk.sequence_index))
+            targets.append(dict(labels=chunk.labels, loss_mask=chunk.loss_mask))
+        losses: list[torch.Tensor] = []
+        stages = [schedule._stage] if isinstance(schedule, PipelineScheduleSingle) else schedule._stages
+        for stage in stages:  # what `step()` does before `_step_microbatches`
+            stage.has_backward = True
+            stage.clear_runtime_states()
+        schedule._step_microbatches(args, kwargs, targets, losses, return_outputs=False)
+        if self.first is not None:
+            self.first.feed = None
+        if not self.holds_loss:
+            return torch.zeros((), device=self.device)
+        return torch.stack([loss.detach() for loss in losses]).sum()

@@ -1,0 +1,99 @@
+"""One pipelined forward + backward of a global batch on every rank: the module graph's schedule.
+
+The global batch is cut into microbatches (`data.microbatches`); microbatch i's encoder rows cross
+to the first language stage through `Crossing` i. What each rank does:
+
+| rank holds                         | what it runs                                                     |
+|------------------------------------|------------------------------------------------------------------|
+| encoders only (overlapped)         | torch's GPipe over its encoders; rows leave per microbatch       |
+| language only                      | torch's language schedule; the first stage receives per microbatch, sends each gradient as soon as its backward ran |
+| encoders + language (colocated)    | three phases: encode every microbatch, language schedule, one encoder backward |
+
+Every rank posts its crossings in the same global order (forwards 0..M-1, then backwards 0..M-1),
+which keeps point-to-point traffic deadlock-free on NCCL by construction.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from dtensor_mimo.data import MimoBatch, microbatches, shard
+from dtensor_mimo.layout import MimoLayout
+from dtensor_mimo.schedule.crossing import Crossing
+from dtensor_mimo.schedule.encoders import LocalEncoders, backward_all, encode_all, run_encoder_schedule
+from dtensor_mimo.schedule.feed import LanguageFeed
+from dtensor_mimo.schedule.language import LanguagePipeline
+
+
+def pipelined_step(
+    layout: MimoLayout,
+    language_name: str,
+    batch: MimoBatch,
+    *,
+    num_microbatches: int,
+    encoders: Mapping[str, nn.Module],
+    trainable: Mapping[str, bool],
+    language: LanguagePipeline | None,
+    overlapped: bool,
+    normalizer: float,
+    dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Forward and backward of the global `batch`; returns this rank's loss share.
+
+    `encoders`: the encoders this rank holds (all of the batch's modalities, every rank the same
+    order); `trainable`: every encoder's, known on every rank; `language`: this rank's language
+    pipeline or None; `overlapped`: every encoder is on ranks of its own.
+    """
+    rank = torch.distributed.get_rank()
+    mbs = microbatches(batch, num_microbatches)
+    names = [n for n in trainable if n in batch.modalities]
+    flags = [trainable[n] for n in names]
+    crossings = [Crossing(layout, language_name, mb, names, flags, dim, dtype, device) for mb in mbs]
+    local = [n for n in names if n in encoders]
+    inputs = []
+    for mb in mbs:
+        per = {}
+        for n in local:
+            par = layout.parallelism(n)
+            per[n] = shard(mb, par.dp, layout.coordinate(n, rank)["dp"]).modalities[n].inputs.to(device)
+        inputs.append(per)
+    first = language is not None and language.first is not None
+    lang_mbs = []
+    if language is not None:
+        par = layout.parallelism(language_name)
+        dp_rank = layout.coordinate(language_name, rank)["dp"]
+        lang_mbs = [shard(mb, par.dp, dp_rank) for mb in mbs]
+
+    if overlapped:
+        if local:
+            module = LocalEncoders({n: encoders[n] for n in local}, dtype)
+            run_encoder_schedule(module, [tuple(mb[n] for n in local) for mb in inputs], crossings,
+                                 layout.mesh(local[0], "pp").get_group(), device)
+        if language is None:
+            return torch.zeros((), device=device)
+        received = [c.forward({}, receives=first) for c in crossings]
+        feed = LanguageFeed(crossings, received, flags, post_gradients=True) if first else None
+        share = language.run(lang_mbs, normalizer, feed)
+        if feed is not None:
+            feed.finish()
+        return share
+
+    # Colocated: encode everything, run the language schedule, one encoder backward.
+    outputs = encode_all(encoders, inputs, dtype)
+    received = [c.forward(out, receives=first) for c, out in zip(crossings, outputs)]
+    feed = LanguageFeed(crossings, received, flags, post_gradients=False) if first else None
+    share = language.run(lang_mbs, normalizer, feed) if language is not None else torch.zeros((), device=device)
+    for pendings in received:  # sends of ranks that do not receive (each batch waited once)
+        for p in pendings:
+            p.wait()
+    returned = [c.backward(feed.gradients(i) if first else {}, receives=bool(local))
+                for i, c in enumerate(crossings)]
+    grads = [{n: p.wait() for n, p in zip(c.backward_names, pendings)}
+             for c, pendings in zip(crossings, returned)]
+    backward_all(outputs, grads)
+    return share

@@ -1,0 +1,50 @@
+"""Pipelined MIMO training against the single-process reference (`tests/test_mimo.py`'s oracle).
+
+Every case: 8 samples per global batch with ragged image counts (0-2) and text-only samples,
+4 microbatches, 3 steps; loss, grad norm, every gradient and every post-step weight compared.
+The language model has 4 layers (so 2 x 2 virtual stages fit).
+
+| case            | vision (ranks)   | language (ranks)          | world | schedule             | notes                         |
+|-----------------|------------------|---------------------------|-------|----------------------|-------------------------------|
+| pp2             | dp1 (0)          | pp2 (1-2)                 | 3     | 1F1B                 | overlapped                    |
+| dp2_pp2         | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | overlapped, FSDP2 vision      |
+| tp_sp_pp2       | dp2 (0-1)        | tp2·pp2 + sp (2-5)        | 6     | 1F1B                 | overlapped                    |
+| fan_in_pp2_dp2  | dp3 (0-2)        | pp2·dp2 (3-6)             | 7     | GPipe                | dp 3 -> 2 per microbatch      |
+| interleaved     | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | Interleaved1F1B      | compiled stages               |
+| coloc_pp2_dp2   | dp4 (0-3)        | pp2·dp2 (0-3)             | 4     | 1F1B                 | colocated three phases        |
+| cp_pp2          | dp2 (0-1)        | cp2·pp2 (2-5)             | 6     | 1F1B                 | packed rows, Partial gradient |
+| overlap_pp1     | dp2 (0-1)        | dp2 (2-3)                 | 4     | 1F1B (one stage)     | pp = 1, microbatches overlap  |
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dtensor_mimo import ParallelOptions, Parallelism, PipelineConfig
+from tests.test_mimo import Case, check_against_reference
+
+P = Parallelism
+MB4 = PipelineConfig(microbatches=4)
+
+
+def _case(vision: Parallelism, language: Parallelism, pipeline: PipelineConfig = MB4, **kw) -> Case:
+    return Case({"vision": vision, "language": language}, pipeline=pipeline, batch_size=8, n_layers=4, **kw)
+
+
+CASES = {
+    "pp2": _case(P(), P(pp=2)),
+    "dp2_pp2": _case(P(dp=2), P(pp=2)),
+    "tp_sp_pp2": _case(P(dp=2), P(pp=2, tp=2), options={"language": ParallelOptions(sp=True)}),
+    "fan_in_pp2_dp2": _case(P(dp=3), P(pp=2, dp=2), PipelineConfig(microbatches=4, schedule="GPipe")),
+    "interleaved": _case(P(dp=2), P(pp=2), PipelineConfig(microbatches=4, schedule="Interleaved1F1B",
+                                                          virtual_stages=2),
+                         options={"language": ParallelOptions(compile=True, compile_backend="aot_eager")}),
+    "coloc_pp2_dp2": _case(P(dp=4), P(pp=2, dp=2), offsets={"vision": 0, "language": 0}),
+    "cp_pp2": _case(P(dp=2), P(pp=2, cp=2), packed=True),
+    "overlap_pp1": _case(P(dp=2), P(dp=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipelined_training_matches_single_process(name: str) -> None:
+    check_against_reference(CASES[name])

@@ -1,0 +1,72 @@
+"""Pure rules of a pipelined step: `PipelineConfig`, layers per stage, microbatch sizes, and the
+layouts `MimoModel` refuses (before any process group is touched)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtensor_mimo import LayoutError, MimoLayout, Parallelism, PipelineConfig
+from dtensor_mimo.mimo import _check_model
+from dtensor_mimo.models import Llama, LlamaConfig, ModalityEncoder, Projection, ViT, ViTConfig
+from dtensor_mimo.schedule import check_microbatching, stage_layers
+
+P = Parallelism
+
+
+def test_even_split_gives_earlier_stages_the_remainder() -> None:
+    assert stage_layers(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert stage_layers(4, 4) == [range(i, i + 1) for i in range(4)]
+
+
+def test_explicit_split() -> None:
+    assert stage_layers(6, 2, (1, 5)) == [range(0, 1), range(1, 6)]
+
+
+@pytest.mark.parametrize("split", [(3, 3), (6, 0), (2, 2, 2)])
+def test_bad_split_names_what_would_work(split) -> None:
+    with pytest.raises(LayoutError, match=r"2 stages \(pp x virtual_stages\) at least one layer each, 5 layers"):
+        stage_layers(5, 2, split)
+
+
+def test_more_stages_than_layers() -> None:
+    with pytest.raises(LayoutError, match="2 layers for 4 pipeline stages"):
+        stage_layers(2, 4)
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="microbatches must be an integer >= 1, got 0"):
+        PipelineConfig(microbatches=0)
+    with pytest.raises(ValueError, match="schedule='ZBV' is not one of"):
+        PipelineConfig(microbatches=2, schedule="ZBV")
+    with pytest.raises(ValueError, match="'1F1B' runs one stage per rank but virtual_stages=2"):
+        PipelineConfig(microbatches=2, virtual_stages=2)
+    assert PipelineConfig(4, "Interleaved1F1B", 2).num_stages(pp=3) == 6
+
+
+def test_batch_not_divisible_by_microbatches_times_dp() -> None:
+    check_microbatching(8, 4, 2)
+    with pytest.raises(ValueError, match=r"12 samples cannot be cut into 4 microbatches x 'language' "
+                                         r"dp=2: .* multiple of 4x2=8 \(e.g. 8 or 16\); with 12 samples, "
+                                         r"microbatches in \[1, 2, 3, 6\] work"):
+        check_microbatching(12, 4, 2)
+
+
+def _modules():
+    vit = ViTConfig.tiny()
+    llama = Llama(LlamaConfig.tiny())
+    return llama, {"vision": ModalityEncoder(ViT(vit), Projection(vit.dim, llama.config.dim))}
+
+
+def test_language_pp_needs_a_pipeline_config() -> None:
+    llama, encoders = _modules()
+    layout = MimoLayout({"vision": P(), "language": P(pp=2)})
+    with pytest.raises(LayoutError, match="'language' has pp=2: pass pipeline=PipelineConfig"):
+        _check_model(layout, llama, encoders, "language", {}, None)
+    _check_model(layout, llama, encoders, "language", {}, PipelineConfig(microbatches=2))
+
+
+def test_encoder_pipelines_are_refused_by_name() -> None:
+    llama, encoders = _modules()
+    layout = MimoLayout({"vision": P(pp=2), "language": P(pp=2)})
+    with pytest.raises(LayoutError, match="encoder 'vision' has pp=2: encoder pipelines are not supported"):
+        _check_model(layout, llama, encoders, "language", {}, PipelineConfig(microbatches=2))
