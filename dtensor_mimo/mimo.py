@@ -42,11 +42,13 @@ from dtensor_mimo.parallelize import (
     parallelize_projection,
 )
 from dtensor_mimo.schedule import (
+    ZERO_BUBBLE_SCHEDULES,
     LanguagePipeline,
     PipelineConfig,
     check_microbatching,
     check_pipeline_layout,
     pipelined_step,
+    stage_layers,
 )
 from dtensor_mimo.sequence import ContextParallelAttention, shard_for_cp
 from dtensor_mimo.train.loss import loss_normalizer, token_loss_sum
@@ -161,6 +163,7 @@ class MimoModel(nn.Module):
         self._trainable = {n: any(p.requires_grad for p in e.parameters()) for n, e in encoders.items()}
         self.rank = dist.get_rank()
         self._shapes_checked: set[str] = set()  # modalities whose encoder output was checked
+        self.step_error: str | None = None  # this rank's verdict on the last pipelined step
 
         lang = layout.parallelism(language_name)
         pipelined = pipeline is not None and (pipeline.microbatches > 1 or lang.pp > 1)
@@ -240,7 +243,13 @@ class MimoModel(nn.Module):
     def forward_backward(self, batch: MimoBatch) -> torch.Tensor:
         """Forward and backward of the global `batch` on every rank; returns this rank's loss
         share (detached). Pipelined models run both inside the schedules; then call
-        `reduce_gradients` as after ``model(batch).backward()``."""
+        `reduce_gradients` as after ``model(batch).backward()``.
+
+        Pipelined, encoder rows whose shape contradicts the batch metadata do not raise here
+        (the other ranks would wait for this one): they cross as zeros and `step_error` says
+        what happened; `train_step` raises it on every rank before the optimizer steps.
+        """
+        self.step_error = None
         if self.pipeline is None:
             share = self(batch)
             if share.requires_grad:
@@ -249,11 +258,12 @@ class MimoModel(nn.Module):
         check_batch(self.layout, self.language_name, self.encoder_names, batch)
         check_microbatching(batch.batch_size, self.pipeline.microbatches,
                             self.layout.parallelism(self.language_name).dp, self.language_name)
-        return pipelined_step(
+        share, self.step_error = pipelined_step(
             self.layout, self.language_name, batch, num_microbatches=self.pipeline.microbatches,
             encoders=dict(self.encoders.items()), trainable=self._trainable,
             language=self.language_pipeline, overlapped=self.overlapped,
             normalizer=loss_normalizer(batch), dim=self.dim, dtype=self.dtype, device=self.device)
+        return share
 
     # ------------------------------------------------------------------ one step
     def forward(self, batch: MimoBatch) -> torch.Tensor:
@@ -348,7 +358,15 @@ def _check_model(layout: MimoLayout, language: Llama, encoders: Mapping[str, Mod
         if name != language_name and par.cp != 1:
             raise LayoutError(f"encoder {name!r} has cp={par.cp}; context parallelism applies to the "
                               "language model only: use dp for the encoder instead")
-    check_pipeline_layout(layout, language_name, list(encoders))
+    check_pipeline_layout(layout, language_name, list(encoders), pipeline)
+    if pipeline is not None:  # every rank, before any process group: layers per stage
+        stage_layers(language.config.n_layers, pipeline.num_stages(layout.parallelism(language_name).pp),
+                     pipeline.split)
+    lang_options = options.get(language_name, ParallelOptions())
+    if pipeline is not None and pipeline.schedule in ZERO_BUBBLE_SCHEDULES and lang_options.compile:
+        raise LayoutError(f"schedule {pipeline.schedule!r} splits backward into input and weight parts, "
+                          f"which torch refuses for compiled stages, but {language_name!r} has compile=True: "
+                          "use schedule='Interleaved1F1B', or compile=False")
     for name, module in encoders.items():
         if module.out_dim != language.config.dim:
             raise ValueError(f"encoder {name!r} projects to {module.out_dim} features but the language "

@@ -291,8 +291,10 @@ def _run_bridge(name):
 
     sent = bridge.send_forward(x_local) if sc is not None else None
     received = bridge.recv_forward(x_local) if dc is not None else None
+    if sent is not None and received is not None:  # on both meshes: one batch, one handle
+        assert sent is received
     y_local = received.wait() if received is not None else None
-    if sent is not None:
+    if sent is not None and received is None:
         assert sent.wait() is None  # a send-only handle has no output
     if dc is not None:
         torch.testing.assert_close(y_local, X.index_select(dim, dst_rows), rtol=0, atol=0)
@@ -306,6 +308,8 @@ def _run_bridge(name):
                 g_local = g_local * (dc[i] + 1) / (n * (n + 1) / 2)
     sent = bridge.send_backward(g_local) if dc is not None else None
     received = bridge.recv_backward(g_local) if sc is not None else None
+    if sent is not None and received is not None:
+        assert sent is received
     gx = received.wait() if received is not None else None
     if sent is not None:
         sent.wait()

@@ -83,6 +83,7 @@ class Case:
     pipeline: PipelineConfig | None = None
     batch_size: int = 5
     n_layers: int = 2  # of the language model
+    seq_lens: tuple[int, ...] = (64, 64, 64)  # of the three steps' batches
 
     @property
     def encoders(self) -> tuple[str, ...]:
@@ -136,11 +137,11 @@ def _modules(encoders: tuple[str, ...], frozen: tuple[str, ...] = (),
     return llama, built
 
 
-def _batches(encoders: tuple[str, ...], packed: bool, batch_size: int = 5):
+def _batches(encoders: tuple[str, ...], packed: bool, batch_size: int = 5, seq_lens=(64, 64, 64)):
     spec = SyntheticSpec.tiny(modalities={n: MODALITIES[n] for n in encoders},
                               documents_per_row=2 if packed else 1, batch_size=batch_size,
                               text_only_samples=max(1, batch_size // 4))
-    return [synthetic_batch(spec, seed) for seed in SEEDS]
+    return [synthetic_batch(dataclasses.replace(spec, seq_len=s), seed) for seed, s in zip(SEEDS, seq_lens)]
 
 
 # ------------------------------------------------------------------ single-process reference
@@ -148,13 +149,13 @@ def _batches(encoders: tuple[str, ...], packed: bool, batch_size: int = 5):
 
 @functools.lru_cache(maxsize=None)
 def _reference(encoders: tuple[str, ...], packed: bool, frozen: tuple[str, ...], batch_size: int = 5,
-               n_layers: int = 2) -> list[dict]:
+               n_layers: int = 2, seq_lens: tuple[int, ...] = (64, 64, 64)) -> list[dict]:
     llama, encs = _modules(encoders, frozen, n_layers)
     modules = {**encs, "language": llama}
     opts = {n: torch.optim.AdamW(m.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps,
                                  weight_decay=OPT.weight_decay) for n, m in modules.items()}
     records = []
-    for batch in _batches(encoders, packed, batch_size):
+    for batch in _batches(encoders, packed, batch_size, seq_lens):
         ids = batch.special_token_ids
         rows = {n: encs[n](m.inputs) for n, m in batch.modalities.items()}
         h = assemble(embed_text(llama.tok_embeddings, batch.tokens, ids), batch.tokens, rows, ids)
@@ -200,7 +201,7 @@ def _distributed(case: Case) -> list[dict] | None:
     optimizer = MimoOptimizer(model, OPT)
     rank = dist.get_rank()
     records = []
-    for batch in _batches(case.encoders, case.packed, case.batch_size):
+    for batch in _batches(case.encoders, case.packed, case.batch_size, case.seq_lens):
         metrics = train_step(model, optimizer, batch)
         assert not metrics.skipped
         # Every module's ranks gather its full gradients and weights; the first rank of each of
@@ -222,7 +223,8 @@ def test_training_matches_single_process(name: str) -> None:
 
 def check_against_reference(case: Case) -> None:
     """Train `case` for three steps on its ranks and compare with the single-process run."""
-    expected = _reference(case.encoders, case.packed, case.frozen, case.batch_size, case.n_layers)
+    expected = _reference(case.encoders, case.packed, case.frozen, case.batch_size, case.n_layers,
+                          case.seq_lens)
     per_rank = run_on_ranks(_distributed, case.layout().world_size, case, timeout=300)
     for step, want in enumerate(expected):
         got = {"grads": {}, "weights": {}}

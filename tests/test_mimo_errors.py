@@ -1,6 +1,7 @@
 """`MimoModel` refuses what it cannot run, in pure Python, naming the module and the numbers."""
 
 import pytest
+import torch
 
 from dtensor_mimo import LayoutError, MimoLayout, MimoModel, ParallelOptions, Parallelism
 from dtensor_mimo.data import SyntheticSpec, synthetic_batch
@@ -73,3 +74,39 @@ def test_encoder_output_length_disagreeing_with_batch_fails_on_every_rank():
     from tests.harness import run_on_ranks
 
     assert run_on_ranks(_encoder_disagrees_with_metadata, 3, timeout=60) == [True] * 3
+
+
+def _pipelined_encoder_disagrees_with_metadata(offsets):
+    import torch.distributed as dist
+
+    from torch.distributed.tensor import DTensor
+
+    from dtensor_mimo import MimoOptimizer, PipelineConfig, train_step
+    from dtensor_mimo.bridge import PlanError
+    from dtensor_mimo.data import ModalitySpec
+
+    llama, encoders = _model_args()
+    layout = MimoLayout({"vision": P(dp=2), "language": P(pp=2)}, offsets=offsets)
+    model = MimoModel(layout, llama, encoders, pipeline=PipelineConfig(microbatches=2))
+    optimizer = MimoOptimizer(model)
+    wrong = ModalitySpec(64, (ViTConfig.tiny().in_channels, 16, 16), tokens_per_item=8, max_items=2)
+    batch = synthetic_batch(SyntheticSpec.tiny(batch_size=4, modalities={"vision": wrong}), seed=0)
+    local = lambda p: p.to_local() if isinstance(p, DTensor) else p  # noqa: E731  (no collective)
+    before = {n: local(p).detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(PlanError, match=r"encoder 'vision' produced rows of shape \(\d+, 32\) for microbatch "
+                                        r"\d, but the batch metadata plans|rank\(s\) produced encoder rows"):
+        train_step(model, optimizer, batch)
+    assert all(torch.equal(local(p), before[n]) for n, p in model.named_parameters()), "a weight changed"
+    good = synthetic_batch(SyntheticSpec.tiny(batch_size=4, modalities={"vision": ModalitySpec.image(
+        ViTConfig.tiny(), special_token_id=64)}), seed=0)
+    train_step(model, optimizer, good)  # nobody was left inside an exchange
+    dist.barrier()
+    return True
+
+
+@pytest.mark.parametrize("offsets", [None, {"vision": 0, "language": 0}], ids=["overlapped", "colocated"])
+def test_pipelined_encoder_output_disagreeing_with_batch_fails_on_every_rank(offsets):
+    from tests.harness import run_on_ranks
+
+    world = 2 if offsets else 4
+    assert run_on_ranks(_pipelined_encoder_disagrees_with_metadata, world, offsets, timeout=60) == [True] * world

@@ -14,6 +14,9 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 | coloc_pp2_dp2   | dp4 (0-3)        | pp2·dp2 (0-3)             | 4     | 1F1B                 | colocated three phases        |
 | cp_pp2          | dp2 (0-1)        | cp2·pp2 (2-5)             | 6     | 1F1B                 | packed rows, Partial gradient |
 | overlap_pp1     | dp2 (0-1)        | dp2 (2-3)                 | 4     | 1F1B (one stage)     | pp = 1, microbatches overlap  |
+| frozen_vision   | dp2 (0-1), frozen| pp2 (2-3)                 | 4     | 1F1B                 | three phases, no backward crossing |
+| zero_bubble     | dp1 (0)          | pp2, 2 virtual (1-2)      | 3     | InterleavedZeroBubble| split backward, eager         |
+| length_buckets  | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | sequence 64, 32, 64 per step  |
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ CASES = {
     "coloc_pp2_dp2": _case(P(dp=4), P(pp=2, dp=2), offsets={"vision": 0, "language": 0}),
     "cp_pp2": _case(P(dp=2), P(pp=2, cp=2), packed=True),
     "overlap_pp1": _case(P(dp=2), P(dp=2)),
+    "frozen_vision": _case(P(dp=2), P(pp=2), frozen=("vision",)),
+    "zero_bubble": _case(P(), P(pp=2), PipelineConfig(microbatches=4, schedule="InterleavedZeroBubble",
+                                                      virtual_stages=2)),
+    "length_buckets": _case(P(dp=2), P(pp=2), seq_lens=(64, 32, 64)),
 }
 
 

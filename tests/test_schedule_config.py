@@ -70,3 +70,28 @@ def test_encoder_pipelines_are_refused_by_name() -> None:
     layout = MimoLayout({"vision": P(pp=2), "language": P(pp=2)})
     with pytest.raises(LayoutError, match="encoder 'vision' has pp=2: encoder pipelines are not supported"):
         _check_model(layout, llama, encoders, "language", {}, PipelineConfig(microbatches=2))
+
+
+def test_zero_bubble_refuses_compiled_stages() -> None:
+    from dtensor_mimo import ParallelOptions
+
+    llama, encoders = _modules()
+    layout = MimoLayout({"vision": P(), "language": P(pp=2)})
+    zb = PipelineConfig(microbatches=4, schedule="InterleavedZeroBubble")
+    with pytest.raises(LayoutError, match="torch refuses for compiled stages, but 'language' has compile=True"):
+        _check_model(layout, llama, encoders, "language", {"language": ParallelOptions(compile=True)}, zb)
+
+
+def test_too_few_layers_for_the_stages_is_refused_before_any_process_group() -> None:
+    llama, encoders = _modules()  # 2 layers
+    layout = MimoLayout({"vision": P(), "language": P(pp=2)})
+    with pytest.raises(LayoutError, match="2 layers for 4 pipeline stages"):
+        _check_model(layout, llama, encoders, "language", {},
+                     PipelineConfig(microbatches=4, schedule="Interleaved1F1B", virtual_stages=2))
+
+
+def test_looped_schedules_need_whole_rounds_of_microbatches() -> None:
+    llama, encoders = _modules()
+    layout = MimoLayout({"vision": P(), "language": P(pp=2)})
+    with pytest.raises(LayoutError, match="rounds of pp=2, but microbatches=5: use a multiple of 2"):
+        _check_model(layout, llama, encoders, "language", {}, PipelineConfig(microbatches=5, schedule="LoopedBFS"))

@@ -255,10 +255,15 @@ class Bridge:
     `redistribute`, on local tensors, with each side posted separately so transfers overlap compute.
 
     ``send_forward`` runs on ranks of the source mesh, ``recv_forward`` on ranks of the
-    destination mesh (a rank on both calls both; its local copies happen on the receiving
-    call, which then needs ``src_local``). Each returns an `exchange.Pending`; ``wait()``
-    completes it and, on a receiving rank, returns the local output. Backward likewise,
-    with the gradient's placements on the destination mesh (default: the destination's).
+    destination mesh. Each returns an `exchange.Pending`; ``wait()`` completes it and, on a
+    receiving rank, returns the local output. Backward likewise, with the gradient's placements
+    on the destination mesh (default: the destination's).
+
+    NCCL safety: a rank posts ALL of its operations of one exchange in ONE batch. On a rank that
+    is on both meshes (colocated or overlapping), the first of its two calls of a direction posts
+    its sends and receives together and both calls return that same handle; that first call
+    needs the rank's local source (``send_forward(x)``, or ``recv_forward(src_local=x)``). Two
+    ranks that each send to the other can therefore never block on each other's unposted receive.
 
     Example::
 
@@ -294,23 +299,33 @@ class Bridge:
         self._src_device, self._dst_device = _device(src_mesh), _device(dst_mesh)
         self._in_src = src_mesh.get_coordinate() is not None
         self._in_dst = dst_mesh.get_coordinate() is not None
+        self._posted: dict[str, exchange.Pending] = {}  # a both-sides rank's handle, for its second call
 
-    def _start(self, p: Plan, local: torch.Tensor | None, member: bool, device: torch.device,
-               send: bool, recv: bool) -> exchange.Pending:
+    def _post(self, direction: str, local: torch.Tensor | None) -> exchange.Pending:
+        pending = self._posted.pop(direction, None)
+        if pending is not None:
+            return pending
+        forward = direction == "forward"
+        p = self.forward_plan if forward else self.backward_plan
+        sends = self._in_src if forward else self._in_dst
+        receives = self._in_dst if forward else self._in_src
+        device = self._dst_device if forward else self._src_device
         rp = p.for_rank(self.rank)
-        out_shape = _local_shape(self.global_shape, self.dim, rp.dst_rows) if recv and member else None
+        out_shape = _local_shape(self.global_shape, self.dim, rp.dst_rows) if receives else None
         (pending,) = exchange.start([exchange.Transfer(rp, self.dim, local, out_shape, self.dtype, device)],
-                                    send=send, recv=recv)
+                                    send=sends, recv=receives)
+        if sends and receives:
+            self._posted[direction] = pending
         return pending
 
     def send_forward(self, x_local: torch.Tensor) -> exchange.Pending:
-        return self._start(self.forward_plan, x_local, self._in_dst, self._dst_device, send=True, recv=False)
+        return self._post("forward", x_local)
 
     def recv_forward(self, src_local: torch.Tensor | None = None) -> exchange.Pending:
-        return self._start(self.forward_plan, src_local, self._in_dst, self._dst_device, send=False, recv=True)
+        return self._post("forward", src_local)
 
     def send_backward(self, grad_local: torch.Tensor) -> exchange.Pending:
-        return self._start(self.backward_plan, grad_local, self._in_src, self._src_device, send=True, recv=False)
+        return self._post("backward", grad_local)
 
     def recv_backward(self, grad_local: torch.Tensor | None = None) -> exchange.Pending:
-        return self._start(self.backward_plan, grad_local, self._in_src, self._src_device, send=False, recv=True)
+        return self._post("backward", grad_local)

@@ -3,6 +3,7 @@ step (encoder microbatches overlapping language microbatches; colocated three ph
 
 from dtensor_mimo.schedule.config import (
     SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
     PipelineConfig,
     check_microbatching,
     check_pipeline_layout,
@@ -14,6 +15,7 @@ from dtensor_mimo.schedule.step import pipelined_step
 
 __all__ = [
     "SCHEDULES",
+    "ZERO_BUBBLE_SCHEDULES",
     "Crossing",
     "LanguagePipeline",
     "LanguageStage",

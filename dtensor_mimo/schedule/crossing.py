@@ -52,14 +52,16 @@ class Crossing:
     """
 
     def __init__(self, layout: MimoLayout, language: str, microbatch: MimoBatch, names: Sequence[str],
-                 trainable: Sequence[bool], dim: int, dtype: torch.dtype, device: torch.device) -> None:
+                 trainable: Sequence[bool], dim: int, dtype: torch.dtype, device: torch.device,
+                 index: int = 0) -> None:
         world, self.rank = dist.get_world_size(), dist.get_rank()
         lang = layout.parallelism(language)
         grad = (Shard(0), Partial() if lang.cp > 1 else Replicate(), Replicate())
         dst_grid = layout.rank_grid(language)[0]
         self.names = list(names)
         self.backward_names = [n for n, t in zip(names, trainable) if t]
-        self.dim, self.dtype, self.device = dim, dtype, device
+        self.dim, self.dtype, self.device, self.index = dim, dtype, device, index
+        self.error: str | None = None  # rows that disagreed with the plan (see `forward`)
         self._forward, self._backward = [], []
         for name in self.names:
             sizes = tuple(microbatch.tokens_per_sample(name))
@@ -84,7 +86,22 @@ class Crossing:
 
         `rows`: this rank's encoder output rows per encoder name (on encoder ranks).
         `receives`: this rank is on the first language stage; ``wait()`` the results for its rows.
+
+        Rows whose shape disagrees with the plan (an encoder output length that contradicts the
+        batch's ``tokens_per_item``) are replaced by zeros of the planned shape, so that no peer
+        waits for a message that never comes, and `error` says what happened; `train_step`
+        carries that verdict in its one all-reduce and raises on every rank.
         """
+        rows = dict(rows)
+        for name, rp in zip(self.names, self._forward):
+            x = rows.get(name)
+            if x is not None and tuple(x.shape) != (rp.src_rows, self.dim):
+                self.error = self.error or (
+                    f"rank {self.rank}: encoder {name!r} produced rows of shape {tuple(x.shape)} for "
+                    f"microbatch {self.index}, but the batch metadata plans ({rp.src_rows}, {self.dim}) "
+                    f"(its dp shard's items x tokens_per_item, by the language model's width): make "
+                    "the batch's tokens_per_item match the encoder's output length")
+                rows[name] = torch.zeros(rp.src_rows, self.dim, dtype=self.dtype, device=self.device)
         return self._start(self.names, self._forward, rows, receives)
 
     def backward(self, grads: Mapping[str, torch.Tensor | None], receives: bool) -> list[exchange.Pending]:
@@ -92,7 +109,3 @@ class Crossing:
         `receives` on encoder ranks (``wait()`` gives the gradient of their rows). Trainable
         encoders only (`backward_names`)."""
         return self._start(self.backward_names, self._backward, grads, receives)
-
-    def rows(self, name: str) -> int:
-        """Rows of `name` this rank sends from (its encoder output for this microbatch)."""
-        return self._forward[self.names.index(name)].src_rows

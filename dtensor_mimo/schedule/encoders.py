@@ -46,12 +46,13 @@ class _CrossToLanguage(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sender: "EncoderSender", index: int, *rows: torch.Tensor) -> torch.Tensor:
         ctx.sender, ctx.index = sender, index
+        ctx.shapes = [r.detach() for r in rows]
         sender.send(index, rows)
         return rows[0].new_zeros(())
 
     @staticmethod
     def backward(ctx, _grad: torch.Tensor):
-        return (None, None, *ctx.sender.receive(ctx.index))
+        return (None, None, *ctx.sender.receive(ctx.index, ctx.shapes))
 
 
 class EncoderSender:
@@ -64,11 +65,14 @@ class EncoderSender:
     def send(self, index: int, rows: Sequence[torch.Tensor]) -> None:
         self._sent.append(self.crossings[index].forward(dict(zip(self.names, rows)), receives=False))
 
-    def receive(self, index: int) -> list[torch.Tensor | None]:
+    def receive(self, index: int, rows: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         crossing = self.crossings[index]
         grads = dict(zip(crossing.backward_names,
                          (p.wait() for p in crossing.backward({}, receives=True))))
-        return [grads.get(n) for n in self.names]
+        # Rows that disagreed with the plan were sent as zeros: a zero gradient, and the backward
+        # still runs, so the encoder's own collectives (FSDP) stay in step with its other ranks.
+        return [g if (g := grads.get(n)) is not None and g.shape == r.shape else torch.zeros_like(r)
+                for n, r in zip(self.names, rows)]
 
     def finish(self) -> None:
         for pendings in self._sent:
@@ -101,8 +105,9 @@ def encode_all(encoders: dict[str, nn.Module], inputs: list[dict[str, torch.Tens
 
 
 def backward_all(outputs: list[dict[str, torch.Tensor]], grads: list[dict[str, torch.Tensor]]) -> None:
-    """Colocated phase 3: one encoder backward over every microbatch's rows."""
-    pairs = [(outputs[i][n], g) for i, mb in enumerate(grads) for n, g in mb.items()
-             if n in outputs[i] and outputs[i][n].requires_grad]
+    """Colocated phase 3: one encoder backward over every microbatch's rows (a zero gradient for
+    rows that disagreed with the plan, so every rank of an encoder runs the same backward)."""
+    pairs = [(out, g if (g := grads[i].get(n)) is not None and g.shape == out.shape else torch.zeros_like(out))
+             for i, mb in enumerate(outputs) for n, out in mb.items() if out.requires_grad]
     if pairs:
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

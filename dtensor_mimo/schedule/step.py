@@ -42,8 +42,9 @@ def pipelined_step(
     dim: int,
     dtype: torch.dtype,
     device: torch.device,
-) -> torch.Tensor:
-    """Forward and backward of the global `batch`; returns this rank's loss share.
+) -> tuple[torch.Tensor, str | None]:
+    """Forward and backward of the global `batch`; returns this rank's loss share and, if this
+    rank's encoder rows disagreed with the batch metadata, what went wrong (`Crossing.forward`).
 
     `encoders`: the encoders this rank holds (all of the batch's modalities, every rank the same
     order); `trainable`: every encoder's, known on every rank; `language`: this rank's language
@@ -53,7 +54,8 @@ def pipelined_step(
     mbs = microbatches(batch, num_microbatches)
     names = [n for n in trainable if n in batch.modalities]
     flags = [trainable[n] for n in names]
-    crossings = [Crossing(layout, language_name, mb, names, flags, dim, dtype, device) for mb in mbs]
+    crossings = [Crossing(layout, language_name, mb, names, flags, dim, dtype, device, index=i)
+                 for i, mb in enumerate(mbs)]
     local = [n for n in names if n in encoders]
     inputs = []
     for mb in mbs:
@@ -75,13 +77,13 @@ def pipelined_step(
             run_encoder_schedule(module, [tuple(mb[n] for n in local) for mb in inputs], crossings,
                                  layout.mesh(local[0], "pp").get_group(), device)
         if language is None:
-            return torch.zeros((), device=device)
+            return torch.zeros((), device=device), _error(crossings)
         received = [c.forward({}, receives=first) for c in crossings]
         feed = LanguageFeed(crossings, received, flags, post_gradients=True) if first else None
         share = language.run(lang_mbs, normalizer, feed)
         if feed is not None:
             feed.finish()
-        return share
+        return share, _error(crossings)
 
     # Colocated: encode everything, run the language schedule, one encoder backward.
     outputs = encode_all(encoders, inputs, dtype)
@@ -93,7 +95,10 @@ def pipelined_step(
             p.wait()
     returned = [c.backward(feed.gradients(i) if first else {}, receives=bool(local))
                 for i, c in enumerate(crossings)]
-    grads = [{n: p.wait() for n, p in zip(c.backward_names, pendings)}
-             for c, pendings in zip(crossings, returned)]
+    grads = [{n: p.wait() for n, p in zip(c.backward_names, pendings)} for c, pendings in zip(crossings, returned)]
     backward_all(outputs, grads)
-    return share
+    return share, _error(crossings)
+
+
+def _error(crossings: Sequence[Crossing]) -> str | None:
+    return next((c.error for c in crossings if c.error), None)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dtensor_mimo.bridge import PlanError
 from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.train.optimizer import MimoOptimizer, grad_sumsq_shares
@@ -26,17 +27,26 @@ class StepMetrics:
 def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch) -> StepMetrics:
     """One optimizer step on the global `batch`; call on every rank with the same batch.
 
-    One small all-reduce over the world carries the loss and every module's squared gradient
-    norm, so every rank reports the same loss and takes the same clip and skip decision.
+    One small all-reduce over the world carries the loss, every module's squared gradient norm
+    and a status word, so every rank reports the same loss, takes the same clip and skip
+    decision, and raises together when a pipelined step found encoder rows that contradict the
+    batch metadata (`MimoModel.step_error`), before any weight changes.
     """
     optimizer.zero_grad()
     share = model.forward_backward(batch)
     model.reduce_gradients()
     loss_part = share.detach().double().reshape(1) if model.holds_loss_share() else \
         torch.zeros(1, dtype=torch.float64, device=model.device)
-    totals = torch.cat([loss_part, grad_sumsq_shares(model)])
+    # The status word: ranks whose encoder rows contradicted the batch metadata (pipelined).
+    status = torch.tensor([float(model.step_error is not None)], dtype=torch.float64, device=model.device)
+    totals = torch.cat([loss_part, status, grad_sumsq_shares(model)])
     dist.all_reduce(totals)
-    loss, sumsq = totals[0].item(), totals[1:].tolist()
+    if totals[1].item():
+        optimizer.zero_grad()
+        raise PlanError(model.step_error or (
+            f"{int(totals[1].item())} rank(s) produced encoder rows that disagree with the batch "
+            "metadata (their error names the encoder and the shapes); the step was not applied"))
+    loss, sumsq = totals[0].item(), totals[2:].tolist()
     grad_norm = math.sqrt(sum(sumsq))
     skipped = not optimizer.step(grad_norm)
     return StepMetrics(loss, grad_norm, {n: math.sqrt(s) for n, s in zip(model.module_names, sumsq)},
