@@ -43,6 +43,9 @@ from dtensor_mimo.parallelize import (
 )
 from dtensor_mimo.schedule import (
     ZERO_BUBBLE_SCHEDULES,
+    EncoderPipeline,
+    EncoderStage,
+    keep_encoder_stage,
     LanguagePipeline,
     PipelineConfig,
     check_microbatching,
@@ -170,12 +173,11 @@ class MimoModel(nn.Module):
         self.pipeline = pipeline if pipelined else None
         # Encoders on ranks of their own overlap their microbatches with the language model's;
         # an encoder sharing ranks with it (or a frozen one) takes the colocated three phases.
-        lang_ranks = set(layout.ranks(language_name))
-        self.overlapped = all(self._trainable.values()) and not any(
-            lang_ranks & set(layout.ranks(n)) for n in encoders)
+        self.overlapped = _overlapped(layout, language_name, encoders)
         self.dtype = language.tok_embeddings.weight.dtype  # what crosses the bridge
 
         self.encoders = nn.ModuleDict()
+        self.encoder_pipelines: dict[str, EncoderPipeline] = {}  # this rank's stage of pp > 1 encoders
         for name, module in encoders.items():
             if layout.is_member(name, self.rank):
                 self.encoders[name] = self._parallelize_encoder(name, module.to(self.device))
@@ -197,14 +199,25 @@ class MimoModel(nn.Module):
         return self.layout.mesh(name, "tp"), self.layout.mesh(name, ("dp", "cp"))
 
     def _parallelize_encoder(self, name: str, module: ModalityEncoder) -> ModalityEncoder:
-        options = self.options[name]
+        """tp/compile on the encoder and projection, then FSDP2 on the pair (pp = 1) or on this
+        rank's pipeline stage of it (pp > 1: the stage keeps only its parts, names unchanged)."""
+        options, pp = self.options[name], self.layout.parallelism(name).pp
         tp_mesh, dp_mesh = self._meshes(name)
-        no_fsdp = dataclasses.replace(options, fsdp=False)  # FSDP goes on the pair, below
+        root: nn.Module = module
+        if pp > 1:
+            s = self.layout.coordinate(name, self.rank)["pp"]
+            keep_encoder_stage(module, stage_layers(len(module.encoder.layers), pp)[s], s == 0, s == pp - 1)
+            root = EncoderStage(module, s == 0, s == pp - 1, self.dtype)
+            self.encoder_pipelines[name] = EncoderPipeline(
+                name, root, s, pp, self.layout.mesh(name, "pp").get_group(), module.encoder.config.dim,
+                self.device)
+        no_fsdp = dataclasses.replace(options, fsdp=False)  # FSDP goes on the root, below
         parallelize_encoder(module.encoder, tp_mesh, dp_mesh, no_fsdp)
-        parallelize_projection(module.projection, tp_mesh, dp_mesh, no_fsdp)
+        if module.projection is not None:
+            parallelize_projection(module.projection, tp_mesh, dp_mesh, no_fsdp)
         if options.fsdp and dp_mesh.size() > 1:
-            blocks = [*module.encoder.layers.values(), module.projection]
-            apply_fsdp(module, dp_mesh, blocks, options.reshard_after_forward)
+            blocks = [*module.encoder.layers.values(), *([module.projection] if module.projection else [])]
+            apply_fsdp(root, dp_mesh, blocks, options.reshard_after_forward)
         return module
 
     def _parallelize_language(self, llama: Llama) -> _LanguageStep:
@@ -260,7 +273,8 @@ class MimoModel(nn.Module):
                             self.layout.parallelism(self.language_name).dp, self.language_name)
         share, self.step_error = pipelined_step(
             self.layout, self.language_name, batch, num_microbatches=self.pipeline.microbatches,
-            encoders=dict(self.encoders.items()), trainable=self._trainable,
+            encoders={n: e for n, e in self.encoders.items() if n not in self.encoder_pipelines},
+            encoder_pipelines=self.encoder_pipelines, trainable=self._trainable,
             language=self.language_pipeline, overlapped=self.overlapped,
             normalizer=loss_normalizer(batch), dim=self.dim, dtype=self.dtype, device=self.device)
         return share
@@ -358,7 +372,24 @@ def _check_model(layout: MimoLayout, language: Llama, encoders: Mapping[str, Mod
         if name != language_name and par.cp != 1:
             raise LayoutError(f"encoder {name!r} has cp={par.cp}; context parallelism applies to the "
                               "language model only: use dp for the encoder instead")
-    check_pipeline_layout(layout, language_name, list(encoders), pipeline)
+    check_pipeline_layout(layout, language_name, pipeline)
+    for name, module in encoders.items():
+        pp = layout.parallelism(name).pp
+        if pp == 1:
+            continue
+        problem = (
+            "pass pipeline=PipelineConfig(microbatches=...)" if pipeline is None else
+            "its ranks must be its own: disjoint from the language model and every other encoder"
+            if any(set(layout.ranks(name)) & set(layout.ranks(m)) for m in layout.names if m != name) else
+            "every encoder must train and sit on ranks of its own (the colocated three-phase path, "
+            "taken otherwise, has no encoder stages)" if not _overlapped(layout, language_name, encoders) else
+            "sequence parallel is not supported on encoder stages: set sp=False"
+            if options.get(name, ParallelOptions()).sp else
+            f"its encoder {type(module.encoder).__name__} needs embed(), layers and norm (as ViT and "
+            "AudioEncoder have)" if not hasattr(module.encoder, "embed") else None)
+        if problem:
+            raise LayoutError(f"encoder {name!r} has pp={pp}: {problem}")
+        stage_layers(len(module.encoder.layers), pp)
     if pipeline is not None:  # every rank, before any process group: layers per stage
         stage_layers(language.config.n_layers, pipeline.num_stages(layout.parallelism(language_name).pp),
                      pipeline.split)
@@ -371,6 +402,14 @@ def _check_model(layout: MimoLayout, language: Llama, encoders: Mapping[str, Mod
         if module.out_dim != language.config.dim:
             raise ValueError(f"encoder {name!r} projects to {module.out_dim} features but the language "
                              f"model's dim is {language.config.dim}; set the projection's out_dim to it")
+
+
+def _overlapped(layout: MimoLayout, language_name: str, encoders: Mapping[str, nn.Module]) -> bool:
+    """Encoder and language microbatches overlap when every encoder trains (its gradient comes
+    back per microbatch) and sits on ranks of its own."""
+    lang = set(layout.ranks(language_name))
+    return all(any(p.requires_grad for p in e.parameters()) and not lang & set(layout.ranks(n))
+               for n, e in encoders.items())
 
 
 def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str], batch: MimoBatch) -> None:

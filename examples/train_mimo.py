@@ -1,11 +1,14 @@
 """Main job: train a small vision + audio + language MIMO model on a heterogeneous layout.
 
     torchrun --standalone --nproc-per-node=8 examples/train_mimo.py [--steps 30] [--no-compile]
+        [--microbatches 4]
 
 Layout on 8 CPU ranks (gloo): a ViT on dp3 (ranks 0-2), an audio encoder on dp1 (rank 3), and a
 Llama-style decoder on tp2·dp2 with sequence parallel (ranks 4-7). The vision encoder's dp 3 does
 not divide the language model's dp 2, and image counts vary per sample (0-2, text-only samples
 included): the bridge handles both. Decoder blocks are compiled with torch.compile (inductor).
+Each step runs as 4 microbatches: the encoders, on ranks of their own, compute microbatch i+1
+while the language model runs microbatch i (`PipelineConfig`; --microbatches 1 turns it off).
 The model cycles over a few fixed synthetic batches, so the loss falls well below ln(vocab).
 """
 
@@ -26,6 +29,7 @@ from dtensor_mimo import (
     MimoOptimizer,
     ParallelOptions,
     Parallelism,
+    PipelineConfig,
     train_step,
 )
 from dtensor_mimo.data import ModalitySpec, SyntheticSpec, synthetic_batch
@@ -51,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--microbatches", type=int, default=4, help="per step; 1: no overlap")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -73,7 +78,8 @@ def main() -> None:
     for i, encoder in enumerate(encoders.values()):
         encoder.init_weights(10 * (i + 1))
     options = {"language": ParallelOptions(sp=True, compile=args.compile)}
-    model = MimoModel(layout, llama, encoders, options=options)
+    model = MimoModel(layout, llama, encoders, options=options,
+                      pipeline=PipelineConfig(microbatches=args.microbatches))
     optimizer = MimoOptimizer(model, AdamWConfig(lr=1e-2, max_grad_norm=1.0))
 
     spec = SyntheticSpec(

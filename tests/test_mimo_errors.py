@@ -76,7 +76,7 @@ def test_encoder_output_length_disagreeing_with_batch_fails_on_every_rank():
     assert run_on_ranks(_encoder_disagrees_with_metadata, 3, timeout=60) == [True] * 3
 
 
-def _pipelined_encoder_disagrees_with_metadata(offsets):
+def _pipelined_encoder_disagrees_with_metadata(modules, offsets):
     import torch.distributed as dist
 
     from torch.distributed.tensor import DTensor
@@ -86,7 +86,7 @@ def _pipelined_encoder_disagrees_with_metadata(offsets):
     from dtensor_mimo.data import ModalitySpec
 
     llama, encoders = _model_args()
-    layout = MimoLayout({"vision": P(dp=2), "language": P(pp=2)}, offsets=offsets)
+    layout = MimoLayout(modules, offsets=offsets)
     model = MimoModel(layout, llama, encoders, pipeline=PipelineConfig(microbatches=2))
     optimizer = MimoOptimizer(model)
     wrong = ModalitySpec(64, (ViTConfig.tiny().in_channels, 16, 16), tokens_per_item=8, max_items=2)
@@ -94,7 +94,9 @@ def _pipelined_encoder_disagrees_with_metadata(offsets):
     local = lambda p: p.to_local() if isinstance(p, DTensor) else p  # noqa: E731  (no collective)
     before = {n: local(p).detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(PlanError, match=r"encoder 'vision' produced rows of shape \(\d+, 32\) for microbatch "
-                                        r"\d, but the batch metadata plans|rank\(s\) produced encoder rows"):
+                                        r"\d, but the batch metadata plans|rank\(s\) produced encoder rows|"
+                                        r"encoder stage 0 made 16 tokens per item but the batch metadata says "
+                                        r"tokens_per_item=8"):
         train_step(model, optimizer, batch)
     assert all(torch.equal(local(p), before[n]) for n, p in model.named_parameters()), "a weight changed"
     good = synthetic_batch(SyntheticSpec.tiny(batch_size=4, modalities={"vision": ModalitySpec.image(
@@ -104,9 +106,14 @@ def _pipelined_encoder_disagrees_with_metadata(offsets):
     return True
 
 
-@pytest.mark.parametrize("offsets", [None, {"vision": 0, "language": 0}], ids=["overlapped", "colocated"])
-def test_pipelined_encoder_output_disagreeing_with_batch_fails_on_every_rank(offsets):
+@pytest.mark.parametrize("modules, offsets", [
+    ({"vision": P(dp=2), "language": P(pp=2)}, None),
+    ({"vision": P(dp=2), "language": P(pp=2)}, {"vision": 0, "language": 0}),
+    ({"vision": P(pp=2), "language": P()}, None),
+], ids=["overlapped", "colocated", "encoder_stages"])
+def test_pipelined_encoder_output_disagreeing_with_batch_fails_on_every_rank(modules, offsets):
     from tests.harness import run_on_ranks
 
-    world = 2 if offsets else 4
-    assert run_on_ranks(_pipelined_encoder_disagrees_with_metadata, world, offsets, timeout=60) == [True] * world
+    world = MimoLayout(modules, offsets=offsets).world_size
+    assert run_on_ranks(_pipelined_encoder_disagrees_with_metadata, world, modules, offsets,
+                        timeout=60) == [True] * world

@@ -65,11 +65,30 @@ def test_language_pp_needs_a_pipeline_config() -> None:
     _check_model(layout, llama, encoders, "language", {}, PipelineConfig(microbatches=2))
 
 
-def test_encoder_pipelines_are_refused_by_name() -> None:
+@pytest.mark.parametrize("offsets, frozen, sp, match", [
+    ({"vision": 0, "language": 0}, False, False, "its ranks must be its own"),
+    (None, True, False, "every encoder must train and sit on ranks of its own"),
+    (None, False, True, "sequence parallel is not supported on encoder stages"),
+])
+def test_encoder_pipelines_that_cannot_run_are_refused_by_name(offsets, frozen, sp, match) -> None:
+    from dtensor_mimo import ParallelOptions
+
     llama, encoders = _modules()
-    layout = MimoLayout({"vision": P(pp=2), "language": P(pp=2)})
-    with pytest.raises(LayoutError, match="encoder 'vision' has pp=2: encoder pipelines are not supported"):
-        _check_model(layout, llama, encoders, "language", {}, PipelineConfig(microbatches=2))
+    if frozen:
+        encoders["vision"].requires_grad_(False)
+    layout = MimoLayout({"vision": P(pp=2), "language": P(pp=2)}, offsets=offsets)
+    with pytest.raises(LayoutError, match=f"encoder 'vision' has pp=2: {match}"):
+        _check_model(layout, llama, encoders, "language", {"vision": ParallelOptions(sp=sp)},
+                     PipelineConfig(microbatches=2))
+
+
+def test_encoder_pipeline_needs_a_pipeline_config_and_layers_per_stage() -> None:
+    llama, encoders = _modules()  # a 2-layer ViT
+    with pytest.raises(LayoutError, match="encoder 'vision' has pp=2: pass pipeline=PipelineConfig"):
+        _check_model(MimoLayout({"vision": P(pp=2), "language": P()}), llama, encoders, "language", {}, None)
+    with pytest.raises(LayoutError, match="2 layers for 4 pipeline stages"):
+        _check_model(MimoLayout({"vision": P(pp=4), "language": P()}), llama, encoders, "language", {},
+                     PipelineConfig(microbatches=2))
 
 
 def test_zero_bubble_refuses_compiled_stages() -> None:

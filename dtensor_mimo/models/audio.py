@@ -83,7 +83,9 @@ class AudioEncoder(nn.Module):
         """Deterministic init from `seed`; see `dtensor_mimo.models.layers.init_weights`."""
         init_weights(self, seed)
 
-    def forward(self, mels: torch.Tensor) -> torch.Tensor:
+    def embed(self, mels: torch.Tensor) -> torch.Tensor:
+        """Convolutions and position embeddings: `[N, n_mels, T]` -> `[N, output_length(T), dim]`
+        (the part before the blocks; a first pipeline stage runs it)."""
         c = self.config
         if mels.dim() != 3 or mels.shape[1] != c.n_mels or mels.shape[2] > c.max_frames:
             raise ValueError(
@@ -93,7 +95,10 @@ class AudioEncoder(nn.Module):
         x = F.gelu(self.conv1(mels))
         x = F.gelu(self.conv2(x))  # [N, dim, T_out]
         x = x.transpose(1, 2)  # [N, T_out, dim]
-        x = x + self.pos_embed[: x.shape[1]]
+        return x + self.pos_embed[: x.shape[1]]
+
+    def forward(self, mels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(mels)
         for layer in self.layers.values():
             x = layer(x)
         return self.norm(x)

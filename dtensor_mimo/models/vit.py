@@ -127,7 +127,9 @@ class ViT(nn.Module):
         """Deterministic init from `seed`; see `dtensor_mimo.models.layers.init_weights`."""
         init_weights(self, seed)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """Patch and position embeddings: `[N, C, H, W]` -> `[N, num_patches, dim]` (the part
+        before the blocks; a first pipeline stage runs it)."""
         c = self.config
         expected = (c.in_channels, c.image_size, c.image_size)
         if images.dim() != 4 or tuple(images.shape[1:]) != expected:
@@ -137,7 +139,10 @@ class ViT(nn.Module):
             )
         x = self.patch_embed(images)  # [N, dim, H/p, W/p]
         x = x.flatten(2).transpose(1, 2)  # [N, num_patches, dim], patches in row-major order
-        x = x + self.pos_embed
+        return x + self.pos_embed
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.embed(images)
         for layer in self.layers.values():
             x = layer(x)
         return self.norm(x)

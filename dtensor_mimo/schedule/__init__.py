@@ -10,6 +10,7 @@ from dtensor_mimo.schedule.config import (
     stage_layers,
 )
 from dtensor_mimo.schedule.crossing import Crossing
+from dtensor_mimo.schedule.encoders import EncoderPipeline, EncoderStage, keep_encoder_stage
 from dtensor_mimo.schedule.language import LanguagePipeline, LanguageStage, llama_stage
 from dtensor_mimo.schedule.step import pipelined_step
 
@@ -17,11 +18,14 @@ __all__ = [
     "SCHEDULES",
     "ZERO_BUBBLE_SCHEDULES",
     "Crossing",
+    "EncoderPipeline",
+    "EncoderStage",
     "LanguagePipeline",
     "LanguageStage",
     "PipelineConfig",
     "check_microbatching",
     "check_pipeline_layout",
+    "keep_encoder_stage",
     "llama_stage",
     "pipelined_step",
     "stage_layers",

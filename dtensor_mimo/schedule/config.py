@@ -98,17 +98,10 @@ def check_microbatching(batch_size: int, microbatches: int, language_dp: int, la
         )
 
 
-def check_pipeline_layout(layout: MimoLayout, language: str, encoders: Sequence[str],
-                          config: PipelineConfig | None = None) -> None:
-    """Pipelined layouts that the pipeline runtime serves (pure)."""
+def check_pipeline_layout(layout: MimoLayout, language: str, config: PipelineConfig | None = None) -> None:
+    """Pipelined layouts that the pipeline runtime serves (pure; encoder stages: `MimoModel`)."""
     pp = layout.parallelism(language).pp
     if config is not None and config.schedule in MULTI_STAGE_SCHEDULES and config.microbatches % pp:
         raise LayoutError(
             f"schedule {config.schedule!r} runs microbatches in rounds of pp={pp}, but microbatches="
             f"{config.microbatches}: use a multiple of {pp}")
-    for name in encoders:
-        if layout.parallelism(name).pp != 1:
-            raise LayoutError(
-                f"encoder {name!r} has pp={layout.parallelism(name).pp}: encoder pipelines are not "
-                "supported yet; give the encoder dp (or tp) instead, or pipeline the language model"
-            )

@@ -104,6 +104,10 @@ class Crossing:
                 rows[name] = torch.zeros(rp.src_rows, self.dim, dtype=self.dtype, device=self.device)
         return self._start(self.names, self._forward, rows, receives)
 
+    def src_rows(self, name: str) -> int:
+        """Rows of encoder `name` that this rank sends (its dp shard of the microbatch)."""
+        return self._forward[self.names.index(name)].src_rows
+
     def backward(self, grads: Mapping[str, torch.Tensor | None], receives: bool) -> list[exchange.Pending]:
         """Post this rank's part of the backward exchange; `grads` on first-stage language ranks,
         `receives` on encoder ranks (``wait()`` gives the gradient of their rows). Trainable

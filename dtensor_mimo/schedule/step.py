@@ -5,7 +5,7 @@ to the first language stage through `Crossing` i. What each rank does:
 
 | rank holds                         | what it runs                                                     |
 |------------------------------------|------------------------------------------------------------------|
-| encoders only (overlapped)         | torch's GPipe over its encoders; rows leave per microbatch       |
+| encoders only (overlapped)         | torch's GPipe over its encoders (or its encoder's pp group); rows leave per microbatch |
 | language only                      | torch's language schedule; the first stage receives per microbatch, sends each gradient as soon as its backward ran |
 | encoders + language (colocated)    | three phases: encode every microbatch, language schedule, one encoder backward |
 
@@ -23,7 +23,13 @@ from torch import nn
 from dtensor_mimo.data import MimoBatch, microbatches, shard
 from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.schedule.crossing import Crossing
-from dtensor_mimo.schedule.encoders import LocalEncoders, backward_all, encode_all, run_encoder_schedule
+from dtensor_mimo.schedule.encoders import (
+    EncoderPipeline,
+    LocalEncoders,
+    backward_all,
+    encode_all,
+    run_encoder_schedule,
+)
 from dtensor_mimo.schedule.feed import LanguageFeed
 from dtensor_mimo.schedule.language import LanguagePipeline
 
@@ -35,6 +41,7 @@ def pipelined_step(
     *,
     num_microbatches: int,
     encoders: Mapping[str, nn.Module],
+    encoder_pipelines: Mapping[str, EncoderPipeline],
     trainable: Mapping[str, bool],
     language: LanguagePipeline | None,
     overlapped: bool,
@@ -46,9 +53,10 @@ def pipelined_step(
     """Forward and backward of the global `batch`; returns this rank's loss share and, if this
     rank's encoder rows disagreed with the batch metadata, what went wrong (`Crossing.forward`).
 
-    `encoders`: the encoders this rank holds (all of the batch's modalities, every rank the same
-    order); `trainable`: every encoder's, known on every rank; `language`: this rank's language
-    pipeline or None; `overlapped`: every encoder is on ranks of its own.
+    `encoders`: the pp = 1 encoders this rank holds; `encoder_pipelines`: this rank's stage of
+    each pp > 1 encoder (on ranks of its own); `trainable`: every encoder's, known on every rank;
+    `language`: this rank's language pipeline or None; `overlapped`: every encoder trains and is
+    on ranks of its own.
     """
     rank = torch.distributed.get_rank()
     mbs = microbatches(batch, num_microbatches)
@@ -56,14 +64,15 @@ def pipelined_step(
     flags = [trainable[n] for n in names]
     crossings = [Crossing(layout, language_name, mb, names, flags, dim, dtype, device, index=i)
                  for i, mb in enumerate(mbs)]
-    local = [n for n in names if n in encoders]
-    inputs = []
+    local = [n for n in names if n in encoders or n in encoder_pipelines]
+    items = []  # this rank's dp shard of each microbatch's items, per local encoder
     for mb in mbs:
         per = {}
         for n in local:
             par = layout.parallelism(n)
-            per[n] = shard(mb, par.dp, layout.coordinate(n, rank)["dp"]).modalities[n].inputs.to(device)
-        inputs.append(per)
+            per[n] = shard(mb, par.dp, layout.coordinate(n, rank)["dp"]).modalities[n]
+        items.append(per)
+    inputs = [{n: m.inputs.to(device) for n, m in per.items() if n in encoders} for per in items]
     first = language is not None and language.first is not None
     lang_mbs = []
     if language is not None:
@@ -71,19 +80,27 @@ def pipelined_step(
         dp_rank = layout.coordinate(language_name, rank)["dp"]
         lang_mbs = [shard(mb, par.dp, dp_rank) for mb in mbs]
 
+    errors: list[str | None] = []
     if overlapped:
-        if local:
-            module = LocalEncoders({n: encoders[n] for n in local}, dtype)
-            run_encoder_schedule(module, [tuple(mb[n] for n in local) for mb in inputs], crossings,
-                                 layout.mesh(local[0], "pp").get_group(), device)
+        flat = [n for n in local if n in encoders]
+        if flat:
+            module = LocalEncoders({n: encoders[n] for n in flat}, dtype)
+            run_encoder_schedule(module, flat, [tuple(mb[n] for n in flat) for mb in inputs], crossings,
+                                 layout.mesh(flat[0], "pp").get_group(), device)
+        for n, pipeline in encoder_pipelines.items():
+            if n in local:
+                pipeline.run([per[n].inputs.to(device) for per in items], [per[n].num_items for per in items],
+                             batch.modalities[n].tokens_per_item, dim, crossings)
+                errors.append(pipeline.stage.error)
+                pipeline.stage.error = None
         if language is None:
-            return torch.zeros((), device=device), _error(crossings)
+            return torch.zeros((), device=device), _error(crossings, errors)
         received = [c.forward({}, receives=first) for c in crossings]
         feed = LanguageFeed(crossings, received, flags, post_gradients=True) if first else None
         share = language.run(lang_mbs, normalizer, feed)
         if feed is not None:
             feed.finish()
-        return share, _error(crossings)
+        return share, _error(crossings, errors)
 
     # Colocated: encode everything, run the language schedule, one encoder backward.
     outputs = encode_all(encoders, inputs, dtype)
@@ -95,10 +112,11 @@ def pipelined_step(
             p.wait()
     returned = [c.backward(feed.gradients(i) if first else {}, receives=bool(local))
                 for i, c in enumerate(crossings)]
-    grads = [{n: p.wait() for n, p in zip(c.backward_names, pendings)} for c, pendings in zip(crossings, returned)]
+    grads = [{n: p.wait() for n, p in zip(c.backward_names, pendings)}
+             for c, pendings in zip(crossings, returned)]
     backward_all(outputs, grads)
-    return share, _error(crossings)
+    return share, _error(crossings, errors)
 
 
-def _error(crossings: Sequence[Crossing]) -> str | None:
-    return next((c.error for c in crossings if c.error), None)
+def _error(crossings: Sequence[Crossing], errors: Sequence[str | None]) -> str | None:
+    return next((e for e in [*errors, *(c.error for c in crossings)] if e), None)
