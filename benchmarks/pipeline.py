@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from dtensor_mimo import MimoLayout, MimoModel, Parallelism, PipelineConfig
-from dtensor_mimo.data import ModalitySpec, SyntheticSpec, shard, synthetic_batch
+from dtensor_mimo.data import ModalitySpec, SyntheticSpec, synthetic_batch
 from dtensor_mimo.models import Llama, LlamaConfig, ModalityEncoder, Projection, ViT, ViTConfig
 from dtensor_mimo.train.loss import loss_normalizer
 

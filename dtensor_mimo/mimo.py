@@ -1,6 +1,8 @@
 """`MimoModel`: encoders and a language model, each on its own mesh, joined by the bridge.
 
-One training forward, on every rank of the world, with the same GLOBAL batch (pp = 1):
+With a `PipelineConfig` the step runs per microbatch through `dtensor_mimo.schedule` (torch's
+pipeline schedules, encoders overlapping the language model). Without one, one training forward,
+on every rank of the world, with the same GLOBAL batch (pp = 1):
 
 1. Each encoder rank encodes its dp shard of the batch's items and projects them to the language
    width: a ``[tokens, dim]`` block of the encoder output, a DTensor on the encoder's mesh
@@ -11,7 +13,8 @@ One training forward, on every rank of the world, with the same GLOBAL batch (pp
    The gradient comes back declared `Partial` over cp: each cp rank only sees its positions.
 3. Each language rank embeds its dp shard's text, scatters the modality rows in at their
    special-token positions (`assemble`), takes its load-balanced cp chunk, runs the decoder and
-   returns its share of the loss: summed token losses over the token count of the global batch.
+   returns its share of the loss: summed token losses over the token count of the global batch
+   (a `LanguageStage` that is both first and last, the same module a pipeline stage is).
 
 Ranks outside the language mesh return a zero that is still connected to the bridge, so
 ``model(batch).backward()`` on every rank completes the backward exchange (DESIGN: "on a rank
@@ -28,7 +31,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from dtensor_mimo.assemble import assemble, embed_text
 from dtensor_mimo.bridge import redistribute_many
 from dtensor_mimo.data import MimoBatch, shard
 from dtensor_mimo.layout import LANGUAGE, LayoutError, MimoLayout
@@ -47,14 +49,16 @@ from dtensor_mimo.schedule import (
     EncoderStage,
     keep_encoder_stage,
     LanguagePipeline,
+    LanguageStage,
     PipelineConfig,
     check_microbatching,
     check_pipeline_layout,
     pipelined_step,
+    stage_inputs,
     stage_layers,
 )
-from dtensor_mimo.sequence import ContextParallelAttention, shard_for_cp
-from dtensor_mimo.train.loss import loss_normalizer, token_loss_sum
+from dtensor_mimo.sequence import ContextParallelAttention
+from dtensor_mimo.train.loss import loss_normalizer
 
 # Encoder output rows on a module mesh (pp, dp, cp, tp): split over dp, whole on every other dim.
 TOKEN_PLACEMENTS = (Replicate(), Shard(0), Replicate(), Replicate())
@@ -73,35 +77,6 @@ class _ZeroConnectedTo(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _grad: torch.Tensor):
         return (None, *(torch.zeros_like(y) for y in ctx.ys))
-
-
-class _LanguageStep(nn.Module):
-    """The language side of one step: embed, assemble, cp-shard, decode. The FSDP root of the
-    language model, so that the text embedding (called before the decoder blocks) is unsharded."""
-
-    def __init__(self, llama: Llama, cp_size: int, cp_rank: int) -> None:
-        super().__init__()
-        self.llama = llama
-        self.cp_size, self.cp_rank = cp_size, cp_rank
-
-    def forward(self, batch: MimoBatch, modality_embeddings: dict[str, torch.Tensor],
-                normalizer: float) -> torch.Tensor:
-        """This rank's loss share: its rows' summed token losses over `normalizer`."""
-        ids = batch.special_token_ids
-        text = embed_text(self.llama.tok_embeddings, batch.tokens, ids)
-        if isinstance(text, DTensor):  # vocab-parallel embedding under sp: sequence-sharded
-            text = text.full_tensor()
-        h = assemble(text, batch.tokens, modality_embeddings, ids)
-        rows = dict(labels=batch.labels, loss_mask=batch.loss_mask, positions=batch.positions,
-                    document_ids=batch.document_ids)
-        sequence_index = None
-        if self.cp_size > 1:
-            chunk = shard_for_cp(self.cp_size, self.cp_rank, embeddings=h, **rows)
-            h, sequence_index = chunk.embeddings, chunk.sequence_index
-            rows = {k: getattr(chunk, k) for k in rows}
-        logits = self.llama(h=h, positions=rows["positions"], document_ids=rows["document_ids"],
-                            sequence_index=sequence_index)
-        return token_loss_sum(logits, rows["labels"], rows["loss_mask"]) / normalizer
 
 
 class MimoModel(nn.Module):
@@ -181,7 +156,7 @@ class MimoModel(nn.Module):
         for name, module in encoders.items():
             if layout.is_member(name, self.rank):
                 self.encoders[name] = self._parallelize_encoder(name, module.to(self.device))
-        self.language: _LanguageStep | None = None
+        self.language: LanguageStage | None = None  # unpipelined: one stage, first and last
         self.language_pipeline: LanguagePipeline | None = None
         if layout.is_member(language_name, self.rank):
             if self.pipeline is None:
@@ -220,14 +195,14 @@ class MimoModel(nn.Module):
             apply_fsdp(root, dp_mesh, blocks, options.reshard_after_forward)
         return module
 
-    def _parallelize_language(self, llama: Llama) -> _LanguageStep:
+    def _parallelize_language(self, llama: Llama) -> LanguageStage:
         name, options = self.language_name, self.options[self.language_name]
         tp_mesh, dp_mesh = self._meshes(name)
         cp = self.layout.parallelism(name).cp
         if cp > 1:
             llama.set_attention_fn(ContextParallelAttention(self.layout.mesh(name, "cp")))
         parallelize_llama(llama, tp_mesh, dp_mesh, dataclasses.replace(options, fsdp=False))
-        step = _LanguageStep(llama, cp, self.layout.coordinate(name, self.rank)["cp"])
+        step = LanguageStage(llama, True, True, cp, self.layout.coordinate(name, self.rank)["cp"])
         if options.fsdp and dp_mesh.size() > 1:
             apply_fsdp(step, dp_mesh, list(llama.layers.values()), options.reshard_after_forward)
         return step
@@ -311,8 +286,13 @@ class MimoModel(nn.Module):
             return _ZeroConnectedTo.apply(self.device, *ys)
         embeddings = {n: y.to_local(grad_placements=self._grad_placements) for n, y in zip(names, ys)}
         par = self.layout.parallelism(self.language_name)
-        local = shard(batch, par.dp, self.layout.coordinate(self.language_name, self.rank)["dp"])
-        return self.language(local.to(self.device), embeddings, loss_normalizer(batch))
+        coord = self.layout.coordinate(self.language_name, self.rank)
+        local = shard(batch, par.dp, coord["dp"]).to(self.device)
+        self.language.set_step(embeddings, batch.special_token_ids, loss_normalizer(batch))
+        tokens, kwargs = stage_inputs(local, par.cp, coord["cp"])
+        share = self.language(tokens, microbatch=0, **kwargs)
+        self.language.set_step(None, {}, 1.0)  # drop the references to this step's rows
+        return share
 
     def _encode(self, name: str, batch: MimoBatch) -> DTensor:
         """This rank's encoder output rows (empty off the encoder's mesh) as a DTensor."""

@@ -11,7 +11,7 @@ from dtensor_mimo.schedule.config import (
 )
 from dtensor_mimo.schedule.crossing import Crossing
 from dtensor_mimo.schedule.encoders import EncoderPipeline, EncoderStage, keep_encoder_stage
-from dtensor_mimo.schedule.language import LanguagePipeline, LanguageStage, llama_stage
+from dtensor_mimo.schedule.language import LanguagePipeline, LanguageStage, llama_stage, stage_inputs
 from dtensor_mimo.schedule.step import pipelined_step
 
 __all__ = [
@@ -28,5 +28,6 @@ __all__ = [
     "keep_encoder_stage",
     "llama_stage",
     "pipelined_step",
+    "stage_inputs",
     "stage_layers",
 ]

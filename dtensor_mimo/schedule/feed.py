@@ -10,7 +10,7 @@ process runs the encoder backward itself, after the language schedule).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 

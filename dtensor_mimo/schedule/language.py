@@ -7,9 +7,10 @@ The decoder is cut into ``pp * virtual_stages`` stages (`stage_layers`); stage s
   scatters them in at their special tokens (`assemble`) and cuts this rank's cp chunk;
 - every stage runs its decoder layers on the cp chunk (rotary positions, causality and documents
   come as per-microbatch keyword arguments, which torch passes to every stage);
-- the last stage applies norm and head; torch's schedule calls the loss on its logits: summed
-  token losses over the loss tokens of the GLOBAL batch, so the microbatch losses add up to the
-  single-process loss and gradients are sums (``scale_grads=False``).
+- the last stage applies norm and head and returns its loss share: summed token losses over the
+  loss tokens of the GLOBAL batch (computed inside the stage, so the logits are freed there and
+  never become a stage output), which torch's schedule takes as the microbatch loss; the
+  microbatch losses add up to the single-process loss and gradients are sums (``scale_grads=False``).
 
 Each stage module is its own FSDP2 root over dp·cp (torch's stage defers the gradient
 reduce-scatter to the last microbatch), composed with the decoder's tp/sp plan and per-block
@@ -21,7 +22,7 @@ gets its own stages instead of a gloo abort or a stale buffer.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torch import nn
@@ -46,28 +47,45 @@ class LanguageStage(nn.Module):
     """One pipeline stage of the decoder (an FSDP root); `llama` holds only this stage's parts,
     under the whole model's parameter names."""
 
-    def __init__(self, llama: Llama, first: bool, cp_size: int, cp_rank: int) -> None:
+    def __init__(self, llama: Llama, first: bool, last: bool, cp_size: int, cp_rank: int) -> None:
         super().__init__()
-        self.llama, self.first = llama, first
+        self.llama, self.first, self.last = llama, first, last
         self.cp_size, self.cp_rank = cp_size, cp_rank
-        self.feed: LanguageFeed | None = None  # set for each step on the first stage
-        self.special_token_ids: dict[str, int] = {}
+        self.set_step(None, {}, 1.0)
+
+    def set_step(self, feed: LanguageFeed | Mapping[str, torch.Tensor] | None,
+                 special_token_ids: Mapping[str, int], normalizer: float) -> None:
+        """What this step's microbatches share: where the first stage's encoder rows come from
+        (a `LanguageFeed`, or one microbatch's rows as a mapping), the special token ids, and the
+        loss normalizer (the global batch's loss tokens)."""
+        self.feed, self.special_token_ids, self.normalizer = feed, dict(special_token_ids), normalizer
 
     def forward(self, x: torch.Tensor, *, microbatch: int, positions: torch.Tensor | None,
-                document_ids: torch.Tensor | None, sequence_index: torch.Tensor) -> torch.Tensor:
-        """`x`: token ids ``[b, S]`` on the first stage, else the previous stage's hidden states."""
-        if not self.first:
-            return self.llama(x, positions=positions, document_ids=document_ids,
-                              sequence_index=sequence_index)
-        ids = self.special_token_ids
-        text = embed_text(self.llama.tok_embeddings, x, ids)
-        if isinstance(text, DTensor):  # vocab-parallel embedding under sp: sequence-sharded
-            text = text.full_tensor()
-        rows = self.feed.rows(microbatch) if self.feed is not None else {}
-        h = assemble(text, x, rows, ids)
-        if self.cp_size > 1:
-            h = zigzag_shard(h, self.cp_size, self.cp_rank)
-        return self.llama(h=h, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
+                document_ids: torch.Tensor | None, sequence_index: torch.Tensor,
+                labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """`x`: token ids ``[b, S]`` on the first stage, else the previous stage's hidden states.
+        Returns hidden states, or on the last stage this microbatch's loss share."""
+        if self.first:
+            ids = self.special_token_ids
+            text = embed_text(self.llama.tok_embeddings, x, ids)
+            if isinstance(text, DTensor):  # vocab-parallel embedding under sp: sequence-sharded
+                text = text.full_tensor()
+            feed = self.feed
+            rows = {} if feed is None else feed if isinstance(feed, Mapping) else feed.rows(microbatch)
+            x = assemble(text, x, rows, ids)
+            if self.cp_size > 1:
+                x = zigzag_shard(x, self.cp_size, self.cp_rank)
+        out = self.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
+        return token_loss_sum(out, labels, loss_mask) / self.normalizer if self.last else out
+
+
+def stage_inputs(mb: MimoBatch, cp_size: int, cp_rank: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    """A language rank's microbatch as `LanguageStage` arguments: the full token rows (the first
+    stage embeds them, then cuts its cp chunk) and this cp rank's chunk of everything else."""
+    chunk = shard_for_cp(cp_size, cp_rank, labels=mb.labels, loss_mask=mb.loss_mask,
+                         positions=mb.positions, document_ids=mb.document_ids)
+    return mb.tokens, dict(positions=chunk.positions, document_ids=chunk.document_ids,
+                           sequence_index=chunk.sequence_index, labels=chunk.labels, loss_mask=chunk.loss_mask)
 
 
 def llama_stage(llama: Llama, layers: range, first: bool, last: bool) -> Llama:
@@ -81,6 +99,11 @@ def llama_stage(llama: Llama, layers: range, first: bool, last: bool) -> Llama:
     stage.norm = llama.norm if last else None
     stage.output = llama.output if last else None
     return stage
+
+
+def _stage_loss(loss_share: torch.Tensor, _target: None) -> torch.Tensor:
+    """torch's loss function: the last stage already returned its loss share."""
+    return loss_share
 
 
 class LanguagePipeline:
@@ -102,7 +125,7 @@ class LanguagePipeline:
         self.cp_rank = coord["cp"]
         self.n_stages = config.num_stages(par.pp)
         self.pp_group = layout.mesh(name, "pp").get_group()
-        self.dim, self.vocab = llama.config.dim, llama.config.vocab_size
+        self.dim = llama.config.dim
         tp_mesh, dp_mesh = layout.mesh(name, "tp"), layout.mesh(name, ("dp", "cp"))
         if par.cp > 1:
             llama.set_attention_fn(ContextParallelAttention(layout.mesh(name, "cp")))
@@ -112,12 +135,11 @@ class LanguagePipeline:
         for s in self.stage_indices:
             part = llama_stage(llama, bounds[s], s == 0, s == self.n_stages - 1)
             parallelize_llama(part, tp_mesh, dp_mesh, dataclasses.replace(options, fsdp=False))
-            module = LanguageStage(part, s == 0, par.cp, self.cp_rank)
+            module = LanguageStage(part, s == 0, s == self.n_stages - 1, par.cp, self.cp_rank)
             if options.fsdp and dp_mesh.size() > 1:
                 apply_fsdp(module, dp_mesh, list(part.layers.values()), options.reshard_after_forward)
             self.stages.append(module)
         self._schedules: dict[tuple[int, int], Any] = {}
-        self._normalizer = 1.0
 
     @property
     def first(self) -> LanguageStage | None:
@@ -132,9 +154,6 @@ class LanguagePipeline:
         """This rank's parameters of the decoder, under the whole model's names."""
         return {n: p for stage in self.stages for n, p in stage.llama.named_parameters()}
 
-    def _loss(self, logits: torch.Tensor, target: dict[str, torch.Tensor]) -> torch.Tensor:
-        return token_loss_sum(logits, target["labels"], target["loss_mask"]) / self._normalizer
-
     def _schedule(self, rows: int, seq_len: int):
         key = (rows, seq_len)
         if key not in self._schedules:
@@ -146,14 +165,14 @@ class LanguagePipeline:
                 # the activations whose gradients travel between stages.
                 x = (torch.zeros(rows, seq_len, dtype=torch.int64, device=self.device) if s == 0 else
                      torch.empty(rows, s_local, self.dim, dtype=dtype, device=self.device, requires_grad=True))
-                width = self.vocab if s == self.n_stages - 1 else self.dim
-                y = torch.empty(rows, s_local, width, dtype=dtype, device=self.device, requires_grad=True)
+                y = (torch.zeros((), device=self.device, requires_grad=True) if s == self.n_stages - 1 else
+                     torch.empty(rows, s_local, self.dim, dtype=dtype, device=self.device, requires_grad=True))
                 stages.append(PipelineStage(module, s, self.n_stages, self.device, input_args=(x,),
                                             output_args=(y,), group=self.pp_group))
             cls = get_schedule_class(self.config.schedule)
             single = issubclass(cls, PipelineScheduleSingle)
             self._schedules[key] = cls(stages[0] if single else stages, self.config.microbatches,
-                                       loss_fn=self._loss, scale_grads=False)
+                                       loss_fn=_stage_loss, scale_grads=False)
         return self._schedules[key]
 
     def run(self, microbatches: list[MimoBatch], normalizer: float, feed: LanguageFeed | None) -> torch.Tensor:
@@ -161,27 +180,21 @@ class LanguagePipeline:
         microbatch, equal sizes); returns this rank's loss share (0 off the last stage)."""
         first = microbatches[0]
         schedule = self._schedule(first.batch_size, first.seq_len)
-        self._normalizer = normalizer
-        if self.first is not None:
-            self.first.feed = feed
-            self.first.special_token_ids = first.special_token_ids
-        args, kwargs, targets = [], [], []
-        for i, mb in enumerate(microbatches):
-            mb = mb.to(self.device)
-            chunk = shard_for_cp(self.par.cp, self.cp_rank, labels=mb.labels, loss_mask=mb.loss_mask,
-                                 positions=mb.positions, document_ids=mb.document_ids)
-            args.append((mb.tokens,))
-            kwargs.append(dict(microbatch=i, positions=chunk.positions, document_ids=chunk.document_ids,
-                               sequence_index=chunk.sequence_index))
-            targets.append(dict(labels=chunk.labels, loss_mask=chunk.loss_mask))
+        for stage in self.stages:
+            stage.set_step(feed if stage.first else None, first.special_token_ids, normalizer)
+        args, kwargs = [], []
+        for i, mb in enumerate(microbatches):  # keyword arguments reach every stage
+            tokens, kw = stage_inputs(mb.to(self.device), self.par.cp, self.cp_rank)
+            args.append((tokens,))
+            kwargs.append(dict(microbatch=i, **kw))
         losses: list[torch.Tensor] = []
         stages = [schedule._stage] if isinstance(schedule, PipelineScheduleSingle) else schedule._stages
         for stage in stages:  # what `step()` does before `_step_microbatches`
             stage.has_backward = True
             stage.clear_runtime_states()
-        schedule._step_microbatches(args, kwargs, targets, losses, return_outputs=False)
+        schedule._step_microbatches(args, kwargs, [None] * len(args), losses, return_outputs=False)
         if self.first is not None:
-            self.first.feed = None
+            self.first.set_step(None, {}, 1.0)
         if not self.holds_loss:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach() for loss in losses]).sum()
