@@ -40,6 +40,7 @@ import torch.distributed as dist
 from dtensor_mimo import MimoLayout, MimoModel, Parallelism, PipelineConfig
 from dtensor_mimo.data import ModalitySpec, SyntheticSpec, synthetic_batch
 from dtensor_mimo.models import Llama, LlamaConfig, ModalityEncoder, Projection, ViT, ViTConfig
+from dtensor_mimo.schedule import stage_inputs
 from dtensor_mimo.train.loss import loss_normalizer
 
 P = Parallelism
@@ -102,7 +103,10 @@ def two_ranks(args) -> dict:
             out = plain.encoders["vision"](items)
             out.backward(torch.ones_like(out))
         else:
-            plain.language(batch, {"vision": rows.requires_grad_()}, loss_normalizer(batch)).backward()
+            plain.language.set_step({"vision": rows.requires_grad_()}, batch.special_token_ids,
+                                    loss_normalizer(batch))
+            tokens, kwargs = stage_inputs(batch, 1, 0)
+            plain.language(tokens, microbatch=0, **kwargs).backward()
 
     def own_time(fn):  # this rank's own wall time (not the max over ranks)
         t0 = time.perf_counter()

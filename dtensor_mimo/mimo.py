@@ -144,7 +144,8 @@ class MimoModel(nn.Module):
         self.step_error: str | None = None  # this rank's verdict on the last pipelined step
 
         lang = layout.parallelism(language_name)
-        pipelined = pipeline is not None and (pipeline.microbatches > 1 or lang.pp > 1)
+        pipelined = pipeline is not None and (
+            pipeline.microbatches > 1 or any(layout.parallelism(n).pp > 1 for n in layout.names))
         self.pipeline = pipeline if pipelined else None
         # Encoders on ranks of their own overlap their microbatches with the language model's;
         # an encoder sharing ranks with it (or a frozen one) takes the colocated three phases.
@@ -158,6 +159,7 @@ class MimoModel(nn.Module):
                 self.encoders[name] = self._parallelize_encoder(name, module.to(self.device))
         self.language: LanguageStage | None = None  # unpipelined: one stage, first and last
         self.language_pipeline: LanguagePipeline | None = None
+        self.language_stages = nn.ModuleList()  # pipelined: this rank's stages (registered)
         if layout.is_member(language_name, self.rank):
             if self.pipeline is None:
                 self.language = self._parallelize_language(language.to(self.device))
@@ -181,7 +183,8 @@ class MimoModel(nn.Module):
         root: nn.Module = module
         if pp > 1:
             s = self.layout.coordinate(name, self.rank)["pp"]
-            keep_encoder_stage(module, stage_layers(len(module.encoder.layers), pp)[s], s == 0, s == pp - 1)
+            keep_encoder_stage(module, stage_layers(len(module.encoder.layers), pp, module=name)[s],
+                               s == 0, s == pp - 1)
             root = EncoderStage(module, s == 0, s == pp - 1, self.dtype)
             self.encoder_pipelines[name] = EncoderPipeline(
                 name, root, s, pp, self.layout.mesh(name, "pp").get_group(), module.encoder.config.dim,
@@ -369,10 +372,10 @@ def _check_model(layout: MimoLayout, language: Llama, encoders: Mapping[str, Mod
             "AudioEncoder have)" if not hasattr(module.encoder, "embed") else None)
         if problem:
             raise LayoutError(f"encoder {name!r} has pp={pp}: {problem}")
-        stage_layers(len(module.encoder.layers), pp)
+        stage_layers(len(module.encoder.layers), pp, module=name)
     if pipeline is not None:  # every rank, before any process group: layers per stage
         stage_layers(language.config.n_layers, pipeline.num_stages(layout.parallelism(language_name).pp),
-                     pipeline.split)
+                     pipeline.split, module=language_name)
     lang_options = options.get(language_name, ParallelOptions())
     if pipeline is not None and pipeline.schedule in ZERO_BUBBLE_SCHEDULES and lang_options.compile:
         raise LayoutError(f"schedule {pipeline.schedule!r} splits backward into input and weight parts, "

@@ -290,6 +290,9 @@ def _run_bridge(name):
     x_local = None if sc is None else X.index_select(dim, src_rows)
 
     sent = bridge.send_forward(x_local) if sc is not None else None
+    if sc is not None and dc is not None:  # on both meshes: a second exchange before this one's receive
+        with pytest.raises(RuntimeError, match="send_forward called twice on rank"):
+            bridge.send_forward(x_local)
     received = bridge.recv_forward(x_local) if dc is not None else None
     if sent is not None and received is not None:  # on both meshes: one batch, one handle
         assert sent is received

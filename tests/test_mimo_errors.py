@@ -76,6 +76,12 @@ def test_encoder_output_length_disagreeing_with_batch_fails_on_every_rank():
     assert run_on_ranks(_encoder_disagrees_with_metadata, 3, timeout=60) == [True] * 3
 
 
+OWN_ERROR = (r"encoder 'vision' produced rows of shape \(\d+, 32\) for microbatch \d, but the batch "
+             r"metadata plans \(\d+, 32\)|encoder stage 0 made 16 tokens per item but the batch metadata "
+             r"says tokens_per_item=8")
+OTHERS_ERROR = r"\d rank\(s\) produced encoder rows that disagree with the batch metadata"
+
+
 def _pipelined_encoder_disagrees_with_metadata(modules, offsets):
     import torch.distributed as dist
 
@@ -93,17 +99,14 @@ def _pipelined_encoder_disagrees_with_metadata(modules, offsets):
     batch = synthetic_batch(SyntheticSpec.tiny(batch_size=4, modalities={"vision": wrong}), seed=0)
     local = lambda p: p.to_local() if isinstance(p, DTensor) else p  # noqa: E731  (no collective)
     before = {n: local(p).detach().clone() for n, p in model.named_parameters()}
-    with pytest.raises(PlanError, match=r"encoder 'vision' produced rows of shape \(\d+, 32\) for microbatch "
-                                        r"\d, but the batch metadata plans|rank\(s\) produced encoder rows|"
-                                        r"encoder stage 0 made 16 tokens per item but the batch metadata says "
-                                        r"tokens_per_item=8"):
+    with pytest.raises(PlanError, match=rf"{OWN_ERROR}|{OTHERS_ERROR}") as error:
         train_step(model, optimizer, batch)
     assert all(torch.equal(local(p), before[n]) for n, p in model.named_parameters()), "a weight changed"
     good = synthetic_batch(SyntheticSpec.tiny(batch_size=4, modalities={"vision": ModalitySpec.image(
         ViTConfig.tiny(), special_token_id=64)}), seed=0)
     train_step(model, optimizer, good)  # nobody was left inside an exchange
     dist.barrier()
-    return True
+    return str(error.value)
 
 
 @pytest.mark.parametrize("modules, offsets", [
@@ -114,6 +117,10 @@ def _pipelined_encoder_disagrees_with_metadata(modules, offsets):
 def test_pipelined_encoder_output_disagreeing_with_batch_fails_on_every_rank(modules, offsets):
     from tests.harness import run_on_ranks
 
+    import re
+
     world = MimoLayout(modules, offsets=offsets).world_size
-    assert run_on_ranks(_pipelined_encoder_disagrees_with_metadata, world, modules, offsets,
-                        timeout=60) == [True] * world
+    messages = run_on_ranks(_pipelined_encoder_disagrees_with_metadata, world, modules, offsets, timeout=60)
+    # Every rank raised; the ranks whose encoder made the wrong rows say which and how.
+    assert any(re.search(OWN_ERROR, m) for m in messages), messages
+    assert all(re.search(f"{OWN_ERROR}|{OTHERS_ERROR}", m) for m in messages), messages

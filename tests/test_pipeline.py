@@ -17,6 +17,8 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 | frozen_vision   | dp2 (0-1), frozen| pp2 (2-3)                 | 4     | 1F1B                 | three phases, no backward crossing |
 | vision_pp2      | pp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B (vision GPipe)  | encoder stages, items padded  |
 | vision_pp2_dp2  | pp2·dp2 (0-3)    | dp1 (4)                   | 5     | 1F1B (one stage)     | encoder stages + FSDP, fan-in |
+| vision_pp2_1mb  | pp2 (0-1)        | dp1 (2)                   | 3     | GPipe, 1 microbatch  | encoder stages without overlap|
+| looped_bfs      | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | LoopedBFS            | backwards last microbatch first|
 | zero_bubble     | dp1 (0)          | pp2, 2 virtual (1-2)      | 3     | InterleavedZeroBubble| split backward, eager         |
 | length_buckets  | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | sequence 64, 32, 64 per step  |
 """
@@ -50,6 +52,8 @@ CASES = {
     "frozen_vision": _case(P(dp=2), P(pp=2), frozen=("vision",)),
     "vision_pp2": _case(P(pp=2), P(pp=2)),
     "vision_pp2_dp2": _case(P(pp=2, dp=2), P()),
+    "vision_pp2_1mb": _case(P(pp=2), P(), PipelineConfig(microbatches=1, schedule="GPipe")),
+    "looped_bfs": _case(P(dp=2), P(pp=2), PipelineConfig(microbatches=4, schedule="LoopedBFS", virtual_stages=2)),
     "zero_bubble": _case(P(), P(pp=2), PipelineConfig(microbatches=4, schedule="InterleavedZeroBubble",
                                                       virtual_stages=2)),
     "length_buckets": _case(P(dp=2), P(pp=2), seq_lens=(64, 32, 64)),

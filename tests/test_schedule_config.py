@@ -29,7 +29,7 @@ def test_bad_split_names_what_would_work(split) -> None:
 
 
 def test_more_stages_than_layers() -> None:
-    with pytest.raises(LayoutError, match="2 layers for 4 pipeline stages"):
+    with pytest.raises(LayoutError, match="'language' has 2 layers for 4 pipeline stages"):
         stage_layers(2, 4)
 
 
@@ -86,7 +86,7 @@ def test_encoder_pipeline_needs_a_pipeline_config_and_layers_per_stage() -> None
     llama, encoders = _modules()  # a 2-layer ViT
     with pytest.raises(LayoutError, match="encoder 'vision' has pp=2: pass pipeline=PipelineConfig"):
         _check_model(MimoLayout({"vision": P(pp=2), "language": P()}), llama, encoders, "language", {}, None)
-    with pytest.raises(LayoutError, match="2 layers for 4 pipeline stages"):
+    with pytest.raises(LayoutError, match="'vision' has 2 layers for 4 pipeline stages"):
         _check_model(MimoLayout({"vision": P(pp=4), "language": P()}), llama, encoders, "language", {},
                      PipelineConfig(microbatches=2))
 
@@ -104,7 +104,7 @@ def test_zero_bubble_refuses_compiled_stages() -> None:
 def test_too_few_layers_for_the_stages_is_refused_before_any_process_group() -> None:
     llama, encoders = _modules()  # 2 layers
     layout = MimoLayout({"vision": P(), "language": P(pp=2)})
-    with pytest.raises(LayoutError, match="2 layers for 4 pipeline stages"):
+    with pytest.raises(LayoutError, match="'language' has 2 layers for 4 pipeline stages"):
         _check_model(layout, llama, encoders, "language", {},
                      PipelineConfig(microbatches=4, schedule="Interleaved1F1B", virtual_stages=2))
 
@@ -114,3 +114,12 @@ def test_looped_schedules_need_whole_rounds_of_microbatches() -> None:
     layout = MimoLayout({"vision": P(), "language": P(pp=2)})
     with pytest.raises(LayoutError, match="rounds of pp=2, but microbatches=5: use a multiple of 2"):
         _check_model(layout, llama, encoders, "language", {}, PipelineConfig(microbatches=5, schedule="LoopedBFS"))
+
+
+def test_1f1b_needs_as_many_microbatches_as_stages() -> None:
+    llama, encoders = _modules()
+    layout = MimoLayout({"vision": P(), "language": P(pp=2)})
+    with pytest.raises(LayoutError, match=r"'1F1B' needs at least as many microbatches as 'language' has "
+                                          r"stages \(pp=2\), got microbatches=1: use >= 2, or schedule='GPipe'"):
+        _check_model(layout, llama, encoders, "language", {}, PipelineConfig(microbatches=1))
+    _check_model(layout, llama, encoders, "language", {}, PipelineConfig(microbatches=1, schedule="GPipe"))

@@ -299,33 +299,45 @@ class Bridge:
         self._src_device, self._dst_device = _device(src_mesh), _device(dst_mesh)
         self._in_src = src_mesh.get_coordinate() is not None
         self._in_dst = dst_mesh.get_coordinate() is not None
-        self._posted: dict[str, exchange.Pending] = {}  # a both-sides rank's handle, for its second call
+        self._posted: dict[str, tuple[str, exchange.Pending]] = {}  # both-sides rank: (half, handle)
 
-    def _post(self, direction: str, local: torch.Tensor | None) -> exchange.Pending:
-        pending = self._posted.pop(direction, None)
-        if pending is not None:
-            return pending
+    def _post(self, direction: str, half: str, local: torch.Tensor | None) -> exchange.Pending:
+        posted = self._posted.get(direction)
+        if posted is not None:
+            other, pending = posted
+            if other != half:  # this rank's other half already posted both sides
+                del self._posted[direction]
+                return pending
+            raise RuntimeError(
+                f"Bridge: {half}_{direction} called twice on rank {self.rank}, which is on both meshes, "
+                f"before the {direction} exchange it already posted was received; call the other half "
+                "for it first (one exchange per direction in flight on such a rank)")
         forward = direction == "forward"
         p = self.forward_plan if forward else self.backward_plan
         sends = self._in_src if forward else self._in_dst
         receives = self._in_dst if forward else self._in_src
-        device = self._dst_device if forward else self._src_device
         rp = p.for_rank(self.rank)
+        if local is None and (rp.sends or rp.copies):
+            raise ValueError(
+                f"Bridge: rank {self.rank} holds rows to send or copy in the {direction} exchange but "
+                f"{half}_{direction} got no local tensor; pass it (on a rank on both meshes, to "
+                "whichever half it calls first)")
+        device = self._dst_device if forward else self._src_device
         out_shape = _local_shape(self.global_shape, self.dim, rp.dst_rows) if receives else None
         (pending,) = exchange.start([exchange.Transfer(rp, self.dim, local, out_shape, self.dtype, device)],
                                     send=sends, recv=receives)
         if sends and receives:
-            self._posted[direction] = pending
+            self._posted[direction] = (half, pending)
         return pending
 
     def send_forward(self, x_local: torch.Tensor) -> exchange.Pending:
-        return self._post("forward", x_local)
+        return self._post("forward", "send", x_local)
 
     def recv_forward(self, src_local: torch.Tensor | None = None) -> exchange.Pending:
-        return self._post("forward", src_local)
+        return self._post("forward", "recv", src_local)
 
     def send_backward(self, grad_local: torch.Tensor) -> exchange.Pending:
-        return self._post("backward", grad_local)
+        return self._post("backward", "send", grad_local)
 
     def recv_backward(self, grad_local: torch.Tensor | None = None) -> exchange.Pending:
-        return self._post("backward", grad_local)
+        return self._post("backward", "recv", grad_local)

@@ -60,13 +60,14 @@ class PipelineConfig:
         return pp * self.virtual_stages
 
 
-def stage_layers(n_layers: int, n_stages: int, split: Sequence[int] | None = None) -> list[range]:
-    """Decoder layer indices of each stage: `split` if given, else as even as possible."""
+def stage_layers(n_layers: int, n_stages: int, split: Sequence[int] | None = None,
+                 module: str = "language") -> list[range]:
+    """Layer indices of each stage of `module`: `split` if given, else as even as possible."""
     if split is None:
         if n_layers < n_stages:
             raise LayoutError(
-                f"the language model has {n_layers} layers for {n_stages} pipeline stages; every stage "
-                f"needs at least one layer: lower pp or virtual_stages, or use a deeper model"
+                f"{module!r} has {n_layers} layers for {n_stages} pipeline stages; every stage needs at "
+                f"least one layer: lower its pp (or virtual_stages), or use a deeper model"
             )
         base, extra = divmod(n_layers, n_stages)
         split = [base + (1 if s < extra else 0) for s in range(n_stages)]
@@ -105,3 +106,7 @@ def check_pipeline_layout(layout: MimoLayout, language: str, config: PipelineCon
         raise LayoutError(
             f"schedule {config.schedule!r} runs microbatches in rounds of pp={pp}, but microbatches="
             f"{config.microbatches}: use a multiple of {pp}")
+    if config is not None and config.schedule == "1F1B" and config.microbatches < pp:
+        raise LayoutError(
+            f"schedule '1F1B' needs at least as many microbatches as {language!r} has stages (pp={pp}), "
+            f"got microbatches={config.microbatches}: use >= {pp}, or schedule='GPipe'")

@@ -9,14 +9,14 @@ comes back `Partial` over cp (each cp rank only sees its positions) and replicat
 
 NCCL safety by construction: a rank posts ALL of its sends and receives of one crossing in
 ONE batch, and every rank runs the crossings of a step in the same global order: the forward
-crossings of microbatches 0..M-1, then the backward crossings 0..M-1 (torch's schedules run
-each stage's backward in microbatch order; `LanguageFeed` checks it). So the messages between
-any two ranks are posted in the same order on both sides, whatever runs between them.
+crossings of microbatches 0..M-1, then the backward crossings 0..M-1 (the first language
+stage may run its backwards in another order, e.g. LoopedBFS last microbatch first; `LanguageFeed`
+then holds a gradient until the earlier ones have gone). So the messages between any two ranks
+are posted in the same order on both sides, whatever runs between them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
@@ -32,14 +32,6 @@ ROWS = (Shard(0), Replicate(), Replicate())
 """Encoder output rows on a pipeline stage's ``(dp, cp, tp)`` slice: split over dp."""
 
 
-@dataclass(frozen=True)
-class _Leg:
-    name: str
-    src: MeshSpec
-    dst: MeshSpec
-    grad: tuple  # the gradient's placements on the destination slice
-
-
 class Crossing:
     """The forward and backward exchanges of one microbatch, planned for this rank.
 
@@ -49,6 +41,7 @@ class Crossing:
         names: encoders whose rows cross, in the same order on every rank.
         trainable: per name, whether its gradient crosses back (frozen encoders: no backward).
         dim, dtype, device: row width, dtype and device of what crosses.
+        index: the microbatch's index (for error messages).
     """
 
     def __init__(self, layout: MimoLayout, language: str, microbatch: MimoBatch, names: Sequence[str],

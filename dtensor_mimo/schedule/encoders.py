@@ -22,15 +22,19 @@ then `backward_all`).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import ScheduleGPipe
 
 from dtensor_mimo.bridge.exchange import Pending
 from dtensor_mimo.schedule.crossing import Crossing
+from dtensor_mimo.schedule.runtime import cached, run_schedule
 
 
 class LocalEncoders(nn.Module):
@@ -43,6 +47,7 @@ class LocalEncoders(nn.Module):
         self.dtype = dtype
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One input per encoder, in order -> its rows ``[items * tokens, dim]``."""
         return tuple(enc(x).to(self.dtype) for enc, x in zip(self.encoders.values(), inputs))
 
 
@@ -73,6 +78,8 @@ class EncoderStage(nn.Module):
         self.error: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Items (first stage) or hidden states ``[items, tokens, hidden]`` -> hidden states, or
+        rows ``[items * tokens, dim]`` on the last stage."""
         encoder = self.module.encoder
         if self.first:
             x = encoder.embed(x)
@@ -92,7 +99,7 @@ class EncoderStage(nn.Module):
 def item_bucket(counts: Sequence[int]) -> int:
     """Items per microbatch of an encoder pipeline's stages: the largest count, rounded up to a
     power of two (at least 1), so a handful of buckets cover every step."""
-    return 1 << max(0, (max(counts, default=1) - 1).bit_length())
+    return 1 << (max(1, max(counts, default=1)) - 1).bit_length()
 
 
 class _CrossToLanguage(torch.autograd.Function):
@@ -102,109 +109,124 @@ class _CrossToLanguage(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sender: "EncoderSender", index: int, *rows: torch.Tensor) -> torch.Tensor:
         ctx.sender, ctx.index = sender, index
-        ctx.shapes = [r.detach() for r in rows]
+        ctx.like = [(r.shape, r.dtype, r.device) for r in rows]
         sender.send(index, rows)
         return rows[0].new_zeros(())
 
     @staticmethod
     def backward(ctx, _grad: torch.Tensor):
-        return (None, None, *ctx.sender.receive(ctx.index, ctx.shapes))
+        return (None, None, *ctx.sender.receive(ctx.index, ctx.like))
 
 
 class EncoderSender:
-    """Posts this rank's encoder rows per microbatch and receives their gradients."""
+    """Posts this rank's encoder rows per microbatch and receives their gradients.
 
-    def __init__(self, crossings: Sequence[Crossing], names: Sequence[str]) -> None:
-        self.crossings, self.names = list(crossings), list(names)
-        self.bucket, self.items = 1, None  # encoder pipelines: padded items per microbatch, real counts
+    `items` (encoder pipelines): real items per microbatch; the last stage's rows of the
+    padded items (at the end, `bucket` items in all) stay behind."""
+
+    def __init__(self, names: Sequence[str], bucket: int = 1) -> None:
+        self.names, self.bucket = list(names), bucket
+        self.crossings: list[Crossing] = []
+        self.items: list[int] | None = None
         self._sent: list[list[Pending]] = []
+        self._fsdp: list[FSDPModule] = []
+
+    def start(self, crossings: Sequence[Crossing], items: list[int] | None = None,
+              defer_sync: nn.Module | None = None) -> None:
+        """Begin a step. `defer_sync`: a module whose FSDP gradient reduction waits for the last
+        microbatch's backward (torch's stage does this itself only for an FSDP stage module)."""
+        self.crossings, self.items = list(crossings), items
+        self._fsdp = [m for m in defer_sync.modules() if isinstance(m, FSDPModule)] if defer_sync else []
+        for m in self._fsdp:
+            m.set_requires_gradient_sync(False)
+
+    def loss(self, rows: torch.Tensor | tuple[torch.Tensor, ...], index: int) -> torch.Tensor:
+        """torch's loss function on the encoder's last stage: the rows cross to the language model."""
+        rows = (rows,) if isinstance(rows, torch.Tensor) else tuple(rows)
+        if self.items is not None:
+            (r,) = rows
+            rows = (r[: self.items[index] * (r.shape[0] // self.bucket)],)
+        return _CrossToLanguage.apply(self, index, *rows)
 
     def send(self, index: int, rows: Sequence[torch.Tensor]) -> None:
         self._sent.append(self.crossings[index].forward(dict(zip(self.names, rows)), receives=False))
 
-    def receive(self, index: int, rows: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    def receive(self, index: int, like: Sequence[tuple]) -> list[torch.Tensor]:
+        """Microbatch `index`'s gradient of each encoder's rows (`like`: their shapes)."""
+        if index == len(self.crossings) - 1:  # the last backward reduces the accumulated gradients
+            for m in self._fsdp:
+                m.set_requires_gradient_sync(True)
         crossing = self.crossings[index]
         grads = dict(zip(crossing.backward_names,
                          (p.wait() for p in crossing.backward({}, receives=True))))
         # Rows that disagreed with the plan were sent as zeros: a zero gradient, and the backward
         # still runs, so the encoder's own collectives (FSDP) stay in step with its other ranks.
-        return [g if (g := grads.get(n)) is not None and g.shape == r.shape else torch.zeros_like(r)
-                for n, r in zip(self.names, rows)]
+        return [g if (g := grads.get(n)) is not None and g.shape == shape
+                else torch.zeros(shape, dtype=dtype, device=device)
+                for n, (shape, dtype, device) in zip(self.names, like)]
 
     def finish(self) -> None:
+        """Complete this step's row sends (each batch waited once)."""
         for pendings in self._sent:
             for p in pendings:
                 p.wait()
         self._sent.clear()
+        for m in self._fsdp:
+            m.set_requires_gradient_sync(True)
 
 
-def _loss(sender: EncoderSender, rows: torch.Tensor | tuple[torch.Tensor, ...], index: int,
-          items: list[int] | None = None) -> torch.Tensor:
-    """The encoder's last stage's "loss": its rows cross; `items`: real items per microbatch when
-    they were padded (the padded items' rows, at the end, stay behind)."""
-    rows = (rows,) if isinstance(rows, torch.Tensor) else tuple(rows)
-    if items is not None:
-        (r,) = rows
-        rows = (r[: items[index] * (r.shape[0] // sender.bucket)],)
-    return _CrossToLanguage.apply(sender, index, *rows)
-
-
-def run_encoder_schedule(module: nn.Module, names: Sequence[str], inputs: list[tuple[torch.Tensor, ...]],
-                         crossings: Sequence[Crossing], pp_group, device: torch.device) -> None:
-    """Forward and backward of this rank's encoders (pp = 1: `LocalEncoders`) on every
-    microbatch under torch's GPipe."""
-    sender = EncoderSender(crossings, names)
+def run_encoder_schedule(module: LocalEncoders, names: Sequence[str], inputs: list[tuple[torch.Tensor, ...]],
+                         crossings: Sequence[Crossing], pp_group: dist.ProcessGroup, device: torch.device) -> None:
+    """Forward and backward of this rank's pp = 1 encoders on every microbatch under torch's
+    GPipe (one stage: nothing is cached, there is no stage link)."""
+    sender = EncoderSender(names)
     examples = tuple(x.detach() for x in inputs[0])
     outputs = tuple(torch.empty(0, device=device) for _ in names)  # metadata only: no send
     stage = PipelineStage(module, 0, 1, device, input_args=examples, output_args=outputs, group=pp_group)
-    _run(ScheduleGPipe(stage, len(inputs), loss_fn=lambda rows, i: _loss(sender, rows, i), scale_grads=False),
-         [stage], inputs, sender)
+    sender.start(crossings, defer_sync=module)
+    run_schedule(ScheduleGPipe(stage, len(inputs), loss_fn=sender.loss, scale_grads=False),
+                 list(inputs), None, list(range(len(inputs))))
+    sender.finish()
 
 
 class EncoderPipeline:
     """One encoder's pipeline stage on this rank (encoder pp > 1) and torch's GPipe over its pp
-    group, per item bucket."""
+    group, cached per item bucket and item shape."""
 
-    def __init__(self, name: str, stage: EncoderStage, stage_index: int, n_stages: int, pp_group,
-                 hidden: int, device: torch.device) -> None:
+    def __init__(self, name: str, stage: EncoderStage, stage_index: int, n_stages: int,
+                 pp_group: dist.ProcessGroup, hidden: int, device: torch.device) -> None:
         self.name, self.stage, self.index, self.n_stages = name, stage, stage_index, n_stages
         self.pp_group, self.hidden, self.device = pp_group, hidden, device
-        self._cache: dict[tuple, tuple] = {}
+        self._cache: OrderedDict = OrderedDict()
 
-    def run(self, items: list[torch.Tensor], counts: list[int], tokens_per_item: int, out_dim: int,
-            crossings: Sequence[Crossing]) -> None:
-        """`items`: this rank's dp shard of every microbatch's items (used on the first stage);
-        `counts`: their numbers (every stage knows them from the metadata)."""
-        bucket, first, last = item_bucket(counts), self.index == 0, self.index == self.n_stages - 1
-        key = (bucket, tokens_per_item, tuple(items[0].shape[1:]) if first else None)
-        if key not in self._cache:
-            dtype = self.stage.dtype
-            hidden = (bucket, tokens_per_item, self.hidden)
-            x = (torch.zeros(bucket, *items[0].shape[1:], dtype=items[0].dtype, device=self.device) if first
-                 else torch.empty(hidden, dtype=dtype, device=self.device, requires_grad=True))
-            y = (torch.empty(bucket * tokens_per_item, out_dim, dtype=dtype, device=self.device) if last
-                 else torch.empty(hidden, dtype=dtype, device=self.device, requires_grad=True))
-            stage = PipelineStage(self.stage, self.index, self.n_stages, self.device, input_args=(x,),
-                                  output_args=(y,), group=self.pp_group)
-            sender = EncoderSender([], [self.name])
-            sender.bucket = bucket
-            schedule = ScheduleGPipe(stage, len(counts), scale_grads=False,
-                                     loss_fn=lambda rows, i: _loss(sender, rows, i, sender.items))
-            self._cache[key] = (stage, schedule, sender)
-        stage, schedule, sender = self._cache[key]
-        sender.crossings, sender.items = list(crossings), list(counts)
+    def _build(self, bucket: int, tokens_per_item: int, item_shape: tuple[int, ...], item_dtype: torch.dtype,
+               out_dim: int) -> tuple[ScheduleGPipe, EncoderSender]:
+        first, last = self.index == 0, self.index == self.n_stages - 1
+        dtype, hidden = self.stage.dtype, (bucket, tokens_per_item, self.hidden)
+        x = (torch.zeros(bucket, *item_shape, dtype=item_dtype, device=self.device) if first
+             else torch.empty(hidden, dtype=dtype, device=self.device, requires_grad=True))
+        y = (torch.empty(bucket * tokens_per_item, out_dim, dtype=dtype, device=self.device) if last
+             else torch.empty(hidden, dtype=dtype, device=self.device, requires_grad=True))
+        stage = PipelineStage(self.stage, self.index, self.n_stages, self.device, input_args=(x,),
+                              output_args=(y,), group=self.pp_group)
+        sender = EncoderSender([self.name], bucket)
+        return ScheduleGPipe(stage, self.microbatches, loss_fn=sender.loss, scale_grads=False), sender
+
+    def run(self, items: list[torch.Tensor], counts: list[int], item_shape: tuple[int, ...],
+            tokens_per_item: int, out_dim: int, crossings: Sequence[Crossing]) -> None:
+        """`items`: this rank's dp shard of every microbatch's items (the first stage uses them);
+        `counts`, `item_shape`, `tokens_per_item`: from the batch metadata, the same on every
+        stage, which therefore all pick the same bucket and cached stages."""
+        bucket, self.microbatches = item_bucket(counts), len(counts)
+        key = (bucket, len(counts), tokens_per_item, tuple(item_shape), out_dim)
+        schedule, sender = cached(self._cache, key, lambda: self._build(
+            bucket, tokens_per_item, tuple(item_shape), items[0].dtype, out_dim))
         self.stage.expected_tokens = tokens_per_item
-        padded = [(torch.cat([x, x.new_zeros(bucket - x.shape[0], *x.shape[1:])]),) if first else ()
+        padded = [(torch.cat([x, x.new_zeros(bucket - x.shape[0], *x.shape[1:])]),) if self.index == 0 else ()
                   for x in items]
-        _run(schedule, [stage], padded, sender)
-
-
-def _run(schedule, stages, inputs, sender: EncoderSender) -> None:
-    for stage in stages:  # what `step()` does before `_step_microbatches`
-        stage.has_backward = True
-        stage.clear_runtime_states()
-    schedule._step_microbatches(list(inputs), None, list(range(len(inputs))), None, return_outputs=False)
-    sender.finish()
+        sender.start(crossings, items=list(counts))
+        run_schedule(schedule, padded, None, list(range(len(counts))))
+        sender.finish()
 
 
 def encode_all(encoders: dict[str, nn.Module], inputs: list[dict[str, torch.Tensor]],

@@ -3,9 +3,9 @@
 The first stage's module asks the feed for microbatch i's rows when torch's schedule runs its
 forward; the rows go through `_Rows`, whose backward (run by the schedule's backward of that
 microbatch) hands their gradients back to the feed. The feed then either posts the backward
-crossing at once (encoders on other ranks: they are waiting for it, and run that microbatch's
-backward when it arrives) or keeps the gradients until the schedule is done (colocated: this
-process runs the encoder backward itself, after the language schedule).
+crossings in microbatch order as soon as they can go (encoders on other ranks: they wait for
+them and run each microbatch's backward when it arrives) or keeps the gradients until the
+schedule is done (colocated: this process runs the encoder backward itself, afterwards).
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ class LanguageFeed:
         self.post_gradients = post_gradients
         self._grads: dict[int, dict[str, torch.Tensor]] = {}
         self._sent: list[list[Pending]] = []
-        self._next_backward = 0
-        self._zero_like: dict[int, dict[str, torch.Tensor]] = {}
+        self._next_post = 0
 
     def rows(self, index: int) -> dict[str, torch.Tensor]:
         """Microbatch `index`'s rows on this rank, ``{encoder: [rows, dim]}``, connected to the feed."""
@@ -61,25 +60,18 @@ class LanguageFeed:
             out.requires_grad_(trains)
         if not any(self.trainable):
             return dict(zip(self.names, outs))
-        self._zero_like[index] = {n: torch.zeros_like(o) for n, o in zip(self.names, outs)}
         return dict(zip(self.names, _Rows.apply(self, index, *outs)))
 
-    def gradient(self, index: int, grads: Sequence[torch.Tensor | None]) -> None:
-        """Called by `_Rows.backward` for microbatch `index`."""
-        if index != self._next_backward:
-            raise RuntimeError(
-                f"the language schedule ran the backward of microbatch {index} before microbatch "
-                f"{self._next_backward}; the bridge's gradient crossings must follow microbatch order "
-                "(torch's schedules do): use one of dtensor_mimo.schedule.SCHEDULES"
-            )
-        self._next_backward += 1
-        zeros = self._zero_like.pop(index)
-        full = {n: zeros[n] if g is None else g for n, g in zip(self.names, grads)}
-        grads_out = {n: g for n, g, t in zip(self.names, full.values(), self.trainable) if t}
-        if self.post_gradients:
-            self._sent.append(self.crossings[index].backward(grads_out, receives=False))
-        else:
-            self._grads[index] = grads_out
+    def gradient(self, index: int, grads: Sequence[torch.Tensor]) -> None:
+        """Called by `_Rows.backward` for microbatch `index` (autograd gives zeros for rows that
+        got no gradient)."""
+        self._grads[index] = {n: g for n, g, t in zip(self.names, grads, self.trainable) if t}
+        # Backward crossings go out in microbatch order, the global order every rank follows,
+        # whatever order the schedule ran the backwards in (LoopedBFS: last microbatch first).
+        while self.post_gradients and self._next_post in self._grads:
+            grads_out = self._grads.pop(self._next_post)
+            self._sent.append(self.crossings[self._next_post].backward(grads_out, receives=False))
+            self._next_post += 1
 
     def gradients(self, index: int) -> dict[str, torch.Tensor]:
         """The kept gradients of microbatch `index` (``post_gradients=False``)."""

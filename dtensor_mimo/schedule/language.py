@@ -22,6 +22,7 @@ gets its own stages instead of a gloo abort or a stale buffer.
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -36,6 +37,7 @@ from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.models import Llama
 from dtensor_mimo.parallelize import ParallelOptions, apply_fsdp, parallelize_llama
 from dtensor_mimo.schedule.config import PipelineConfig, stage_layers
+from dtensor_mimo.schedule.runtime import cached, run_schedule
 from dtensor_mimo.sequence import ContextParallelAttention, shard_for_cp, zigzag_shard
 from dtensor_mimo.train.loss import token_loss_sum
 
@@ -129,7 +131,7 @@ class LanguagePipeline:
         tp_mesh, dp_mesh = layout.mesh(name, "tp"), layout.mesh(name, ("dp", "cp"))
         if par.cp > 1:
             llama.set_attention_fn(ContextParallelAttention(layout.mesh(name, "cp")))
-        bounds = stage_layers(llama.config.n_layers, self.n_stages, config.split)
+        bounds = stage_layers(llama.config.n_layers, self.n_stages, config.split, module=name)
         self.stage_indices = list(range(coord["pp"], self.n_stages, par.pp))
         self.stages = nn.ModuleList()
         for s in self.stage_indices:
@@ -139,7 +141,7 @@ class LanguagePipeline:
             if options.fsdp and dp_mesh.size() > 1:
                 apply_fsdp(module, dp_mesh, list(part.layers.values()), options.reshard_after_forward)
             self.stages.append(module)
-        self._schedules: dict[tuple[int, int], Any] = {}
+        self._schedules: OrderedDict = OrderedDict()
 
     @property
     def first(self) -> LanguageStage | None:
@@ -148,32 +150,34 @@ class LanguagePipeline:
 
     @property
     def holds_loss(self) -> bool:
+        """This rank holds the last stage, whose outputs are the loss shares."""
         return self.stage_indices[-1] == self.n_stages - 1
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's parameters of the decoder, under the whole model's names."""
         return {n: p for stage in self.stages for n, p in stage.llama.named_parameters()}
 
-    def _schedule(self, rows: int, seq_len: int):
-        key = (rows, seq_len)
-        if key not in self._schedules:
-            s_local = seq_len // self.par.cp
-            dtype = next(self.stages[0].parameters()).dtype
-            stages = []
-            for s, module in zip(self.stage_indices, self.stages):
-                # Examples give torch static metadata (no inference pass); requires_grad marks
-                # the activations whose gradients travel between stages.
-                x = (torch.zeros(rows, seq_len, dtype=torch.int64, device=self.device) if s == 0 else
-                     torch.empty(rows, s_local, self.dim, dtype=dtype, device=self.device, requires_grad=True))
-                y = (torch.zeros((), device=self.device, requires_grad=True) if s == self.n_stages - 1 else
-                     torch.empty(rows, s_local, self.dim, dtype=dtype, device=self.device, requires_grad=True))
-                stages.append(PipelineStage(module, s, self.n_stages, self.device, input_args=(x,),
-                                            output_args=(y,), group=self.pp_group))
-            cls = get_schedule_class(self.config.schedule)
-            single = issubclass(cls, PipelineScheduleSingle)
-            self._schedules[key] = cls(stages[0] if single else stages, self.config.microbatches,
-                                       loss_fn=_stage_loss, scale_grads=False)
-        return self._schedules[key]
+    def _schedule(self, rows: int, seq_len: int) -> Any:
+        return cached(self._schedules, (rows, seq_len), lambda: self._build(rows, seq_len))
+
+    def _build(self, rows: int, seq_len: int) -> Any:
+        """This rank's `PipelineStage`s with one shape's static metadata, and torch's schedule."""
+        s_local = seq_len // self.par.cp
+        dtype = next(self.stages[0].parameters()).dtype
+        stages = []
+        for s, module in zip(self.stage_indices, self.stages):
+            # Examples give torch static metadata (no inference pass); requires_grad marks the
+            # activations whose gradients travel between stages.
+            x = (torch.zeros(rows, seq_len, dtype=torch.int64, device=self.device) if s == 0 else
+                 torch.empty(rows, s_local, self.dim, dtype=dtype, device=self.device, requires_grad=True))
+            y = (torch.zeros((), device=self.device, requires_grad=True) if s == self.n_stages - 1 else
+                 torch.empty(rows, s_local, self.dim, dtype=dtype, device=self.device, requires_grad=True))
+            stages.append(PipelineStage(module, s, self.n_stages, self.device, input_args=(x,),
+                                        output_args=(y,), group=self.pp_group))
+        cls = get_schedule_class(self.config.schedule)
+        single = issubclass(cls, PipelineScheduleSingle)
+        return cls(stages[0] if single else stages, self.config.microbatches, loss_fn=_stage_loss,
+                   scale_grads=False)
 
     def run(self, microbatches: list[MimoBatch], normalizer: float, feed: LanguageFeed | None) -> torch.Tensor:
         """Forward and backward of this rank's dp shards of the `microbatches` (one per global
@@ -188,11 +192,7 @@ class LanguagePipeline:
             args.append((tokens,))
             kwargs.append(dict(microbatch=i, **kw))
         losses: list[torch.Tensor] = []
-        stages = [schedule._stage] if isinstance(schedule, PipelineScheduleSingle) else schedule._stages
-        for stage in stages:  # what `step()` does before `_step_microbatches`
-            stage.has_backward = True
-            stage.clear_runtime_states()
-        schedule._step_microbatches(args, kwargs, [None] * len(args), losses, return_outputs=False)
+        run_schedule(schedule, args, kwargs, [None] * len(args), losses)
         if self.first is not None:
             self.first.set_step(None, {}, 1.0)
         if not self.holds_loss:

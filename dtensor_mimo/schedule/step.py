@@ -90,7 +90,8 @@ def pipelined_step(
         for n, pipeline in encoder_pipelines.items():
             if n in local:
                 pipeline.run([per[n].inputs.to(device) for per in items], [per[n].num_items for per in items],
-                             batch.modalities[n].tokens_per_item, dim, crossings)
+                             tuple(batch.modalities[n].inputs.shape[1:]), batch.modalities[n].tokens_per_item,
+                             dim, crossings)
                 errors.append(pipeline.stage.error)
                 pipeline.stage.error = None
         if language is None:

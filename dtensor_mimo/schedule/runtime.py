@@ -1,0 +1,42 @@
+"""How this package drives torch's schedule objects: one step on our own microbatches, and the
+per-shape cache of stages and schedules (torch's stage links have static shapes)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Hashable
+
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+CACHED_SHAPES = 4
+"""Stages + schedule kept per module for this many shapes (sequence lengths, item buckets);
+each holds receive buffers for every microbatch, so the least recently used beyond it are dropped."""
+
+
+def cached(cache: OrderedDict, key: Hashable, build: Callable[[], Any]) -> Any:
+    """`cache[key]`, built on first use; keeps the `CACHED_SHAPES` most recently used.
+
+    Every rank of a pp group asks for the same keys in the same order (keys come from the batch
+    metadata that all of them hold), so they build, and warm up, the same stages together."""
+    if key in cache:
+        cache.move_to_end(key)
+    else:
+        cache[key] = build()
+        while len(cache) > CACHED_SHAPES:
+            cache.popitem(last=False)
+    return cache[key]
+
+
+def run_schedule(schedule: Any, args: list[tuple], kwargs: list[dict] | None, targets: list | None,
+                 losses: list | None = None) -> None:
+    """One forward + backward of `schedule` on per-microbatch `args` / `kwargs` / `targets`.
+
+    What torch's public ``step()`` does, minus its split of one batch into chunks: a microbatch
+    here is a slice of the GLOBAL batch, dp-sharded afterwards, which is not a chunk of this
+    rank's shard, so the lists are built by the caller (``_step_microbatches`` is private torch API).
+    """
+    stages = [schedule._stage] if isinstance(schedule, PipelineScheduleSingle) else schedule._stages
+    for stage in stages:
+        stage.has_backward = True
+        stage.clear_runtime_states()
+    schedule._step_microbatches(args, kwargs, targets, losses, return_outputs=False)
