@@ -18,9 +18,10 @@ rank holds `size` MiB (the payload per destination replica):
 
 Methods, interleaved within every iteration (the order rotates each iteration):
 
-- redistribute / redistribute check=False: `dtensor_mimo.bridge.redistribute` forward; backward
-  is the `torch.autograd.backward` call (destination ranks pass their gradient rows, other
-  ranks zeros, as the API asks).
+- redistribute / redistribute check=False: `dtensor_mimo.bridge.redistribute` forward with its
+  default arguments (the shape check is a status word riding with the messages, no
+  collective) and with no check; backward is the `torch.autograd.backward` call (destination
+  ranks pass their gradient rows, other ranks zeros, as the API asks).
 - floor: the plan's own messages (`plan(...).for_rank`, `plan_backward(...)`) posted with one
   `dist.batch_isend_irecv` into preallocated buffers, the plan's local copies done while they
   fly; no DTensor, no allocation, no validation. Nothing correct can move fewer bytes.
@@ -164,7 +165,7 @@ class Phases:
     handling, MeshSpec building, autograd and DTensor dispatch."""
 
     WRAPPED = ((redistribute_module, "plan", "plan"), (redistribute_module, "plan_backward", "plan"),
-               (redistribute_module, "_check_local_shapes", "shape check"),
+               (redistribute_module, "_raise_bad_shards", "shape check"),
                (exchange, "start", "exchange start (alloc, copies, post)"),
                (exchange.Pending, "wait", "exchange wait"), (redistribute_module, "_wrap", "DTensor wrap"))
 

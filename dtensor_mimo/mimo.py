@@ -281,7 +281,7 @@ class MimoModel(nn.Module):
                 # Encoder output rows per item are fixed by each encoder's config: one world-wide
                 # shape check the first time a modality is seen catches a mismatch with the
                 # batch metadata (names: the same on every rank, so every rank agrees to check).
-                check=not self._shapes_checked.issuperset(names),
+                check="world" if not self._shapes_checked.issuperset(names) else False,
                 names=[(n, self.language_name) for n in names],
             )
             self._shapes_checked.update(names)

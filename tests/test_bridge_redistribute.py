@@ -22,6 +22,8 @@ Adjoint: <y, g> summed once per distinct destination value equals <x, x.grad> su
 per distinct source row.
 """
 
+import math
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from dtensor_mimo.bridge import Bridge, PlanError, redistribute, redistribute_many
+from dtensor_mimo.bridge import Bridge, MeshSpec, PlanError, plan, redistribute, redistribute_many
 from tests.harness import run_on_ranks
 
 WORLD = 8
@@ -197,26 +199,50 @@ def _bad_sample_sizes():
     return True
 
 
-def _bad_local_shape_on_one_rank():
+def _bad_local_shape_on_one_rank(check):
     case = CASES["fan_in"]
     src_mesh, dst_mesh = _mesh(case.src), _mesh(case.dst)
     sc = _coord(src_mesh)
     rows = 0 if sc is None else len(_expected_rows(case.src, sc, 21, RAGGED))
     if dist.get_rank() == 2:
-        rows += 1  # only rank 2 is wrong: every rank must still raise, none may hang
+        rows += 1  # only rank 2 is wrong: nobody may hang
     local = torch.zeros(rows, H) if sc is not None else torch.empty(0)
     x = DTensor.from_local(local, src_mesh, case.src.placements, run_check=False, shape=(21, H), stride=(H, 1))
-    with pytest.raises(PlanError, match=r"rank\(s\) \[2\] hold a local shard whose shape disagrees with the plan"):
-        redistribute(x, dst_mesh, case.dst.placements, sample_sizes=RAGGED)
-    return True
+    try:
+        redistribute(x, dst_mesh, case.dst.placements, sample_sizes=RAGGED, check=check)
+    except PlanError as e:
+        return str(e)
+    return None
 
 
 def test_bad_metadata_raises_before_communication():
     assert run_on_ranks(_bad_sample_sizes, WORLD, timeout=60) == [True] * WORLD
 
 
-def test_wrong_local_shape_fails_on_every_rank():
-    assert run_on_ranks(_bad_local_shape_on_one_rank, WORLD, timeout=60) == [True] * WORLD
+def test_wrong_local_shape_fails_on_every_rank_with_a_world_check():
+    messages = run_on_ranks(_bad_local_shape_on_one_rank, WORLD, "world", timeout=60)
+    assert all(re.search(r"rank\(s\) \[2\] hold a local shard whose shape disagrees with the plan", m or "")
+               for m in messages), messages
+
+
+def test_wrong_local_shape_fails_on_its_rank_and_every_rank_it_sends_to():
+    """The default status word: no collective; the ranks that exchange with rank 2 raise."""
+    messages = run_on_ranks(_bad_local_shape_on_one_rank, WORLD, True, timeout=60)
+    def spec(side: Side) -> MeshSpec:
+        ranks = torch.arange(side.offset, side.offset + math.prod(side.shape)).reshape(side.shape).tolist()
+        return MeshSpec(ranks, side.placements, sample_sizes=RAGGED)
+
+    case = CASES["fan_in"]
+    receivers = {s.peer for s in plan(spec(case.src), spec(case.dst), WORLD).for_rank(2).sends}
+    assert receivers, "rank 2 must send to somebody for this test to mean anything"
+    for rank, message in enumerate(messages):
+        if rank == 2:
+            assert re.search(r"rank 2 holds a local shard of shape \(\d+, \d+\) but the plan for "
+                             r"MeshSpec\(.*\) expects \(\d+, \d+\)", message or ""), message
+        elif rank in receivers:
+            assert re.search(r"rank\(s\) \[2\] sent rows of a local shard whose shape disagrees", message or ""), message
+        else:
+            assert message is None, (rank, message)
 
 
 # ---------------------------------------------------------------- several bridges, one node

@@ -41,14 +41,25 @@ class _Works:
 
 @dataclass
 class Pending:
-    """In-flight transfers of one exchange on one rank; `wait()` returns the output (or None)."""
+    """In-flight transfers of one exchange on one rank; `wait()` returns the output (or None).
+
+    With a status word (`start(..., status=...)`), `peer_status` holds, after `wait()`, the word
+    each peer this rank received from sent with its message."""
 
     rank_plan: RankPlan
     dim: int
     works: _Works = field(default_factory=lambda: _Works([]))
     out: torch.Tensor | None = None
     staged: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (lo, hi, buffer)
+    statuses: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (peer, received word)
     _done: bool = False
+
+    def peer_status(self) -> dict[int, int]:
+        """``{peer: word}`` of the peers that sent a nonzero status word (after `wait()`)."""
+        if not self.statuses:
+            return {}
+        words = torch.cat([w for _, w in self.statuses]).tolist()  # one device-to-host copy
+        return {peer: w for (peer, _), w in zip(self.statuses, words) if w}
 
     def wait(self) -> torch.Tensor | None:
         if not self._done:
@@ -81,23 +92,33 @@ class Transfer:
     device: torch.device
 
 
-def start(transfers: Sequence[Transfer], *, send: bool = True, recv: bool = True) -> list[Pending]:
+def start(transfers: Sequence[Transfer], *, send: bool = True, recv: bool = True,
+          status: int | None = None) -> list[Pending]:
     """Post every send and/or receive of ``transfers`` in ONE batch, then apply local copies.
 
     Several tensors (e.g. one per encoder) go in one round, in list order, so the message
     order between any two ranks is the same on both sides whatever order autograd runs
     things in. ``send`` / ``recv`` post one side only (split-phase use by a pipeline
     runtime); local copies happen on the receiving call, which then needs ``src_local``.
+
+    ``status``: a word (int64) that rides with every message, right behind it, in the same
+    batch: a receiver learns, at the cost of one 8-byte message per data message, whether its
+    peer's data can be trusted (`Pending.peer_status`). Every rank of one exchange must pass
+    a status or none.
     """
     ops: list[dist.P2POp] = []
     copies = []  # (output, transfer, copy): done after posting, while the messages travel
     pendings = [Pending(t.rank_plan, t.dim) for t in transfers]
+    device = next((t.device for t in transfers), None)
+    word = None if status is None else torch.tensor([status], dtype=torch.int64, device=device)
     for t, pending in zip(transfers, pendings):
         rp, dim = t.rank_plan, t.dim
         if send:
             for s in rp.sends:
                 piece = _rows(t.src_local, dim, s.lo, s.hi)
                 ops.append(dist.P2POp(dist.isend, piece if piece.is_contiguous() else piece.contiguous(), s.peer))
+                if word is not None:
+                    ops.append(dist.P2POp(dist.isend, word, s.peer))
         if recv and t.out_shape is not None:
             # The plan covers every output row except zero_fill ones; sums start from zero.
             alloc = torch.zeros if rp.reduce or rp.zero_fill else torch.empty
@@ -113,6 +134,10 @@ def start(transfers: Sequence[Transfer], *, send: bool = True, recv: bool = True
                     buf = torch.empty(shape, dtype=t.dtype, device=t.device)
                     pending.staged.append((r.lo, r.hi, buf))
                 ops.append(dist.P2POp(dist.irecv, buf, r.peer))
+                if word is not None:
+                    received = torch.empty(1, dtype=torch.int64, device=t.device)
+                    pending.statuses.append((r.peer, received))
+                    ops.append(dist.P2POp(dist.irecv, received, r.peer))
             pending.out = out
     works = _Works(dist.batch_isend_irecv(ops) if ops else [])
     for out, t, c in copies:  # rows that no message touches

@@ -87,6 +87,20 @@ def _check_local_shapes(locals_: Sequence[torch.Tensor | None], expected: Sequen
             )
 
 
+def _raise_bad_shards(mine: str | None, pendings: Sequence[exchange.Pending], legs: Sequence["_Leg"]) -> None:
+    """After a status-word exchange: raise on the rank with a wrong shard and on every rank that
+    received from one (their outputs hold zeros there), with the plan's numbers."""
+    bad_peers = sorted({peer for p in pendings for peer in p.peer_status()})
+    if mine is None and not bad_peers:
+        return
+    fix = ("the local shards must follow the placements (and sample_sizes, if given): build the input "
+           "with distribute_tensor, or DTensor.from_local with the same sizes")
+    if mine is not None:
+        raise PlanError(f"{mine}; {fix}")
+    raise PlanError(f"rank(s) {bad_peers} sent rows of a local shard whose shape disagrees with the plan "
+                    f"for {', '.join(repr(leg.src) for leg in legs)}; this rank's output is not valid; {fix}")
+
+
 @dataclass(frozen=True)
 class _Leg:
     """Static description of one tensor's trip, shared by forward and backward."""
@@ -112,17 +126,27 @@ class _RedistributeFunction(torch.autograd.Function):
     """Many tensors, one autograd node: forward and backward are one batched round each."""
 
     @staticmethod
-    def forward(ctx, legs: tuple[_Leg, ...], check: bool, *xs: DTensor) -> tuple[DTensor, ...]:
+    def forward(ctx, legs: tuple[_Leg, ...], check: bool | str, *xs: DTensor) -> tuple[DTensor, ...]:
         world, rank = dist.get_world_size(), dist.get_rank()
         plans = [plan(leg.src, leg.dst, world) for leg in legs]
         x_locals = [x.to_local() if leg.src_mesh.get_coordinate() is not None else None
                     for leg, x in zip(legs, xs)]
-        if check:
-            expected = [None if xl is None else _local_shape(leg.shape, leg.dim, p.for_rank(rank).src_rows)
-                        for leg, p, xl in zip(legs, plans, x_locals)]
+        expected = [None if xl is None else _local_shape(leg.shape, leg.dim, p.for_rank(rank).src_rows)
+                    for leg, p, xl in zip(legs, plans, x_locals)]
+        if check == "world":
             _check_local_shapes(x_locals, expected, [leg.src for leg in legs], _device(legs[0].dst_mesh))
+        mine = None  # this rank's wrong shard: its planned rows go out as zeros, flagged
+        if check is True:
+            for i, (xl, e) in enumerate(zip(x_locals, expected)):
+                if xl is not None and tuple(xl.shape) != e:
+                    mine = mine or (f"rank {rank} holds a local shard of shape {tuple(xl.shape)} but the plan "
+                                    f"for {legs[i].src!r} expects {e}")
+                    x_locals[i] = xl.new_zeros(e)
         transfers = [leg.transfer(p, xl, leg.dst_mesh) for leg, p, xl in zip(legs, plans, x_locals)]
-        outs = [p.wait() for p in exchange.start(transfers)]
+        pendings = exchange.start(transfers, status=None if check is not True else int(mine is not None))
+        outs = [p.wait() for p in pendings]
+        if check is True:
+            _raise_bad_shards(mine, pendings, legs)
         ctx.legs = legs
         return tuple(_wrap(o, leg.dst_mesh, leg.dst_placements, leg.shape) for leg, o in zip(legs, outs))
 
@@ -182,7 +206,7 @@ def redistribute(
     *,
     sample_sizes: Sequence[int] | None = None,
     grad_placements: Sequence[Placement] | None = None,
-    check: bool = True,
+    check: bool | str = True,
 ) -> DTensor:
     """Redistribute ``x`` to ``placements`` on ``device_mesh``, which may differ from ``x.device_mesh``.
 
@@ -208,8 +232,13 @@ def redistribute(
             each cp rank's gradient is a partial sum (and use the same ``grad_placements`` in
             ``y.to_local``); a gradient arriving with other placements is first redistributed
             to these on ``device_mesh``.
-        check: agree over the world, with one small all-reduce, that every local shard has
-            the planned shape, so a wrong shard fails on every rank instead of hanging.
+        check: what guards against a local shard whose shape disagrees with the plan.
+            True (default): a status word rides with every message of the exchange (one 8-byte
+            message per data message, no collective): the rank holding the wrong shard sends
+            zeros of the planned sizes and raises, and every rank that received from it
+            raises too, none hangs. "world": one small all-reduce over the world first, so
+            every rank raises before any data moves (MimoModel uses it the first time it sees a
+            modality). False: no check (a wrong shard can hang or corrupt).
 
     Errors in the metadata (sizes that do not sum, a placement the plan cannot serve, meshes
     over another world) raise `PlanError` on every rank before any communication.
@@ -228,7 +257,7 @@ def redistribute_many(
     *,
     sample_sizes: Sequence[Sequence[int] | None] | None = None,
     grad_placements: Sequence[Sequence[Placement] | None] | None = None,
-    check: bool = True,
+    check: bool | str = True,
     names: Sequence[tuple[str, str]] | None = None,
 ) -> tuple[DTensor, ...]:
     """`redistribute` of several tensors (e.g. one per encoder) as ONE autograd node.
@@ -240,6 +269,8 @@ def redistribute_many(
     each tensor's (source, destination) meshes in error messages, e.g. ``("vision", "language")``.
     """
     n = len(xs)
+    if check not in (True, False, "world"):
+        raise ValueError(f"redistribute: check={check!r}; use True (status word), 'world' or False")
     if not (len(device_meshes) == len(placements) == n):
         raise ValueError(f"redistribute_many: {n} tensors, {len(device_meshes)} meshes and "
                          f"{len(placements)} placement lists; give one of each per tensor")
