@@ -358,21 +358,11 @@ def _check_model(layout: MimoLayout, language: Llama, encoders: Mapping[str, Mod
     check_pipeline_layout(layout, language_name, pipeline)
     for name, module in encoders.items():
         pp = layout.parallelism(name).pp
-        if pp == 1:
-            continue
-        problem = (
-            "pass pipeline=PipelineConfig(microbatches=...)" if pipeline is None else
-            "its ranks must be its own: disjoint from the language model and every other encoder"
-            if any(set(layout.ranks(name)) & set(layout.ranks(m)) for m in layout.names if m != name) else
-            "every encoder must train and sit on ranks of its own (the colocated three-phase path, "
-            "taken otherwise, has no encoder stages)" if not _overlapped(layout, language_name, encoders) else
-            "sequence parallel is not supported on encoder stages: set sp=False"
-            if options.get(name, ParallelOptions()).sp else
-            f"its encoder {type(module.encoder).__name__} needs embed(), layers and norm (as ViT and "
-            "AudioEncoder have)" if not hasattr(module.encoder, "embed") else None)
-        if problem:
-            raise LayoutError(f"encoder {name!r} has pp={pp}: {problem}")
-        stage_layers(len(module.encoder.layers), pp, module=name)
+        if pp > 1:
+            problem = _encoder_pipeline_problem(layout, language_name, encoders, name, options, pipeline)
+            if problem:
+                raise LayoutError(f"encoder {name!r} has pp={pp}: {problem}")
+            stage_layers(len(module.encoder.layers), pp, module=name)
     if pipeline is not None:  # every rank, before any process group: layers per stage
         stage_layers(language.config.n_layers, pipeline.num_stages(layout.parallelism(language_name).pp),
                      pipeline.split, module=language_name)
@@ -385,6 +375,25 @@ def _check_model(layout: MimoLayout, language: Llama, encoders: Mapping[str, Mod
         if module.out_dim != language.config.dim:
             raise ValueError(f"encoder {name!r} projects to {module.out_dim} features but the language "
                              f"model's dim is {language.config.dim}; set the projection's out_dim to it")
+
+
+def _encoder_pipeline_problem(layout: MimoLayout, language_name: str, encoders: Mapping[str, nn.Module],
+                              name: str, options: Mapping[str, ParallelOptions],
+                              pipeline: PipelineConfig | None) -> str | None:
+    """Why encoder `name` (pp > 1) cannot run as a pipeline, or None."""
+    if pipeline is None:
+        return "pass pipeline=PipelineConfig(microbatches=...)"
+    if any(set(layout.ranks(name)) & set(layout.ranks(m)) for m in layout.names if m != name):
+        return "its ranks must be its own: disjoint from the language model and every other encoder"
+    if not _overlapped(layout, language_name, encoders):
+        return ("every encoder must train and sit on ranks of its own (the colocated three-phase path, "
+                "taken otherwise, has no encoder stages)")
+    if options.get(name, ParallelOptions()).sp:
+        return "sequence parallel is not supported on encoder stages: set sp=False"
+    if not hasattr(encoders[name].encoder, "embed"):
+        return (f"its encoder {type(encoders[name].encoder).__name__} needs embed(), layers and norm "
+                "(as ViT and AudioEncoder have)")
+    return None
 
 
 def _overlapped(layout: MimoLayout, language_name: str, encoders: Mapping[str, nn.Module]) -> bool:
