@@ -18,8 +18,8 @@ measured bubble (1 - its module-alone time / pipelined step) beside the two-stag
 theoretical one, 1/(M+1).
 
 4 ranks: the same global batch on the homogeneous layout (vision and language colocated on all
-4 ranks, dp4 each) and on heterogeneous candidates (encoder on its own ranks, pipelined); tokens/s
-of each, and the best heterogeneous / homogeneous ratio.
+4 ranks, dp4 each) and on heterogeneous candidates (encoder on its own ranks, pipelined; one with
+an encoder pipeline); tokens/s of each, and the best heterogeneous / homogeneous ratio.
 
 Timing: a barrier before each timed op; the op's time is the max over ranks; medians over --iters.
 """
@@ -161,6 +161,8 @@ def four_ranks(args) -> dict:
             (MimoLayout({"vision": P(dp=2), "language": P(dp=2)}), PipelineConfig(microbatches=4)),
         "vision dp1 | language pp3, 6 microbatches":
             (MimoLayout({"vision": P(), "language": P(pp=3)}), PipelineConfig(microbatches=6)),
+        "vision pp2 | language dp2, 4 microbatches":
+            (MimoLayout({"vision": P(pp=2), "language": P(dp=2)}), PipelineConfig(microbatches=4)),
     }
     models = {}
     for name, (layout, pipeline) in candidates.items():
