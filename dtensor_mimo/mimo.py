@@ -390,8 +390,10 @@ def _encoder_pipeline_problem(layout: MimoLayout, language_name: str, encoders: 
                 "taken otherwise, has no encoder stages)")
     if options.get(name, ParallelOptions()).sp:
         return "sequence parallel is not supported on encoder stages: set sp=False"
-    if not hasattr(encoders[name].encoder, "embed"):
-        return (f"its encoder {type(encoders[name].encoder).__name__} needs embed(), layers and norm "
+    encoder = encoders[name].encoder
+    if not (hasattr(encoder, "embed") and hasattr(encoder, "norm") and hasattr(encoder, "layers")
+            and isinstance(getattr(getattr(encoder, "config", None), "dim", None), int)):
+        return (f"its encoder {type(encoder).__name__} needs embed(), layers, norm and config.dim "
                 "(as ViT and AudioEncoder have)")
     return None
 

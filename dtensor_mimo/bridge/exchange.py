@@ -73,6 +73,15 @@ class Pending:
         return self.out
 
 
+def as_planned(local: torch.Tensor, shape: Sequence[int]) -> tuple[torch.Tensor, bool]:
+    """`local` if it has the planned `shape`, else zeros of that shape and True: a rank whose
+    rows are wrong still sends exactly the planned messages, so no peer waits for one that never
+    comes; the caller reports the mismatch (status word, or the training step's all-reduce)."""
+    if tuple(local.shape) == tuple(shape):
+        return local, False
+    return local.new_zeros(tuple(shape)), True
+
+
 @dataclass
 class Transfer:
     """One tensor's part of an exchange on this rank.

@@ -138,10 +138,11 @@ class _RedistributeFunction(torch.autograd.Function):
         mine = None  # this rank's wrong shard: its planned rows go out as zeros, flagged
         if check is True:
             for i, (xl, e) in enumerate(zip(x_locals, expected)):
-                if xl is not None and tuple(xl.shape) != e:
-                    mine = mine or (f"rank {rank} holds a local shard of shape {tuple(xl.shape)} but the plan "
-                                    f"for {legs[i].src!r} expects {e}")
-                    x_locals[i] = xl.new_zeros(e)
+                if xl is not None:
+                    x_locals[i], bad = exchange.as_planned(xl, e)
+                    if bad:
+                        mine = mine or (f"rank {rank} holds a local shard of shape {tuple(xl.shape)} but the "
+                                        f"plan for {legs[i].src!r} expects {e}")
         transfers = [leg.transfer(p, xl, leg.dst_mesh) for leg, p, xl in zip(legs, plans, x_locals)]
         pendings = exchange.start(transfers, status=None if check is not True else int(mine is not None))
         outs = [p.wait() for p in pendings]

@@ -88,13 +88,15 @@ class Crossing:
         rows = dict(rows)
         for name, rp in zip(self.names, self._forward):
             x = rows.get(name)
-            if x is not None and tuple(x.shape) != (rp.src_rows, self.dim):
+            if x is None:
+                continue
+            rows[name], bad = exchange.as_planned(x, (rp.src_rows, self.dim))
+            if bad:
                 self.error = self.error or (
                     f"rank {self.rank}: encoder {name!r} produced rows of shape {tuple(x.shape)} for "
                     f"microbatch {self.index}, but the batch metadata plans ({rp.src_rows}, {self.dim}) "
                     f"(its dp shard's items x tokens_per_item, by the language model's width): make "
                     "the batch's tokens_per_item match the encoder's output length")
-                rows[name] = torch.zeros(rp.src_rows, self.dim, dtype=self.dtype, device=self.device)
         return self._start(self.names, self._forward, rows, receives)
 
     def src_rows(self, name: str) -> int:
