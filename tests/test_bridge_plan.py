@@ -1,6 +1,7 @@
 """Specification of the bridge planner, `dtensor_mimo.bridge.plan` (pure: no process group).
 
-Every plan is checked against an independent reference: each side's rank -> global rows is
+Every plan is checked against an independent reference, and every rank's part computed alone
+(`plan_for_rank`, the bridge's O(peers) path) must equal its part of the whole-world `plan`: each side's rank -> global rows is
 built naively (itertools.product over mesh coordinates, `torch.chunk` / `torch.tensor_split`),
 then the plan is executed on integer "tensors" (source rank r holds the value of each of its
 rows, split into partial contributions that sum to the value when the source is Partial), and
@@ -25,13 +26,15 @@ Layouts covered (meshes listed outermost dim first; S = Shard(0), R = Replicate(
 | chunk rule == DTensor      | 1-3 d meshes, nested S  | —                                  | —                           | 0..13               |
 | property (hypothesis)      | any ≤16 ranks, S/R/P    | any ≤16 ranks, S/R/P               | disjoint, overlapping, identical, shuffled, idle ranks | chunk or ragged |
 | property, backward         | same                    | same, random grad placements       | same                        | same                |
-| cache, determinism, idle ranks, validation errors (each message asserted)                                                        |
+| property, split dims       | same, random split_dims | same, random split_dims            | same                        | same                |
+| cache, determinism, idle ranks, validation errors (each message asserted), `replace`, two-hop choice and hop rows             |
 """
 
 from __future__ import annotations
 
 import itertools
 import re
+from collections import Counter
 from dataclasses import dataclass
 from math import prod
 
@@ -43,7 +46,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from dtensor_mimo.bridge import MeshSpec, PlanError, backward_specs, plan, plan_backward
+from dtensor_mimo.bridge import MeshSpec, PlanError, backward_specs, hop_rows, plan, plan_backward, plan_for_rank
+from dtensor_mimo.bridge.hops import wants_two_hops
 
 S, R, P = Shard(0), Replicate(), Partial()
 
@@ -63,11 +67,11 @@ def grid(shape, ranks):
     return torch.tensor(list(ranks)).reshape(shape).tolist()
 
 
-def reference(shape, ranks, placements, extent, sample_sizes=None) -> dict[int, Held]:
+def reference(shape, ranks, placements, extent, sample_sizes=None, split=()) -> dict[int, Held]:
     """rank -> what it holds, built without the planner's code."""
     ranks = list(ranks)
     shard_dims = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
-    part_dims = [i for i, p in enumerate(placements) if isinstance(p, Partial)]
+    part_dims = [i for i, p in enumerate(placements) if isinstance(p, Partial) and i not in split]
     n_shards = prod(shape[i] for i in shard_dims)
     starts = [sum(sample_sizes[:k]) for k in range(len(sample_sizes) + 1)] if sample_sizes is not None else None
     held = {}
@@ -87,8 +91,11 @@ def reference(shape, ranks, placements, extent, sample_sizes=None) -> dict[int, 
         else:
             samples = torch.tensor_split(torch.arange(len(sample_sizes)), n_shards)[shard].tolist()
             rows = [g for k in samples for g in range(starts[k], starts[k + 1])]
+        for i in sorted(split):  # split dims chunk the shard's rows further, nested in mesh order
+            chunks = torch.chunk(torch.tensor(rows, dtype=torch.long), shape[i])
+            rows = chunks[coord[i]].tolist() if coord[i] < len(chunks) else []
         needs = all(coord[i] == 0 for i in part_dims)
-        held[r] = Held(rows, part, needs, (shard, part))
+        held[r] = Held(rows, part, needs, (shard, tuple(coord[i] for i in sorted(split)), part))
     return held
 
 
@@ -107,6 +114,8 @@ def execute(p, src_ref: dict[int, Held], dst_ref: dict[int, Held], world: int):
     """Run the plan on integer tensors; assert every rank ends with exactly its rows."""
     n_parts = len({h.part for h in src_ref.values()})
     views = {r: p.for_rank(r) for r in range(world)}
+    for r, v in views.items():  # the incremental path: each rank's part from its peers alone
+        assert plan_for_rank(p.src, p.dst, r, world) == v, f"rank {r}: plan_for_rank differs from plan"
     local = {r: [contribution(g, h.part, n_parts) for g in h.rows] for r, h in src_ref.items()}
     sends = {}
     for r, v in views.items():
@@ -157,7 +166,8 @@ def execute(p, src_ref: dict[int, Held], dst_ref: dict[int, Held], world: int):
 
 
 def check_spread(views, src_ref: dict[int, Held], dst_ref: dict[int, Held]):
-    """Replicas share the sends (greedy by rows) and a receiver that is a replica copies locally."""
+    """Replicas share the sends (by row position: within 2 pieces per receiver of a destination
+    shard of each other) and a receiver that is a replica copies locally."""
     groups: dict[tuple, list[int]] = {}
     for r, h in src_ref.items():
         groups.setdefault(h.group, []).append(r)
@@ -166,18 +176,18 @@ def check_spread(views, src_ref: dict[int, Held], dst_ref: dict[int, Held]):
         if len(members) < 2 or not pieces:
             continue
         load = {r: sum(n for q, n in pieces if q == r) for r in members}
-        assert max(load.values()) - min(load.values()) <= max(n for _, n in pieces), load
-        if len(pieces) >= 2:
-            assert len({q for q, _ in pieces}) >= 2, "one replica serves every destination"
+        receivers = max(Counter(h.group for h in dst_ref.values() if h.needs).values())
+        assert max(load.values()) - min(load.values()) <= 2 * receivers * max(n for _, n in pieces), load
     for d, h in dst_ref.items():
         copied = sum(c.dst_hi - c.dst_lo for c in views[d].copies)
         own = set(src_ref[d].rows) & set(h.rows) if d in src_ref and h.needs else set()
         assert copied == len(own), f"rank {d} should copy its own {len(own)} rows locally"
 
 
-def side(shape, ranks, placements, extent=None, sizes=None, name=""):
-    spec = MeshSpec(grid(shape, ranks), tuple(placements), extent, None if sizes is None else tuple(sizes), name)
-    ref = reference(shape, ranks, placements, spec.extent, sizes)
+def side(shape, ranks, placements, extent=None, sizes=None, name="", split=()):
+    spec = MeshSpec(grid(shape, ranks), tuple(placements), extent, None if sizes is None else tuple(sizes), name,
+                    split_dims=tuple(split))
+    ref = reference(shape, ranks, placements, spec.extent, sizes, split)
     return spec, ref
 
 
@@ -369,6 +379,19 @@ def test_property_forward_matches_reference(case):
     assert p.world_size == world
 
 
+def split_dims(data, placements):
+    """A random subset of the Replicate/Partial mesh dims (the two-hop intermediate layout)."""
+    return tuple(i for i, p in enumerate(placements) if not isinstance(p, Shard) and data.draw(st.booleans()))
+
+
+@SETTINGS
+@given(layouts(), st.data())
+def test_property_split_dims_match_reference(case, data):
+    src, dst, world = case
+    s_split, d_split = split_dims(data, src[2]), split_dims(data, dst[2])
+    run(side(*src, split=s_split), side(*dst, split=d_split), world)
+
+
 @SETTINGS
 @given(layouts(), st.data())
 def test_property_backward_matches_reference(case, data):
@@ -468,3 +491,41 @@ def test_spec_validation(kwargs, message):
 def test_plan_validation(src, dst, world, message):
     with pytest.raises(PlanError, match=re.escape(message)):
         plan(src, dst, world)
+
+
+# ------------------------------------------------------- derived specs, two-hop routes
+
+
+def test_replace_equals_a_fresh_spec_and_validates_sizes():
+    base = MeshSpec(grid((2, 2), range(4)), (S, R), sample_sizes=(1, 2), name="vision")
+    new = base.replace(sample_sizes=(3, 0, 4))
+    fresh = MeshSpec(grid((2, 2), range(4)), (S, R), sample_sizes=(3, 0, 4))
+    assert new == fresh and hash(new) == hash(fresh) and new.extent == 7 and new.name == "vision"
+    assert base.replace(placements=(S, P)).placements == (S, P) and base.replace(split_dims=(1,)).split_dims == (1,)
+    with pytest.raises(PlanError, match=r"sample_sizes\[1\] = -2 is negative"):
+        base.replace(sample_sizes=(1, -2))
+    with pytest.raises(PlanError, match=r"sample_sizes sum to 3 \(2 samples\) but the global extent is 5"):
+        base.replace(sample_sizes=(1, 2), extent=5)
+    with pytest.raises(PlanError, match=r"split_dims \(0,\) name \[0\], which are not Replicate or Partial"):
+        base.replace(split_dims=(0,))
+
+
+def test_two_hops_only_where_one_hop_repeats_rows():
+    dp2 = MeshSpec([0, 1], (S,), 8)
+    assert wants_two_hops(dp2, MeshSpec([[2, 3, 4, 5]], (S, R), 8))  # replicated destination
+    assert wants_two_hops(MeshSpec([0, 1], (P,), 8), MeshSpec([2], (S,), 8))  # Partial source
+    assert not wants_two_hops(dp2, MeshSpec([2, 3, 4], (S,), 8))
+    assert not wants_two_hops(MeshSpec([[0, 1]], (S, R), 8), MeshSpec([2], (S,), 8))  # one replica sends
+
+
+def test_hop_rows_hand_computed():
+    # dp2 -> dp1·tp4, 8 rows: one-hop delivers all 8 rows to each of 4 replicas (32 between);
+    # two-hop sends each row once (8) and each replica gathers the 6 rows it lacks (24 inside).
+    src, dst = MeshSpec([0, 1], (S,), 8), MeshSpec([[2, 3, 4, 5]], (S, R), 8)
+    assert hop_rows(src, dst, 1) == {"between": 32, "inside": 0}
+    assert hop_rows(src, dst, 2) == {"between": 8, "inside": 24}
+    # backward of dp2 -> cp2 with a Partial gradient: one-hop sends both partial sums of each row
+    # (16); two-hop reduce-scatters first (each cp rank sends its other half: 8) and sends 8.
+    grad_src, grad_dst = backward_specs(src, MeshSpec([2, 3], (R,), 8), (P,))
+    assert hop_rows(grad_src, grad_dst, 1) == {"between": 16, "inside": 0}
+    assert hop_rows(grad_src, grad_dst, 2) == {"between": 8, "inside": 8}

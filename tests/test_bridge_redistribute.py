@@ -18,6 +18,9 @@ Reference: the full tensor X (float64, same seed on every rank) sliced by hand w
 ``torch.tensor_split`` over samples (ragged) or ``torch.chunk`` over rows (DTensor's rule).
 The loss is <y, G>; single-process autograd gives dL/dX = G (summed over cp replicas when
 the gradient is declared Partial there), which every source rank compares with its x.grad.
+Every case runs one-hop and two-hop (`hops=1`, `hops=2`: each row crosses once, then an
+all-gather over the destination's Replicate dims; a Partial source or gradient is
+reduce-scattered before it crosses).
 Adjoint: <y, g> summed once per distinct destination value equals <x, x.grad> summed once
 per distinct source row.
 """
@@ -118,6 +121,11 @@ def _distinct(side: Side, coord, placements) -> bool:
 
 
 def _run_case(name):
+    """Both routes in one spawn: one-hop, then two-hop (scatter, cross, gather)."""
+    return all(_run_route(name, n_hops) for n_hops in (1, 2))
+
+
+def _run_route(name, n_hops):
     case = CASES[name]
     src_mesh, dst_mesh = _mesh(case.src), _mesh(case.dst)
     gen = torch.Generator().manual_seed(1234)
@@ -142,7 +150,7 @@ def _run_case(name):
 
     grad_placements = case.grad or tuple(Replicate() if isinstance(p, Partial) else p for p in case.dst.placements)
     y = redistribute(x, dst_mesh, case.dst.placements, sample_sizes=case.sample_sizes,
-                     grad_placements=case.grad)
+                     grad_placements=case.grad, hops=n_hops)
     assert y.device_mesh is dst_mesh and tuple(y.placements) == case.dst.placements
     assert tuple(y.shape) == tuple(X.shape)
 
@@ -199,8 +207,8 @@ def _bad_sample_sizes():
     return True
 
 
-def _bad_local_shape_on_one_rank(check):
-    case = CASES["fan_in"]
+def _bad_local_shape_on_one_rank(check, name="fan_in", n_hops=None):
+    case = CASES[name]
     src_mesh, dst_mesh = _mesh(case.src), _mesh(case.dst)
     sc = _coord(src_mesh)
     rows = 0 if sc is None else len(_expected_rows(case.src, sc, 21, RAGGED))
@@ -209,7 +217,7 @@ def _bad_local_shape_on_one_rank(check):
     local = torch.zeros(rows, H) if sc is not None else torch.empty(0)
     x = DTensor.from_local(local, src_mesh, case.src.placements, run_check=False, shape=(21, H), stride=(H, 1))
     try:
-        redistribute(x, dst_mesh, case.dst.placements, sample_sizes=RAGGED, check=check)
+        redistribute(x, dst_mesh, case.dst.placements, sample_sizes=RAGGED, check=check, hops=n_hops)
     except PlanError as e:
         return str(e)
     return None
@@ -243,6 +251,16 @@ def test_wrong_local_shape_fails_on_its_rank_and_every_rank_it_sends_to():
             assert re.search(r"rank\(s\) \[2\] sent rows of a local shard whose shape disagrees", message or ""), message
         else:
             assert message is None, (rank, message)
+
+
+def test_wrong_local_shape_two_hop_fails_on_the_replicas_that_gather_its_rows():
+    """equal (tp2·dp2 -> tp2·dp2, disjoint), two-hop: rank 2 = (dp1, tp0) sends the first tp-half
+    of dp shard 1 to rank 6 = (dp1, tp0) only; rank 7 gathers that half from rank 6."""
+    messages = run_on_ranks(_bad_local_shape_on_one_rank, WORLD, True, "equal", 2, timeout=60)
+    assert re.search(r"rank 2 holds a local shard of shape", messages[2] or ""), messages[2]
+    assert re.search(r"rank\(s\) \[2\] sent rows of a local shard", messages[6] or ""), messages[6]
+    assert re.search(r"a rank sent rows of a local shard whose shape disagrees", messages[7] or ""), messages[7]
+    assert [messages[r] for r in (0, 1, 3, 4, 5)] == [None] * 5, messages
 
 
 # ---------------------------------------------------------------- several bridges, one node

@@ -14,6 +14,8 @@ from dtensor_mimo.bridge.plan import (
     backward_specs,
     plan,
     plan_backward,
+    plan_backward_for_rank,
+    plan_for_rank,
 )
 
 __all__ = [
@@ -27,8 +29,11 @@ __all__ = [
     "backward_specs",
     "plan",
     "plan_backward",
+    "plan_backward_for_rank",
+    "plan_for_rank",
 ]
 
+from dtensor_mimo.bridge.hops import hop_rows  # noqa: E402
 from dtensor_mimo.bridge.redistribute import Bridge, redistribute, redistribute_many  # noqa: E402
 
-__all__ += ["Bridge", "redistribute", "redistribute_many"]
+__all__ += ["Bridge", "hop_rows", "redistribute", "redistribute_many"]

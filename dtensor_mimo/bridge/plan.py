@@ -3,9 +3,10 @@
 Pure index arithmetic over integers: no process group, no tensor. Both sides of a
 cross-mesh redistribution are described by a `MeshSpec` (the mesh as nested global ranks,
 one DTensor placement per mesh dim, the global extent along the bridged tensor dim and,
-for ragged data, the rows of every sample). `plan(src, dst)` intersects the rows each
-rank holds on either side and returns a `Plan` that every rank computes identically;
-`Plan.for_rank(r)` is rank r's part of it: what to send, receive, copy locally or zero.
+for ragged data, the rows of every sample). `plan_for_rank(src, dst, r)` is rank r's part of
+the redistribution: what to send, receive, copy locally or zero, computed from r's peers
+alone (O(peers), not O(world)); `plan(src, dst)` is the whole world's (O(world): tests,
+statistics). Both follow the same rules, so every rank's part agrees with its peers'.
 
 How rows are laid out on a side:
 
@@ -18,6 +19,8 @@ How rows are laid out on a side:
   This is the data layer's rule (dp rank k of every module takes the same samples).
 - `Replicate()` dims: every rank of the group holds the same rows. `Partial()` dims:
   every rank holds the same rows as a partial sum; the value is the sum over the dim.
+- `split_dims`: those Replicate/Partial dims instead chunk their shard's rows further
+  (``torch.chunk``, nested in mesh order): the two-hop bridge's intermediate layout.
 
 Backward uses the same planner with the specs built by `backward_specs`.
 """
@@ -25,7 +28,6 @@ Backward uses the same planner with the specs built by `backward_specs`.
 from __future__ import annotations
 
 import functools
-import heapq
 import operator
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -46,6 +48,8 @@ __all__ = [
     "backward_specs",
     "plan",
     "plan_backward",
+    "plan_backward_for_rank",
+    "plan_for_rank",
 ]
 
 
@@ -115,6 +119,40 @@ def _placements_str(placements: Sequence[Any]) -> str:
     return "(" + ", ".join(repr(p) for p in placements) + ")"
 
 
+@dataclass(frozen=True)
+class _Mesh:
+    """A validated mesh: checked once (O(ranks)), then shared by every spec derived from it."""
+
+    nested: tuple
+    shape: tuple[int, ...]
+    flat: tuple[int, ...]
+    top: int
+    hash: int
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, _Mesh) and self.hash == other.hash and self.nested == other.nested)
+
+
+def _validate_mesh(mesh: Any, where: str) -> _Mesh:
+    if hasattr(mesh, "tolist") and not isinstance(mesh, (list, tuple)):
+        mesh = mesh.tolist()
+    mesh = _nested(mesh, where)
+    shape, flat = _shape_and_flat(mesh, where)
+    where = f"{where} (shape {shape}, ranks {_ranks_summary(flat)})"
+    bad = [r for r in flat if r < 0]
+    if bad:
+        raise PlanError(f"{where}: negative rank(s) {bad[:8]}")
+    if len(set(flat)) != len(flat):
+        seen: set[int] = set()
+        dup = sorted({r for r in flat if r in seen or seen.add(r)})  # type: ignore[func-returns-value]
+        raise PlanError(f"{where}: rank(s) {dup[:8]} appear more than once in the mesh")
+    # Hash once: meshes of thousands of ranks are hashed on every plan-cache lookup.
+    return _Mesh(mesh, shape, flat, max(flat), hash(mesh))
+
+
 @dataclass(frozen=True, eq=True, repr=False)
 class MeshSpec:
     """One side of a redistribution: who holds which rows of the bridged tensor dim.
@@ -129,6 +167,13 @@ class MeshSpec:
         sample_sizes: rows of each sample (zeros allowed; a sample's rows are contiguous),
             or None for DTensor's chunk rule.
         name: a label for error messages (module name); not part of equality.
+        split_dims: mesh dims (placed `Replicate` or `Partial`) whose ranks each hold one
+            ``torch.chunk`` piece of their shard's rows instead of all of them, nested in
+            mesh-dim order after the Shard dims' rule: the two-hop bridge's intermediate layout
+            (a `Partial` dim split this way holds reduce-scattered sums). Default: none.
+
+    Validating a mesh costs O(ranks); `replace` derives specs (new sample sizes every step,
+    other placements) from a validated one at O(samples), as the bridge does on its hot path.
     """
 
     mesh: Any
@@ -136,79 +181,106 @@ class MeshSpec:
     extent: int | None = None
     sample_sizes: tuple[int, ...] | None = None
     name: str = field(default="", compare=False)
-    _shape: tuple[int, ...] = field(init=False, compare=False)
-    _flat: tuple[int, ...] = field(init=False, compare=False)
+    split_dims: tuple[int, ...] = ()
+    _mesh: _Mesh = field(init=False, compare=False)
     _hash: int = field(init=False, compare=False)
+    _sizes_hash: int = field(init=False, compare=False)
+    _starts: list[int] | None = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
-        where = self.label
-        mesh = self.mesh
-        if hasattr(mesh, "tolist") and not isinstance(mesh, (list, tuple)):
-            mesh = mesh.tolist()
-        mesh = _nested(mesh, where)
-        shape, flat = _shape_and_flat(mesh, where)
-        where = f"{where} (shape {shape}, ranks {_ranks_summary(flat)})"
-        bad = [r for r in flat if r < 0]
-        if bad:
-            raise PlanError(f"{where}: negative rank(s) {bad[:8]}")
-        if len(set(flat)) != len(flat):
-            seen: set[int] = set()
-            dup = sorted({r for r in flat if r in seen or seen.add(r)})  # type: ignore[func-returns-value]
-            raise PlanError(f"{where}: rank(s) {dup[:8]} appear more than once in the mesh")
+        self._finish(_validate_mesh(self.mesh, self.label))
+
+    def _finish(self, mesh: _Mesh, sizes_from: "MeshSpec | None" = None) -> None:
+        """Check everything but the mesh and set the derived fields: O(samples), or O(mesh ndim)
+        when `sizes_from` already checked these same sizes."""
+        def where() -> str:  # built only for an error: summarising the ranks is O(ranks)
+            return f"{self.label} (shape {mesh.shape}, ranks {_ranks_summary(mesh.flat)})"
 
         placements = tuple(self.placements)
-        if len(placements) != len(shape):
+        if len(placements) != len(mesh.shape):
             raise PlanError(
-                f"{where}: {len(placements)} placement(s) {_placements_str(placements)} for a "
-                f"{len(shape)}-d mesh; give exactly one placement per mesh dim"
+                f"{where()}: {len(placements)} placement(s) {_placements_str(placements)} for a "
+                f"{len(mesh.shape)}-d mesh; give exactly one placement per mesh dim"
             )
         for p in placements:
             ok = type(p) in (Shard, Replicate) or (type(p) is Partial and p.reduce_op == "sum")
             if not ok:
                 raise PlanError(
-                    f"{where}: placements {_placements_str(placements)} contain {p!r}, a placement "
+                    f"{where()}: placements {_placements_str(placements)} contain {p!r}, a placement "
                     "the plan cannot serve; use Shard(d), Replicate() or Partial() (sum)"
                 )
         dims = sorted({p.dim for p in placements if type(p) is Shard})
         if len(dims) > 1:
             raise PlanError(
-                f"{where}: placements {_placements_str(placements)} shard tensor dims {dims}, a placement "
+                f"{where()}: placements {_placements_str(placements)} shard tensor dims {dims}, a placement "
                 "the plan cannot serve; the bridge moves rows of one tensor dim, so every Shard must "
                 "name the same dim"
             )
+        split = tuple(sorted(set(self.split_dims)))
+        bad_split = [d for d in split if not (0 <= d < len(placements)) or type(placements[d]) is Shard]
+        if bad_split:
+            raise PlanError(f"{where()}: split_dims {self.split_dims} name {bad_split}, which are not "
+                            "Replicate or Partial mesh dims")
 
-        extent = self.extent
-        if extent is not None and (_as_int(extent) is None or extent < 0):
-            raise PlanError(f"{where}: the global extent must be an integer >= 0, got {extent!r}")
-        sizes = None
-        if self.sample_sizes is not None:
-            sizes = tuple(_as_int(s) for s in self.sample_sizes)
-            for i, (s, raw) in enumerate(zip(sizes, self.sample_sizes)):
-                if s is None:
-                    raise PlanError(f"{where}: sample_sizes[{i}] = {raw!r} is not an integer")
-                if s < 0:
-                    raise PlanError(f"{where}: sample_sizes[{i}] = {s} is negative; a sample has >= 0 rows")
-            total = sum(sizes)
-            if extent is None:
-                extent = total
-            elif total != extent:
-                raise PlanError(
-                    f"{where}: sample_sizes sum to {total} ({len(sizes)} samples) but the global extent is "
-                    f"{extent}; the per-sample sizes must add up to the rows of the bridged dim"
-                )
-        if extent is None:
-            raise PlanError(f"{where}: give the global extent or the sample_sizes")
-        extent = _as_int(extent)
-
+        if sizes_from is not None:
+            extent, sizes, starts, sizes_hash = (sizes_from.extent, sizes_from.sample_sizes, sizes_from._starts,
+                                                 sizes_from._sizes_hash)
+        else:
+            extent, sizes, starts = self._check_sizes(where)
+            sizes_hash = hash((extent, sizes))
         set_ = object.__setattr__
-        set_(self, "mesh", mesh)
+        set_(self, "mesh", mesh.nested)
         set_(self, "placements", placements)
         set_(self, "extent", extent)
         set_(self, "sample_sizes", sizes)
-        set_(self, "_shape", shape)
-        set_(self, "_flat", flat)
-        # Hash once: meshes of thousands of ranks are hashed on every plan-cache lookup.
-        set_(self, "_hash", hash((mesh, placements, extent, sizes)))
+        set_(self, "split_dims", split)
+        set_(self, "_mesh", mesh)
+        set_(self, "_starts", starts)
+        set_(self, "_sizes_hash", sizes_hash)
+        set_(self, "_hash", hash((mesh.hash, placements, sizes_hash, split)))
+
+    def _check_sizes(self, where) -> tuple[int, tuple[int, ...] | None, list[int] | None]:
+        extent = self.extent
+        if extent is not None and (_as_int(extent) is None or extent < 0):
+            raise PlanError(f"{where()}: the global extent must be an integer >= 0, got {extent!r}")
+        if self.sample_sizes is None:
+            if extent is None:
+                raise PlanError(f"{where()}: give the global extent or the sample_sizes")
+            return _as_int(extent), None, None
+        try:  # C speed for the common case: integers (numpy's and torch's too), none negative
+            sizes = tuple(map(operator.index, self.sample_sizes))
+        except TypeError:
+            sizes = None
+        if sizes is None or (sizes and min(sizes) < 0):
+            for i, raw in enumerate(self.sample_sizes):
+                s = _as_int(raw)
+                if s is None:
+                    raise PlanError(f"{where()}: sample_sizes[{i}] = {raw!r} is not an integer")
+                if s < 0:
+                    raise PlanError(f"{where()}: sample_sizes[{i}] = {s} is negative; a sample has >= 0 rows")
+        starts = [0, *accumulate(sizes)]
+        if extent is not None and starts[-1] != extent:
+            raise PlanError(
+                f"{where()}: sample_sizes sum to {starts[-1]} ({len(sizes)} samples) but the global extent is "
+                f"{extent}; the per-sample sizes must add up to the rows of the bridged dim"
+            )
+        return starts[-1], sizes, starts
+
+    def replace(self, **changes: Any) -> "MeshSpec":
+        """This spec with some of `placements`, `extent`, `sample_sizes`, `name`, `split_dims`
+        changed, without validating the mesh again (O(samples) for new sizes, O(mesh ndim)
+        otherwise; not O(ranks)). New `sample_sizes` alone drop the old extent (they define it)."""
+        unknown = set(changes) - {"placements", "extent", "sample_sizes", "name", "split_dims"}
+        if unknown:
+            raise TypeError(f"MeshSpec.replace: unknown field(s) {sorted(unknown)}")
+        same_sizes = "sample_sizes" not in changes and "extent" not in changes
+        if "sample_sizes" in changes and "extent" not in changes:
+            changes["extent"] = None
+        spec = object.__new__(MeshSpec)
+        for f in ("placements", "extent", "sample_sizes", "name", "split_dims"):
+            object.__setattr__(spec, f, changes.get(f, getattr(self, f)))
+        spec._finish(self._mesh, self if same_sizes else None)
+        return spec
 
     def __hash__(self) -> int:
         return self._hash
@@ -216,9 +288,10 @@ class MeshSpec:
     def __repr__(self) -> str:
         sizes = "" if self.sample_sizes is None else f", {len(self.sample_sizes)} samples"
         name = f"{self.name!r}, " if self.name else ""
+        split = f", split_dims={self.split_dims}" if self.split_dims else ""
         return (
-            f"MeshSpec({name}shape={self._shape}, ranks={_ranks_summary(self._flat)}, "
-            f"placements={_placements_str(self.placements)}, extent={self.extent}{sizes})"
+            f"MeshSpec({name}shape={self.shape}, ranks={_ranks_summary(self.ranks)}, "
+            f"placements={_placements_str(self.placements)}, extent={self.extent}{sizes}{split})"
         )
 
     @classmethod
@@ -241,12 +314,12 @@ class MeshSpec:
     @property
     def shape(self) -> tuple[int, ...]:
         """Mesh shape."""
-        return self._shape
+        return self._mesh.shape
 
     @property
     def ranks(self) -> tuple[int, ...]:
         """Global ranks of the mesh, row-major."""
-        return self._flat
+        return self._mesh.flat
 
     @property
     def shard_dim(self) -> int | None:
@@ -258,92 +331,130 @@ class MeshSpec:
 
     def local_range(self, rank: int) -> tuple[int, int]:
         """Global rows ``[lo, hi)`` that `rank` holds; ``(0, 0)`` for a rank outside the mesh."""
-        lay = _layout(self)
-        i = lay.index.get(rank)
+        i = _static(self).index.get(rank)
         if i is None:
             return (0, 0)
-        s = lay.shard[i]
-        return (lay.lo[s], lay.hi[s])
+        lo, hi = _bounds(self, _static(self).shard[i])
+        return (_offset(self, lo, hi), _offset(self, lo, hi) + hi - lo)
 
 
 # ------------------------------------------------------------------------- layout
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """A spec resolved to flat arrays (index = position in the row-major mesh)."""
+class _Static:
+    """A mesh and placements resolved to flat per-position arrays (position = row-major index)."""
 
-    ranks: tuple[int, ...]
-    shard: list[int]  # shard index per position
-    part: list[int]  # linearised coordinate on the Partial dims per position
-    n_parts: int
-    lo: list[int]  # global rows [lo, hi) per shard index
-    hi: list[int]
-    groups: list[list[int]]  # group id (shard * n_parts + part) -> ranks, mesh order
     index: dict[int, int]  # rank -> position
+    shard: list[int]  # shard index per position: outer (Shard dims) * n_inner + inner (split dims)
+    part: list[int]  # linearised coordinate on the (unsplit) Partial dims per position
+    member: list[int]  # position of the rank within its group, mesh order
+    groups: list[list[int]]  # group id (shard * n_parts + part) -> ranks holding the same data
+    outer: tuple[int, ...]  # sizes of the Shard dims, mesh order
+    inner: tuple[int, ...]  # sizes of the split dims, mesh order
+    n_parts: int
 
+    @property
+    def n_inner(self) -> int:
+        return prod(self.inner)
 
-def _chunk_bounds(extent: int, splits: Sequence[int]) -> tuple[list[int], list[int]]:
-    # torch.chunk nested over the Shard mesh dims, as DTensor does (an empty chunk sits at
-    # offset `extent`, like DTensor's global offset of an empty shard).
-    lo, hi = [0], [extent]
-    for m in splits:
-        nlo: list[int] = []
-        nhi: list[int] = []
-        for a, b in zip(lo, hi):
-            n = b - a
-            c = -(-n // m)
-            for k in range(m):
-                s, e = min(c * k, n), min(c * (k + 1), n)
-                if s < e:
-                    nlo.append(a + s)
-                    nhi.append(a + e)
-                else:
-                    nlo.append(extent)
-                    nhi.append(extent)
-        lo, hi = nlo, nhi
-    return lo, hi
+    @property
+    def n_shards(self) -> int:
+        return prod(self.outer) * prod(self.inner)
 
-
-def _sample_bounds(sizes: Sequence[int], n_shards: int) -> tuple[list[int], list[int]]:
-    starts = [0, *accumulate(sizes)]
-    q, rem = divmod(len(sizes), n_shards)
-    lo, hi = [], []
-    for k in range(n_shards):
-        first = k * q + min(k, rem)
-        last = first + q + (1 if k < rem else 0)
-        lo.append(starts[first])
-        hi.append(starts[last])
-    return lo, hi
+    def group(self, rank: int) -> int:
+        """Group id of `rank`, -1 off the mesh."""
+        i = self.index.get(rank)
+        return -1 if i is None else self.shard[i] * self.n_parts + self.part[i]
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(spec: MeshSpec) -> _Layout:
-    shape, flat = spec.shape, spec.ranks
-    n = len(flat)
-    shard = [0] * n
-    part = [0] * n
+def _resolve(mesh: _Mesh, placements: tuple[Placement, ...], split: tuple[int, ...]) -> _Static:
+    n = len(mesh.flat)
+    outer, inner, part = [0] * n, [0] * n, [0] * n
     positions = range(n)
     stride = n
-    splits: list[int] = []
-    n_parts = 1
-    for size, p in zip(shape, spec.placements):
+    outer_sizes, inner_sizes, n_parts = [], [], 1
+    for d, (size, p) in enumerate(zip(mesh.shape, placements)):
         stride //= size
-        if type(p) is Shard:
-            shard = [s * size + (i // stride) % size for s, i in zip(shard, positions)]
-            splits.append(size)
+        coord = [(i // stride) % size for i in positions]
+        if d in split:
+            inner = [s * size + c for s, c in zip(inner, coord)]
+            inner_sizes.append(size)
+        elif type(p) is Shard:
+            outer = [s * size + c for s, c in zip(outer, coord)]
+            outer_sizes.append(size)
         elif type(p) is Partial:
-            part = [s * size + (i // stride) % size for s, i in zip(part, positions)]
+            part = [s * size + c for s, c in zip(part, coord)]
             n_parts *= size
-    n_shards = prod(splits)
-    if spec.sample_sizes is None:
-        lo, hi = _chunk_bounds(spec.extent, splits)
-    else:
-        lo, hi = _sample_bounds(spec.sample_sizes, n_shards)
-    groups: list[list[int]] = [[] for _ in range(n_shards * n_parts)]
-    for r, s, q in zip(flat, shard, part):
-        groups[s * n_parts + q].append(r)
-    return _Layout(flat, shard, part, n_parts, lo, hi, groups, {r: i for i, r in enumerate(flat)})
+    n_inner = prod(inner_sizes)
+    shard = [o * n_inner + i for o, i in zip(outer, inner)]
+    groups: list[list[int]] = [[] for _ in range(prod(outer_sizes) * n_inner * n_parts)]
+    member = [0] * n
+    for i, (r, s, q) in enumerate(zip(mesh.flat, shard, part)):
+        g = groups[s * n_parts + q]
+        member[i] = len(g)
+        g.append(r)
+    return _Static({r: i for i, r in enumerate(mesh.flat)}, shard, part, member, groups,
+                   tuple(outer_sizes), tuple(inner_sizes), n_parts)
+
+
+def _static(spec: MeshSpec) -> _Static:
+    return _resolve(spec._mesh, spec.placements, spec.split_dims)
+
+
+def _chunk(lo: int, hi: int, splits: Sequence[int], index: int) -> tuple[int, int]:
+    """Rows of chunk `index` (linearised over `splits`, first most significant) of ``[lo, hi)``
+    under ``torch.chunk`` nested over `splits`. An empty chunk sits at its boundary, so bounds
+    are nondecreasing in `index`."""
+    digits = []
+    for m in reversed(splits):
+        index, d = divmod(index, m)
+        digits.append(d)
+    for m, d in zip(splits, reversed(digits)):
+        n = hi - lo
+        c = -(-n // m)
+        lo, hi = lo + min(c * d, n), lo + min(c * (d + 1), n)
+    return lo, hi
+
+
+def _bounds(spec: MeshSpec, shard: int) -> tuple[int, int]:
+    """Global rows ``[lo, hi)`` of a shard index, O(mesh ndim); nondecreasing in `shard`."""
+    st = _static(spec)
+    outer, inner = divmod(shard, st.n_inner)
+    if spec._starts is None:
+        lo, hi = _chunk(0, spec.extent, st.outer, outer)
+    else:  # samples split like torch.tensor_split(range(n_samples), n_outer)
+        q, rem = divmod(len(spec._starts) - 1, prod(st.outer))
+        first = outer * q + min(outer, rem)
+        lo, hi = spec._starts[first], spec._starts[first + q + (outer < rem)]
+    return _chunk(lo, hi, st.inner, inner)
+
+
+def _offset(spec: MeshSpec, lo: int, hi: int) -> int:
+    """DTensor's global offset of a shard: an empty chunk-rule shard sits at the extent."""
+    return spec.extent if lo == hi and spec.sample_sizes is None else lo
+
+
+def _overlaps(spec: MeshSpec, lo: int, hi: int):
+    """``(shard, lo', hi')`` for every shard of `spec` meeting rows ``[lo, hi)``, in order:
+    a binary search, then only the shards met (O(log shards + met))."""
+    if lo >= hi:
+        return
+    n = _static(spec).n_shards
+    a, b = 0, n
+    while a < b:  # first shard ending after `lo`
+        mid = (a + b) // 2
+        if _bounds(spec, mid)[1] > lo:
+            b = mid
+        else:
+            a = mid + 1
+    for k in range(a, n):
+        s_lo, s_hi = _bounds(spec, k)
+        if s_lo >= hi:
+            return
+        if s_lo < s_hi:
+            yield k, max(s_lo, lo), min(s_hi, hi)
 
 
 # --------------------------------------------------------------------------- plan
@@ -413,39 +524,50 @@ def _csr(owner: Sequence[int], world: int) -> list[int]:
     return list(accumulate(counts))
 
 
+def _first_replica(n_replicas: int, shard_lo: int, shard_hi: int, lo: int, hi: int) -> int:
+    """Which of a source shard's `n_replicas` replicas serves receiver slot 0 of the piece
+    ``[lo, hi)`` of its rows ``[shard_lo, shard_hi)``; slot j gets the next j-th, round-robin.
+
+    Replica k serves the pieces centred in the k-th of `n_replicas` equal row ranges of the
+    shard, so every replica sends about as many rows as the others, and a pure function of
+    these numbers lets each rank compute its own messages without anyone else's.
+    """
+    return (lo + hi - 2 * shard_lo) * n_replicas // (2 * (shard_hi - shard_lo))
+
+
 class Plan:
     """A redistribution from `src` to `dst`, for every rank of the world.
 
-    Identical on every rank. Rows are assigned so that each destination rank that needs a
-    row gets it once (once per Partial contributor when the source is Partial); among
-    source replicas of a row, a destination that is itself a replica copies locally, the
-    others are served greedily by the least-loaded replica (rows sent so far, ties to the
-    first in mesh order). Stored as flat arrays; `for_rank` builds one rank's view.
+    Identical on every rank; O(world) to build (a sweep over both sides' shards). The bridge
+    itself asks `plan_for_rank`, which computes one rank's part from the same rules in
+    O(that rank's peers), and which this class checks in the tests. Each destination rank
+    that needs a row gets it once (once per Partial contributor when the source is
+    Partial); among source replicas of a row, a destination that is itself a replica copies
+    locally, the others are dealt over the replicas by row position (`_first_replica`).
     """
 
     def __init__(self, src: MeshSpec, dst: MeshSpec, world_size: int) -> None:
         self.src = src
         self.dst = dst
         self.world_size = world_size
-        S, D = _layout(src), _layout(dst)
+        S, D = _static(src), _static(dst)
         W = world_size
         self.reduce = S.n_parts > 1
         """True when the source has several Partial contributors and receivers sum."""
+        src_bounds = [_bounds(src, k) for k in range(S.n_shards)]
+        dst_bounds = [_bounds(dst, k) for k in range(D.n_shards)]
 
-        src_rows = [0] * W
-        src_off = [0] * W
+        src_rows, src_off, dst_rows, dst_off = [0] * W, [0] * W, [0] * W, [0] * W
         gid_of = [-1] * W
-        for r, s, q in zip(S.ranks, S.shard, S.part):
-            src_rows[r] = S.hi[s] - S.lo[s]
-            src_off[r] = S.lo[s]
-            gid_of[r] = s * S.n_parts + q
-        dst_rows = [0] * W
-        dst_off = [0] * W
+        for r, i in S.index.items():
+            lo, hi = src_bounds[S.shard[i]]
+            src_rows[r], src_off[r] = hi - lo, lo
+            gid_of[r] = S.shard[i] * S.n_parts + S.part[i]
         needs = [False] * W
-        for r, t, q in zip(D.ranks, D.shard, D.part):
-            dst_rows[r] = D.hi[t] - D.lo[t]
-            dst_off[r] = D.lo[t]
-            needs[r] = q == 0
+        for r, i in D.index.items():
+            lo, hi = dst_bounds[D.shard[i]]
+            dst_rows[r], dst_off[r] = hi - lo, lo
+            needs[r] = D.part[i] == 0
 
         # Sweep the two sides' (ordered, contiguous) non-empty shards together.
         ps: list[int] = []  # messages: source rank, destination rank, global rows [lo, hi)
@@ -455,37 +577,32 @@ class Plan:
         cr: list[int] = []  # local copies: rank, global rows [lo, hi)
         clo: list[int] = []
         chi: list[int] = []
-        heaps: dict[int, list[tuple[int, int]]] = {}  # replica group -> (rows sent, member)
-        src_ne = [s for s in range(len(S.lo)) if S.hi[s] > S.lo[s]]
-        dst_ne = [t for t in range(len(D.lo)) if D.hi[t] > D.lo[t]]
+        src_ne = [s for s, (lo, hi) in enumerate(src_bounds) if hi > lo]
+        dst_ne = [t for t, (lo, hi) in enumerate(dst_bounds) if hi > lo]
         P = S.n_parts
         i = j = 0
         while i < len(src_ne) and j < len(dst_ne):
             s, t = src_ne[i], dst_ne[j]
-            lo, hi = max(S.lo[s], D.lo[t]), min(S.hi[s], D.hi[t])
+            (s_lo, s_hi), (t_lo, t_hi) = src_bounds[s], dst_bounds[t]
+            lo, hi = max(s_lo, t_lo), min(s_hi, t_hi)
             if lo < hi:
                 receivers = D.groups[t * D.n_parts]  # Partial coordinate 0 receives the value
                 for gid in range(s * P, s * P + P):  # one piece from each Partial contributor
                     replicas = S.groups[gid]
-                    heap = heaps.get(gid)
-                    if heap is None:
-                        heap = heaps[gid] = [(0, k) for k in range(len(replicas))]
-                    for d in receivers:
+                    first = _first_replica(len(replicas), s_lo, s_hi, lo, hi)
+                    for slot, d in enumerate(receivers):
                         if gid_of[d] == gid:  # the receiver holds these rows itself
                             cr.append(d)
                             clo.append(lo)
                             chi.append(hi)
                         else:
-                            load, k = heap[0]
-                            heapq.heapreplace(heap, (load + hi - lo, k))
-                            ps.append(replicas[k])
+                            ps.append(replicas[(first + slot) % len(replicas)])
                             pd.append(d)
                             plo.append(lo)
                             phi.append(hi)
-            a_hi, b_hi = S.hi[s], D.hi[t]
-            if a_hi <= b_hi:
+            if s_hi <= t_hi:
                 i += 1
-            if b_hi <= a_hi:
+            if t_hi <= s_hi:
                 j += 1
 
         # Shards are contiguous, so a (source, destination) pair meets in one interval: at
@@ -507,9 +624,12 @@ class Plan:
             Copy(clo[k] - src_off[cr[k]], chi[k] - src_off[cr[k]], clo[k] - dst_off[cr[k]], chi[k] - dst_off[cr[k]])
             for k in order
         ]
-        self._src_rows, self._src_off = src_rows, src_off
-        self._dst_rows, self._dst_off = dst_rows, dst_off
-        self._needs = needs
+        self._src_rows, self._dst_rows, self._needs = src_rows, dst_rows, needs
+        for r in S.index:  # DTensor's offset of an empty shard; 0 off the mesh
+            src_off[r] = _offset(src, src_off[r], src_off[r] + src_rows[r])
+        for r in D.index:
+            dst_off[r] = _offset(dst, dst_off[r], dst_off[r] + dst_rows[r])
+        self._src_off, self._dst_off = src_off, dst_off
         self._views: dict[int, RankPlan] = {}
         self.num_messages = n
         """Point-to-point messages in the whole plan."""
@@ -528,21 +648,10 @@ class Plan:
         a, b = self._recv_start[rank], self._recv_start[rank + 1]
         recvs = tuple(map(Recv, self._recv_peer[a:b], self._recv_lo[a:b], self._recv_hi[a:b]))
         a, b = self._copy_start[rank], self._copy_start[rank + 1]
-        copies = tuple(self._copy[a:b])
-        rows = self._dst_rows[rank]
-        needs = self._needs[rank]
-        view = RankPlan(
-            rank=rank,
-            src_rows=self._src_rows[rank],
-            dst_rows=rows,
-            src_offset=self._src_off[rank],
-            dst_offset=self._dst_off[rank],
-            sends=sends,
-            recvs=recvs,
-            copies=copies,
-            reduce=self.reduce and needs,
-            zero_fill=((0, rows),) if rows and not needs else (),
-        )
+        rows, needs = self._dst_rows[rank], self._needs[rank]
+        view = RankPlan(rank, self._src_rows[rank], rows, self._src_off[rank], self._dst_off[rank],
+                        sends, recvs, tuple(self._copy[a:b]), self.reduce and needs,
+                        ((0, rows),) if rows and not needs else ())
         self._views[rank] = view
         return view
 
@@ -567,6 +676,48 @@ class Plan:
         return f"Plan({self.src!r} -> {self.dst!r}, world_size={self.world_size}, messages={self.num_messages}, copies={self.num_copies})"
 
 
+def _rank_plan(src: MeshSpec, dst: MeshSpec, rank: int) -> RankPlan:
+    """`rank`'s part of the plan from the rules alone: O(log shards + the rank's peers)."""
+    S, D = _static(src), _static(dst)
+    P = S.n_parts
+    sends: list[Send] = []
+    recvs: list[Recv] = []
+    copies: list[Copy] = []
+    src_rows = src_off = dst_rows = dst_off = 0
+    needs = False
+    mine = S.group(rank)
+    if mine >= 0:  # as a sender: every receiver dealt to this replica, on each shard it meets
+        i = S.index[rank]
+        a, b = _bounds(src, S.shard[i])
+        src_rows, src_off = b - a, _offset(src, a, b)
+        n, k = len(S.groups[mine]), S.member[i]
+        for t, lo, hi in _overlaps(dst, a, b):
+            receivers = D.groups[t * D.n_parts]
+            for slot in range((k - _first_replica(n, a, b, lo, hi)) % n, len(receivers), n):
+                d = receivers[slot]
+                if S.group(d) != mine:  # a receiver holding the rows copies them itself
+                    sends.append(Send(d, lo - a, hi - a))
+        sends.sort()
+    j = D.index.get(rank)
+    if j is not None:  # as a receiver: from one replica of each source group it meets
+        t = D.shard[j]
+        a, b = _bounds(dst, t)
+        dst_rows, dst_off, needs = b - a, _offset(dst, a, b), D.part[j] == 0
+        if needs:
+            for s, lo, hi in _overlaps(src, a, b):
+                s_lo, s_hi = _bounds(src, s)
+                for gid in range(s * P, s * P + P):
+                    if gid == mine:
+                        copies.append(Copy(lo - s_lo, hi - s_lo, lo - a, hi - a))
+                    else:
+                        replicas = S.groups[gid]
+                        first = _first_replica(len(replicas), s_lo, s_hi, lo, hi)
+                        recvs.append(Recv(replicas[(first + D.member[j]) % len(replicas)], lo - a, hi - a))
+            recvs.sort()
+    return RankPlan(rank, src_rows, dst_rows, src_off, dst_off, tuple(sends), tuple(recvs), tuple(copies),
+                    P > 1 and needs, ((0, dst_rows),) if dst_rows and not needs else ())
+
+
 def _check_pair(src: MeshSpec, dst: MeshSpec, world_size: int | None) -> int:
     def side(role: str, spec: MeshSpec) -> str:
         return f"{role} {spec.label} {_placements_str(spec.placements)}"
@@ -589,27 +740,30 @@ def _check_pair(src: MeshSpec, dst: MeshSpec, world_size: int | None) -> int:
             f"{side('source', src)} shards tensor dim {a} but {side('destination', dst)} shards dim {b}: "
             "a placement the plan cannot serve (the bridge moves rows of one tensor dim)"
         )
-    top = max(max(src.ranks), max(dst.ranks))
+    top = max(src._mesh.top, dst._mesh.top)
     if world_size is None:
         return top + 1
     if _as_int(world_size) is None or world_size < 1:
         raise PlanError(f"world_size must be an integer >= 1, got {world_size!r}")
     world_size = _as_int(world_size)
-    for role, spec in (("source", src), ("destination", dst)):
-        out = [r for r in spec.ranks if r >= world_size]
-        if out:
-            raise PlanError(
-                f"{role} {spec.label} of shape {spec.shape} holds rank(s) {out[:8]} outside the world "
-                f"of {world_size} ranks (0..{world_size - 1})"
-            )
+    if top >= world_size:
+        for role, spec in (("source", src), ("destination", dst)):
+            out = [r for r in spec.ranks if r >= world_size]
+            if out:
+                raise PlanError(
+                    f"{role} {spec.label} of shape {spec.shape} holds rank(s) {out[:8]} outside the world "
+                    f"of {world_size} ranks (0..{world_size - 1})"
+                )
     return world_size
 
 
 def plan(src: MeshSpec, dst: MeshSpec, world_size: int | None = None) -> Plan:
-    """Plan moving the tensor laid out as `src` to the layout `dst` (cached per arguments).
+    """Plan moving the tensor laid out as `src` to the layout `dst`, for every rank (cached).
 
-    `world_size` defaults to one more than the largest rank of either mesh; ranks of the
-    world in neither mesh get an empty `RankPlan`. Raises `PlanError` on inconsistent specs.
+    O(world): for tests, statistics and benchmarks; a rank that only needs its own part asks
+    `plan_for_rank`. `world_size` defaults to one more than the largest rank of either mesh;
+    ranks of the world in neither mesh get an empty `RankPlan`. Raises `PlanError` on
+    inconsistent specs.
     """
     return _plan(src, dst, _check_pair(src, dst, world_size))
 
@@ -619,9 +773,27 @@ def _plan(src: MeshSpec, dst: MeshSpec, world_size: int) -> Plan:
     return Plan(src, dst, world_size)
 
 
+def plan_for_rank(src: MeshSpec, dst: MeshSpec, rank: int, world_size: int | None = None) -> RankPlan:
+    """`plan(src, dst, world_size).for_rank(rank)`, computed from `rank`'s peers alone (cached).
+
+    The bridge's hot path: with new ragged sizes every step (`MeshSpec.replace`), the cost is
+    O(samples) for the prefix sums plus O(log shards + peers) for the messages, not O(world).
+    """
+    world_size = _check_pair(src, dst, world_size)
+    if not 0 <= rank < world_size:
+        raise PlanError(f"rank {rank} is outside the world of {world_size} ranks")
+    return _plan_for_rank(src, dst, rank)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan_for_rank(src: MeshSpec, dst: MeshSpec, rank: int) -> RankPlan:
+    return _rank_plan(src, dst, rank)
+
+
 def _clear_caches() -> None:
     _plan.cache_clear()
-    _layout.cache_clear()
+    _plan_for_rank.cache_clear()
+    _resolve.cache_clear()
     _cached_backward_specs.cache_clear()
 
 
@@ -636,10 +808,10 @@ def backward_specs(src: MeshSpec, dst: MeshSpec, grad_placements: Sequence[Place
     DTensor) and ends on the source mesh where every rank holding a source row receives its
     gradient: `src`'s placements with `Partial` turned into `Replicate`.
     """
-    grad_src = MeshSpec(dst.mesh, tuple(grad_placements), dst.extent, dst.sample_sizes,
-                        name=f"{dst.name or 'destination'} (gradient)")
-    grad_dst = MeshSpec(src.mesh, tuple(Replicate() if type(p) is Partial else p for p in src.placements),
-                        src.extent, src.sample_sizes, name=f"{src.name or 'source'} (gradient)")
+    grad_src = dst.replace(placements=tuple(grad_placements), split_dims=(),
+                           name=f"{dst.name or 'destination'} (gradient)")
+    grad_dst = src.replace(placements=tuple(Replicate() if type(p) is Partial else p for p in src.placements),
+                           split_dims=(), name=f"{src.name or 'source'} (gradient)")
     return grad_src, grad_dst
 
 
@@ -651,3 +823,10 @@ def plan_backward(
 ) -> Plan:
     """`plan` of the gradient of a `src` -> `dst` redistribution (see `backward_specs`; cached)."""
     return plan(*_cached_backward_specs(src, dst, tuple(grad_placements)), world_size)
+
+
+def plan_backward_for_rank(
+    src: MeshSpec, dst: MeshSpec, grad_placements: Sequence[Placement], rank: int, world_size: int | None = None
+) -> RankPlan:
+    """`plan_for_rank` of the gradient of a `src` -> `dst` redistribution (cached)."""
+    return plan_for_rank(*_cached_backward_specs(src, dst, tuple(grad_placements)), rank, world_size)

@@ -8,6 +8,7 @@ once and a `Partial` one (e.g. over cp ranks that each hold a partial sum) is su
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -18,7 +19,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from dtensor_mimo.bridge import exchange
-from dtensor_mimo.bridge.plan import MeshSpec, Plan, PlanError, plan, plan_backward
+from dtensor_mimo.bridge import hops as _hops
+from dtensor_mimo.bridge.plan import (MeshSpec, PlanError, RankPlan, backward_specs, plan_backward_for_rank,
+                                      plan_for_rank)
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -49,10 +52,16 @@ def _local_shape(global_shape: Sequence[int], dim: int, rows: int) -> tuple[int,
     return tuple(shape)
 
 
+@functools.lru_cache(maxsize=64)
+def _mesh_spec(mesh: DeviceMesh, placements: tuple[Placement, ...], name: str) -> MeshSpec:
+    return MeshSpec(mesh.mesh.tolist(), placements, 0, name=name)  # validates the mesh: O(ranks), once
+
+
 def _spec(mesh: DeviceMesh, placements: Sequence[Placement], extent: int,
           sample_sizes: Sequence[int] | None, name: str) -> MeshSpec:
-    return MeshSpec(mesh.mesh.tolist(), tuple(placements), extent,
-                    None if sample_sizes is None else tuple(sample_sizes), name=name)
+    """The side's spec for this call: the mesh validated once, the sizes at O(samples)."""
+    return _mesh_spec(mesh, tuple(placements), name).replace(
+        extent=extent, sample_sizes=None if sample_sizes is None else tuple(sample_sizes))
 
 
 def _wrap(local: torch.Tensor | None, mesh: DeviceMesh, placements: Sequence[Placement],
@@ -87,18 +96,43 @@ def _check_local_shapes(locals_: Sequence[torch.Tensor | None], expected: Sequen
             )
 
 
-def _raise_bad_shards(mine: str | None, pendings: Sequence[exchange.Pending], legs: Sequence["_Leg"]) -> None:
-    """After a status-word exchange: raise on the rank with a wrong shard and on every rank that
-    received from one (their outputs hold zeros there), with the plan's numbers."""
-    bad_peers = sorted({peer for p in pendings for peer in p.peer_status()})
-    if mine is None and not bad_peers:
+def _raise_bad_shards(mine: str | None, bad_peers: Sequence[int], relayed: bool, legs: Sequence["_Leg"]) -> None:
+    """After a status-word exchange: raise on the rank with a wrong shard, on every rank that
+    received from one (their outputs hold zeros there) and, two-hop, on every rank that gathered
+    such rows from a replica (`relayed`), with the plan's numbers."""
+    if mine is None and not bad_peers and not relayed:
         return
     fix = ("the local shards must follow the placements (and sample_sizes, if given): build the input "
            "with distribute_tensor, or DTensor.from_local with the same sizes")
     if mine is not None:
         raise PlanError(f"{mine}; {fix}")
-    raise PlanError(f"rank(s) {bad_peers} sent rows of a local shard whose shape disagrees with the plan "
+    who = f"rank(s) {sorted(bad_peers)}" if bad_peers else "a rank"
+    raise PlanError(f"{who} sent rows of a local shard whose shape disagrees with the plan "
                     f"for {', '.join(repr(leg.src) for leg in legs)}; this rank's output is not valid; {fix}")
+
+
+@dataclass(frozen=True)
+class _Route:
+    """This rank's part of one direction of one tensor's trip: the cross hop's plan and, two-hop,
+    the split levels before it (on the sending mesh) and after it (on the receiving mesh)."""
+
+    plan: RankPlan
+    scatter: list[_hops.Level]
+    gather: list[_hops.Level]
+    src_rows: int  # local rows on the sending mesh before the scatter
+    dst_rows: int  # local rows on the receiving mesh after the gather
+
+
+def _route(src: MeshSpec, dst: MeshSpec, src_mesh: DeviceMesh, dst_mesh: DeviceMesh, n_hops: int | None) -> _Route:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if not (_hops.wants_two_hops(src, dst) if n_hops is None else n_hops == 2):
+        rp = plan_for_rank(src, dst, rank, world)
+        return _Route(rp, [], [], rp.src_rows, rp.dst_rows)
+    split_src, split_dst = _hops.two_hop_specs(src, dst)
+    (a, b), (c, d) = src.local_range(rank), dst.local_range(rank)
+    return _Route(plan_for_rank(split_src, split_dst, rank, world),
+                  _hops.levels(src, split_src.split_dims, src_mesh, rank),
+                  _hops.levels(dst, split_dst.split_dims, dst_mesh, rank), b - a, d - c)
 
 
 @dataclass(frozen=True)
@@ -114,25 +148,57 @@ class _Leg:
     shape: torch.Size
     dtype: torch.dtype
     dim: int
+    hops: int | None
 
-    def transfer(self, p: Plan, local: torch.Tensor | None, out_mesh: DeviceMesh) -> exchange.Transfer:
-        rp = p.for_rank(dist.get_rank())
-        member = out_mesh.get_coordinate() is not None
-        out_shape = _local_shape(self.shape, self.dim, rp.dst_rows) if member else None
-        return exchange.Transfer(rp, self.dim, local, out_shape, self.dtype, _device(out_mesh))
+    def route(self, forward: bool) -> _Route:
+        if forward:
+            return _route(self.src, self.dst, self.src_mesh, self.dst_mesh, self.hops)
+        grad_src, grad_dst = backward_specs(self.src, self.dst, self.grad_placements)
+        return _route(grad_src, grad_dst, self.dst_mesh, self.src_mesh, self.hops)
+
+
+def _exchange(legs: Sequence[_Leg], routes: Sequence[_Route], locals_: Sequence[torch.Tensor | None],
+              forward: bool, status: int | None) -> tuple[list[torch.Tensor | None], list[int], bool]:
+    """Run the routes of several tensors: every scatter, ONE batched cross round, every gather, each
+    phase in list order on every rank. Returns the outputs, the peers that flagged their data and
+    whether a gathered piece carried a flag."""
+    pieces, bad = [], status
+    for leg, route, x in zip(legs, routes, locals_):
+        if x is not None and route.scatter:
+            x, summed = _hops.scatter(x, leg.dim, route.scatter, status)
+            if status is not None:
+                bad = max(bad, int(summed > 0))
+        pieces.append(x)
+    transfers = []
+    for leg, route, x in zip(legs, routes, pieces):
+        out_mesh = leg.dst_mesh if forward else leg.src_mesh
+        out_shape = (_local_shape(leg.shape, leg.dim, route.plan.dst_rows)
+                     if out_mesh.get_coordinate() is not None else None)
+        transfers.append(exchange.Transfer(route.plan, leg.dim, x, out_shape, leg.dtype, _device(out_mesh)))
+    pendings = exchange.start(transfers, status=bad)
+    outs = [p.wait() for p in pendings]
+    bad_peers = sorted({peer for p in pendings for peer in p.peer_status()})
+    relayed = False
+    for i, (leg, route) in enumerate(zip(legs, routes)):
+        if outs[i] is not None and route.gather:
+            flag = None if status is None else int(bool(bad_peers) or bool(bad))
+            outs[i], flagged = _hops.gather(outs[i], leg.dim, route.gather, flag)
+            relayed = relayed or bool(flagged)
+    return outs, bad_peers, relayed
 
 
 class _RedistributeFunction(torch.autograd.Function):
-    """Many tensors, one autograd node: forward and backward are one batched round each."""
+    """Many tensors, one autograd node: forward and backward are one batched round each (plus,
+    two-hop, the scatter and gather collectives inside each mesh)."""
 
     @staticmethod
     def forward(ctx, legs: tuple[_Leg, ...], check: bool | str, *xs: DTensor) -> tuple[DTensor, ...]:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        plans = [plan(leg.src, leg.dst, world) for leg in legs]
+        rank = dist.get_rank()
+        routes = [leg.route(forward=True) for leg in legs]
         x_locals = [x.to_local() if leg.src_mesh.get_coordinate() is not None else None
                     for leg, x in zip(legs, xs)]
-        expected = [None if xl is None else _local_shape(leg.shape, leg.dim, p.for_rank(rank).src_rows)
-                    for leg, p, xl in zip(legs, plans, x_locals)]
+        expected = [None if xl is None else _local_shape(leg.shape, leg.dim, r.src_rows)
+                    for leg, r, xl in zip(legs, routes, x_locals)]
         if check == "world":
             _check_local_shapes(x_locals, expected, [leg.src for leg in legs], _device(legs[0].dst_mesh))
         mine = None  # this rank's wrong shard: its planned rows go out as zeros, flagged
@@ -143,19 +209,18 @@ class _RedistributeFunction(torch.autograd.Function):
                     if bad:
                         mine = mine or (f"rank {rank} holds a local shard of shape {tuple(xl.shape)} but the "
                                         f"plan for {legs[i].src!r} expects {e}")
-        transfers = [leg.transfer(p, xl, leg.dst_mesh) for leg, p, xl in zip(legs, plans, x_locals)]
-        pendings = exchange.start(transfers, status=None if check is not True else int(mine is not None))
-        outs = [p.wait() for p in pendings]
+        status = None if check is not True else int(mine is not None)
+        outs, bad_peers, relayed = _exchange(legs, routes, x_locals, True, status)
         if check is True:
-            _raise_bad_shards(mine, pendings, legs)
+            _raise_bad_shards(mine, bad_peers, relayed, legs)
         ctx.legs = legs
         return tuple(_wrap(o, leg.dst_mesh, leg.dst_placements, leg.shape) for leg, o in zip(legs, outs))
 
     @staticmethod
     def backward(ctx, *grads: DTensor):
-        world = dist.get_world_size()
-        transfers = []
-        for leg, grad in zip(ctx.legs, grads):
+        routes = [leg.route(forward=False) for leg in ctx.legs]
+        g_locals = []
+        for leg, route, grad in zip(ctx.legs, routes, grads):
             # Every rank plans with the placements declared at forward time: ranks off the
             # destination mesh never see the real gradient, so they cannot read them off it.
             g_local = None
@@ -166,12 +231,10 @@ class _RedistributeFunction(torch.autograd.Function):
                     grad = grad.to_local()
                 g_local = grad
             elif leg.dst_mesh.get_coordinate() is not None:  # output unused: a zero gradient
-                rows = plan(leg.src, leg.dst, world).for_rank(dist.get_rank()).dst_rows
-                g_local = torch.zeros(_local_shape(leg.shape, leg.dim, rows), dtype=leg.dtype,
+                g_local = torch.zeros(_local_shape(leg.shape, leg.dim, route.src_rows), dtype=leg.dtype,
                                       device=_device(leg.dst_mesh))
-            p = plan_backward(leg.src, leg.dst, leg.grad_placements, world)
-            transfers.append(leg.transfer(p, g_local, leg.src_mesh))
-        outs = [p.wait() for p in exchange.start(transfers)]
+            g_locals.append(g_local)
+        outs, _, _ = _exchange(ctx.legs, routes, g_locals, False, None)
         grads_x = tuple(
             _wrap(o, leg.src_mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in leg.src.placements),
                   leg.shape)
@@ -182,7 +245,9 @@ class _RedistributeFunction(torch.autograd.Function):
 
 def _leg(x: DTensor, device_mesh: DeviceMesh, placements: Sequence[Placement],
          sample_sizes: Sequence[int] | None, grad_placements: Sequence[Placement] | None,
-         names: tuple[str, str]) -> _Leg:
+         names: tuple[str, str], n_hops: int | None) -> _Leg:
+    if n_hops not in (None, 1, 2):
+        raise ValueError(f"redistribute: hops={n_hops!r}; use None (choose), 1 or 2")
     if not isinstance(x, DTensor):
         raise TypeError(f"redistribute expects a DTensor, got {type(x).__name__}; wrap it with "
                         "DTensor.from_local or distribute_tensor first")
@@ -197,7 +262,7 @@ def _leg(x: DTensor, device_mesh: DeviceMesh, placements: Sequence[Placement],
                         f"{device_mesh.ndim}-d destination mesh; give one placement per mesh dim")
     return _Leg(_spec(x.device_mesh, x.placements, extent, sample_sizes, names[0]),
                 _spec(device_mesh, placements, extent, sample_sizes, names[1]),
-                x.device_mesh, device_mesh, placements, grad_placements, x.shape, x.dtype, dim)
+                x.device_mesh, device_mesh, placements, grad_placements, x.shape, x.dtype, dim, n_hops)
 
 
 def redistribute(
@@ -208,6 +273,7 @@ def redistribute(
     sample_sizes: Sequence[int] | None = None,
     grad_placements: Sequence[Placement] | None = None,
     check: bool | str = True,
+    hops: int | None = None,
 ) -> DTensor:
     """Redistribute ``x`` to ``placements`` on ``device_mesh``, which may differ from ``x.device_mesh``.
 
@@ -240,6 +306,12 @@ def redistribute(
             raises too, none hangs. "world": one small all-reduce over the world first, so
             every rank raises before any data moves (MimoModel uses it the first time it sees a
             modality). False: no check (a wrong shard can hang or corrupt).
+        hops: how rows travel. 1: every destination rank that holds a row receives it from a
+            source rank (a row crosses once per destination replica). 2: each row crosses once,
+            its pieces spread over the destination replicas, then an all-gather over the
+            destination's Replicate dims; a Partial source is reduce-scattered first (see
+            `dtensor_mimo.bridge.hops`). None (default): 2 for a direction where 1 would move a
+            row more than once (replicated destination, Partial source), else 1.
 
     Errors in the metadata (sizes that do not sum, a placement the plan cannot serve, meshes
     over another world) raise `PlanError` on every rank before any communication.
@@ -247,7 +319,7 @@ def redistribute(
     if sample_sizes is None and isinstance(x, DTensor) and x.device_mesh == device_mesh:
         return x.redistribute(device_mesh, tuple(placements))
     (y,) = redistribute_many([x], [device_mesh], [placements], sample_sizes=[sample_sizes],
-                             grad_placements=[grad_placements], check=check)
+                             grad_placements=[grad_placements], check=check, hops=[hops])
     return y
 
 
@@ -260,14 +332,17 @@ def redistribute_many(
     grad_placements: Sequence[Sequence[Placement] | None] | None = None,
     check: bool | str = True,
     names: Sequence[tuple[str, str]] | None = None,
+    hops: Sequence[int | None] | None = None,
 ) -> tuple[DTensor, ...]:
     """`redistribute` of several tensors (e.g. one per encoder) as ONE autograd node.
 
     Forward and backward each run as one batched point-to-point round, in list order on
-    every rank. Separate `redistribute` calls would leave the order of their backward
+    every rank (two-hop legs add their scatter before it and their gather after it, in list
+    order too). Separate `redistribute` calls would leave the order of their backward
     exchanges to the autograd engine, which need not agree across ranks that share two
     bridges. Arguments are per-tensor lists with `redistribute`'s meaning; ``names`` labels
-    each tensor's (source, destination) meshes in error messages, e.g. ``("vision", "language")``.
+    each tensor's (source, destination) meshes in error messages, e.g. ``("vision", "language")``;
+    ``hops`` chooses one-hop or two-hop per tensor.
     """
     n = len(xs)
     if check not in (True, False, "world"):
@@ -278,7 +353,9 @@ def redistribute_many(
     sample_sizes = [None] * n if sample_sizes is None else list(sample_sizes)
     grad_placements = [None] * n if grad_placements is None else list(grad_placements)
     names = [("source", "destination")] * n if names is None else list(names)
-    legs = tuple(_leg(*args) for args in zip(xs, device_meshes, placements, sample_sizes, grad_placements, names))
+    hops = [None] * n if hops is None else list(hops)
+    legs = tuple(_leg(*args) for args in zip(xs, device_meshes, placements, sample_sizes, grad_placements,
+                                             names, hops))
     return _RedistributeFunction.apply(legs, check, *xs)
 
 
@@ -326,8 +403,11 @@ class Bridge:
         dst = _spec(dst_mesh, dst_placements, extent, sample_sizes, "destination")
         world = dist.get_world_size()
         self.rank = dist.get_rank()
-        self.forward_plan: Plan = plan(src, dst, world)
-        self.backward_plan: Plan = plan_backward(src, dst, grad_placements or dst.placements, world)
+        self.forward_plan: RankPlan = plan_for_rank(src, dst, self.rank, world)
+        """This rank's part of the forward exchange."""
+        self.backward_plan: RankPlan = plan_backward_for_rank(src, dst, grad_placements or dst.placements,
+                                                              self.rank, world)
+        """This rank's part of the backward exchange."""
         self._src_device, self._dst_device = _device(src_mesh), _device(dst_mesh)
         self._in_src = src_mesh.get_coordinate() is not None
         self._in_dst = dst_mesh.get_coordinate() is not None
@@ -345,10 +425,9 @@ class Bridge:
                 f"before the {direction} exchange it already posted was received; call the other half "
                 "for it first (one exchange per direction in flight on such a rank)")
         forward = direction == "forward"
-        p = self.forward_plan if forward else self.backward_plan
+        rp = self.forward_plan if forward else self.backward_plan
         sends = self._in_src if forward else self._in_dst
         receives = self._in_dst if forward else self._in_src
-        rp = p.for_rank(self.rank)
         if local is None and (rp.sends or rp.copies):
             raise ValueError(
                 f"Bridge: rank {self.rank} holds rows to send or copy in the {direction} exchange but "

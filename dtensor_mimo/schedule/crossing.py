@@ -17,19 +17,27 @@ are posted in the same order on both sides, whatever runs between them.
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from dtensor_mimo.bridge import MeshSpec, plan, plan_backward
+from dtensor_mimo.bridge import MeshSpec, plan_backward_for_rank, plan_for_rank
 from dtensor_mimo.bridge import exchange
 from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.layout import MimoLayout
 
 ROWS = (Shard(0), Replicate(), Replicate())
 """Encoder output rows on a pipeline stage's ``(dp, cp, tp)`` slice: split over dp."""
+
+
+@functools.lru_cache(maxsize=16)
+def _stage_spec(layout: MimoLayout, name: str, stage: int) -> MeshSpec:
+    """One pipeline stage's ``(dp, cp, tp)`` slice of module `name`'s mesh, rows split over dp:
+    validated once (O(ranks)); each microbatch derives its ragged sizes from it in O(samples)."""
+    return MeshSpec(layout.rank_grid(name)[stage], ROWS, 0, name=name)
 
 
 class Crossing:
@@ -50,19 +58,19 @@ class Crossing:
         world, self.rank = dist.get_world_size(), dist.get_rank()
         lang = layout.parallelism(language)
         grad = (Shard(0), Partial() if lang.cp > 1 else Replicate(), Replicate())
-        dst_grid = layout.rank_grid(language)[0]
         self.names = list(names)
         self.backward_names = [n for n, t in zip(names, trainable) if t]
         self.dim, self.dtype, self.device, self.index = dim, dtype, device, index
         self.error: str | None = None  # rows that disagreed with the plan (see `forward`)
         self._forward, self._backward = [], []
+        dst_base = _stage_spec(layout, language, 0)
         for name in self.names:
             sizes = tuple(microbatch.tokens_per_sample(name))
-            src = MeshSpec(layout.rank_grid(name)[-1], ROWS, sample_sizes=sizes, name=name)
-            dst = MeshSpec(dst_grid, ROWS, sample_sizes=sizes, name=language)
-            self._forward.append(plan(src, dst, world).for_rank(self.rank))
+            src = _stage_spec(layout, name, -1).replace(sample_sizes=sizes)
+            dst = dst_base.replace(sample_sizes=sizes)
+            self._forward.append(plan_for_rank(src, dst, self.rank, world))
             if name in self.backward_names:
-                self._backward.append(plan_backward(src, dst, grad, world).for_rank(self.rank))
+                self._backward.append(plan_backward_for_rank(src, dst, grad, self.rank, world))
 
     def _start(self, names, rank_plans, locals_: Mapping[str, torch.Tensor | None], receives: bool) -> list[exchange.Pending]:
         transfers = []

@@ -1,0 +1,189 @@
+"""The two-hop bridge: each row crosses between the meshes once, replicas share it inside a mesh.
+
+One-hop (`plan_for_rank` on the given specs) delivers every row to every destination rank that
+holds it: with a destination replicated over tp·cp = 16 ranks, each row crosses 16 times, over
+the slowest links of a cluster (modules sit on different nodes). Two-hop routes it as
+
+1. *scatter* on the source mesh: over each `Partial` dim of size > 1 a reduce-scatter, over each
+   `Replicate` dim a local narrow (no communication), outer dims first: each source rank now
+   holds one distinct ``torch.chunk`` piece of its shard's rows (`MeshSpec.split_dims`);
+2. *cross*: the plan between the two split layouts, one batched point-to-point round: each row
+   crosses once, and every link of the destination replica group carries a share;
+3. *gather* on the destination mesh: an all-gather over each `Replicate` dim of size > 1, inner
+   dims first, rebuilding every replica's rows.
+
+The backward is the same route for the gradient (a `Partial` gradient, e.g. over cp, is
+reduce-scattered before it crosses). Pieces are padded to the chunk size for the collectives,
+whose members all hold the same parent rows, so the padding is known on every rank without
+a shape message. A status word (`check`) rides along as one extra element per piece, summed
+by the reduce-scatter and gathered by the all-gather, so a wrong shard is reported on every rank
+whose rows it touched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate
+
+from dtensor_mimo.bridge.plan import MeshSpec, _bounds, _static, plan
+
+
+def split_dims(spec: MeshSpec, *, source: bool) -> tuple[int, ...]:
+    """Mesh dims the two-hop route splits: on a source, its Replicate and Partial dims of size > 1;
+    on a destination, its Replicate dims of size > 1 (a Partial destination keeps the value on
+    coordinate 0)."""
+    kinds = (Replicate, Partial) if source else (Replicate,)
+    return tuple(d for d, (n, p) in enumerate(zip(spec.shape, spec.placements)) if n > 1 and type(p) in kinds)
+
+
+def wants_two_hops(src: MeshSpec, dst: MeshSpec) -> bool:
+    """True when one-hop would move a row between the meshes more than once: the destination
+    replicates it, or the source holds it as several Partial contributions."""
+    return bool(split_dims(dst, source=False)) or any(
+        n > 1 and type(p) is Partial for n, p in zip(src.shape, src.placements))
+
+
+def two_hop_specs(src: MeshSpec, dst: MeshSpec) -> tuple[MeshSpec, MeshSpec]:
+    """The specs of the cross hop: `src` and `dst` with their `split_dims` set."""
+    return (src.replace(split_dims=split_dims(src, source=True)),
+            dst.replace(split_dims=split_dims(dst, source=False)))
+
+
+@dataclass(frozen=True)
+class Level:
+    """One split mesh dim of a rank: its process group, size, coordinate and the rows of the
+    piece it splits (the same on every member of the group)."""
+
+    group: dist.ProcessGroup
+    size: int
+    coord: int
+    parent_rows: int
+    partial: bool
+
+    @property
+    def chunk(self) -> int:
+        return -(-self.parent_rows // self.size)
+
+    def own(self) -> tuple[int, int]:
+        n, c = self.parent_rows, self.chunk
+        return min(c * self.coord, n), min(c * (self.coord + 1), n)
+
+
+def _coords(spec: MeshSpec, rank: int) -> tuple[int, ...] | None:
+    i = _static(spec).index.get(rank)
+    if i is None:
+        return None
+    coords = []
+    for n in reversed(spec.shape):
+        i, c = divmod(i, n)
+        coords.append(c)
+    return tuple(reversed(coords))
+
+
+def _split_rows(spec: MeshSpec, split: Sequence[int], rank: int) -> list[tuple[int, int, int]]:
+    """``(mesh dim, coordinate, parent rows)`` per split level of `rank`, outer first."""
+    coord = _coords(spec, rank)
+    if coord is None:
+        return []
+    lo, hi = _bounds(spec, _static(spec).shard[_static(spec).index[rank]])
+    out, rows = [], hi - lo
+    for d in split:
+        out.append((d, coord[d], rows))
+        c = -(-rows // spec.shape[d])
+        rows = max(0, min(c * (coord[d] + 1), rows) - min(c * coord[d], rows))
+    return out
+
+
+def levels(spec: MeshSpec, split: Sequence[int], mesh: DeviceMesh, rank: int) -> list[Level]:
+    """`rank`'s split levels of `spec` (unsplit), outer first; [] off the mesh or with no split."""
+    return [Level(mesh.get_group(d), spec.shape[d], c, rows, type(spec.placements[d]) is Partial)
+            for d, c, rows in _split_rows(spec, split, rank)]
+
+
+def hop_rows(src: MeshSpec, dst: MeshSpec, hops: int) -> dict[str, int]:
+    """Rows one redistribution moves per route: ``between`` the ranks of the cross hop (its
+    messages; local copies excluded) and ``inside`` the meshes (ring reduce-scatter on the
+    source, all-gather on the destination; 0 for one hop). O(world): for benchmarks and logs."""
+    if hops == 1:
+        return {"between": plan(src, dst).stats()["rows_sent"], "inside": 0}
+    split_src, split_dst = two_hop_specs(src, dst)
+    inside = 0
+    for r in src.ranks:  # a ring reduce-scatter sends (m - 1) / m of the rows from each member
+        for d, _, rows in _split_rows(src, split_src.split_dims, r):
+            if type(src.placements[d]) is Partial:
+                inside += rows - -(-rows // src.shape[d])
+    for r in dst.ranks:  # an all-gather brings each member the rows it lacks
+        levels_ = _split_rows(dst, split_dst.split_dims, r)
+        if levels_:
+            lo, hi = split_dst.local_range(r)
+            inside += levels_[0][2] - (hi - lo)
+    return {"between": plan(split_src, split_dst).stats()["rows_sent"], "inside": inside}
+
+
+def _rows2d(x: torch.Tensor, dim: int) -> torch.Tensor:
+    width = math.prod(x.shape) // x.shape[dim] if x.shape[dim] else math.prod(x.shape[:dim] + x.shape[dim + 1:])
+    return x.movedim(dim, 0).reshape(x.shape[dim], width)
+
+
+def _back(rows: torch.Tensor, like: Sequence[int], dim: int) -> torch.Tensor:
+    shape = list(like)
+    shape.insert(0, shape.pop(dim))
+    shape[0] = rows.shape[0]
+    return rows.reshape(shape).movedim(0, dim)
+
+
+def _with_flags(pieces: torch.Tensor, n: int, flag: float | None) -> torch.Tensor:
+    """`pieces` ([n * chunk, W]) as n flat pieces, each followed by the status flag if given."""
+    flat = pieces.reshape(n, -1)
+    if flag is None:
+        return flat.contiguous()
+    return torch.cat([flat, flat.new_full((n, 1), flag)], dim=1)
+
+
+def scatter(x: torch.Tensor, dim: int, lv: Sequence[Level], status: int | None) -> tuple[torch.Tensor, int | None]:
+    """Hop 1 on a source rank: its piece of `x` (a Partial level reduce-scattered), outer levels first.
+    Returns the piece and the status summed over every contribution it holds."""
+    rows = _rows2d(x, dim)
+    for level in lv:
+        a, b = level.own()
+        if not level.partial:
+            rows = rows[a:b]
+            continue
+        c = level.chunk
+        padded = rows.new_zeros(level.size * c, rows.shape[1])
+        padded[: rows.shape[0]] = rows
+        send = _with_flags(padded, level.size, None if status is None else float(status)).reshape(-1)
+        out = send.new_empty(send.numel() // level.size)
+        dist.reduce_scatter_single(out, send, group=level.group)
+        if status is not None:
+            status = round(out[-1].item())
+            out = out[:-1]
+        rows = out.view(c, -1)[: b - a]
+    return _back(rows, x.shape, dim), status
+
+
+def gather(piece: torch.Tensor, dim: int, lv: Sequence[Level], status: int | None) -> tuple[torch.Tensor, int | None]:
+    """Hop 3 on a destination rank: all-gather its piece back to the shard's rows, inner levels
+    first. Returns the rows and the status summed over every piece gathered."""
+    rows = _rows2d(piece, dim)
+    for level in reversed(lv):
+        c = level.chunk
+        if c == 0:  # an empty parent: nothing to gather (the same on every member)
+            continue
+        padded = rows.new_zeros(c, rows.shape[1])
+        padded[: rows.shape[0]] = rows
+        send = _with_flags(padded, 1, None if status is None else float(status))[0]
+        out = send.new_empty(level.size * send.numel())
+        dist.all_gather_single(out, send, group=level.group)
+        out = out.view(level.size, -1)
+        if status is not None:
+            status = round(out[:, -1].sum().item())
+            out = out[:, :-1]
+        rows = out.reshape(level.size * c, -1)[: level.parent_rows]
+    return _back(rows, piece.shape, dim), status
