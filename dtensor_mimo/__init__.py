@@ -5,13 +5,14 @@ from dtensor_mimo.layout import LANGUAGE, LayoutError, MimoLayout, Parallelism
 from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.parallelize import ParallelOptions
 from dtensor_mimo.schedule import PipelineConfig
-from dtensor_mimo.train import AdamWConfig, MimoOptimizer
+from dtensor_mimo.train import AdamWConfig, LRSchedule, MimoOptimizer
 from dtensor_mimo.train.step import StepMetrics, train_step
 
 __all__ = [
     "LANGUAGE",
     "AdamWConfig",
     "Bridge",
+    "LRSchedule",
     "LayoutError",
     "MimoLayout",
     "MimoModel",

@@ -62,8 +62,10 @@ from tests.harness import run_on_ranks
 STEPS = 3
 SEEDS = (11, 12, 13)  # one global batch per step
 # Adam's eps bounds how much last-ulp gradient differences (sums reordered by sharding) move a
-# weight: update error <= lr * grad error / eps. A small max norm makes clipping engage.
-OPT = AdamWConfig(lr=1e-2, eps=1e-3, weight_decay=0.1, max_grad_norm=0.5)
+# weight: update error <= lr * grad error / eps. A small max norm makes clipping engage. Every
+# parameter decays (no_decay=None), as in the reference's plain AdamW (tests/test_optimizer.py
+# covers the no-decay groups).
+OPT = AdamWConfig(lr=1e-2, eps=1e-3, weight_decay=0.1, no_decay=None, max_grad_norm=0.5)
 TOL = dict(rtol=2e-5, atol=2e-6)
 LLAMA = LlamaConfig.tiny(n_heads=8, n_kv_heads=4)  # tp4 needs kv heads divisible by 4
 VISION, AUDIO = ViTConfig.tiny(), AudioConfig.tiny()

@@ -1,10 +1,12 @@
-"""Train layer: the global-batch token loss, per-module AdamW with a global clip, one train step."""
+"""Train layer: the global-batch token loss, per-module AdamW with an lr schedule and a global
+clip, one train step."""
 
 from dtensor_mimo.train.loss import loss_normalizer, loss_weights, token_loss_sum
-from dtensor_mimo.train.optimizer import AdamWConfig, MimoOptimizer, grad_sumsq_shares
+from dtensor_mimo.train.optimizer import AdamWConfig, LRSchedule, MimoOptimizer, grad_sumsq_shares
 
 __all__ = [
     "AdamWConfig",
+    "LRSchedule",
     "MimoOptimizer",
     "grad_sumsq_shares",
     "loss_normalizer",

@@ -1,4 +1,5 @@
-"""Per-module AdamW, a global gradient norm over every module on every mesh, clipping by it.
+"""Per-module AdamW with a learning-rate schedule, a global gradient norm over every module on
+every mesh, clipping by it.
 
 Each module's parameters live on its own mesh, sharded over some dims (FSDP over dp, tp) and
 replicated over the others. A rank's contribution to the squared norm is its local gradient's
@@ -11,8 +12,9 @@ skip a step with a non-finite norm.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -23,13 +25,91 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class AdamWConfig:
-    """Hyperparameters of every module's `torch.optim.AdamW`."""
+    """Hyperparameters of one module's `torch.optim.AdamW` (or of every module's).
+
+    Attributes:
+        lr: the peak learning rate; `LRSchedule` scales it over the run.
+        betas, eps: AdamW's.
+        weight_decay: applied to every parameter but the no-decay ones.
+        no_decay: which parameters take no weight decay: those with fewer than 2 dims (norm
+            weights, biases) and those whose name, as `MimoModel.module_parameters` gives it,
+            contains one of these strings (by default "embed": token, position and patch
+            embeddings). A DTensor's `ndim` is its global one, so sharding changes nothing.
+            None: every parameter decays.
+        max_grad_norm: the clip on the global gradient norm over every module; None: no clipping.
+            One norm clips every module, so it is the same in every module's config.
+    """
 
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
-    max_grad_norm: float | None = 1.0  # None: no clipping
+    no_decay: tuple[str, ...] | None = ("embed",)
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        if self.no_decay is not None:
+            if isinstance(self.no_decay, str) or not all(isinstance(s, str) for s in self.no_decay):
+                raise TypeError(f"AdamWConfig.no_decay={self.no_decay!r} must be a tuple of name "
+                                "substrings such as ('embed',), or None")
+            object.__setattr__(self, "no_decay", tuple(self.no_decay))
+
+    def decays(self, name: str, param: torch.Tensor) -> bool:
+        """Whether `weight_decay` applies to the parameter `name` (see `no_decay`)."""
+        if self.no_decay is None:
+            return True
+        return param.ndim >= 2 and not any(s in name for s in self.no_decay)
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """The shape of every module's learning rate over the run: linear warmup to the module's peak
+    `AdamWConfig.lr`, then constant, linear or cosine decay to `min_lr_ratio` of it.
+
+    Update n of the run (n = 1, 2, ...; skipped steps are not updates) takes `lr * factor(n - 1)`:
+    during warmup, n <= warmup_steps, the factor rises linearly from `warmup_start` to 1,
+    ``warmup_start + (1 - warmup_start) * n / warmup_steps`` (the first update already moves and
+    the last warmup update is at the peak); after it, with progress
+    ``p = min(1, (n - warmup_steps) / (total_steps - warmup_steps))``,
+
+    - "constant": 1
+    - "linear":   ``min_lr_ratio + (1 - min_lr_ratio) * (1 - p)``
+    - "cosine":   ``min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * p)) / 2``
+
+    so update `total_steps` and every later one take `min_lr_ratio` of the peak.
+    """
+
+    warmup_steps: int = 0
+    warmup_start: float = 0.0
+    decay: Literal["constant", "linear", "cosine"] = "constant"
+    total_steps: int | None = None  # needed unless decay is "constant"
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"LRSchedule.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        for name in ("warmup_start", "min_lr_ratio"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"LRSchedule.{name} is a fraction of the peak lr in [0, 1], "
+                                 f"got {getattr(self, name)!r}")
+        if self.decay not in ("constant", "linear", "cosine"):
+            raise ValueError(f"LRSchedule.decay={self.decay!r} is not 'constant', 'linear' or 'cosine'")
+        if self.decay != "constant" and (not isinstance(self.total_steps, int)
+                                         or self.total_steps <= self.warmup_steps):
+            raise ValueError(f"LRSchedule(decay={self.decay!r}) needs total_steps, the update that "
+                             f"reaches min_lr_ratio, above warmup_steps={self.warmup_steps}; got "
+                             f"{self.total_steps!r}")
+
+    def factor(self, step: int) -> float:
+        """The multiplier of the peak lr for the update that follows `step` applied ones."""
+        n = step + 1
+        if n <= self.warmup_steps:
+            return self.warmup_start + (1.0 - self.warmup_start) * n / self.warmup_steps
+        if self.decay == "constant":
+            return 1.0
+        p = min(1.0, (n - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+        shape = 1.0 - p if self.decay == "linear" else (1.0 + math.cos(math.pi * p)) / 2
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
 
 
 def _local_grad(param: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -52,33 +132,72 @@ def grad_sumsq_shares(model: "MimoModel") -> torch.Tensor:
     for i, name in enumerate(model.module_names):
         par = model.layout.parallelism(name)
         ranks = par.dp * par.cp * par.tp  # ranks holding one pp stage of the module
+        # One foreach kernel per (shards, dtype, device) group, not one reduction per parameter.
+        groups: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
         for param in model.module_parameters(name).values():
-            if param.grad is None:
-                continue
-            grad, shards = _local_grad(param)
-            shares[i] += grad.double().pow(2).sum() * shards / ranks
+            if param.grad is not None:
+                grad, shards = _local_grad(param)
+                groups[shards, grad.dtype, grad.device].append(grad)
+        for (shards, _, _), grads in groups.items():
+            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+            shares[i] += torch.stack(norms).square().sum() * shards / ranks
     return shares
 
 
 class MimoOptimizer:
-    """One AdamW per module held on this rank, stepping together with a global clip.
+    """One AdamW per module held on this rank, stepping together with a global clip and one
+    learning-rate schedule.
+
+    Each module's parameters form two AdamW groups, with and without weight decay
+    (`AdamWConfig.no_decay`). `per_module` gives some modules their own complete config, e.g.
+    ``dataclasses.replace(config, lr=1e-5)``; the others take `config`. `schedule` scales every
+    module's peak lr by the same shape; it advances with every applied update (a step skipped for
+    a non-finite norm changes no weight and does not advance it).
 
     Example::
 
-        optimizer = MimoOptimizer(model, AdamWConfig(lr=1e-3))
+        config = AdamWConfig(lr=3e-4)
+        optimizer = MimoOptimizer(model, config, per_module={"vision": replace(config, lr=1e-5)},
+                                  schedule=LRSchedule(warmup_steps=100, decay="cosine", total_steps=10_000))
         ...backward on every rank, model.reduce_gradients()...
         total_norm = world sum of grad_sumsq_shares(model), sqrt   (see `train_step`)
         optimizer.step(total_norm)
     """
 
-    def __init__(self, model: "MimoModel", config: AdamWConfig = AdamWConfig()) -> None:
-        self.model, self.config = model, config
+    def __init__(self, model: "MimoModel", config: AdamWConfig = AdamWConfig(),
+                 per_module: Mapping[str, AdamWConfig] | None = None,
+                 schedule: LRSchedule = LRSchedule()) -> None:
+        per_module = dict(per_module or {})
+        unknown = sorted(set(per_module) - set(model.module_names))
+        if unknown:
+            raise ValueError(f"MimoOptimizer: per_module names {unknown} are not modules of the model; "
+                             f"its modules are {model.module_names}")
+        for name, cfg in per_module.items():
+            if cfg.max_grad_norm != config.max_grad_norm:
+                raise ValueError(
+                    f"MimoOptimizer: per_module[{name!r}].max_grad_norm={cfg.max_grad_norm} differs from "
+                    f"config.max_grad_norm={config.max_grad_norm}, but one global norm clips every "
+                    f"module: build it as dataclasses.replace(config, lr=...)")
+        self.model, self.config, self.schedule = model, config, schedule
+        self.configs = {name: per_module.get(name, config) for name in model.module_names}
+        self.updates = 0  # applied so far: the schedule's position
         self.optimizers = {
-            name: torch.optim.AdamW(list(params.values()), lr=config.lr, betas=config.betas,
-                                    eps=config.eps, weight_decay=config.weight_decay)
-            for name in model.module_names
+            name: torch.optim.AdamW(_param_groups(params, cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+            for name, cfg in self.configs.items()
             if (params := model.module_parameters(name))
         }
+        self._set_lrs()
+
+    def lrs(self) -> dict[str, float]:
+        """Every module's learning rate for the next update (the same on every rank)."""
+        factor = self.schedule.factor(self.updates)
+        return {name: cfg.lr * factor for name, cfg in self.configs.items()}
+
+    def _set_lrs(self) -> None:
+        lrs = self.lrs()
+        for name, opt in self.optimizers.items():
+            for group in opt.param_groups:
+                group["lr"] = lrs[name]
 
     def zero_grad(self) -> None:
         for opt in self.optimizers.values():
@@ -96,11 +215,40 @@ class MimoOptimizer:
             coef = min(1.0, max_norm / (total_norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
             if coef < 1.0:
                 for opt in self.optimizers.values():
-                    for group in opt.param_groups:
-                        for p in group["params"]:
-                            if p.grad is not None:
-                                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                                grad.mul_(coef)
+                    if grads := _local_grads(opt):
+                        torch._foreach_mul_(grads, coef)
         for opt in self.optimizers.values():
             opt.step()
+        self.updates += 1
+        self._set_lrs()
         return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule's position and this rank's AdamW states (plain torch state dicts)."""
+        return {"updates": self.updates,
+                "optimizers": {name: opt.state_dict() for name, opt in self.optimizers.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()` saved by the same rank under the same layout."""
+        if set(state["optimizers"]) != set(self.optimizers):
+            raise ValueError(f"MimoOptimizer.load_state_dict: the state holds modules "
+                             f"{sorted(state['optimizers'])}, this rank's optimizer "
+                             f"{sorted(self.optimizers)}")
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(state["optimizers"][name])
+        self.updates = state["updates"]
+        self._set_lrs()
+
+
+def _param_groups(params: Mapping[str, torch.nn.Parameter], config: AdamWConfig) -> list[dict[str, Any]]:
+    """AdamW's groups for one module: with weight decay and without (empty ones left out)."""
+    decay = [p for name, p in params.items() if config.decays(name, p)]
+    no_decay = [p for name, p in params.items() if not config.decays(name, p)]
+    return [g for g in ({"params": decay, "weight_decay": config.weight_decay},
+                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+
+
+def _local_grads(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This rank's shards of the gradients `opt` steps with."""
+    return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            for group in opt.param_groups for p in group["params"] if p.grad is not None]
