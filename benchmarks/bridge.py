@@ -1,9 +1,10 @@
 """Time the bridge's cross-mesh `redistribute` against two baselines, on 8 ranks.
 
     torchrun --standalone --nproc-per-node=8 benchmarks/bridge.py [--out bench_results/bridge.json]
-        [--sizes-mib 4 64] [--iters N] [--warmup N] [--hidden 4096] [--cases NAME ...] [--quick] [--profile]
+        [--sizes-mib 0.25 4 64] [--iters N] [--warmup N] [--hidden 4096] [--cases NAME ...] [--quick] [--profile]
 
-Target: `redistribute` within 1.2x of the point-to-point floor at 64 MiB, and faster than all-gather.
+Target (issue 8): `redistribute` with its default arguments within 1.1x of the one-hop point-to-point
+floor at 4 and 64 MiB, forward and backward, and faster than all-gather.
 
 Cases: a [T, H] fp32 tensor, Shard(0) on dp and Replicate() on tp on both sides (meshes are
 (dp, tp), ranks row-major from the first rank given). T is chosen so that one destination
@@ -18,9 +19,10 @@ rank holds `size` MiB (the payload per destination replica):
 
 Methods, interleaved within every iteration (the order rotates each iteration):
 
-- redistribute / redistribute check=False: `dtensor_mimo.bridge.redistribute` forward with its
-  default arguments (the shape check is a status word riding with the messages, no
-  collective) and with no check; backward is the `torch.autograd.backward` call (destination
+- redistribute / redistribute hops=1 / redistribute check=False: `dtensor_mimo.bridge.redistribute`
+  forward with its default arguments (the shape check is a status word riding with the
+  messages, no collective; two-hop where the destination replicates: fan-in, tp change and
+  colocated), forced one-hop, and with no check; backward is the `torch.autograd.backward` call (destination
   ranks pass their gradient rows, other ranks zeros, as the API asks).
 - floor: the plan's own messages (`plan(...).for_rank`, `plan_backward(...)`) posted with one
   `dist.batch_isend_irecv` into preallocated buffers, the plan's local copies done while they
@@ -66,15 +68,17 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dtensor_mimo.bridge import MeshSpec, RankPlan, exchange, plan, plan_backward, redistribute
+from dtensor_mimo.bridge import (MeshSpec, RankPlan, backward_specs, exchange, hop_rows, plan, plan_backward,
+                                 redistribute)
+from dtensor_mimo.bridge.hops import wants_two_hops
 
 # The package re-exports the function `redistribute` under the submodule's name: fetch the module itself.
 redistribute_module = importlib.import_module("dtensor_mimo.bridge.redistribute")
 
 PLACEMENTS = (Shard(0), Replicate())  # on (dp, tp)
-TARGET_FLOOR_RATIO = 1.2
-TARGET_SIZE_MIB = 64
-METHODS = ("redistribute", "redistribute check=False", "floor", "all-gather")
+TARGET_FLOOR_RATIO = 1.1
+TARGET_SIZE_MIB = 4
+METHODS = ("redistribute", "redistribute hops=1", "redistribute check=False", "floor", "all-gather")
 
 
 @dataclass(frozen=True)
@@ -208,6 +212,9 @@ class Bench:
         src = MeshSpec.from_device_mesh(self.src_mesh, PLACEMENTS, T, name="encoder")
         dst = MeshSpec.from_device_mesh(self.dst_mesh, PLACEMENTS, T, name="llm")
         self.fwd_plan, self.bwd_plan = plan(src, dst, W), plan_backward(src, dst, PLACEMENTS, W)
+        # The default route's rows (two-hop where the destination replicates), between and inside the meshes
+        self.default_rows = {d: sum(hop_rows(a, b, 2 if wants_two_hops(a, b) else 1).values())
+                             for d, (a, b) in (("fwd", (src, dst)), ("bwd", backward_specs(src, dst, PLACEMENTS)))}
         self.src_lo, self.src_hi = src.local_range(self.rank)
         self.dst_lo, self.dst_hi = dst.local_range(self.rank)
 
@@ -300,7 +307,8 @@ class Bench:
                                shape=(self.T, self.hidden), stride=(self.hidden, 1))
         if phases:
             phases.direction = "fwd"
-        tf, y = timed(lambda: redistribute(x, self.dst_mesh, PLACEMENTS, check=method == "redistribute"))
+        tf, y = timed(lambda: redistribute(x, self.dst_mesh, PLACEMENTS, check=method != "redistribute check=False",
+                                           hops=1 if method == "redistribute hops=1" else None))
         y_local = y.to_local() if self.in_dst else y
         grad = self.g_local if self.in_dst else torch.zeros_like(y)
         if phases:
@@ -325,6 +333,8 @@ class Bench:
     def bytes_moved(self, method: str, direction: str) -> int:
         if method == "all-gather":
             return self.ag_fwd_bytes if direction == "fwd" else self.ag_bwd_bytes
+        if method in ("redistribute", "redistribute check=False"):
+            return self.default_rows[direction] * self.row_bytes
         p = self.fwd_plan if direction == "fwd" else self.bwd_plan
         return p.stats()["rows_sent"] * self.row_bytes
 
@@ -422,7 +432,7 @@ def main() -> None:
         args.sizes_mib = args.sizes_mib or [0.25, 1]
         args.iters = args.iters or 2
         args.warmup = 1 if args.warmup is None else args.warmup
-    sizes = args.sizes_mib or [4, 64]
+    sizes = args.sizes_mib or [0.25, 4, 64]
 
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

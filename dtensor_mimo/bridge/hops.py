@@ -22,6 +22,7 @@ whose rows it touched.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate
 
-from dtensor_mimo.bridge.plan import MeshSpec, _bounds, _static, plan
+from dtensor_mimo.bridge.plan import MeshSpec, _bounds, _Mesh, _static, plan
 
 
 def split_dims(spec: MeshSpec, *, source: bool) -> tuple[int, ...]:
@@ -43,10 +44,18 @@ def split_dims(spec: MeshSpec, *, source: bool) -> tuple[int, ...]:
 
 
 def wants_two_hops(src: MeshSpec, dst: MeshSpec) -> bool:
-    """True when one-hop would move a row between the meshes more than once: the destination
-    replicates it, or the source holds it as several Partial contributions."""
-    return bool(split_dims(dst, source=False)) or any(
+    """The default route: two hops when the meshes share no rank (two modules on their own
+    nodes) and one hop would move a row between them more than once: the destination replicates
+    it, or the source holds it as several Partial contributions. Meshes that share ranks
+    (colocated, overlapping) keep one hop: there most rows are local copies already."""
+    repeats = bool(split_dims(dst, source=False)) or any(
         n > 1 and type(p) is Partial for n, p in zip(src.shape, src.placements))
+    return repeats and _disjoint(src._mesh, dst._mesh)
+
+
+@functools.lru_cache(maxsize=64)
+def _disjoint(a: _Mesh, b: _Mesh) -> bool:
+    return set(a.flat).isdisjoint(b.flat)
 
 
 def two_hop_specs(src: MeshSpec, dst: MeshSpec) -> tuple[MeshSpec, MeshSpec]:

@@ -310,8 +310,9 @@ def redistribute(
             source rank (a row crosses once per destination replica). 2: each row crosses once,
             its pieces spread over the destination replicas, then an all-gather over the
             destination's Replicate dims; a Partial source is reduce-scattered first (see
-            `dtensor_mimo.bridge.hops`). None (default): 2 for a direction where 1 would move a
-            row more than once (replicated destination, Partial source), else 1.
+            `dtensor_mimo.bridge.hops`). None (default): 2 for a direction between meshes that
+            share no rank where 1 would move a row more than once (replicated destination,
+            Partial source), else 1.
 
     Errors in the metadata (sizes that do not sum, a placement the plan cannot serve, meshes
     over another world) raise `PlanError` on every rank before any communication.
