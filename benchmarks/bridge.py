@@ -21,8 +21,8 @@ Methods, interleaved within every iteration (the order rotates each iteration):
 
 - redistribute / redistribute hops=1 / redistribute check=False: `dtensor_mimo.bridge.redistribute`
   forward with its default arguments (the shape check is a status word riding with the
-  messages, no collective; two-hop where the destination replicates: fan-in, tp change and
-  colocated), forced one-hop, and with no check; backward is the `torch.autograd.backward` call (destination
+  messages, no collective; one hop on one node, two hops across nodes where the destination
+  replicates), forced one-hop, and with no check; backward is the `torch.autograd.backward` call (destination
   ranks pass their gradient rows, other ranks zeros, as the API asks).
 - floor: the plan's own messages (`plan(...).for_rank`, `plan_backward(...)`) posted with one
   `dist.batch_isend_irecv` into preallocated buffers, the plan's local copies done while they
@@ -213,7 +213,8 @@ class Bench:
         dst = MeshSpec.from_device_mesh(self.dst_mesh, PLACEMENTS, T, name="llm")
         self.fwd_plan, self.bwd_plan = plan(src, dst, W), plan_backward(src, dst, PLACEMENTS, W)
         # The default route's rows (two-hop where the destination replicates), between and inside the meshes
-        self.default_rows = {d: sum(hop_rows(a, b, 2 if wants_two_hops(a, b) else 1).values())
+        two = lambda a, b: wants_two_hops(a, b) and int(os.environ.get("LOCAL_WORLD_SIZE", 0)) < W  # noqa: E731
+        self.default_rows = {d: sum(hop_rows(a, b, 2 if two(a, b) else 1).values())
                              for d, (a, b) in (("fwd", (src, dst)), ("bwd", backward_specs(src, dst, PLACEMENTS)))}
         self.src_lo, self.src_hi = src.local_range(self.rank)
         self.dst_lo, self.dst_hi = dst.local_range(self.rank)

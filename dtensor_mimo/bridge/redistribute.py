@@ -9,6 +9,7 @@ once and a `Partial` one (e.g. over cp ranks that each hold a partial sum) is su
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -123,9 +124,17 @@ class _Route:
     dst_rows: int  # local rows on the receiving mesh after the gather
 
 
+def _one_node(world: int) -> bool:
+    """Whether the whole world is one node (torchrun's LOCAL_WORLD_SIZE covers it): there the
+    links are alike, and a second hop only adds latency."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 0)) >= world
+
+
 def _route(src: MeshSpec, dst: MeshSpec, src_mesh: DeviceMesh, dst_mesh: DeviceMesh, n_hops: int | None) -> _Route:
     rank, world = dist.get_rank(), dist.get_world_size()
-    if not (_hops.wants_two_hops(src, dst) if n_hops is None else n_hops == 2):
+    if n_hops is None:
+        n_hops = 2 if _hops.wants_two_hops(src, dst) and not _one_node(world) else 1
+    if n_hops == 1:
         rp = plan_for_rank(src, dst, rank, world)
         return _Route(rp, [], [], rp.src_rows, rp.dst_rows)
     split_src, split_dst = _hops.two_hop_specs(src, dst)
@@ -310,9 +319,10 @@ def redistribute(
             source rank (a row crosses once per destination replica). 2: each row crosses once,
             its pieces spread over the destination replicas, then an all-gather over the
             destination's Replicate dims; a Partial source is reduce-scattered first (see
-            `dtensor_mimo.bridge.hops`). None (default): 2 for a direction between meshes that
-            share no rank where 1 would move a row more than once (replicated destination,
-            Partial source), else 1.
+            `dtensor_mimo.bridge.hops`). None (default): across nodes, 2 for a direction between
+            meshes that share no rank where 1 would move a row more than once (replicated
+            destination, Partial source), else 1; on one node (torchrun's LOCAL_WORLD_SIZE equals
+            the world size) always 1, as its links are alike.
 
     Errors in the metadata (sizes that do not sum, a placement the plan cannot serve, meshes
     over another world) raise `PlanError` on every rank before any communication.
