@@ -1,4 +1,5 @@
-"""Data layer: a global MIMO batch, each module's dp shard of it, per-sample modality token counts."""
+"""Data layer: a global MIMO batch, each module's dp shard of it, per-sample modality token counts;
+a real dataset that needs every modality (`digits`)."""
 
 from dtensor_mimo.data.batch import (
     IGNORE_INDEX,
@@ -12,9 +13,47 @@ from dtensor_mimo.data.batch import (
     shard,
     synthetic_batch,
 )
+from dtensor_mimo.data.digits import (
+    AUDIO_TOKEN_ID,
+    DIGITS_MODALITIES,
+    DTMF_FREQUENCIES,
+    IMAGE_TOKEN_ID,
+    TEXT_VOCAB,
+    DigitsDataset,
+    DigitsSample,
+    DigitsTask,
+    ResumableBatchSampler,
+    answer_digit_positions,
+    decode,
+    dtmf_tone,
+    encode,
+    exact_match,
+    exact_match_accuracy,
+    log_mel_spectrogram,
+    mel_filterbank,
+    samples_to_load,
+)
 
 __all__ = [
+    "AUDIO_TOKEN_ID",
+    "DIGITS_MODALITIES",
+    "DTMF_FREQUENCIES",
     "IGNORE_INDEX",
+    "IMAGE_TOKEN_ID",
+    "TEXT_VOCAB",
+    "DigitsDataset",
+    "DigitsSample",
+    "DigitsTask",
+    "ResumableBatchSampler",
+    "answer_digit_positions",
+    "decode",
+    "dtmf_tone",
+    "encode",
+    "exact_match",
+    "exact_match_accuracy",
+    "log_mel_spectrogram",
+    "mel_filterbank",
+    "samples_to_load",
     "BatchError",
     "MimoBatch",
     "ModalityInputs",

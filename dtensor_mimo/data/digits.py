@@ -1,0 +1,601 @@
+"""Real data that needs every modality: handwritten digit scans and telephone keypad tones.
+
+Each sample shows 0..`DigitsTask.max_images` scans of handwritten digits (scikit-learn's
+`load_digits`: 1,797 real 8x8 scans, shipped with the package, nothing downloaded) and
+0..`DigitsTask.max_tones` telephone keypad (DTMF) tones, synthesized at load time from a seed
+with noise, timing jitter and amplitude variation, and its text asks what they show::
+
+    <bos> <image>x4 <image>x4 <audio>x4 what ? images 3 7 ; tones 5 <eos> <pad> ...
+                                             |______ answer ______________|
+
+Only the answer is trained and scored (labels on the answer tokens, `IGNORE_INDEX` elsewhere),
+so a model gets a sample right only if the vision encoder reads every scan and the audio
+encoder hears every tone. `exact_match` scores a sample right when every answer token is: with
+teacher forcing, the argmax at every answer position equals greedy decoding.
+
+Held out: the scans are split once (`DigitsTask.split_seed`) 80/20, and the two splits draw
+their samples from their own scans and their own tone seeds (even for training, odd for held
+out), so no held-out scan or tone is ever trained on.
+
+Per-rank loading: a sample is a small descriptor (`DigitsSample`: scan indices, digits, tone
+seeds). `DigitsDataset.batch` builds the global `MimoBatch` metadata (token rows, labels, items
+per sample) from descriptors, cheap on every rank, and decodes images or synthesizes tones only
+for the samples that `load` names per modality: the other items are zeros, so a rank that does
+not encode a modality never pays for it. `samples_to_load` says which samples a rank's encoders
+read under a `MimoLayout`. `ResumableBatchSampler` draws the global batches, resumable from a
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Sequence
+
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from dtensor_mimo.data.batch import IGNORE_INDEX, MimoBatch, ModalityInputs, sample_range
+from dtensor_mimo.models.audio import AudioConfig
+from dtensor_mimo.models.vit import ViTConfig
+
+if TYPE_CHECKING:
+    from dtensor_mimo.layout import MimoLayout
+
+__all__ = [
+    "AUDIO_TOKEN_ID",
+    "DIGITS_MODALITIES",
+    "DTMF_FREQUENCIES",
+    "DigitsDataset",
+    "DigitsSample",
+    "DigitsTask",
+    "IMAGE_TOKEN_ID",
+    "TEXT_VOCAB",
+    "ResumableBatchSampler",
+    "answer_digit_positions",
+    "decode",
+    "dtmf_tone",
+    "encode",
+    "exact_match",
+    "exact_match_accuracy",
+    "log_mel_spectrogram",
+    "mel_filterbank",
+    "samples_to_load",
+]
+
+# ---------------------------------------------------------------------------- tokenizer
+
+TEXT_VOCAB: tuple[str, ...] = (
+    "<pad>", "<bos>", "<eos>", "what", "?", "images", "tones", ";",
+    "0", "1", "2", "3", "4", "5", "6", "7", "8", "9",
+)
+"""The text vocabulary, one word per id (18 ids): a language model needs ``vocab_size >= 18``."""
+
+IMAGE_TOKEN_ID = len(TEXT_VOCAB)
+"""Special id of an image position ("vision"), just past the text vocabulary."""
+AUDIO_TOKEN_ID = len(TEXT_VOCAB) + 1
+"""Special id of a tone position ("audio")."""
+
+DIGITS_MODALITIES: tuple[str, ...] = ("vision", "audio")
+"""The modality names of a digits batch, as `MimoModel` encoders are keyed."""
+
+_WORDS = {w: i for i, w in enumerate(TEXT_VOCAB)}
+_WORDS |= {"<image>": IMAGE_TOKEN_ID, "<audio>": AUDIO_TOKEN_ID}
+_DIGIT0 = _WORDS["0"]
+
+
+def encode(text: str) -> list[int]:
+    """Token ids of whitespace-separated words of `TEXT_VOCAB` (and ``<image>``, ``<audio>``)."""
+    try:
+        return [_WORDS[w] for w in text.split()]
+    except KeyError as e:
+        raise ValueError(f"encode: {e.args[0]!r} is not a word of the digits vocabulary "
+                         f"{list(_WORDS)}") from None
+
+
+def decode(ids: Iterable[int]) -> str:
+    """The words of token ids, space-separated; the inverse of `encode`."""
+    words = {i: w for w, i in _WORDS.items()}
+    return " ".join(words[int(i)] for i in ids)
+
+
+# ---------------------------------------------------------------------------- the task
+
+
+DTMF_FREQUENCIES: dict[int, tuple[int, int]] = {
+    1: (697, 1209), 2: (697, 1336), 3: (697, 1477),
+    4: (770, 1209), 5: (770, 1336), 6: (770, 1477),
+    7: (852, 1209), 8: (852, 1336), 9: (852, 1477),
+    0: (941, 1336),
+}
+"""Telephone keypad tones: digit -> (row, column) frequency in Hz (ITU-T Q.23)."""
+
+# Pixel statistics of all 1,797 scans (values 0..16): inputs are standardized with them.
+PIXEL_MEAN = 4.884
+PIXEL_STD = 6.017
+
+
+@dataclass(frozen=True)
+class DigitsTask:
+    """How samples are drawn and how hard the task is.
+
+    Attributes:
+        max_images, max_tones: per sample, uniform in ``0..max_images`` scans and
+            ``0..max_tones`` tones (some samples are text-only).
+        heldout_fraction, split_seed: the share of scans held out, and the seed of that split
+            (fixed across runs, independent of the sample seed).
+        sample_rate, n_fft, hop_length: tone clips: a clip of ``F`` frames
+            (`AudioConfig.max_frames`) has ``hop_length * (F - 1)`` samples, and the centred
+            STFT gives ``F`` frames.
+        f_min, f_max: the mel filterbank's range in Hz (DTMF tones lie in 697..1477 Hz).
+        amplitude: range of a tone's amplitude; noise_std: white noise std (same unit).
+        twist: range of the column tone's amplitude relative to the row tone's.
+        frequency_jitter: relative frequency error of each tone (keypads may be off by 1.5%).
+        min_duration: shortest tone, as a fraction of the clip; onset is random, within the clip.
+        max_shift: training scans are shifted by up to this many pixels along each axis
+            (augmentation; held-out scans are never shifted). Off by default: on 8x8 scans
+            even 1 pixel slows learning several-fold (see examples/train_digits.py).
+    """
+
+    max_images: int = 3
+    max_tones: int = 2
+    heldout_fraction: float = 0.2
+    split_seed: int = 0
+    sample_rate: int = 8000
+    n_fft: int = 256
+    hop_length: int = 64
+    f_min: float = 400.0
+    f_max: float = 1800.0
+    amplitude: tuple[float, float] = (0.2, 1.0)
+    noise_std: float = 0.5
+    twist: tuple[float, float] = (0.6, 1.0)
+    frequency_jitter: float = 0.015
+    min_duration: float = 0.4
+    max_shift: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_images < 0 or self.max_tones < 0:
+            raise ValueError(f"DigitsTask: max_images={self.max_images} and max_tones="
+                             f"{self.max_tones} must be >= 0")
+        if not 0 < self.heldout_fraction < 1:
+            raise ValueError(f"DigitsTask: heldout_fraction={self.heldout_fraction} must be in "
+                             f"(0, 1)")
+        if not 0 <= self.f_min < self.f_max <= self.sample_rate / 2:
+            raise ValueError(f"DigitsTask: need 0 <= f_min={self.f_min} < f_max={self.f_max} <= "
+                             f"sample_rate/2={self.sample_rate / 2}")
+        if not 0 <= self.max_shift < 8:
+            raise ValueError(f"DigitsTask: max_shift={self.max_shift} must be in 0..7 (scans "
+                             f"are 8x8)")
+        if not 0 < self.min_duration <= 1:
+            raise ValueError(f"DigitsTask: min_duration={self.min_duration} must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class DigitsSample:
+    """One sample's descriptor: what it shows, not the pixels or the waveform.
+
+    Attributes:
+        scans: indices into ``sklearn.datasets.load_digits()`` of the images shown, in order.
+        image_digits: the digit of each scan.
+        image_shifts: ``(rows, columns)`` each scan is shifted by (augmentation; zeros held out).
+        tone_digits: the digit of each tone, in order.
+        tone_seeds: the seed each tone is synthesized from (`dtmf_tone`).
+    """
+
+    scans: tuple[int, ...]
+    image_digits: tuple[int, ...]
+    image_shifts: tuple[tuple[int, int], ...]
+    tone_digits: tuple[int, ...]
+    tone_seeds: tuple[int, ...]
+
+    def answer(self) -> str:
+        """The answer text, e.g. ``"images 3 7 ; tones 5 <eos>"``."""
+        return " ".join(["images", *map(str, self.image_digits), ";",
+                         "tones", *map(str, self.tone_digits), "<eos>"])
+
+
+# ---------------------------------------------------------------------------- scans
+
+
+@functools.lru_cache(maxsize=1)
+def _scans() -> tuple[torch.Tensor, torch.Tensor]:
+    """All 1,797 scans ``[N, 8, 8]`` float32 (values 0..16) and their digits ``[N]`` int64."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise ImportError(
+            "the digits dataset needs scikit-learn (its scans ship with it): "
+            "pip install 'dtensor_mimo[data]'"
+        ) from None
+    digits = load_digits()
+    return (torch.tensor(digits.images, dtype=torch.float32),
+            torch.tensor(digits.target, dtype=torch.int64))
+
+
+def _split_scans(task: DigitsTask) -> dict[str, torch.Tensor]:
+    """``{"train": scan indices, "heldout": scan indices}``: a fixed seeded split."""
+    n = _scans()[1].numel()
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(task.split_seed))
+    held = round(n * task.heldout_fraction)
+    return {"train": order[held:].sort().values, "heldout": order[:held].sort().values}
+
+
+def _image(scan: int, shift: tuple[int, int], config: ViTConfig) -> torch.Tensor:
+    """Scan `scan` as a ViT input ``[C, H, W]``: shifted by `shift` pixels (blank paper moves
+    in), standardized, enlarged by pixel repetition."""
+    pixels = torch.zeros(8, 8)
+    (dy, dx), raw = shift, _scans()[0][scan]
+    pixels[max(dy, 0) : 8 + min(dy, 0), max(dx, 0) : 8 + min(dx, 0)] = (
+        raw[max(-dy, 0) : 8 + min(-dy, 0), max(-dx, 0) : 8 + min(-dx, 0)])
+    pixels = (pixels - PIXEL_MEAN) / PIXEL_STD
+    factor = config.image_size // 8
+    pixels = pixels.repeat_interleave(factor, 0).repeat_interleave(factor, 1)
+    return pixels.expand(config.in_channels, -1, -1)
+
+
+# ---------------------------------------------------------------------------- tones
+
+
+def _hz_to_mel(hz: torch.Tensor) -> torch.Tensor:
+    return 2595.0 * torch.log10(1.0 + hz / 700.0)  # HTK mel scale
+
+
+def _mel_to_hz(mel: torch.Tensor) -> torch.Tensor:
+    return 700.0 * (10.0 ** (mel / 2595.0) - 1.0)
+
+
+def mel_filterbank(n_mels: int, n_fft: int, sample_rate: int, f_min: float,
+                   f_max: float) -> torch.Tensor:
+    """Triangular filters ``[n_mels, n_fft // 2 + 1]`` on the HTK mel scale (peak 1, no
+    normalization), centres equally spaced in mel between `f_min` and `f_max`."""
+    freqs = torch.linspace(0, sample_rate / 2, n_fft // 2 + 1, dtype=torch.float64)
+    edges = _mel_to_hz(torch.linspace(_hz_to_mel(torch.tensor(f_min, dtype=torch.float64)),
+                                      _hz_to_mel(torch.tensor(f_max, dtype=torch.float64)),
+                                      n_mels + 2, dtype=torch.float64))
+    lower, centre, upper = edges[:-2, None], edges[1:-1, None], edges[2:, None]
+    rising = (freqs - lower) / (centre - lower)
+    falling = (upper - freqs) / (upper - centre)
+    return torch.minimum(rising, falling).clamp(min=0).float()
+
+
+def dtmf_tone(digit: int, seed: int, task: DigitsTask, num_samples: int) -> torch.Tensor:
+    """A noisy keypad tone of `digit`: ``[num_samples]`` float32 at ``task.sample_rate``.
+
+    From `seed` alone: random onset and length (at least ``task.min_duration`` of the clip),
+    amplitude, twist (row/column balance), frequency error and phases; silence around the
+    tone; white noise everywhere.
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def uniform(lo: float, hi: float) -> float:
+        return lo + (hi - lo) * float(torch.rand((), generator=g))
+
+    length = max(1, math.ceil(task.min_duration * num_samples))
+    length += int(torch.randint(num_samples - length + 1, (), generator=g))
+    onset = int(torch.randint(num_samples - length + 1, (), generator=g))
+    amplitude = uniform(*task.amplitude)
+    gains = (1.0, uniform(*task.twist))
+    t = torch.arange(length, dtype=torch.float64) / task.sample_rate
+    tone = torch.zeros(length, dtype=torch.float64)
+    for freq, gain in zip(DTMF_FREQUENCIES[digit], gains):
+        freq *= 1 + uniform(-task.frequency_jitter, task.frequency_jitter)
+        tone += gain * torch.sin(2 * math.pi * freq * t + uniform(0, 2 * math.pi))
+    wave = torch.zeros(num_samples, dtype=torch.float64)
+    wave[onset : onset + length] = amplitude * tone
+    wave += task.noise_std * torch.randn(num_samples, generator=g, dtype=torch.float64)
+    return wave.float()
+
+
+def log_mel_spectrogram(wave: torch.Tensor, task: DigitsTask, n_mels: int) -> torch.Tensor:
+    """Log-mel spectrogram ``[n_mels, 1 + len(wave) // hop_length]`` of a clip, standardized
+    per clip (zero mean, unit variance)."""
+    spec = torch.stft(wave, task.n_fft, task.hop_length, window=torch.hann_window(task.n_fft),
+                      center=True, return_complex=True).abs().square()  # [n_fft/2 + 1, frames]
+    mel = mel_filterbank(n_mels, task.n_fft, task.sample_rate, task.f_min, task.f_max) @ spec
+    logmel = torch.log(mel + 1e-6)
+    return (logmel - logmel.mean()) / (logmel.std() + 1e-6)
+
+
+# ---------------------------------------------------------------------------- the dataset
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit hash of integers (splitmix64 steps): seeds that do not collide by accident."""
+    h = 0
+    for v in values:
+        h = (h ^ (v & 0xFFFFFFFFFFFFFFFF)) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h >> 1
+
+
+_SPLITS = ("train", "heldout")
+
+
+class DigitsDataset(Dataset):
+    """`num_samples` samples of one split, each drawn from (`seed`, split, index) alone.
+
+    ``dataset[i]`` is a `DigitsSample` (a descriptor, no pixels); `batch` turns a list of
+    indices into a `MimoBatch` with modalities "vision" (images for a `ViT` with `vision`) and
+    "audio" (log-mel clips of ``audio.max_frames`` frames for an `AudioEncoder` with `audio`).
+
+    Args:
+        split: "train" or "heldout": which scans and which tone seeds samples use.
+        vision: the ViT the images are for: ``image_size`` a multiple of 8 (scans are 8x8,
+            enlarged by pixel repetition), ``in_channels`` copies of the grey scan.
+        audio: the audio encoder the clips are for: ``n_mels`` bins, ``max_frames`` frames.
+        num_samples: the dataset's length.
+        seed: the samples drawn (the scan split is ``task.split_seed``'s, not this one's).
+        task: counts, noise and the tone analysis (`DigitsTask`).
+        seq_len: token row length; default the longest sample's (`min_seq_len`). Give more to
+            meet a constraint such as context parallel's ``seq_len % (2 * cp) == 0``.
+
+    Raises:
+        ImportError: when scikit-learn is missing (``pip install 'dtensor_mimo[data]'``).
+    """
+
+    def __init__(self, split: str, vision: ViTConfig, audio: AudioConfig, num_samples: int,
+                 seed: int = 0, task: DigitsTask | None = None, seq_len: int | None = None) -> None:
+        if split not in _SPLITS:
+            raise ValueError(f"DigitsDataset: split={split!r} must be one of {_SPLITS}")
+        if vision.image_size % 8:
+            raise ValueError(f"DigitsDataset: ViTConfig.image_size={vision.image_size} must be a "
+                             f"multiple of 8 (the scans are 8x8)")
+        self.split, self.vision, self.audio = split, vision, audio
+        self.num_samples, self.seed = num_samples, seed
+        self.task = DigitsTask() if task is None else task
+        if self.clip_samples <= self.task.n_fft // 2:
+            raise ValueError(
+                f"DigitsDataset: AudioConfig.max_frames={audio.max_frames} frames of hop "
+                f"{self.task.hop_length} make clips of {self.clip_samples} samples, too short for "
+                f"n_fft={self.task.n_fft}; raise max_frames or lower DigitsTask.n_fft")
+        self.seq_len = self.min_seq_len if seq_len is None else seq_len
+        if self.seq_len < self.min_seq_len:
+            raise ValueError(f"DigitsDataset: seq_len={seq_len} is shorter than the longest "
+                             f"sample, {self.min_seq_len} tokens")
+        self.scans = _split_scans(self.task)[split]  # the scan indices this split draws from
+        self._split_id = _SPLITS.index(split)
+
+    # -------------------------------------------------------------- sizes
+    @property
+    def tokens_per_image(self) -> int:
+        return self.vision.num_patches
+
+    @property
+    def tokens_per_clip(self) -> int:
+        return self.audio.output_length(self.audio.max_frames)
+
+    @property
+    def clip_samples(self) -> int:
+        """Waveform samples of a tone clip: the centred STFT gives ``max_frames`` frames."""
+        return self.task.hop_length * (self.audio.max_frames - 1)
+
+    @property
+    def min_seq_len(self) -> int:
+        """Tokens of the longest sample: ``<bos>``, media, question, answer."""
+        t = self.task
+        media = t.max_images * self.tokens_per_image + t.max_tones * self.tokens_per_clip
+        answer = 5 + t.max_images + t.max_tones  # images ... ; tones ... <eos>
+        return 1 + media + 2 + answer
+
+    # -------------------------------------------------------------- samples
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> DigitsSample:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"DigitsDataset({self.split!r}): index {index} outside "
+                             f"0..{self.num_samples - 1}")
+        g = torch.Generator().manual_seed(_mix(self.seed, self._split_id, index))
+        n_images = int(torch.randint(self.task.max_images + 1, (), generator=g))
+        n_tones = int(torch.randint(self.task.max_tones + 1, (), generator=g))
+        picks = torch.randint(len(self.scans), (n_images,), generator=g)
+        scans = tuple(self.scans[picks].tolist())
+        tone_digits = tuple(torch.randint(10, (n_tones,), generator=g).tolist())
+        shift = self.task.max_shift if self.split == "train" else 0
+        shifts = torch.randint(-shift, shift + 1, (n_images, 2), generator=g).tolist()
+        # Even seeds for training tones, odd for held-out ones: never the same tone.
+        tone_seeds = tuple(2 * _mix(self.seed, self._split_id, index, k) + self._split_id
+                           for k in range(n_tones))
+        image_digits = tuple(_scans()[1][list(scans)].tolist())
+        return DigitsSample(scans, image_digits, tuple(map(tuple, shifts)), tone_digits,
+                            tone_seeds)
+
+    # -------------------------------------------------------------- batches
+    def batch(self, indices: Sequence[int],
+              load: Mapping[str, Iterable[int]] | None = None) -> MimoBatch:
+        """The global batch of samples `indices` (in that order).
+
+        Args:
+            indices: dataset indices, one per row.
+            load: ``{modality: positions in the batch}`` whose encoder inputs to decode or
+                synthesize; every other item's input is zeros (a stride-0 view, no memory,
+                when none of a modality's items is loaded). None: load everything. ``{}``:
+                metadata only (tokens, labels, items per sample) — what a rank that encodes
+                no modality needs. See `samples_to_load`.
+        """
+        samples = [self[i] for i in indices]
+        rows = [self._row(s) for s in samples]
+        shape = (len(rows), self.seq_len)  # also for an empty batch
+        tokens = torch.tensor([r[0] for r in rows], dtype=torch.int64).reshape(shape)
+        labels = torch.tensor([r[1] for r in rows], dtype=torch.int64).reshape(shape)
+        modalities = {}
+        for name in DIGITS_MODALITIES:
+            wanted = range(len(samples)) if load is None else load.get(name, ())
+            counts = [len(s.scans) if name == "vision" else len(s.tone_digits) for s in samples]
+            modalities[name] = ModalityInputs(
+                inputs=self._inputs(name, samples, counts, set(wanted)),
+                items_per_sample=tuple(counts),
+                tokens_per_item=self.tokens_per_image if name == "vision" else self.tokens_per_clip,
+                special_token_id=IMAGE_TOKEN_ID if name == "vision" else AUDIO_TOKEN_ID,
+            )
+        return MimoBatch(tokens, labels, (labels != IGNORE_INDEX).float(), modalities)
+
+    def load_inputs(self, indices: Sequence[int], modality: str, samples: range) -> torch.Tensor:
+        """Encoder inputs of the items of batch positions `samples` only, in order: equal to
+        ``batch(indices).select_samples(samples).modalities[modality].inputs``."""
+        descriptors = [self[indices[i]] for i in samples]
+        counts = [len(s.scans) if modality == "vision" else len(s.tone_digits) for s in descriptors]
+        return self._inputs(modality, descriptors, counts, set(range(len(descriptors))))
+
+    def item_shape(self, modality: str) -> tuple[int, ...]:
+        """Shape of one encoder input: ``(C, H, W)`` for "vision", ``(n_mels, T)`` for "audio"."""
+        if modality == "vision":
+            return (self.vision.in_channels, self.vision.image_size, self.vision.image_size)
+        if modality == "audio":
+            return (self.audio.n_mels, self.audio.max_frames)
+        raise KeyError(f"the digits dataset has modalities {list(DIGITS_MODALITIES)}, "
+                       f"not {modality!r}")
+
+    def _inputs(self, name: str, samples: list[DigitsSample], counts: list[int],
+                wanted: set[int]) -> torch.Tensor:
+        shape = self.item_shape(name)
+        total = sum(counts)
+        if not any(counts[i] for i in wanted if 0 <= i < len(samples)):
+            return torch.zeros(()).expand(total, *shape)
+        out = torch.zeros(total, *shape)
+        start = 0
+        for i, (sample, count) in enumerate(zip(samples, counts)):
+            if i in wanted:
+                for k in range(count):
+                    out[start + k] = self._item(name, sample, k)
+            start += count
+        return out
+
+    def _item(self, name: str, sample: DigitsSample, k: int) -> torch.Tensor:
+        if name == "vision":
+            return _image(sample.scans[k], sample.image_shifts[k], self.vision)
+        wave = dtmf_tone(sample.tone_digits[k], sample.tone_seeds[k], self.task, self.clip_samples)
+        return log_mel_spectrogram(wave, self.task, self.audio.n_mels)
+
+    def _row(self, sample: DigitsSample) -> tuple[list[int], list[int]]:
+        """Token ids and labels of one sample, padded to `seq_len`."""
+        prompt = ([_WORDS["<bos>"]]
+                  + [IMAGE_TOKEN_ID] * (len(sample.scans) * self.tokens_per_image)
+                  + [AUDIO_TOKEN_ID] * (len(sample.tone_digits) * self.tokens_per_clip)
+                  + encode("what ?"))
+        answer = encode(sample.answer())
+        pad = self.seq_len - len(prompt) - len(answer)
+        tokens = prompt + answer + [_WORDS["<pad>"]] * pad
+        # Position t predicts token t + 1: targets from the last prompt token ("?") to the one
+        # before <eos>.
+        labels = [IGNORE_INDEX] * (len(prompt) - 1) + answer + [IGNORE_INDEX] * (pad + 1)
+        return tokens, labels
+
+
+# ---------------------------------------------------------------------------- per-rank loading
+
+
+def samples_to_load(layout: MimoLayout, rank: int, batch_size: int,
+                    num_microbatches: int = 1,
+                    modalities: Iterable[str] = DIGITS_MODALITIES) -> dict[str, list[int]]:
+    """``{modality: batch positions}`` whose inputs `rank` feeds to an encoder: for each of
+    `modalities` whose first pipeline stage has `rank`, its dp shard of every microbatch (the
+    rule of `dtensor_mimo.data.shard` over `dtensor_mimo.data.microbatches`). Pass it as
+    `DigitsDataset.batch`'s ``load``; a rank that encodes nothing gets ``{}``.
+    """
+    out: dict[str, list[int]] = {}
+    for name in modalities:
+        if name not in layout.names or not layout.is_first_stage(name, rank):
+            continue
+        dp, dp_rank = layout.parallelism(name).dp, layout.coordinate(name, rank)["dp"]
+        positions = []
+        for m in range(num_microbatches):
+            mb = sample_range(batch_size, num_microbatches, m)
+            local = sample_range(len(mb), dp, dp_rank)
+            positions.extend(range(mb.start + local.start, mb.start + local.stop))
+        out[name] = positions
+    return out
+
+
+class ResumableBatchSampler(Sampler[list[int]]):
+    """Global batches of `batch_size` dataset indices, shuffled per epoch from (`seed`, epoch);
+    the last incomplete batch of an epoch is dropped. Every rank draws the same batches.
+
+    Iterating yields the rest of the current epoch, then moves to the next epoch (iterate
+    again for it). `state_dict` after a batch was taken resumes at the next batch.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int = 0,
+                 shuffle: bool = True) -> None:
+        if batch_size < 1 or num_samples < batch_size:
+            raise ValueError(f"ResumableBatchSampler: need 1 <= batch_size={batch_size} <= "
+                             f"num_samples={num_samples}")
+        self.num_samples, self.batch_size, self.seed, self.shuffle = (
+            num_samples, batch_size, seed, shuffle)
+        self.epoch = 0
+        self.index = 0  # batches of this epoch already taken
+
+    def __len__(self) -> int:
+        return self.num_samples // self.batch_size
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        g = torch.Generator().manual_seed(_mix(self.seed, epoch))
+        return torch.randperm(self.num_samples, generator=g)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self._order(self.epoch)
+        while self.index < len(self):
+            start = self.index * self.batch_size
+            self.index += 1
+            yield order[start : start + self.batch_size].tolist()
+        self.epoch, self.index = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        """The position: ``{"epoch", "index"}`` (plus the settings, checked on load)."""
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed,
+                "num_samples": self.num_samples, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Resume at the position of `state` (from a sampler with the same settings)."""
+        for key in ("seed", "num_samples", "batch_size"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(f"ResumableBatchSampler: the state has {key}={state[key]} but "
+                                 f"this sampler has {key}={getattr(self, key)}")
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+# ---------------------------------------------------------------------------- scoring
+
+
+def exact_match(logits: torch.Tensor, labels: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row, whether the argmax of `logits` ``[B, S, V]`` equals `labels` ``[B, S]`` at
+    every scored position: labels not `IGNORE_INDEX` (and `positions` true, if given).
+    ``[B]`` bool; a row with no scored position counts as right.
+
+    With teacher-forced logits and next-token labels this is greedy decoding's exact match:
+    greedy decoding reproduces the answer exactly when each answer token is the argmax given
+    the right tokens before it.
+    """
+    scored = labels != IGNORE_INDEX
+    if positions is not None:
+        scored = scored & positions
+    wrong = (logits.argmax(-1) != labels) & scored
+    return ~wrong.any(-1)
+
+
+def exact_match_accuracy(logits: torch.Tensor, labels: torch.Tensor,
+                         positions: torch.Tensor | None = None) -> float:
+    """Share of rows with at least one scored position that `exact_match` scores right
+    (NaN when no row has one)."""
+    scored = labels != IGNORE_INDEX
+    if positions is not None:
+        scored = scored & positions
+    counted = scored.any(-1)
+    if not counted.any():
+        return float("nan")
+    return exact_match(logits, labels, positions)[counted].float().mean().item()
+
+
+def answer_digit_positions(labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{"vision": mask, "audio": mask}`` ``[B, S]``: the positions whose target is an image's
+    digit (before the answer's ``;``) or a tone's digit (after it). Pass one as `exact_match`'s
+    `positions` to score one modality's part of the answer."""
+    is_digit = (labels >= _DIGIT0) & (labels < _DIGIT0 + 10)
+    after_sep = (labels == _WORDS[";"]).cumsum(-1) > 0
+    return {"vision": is_digit & ~after_sep, "audio": is_digit & after_sep}

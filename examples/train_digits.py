@@ -1,0 +1,168 @@
+"""Does it learn? A small vision + audio + language model on the digits dataset, one process.
+
+    python examples/train_digits.py [--steps 1200] [--batch-size 32] [--lr 1e-3] [--threads 1]
+        [--ablate] [--task max_images=2 noise_std=0.8 ...]
+
+Each sample shows 0-3 handwritten digit scans and 0-2 keypad tones; the model answers which
+digits it saw and heard (`dtensor_mimo.data.digits`). Plain modules, no process group: the
+encoders' outputs are scattered into the token embeddings with `dtensor_mimo.assemble`, as
+`MimoModel` does on one rank. Prints the held-out exact-match accuracy (every answer token
+right, i.e. greedy decoding's answer) as training goes; ``--ablate`` then scores the held-out
+set again with one modality's inputs zeroed, to show that the answer needs both encoders.
+With the defaults (177k parameters) held-out exact match passes 0.90 after about 800 steps and
+reaches about 0.95 at 1,200 steps, 40-60 s on one CPU thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from dtensor_mimo.assemble import assemble, embed_text
+from dtensor_mimo.data import (
+    IGNORE_INDEX,
+    TEXT_VOCAB,
+    DigitsDataset,
+    DigitsTask,
+    MimoBatch,
+    ResumableBatchSampler,
+    answer_digit_positions,
+    exact_match_accuracy,
+)
+from dtensor_mimo.models import (
+    AudioConfig,
+    AudioEncoder,
+    Llama,
+    LlamaConfig,
+    ModalityEncoder,
+    Projection,
+    ViT,
+    ViTConfig,
+)
+
+LLAMA = LlamaConfig(vocab_size=len(TEXT_VOCAB), dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                    ffn_hidden=128, max_seq_len=64)
+VISION = ViTConfig(image_size=8, patch_size=4, in_channels=1, dim=48, n_layers=2, n_heads=4,
+                   mlp_hidden=96)
+AUDIO = AudioConfig(n_mels=16, max_frames=16, conv_strides=(2, 2), dim=48, n_layers=2, n_heads=4,
+                    mlp_hidden=96)
+
+
+class DigitsModel(torch.nn.Module):
+    """The encoders and the decoder of a MIMO model, run in one process."""
+
+    def __init__(self, llama: LlamaConfig, vision: ViTConfig, audio: AudioConfig) -> None:
+        super().__init__()
+        self.llama = Llama(llama)
+        self.encoders = torch.nn.ModuleDict({
+            "vision": ModalityEncoder(ViT(vision), Projection(vision.dim, llama.dim)),
+            "audio": ModalityEncoder(AudioEncoder(audio), Projection(audio.dim, llama.dim)),
+        })
+        self.llama.init_weights(0)
+        for i, encoder in enumerate(self.encoders.values()):
+            encoder.init_weights(10 * (i + 1))
+
+    def forward(self, batch: MimoBatch) -> torch.Tensor:
+        embeddings = {n: self.encoders[n](m.inputs) for n, m in batch.modalities.items()}
+        ids = batch.special_token_ids
+        h = assemble(embed_text(self.llama.tok_embeddings, batch.tokens, ids), batch.tokens,
+                     embeddings, ids)
+        return self.llama(h=h)
+
+
+def loss_of(logits: torch.Tensor, batch: MimoBatch) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def zeroed(batch: MimoBatch, modality: str) -> MimoBatch:
+    """`batch` with the encoder inputs of `modality` replaced by zeros."""
+    modalities = dict(batch.modalities)
+    m = modalities[modality]
+    modalities[modality] = dataclasses.replace(m, inputs=torch.zeros_like(m.inputs))
+    return dataclasses.replace(batch, modalities=modalities)
+
+
+@torch.no_grad()
+def evaluate(model: DigitsModel, batch: MimoBatch) -> dict[str, float]:
+    """Held-out exact match of the whole answer and of each modality's digits."""
+    model.eval()
+    logits = model(batch)
+    model.train()
+    parts = answer_digit_positions(batch.labels)
+    return {"answer": exact_match_accuracy(logits, batch.labels),
+            **{n: exact_match_accuracy(logits, batch.labels, p) for n, p in parts.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--eval-samples", type=int, default=500)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ablate", action="store_true")
+    parser.add_argument("--layers", type=int, default=LLAMA.n_layers, help="decoder layers")
+    parser.add_argument("--patch-size", type=int, default=VISION.patch_size)
+    parser.add_argument("--task", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="DigitsTask overrides, e.g. max_images=2 noise_std=0.3")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    llama = dataclasses.replace(LLAMA, n_layers=args.layers)
+    vision = dataclasses.replace(VISION, patch_size=args.patch_size)
+    defaults = DigitsTask()
+    task = DigitsTask(**{k: type(getattr(defaults, k))(v)  # int and float fields
+                         for k, v in (item.split("=") for item in args.task)})
+    train = DigitsDataset("train", vision, AUDIO, num_samples=1_000_000, seed=args.seed, task=task)
+    heldout = DigitsDataset("heldout", vision, AUDIO, num_samples=args.eval_samples,
+                            seed=args.seed, task=task)
+    eval_batch = heldout.batch(range(len(heldout)))
+    sampler = ResumableBatchSampler(len(train), args.batch_size, seed=args.seed)
+
+    model = DigitsModel(llama, vision, AUDIO)
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+
+    def lr_at(step: int) -> float:  # linear warmup, cosine decay to 10%
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    print(f"{params:,} parameters; seq_len {train.seq_len}; batch {args.batch_size}; "
+          f"lr {args.lr}; {args.threads} thread(s)")
+    print(f"{'step':>5}  {'loss':>7}  {'answer':>6}  {'images':>6}  {'tones':>6}  {'time s':>6}",
+          flush=True)
+    start = time.perf_counter()
+    batches = iter(sampler)
+    for step in range(1, args.steps + 1):
+        batch = train.batch(next(batches))
+        loss = loss_of(model(batch), batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % args.eval_every == 0 or step == args.steps:
+            acc = evaluate(model, eval_batch)
+            print(f"{step:>5}  {loss.item():7.4f}  {acc['answer']:6.3f}  {acc['vision']:6.3f}  "
+                  f"{acc['audio']:6.3f}  {time.perf_counter() - start:6.1f}", flush=True)
+    if args.ablate:
+        print("held-out, one modality's inputs zeroed:")
+        for name in ("vision", "audio"):
+            acc = evaluate(model, zeroed(eval_batch, name))
+            print(f"  {name} zeroed: answer {acc['answer']:.3f}  images {acc['vision']:.3f}  "
+                  f"tones {acc['audio']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
