@@ -70,7 +70,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dtensor_mimo.bridge import (MeshSpec, RankPlan, backward_specs, exchange, hop_rows, plan, plan_backward,
                                  redistribute)
-from dtensor_mimo.bridge.hops import wants_two_hops
+from dtensor_mimo.bridge.hops import default_hops
 
 # The package re-exports the function `redistribute` under the submodule's name: fetch the module itself.
 redistribute_module = importlib.import_module("dtensor_mimo.bridge.redistribute")
@@ -213,8 +213,7 @@ class Bench:
         dst = MeshSpec.from_device_mesh(self.dst_mesh, PLACEMENTS, T, name="llm")
         self.fwd_plan, self.bwd_plan = plan(src, dst, W), plan_backward(src, dst, PLACEMENTS, W)
         # The default route's rows (two-hop where the destination replicates), between and inside the meshes
-        two = lambda a, b: wants_two_hops(a, b) and int(os.environ.get("LOCAL_WORLD_SIZE", 0)) < W  # noqa: E731
-        self.default_rows = {d: sum(hop_rows(a, b, 2 if two(a, b) else 1).values())
+        self.default_rows = {d: sum(hop_rows(a, b, default_hops(a, b, W)).values())
                              for d, (a, b) in (("fwd", (src, dst)), ("bwd", backward_specs(src, dst, PLACEMENTS)))}
         self.src_lo, self.src_hi = src.local_range(self.rank)
         self.dst_lo, self.dst_hi = dst.local_range(self.rank)

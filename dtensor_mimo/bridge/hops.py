@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -51,6 +52,14 @@ def wants_two_hops(src: MeshSpec, dst: MeshSpec) -> bool:
     repeats = bool(split_dims(dst, source=False)) or any(
         n > 1 and type(p) is Partial for n, p in zip(src.shape, src.placements))
     return repeats and _disjoint(src._mesh, dst._mesh)
+
+
+def default_hops(src: MeshSpec, dst: MeshSpec, world_size: int) -> int:
+    """The route `redistribute` takes with ``hops=None``: 2 where `wants_two_hops` and the world
+    spans several nodes, else 1. On one node (torchrun's LOCAL_WORLD_SIZE covers the world) the
+    links are alike and a second hop only adds latency."""
+    one_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) >= world_size
+    return 2 if wants_two_hops(src, dst) and not one_node else 1
 
 
 @functools.lru_cache(maxsize=64)

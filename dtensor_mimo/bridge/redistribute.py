@@ -9,7 +9,6 @@ once and a `Partial` one (e.g. over cp ranks that each hold a partial sum) is su
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -124,16 +123,10 @@ class _Route:
     dst_rows: int  # local rows on the receiving mesh after the gather
 
 
-def _one_node(world: int) -> bool:
-    """Whether the whole world is one node (torchrun's LOCAL_WORLD_SIZE covers it): there the
-    links are alike, and a second hop only adds latency."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", 0)) >= world
-
-
 def _route(src: MeshSpec, dst: MeshSpec, src_mesh: DeviceMesh, dst_mesh: DeviceMesh, n_hops: int | None) -> _Route:
     rank, world = dist.get_rank(), dist.get_world_size()
     if n_hops is None:
-        n_hops = 2 if _hops.wants_two_hops(src, dst) and not _one_node(world) else 1
+        n_hops = _hops.default_hops(src, dst, world)
     if n_hops == 1:
         rp = plan_for_rank(src, dst, rank, world)
         return _Route(rp, [], [], rp.src_rows, rp.dst_rows)
