@@ -24,7 +24,7 @@ outside the target mesh ... backward with zeros").
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from dtensor_mimo.bridge import redistribute_many
-from dtensor_mimo.data import MimoBatch, shard
+from dtensor_mimo.data import MimoBatch, sample_range, shard
 from dtensor_mimo.layout import LANGUAGE, LayoutError, MimoLayout
 from dtensor_mimo.models import Llama, ModalityEncoder
 from dtensor_mimo.parallelize import (
@@ -269,33 +269,85 @@ class MimoModel(nn.Module):
             raise RuntimeError("a pipelined MimoModel runs forward and backward together: call "
                                "model.forward_backward(batch) (or train_step) instead of model(batch)")
         check_batch(self.layout, self.language_name, self.encoder_names, batch)
-        names = [n for n in self.encoder_names if n in batch.modalities]
-        xs = [self._encode(name, batch) for name in names]
-        ys = ()
-        if xs:
-            lang_mesh = self.layout.mesh(self.language_name)
-            ys = redistribute_many(
-                xs, [lang_mesh] * len(xs), [TOKEN_PLACEMENTS] * len(xs),
-                sample_sizes=[batch.tokens_per_sample(n) for n in names],
-                grad_placements=[self._grad_placements] * len(xs),
-                # Encoder output rows per item are fixed by each encoder's config: one world-wide
-                # shape check the first time a modality is seen catches a mismatch with the
-                # batch metadata (names: the same on every rank, so every rank agrees to check).
-                check="world" if not self._shapes_checked.issuperset(names) else False,
-                names=[(n, self.language_name) for n in names],
-            )
-            self._shapes_checked.update(names)
+        names, ys = self._cross(batch)
         if self.language is None:
             return _ZeroConnectedTo.apply(self.device, *ys)
         embeddings = {n: y.to_local(grad_placements=self._grad_placements) for n, y in zip(names, ys)}
-        par = self.layout.parallelism(self.language_name)
-        coord = self.layout.coordinate(self.language_name, self.rank)
-        local = shard(batch, par.dp, coord["dp"]).to(self.device)
+        local = self._language_shard(batch)
         self.language.set_step(embeddings, batch.special_token_ids, loss_normalizer(batch))
-        tokens, kwargs = stage_inputs(local, par.cp, coord["cp"])
+        tokens, kwargs = stage_inputs(local, *self._cp())
         share = self.language(tokens, microbatch=0, **kwargs)
         self.language.set_step(None, {}, 1.0)  # drop the references to this step's rows
         return share
+
+    @torch.no_grad()
+    def predict(self, batch: MimoBatch) -> torch.Tensor:
+        """Greedy next-token ids ``[B, S]`` at every position of the global `batch` (teacher
+        forced), the same tensor on every rank; call on every rank.
+
+        Unpipelined even for a pipelined model (one microbatch; a language pipeline passes it
+        stage to stage); encoders must have pp = 1. Costs one world all-reduce of ``B x S`` ids.
+        """
+        check_batch(self.layout, self.language_name, self.encoder_names, batch)
+        staged = [n for n in self.encoder_pipelines if n in batch.modalities]
+        if staged:
+            raise NotImplementedError(f"MimoModel.predict: encoders {staged} have pp > 1; prediction "
+                                      "runs encoders unpipelined (pp = 1)")
+        names, ys = self._cross(batch)
+        out = torch.zeros(batch.batch_size, batch.seq_len, dtype=torch.int64, device=self.device)
+        if self.layout.is_member(self.language_name, self.rank):
+            rows = {n: y.to_local() for n, y in zip(names, ys)}
+            local = self._language_shard(batch)
+            if self.language is not None:
+                self.language.set_step(rows, batch.special_token_ids, 1.0)
+                self.language.predicting = True
+                try:
+                    tokens, kwargs = stage_inputs(local, *self._cp())
+                    ids = self.language(tokens, microbatch=0, **kwargs)
+                finally:
+                    self.language.predicting = False
+                    self.language.set_step(None, {}, 1.0)
+            else:
+                ids = self.language_pipeline.predict(local, rows)
+            if self.holds_loss_share():  # one rank per (dp, cp) coordinate writes its positions
+                par, coord = self.layout.parallelism(self.language_name), self._coord()
+                samples = sample_range(batch.batch_size, par.dp, coord["dp"])
+                index = stage_inputs(local, *self._cp())[1]["sequence_index"].to(self.device)
+                out[samples.start:samples.stop].scatter_(1, index, ids)
+        dist.all_reduce(out)
+        return out
+
+    @torch.no_grad()
+    def generate(self, batch: MimoBatch, prompt_lengths: Sequence[int], max_new_tokens: int,
+                 stop_token: int | None = None) -> list[list[int]]:
+        """Greedy decoding: each sample's `batch` row up to ``prompt_lengths[i]`` tokens is its
+        prompt (its encoder items included); returns the generated ids per sample, up to
+        `max_new_tokens` or through `stop_token`. Call on every rank with the same arguments;
+        every rank returns the same lists. One `predict` per new token (no KV cache).
+        """
+        if len(prompt_lengths) != batch.batch_size:
+            raise ValueError(f"generate: {len(prompt_lengths)} prompt lengths for {batch.batch_size} samples")
+        bad = [n for n in prompt_lengths if not 1 <= n <= batch.seq_len - max_new_tokens]
+        if bad:
+            raise ValueError(f"generate: prompt lengths {bad} leave no room for {max_new_tokens} new "
+                             f"tokens in rows of {batch.seq_len}; shorten them or lower max_new_tokens")
+        tokens = batch.tokens.clone()
+        ends = torch.as_tensor(list(prompt_lengths))
+        rows = torch.arange(batch.batch_size)
+        done = torch.zeros(batch.batch_size, dtype=torch.bool)
+        generated: list[list[int]] = [[] for _ in prompt_lengths]
+        for _ in range(max_new_tokens):
+            ids = self.predict(dataclasses.replace(batch, tokens=tokens)).cpu()
+            new = ids[rows, ends - 1]
+            for i in torch.nonzero(~done).flatten().tolist():
+                generated[i].append(int(new[i]))
+            tokens[rows[~done], ends[~done]] = new[~done]
+            ends = ends + (~done).long()
+            if stop_token is not None:
+                done |= new == stop_token
+            if done.all():
+                break
+        return generated
 
     def _encode(self, name: str, batch: MimoBatch) -> DTensor:
         """This rank's encoder output rows (empty off the encoder's mesh) as a DTensor."""
@@ -310,6 +362,37 @@ class MimoModel(nn.Module):
             local = torch.empty(0, device=self.device, requires_grad=self._trainable[name])
         return DTensor.from_local(local, self.layout.mesh(name), TOKEN_PLACEMENTS, run_check=False,
                                   shape=torch.Size(shape), stride=(self.dim, 1))
+
+    def _cross(self, batch: MimoBatch) -> tuple[list[str], tuple[DTensor, ...]]:
+        """Every encoder's output rows of `batch`, moved to the language mesh in one exchange."""
+        names = [n for n in self.encoder_names if n in batch.modalities]
+        xs = [self._encode(name, batch) for name in names]
+        if not xs:
+            return names, ()
+        lang_mesh = self.layout.mesh(self.language_name)
+        ys = redistribute_many(
+            xs, [lang_mesh] * len(xs), [TOKEN_PLACEMENTS] * len(xs),
+            sample_sizes=[batch.tokens_per_sample(n) for n in names],
+            grad_placements=[self._grad_placements] * len(xs),
+            # Encoder output rows per item are fixed by each encoder's config: one world-wide
+            # shape check the first time a modality is seen catches a mismatch with the
+            # batch metadata (names: the same on every rank, so every rank agrees to check).
+            check="world" if not self._shapes_checked.issuperset(names) else False,
+            names=[(n, self.language_name) for n in names],
+        )
+        self._shapes_checked.update(names)
+        return names, ys
+
+    def _coord(self) -> dict[str, int]:
+        return self.layout.coordinate(self.language_name, self.rank)
+
+    def _cp(self) -> tuple[int, int]:
+        return self.layout.parallelism(self.language_name).cp, self._coord()["cp"]
+
+    def _language_shard(self, batch: MimoBatch) -> MimoBatch:
+        """This language rank's dp shard of `batch`, on its device."""
+        dp = self.layout.parallelism(self.language_name).dp
+        return shard(batch, dp, self._coord()["dp"]).to(self.device)
 
     def reduce_gradients(self) -> None:
         """Finish this rank's gradients after backward (call on every rank).

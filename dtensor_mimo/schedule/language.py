@@ -53,6 +53,7 @@ class LanguageStage(nn.Module):
         super().__init__()
         self.llama, self.first, self.last = llama, first, last
         self.cp_size, self.cp_rank = cp_size, cp_rank
+        self.predicting = False  # the last stage returns next-token ids instead of a loss share
         self.set_step(None, {}, 1.0)
 
     def set_step(self, feed: LanguageFeed | Mapping[str, torch.Tensor] | None,
@@ -66,7 +67,8 @@ class LanguageStage(nn.Module):
                 document_ids: torch.Tensor | None, sequence_index: torch.Tensor,
                 labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         """`x`: token ids ``[b, S]`` on the first stage, else the previous stage's hidden states.
-        Returns hidden states, or on the last stage this microbatch's loss share."""
+        Returns hidden states, or on the last stage this microbatch's loss share (its greedy
+        next-token ids ``[b, S / cp]`` while `predicting`)."""
         if self.first:
             ids = self.special_token_ids
             text = embed_text(self.llama.tok_embeddings, x, ids)
@@ -78,7 +80,11 @@ class LanguageStage(nn.Module):
             if self.cp_size > 1:
                 x = zigzag_shard(x, self.cp_size, self.cp_rank)
         out = self.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
-        return token_loss_sum(out, labels, loss_mask) / self.normalizer if self.last else out
+        if not self.last:
+            return out
+        if self.predicting:
+            return out.argmax(-1)
+        return token_loss_sum(out, labels, loss_mask) / self.normalizer
 
 
 def stage_inputs(mb: MimoBatch, cp_size: int, cp_rank: int) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -198,3 +204,32 @@ class LanguagePipeline:
         if not self.holds_loss:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach() for loss in losses]).sum()
+
+    @torch.no_grad()
+    def predict(self, mb: MimoBatch, rows: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """Forward only of this rank's dp shard `mb` (encoder `rows` for the first stage), stage
+        after stage; returns the next-token ids of this cp chunk on the last stage's rank, else
+        None. Outside torch's schedule: one microbatch, blocking point-to-point in stage order
+        (stage s sends to s + 1 before anyone posts s + 1's send), so NCCL cannot deadlock."""
+        tokens, kwargs = stage_inputs(mb.to(self.device), self.par.cp, self.cp_rank)
+        pp_rank = self.pp_group.rank()
+        x, out = tokens, None
+        for s in range(self.n_stages):
+            if s not in self.stage_indices:
+                continue
+            module = self.stages[self.stage_indices.index(s)]
+            if s > 0 and (s - 1) % self.par.pp != pp_rank:
+                x = torch.empty(*tokens.shape[:1], tokens.shape[1] // self.par.cp, self.dim,
+                                dtype=next(module.parameters()).dtype, device=self.device)
+                torch.distributed.recv(x, group=self.pp_group, group_src=(s - 1) % self.par.pp)
+            module.set_step(rows if module.first else None, mb.special_token_ids, 1.0)
+            module.predicting = module.last
+            try:
+                x = module(x, microbatch=0, **kwargs)
+            finally:
+                module.predicting = False
+                module.set_step(None, {}, 1.0)
+            if s + 1 < self.n_stages and (s + 1) % self.par.pp != pp_rank:
+                torch.distributed.send(x.contiguous(), group=self.pp_group, group_dst=(s + 1) % self.par.pp)
+            out = x if module.last else None
+        return out

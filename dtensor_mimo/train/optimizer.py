@@ -223,6 +223,11 @@ class MimoOptimizer:
         self._set_lrs()
         return True
 
+    def set_updates(self, updates: int) -> None:
+        """Continue the schedule after `updates` applied steps (a resumed run)."""
+        self.updates = updates
+        self._set_lrs()
+
     def state_dict(self) -> dict[str, Any]:
         """The schedule's position and this rank's AdamW states (plain torch state dicts)."""
         return {"updates": self.updates,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -24,16 +25,31 @@ class StepMetrics:
     skipped: bool
 
 
-def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch) -> StepMetrics:
+def _now(device: torch.device) -> float:
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+    return time.perf_counter()
+
+
+def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
+               timings: dict[str, float] | None = None) -> StepMetrics:
     """One optimizer step on the global `batch`; call on every rank with the same batch.
 
     One small all-reduce over the world carries the loss, every module's squared gradient norm
     and a status word, so every rank reports the same loss, takes the same clip and skip
     decision, and raises together when a pipelined step found encoder rows that contradict the
     batch metadata (`MimoModel.step_error`), before any weight changes.
+
+    `timings`, if given, receives this rank's seconds in "forward_backward" (bridge included) and
+    "optimizer" (gradient reduction, the norm's all-reduce, clip, AdamW); on GPUs timing syncs
+    the device.
     """
+    start = _now(model.device) if timings is not None else 0.0
     optimizer.zero_grad()
     share = model.forward_backward(batch)
+    if timings is not None:
+        middle = _now(model.device)
+        timings["forward_backward"] = middle - start
     model.reduce_gradients()
     loss_part = share.detach().double().reshape(1) if model.holds_loss_share() else \
         torch.zeros(1, dtype=torch.float64, device=model.device)
@@ -49,5 +65,7 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch) -> 
     loss, sumsq = totals[0].item(), totals[2:].tolist()
     grad_norm = math.sqrt(sum(sumsq))
     skipped = not optimizer.step(grad_norm)
+    if timings is not None:
+        timings["optimizer"] = _now(model.device) - middle
     return StepMetrics(loss, grad_norm, {n: math.sqrt(s) for n, s in zip(model.module_names, sumsq)},
                        skipped)

@@ -1,0 +1,71 @@
+"""What ``python -m dtensor_mimo.train [--config FILE.toml] [--section.key VALUE ...]`` runs.
+
+Without a launcher it starts the layout's world of local ranks itself (gloo on CPU; one process
+per rank); under ``torchrun`` it joins the given world (NCCL with ``--train.device cuda``) and
+checks that the layout fits it. The config is parsed and checked before any process starts.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dtensor_mimo.train.config import ConfigError, TrainerConfig, build_layout, check_config, help_text, parse_args
+
+
+def _run_rank(config: TrainerConfig) -> float:
+    from dtensor_mimo.train.trainer import Trainer
+
+    device = config.train.device
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0)))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    try:
+        return Trainer(config).run()
+    finally:
+        dist.destroy_process_group()
+
+
+def _local_rank(rank: int, world: int, port: int, config: TrainerConfig) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    _run_rank(config)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return 0
+    launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    try:
+        config = parse_args(argv)
+        if launched:
+            check_config(config, int(os.environ["WORLD_SIZE"]))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if launched:
+        _run_rank(config)
+        return 0
+    world = build_layout(config).world_size
+    if config.train.device == "cuda" and world > torch.cuda.device_count():
+        print(f"config error: the layout needs {world} ranks but this machine has "
+              f"{torch.cuda.device_count()} GPUs; use torchrun across machines or train.device = 'cpu'",
+              file=sys.stderr)
+        return 2
+    mp.start_processes(_local_rank, args=(world, _free_port(), config), nprocs=world, start_method="spawn")
+    return 0

@@ -1,0 +1,136 @@
+"""What the trainer reports: JSONL records, log lines, a progress bar, TensorBoard, FLOPs and MFU.
+
+Only rank 0 writes. Step times come per rank (data loading, forward + backward including the
+bridge, gradient reduction + optimizer); the trainer reduces them with one small MAX all-reduce
+at logged steps, so a line shows the slowest rank of each phase.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from typing import Any, Mapping, TextIO
+
+import torch
+from torch import nn
+
+# Peak dense bf16 TFLOP/s per GPU, for MFU when `metrics.peak_tflops` is not given.
+_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+
+
+def peak_tflops(device: torch.device, configured: float) -> float | None:
+    """The peak TFLOP/s per rank that MFU divides by: `configured` if > 0, a known GPU's, else None."""
+    if configured > 0:
+        return configured
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((v for k, v in _PEAK_TFLOPS.items() if k in name), None)
+    return None
+
+
+def transformer_flops(params: int, tokens: int, layers: int, dim: int, seq: int, trained: bool) -> float:
+    """FLOPs of one pass of a transformer over `tokens` tokens in sequences of `seq`: 2 per
+    parameter per token plus attention's ``4 * layers * seq * dim`` per token (causal or not,
+    counted dense) for forward; backward doubles both when the module trains."""
+    forward = 2.0 * params * tokens + 4.0 * layers * seq * dim * tokens
+    return forward * (3 if trained else 1)
+
+
+def module_flops(module: nn.Module, tokens: int, layers: int, dim: int, seq: int) -> float:
+    """`transformer_flops` of `module`, split into its frozen part (forward only) and the rest."""
+    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
+    attention_trains = trained > frozen  # the tower (with the attention) trains
+    return (transformer_flops(trained, tokens, 0, dim, seq, True)
+            + transformer_flops(frozen, tokens, 0, dim, seq, False)
+            + transformer_flops(0, tokens, layers, dim, seq, attention_trains))
+
+
+class MetricsLogger:
+    """Rank 0's reporting: `log` writes a JSONL record, TensorBoard scalars and a log line; `tick`
+    moves the progress bar. Other ranks get a logger that does nothing."""
+
+    def __init__(self, enabled: bool, total_steps: int, jsonl: str | None, tensorboard: str | None,
+                 progress: str, out: TextIO = sys.stdout) -> None:
+        self.enabled, self.out, self.total = enabled, out, total_steps
+        self._jsonl = open(jsonl, "a") if enabled and jsonl else None
+        self._tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                print("metrics.tensorboard: the tensorboard package is not installed; "
+                      "pip install tensorboard (TensorBoard logging off)", file=out)
+            else:
+                self._tb = SummaryWriter(tensorboard)
+        show = progress == "on" or (progress == "auto" and out.isatty())
+        self._bar = _bar(total_steps) if enabled and show else None
+        self._started = time.perf_counter()
+
+    def start_at(self, step: int) -> None:
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+
+    def tick(self, step: int, loss: float) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            self._bar.update(step - self._bar.n)
+
+    def log(self, record: Mapping[str, Any], line: str) -> None:
+        if not self.enabled:
+            return
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, record["step"])
+        self.print(line)
+
+    def print(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, file=self.out, flush=True)
+
+    def close(self) -> None:
+        for handle in (self._jsonl, self._tb, self._bar):
+            if handle is not None:
+                handle.close()
+
+
+def _bar(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _PlainBar(total)
+    return tqdm(total=total, unit="step", dynamic_ncols=True)
+
+
+class _PlainBar:
+    """A one-line progress bar when tqdm is not installed."""
+
+    def __init__(self, total: int) -> None:
+        self.n, self.total, self._postfix = 0, total, ""
+
+    def update(self, k: int) -> None:
+        self.n += k
+        width = 30
+        done = int(width * self.n / max(1, self.total))
+        sys.stdout.write(f"\r[{'#' * done}{'.' * (width - done)}] {self.n}/{self.total} {self._postfix}")
+        sys.stdout.flush()
+
+    def set_postfix(self, loss: str, refresh: bool = False) -> None:
+        self._postfix = f"loss {loss}"
+
+    def write(self, line: str) -> None:
+        sys.stdout.write("\r" + " " * 80 + "\r" + line + "\n")
+        self.update(0)
+
+    def close(self) -> None:
+        sys.stdout.write("\n")
