@@ -2,7 +2,6 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-NPROC ?= 8
 
 .PHONY: demo test bench clean
 
@@ -14,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) examples/train_mimo.py
+	$(PY) -m dtensor_mimo.train
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

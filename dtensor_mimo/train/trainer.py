@@ -167,11 +167,12 @@ class Trainer:
                                     virtual_stages=p.virtual_stages,
                                     split=tuple(p.split) if p.split is not None else None))
         o = config.optimizer
+        self.warmup = o.warmup_steps if o.warmup_steps < config.train.steps else config.train.steps // 2
         adamw = AdamWConfig(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
                             max_grad_norm=o.max_grad_norm)
         self.optimizer = MimoOptimizer(
             self.model, adamw, per_module={n: dataclasses.replace(adamw, lr=lr) for n, lr in o.module_lr.items()},
-            schedule=LRSchedule(warmup_steps=o.warmup_steps, decay=o.decay, total_steps=config.train.steps,
+            schedule=LRSchedule(warmup_steps=self.warmup, decay=o.decay, total_steps=config.train.steps,
                                 min_lr_ratio=o.min_lr_ratio))
         m = config.metrics
         self.log = MetricsLogger(self.rank == 0, config.train.steps, m.jsonl, m.tensorboard, m.progress)
@@ -273,6 +274,9 @@ class Trainer:
         params = {n: sum(p.numel() for p in m.parameters()) for n, m in self.modules.items()}
         self.log.print("parameters: " + ", ".join(f"{n} {v:,}" for n, v in params.items()) +
                        f"; seq_len {self.seq_len}; batch {c.data.batch_size}")
+        if self.warmup != c.optimizer.warmup_steps:
+            self.log.print(f"optimizer.warmup_steps = {c.optimizer.warmup_steps} is not below train.steps = "
+                           f"{c.train.steps}: warming up for {self.warmup} steps")
         self.restore()
         self.log.start_at(self.step)
         batches = self._batches()
@@ -283,12 +287,13 @@ class Trainer:
             batch = next(batches)
             timings: dict[str, float] = {}
             data_s = time.perf_counter() - t0
+            lr = self.optimizer.lrs()["language"]  # what this step's update uses
             metrics = train_step(self.model, self.optimizer, batch, timings)
             self.step += 1
             window.append([data_s, timings["forward_backward"], timings["optimizer"], time.perf_counter() - t0])
             self.log.tick(self.step, metrics.loss)
             if self.step % c.metrics.log_every == 0 or self.step == c.train.steps:
-                self._log(metrics, window, tokens)
+                self._log(metrics, lr, window, tokens)
                 window = []
             if c.checkpoint.dir and ((c.checkpoint.every and self.step % c.checkpoint.every == 0)
                                      or self.step == c.train.steps):
@@ -296,7 +301,7 @@ class Trainer:
             if c.train.eval_every and self.step % c.train.eval_every == 0 and self.step < c.train.steps:
                 self._report_eval()
         accuracy = self._report_eval()
-        for expected, got in self.captions(min(c.train.generate, len(self.heldout))):
+        for expected, got in self.captions(min(c.train.generate, len(self.heldout))) if c.train.generate else ():
             self.log.print(f"  expected: {expected:<28} generated: {got}")
         self.log.print(f"held-out accuracy: {accuracy:.2f}")
         self.log.close()
@@ -309,7 +314,7 @@ class Trainer:
                      f"(image digits {acc['vision']:.3f}, tone digits {acc['audio']:.3f})")
         return acc["answer"]
 
-    def _log(self, metrics, window: list[list[float]], tokens: int) -> None:
+    def _log(self, metrics, lr: float, window: list[list[float]], tokens: int) -> None:
         """One MAX all-reduce of this window's mean phase times and peak memory; rank 0 logs."""
         mean = torch.tensor(window, dtype=torch.float64).mean(0)
         memory = (torch.cuda.max_memory_allocated(self.model.device) if self.model.device.type == "cuda"
@@ -320,7 +325,7 @@ class Trainer:
         tflops = self.flops_per_step / step_s / 1e12
         mfu = tflops / (self.peak * self.world) if self.peak else None
         record = {"step": self.step, "loss": metrics.loss, "grad_norm": metrics.grad_norm,
-                  "tokens_per_s": tokens / step_s, "lr": self.optimizer.lrs()["language"],
+                  "tokens_per_s": tokens / step_s, "lr": lr,
                   "step_s": step_s, "data_s": data_s, "forward_backward_s": fb_s, "optimizer_s": opt_s,
                   "peak_memory_gib": memory / 2**30, "tflops": tflops, "mfu": mfu,
                   "skipped": metrics.skipped,

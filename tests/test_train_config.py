@@ -1,0 +1,100 @@
+"""The trainer's config: TOML files, dotted overrides, and errors that name the key (one process)."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from dtensor_mimo.train.config import ConfigError, TrainerConfig, build_layout, check_config, help_text, parse_args
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+
+
+def test_defaults_are_a_heterogeneous_three_rank_layout() -> None:
+    config = parse_args([])
+    layout = build_layout(config)
+    assert layout.world_size == 3
+    assert [layout.ranks(n) for n in ("vision", "audio", "language")] == [[0], [1], [2]]
+    assert config.options.language.compile and config.pipeline.microbatches == 4
+
+
+def test_file_then_overrides_in_any_order(tmp_path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nsteps = 7\n[layout.language]\ntp = 2\n[optimizer]\ndecay = "linear"\n')
+    config = parse_args(["--train.steps", "40", "--config", str(path), "--optimizer.lr=5e-4",
+                         "--optimizer.module_lr", "{vision = 1e-4}", "--model.frozen", '["vision"]',
+                         "--checkpoint.dir", "ckpt/run 1"])
+    assert config.train.steps == 40  # the command line wins over the file, wherever it stands
+    assert config.layout.language.tp == 2 and config.optimizer.decay == "linear"
+    assert config.optimizer.lr == 5e-4 and config.optimizer.module_lr == {"vision": 1e-4}
+    assert config.model.frozen == ["vision"] and config.checkpoint.dir == "ckpt/run 1"
+    assert build_layout(config).ranks("language") == [2, 3]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--train.stepz", "3"], "unknown key 'train.stepz'; train has steps, eval_every"),
+    (["--trian.steps", "3"], "unknown key 'trian'; the config has layout, options"),
+    (["--train.steps", "forty"], "train.steps = 'forty': expected an integer"),
+    (["--train.steps", "2.5"], "train.steps = 2.5: expected an integer"),
+    (["--optimizer.lr", "fast"], "optimizer.lr = 'fast': expected a number"),
+    (["--options.language.compile", "yes"], "options.language.compile = 'yes': expected true or false"),
+    (["--pipeline.schedule", "1f1b"], "pipeline.schedule = '1f1b': expected one of '1F1B', 'GPipe'"),
+    (["--layout", "3"], "layout is a section (vision, audio, language), got 3"),
+    (["--model.frozen", '["text"]'], "model.frozen names ['text']: the modules are ['vision', 'audio', 'language']"),
+    (["--model.frozen", '["language"]'], "the language model always trains"),
+    (["--optimizer.module_lr", "{video = 1e-4}"], "optimizer.module_lr names ['video']"),
+    (["--train.steps", "0"], "train.steps = 0: must be >= 1"),
+    (["--data.batch_size", "30"], "data.batch_size = 30 must split into pipeline.microbatches = 4"),
+    (["--layout.language.dp", "3"], "multiple of layout.language.dp = 3"),
+    (["--layout.vision.cp", "2"], "layout.vision: pp=1, cp=2: encoders take pp = 1 and cp = 1"),
+    (["--layout.language.pp", "2", "--pipeline.microbatches", "1", "--data.batch_size", "8"],
+     "pipeline.microbatches = 1 is below layout.language.pp = 2"),
+    (["--layout.language.offset", "0", "--layout.language.dp", "2"], "partially overlap"),
+    (["--layout.audio.offset", "5"], "belong to no module"),
+    (["--pipeline.schedule", "GPipe", "--pipeline.virtual_stages", "2"], "pipeline: PipelineConfig: schedule='GPipe'"),
+    (["--model.n_heads", "3"], "n_heads must divide dim"),
+    (["--config", "/nonexistent.toml"], "--config /nonexistent.toml: No such file"),
+    (["--train.steps"], "--train.steps needs a value"),
+    (["steps=3"], "unexpected argument 'steps=3'"),
+])
+def test_bad_input_names_the_key(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv)
+    assert message in str(e.value)
+
+
+def test_bad_toml_file_names_the_file(tmp_path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[train\nsteps = 3\n")
+    with pytest.raises(ConfigError, match="bad.toml: not valid TOML"):
+        parse_args(["--config", str(path)])
+    path.write_text("[train]\nsteps = 'many'\n")
+    with pytest.raises(ConfigError, match="train.steps = 'many': expected an integer"):
+        parse_args(["--config", str(path)])
+
+
+def test_layout_must_fit_the_launched_world() -> None:
+    config = parse_args(["--layout.language.tp", "2"])
+    check_config(config, 4)
+    with pytest.raises(ConfigError, match="ranks 4..7 of the 8-rank world belong to no module"):
+        check_config(config, 8)
+    with pytest.raises(ConfigError, match="needs ranks 2..3, but the world has 3 ranks"):
+        check_config(config, 3)
+
+
+def test_help_lists_every_key_with_its_default() -> None:
+    text = help_text()
+    for line in ("--train.steps", "--layout.language.tp", "--checkpoint.dir", "--checkpoint.every",
+                 "--metrics.jsonl", "--pipeline.schedule"):
+        assert line in text
+    assert "'1F1B'" in text and "1500" in text
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(EXAMPLES, "*.toml"))),
+                         ids=os.path.basename)
+def test_example_configs_parse_and_check(path: str) -> None:
+    config = parse_args(["--config", path])
+    assert isinstance(config, TrainerConfig)
+    check_config(config, build_layout(config).world_size)

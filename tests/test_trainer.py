@@ -1,0 +1,238 @@
+"""The trainer (`python -m dtensor_mimo.train`) end to end on gloo ranks.
+
+| layout (ranks)                                          | what is checked                                   |
+|---------------------------------------------------------|---------------------------------------------------|
+| A: vision dp2 + audio dp2 @0, language tp2 @2 [4]        | 6 steps; checkpoints at 3 and 6; JSONL fields      |
+| A resumed from step 3 (a stale partial save beside it)   | steps 4-6 losses == uninterrupted A               |
+| A with every rank loading the whole batch [4]            | losses == A's (per-rank loading loads the same)   |
+| B: colocated vision dp4, audio dp4, language dp2·tp2 [4] | loads A's step 3, steps 4-6 == A's                |
+| C: everything on one rank [1]                            | loads B's step 5, step 6 == A's                   |
+| A, cp2 language, pp2 language (1F1B)                     | `MimoModel.predict` == argmax of a one-process model |
+
+Losses under other layouts agree to float rounding (other reduction orders); a resumed run under
+the same layout reproduces them exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dtensor_mimo.assemble import assemble, embed_text
+from dtensor_mimo.train.checkpoint import CheckpointError, check_checkpoint, expected_shapes, latest_checkpoint
+from dtensor_mimo.train.config import parse_args
+from tests.harness import run_on_ranks
+
+pytest.importorskip("sklearn")
+
+LAYOUT_A = ["--layout.vision.dp", "2", "--layout.audio.dp", "2", "--layout.audio.offset", "0",
+            "--layout.language.tp", "2"]
+LAYOUT_B = ["--layout.vision.dp", "4", "--layout.audio.dp", "4", "--layout.audio.offset", "0",
+            "--layout.language.dp", "2", "--layout.language.tp", "2", "--layout.language.offset", "0"]
+LAYOUT_C = ["--layout.audio.offset", "0", "--layout.language.offset", "0"]
+SHORT = ["--train.steps", "6", "--data.batch_size", "8", "--pipeline.microbatches", "2",
+         "--data.heldout_samples", "8", "--train.generate", "0", "--metrics.log_every", "1",
+         "--optimizer.warmup_steps", "2", "--metrics.progress", "off",
+         *[f"--options.{m}.compile=false" for m in ("vision", "audio", "language")]]
+
+
+def _train(argv: list[str]) -> float:
+    from dtensor_mimo.train.trainer import Trainer
+
+    return Trainer(parse_args(argv)).run()
+
+
+def _losses(path: str) -> dict[int, float]:
+    with open(path) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory):
+    """Layout A, 6 steps, checkpoints at steps 3 and 6."""
+    d = tmp_path_factory.mktemp("a")
+    argv = [*SHORT, *LAYOUT_A, "--checkpoint.dir", str(d / "ckpt"), "--checkpoint.every", "3",
+            "--metrics.jsonl", str(d / "m.jsonl")]
+    run_on_ranks(_train, 4, argv, timeout=300)
+    return d, argv
+
+
+def test_metrics_jsonl_fields(run_a) -> None:
+    d, _ = run_a
+    with open(d / "m.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    for r in steps:
+        for key in ("loss", "grad_norm", "tokens_per_s", "lr", "step_s", "forward_backward_s"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]), (key, r)
+        assert r["tokens_per_s"] > 0 and r["lr"] > 0
+    assert steps[0]["lr"] == pytest.approx(1e-3 * 0.5)  # warmup 2 steps: half the peak at step 1
+    assert "heldout_answer" in records[-1]
+
+
+def test_checkpoints_kept_and_complete(run_a) -> None:
+    d, _ = run_a
+    assert sorted(os.listdir(d / "ckpt")) == ["step-000003", "step-000006"]
+    assert latest_checkpoint(str(d / "ckpt")).endswith("step-000006")
+
+
+def test_resume_equals_uninterrupted(run_a, tmp_path) -> None:
+    d, argv = run_a
+    resume = tmp_path / "ckpt"
+    shutil.copytree(d / "ckpt" / "step-000003", resume / "step-000003")
+    # A save killed midway: its directory keeps the temporary name and is never taken.
+    (resume / ".step-000005.tmp").mkdir()
+    (resume / ".step-000005.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    assert latest_checkpoint(str(resume)).endswith("step-000003")
+    argv2 = [*argv, "--checkpoint.dir", str(resume), "--metrics.jsonl", str(tmp_path / "m.jsonl")]
+    run_on_ranks(_train, 4, argv2, timeout=300)
+    expected, got = _losses(str(d / "m.jsonl")), _losses(str(tmp_path / "m.jsonl"))
+    assert sorted(got) == [4, 5, 6]
+    assert [got[s] for s in (4, 5, 6)] == [expected[s] for s in (4, 5, 6)]
+    assert not (resume / ".step-000005.tmp").exists()  # cleaned up by the next save
+
+
+def test_per_rank_loading_gives_the_same_batches(run_a, tmp_path) -> None:
+    d, argv = run_a
+    argv2 = [*argv, "--checkpoint.dir", str(tmp_path / "ckpt"), "--checkpoint.every", "0",
+             "--data.per_rank_loading", "false", "--metrics.jsonl", str(tmp_path / "m.jsonl")]
+    run_on_ranks(_train, 4, argv2, timeout=300)
+    assert _losses(str(tmp_path / "m.jsonl")) == _losses(str(d / "m.jsonl"))
+
+
+def test_reload_under_other_layouts_continues(run_a, tmp_path) -> None:
+    d, argv = run_a
+    expected = _losses(str(d / "m.jsonl"))
+    b = [*SHORT, *LAYOUT_B, "--checkpoint.load", str(d / "ckpt" / "step-000003"),
+         "--checkpoint.dir", str(tmp_path / "b"), "--checkpoint.every", "1",
+         "--metrics.jsonl", str(tmp_path / "b.jsonl")]
+    run_on_ranks(_train, 4, b, timeout=300)
+    got_b = _losses(str(tmp_path / "b.jsonl"))
+    assert sorted(got_b) == [4, 5, 6]
+    for s in (4, 5, 6):
+        assert got_b[s] == pytest.approx(expected[s], rel=1e-5), s
+    c = [*SHORT, *LAYOUT_C, "--checkpoint.load", str(tmp_path / "b" / "step-000005"),
+         "--metrics.jsonl", str(tmp_path / "c.jsonl")]
+    run_on_ranks(_train, 1, c, timeout=300)
+    got_c = _losses(str(tmp_path / "c.jsonl"))
+    assert sorted(got_c) == [6]
+    assert got_c[6] == pytest.approx(expected[6], rel=1e-5)
+
+
+def test_mismatched_checkpoint_names_keys_and_shapes(run_a) -> None:
+    from dtensor_mimo.train.trainer import build_modules
+
+    d, argv = run_a
+    config = parse_args([*argv, "--model.dim", "32", "--model.n_layers", "3"])
+    with pytest.raises(CheckpointError) as e:
+        check_checkpoint(str(d / "ckpt" / "step-000003"), expected_shapes(build_modules(config, 33)))
+    msg = str(e.value)
+    assert "missing from the checkpoint: model.language.layers.2." in msg
+    assert "different shapes: model.audio.projection" in msg and "(64, 48)" in msg and "(32, 48)" in msg
+    config = parse_args(argv)
+    check_checkpoint(str(d / "ckpt" / "step-000003"), expected_shapes(build_modules(config, 33)))
+
+
+# ---------------------------------------------------------------------------- predict
+
+
+def _predict(argv: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    from dtensor_mimo.train.trainer import Trainer
+
+    trainer = Trainer(parse_args(argv))
+    batch = trainer.heldout.batch(range(8), load=trainer._load_plan(8, 1))
+    return trainer.model.predict(batch), batch.tokens
+
+
+def _reference_logits(argv: list[str]) -> torch.Tensor:
+    """A one-process forward of the same modules on the fully loaded batch."""
+    from dtensor_mimo.data import DigitsDataset, DigitsTask
+    from dtensor_mimo.train.trainer import build_modules, model_configs
+
+    config = parse_args(argv)
+    modules = build_modules(config, 40)
+    _, vision, audio = model_configs(config, 40)
+    batch = DigitsDataset("heldout", vision, audio, 8, task=DigitsTask(), seq_len=40).batch(range(8))
+    ids = batch.special_token_ids
+    with torch.no_grad():
+        rows = {n: modules[n](m.inputs) for n, m in batch.modalities.items()}
+        llama = modules["language"]
+        return llama(h=assemble(embed_text(llama.tok_embeddings, batch.tokens, ids), batch.tokens, rows, ids))
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(LAYOUT_A, id="tp2"),
+    pytest.param(["--layout.language.cp", "2", "--layout.vision.dp", "2"], id="cp2"),
+    pytest.param(["--layout.language.pp", "2", "--model.n_layers", "3"], id="pp2"),
+])
+def test_predict_matches_one_process(layout: list[str]) -> None:
+    # seq_len 40 for every layout (cp2 would round 33 up to 36; the reference uses 40).
+    argv = [*SHORT, *layout, "--data.heldout_samples", "8"]
+    from dtensor_mimo.train.config import build_layout
+
+    world = build_layout(parse_args(argv)).world_size
+    results = run_on_ranks(_predict_padded, world, argv, timeout=300)
+    reference = _reference_logits(argv)
+    top2 = reference.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 1e-4  # positions whose argmax is not a near-tie
+    for pred, _ in results:
+        assert torch.equal(pred, results[0][0])  # the same on every rank
+        assert torch.equal(pred[clear], reference.argmax(-1)[clear])
+    assert clear.float().mean() > 0.9
+
+
+def _predict_padded(argv: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    from dtensor_mimo.train import trainer as trainer_module
+
+    original = trainer_module.sequence_length
+    trainer_module.sequence_length = lambda config, minimum: 40
+    try:
+        return _predict(argv)
+    finally:
+        trainer_module.sequence_length = original
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def test_main_command_short_run(tmp_path) -> None:
+    """The README's main command, shortened: local ranks, compiled blocks, held-out accuracy."""
+    out = subprocess.run(
+        [sys.executable, "-m", "dtensor_mimo.train", "--train.steps", "20", "--data.heldout_samples", "16",
+         "--optimizer.warmup_steps", "5", "--metrics.jsonl", str(tmp_path / "m.jsonl"),
+         "--metrics.log_every", "10"],
+        capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "held-out accuracy: 0." in out.stdout or "held-out accuracy: 1.00" in out.stdout
+    assert "language  1   1   1   1   2..2   own ranks" in out.stdout
+    assert len(_losses(str(tmp_path / "m.jsonl"))) == 2
+
+
+def test_main_command_rejects_bad_config_before_starting(tmp_path) -> None:
+    out = subprocess.run([sys.executable, "-m", "dtensor_mimo.train", "--layout.language.tp", "two"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 2
+    assert "layout.language.tp = 'two': expected an integer" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_torchrun_uses_the_given_world(tmp_path) -> None:
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    common = [torchrun, "--standalone", "--nproc-per-node=4", "-m", "dtensor_mimo.train", *SHORT]
+    out = subprocess.run([*common, "--layout.language.dp", "2", "--metrics.jsonl", str(tmp_path / "m.jsonl")],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "language  1   2   1   1   2..3   own ranks" in out.stdout
+    assert sorted(_losses(str(tmp_path / "m.jsonl"))) == [1, 2, 3, 4, 5, 6]
+    # The default 3-rank layout does not fit 4 ranks: every rank says so before training.
+    out = subprocess.run(common, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode != 0
+    assert (out.stdout + out.stderr).count("config error: layout: ranks 3 of the 4-rank world belong to no module") == 4
