@@ -312,8 +312,11 @@ class MimoModel(nn.Module):
             if self.holds_loss_share():  # one rank per (dp, cp) coordinate writes its positions
                 par, coord = self.layout.parallelism(self.language_name), self._coord()
                 samples = sample_range(batch.batch_size, par.dp, coord["dp"])
-                index = stage_inputs(local, *self._cp())[1]["sequence_index"].to(self.device)
-                out[samples.start:samples.stop].scatter_(1, index, ids)
+                index = stage_inputs(local, *self._cp())[1]["sequence_index"]  # None: every column
+                if index is None:
+                    out[samples.start:samples.stop] = ids
+                else:
+                    out[samples.start:samples.stop].scatter_(1, index.to(self.device), ids)
         dist.all_reduce(out)
         return out
 
@@ -432,6 +435,7 @@ def _check_model(layout: MimoLayout, language: Llama, encoders: Mapping[str, Mod
         raise LayoutError(f"options given for {unknown}, which are not modules of the layout {layout.names}")
     for name in layout.names:
         par = layout.parallelism(name)
+        options.get(name, ParallelOptions()).check_for(name, par.tp)
         if name == language_name and par.pp > 1 and pipeline is None:
             raise LayoutError(f"{name!r} has pp={par.pp}: pass pipeline=PipelineConfig(microbatches=...) "
                               "to MimoModel (at least pp microbatches keep every stage busy)")

@@ -20,6 +20,7 @@ two documents each (positions restart, attention stays inside a document).
 | coloc_cp_sp   | dp4 (0-3)          | -             | tp2·cp2 + sp (0-3)      | 4     | yes    | colocated                    |
 | frozen_vit    | dp2 (0-1), ViT frozen | -          | dp1 (2)                 | 3     | no     | only the projection trains   |
 | frozen_vision | dp4 (0-3), frozen  | -             | tp2·dp2 (0-3)           | 4     | no     | colocated; no backward bridge|
+| checkpointed  | dp2 (0-1), AC all, compiled | -    | tp2 + sp (2-3), AC 1/2  | 4     | no     | activation checkpointing     |
 | eight         | dp3 (0-2)          | dp1 (3)       | tp2·dp2 + sp (4-7)      | 8     | yes    | dp3 -> dp2, compiled blocks  |
 """
 
@@ -115,6 +116,10 @@ CASES = {
     "frozen_vit": Case({"vision": P(dp=2), "language": P()}, frozen=("vision.encoder",)),
     "frozen_vision": Case({"vision": P(dp=4), "language": P(dp=2, tp=2)}, offsets={"vision": 0, "language": 0},
                           frozen=("vision",)),
+    "checkpointed": Case({"vision": P(dp=2), "language": P(tp=2)},
+                         options={"vision": ParallelOptions(activation_checkpointing=1, compile=True,
+                                                            compile_backend="aot_eager"),
+                                  "language": ParallelOptions(sp=True, activation_checkpointing=2)}),
     "eight": Case({"vision": P(dp=3), "audio": P(), "language": P(dp=2, tp=2)},
                   options={"language": ParallelOptions(sp=True, compile=True, compile_backend="aot_eager")},
                   packed=True),

@@ -31,6 +31,14 @@ def test_layout_and_model_disagree(modules, options, match):
         MimoModel(MimoLayout(modules), llama, encoders, options=options)
 
 
+def test_checkpointing_compiled_tensor_parallel_blocks_is_refused_before_communicating():
+    llama, encoders = _model_args()
+    options = {"language": ParallelOptions(compile=True, activation_checkpointing=1)}
+    with pytest.raises(ValueError, match=r"module 'language': activation_checkpointing=1 with compile=True "
+                                         r"is not supported at tp=2"):
+        MimoModel(MimoLayout({"vision": P(), "language": P(tp=2)}), llama, encoders, options=options)
+
+
 def test_projection_width_must_match_language_model():
     llama, encoders = _model_args(out_dim=48)
     with pytest.raises(ValueError, match=r"encoder 'vision' projects to 48 features but the language "

@@ -328,8 +328,29 @@ def test_llama_attention_fn_receives_the_documented_arguments():
     assert len(calls) == 2  # one per layer
     for q_shape, k_shape, v_shape, q_pos, kv_pos, q_doc in calls:
         assert q_shape == (3, 4, 5, 8) and k_shape == v_shape == (3, 2, 5, 8)
-        assert q_pos.tolist() == kv_pos.tolist() == [[0, 1, 2, 3, 4]] * 3
-        assert q_doc is None
+        assert q_pos is None and kv_pos is None and q_doc is None  # plain rows: no index tensors
+    calls.clear()
+    index = torch.tensor([[0, 1, 2, 7, 9]] * 3)
+    model(tokens_for(3, 5), sequence_index=index)
+    for _, _, _, q_pos, kv_pos, _ in calls:
+        assert q_pos.tolist() == kv_pos.tolist() == index.tolist()
+
+
+def test_plain_rows_take_the_causal_kernel_with_the_masked_result():
+    """No positions: SDPA's causal kernel, grouped heads not repeated; equal to the explicit mask
+    over repeated heads, written out here."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, generator=g)
+    k, v = torch.randn(2, 2, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)
+    scores = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) / 8 ** 0.5
+    scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    expected = scores.softmax(-1) @ v.repeat_interleave(2, dim=1)
+    got = causal_attention(q, k, v, q_pos=None, kv_pos=None)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    pos = torch.arange(6).expand(2, -1)
+    torch.testing.assert_close(causal_attention(q, k, v, q_pos=pos, kv_pos=pos), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="pass both q_pos and kv_pos, or neither"):
+        causal_attention(q, k, v, q_pos=pos, kv_pos=None)
 
 
 def shard_heads(attn: nn.Module, rank: int, tp: int) -> nn.Module:

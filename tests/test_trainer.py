@@ -224,14 +224,16 @@ def test_main_command_rejects_bad_config_before_starting(tmp_path) -> None:
     assert "Traceback" not in out.stderr
 
 
-def test_torchrun_uses_the_given_world(tmp_path) -> None:
+def test_torchrun_with_loader_workers_gives_the_same_losses(run_a, tmp_path) -> None:
+    """Under torchrun (the given world), with loader worker processes: layout A's losses."""
+    d, argv = run_a
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     common = [torchrun, "--standalone", "--nproc-per-node=4", "-m", "dtensor_mimo.train", *SHORT]
-    out = subprocess.run([*common, "--layout.language.dp", "2", "--metrics.jsonl", str(tmp_path / "m.jsonl")],
+    out = subprocess.run([*common, *LAYOUT_A, "--data.workers", "1", "--metrics.jsonl", str(tmp_path / "m.jsonl")],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "language  1   2   1   1   2..3   own ranks" in out.stdout
-    assert sorted(_losses(str(tmp_path / "m.jsonl"))) == [1, 2, 3, 4, 5, 6]
+    assert "language  1   1   1   2   2..3   own ranks" in out.stdout
+    assert _losses(str(tmp_path / "m.jsonl")) == _losses(str(d / "m.jsonl"))
     # The default 3-rank layout does not fit 4 ranks: every rank says so before training.
     out = subprocess.run(common, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode != 0

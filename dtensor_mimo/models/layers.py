@@ -87,6 +87,8 @@ class AttentionFn(Protocol):
             context-parallel core gathers only the `Hkv` heads.
         q_pos: `[B, Sq]` integer *global sequence index* of each query row (its column in the
             full, unsharded sequence; not the rotary position, which restarts per document).
+            None (with `kv_pos` None): plain rows, queries and keys are columns ``0..S-1`` in
+            order, so a core may use a causal kernel without building a mask.
         kv_pos: `[B, Skv]` the same for each key/value row.
         q_doc, kv_doc: optional `[B, Sq]` / `[B, Skv]` document ids of packed sequences; either
             both or neither.
@@ -107,8 +109,8 @@ class AttentionFn(Protocol):
         k: torch.Tensor,
         v: torch.Tensor,
         *,
-        q_pos: torch.Tensor,
-        kv_pos: torch.Tensor,
+        q_pos: torch.Tensor | None,
+        kv_pos: torch.Tensor | None,
         q_doc: torch.Tensor | None = None,
         kv_doc: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
@@ -119,26 +121,31 @@ def causal_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    q_pos: torch.Tensor,
-    kv_pos: torch.Tensor,
+    q_pos: torch.Tensor | None,
+    kv_pos: torch.Tensor | None,
     q_doc: torch.Tensor | None = None,
     kv_doc: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The default attention core; see `AttentionFn` for the contract.
 
-    Builds the boolean mask explicitly (rather than `is_causal=True`) so that it is exact for any
-    q/kv index sets, including a context-parallel subset of rows, and runs on every device.
+    Plain rows (no positions, no documents): SDPA's causal kernel, no mask in memory (flash /
+    memory-efficient attention on GPU). Otherwise (packed documents, a context-parallel subset
+    of rows) the boolean ``[B, Sq, Skv]`` mask is built explicitly, exact for any index sets.
+    Grouped-query heads are never repeated here (SDPA's ``enable_gqa``).
     """
     if (q_doc is None) != (kv_doc is None):
         raise ValueError("causal_attention: pass both q_doc and kv_doc, or neither")
+    if (q_pos is None) != (kv_pos is None):
+        raise ValueError("causal_attention: pass both q_pos and kv_pos, or neither")
+    gqa = q.shape[1] != k.shape[1]
+    if q_pos is None and q_doc is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if q_pos is None:
+        q_pos = kv_pos = torch.arange(q.shape[2], device=q.device).expand(q.shape[0], -1)
     mask = kv_pos.unsqueeze(1) <= q_pos.unsqueeze(2)  # [B, Sq, Skv]
     if q_doc is not None:
         mask = mask & (kv_doc.unsqueeze(1) == q_doc.unsqueeze(2))
-    n_rep = q.shape[1] // k.shape[1]
-    if n_rep > 1:
-        k = k.repeat_interleave(n_rep, dim=1)
-        v = v.repeat_interleave(n_rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=gqa)
 
 
 # --------------------------------------------------------------------------------------------

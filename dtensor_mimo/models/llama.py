@@ -102,7 +102,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        sequence_index: torch.Tensor,
+        sequence_index: torch.Tensor | None,
         document_ids: torch.Tensor | None,
     ) -> torch.Tensor:
         # -1: the number of heads this rank holds (all of them, or a tensor-parallel shard);
@@ -150,7 +150,7 @@ class TransformerBlock(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        sequence_index: torch.Tensor,
+        sequence_index: torch.Tensor | None,
         document_ids: torch.Tensor | None,
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, sequence_index, document_ids)
@@ -206,8 +206,9 @@ class Llama(nn.Module):
             document_ids: `[B, S]` document id of each token of a packed row; attention is then
                 causal within a document and blind across documents. Default: one document.
             sequence_index: `[B, S]` each row's column in the full, unsharded sequence; it decides
-                causality. Default: `0..S-1`. Under context parallelism a rank holds a subset of
-                the columns and passes their global indices here.
+                causality. Default: `0..S-1` (plain rows: the attention core may use a causal
+                kernel with no mask). Under context parallelism a rank holds a subset of the
+                columns and passes their global indices here.
 
         Returns:
             `[B, S, vocab_size]` logits, or hidden states `[B, S, dim]` when `output` is None
@@ -220,10 +221,9 @@ class Llama(nn.Module):
                 raise ValueError("Llama.forward: pass token ids `tokens` or embeddings `h`")
             h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         b, s = h.shape[0], h.shape[1]
-        if sequence_index is None:
-            sequence_index = torch.arange(s, device=h.device).expand(b, s)
         if positions is None:
-            positions = sequence_index
+            positions = (torch.arange(s, device=h.device).expand(b, s) if sequence_index is None
+                         else sequence_index)
         # One set of angles for all layers.
         rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
 

@@ -8,12 +8,14 @@ dp with gradients summed, optional per-block torch.compile.
 | language.py         | the Llama decoder: `parallelize_llama`                           |
 | encoders.py         | ViT / audio: `parallelize_encoder`; `parallelize_projection`     |
 | fsdp.py             | `apply_fsdp` (sum over dp), `allreduce_gradients`                |
+| checkpointing.py    | `checkpoint_blocks`: activation checkpointing per block          |
 | compile.py          | `compile_blocks`                                                 |
-| stack.py            | `parallelize_stack`: tp, then per-block compile, then FSDP2      |
+| stack.py            | `parallelize_stack`: tp, checkpointing, compile, then FSDP2      |
 | apply.py            | `parallelize_module_for`: dispatch on the module kind            |
 """
 
 from dtensor_mimo.parallelize.apply import parallelize_module_for
+from dtensor_mimo.parallelize.checkpointing import checkpoint_blocks
 from dtensor_mimo.parallelize.compile import compile_blocks
 from dtensor_mimo.parallelize.encoders import parallelize_encoder, parallelize_projection
 from dtensor_mimo.parallelize.fsdp import allreduce_gradients, apply_fsdp
@@ -25,6 +27,7 @@ __all__ = [
     "ParallelOptions",
     "allreduce_gradients",
     "apply_fsdp",
+    "checkpoint_blocks",
     "compile_blocks",
     "parallelize_encoder",
     "parallelize_llama",

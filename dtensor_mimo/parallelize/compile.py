@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 
-def compile_blocks(blocks: nn.ModuleDict, backend: str = "inductor") -> None:
+def compile_blocks(blocks: nn.ModuleDict, backend: str = "inductor", skip: set[str] = frozenset()) -> None:
     """Compile each block in place with `nn.Module.compile`.
 
     In-place compilation (rather than wrapping in an `OptimizedModule`) keeps parameter names free

@@ -64,7 +64,7 @@ class LanguageStage(nn.Module):
         self.feed, self.special_token_ids, self.normalizer = feed, dict(special_token_ids), normalizer
 
     def forward(self, x: torch.Tensor, *, microbatch: int, positions: torch.Tensor | None,
-                document_ids: torch.Tensor | None, sequence_index: torch.Tensor,
+                document_ids: torch.Tensor | None, sequence_index: torch.Tensor | None,
                 labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         """`x`: token ids ``[b, S]`` on the first stage, else the previous stage's hidden states.
         Returns hidden states, or on the last stage this microbatch's loss share (its greedy
@@ -89,11 +89,13 @@ class LanguageStage(nn.Module):
 
 def stage_inputs(mb: MimoBatch, cp_size: int, cp_rank: int) -> tuple[torch.Tensor, dict[str, Any]]:
     """A language rank's microbatch as `LanguageStage` arguments: the full token rows (the first
-    stage embeds them, then cuts its cp chunk) and this cp rank's chunk of everything else."""
+    stage embeds them, then cuts its cp chunk) and this cp rank's chunk of everything else.
+    Without cp the rows are plain (``sequence_index`` None: a causal kernel, no mask)."""
     chunk = shard_for_cp(cp_size, cp_rank, labels=mb.labels, loss_mask=mb.loss_mask,
                          positions=mb.positions, document_ids=mb.document_ids)
     return mb.tokens, dict(positions=chunk.positions, document_ids=chunk.document_ids,
-                           sequence_index=chunk.sequence_index, labels=chunk.labels, loss_mask=chunk.loss_mask)
+                           sequence_index=chunk.sequence_index if cp_size > 1 else None,
+                           labels=chunk.labels, loss_mask=chunk.loss_mask)
 
 
 def llama_stage(llama: Llama, layers: range, first: bool, last: bool) -> Llama:

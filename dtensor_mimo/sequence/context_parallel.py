@@ -68,14 +68,17 @@ class ContextParallelAttention:
         k: torch.Tensor,
         v: torch.Tensor,
         *,
-        q_pos: torch.Tensor,
-        kv_pos: torch.Tensor,
+        q_pos: torch.Tensor | None,
+        kv_pos: torch.Tensor | None,
         q_doc: torch.Tensor | None = None,
         kv_doc: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if (q_doc is None) != (kv_doc is None):
             # Checked before communicating, so every rank fails the same way instead of hanging.
             raise ValueError("ContextParallelAttention: pass both q_doc and kv_doc, or neither")
+        if self.cp > 1 and (q_pos is None or kv_pos is None):
+            raise ValueError("ContextParallelAttention: a cp rank holds a subset of the columns; pass "
+                             "their global indices (Llama's sequence_index, see shard_for_cp)")
         if self.cp == 1:
             return causal_attention(q, k, v, q_pos=q_pos, kv_pos=kv_pos, q_doc=q_doc, kv_doc=kv_doc)
 

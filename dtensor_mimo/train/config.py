@@ -69,6 +69,7 @@ class ModuleOptions:
     compile: bool = True
     compile_backend: str = "inductor"
     reshard_after_forward: bool = True
+    activation_checkpointing: int = 0
 
 
 @dataclass
@@ -225,8 +226,23 @@ class TrainerConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def describe(self) -> str:
+        """The resolved config, one line per section (printed at start)."""
+        lines = []
+
+        def walk(obj: Any, prefix: str) -> None:
+            scalars = []
+            for f in dataclasses.fields(obj):
+                value = getattr(obj, f.name)
+                if dataclasses.is_dataclass(value):
+                    walk(value, f"{prefix}{f.name}.")
+                else:
+                    scalars.append(f"{f.name}={value!r}")
+            if scalars:
+                lines.append(f"  {prefix.rstrip('.')}: " + " ".join(scalars))
+
+        walk(self, "")
+        return "config:\n" + "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------- reading values
@@ -436,8 +452,14 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"optimizer.betas = {config.optimizer.betas}: expected two numbers in [0, 1)")
 
     layout = build_layout(config, world_size)  # with world_size: no rank left over, none missing
+    from dtensor_mimo.parallelize import ParallelOptions
+
     for name in MODULES:
         par = layout.parallelism(name)
+        try:
+            ParallelOptions(**dataclasses.asdict(getattr(config.options, name))).check_for(name, par.tp)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"options.{name}: {e}") from None
         if name != "language" and (par.cp > 1 or par.pp > 1):
             raise ConfigError(f"layout.{name}: pp={par.pp}, cp={par.cp}: encoders take pp = 1 and cp = 1 "
                               "in the trainer (their evaluation runs unpipelined)")

@@ -270,6 +270,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def run(self) -> float:
         c = self.config
+        self.log.print(c.describe())
         self.log.print(self.layout.describe())
         params = {n: sum(p.numel() for p in m.parameters()) for n, m in self.modules.items()}
         self.log.print("parameters: " + ", ".join(f"{n} {v:,}" for n, v in params.items()) +
