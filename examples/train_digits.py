@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from dtensor_mimo.assemble import assemble, embed_text
 from dtensor_mimo.data import (
     IGNORE_INDEX,
-    TEXT_VOCAB,
     DigitsDataset,
     DigitsTask,
     MimoBatch,
@@ -44,13 +43,11 @@ from dtensor_mimo.models import (
     ViT,
     ViTConfig,
 )
+from dtensor_mimo.train.config import TrainerConfig
+from dtensor_mimo.train.trainer import model_configs
 
-LLAMA = LlamaConfig(vocab_size=len(TEXT_VOCAB), dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                    ffn_hidden=128, max_seq_len=64)
-VISION = ViTConfig(image_size=8, patch_size=4, in_channels=1, dim=48, n_layers=2, n_heads=4,
-                   mlp_hidden=96)
-AUDIO = AudioConfig(n_mels=16, max_frames=16, conv_strides=(2, 2), dim=48, n_layers=2, n_heads=4,
-                    mlp_hidden=96)
+# The trainer's default digits model (`python -m dtensor_mimo.train`), rows up to 64 tokens.
+LLAMA, VISION, AUDIO = model_configs(TrainerConfig(), seq_len=64)
 
 
 class DigitsModel(torch.nn.Module):

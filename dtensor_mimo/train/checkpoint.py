@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import zlib
 from typing import Any, Mapping
 
 import torch
@@ -152,8 +153,28 @@ def _short(items: list[str], limit: int = 8) -> str:
 def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
          expected: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
     """Load the checkpoint at `path` into this rank's shards of `model` and `optimizer`, whatever
-    layout it was saved under; returns the trainer state. Call on every rank."""
-    check_checkpoint(path, expected)
+    layout it was saved under; returns the trainer state. Call on every rank.
+
+    Before DCP's collectives, one small all-reduce makes every rank agree: if any rank cannot
+    read the checkpoint, finds it mismatched, or chose another path (e.g. a file system that is
+    not shared), all of them raise instead of leaving the others waiting in `dcp.load`."""
+    problem = None
+    try:
+        check_checkpoint(path, expected)
+    except CheckpointError as e:
+        problem = e
+    name = zlib.crc32(os.path.abspath(path).encode())
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    votes = torch.tensor([float(problem is not None), name, -name], dtype=torch.float64, device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+    votes = votes.tolist()
+    if problem is not None:
+        raise problem
+    if votes[0]:
+        raise CheckpointError(f"loading {path}: another rank could not use its checkpoint (its error says why)")
+    if votes[1] != -votes[2]:
+        raise CheckpointError(f"loading {path}: the ranks chose different checkpoint paths; put "
+                              "checkpoint.dir on a file system every rank sees")
     meta = FileSystemReader(path).read_metadata().state_dict_metadata
     state = _state(model, optimizer, {})
     rng, world = f"rng.{dist.get_rank()}", dist.get_world_size()

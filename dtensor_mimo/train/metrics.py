@@ -14,7 +14,6 @@ import time
 from typing import Any, Mapping, TextIO
 
 import torch
-from torch import nn
 
 # Peak dense bf16 TFLOP/s per GPU, for MFU when `metrics.peak_tflops` is not given.
 _PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
@@ -36,16 +35,6 @@ def transformer_flops(params: int, tokens: int, layers: int, dim: int, seq: int,
     counted dense) for forward; backward doubles both when the module trains."""
     forward = 2.0 * params * tokens + 4.0 * layers * seq * dim * tokens
     return forward * (3 if trained else 1)
-
-
-def module_flops(module: nn.Module, tokens: int, layers: int, dim: int, seq: int) -> float:
-    """`transformer_flops` of `module`, split into its frozen part (forward only) and the rest."""
-    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
-    attention_trains = trained > frozen  # the tower (with the attention) trains
-    return (transformer_flops(trained, tokens, 0, dim, seq, True)
-            + transformer_flops(frozen, tokens, 0, dim, seq, False)
-            + transformer_flops(0, tokens, layers, dim, seq, attention_trains))
 
 
 class MetricsLogger:

@@ -231,7 +231,10 @@ class Trainer:
     def restore(self) -> None:
         """Resume from `checkpoint.dir`'s latest checkpoint, else start from `checkpoint.load`."""
         c = self.config.checkpoint
-        path = (checkpoint.latest_checkpoint(c.dir) if c.dir else None) or c.load
+        # Rank 0 picks; every rank then loads the same path or raises together (`checkpoint.load`).
+        chosen = [((checkpoint.latest_checkpoint(c.dir) if c.dir else None) or c.load) if self.rank == 0 else None]
+        dist.broadcast_object_list(chosen, src=0)
+        path = chosen[0]
         if path is None:
             return
         state = checkpoint.load(path, self.model, self.optimizer, self.expected_keys)
