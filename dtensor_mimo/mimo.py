@@ -38,10 +38,15 @@ from dtensor_mimo.models import Llama, ModalityEncoder
 from dtensor_mimo.parallelize import (
     ParallelOptions,
     allreduce_gradients,
-    apply_fsdp,
+    apply_data_parallel,
+    average_tp_replicated_gradients,
+    compute_dtype,
+    first_differing_replica,
     parallelize_encoder,
     parallelize_llama,
     parallelize_projection,
+    tp_replicated,
+    uses_fsdp,
 )
 from dtensor_mimo.schedule import (
     ZERO_BUBBLE_SCHEDULES,
@@ -150,24 +155,35 @@ class MimoModel(nn.Module):
         # Encoders on ranks of their own overlap their microbatches with the language model's;
         # an encoder sharing ranks with it (or a frozen one) takes the colocated three phases.
         self.overlapped = _overlapped(layout, language_name, encoders)
-        self.dtype = language.tok_embeddings.weight.dtype  # what crosses the bridge
+        # What crosses the bridge: the language model's compute dtype (bf16 under mixed precision).
+        self.dtype = compute_dtype(self.options[language_name], language)
+        # Modules built on the meta device: parallelized there, then only this rank's shards are
+        # allocated (uninitialized until `init_weights` or a checkpoint load).
+        self.uninitialized = {n for n, m in [*encoders.items(), (language_name, language)] if _on_meta(m)}
+        roots: list[nn.Module] = []  # the FSDP roots of this rank's modules (what `to_empty` needs)
 
         self.encoders = nn.ModuleDict()
         self.encoder_pipelines: dict[str, EncoderPipeline] = {}  # this rank's stage of pp > 1 encoders
         for name, module in encoders.items():
             if layout.is_member(name, self.rank):
-                self.encoders[name] = self._parallelize_encoder(name, module.to(self.device))
+                self.encoders[name], root = self._parallelize_encoder(name, self._to_device(module))
+                roots.append(root)
         self.language: LanguageStage | None = None  # unpipelined: one stage, first and last
         self.language_pipeline: LanguagePipeline | None = None
         self.language_stages = nn.ModuleList()  # pipelined: this rank's stages (registered)
         if layout.is_member(language_name, self.rank):
             if self.pipeline is None:
-                self.language = self._parallelize_language(language.to(self.device))
+                self.language = self._parallelize_language(self._to_device(language))
+                roots.append(self.language)
             else:
                 self.language_pipeline = LanguagePipeline(
-                    layout, language_name, language.to(self.device), self.options[language_name],
+                    layout, language_name, self._to_device(language), self.options[language_name],
                     self.pipeline, self.device)
                 self.language_stages = self.language_pipeline.stages  # registered: .parameters()
+                roots.extend(self.language_stages)
+        for root in roots:
+            if any(p.is_meta for p in root.parameters()):
+                root.to_empty(device=self.device)
         self._grad_placements = (Replicate(), Shard(0), Partial() if lang.cp > 1 else Replicate(),
                                  Replicate())
 
@@ -175,9 +191,14 @@ class MimoModel(nn.Module):
     def _meshes(self, name: str):
         return self.layout.mesh(name, "tp"), self.layout.mesh(name, ("dp", "cp"))
 
-    def _parallelize_encoder(self, name: str, module: ModalityEncoder) -> ModalityEncoder:
-        """tp/compile on the encoder and projection, then FSDP2 on the pair (pp = 1) or on this
-        rank's pipeline stage of it (pp > 1: the stage keeps only its parts, names unchanged)."""
+    def _to_device(self, module: nn.Module) -> nn.Module:
+        """A module on this rank's device; a meta module stays on meta until parallelized."""
+        return module if _on_meta(module) else module.to(self.device)
+
+    def _parallelize_encoder(self, name: str, module: ModalityEncoder) -> tuple[ModalityEncoder, nn.Module]:
+        """tp/compile on the encoder and projection, then FSDP2 (or autocast) on the pair
+        (pp = 1) or on this rank's pipeline stage of it (pp > 1: the stage keeps only its parts,
+        names unchanged); returns the module and the root FSDP2 was applied to."""
         options, pp = self.options[name], self.layout.parallelism(name).pp
         tp_mesh, dp_mesh = self._meshes(name)
         root: nn.Module = module
@@ -185,7 +206,7 @@ class MimoModel(nn.Module):
             s = self.layout.coordinate(name, self.rank)["pp"]
             keep_encoder_stage(module, stage_layers(len(module.encoder.layers), pp, module=name)[s],
                                s == 0, s == pp - 1)
-            root = EncoderStage(module, s == 0, s == pp - 1, self.dtype)
+            root = EncoderStage(module, s == 0, s == pp - 1, self.dtype, compute_dtype(options, module))
             self.encoder_pipelines[name] = EncoderPipeline(
                 name, root, s, pp, self.layout.mesh(name, "pp").get_group(), module.encoder.config.dim,
                 self.device)
@@ -193,10 +214,9 @@ class MimoModel(nn.Module):
         parallelize_encoder(module.encoder, tp_mesh, dp_mesh, no_fsdp)
         if module.projection is not None:
             parallelize_projection(module.projection, tp_mesh, dp_mesh, no_fsdp)
-        if options.fsdp and dp_mesh.size() > 1:
-            blocks = [*module.encoder.layers.values(), *([module.projection] if module.projection else [])]
-            apply_fsdp(root, dp_mesh, blocks, options.reshard_after_forward)
-        return module
+        blocks = [*module.encoder.layers.values(), *([module.projection] if module.projection else [])]
+        apply_data_parallel(root, dp_mesh, blocks, options)
+        return module, root
 
     def _parallelize_language(self, llama: Llama) -> LanguageStage:
         name, options = self.language_name, self.options[self.language_name]
@@ -206,9 +226,50 @@ class MimoModel(nn.Module):
             llama.set_attention_fn(ContextParallelAttention(self.layout.mesh(name, "cp")))
         parallelize_llama(llama, tp_mesh, dp_mesh, dataclasses.replace(options, fsdp=False))
         step = LanguageStage(llama, True, True, cp, self.layout.coordinate(name, self.rank)["cp"])
-        if options.fsdp and dp_mesh.size() > 1:
-            apply_fsdp(step, dp_mesh, list(llama.layers.values()), options.reshard_after_forward)
+        apply_data_parallel(step, dp_mesh, list(llama.layers.values()), options)
         return step
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def init_weights(self, seeds: Mapping[str, int]) -> None:
+        """Initialize each module from its seed, ``{"language": 0, "vision": 10, ...}`` (every
+        module of the model; call on every rank). Each rank fills only its own shards, with the
+        values the module's own ``init_weights(seed)`` gives the full single-process module
+        (`dtensor_mimo.models.init_weights`), so a meta-built model matches the reference."""
+        missing = [n for n in self.module_names if n not in seeds]
+        unknown = [n for n in seeds if n not in self.module_names]
+        if missing or unknown:
+            raise ValueError(f"MimoModel.init_weights: seeds for {list(seeds)}; the model's modules are "
+                             f"{self.module_names} (missing {missing}, unknown {unknown})")
+        for name in self.encoders:
+            self.encoders[name].init_weights(seeds[name])
+        stages = [self.language] if self.language is not None else list(self.language_stages)
+        for stage in stages:
+            stage.llama.init_weights(seeds[self.language_name])
+        self.uninitialized.clear()
+
+    def check_replicas(self) -> None:
+        """Debug check (call on every rank): every parameter copy that should be identical — over
+        tp for the parameters tp leaves whole, over dp·cp for modules without FSDP2 — is bitwise
+        equal; raises on every rank, naming the module and the first parameter that differs.
+        Costs two all-reduces of the parameters per mesh, and one world all-reduce."""
+        problems = []
+        for name in self.module_names:
+            params = self.module_parameters(name)
+            if not params:
+                continue
+            tp_mesh, dp_mesh = self._meshes(name)
+            checks = [("tp", tp_mesh, {n: p for n, p in params.items() if tp_replicated(p)})]
+            if not uses_fsdp(self.options[name], dp_mesh):
+                checks.append(("dp·cp", dp_mesh, params))
+            for dim, mesh, group in checks:
+                if (bad := first_differing_replica(group, mesh)) is not None:
+                    problems.append(f"module {name!r}: parameter {bad!r} differs over {dim}")
+        verdict = torch.tensor([float(bool(problems))], device=self.device)
+        dist.all_reduce(verdict)
+        if verdict.item():
+            raise RuntimeError("replicas differ: " + ("; ".join(problems) if problems else
+                                                      f"on {int(verdict.item())} other rank(s)"))
 
     # ------------------------------------------------------------------ queries
     @property
@@ -241,6 +302,7 @@ class MimoModel(nn.Module):
         what happened; `train_step` raises it on every rank before the optimizer steps.
         """
         self.step_error = None
+        self._check_initialized()
         if self.pipeline is None:
             share = self(batch)
             if share.requires_grad:
@@ -268,6 +330,7 @@ class MimoModel(nn.Module):
         if self.pipeline is not None:
             raise RuntimeError("a pipelined MimoModel runs forward and backward together: call "
                                "model.forward_backward(batch) (or train_step) instead of model(batch)")
+        self._check_initialized()
         check_batch(self.layout, self.language_name, self.encoder_names, batch)
         names, ys = self._cross(batch)
         if self.language is None:
@@ -288,6 +351,7 @@ class MimoModel(nn.Module):
         Unpipelined even for a pipelined model (one microbatch; a language pipeline passes it
         stage to stage); encoders must have pp = 1. Costs one world all-reduce of ``B x S`` ids.
         """
+        self._check_initialized()
         check_batch(self.layout, self.language_name, self.encoder_names, batch)
         staged = [n for n in self.encoder_pipelines if n in batch.modalities]
         if staged:
@@ -358,11 +422,12 @@ class MimoModel(nn.Module):
         if name in self.encoders:
             par = self.layout.parallelism(name)
             items = shard(batch, par.dp, self.layout.coordinate(name, self.rank)["dp"]).modalities[name]
-            local = self.encoders[name](items.inputs.to(self.device))
+            local = self.encoders[name](items.inputs.to(self.device)).to(self.dtype)
         else:
-            # DTensor's empty shard off the mesh; it requires grad when the encoder trains, so that
-            # this rank's bridge node exists and joins the backward exchange.
-            local = torch.empty(0, device=self.device, requires_grad=self._trainable[name])
+            # DTensor's empty shard off the mesh, in the dtype that crosses (the receive buffers are
+            # sized from it); it requires grad when the encoder trains, so that this rank's bridge
+            # node exists and joins the backward exchange.
+            local = torch.empty(0, dtype=self.dtype, device=self.device, requires_grad=self._trainable[name])
         return DTensor.from_local(local, self.layout.mesh(name), TOKEN_PLACEMENTS, run_check=False,
                                   shape=torch.Size(shape), stride=(self.dim, 1))
 
@@ -386,6 +451,12 @@ class MimoModel(nn.Module):
         self._shapes_checked.update(names)
         return names, ys
 
+    def _check_initialized(self) -> None:
+        if self.uninitialized:  # the same set on every rank: every rank raises
+            raise RuntimeError(f"modules {sorted(self.uninitialized)} were built on the meta device and hold "
+                               "uninitialized memory: call model.init_weights({module: seed, ...}) or load a "
+                               "checkpoint first")
+
     def _coord(self) -> dict[str, int]:
         return self.layout.coordinate(self.language_name, self.rank)
 
@@ -406,19 +477,27 @@ class MimoModel(nn.Module):
         """
         for name in self.module_names:
             params = self.module_parameters(name)
-            dp_mesh = self._meshes(name)[1] if params else None
-            if params and not (self.options[name].fsdp and dp_mesh.size() > 1):
+            if not params:
+                continue
+            tp_mesh, dp_mesh = self._meshes(name)
+            options = self.options[name]
+            if not uses_fsdp(options, dp_mesh):
                 if name != self.language_name:
                     module = self.encoders[name]
                 elif self.language_pipeline is not None:
                     module = self.language_pipeline.stages
                 else:
                     module = self.language.llama
-                allreduce_gradients(module, dp_mesh)
+                allreduce_gradients(module, dp_mesh, options.gradient_reduce_dtype)
+            average_tp_replicated_gradients(params, tp_mesh)
             for param in params.values():
                 grad = param.grad
                 if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
                     param.grad = grad.redistribute(grad.device_mesh, param.placements)
+
+
+def _on_meta(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
 
 
 def _check_model(layout: MimoLayout, language: Llama, encoders: Mapping[str, ModalityEncoder],

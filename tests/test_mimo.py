@@ -1,5 +1,8 @@
 """The whole MIMO training step on heterogeneous layouts against a single-process reference.
 
+Cases marked "meta" build their modules on the meta device and initialize them after
+parallelizing (`MimoModel.init_weights`): each rank only ever holds its own shards.
+
 The reference runs in the pytest process: the same modules from the same seeds, the same three
 global batches, plain autograd, `torch.nn.utils.clip_grad_norm_` over every parameter and one
 AdamW per module. The distributed run uses `MimoModel` + `train_step` on every rank. Per step we
@@ -12,16 +15,19 @@ two documents each (positions restart, attention stays inside a document).
 |---------------|--------------------|---------------|-------------------------|-------|--------|------------------------------|
 | fan_in        | dp2 (0-1)          | -             | dp1 (2)                 | 3     | no     | vision FSDP2                 |
 | fan_out       | dp1 (0)            | -             | dp2 (1-2)               | 3     | no     | LLM without FSDP (all-reduce)|
-| tp_sp         | dp2 (0-1)          | -             | tp2 + sp (2-3)          | 4     | no     |                              |
+| tp_sp         | dp2 (0-1)          | -             | tp2 + sp (2-3)          | 4     | no     | meta                         |
 | coloc_fan_in  | dp4 (0-3)          | -             | tp2·dp2 (0-3)           | 4     | no     | colocated                    |
-| coloc_tp      | tp2·dp2 + sp (0-3) | -             | tp4 (0-3)               | 4     | no     | colocated, tp change         |
-| cp            | dp2 (0-1)          | -             | cp2 (2-3)               | 4     | yes    |                              |
+| coloc_tp      | tp2·dp2 + sp (0-3) | -             | tp4 (0-3)               | 4     | no     | colocated, tp change, meta, gathered logits |
+| cp            | dp2 (0-1)          | -             | cp2 (2-3)               | 4     | yes    | meta                         |
 | two_encoders  | dp2 (0-1)          | dp2 (0-1)     | dp2 (2-3)               | 4     | no     | shared ranks; audio all-reduce |
-| coloc_cp_sp   | dp4 (0-3)          | -             | tp2·cp2 + sp (0-3)      | 4     | yes    | colocated                    |
+| coloc_cp_sp   | dp4 (0-3)          | -             | tp2·cp2 + sp (0-3)      | 4     | yes    | colocated, meta              |
 | frozen_vit    | dp2 (0-1), ViT frozen | -          | dp1 (2)                 | 3     | no     | only the projection trains   |
 | frozen_vision | dp4 (0-3), frozen  | -             | tp2·dp2 (0-3)           | 4     | no     | colocated; no backward bridge|
 | checkpointed  | dp2 (0-1), AC all, compiled | -    | tp2 + sp (2-3), AC 1/2  | 4     | no     | activation checkpointing     |
-| eight         | dp3 (0-2)          | dp1 (3)       | tp2·dp2 + sp (4-7)      | 8     | yes    | dp3 -> dp2, compiled blocks  |
+| eight         | dp3 (0-2)          | dp1 (3)       | tp2·dp2 + sp (4-7)      | 8     | yes    | dp3 -> dp2, compiled blocks, meta |
+
+With tp the language model's logits stay sharded over the vocabulary (loss_parallel) unless the
+case says "gathered logits".
 """
 
 from __future__ import annotations
@@ -60,8 +66,7 @@ from dtensor_mimo.models import (
 )
 from tests.harness import run_on_ranks
 
-STEPS = 3
-SEEDS = (11, 12, 13)  # one global batch per step
+FIRST_SEED = 11  # step i's global batch comes from seed FIRST_SEED + i
 # Adam's eps bounds how much last-ulp gradient differences (sums reordered by sharding) move a
 # weight: update error <= lr * grad error / eps. A small max norm makes clipping engage. Every
 # parameter decays (no_decay=None), as in the reference's plain AdamW (tests/test_optimizer.py
@@ -86,7 +91,9 @@ class Case:
     pipeline: PipelineConfig | None = None
     batch_size: int = 5
     n_layers: int = 2  # of the language model
-    seq_lens: tuple[int, ...] = (64, 64, 64)  # of the three steps' batches
+    seq_lens: tuple[int, ...] = (64, 64, 64)  # one batch per step, of these lengths
+    meta: bool = False  # modules built on the meta device, then `MimoModel.init_weights`
+    distinct_batches: int | None = None  # cycle through this many batches (None: all distinct)
 
     @property
     def encoders(self) -> tuple[str, ...]:
@@ -102,17 +109,19 @@ CASES = {
     "fan_in": Case({"vision": P(dp=2), "language": P()}),
     "fan_out": Case({"vision": P(), "language": P(dp=2)},
                     options={"language": ParallelOptions(fsdp=False)}),
-    "tp_sp": Case({"vision": P(dp=2), "language": P(tp=2)}, options={"language": SP}),
+    "tp_sp": Case({"vision": P(dp=2), "language": P(tp=2)}, options={"language": SP}, meta=True),
     "coloc_fan_in": Case({"vision": P(dp=4), "language": P(dp=2, tp=2)},
                          offsets={"vision": 0, "language": 0}),
     "coloc_tp": Case({"vision": P(dp=2, tp=2), "language": P(tp=4)},
-                     offsets={"vision": 0, "language": 0}, options={"vision": SP}),
-    "cp": Case({"vision": P(dp=2), "language": P(cp=2)}, packed=True),
+                     offsets={"vision": 0, "language": 0}, meta=True,
+                     options={"vision": SP, "language": ParallelOptions(loss_parallel=False)}),
+    "cp": Case({"vision": P(dp=2), "language": P(cp=2)}, packed=True, meta=True),
     "two_encoders": Case({"vision": P(dp=2), "audio": P(dp=2), "language": P(dp=2)},
                          offsets={"vision": 0, "audio": 0, "language": 2},
                          options={"audio": ParallelOptions(fsdp=False)}),
     "coloc_cp_sp": Case({"vision": P(dp=4), "language": P(cp=2, tp=2)},
-                        offsets={"vision": 0, "language": 0}, options={"language": SP}, packed=True),
+                        offsets={"vision": 0, "language": 0}, options={"language": SP}, packed=True,
+                        meta=True),
     "frozen_vit": Case({"vision": P(dp=2), "language": P()}, frozen=("vision.encoder",)),
     "frozen_vision": Case({"vision": P(dp=4), "language": P(dp=2, tp=2)}, offsets={"vision": 0, "language": 0},
                           frozen=("vision",)),
@@ -122,33 +131,41 @@ CASES = {
                                   "language": ParallelOptions(sp=True, activation_checkpointing=2)}),
     "eight": Case({"vision": P(dp=3), "audio": P(), "language": P(dp=2, tp=2)},
                   options={"language": ParallelOptions(sp=True, compile=True, compile_backend="aot_eager")},
-                  packed=True),
+                  packed=True, meta=True),
 }
 
 
 # ------------------------------------------------------------------ shared by both runs
 
 
-def _modules(encoders: tuple[str, ...], frozen: tuple[str, ...] = (),
-             n_layers: int = 2) -> tuple[Llama, dict[str, ModalityEncoder]]:
-    llama = Llama(dataclasses.replace(LLAMA, n_layers=n_layers))
-    llama.init_weights(1)
-    built = {}
-    for i, name in enumerate(encoders):
-        encoder = ViT(VISION) if name == "vision" else AudioEncoder(AUDIO)
-        built[name] = ModalityEncoder(encoder, Projection(32, LLAMA.dim, hidden_dim=64))
-        built[name].init_weights(100 * (i + 1))
-        for pname, p in built[name].named_parameters():
+def _seeds(encoders: tuple[str, ...]) -> dict[str, int]:
+    return {"language": 1, **{name: 100 * (i + 1) for i, name in enumerate(encoders)}}
+
+
+def _modules(encoders: tuple[str, ...], frozen: tuple[str, ...] = (), n_layers: int = 2,
+             meta: bool = False) -> tuple[Llama, dict[str, ModalityEncoder]]:
+    """The modules, initialized from `_seeds` (meta: left uninitialized on the meta device)."""
+    seeds = _seeds(encoders)
+    with torch.device("meta" if meta else "cpu"):
+        llama = Llama(dataclasses.replace(LLAMA, n_layers=n_layers))
+        built = {name: ModalityEncoder(ViT(VISION) if name == "vision" else AudioEncoder(AUDIO),
+                                       Projection(32, LLAMA.dim, hidden_dim=64)) for name in encoders}
+    for name, module in [("language", llama), *built.items()]:
+        if not meta:
+            module.init_weights(seeds[name])
+        for pname, p in module.named_parameters():
             if f"{name}.{pname}".startswith(frozen):
                 p.requires_grad_(False)
     return llama, built
 
 
-def _batches(encoders: tuple[str, ...], packed: bool, batch_size: int = 5, seq_lens=(64, 64, 64)):
+def _batches(encoders: tuple[str, ...], packed: bool, batch_size: int = 5, seq_lens=(64, 64, 64),
+             distinct: int | None = None):
     spec = SyntheticSpec.tiny(modalities={n: MODALITIES[n] for n in encoders},
                               documents_per_row=2 if packed else 1, batch_size=batch_size,
                               text_only_samples=max(1, batch_size // 4))
-    return [synthetic_batch(dataclasses.replace(spec, seq_len=s), seed) for seed, s in zip(SEEDS, seq_lens)]
+    return [synthetic_batch(dataclasses.replace(spec, seq_len=s), FIRST_SEED + i % (distinct or len(seq_lens)))
+            for i, s in enumerate(seq_lens)]
 
 
 # ------------------------------------------------------------------ single-process reference
@@ -156,19 +173,23 @@ def _batches(encoders: tuple[str, ...], packed: bool, batch_size: int = 5, seq_l
 
 @functools.lru_cache(maxsize=None)
 def _reference(encoders: tuple[str, ...], packed: bool, frozen: tuple[str, ...], batch_size: int = 5,
-               n_layers: int = 2, seq_lens: tuple[int, ...] = (64, 64, 64)) -> list[dict]:
+               n_layers: int = 2, seq_lens: tuple[int, ...] = (64, 64, 64),
+               autocast: torch.dtype | None = None, distinct: int | None = None) -> list[dict]:
+    """The single-process run; `autocast`: its forward under ``torch.autocast("cpu", autocast)``
+    (the mixed precision reference), the loss in fp32."""
     llama, encs = _modules(encoders, frozen, n_layers)
     modules = {**encs, "language": llama}
     opts = {n: torch.optim.AdamW(m.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps,
                                  weight_decay=OPT.weight_decay) for n, m in modules.items()}
     records = []
-    for batch in _batches(encoders, packed, batch_size, seq_lens):
+    for batch in _batches(encoders, packed, batch_size, seq_lens, distinct):
         ids = batch.special_token_ids
-        rows = {n: encs[n](m.inputs) for n, m in batch.modalities.items()}
-        h = assemble(embed_text(llama.tok_embeddings, batch.tokens, ids), batch.tokens, rows, ids)
-        logits = llama(h=h, positions=batch.positions, document_ids=batch.document_ids)
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            rows = {n: encs[n](m.inputs) for n, m in batch.modalities.items()}
+            h = assemble(embed_text(llama.tok_embeddings, batch.tokens, ids), batch.tokens, rows, ids)
+            logits = llama(h=h, positions=batch.positions, document_ids=batch.document_ids)
         weight = torch.where(batch.labels == IGNORE_INDEX, 0.0, batch.loss_mask).flatten()
-        ce = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(),
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(),
                              ignore_index=IGNORE_INDEX, reduction="none")
         loss = (ce * weight).sum() / weight.sum()
         loss.backward()
@@ -200,15 +221,33 @@ def _record(loss: float, norm: float, params: dict[str, dict[str, torch.Tensor]]
 # ------------------------------------------------------------------ distributed run
 
 
+def _check_meta_built(model: MimoModel, case: Case) -> None:
+    """Every parameter is materialized, and under FSDP2 as a shard smaller than the whole
+    (nothing of a module off its mesh: `module_parameters` is empty there); training refuses
+    the uninitialized weights on every rank, and `init_weights` fills them."""
+    for name in model.module_names:
+        par, fsdp = case.modules[name], case.options.get(name, ParallelOptions()).fsdp
+        for pname, p in model.module_parameters(name).items():
+            assert not p.is_meta, f"{name}.{pname} was left on the meta device"
+            if fsdp and par.dp * par.cp > 1 and p.numel() >= par.dp * par.cp:
+                assert isinstance(p, DTensor) and p.to_local().numel() < p.numel(), \
+                    f"{name}.{pname}: a full copy on an FSDP rank"
+    with pytest.raises(RuntimeError, match="meta device"):
+        model.forward_backward(_batches(case.encoders, case.packed, case.batch_size, case.seq_lens[:1])[0])
+    model.init_weights(_seeds(case.encoders))
+
+
 def _distributed(case: Case) -> list[dict] | None:
     layout = case.layout()
     layout.init_meshes("cpu")
-    llama, encs = _modules(case.encoders, case.frozen, case.n_layers)
+    llama, encs = _modules(case.encoders, case.frozen, case.n_layers, case.meta)
     model = MimoModel(layout, llama, encs, options=case.options, pipeline=case.pipeline)
+    if case.meta:
+        _check_meta_built(model, case)
     optimizer = MimoOptimizer(model, OPT)
     rank = dist.get_rank()
     records = []
-    for batch in _batches(case.encoders, case.packed, case.batch_size, case.seq_lens):
+    for batch in _batches(case.encoders, case.packed, case.batch_size, case.seq_lens, case.distinct_batches):
         metrics = train_step(model, optimizer, batch)
         assert not metrics.skipped
         # Every module's ranks gather its full gradients and weights; the first rank of each of

@@ -353,6 +353,42 @@ def test_plain_rows_take_the_causal_kernel_with_the_masked_result():
         causal_attention(q, k, v, q_pos=pos, kv_pos=None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["causal", "packed", "cp_chunk", "gqa_packed_cp"])
+def test_chunked_masked_attention_matches_explicit_mask(monkeypatch, kind: str, dtype: torch.dtype):
+    """The masked path in query chunks of 5 rows (recomputed in backward) against one explicit
+    [Sq, Skv] mask over repeated heads, written out here: output and every input gradient."""
+    from dtensor_mimo.models import layers
+
+    monkeypatch.setattr(layers, "ATTENTION_QUERY_CHUNK", 5)
+    g = torch.Generator().manual_seed(1)
+    s, hq, hkv = 16, 4, (2 if kind.startswith("gqa") else 4)
+    kv_pos = torch.arange(s).expand(2, s)
+    docs = torch.cat([torch.zeros(7, dtype=torch.long), torch.ones(9, dtype=torch.long)]).expand(2, s)
+    # cp: this rank's zigzag chunk of the queries (columns 0-3 and 12-15) against every key
+    cols = torch.cat([torch.arange(4), torch.arange(12, 16)]) if "cp" in kind else torch.arange(s)
+    q_pos = kv_pos[:, cols]
+    q_doc, kv_doc = (docs[:, cols], docs) if "packed" in kind else (None, None)
+    q = torch.randn(2, hq, len(cols), 8, generator=g).to(dtype).requires_grad_()
+    k, v = (torch.randn(2, hkv, s, 8, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    out = causal_attention(q, k, v, q_pos=q_pos, kv_pos=kv_pos, q_doc=q_doc, kv_doc=kv_doc)
+    grad = torch.randn(out.shape, generator=g).to(dtype)
+    out.backward(grad)
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    mask = kv_pos.unsqueeze(1) <= q_pos.unsqueeze(2)
+    if q_doc is not None:
+        mask &= kv_doc.unsqueeze(1) == q_doc.unsqueeze(2)
+    scores = q64 @ k64.repeat_interleave(hq // hkv, 1).transpose(-1, -2) / 8 ** 0.5
+    expected = scores.masked_fill(~mask.unsqueeze(1), float("-inf")).softmax(-1) @ v64.repeat_interleave(hq // hkv, 1)
+    expected.backward(grad.double())
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=3e-2)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, **tol)
+    for name, got, want in (("q", q, q64), ("k", k, k64), ("v", v, v64)):
+        torch.testing.assert_close(got.grad.double(), want.grad, **tol, msg=lambda m: f"grad {name}: {m}")
+
+
 def shard_heads(attn: nn.Module, rank: int, tp: int) -> nn.Module:
     """The module a tensor-parallel rank holds: wq/wk/wv colwise (whole heads), wo rowwise,
     wo's bias left to be added once after the sum over ranks."""
@@ -413,6 +449,23 @@ def test_init_weights_depends_only_on_seed_and_names():
     assert torch.equal(whole.norm.weight, torch.ones(32))
     assert torch.equal(whole.layers["0"].ffn_norm.weight, torch.ones(32))
     assert abs(whole.output.weight.std().item() - 0.02) < 0.002  # 2048 samples
+
+
+def test_init_weights_draws_rows_in_independent_blocks(monkeypatch):
+    """With row blocks (small `INIT_BLOCK_ELEMENTS`), each block is its own draw — the weights
+    still look like one normal sample — and a parameter of one block is the same as before."""
+    from dtensor_mimo.models import layers
+
+    one_block = Llama(LlamaConfig.tiny())
+    one_block.init_weights(seed=3)
+    monkeypatch.setattr(layers, "INIT_BLOCK_ELEMENTS", 64)  # 2 rows of 32 per block
+    blocks = Llama(LlamaConfig.tiny())
+    blocks.init_weights(seed=3)
+    w = blocks.tok_embeddings.weight  # [64, 32]: 32 blocks
+    assert torch.equal(w[:2], one_block.tok_embeddings.weight[:2])  # block 0: the same generator
+    assert not torch.equal(w[2:], one_block.tok_embeddings.weight[2:])
+    assert not any(torch.equal(w[2 * i:2 * i + 2], w[2 * i + 2:2 * i + 4]) for i in range(31))
+    assert abs(w.std().item() - 0.02) < 0.002 and abs(w.mean().item()) < 0.002
 
 
 # ---------------------------------------------------------------------------------------------

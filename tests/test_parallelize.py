@@ -31,14 +31,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
-from dtensor_mimo import MimoLayout, Parallelism
+from dtensor_mimo import MimoLayout, MimoModel, Parallelism
+from dtensor_mimo.data import IGNORE_INDEX
+from dtensor_mimo.models import layers
 from dtensor_mimo.models import (
     AudioConfig,
     AudioEncoder,
     Llama,
     LlamaConfig,
+    ModalityEncoder,
     Projection,
     ViT,
     ViTConfig,
@@ -49,6 +52,7 @@ from dtensor_mimo.parallelize import (
     parallelize_module_for,
     sequence_sharded_input,
 )
+from dtensor_mimo.train.loss import vocab_parallel_cross_entropy
 from tests.harness import run_on_ranks
 
 SEED = 1234
@@ -134,7 +138,9 @@ def _batch(module: str) -> dict[str, torch.Tensor]:
 
 def _loss(out: torch.Tensor, batch: dict[str, torch.Tensor], rows: slice, global_count: int):
     """Sum over this rank's rows, divided by the global count (a share of the global mean)."""
-    if "labels" in batch:
+    if "labels" in batch and isinstance(out, DTensor):  # tp: vocab-sharded logits (loss_parallel)
+        per_elem = vocab_parallel_cross_entropy(out, batch["labels"][rows].flatten())
+    elif "labels" in batch:
         per_elem = F.cross_entropy(out.flatten(0, 1), batch["labels"][rows].flatten(), reduction="none")
     else:
         per_elem = (out - batch["target"][rows]).pow(2)
@@ -266,6 +272,14 @@ def test_matches_single_process(name: str) -> None:
 def test_options_are_validated():
     with pytest.raises(TypeError, match=r"\{'sp': 'yes'\} must be True or False"):
         ParallelOptions(sp="yes")
+    with pytest.raises(TypeError, match=r"param_dtype='half' must be a floating dtype such as torch.bfloat16"):
+        ParallelOptions(param_dtype="half")
+    with pytest.raises(TypeError, match=r"reduce_dtype=torch.int32 must be a floating dtype"):
+        ParallelOptions(reduce_dtype=torch.int32)
+    assert ParallelOptions(param_dtype="bf16").param_dtype is torch.bfloat16
+    assert ParallelOptions(param_dtype="bf16").gradient_reduce_dtype is torch.float32  # fp32 sums by default
+    assert ParallelOptions(param_dtype="bf16", reduce_dtype="bf16").gradient_reduce_dtype is torch.bfloat16
+    assert ParallelOptions().gradient_reduce_dtype is None
     with pytest.raises(TypeError, match=r"compile_backend=None must be a backend name"):
         ParallelOptions(compile_backend=None)
 
@@ -275,13 +289,24 @@ def test_options_are_validated():
 # --------------------------------------------------------------------------------------------
 
 
-def _init_after_parallelize(par: Parallelism) -> bool:
+def _init_after_parallelize(par: Parallelism, meta: bool, block: int) -> bool:
+    default, layers.INIT_BLOCK_ELEMENTS = layers.INIT_BLOCK_ELEMENTS, block  # rows in blocks of `block`
+    try:
+        return _init_and_compare(par, meta)
+    finally:
+        layers.INIT_BLOCK_ELEMENTS = default  # the worker process serves later tests
+
+
+def _init_and_compare(par: Parallelism, meta: bool) -> bool:
     reference = Llama(LlamaConfig.tiny())
     reference.init_weights(SEED)
     layout = MimoLayout({"m": par})
     layout.init_meshes("cpu")
-    model = Llama(LlamaConfig.tiny())  # PyTorch's default init: different from the reference
+    with torch.device("meta" if meta else "cpu"):
+        model = Llama(LlamaConfig.tiny())  # PyTorch's default init: different from the reference
     parallelize_module_for(model, layout.mesh("m", "tp"), layout.mesh("m", ("dp", "cp")))
+    if meta:
+        model.to_empty(device="cpu")  # only this rank's shards are allocated
     model.init_weights(SEED)
     expected = dict(reference.named_parameters())
     sharded = 0
@@ -292,10 +317,14 @@ def _init_after_parallelize(par: Parallelism) -> bool:
     return sharded > 0
 
 
-@pytest.mark.parametrize("par", [Parallelism(tp=2), Parallelism(dp=2), Parallelism(dp=2, tp=2)],
-                         ids=["tp2", "fsdp_dp2", "fsdp_dp2_tp2"])
-def test_init_weights_after_parallelize_matches_single_process(par: Parallelism) -> None:
-    assert run_on_ranks(_init_after_parallelize, par.size, par, timeout=120) == [True] * par.size
+@pytest.mark.parametrize("par,meta,block", [(Parallelism(tp=2), False, 1 << 20), (Parallelism(dp=2), True, 1 << 20),
+                                            (Parallelism(dp=2, tp=2), True, 96), (Parallelism(tp=2), True, 40)],
+                         ids=["tp2", "meta_fsdp_dp2", "meta_fsdp_dp2_tp2_blocks", "meta_tp2_blocks"])
+def test_init_weights_after_parallelize_matches_single_process(par: Parallelism, meta: bool, block: int) -> None:
+    """Each shard holds its slice of the full value: after parallelizing a built module, and on a
+    module built on the meta device (only shards allocated), with parameters drawn in one block
+    or in many row blocks (small `INIT_BLOCK_ELEMENTS`, so shards start and end inside blocks)."""
+    assert run_on_ranks(_init_after_parallelize, par.size, par, meta, block, timeout=120) == [True] * par.size
 
 
 def test_sizes_tensor_parallel_cannot_split_are_named():
@@ -309,3 +338,74 @@ def test_sizes_tensor_parallel_cannot_split_are_named():
 def test_unknown_module_kind_is_refused():
     with pytest.raises(TypeError, match=r"no plan for Linear; supported: Llama, ViT, AudioEncoder"):
         parallelize_module_for(torch.nn.Linear(2, 2), None, None)
+
+
+# --------------------------------------------------------------------------------------------
+# vocab-parallel cross entropy (loss_parallel) against F.cross_entropy on the whole vocabulary
+# --------------------------------------------------------------------------------------------
+
+
+def _vocab_parallel_matches_full(tp: int) -> None:
+    rank = dist.get_rank()
+    mesh = MimoLayout({"m": Parallelism(tp=tp)})
+    mesh.init_meshes("cpu")
+    tp_mesh = mesh.mesh("m", "tp")
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 7, 64, generator=g, dtype=torch.float64) * 4
+    labels = torch.randint(0, 64, (3, 7), generator=g)
+    labels[0, :3] = IGNORE_INDEX
+    labels[1, 0], labels[1, 1] = 0, 63  # the first and last id of the vocabulary (first and last shard)
+    weights = torch.rand(21, generator=g, dtype=torch.float64)
+    full = logits.clone().requires_grad_()
+    want = F.cross_entropy(full.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    (want * weights).sum().backward()
+    local = logits.chunk(tp, -1)[rank].clone().requires_grad_()
+    got = vocab_parallel_cross_entropy(DTensor.from_local(local, tp_mesh, [Shard(2)]), labels.flatten())
+    (got * weights).sum().backward()
+    torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(local.grad, full.grad.chunk(tp, -1)[rank], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vocab_parallel_cross_entropy_matches_full_vocabulary(tp: int) -> None:
+    run_on_ranks(_vocab_parallel_matches_full, tp, tp, timeout=60)
+
+
+# --------------------------------------------------------------------------------------------
+# parameters tp leaves whole: gradients averaged over tp; a debug check names a drifted replica
+# --------------------------------------------------------------------------------------------
+
+
+def _replicas(drift: bool) -> str | None:
+    layout = MimoLayout({"vision": Parallelism(), "language": Parallelism(tp=2)})
+    layout.init_meshes("cpu")
+    llama = Llama(LlamaConfig.tiny())
+    llama.init_weights(1)
+    vision = ModalityEncoder(ViT(ViTConfig.tiny()), Projection(32, 32))
+    vision.init_weights(2)
+    model = MimoModel(layout, llama, {"vision": vision})  # no sp: the norms stay plain tensors
+    params = model.module_parameters("language")
+    norm = "layers.1.ffn_norm.weight"
+    if norm in params:  # the tp ranks: gradients that differ (as GPU kernels may make them)
+        tp_rank = layout.coordinate("language", dist.get_rank())["tp"]
+        for p in params.values():
+            p.grad = torch.zeros_like(p)
+        params[norm].grad = torch.full_like(params[norm], float(tp_rank + 1))
+        model.reduce_gradients()
+        torch.testing.assert_close(params[norm].grad, torch.full_like(params[norm], 1.5))  # the mean
+        if drift and tp_rank == 1:
+            with torch.no_grad():
+                params[norm][3] += 1e-6
+    try:
+        model.check_replicas()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_tp_replicated_gradients_are_averaged_and_drift_is_named() -> None:
+    assert run_on_ranks(_replicas, 3, False, timeout=60) == [None] * 3
+    errors = run_on_ranks(_replicas, 3, True, timeout=60)
+    assert errors[0] == "replicas differ: on 2 other rank(s)"  # the vision rank raises too
+    for error in errors[1:]:
+        assert error == "replicas differ: module 'language': parameter 'layers.1.ffn_norm.weight' differs over tp"

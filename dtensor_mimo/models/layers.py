@@ -6,13 +6,16 @@ Each lives here once; `llama.py`, `vit.py`, `audio.py` and `projection.py` impor
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 # --------------------------------------------------------------------------------------------
 # RMSNorm
@@ -130,22 +133,44 @@ def causal_attention(
 
     Plain rows (no positions, no documents): SDPA's causal kernel, no mask in memory (flash /
     memory-efficient attention on GPU). Otherwise (packed documents, a context-parallel subset
-    of rows) the boolean ``[B, Sq, Skv]`` mask is built explicitly, exact for any index sets.
-    Grouped-query heads are never repeated here (SDPA's ``enable_gqa``).
+    of rows) the queries are taken in chunks of `ATTENTION_QUERY_CHUNK` rows, each with its own
+    boolean ``[B, chunk, Skv]`` mask built from the indices, exact for any index sets; each
+    chunk is recomputed in backward (`torch.utils.checkpoint`), so neither an ``Sq x Skv`` mask
+    nor ``Sq x Skv`` scores are ever held: memory grows linearly with the sequence. Grouped-query
+    heads are never repeated here (SDPA's ``enable_gqa``).
     """
     if (q_doc is None) != (kv_doc is None):
         raise ValueError("causal_attention: pass both q_doc and kv_doc, or neither")
     if (q_pos is None) != (kv_pos is None):
         raise ValueError("causal_attention: pass both q_pos and kv_pos, or neither")
-    gqa = q.shape[1] != k.shape[1]
     if q_pos is None and q_doc is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     if q_pos is None:
         q_pos = kv_pos = torch.arange(q.shape[2], device=q.device).expand(q.shape[0], -1)
+    rows = q.shape[2]
+    if rows <= ATTENTION_QUERY_CHUNK:
+        return _masked_attention(q, k, v, q_pos, kv_pos, q_doc, kv_doc)
+    chunks = []
+    for start in range(0, rows, ATTENTION_QUERY_CHUNK):
+        end = min(start + ATTENTION_QUERY_CHUNK, rows)
+        chunks.append(checkpoint(
+            _masked_attention, q[:, :, start:end], k, v, q_pos[:, start:end], kv_pos,
+            None if q_doc is None else q_doc[:, start:end], kv_doc, use_reentrant=False))
+    return torch.cat(chunks, dim=2)
+
+
+# Query rows per chunk of the masked attention path: its transient memory is about
+# chunk x Skv (mask and, without a fused kernel, scores per head) whatever the sequence length.
+ATTENTION_QUERY_CHUNK = 1024
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                      kv_pos: torch.Tensor, q_doc: torch.Tensor | None, kv_doc: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of these query rows against every key under the index rule of `AttentionFn`."""
     mask = kv_pos.unsqueeze(1) <= q_pos.unsqueeze(2)  # [B, Sq, Skv]
     if q_doc is not None:
         mask = mask & (kv_doc.unsqueeze(1) == q_doc.unsqueeze(2))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=q.shape[1] != k.shape[1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,45 +187,74 @@ def _parameter_seed(seed: int, fqn: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(fqn.encode())) % 2**63
 
 
+# Rows of a parameter are drawn in blocks of about this many elements, each block from its own
+# generator, so that a rank fills its shard by drawing only the blocks its rows fall in.
+INIT_BLOCK_ELEMENTS = 1 << 20
+
+
 def init_weights(module: nn.Module, seed: int, std: float = 0.02) -> None:
     """Initialise every parameter of `module` in place, deterministically, from `seed`.
 
     - weight and bias of a norm layer (RMSNorm, LayerNorm): ones and zeros;
     - any other bias: zeros;
     - every other parameter (Linear, Embedding, Conv weights, position embeddings): normal with
-      mean 0 and `std`, drawn in float32 on the CPU from a generator seeded by `(seed, name)`.
+      mean 0 and `std`, drawn in float32 on the CPU, rows in blocks of about
+      `INIT_BLOCK_ELEMENTS` elements, block b from a generator seeded by `(seed, name, b)`.
 
     A parameter's value depends only on `seed` and its name relative to `module`, so a pipeline
-    stage that deleted some layers, a tensor- or FSDP-sharded copy (DTensor parameters get the
-    matching shard of the full value), a float64 copy and the whole single-process model all start
-    from the same weights. Call it on the model the names are relative to (e.g. `vit.init_weights`,
-    not a parent that renames it).
+    stage that deleted some layers, a tensor- or FSDP-sharded copy, a float64 copy and the whole
+    single-process model all start from the same weights. A DTensor parameter (tp, FSDP2, both,
+    built on the meta device and materialized with `to_empty`) gets its own shard only, drawing
+    the row blocks its shard touches: no rank ever materializes the full parameter, and the work
+    is that of the local rows (full rows: a shard of columns draws its rows whole). Call it on the
+    model the names are relative to (e.g. `vit.init_weights`, not a parent that renames it).
     """
     norm_types = (RMSNorm, nn.LayerNorm)
     with torch.no_grad():
         for module_name, mod in module.named_modules():
             for param_name, param in mod.named_parameters(recurse=False):
-                if isinstance(mod, norm_types):
-                    fill = 1.0 if param_name == "weight" else 0.0
-                    value = torch.full(param.shape, fill)
-                elif param_name == "bias":
-                    value = torch.zeros(param.shape)
-                else:
-                    fqn = f"{module_name}.{param_name}" if module_name else param_name
-                    for prefix in _WRAPPER_PREFIXES:
-                        fqn = fqn.replace(prefix, "")
-                    generator = torch.Generator().manual_seed(_parameter_seed(seed, fqn))
-                    value = torch.randn(param.shape, generator=generator) * std
-                _copy_full_value(param, value)
+                if isinstance(mod, norm_types) or param_name == "bias":
+                    fill = 1.0 if isinstance(mod, norm_types) and param_name == "weight" else 0.0
+                    _local(param).fill_(fill)
+                    continue
+                fqn = f"{module_name}.{param_name}" if module_name else param_name
+                for prefix in _WRAPPER_PREFIXES:
+                    fqn = fqn.replace(prefix, "")
+                offset, shape = _local_box(param)
+                value = _normal_rows(_parameter_seed(seed, fqn), tuple(param.shape), offset[:1], shape[:1])
+                box = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:]))
+                _local(param).copy_((value[(slice(None), *box)] if box else value) * std)
 
 
-def _copy_full_value(param: torch.Tensor, value: torch.Tensor) -> None:
-    if isinstance(param, DTensor):
-        # Every rank holds the same full value, so each takes its own shard without communication.
-        value = distribute_tensor(
-            value.to(param.device, param.dtype),
-            param.device_mesh,
-            param.placements,
-            src_data_rank=None,
-        )
-    param.copy_(value)
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Global offset and shape of the block of `param` this rank holds (all of it if plain)."""
+    if not isinstance(param, DTensor):
+        return (0,) * param.ndim, tuple(param.shape)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if math.prod(shape) != param.to_local().numel():
+        raise NotImplementedError(f"init_weights: cannot locate the local shard {tuple(param.to_local().shape)} "
+                                  f"of a {tuple(param.shape)} parameter with placements {param.placements}")
+    return tuple(offset), tuple(shape)
+
+
+def _normal_rows(seed: int, shape: tuple[int, ...], start: tuple[int, ...], count: tuple[int, ...]) -> torch.Tensor:
+    """Rows ``start .. start + count`` (dim 0) of the standard normal parameter value of `shape`
+    drawn from `seed`. Block 0 uses `seed` itself, so a parameter of at most one block equals
+    ``torch.randn(shape, generator=manual_seed(seed))``."""
+    if not shape:
+        return torch.randn((), generator=torch.Generator().manual_seed(seed))
+    rows, row_size = shape[0], math.prod(shape[1:])
+    per_block = max(1, INIT_BLOCK_ELEMENTS // max(row_size, 1))
+    first, last = start[0], start[0] + count[0]
+    parts = []
+    for block in range(first // per_block, -(-last // per_block)):
+        lo = block * per_block
+        n = min(per_block, rows - lo)
+        block_seed = seed if block == 0 else (seed * 1_000_003 + block) % 2**63
+        drawn = torch.randn((n, *shape[1:]), generator=torch.Generator().manual_seed(block_seed))
+        parts.append(drawn[max(first - lo, 0): min(last - lo, n)])
+    return torch.cat(parts) if parts else torch.empty((0, *shape[1:]))

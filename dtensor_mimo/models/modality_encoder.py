@@ -27,9 +27,11 @@ class ModalityEncoder(nn.Module):
         return self.projection.fc2.out_features
 
     def init_weights(self, seed: int = 0) -> None:
-        """Deterministic init of both parts from `seed` (see `models.layers.init_weights`)."""
+        """Deterministic init of both parts from `seed` (see `models.layers.init_weights`); a
+        pipeline stage that dropped the projection initializes what it holds."""
         self.encoder.init_weights(seed)
-        self.projection.init_weights(seed + 1)
+        if self.projection is not None:
+            self.projection.init_weights(seed + 1)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         # Flatten before projecting: the result is then a fresh tensor, not a view (FSDP2 warns on views).

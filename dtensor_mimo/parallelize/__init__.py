@@ -8,6 +8,8 @@ dp with gradients summed, optional per-block torch.compile.
 | language.py         | the Llama decoder: `parallelize_llama`                           |
 | encoders.py         | ViT / audio: `parallelize_encoder`; `parallelize_projection`     |
 | fsdp.py             | `apply_fsdp` (sum over dp), `allreduce_gradients`                |
+| precision.py        | mixed precision: FSDP2 policy or autocast, `compute_dtype`       |
+| replicas.py         | tp-replicated gradients averaged, `check_replicas`               |
 | checkpointing.py    | `checkpoint_blocks`: activation checkpointing per block          |
 | compile.py          | `compile_blocks`                                                 |
 | stack.py            | `parallelize_stack`: tp, checkpointing, compile, then FSDP2      |
@@ -21,17 +23,30 @@ from dtensor_mimo.parallelize.encoders import parallelize_encoder, parallelize_p
 from dtensor_mimo.parallelize.fsdp import allreduce_gradients, apply_fsdp
 from dtensor_mimo.parallelize.language import parallelize_llama
 from dtensor_mimo.parallelize.options import ParallelOptions
+from dtensor_mimo.parallelize.precision import apply_data_parallel, autocast_forward, compute_dtype, uses_fsdp
+from dtensor_mimo.parallelize.replicas import (
+    average_tp_replicated_gradients,
+    first_differing_replica,
+    tp_replicated,
+)
 from dtensor_mimo.parallelize.tensor_parallel import sequence_sharded_input
 
 __all__ = [
     "ParallelOptions",
     "allreduce_gradients",
+    "apply_data_parallel",
     "apply_fsdp",
+    "autocast_forward",
+    "average_tp_replicated_gradients",
     "checkpoint_blocks",
     "compile_blocks",
+    "compute_dtype",
+    "first_differing_replica",
     "parallelize_encoder",
     "parallelize_llama",
     "parallelize_module_for",
     "parallelize_projection",
     "sequence_sharded_input",
+    "tp_replicated",
+    "uses_fsdp",
 ]

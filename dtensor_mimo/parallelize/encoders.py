@@ -23,8 +23,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtensor_mimo.models import AudioEncoder, Projection, ViT
-from dtensor_mimo.parallelize.fsdp import apply_fsdp
 from dtensor_mimo.parallelize.options import ParallelOptions
+from dtensor_mimo.parallelize.precision import apply_data_parallel
 from dtensor_mimo.parallelize.stack import parallelize_stack
 from dtensor_mimo.parallelize.tensor_parallel import (
     SEQUENCE_DIM,
@@ -50,9 +50,9 @@ def parallelize_encoder(
     return parallelize_stack(model, tp_mesh, dp_mesh, options, apply_encoder_tp)
 
 
-def apply_encoder_tp(model: ViT | AudioEncoder, tp_mesh: DeviceMesh, *, sp: bool) -> None:
+def apply_encoder_tp(model: ViT | AudioEncoder, tp_mesh: DeviceMesh, options: ParallelOptions) -> None:
     """Tensor parallel plan of the encoder blocks (in place); output replicated and plain."""
-    c = model.config
+    c, sp = model.config, options.sp
     check_divisible(
         type(model).__name__, {"n_heads": c.n_heads, "mlp_hidden": c.mlp_hidden}, tp_mesh.size()
     )
@@ -88,6 +88,5 @@ def parallelize_projection(
         parallelize_module(model, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     if options.compile:
         model.compile(backend=options.compile_backend)
-    if options.fsdp and dp_mesh is not None and dp_mesh.size() > 1:
-        apply_fsdp(model, dp_mesh, [], options.reshard_after_forward)
+    apply_data_parallel(model, dp_mesh, [], options)
     return model

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 
@@ -24,15 +24,18 @@ def apply_fsdp(
     dp_mesh: DeviceMesh,
     blocks: Sequence[nn.Module],
     reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> None:
     """`fully_shard` each of `blocks`, then `model` (the rest of its parameters); sum over dp.
 
     Parameters that are already DTensors on a tp mesh become 2-D (dp x tp) DTensors; `dp_mesh` and
-    that tp mesh must share one root mesh.
+    that tp mesh must share one root mesh. `mp_policy`: FSDP2's mixed precision (default: none).
     """
+    kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                  mp_policy=mp_policy or MixedPrecisionPolicy())
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             sum_gradients_over_dp(module)
@@ -51,13 +54,15 @@ def sum_gradients_over_dp(module: FSDPModule) -> None:
 
 
 @torch.no_grad()
-def allreduce_gradients(module: nn.Module, dp_mesh: DeviceMesh | None) -> None:
+def allreduce_gradients(module: nn.Module, dp_mesh: DeviceMesh | None,
+                        reduce_dtype: torch.dtype | None = None) -> None:
     """Sum the gradients of `module`'s parameters over `dp_mesh` (the non-FSDP data parallel path).
 
     Call after backward, before clipping and the optimizer step, on every rank of the mesh.
     DTensor (tensor-parallel) gradients are reduced shard by shard: each tp rank sums its own
     shard with the same shard on the other dp replicas. One flat all-reduce per dtype (plus one
-    of presence flags). A mesh of size 1 or None does nothing.
+    of presence flags), in `reduce_dtype` if given (e.g. bf16: half the bytes; the sums land back
+    in the gradients' dtype). A mesh of size 1 or None does nothing.
     """
     if dp_mesh is None or dp_mesh.size() == 1:
         return
@@ -76,8 +81,8 @@ def allreduce_gradients(module: nn.Module, dp_mesh: DeviceMesh | None) -> None:
             param.grad = torch.zeros_like(param)
         grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
         by_dtype.setdefault(grad.dtype, []).append(grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
+    for dtype, grads in by_dtype.items():
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(reduce_dtype or dtype)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         offset = 0
         for g in grads:

@@ -13,10 +13,13 @@ Input and output of the parallelized `Llama` (tp = size of `tp_mesh`):
   and passes that instead.
 - `positions`, `document_ids`, `sequence_index`: plain `[B, S]` tensors for the full sequence
   over tp (they describe the rows after the all-gather inside attention).
-- Output: plain logits `[B, S, vocab]`, replicated over tp (the colwise `output` layer gathers the
-  vocab shards), so any loss code works unchanged; every tp rank computes the same loss and
-  backward takes its gradient once. A stage without `output` returns its hidden states the same
-  way: plain, full, replicated over tp.
+- Output: logits `[B, S, vocab]` as a DTensor sharded over the vocabulary (`Shard(-1)`, the
+  colwise `output` layer's own layout: `ParallelOptions.loss_parallel`, the default), which
+  `dtensor_mimo.train.loss.token_loss_sum` reduces without gathering them; or, with
+  `loss_parallel=False`, plain logits replicated over tp (the vocab shards all-gathered) for
+  any loss code. Either way every tp rank computes the same loss and backward takes its
+  gradient once. A stage without `output` returns its hidden states plain, full, replicated
+  over tp.
 
 Context parallelism changes none of this: cp splits S before the model sees it, and FSDP runs over
 the flattened dp·cp mesh so gradients are summed over both.
@@ -61,9 +64,9 @@ def parallelize_llama(
     return parallelize_stack(model, tp_mesh, dp_mesh, options, apply_llama_tp)
 
 
-def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh, *, sp: bool) -> None:
+def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh, options: ParallelOptions) -> None:
     """Tensor parallel plan of the decoder (in place); see the module docstring for the contract."""
-    c, tp = model.config, tp_mesh.size()
+    c, tp, sp = model.config, tp_mesh.size(), options.sp
     check_divisible(
         "Llama",
         {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "ffn_hidden": c.ffn_hidden,
@@ -79,9 +82,12 @@ def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh, *, sp: bool) -> None:
     if model.norm is not None and sp:
         plan["norm"] = SequenceParallel(sequence_dim=SEQUENCE_DIM)
     if model.output is not None:
-        # Replicated logits: simplest correct choice; loss_parallel would save the all-gather.
+        # loss_parallel: the vocabulary shards stay where they are (a Shard(-1) DTensor that
+        # `token_loss_sum` reduces with two small all-reduces); else all-gathered, plain.
         plan["output"] = ColwiseParallel(
-            input_layouts=activation, output_layouts=Replicate(), use_local_output=True
+            input_layouts=activation,
+            output_layouts=Shard(-1) if options.loss_parallel else Replicate(),
+            use_local_output=not options.loss_parallel,
         )
     parallelize_module(model, tp_mesh, plan)
 
@@ -98,4 +104,4 @@ def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh, *, sp: bool) -> None:
     )
     parallelize_blocks(model.layers.values(), tp_mesh, layer_plan, sp=sp)
     if sp:
-        replicated_local_output(model)
+        replicated_local_output(model, keep_vocab_shards=options.loss_parallel)

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+# The spellings a config file may use for a dtype (`ParallelOptions(param_dtype="bf16")`).
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+          "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+
 
 @dataclass(frozen=True)
 class ParallelOptions:
@@ -24,6 +30,18 @@ class ParallelOptions:
         activation_checkpointing: recompute block activations in backward instead of keeping
             them: 0 off, 1 every transformer block, n every n-th block (the first, then every
             n-th). Composes with tp/sp, compile and FSDP2; numerics unchanged.
+        param_dtype: mixed precision (FSDP2's `MixedPrecisionPolicy` words): compute in this
+            dtype (e.g. ``torch.bfloat16`` or "bf16") while the parameters, their gradients and
+            the optimizer state stay in the parameters' own dtype (fp32 master weights). With
+            FSDP2 the parameters are all-gathered in it; without FSDP the module's forward runs
+            under `torch.autocast`. None: compute in the parameters' dtype.
+        reduce_dtype: dtype of the data-parallel gradient reduction (FSDP2's reduce-scatter or
+            the all-reduce without FSDP). None: float32 when `param_dtype` is set (fp32 gradient
+            sums), else the gradients' dtype.
+        loss_parallel: language model with tp > 1: the head's logits stay sharded over the
+            vocabulary (a ``Shard(-1)`` DTensor) and the cross entropy combines the shards with
+            two small tp all-reduces per microbatch instead of all-gathering ``[tokens, vocab]``
+            logits. False: logits all-gathered (replicated over tp). Numerics unchanged.
     """
 
     sp: bool = False
@@ -32,9 +50,20 @@ class ParallelOptions:
     compile_backend: str = "inductor"
     reshard_after_forward: bool = True
     activation_checkpointing: int = 0
+    param_dtype: torch.dtype | str | None = None
+    reduce_dtype: torch.dtype | str | None = None
+    loss_parallel: bool = True
 
     def __post_init__(self) -> None:
-        flags = {n: getattr(self, n) for n in ("sp", "fsdp", "compile", "reshard_after_forward")}
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value in DTYPES:
+                object.__setattr__(self, name, DTYPES[value])
+            elif value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise TypeError(f"ParallelOptions: {name}={value!r} must be a floating dtype such as "
+                                f"torch.bfloat16, one of {sorted(DTYPES)}, or None")
+        flags = {n: getattr(self, n) for n in ("sp", "fsdp", "compile", "reshard_after_forward",
+                                               "loss_parallel")}
         wrong = {n: v for n, v in flags.items() if not isinstance(v, bool)}
         if wrong:
             raise TypeError(f"ParallelOptions: {wrong} must be True or False")
@@ -45,6 +74,13 @@ class ParallelOptions:
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise TypeError(f"ParallelOptions: compile_backend={self.compile_backend!r} must be a "
                             "backend name such as 'inductor' or 'aot_eager'")
+
+    @property
+    def gradient_reduce_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are summed over dp in (None: their own)."""
+        if self.reduce_dtype is not None:
+            return self.reduce_dtype
+        return torch.float32 if self.param_dtype is not None else None
 
     def check_for(self, module: str, tp: int) -> None:
         """Raise ValueError for option combinations that cannot run on `module` with tensor

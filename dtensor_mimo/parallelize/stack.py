@@ -1,5 +1,5 @@
 """The order every transformer stack is parallelized in: tensor parallel, activation checkpointing,
-per-block compile, FSDP2."""
+per-block compile, FSDP2 (or autocast without it)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_mimo.parallelize.checkpointing import checkpoint_blocks
 from dtensor_mimo.parallelize.compile import compile_blocks
-from dtensor_mimo.parallelize.fsdp import apply_fsdp
 from dtensor_mimo.parallelize.options import ParallelOptions
+from dtensor_mimo.parallelize.precision import apply_data_parallel
 from dtensor_mimo.parallelize.tensor_parallel import tp_size
 
 
@@ -22,16 +22,15 @@ def parallelize_stack(
     options: ParallelOptions,
     apply_tp: Callable[..., None],
 ) -> nn.Module:
-    """`apply_tp(model, tp_mesh, sp=...)` when tp > 1, then activation checkpointing and compile of
-    `model.layers` block by block, then FSDP2 over `dp_mesh` (each block, then the rest) when asked
-    and dp > 1; returns `model`."""
+    """`apply_tp(model, tp_mesh, options)` when tp > 1, then activation checkpointing and compile
+    of `model.layers` block by block, then FSDP2 over `dp_mesh` (each block, then the rest) when
+    asked and dp > 1, with the options' mixed precision (autocast without FSDP); returns `model`."""
     if tp_size(tp_mesh) > 1:
-        apply_tp(model, tp_mesh, sp=options.sp)
+        apply_tp(model, tp_mesh, options)
     backend = options.compile_backend if options.compile else None
     done = (checkpoint_blocks(model.layers, options.activation_checkpointing, backend)
             if options.activation_checkpointing else set())
     if options.compile:
         compile_blocks(model.layers, options.compile_backend, skip=done)
-    if options.fsdp and dp_mesh is not None and dp_mesh.size() > 1:
-        apply_fsdp(model, dp_mesh, list(model.layers.values()), options.reshard_after_forward)
+    apply_data_parallel(model, dp_mesh, list(model.layers.values()), options)
     return model

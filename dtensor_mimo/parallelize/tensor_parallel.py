@@ -126,11 +126,16 @@ def to_sequence_shard(x: torch.Tensor, tp_mesh: DeviceMesh) -> DTensor:
     return x
 
 
-def replicated_local_output(module: nn.Module) -> None:
-    """Make `module` return a plain tensor replicated over tp, whatever its last layer returns."""
+def replicated_local_output(module: nn.Module, keep_vocab_shards: bool = False) -> None:
+    """Make `module` return a plain tensor replicated over tp, whatever its last layer returns;
+    with `keep_vocab_shards`, logits sharded over their last dim (loss_parallel) stay a DTensor."""
 
     def hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        return output.full_tensor() if isinstance(output, DTensor) else output
+        if not isinstance(output, DTensor):
+            return output
+        if keep_vocab_shards and any(p.is_shard(output.ndim - 1) or p.is_shard(-1) for p in output.placements):
+            return output
+        return output.full_tensor()
 
     module.register_forward_hook(hook)
 

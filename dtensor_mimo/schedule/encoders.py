@@ -71,9 +71,11 @@ class EncoderStage(nn.Module):
     """One pipeline stage of a `ModalityEncoder` whose encoder has ``embed``, ``layers`` and
     ``norm`` (the library's `ViT` and `AudioEncoder`): items -> hidden -> ... -> rows."""
 
-    def __init__(self, module: nn.Module, first: bool, last: bool, dtype: torch.dtype) -> None:
+    def __init__(self, module: nn.Module, first: bool, last: bool, dtype: torch.dtype,
+                 hidden_dtype: torch.dtype) -> None:
         super().__init__()
         self.module, self.first, self.last, self.dtype = module, first, last, dtype
+        self.hidden_dtype = hidden_dtype  # between stages: the encoder's compute dtype
         self.expected_tokens = 0  # per item, from the batch metadata (set for each step)
         self.error: str | None = None
 
@@ -93,7 +95,8 @@ class EncoderStage(nn.Module):
             x = layer(x)
         if self.last:
             return self.module.projection(encoder.norm(x).flatten(0, 1)).to(self.dtype)
-        return x.contiguous()  # torch's stage link sends it (residual adds keep embed's strides)
+        # torch's stage link sends it (residual adds keep embed's strides)
+        return x.to(self.hidden_dtype).contiguous()
 
 
 def item_bucket(counts: Sequence[int]) -> int:
@@ -202,11 +205,12 @@ class EncoderPipeline:
     def _build(self, bucket: int, tokens_per_item: int, item_shape: tuple[int, ...], item_dtype: torch.dtype,
                out_dim: int) -> tuple[ScheduleGPipe, EncoderSender]:
         first, last = self.index == 0, self.index == self.n_stages - 1
-        dtype, hidden = self.stage.dtype, (bucket, tokens_per_item, self.hidden)
+        dtype, hidden_dtype = self.stage.dtype, self.stage.hidden_dtype
+        hidden = (bucket, tokens_per_item, self.hidden)
         x = (torch.zeros(bucket, *item_shape, dtype=item_dtype, device=self.device) if first
-             else torch.empty(hidden, dtype=dtype, device=self.device, requires_grad=True))
+             else torch.empty(hidden, dtype=hidden_dtype, device=self.device, requires_grad=True))
         y = (torch.empty(bucket * tokens_per_item, out_dim, dtype=dtype, device=self.device) if last
-             else torch.empty(hidden, dtype=dtype, device=self.device, requires_grad=True))
+             else torch.empty(hidden, dtype=hidden_dtype, device=self.device, requires_grad=True))
         stage = PipelineStage(self.stage, self.index, self.n_stages, self.device, input_args=(x,),
                               output_args=(y,), group=self.pp_group)
         sender = EncoderSender([self.name], bucket)

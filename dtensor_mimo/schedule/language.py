@@ -35,7 +35,7 @@ from dtensor_mimo.assemble import assemble, embed_text
 from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.models import Llama
-from dtensor_mimo.parallelize import ParallelOptions, apply_fsdp, parallelize_llama
+from dtensor_mimo.parallelize import ParallelOptions, apply_data_parallel, compute_dtype, parallelize_llama
 from dtensor_mimo.schedule.config import PipelineConfig, stage_layers
 from dtensor_mimo.schedule.runtime import cached, run_schedule
 from dtensor_mimo.sequence import ContextParallelAttention, shard_for_cp, zigzag_shard
@@ -49,10 +49,12 @@ class LanguageStage(nn.Module):
     """One pipeline stage of the decoder (an FSDP root); `llama` holds only this stage's parts,
     under the whole model's parameter names."""
 
-    def __init__(self, llama: Llama, first: bool, last: bool, cp_size: int, cp_rank: int) -> None:
+    def __init__(self, llama: Llama, first: bool, last: bool, cp_size: int, cp_rank: int,
+                 hidden_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.llama, self.first, self.last = llama, first, last
         self.cp_size, self.cp_rank = cp_size, cp_rank
+        self.hidden_dtype = hidden_dtype  # what a non-last stage sends on (the compute dtype)
         self.predicting = False  # the last stage returns next-token ids instead of a loss share
         self.set_step(None, {}, 1.0)
 
@@ -81,9 +83,9 @@ class LanguageStage(nn.Module):
                 x = zigzag_shard(x, self.cp_size, self.cp_rank)
         out = self.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
         if not self.last:
-            return out
-        if self.predicting:
-            return out.argmax(-1)
+            return out if self.hidden_dtype is None else out.to(self.hidden_dtype)
+        if self.predicting:  # vocab-sharded logits (loss_parallel) are gathered only here
+            return (out.full_tensor() if isinstance(out, DTensor) else out).argmax(-1)
         return token_loss_sum(out, labels, loss_mask) / self.normalizer
 
 
@@ -136,6 +138,7 @@ class LanguagePipeline:
         self.n_stages = config.num_stages(par.pp)
         self.pp_group = layout.mesh(name, "pp").get_group()
         self.dim = llama.config.dim
+        self.dtype = compute_dtype(options, llama)  # of the hidden states between stages
         tp_mesh, dp_mesh = layout.mesh(name, "tp"), layout.mesh(name, ("dp", "cp"))
         if par.cp > 1:
             llama.set_attention_fn(ContextParallelAttention(layout.mesh(name, "cp")))
@@ -145,9 +148,8 @@ class LanguagePipeline:
         for s in self.stage_indices:
             part = llama_stage(llama, bounds[s], s == 0, s == self.n_stages - 1)
             parallelize_llama(part, tp_mesh, dp_mesh, dataclasses.replace(options, fsdp=False))
-            module = LanguageStage(part, s == 0, s == self.n_stages - 1, par.cp, self.cp_rank)
-            if options.fsdp and dp_mesh.size() > 1:
-                apply_fsdp(module, dp_mesh, list(part.layers.values()), options.reshard_after_forward)
+            module = LanguageStage(part, s == 0, s == self.n_stages - 1, par.cp, self.cp_rank, self.dtype)
+            apply_data_parallel(module, dp_mesh, list(part.layers.values()), options)
             self.stages.append(module)
         self._schedules: OrderedDict = OrderedDict()
 
@@ -170,8 +172,7 @@ class LanguagePipeline:
 
     def _build(self, rows: int, seq_len: int) -> Any:
         """This rank's `PipelineStage`s with one shape's static metadata, and torch's schedule."""
-        s_local = seq_len // self.par.cp
-        dtype = next(self.stages[0].parameters()).dtype
+        s_local, dtype = seq_len // self.par.cp, self.dtype
         stages = []
         for s, module in zip(self.stage_indices, self.stages):
             # Examples give torch static metadata (no inference pass); requires_grad marks the
@@ -222,7 +223,7 @@ class LanguagePipeline:
             module = self.stages[self.stage_indices.index(s)]
             if s > 0 and (s - 1) % self.par.pp != pp_rank:
                 x = torch.empty(*tokens.shape[:1], tokens.shape[1] // self.par.cp, self.dim,
-                                dtype=next(module.parameters()).dtype, device=self.device)
+                                dtype=self.dtype, device=self.device)
                 torch.distributed.recv(x, group=self.pp_group, group_src=(s - 1) % self.par.pp)
             module.set_step(rows if module.first else None, mb.special_token_ids, 1.0)
             module.predicting = module.last

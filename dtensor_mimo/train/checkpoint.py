@@ -184,6 +184,7 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
     for k in missing_optim:  # saved before that parameter trained (e.g. frozen then): fresh state
         del state[k]
     dcp.load(state, checkpoint_id=path)  # in place: parameters, AdamW state; the rest replaced
+    model.uninitialized.clear()  # every parameter came from the checkpoint
     if rng in state:
         torch.set_rng_state(state[rng])
     trainer = json.loads(state["trainer"])

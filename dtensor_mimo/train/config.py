@@ -70,6 +70,9 @@ class ModuleOptions:
     compile_backend: str = "inductor"
     reshard_after_forward: bool = True
     activation_checkpointing: int = 0
+    param_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    loss_parallel: bool = True
 
 
 @dataclass

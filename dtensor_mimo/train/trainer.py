@@ -76,18 +76,25 @@ def model_configs(config: TrainerConfig, seq_len: int) -> tuple[LlamaConfig, ViT
     return llama, vision, audio
 
 
-def build_modules(config: TrainerConfig, seq_len: int) -> dict[str, torch.nn.Module]:
-    """The full modules, initialized from their seeds (the same on every rank), frozen towers
-    marked: ``{"vision": ModalityEncoder, "audio": ModalityEncoder, "language": Llama}``."""
+def module_seeds(config: TrainerConfig) -> dict[str, int]:
+    """Each module's init seed (`model.seeds` over the defaults)."""
+    return {"language": 0, "vision": 10, "audio": 20} | config.model.seeds
+
+
+def build_modules(config: TrainerConfig, seq_len: int, meta: bool = False) -> dict[str, torch.nn.Module]:
+    """The full modules, frozen towers marked: ``{"vision": ModalityEncoder, "audio":
+    ModalityEncoder, "language": Llama}``, initialized from `module_seeds` (the same on every
+    rank), or with `meta` left on the meta device for `MimoModel.init_weights` (no memory)."""
     llama_cfg, vision_cfg, audio_cfg = model_configs(config, seq_len)
-    seeds = {"language": 0, "vision": 10, "audio": 20} | config.model.seeds
-    modules: dict[str, torch.nn.Module] = {
-        "vision": ModalityEncoder(ViT(vision_cfg), Projection(vision_cfg.dim, llama_cfg.dim)),
-        "audio": ModalityEncoder(AudioEncoder(audio_cfg), Projection(audio_cfg.dim, llama_cfg.dim)),
-        "language": Llama(llama_cfg),
-    }
+    with torch.device("meta" if meta else "cpu"):
+        modules: dict[str, torch.nn.Module] = {
+            "vision": ModalityEncoder(ViT(vision_cfg), Projection(vision_cfg.dim, llama_cfg.dim)),
+            "audio": ModalityEncoder(AudioEncoder(audio_cfg), Projection(audio_cfg.dim, llama_cfg.dim)),
+            "language": Llama(llama_cfg),
+        }
     for name, module in modules.items():
-        module.init_weights(seeds[name])
+        if not meta:
+            module.init_weights(module_seeds(config)[name])
     for name in config.model.frozen:  # the tower; its projection to the language width trains
         modules[name].encoder.requires_grad_(False)
     return modules
@@ -147,7 +154,8 @@ class Trainer:
         task = DigitsTask(max_images=d.max_images, max_tones=d.max_tones, noise_std=d.noise_std)
         probe = DigitsDataset("train", *model_configs(config, 64)[1:], num_samples=1, task=task)
         self.seq_len = sequence_length(config, probe.min_seq_len)
-        self.modules = build_modules(config, self.seq_len)
+        # On the meta device: each rank allocates and initializes only its own shards, below.
+        self.modules = build_modules(config, self.seq_len, meta=True)
         llama_cfg, vision_cfg, audio_cfg = model_configs(config, self.seq_len)
         self.train_set = DigitsDataset("train", vision_cfg, audio_cfg, TRAIN_SAMPLES, seed=d.seed,
                                        task=task, seq_len=self.seq_len)
@@ -166,6 +174,7 @@ class Trainer:
             pipeline=PipelineConfig(microbatches=p.microbatches, schedule=p.schedule,
                                     virtual_stages=p.virtual_stages,
                                     split=tuple(p.split) if p.split is not None else None))
+        self.model.init_weights(module_seeds(config))  # a resumed run then loads over it
         o = config.optimizer
         self.warmup = o.warmup_steps if o.warmup_steps < config.train.steps else config.train.steps // 2
         adamw = AdamWConfig(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
