@@ -210,7 +210,7 @@ class MimoModel(nn.Module):
             self.encoder_pipelines[name] = EncoderPipeline(
                 name, root, s, pp, self.layout.mesh(name, "pp").get_group(), module.encoder.config.dim,
                 self.device)
-        no_fsdp = dataclasses.replace(options, fsdp=False)  # FSDP goes on the root, below
+        no_fsdp = options.for_submodules()  # FSDP / mixed precision go on the root, below
         parallelize_encoder(module.encoder, tp_mesh, dp_mesh, no_fsdp)
         if module.projection is not None:
             parallelize_projection(module.projection, tp_mesh, dp_mesh, no_fsdp)
@@ -224,7 +224,7 @@ class MimoModel(nn.Module):
         cp = self.layout.parallelism(name).cp
         if cp > 1:
             llama.set_attention_fn(ContextParallelAttention(self.layout.mesh(name, "cp")))
-        parallelize_llama(llama, tp_mesh, dp_mesh, dataclasses.replace(options, fsdp=False))
+        parallelize_llama(llama, tp_mesh, dp_mesh, options.for_submodules())
         step = LanguageStage(llama, True, True, cp, self.layout.coordinate(name, self.rank)["cp"])
         apply_data_parallel(step, dp_mesh, list(llama.layers.values()), options)
         return step

@@ -8,9 +8,9 @@ cross in bf16. The reference is the same model in one process with its forward u
 
 | case        | vision (ranks)       | language (ranks)              | world | notes                             |
 |-------------|----------------------|-------------------------------|-------|-----------------------------------|
-| fsdp_tp     | dp2, FSDP2 bf16 (0-1)| tp2 + sp, autocast (2-3)      | 4     | vocab-parallel loss, bf16 bridge  |
+| fsdp_tp     | dp2, FSDP2 bf16 (0-1)| tp2 + sp, autocast (2-3)      | 4     | vocab-parallel loss, bf16 bridge, compiled language |
 | colocated   | dp2, FSDP2 bf16 (0-1)| dp2, FSDP2 bf16 (0-1)         | 2     | both modules FSDP2 mixed precision|
-| pipelined   | dp2, FSDP2 bf16 (0-1)| pp2, autocast (2-3)           | 4     | 1F1B, 4 microbatches, bf16 stage links |
+| pipelined   | dp2, autocast (0-1)  | pp2, autocast (2-3)           | 4     | 1F1B, 4 microbatches, bf16 stage links, compiled vision, all-reduce in fp32 |
 
 Tolerances (bf16 has 8 mantissa bits, 2^-8 = 0.4%; FSDP2 also runs norms in bf16, which autocast
 keeps in fp32): loss within 0.1% of the reference, global gradient norm within 1%, every
@@ -36,10 +36,13 @@ P = Parallelism
 BF16 = ParallelOptions(param_dtype="bf16")
 CASES = {
     "fsdp_tp": Case({"vision": P(dp=2), "language": P(tp=2)},
-                    options={"vision": BF16, "language": ParallelOptions(sp=True, param_dtype=torch.bfloat16)}),
+                    options={"vision": BF16, "language": ParallelOptions(sp=True, param_dtype=torch.bfloat16,
+                                                                         compile=True, compile_backend="aot_eager")}),
     "colocated": Case({"vision": P(dp=2), "language": P(dp=2)}, offsets={"vision": 0, "language": 0},
                       options={"vision": BF16, "language": BF16}),
-    "pipelined": Case({"vision": P(dp=2), "language": P(pp=2)}, options={"vision": BF16, "language": BF16},
+    "pipelined": Case({"vision": P(dp=2), "language": P(pp=2)},
+                      options={"vision": ParallelOptions(param_dtype="bf16", fsdp=False, compile=True,
+                                                         compile_backend="aot_eager"), "language": BF16},
                       pipeline=PipelineConfig(microbatches=4), batch_size=8, n_layers=4),
 }
 

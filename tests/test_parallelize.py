@@ -50,6 +50,7 @@ from dtensor_mimo.parallelize import (
     ParallelOptions,
     allreduce_gradients,
     parallelize_module_for,
+    parallelize_projection,
     sequence_sharded_input,
 )
 from dtensor_mimo.train.loss import vocab_parallel_cross_entropy
@@ -267,6 +268,27 @@ def _check_case(name: str) -> dict[str, float]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_single_process(name: str) -> None:
     run_on_ranks(_check_case, CASES[name].world, name, timeout=120)
+
+
+def test_mixed_precision_without_fsdp_autocasts_even_a_compiled_module():
+    """`param_dtype` on a module without FSDP2: its forward under autocast (hooks that stay eager
+    when the module is compiled as a whole), fp32 parameters and gradients, no autocast after."""
+    reference, model = Projection(8, 16), Projection(8, 16)
+    reference.init_weights(0)
+    model.init_weights(0)
+    parallelize_projection(model, None, None, ParallelOptions(compile=True, compile_backend="aot_eager",
+                                                              param_dtype="bf16"))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(x)
+    for _ in range(2):  # the compiled call and a cached one
+        out = model(x)
+        assert out.dtype == torch.bfloat16 and not torch.is_autocast_enabled("cpu")
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    out.float().sum().backward()
+    expected.float().sum().backward()
+    assert model.fc1.weight.dtype == model.fc1.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(model.fc1.weight.grad, reference.fc1.weight.grad)
 
 
 def test_options_are_validated():

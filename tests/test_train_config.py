@@ -30,6 +30,8 @@ def test_file_then_overrides_in_any_order(tmp_path) -> None:
     assert config.layout.language.tp == 2 and config.optimizer.decay == "linear"
     assert config.optimizer.lr == 5e-4 and config.optimizer.module_lr == {"vision": 1e-4}
     assert config.model.frozen == ["vision"] and config.checkpoint.dir == "ckpt/run 1"
+    mixed = parse_args(["--options.vision.param_dtype", "bfloat16"])
+    assert mixed.options.vision.param_dtype == "bfloat16" and mixed.options.language.param_dtype is None
     assert build_layout(config).ranks("language") == [2, 3]
 
 
@@ -37,6 +39,8 @@ def test_file_then_overrides_in_any_order(tmp_path) -> None:
     (["--train.stepz", "3"], "unknown key 'train.stepz'; train has steps, eval_every"),
     (["--trian.steps", "3"], "unknown key 'trian'; the config has layout, options"),
     (["--train.steps", "forty"], "train.steps = 'forty': expected an integer"),
+    (["--options.language.param_dtype", "half"],
+     "options.language.param_dtype = 'half': expected one of 'float32', 'bfloat16', 'float16' or none"),
     (["--train.steps", "2.5"], "train.steps = 2.5: expected an integer"),
     (["--optimizer.lr", "fast"], "optimizer.lr = 'fast': expected a number"),
     (["--options.language.compile", "yes"], "options.language.compile = 'yes': expected true or false"),

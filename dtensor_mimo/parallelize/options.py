@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,11 @@ class ParallelOptions:
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise TypeError(f"ParallelOptions: compile_backend={self.compile_backend!r} must be a "
                             "backend name such as 'inductor' or 'aot_eager'")
+
+    def for_submodules(self) -> "ParallelOptions":
+        """These options for the parts of a module whose root (e.g. a pipeline stage) takes FSDP2
+        and mixed precision itself: tp, sp, checkpointing and compile only."""
+        return dataclasses.replace(self, fsdp=False, param_dtype=None)
 
     @property
     def gradient_reduce_dtype(self) -> torch.dtype | None:

@@ -67,5 +67,7 @@ def autocast_forward(module: nn.Module, dtype: torch.dtype) -> None:
     def leave(_mod: nn.Module, _args: tuple, _output: object) -> None:
         active.pop().__exit__(None, None, None)
 
-    module.register_forward_pre_hook(enter)
-    module.register_forward_hook(leave, always_call=True)
+    # Eager even when the module itself is compiled (`nn.Module.compile` traces its hooks): the
+    # autocast state they set is then a guard of the compiled graph, not part of it.
+    module.register_forward_pre_hook(torch.compiler.disable(enter))
+    module.register_forward_hook(torch.compiler.disable(leave), always_call=True)

@@ -21,7 +21,6 @@ gets its own stages instead of a gloo abort or a stale buffer.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -147,7 +146,7 @@ class LanguagePipeline:
         self.stages = nn.ModuleList()
         for s in self.stage_indices:
             part = llama_stage(llama, bounds[s], s == 0, s == self.n_stages - 1)
-            parallelize_llama(part, tp_mesh, dp_mesh, dataclasses.replace(options, fsdp=False))
+            parallelize_llama(part, tp_mesh, dp_mesh, options.for_submodules())
             module = LanguageStage(part, s == 0, s == self.n_stages - 1, par.cp, self.cp_rank, self.dtype)
             apply_data_parallel(module, dp_mesh, list(part.layers.values()), options)
             self.stages.append(module)

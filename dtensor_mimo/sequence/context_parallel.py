@@ -15,9 +15,12 @@ sum reduce-scatter: each rank gets back the summed gradient of its own slice. It
 Trade-offs, and why not ring attention:
 
 - Memory: each rank holds the full K and V of its batch for the kv heads, `2 * B * Hkv * S * D`
-  per layer, kept for backward, plus a `[B, S / cp, S]` mask; the attention work itself is split
-  by cp. With grouped-query attention (`Hkv` << `Hq`) the gathered K/V are small next to the
-  activations, which is why Llama 3 trains long context this way.
+  per layer, kept for backward: linear in S. The mask is never `[S / cp, S]` at once:
+  `causal_attention` takes this rank's queries in chunks of `ATTENTION_QUERY_CHUNK` rows, each
+  with a `[chunk, S]` mask recomputed in backward, so the transient is bounded by
+  `B * chunk * S` whatever the length. The attention work itself is split by cp. With
+  grouped-query attention (`Hkv` << `Hq`) the gathered K/V are small next to the activations,
+  which is why Llama 3 trains long context this way.
 - Ring attention passes one K/V chunk at a time and overlaps it with compute, so it needs less
   memory at very long sequence lengths, but PyTorch's public `context_parallel()` fails on CPU
   (no sharding rule for the CPU SDPA kernel) and its ring implementation is private API. The
