@@ -248,6 +248,28 @@ class MimoModel(nn.Module):
             stage.llama.init_weights(seeds[self.language_name])
         self.uninitialized.clear()
 
+    def load_hf(self, paths: Mapping[str, str]) -> None:
+        """Fill modules from Hugging Face checkpoint directories, ``{"language": path, ...}``
+        (call on every rank with the same mapping; no communication). Each rank reads only the
+        checkpoint rows of the blocks it holds (its tp / FSDP shards, its pipeline stages); an
+        encoder's path fills its tower (`ModalityEncoder.encoder`), the projection keeps its
+        initialization. Modules not named keep theirs (on a meta-built model call `init_weights`
+        first: a loaded language model counts as initialized, an encoder's projection does not)."""
+        from dtensor_mimo.models.hf import load_hf
+
+        unknown = [n for n in paths if n not in self.module_names]
+        if unknown:
+            raise ValueError(f"MimoModel.load_hf: {unknown} are not modules of the model {self.module_names}")
+        for name, path in paths.items():
+            if name == self.language_name:
+                parts = [self.language.llama] if self.language is not None else [s.llama for s in self.language_stages]
+            else:
+                parts = [self.encoders[name].encoder] if name in self.encoders else []
+            for part in parts:
+                load_hf(part, path)
+        if self.language_name in paths:
+            self.uninitialized.discard(self.language_name)
+
     def check_replicas(self) -> None:
         """Debug check (call on every rank): every parameter copy that should be identical — over
         tp for the parameters tp leaves whole, over dp·cp for modules without FSDP2 — is bitwise

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import pytest
 import torch
@@ -54,6 +55,7 @@ from dtensor_mimo import (
 )
 from dtensor_mimo.assemble import assemble, embed_text
 from dtensor_mimo.data import IGNORE_INDEX, ModalitySpec, SyntheticSpec, synthetic_batch
+from dtensor_mimo.models.hf import load_hf
 from dtensor_mimo.models import (
     AudioConfig,
     AudioEncoder,
@@ -94,6 +96,7 @@ class Case:
     seq_lens: tuple[int, ...] = (64, 64, 64)  # one batch per step, of these lengths
     meta: bool = False  # modules built on the meta device, then `MimoModel.init_weights`
     distinct_batches: int | None = None  # cycle through this many batches (None: all distinct)
+    language_hf: str | None = None  # a Hugging Face checkpoint the language model is loaded from
 
     @property
     def encoders(self) -> tuple[str, ...]:
@@ -143,16 +146,20 @@ def _seeds(encoders: tuple[str, ...]) -> dict[str, int]:
 
 
 def _modules(encoders: tuple[str, ...], frozen: tuple[str, ...] = (), n_layers: int = 2,
-             meta: bool = False) -> tuple[Llama, dict[str, ModalityEncoder]]:
-    """The modules, initialized from `_seeds` (meta: left uninitialized on the meta device)."""
+             meta: bool = False, language_hf: str | None = None) -> tuple[Llama, dict[str, ModalityEncoder]]:
+    """The modules, initialized from `_seeds` and the language model loaded from `language_hf`
+    if given (meta: left uninitialized on the meta device)."""
     seeds = _seeds(encoders)
+    config = LlamaConfig.from_hf(language_hf) if language_hf else dataclasses.replace(LLAMA, n_layers=n_layers)
     with torch.device("meta" if meta else "cpu"):
-        llama = Llama(dataclasses.replace(LLAMA, n_layers=n_layers))
+        llama = Llama(config)
         built = {name: ModalityEncoder(ViT(VISION) if name == "vision" else AudioEncoder(AUDIO),
                                        Projection(32, LLAMA.dim, hidden_dim=64)) for name in encoders}
     for name, module in [("language", llama), *built.items()]:
         if not meta:
             module.init_weights(seeds[name])
+    if language_hf and not meta:
+        load_hf(llama, language_hf)
         for pname, p in module.named_parameters():
             if f"{name}.{pname}".startswith(frozen):
                 p.requires_grad_(False)
@@ -174,10 +181,11 @@ def _batches(encoders: tuple[str, ...], packed: bool, batch_size: int = 5, seq_l
 @functools.lru_cache(maxsize=None)
 def _reference(encoders: tuple[str, ...], packed: bool, frozen: tuple[str, ...], batch_size: int = 5,
                n_layers: int = 2, seq_lens: tuple[int, ...] = (64, 64, 64),
-               autocast: torch.dtype | None = None, distinct: int | None = None) -> list[dict]:
+               autocast: torch.dtype | None = None, distinct: int | None = None,
+               language_hf: str | None = None) -> list[dict]:
     """The single-process run; `autocast`: its forward under ``torch.autocast("cpu", autocast)``
     (the mixed precision reference), the loss in fp32."""
-    llama, encs = _modules(encoders, frozen, n_layers)
+    llama, encs = _modules(encoders, frozen, n_layers, language_hf=language_hf)
     modules = {**encs, "language": llama}
     opts = {n: torch.optim.AdamW(m.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps,
                                  weight_decay=OPT.weight_decay) for n, m in modules.items()}
@@ -235,12 +243,14 @@ def _check_meta_built(model: MimoModel, case: Case) -> None:
     with pytest.raises(RuntimeError, match="meta device"):
         model.forward_backward(_batches(case.encoders, case.packed, case.batch_size, case.seq_lens[:1])[0])
     model.init_weights(_seeds(case.encoders))
+    if case.language_hf:
+        model.load_hf({"language": case.language_hf})  # each rank reads its own blocks
 
 
 def _distributed(case: Case) -> list[dict] | None:
     layout = case.layout()
     layout.init_meshes("cpu")
-    llama, encs = _modules(case.encoders, case.frozen, case.n_layers, case.meta)
+    llama, encs = _modules(case.encoders, case.frozen, case.n_layers, case.meta, case.language_hf)
     model = MimoModel(layout, llama, encs, options=case.options, pipeline=case.pipeline)
     if case.meta:
         _check_meta_built(model, case)
@@ -267,11 +277,12 @@ def test_training_matches_single_process(name: str) -> None:
     check_against_reference(CASES[name])
 
 
-def check_against_reference(case: Case) -> None:
-    """Train `case` for three steps on its ranks and compare with the single-process run."""
+def check_against_reference(case: Case, run: Callable[[Case], list[dict]] = _distributed) -> list[list[dict]]:
+    """Train `case` on its ranks with `run` and compare with the single-process run; returns
+    every rank's records."""
     expected = _reference(case.encoders, case.packed, case.frozen, case.batch_size, case.n_layers,
-                          case.seq_lens)
-    per_rank = run_on_ranks(_distributed, case.layout().world_size, case, timeout=300)
+                          case.seq_lens, language_hf=case.language_hf)
+    per_rank = run_on_ranks(run, case.layout().world_size, case, timeout=300)
     for step, want in enumerate(expected):
         got = {"grads": {}, "weights": {}}
         for records in per_rank:
@@ -288,3 +299,4 @@ def check_against_reference(case: Case) -> None:
                     continue
                 torch.testing.assert_close(got[kind][param], value, **TOL,
                                            msg=lambda m: f"step {step} {kind} {param}: {m}")
+    return per_rank

@@ -7,6 +7,7 @@ from dtensor_mimo.models.audio import AudioConfig, AudioEncoder
 from dtensor_mimo.models.layers import (
     AttentionFn,
     RMSNorm,
+    RopeScaling,
     apply_rope,
     causal_attention,
     init_weights,
@@ -27,6 +28,7 @@ __all__ = [
     "ModalityEncoder",
     "Projection",
     "RMSNorm",
+    "RopeScaling",
     "ViT",
     "ViTConfig",
     "apply_rope",

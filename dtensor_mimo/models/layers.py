@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -47,17 +48,46 @@ class RMSNorm(nn.Module):
 # buffer, so meta-device init, checkpoints and pipeline stages have nothing to recompute.
 
 
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's long-context frequency scaling (Hugging Face ``rope_type="llama3"``): pairs
+    whose wavelength exceeds ``original_max_position_embeddings / low_freq_factor`` turn
+    `factor` times slower, those below ``... / high_freq_factor`` keep their frequency, and the
+    band between is interpolated smoothly."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The scaled inverse frequencies."""
+        low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+        high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = ((self.original_max_position_embeddings / wavelen - self.low_freq_factor)
+                  / (self.high_freq_factor - self.low_freq_factor))
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+
+
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, each `[*positions.shape, head_dim // 2]`.
 
-    Pair i of a head (elements 2i, 2i+1) is rotated by `position * theta ** (-2i / head_dim)`.
-    `dtype` is promoted to at least float32 so that large positions keep their precision.
+    Pair i of a head (elements 2i, 2i+1) is rotated by `position * theta ** (-2i / head_dim)`
+    (frequencies then adjusted by `scaling`, if given). `dtype` is promoted to at least float32
+    so that large positions keep their precision.
     """
     dtype = torch.promote_types(dtype, torch.float32)
     exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=dtype) / head_dim
     inv_freq = 1.0 / (theta**exponents)
+    if scaling is not None:
+        inv_freq = scaling.apply(inv_freq)
     angles = positions.to(dtype).unsqueeze(-1) * inv_freq
     return angles.cos(), angles.sin()
 
@@ -215,28 +245,34 @@ def init_weights(module: nn.Module, seed: int, std: float = 0.02) -> None:
             for param_name, param in mod.named_parameters(recurse=False):
                 if isinstance(mod, norm_types) or param_name == "bias":
                     fill = 1.0 if isinstance(mod, norm_types) and param_name == "weight" else 0.0
-                    _local(param).fill_(fill)
+                    local_part(param).fill_(fill)
                     continue
-                fqn = f"{module_name}.{param_name}" if module_name else param_name
-                for prefix in _WRAPPER_PREFIXES:
-                    fqn = fqn.replace(prefix, "")
-                offset, shape = _local_box(param)
+                fqn = plain_name(f"{module_name}.{param_name}" if module_name else param_name)
+                offset, shape = local_box(param)
                 value = _normal_rows(_parameter_seed(seed, fqn), tuple(param.shape), offset[:1], shape[:1])
                 box = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:]))
-                _local(param).copy_((value[(slice(None), *box)] if box else value) * std)
+                local_part(param).copy_((value[(slice(None), *box)] if box else value) * std)
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
+def plain_name(name: str) -> str:
+    """A parameter name without the wrappers compile and activation checkpointing insert."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def local_part(param: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of `param` (a DTensor's local shard, else `param` itself)."""
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Global offset and shape of the block of `param` this rank holds (all of it if plain)."""
     if not isinstance(param, DTensor):
         return (0,) * param.ndim, tuple(param.shape)
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     if math.prod(shape) != param.to_local().numel():
-        raise NotImplementedError(f"init_weights: cannot locate the local shard {tuple(param.to_local().shape)} "
+        raise NotImplementedError(f"cannot locate the local shard {tuple(param.to_local().shape)} "
                                   f"of a {tuple(param.shape)} parameter with placements {param.placements}")
     return tuple(offset), tuple(shape)
 

@@ -14,7 +14,6 @@ Written to be parallelised from outside (torchtitan style), so the module itself
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ from torch import nn
 from dtensor_mimo.models.layers import (
     AttentionFn,
     RMSNorm,
+    RopeScaling,
     apply_rope,
     causal_attention,
     init_weights,
@@ -43,6 +43,11 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 2048  # longest sequence the data layer may build; no buffer depends on it
+    # Variants of the Llama family (defaults: the original Llama); see `from_hf`.
+    head_dim: int | None = None  # None: dim // n_heads (Qwen3 and Mistral-Nemo set their own)
+    qkv_bias: bool = False  # biases on wq, wk, wv (Qwen2 / Qwen2.5)
+    qk_norm: bool = False  # RMSNorm over each query and key head before the rotation (Qwen3)
+    rope_scaling: RopeScaling | None = None  # Llama 3.1 / 3.2 long-context frequencies
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -50,37 +55,36 @@ class LlamaConfig:
         if self.ffn_hidden is None:
             hidden = int(2 * 4 * self.dim / 3)
             self.ffn_hidden = -(-hidden // self.multiple_of) * self.multiple_of
-        if self.dim % self.n_heads != 0:
-            raise ValueError(
-                f"LlamaConfig: dim={self.dim} must be divisible by n_heads={self.n_heads}"
-            )
+        if self.head_dim is None:
+            if self.dim % self.n_heads != 0:
+                raise ValueError(f"LlamaConfig: dim={self.dim} must be divisible by n_heads={self.n_heads} "
+                                 "(or give head_dim)")
+            self.head_dim = self.dim // self.n_heads
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(
                 f"LlamaConfig: n_heads={self.n_heads} must be a multiple of "
                 f"n_kv_heads={self.n_kv_heads}"
             )
         if self.head_dim % 2 != 0:
-            raise ValueError(
-                f"LlamaConfig: head_dim = dim / n_heads = {self.head_dim} must be even for RoPE"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+            raise ValueError(f"LlamaConfig: head_dim={self.head_dim} must be even for RoPE")
 
     @classmethod
     def tiny(cls, **overrides) -> LlamaConfig:
         """A few-thousand-parameter model for tests; keyword arguments override fields."""
-        config = cls(
-            vocab_size=64,
-            dim=32,
-            n_layers=2,
-            n_heads=4,
-            n_kv_heads=2,
-            ffn_hidden=64,
-            max_seq_len=64,
-        )
-        return dataclasses.replace(config, **overrides)
+        fields = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=64)
+        return cls(**(fields | overrides))
+
+    @classmethod
+    def from_hf(cls, path: str) -> LlamaConfig:
+        """The config of a Hugging Face Llama-family checkpoint directory (its ``config.json``:
+        Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3; transformers v4 or v5 layout). What the
+        model cannot express (sliding windows, other rope types, MLP or output biases, ...) is
+        refused by name."""
+        from dtensor_mimo.models.hf.llama import llama_config_from_hf
+
+        return llama_config_from_hf(path)
 
 
 class Attention(nn.Module):
@@ -92,10 +96,12 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig, attention_fn: AttentionFn | None = None) -> None:
         super().__init__()
         self.head_dim = config.head_dim
-        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=config.qkv_bias)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.attention_fn = attention_fn or causal_attention
 
     def forward(
@@ -110,6 +116,8 @@ class Attention(nn.Module):
         q = self.wq(x).unflatten(-1, (-1, self.head_dim))
         k = self.wk(x).unflatten(-1, (-1, self.head_dim))
         v = self.wv(x).unflatten(-1, (-1, self.head_dim))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = self.attention_fn(
             q.transpose(1, 2),
@@ -225,7 +233,8 @@ class Llama(nn.Module):
             positions = (torch.arange(s, device=h.device).expand(b, s) if sequence_index is None
                          else sequence_index)
         # One set of angles for all layers.
-        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
+        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype,
+                            self.config.rope_scaling)
 
         for layer in self.layers.values():
             h = layer(h, rope, sequence_index, document_ids)

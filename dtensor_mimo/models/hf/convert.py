@@ -1,0 +1,55 @@
+"""Moving parameters between a Hugging Face checkpoint and a module, shard by shard.
+
+A `Source` names the checkpoint tensor a parameter comes from and how its rows are ordered.
+`read_local` gives this rank's block of a parameter (all of a plain tensor; the block a DTensor
+holds: tensor or FSDP shard), reading only the checkpoint rows that block needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dtensor_mimo.models.hf.safetensors import SafetensorsDir
+
+
+@dataclass(frozen=True)
+class Source:
+    """Checkpoint tensor `name`; `rotary_head_dim`: its rows are heads of that size in Hugging
+    Face's rotary order (element i paired with i + head_dim / 2), which the library keeps as
+    adjacent pairs (2i, 2i + 1)."""
+
+    name: str
+    rotary_head_dim: int | None = None
+
+    def read(self, files: SafetensorsDir, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """The block ``offset .. offset + shape`` of the parameter, in the library's order."""
+        if not shape:
+            return files.read(self.name)
+        first, last = offset[0], offset[0] + shape[0]
+        hd = self.rotary_head_dim
+        if hd is None:
+            rows = files.read(self.name, slice(first, last))
+        else:  # whole heads around the block, reordered, then the block's rows
+            lo, hi = first // hd * hd, -(-last // hd) * hd
+            rows = to_adjacent_pairs(files.read(self.name, slice(lo, hi)), hd)[first - lo:last - lo]
+        box = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:]))
+        return rows[(slice(None), *box)]
+
+    def write(self, value: torch.Tensor) -> torch.Tensor:
+        """The full parameter `value` in the checkpoint's order."""
+        return value if self.rotary_head_dim is None else to_half_split(value, self.rotary_head_dim)
+
+
+def to_adjacent_pairs(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Hugging Face rotary rows -> the library's: per head, element j of the first half and
+    element j of the second half become elements 2j and 2j + 1."""
+    heads = rows.reshape(-1, 2, head_dim // 2, *rows.shape[1:])
+    return heads.transpose(1, 2).reshape(rows.shape)
+
+
+def to_half_split(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The inverse of `to_adjacent_pairs`."""
+    heads = rows.reshape(-1, head_dim // 2, 2, *rows.shape[1:])
+    return heads.transpose(1, 2).reshape(rows.shape)

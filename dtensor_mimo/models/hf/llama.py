@@ -1,0 +1,113 @@
+"""Llama-family decoders (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3) <-> the library's `Llama`.
+
+Names: ``model.layers.{i}.self_attn.q_proj`` <-> ``layers.{i}.attention.wq`` and so on (table
+below). Rotary layout: Hugging Face rotates element i of a head with element i + head_dim / 2;
+the library rotates adjacent pairs (2i, 2i + 1), as Meta's and torchtitan's Llama do. The rows of
+``q_proj`` / ``k_proj`` (weights, biases) and Qwen3's ``q_norm`` / ``k_norm`` are therefore
+permuted within each head on the way in (and back on the way out); everything else is copied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+from dtensor_mimo.models.hf.convert import Source
+from dtensor_mimo.models.layers import RopeScaling
+from dtensor_mimo.models.llama import LlamaConfig
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_LAYER = {
+    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+    "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
+    "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_ROTATED = ("attention.wq", "attention.wk", "attention.q_norm", "attention.k_norm")
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """``config.json`` of a Hugging Face model directory."""
+    file = os.path.join(path, "config.json")
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"{path}: no config.json; point at a Hugging Face model directory")
+    with open(file) as f:
+        return json.load(f)
+
+
+def llama_config_from_hf(path: str) -> LlamaConfig:
+    """See `LlamaConfig.from_hf`."""
+    c = read_config(path)
+    family = c.get("model_type")
+    if family not in FAMILIES:
+        raise ValueError(f"{path}: model_type {family!r} is not a Llama-family decoder ({', '.join(FAMILIES)})")
+    refused = []
+    if c.get("hidden_act", "silu") != "silu":
+        refused.append(f"hidden_act={c['hidden_act']!r} (the MLP is SwiGLU with silu)")
+    if c.get("mlp_bias"):
+        refused.append("mlp_bias=true")
+    if c.get("attention_bias") and family != "qwen2":
+        refused.append("attention_bias=true (an o_proj bias)")
+    if c.get("use_sliding_window") or (family == "mistral" and c.get("sliding_window")):
+        refused.append(f"sliding_window={c.get('sliding_window')} (attention is full causal)")
+    rope = c.get("rope_parameters") or {**(c.get("rope_scaling") or {}), "rope_theta": c.get("rope_theta", 10000.0)}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        refused.append(f"rope_type={rope_type!r} (supported: 'default', 'llama3')")
+    if refused:
+        raise ValueError(f"{path}: the library's Llama cannot express " + "; ".join(refused))
+    scaling = None if rope_type == "default" else RopeScaling(
+        factor=rope["factor"], low_freq_factor=rope["low_freq_factor"], high_freq_factor=rope["high_freq_factor"],
+        original_max_position_embeddings=rope["original_max_position_embeddings"])
+    return LlamaConfig(
+        vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
+        n_heads=c["num_attention_heads"], n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+        ffn_hidden=c["intermediate_size"], norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=rope["rope_theta"],
+        max_seq_len=c.get("max_position_embeddings", 2048), head_dim=c.get("head_dim"),
+        qkv_bias=family == "qwen2" or bool(c.get("attention_bias")), qk_norm=family == "qwen3", rope_scaling=scaling)
+
+
+def llama_config_to_hf(config: LlamaConfig, dtype: str) -> dict[str, Any]:
+    """A transformers ``config.json`` for `config` (the family its variants need)."""
+    if config.qk_norm and config.qkv_bias:
+        raise ValueError("save_hf: no Hugging Face family has both qk_norm and qkv_bias")
+    family = "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else "llama"
+    architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling is not None:
+        s = config.rope_scaling
+        rope.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
+                    high_freq_factor=s.high_freq_factor,
+                    original_max_position_embeddings=s.original_max_position_embeddings)
+    return {
+        "architectures": [architecture], "model_type": family, "vocab_size": config.vocab_size,
+        "hidden_size": config.dim, "intermediate_size": config.ffn_hidden,
+        "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads, "head_dim": config.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
+        # transformers v5 reads rope_parameters, v4 rope_theta and rope_scaling
+        "rope_parameters": rope, "rope_theta": config.rope_theta,
+        "rope_scaling": None if config.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"},
+        "attention_bias": False, "mlp_bias": False, "use_sliding_window": False, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": dtype, "dtype": dtype,
+    }
+
+
+def llama_source(name: str, config: LlamaConfig, tied: bool) -> Source:
+    """Where the library parameter `name` comes from in a Hugging Face Llama-family checkpoint
+    (`tied`: the checkpoint has no ``lm_head`` and reuses the token embedding)."""
+    if name in _TOP:
+        if name == "output.weight" and tied:
+            return Source("model.embed_tokens.weight")
+        return Source(_TOP[name])
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    if match is None or match.group(2) not in _LAYER:
+        raise KeyError(f"no Hugging Face name for the Llama parameter {name!r}")
+    layer, part, kind = match.groups()
+    return Source(f"model.layers.{layer}.{_LAYER[part]}.{kind}",
+                  rotary_head_dim=config.head_dim if part in _ROTATED else None)

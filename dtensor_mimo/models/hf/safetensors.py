@@ -1,0 +1,93 @@
+"""Reading and writing Hugging Face checkpoint files (safetensors), slice by slice.
+
+The format is an 8-byte little-endian header length, a JSON header (per tensor: dtype, shape,
+byte offsets) and the raw little-endian data. Files are memory-mapped, so reading rows of a
+tensor touches only the pages of those rows: a rank that owns a shard reads its shard, not the
+checkpoint. A directory holds ``model.safetensors`` or several files listed by
+``model.safetensors.index.json``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import mmap
+import os
+import struct
+from typing import Mapping
+
+import torch
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+class SafetensorsDir:
+    """The tensors of a checkpoint directory, read lazily by name and row range."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        if os.path.exists(os.path.join(path, INDEX)):
+            with open(os.path.join(path, INDEX)) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        elif os.path.exists(os.path.join(path, SINGLE)):
+            files = [SINGLE]
+        else:
+            raise FileNotFoundError(f"{path}: no {SINGLE} or {INDEX}; point at a Hugging Face model directory")
+        self._entries: dict[str, tuple[mmap.mmap, int, dict]] = {}
+        for name in files:
+            with open(os.path.join(path, name), "rb") as f:
+                size = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(size))
+                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # writable view, no copy
+            header.pop("__metadata__", None)
+            for key, entry in header.items():
+                self._entries[key] = (data, 8 + size, entry)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._entries[name][2]["shape"])
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """Tensor `name` (rows `rows` of dim 0 only, if given) as a fresh tensor."""
+        data, start, entry = self._entries[name]
+        dtype, shape = DTYPES[entry["dtype"]], entry["shape"]
+        begin = entry["data_offsets"][0]
+        if not shape:
+            return torch.frombuffer(data, dtype=dtype, count=1, offset=start + begin).reshape(()).clone()
+        first, last = (0, shape[0]) if rows is None else rows.indices(shape[0])[:2]
+        row = math.prod(shape[1:])
+        count = (last - first) * row
+        if count == 0:
+            return torch.empty(0, *shape[1:], dtype=dtype)
+        offset = start + begin + first * row * torch.empty((), dtype=dtype).element_size()
+        return torch.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(-1, *shape[1:]).clone()
+
+
+def save_file(tensors: Mapping[str, torch.Tensor], path: str, metadata: Mapping[str, str] | None = None) -> None:
+    """Write `tensors` (plain, any device) as one safetensors file."""
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    blobs, offset = [], 0
+    for name, tensor in tensors.items():
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        blob = ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()) if flat.numel() else b""
+        header[name] = {"dtype": NAMES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for blob in blobs:
+            f.write(blob)
