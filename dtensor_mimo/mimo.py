@@ -252,10 +252,12 @@ class MimoModel(nn.Module):
         """Fill modules from Hugging Face checkpoint directories, ``{"language": path, ...}``
         (call on every rank with the same mapping; no communication). Each rank reads only the
         checkpoint rows of the blocks it holds (its tp / FSDP shards, its pipeline stages); an
-        encoder's path fills its tower (`ModalityEncoder.encoder`), the projection keeps its
+        encoder's path fills its tower (`ModalityEncoder.encoder`) and, when the checkpoint holds
+        one (a LLaVA directory), its projection; otherwise the projection keeps its
         initialization. Modules not named keep theirs (on a meta-built model call `init_weights`
         first: a loaded language model counts as initialized, an encoder's projection does not)."""
-        from dtensor_mimo.models.hf import load_hf
+        from dtensor_mimo.models import Projection
+        from dtensor_mimo.models.hf import has_hf_module, load_hf
 
         unknown = [n for n in paths if n not in self.module_names]
         if unknown:
@@ -263,8 +265,12 @@ class MimoModel(nn.Module):
         for name, path in paths.items():
             if name == self.language_name:
                 parts = [self.language.llama] if self.language is not None else [s.llama for s in self.language_stages]
+            elif name in self.encoders:
+                module = self.encoders[name]
+                parts = [module.encoder] + ([module.projection] if module.projection is not None
+                                            and has_hf_module(Projection, path) else [])
             else:
-                parts = [self.encoders[name].encoder] if name in self.encoders else []
+                parts = []
             for part in parts:
                 load_hf(part, path)
         if self.language_name in paths:
@@ -579,9 +585,9 @@ def _encoder_pipeline_problem(layout: MimoLayout, language_name: str, encoders: 
     if options.get(name, ParallelOptions()).sp:
         return "sequence parallel is not supported on encoder stages: set sp=False"
     encoder = encoders[name].encoder
-    if not (hasattr(encoder, "embed") and hasattr(encoder, "norm") and hasattr(encoder, "layers")
-            and isinstance(getattr(getattr(encoder, "config", None), "dim", None), int)):
-        return (f"its encoder {type(encoder).__name__} needs embed(), layers, norm and config.dim "
+    if not (hasattr(encoder, "embed") and hasattr(encoder, "finish") and hasattr(encoder, "layers")
+            and hasattr(encoder, "norm") and isinstance(getattr(getattr(encoder, "config", None), "dim", None), int)):
+        return (f"its encoder {type(encoder).__name__} needs embed(), layers, finish(), norm and config.dim "
                 "(as ViT and AudioEncoder have)")
     return None
 

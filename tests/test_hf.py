@@ -6,6 +6,10 @@ each test writes with ``save_pretrained``; no download; skipped without transfor
 | test_llama_family_matches_transformers | Llama 3.1 (llama3 rope scaling, tied embeddings), Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k norms, head_dim 16 != dim / heads): logits within 1e-5 after `load_hf`, 128 tokens beyond the 64 of the original context; `save_hf` -> transformers -> the same logits |
 | test_sharded_checkpoint_and_bf16       | `save_hf` in several files with an index; bf16 weights read back exactly |
 | test_refused_configs_are_named         | what the model cannot express                                 |
+| test_load_hf_names_a_config_mismatch   | a module built from another config                            |
+| test_siglip_tower_matches_transformers | SigLIP tower (tanh GELU, 30 px images in 4 px patches): features within 1e-5, `save_hf` round trip |
+| test_clip_tower_matches_transformers   | CLIP tower (class token, pre-norm, quick GELU, no patch bias) |
+| test_llava_checkpoint_fills_...        | one LLaVA directory: tower at vision_feature_layer -2, projector, Llama; image features and logits |
 | test_mimo_load_hf_trains_like_one_process | `MimoModel.load_hf` on language tp2·dp2 + FSDP2 (colocated with vision dp4, meta-built): oracle numbers of a one-process model loaded the same way; each rank reads under 60% of the checkpoint |
 """
 
@@ -17,7 +21,16 @@ import pytest
 import torch
 
 from dtensor_mimo import Parallelism
-from dtensor_mimo.models import Llama, LlamaConfig
+from dtensor_mimo.models import (
+    AudioConfig,
+    AudioEncoder,
+    Llama,
+    LlamaConfig,
+    ModalityEncoder,
+    Projection,
+    ViT,
+    ViTConfig,
+)
 from dtensor_mimo.models.hf import load_hf, save_hf
 from dtensor_mimo.models.hf.safetensors import SafetensorsDir
 from tests.test_mimo import Case, _distributed, check_against_reference
@@ -129,3 +142,96 @@ def test_mimo_load_hf_trains_like_one_process(tmp_path) -> None:
     total = sum(p.numel() for p in hf.parameters())
     for rank, records in enumerate(per_rank):
         assert 0 < records[0]["elements_read"] < 0.6 * total, f"rank {rank} read {records[0]['elements_read']} of {total}"
+
+
+# --------------------------------------------------------------------------------------------
+# vision towers and LLaVA
+# --------------------------------------------------------------------------------------------
+
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, patch_size=4)
+
+
+def _randomized(model: torch.nn.Module) -> torch.nn.Module:
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
+def _images(size: int) -> torch.Tensor:
+    return torch.randn(3, 3, size, size, generator=torch.Generator().manual_seed(2))
+
+
+def test_siglip_tower_matches_transformers(tmp_path) -> None:
+    """SigLIP: tanh GELU, a final norm, an image size the patch does not divide (30 / 4: the
+    leftover pixels dropped); `save_hf` -> transformers -> the same features."""
+    hf = _randomized(transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**VISION, image_size=30)))
+    hf.save_pretrained(tmp_path / "hf")
+    vit = ViT(ViTConfig.from_hf(str(tmp_path / "hf")))
+    load_hf(vit, str(tmp_path / "hf"))
+    with torch.no_grad():
+        want = hf(pixel_values=_images(30)).last_hidden_state
+        torch.testing.assert_close(vit(_images(30)), want, rtol=0, atol=1e-5)
+    save_hf(vit, str(tmp_path / "out"))
+    back = transformers.SiglipVisionModel.from_pretrained(str(tmp_path / "out")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(pixel_values=_images(30)).last_hidden_state, want, rtol=0, atol=1e-5)
+
+
+def test_clip_tower_matches_transformers(tmp_path) -> None:
+    """CLIP: class token (attends, then dropped), pre-LayerNorm, quick GELU, no patch bias; its
+    patch features are `last_hidden_state` without the class token (no final norm)."""
+    hf = _randomized(transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**VISION, image_size=16)))
+    hf.save_pretrained(tmp_path / "hf")
+    vit = ViT(ViTConfig.from_hf(str(tmp_path / "hf")))
+    load_hf(vit, str(tmp_path / "hf"))
+    with torch.no_grad():
+        torch.testing.assert_close(vit(_images(16)), hf(pixel_values=_images(16)).last_hidden_state[:, 1:],
+                                   rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="only SigLIP-style towers"):
+        save_hf(vit, str(tmp_path / "out"))
+
+
+def test_llava_checkpoint_fills_tower_projector_and_language_model(tmp_path) -> None:
+    """One LLaVA directory: the tower up to vision_feature_layer -2, the projector, the Llama
+    (tensors under their LLaVA prefixes); image features equal `get_image_features`, logits
+    equal the language model's."""
+    config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**VISION, image_size=16),
+        text_config=transformers.LlamaConfig(**(SMALL | dict(vocab_size=80))), image_token_index=70)
+    hf = _randomized(transformers.LlavaForConditionalGeneration(config))
+    hf.save_pretrained(tmp_path / "llava")
+    path = str(tmp_path / "llava")
+    vit_config, llama_config = ViTConfig.from_hf(path), LlamaConfig.from_hf(path)
+    assert vit_config.n_layers == 2 and not vit_config.final_norm  # 3 layers, features after the second
+    encoder = ModalityEncoder(ViT(vit_config), Projection(32, 32))
+    load_hf(encoder.encoder, path)
+    load_hf(encoder.projection, path)
+    llama = Llama(llama_config)
+    load_hf(llama, path)
+    with torch.no_grad():
+        features = hf.model.get_image_features(pixel_values=_images(16))
+        features = features if isinstance(features, torch.Tensor) else getattr(features, "pooler_output", features)
+        features = torch.cat(list(features)) if isinstance(features, (list, tuple)) else features.flatten(0, 1)
+        torch.testing.assert_close(encoder(_images(16)), features, rtol=0, atol=1e-5)
+        tokens = TOKENS[:, :64]
+        torch.testing.assert_close(llama(tokens), hf(input_ids=tokens).logits, rtol=0, atol=1e-5)
+
+
+def test_whisper_encoder_matches_transformers(tmp_path) -> None:
+    """Whisper: no k_proj bias, a frozen position table; full-length input (Whisper's own rule)."""
+    config = transformers.WhisperConfig(
+        num_mel_bins=8, d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=64, max_source_positions=16,
+        max_target_positions=16, vocab_size=50, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=3)
+    hf = _randomized(transformers.WhisperModel(config))
+    hf.save_pretrained(tmp_path / "hf")
+    audio_config = AudioConfig.from_hf(str(tmp_path / "hf"))
+    encoder = AudioEncoder(audio_config)
+    load_hf(encoder, str(tmp_path / "hf"))
+    assert not encoder.pos_embed.requires_grad and encoder.layers["0"].attn.wk.bias is None
+    mels = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(encoder(mels), hf.encoder(mels).last_hidden_state, rtol=0, atol=1e-5)

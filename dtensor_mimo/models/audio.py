@@ -30,6 +30,9 @@ class AudioConfig:
     n_heads: int = 12
     mlp_hidden: int | None = None  # None: 4 * dim
     norm_eps: float = 1e-5
+    # Whisper's variants (defaults: learned positions, a key bias); see `from_hf`.
+    key_bias: bool = True
+    frozen_positions: bool = False  # the position table does not train (Whisper's sinusoids)
 
     def __post_init__(self) -> None:
         if self.mlp_hidden is None:
@@ -52,6 +55,13 @@ class AudioConfig:
         return t
 
     @classmethod
+    def from_hf(cls, path: str) -> AudioConfig:
+        """The encoder config of a Hugging Face Whisper checkpoint directory."""
+        from dtensor_mimo.models.hf.audio import audio_config_from_hf
+
+        return audio_config_from_hf(path)
+
+    @classmethod
     def tiny(cls, **overrides) -> AudioConfig:
         """8 mel bins, up to 32 frames, dim 32; keyword arguments override fields."""
         config = cls(n_mels=8, max_frames=32, dim=32, n_layers=2, n_heads=4, mlp_hidden=64)
@@ -72,8 +82,8 @@ class AudioEncoder(nn.Module):
         self.conv1 = nn.Conv1d(config.n_mels, config.dim, _KERNEL, stride=stride1, padding=pad)
         self.conv2 = nn.Conv1d(config.dim, config.dim, _KERNEL, stride=stride2, padding=pad)
         max_tokens = config.output_length(config.max_frames)
-        self.pos_embed = nn.Parameter(torch.zeros(max_tokens, config.dim))
-        block_args = (config.dim, config.n_heads, config.mlp_hidden, config.norm_eps)
+        self.pos_embed = nn.Parameter(torch.zeros(max_tokens, config.dim), requires_grad=not config.frozen_positions)
+        block_args = (config.dim, config.n_heads, config.mlp_hidden, config.norm_eps, "gelu", config.key_bias)
         self.layers = nn.ModuleDict(
             {str(i): EncoderBlock(*block_args) for i in range(config.n_layers)}
         )
@@ -97,8 +107,12 @@ class AudioEncoder(nn.Module):
         x = x.transpose(1, 2)  # [N, T_out, dim]
         return x + self.pos_embed[: x.shape[1]]
 
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """The part after the blocks (a last pipeline stage runs it): the final norm."""
+        return self.norm(x)
+
     def forward(self, mels: torch.Tensor) -> torch.Tensor:
         x = self.embed(mels)
         for layer in self.layers.values():
             x = layer(x)
-        return self.norm(x)
+        return self.finish(x)

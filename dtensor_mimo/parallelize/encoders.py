@@ -69,7 +69,8 @@ def apply_encoder_tp(model: ViT | AudioEncoder, tp_mesh: DeviceMesh, options: Pa
     )
     parallelize_blocks(model.layers.values(), tp_mesh, layer_plan, sp=sp)
     if sp:
-        parallelize_module(model, tp_mesh, {"norm": SequenceParallel(sequence_dim=SEQUENCE_DIM)})
+        if model.norm is not None:
+            parallelize_module(model, tp_mesh, {"norm": SequenceParallel(sequence_dim=SEQUENCE_DIM)})
         replicated_local_output(model)
 
 

@@ -94,7 +94,7 @@ class EncoderStage(nn.Module):
         for layer in encoder.layers.values():
             x = layer(x)
         if self.last:
-            return self.module.projection(encoder.norm(x).flatten(0, 1)).to(self.dtype)
+            return self.module.projection(encoder.finish(x).flatten(0, 1)).to(self.dtype)
         # torch's stage link sends it (residual adds keep embed's strides)
         return x.to(self.hidden_dtype).contiguous()
 

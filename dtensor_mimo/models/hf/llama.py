@@ -43,6 +43,7 @@ def read_config(path: str) -> dict[str, Any]:
 def llama_config_from_hf(path: str) -> LlamaConfig:
     """See `LlamaConfig.from_hf`."""
     c = read_config(path)
+    c = c.get("text_config", c)  # a LLaVA checkpoint's language model
     family = c.get("model_type")
     if family not in FAMILIES:
         raise ValueError(f"{path}: model_type {family!r} is not a Llama-family decoder ({', '.join(FAMILIES)})")

@@ -1,0 +1,93 @@
+"""SigLIP and CLIP vision towers <-> the library's `ViT`; LLaVA's projector <-> `Projection`.
+
+A tower is read from a vision-model directory or from a full checkpoint that holds one (SigLIP,
+CLIP, LLaVA: its ``vision_config``, tensors found under whatever prefix they carry). Inside a
+LLaVA checkpoint the features are the hidden states after ``vision_feature_layer`` blocks
+(default -2: all but the last) with no final norm and the class token dropped, so the `ViT`
+built from that config keeps only those blocks. Names map one to one; nothing is permuted:
+
+    patch_embed <- embeddings.patch_embedding      pos_embed <- embeddings.position_embedding.weight
+    cls_token   <- embeddings.class_embedding      pre_norm  <- pre_layrnorm
+    layers.{i}.norm1 / attn.wq, wk, wv, wo / norm2 / mlp.fc1, fc2
+                <- encoder.layers.{i}.layer_norm1 / self_attn.q_proj, k_proj, v_proj, out_proj / layer_norm2 / mlp.fc1, fc2
+    norm        <- post_layernorm                  Projection.fc1, fc2 <- multi_modal_projector.linear_1, linear_2
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from dtensor_mimo.models.hf.convert import Source
+from dtensor_mimo.models.hf.llama import read_config
+from dtensor_mimo.models.vit import ViTConfig
+
+TOWERS = ("siglip_vision_model", "clip_vision_model")
+_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "quick_gelu": "quick_gelu"}
+_TOP = {"patch_embed.weight": "embeddings.patch_embedding.weight", "patch_embed.bias": "embeddings.patch_embedding.bias",
+        "pos_embed": "embeddings.position_embedding.weight", "cls_token": "embeddings.class_embedding",
+        "pre_norm.weight": "pre_layrnorm.weight", "pre_norm.bias": "pre_layrnorm.bias",
+        "norm.weight": "post_layernorm.weight", "norm.bias": "post_layernorm.bias"}
+_LAYER = {"norm1": "layer_norm1", "norm2": "layer_norm2", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
+          "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.out_proj", "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"}
+VIT_ANCHOR = "embeddings.patch_embedding.weight"
+PROJECTOR_ANCHOR = "multi_modal_projector.linear_1.weight"
+
+
+def vit_config_from_hf(path: str) -> ViTConfig:
+    """See `ViTConfig.from_hf`."""
+    top = read_config(path)
+    c = top.get("vision_config", top)
+    tower = c.get("model_type")
+    if tower not in TOWERS:
+        raise ValueError(f"{path}: model_type {tower!r} is not a vision tower the ViT loads ({', '.join(TOWERS)})")
+    clip = tower == "clip_vision_model"
+    if c.get("hidden_act") not in _ACTIVATIONS:
+        raise ValueError(f"{path}: hidden_act={c.get('hidden_act')!r} is not one of {sorted(_ACTIVATIONS)}")
+    layers, final_norm = c["num_hidden_layers"], not clip  # CLIP's post_layernorm only norms its pooled output
+    if "vision_config" in top and top.get("model_type") == "llava":
+        layer, strategy = top.get("vision_feature_layer", -2), top.get("vision_feature_select_strategy", "default")
+        if not isinstance(layer, int):
+            raise ValueError(f"{path}: vision_feature_layer={layer!r}: features from several layers are not supported")
+        if clip and strategy != "default":
+            raise ValueError(f"{path}: vision_feature_select_strategy={strategy!r}: the ViT drops the class token "
+                             "('default')")
+        layers, final_norm = (layers + 1 + layer if layer < 0 else layer), False
+    return ViTConfig(image_size=c["image_size"], patch_size=c["patch_size"], in_channels=c.get("num_channels", 3),
+                     dim=c["hidden_size"], n_layers=layers, n_heads=c["num_attention_heads"],
+                     mlp_hidden=c["intermediate_size"], norm_eps=c.get("layer_norm_eps", 1e-6),
+                     activation=_ACTIVATIONS[c["hidden_act"]], class_token=clip, pre_norm=clip,
+                     patch_bias=not clip, final_norm=final_norm)
+
+
+def vit_config_to_hf(config: ViTConfig, dtype: str) -> dict[str, Any]:
+    """A SigLIP vision model ``config.json`` for `config` (CLIP-style towers are not exported)."""
+    if config.class_token or config.pre_norm or not config.final_norm or not config.patch_bias:
+        raise ValueError("save_hf: only SigLIP-style towers (no class token or pre-norm, a final norm, patch "
+                         "bias) are exported")
+    act = {v: k for k, v in _ACTIVATIONS.items()}[config.activation]
+    return {"architectures": ["SiglipVisionModel"], "model_type": "siglip_vision_model",
+            "image_size": config.image_size, "patch_size": config.patch_size, "num_channels": config.in_channels,
+            "hidden_size": config.dim, "num_hidden_layers": config.n_layers,
+            "num_attention_heads": config.n_heads, "intermediate_size": config.mlp_hidden,
+            "layer_norm_eps": config.norm_eps, "hidden_act": act, "vision_use_head": False,
+            "torch_dtype": dtype, "dtype": dtype}
+
+
+def vit_source(name: str) -> Source:
+    """The checkpoint tensor (relative to the tower) of the ViT parameter `name`."""
+    if name in _TOP:
+        return Source(_TOP[name])
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    if match is None or match.group(2) not in _LAYER:
+        raise KeyError(f"no Hugging Face name for the ViT parameter {name!r}")
+    layer, part, kind = match.groups()
+    return Source(f"encoder.layers.{layer}.{_LAYER[part]}.{kind}")
+
+
+def projection_source(name: str) -> Source:
+    """The checkpoint tensor of the `Projection` parameter `name` (LLaVA's projector)."""
+    match = re.fullmatch(r"fc([12])\.(weight|bias)", name)
+    if match is None:
+        raise KeyError(f"no Hugging Face name for the Projection parameter {name!r}")
+    return Source(f"multi_modal_projector.linear_{match.group(1)}.{match.group(2)}")
