@@ -9,10 +9,8 @@ tensors found under whatever prefix they carry). Names map one to one:
 
 from __future__ import annotations
 
-import re
-
 from dtensor_mimo.models.audio import AudioConfig
-from dtensor_mimo.models.hf.convert import Source
+from dtensor_mimo.models.hf.convert import Source, table_source
 from dtensor_mimo.models.hf.llama import read_config
 
 AUDIO_ANCHOR = "conv1.weight"
@@ -38,10 +36,4 @@ def audio_config_from_hf(path: str) -> AudioConfig:
 
 def audio_source(name: str) -> Source:
     """The checkpoint tensor (relative to the encoder) of the AudioEncoder parameter `name`."""
-    if name in _TOP:
-        return Source(_TOP[name])
-    match = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
-    if match is None or match.group(2) not in _LAYER:
-        raise KeyError(f"no Hugging Face name for the AudioEncoder parameter {name!r}")
-    layer, part, kind = match.groups()
-    return Source(f"layers.{layer}.{_LAYER[part]}.{kind}")
+    return table_source(name, "AudioEncoder", _TOP, _LAYER, "layers")

@@ -7,7 +7,9 @@ holds: tensor or FSDP shard), reading only the checkpoint rows that block needs.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
@@ -40,6 +42,21 @@ class Source:
     def write(self, value: torch.Tensor) -> torch.Tensor:
         """The full parameter `value` in the checkpoint's order."""
         return value if self.rotary_head_dim is None else to_half_split(value, self.rotary_head_dim)
+
+
+def table_source(name: str, module: str, top: Mapping[str, str], layer: Mapping[str, str], layer_prefix: str,
+                 rotated: Mapping[str, int] = {}) -> Source:
+    """The `Source` of parameter `name` of a transformer stack from name tables: `top` maps whole
+    names (embeddings, final norm), `layer` maps the part of ``layers.{i}.<part>.{weight|bias}``
+    to the checkpoint's part under ``{layer_prefix}.{i}.``; parts in `rotated` carry rotary rows of
+    that head size."""
+    if name in top:
+        return Source(top[name])
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    if match is None or match.group(2) not in layer:
+        raise KeyError(f"no Hugging Face name for the {module} parameter {name!r}")
+    index, part, kind = match.groups()
+    return Source(f"{layer_prefix}.{index}.{layer[part]}.{kind}", rotary_head_dim=rotated.get(part))
 
 
 def to_adjacent_pairs(rows: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Any
 
-from dtensor_mimo.models.hf.convert import Source
+from dtensor_mimo.models.hf.convert import Source, table_source
 from dtensor_mimo.models.layers import RopeScaling
 from dtensor_mimo.models.llama import LlamaConfig
 
@@ -102,13 +101,6 @@ def llama_config_to_hf(config: LlamaConfig, dtype: str) -> dict[str, Any]:
 def llama_source(name: str, config: LlamaConfig, tied: bool) -> Source:
     """Where the library parameter `name` comes from in a Hugging Face Llama-family checkpoint
     (`tied`: the checkpoint has no ``lm_head`` and reuses the token embedding)."""
-    if name in _TOP:
-        if name == "output.weight" and tied:
-            return Source("model.embed_tokens.weight")
-        return Source(_TOP[name])
-    match = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
-    if match is None or match.group(2) not in _LAYER:
-        raise KeyError(f"no Hugging Face name for the Llama parameter {name!r}")
-    layer, part, kind = match.groups()
-    return Source(f"model.layers.{layer}.{_LAYER[part]}.{kind}",
-                  rotary_head_dim=config.head_dim if part in _ROTATED else None)
+    if name == "output.weight" and tied:
+        return Source("model.embed_tokens.weight")
+    return table_source(name, "Llama", _TOP, _LAYER, "model.layers", {part: config.head_dim for part in _ROTATED})

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from dtensor_mimo.models.hf.convert import Source
+from dtensor_mimo.models.hf.convert import Source, table_source
 from dtensor_mimo.models.hf.llama import read_config
 from dtensor_mimo.models.vit import ViTConfig
 
@@ -76,13 +76,7 @@ def vit_config_to_hf(config: ViTConfig, dtype: str) -> dict[str, Any]:
 
 def vit_source(name: str) -> Source:
     """The checkpoint tensor (relative to the tower) of the ViT parameter `name`."""
-    if name in _TOP:
-        return Source(_TOP[name])
-    match = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
-    if match is None or match.group(2) not in _LAYER:
-        raise KeyError(f"no Hugging Face name for the ViT parameter {name!r}")
-    layer, part, kind = match.groups()
-    return Source(f"encoder.layers.{layer}.{_LAYER[part]}.{kind}")
+    return table_source(name, "ViT", _TOP, _LAYER, "encoder.layers")
 
 
 def projection_source(name: str) -> Source:
