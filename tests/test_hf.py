@@ -42,7 +42,8 @@ SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_lay
 FAMILIES = {
     "llama3.1": ("LlamaForCausalLM", "LlamaConfig", dict(
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64}, rms_norm_eps=1e-5, rope_theta=500000.0)),
+                      "original_max_position_embeddings": 64}, rms_norm_eps=1e-5, rope_theta=500000.0,
+        max_position_embeddings=256)),
     "llama3.2_tied": ("LlamaForCausalLM", "LlamaConfig", dict(tie_word_embeddings=True)),
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=None)),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}),
