@@ -35,6 +35,7 @@ from dtensor_mimo.bridge import redistribute_many
 from dtensor_mimo.data import MimoBatch, sample_range, shard
 from dtensor_mimo.layout import LANGUAGE, LayoutError, MimoLayout
 from dtensor_mimo.models import Llama, ModalityEncoder
+from dtensor_mimo.models.protocol import encoder_problems, language_problems
 from dtensor_mimo.parallelize import (
     ParallelOptions,
     allreduce_gradients,
@@ -48,6 +49,7 @@ from dtensor_mimo.parallelize import (
     tp_replicated,
     uses_fsdp,
 )
+from dtensor_mimo.parallelize.stack import parallelize_stack, user_tp_plan
 from dtensor_mimo.schedule import (
     ZERO_BUBBLE_SCHEDULES,
     EncoderPipeline,
@@ -94,8 +96,9 @@ class MimoModel(nn.Module):
         layout: per-module `Parallelism` (encoders: pp 1 and cp 1; the language model may
             have pp > 1 with a `pipeline`).
         language: the decoder; its name in the layout is `language_name`.
-        encoders: ``{modality: ModalityEncoder}``; each name is a layout module and a modality
-            of the batches (its special token id comes with the batch).
+        encoders: ``{modality: encoder}``: a `ModalityEncoder` (library tower + projection) or
+            any module meeting `dtensor_mimo.models.protocol`; each name is a layout module and
+            a modality of the batches (its special token id comes with the batch).
         options: ``{module: ParallelOptions}`` (sp, FSDP2, compile); missing: the defaults.
         device_type: "cpu" (gloo) or "cuda" (NCCL).
         pipeline: microbatches and the language model's torch schedule. Needed for language
@@ -122,7 +125,7 @@ class MimoModel(nn.Module):
         self,
         layout: MimoLayout,
         language: Llama,
-        encoders: Mapping[str, ModalityEncoder],
+        encoders: Mapping[str, nn.Module],
         *,
         options: Mapping[str, ParallelOptions] | None = None,
         language_name: str = LANGUAGE,
@@ -144,6 +147,8 @@ class MimoModel(nn.Module):
                        else torch.device(device_type, torch.accelerator.current_device_index()))
         # Every rank must know whether an encoder trains: ranks off its mesh then join its backward.
         self._trainable = {n: any(p.requires_grad for p in e.parameters()) for n, e in encoders.items()}
+        self._no_init = [n for n, m in [*encoders.items(), (language_name, language)]
+                         if not callable(getattr(m, "init_weights", None))]
         self.rank = dist.get_rank()
         self._shapes_checked: set[str] = set()  # modalities whose encoder output was checked
         self.step_error: str | None = None  # this rank's verdict on the last pipelined step
@@ -195,12 +200,15 @@ class MimoModel(nn.Module):
         """A module on this rank's device; a meta module stays on meta until parallelized."""
         return module if _on_meta(module) else module.to(self.device)
 
-    def _parallelize_encoder(self, name: str, module: ModalityEncoder) -> tuple[ModalityEncoder, nn.Module]:
+    def _parallelize_encoder(self, name: str, module: nn.Module) -> tuple[nn.Module, nn.Module]:
         """tp/compile on the encoder and projection, then FSDP2 (or autocast) on the pair
         (pp = 1) or on this rank's pipeline stage of it (pp > 1: the stage keeps only its parts,
-        names unchanged); returns the module and the root FSDP2 was applied to."""
+        names unchanged); a user's own encoder as one stack with its own tp plan. Returns the
+        module and the root FSDP2 was applied to."""
         options, pp = self.options[name], self.layout.parallelism(name).pp
         tp_mesh, dp_mesh = self._meshes(name)
+        if not isinstance(module, ModalityEncoder):
+            return parallelize_stack(module, tp_mesh, dp_mesh, options, user_tp_plan), module
         root: nn.Module = module
         if pp > 1:
             s = self.layout.coordinate(name, self.rank)["pp"]
@@ -241,6 +249,9 @@ class MimoModel(nn.Module):
         if missing or unknown:
             raise ValueError(f"MimoModel.init_weights: seeds for {list(seeds)}; the model's modules are "
                              f"{self.module_names} (missing {missing}, unknown {unknown})")
+        if self._no_init:  # the same list on every rank: every rank raises
+            raise TypeError(f"MimoModel.init_weights: modules {self._no_init} have no init_weights(seed) "
+                            "method; initialize them yourself before building the model")
         for name in self.encoders:
             self.encoders[name].init_weights(seeds[name])
         stages = [self.language] if self.language is not None else list(self.language_stages)
@@ -528,7 +539,7 @@ def _on_meta(module: nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters())
 
 
-def _check_model(layout: MimoLayout, language: Llama, encoders: Mapping[str, ModalityEncoder],
+def _check_model(layout: MimoLayout, language: Llama, encoders: Mapping[str, nn.Module],
                  language_name: str, options: Mapping[str, ParallelOptions],
                  pipeline: PipelineConfig | None) -> None:
     """Pure validation of the model against the layout, before any process group is used."""
@@ -540,6 +551,18 @@ def _check_model(layout: MimoLayout, language: Llama, encoders: Mapping[str, Mod
     unknown = [n for n in options if n not in layout.names]
     if unknown:
         raise LayoutError(f"options given for {unknown}, which are not modules of the layout {layout.names}")
+    for name, module in encoders.items():
+        par = layout.parallelism(name)
+        problems = encoder_problems(module, tp=par.tp,
+                                    activation_checkpointing=options.get(name, ParallelOptions()).activation_checkpointing)
+        if problems:
+            raise TypeError(f"encoder {name!r} ({type(module).__name__}) does not meet the encoder protocol "
+                            f"(dtensor_mimo.models.protocol): it needs {'; '.join(problems)}")
+    lang = layout.parallelism(language_name)
+    problems = language_problems(language, tp=lang.tp, cp=lang.cp)
+    if problems:
+        raise TypeError(f"the language model ({type(language).__name__}) does not meet the language protocol "
+                        f"(dtensor_mimo.models.protocol): it needs {'; '.join(problems)}")
     for name in layout.names:
         par = layout.parallelism(name)
         options.get(name, ParallelOptions()).check_for(name, par.tp)
@@ -584,6 +607,8 @@ def _encoder_pipeline_problem(layout: MimoLayout, language_name: str, encoders: 
                 "taken otherwise, has no encoder stages)")
     if options.get(name, ParallelOptions()).sp:
         return "sequence parallel is not supported on encoder stages: set sp=False"
+    if not isinstance(encoders[name], ModalityEncoder):
+        return f"encoder stages are cut from a ModalityEncoder, not a {type(encoders[name]).__name__}"
     encoder = encoders[name].encoder
     if not (hasattr(encoder, "embed") and hasattr(encoder, "finish") and hasattr(encoder, "layers")
             and hasattr(encoder, "norm") and isinstance(getattr(getattr(encoder, "config", None), "dim", None), int)):

@@ -25,6 +25,8 @@ two documents each (positions restart, attention stays inside a document).
 | frozen_vision | dp4 (0-3), frozen  | -             | tp2·dp2 (0-3)           | 4     | no     | colocated; no backward bridge|
 | checkpointed  | dp2 (0-1), AC all, compiled | -    | tp2 + sp (2-3), AC 1/2  | 4     | no     | activation checkpointing     |
 | eight         | dp3 (0-2)          | dp1 (3)       | tp2·dp2 + sp (4-7)      | 8     | yes    | dp3 -> dp2, compiled blocks, meta |
+| custom_encoder| dp2, FSDP2 (0-1)   | -             | dp1 (2)                 | 3     | no     | a user's encoder (`PatchMLP`), meta |
+| custom_enc_tp | tp2, compiled (0-1)| -             | tp2 + sp (2-3)          | 4     | no     | a user's encoder with its own tp plan |
 
 With tp the language model's logits stay sharded over the vocabulary (loss_parallel) unless the
 case says "gathered logits".
@@ -41,7 +43,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dtensor_mimo import (
     AdamWConfig,
@@ -55,6 +59,7 @@ from dtensor_mimo import (
 )
 from dtensor_mimo.assemble import assemble, embed_text
 from dtensor_mimo.data import IGNORE_INDEX, ModalitySpec, SyntheticSpec, synthetic_batch
+from dtensor_mimo.models import init_weights
 from dtensor_mimo.models.hf import load_hf
 from dtensor_mimo.models import (
     AudioConfig,
@@ -97,6 +102,7 @@ class Case:
     meta: bool = False  # modules built on the meta device, then `MimoModel.init_weights`
     distinct_batches: int | None = None  # cycle through this many batches (None: all distinct)
     language_hf: str | None = None  # a Hugging Face checkpoint the language model is loaded from
+    custom_vision: bool = False  # vision is `PatchMLP` (a user's module), not the library's ViT
 
     @property
     def encoders(self) -> tuple[str, ...]:
@@ -132,6 +138,10 @@ CASES = {
                          options={"vision": ParallelOptions(activation_checkpointing=1, compile=True,
                                                             compile_backend="aot_eager"),
                                   "language": ParallelOptions(sp=True, activation_checkpointing=2)}),
+    "custom_encoder": Case({"vision": P(dp=2), "language": P()}, custom_vision=True, meta=True),
+    "custom_enc_tp": Case({"vision": P(tp=2), "language": P(tp=2)}, custom_vision=True,
+                          options={"vision": ParallelOptions(compile=True, compile_backend="aot_eager"),
+                                   "language": SP}),
     "eight": Case({"vision": P(dp=3), "audio": P(), "language": P(dp=2, tp=2)},
                   options={"language": ParallelOptions(sp=True, compile=True, compile_backend="aot_eager")},
                   packed=True, meta=True),
@@ -141,20 +151,44 @@ CASES = {
 # ------------------------------------------------------------------ shared by both runs
 
 
+class PatchMLP(nn.Module):
+    """A user's own encoder, not a library module: 4x4 patches of 16x16 images through a
+    two-layer MLP straight to the language width (16 rows per image), with its own tp plan."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.out_dim = dim
+        self.patch_in = nn.Linear(3 * 4 * 4, 64)
+        self.patch_out = nn.Linear(64, dim)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        patches = images.unfold(2, 4, 4).unfold(3, 4, 4)  # [N, 3, 4, 4, 4, 4]
+        x = patches.permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2)  # [N, 16, 48]
+        return self.patch_out(F.gelu(self.patch_in(x))).flatten(0, 1)
+
+    def init_weights(self, seed: int) -> None:
+        init_weights(self, seed)
+
+    def parallelize(self, tp_mesh, options: ParallelOptions) -> None:
+        parallelize_module(self, tp_mesh, {"patch_in": ColwiseParallel(), "patch_out": RowwiseParallel()})
+
+
 def _seeds(encoders: tuple[str, ...]) -> dict[str, int]:
     return {"language": 1, **{name: 100 * (i + 1) for i, name in enumerate(encoders)}}
 
 
 def _modules(encoders: tuple[str, ...], frozen: tuple[str, ...] = (), n_layers: int = 2,
-             meta: bool = False, language_hf: str | None = None) -> tuple[Llama, dict[str, ModalityEncoder]]:
+             meta: bool = False, language_hf: str | None = None,
+             custom_vision: bool = False) -> tuple[Llama, dict[str, nn.Module]]:
     """The modules, initialized from `_seeds` and the language model loaded from `language_hf`
     if given (meta: left uninitialized on the meta device)."""
     seeds = _seeds(encoders)
     config = LlamaConfig.from_hf(language_hf) if language_hf else dataclasses.replace(LLAMA, n_layers=n_layers)
     with torch.device("meta" if meta else "cpu"):
         llama = Llama(config)
-        built = {name: ModalityEncoder(ViT(VISION) if name == "vision" else AudioEncoder(AUDIO),
-                                       Projection(32, LLAMA.dim, hidden_dim=64)) for name in encoders}
+        built = {name: PatchMLP(LLAMA.dim) if name == "vision" and custom_vision else
+                 ModalityEncoder(ViT(VISION) if name == "vision" else AudioEncoder(AUDIO),
+                                 Projection(32, LLAMA.dim, hidden_dim=64)) for name in encoders}
     for name, module in [("language", llama), *built.items()]:
         if not meta:
             module.init_weights(seeds[name])
@@ -182,10 +216,10 @@ def _batches(encoders: tuple[str, ...], packed: bool, batch_size: int = 5, seq_l
 def _reference(encoders: tuple[str, ...], packed: bool, frozen: tuple[str, ...], batch_size: int = 5,
                n_layers: int = 2, seq_lens: tuple[int, ...] = (64, 64, 64),
                autocast: torch.dtype | None = None, distinct: int | None = None,
-               language_hf: str | None = None) -> list[dict]:
+               language_hf: str | None = None, custom_vision: bool = False) -> list[dict]:
     """The single-process run; `autocast`: its forward under ``torch.autocast("cpu", autocast)``
     (the mixed precision reference), the loss in fp32."""
-    llama, encs = _modules(encoders, frozen, n_layers, language_hf=language_hf)
+    llama, encs = _modules(encoders, frozen, n_layers, language_hf=language_hf, custom_vision=custom_vision)
     modules = {**encs, "language": llama}
     opts = {n: torch.optim.AdamW(m.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps,
                                  weight_decay=OPT.weight_decay) for n, m in modules.items()}
@@ -250,7 +284,8 @@ def _check_meta_built(model: MimoModel, case: Case) -> None:
 def _distributed(case: Case) -> list[dict] | None:
     layout = case.layout()
     layout.init_meshes("cpu")
-    llama, encs = _modules(case.encoders, case.frozen, case.n_layers, case.meta, case.language_hf)
+    llama, encs = _modules(case.encoders, case.frozen, case.n_layers, case.meta, case.language_hf,
+                           case.custom_vision)
     model = MimoModel(layout, llama, encs, options=case.options, pipeline=case.pipeline)
     if case.meta:
         _check_meta_built(model, case)
@@ -281,7 +316,7 @@ def check_against_reference(case: Case, run: Callable[[Case], list[dict]] = _dis
     """Train `case` on its ranks with `run` and compare with the single-process run; returns
     every rank's records."""
     expected = _reference(case.encoders, case.packed, case.frozen, case.batch_size, case.n_layers,
-                          case.seq_lens, language_hf=case.language_hf)
+                          case.seq_lens, language_hf=case.language_hf, custom_vision=case.custom_vision)
     per_rank = run_on_ranks(run, case.layout().world_size, case, timeout=300)
     for step, want in enumerate(expected):
         got = {"grads": {}, "weights": {}}

@@ -132,3 +132,39 @@ def test_pipelined_encoder_output_disagreeing_with_batch_fails_on_every_rank(mod
     # Every rank raised; the ranks whose encoder made the wrong rows say which and how.
     assert any(re.search(OWN_ERROR, m) for m in messages), messages
     assert all(re.search(f"{OWN_ERROR}|{OTHERS_ERROR}", m) for m in messages), messages
+
+
+class _BareEncoder(torch.nn.Module):
+    """A module that maps items to rows but declares nothing else."""
+
+    def forward(self, x):
+        return x
+
+
+@pytest.mark.parametrize("modules, options, encoder, match", [
+    ({"vision": P(), "language": P()}, {}, _BareEncoder(),
+     r"encoder 'vision' \(_BareEncoder\) does not meet the encoder protocol \(dtensor_mimo.models.protocol\): "
+     r"it needs out_dim \(an int: the width of its output rows\)$"),
+    ({"vision": P(tp=2), "language": P()}, {"vision": ParallelOptions(activation_checkpointing=1)}, _BareEncoder(),
+     r"it needs out_dim .*; parallelize\(tp_mesh, options\) \(its tensor parallel plan: the layout gives it tp=2\); "
+     r"layers \(an nn.ModuleDict of blocks, for activation_checkpointing\)"),
+    ({"vision": P(), "language": P()}, {}, "not a module", r"it needs to be an nn.Module \(it is a str\)"),
+])
+def test_user_encoders_missing_the_protocol_are_named(modules, options, encoder, match):
+    llama, _ = _model_args()
+    with pytest.raises(TypeError, match=match):
+        MimoModel(MimoLayout(modules), llama, {"vision": encoder}, options=options)
+
+
+def test_user_language_model_missing_the_protocol_is_named():
+    _, encoders = _model_args()
+
+    class Decoder(torch.nn.Module):
+        config = LlamaConfig.tiny()
+        layers = torch.nn.ModuleDict()
+
+    with pytest.raises(TypeError, match=r"the language model \(Decoder\) does not meet the language protocol "
+                                         r"\(dtensor_mimo.models.protocol\): it needs tok_embeddings; norm; output; "
+                                         r"parallelize\(tp_mesh, options\) .*tp=2\); set_attention_fn\(fn\) "
+                                         r"\(the layout gives it cp=2\)"):
+        MimoModel(MimoLayout({"vision": P(), "language": P(tp=2, cp=2)}), Decoder(), encoders)

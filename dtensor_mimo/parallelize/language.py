@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import (
 
 from dtensor_mimo.models import Llama
 from dtensor_mimo.parallelize.options import ParallelOptions
-from dtensor_mimo.parallelize.stack import parallelize_stack
+from dtensor_mimo.parallelize.stack import parallelize_stack, user_tp_plan
 from dtensor_mimo.parallelize.tensor_parallel import (
     SEQUENCE_DIM,
     block_plan,
@@ -54,14 +54,16 @@ def parallelize_llama(
     dp_mesh: DeviceMesh | None,
     options: ParallelOptions = ParallelOptions(),
 ) -> Llama:
-    """Apply tp (+sp), per-block compile and FSDP2 to `model` in place; returns it.
+    """Apply tp (+sp), per-block compile and FSDP2 to `model` in place; returns it. A decoder
+    that is not the library's `Llama` (`dtensor_mimo.models.protocol`) brings its own tp plan.
 
     `tp_mesh`: the module's "tp" sub-mesh (None or size 1: no tensor parallel).
     `dp_mesh`: the flattened dp·cp sub-mesh (`layout.mesh(name, ("dp", "cp"))`); FSDP2 shards
     over it when `options.fsdp`, else the caller sums gradients with `allreduce_gradients`.
     The meshes must share one root mesh (as `MimoLayout` builds them).
     """
-    return parallelize_stack(model, tp_mesh, dp_mesh, options, apply_llama_tp)
+    return parallelize_stack(model, tp_mesh, dp_mesh, options,
+                             apply_llama_tp if isinstance(model, Llama) else user_tp_plan)
 
 
 def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh, options: ParallelOptions) -> None:
