@@ -258,3 +258,19 @@ def test_llava_from_pretrained_example_learns(tmp_path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     losses = [float(line.split()[3]) for line in out.stdout.splitlines() if line.startswith("step")]
     assert len(losses) == 12 and losses[-1] < 0.8 * losses[0], losses
+
+
+def test_transformers_v4_config_layout_reads_the_same(tmp_path) -> None:
+    """transformers v4 wrote `rope_theta` and `rope_scaling` (with "type" in older files) where
+    v5 writes `rope_parameters`: both give the same config."""
+    _write(str(tmp_path / "hf"), "llama3.1")
+    v5 = LlamaConfig.from_hf(str(tmp_path / "hf"))
+    with open(tmp_path / "hf" / "config.json") as f:
+        config = json.load(f)
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = {("type" if k == "rope_type" else k): v for k, v in rope.items()}
+    with open(tmp_path / "hf" / "config.json", "w") as f:
+        json.dump(config, f)
+    assert LlamaConfig.from_hf(str(tmp_path / "hf")) == v5
+    assert v5.rope_theta == 500000.0 and v5.rope_scaling.factor == 8.0 and v5.norm_eps == 1e-5
