@@ -40,12 +40,12 @@ from dtensor_mimo.parallelize import (
     ParallelOptions,
     allreduce_gradients,
     apply_data_parallel,
-    average_tp_replicated_gradients,
     compute_dtype,
     first_differing_replica,
     parallelize_encoder,
     parallelize_llama,
     parallelize_projection,
+    reduce_tp_replicated_gradients,
     tp_replicated,
     uses_fsdp,
 )
@@ -261,29 +261,49 @@ class MimoModel(nn.Module):
 
     def load_hf(self, paths: Mapping[str, str]) -> None:
         """Fill modules from Hugging Face checkpoint directories, ``{"language": path, ...}``
-        (call on every rank with the same mapping; no communication). Each rank reads only the
-        checkpoint rows of the blocks it holds (its tp / FSDP shards, its pipeline stages); an
-        encoder's path fills its tower (`ModalityEncoder.encoder`) and, when the checkpoint holds
-        one (a LLaVA directory), its projection; otherwise the projection keeps its
-        initialization. Modules not named keep theirs (on a meta-built model call `init_weights`
-        first: a loaded language model counts as initialized, an encoder's projection does not)."""
+        (call on every rank with the same mapping). Each rank reads only the checkpoint rows of
+        the blocks it holds (its tp / FSDP shards, its pipeline stages); an encoder's path fills
+        its tower (`ModalityEncoder.encoder`) and, when the checkpoint holds one (a LLaVA
+        directory), its projection; otherwise the projection keeps its initialization. Modules
+        not named keep theirs (on a meta-built model call `init_weights` first: a loaded language
+        model counts as initialized, an encoder's projection does not).
+
+        Every rank checks what it holds (configs, tensor names and shapes, from ``config.json``
+        and the file headers) and one world all-reduce agrees on the verdict before anyone reads
+        a weight: a bad checkpoint raises on every rank, naming the problem where it was seen.
+        """
         from dtensor_mimo.models import Projection
-        from dtensor_mimo.models.hf import has_hf_module, load_hf
+        from dtensor_mimo.models.hf import has_hf_module, plan_hf
 
         unknown = [n for n in paths if n not in self.module_names]
         if unknown:
             raise ValueError(f"MimoModel.load_hf: {unknown} are not modules of the model {self.module_names}")
-        for name, path in paths.items():
-            if name == self.language_name:
-                parts = [self.language.llama] if self.language is not None else [s.llama for s in self.language_stages]
-            elif name in self.encoders:
-                module = self.encoders[name]
-                parts = [module.encoder] + ([module.projection] if module.projection is not None
-                                            and has_hf_module(Projection, path) else [])
-            else:
-                parts = []
-            for part in parts:
-                load_hf(part, path)
+        fills, error = [], None
+        try:
+            for name, path in paths.items():
+                if name == self.language_name:
+                    parts = [self.language.llama] if self.language is not None else [s.llama for s in self.language_stages]
+                elif name in self.encoders:
+                    module = self.encoders[name]
+                    if not isinstance(module, ModalityEncoder):
+                        raise TypeError(f"MimoModel.load_hf: encoder {name!r} is a {type(module).__name__}; "
+                                        "load your own module's weights yourself")
+                    parts = [module.encoder] + ([module.projection] if module.projection is not None
+                                                and has_hf_module(Projection, path) else [])
+                else:
+                    parts = []
+                fills += [plan_hf(part, path) for part in parts]
+        except (OSError, ValueError, TypeError, KeyError) as caught:
+            error = caught
+        verdict = torch.tensor([float(error is not None)], device=self.device)
+        dist.all_reduce(verdict)
+        if error is not None:
+            raise error
+        if verdict.item():
+            raise RuntimeError(f"MimoModel.load_hf: {int(verdict.item())} rank(s) found the checkpoints {dict(paths)} "
+                               "unusable (their errors name the problem); nothing was loaded")
+        for fill in fills:
+            fill()
         if self.language_name in paths:
             self.uninitialized.discard(self.language_name)
 
@@ -528,7 +548,7 @@ class MimoModel(nn.Module):
                 else:
                     module = self.language.llama
                 allreduce_gradients(module, dp_mesh, options.gradient_reduce_dtype)
-            average_tp_replicated_gradients(params, tp_mesh)
+            reduce_tp_replicated_gradients(params, tp_mesh)
             for param in params.values():
                 grad = param.grad
                 if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
@@ -610,6 +630,8 @@ def _encoder_pipeline_problem(layout: MimoLayout, language_name: str, encoders: 
     if not isinstance(encoders[name], ModalityEncoder):
         return f"encoder stages are cut from a ModalityEncoder, not a {type(encoders[name]).__name__}"
     encoder = encoders[name].encoder
+    if getattr(getattr(encoder, "config", None), "class_token", False):
+        return "a class token is not supported on encoder stages (stage links carry the patch tokens only)"
     if not (hasattr(encoder, "embed") and hasattr(encoder, "finish") and hasattr(encoder, "layers")
             and hasattr(encoder, "norm") and isinstance(getattr(getattr(encoder, "config", None), "dim", None), int)):
         return (f"its encoder {type(encoder).__name__} needs embed(), layers, finish(), norm and config.dim "

@@ -12,6 +12,8 @@ each test writes with ``save_pretrained``; no download; skipped without transfor
 | test_llava_checkpoint_fills_...        | one LLaVA directory: tower at vision_feature_layer -2, projector, Llama; image features and logits |
 | test_whisper_encoder_matches_transformers | Whisper's encoder (no k_proj bias, frozen positions)       |
 | test_llava_from_pretrained_example_learns | the example on 3 ranks: SigLIP tower (frozen) + Qwen2 on tp2 |
+| test_llava_variants_the_modules_...   | a ReLU projector, a SigLIP tower whose first patch LLaVA drops |
+| test_mimo_load_hf_refuses_on_every_rank | a mismatched checkpoint: every rank raises, none reads       |
 | test_mimo_load_hf_trains_like_one_process | `MimoModel.load_hf` on language tp2·dp2 + FSDP2 (colocated with vision dp4, meta-built): oracle numbers of a one-process model loaded the same way; each rank reads under 60% of the checkpoint |
 """
 
@@ -25,7 +27,7 @@ import sys
 import pytest
 import torch
 
-from dtensor_mimo import Parallelism
+from dtensor_mimo import MimoLayout, MimoModel, Parallelism
 from dtensor_mimo.models import (
     AudioConfig,
     AudioEncoder,
@@ -38,9 +40,11 @@ from dtensor_mimo.models import (
 )
 from dtensor_mimo.models.hf import load_hf, save_hf
 from dtensor_mimo.models.hf.safetensors import SafetensorsDir
+from tests.harness import run_on_ranks
 from tests.test_mimo import Case, _distributed, check_against_reference
 
 transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
@@ -97,8 +101,16 @@ def test_sharded_checkpoint_and_bf16(tmp_path) -> None:
     load_hf(again, str(tmp_path / "out"))
     for (name, a), b in zip(llama.named_parameters(), again.parameters()):
         assert torch.equal(a, b), name
+    independent = {}  # read by the safetensors package itself
+    for file in sorted((tmp_path / "out").glob("*.safetensors")):
+        independent |= safetensors_torch.load_file(str(file))
+    assert all(t.dtype == torch.bfloat16 for t in independent.values())
+    assert torch.equal(independent["model.embed_tokens.weight"], llama.tok_embeddings.weight)
+    assert torch.equal(independent["model.layers.1.self_attn.v_proj.bias"], llama.layers["1"].attention.wv.bias)
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     assert back.model.embed_tokens.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(back.model.layers[0].mlp.down_proj.weight, llama.layers["0"].feed_forward.w2.weight,
+                               rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("family, overrides, message", [
@@ -139,9 +151,12 @@ def _distributed_counting_reads(case: Case) -> list[dict]:
     return records
 
 
-def test_mimo_load_hf_trains_like_one_process(tmp_path) -> None:
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_mimo_load_hf_trains_like_one_process(family: str, tmp_path) -> None:
+    """Qwen2 (q/k/v biases sharded with their rows) and Qwen3 (per-head q/k norms that each tp
+    rank applies to its own heads: their gradients are summed over tp)."""
     path = str(tmp_path / "hf")
-    hf = _write(path, "qwen2", num_attention_heads=8, num_key_value_heads=4)
+    hf = _write(path, family, num_attention_heads=8, num_key_value_heads=4)
     case = Case({"vision": Parallelism(dp=4), "language": Parallelism(dp=2, tp=2)},
                 offsets={"vision": 0, "language": 0}, meta=True, language_hf=path)
     per_rank = check_against_reference(case, run=_distributed_counting_reads)
@@ -274,3 +289,43 @@ def test_transformers_v4_config_layout_reads_the_same(tmp_path) -> None:
         json.dump(config, f)
     assert LlamaConfig.from_hf(str(tmp_path / "hf")) == v5
     assert v5.rope_theta == 500000.0 and v5.rope_scaling.factor == 8.0 and v5.norm_eps == 1e-5
+
+
+def test_llava_variants_the_modules_cannot_express_are_named(tmp_path) -> None:
+    config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**VISION, image_size=16),
+        text_config=transformers.LlamaConfig(**(SMALL | dict(vocab_size=80))), image_token_index=70)
+    transformers.LlavaForConditionalGeneration(config).save_pretrained(tmp_path / "llava")
+    path, file = str(tmp_path / "llava"), tmp_path / "llava" / "config.json"
+    original = json.loads(file.read_text())
+    file.write_text(json.dumps(original | {"projector_hidden_act": "relu"}))
+    with pytest.raises(ValueError, match=r"projector_hidden_act='relu', multimodal_projector_bias=True: the "
+                                         r"Projection is Linear, exact GELU, Linear, with biases"):
+        load_hf(Projection(32, 32), path)
+    siglip = original["vision_config"] | {"model_type": "siglip_vision_model", "hidden_act": "gelu_pytorch_tanh"}
+    file.write_text(json.dumps(original | {"vision_config": siglip}))
+    with pytest.raises(ValueError, match=r"vision_feature_select_strategy='default' with a siglip_vision_model: "
+                                         r"the ViT keeps exactly the patch tokens \(full\)"):
+        ViTConfig.from_hf(path)
+
+
+def _load_mismatched(path: str) -> str:
+    layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()})
+    layout.init_meshes("cpu")
+    llama = Llama(LlamaConfig.tiny())  # not the checkpoint's config
+    vision = ModalityEncoder(ViT(ViTConfig.tiny()), Projection(32, 32))
+    model = MimoModel(layout, llama, {"vision": vision})
+    try:
+        model.load_hf({"language": path})
+    except (ValueError, RuntimeError) as error:
+        return str(error)
+    return "loaded"
+
+
+def test_mimo_load_hf_refuses_on_every_rank(tmp_path) -> None:
+    """A checkpoint only the language rank can judge: it names the problem, the vision rank
+    raises too (no rank goes on into training collectives)."""
+    _write(str(tmp_path / "hf"), "qwen2")
+    vision_rank, language_rank = run_on_ranks(_load_mismatched, 2, str(tmp_path / "hf"), timeout=60)
+    assert "config differs from the checkpoint's" in language_rank and "qkv_bias" in language_rank
+    assert vision_rank.startswith("MimoModel.load_hf: 1 rank(s) found the checkpoints")

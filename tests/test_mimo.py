@@ -192,11 +192,13 @@ def _modules(encoders: tuple[str, ...], frozen: tuple[str, ...] = (), n_layers: 
     for name, module in [("language", llama), *built.items()]:
         if not meta:
             module.init_weights(seeds[name])
-    if language_hf and not meta:
-        load_hf(llama, language_hf)
         for pname, p in module.named_parameters():
             if f"{name}.{pname}".startswith(frozen):
                 p.requires_grad_(False)
+    if language_hf and not meta:
+        load_hf(llama, language_hf)
+    assert not frozen or any(not p.requires_grad for m in built.values() for p in m.parameters()), \
+        f"nothing matched the frozen prefixes {frozen}"
     return llama, built
 
 

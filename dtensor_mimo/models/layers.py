@@ -249,9 +249,8 @@ def init_weights(module: nn.Module, seed: int, std: float = 0.02) -> None:
                     continue
                 fqn = plain_name(f"{module_name}.{param_name}" if module_name else param_name)
                 offset, shape = local_box(param)
-                value = _normal_rows(_parameter_seed(seed, fqn), tuple(param.shape), offset[:1], shape[:1])
-                box = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:]))
-                local_part(param).copy_((value[(slice(None), *box)] if box else value) * std)
+                value = _normal_block(_parameter_seed(seed, fqn), tuple(param.shape), offset, shape)
+                local_part(param).copy_(value * std)
 
 
 def plain_name(name: str) -> str:
@@ -277,20 +276,23 @@ def local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(offset), tuple(shape)
 
 
-def _normal_rows(seed: int, shape: tuple[int, ...], start: tuple[int, ...], count: tuple[int, ...]) -> torch.Tensor:
-    """Rows ``start .. start + count`` (dim 0) of the standard normal parameter value of `shape`
-    drawn from `seed`. Block 0 uses `seed` itself, so a parameter of at most one block equals
-    ``torch.randn(shape, generator=manual_seed(seed))``."""
+def _normal_block(seed: int, shape: tuple[int, ...], offset: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
+    """The block ``offset .. offset + size`` of the standard normal parameter value of `shape`
+    drawn from `seed`, drawing only the row blocks it touches and keeping only its part of each
+    (memory: one row block plus the result). Block 0 uses `seed` itself, so a parameter of at
+    most one block equals ``torch.randn(shape, generator=manual_seed(seed))``."""
     if not shape:
         return torch.randn((), generator=torch.Generator().manual_seed(seed))
     rows, row_size = shape[0], math.prod(shape[1:])
     per_block = max(1, INIT_BLOCK_ELEMENTS // max(row_size, 1))
-    first, last = start[0], start[0] + count[0]
+    first, last = offset[0], offset[0] + size[0]
+    columns = tuple(slice(o, o + n) for o, n in zip(offset[1:], size[1:]))
     parts = []
     for block in range(first // per_block, -(-last // per_block)):
         lo = block * per_block
         n = min(per_block, rows - lo)
         block_seed = seed if block == 0 else (seed * 1_000_003 + block) % 2**63
         drawn = torch.randn((n, *shape[1:]), generator=torch.Generator().manual_seed(block_seed))
-        parts.append(drawn[max(first - lo, 0): min(last - lo, n)])
-    return torch.cat(parts) if parts else torch.empty((0, *shape[1:]))
+        parts.append(drawn[(slice(max(first - lo, 0), min(last - lo, n)), *columns)].clone())
+        del drawn
+    return torch.cat(parts) if parts else torch.empty(size)

@@ -44,7 +44,10 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 2048  # longest sequence the data layer may build; no buffer depends on it
     # Variants of the Llama family (defaults: the original Llama); see `from_hf`.
-    head_dim: int | None = None  # None: dim // n_heads (Qwen3 and Mistral-Nemo set their own)
+    # None: dim // n_heads, filled in at construction (so `dataclasses.replace(config, n_heads=...)`
+    # keeps the old head_dim, as it keeps ffn_hidden: build a new config instead). Qwen3 and
+    # Mistral-Nemo set their own.
+    head_dim: int | None = None
     qkv_bias: bool = False  # biases on wq, wk, wv (Qwen2 / Qwen2.5)
     qk_norm: bool = False  # RMSNorm over each query and key head before the rotation (Qwen3)
     rope_scaling: RopeScaling | None = None  # Llama 3.1 / 3.2 long-context frequencies

@@ -9,7 +9,7 @@ dp with gradients summed, optional per-block torch.compile.
 | encoders.py         | ViT / audio: `parallelize_encoder`; `parallelize_projection`     |
 | fsdp.py             | `apply_fsdp` (sum over dp), `allreduce_gradients`                |
 | precision.py        | mixed precision: FSDP2 policy or autocast, `compute_dtype`       |
-| replicas.py         | tp-replicated gradients averaged, `check_replicas`               |
+| replicas.py         | tp-replicated gradients made identical, replica comparison       |
 | checkpointing.py    | `checkpoint_blocks`: activation checkpointing per block          |
 | compile.py          | `compile_blocks`                                                 |
 | stack.py            | `parallelize_stack`: tp, checkpointing, compile, then FSDP2      |
@@ -25,8 +25,8 @@ from dtensor_mimo.parallelize.language import parallelize_llama
 from dtensor_mimo.parallelize.options import ParallelOptions
 from dtensor_mimo.parallelize.precision import apply_data_parallel, autocast_forward, compute_dtype, uses_fsdp
 from dtensor_mimo.parallelize.replicas import (
-    average_tp_replicated_gradients,
     first_differing_replica,
+    reduce_tp_replicated_gradients,
     tp_replicated,
 )
 from dtensor_mimo.parallelize.tensor_parallel import sequence_sharded_input
@@ -37,7 +37,6 @@ __all__ = [
     "apply_data_parallel",
     "apply_fsdp",
     "autocast_forward",
-    "average_tp_replicated_gradients",
     "checkpoint_blocks",
     "compile_blocks",
     "compute_dtype",
@@ -46,6 +45,7 @@ __all__ = [
     "parallelize_llama",
     "parallelize_module_for",
     "parallelize_projection",
+    "reduce_tp_replicated_gradients",
     "sequence_sharded_input",
     "tp_replicated",
     "uses_fsdp",

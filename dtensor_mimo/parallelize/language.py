@@ -21,6 +21,11 @@ Input and output of the parallelized `Llama` (tp = size of `tp_mesh`):
   gradient once. A stage without `output` returns its hidden states plain, full, replicated
   over tp.
 
+Parameters the plan leaves whole on every tp rank are the norms (replicated activations: their
+gradients agree) and Qwen3's per-head q/k norms (each rank applies them to its own heads: their
+gradients are partial sums); `reduce_tp_replicated_gradients` makes both right after backward
+(`MimoModel.reduce_gradients` calls it).
+
 Context parallelism changes none of this: cp splits S before the model sees it, and FSDP runs over
 the flattened dp·cp mesh so gradients are summed over both.
 """

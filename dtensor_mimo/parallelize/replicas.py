@@ -1,17 +1,20 @@
 """Parameters that stay identical over a mesh dim, and the proof that they do.
 
 Tensor parallelism leaves some parameters whole on every tp rank: those its plan does not shard
-(patch and position embeddings, convolutions, norms without sp). Their gradients are computed
-from tp-replicated activations, so they agree on CPU — but nondeterministic GPU kernels may
-make them differ in the last bits, and replicas that take different updates drift apart
-silently. `average_tp_replicated_gradients` makes them identical by construction (one small
-all-reduce over tp per step: the mean of copies that agree is the same copy); `check_replicas`
-compares the replicas themselves, for debugging.
+(patch and position embeddings, convolutions, norms without sp). Most of them see tp-replicated
+activations, so their gradients agree on CPU — but nondeterministic GPU kernels may make them
+differ in the last bits, and replicas that take different updates drift apart silently.
+`reduce_tp_replicated_gradients` makes them identical by construction (one small all-reduce over
+tp per step: the mean of copies that agree is the same copy). A few see only this rank's heads
+(Qwen3's per-head q/k norms, shared by every head): their gradient is the SUM over tp, which the
+same all-reduce gives them (`head_local`). `first_differing_replica` compares the replicas
+themselves, for debugging.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections import defaultdict
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -30,40 +33,63 @@ def tp_replicated(param: torch.Tensor) -> bool:
     return not isinstance(param, DTensor) or "tp" not in (param.device_mesh.mesh_dim_names or ())
 
 
+# Parameters that act on this rank's heads only (a tp shard of the heads), shared by all heads.
+HEAD_LOCAL = ("attention.q_norm.weight", "attention.k_norm.weight")
+
+
+def head_local(name: str) -> bool:
+    """Whether the parameter `name` is one of `HEAD_LOCAL` (its tp gradient is a partial sum)."""
+    return name.endswith(HEAD_LOCAL)
+
+
 @torch.no_grad()
-def average_tp_replicated_gradients(params: Mapping[str, nn.Parameter], tp_mesh: DeviceMesh | None) -> None:
-    """Replace the gradients of the tp-replicated `params` by their mean over `tp_mesh` (one flat
-    all-reduce; nothing for tp 1). Call on every rank of the tp mesh after backward."""
+def reduce_tp_replicated_gradients(params: Mapping[str, nn.Parameter], tp_mesh: DeviceMesh | None,
+                                   summed: Callable[[str], bool] = head_local) -> None:
+    """Make the gradients of the tp-replicated `params` identical over `tp_mesh`: their mean, or
+    their sum for the names `summed` picks (partial per rank). One flat all-reduce per dtype;
+    nothing for tp 1. Call on every rank of the tp mesh after backward."""
     if tp_mesh is None or tp_mesh.size() == 1:
         return
-    grads = [_local(p.grad) for p in params.values() if p.grad is not None and tp_replicated(p)]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
-    dist.all_reduce(flat, group=tp_mesh.get_group())  # SUM: gloo has no AVG
-    flat /= tp_mesh.size()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = defaultdict(list)
+    for name, p in params.items():
+        if p.grad is not None and tp_replicated(p):
+            by_dtype[p.grad.dtype].append((name, _local(p.grad)))
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for _, g in grads])
+        dist.all_reduce(flat, group=tp_mesh.get_group())  # SUM: gloo has no AVG
+        offset = 0
+        for name, g in grads:
+            part = flat[offset:offset + g.numel()].view_as(g)
+            g.copy_(part if summed(name) else part / tp_mesh.size())
+            offset += g.numel()
 
 
 @torch.no_grad()
-def first_differing_replica(params: Mapping[str, nn.Parameter], mesh: DeviceMesh) -> str | None:
+def first_differing_replica(params: Mapping[str, nn.Parameter], mesh: DeviceMesh,
+                            chunk_elements: int = 1 << 24) -> str | None:
     """The name of the first of `params` (this rank's local values) that is not bitwise equal on
-    every rank of `mesh`, or None. One MAX and one MIN all-reduce over `mesh`."""
+    every rank of `mesh`, or None. A MAX and a MIN all-reduce over `mesh` per group of parameters
+    of about `chunk_elements` (memory: three copies of one group, in fp32 or fp64, which hold
+    every lower precision exactly)."""
     if mesh.size() == 1 or not params:
         return None
-    names = list(params)
-    flat = torch.cat([_local(p).detach().reshape(-1).double() for p in params.values()])
-    high, low = flat.clone(), flat.clone()
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=mesh.get_group())
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=mesh.get_group())
-    differs = high != low
-    offset = 0
-    for name, p in zip(names, params.values()):
-        n = _local(p).numel()
-        if differs[offset:offset + n].any():
-            return name
-        offset += n
+    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, p in params.items():
+        if groups[-1] and size + _local(p).numel() > chunk_elements:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, _local(p).detach()))
+        size += groups[-1][-1][1].numel()
+    for group in groups:
+        dtype = torch.float64 if any(t.dtype == torch.float64 for _, t in group) else torch.float32
+        flat = torch.cat([t.reshape(-1).to(dtype) for _, t in group])
+        high, low = flat.clone(), flat
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=mesh.get_group())
+        differs, offset = high != low, 0
+        for name, t in group:
+            if differs[offset:offset + t.numel()].any():
+                return name
+            offset += t.numel()
     return None

@@ -33,6 +33,7 @@ from dtensor_mimo.models.hf.safetensors import INDEX, SafetensorsDir, save_file
 from dtensor_mimo.models.hf.vision import (
     PROJECTOR_ANCHOR,
     VIT_ANCHOR,
+    check_projector,
     projection_source,
     vit_config_from_hf,
     vit_config_to_hf,
@@ -43,7 +44,7 @@ from dtensor_mimo.models.llama import Llama
 from dtensor_mimo.models.projection import Projection
 from dtensor_mimo.models.vit import ViT
 
-__all__ = ["has_hf_module", "load_hf", "save_hf"]
+__all__ = ["has_hf_module", "load_hf", "plan_hf", "save_hf"]
 
 # Fields that only bound what the data layer may build: not part of the weights' meaning.
 _FREE_FIELDS = {"max_seq_len", "multiple_of"}
@@ -56,7 +57,7 @@ class _Family:
     checkpoint (`has` tells which relative names exist; None when exporting), and an `anchor`
     tensor whose full name reveals that prefix."""
 
-    config_from_hf: Callable[[str], Any] | None
+    config_from_hf: Callable[[str], Any]  # None returned: no config of its own (only checked)
     config_to_hf: Callable[[Any, str], dict[str, Any]] | None
     source: Callable[[str, Any, Callable[[str], bool] | None], Source]
     anchor: str
@@ -67,7 +68,7 @@ _FAMILIES: dict[type, _Family] = {
                    lambda name, config, has: llama_source(name, config, tied=has is not None and not has("lm_head.weight")),
                    "model.embed_tokens.weight"),
     ViT: _Family(vit_config_from_hf, vit_config_to_hf, lambda name, config, has: vit_source(name), VIT_ANCHOR),
-    Projection: _Family(None, None, lambda name, config, has: projection_source(name), PROJECTOR_ANCHOR),
+    Projection: _Family(check_projector, None, lambda name, config, has: projection_source(name), PROJECTOR_ANCHOR),
     AudioEncoder: _Family(audio_config_from_hf, None, lambda name, config, has: audio_source(name), AUDIO_ANCHOR),
 }
 
@@ -103,10 +104,17 @@ def load_hf(module: nn.Module, path: str) -> None:
     Raises before reading any weight when the module's config differs from the checkpoint's
     (naming the fields) or the checkpoint lacks a tensor or has another shape (naming them).
     """
+    plan_hf(module, path)()
+
+
+def plan_hf(module: nn.Module, path: str) -> Callable[[], None]:
+    """`load_hf` in two steps: every check now (reading only ``config.json`` and the safetensors
+    headers), the weights when the returned function is called — so that ranks can agree that
+    every check passed before any of them reads."""
     family = _family(module)
     config = getattr(module, "config", None)
-    if family.config_from_hf is not None:
-        expected = family.config_from_hf(path)
+    expected = family.config_from_hf(path)
+    if expected is not None:
         differ = [f"{f.name}: module {getattr(config, f.name)!r}, checkpoint {getattr(expected, f.name)!r}"
                   for f in dataclasses.fields(expected)
                   if f.name not in _FREE_FIELDS and getattr(config, f.name) != getattr(expected, f.name)]
@@ -124,9 +132,14 @@ def load_hf(module: nn.Module, path: str) -> None:
     if missing or shapes:
         raise ValueError(f"load_hf({path!r}): " + "; ".join(
             ([f"missing tensors {missing}"] if missing else []) + ([f"shapes differ: {shapes}"] if shapes else [])))
-    for name, param in params.items():
-        offset, shape = local_box(param)
-        local_part(param).copy_(sources[name].read(files, offset, shape))
+
+    @torch.no_grad()
+    def fill() -> None:
+        for name, param in params.items():
+            offset, shape = local_box(param)
+            local_part(param).copy_(sources[name].read(files, offset, shape))
+
+    return fill
 
 
 @torch.no_grad()

@@ -74,20 +74,21 @@ class SafetensorsDir:
 
 
 def save_file(tensors: Mapping[str, torch.Tensor], path: str, metadata: Mapping[str, str] | None = None) -> None:
-    """Write `tensors` (plain, any device) as one safetensors file."""
+    """Write `tensors` (plain, any device) as one safetensors file, one tensor at a time (no
+    second copy of the file in memory)."""
     header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
-    blobs, offset = [], 0
+    offset = 0
     for name, tensor in tensors.items():
-        flat = tensor.detach().cpu().contiguous().reshape(-1)
-        blob = ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()) if flat.numel() else b""
+        nbytes = tensor.numel() * tensor.element_size()
         header[name] = {"dtype": NAMES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
-        for blob in blobs:
-            f.write(blob)
+        for tensor in tensors.values():
+            flat = tensor.detach().cpu().contiguous().reshape(-1)
+            if flat.numel():
+                f.write(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))

@@ -49,9 +49,10 @@ def vit_config_from_hf(path: str) -> ViTConfig:
         layer, strategy = top.get("vision_feature_layer", -2), top.get("vision_feature_select_strategy", "default")
         if not isinstance(layer, int):
             raise ValueError(f"{path}: vision_feature_layer={layer!r}: features from several layers are not supported")
-        if clip and strategy != "default":
-            raise ValueError(f"{path}: vision_feature_select_strategy={strategy!r}: the ViT drops the class token "
-                             "('default')")
+        if strategy != ("default" if clip else "full"):
+            # "default" drops the first token: CLIP's class token, but a patch of a SigLIP tower.
+            raise ValueError(f"{path}: vision_feature_select_strategy={strategy!r} with a {tower}: the ViT keeps "
+                             f"exactly the patch tokens ({'default' if clip else 'full'})")
         layers, final_norm = (layers + 1 + layer if layer < 0 else layer), False
     return ViTConfig(image_size=c["image_size"], patch_size=c["patch_size"], in_channels=c.get("num_channels", 3),
                      dim=c["hidden_size"], n_layers=layers, n_heads=c["num_attention_heads"],
@@ -77,6 +78,15 @@ def vit_config_to_hf(config: ViTConfig, dtype: str) -> dict[str, Any]:
 def vit_source(name: str) -> Source:
     """The checkpoint tensor (relative to the tower) of the ViT parameter `name`."""
     return table_source(name, "ViT", _TOP, _LAYER, "encoder.layers")
+
+
+def check_projector(path: str) -> None:
+    """Refuse a LLaVA projector the library's `Projection` (Linear, GELU, Linear, biases) is not."""
+    c = read_config(path)
+    act, bias = c.get("projector_hidden_act", "gelu"), c.get("multimodal_projector_bias", True)
+    if act != "gelu" or not bias:
+        raise ValueError(f"{path}: projector_hidden_act={act!r}, multimodal_projector_bias={bias}: the Projection "
+                         "is Linear, exact GELU, Linear, with biases")
 
 
 def projection_source(name: str) -> Source:
