@@ -37,8 +37,9 @@ from dtensor_mimo.models import (
     Projection,
     ViT,
     ViTConfig,
+    load_hf,
+    save_hf,
 )
-from dtensor_mimo.models.hf import load_hf, save_hf
 from dtensor_mimo.models.hf.safetensors import SafetensorsDir
 from tests.harness import run_on_ranks
 from tests.test_mimo import Case, _distributed, check_against_reference
