@@ -53,7 +53,7 @@ from dtensor_mimo.parallelize import (
     parallelize_projection,
     sequence_sharded_input,
 )
-from dtensor_mimo.train.loss import vocab_parallel_cross_entropy
+from dtensor_mimo.train.loss import vocab_parallel_argmax, vocab_parallel_cross_entropy
 from tests.harness import run_on_ranks
 
 SEED = 1234
@@ -386,10 +386,15 @@ def _vocab_parallel_matches_full(tp: int) -> None:
     (got * weights).sum().backward()
     torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(local.grad, full.grad.chunk(tp, -1)[rank], rtol=1e-12, atol=1e-12)
+    tied = logits.clone()
+    tied[0, 0, 5] = tied[0, 0, 40] = tied[1, 2, 63] = 100.0  # a tie across shards: the first id wins
+    shard = DTensor.from_local(tied.chunk(tp, -1)[rank], tp_mesh, [Shard(2)])
+    assert torch.equal(vocab_parallel_argmax(shard), tied.argmax(-1))
+    assert vocab_parallel_argmax(shard)[0, 0] == 5
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_vocab_parallel_cross_entropy_matches_full_vocabulary(tp: int) -> None:
+def test_vocab_parallel_cross_entropy_and_argmax_match_full_vocabulary(tp: int) -> None:
     run_on_ranks(_vocab_parallel_matches_full, tp, tp, timeout=60)
 
 

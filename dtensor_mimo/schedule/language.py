@@ -38,7 +38,7 @@ from dtensor_mimo.parallelize import ParallelOptions, apply_data_parallel, compu
 from dtensor_mimo.schedule.config import PipelineConfig, stage_layers
 from dtensor_mimo.schedule.runtime import cached, run_schedule
 from dtensor_mimo.sequence import ContextParallelAttention, shard_for_cp, zigzag_shard
-from dtensor_mimo.train.loss import token_loss_sum
+from dtensor_mimo.train.loss import token_loss_sum, vocab_parallel_argmax
 
 if TYPE_CHECKING:
     from dtensor_mimo.schedule.feed import LanguageFeed
@@ -83,8 +83,8 @@ class LanguageStage(nn.Module):
         out = self.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
         if not self.last:
             return out if self.hidden_dtype is None else out.to(self.hidden_dtype)
-        if self.predicting:  # vocab-sharded logits (loss_parallel) are gathered only here
-            return (out.full_tensor() if isinstance(out, DTensor) else out).argmax(-1)
+        if self.predicting:
+            return vocab_parallel_argmax(out) if isinstance(out, DTensor) else out.argmax(-1)
         return token_loss_sum(out, labels, loss_mask) / self.normalizer
 
 

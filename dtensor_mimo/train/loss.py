@@ -52,15 +52,33 @@ def vocab_parallel_cross_entropy(logits: DTensor, labels: torch.Tensor) -> torch
     sharding group, never the ``[N, vocab]`` logits. Backward is local: softmax minus one-hot on
     the own slice, times the incoming gradient (Megatron's vocab-parallel cross entropy).
     """
+    local, start, group = _vocab_shards(logits)
+    return _VocabParallelCrossEntropy.apply(local, labels, start, group)
+
+
+def _vocab_shards(logits: DTensor) -> tuple[torch.Tensor, int, dist.ProcessGroup]:
+    """This rank's ``[N, vocab / tp]`` logits, its first vocabulary id, and the sharding group."""
     dims = [i for i, p in enumerate(logits.placements) if p.is_shard(logits.ndim - 1) or p.is_shard(-1)]
     others = [p for i, p in enumerate(logits.placements) if i not in dims and not p.is_replicate()]
     if len(dims) != 1 or others:
-        raise ValueError(f"vocab_parallel_cross_entropy: logits placements {logits.placements} must shard "
-                         "the vocabulary (last) dim on exactly one mesh dim and replicate the others")
-    group = logits.device_mesh.get_group(dims[0])
+        raise ValueError(f"vocab-parallel logits: placements {logits.placements} must shard the vocabulary "
+                         "(last) dim on exactly one mesh dim and replicate the others")
     _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
-    local = logits.to_local().flatten(0, -2)
-    return _VocabParallelCrossEntropy.apply(local, labels, offset[-1], group)
+    return logits.to_local().flatten(0, -2), offset[-1], logits.device_mesh.get_group(dims[0])
+
+
+@torch.no_grad()
+def vocab_parallel_argmax(logits: DTensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` of vocabulary-sharded logits (a plain tensor, the same on every
+    rank of the sharding group) without gathering them: two ``[N]`` all-reduces (the maximum,
+    then the smallest id holding it, which is torch's first-occurrence rule)."""
+    local, start, group = _vocab_shards(logits)
+    best, index = local.max(-1)
+    top = best.clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    ids = torch.where(best == top, index + start, torch.iinfo(torch.int64).max)
+    dist.all_reduce(ids, op=dist.ReduceOp.MIN, group=group)
+    return ids.view(logits.shape[:-1])
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
