@@ -81,10 +81,19 @@ def allreduce_gradients(module: nn.Module, dp_mesh: DeviceMesh | None,
             param.grad = torch.zeros_like(param)
         grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
         by_dtype.setdefault(grad.dtype, []).append(grad)
-    for dtype, grads in by_dtype.items():
-        flat = torch.cat([g.reshape(-1) for g in grads]).to(reduce_dtype or dtype)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    for grads in by_dtype.values():
+        sum_in_place(grads, group, reduce_dtype)
+
+
+@torch.no_grad()
+def sum_in_place(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup,
+                 dtype: torch.dtype | None = None) -> None:
+    """Replace each of `tensors` (one dtype) by its sum over `group`: one flat all-reduce, in
+    `dtype` if given (the sums land back in the tensors' own dtype)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    flat = flat.to(dtype or flat.dtype)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()

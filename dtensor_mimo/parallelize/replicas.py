@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from dtensor_mimo.parallelize.fsdp import sum_in_place
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
@@ -55,13 +57,10 @@ def reduce_tp_replicated_gradients(params: Mapping[str, nn.Parameter], tp_mesh: 
         if p.grad is not None and tp_replicated(p):
             by_dtype[p.grad.dtype].append((name, _local(p.grad)))
     for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for _, g in grads])
-        dist.all_reduce(flat, group=tp_mesh.get_group())  # SUM: gloo has no AVG
-        offset = 0
+        sum_in_place([g for _, g in grads], tp_mesh.get_group())  # a sum: gloo has no AVG
         for name, g in grads:
-            part = flat[offset:offset + g.numel()].view_as(g)
-            g.copy_(part if summed(name) else part / tp_mesh.size())
-            offset += g.numel()
+            if not summed(name):
+                g.div_(tp_mesh.size())
 
 
 @torch.no_grad()
