@@ -36,15 +36,18 @@ Methods, interleaved within every iteration (the order rotates each iteration):
   source ranks copy their rows out.
 - with --profile, also floor+alloc: the floor with a freshly allocated output and freshly
   built ops on every call, as `redistribute` must do; and the wall time of `redistribute`'s
-  phases (plan lookup, shape check, exchange start and wait, DTensor wrapping, the rest).
+  phases (prepared-call lookup, shape check, exchange start and wait, DTensor wrapping, the rest).
 
 Timing: a barrier before every timed op; an op's time is the max over ranks of its wall time;
 table times are medians over --iters. "x floor" / "x all-gather" are medians of per-iteration
 ratios against the baseline timed in the same iteration and direction (the machine may be
 shared, so only same-iteration ratios compare). "moved" is the sum over ranks of bytes sent:
 exact for the plan's messages (local copies excluded), the ring algorithm's count for
-all-gather and all-reduce, (W-1) x shard for a broadcast. Every method's values are checked
-once, after warm-up.
+all-gather and all-reduce, (W-1) x shard for a broadcast. "p10-p90" is the spread of the
+per-iteration times. "CPU ms" is the main-thread CPU time of the op summed over all ranks
+(median): where ranks outnumber cores (8 ranks on 2 CPU cores), every rank's per-call Python
+runs on the same cores as the transfers, so the wall-time ratio follows this sum. Every
+method's values are checked once, after warm-up.
 """
 
 from __future__ import annotations
@@ -117,15 +120,22 @@ def sync() -> None:
         torch.accelerator.synchronize()
 
 
+CPU_LOG: list[float] = []
+"""Main-thread CPU seconds of each `timed` call on this rank, in call order (`run_case` drains it)."""
+
+
 def timed(fn: Callable[[], object]) -> tuple[float, object]:
-    """Barrier, then this rank's wall time of `fn()` (device-synchronised) and its result."""
+    """Barrier, then this rank's wall time of `fn()` (device-synchronised) and its result; its
+    main-thread CPU time goes to `CPU_LOG`."""
     sync()
     dist.barrier()
     sync()
-    t0 = time.perf_counter()
+    c0, t0 = time.thread_time(), time.perf_counter()
     out = fn()
     sync()
-    return time.perf_counter() - t0, out
+    wall = time.perf_counter() - t0
+    CPU_LOG.append(time.thread_time() - c0)
+    return wall, out
 
 
 def rows(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -168,10 +178,12 @@ class Phases:
     run time (the library is not edited). "other" is the op's time minus the phases: argument
     handling, MeshSpec building, autograd and DTensor dispatch."""
 
-    WRAPPED = ((redistribute_module, "plan", "plan"), (redistribute_module, "plan_backward", "plan"),
+    WRAPPED = ((redistribute_module, "_prepare", "prepare (cached)"),
                (redistribute_module, "_raise_bad_shards", "shape check"),
+               (redistribute_module._hops, "scatter", "two-hop scatter"),
+               (redistribute_module._hops, "gather", "two-hop gather"),
                (exchange, "start", "exchange start (alloc, copies, post)"),
-               (exchange.Pending, "wait", "exchange wait"), (redistribute_module, "_wrap", "DTensor wrap"))
+               (exchange.Pending, "wait", "exchange wait"), (redistribute_module._Trip, "wrap", "DTensor wrap"))
 
     def __init__(self) -> None:
         self.acc: dict[str, float] = defaultdict(float)
@@ -339,11 +351,16 @@ class Bench:
         return p.stats()["rows_sent"] * self.row_bytes
 
 
-def max_over_ranks(series: dict, device: torch.device) -> dict:
-    """{key: [seconds per iteration]} -> the same with each value the max over ranks."""
+def quantile(xs: list[float], q: float) -> float:
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def over_ranks(series: dict, device: torch.device, op=dist.ReduceOp.MAX) -> dict:
+    """{key: [seconds per iteration]} -> the same with each value reduced over ranks (max, or sum)."""
     keys = sorted(series)
     flat = torch.tensor([v for k in keys for v in series[k]], dtype=torch.float64, device=device)
-    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flat, op=op)
     n = len(flat) // max(1, len(keys))
     return {k: flat[i * n:(i + 1) * n].tolist() for i, k in enumerate(keys)}
 
@@ -352,11 +369,14 @@ def run_case(case: Case, size_mib: float, args, methods: tuple[str, ...], device
              iters: int, warmup: int, phases: Phases | None) -> dict:
     bench = Bench(case, size_mib, args.hidden, device, args.ag_cap_mib)
     local: dict[tuple[str, str], list[float]] = defaultdict(list)
+    cpu: dict[tuple[str, str], list[float]] = defaultdict(list)
     prof: dict[str, list[float]] = defaultdict(list)
     for it in range(warmup + iters):
         k = it % len(methods)
         for method in methods[k:] + methods[:k]:
+            CPU_LOG.clear()
             tf, tb, y, gx = bench.run(method, phases if method == "redistribute" else None)
+            cf, cb = CPU_LOG
             if it == max(warmup - 1, 0):
                 bench.check(method, y, gx)
             del y, gx
@@ -367,8 +387,11 @@ def run_case(case: Case, size_mib: float, args, methods: tuple[str, ...], device
             if it >= warmup:
                 local[(method, "fwd")].append(tf)
                 local[(method, "bwd")].append(tb)
+                cpu[(method, "fwd")].append(cf)
+                cpu[(method, "bwd")].append(cb)
 
-    times = max_over_ranks(local, device)
+    times = over_ranks(local, device)
+    cpu_sums = over_ranks(cpu, device, dist.ReduceOp.SUM)
     table = []
     for direction in ("fwd", "bwd"):
         for method in methods:
@@ -378,13 +401,15 @@ def run_case(case: Case, size_mib: float, args, methods: tuple[str, ...], device
                      for base in ("floor", "all-gather")}
             table.append(dict(method=bench.ag_label if method == "all-gather" else method, direction=direction,
                               time_ms=med * 1e3, times_ms=[t * 1e3 for t in ts], bytes_moved=moved,
+                              p10_ms=quantile(ts, 0.1) * 1e3, p90_ms=quantile(ts, 0.9) * 1e3,
+                              cpu_ms_all_ranks=statistics.median(cpu_sums[(method, direction)]) * 1e3,
                               gb_per_s=moved / med / 1e9, x_floor=ratio["floor"], x_all_gather=ratio["all-gather"]))
     result = dict(case=case.name, src=str(case.src), dst=str(case.dst), size_mib=size_mib, T=bench.T,
                   hidden=args.hidden, payload_bytes_per_dst_rank=(bench.T // case.dst.dp) * bench.row_bytes,
                   iters=iters, warmup=warmup, plan_fwd=bench.fwd_plan.stats(), plan_bwd=bench.bwd_plan.stats(),
                   rows=table)
     if phases is not None:
-        phase_times = max_over_ranks(prof, device)  # fwd phases first
+        phase_times = over_ranks(prof, device)  # fwd phases first
         result["profile_ms"] = {k: statistics.median(phase_times[k]) * 1e3
                                 for k in sorted(phase_times, key=lambda k: (k.startswith("bwd"), k))}
     del bench
@@ -397,10 +422,13 @@ def print_case(r: dict) -> None:
     print(f"\n== {r['case']}: {r['src']} -> {r['dst']}, {r['payload_bytes_per_dst_rank'] / 2**20:g} MiB per "
           f"destination rank ([{r['T']}, {r['hidden']}] fp32; plan: {pf['messages']} msgs + {pf['copies']} copies "
           f"fwd, {pb['messages']} msgs + {pb['copies']} copies bwd; median of {r['iters']})")
-    head = f"{'method':26} {'dir':>3} {'time ms':>9} {'MiB moved':>10} {'GB/s':>6} {'x floor':>8} {'x all-gather':>12}"
+    head = (f"{'method':26} {'dir':>3} {'time ms':>9} {'p10-p90 ms':>12} {'CPU ms':>7} {'MiB moved':>10} "
+            f"{'GB/s':>6} {'x floor':>8} {'x all-gather':>12}")
     print(head + "\n" + "-" * len(head))
     for row in r["rows"]:
-        print(f"{row['method']:26} {row['direction']:>3} {row['time_ms']:>9.2f} {row['bytes_moved'] / 2**20:>10.1f} "
+        spread = f"{row['p10_ms']:.2f}-{row['p90_ms']:.2f}"
+        print(f"{row['method']:26} {row['direction']:>3} {row['time_ms']:>9.2f} {spread:>12} "
+              f"{row['cpu_ms_all_ranks']:>7.2f} {row['bytes_moved'] / 2**20:>10.1f} "
               f"{row['gb_per_s']:>6.2f} {row['x_floor']:>8.2f} {row['x_all_gather']:>12.2f}")
     for row in r["rows"]:
         if row["method"] == "redistribute":

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from dtensor_mimo.bridge import redistribute_many
+from dtensor_mimo.bridge import exchange, redistribute_many
 from dtensor_mimo.data import MimoBatch, sample_range, shard
 from dtensor_mimo.layout import LANGUAGE, LayoutError, MimoLayout
 from dtensor_mimo.models import Llama, ModalityEncoder
@@ -150,7 +150,9 @@ class MimoModel(nn.Module):
         self._no_init = [n for n, m in [*encoders.items(), (language_name, language)]
                          if not callable(getattr(m, "init_weights", None))]
         self.rank = dist.get_rank()
-        self._shapes_checked: set[str] = set()  # modalities whose encoder output was checked
+        self._shapes_checked: set[tuple[str, int]] = set()  # (modality, tokens_per_item) checked world-wide
+        self.buffers = exchange.BufferPool()
+        """The receive buffers of every crossing (recycled: a steady training loop allocates none)."""
         self.step_error: str | None = None  # this rank's verdict on the last pipelined step
 
         lang = layout.parallelism(language_name)
@@ -375,7 +377,8 @@ class MimoModel(nn.Module):
             encoders={n: e for n, e in self.encoders.items() if n not in self.encoder_pipelines},
             encoder_pipelines=self.encoder_pipelines, trainable=self._trainable,
             language=self.language_pipeline, overlapped=self.overlapped,
-            normalizer=loss_normalizer(batch), dim=self.dim, dtype=self.dtype, device=self.device)
+            normalizer=loss_normalizer(batch), dim=self.dim, dtype=self.dtype, device=self.device,
+            buffers=self.buffers)
         return share
 
     # ------------------------------------------------------------------ one step
@@ -497,17 +500,21 @@ class MimoModel(nn.Module):
         if not xs:
             return names, ()
         lang_mesh = self.layout.mesh(self.language_name)
+        keys = [(n, batch.modalities[n].tokens_per_item) for n in names]
         ys = redistribute_many(
             xs, [lang_mesh] * len(xs), [TOKEN_PLACEMENTS] * len(xs),
             sample_sizes=[batch.tokens_per_sample(n) for n in names],
             grad_placements=[self._grad_placements] * len(xs),
             # Encoder output rows per item are fixed by each encoder's config: one world-wide
-            # shape check the first time a modality is seen catches a mismatch with the
-            # batch metadata (names: the same on every rank, so every rank agrees to check).
-            check="world" if not self._shapes_checked.issuperset(names) else False,
+            # shape check the first time a modality is seen with a tokens_per_item catches a
+            # mismatch with the batch metadata before any data moves (the keys are the same on
+            # every rank, so every rank agrees to check); later, the status word that rides
+            # with the messages.
+            check="world" if not self._shapes_checked.issuperset(keys) else True,
             names=[(n, self.language_name) for n in names],
+            buffers=self.buffers,
         )
-        self._shapes_checked.update(names)
+        self._shapes_checked.update(keys)
         return names, ys
 
     def _check_initialized(self) -> None:

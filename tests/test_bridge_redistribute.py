@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from dtensor_mimo.bridge import Bridge, MeshSpec, PlanError, plan, redistribute, redistribute_many
+from dtensor_mimo.bridge import Bridge, BufferPool, MeshSpec, PlanError, plan, redistribute, redistribute_many
 from tests.harness import run_on_ranks
 
 WORLD = 8
@@ -125,10 +125,12 @@ def _run_case(name):
     return all(_run_route(name, n_hops) for n_hops in (1, 2))
 
 
-def _run_route(name, n_hops):
+def _run_route(name, n_hops, buffers=True, seed=1234, keep=None):
+    """One redistribution of case `name`, checked; `keep` (a list) collects (y's local rows, the
+    expected values) so a caller can check later calls do not overwrite a live output."""
     case = CASES[name]
     src_mesh, dst_mesh = _mesh(case.src), _mesh(case.dst)
-    gen = torch.Generator().manual_seed(1234)
+    gen = torch.Generator().manual_seed(seed)
     X = torch.randn(case.shape, generator=gen, dtype=torch.float64)
     G_full = torch.randn(case.shape, generator=gen, dtype=torch.float64)
     dim, extent = case.dim, case.shape[case.dim]
@@ -150,7 +152,7 @@ def _run_route(name, n_hops):
 
     grad_placements = case.grad or tuple(Replicate() if isinstance(p, Partial) else p for p in case.dst.placements)
     y = redistribute(x, dst_mesh, case.dst.placements, sample_sizes=case.sample_sizes,
-                     grad_placements=case.grad, hops=n_hops)
+                     grad_placements=case.grad, hops=n_hops, buffers=buffers)
     assert y.device_mesh is dst_mesh and tuple(y.placements) == case.dst.placements
     assert tuple(y.shape) == tuple(X.shape)
 
@@ -162,6 +164,8 @@ def _run_route(name, n_hops):
     else:
         rows = _expected_rows(case.dst, dc, extent, case.sample_sizes)
         torch.testing.assert_close(y.to_local(), X.index_select(dim, rows), rtol=1e-12, atol=1e-12)
+        if keep is not None:
+            keep.append((y.to_local(), X.index_select(dim, rows)))
         g_local = G_full.index_select(dim, rows)
         for i, p in enumerate(grad_placements):
             if isinstance(p, Partial):  # each member contributes a different part of G
@@ -189,6 +193,52 @@ def _run_route(name, n_hops):
 @pytest.mark.parametrize("name", list(CASES))
 def test_redistribute(name):
     assert run_on_ranks(_run_case, WORLD, name, timeout=120) == [True] * WORLD
+
+
+def _recycled(name):
+    """Repeated calls with one `BufferPool`: exact every time, an output kept alive is never
+    overwritten, and once every output is dropped the steady state allocates nothing; a
+    call with ``buffers=False`` (fresh tensors) is exact too."""
+    pool, kept, allocations = BufferPool(), [], []
+    for seed in range(4):
+        assert _run_route(name, 1, buffers=pool, seed=seed, keep=kept if seed == 0 else None)
+        allocations.append(pool.allocations)
+    for y_local, expected in kept:  # the first output, alive through three more calls
+        torch.testing.assert_close(y_local, expected, rtol=0, atol=0)
+    kept.clear()
+    assert _run_route(name, 1, buffers=pool, seed=9)
+    assert allocations[1] == allocations[2] == allocations[3] == pool.allocations, allocations
+    assert _run_route(name, 1, buffers=False, seed=10)
+    return True
+
+
+@pytest.mark.parametrize("name", ["fan_in", "tp_dp_to_tp4", "cp_partial_grad", "colocated_fan_in"])
+def test_recycled_buffers(name):
+    """Direct receives, staged receives (dim 1), summed Partial gradients, local copies."""
+    assert run_on_ranks(_recycled, WORLD, name, timeout=120) == [True] * WORLD
+
+
+def test_buffer_pool_reuses_a_block_once_no_tensor_holds_it():
+    pool = BufferPool(max_blocks=3)
+    a = pool.take((3, 5), torch.float32, "cpu")
+    assert pool.allocations == 1 and a.shape == (3, 5) and a.is_contiguous()
+    b = pool.take((3, 5), torch.float32, "cpu")  # `a` is alive: a second block
+    assert pool.allocations == 2 and b.data_ptr() != a.data_ptr()
+    view = a[1:]
+    del a
+    c = pool.take((2, 5), torch.float32, "cpu")  # `view` still holds the first block
+    assert pool.allocations == 3
+    c_ptr = c.data_ptr()
+    del view, b, c
+    d = pool.take((5, 2), torch.float32, "cpu", zero=True)  # best fit: the 10-element block
+    assert pool.allocations == 3 and d.data_ptr() == c_ptr and torch.equal(d, torch.zeros(5, 2))
+    e = pool.take((1000,), torch.float32, "cpu")  # no free block is large enough: one is replaced
+    assert pool.allocations == 4 and e.numel() == 1000 and pool.nbytes == 4 * (15 + 1024 + 10)
+    assert pool.take((7,), torch.float64, "cpu").dtype == torch.float64  # its own blocks per dtype
+    f = pool.take((1000,), torch.float32, "cpu")  # the free 15-element block is replaced
+    g = pool.take((3,), torch.float32, "cpu")  # all three in use, max_blocks reached: unpooled
+    assert pool.allocations == 7 and f.data_ptr() != e.data_ptr() and g.numel() == 3
+    assert pool.nbytes == 4 * (1024 + 1024 + 10) + 8 * 7
 
 
 # ---------------------------------------------------------------- errors before communication

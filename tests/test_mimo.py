@@ -305,6 +305,7 @@ def _distributed(case: Case) -> list[dict] | None:
                 if (c := layout.coordinate(m, rank)) is not None and c["dp"] == c["cp"] == c["tp"] == 0}
         for kind in ("grads", "weights"):
             record[kind] = {k: v for k, v in record[kind].items() if k.split(".")[0] in keep}
+        record["allocations"] = model.buffers.allocations  # receive buffers allocated so far
         records.append(record)
     return records
 
@@ -318,7 +319,8 @@ def check_against_reference(case: Case, run: Callable[[Case], list[dict]] = _dis
     """Train `case` on its ranks with `run` and compare with the single-process run; returns
     every rank's records."""
     expected = _reference(case.encoders, case.packed, case.frozen, case.batch_size, case.n_layers,
-                          case.seq_lens, language_hf=case.language_hf, custom_vision=case.custom_vision)
+                          case.seq_lens, distinct=case.distinct_batches, language_hf=case.language_hf,
+                          custom_vision=case.custom_vision)
     per_rank = run_on_ranks(run, case.layout().world_size, case, timeout=300)
     for step, want in enumerate(expected):
         got = {"grads": {}, "weights": {}}

@@ -10,6 +10,8 @@ process group, so the two meshes need not share any group.
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -23,15 +25,81 @@ def _rows(t: torch.Tensor, dim: int, lo: int, hi: int) -> torch.Tensor:
     return t.narrow(dim, lo, hi - lo)
 
 
-class _Works:
-    """The works of one batch, shared by its transfers, waited on exactly once.
+def _storage_users(t: torch.Tensor) -> int:
+    """How many tensors (views included) hold `t`'s storage. torch exposes no public
+    spelling of this count; the pool only compares it with the count taken at allocation."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _capacity(numel: int) -> int:
+    """`numel` rounded up to 1/8 of its power of two (at most 1/8 spare), so ragged sizes that
+    change every step settle on a few capacities."""
+    grain = 1 << max(numel.bit_length() - 4, 0)
+    return -(-numel // grain) * grain
+
+
+class BufferPool:
+    """Receive and staging buffers recycled across exchanges: a steady stream of transfers (a
+    training loop, a pipeline alternating microbatches) allocates nothing per call.
+
+    A buffer is handed out as a view of a flat block, and the block is taken again once no
+    tensor made from it is alive: the caller dropped its outputs, autograd saves none of them.
+    Blocks are reused best fit, with capacities rounded up (`_capacity`); a free block too
+    small for a request is replaced. At most ``max_blocks`` blocks per (dtype, device) are
+    kept; past that a request is served by a fresh, unpooled allocation.
+
+    Reuse follows the current stream's order, as the caching allocator does without
+    ``record_stream``: an output consumed on another stream must be synchronised before it is
+    dropped. Receives into a reused block are posted after every earlier use on the current
+    stream (NCCL's stream waits for the current one), so they cannot overwrite data still read.
+    """
+
+    def __init__(self, max_blocks: int = 64) -> None:
+        self.max_blocks = max_blocks
+        self._blocks: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, int]]] = {}
+        self.allocations = 0
+        """Blocks allocated so far (a steady state allocates none)."""
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device, *,
+             zero: bool = False) -> torch.Tensor:
+        """A contiguous tensor of `shape` (zeros if `zero`, else uninitialised) from a free block."""
+        numel = math.prod(shape)
+        blocks = self._blocks.setdefault((dtype, torch.device(device)), [])  # ascending capacity
+        first = bisect.bisect_left(blocks, numel, key=lambda b: b[0].numel())
+        block = next((b for b, users in blocks[first:] if _storage_users(b) == users), None)  # best fit
+        if block is None:
+            block = torch.empty(_capacity(numel), dtype=dtype, device=device)
+            self.allocations += 1
+            small = next((i for i in reversed(range(first)) if _storage_users(blocks[i][0]) == blocks[i][1]), None)
+            if small is not None:  # a free block too small for this request: replaced
+                del blocks[small]
+            if small is not None or len(blocks) < self.max_blocks:
+                bisect.insort(blocks, (block, _storage_users(block)), key=lambda b: b[0].numel())
+        out = block[:numel].view(tuple(shape))
+        return out.zero_() if zero else out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds."""
+        return sum(b.numel() * b.element_size() for blocks in self._blocks.values() for b, _ in blocks)
+
+
+def _fresh(shape: Sequence[int], dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:
+    return (torch.zeros if zero else torch.empty)(tuple(shape), dtype=dtype, device=device)
+
+
+class _Round:
+    """The works of one batch, shared by its transfers and waited on exactly once, and the status
+    words it received (one per peer).
 
     gloo's send and receive works block on a second ``wait()`` (it waits for another
     completion), so a batch shared by several `Pending`s must not be waited per transfer.
     """
 
-    def __init__(self, works: list) -> None:
+    def __init__(self, works: list, status_peers: Sequence[int] = (), words: torch.Tensor | None = None) -> None:
         self._works = works
+        self.status_peers = list(status_peers)
+        self.words = words
 
     def wait(self) -> None:
         works, self._works = self._works, []
@@ -43,27 +111,26 @@ class _Works:
 class Pending:
     """In-flight transfers of one exchange on one rank; `wait()` returns the output (or None).
 
-    With a status word (`start(..., status=...)`), `peer_status` holds, after `wait()`, the word
-    each peer this rank received from sent with its message."""
+    With a status word (`start(..., status=...)`), `peer_status` gives, after `wait()`, the
+    nonzero words of the peers this rank received from (one word per peer per round)."""
 
     rank_plan: RankPlan
     dim: int
-    works: _Works = field(default_factory=lambda: _Works([]))
+    round: _Round = field(default_factory=lambda: _Round([]))
     out: torch.Tensor | None = None
     staged: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (lo, hi, buffer)
-    statuses: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (peer, received word)
     _done: bool = False
 
     def peer_status(self) -> dict[int, int]:
-        """``{peer: word}`` of the peers that sent a nonzero status word (after `wait()`)."""
-        if not self.statuses:
+        """``{peer: word}`` of the peers that sent a nonzero status word in this round (after `wait()`)."""
+        if self.round.words is None:
             return {}
-        words = torch.cat([w for _, w in self.statuses]).tolist()  # one device-to-host copy
-        return {peer: w for (peer, _), w in zip(self.statuses, words) if w}
+        words = self.round.words.tolist()  # one device-to-host copy
+        return {peer: w for peer, w in zip(self.round.status_peers, words) if w}
 
     def wait(self) -> torch.Tensor | None:
         if not self._done:
-            self.works.wait()
+            self.round.wait()
             if self.out is not None:
                 for lo, hi, buf in self.staged:  # ascending peer order: deterministic sums
                     target = _rows(self.out, self.dim, lo, hi)
@@ -102,7 +169,7 @@ class Transfer:
 
 
 def start(transfers: Sequence[Transfer], *, send: bool = True, recv: bool = True,
-          status: int | None = None) -> list[Pending]:
+          status: int | None = None, pool: BufferPool | None = None) -> list[Pending]:
     """Post every send and/or receive of ``transfers`` in ONE batch, then apply local copies.
 
     Several tensors (e.g. one per encoder) go in one round, in list order, so the message
@@ -110,28 +177,37 @@ def start(transfers: Sequence[Transfer], *, send: bool = True, recv: bool = True
     things in. ``send`` / ``recv`` post one side only (split-phase use by a pipeline
     runtime); local copies happen on the receiving call, which then needs ``src_local``.
 
-    ``status``: a word (int64) that rides with every message, right behind it, in the same
-    batch: a receiver learns, at the cost of one 8-byte message per data message, whether its
-    peer's data can be trusted (`Pending.peer_status`). Every rank of one exchange must pass
-    a status or none.
+    ``status``: a word (int64) that rides ahead of this rank's data in the same batch, one to
+    each peer it sends to: a receiver learns, at the cost of one 8-byte message per peer,
+    whether its peers' data can be trusted (`Pending.peer_status`). Every rank of one exchange
+    must pass a status or none.
+
+    ``pool``: outputs and staging buffers come from it (recycled, see `BufferPool`) instead of
+    fresh allocations.
     """
+    alloc = _fresh if pool is None else pool.take
     ops: list[dist.P2POp] = []
     copies = []  # (output, transfer, copy): done after posting, while the messages travel
     pendings = [Pending(t.rank_plan, t.dim) for t in transfers]
-    device = next((t.device for t in transfers), None)
-    word = None if status is None else torch.tensor([status], dtype=torch.int64, device=device)
+    words, recv_peers = None, []
+    if status is not None:  # posted first: a word travels ahead of its sender's data, not behind it
+        send_peers = dict.fromkeys(s.peer for t in transfers if send for s in t.rank_plan.sends)
+        recv_peers = list(dict.fromkeys(r.peer for t in transfers if recv and t.out_shape is not None
+                                        for r in t.rank_plan.recvs))
+        device = next(t.device for t in transfers)
+        word = torch.tensor([status], dtype=torch.int64, device=device)
+        words = torch.empty(len(recv_peers), dtype=torch.int64, device=device)
+        ops += [dist.P2POp(dist.isend, word, peer) for peer in send_peers]
+        ops += [dist.P2POp(dist.irecv, words[i:i + 1], peer) for i, peer in enumerate(recv_peers)]
     for t, pending in zip(transfers, pendings):
         rp, dim = t.rank_plan, t.dim
         if send:
             for s in rp.sends:
                 piece = _rows(t.src_local, dim, s.lo, s.hi)
                 ops.append(dist.P2POp(dist.isend, piece if piece.is_contiguous() else piece.contiguous(), s.peer))
-                if word is not None:
-                    ops.append(dist.P2POp(dist.isend, word, s.peer))
         if recv and t.out_shape is not None:
             # The plan covers every output row except zero_fill ones; sums start from zero.
-            alloc = torch.zeros if rp.reduce or rp.zero_fill else torch.empty
-            out = alloc(tuple(t.out_shape), dtype=t.dtype, device=t.device)
+            out = alloc(t.out_shape, t.dtype, t.device, zero=rp.reduce or bool(rp.zero_fill))
             copies.extend((out, t, c) for c in rp.copies)
             direct = dim == 0 and not rp.reduce  # receive straight into the output rows
             for r in rp.recvs:
@@ -140,19 +216,15 @@ def start(transfers: Sequence[Transfer], *, send: bool = True, recv: bool = True
                 else:
                     shape = list(t.out_shape)
                     shape[dim] = r.hi - r.lo
-                    buf = torch.empty(shape, dtype=t.dtype, device=t.device)
+                    buf = alloc(shape, t.dtype, t.device)
                     pending.staged.append((r.lo, r.hi, buf))
                 ops.append(dist.P2POp(dist.irecv, buf, r.peer))
-                if word is not None:
-                    received = torch.empty(1, dtype=torch.int64, device=t.device)
-                    pending.statuses.append((r.peer, received))
-                    ops.append(dist.P2POp(dist.irecv, received, r.peer))
             pending.out = out
-    works = _Works(dist.batch_isend_irecv(ops) if ops else [])
+    round_ = _Round(dist.batch_isend_irecv(ops) if ops else [], recv_peers, words)
     for out, t, c in copies:  # rows that no message touches
         target = _rows(out, t.dim, c.dst_lo, c.dst_hi)
         piece = _rows(t.src_local, t.dim, c.src_lo, c.src_hi)
         target.add_(piece) if t.rank_plan.reduce else target.copy_(piece)
     for pending in pendings:
-        pending.works = works
+        pending.round = round_
     return pendings

@@ -8,6 +8,7 @@ once and a `Partial` one (e.g. over cp ranks that each hold a partial sum) is su
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
 from typing import Sequence
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from dtensor_mimo.bridge import exchange
@@ -62,14 +64,6 @@ def _spec(mesh: DeviceMesh, placements: Sequence[Placement], extent: int,
     """The side's spec for this call: the mesh validated once, the sizes at O(samples)."""
     return _mesh_spec(mesh, tuple(placements), name).replace(
         extent=extent, sample_sizes=None if sample_sizes is None else tuple(sample_sizes))
-
-
-def _wrap(local: torch.Tensor | None, mesh: DeviceMesh, placements: Sequence[Placement],
-          global_shape: Sequence[int]) -> DTensor:
-    if local is None:  # this rank is not on the mesh: DTensor's empty local shard
-        local = torch.empty(0, device=_device(mesh))
-    return DTensor.from_local(local, mesh, placements, run_check=False,
-                              shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape))
 
 
 def _check_local_shapes(locals_: Sequence[torch.Tensor | None], expected: Sequence[tuple[int, ...] | None],
@@ -159,27 +153,78 @@ class _Leg:
         return _route(grad_src, grad_dst, self.dst_mesh, self.src_mesh, self.hops)
 
 
-def _exchange(legs: Sequence[_Leg], routes: Sequence[_Route], locals_: Sequence[torch.Tensor | None],
-              forward: bool, status: int | None) -> tuple[list[torch.Tensor | None], list[int], bool]:
+class _Trip:
+    """One direction of a prepared call on this rank, per leg: the route, the local shape the
+    sending side must hold, the output's local shape and the DTensor spec that wraps it."""
+
+    def __init__(self, legs: Sequence[_Leg], forward: bool) -> None:
+        self.routes = [leg.route(forward) for leg in legs]
+        self.in_shapes: list[tuple[int, ...] | None] = []
+        self.out_shapes: list[tuple[int, ...] | None] = []
+        self.cross_shapes: list[tuple[int, ...] | None] = []  # the cross hop's local output
+        self.devices: list[torch.device] = []
+        self.specs: list[DTensorSpec] = []
+        for leg, route in zip(legs, self.routes):
+            send_mesh, recv_mesh = (leg.src_mesh, leg.dst_mesh) if forward else (leg.dst_mesh, leg.src_mesh)
+            placements = leg.dst_placements if forward else tuple(
+                Replicate() if isinstance(p, Partial) else p for p in leg.src.placements)
+            self.in_shapes.append(_local_shape(leg.shape, leg.dim, route.src_rows)
+                                  if send_mesh.get_coordinate() is not None else None)
+            on_recv_mesh = recv_mesh.get_coordinate() is not None
+            self.out_shapes.append(_local_shape(leg.shape, leg.dim, route.dst_rows) if on_recv_mesh else None)
+            self.cross_shapes.append(_local_shape(leg.shape, leg.dim, route.plan.dst_rows) if on_recv_mesh else None)
+            self.devices.append(_device(recv_mesh))
+            self.specs.append(DTensorSpec(recv_mesh, placements, tensor_meta=TensorMeta(
+                leg.shape, _contiguous_stride(leg.shape), leg.dtype)))
+        self.idle = all(a is None and b is None for a, b in zip(self.in_shapes, self.out_shapes))
+        """This rank is on neither mesh of any leg: nothing to send, receive or check."""
+
+    def wrap(self, outs: Sequence[torch.Tensor | None]) -> tuple[DTensor, ...]:
+        """The outputs as DTensors; a rank off the receiving mesh holds DTensor's empty local shard.
+        Each gets its own copy of the spec, as DTensor's own wrappers do (sharding propagation
+        may update a spec in place)."""
+        return tuple(DTensor(torch.empty(0, dtype=spec.tensor_meta.dtype, device=device) if o is None else o,
+                             copy.copy(spec), requires_grad=False)
+                     for o, spec, device in zip(outs, self.specs, self.devices))
+
+
+class _Call:
+    """A redistribution prepared for this rank, once per signature (`_prepare`): its legs, the
+    forward trip and, when a gradient comes back, the backward trip."""
+
+    def __init__(self, legs: tuple[_Leg, ...]) -> None:
+        self.legs = legs
+        self.forward = _Trip(legs, True)
+
+    @functools.cached_property
+    def backward(self) -> _Trip:
+        return _Trip(self.legs, False)
+
+
+@functools.lru_cache(maxsize=64)
+def _prepare(signature: tuple) -> _Call:
+    """The cached `_Call` of a signature (per leg: `_leg`'s arguments): a repeated call costs a
+    hash, however many ranks and samples; new ragged sizes cost O(own peers + samples)."""
+    return _Call(tuple(_leg(*args) for args in signature))
+
+
+def _exchange(legs: Sequence[_Leg], trip: _Trip, locals_: Sequence[torch.Tensor | None], status: int | None,
+              pool: exchange.BufferPool | None) -> tuple[list[torch.Tensor | None], list[int], bool]:
     """Run the routes of several tensors: every scatter, ONE batched cross round, every gather, each
     phase in list order on every rank. Returns the outputs, the peers that flagged their data and
     whether a gathered piece carried a flag."""
-    pieces, bad = [], status
+    routes, pieces, bad = trip.routes, [], status
     for leg, route, x in zip(legs, routes, locals_):
         if x is not None and route.scatter:
             x, summed = _hops.scatter(x, leg.dim, route.scatter, status)
             if status is not None:
                 bad = max(bad, int(summed > 0))
         pieces.append(x)
-    transfers = []
-    for leg, route, x in zip(legs, routes, pieces):
-        out_mesh = leg.dst_mesh if forward else leg.src_mesh
-        out_shape = (_local_shape(leg.shape, leg.dim, route.plan.dst_rows)
-                     if out_mesh.get_coordinate() is not None else None)
-        transfers.append(exchange.Transfer(route.plan, leg.dim, x, out_shape, leg.dtype, _device(out_mesh)))
-    pendings = exchange.start(transfers, status=bad)
+    transfers = [exchange.Transfer(route.plan, leg.dim, x, shape, leg.dtype, device)
+                 for leg, route, x, shape, device in zip(legs, routes, pieces, trip.cross_shapes, trip.devices)]
+    pendings = exchange.start(transfers, status=bad, pool=pool)
     outs = [p.wait() for p in pendings]
-    bad_peers = sorted({peer for p in pendings for peer in p.peer_status()})
+    bad_peers = sorted(pendings[0].peer_status())  # one round: the pendings share its status words
     relayed = False
     for i, (leg, route) in enumerate(zip(legs, routes)):
         if outs[i] is not None and route.gather:
@@ -194,77 +239,86 @@ class _RedistributeFunction(torch.autograd.Function):
     two-hop, the scatter and gather collectives inside each mesh)."""
 
     @staticmethod
-    def forward(ctx, legs: tuple[_Leg, ...], check: bool | str, *xs: DTensor) -> tuple[DTensor, ...]:
-        rank = dist.get_rank()
-        routes = [leg.route(forward=True) for leg in legs]
-        x_locals = [x.to_local() if leg.src_mesh.get_coordinate() is not None else None
-                    for leg, x in zip(legs, xs)]
-        expected = [None if xl is None else _local_shape(leg.shape, leg.dim, r.src_rows)
-                    for leg, r, xl in zip(legs, routes, x_locals)]
+    def forward(ctx, call: _Call, check: bool | str, pool: exchange.BufferPool | None,
+                *xs: DTensor) -> tuple[DTensor, ...]:
+        legs, trip = call.legs, call.forward
+        ctx.call, ctx.pool = call, pool
+        if trip.idle and check != "world":
+            return trip.wrap([None] * len(legs))
+        x_locals = [None if e is None else x.to_local() for x, e in zip(xs, trip.in_shapes)]
         if check == "world":
-            _check_local_shapes(x_locals, expected, [leg.src for leg in legs], _device(legs[0].dst_mesh))
+            _check_local_shapes(x_locals, trip.in_shapes, [leg.src for leg in legs], trip.devices[0])
         mine = None  # this rank's wrong shard: its planned rows go out as zeros, flagged
         if check is True:
-            for i, (xl, e) in enumerate(zip(x_locals, expected)):
+            for i, (xl, e) in enumerate(zip(x_locals, trip.in_shapes)):
                 if xl is not None:
                     x_locals[i], bad = exchange.as_planned(xl, e)
                     if bad:
-                        mine = mine or (f"rank {rank} holds a local shard of shape {tuple(xl.shape)} but the "
-                                        f"plan for {legs[i].src!r} expects {e}")
+                        mine = mine or (f"rank {dist.get_rank()} holds a local shard of shape {tuple(xl.shape)} "
+                                        f"but the plan for {legs[i].src!r} expects {e}")
         status = None if check is not True else int(mine is not None)
-        outs, bad_peers, relayed = _exchange(legs, routes, x_locals, True, status)
+        outs, bad_peers, relayed = _exchange(legs, trip, x_locals, status, pool)
         if check is True:
             _raise_bad_shards(mine, bad_peers, relayed, legs)
-        ctx.legs = legs
-        return tuple(_wrap(o, leg.dst_mesh, leg.dst_placements, leg.shape) for leg, o in zip(legs, outs))
+        return trip.wrap(outs)
 
     @staticmethod
     def backward(ctx, *grads: DTensor):
-        routes = [leg.route(forward=False) for leg in ctx.legs]
+        legs, trip = ctx.call.legs, ctx.call.backward
+        if trip.idle:
+            return (None, None, None, *trip.wrap([None] * len(legs)))
         g_locals = []
-        for leg, route, grad in zip(ctx.legs, routes, grads):
+        for leg, shape, device, grad in zip(legs, trip.in_shapes, trip.devices, grads):
             # Every rank plans with the placements declared at forward time: ranks off the
             # destination mesh never see the real gradient, so they cannot read them off it.
             g_local = None
-            if leg.dst_mesh.get_coordinate() is not None and grad is not None:
+            if shape is not None and grad is not None:
                 if isinstance(grad, DTensor):
                     if tuple(grad.placements) != leg.grad_placements:  # same-mesh, members only
                         grad = grad.redistribute(leg.dst_mesh, leg.grad_placements)
                     grad = grad.to_local()
                 g_local = grad
-            elif leg.dst_mesh.get_coordinate() is not None:  # output unused: a zero gradient
-                g_local = torch.zeros(_local_shape(leg.shape, leg.dim, route.src_rows), dtype=leg.dtype,
-                                      device=_device(leg.dst_mesh))
+            elif shape is not None:  # output unused: a zero gradient
+                g_local = torch.zeros(shape, dtype=leg.dtype, device=_device(leg.dst_mesh))
             g_locals.append(g_local)
-        outs, _, _ = _exchange(ctx.legs, routes, g_locals, False, None)
-        grads_x = tuple(
-            _wrap(o, leg.src_mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in leg.src.placements),
-                  leg.shape)
-            for leg, o in zip(ctx.legs, outs)
-        )
-        return (None, None, *grads_x)
+        outs, _, _ = _exchange(legs, trip, g_locals, None, ctx.pool)
+        return (None, None, None, *trip.wrap(outs))
 
 
-def _leg(x: DTensor, device_mesh: DeviceMesh, placements: Sequence[Placement],
-         sample_sizes: Sequence[int] | None, grad_placements: Sequence[Placement] | None,
-         names: tuple[str, str], n_hops: int | None) -> _Leg:
+_POOL = exchange.BufferPool()
+"""The buffers `redistribute` recycles by default (``buffers=True``)."""
+
+
+def _leg(src_mesh: DeviceMesh, src_placements: tuple[Placement, ...], shape: torch.Size, dtype: torch.dtype,
+         device_mesh: DeviceMesh, placements: tuple[Placement, ...], sample_sizes: tuple[int, ...] | None,
+         grad_placements: tuple[Placement, ...] | None, names: tuple[str, str], n_hops: int | None,
+         *mesh_ids: int) -> _Leg:
     if n_hops not in (None, 1, 2):
         raise ValueError(f"redistribute: hops={n_hops!r}; use None (choose), 1 or 2")
-    if not isinstance(x, DTensor):
-        raise TypeError(f"redistribute expects a DTensor, got {type(x).__name__}; wrap it with "
-                        "DTensor.from_local or distribute_tensor first")
-    placements = tuple(placements)
-    dim = _bridged_dim(x.placements, placements)
-    extent = x.shape[dim] if x.ndim else 1
+    dim = _bridged_dim(src_placements, placements)
+    extent = shape[dim] if len(shape) else 1
     if grad_placements is None:
         grad_placements = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
-    grad_placements = tuple(grad_placements)
     if len(grad_placements) != device_mesh.ndim:
         raise PlanError(f"grad_placements {grad_placements} has {len(grad_placements)} entries for a "
                         f"{device_mesh.ndim}-d destination mesh; give one placement per mesh dim")
-    return _Leg(_spec(x.device_mesh, x.placements, extent, sample_sizes, names[0]),
+    return _Leg(_spec(src_mesh, src_placements, extent, sample_sizes, names[0]),
                 _spec(device_mesh, placements, extent, sample_sizes, names[1]),
-                x.device_mesh, device_mesh, placements, grad_placements, x.shape, x.dtype, dim, n_hops)
+                src_mesh, device_mesh, placements, grad_placements, shape, dtype, dim, n_hops)
+
+
+def _signature(x: DTensor, device_mesh: DeviceMesh, placements: Sequence[Placement],
+               sample_sizes: Sequence[int] | None, grad_placements: Sequence[Placement] | None,
+               names: tuple[str, str], n_hops: int | None) -> tuple:
+    """`_leg`'s arguments for one tensor, hashable: the key of the prepared call."""
+    if not isinstance(x, DTensor):
+        raise TypeError(f"redistribute expects a DTensor, got {type(x).__name__}; wrap it with "
+                        "DTensor.from_local or distribute_tensor first")
+    # id(): meshes equal by content may hold other process groups (a re-initialised world)
+    return (x.device_mesh, tuple(x.placements), x.shape, x.dtype, device_mesh, tuple(placements),
+            None if sample_sizes is None else tuple(sample_sizes),
+            None if grad_placements is None else tuple(grad_placements), tuple(names), n_hops,
+            id(x.device_mesh), id(device_mesh))
 
 
 def redistribute(
@@ -276,6 +330,7 @@ def redistribute(
     grad_placements: Sequence[Placement] | None = None,
     check: bool | str = True,
     hops: int | None = None,
+    buffers: exchange.BufferPool | bool = True,
 ) -> DTensor:
     """Redistribute ``x`` to ``placements`` on ``device_mesh``, which may differ from ``x.device_mesh``.
 
@@ -316,6 +371,10 @@ def redistribute(
             meshes that share no rank where 1 would move a row more than once (replicated
             destination, Partial source), else 1; on one node (torchrun's LOCAL_WORLD_SIZE equals
             the world size) always 1, as its links are alike.
+        buffers: where outputs (and backward's gradients) are received. True (default): blocks
+            the library recycles (`exchange.BufferPool`): a block is reused once every tensor
+            made from it has been dropped, so a training loop allocates nothing per call. A
+            `BufferPool` of the caller's: the same, from that pool. False: fresh tensors.
 
     Errors in the metadata (sizes that do not sum, a placement the plan cannot serve, meshes
     over another world) raise `PlanError` on every rank before any communication.
@@ -323,7 +382,7 @@ def redistribute(
     if sample_sizes is None and isinstance(x, DTensor) and x.device_mesh == device_mesh:
         return x.redistribute(device_mesh, tuple(placements))
     (y,) = redistribute_many([x], [device_mesh], [placements], sample_sizes=[sample_sizes],
-                             grad_placements=[grad_placements], check=check, hops=[hops])
+                             grad_placements=[grad_placements], check=check, hops=[hops], buffers=buffers)
     return y
 
 
@@ -337,6 +396,7 @@ def redistribute_many(
     check: bool | str = True,
     names: Sequence[tuple[str, str]] | None = None,
     hops: Sequence[int | None] | None = None,
+    buffers: exchange.BufferPool | bool = True,
 ) -> tuple[DTensor, ...]:
     """`redistribute` of several tensors (e.g. one per encoder) as ONE autograd node.
 
@@ -346,7 +406,10 @@ def redistribute_many(
     exchanges to the autograd engine, which need not agree across ranks that share two
     bridges. Arguments are per-tensor lists with `redistribute`'s meaning; ``names`` labels
     each tensor's (source, destination) meshes in error messages, e.g. ``("vision", "language")``;
-    ``hops`` chooses one-hop or two-hop per tensor.
+    ``hops`` chooses one-hop or two-hop per tensor; ``buffers`` is `redistribute`'s, for all.
+
+    A call is prepared once per signature (meshes, placements, shapes, sizes, options) and
+    cached, so a repeated call costs a dictionary lookup before its messages are posted.
     """
     n = len(xs)
     if check not in (True, False, "world"):
@@ -358,9 +421,10 @@ def redistribute_many(
     grad_placements = [None] * n if grad_placements is None else list(grad_placements)
     names = [("source", "destination")] * n if names is None else list(names)
     hops = [None] * n if hops is None else list(hops)
-    legs = tuple(_leg(*args) for args in zip(xs, device_meshes, placements, sample_sizes, grad_placements,
-                                             names, hops))
-    return _RedistributeFunction.apply(legs, check, *xs)
+    pool = _POOL if buffers is True else (buffers or None)
+    call = _prepare(tuple(_signature(*args) for args in zip(xs, device_meshes, placements, sample_sizes,
+                                                            grad_placements, names, hops)))
+    return _RedistributeFunction.apply(call, check, pool, *xs)
 
 
 class Bridge:
@@ -398,8 +462,11 @@ class Bridge:
         dtype: torch.dtype,
         sample_sizes: Sequence[int] | None = None,
         grad_placements: Sequence[Placement] | None = None,
+        buffers: exchange.BufferPool | None = None,
     ) -> None:
         self.dim = _bridged_dim(src_placements, dst_placements)
+        self.buffers = buffers
+        """Where outputs are received: a `BufferPool` (recycled) or None (fresh tensors)."""
         self.global_shape = tuple(global_shape)
         self.dtype = dtype
         extent = self.global_shape[self.dim]
@@ -440,7 +507,7 @@ class Bridge:
         device = self._dst_device if forward else self._src_device
         out_shape = _local_shape(self.global_shape, self.dim, rp.dst_rows) if receives else None
         (pending,) = exchange.start([exchange.Transfer(rp, self.dim, local, out_shape, self.dtype, device)],
-                                    send=sends, recv=receives)
+                                    send=sends, recv=receives, pool=self.buffers)
         if sends and receives:
             self._posted[direction] = (half, pending)
         return pending

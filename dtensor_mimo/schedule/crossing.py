@@ -50,17 +50,20 @@ class Crossing:
         trainable: per name, whether its gradient crosses back (frozen encoders: no backward).
         dim, dtype, device: row width, dtype and device of what crosses.
         index: the microbatch's index (for error messages).
+        buffers: where outputs are received (recycled across microbatches and steps), or None
+            (fresh tensors).
     """
 
     def __init__(self, layout: MimoLayout, language: str, microbatch: MimoBatch, names: Sequence[str],
                  trainable: Sequence[bool], dim: int, dtype: torch.dtype, device: torch.device,
-                 index: int = 0) -> None:
+                 index: int = 0, buffers: exchange.BufferPool | None = None) -> None:
         world, self.rank = dist.get_world_size(), dist.get_rank()
         lang = layout.parallelism(language)
         grad = (Shard(0), Partial() if lang.cp > 1 else Replicate(), Replicate())
         self.names = list(names)
         self.backward_names = [n for n, t in zip(names, trainable) if t]
         self.dim, self.dtype, self.device, self.index = dim, dtype, device, index
+        self.buffers = buffers
         self.error: str | None = None  # rows that disagreed with the plan (see `forward`)
         self._forward, self._backward = [], []
         dst_base = _stage_spec(layout, language, 0)
@@ -80,7 +83,7 @@ class Crossing:
             # Detached: what arrives is a new leaf on the other side, also for local copies.
             local = None if local is None else local.detach()
             transfers.append(exchange.Transfer(rp, 0, local, out, self.dtype, self.device))
-        return exchange.start(transfers)
+        return exchange.start(transfers, pool=self.buffers)
 
     def forward(self, rows: Mapping[str, torch.Tensor | None], receives: bool) -> list[exchange.Pending]:
         """Post this rank's part of the forward exchange (its sends and receives in one batch).

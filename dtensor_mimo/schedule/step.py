@@ -20,6 +20,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
+from dtensor_mimo.bridge.exchange import BufferPool
 from dtensor_mimo.data import MimoBatch, microbatches, shard
 from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.schedule.crossing import Crossing
@@ -49,6 +50,7 @@ def pipelined_step(
     dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    buffers: BufferPool | None = None,
 ) -> tuple[torch.Tensor, str | None]:
     """Forward and backward of the global `batch`; returns this rank's loss share and, if this
     rank's encoder rows disagreed with the batch metadata, what went wrong (`Crossing.forward`).
@@ -56,13 +58,13 @@ def pipelined_step(
     `encoders`: the pp = 1 encoders this rank holds; `encoder_pipelines`: this rank's stage of
     each pp > 1 encoder (on ranks of its own); `trainable`: every encoder's, known on every rank;
     `language`: this rank's language pipeline or None; `overlapped`: every encoder trains and is
-    on ranks of its own.
+    on ranks of its own; `buffers`: where the crossings receive (recycled across steps).
     """
     rank = torch.distributed.get_rank()
     mbs = microbatches(batch, num_microbatches)
     names = [n for n in trainable if n in batch.modalities]
     flags = [trainable[n] for n in names]
-    crossings = [Crossing(layout, language_name, mb, names, flags, dim, dtype, device, index=i)
+    crossings = [Crossing(layout, language_name, mb, names, flags, dim, dtype, device, index=i, buffers=buffers)
                  for i, mb in enumerate(mbs)]
     local = [n for n in names if n in encoders or n in encoder_pipelines]
     items = []  # this rank's dp shard of each microbatch's items, per local encoder
