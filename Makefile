@@ -26,6 +26,7 @@ bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/bridge_plan.py
 	$(VENV)/bin/python benchmarks/attention_memory.py
 	$(BENCH_MALLOC) $(VENV)/bin/torchrun --standalone --nproc-per-node=8 benchmarks/bridge.py
+	$(BENCH_MALLOC) $(VENV)/bin/torchrun --standalone --nproc-per-node=2 benchmarks/bridge.py --out bench_results/bridge_pair.json
 	$(BENCH_MALLOC) $(VENV)/bin/torchrun --standalone --nproc-per-node=2 benchmarks/pipeline.py
 	$(BENCH_MALLOC) $(VENV)/bin/torchrun --standalone --nproc-per-node=4 benchmarks/pipeline.py
 	$(BENCH_MALLOC) $(VENV)/bin/python benchmarks/trainer.py

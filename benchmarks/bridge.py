@@ -1,4 +1,4 @@
-"""Time the bridge's cross-mesh `redistribute` against two baselines, on 8 ranks.
+"""Time the bridge's cross-mesh `redistribute` against two baselines, on 8 ranks (or 2).
 
     torchrun --standalone --nproc-per-node=8 benchmarks/bridge.py [--out bench_results/bridge.json]
         [--sizes-mib 0.25 4 64] [--iters N] [--warmup N] [--hidden 4096] [--cases NAME ...] [--quick] [--profile]
@@ -16,6 +16,10 @@ rank holds `size` MiB (the payload per destination replica):
 | fan-out   | dp1 (rank 0)             | dp4 (ranks 4-7)          |
 | tp change | tp2·dp2 (ranks 0-3)      | tp4·dp1 (ranks 4-7)      |
 | colocated | tp2·dp4 (ranks 0-7)      | tp4·dp2 (ranks 0-7)      |
+| pair      | dp1 (rank 0)             | dp1 (rank 1)             |
+
+With --nproc-per-node=2 only "pair" runs: on a 2-core machine that is the one layout where every
+rank has a core of its own, so the per-call Python of each rank does not queue behind the others'.
 
 Methods, interleaved within every iteration (the order rotates each iteration):
 
@@ -46,8 +50,9 @@ exact for the plan's messages (local copies excluded), the ring algorithm's coun
 all-gather and all-reduce, (W-1) x shard for a broadcast. "p10-p90" is the spread of the
 per-iteration times. "CPU ms" is the main-thread CPU time of the op summed over all ranks
 (median): where ranks outnumber cores (8 ranks on 2 CPU cores), every rank's per-call Python
-runs on the same cores as the transfers, so the wall-time ratio follows this sum. Every
-method's values are checked once, after warm-up.
+runs on the same cores as the transfers, so the wall-time ratio follows this sum (on GPU it
+misses the autograd device thread's share of a backward). Every method's values are checked
+once, after warm-up.
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ CASES = (
     Case("fan-out", Side(0, 1, 1), Side(4, 4, 1)),
     Case("tp change", Side(0, 2, 2), Side(4, 1, 4)),
     Case("colocated", Side(0, 4, 2), Side(0, 2, 4)),
+    Case("pair", Side(0, 1, 1), Side(1, 1, 1)),
 )
 
 
@@ -470,12 +476,12 @@ def main() -> None:
         torch.set_num_threads(1)  # eight ranks share the cores
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=1800))
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != 8:
-        raise SystemExit(f"benchmarks/bridge.py lays out its meshes on 8 ranks; run it with "
-                         f"--nproc-per-node=8 (got {world})")
+    if world not in (2, 8):
+        raise SystemExit(f"benchmarks/bridge.py lays out its meshes on 8 ranks (or 2 for the pair case); "
+                         f"run it with --nproc-per-node=8 (got {world})")
     phases = Phases() if args.profile else None
     methods = METHODS + ("floor+alloc",) if args.profile else METHODS
-    cases = [c for c in CASES if args.cases is None or c.name in args.cases]
+    cases = [c for c in CASES if (args.cases is None or c.name in args.cases) and (c.name == "pair") == (world == 2)]
 
     if rank == 0:
         print(f"bridge benchmark: torch {torch.__version__}, backend {backend}, device {device.type}, world {world}")

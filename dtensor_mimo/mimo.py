@@ -152,7 +152,7 @@ class MimoModel(nn.Module):
         self.rank = dist.get_rank()
         self._shapes_checked: set[tuple[str, int]] = set()  # (modality, tokens_per_item) checked world-wide
         self.buffers = exchange.BufferPool()
-        """The receive buffers of every crossing (recycled: a steady training loop allocates none)."""
+        """The receive buffers of every crossing (recycled on CPU: a steady training loop allocates none)."""
         self.step_error: str | None = None  # this rank's verdict on the last pipelined step
 
         lang = layout.parallelism(language_name)

@@ -237,8 +237,14 @@ def test_buffer_pool_reuses_a_block_once_no_tensor_holds_it():
     assert pool.take((7,), torch.float64, "cpu").dtype == torch.float64  # its own blocks per dtype
     f = pool.take((1000,), torch.float32, "cpu")  # the free 15-element block is replaced
     g = pool.take((3,), torch.float32, "cpu")  # all three in use, max_blocks reached: unpooled
-    assert pool.allocations == 7 and f.data_ptr() != e.data_ptr() and g.numel() == 3
+    assert pool.allocations == 6 and f.data_ptr() != e.data_ptr() and g.numel() == 3
     assert pool.nbytes == 4 * (1024 + 1024 + 10) + 8 * 7
+    del d, e, f
+    h = pool.take((3,), torch.float32, "cpu")  # every free block is over twice the request, the pool is full
+    assert pool.allocations == 6 and h.data_ptr() != c_ptr
+    assert pool.take((0, 4), torch.float32, "cpu").shape == (0, 4) and pool.allocations == 6  # empty: unpooled
+    pool.clear()
+    assert pool.nbytes == 0
 
 
 # ---------------------------------------------------------------- errors before communication

@@ -35,6 +35,6 @@ __all__ = [
 
 from dtensor_mimo.bridge.hops import hop_rows  # noqa: E402
 from dtensor_mimo.bridge.exchange import BufferPool  # noqa: E402
-from dtensor_mimo.bridge.redistribute import Bridge, redistribute, redistribute_many  # noqa: E402
+from dtensor_mimo.bridge.redistribute import DEFAULT_BUFFERS, Bridge, redistribute, redistribute_many  # noqa: E402
 
-__all__ += ["Bridge", "BufferPool", "hop_rows", "redistribute", "redistribute_many"]
+__all__ += ["Bridge", "BufferPool", "DEFAULT_BUFFERS", "hop_rows", "redistribute", "redistribute_many"]

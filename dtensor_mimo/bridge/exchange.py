@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -39,44 +40,58 @@ def _capacity(numel: int) -> int:
 
 
 class BufferPool:
-    """Receive and staging buffers recycled across exchanges: a steady stream of transfers (a
-    training loop, a pipeline alternating microbatches) allocates nothing per call.
+    """Receive and staging buffers recycled across exchanges on CPU: a steady stream of transfers
+    (a training loop, a pipeline alternating microbatches) allocates no receive buffer per call
+    while at most ``max_blocks`` of them per dtype are alive at once.
 
-    A buffer is handed out as a view of a flat block, and the block is taken again once no
-    tensor made from it is alive: the caller dropped its outputs, autograd saves none of them.
-    Blocks are reused best fit, with capacities rounded up (`_capacity`); a free block too
-    small for a request is replaced. At most ``max_blocks`` blocks per (dtype, device) are
-    kept; past that a request is served by a fresh, unpooled allocation.
+    A buffer is handed out as a view of a flat block (so ``torch.save`` of an output writes the
+    whole block: ``clone()`` it first), and the block is taken again once no tensor made from it
+    is alive: the caller dropped its outputs, autograd saves none of them, no work holds them.
+    Blocks are reused best fit, among those at most twice the rounded request (`_capacity`); a
+    free block too small is replaced. Past ``max_blocks`` blocks per (dtype, device), a request
+    is served by a fresh, unpooled tensor; so is an empty one.
 
-    Reuse follows the current stream's order, as the caching allocator does without
-    ``record_stream``: an output consumed on another stream must be synchronised before it is
-    dropped. Receives into a reused block are posted after every earlier use on the current
-    stream (NCCL's stream waits for the current one), so they cannot overwrite data still read.
+    On an accelerator the pool hands out fresh tensors: the caching allocator already recycles
+    memory there, per stream and honouring ``record_stream``, which a pool of views could not.
     """
 
     def __init__(self, max_blocks: int = 64) -> None:
         self.max_blocks = max_blocks
         self._blocks: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, int]]] = {}
+        self._lock = threading.Lock()  # a block is checked free and handed out atomically
         self.allocations = 0
         """Blocks allocated so far (a steady state allocates none)."""
 
     def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device, *,
              zero: bool = False) -> torch.Tensor:
         """A contiguous tensor of `shape` (zeros if `zero`, else uninitialised) from a free block."""
+        device = torch.device(device)
         numel = math.prod(shape)
-        blocks = self._blocks.setdefault((dtype, torch.device(device)), [])  # ascending capacity
-        first = bisect.bisect_left(blocks, numel, key=lambda b: b[0].numel())
-        block = next((b for b, users in blocks[first:] if _storage_users(b) == users), None)  # best fit
-        if block is None:
-            block = torch.empty(_capacity(numel), dtype=dtype, device=device)
-            self.allocations += 1
-            small = next((i for i in reversed(range(first)) if _storage_users(blocks[i][0]) == blocks[i][1]), None)
-            if small is not None:  # a free block too small for this request: replaced
-                del blocks[small]
-            if small is not None or len(blocks) < self.max_blocks:
-                bisect.insort(blocks, (block, _storage_users(block)), key=lambda b: b[0].numel())
-        out = block[:numel].view(tuple(shape))
+        if numel == 0 or device.type != "cpu":
+            return _fresh(shape, dtype, device, zero=zero)
+        with self._lock:
+            blocks = self._blocks.setdefault((dtype, device), [])  # ascending capacity
+            first = bisect.bisect_left(blocks, numel, key=_numel)
+            limit = 2 * _capacity(numel)
+            block = next((b for b, users in blocks[first:] if b.numel() <= limit and _storage_users(b) == users),
+                         None)  # best fit
+            if block is None:
+                small = next((i for i in reversed(range(first)) if _storage_users(blocks[i][0]) == blocks[i][1]),
+                             None)
+                if small is None and len(blocks) >= self.max_blocks:
+                    return _fresh(shape, dtype, device, zero=zero)
+                if small is not None:  # a free block too small for this request: replaced
+                    del blocks[small]
+                block = torch.empty(_capacity(numel), dtype=dtype, device=device)
+                self.allocations += 1
+                bisect.insort(blocks, (block, _storage_users(block)), key=_numel)
+            out = block[:numel].view(tuple(shape))
         return out.zero_() if zero else out
+
+    def clear(self) -> None:
+        """Drop every block (memory returns once the outputs made from it are gone too)."""
+        with self._lock:
+            self._blocks.clear()
 
     @property
     def nbytes(self) -> int:
@@ -84,11 +99,15 @@ class BufferPool:
         return sum(b.numel() * b.element_size() for blocks in self._blocks.values() for b, _ in blocks)
 
 
+def _numel(entry: tuple[torch.Tensor, int]) -> int:
+    return entry[0].numel()
+
+
 def _fresh(shape: Sequence[int], dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:
     return (torch.zeros if zero else torch.empty)(tuple(shape), dtype=dtype, device=device)
 
 
-class _Round:
+class _Batch:
     """The works of one batch, shared by its transfers and waited on exactly once, and the status
     words it received (one per peer).
 
@@ -116,21 +135,21 @@ class Pending:
 
     rank_plan: RankPlan
     dim: int
-    round: _Round = field(default_factory=lambda: _Round([]))
+    batch: _Batch = field(default_factory=lambda: _Batch([]))
     out: torch.Tensor | None = None
     staged: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (lo, hi, buffer)
     _done: bool = False
 
     def peer_status(self) -> dict[int, int]:
         """``{peer: word}`` of the peers that sent a nonzero status word in this round (after `wait()`)."""
-        if self.round.words is None:
+        if self.batch.words is None:
             return {}
-        words = self.round.words.tolist()  # one device-to-host copy
-        return {peer: w for peer, w in zip(self.round.status_peers, words) if w}
+        words = self.batch.words.tolist()  # one device-to-host copy
+        return {peer: w for peer, w in zip(self.batch.status_peers, words) if w}
 
     def wait(self) -> torch.Tensor | None:
         if not self._done:
-            self.round.wait()
+            self.batch.wait()
             if self.out is not None:
                 for lo, hi, buf in self.staged:  # ascending peer order: deterministic sums
                     target = _rows(self.out, self.dim, lo, hi)
@@ -220,11 +239,11 @@ def start(transfers: Sequence[Transfer], *, send: bool = True, recv: bool = True
                     pending.staged.append((r.lo, r.hi, buf))
                 ops.append(dist.P2POp(dist.irecv, buf, r.peer))
             pending.out = out
-    round_ = _Round(dist.batch_isend_irecv(ops) if ops else [], recv_peers, words)
+    batch = _Batch(dist.batch_isend_irecv(ops) if ops else [], recv_peers, words)
     for out, t, c in copies:  # rows that no message touches
         target = _rows(out, t.dim, c.dst_lo, c.dst_hi)
         piece = _rows(t.src_local, t.dim, c.src_lo, c.src_hi)
         target.add_(piece) if t.rank_plan.reduce else target.copy_(piece)
     for pending in pendings:
-        pending.round = round_
+        pending.batch = batch
     return pendings

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -38,6 +39,11 @@ def _device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+
+
+def _summed(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """`placements` with `Partial` read as `Replicate` (DTensor's default gradient placements)."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
 
 def _bridged_dim(*placement_lists: Sequence[Placement]) -> int:
@@ -162,18 +168,20 @@ class _Trip:
         self.in_shapes: list[tuple[int, ...] | None] = []
         self.out_shapes: list[tuple[int, ...] | None] = []
         self.cross_shapes: list[tuple[int, ...] | None] = []  # the cross hop's local output
-        self.devices: list[torch.device] = []
+        self.devices: list[torch.device] = []  # of the output
+        self.in_devices: list[torch.device] = []  # of the input
         self.specs: list[DTensorSpec] = []
         for leg, route in zip(legs, self.routes):
             send_mesh, recv_mesh = (leg.src_mesh, leg.dst_mesh) if forward else (leg.dst_mesh, leg.src_mesh)
-            placements = leg.dst_placements if forward else tuple(
-                Replicate() if isinstance(p, Partial) else p for p in leg.src.placements)
+            placements = leg.dst_placements if forward else _summed(leg.src.placements)
             self.in_shapes.append(_local_shape(leg.shape, leg.dim, route.src_rows)
                                   if send_mesh.get_coordinate() is not None else None)
             on_recv_mesh = recv_mesh.get_coordinate() is not None
             self.out_shapes.append(_local_shape(leg.shape, leg.dim, route.dst_rows) if on_recv_mesh else None)
             self.cross_shapes.append(_local_shape(leg.shape, leg.dim, route.plan.dst_rows) if on_recv_mesh else None)
             self.devices.append(_device(recv_mesh))
+            self.in_devices.append(_device(send_mesh))
+            self.in_devices.append(_device(send_mesh))
             self.specs.append(DTensorSpec(recv_mesh, placements, tensor_meta=TensorMeta(
                 leg.shape, _contiguous_stride(leg.shape), leg.dtype)))
         self.idle = all(a is None and b is None for a, b in zip(self.in_shapes, self.out_shapes))
@@ -202,10 +210,19 @@ class _Call:
 
 
 @functools.lru_cache(maxsize=64)
-def _prepare(signature: tuple) -> _Call:
-    """The cached `_Call` of a signature (per leg: `_leg`'s arguments): a repeated call costs a
-    hash, however many ranks and samples; new ragged sizes cost O(own peers + samples)."""
+def _prepare(signature: tuple, context: tuple) -> _Call:
+    """The cached `_Call` of a signature (per leg: `_leg`'s arguments) in a `_context`: a repeated
+    call costs a hash, however many ranks and samples; new ragged sizes cost O(own peers + samples)."""
     return _Call(tuple(_leg(*args) for args in signature))
+
+
+def _context(meshes: Sequence[DeviceMesh]) -> tuple:
+    """What else a prepared call depends on: the meshes' identities (meshes equal by content may
+    hold other process groups, e.g. after the world was re-initialised), the current device (for
+    accelerator meshes) and LOCAL_WORLD_SIZE (the default route)."""
+    device = (torch.accelerator.current_device_index()
+              if any(m.device_type != "cpu" for m in meshes) else None)
+    return (*map(id, meshes), device, os.environ.get("LOCAL_WORLD_SIZE"))
 
 
 def _exchange(legs: Sequence[_Leg], trip: _Trip, locals_: Sequence[torch.Tensor | None], status: int | None,
@@ -268,7 +285,7 @@ class _RedistributeFunction(torch.autograd.Function):
         if trip.idle:
             return (None, None, None, *trip.wrap([None] * len(legs)))
         g_locals = []
-        for leg, shape, device, grad in zip(legs, trip.in_shapes, trip.devices, grads):
+        for leg, shape, device, grad in zip(legs, trip.in_shapes, trip.in_devices, grads):
             # Every rank plans with the placements declared at forward time: ranks off the
             # destination mesh never see the real gradient, so they cannot read them off it.
             g_local = None
@@ -279,26 +296,26 @@ class _RedistributeFunction(torch.autograd.Function):
                     grad = grad.to_local()
                 g_local = grad
             elif shape is not None:  # output unused: a zero gradient
-                g_local = torch.zeros(shape, dtype=leg.dtype, device=_device(leg.dst_mesh))
+                g_local = torch.zeros(shape, dtype=leg.dtype, device=device)
             g_locals.append(g_local)
         outs, _, _ = _exchange(legs, trip, g_locals, None, ctx.pool)
         return (None, None, None, *trip.wrap(outs))
 
 
-_POOL = exchange.BufferPool()
-"""The buffers `redistribute` recycles by default (``buffers=True``)."""
+DEFAULT_BUFFERS = exchange.BufferPool()
+"""The buffers `redistribute` recycles by default (``buffers=True``); ``DEFAULT_BUFFERS.clear()``
+drops them."""
 
 
 def _leg(src_mesh: DeviceMesh, src_placements: tuple[Placement, ...], shape: torch.Size, dtype: torch.dtype,
          device_mesh: DeviceMesh, placements: tuple[Placement, ...], sample_sizes: tuple[int, ...] | None,
-         grad_placements: tuple[Placement, ...] | None, names: tuple[str, str], n_hops: int | None,
-         *mesh_ids: int) -> _Leg:
+         grad_placements: tuple[Placement, ...] | None, names: tuple[str, str], n_hops: int | None) -> _Leg:
     if n_hops not in (None, 1, 2):
         raise ValueError(f"redistribute: hops={n_hops!r}; use None (choose), 1 or 2")
     dim = _bridged_dim(src_placements, placements)
     extent = shape[dim] if len(shape) else 1
     if grad_placements is None:
-        grad_placements = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+        grad_placements = _summed(placements)
     if len(grad_placements) != device_mesh.ndim:
         raise PlanError(f"grad_placements {grad_placements} has {len(grad_placements)} entries for a "
                         f"{device_mesh.ndim}-d destination mesh; give one placement per mesh dim")
@@ -314,11 +331,9 @@ def _signature(x: DTensor, device_mesh: DeviceMesh, placements: Sequence[Placeme
     if not isinstance(x, DTensor):
         raise TypeError(f"redistribute expects a DTensor, got {type(x).__name__}; wrap it with "
                         "DTensor.from_local or distribute_tensor first")
-    # id(): meshes equal by content may hold other process groups (a re-initialised world)
     return (x.device_mesh, tuple(x.placements), x.shape, x.dtype, device_mesh, tuple(placements),
             None if sample_sizes is None else tuple(sample_sizes),
-            None if grad_placements is None else tuple(grad_placements), tuple(names), n_hops,
-            id(x.device_mesh), id(device_mesh))
+            None if grad_placements is None else tuple(grad_placements), tuple(names), n_hops)
 
 
 def redistribute(
@@ -357,12 +372,14 @@ def redistribute(
             ``y.to_local``); a gradient arriving with other placements is first redistributed
             to these on ``device_mesh``.
         check: what guards against a local shard whose shape disagrees with the plan.
-            True (default): a status word rides with every message of the exchange (one 8-byte
-            message per data message, no collective): the rank holding the wrong shard sends
+            True (default): a status word rides ahead of the data in the same batch (one 8-byte
+            message to each peer, no collective): the rank holding the wrong shard sends
             zeros of the planned sizes and raises, and every rank that received from it
-            raises too, none hangs. "world": one small all-reduce over the world first, so
-            every rank raises before any data moves (MimoModel uses it the first time it sees a
-            modality). False: no check (a wrong shard can hang or corrupt).
+            raises too; the exchange never hangs (ranks that did not exchange with it go on,
+            so the caller's next collective is where they learn of it). "world": one small
+            all-reduce over the world first, so every rank raises before any data moves
+            (MimoModel uses it the first time it sees a modality). False: no check (a wrong
+            shard can hang or corrupt).
         hops: how rows travel. 1: every destination rank that holds a row receives it from a
             source rank (a row crosses once per destination replica). 2: each row crosses once,
             its pieces spread over the destination replicas, then an all-gather over the
@@ -371,10 +388,12 @@ def redistribute(
             meshes that share no rank where 1 would move a row more than once (replicated
             destination, Partial source), else 1; on one node (torchrun's LOCAL_WORLD_SIZE equals
             the world size) always 1, as its links are alike.
-        buffers: where outputs (and backward's gradients) are received. True (default): blocks
-            the library recycles (`exchange.BufferPool`): a block is reused once every tensor
-            made from it has been dropped, so a training loop allocates nothing per call. A
-            `BufferPool` of the caller's: the same, from that pool. False: fresh tensors.
+        buffers: where outputs (and backward's gradients) are received on CPU. True (default):
+            `DEFAULT_BUFFERS`, blocks the library recycles (`BufferPool`): a block is reused once
+            every tensor made from it has been dropped, so a training loop allocates no receive
+            buffer per call; outputs are views of those blocks. A `BufferPool` of the caller's:
+            the same, from that pool. False: fresh tensors. On accelerators every choice gives
+            fresh tensors from the caching allocator.
 
     Errors in the metadata (sizes that do not sum, a placement the plan cannot serve, meshes
     over another world) raise `PlanError` on every rank before any communication.
@@ -421,9 +440,10 @@ def redistribute_many(
     grad_placements = [None] * n if grad_placements is None else list(grad_placements)
     names = [("source", "destination")] * n if names is None else list(names)
     hops = [None] * n if hops is None else list(hops)
-    pool = _POOL if buffers is True else (buffers or None)
-    call = _prepare(tuple(_signature(*args) for args in zip(xs, device_meshes, placements, sample_sizes,
-                                                            grad_placements, names, hops)))
+    pool = DEFAULT_BUFFERS if buffers is True else (buffers or None)
+    signature = tuple(_signature(*args) for args in zip(xs, device_meshes, placements, sample_sizes,
+                                                        grad_placements, names, hops))
+    call = _prepare(signature, _context([m for leg in signature for m in (leg[0], leg[4])]))
     return _RedistributeFunction.apply(call, check, pool, *xs)
 
 
