@@ -800,6 +800,12 @@ def _clear_caches() -> None:
 plan.cache_clear = _clear_caches  # type: ignore[attr-defined]  # lru_cache's spelling, for benchmarks
 
 
+def summed_placements(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """`placements` with `Partial` read as `Replicate`: DTensor's default gradient placements, and
+    where a redistribution's gradient lands on its source mesh."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
 def backward_specs(src: MeshSpec, dst: MeshSpec, grad_placements: Sequence[Placement]) -> tuple[MeshSpec, MeshSpec]:
     """The (source, destination) specs of the gradient's trip back from `dst` to `src`.
 
@@ -810,7 +816,7 @@ def backward_specs(src: MeshSpec, dst: MeshSpec, grad_placements: Sequence[Place
     """
     grad_src = dst.replace(placements=tuple(grad_placements), split_dims=(),
                            name=f"{dst.name or 'destination'} (gradient)")
-    grad_dst = src.replace(placements=tuple(Replicate() if type(p) is Partial else p for p in src.placements),
+    grad_dst = src.replace(placements=summed_placements(src.placements),
                            split_dims=(), name=f"{src.name or 'source'} (gradient)")
     return grad_src, grad_dst
 

@@ -17,14 +17,14 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from dtensor_mimo.bridge import exchange
 from dtensor_mimo.bridge import hops as _hops
 from dtensor_mimo.bridge.plan import (MeshSpec, PlanError, RankPlan, backward_specs, plan_backward_for_rank,
-                                      plan_for_rank)
+                                      plan_for_rank, summed_placements)
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -39,11 +39,6 @@ def _device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     return torch.device(mesh.device_type, torch.accelerator.current_device_index())
-
-
-def _summed(placements: Sequence[Placement]) -> tuple[Placement, ...]:
-    """`placements` with `Partial` read as `Replicate` (DTensor's default gradient placements)."""
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
 
 def _bridged_dim(*placement_lists: Sequence[Placement]) -> int:
@@ -173,7 +168,7 @@ class _Trip:
         self.specs: list[DTensorSpec] = []
         for leg, route in zip(legs, self.routes):
             send_mesh, recv_mesh = (leg.src_mesh, leg.dst_mesh) if forward else (leg.dst_mesh, leg.src_mesh)
-            placements = leg.dst_placements if forward else _summed(leg.src.placements)
+            placements = leg.dst_placements if forward else summed_placements(leg.src.placements)
             self.in_shapes.append(_local_shape(leg.shape, leg.dim, route.src_rows)
                                   if send_mesh.get_coordinate() is not None else None)
             on_recv_mesh = recv_mesh.get_coordinate() is not None
@@ -315,7 +310,7 @@ def _leg(src_mesh: DeviceMesh, src_placements: tuple[Placement, ...], shape: tor
     dim = _bridged_dim(src_placements, placements)
     extent = shape[dim] if len(shape) else 1
     if grad_placements is None:
-        grad_placements = _summed(placements)
+        grad_placements = summed_placements(placements)
     if len(grad_placements) != device_mesh.ndim:
         raise PlanError(f"grad_placements {grad_placements} has {len(grad_placements)} entries for a "
                         f"{device_mesh.ndim}-d destination mesh; give one placement per mesh dim")
