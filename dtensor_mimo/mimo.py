@@ -105,6 +105,12 @@ class MimoModel(nn.Module):
             pp > 1; with pp = 1 and ``microbatches > 1``, encoders on ranks of their own
             overlap their microbatches with the language model's. None (or one microbatch at
             pp = 1): the unpipelined step.
+        bridge_hops: how encoder rows cross to the language model and gradients come back, as
+            `redistribute`'s ``hops``, pipelined or not. None (default): two hops where the
+            modules share no rank, the world spans several nodes and the language ranks replicate
+            the rows (tp, cp) or return a Partial gradient (cp): each row then crosses between
+            the modules once and is all-gathered inside the language mesh; else one. 1 or 2
+            forces a route.
 
     Example::
 
@@ -131,9 +137,12 @@ class MimoModel(nn.Module):
         language_name: str = LANGUAGE,
         device_type: str = "cpu",
         pipeline: PipelineConfig | None = None,
+        bridge_hops: int | None = None,
     ) -> None:
         super().__init__()
         _check_model(layout, language, encoders, language_name, options or {}, pipeline)
+        if bridge_hops not in (None, 1, 2):
+            raise ValueError(f"MimoModel: bridge_hops={bridge_hops!r}; use None (choose per crossing), 1 or 2")
         if not dist.is_initialized():
             raise RuntimeError("MimoModel needs torch.distributed initialised (torchrun + init_process_group)")
         if not layout.meshes_ready:
@@ -150,6 +159,7 @@ class MimoModel(nn.Module):
         self._no_init = [n for n, m in [*encoders.items(), (language_name, language)]
                          if not callable(getattr(m, "init_weights", None))]
         self.rank = dist.get_rank()
+        self.bridge_hops = bridge_hops
         self._shapes_checked: set[tuple[str, int]] = set()  # (modality, tokens_per_item) checked world-wide
         self.buffers = exchange.BufferPool()
         """The receive buffers of every crossing (recycled on CPU: a steady training loop allocates none)."""
@@ -378,7 +388,7 @@ class MimoModel(nn.Module):
             encoder_pipelines=self.encoder_pipelines, trainable=self._trainable,
             language=self.language_pipeline, overlapped=self.overlapped,
             normalizer=loss_normalizer(batch), dim=self.dim, dtype=self.dtype, device=self.device,
-            buffers=self.buffers)
+            buffers=self.buffers, hops=self.bridge_hops)
         return share
 
     # ------------------------------------------------------------------ one step
@@ -512,6 +522,7 @@ class MimoModel(nn.Module):
             # with the messages.
             check="world" if not self._shapes_checked.issuperset(keys) else True,
             names=[(n, self.language_name) for n in names],
+            hops=[self.bridge_hops] * len(xs),
             buffers=self.buffers,
         )
         self._shapes_checked.update(keys)

@@ -374,7 +374,7 @@ def test_two_bridges_sharing_ranks_in_one_node():
 
 # ---------------------------------------------------------------- split-phase Bridge (pipeline runtime)
 
-def _run_bridge(name):
+def _run_bridge(name, n_hops=None):
     """`Bridge` on local tensors: each side posts its half; same content and gradients as above."""
     case = CASES[name]
     src_mesh, dst_mesh = _mesh(case.src), _mesh(case.dst)
@@ -383,7 +383,9 @@ def _run_bridge(name):
     G = torch.randn(case.shape, generator=gen, dtype=torch.float64)
     dim, extent = case.dim, case.shape[case.dim]
     bridge = Bridge(src_mesh, case.src.placements, dst_mesh, case.dst.placements, global_shape=X.shape,
-                    dtype=X.dtype, sample_sizes=case.sample_sizes, grad_placements=case.grad)
+                    dtype=X.dtype, sample_sizes=case.sample_sizes, grad_placements=case.grad, hops=n_hops)
+    if n_hops == 2:  # replicated destinations: the route splits, as asked
+        assert bool(bridge.forward_route.gather) == (_coord(dst_mesh) is not None)
     sc, dc = _coord(src_mesh), _coord(dst_mesh)
     src_rows = None if sc is None else _expected_rows(case.src, sc, extent, case.sample_sizes)
     dst_rows = None if dc is None else _expected_rows(case.dst, dc, extent, case.sample_sizes)
@@ -421,6 +423,7 @@ def _run_bridge(name):
     return True
 
 
-@pytest.mark.parametrize("name", ["fan_in", "tp_dp_to_tp4", "cp_partial_grad", "colocated_fan_in"])
-def test_bridge_split_phase(name):
-    assert run_on_ranks(_run_bridge, WORLD, name, timeout=120) == [True] * WORLD
+@pytest.mark.parametrize("name,n_hops", [("fan_in", None), ("tp_dp_to_tp4", None), ("cp_partial_grad", None),
+                                         ("colocated_fan_in", None), ("tp_dp_to_tp4", 2), ("cp_partial_grad", 2)])
+def test_bridge_split_phase(name, n_hops):
+    assert run_on_ranks(_run_bridge, WORLD, name, n_hops, timeout=120) == [True] * WORLD

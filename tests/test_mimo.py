@@ -19,6 +19,7 @@ two documents each (positions restart, attention stays inside a document).
 | coloc_fan_in  | dp4 (0-3)          | -             | tp2·dp2 (0-3)           | 4     | no     | colocated                    |
 | coloc_tp      | tp2·dp2 + sp (0-3) | -             | tp4 (0-3)               | 4     | no     | colocated, tp change, meta, gathered logits |
 | cp            | dp2 (0-1)          | -             | cp2 (2-3)               | 4     | yes    | meta                         |
+| two_hop_cp    | tp2 (0-1)          | -             | cp2 (2-3)               | 4     | yes    | two hops: rows all-gathered over cp, gradient reduce-scattered over cp, all-gathered over vision tp |
 | two_encoders  | dp2 (0-1)          | dp2 (0-1)     | dp2 (2-3)               | 4     | no     | shared ranks; audio all-reduce |
 | coloc_cp_sp   | dp4 (0-3)          | -             | tp2·cp2 + sp (0-3)      | 4     | yes    | colocated, meta              |
 | frozen_vit    | dp2 (0-1), ViT frozen | -          | dp1 (2)                 | 3     | no     | only the projection trains   |
@@ -103,6 +104,7 @@ class Case:
     distinct_batches: int | None = None  # cycle through this many batches (None: all distinct)
     language_hf: str | None = None  # a Hugging Face checkpoint the language model is loaded from
     custom_vision: bool = False  # vision is `PatchMLP` (a user's module), not the library's ViT
+    bridge_hops: int | None = None  # MimoModel's route across the bridge (None: one hop on one node)
 
     @property
     def encoders(self) -> tuple[str, ...]:
@@ -125,6 +127,7 @@ CASES = {
                      offsets={"vision": 0, "language": 0}, meta=True,
                      options={"vision": SP, "language": ParallelOptions(loss_parallel=False)}),
     "cp": Case({"vision": P(dp=2), "language": P(cp=2)}, packed=True, meta=True),
+    "two_hop_cp": Case({"vision": P(tp=2), "language": P(cp=2)}, packed=True, bridge_hops=2),
     "two_encoders": Case({"vision": P(dp=2), "audio": P(dp=2), "language": P(dp=2)},
                          offsets={"vision": 0, "audio": 0, "language": 2},
                          options={"audio": ParallelOptions(fsdp=False)}),
@@ -288,7 +291,8 @@ def _distributed(case: Case) -> list[dict] | None:
     layout.init_meshes("cpu")
     llama, encs = _modules(case.encoders, case.frozen, case.n_layers, case.meta, case.language_hf,
                            case.custom_vision)
-    model = MimoModel(layout, llama, encs, options=case.options, pipeline=case.pipeline)
+    model = MimoModel(layout, llama, encs, options=case.options, pipeline=case.pipeline,
+                      bridge_hops=case.bridge_hops)
     if case.meta:
         _check_meta_built(model, case)
     optimizer = MimoOptimizer(model, OPT)

@@ -13,6 +13,7 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 | interleaved     | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | Interleaved1F1B      | compiled stages, meta         |
 | coloc_pp2_dp2   | dp4 (0-3)        | pp2·dp2 (0-3)             | 4     | 1F1B                 | colocated three phases        |
 | cp_pp2          | dp2 (0-1)        | cp2·pp2 (2-5)             | 6     | 1F1B                 | packed rows, Partial gradient, meta |
+| two_hop_cp_pp2  | tp2 (0-1)        | cp2·pp2 (2-5)             | 6     | 1F1B                 | two hops per crossing: cp all-gather, cp reduce-scatter, vision tp all-gather |
 | overlap_pp1     | dp2 (0-1)        | dp2 (2-3)                 | 4     | 1F1B (one stage)     | pp = 1, microbatches overlap  |
 | frozen_vision   | dp2 (0-1), frozen| pp2 (2-3)                 | 4     | 1F1B                 | three phases, no backward crossing |
 | vision_pp2      | pp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B (vision GPipe)  | encoder stages, items padded  |
@@ -51,6 +52,7 @@ CASES = {
                          meta=True),
     "coloc_pp2_dp2": _case(P(dp=4), P(pp=2, dp=2), offsets={"vision": 0, "language": 0}),
     "cp_pp2": _case(P(dp=2), P(pp=2, cp=2), packed=True, meta=True),
+    "two_hop_cp_pp2": _case(P(tp=2), P(pp=2, cp=2), packed=True, bridge_hops=2),
     "overlap_pp1": _case(P(dp=2), P(dp=2)),
     "frozen_vision": _case(P(dp=2), P(pp=2), frozen=("vision",)),
     "vision_pp2": _case(P(pp=2), P(pp=2)),

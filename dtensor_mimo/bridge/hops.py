@@ -26,14 +26,18 @@ import functools
 import math
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate
 
-from dtensor_mimo.bridge.plan import MeshSpec, _bounds, _Mesh, _static, plan
+from dtensor_mimo.bridge import exchange
+from dtensor_mimo.bridge.plan import MeshSpec, RankPlan, _bounds, _Mesh, _static, plan, plan_for_rank
+
+Groups = Callable[[int], dist.ProcessGroup]
+"""A side's process group along one of its spec's mesh dims (e.g. ``DeviceMesh.get_group``); asked
+only on members of that side, for the dims a two-hop route splits."""
 
 
 def split_dims(spec: MeshSpec, *, source: bool) -> tuple[int, ...]:
@@ -118,10 +122,56 @@ def _split_rows(spec: MeshSpec, split: Sequence[int], rank: int) -> list[tuple[i
     return out
 
 
-def levels(spec: MeshSpec, split: Sequence[int], mesh: DeviceMesh, rank: int) -> list[Level]:
+def levels(spec: MeshSpec, split: Sequence[int], groups: Groups, rank: int) -> list[Level]:
     """`rank`'s split levels of `spec` (unsplit), outer first; [] off the mesh or with no split."""
-    return [Level(mesh.get_group(d), spec.shape[d], c, rows, type(spec.placements[d]) is Partial)
+    return [Level(groups(d), spec.shape[d], c, rows, type(spec.placements[d]) is Partial)
             for d, c, rows in _split_rows(spec, split, rank)]
+
+
+@dataclass(frozen=True)
+class Route:
+    """This rank's part of one direction of one tensor's trip: the cross hop's plan and, two-hop,
+    the split levels before it (on the sending side) and after it (on the receiving side)."""
+
+    plan: RankPlan
+    scatter: list[Level]
+    gather: list[Level]
+    src_rows: int  # local rows on the sending side before the scatter
+    dst_rows: int  # local rows on the receiving side after the gather
+
+
+def route(src: MeshSpec, dst: MeshSpec, rank: int, world_size: int, n_hops: int | None,
+          src_groups: Groups, dst_groups: Groups) -> Route:
+    """`rank`'s route from `src` to `dst` in `n_hops` (None: `default_hops`), O(own peers + samples)."""
+    if n_hops is None:
+        n_hops = default_hops(src, dst, world_size)
+    if n_hops == 1:
+        rp = plan_for_rank(src, dst, rank, world_size)
+        return Route(rp, [], [], rp.src_rows, rp.dst_rows)
+    split_src, split_dst = two_hop_specs(src, dst)
+    (a, b), (c, d) = src.local_range(rank), dst.local_range(rank)
+    return Route(plan_for_rank(split_src, split_dst, rank, world_size),
+                 levels(src, split_src.split_dims, src_groups, rank),
+                 levels(dst, split_dst.split_dims, dst_groups, rank), b - a, d - c)
+
+
+class Delivery:
+    """A route's output on this rank, split-phase: `wait()` completes the cross hop's exchange and,
+    two-hop, runs the gather (a collective of the receiving side's replicas: every member waits
+    its deliveries in the same order). Returns the output, or None on a rank that only sends."""
+
+    def __init__(self, pending: exchange.Pending, route: Route, dim: int) -> None:
+        self.pending, self.route, self.dim = pending, route, dim
+        self._out: torch.Tensor | None = None
+        self._done = False
+
+    def wait(self) -> torch.Tensor | None:
+        if not self._done:
+            out = self.pending.wait()
+            if out is not None and self.route.gather:
+                out, _ = gather(out, self.dim, self.route.gather, None)
+            self._out, self._done = out, True
+        return self._out
 
 
 def hop_rows(src: MeshSpec, dst: MeshSpec, hops: int) -> dict[str, int]:
@@ -170,10 +220,10 @@ def scatter(x: torch.Tensor, dim: int, lv: Sequence[Level], status: int | None) 
     rows = _rows2d(x, dim)
     for level in lv:
         a, b = level.own()
-        if not level.partial:
+        c = level.chunk
+        if not level.partial or c == 0:  # a narrow; or an empty parent (the same on every member)
             rows = rows[a:b]
             continue
-        c = level.chunk
         padded = rows.new_zeros(level.size * c, rows.shape[1])
         padded[: rows.shape[0]] = rows
         send = _with_flags(padded, level.size, None if status is None else float(status)).reshape(-1)

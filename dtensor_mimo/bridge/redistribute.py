@@ -23,8 +23,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from dtensor_mimo.bridge import exchange
 from dtensor_mimo.bridge import hops as _hops
-from dtensor_mimo.bridge.plan import (MeshSpec, PlanError, RankPlan, backward_specs, plan_backward_for_rank,
-                                      plan_for_rank, summed_placements)
+from dtensor_mimo.bridge.plan import MeshSpec, PlanError, backward_specs, summed_placements
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -107,32 +106,6 @@ def _raise_bad_shards(mine: str | None, bad_peers: Sequence[int], relayed: bool,
 
 
 @dataclass(frozen=True)
-class _Route:
-    """This rank's part of one direction of one tensor's trip: the cross hop's plan and, two-hop,
-    the split levels before it (on the sending mesh) and after it (on the receiving mesh)."""
-
-    plan: RankPlan
-    scatter: list[_hops.Level]
-    gather: list[_hops.Level]
-    src_rows: int  # local rows on the sending mesh before the scatter
-    dst_rows: int  # local rows on the receiving mesh after the gather
-
-
-def _route(src: MeshSpec, dst: MeshSpec, src_mesh: DeviceMesh, dst_mesh: DeviceMesh, n_hops: int | None) -> _Route:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if n_hops is None:
-        n_hops = _hops.default_hops(src, dst, world)
-    if n_hops == 1:
-        rp = plan_for_rank(src, dst, rank, world)
-        return _Route(rp, [], [], rp.src_rows, rp.dst_rows)
-    split_src, split_dst = _hops.two_hop_specs(src, dst)
-    (a, b), (c, d) = src.local_range(rank), dst.local_range(rank)
-    return _Route(plan_for_rank(split_src, split_dst, rank, world),
-                  _hops.levels(src, split_src.split_dims, src_mesh, rank),
-                  _hops.levels(dst, split_dst.split_dims, dst_mesh, rank), b - a, d - c)
-
-
-@dataclass(frozen=True)
 class _Leg:
     """Static description of one tensor's trip, shared by forward and backward."""
 
@@ -147,11 +120,14 @@ class _Leg:
     dim: int
     hops: int | None
 
-    def route(self, forward: bool) -> _Route:
+    def route(self, forward: bool) -> _hops.Route:
+        rank, world = dist.get_rank(), dist.get_world_size()
         if forward:
-            return _route(self.src, self.dst, self.src_mesh, self.dst_mesh, self.hops)
+            return _hops.route(self.src, self.dst, rank, world, self.hops, self.src_mesh.get_group,
+                               self.dst_mesh.get_group)
         grad_src, grad_dst = backward_specs(self.src, self.dst, self.grad_placements)
-        return _route(grad_src, grad_dst, self.dst_mesh, self.src_mesh, self.hops)
+        return _hops.route(grad_src, grad_dst, rank, world, self.hops, self.dst_mesh.get_group,
+                           self.src_mesh.get_group)
 
 
 class _Trip:
@@ -175,7 +151,6 @@ class _Trip:
             self.out_shapes.append(_local_shape(leg.shape, leg.dim, route.dst_rows) if on_recv_mesh else None)
             self.cross_shapes.append(_local_shape(leg.shape, leg.dim, route.plan.dst_rows) if on_recv_mesh else None)
             self.devices.append(_device(recv_mesh))
-            self.in_devices.append(_device(send_mesh))
             self.in_devices.append(_device(send_mesh))
             self.specs.append(DTensorSpec(recv_mesh, placements, tensor_meta=TensorMeta(
                 leg.shape, _contiguous_stride(leg.shape), leg.dtype)))
@@ -447,9 +422,12 @@ class Bridge:
     `redistribute`, on local tensors, with each side posted separately so transfers overlap compute.
 
     ``send_forward`` runs on ranks of the source mesh, ``recv_forward`` on ranks of the
-    destination mesh. Each returns an `exchange.Pending`; ``wait()`` completes it and, on a
+    destination mesh. Each returns a `hops.Delivery`; ``wait()`` completes it and, on a
     receiving rank, returns the local output. Backward likewise, with the gradient's placements
-    on the destination mesh (default: the destination's).
+    on the destination mesh (default: the destination's). ``hops`` is `redistribute`'s: two
+    hops scatter on the sending side when it posts (a Partial gradient is reduce-scattered
+    there) and all-gather on the receiving side in ``wait()``; every member of a side calls
+    its half of each direction in the same order.
 
     NCCL safety: a rank posts ALL of its operations of one exchange in ONE batch. On a rank that
     is on both meshes (colocated or overlapping), the first of its two calls of a direction posts
@@ -478,7 +456,10 @@ class Bridge:
         sample_sizes: Sequence[int] | None = None,
         grad_placements: Sequence[Placement] | None = None,
         buffers: exchange.BufferPool | None = None,
+        hops: int | None = None,
     ) -> None:
+        if hops not in (None, 1, 2):
+            raise ValueError(f"Bridge: hops={hops!r}; use None (choose), 1 or 2")
         self.dim = _bridged_dim(src_placements, dst_placements)
         self.buffers = buffers
         """Where outputs are received: a `BufferPool` (recycled) or None (fresh tensors)."""
@@ -489,17 +470,18 @@ class Bridge:
         dst = _spec(dst_mesh, dst_placements, extent, sample_sizes, "destination")
         world = dist.get_world_size()
         self.rank = dist.get_rank()
-        self.forward_plan: RankPlan = plan_for_rank(src, dst, self.rank, world)
-        """This rank's part of the forward exchange."""
-        self.backward_plan: RankPlan = plan_backward_for_rank(src, dst, grad_placements or dst.placements,
-                                                              self.rank, world)
-        """This rank's part of the backward exchange."""
+        grad_src, grad_dst = backward_specs(src, dst, grad_placements or dst.placements)
+        self.forward_route = _hops.route(src, dst, self.rank, world, hops, src_mesh.get_group, dst_mesh.get_group)
+        """This rank's part of the forward trip (`forward_route.plan`: its cross hop's exchange)."""
+        self.backward_route = _hops.route(grad_src, grad_dst, self.rank, world, hops, dst_mesh.get_group,
+                                          src_mesh.get_group)
+        """This rank's part of the backward trip."""
         self._src_device, self._dst_device = _device(src_mesh), _device(dst_mesh)
         self._in_src = src_mesh.get_coordinate() is not None
         self._in_dst = dst_mesh.get_coordinate() is not None
-        self._posted: dict[str, tuple[str, exchange.Pending]] = {}  # both-sides rank: (half, handle)
+        self._posted: dict[str, tuple[str, _hops.Delivery]] = {}  # both-sides rank: (half, handle)
 
-    def _post(self, direction: str, half: str, local: torch.Tensor | None) -> exchange.Pending:
+    def _post(self, direction: str, half: str, local: torch.Tensor | None) -> _hops.Delivery:
         posted = self._posted.get(direction)
         if posted is not None:
             other, pending = posted
@@ -511,30 +493,34 @@ class Bridge:
                 f"before the {direction} exchange it already posted was received; call the other half "
                 "for it first (one exchange per direction in flight on such a rank)")
         forward = direction == "forward"
-        rp = self.forward_plan if forward else self.backward_plan
+        route = self.forward_route if forward else self.backward_route
+        rp = route.plan
         sends = self._in_src if forward else self._in_dst
         receives = self._in_dst if forward else self._in_src
-        if local is None and (rp.sends or rp.copies):
+        if local is None and (rp.sends or rp.copies or (sends and route.scatter)):
             raise ValueError(
                 f"Bridge: rank {self.rank} holds rows to send or copy in the {direction} exchange but "
                 f"{half}_{direction} got no local tensor; pass it (on a rank on both meshes, to "
                 "whichever half it calls first)")
+        if sends and route.scatter:
+            local, _ = _hops.scatter(local, self.dim, route.scatter, None)
         device = self._dst_device if forward else self._src_device
         out_shape = _local_shape(self.global_shape, self.dim, rp.dst_rows) if receives else None
         (pending,) = exchange.start([exchange.Transfer(rp, self.dim, local, out_shape, self.dtype, device)],
                                     send=sends, recv=receives, pool=self.buffers)
+        delivery = _hops.Delivery(pending, route, self.dim)
         if sends and receives:
-            self._posted[direction] = (half, pending)
-        return pending
+            self._posted[direction] = (half, delivery)
+        return delivery
 
-    def send_forward(self, x_local: torch.Tensor) -> exchange.Pending:
+    def send_forward(self, x_local: torch.Tensor) -> _hops.Delivery:
         return self._post("forward", "send", x_local)
 
-    def recv_forward(self, src_local: torch.Tensor | None = None) -> exchange.Pending:
+    def recv_forward(self, src_local: torch.Tensor | None = None) -> _hops.Delivery:
         return self._post("forward", "recv", src_local)
 
-    def send_backward(self, grad_local: torch.Tensor) -> exchange.Pending:
+    def send_backward(self, grad_local: torch.Tensor) -> _hops.Delivery:
         return self._post("backward", "send", grad_local)
 
-    def recv_backward(self, grad_local: torch.Tensor | None = None) -> exchange.Pending:
+    def recv_backward(self, grad_local: torch.Tensor | None = None) -> _hops.Delivery:
         return self._post("backward", "recv", grad_local)

@@ -7,12 +7,20 @@ of each encoder's mesh, ``(dp, cp, tp)`` with the rows split over dp. Destinatio
 stage of the language mesh, rows split over dp and whole on every cp and tp rank; the gradient
 comes back `Partial` over cp (each cp rank only sees its positions) and replicated over tp.
 
+Each direction of each encoder takes the bridge's route (`dtensor_mimo.bridge.hops`): one hop,
+or two where the receiving stage replicates the rows over tp·cp (or the gradient is Partial over
+cp) and the modules sit on nodes of their own: each row then crosses once, spread over the
+replicas, and the receiving stage all-gathers it inside its tp and cp groups when it waits for
+it (the backward first reduce-scatters the Partial gradient over the language cp group).
+
 NCCL safety by construction: a rank posts ALL of its sends and receives of one crossing in
 ONE batch, and every rank runs the crossings of a step in the same global order: the forward
 crossings of microbatches 0..M-1, then the backward crossings 0..M-1 (the first language
 stage may run its backwards in another order, e.g. LoopedBFS last microbatch first; `LanguageFeed`
 then holds a gradient until the earlier ones have gone). So the messages between any two ranks
-are posted in the same order on both sides, whatever runs between them.
+are posted in the same order on both sides, whatever runs between them. The two-hop collectives
+run inside one stage's tp / cp groups, whose members run the same schedule: they post and wait
+the same crossings in the same order, each a collective issued at the same point on every member.
 """
 
 from __future__ import annotations
@@ -24,13 +32,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from dtensor_mimo.bridge import MeshSpec, plan_backward_for_rank, plan_for_rank
-from dtensor_mimo.bridge import exchange
+from dtensor_mimo.bridge import MeshSpec, backward_specs
+from dtensor_mimo.bridge import exchange, hops
 from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.layout import MimoLayout
 
 ROWS = (Shard(0), Replicate(), Replicate())
 """Encoder output rows on a pipeline stage's ``(dp, cp, tp)`` slice: split over dp."""
+STAGE_DIMS = ("dp", "cp", "tp")
 
 
 @functools.lru_cache(maxsize=16)
@@ -52,11 +61,13 @@ class Crossing:
         index: the microbatch's index (for error messages).
         buffers: where outputs are received (recycled across microbatches and steps), or None
             (fresh tensors).
+        n_hops: the route of every direction: 1, 2 or None (`hops.default_hops`: two hops across
+            nodes where the receiving stage replicates the rows or the gradient is Partial).
     """
 
     def __init__(self, layout: MimoLayout, language: str, microbatch: MimoBatch, names: Sequence[str],
                  trainable: Sequence[bool], dim: int, dtype: torch.dtype, device: torch.device,
-                 index: int = 0, buffers: exchange.BufferPool | None = None) -> None:
+                 index: int = 0, buffers: exchange.BufferPool | None = None, n_hops: int | None = None) -> None:
         world, self.rank = dist.get_world_size(), dist.get_rank()
         lang = layout.parallelism(language)
         grad = (Shard(0), Partial() if lang.cp > 1 else Replicate(), Replicate())
@@ -67,25 +78,34 @@ class Crossing:
         self.error: str | None = None  # rows that disagreed with the plan (see `forward`)
         self._forward, self._backward = [], []
         dst_base = _stage_spec(layout, language, 0)
+        lang_groups = _groups(layout, language)
         for name in self.names:
             sizes = tuple(microbatch.tokens_per_sample(name))
             src = _stage_spec(layout, name, -1).replace(sample_sizes=sizes)
             dst = dst_base.replace(sample_sizes=sizes)
-            self._forward.append(plan_for_rank(src, dst, self.rank, world))
+            enc_groups = _groups(layout, name)
+            self._forward.append(hops.route(src, dst, self.rank, world, n_hops, enc_groups, lang_groups))
             if name in self.backward_names:
-                self._backward.append(plan_backward_for_rank(src, dst, grad, self.rank, world))
+                grad_src, grad_dst = backward_specs(src, dst, grad)
+                self._backward.append(hops.route(grad_src, grad_dst, self.rank, world, n_hops, lang_groups,
+                                                 enc_groups))
 
-    def _start(self, names, rank_plans, locals_: Mapping[str, torch.Tensor | None], receives: bool) -> list[exchange.Pending]:
+    def _start(self, names, routes: Sequence[hops.Route], locals_: Mapping[str, torch.Tensor | None],
+               receives: bool) -> list[hops.Delivery]:
         transfers = []
-        for name, rp in zip(names, rank_plans):
-            out = (rp.dst_rows, self.dim) if receives else None
+        for name, route in zip(names, routes):
+            out = (route.plan.dst_rows, self.dim) if receives else None
             local = locals_.get(name)
-            # Detached: what arrives is a new leaf on the other side, also for local copies.
-            local = None if local is None else local.detach()
-            transfers.append(exchange.Transfer(rp, 0, local, out, self.dtype, self.device))
-        return exchange.start(transfers, pool=self.buffers)
+            if local is not None:
+                # Detached: what arrives is a new leaf on the other side, also for local copies.
+                local = local.detach()
+                if route.scatter:  # this rank's piece (a Partial gradient: reduce-scattered over cp)
+                    local, _ = hops.scatter(local, 0, route.scatter, None)
+            transfers.append(exchange.Transfer(route.plan, 0, local, out, self.dtype, self.device))
+        pendings = exchange.start(transfers, pool=self.buffers)
+        return [hops.Delivery(p, route, 0) for p, route in zip(pendings, routes)]
 
-    def forward(self, rows: Mapping[str, torch.Tensor | None], receives: bool) -> list[exchange.Pending]:
+    def forward(self, rows: Mapping[str, torch.Tensor | None], receives: bool) -> list[hops.Delivery]:
         """Post this rank's part of the forward exchange (its sends and receives in one batch).
 
         `rows`: this rank's encoder output rows per encoder name (on encoder ranks).
@@ -97,25 +117,27 @@ class Crossing:
         carries that verdict in its one all-reduce and raises on every rank.
         """
         rows = dict(rows)
-        for name, rp in zip(self.names, self._forward):
+        for name, route in zip(self.names, self._forward):
             x = rows.get(name)
             if x is None:
                 continue
-            rows[name], bad = exchange.as_planned(x, (rp.src_rows, self.dim))
+            rows[name], bad = exchange.as_planned(x, (route.src_rows, self.dim))
             if bad:
                 self.error = self.error or (
                     f"rank {self.rank}: encoder {name!r} produced rows of shape {tuple(x.shape)} for "
-                    f"microbatch {self.index}, but the batch metadata plans ({rp.src_rows}, {self.dim}) "
+                    f"microbatch {self.index}, but the batch metadata plans ({route.src_rows}, {self.dim}) "
                     f"(its dp shard's items x tokens_per_item, by the language model's width): make "
                     "the batch's tokens_per_item match the encoder's output length")
         return self._start(self.names, self._forward, rows, receives)
 
-    def src_rows(self, name: str) -> int:
-        """Rows of encoder `name` that this rank sends (its dp shard of the microbatch)."""
-        return self._forward[self.names.index(name)].src_rows
-
-    def backward(self, grads: Mapping[str, torch.Tensor | None], receives: bool) -> list[exchange.Pending]:
-        """Post this rank's part of the backward exchange; `grads` on first-stage language ranks,
-        `receives` on encoder ranks (``wait()`` gives the gradient of their rows). Trainable
-        encoders only (`backward_names`)."""
+    def backward(self, grads: Mapping[str, torch.Tensor | None], receives: bool) -> list[hops.Delivery]:
+        """Post this rank's part of the backward exchange; `grads` on first-stage language ranks
+        (two hops with cp > 1: a reduce-scatter over cp first, on every cp rank), `receives` on
+        encoder ranks (``wait()`` gives the gradient of their rows). Trainable encoders only
+        (`backward_names`)."""
         return self._start(self.backward_names, self._backward, grads, receives)
+
+
+def _groups(layout: MimoLayout, name: str) -> hops.Groups:
+    """Module `name`'s process group along a `_stage_spec` dim (dp, cp, tp), on its members."""
+    return lambda d: layout.mesh(name, STAGE_DIMS[d]).get_group()

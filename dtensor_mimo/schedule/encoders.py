@@ -32,7 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import ScheduleGPipe
 
-from dtensor_mimo.bridge.exchange import Pending
+from dtensor_mimo.bridge.hops import Delivery
 from dtensor_mimo.schedule.crossing import Crossing
 from dtensor_mimo.schedule.runtime import cached, run_schedule
 
@@ -131,7 +131,7 @@ class EncoderSender:
         self.names, self.bucket = list(names), bucket
         self.crossings: list[Crossing] = []
         self.items: list[int] | None = None
-        self._sent: list[list[Pending]] = []
+        self._sent: list[list[Delivery]] = []
         self._fsdp: list[FSDPModule] = []
 
     def start(self, crossings: Sequence[Crossing], items: list[int] | None = None,

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from dtensor_mimo.bridge.exchange import Pending
+from dtensor_mimo.bridge.hops import Delivery
 from dtensor_mimo.schedule.crossing import Crossing
 
 
@@ -37,20 +37,20 @@ class LanguageFeed:
 
     Args:
         crossings: one per microbatch.
-        received: per microbatch, the pending forward exchange (one `Pending` per encoder).
+        received: per microbatch, the pending forward exchange (one `Delivery` per encoder).
         trainable: per encoder name (same order as the crossings' names), whether gradients go back.
         post_gradients: True: post each microbatch's backward crossing as soon as its gradients
             exist; False: keep them for `gradients()` (colocated encoders).
     """
 
-    def __init__(self, crossings: Sequence[Crossing], received: Sequence[list[Pending]],
+    def __init__(self, crossings: Sequence[Crossing], received: Sequence[list[Delivery]],
                  trainable: Sequence[bool], post_gradients: bool) -> None:
         self.crossings, self._received = list(crossings), list(received)
         self.names = self.crossings[0].names if self.crossings else []
         self.trainable = list(trainable)
         self.post_gradients = post_gradients
         self._grads: dict[int, dict[str, torch.Tensor]] = {}
-        self._sent: list[list[Pending]] = []
+        self._sent: list[list[Delivery]] = []
         self._next_post = 0
 
     def rows(self, index: int) -> dict[str, torch.Tensor]:

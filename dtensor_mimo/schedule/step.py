@@ -51,6 +51,7 @@ def pipelined_step(
     dtype: torch.dtype,
     device: torch.device,
     buffers: BufferPool | None = None,
+    hops: int | None = None,
 ) -> tuple[torch.Tensor, str | None]:
     """Forward and backward of the global `batch`; returns this rank's loss share and, if this
     rank's encoder rows disagreed with the batch metadata, what went wrong (`Crossing.forward`).
@@ -58,13 +59,15 @@ def pipelined_step(
     `encoders`: the pp = 1 encoders this rank holds; `encoder_pipelines`: this rank's stage of
     each pp > 1 encoder (on ranks of its own); `trainable`: every encoder's, known on every rank;
     `language`: this rank's language pipeline or None; `overlapped`: every encoder trains and is
-    on ranks of its own; `buffers`: where the crossings receive (recycled across steps).
+    on ranks of its own; `buffers`: where the crossings receive (recycled across steps); `hops`:
+    the crossings' route (`Crossing`'s ``n_hops``).
     """
     rank = torch.distributed.get_rank()
     mbs = microbatches(batch, num_microbatches)
     names = [n for n in trainable if n in batch.modalities]
     flags = [trainable[n] for n in names]
-    crossings = [Crossing(layout, language_name, mb, names, flags, dim, dtype, device, index=i, buffers=buffers)
+    crossings = [Crossing(layout, language_name, mb, names, flags, dim, dtype, device, index=i, buffers=buffers,
+                          n_hops=hops)
                  for i, mb in enumerate(mbs)]
     local = [n for n in names if n in encoders or n in encoder_pipelines]
     items = []  # this rank's dp shard of each microbatch's items, per local encoder
