@@ -58,6 +58,9 @@ class LayoutConfig:
     vision: ModuleLayout = field(default_factory=ModuleLayout)
     audio: ModuleLayout = field(default_factory=ModuleLayout)
     language: ModuleLayout = field(default_factory=ModuleLayout)
+    bridge_hops: Literal[1, 2] | None = None
+    """How encoder rows cross to the language model (`MimoModel`'s ``bridge_hops``): none
+    chooses (two hops across nodes where the language ranks replicate the rows), 1 or 2 forces."""
 
 
 @dataclass

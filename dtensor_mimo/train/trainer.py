@@ -170,7 +170,7 @@ class Trainer:
             self.layout, self.modules["language"],
             {n: self.modules[n] for n in ("vision", "audio")},
             options={n: ParallelOptions(**dataclasses.asdict(getattr(config.options, n))) for n in MODULES},
-            device_type=config.train.device,
+            device_type=config.train.device, bridge_hops=config.layout.bridge_hops,
             pipeline=PipelineConfig(microbatches=p.microbatches, schedule=p.schedule,
                                     virtual_stages=p.virtual_stages,
                                     split=tuple(p.split) if p.split is not None else None))
