@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from dtensor_mimo.bridge import exchange, redistribute_many
+from dtensor_mimo.bridge.hops import check_hops
 from dtensor_mimo.data import MimoBatch, sample_range, shard
 from dtensor_mimo.layout import LANGUAGE, LayoutError, MimoLayout
 from dtensor_mimo.models import Llama, ModalityEncoder
@@ -106,11 +107,12 @@ class MimoModel(nn.Module):
             overlap their microbatches with the language model's. None (or one microbatch at
             pp = 1): the unpipelined step.
         bridge_hops: how encoder rows cross to the language model and gradients come back, as
-            `redistribute`'s ``hops``, pipelined or not. None (default): two hops where the
-            modules share no rank, the world spans several nodes and the language ranks replicate
-            the rows (tp, cp) or return a Partial gradient (cp): each row then crosses between
-            the modules once and is all-gathered inside the language mesh; else one. 1 or 2
-            forces a route.
+            `redistribute`'s ``hops``, pipelined or not. None (default): per direction, two hops
+            where the modules share no rank, the world spans several nodes (torchrun's
+            LOCAL_WORLD_SIZE is unset or below the world size) and the receiving ranks replicate
+            the rows (language tp, cp; encoder tp) or the gradient is Partial (cp): each row then
+            crosses between the modules once and is all-gathered among the replicas; else one.
+            1 or 2 forces a route.
 
     Example::
 
@@ -141,8 +143,7 @@ class MimoModel(nn.Module):
     ) -> None:
         super().__init__()
         _check_model(layout, language, encoders, language_name, options or {}, pipeline)
-        if bridge_hops not in (None, 1, 2):
-            raise ValueError(f"MimoModel: bridge_hops={bridge_hops!r}; use None (choose per crossing), 1 or 2")
+        check_hops(bridge_hops, "MimoModel bridge_hops")
         if not dist.is_initialized():
             raise RuntimeError("MimoModel needs torch.distributed initialised (torchrun + init_process_group)")
         if not layout.meshes_ready:

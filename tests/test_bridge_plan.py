@@ -47,7 +47,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from dtensor_mimo.bridge import MeshSpec, PlanError, backward_specs, hop_rows, plan, plan_backward, plan_for_rank
-from dtensor_mimo.bridge.hops import wants_two_hops
+from dtensor_mimo.bridge.hops import check_hops, default_hops, wants_two_hops
 
 S, R, P = Shard(0), Replicate(), Partial()
 
@@ -517,6 +517,24 @@ def test_two_hops_only_where_one_hop_repeats_rows():
     assert not wants_two_hops(dp2, MeshSpec([2, 3, 4], (S,), 8))
     assert not wants_two_hops(MeshSpec([[0, 1]], (S, R), 8), MeshSpec([2], (S,), 8))  # one replica sends
     assert not wants_two_hops(dp2, MeshSpec([[1, 2, 3, 4]], (S, R), 8))  # meshes share rank 1
+
+
+@pytest.mark.parametrize("local_world_size,expected", [(None, 2), ("4", 2), ("8", 1)])
+def test_default_route_takes_two_hops_only_across_nodes(monkeypatch, local_world_size, expected):
+    """torchrun's LOCAL_WORLD_SIZE covering the world means one node: one hop there."""
+    if local_world_size is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
+    dp2, replicated = MeshSpec([0, 1], (S,), 8), MeshSpec([[2, 3, 4, 5]], (S, R), 8)
+    assert default_hops(dp2, replicated, 8) == expected
+    assert default_hops(dp2, MeshSpec([2, 3, 4], (S,), 8), 8) == 1  # nothing repeats: one hop anywhere
+
+
+@pytest.mark.parametrize("bad", [0, 3, True, "2", 2.0])
+def test_a_route_choice_other_than_none_1_or_2_is_refused(bad):
+    with pytest.raises(ValueError, match=rf"where: hops={bad!r}; use None \(choose per direction\), 1 or 2"):
+        check_hops(bad, "where")
 
 
 def test_hop_rows_hand_computed():

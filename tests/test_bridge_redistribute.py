@@ -384,8 +384,11 @@ def _run_bridge(name, n_hops=None):
     dim, extent = case.dim, case.shape[case.dim]
     bridge = Bridge(src_mesh, case.src.placements, dst_mesh, case.dst.placements, global_shape=X.shape,
                     dtype=X.dtype, sample_sizes=case.sample_sizes, grad_placements=case.grad, hops=n_hops)
-    if n_hops == 2:  # replicated destinations: the route splits, as asked
+    if n_hops == 2:  # replicated destinations (and a Partial gradient): the route splits, as asked
         assert bool(bridge.forward_route.gather) == (_coord(dst_mesh) is not None)
+        partial = any(isinstance(p, Partial) for p in case.grad or ())
+        reduces = any(level.partial for level in bridge.backward_route.scatter)  # a reduce-scatter
+        assert reduces == (partial and _coord(dst_mesh) is not None)
     sc, dc = _coord(src_mesh), _coord(dst_mesh)
     src_rows = None if sc is None else _expected_rows(case.src, sc, extent, case.sample_sizes)
     dst_rows = None if dc is None else _expected_rows(case.dst, dc, extent, case.sample_sizes)

@@ -59,6 +59,7 @@ from dtensor_mimo import (
     train_step,
 )
 from dtensor_mimo.assemble import assemble, embed_text
+from dtensor_mimo.bridge import hops
 from dtensor_mimo.data import IGNORE_INDEX, ModalitySpec, SyntheticSpec, synthetic_batch
 from dtensor_mimo.models import init_weights
 from dtensor_mimo.models.hf import load_hf
@@ -286,7 +287,31 @@ def _check_meta_built(model: MimoModel, case: Case) -> None:
         model.load_hf({"language": case.language_hf})  # each rank reads its own blocks
 
 
+def _count_calls(module, names: tuple[str, ...]) -> tuple[dict[str, int], Callable[[], None]]:
+    """Count calls of `module`'s functions `names` (looked up on the module at call time);
+    returns the counts and the undo."""
+    counts, originals = dict.fromkeys(names, 0), {n: getattr(module, n) for n in names}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for n in names:
+        setattr(module, n, counted(n))
+    return counts, lambda: [setattr(module, n, f) for n, f in originals.items()]
+
+
 def _distributed(case: Case) -> list[dict] | None:
+    counts, undo = _count_calls(hops, ("scatter", "gather"))  # the two-hop route's collectives
+    try:
+        return _train(case, counts)
+    finally:
+        undo()
+
+
+def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
     layout = case.layout()
     layout.init_meshes("cpu")
     llama, encs = _modules(case.encoders, case.frozen, case.n_layers, case.meta, case.language_hf,
@@ -310,13 +335,25 @@ def _distributed(case: Case) -> list[dict] | None:
         for kind in ("grads", "weights"):
             record[kind] = {k: v for k, v in record[kind].items() if k.split(".")[0] in keep}
         record["allocations"] = model.buffers.allocations  # receive buffers allocated so far
+        record["hop_calls"] = dict(hop_calls)  # two-hop scatters and gathers so far
         records.append(record)
     return records
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_training_matches_single_process(name: str) -> None:
-    check_against_reference(CASES[name])
+    check_route(CASES[name], check_against_reference(CASES[name]))
+
+
+def check_route(case: Case, per_rank: list[list[dict]]) -> None:
+    """The bridge took the route asked for: two hops (every layout here replicates the rows on
+    the receiving side) scatter and gather; the default on one node (the harness sets
+    LOCAL_WORLD_SIZE as torchrun does) never does."""
+    calls = [records[-1]["hop_calls"] for records in per_rank if records]
+    if case.bridge_hops == 2:
+        assert sum(c["gather"] for c in calls) > 0 and sum(c["scatter"] for c in calls) > 0, calls
+    else:
+        assert all(c["gather"] == c["scatter"] == 0 for c in calls), calls
 
 
 def check_against_reference(case: Case, run: Callable[[Case], list[dict]] = _distributed) -> list[list[dict]]:

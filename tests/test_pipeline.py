@@ -31,7 +31,7 @@ import dataclasses
 import pytest
 
 from dtensor_mimo import ParallelOptions, Parallelism, PipelineConfig
-from tests.test_mimo import Case, check_against_reference
+from tests.test_mimo import Case, check_against_reference, check_route
 
 P = Parallelism
 MB4 = PipelineConfig(microbatches=4)
@@ -67,7 +67,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_pipelined_training_matches_single_process(name: str) -> None:
-    check_against_reference(CASES[name])
+    check_route(CASES[name], check_against_reference(CASES[name]))
 
 
 def test_crossings_recycle_their_receive_buffers() -> None:

@@ -205,20 +205,21 @@ def start(transfers: Sequence[Transfer], *, send: bool = True, recv: bool = True
     things in. ``send`` / ``recv`` post one side only (split-phase use by a pipeline
     runtime); local copies happen on the receiving call, which then needs ``src_local``.
 
-    ``status``: a word (int64) that rides ahead of this rank's data in the same batch (on
-    `STATUS_TAG`), one to each peer it sends to: a receiver learns, at the cost of one 8-byte message per peer,
-    whether its peers' data can be trusted (`Pending.peer_status`). Every rank of one exchange
-    must pass a status or none.
+    ``status``: a word (int64) posted with this rank's data in the same batch, on `STATUS_TAG`
+    (so it does not queue behind the data), one to each peer it sends to: a receiver learns, at
+    the cost of one 8-byte message per peer, whether its peers' data can be trusted
+    (`Pending.peer_status`). Every rank of one exchange must pass a status or none.
 
     ``pool``: outputs and staging buffers come from it (recycled, see `BufferPool`) instead of
     fresh allocations.
     """
     alloc = _fresh if pool is None else pool.take
+    assert len(transfers) < STATUS_TAG, "a transfer's tag would meet the status words'"
     ops: list[dist.P2POp] = []
     copies = []  # (output, transfer, copy): done after posting, while the messages travel
     pendings = [Pending(t.rank_plan, t.dim) for t in transfers]
     words, recv_peers = None, []
-    if status is not None:  # posted first: a word travels ahead of its sender's data, not behind it
+    if status is not None:
         send_peers = dict.fromkeys(s.peer for t in transfers if send for s in t.rank_plan.sends)
         recv_peers = list(dict.fromkeys(r.peer for t in transfers if recv and t.out_shape is not None
                                         for r in t.rank_plan.recvs))

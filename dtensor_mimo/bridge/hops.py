@@ -31,9 +31,11 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor.placement_types import Placement
 
 from dtensor_mimo.bridge import exchange
-from dtensor_mimo.bridge.plan import MeshSpec, RankPlan, _bounds, _Mesh, _static, plan, plan_for_rank
+from dtensor_mimo.bridge.plan import (MeshSpec, RankPlan, _bounds, _Mesh, _static, backward_specs, plan,
+                                      plan_for_rank)
 
 Groups = Callable[[int], dist.ProcessGroup]
 """A side's process group along one of its spec's mesh dims (e.g. ``DeviceMesh.get_group``); asked
@@ -134,44 +136,79 @@ class Route:
     the split levels before it (on the sending side) and after it (on the receiving side)."""
 
     plan: RankPlan
-    scatter: list[Level]
-    gather: list[Level]
+    scatter: tuple[Level, ...]
+    gather: tuple[Level, ...]
     src_rows: int  # local rows on the sending side before the scatter
     dst_rows: int  # local rows on the receiving side after the gather
+
+
+def check_hops(n_hops: object, where: str) -> None:
+    """`n_hops` is a route choice (None, 1 or 2), else a ValueError naming `where`."""
+    if not (n_hops is None or (type(n_hops) is int and n_hops in (1, 2))):
+        raise ValueError(f"{where}: hops={n_hops!r}; use None (choose per direction), 1 or 2")
 
 
 def route(src: MeshSpec, dst: MeshSpec, rank: int, world_size: int, n_hops: int | None,
           src_groups: Groups, dst_groups: Groups) -> Route:
     """`rank`'s route from `src` to `dst` in `n_hops` (None: `default_hops`), O(own peers + samples)."""
+    check_hops(n_hops, "route")
     if n_hops is None:
         n_hops = default_hops(src, dst, world_size)
     if n_hops == 1:
         rp = plan_for_rank(src, dst, rank, world_size)
-        return Route(rp, [], [], rp.src_rows, rp.dst_rows)
+        return Route(rp, (), (), rp.src_rows, rp.dst_rows)
     split_src, split_dst = two_hop_specs(src, dst)
     (a, b), (c, d) = src.local_range(rank), dst.local_range(rank)
     return Route(plan_for_rank(split_src, split_dst, rank, world_size),
-                 levels(src, split_src.split_dims, src_groups, rank),
-                 levels(dst, split_dst.split_dims, dst_groups, rank), b - a, d - c)
+                 tuple(levels(src, split_src.split_dims, src_groups, rank)),
+                 tuple(levels(dst, split_dst.split_dims, dst_groups, rank)), b - a, d - c)
+
+
+def backward_route(src: MeshSpec, dst: MeshSpec, grad_placements: Sequence[Placement], rank: int,
+                   world_size: int, n_hops: int | None, src_groups: Groups, dst_groups: Groups) -> Route:
+    """`route` of the gradient of a `src` -> `dst` trip: from `dst` with `grad_placements` back to
+    `src` (`backward_specs`); `src_groups` / `dst_groups` are still the forward's sides."""
+    grad_src, grad_dst = backward_specs(src, dst, grad_placements)
+    return route(grad_src, grad_dst, rank, world_size, n_hops, dst_groups, src_groups)
 
 
 class Delivery:
-    """A route's output on this rank, split-phase: `wait()` completes the cross hop's exchange and,
-    two-hop, runs the gather (a collective of the receiving side's replicas: every member waits
-    its deliveries in the same order). Returns the output, or None on a rank that only sends."""
+    """A route's output on this rank, split-phase (see `post`)."""
 
     def __init__(self, pending: exchange.Pending, route: Route, dim: int) -> None:
-        self.pending, self.route, self.dim = pending, route, dim
+        self.route, self.dim = route, dim
+        self._pending: exchange.Pending | None = pending
         self._out: torch.Tensor | None = None
-        self._done = False
 
     def wait(self) -> torch.Tensor | None:
-        if not self._done:
-            out = self.pending.wait()
+        """Complete the cross hop's exchange and, two-hop, run the gather: a collective of the
+        receiving side's replicas, so every member waits its deliveries in the same order. Returns
+        the output (the same tensor on a second call), or None on a rank that only sends."""
+        if self._pending is not None:
+            out, self._pending = self._pending.wait(), None  # the cross hop's buffers go with it
             if out is not None and self.route.gather:
                 out, _ = gather(out, self.dim, self.route.gather, None)
-            self._out, self._done = out, True
+            self._out = out
         return self._out
+
+
+def post(routes: Sequence[Route], dim: int, locals_: Sequence[torch.Tensor | None],
+         out_shapes: Sequence[Sequence[int] | None], dtype: torch.dtype, device: torch.device, *,
+         send: bool = True, recv: bool = True, pool: exchange.BufferPool | None = None) -> list[Delivery]:
+    """Start several tensors' routes on this rank: each local is scattered (two-hop; a Partial
+    level reduce-scatters, so every member of the sending side posts the same routes in the same
+    order), then ONE batch of the cross hops' messages (`exchange.start`); `out_shapes` are the
+    cross hop's local outputs (``route.plan.dst_rows`` rows), None where this rank receives none."""
+    transfers = []
+    for rt, local, shape in zip(routes, locals_, out_shapes):
+        if send and rt.scatter:
+            if local is None:
+                raise ValueError(f"rank {dist.get_rank()} scatters rows over its replicas before they "
+                                 "cross but got no local tensor; pass its rows (or its gradient)")
+            local, _ = scatter(local, dim, rt.scatter, None)
+        transfers.append(exchange.Transfer(rt.plan, dim, local, shape, dtype, device))
+    pendings = exchange.start(transfers, send=send, recv=recv, pool=pool)
+    return [Delivery(p, rt, dim) for p, rt in zip(pendings, routes)]
 
 
 def hop_rows(src: MeshSpec, dst: MeshSpec, hops: int) -> dict[str, int]:

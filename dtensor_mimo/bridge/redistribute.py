@@ -23,7 +23,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from dtensor_mimo.bridge import exchange
 from dtensor_mimo.bridge import hops as _hops
-from dtensor_mimo.bridge.plan import MeshSpec, PlanError, backward_specs, summed_placements
+from dtensor_mimo.bridge.plan import MeshSpec, PlanError, RankPlan, summed_placements
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -125,9 +125,8 @@ class _Leg:
         if forward:
             return _hops.route(self.src, self.dst, rank, world, self.hops, self.src_mesh.get_group,
                                self.dst_mesh.get_group)
-        grad_src, grad_dst = backward_specs(self.src, self.dst, self.grad_placements)
-        return _hops.route(grad_src, grad_dst, rank, world, self.hops, self.dst_mesh.get_group,
-                           self.src_mesh.get_group)
+        return _hops.backward_route(self.src, self.dst, self.grad_placements, rank, world, self.hops,
+                                    self.src_mesh.get_group, self.dst_mesh.get_group)
 
 
 class _Trip:
@@ -280,8 +279,7 @@ drops them."""
 def _leg(src_mesh: DeviceMesh, src_placements: tuple[Placement, ...], shape: torch.Size, dtype: torch.dtype,
          device_mesh: DeviceMesh, placements: tuple[Placement, ...], sample_sizes: tuple[int, ...] | None,
          grad_placements: tuple[Placement, ...] | None, names: tuple[str, str], n_hops: int | None) -> _Leg:
-    if n_hops not in (None, 1, 2):
-        raise ValueError(f"redistribute: hops={n_hops!r}; use None (choose), 1 or 2")
+    _hops.check_hops(n_hops, "redistribute")
     dim = _bridged_dim(src_placements, placements)
     extent = shape[dim] if len(shape) else 1
     if grad_placements is None:
@@ -458,8 +456,7 @@ class Bridge:
         buffers: exchange.BufferPool | None = None,
         hops: int | None = None,
     ) -> None:
-        if hops not in (None, 1, 2):
-            raise ValueError(f"Bridge: hops={hops!r}; use None (choose), 1 or 2")
+        _hops.check_hops(hops, "Bridge")
         self.dim = _bridged_dim(src_placements, dst_placements)
         self.buffers = buffers
         """Where outputs are received: a `BufferPool` (recycled) or None (fresh tensors)."""
@@ -470,11 +467,10 @@ class Bridge:
         dst = _spec(dst_mesh, dst_placements, extent, sample_sizes, "destination")
         world = dist.get_world_size()
         self.rank = dist.get_rank()
-        grad_src, grad_dst = backward_specs(src, dst, grad_placements or dst.placements)
         self.forward_route = _hops.route(src, dst, self.rank, world, hops, src_mesh.get_group, dst_mesh.get_group)
-        """This rank's part of the forward trip (`forward_route.plan`: its cross hop's exchange)."""
-        self.backward_route = _hops.route(grad_src, grad_dst, self.rank, world, hops, dst_mesh.get_group,
-                                          src_mesh.get_group)
+        """This rank's part of the forward trip."""
+        self.backward_route = _hops.backward_route(src, dst, grad_placements or dst.placements, self.rank, world,
+                                                   hops, src_mesh.get_group, dst_mesh.get_group)
         """This rank's part of the backward trip."""
         self._src_device, self._dst_device = _device(src_mesh), _device(dst_mesh)
         self._in_src = src_mesh.get_coordinate() is not None
@@ -502,16 +498,23 @@ class Bridge:
                 f"Bridge: rank {self.rank} holds rows to send or copy in the {direction} exchange but "
                 f"{half}_{direction} got no local tensor; pass it (on a rank on both meshes, to "
                 "whichever half it calls first)")
-        if sends and route.scatter:
-            local, _ = _hops.scatter(local, self.dim, route.scatter, None)
         device = self._dst_device if forward else self._src_device
         out_shape = _local_shape(self.global_shape, self.dim, rp.dst_rows) if receives else None
-        (pending,) = exchange.start([exchange.Transfer(rp, self.dim, local, out_shape, self.dtype, device)],
-                                    send=sends, recv=receives, pool=self.buffers)
-        delivery = _hops.Delivery(pending, route, self.dim)
+        (delivery,) = _hops.post([route], self.dim, [local], [out_shape], self.dtype, device, send=sends,
+                                 recv=receives, pool=self.buffers)
         if sends and receives:
             self._posted[direction] = (half, delivery)
         return delivery
+
+    @property
+    def forward_plan(self) -> RankPlan:
+        """This rank's part of the forward exchange (the cross hop's, two-hop)."""
+        return self.forward_route.plan
+
+    @property
+    def backward_plan(self) -> RankPlan:
+        """This rank's part of the backward exchange (the cross hop's, two-hop)."""
+        return self.backward_route.plan
 
     def send_forward(self, x_local: torch.Tensor) -> _hops.Delivery:
         return self._post("forward", "send", x_local)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from dtensor_mimo.bridge import MeshSpec, backward_specs
+from dtensor_mimo.bridge import MeshSpec
 from dtensor_mimo.bridge import exchange, hops
 from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.layout import MimoLayout
@@ -86,24 +86,15 @@ class Crossing:
             enc_groups = _groups(layout, name)
             self._forward.append(hops.route(src, dst, self.rank, world, n_hops, enc_groups, lang_groups))
             if name in self.backward_names:
-                grad_src, grad_dst = backward_specs(src, dst, grad)
-                self._backward.append(hops.route(grad_src, grad_dst, self.rank, world, n_hops, lang_groups,
-                                                 enc_groups))
+                self._backward.append(hops.backward_route(src, dst, grad, self.rank, world, n_hops, enc_groups,
+                                                          lang_groups))
 
     def _start(self, names, routes: Sequence[hops.Route], locals_: Mapping[str, torch.Tensor | None],
                receives: bool) -> list[hops.Delivery]:
-        transfers = []
-        for name, route in zip(names, routes):
-            out = (route.plan.dst_rows, self.dim) if receives else None
-            local = locals_.get(name)
-            if local is not None:
-                # Detached: what arrives is a new leaf on the other side, also for local copies.
-                local = local.detach()
-                if route.scatter:  # this rank's piece (a Partial gradient: reduce-scattered over cp)
-                    local, _ = hops.scatter(local, 0, route.scatter, None)
-            transfers.append(exchange.Transfer(route.plan, 0, local, out, self.dtype, self.device))
-        pendings = exchange.start(transfers, pool=self.buffers)
-        return [hops.Delivery(p, route, 0) for p, route in zip(pendings, routes)]
+        # Detached: what arrives is a new leaf on the other side, also for local copies.
+        locals_ = [None if (x := locals_.get(n)) is None else x.detach() for n in names]
+        return hops.post(routes, 0, locals_, [(r.plan.dst_rows, self.dim) if receives else None for r in routes],
+                         self.dtype, self.device, pool=self.buffers)
 
     def forward(self, rows: Mapping[str, torch.Tensor | None], receives: bool) -> list[hops.Delivery]:
         """Post this rank's part of the forward exchange (its sends and receives in one batch).
@@ -140,4 +131,4 @@ class Crossing:
 
 def _groups(layout: MimoLayout, name: str) -> hops.Groups:
     """Module `name`'s process group along a `_stage_spec` dim (dp, cp, tp), on its members."""
-    return lambda d: layout.mesh(name, STAGE_DIMS[d]).get_group()
+    return lambda d: layout.mesh(name).get_group(STAGE_DIMS[d])

@@ -59,8 +59,9 @@ class LayoutConfig:
     audio: ModuleLayout = field(default_factory=ModuleLayout)
     language: ModuleLayout = field(default_factory=ModuleLayout)
     bridge_hops: Literal[1, 2] | None = None
-    """How encoder rows cross to the language model (`MimoModel`'s ``bridge_hops``): none
-    chooses (two hops across nodes where the language ranks replicate the rows), 1 or 2 forces."""
+    """How encoder rows cross to the language model and gradients back (`MimoModel`'s
+    ``bridge_hops``): none chooses per direction (two hops across nodes where the receiving ranks
+    replicate the rows or the gradient is Partial), 1 or 2 forces."""
 
 
 @dataclass
@@ -273,7 +274,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     bad = ConfigError(f"{key} = {value!r}: expected {_describe(tp)}")
     if origin is Literal:
-        if value not in args:
+        if not any(value == a and type(value) is type(a) for a in args):  # True is not 1
             raise bad
         return value
     if origin in (typing.Union, types.UnionType):
