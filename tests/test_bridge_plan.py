@@ -548,3 +548,8 @@ def test_hop_rows_hand_computed():
     grad_src, grad_dst = backward_specs(src, MeshSpec([2, 3], (R,), 8), (P,))
     assert hop_rows(grad_src, grad_dst, 1) == {"between": 16, "inside": 0}
     assert hop_rows(grad_src, grad_dst, 2) == {"between": 8, "inside": 8}
+    # cp2·tp2 with a Partial gradient over cp: the tp narrow runs before the reduce-scatter, so each
+    # of the 4 members reduce-scatters the 4 rows its tp coordinate keeps (sends 2), not all 8 (4).
+    grad_src, grad_dst = backward_specs(src, MeshSpec([[2, 3], [4, 5]], (R, R), 8), (P, R))
+    assert hop_rows(grad_src, grad_dst, 1) == {"between": 16, "inside": 0}
+    assert hop_rows(grad_src, grad_dst, 2) == {"between": 8, "inside": 8}

@@ -95,8 +95,34 @@ class Level:
         return -(-self.parent_rows // self.size)
 
     def own(self) -> tuple[int, int]:
-        n, c = self.parent_rows, self.chunk
-        return min(c * self.coord, n), min(c * (self.coord + 1), n)
+        return _span(0, self.parent_rows, self.size, self.coord)
+
+
+def _span(lo: int, hi: int, size: int, j: int) -> tuple[int, int]:
+    """Rows of ``torch.chunk``'s piece `j` of `size` of ``[lo, hi)``."""
+    n = hi - lo
+    c = -(-n // size)
+    return lo + min(c * j, n), lo + min(c * (j + 1), n)
+
+
+def _reduced_spans(parent_rows: int, size: int, narrows: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Rows of its parent that each member of a Partial level keeps once the Replicate levels right
+    after it, ``(size, coordinate)`` each and the same on every member, have narrowed its chunk."""
+    spans = []
+    for j in range(size):
+        lo, hi = _span(0, parent_rows, size, j)
+        for m, coord in narrows:
+            lo, hi = _span(lo, hi, m, coord)
+        spans.append((lo, hi))
+    return spans
+
+
+def _narrows_after(partial: Sequence[bool], i: int) -> int:
+    """How many levels after level `i` are Replicate ones before the next Partial level (or the end)."""
+    n = 0
+    while i + 1 + n < len(partial) and not partial[i + 1 + n]:
+        n += 1
+    return n
 
 
 def _coords(spec: MeshSpec, rank: int) -> tuple[int, ...] | None:
@@ -219,10 +245,13 @@ def hop_rows(src: MeshSpec, dst: MeshSpec, hops: int) -> dict[str, int]:
         return {"between": plan(src, dst).stats()["rows_sent"], "inside": 0}
     split_src, split_dst = two_hop_specs(src, dst)
     inside = 0
-    for r in src.ranks:  # a ring reduce-scatter sends (m - 1) / m of the rows from each member
-        for d, _, rows in _split_rows(src, split_src.split_dims, r):
-            if type(src.placements[d]) is Partial:
-                inside += rows - -(-rows // src.shape[d])
+    for r in src.ranks:  # a ring reduce-scatter sends (m - 1) / m of its buffer from each member
+        levels_ = _split_rows(src, split_src.split_dims, r)
+        partial = [type(src.placements[d]) is Partial for d, _, _ in levels_]
+        for i, (d, _, rows) in enumerate(levels_):
+            if partial[i]:
+                narrows = [(src.shape[d_], c_) for d_, c_, _ in levels_[i + 1:i + 1 + _narrows_after(partial, i)]]
+                inside += (src.shape[d] - 1) * max(b - a for a, b in _reduced_spans(rows, src.shape[d], narrows))
     for r in dst.ranks:  # an all-gather brings each member the rows it lacks
         levels_ = _split_rows(dst, split_dst.split_dims, r)
         if levels_:
@@ -255,21 +284,32 @@ def scatter(x: torch.Tensor, dim: int, lv: Sequence[Level], status: int | None) 
     """Hop 1 on a source rank: its piece of `x` (a Partial level reduce-scattered), outer levels first.
     Returns the piece and the status summed over every contribution it holds."""
     rows = _rows2d(x, dim)
-    for level in lv:
-        a, b = level.own()
-        c = level.chunk
-        if not level.partial or c == 0:  # a narrow; or an empty parent (the same on every member)
-            rows = rows[a:b]
+    i = 0
+    while i < len(lv):
+        level = lv[i]
+        if not level.partial:
+            a, b = level.own()
+            rows, i = rows[a:b], i + 1
             continue
-        padded = rows.new_zeros(level.size * c, rows.shape[1])
-        padded[: rows.shape[0]] = rows
+        # The Replicate levels right after this one narrow alike on every member of its group
+        # (they share those coordinates): reduce only the rows each member keeps after them.
+        n = _narrows_after([lv_.partial for lv_ in lv], i)
+        spans = _reduced_spans(level.parent_rows, level.size, [(lv_.size, lv_.coord) for lv_ in lv[i + 1:i + 1 + n]])
+        width, (lo, hi) = max(b - a for a, b in spans), spans[level.coord]
+        i += 1 + n
+        if width == 0:  # nothing to reduce (the same on every member)
+            rows = rows[lo:hi]
+            continue
+        padded = rows.new_zeros(level.size * width, rows.shape[1])
+        for j, (a, b) in enumerate(spans):
+            padded[j * width: j * width + b - a] = rows[a:b]
         send = _with_flags(padded, level.size, None if status is None else float(status)).reshape(-1)
         out = send.new_empty(send.numel() // level.size)
         dist.reduce_scatter_single(out, send, group=level.group)
         if status is not None:
             status = round(out[-1].item())
             out = out[:-1]
-        rows = out.view(c, -1)[: b - a]
+        rows = out.view(width, -1)[: hi - lo]
     return _back(rows, x.shape, dim), status
 
 
