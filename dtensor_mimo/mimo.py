@@ -96,7 +96,10 @@ class MimoModel(nn.Module):
     Args:
         layout: per-module `Parallelism` (encoders: pp 1 and cp 1; the language model may
             have pp > 1 with a `pipeline`).
-        language: the decoder; its name in the layout is `language_name`.
+        language: the decoder, the library's `Llama` or any module meeting
+            `dtensor_mimo.models.protocol` (with pp > 1 cut into stages of its own class, its
+            own forward, tp plan and init; what it lacks for that is named up front); its name
+            in the layout is `language_name`.
         encoders: ``{modality: encoder}``: a `ModalityEncoder` (library tower + projection) or
             any module meeting `dtensor_mimo.models.protocol`; each name is a layout module and
             a modality of the batches (its special token id comes with the batch).
@@ -358,10 +361,12 @@ class MimoModel(nn.Module):
         return dict(self.encoders[name].named_parameters()) if name in self.encoders else {}
 
     def holds_loss_share(self) -> bool:
-        """True on the ranks whose loss shares add up to the global loss: tp rank 0 of the
-        language model's last pipeline stage."""
+        """True on the ranks whose loss shares add up to the global loss: tp rank 0 of the pp
+        rank holding the language model's last pipeline stage (pp rank pp - 1 for looped
+        stages, pp rank 0 for a V schedule's)."""
         coord = self.layout.coordinate(self.language_name, self.rank)
-        last = self.layout.parallelism(self.language_name).pp - 1
+        pp = self.layout.parallelism(self.language_name).pp
+        last = 0 if self.pipeline is None else self.pipeline.stage_rank(self.pipeline.num_stages(pp) - 1, pp)
         return coord is not None and coord["tp"] == 0 and coord["pp"] == last
 
     def forward_backward(self, batch: MimoBatch) -> torch.Tensor:
@@ -598,7 +603,7 @@ def _check_model(layout: MimoLayout, language: Llama, encoders: Mapping[str, nn.
             raise TypeError(f"encoder {name!r} ({type(module).__name__}) does not meet the encoder protocol "
                             f"(dtensor_mimo.models.protocol): it needs {'; '.join(problems)}")
     lang = layout.parallelism(language_name)
-    problems = language_problems(language, tp=lang.tp, cp=lang.cp)
+    problems = language_problems(language, tp=lang.tp, cp=lang.cp, pp=lang.pp)
     if problems:
         raise TypeError(f"the language model ({type(language).__name__}) does not meet the language protocol "
                         f"(dtensor_mimo.models.protocol): it needs {'; '.join(problems)}")
@@ -620,13 +625,18 @@ def _check_model(layout: MimoLayout, language: Llama, encoders: Mapping[str, nn.
                 raise LayoutError(f"encoder {name!r} has pp={pp}: {problem}")
             stage_layers(len(module.encoder.layers), pp, module=name)
     if pipeline is not None:  # every rank, before any process group: layers per stage
-        stage_layers(language.config.n_layers, pipeline.num_stages(layout.parallelism(language_name).pp),
+        stage_layers(len(language.layers), pipeline.num_stages(layout.parallelism(language_name).pp),
                      pipeline.split, module=language_name)
     lang_options = options.get(language_name, ParallelOptions())
     if pipeline is not None and pipeline.schedule in ZERO_BUBBLE_SCHEDULES and lang_options.compile:
-        raise LayoutError(f"schedule {pipeline.schedule!r} splits backward into input and weight parts, "
-                          f"which torch refuses for compiled stages, but {language_name!r} has compile=True: "
-                          "use schedule='Interleaved1F1B', or compile=False")
+        # torch 2.13 runs a block compiled in place (`compile_blocks`) and gets the numbers right,
+        # but the block's backward is one compiled node: the input pass runs all of it, and the
+        # weight pass runs all of it again. Refused rather than silently doubling that compute.
+        raise LayoutError(f"schedule {pipeline.schedule!r} splits backward into an input pass and a weight "
+                          f"pass, but {language_name!r} has compile=True: torch 2.13 runs a compiled block's "
+                          "whole backward in both passes (twice the backward compute, which undoes the "
+                          "zero-bubble split): use schedule='Interleaved1F1B' or '1F1B' with compile, or "
+                          "compile=False with this schedule")
     for name, module in encoders.items():
         if module.out_dim != language.config.dim:
             raise ValueError(f"encoder {name!r} projects to {module.out_dim} features but the language "

@@ -25,6 +25,7 @@ two documents each (positions restart, attention stays inside a document).
 | frozen_vit    | dp2 (0-1), ViT frozen | -          | dp1 (2)                 | 3     | no     | only the projection trains   |
 | frozen_vision | dp4 (0-3), frozen  | -             | tp2·dp2 (0-3)           | 4     | no     | colocated; no backward bridge|
 | checkpointed  | dp2 (0-1), AC all, compiled | -    | tp2 + sp (2-3), AC 1/2  | 4     | no     | activation checkpointing     |
+| checkpointed_compiled_tp | tp2 (0-1), AC all, compiled | - | tp2 + sp (2-3), AC 1/2, compiled | 4 | no | checkpointed blocks compiled inside their checkpoint only, the others outside |
 | eight         | dp3 (0-2)          | dp1 (3)       | tp2·dp2 + sp (4-7)      | 8     | yes    | dp3 -> dp2, compiled blocks, meta |
 | custom_encoder| dp2, FSDP2 (0-1)   | -             | dp1 (2)                 | 3     | no     | a user's encoder (`PatchMLP`), meta |
 | custom_enc_tp | tp2, compiled (0-1)| -             | tp2 + sp (2-3)          | 4     | no     | a user's encoder with its own tp plan |
@@ -45,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from dtensor_mimo import (
@@ -105,6 +106,8 @@ class Case:
     distinct_batches: int | None = None  # cycle through this many batches (None: all distinct)
     language_hf: str | None = None  # a Hugging Face checkpoint the language model is loaded from
     custom_vision: bool = False  # vision is `PatchMLP` (a user's module), not the library's ViT
+    custom_language: bool = False  # the language model is `UserDecoder` (a user's module), not `Llama`
+    predict: bool = False  # after training, `MimoModel.predict` of the first batch == the reference argmax
     bridge_hops: int | None = None  # MimoModel's route across the bridge (None: one hop on one node)
 
     @property
@@ -142,6 +145,11 @@ CASES = {
                          options={"vision": ParallelOptions(activation_checkpointing=1, compile=True,
                                                             compile_backend="aot_eager"),
                                   "language": ParallelOptions(sp=True, activation_checkpointing=2)}),
+    "checkpointed_compiled_tp": Case({"vision": P(tp=2), "language": P(tp=2)},
+                                     options={"vision": ParallelOptions(activation_checkpointing=1, compile=True,
+                                                                        compile_backend="aot_eager"),
+                                              "language": ParallelOptions(sp=True, activation_checkpointing=2,
+                                                                          compile=True, compile_backend="aot_eager")}),
     "custom_encoder": Case({"vision": P(dp=2), "language": P()}, custom_vision=True, meta=True),
     "custom_enc_tp": Case({"vision": P(tp=2), "language": P(tp=2)}, custom_vision=True,
                           options={"vision": ParallelOptions(compile=True, compile_backend="aot_eager"),
@@ -177,19 +185,88 @@ class PatchMLP(nn.Module):
         parallelize_module(self, tp_mesh, {"patch_in": ColwiseParallel(), "patch_out": RowwiseParallel()})
 
 
+@dataclass
+class UserDecoderConfig:
+    dim: int = 32
+    n_layers: int = 2
+    vocab_size: int = 64
+    n_heads: int = 4
+    hidden: int = 64
+
+
+class UserBlock(nn.Module):
+    """A user's own decoder block, unlike `Llama`'s: LayerNorm, no rotary embedding, GELU MLP,
+    causal attention within documents."""
+
+    def __init__(self, c: UserDecoderConfig) -> None:
+        super().__init__()
+        self.head_dim = c.dim // c.n_heads
+        self.ln1, self.ln2 = nn.LayerNorm(c.dim), nn.LayerNorm(c.dim)
+        self.wq, self.wk, self.wv = (nn.Linear(c.dim, c.dim) for _ in range(3))
+        self.wo = nn.Linear(c.dim, c.dim, bias=False)
+        self.up, self.down = nn.Linear(c.dim, c.hidden), nn.Linear(c.hidden, c.dim, bias=False)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        x = self.ln1(h)
+        q, k, v = (w(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        h = h + self.wo(attn.transpose(1, 2).flatten(2))
+        return h + self.down(F.gelu(self.up(self.ln2(h))))
+
+
+class UserDecoder(nn.Module):
+    """A user's own language model (not a `Llama`): the protocol's parts around its own blocks,
+    its own forward (a per-document causal mask built from its arguments), tp plan and init."""
+
+    def __init__(self, config: UserDecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleDict({f"block{i}": UserBlock(config) for i in range(config.n_layers)})
+        self.norm = nn.LayerNorm(config.dim)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+
+    def forward(self, *, h, positions=None, document_ids=None, sequence_index=None) -> torch.Tensor:
+        mask = None
+        if document_ids is not None:
+            s = h.shape[1]
+            causal = torch.ones(s, s, dtype=torch.bool, device=h.device).tril()
+            mask = (causal & (document_ids[:, :, None] == document_ids[:, None, :]))[:, None]
+        for block in self.layers.values():
+            h = block(h, mask)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def init_weights(self, seed: int) -> None:
+        init_weights(self, seed)
+
+    def parallelize(self, tp_mesh, options: ParallelOptions) -> None:
+        plan = {}
+        if self.tok_embeddings is not None:  # a pipeline stage holds some parts only
+            plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate())
+        if self.output is not None:
+            plan["output"] = ColwiseParallel(output_layouts=Replicate())
+        parallelize_module(self, tp_mesh, plan)
+        for block in self.layers.values():
+            parallelize_module(block, tp_mesh, {"wq": ColwiseParallel(), "wk": ColwiseParallel(),
+                                                "wv": ColwiseParallel(), "wo": RowwiseParallel(),
+                                                "up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
 def _seeds(encoders: tuple[str, ...]) -> dict[str, int]:
     return {"language": 1, **{name: 100 * (i + 1) for i, name in enumerate(encoders)}}
 
 
 def _modules(encoders: tuple[str, ...], frozen: tuple[str, ...] = (), n_layers: int = 2,
              meta: bool = False, language_hf: str | None = None,
-             custom_vision: bool = False) -> tuple[Llama, dict[str, nn.Module]]:
+             custom_vision: bool = False, custom_language: bool = False) -> tuple[nn.Module, dict[str, nn.Module]]:
     """The modules, initialized from `_seeds` and the language model loaded from `language_hf`
     if given (meta: left uninitialized on the meta device)."""
     seeds = _seeds(encoders)
     config = LlamaConfig.from_hf(language_hf) if language_hf else dataclasses.replace(LLAMA, n_layers=n_layers)
     with torch.device("meta" if meta else "cpu"):
-        llama = Llama(config)
+        llama = UserDecoder(UserDecoderConfig(n_layers=n_layers)) if custom_language else Llama(config)
         built = {name: PatchMLP(LLAMA.dim) if name == "vision" and custom_vision else
                  ModalityEncoder(ViT(VISION) if name == "vision" else AudioEncoder(AUDIO),
                                  Projection(32, LLAMA.dim, hidden_dim=64)) for name in encoders}
@@ -222,20 +299,27 @@ def _batches(encoders: tuple[str, ...], packed: bool, batch_size: int = 5, seq_l
 def _reference(encoders: tuple[str, ...], packed: bool, frozen: tuple[str, ...], batch_size: int = 5,
                n_layers: int = 2, seq_lens: tuple[int, ...] = (64, 64, 64),
                autocast: torch.dtype | None = None, distinct: int | None = None,
-               language_hf: str | None = None, custom_vision: bool = False) -> list[dict]:
+               language_hf: str | None = None, custom_vision: bool = False,
+               custom_language: bool = False) -> list[dict]:
     """The single-process run; `autocast`: its forward under ``torch.autocast("cpu", autocast)``
     (the mixed precision reference), the loss in fp32."""
-    llama, encs = _modules(encoders, frozen, n_layers, language_hf=language_hf, custom_vision=custom_vision)
+    llama, encs = _modules(encoders, frozen, n_layers, language_hf=language_hf, custom_vision=custom_vision,
+                           custom_language=custom_language)
     modules = {**encs, "language": llama}
     opts = {n: torch.optim.AdamW(m.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps,
                                  weight_decay=OPT.weight_decay) for n, m in modules.items()}
     records = []
-    for batch in _batches(encoders, packed, batch_size, seq_lens, distinct):
+
+    def forward(batch):
         ids = batch.special_token_ids
         with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             rows = {n: encs[n](m.inputs) for n, m in batch.modalities.items()}
             h = assemble(embed_text(llama.tok_embeddings, batch.tokens, ids), batch.tokens, rows, ids)
-            logits = llama(h=h, positions=batch.positions, document_ids=batch.document_ids)
+            return llama(h=h, positions=batch.positions, document_ids=batch.document_ids)
+
+    batches = _batches(encoders, packed, batch_size, seq_lens, distinct)
+    for batch in batches:
+        logits = forward(batch)
         weight = torch.where(batch.labels == IGNORE_INDEX, 0.0, batch.loss_mask).flatten()
         ce = F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(),
                              ignore_index=IGNORE_INDEX, reduction="none")
@@ -250,6 +334,8 @@ def _reference(encoders: tuple[str, ...], packed: bool, frozen: tuple[str, ...],
         for opt in opts.values():
             opt.zero_grad()
     assert any(r["grad_norm"] > OPT.max_grad_norm for r in records), "clipping never engaged"
+    with torch.no_grad():
+        records[-1]["logits"] = forward(batches[0]).float()  # of the trained model (`Case.predict`)
     return records
 
 
@@ -315,7 +401,7 @@ def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
     layout = case.layout()
     layout.init_meshes("cpu")
     llama, encs = _modules(case.encoders, case.frozen, case.n_layers, case.meta, case.language_hf,
-                           case.custom_vision)
+                           case.custom_vision, case.custom_language)
     model = MimoModel(layout, llama, encs, options=case.options, pipeline=case.pipeline,
                       bridge_hops=case.bridge_hops)
     if case.meta:
@@ -337,6 +423,9 @@ def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
         record["allocations"] = model.buffers.allocations  # receive buffers allocated so far
         record["hop_calls"] = dict(hop_calls)  # two-hop scatters and gathers so far
         records.append(record)
+    if case.predict:
+        records[-1]["predicted"] = model.predict(_batches(case.encoders, case.packed, case.batch_size,
+                                                          case.seq_lens[:1])[0])
     return records
 
 
@@ -361,7 +450,7 @@ def check_against_reference(case: Case, run: Callable[[Case], list[dict]] = _dis
     every rank's records."""
     expected = _reference(case.encoders, case.packed, case.frozen, case.batch_size, case.n_layers,
                           case.seq_lens, distinct=case.distinct_batches, language_hf=case.language_hf,
-                          custom_vision=case.custom_vision)
+                          custom_vision=case.custom_vision, custom_language=case.custom_language)
     per_rank = run_on_ranks(run, case.layout().world_size, case, timeout=300)
     for step, want in enumerate(expected):
         got = {"grads": {}, "weights": {}}
@@ -379,4 +468,16 @@ def check_against_reference(case: Case, run: Callable[[Case], list[dict]] = _dis
                     continue
                 torch.testing.assert_close(got[kind][param], value, **TOL,
                                            msg=lambda m: f"step {step} {kind} {param}: {m}")
+    if case.predict:
+        _check_predicted([records[-1]["predicted"] for records in per_rank], expected[-1]["logits"])
     return per_rank
+
+
+def _check_predicted(per_rank: list[torch.Tensor], logits: torch.Tensor) -> None:
+    """Every rank got the same ids, the reference's argmax wherever its top two logits are not
+    within rounding of each other."""
+    top2 = logits.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 1e-4
+    for predicted in per_rank:
+        assert torch.equal(predicted, per_rank[0]), "ranks disagree on the predicted ids"
+        assert torch.equal(predicted[clear], logits.argmax(-1)[clear]), "predict differs from the reference"

@@ -31,12 +31,60 @@ def test_layout_and_model_disagree(modules, options, match):
         MimoModel(MimoLayout(modules), llama, encoders, options=options)
 
 
-def test_checkpointing_compiled_tensor_parallel_blocks_is_refused_before_communicating():
-    llama, encoders = _model_args()
-    options = {"language": ParallelOptions(compile=True, activation_checkpointing=1)}
-    with pytest.raises(ValueError, match=r"module 'language': activation_checkpointing=1 with compile=True "
-                                         r"is not supported at tp=2"):
-        MimoModel(MimoLayout({"vision": P(), "language": P(tp=2)}), llama, encoders, options=options)
+class _Decoder(torch.nn.Module):
+    """A user's decoder with the protocol's parts; `scale` (a parameter outside them) and a
+    forward that always applies norm and output are what a pipeline cannot split."""
+
+    def __init__(self, scale: bool = False, skips_missing_parts: bool = True) -> None:
+        super().__init__()
+        self.config = LlamaConfig.tiny()
+        self.tok_embeddings = torch.nn.Embedding(64, 32)
+        self.layers = torch.nn.ModuleDict({str(i): torch.nn.Linear(32, 32) for i in range(2)})
+        self.norm, self.output = torch.nn.LayerNorm(32), torch.nn.Linear(32, 64)
+        if scale:
+            self.scale = torch.nn.Parameter(torch.ones(()))
+        self.skips_missing_parts = skips_missing_parts
+
+    def forward(self, *, h, positions=None, document_ids=None, sequence_index=None):
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.skips_missing_parts and self.norm is None:
+            return h
+        return self.output(self.norm(h))
+
+
+@pytest.mark.parametrize("decoder, match", [
+    (_Decoder(scale=True), r"it needs no parameters outside tok_embeddings, layers, norm, output \(the layout gives "
+                           r"it pp=2; .* \['scale'\] are in none of them\)"),
+    (_Decoder(skips_missing_parts=False),
+     r"it needs a forward that runs the parts a pipeline stage holds \(its layers, then norm and output only when "
+     r"they are not None\): as a middle stage .* raised TypeError: 'NoneType' object is not callable"),
+], ids=["parameter_outside_the_parts", "forward_needs_every_part"])
+def test_user_decoder_that_cannot_be_split_into_stages_is_named(decoder, match):
+    from dtensor_mimo import PipelineConfig
+
+    _, encoders = _model_args()
+    layout = MimoLayout({"vision": P(), "language": P(pp=2)})
+    with pytest.raises(TypeError, match=r"the language model \(_Decoder\) does not meet the language protocol .*"
+                                        + match):
+        MimoModel(layout, decoder, encoders, pipeline=PipelineConfig(microbatches=2))
+    from dtensor_mimo.mimo import _check_model
+
+    _check_model(  # at pp = 1 the same decoder is fine: nothing is split
+        MimoLayout({"vision": P(), "language": P()}), decoder, encoders, "language", {}, None)
+
+
+def test_user_decoder_split_keeps_its_class_and_leaves_it_whole():
+    from dtensor_mimo.models.protocol import decoder_stage
+
+    decoder = _Decoder()
+    stage = decoder_stage(decoder, [1], first=False, last=True)
+    assert type(stage) is _Decoder and stage.layers["1"] is decoder.layers["1"] and stage.tok_embeddings is None
+    assert [n for n, _ in stage.named_parameters()] == ["layers.1.weight", "layers.1.bias", "norm.weight",
+                                                       "norm.bias", "output.weight", "output.bias"]
+    assert list(decoder.layers) == ["0", "1"] and decoder.tok_embeddings is not None  # the whole decoder is intact
+    stage.register_forward_hook(lambda *_: None)
+    assert not decoder._forward_hooks
 
 
 def test_projection_width_must_match_language_model():

@@ -436,3 +436,20 @@ def test_tp_replicated_gradients_are_averaged_and_drift_is_named() -> None:
     assert errors[0] == "replicas differ: on 2 other rank(s)"  # the vision rank raises too
     for error in errors[1:]:
         assert error == "replicas differ: module 'language': parameter 'layers.1.ffn_norm.weight' differs over tp"
+
+
+def test_checkpointed_blocks_are_compiled_once_inside_their_checkpoint() -> None:
+    """`compile_blocks` skips the blocks `checkpoint_blocks` compiled inside their checkpoint:
+    compiled again from outside, dynamo would trace the checkpoint itself, which fails on DTensor
+    activations (the cause of the old checkpointing + compile + tp refusal; the oracle case
+    `checkpointed_compiled_tp` in tests/test_mimo.py runs it)."""
+    from dtensor_mimo.parallelize import checkpoint_blocks, compile_blocks
+
+    blocks = torch.nn.ModuleDict({str(i): torch.nn.Linear(4, 4) for i in range(3)})
+    done = checkpoint_blocks(blocks, every=2, compile_backend="aot_eager")
+    compile_blocks(blocks, "aot_eager", skip=done)
+    assert done == {"0", "2"}
+    assert [blocks[n]._compiled_call_impl is None for n in ("0", "1", "2")] == [True, False, True]
+    x = torch.randn(2, 4, requires_grad=True)
+    blocks["0"](x).sum().backward()  # runs the compiled forward inside the checkpoint
+    assert x.grad is not None

@@ -6,7 +6,7 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 
 | case            | vision (ranks)   | language (ranks)          | world | schedule             | notes                         |
 |-----------------|------------------|---------------------------|-------|----------------------|-------------------------------|
-| pp2             | dp1 (0)          | pp2 (1-2)                 | 3     | 1F1B                 | overlapped                    |
+| pp2             | dp1 (0)          | pp2 (1-2)                 | 3     | 1F1B                 | overlapped; predict           |
 | dp2_pp2         | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | overlapped, FSDP2 vision      |
 | tp_sp_pp2       | dp2 (0-1)        | tp2·pp2 + sp (2-5)        | 6     | 1F1B                 | overlapped, meta              |
 | fan_in_pp2_dp2  | dp3 (0-2)        | pp2·dp2 (3-6)             | 7     | GPipe                | dp 3 -> 2 per microbatch      |
@@ -22,6 +22,10 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 | looped_bfs      | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | LoopedBFS            | backwards last microbatch first|
 | zero_bubble     | dp1 (0)          | pp2, 2 virtual (1-2)      | 3     | InterleavedZeroBubble| split backward, eager         |
 | length_buckets  | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | sequence 64, 32, 64 per step  |
+| zbv             | dp1 (0)          | pp2, 2 virtual, V (1-2)   | 3     | ZBVZeroBubble        | stages 0,3 / 1,2: crossings and loss on pp rank 0; predict |
+| dualpipev       | dp2 (0-1)        | pp2, 2 virtual, V (2-3)   | 4     | DualPipeV            | V placement, fan-in per microbatch |
+| user_decoder_pp2| dp1 (0)          | pp2 (1-2), `UserDecoder`  | 3     | 1F1B                 | a user's decoder split into its own stages, meta; predict |
+| user_decoder_tp2| dp4 (0-3)        | pp2·tp2 (0-3), `UserDecoder` | 4  | GPipe                | colocated; the user's tp plan on each stage |
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def _case(vision: Parallelism, language: Parallelism, pipeline: PipelineConfig =
 
 
 CASES = {
-    "pp2": _case(P(), P(pp=2)),
+    "pp2": _case(P(), P(pp=2), predict=True),
     "dp2_pp2": _case(P(dp=2), P(pp=2)),
     "tp_sp_pp2": _case(P(dp=2), P(pp=2, tp=2), options={"language": ParallelOptions(sp=True)}, meta=True),
     "fan_in_pp2_dp2": _case(P(dp=3), P(pp=2, dp=2), PipelineConfig(microbatches=4, schedule="GPipe")),
@@ -62,6 +66,12 @@ CASES = {
     "zero_bubble": _case(P(), P(pp=2), PipelineConfig(microbatches=4, schedule="InterleavedZeroBubble",
                                                       virtual_stages=2)),
     "length_buckets": _case(P(dp=2), P(pp=2), seq_lens=(64, 32, 64)),
+    "zbv": _case(P(), P(pp=2), PipelineConfig(microbatches=4, schedule="ZBVZeroBubble", virtual_stages=2),
+                 predict=True),
+    "dualpipev": _case(P(dp=2), P(pp=2), PipelineConfig(microbatches=4, schedule="DualPipeV", virtual_stages=2)),
+    "user_decoder_pp2": _case(P(), P(pp=2), custom_language=True, meta=True, predict=True),
+    "user_decoder_tp2": _case(P(dp=4), P(pp=2, tp=2), PipelineConfig(microbatches=4, schedule="GPipe"),
+                              offsets={"vision": 0, "language": 0}, custom_language=True),
 }
 
 

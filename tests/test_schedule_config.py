@@ -8,7 +8,8 @@ import pytest
 from dtensor_mimo import LayoutError, MimoLayout, Parallelism, PipelineConfig
 from dtensor_mimo.mimo import _check_model
 from dtensor_mimo.models import Llama, LlamaConfig, ModalityEncoder, Projection, ViT, ViTConfig
-from dtensor_mimo.schedule import check_microbatching, stage_layers
+from dtensor_mimo.schedule import SCHEDULES, check_microbatching, stage_layers
+from dtensor_mimo.schedule.config import rank_stages, stage_rank
 
 P = Parallelism
 
@@ -38,6 +39,9 @@ def test_config_validation() -> None:
         PipelineConfig(microbatches=0)
     with pytest.raises(ValueError, match="schedule='ZBV' is not one of"):
         PipelineConfig(microbatches=2, schedule="ZBV")
+    with pytest.raises(ValueError, match=r"schedule='DualPipeV' runs exactly two stages per rank \(a V: pp rank r "
+                                         r"holds stages r and 2\*pp-1-r\) but virtual_stages=3; set virtual_stages=2"):
+        PipelineConfig(microbatches=2, schedule="DualPipeV", virtual_stages=3)
     with pytest.raises(ValueError, match="'1F1B' runs one stage per rank but virtual_stages=2"):
         PipelineConfig(microbatches=2, virtual_stages=2)
     assert PipelineConfig(4, "Interleaved1F1B", 2).num_stages(pp=3) == 6
@@ -51,9 +55,9 @@ def test_batch_not_divisible_by_microbatches_times_dp() -> None:
         check_microbatching(12, 4, 2)
 
 
-def _modules():
+def _modules(n_layers: int = 2):
     vit = ViTConfig.tiny()
-    llama = Llama(LlamaConfig.tiny())
+    llama = Llama(LlamaConfig.tiny(n_layers=n_layers))
     return llama, {"vision": ModalityEncoder(ViT(vit), Projection(vit.dim, llama.config.dim))}
 
 
@@ -91,14 +95,17 @@ def test_encoder_pipeline_needs_a_pipeline_config_and_layers_per_stage() -> None
                      PipelineConfig(microbatches=2))
 
 
-def test_zero_bubble_refuses_compiled_stages() -> None:
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+def test_zero_bubble_refuses_compiled_stages(schedule) -> None:
     from dtensor_mimo import ParallelOptions
 
-    llama, encoders = _modules()
+    llama, encoders = _modules(n_layers=4)
     layout = MimoLayout({"vision": P(), "language": P(pp=2)})
-    zb = PipelineConfig(microbatches=4, schedule="InterleavedZeroBubble")
-    with pytest.raises(LayoutError, match="torch refuses for compiled stages, but 'language' has compile=True"):
+    zb = PipelineConfig(microbatches=4, schedule=schedule, virtual_stages=2)
+    with pytest.raises(LayoutError, match=rf"schedule '{schedule}' splits backward into an input pass and a weight "
+                                          r"pass, but 'language' has compile=True: .* whole backward in both passes"):
         _check_model(layout, llama, encoders, "language", {"language": ParallelOptions(compile=True)}, zb)
+    _check_model(layout, llama, encoders, "language", {"language": ParallelOptions()}, zb)
 
 
 def test_too_few_layers_for_the_stages_is_refused_before_any_process_group() -> None:
@@ -123,3 +130,48 @@ def test_1f1b_needs_as_many_microbatches_as_stages() -> None:
                                           r"stages \(pp=2\), got microbatches=1: use >= 2, or schedule='GPipe'"):
         _check_model(layout, llama, encoders, "language", {}, PipelineConfig(microbatches=1))
     _check_model(layout, llama, encoders, "language", {}, PipelineConfig(microbatches=1, schedule="GPipe"))
+
+
+def test_every_training_schedule_torch_offers_is_accepted() -> None:
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+        _ScheduleForwardOnly,
+        get_schedule_class,
+    )
+    from torch.distributed.pipelining import schedules
+
+    offered = {c for c in vars(schedules).values() if isinstance(c, type) and c.__name__.startswith("Schedule")
+               and issubclass(c, (PipelineScheduleSingle, PipelineScheduleMulti)) and c is not _ScheduleForwardOnly}
+    assert {get_schedule_class(name) for name in SCHEDULES} == offered
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4])
+@pytest.mark.parametrize("placement", ["loop", "v"])
+def test_stage_placement_is_torchs(pp: int, placement: str) -> None:
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    for n_stages in (pp, 2 * pp, 3 * pp):
+        want = generate_stage_to_rank_mapping(pp, n_stages, style=placement)
+        assert [stage_rank(s, n_stages, pp, placement) for s in range(n_stages)] == [want[s] for s in range(n_stages)]
+        assert sorted(s for r in range(pp) for s in rank_stages(r, n_stages, pp, placement)) == list(range(n_stages))
+
+
+def test_v_placement_puts_first_and_last_stage_on_pp_rank_0() -> None:
+    config = PipelineConfig(microbatches=8, schedule="ZBVZeroBubble", virtual_stages=2)
+    assert config.placement == "v"
+    assert [config.rank_stages(r, pp=4) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert config.stage_rank(0, pp=4) == config.stage_rank(7, pp=4) == 0
+    looped = PipelineConfig(microbatches=8, schedule="Interleaved1F1B", virtual_stages=2)
+    assert looped.placement == "loop" and looped.rank_stages(0, pp=4) == [0, 4] and looped.stage_rank(7, pp=4) == 3
+
+
+def test_dualpipev_needs_as_many_microbatches_as_stages() -> None:
+    llama, encoders = _modules(n_layers=4)
+    layout = MimoLayout({"vision": P(), "language": P(pp=2)})
+    with pytest.raises(LayoutError, match=r"'DualPipeV' needs at least as many microbatches as 'language' has stages "
+                                          r"\(pp=2 x 2 = 4\), got microbatches=2: use >= 4"):
+        _check_model(layout, llama, encoders, "language", {},
+                     PipelineConfig(microbatches=2, schedule="DualPipeV", virtual_stages=2))
+    _check_model(layout, llama, encoders, "language", {},
+                 PipelineConfig(microbatches=2, schedule="ZBVZeroBubble", virtual_stages=2))

@@ -18,11 +18,29 @@ model and its parallelize function", as a small structural contract).
   the contract.
 
 **Language model** — the library's `Llama`, or a module with the same parts: ``config`` with
-``dim`` and ``n_layers``; ``tok_embeddings``; ``layers`` (an ``nn.ModuleDict`` of blocks called as
-``block(h, rope, sequence_index, document_ids)``); ``norm``; ``output``; and
-``forward(h=..., positions=..., document_ids=..., sequence_index=...)`` returning logits. With
-tp > 1 it needs ``parallelize(tp_mesh, options)`` unless it is a `Llama`; with cp > 1 it needs
-``set_attention_fn`` (the context-parallel attention core goes in through it).
+``dim`` and ``n_layers``; ``tok_embeddings``; ``layers`` (an ``nn.ModuleDict`` of blocks); ``norm``;
+``output``; and ``forward(h=..., positions=..., document_ids=..., sequence_index=...)`` returning
+logits (the library embeds the text with ``tok_embeddings`` and assembles the modality rows into
+``h`` first). With tp > 1 it needs ``parallelize(tp_mesh, options)`` unless it is a `Llama`; with
+cp > 1 it needs ``set_attention_fn`` (the context-parallel attention core goes in through it).
+
+**Language pipeline stages** (pp > 1) are cut from the user's own module (torchtitan's
+``pipeline_llm``): `decoder_stage` gives a shallow copy of it — its own class, so its own
+``forward``, ``parallelize`` and ``init_weights`` — holding a contiguous run of its ``layers``
+(keys unchanged), ``tok_embeddings`` on the first stage only and ``norm`` and ``output`` on the last
+only; the parts a stage does not hold are None, parameter names stay those of the whole model.
+So, to be split, the decoder needs
+
+- ``tok_embeddings``, ``norm`` and ``output`` as submodules, and no parameter outside them and
+  ``layers`` (a stage would not know whether it holds it);
+- a ``forward(h=...)`` that runs the parts it holds: its ``layers`` in order, then ``norm`` and
+  ``output`` when they are not None, returning the hidden states ``[b, s, dim]`` otherwise.
+  What it computes from its arguments between the parts (rotary angles, masks) every stage
+  recomputes; it must not change the hidden states outside its parts. Checked on the meta
+  device, as a middle stage, before any process group is used;
+- with tp > 1, a ``parallelize`` that leaves the None parts alone (it runs on each stage);
+- ``init_weights(seed)`` giving each parameter a value that depends on the seed and its name
+  only (`dtensor_mimo.models.init_weights` does), run on each stage.
 
 `encoder_problems` and `language_problems` list what a module lacks; `MimoModel` raises with
 that list before any process group is used.
@@ -30,6 +48,10 @@ that list before any process group is used.
 
 from __future__ import annotations
 
+import copy
+from typing import Sequence
+
+import torch
 from torch import nn
 
 from dtensor_mimo.models.llama import Llama
@@ -52,8 +74,8 @@ def encoder_problems(module: object, *, tp: int, activation_checkpointing: int) 
     return problems
 
 
-def language_problems(module: object, *, tp: int, cp: int) -> list[str]:
-    """What `module` lacks to serve as the language model with tp and cp sizes (empty: fine)."""
+def language_problems(module: object, *, tp: int, cp: int, pp: int = 1) -> list[str]:
+    """What `module` lacks to serve as the language model with tp, cp and pp sizes (empty: fine)."""
     if not isinstance(module, nn.Module):
         return [f"to be an nn.Module (it is a {type(module).__name__})"]
     config = getattr(module, "config", None)
@@ -65,4 +87,71 @@ def language_problems(module: object, *, tp: int, cp: int) -> list[str]:
         problems.append(f"parallelize(tp_mesh, options) (its tensor parallel plan: the layout gives it tp={tp})")
     if cp > 1 and not callable(getattr(module, "set_attention_fn", None)):
         problems.append(f"set_attention_fn(fn) (the layout gives it cp={cp})")
+    if pp > 1 and not problems:
+        problems += split_problems(module, pp)
     return problems
+
+
+STAGE_PARTS = ("tok_embeddings", "layers", "norm", "output")
+"""The parts of a decoder that pipeline stages divide among themselves."""
+
+
+def split_problems(decoder: nn.Module, pp: int) -> list[str]:
+    """What `decoder` (meeting the rest of the language protocol) lacks to be cut into pipeline
+    stages by `decoder_stage` (pure: its forward runs once on the meta device)."""
+    parts = [p for p in ("tok_embeddings", "norm", "output") if not isinstance(getattr(decoder, p), nn.Module)]
+    if parts:
+        return [f"{', '.join(parts)} as submodules (the layout gives it pp={pp}: each stage holds some "
+                "parts and sets the others to None)"]
+    outside = [n for n, _ in decoder.named_parameters() if n.split(".")[0] not in STAGE_PARTS]
+    if outside:
+        return [f"no parameters outside {', '.join(STAGE_PARTS)} (the layout gives it pp={pp}; a stage holds "
+                f"only those parts, and {outside[:4]}{' ...' if len(outside) > 4 else ''} are in none of them)"]
+    if len(decoder.layers) < 1:
+        return []  # `stage_layers` names the layer count
+    problem = _middle_stage_problem(decoder)
+    return [problem] if problem else []
+
+
+def decoder_stage(decoder: nn.Module, layers: Sequence[int], first: bool, last: bool) -> nn.Module:
+    """One pipeline stage of `decoder`: a shallow copy of it (its class, attributes and methods)
+    holding its blocks at positions `layers` (keys unchanged), ``tok_embeddings`` if `first`,
+    ``norm`` and ``output`` if `last`, the other parts None; it shares those modules with
+    `decoder` (nothing is copied), so parameter names are the whole model's. `decoder` itself is
+    left whole: the copy has registries (submodules, parameters, buffers, hooks) of its own."""
+    stage = copy.copy(decoder)
+    for key, value in vars(decoder).items():
+        if isinstance(value, (dict, set)):  # nn.Module's registries, shared by a plain shallow copy
+            stage.__dict__[key] = copy.copy(value)
+    blocks = list(decoder.layers.items())
+    stage.tok_embeddings = decoder.tok_embeddings if first else None
+    stage.layers = nn.ModuleDict({key: block for key, block in (blocks[i] for i in layers)})
+    stage.norm = decoder.norm if last else None
+    stage.output = decoder.output if last else None
+    return stage
+
+
+def _middle_stage_problem(decoder: nn.Module) -> str | None:
+    """Run `decoder`'s forward as a middle stage (one block, no embeddings, norm or head) on the
+    meta device: None if it returns hidden states ``[1, 4, dim]``, else what went wrong."""
+    dim = decoder.config.dim
+    stage = decoder_stage(decoder, [0], first=False, last=False)
+    tensors = {n: t for n, t in (*stage.named_parameters(), *stage.named_buffers())}
+    dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.get_default_dtype())
+    meta = {n: torch.empty_like(t, device="meta") for n, t in tensors.items()}
+    h = torch.zeros(1, 4, dim, dtype=dtype, device="meta")
+    positions = torch.zeros(1, 4, dtype=torch.int64, device="meta")
+    what = ("a forward that runs the parts a pipeline stage holds (its layers, then norm and output only "
+            "when they are not None)")
+    try:
+        with torch.no_grad():
+            out = torch.func.functional_call(stage, meta, (), dict(h=h, positions=positions, document_ids=None,
+                                                                    sequence_index=None))
+    except Exception as error:  # noqa: BLE001 - reported as what the module lacks
+        return (f"{what}: as a middle stage (norm and output None) on the meta device, forward(h=[1, 4, {dim}]) "
+                f"raised {type(error).__name__}: {error}")
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (1, 4, dim):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return (f"{what}: as a middle stage (norm and output None) forward(h=[1, 4, {dim}]) must return the "
+                f"hidden states [1, 4, {dim}], got {got}")
+    return None

@@ -30,7 +30,8 @@ class ParallelOptions:
             The root module is never resharded after forward (FSDP2's own default).
         activation_checkpointing: recompute block activations in backward instead of keeping
             them: 0 off, 1 every transformer block, n every n-th block (the first, then every
-            n-th). Composes with tp/sp, compile and FSDP2; numerics unchanged.
+            n-th). Composes with tp/sp, compile (a checkpointed block is compiled inside its
+            checkpoint) and FSDP2; numerics unchanged.
         param_dtype: mixed precision (FSDP2's `MixedPrecisionPolicy` words): compute in this
             dtype (e.g. ``torch.bfloat16`` or "bf16") while the parameters, their gradients and
             the optimizer state stay in the parameters' own dtype (fp32 master weights). With
@@ -90,13 +91,8 @@ class ParallelOptions:
 
     def check_for(self, module: str, tp: int) -> None:
         """Raise ValueError for option combinations that cannot run on `module` with tensor
-        parallel size `tp` (checked on every rank before any process group is used)."""
-        if self.activation_checkpointing and self.compile and tp > 1:
-            # torch 2.13: a compiled block whose activations are DTensors fails under
-            # torch.utils.checkpoint ("expected all tensors_saved_with_vc_check to be Tensors").
-            raise ValueError(
-                f"module {module!r}: activation_checkpointing={self.activation_checkpointing} with "
-                f"compile=True is not supported at tp={tp} (torch 2.13 cannot checkpoint compiled "
-                "blocks with DTensor activations); use compile=False or activation_checkpointing=0 "
-                "for this module")
+        parallel size `tp` (checked on every rank before any process group is used).
 
+        None in torch 2.13: activation checkpointing composes with compile at any tp (a
+        checkpointed block is compiled inside its checkpoint, and only there: `compile_blocks`
+        skips it)."""

@@ -3,11 +3,14 @@ step (encoder microbatches overlapping language microbatches; colocated three ph
 
 from dtensor_mimo.schedule.config import (
     SCHEDULES,
+    V_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
     PipelineConfig,
     check_microbatching,
     check_pipeline_layout,
+    rank_stages,
     stage_layers,
+    stage_rank,
 )
 from dtensor_mimo.schedule.crossing import Crossing
 from dtensor_mimo.schedule.encoders import EncoderPipeline, EncoderStage, keep_encoder_stage
@@ -16,6 +19,7 @@ from dtensor_mimo.schedule.step import pipelined_step
 
 __all__ = [
     "SCHEDULES",
+    "V_SCHEDULES",
     "ZERO_BUBBLE_SCHEDULES",
     "Crossing",
     "EncoderPipeline",
@@ -28,6 +32,8 @@ __all__ = [
     "keep_encoder_stage",
     "llama_stage",
     "pipelined_step",
+    "rank_stages",
     "stage_inputs",
     "stage_layers",
+    "stage_rank",
 ]

@@ -13,6 +13,11 @@ cp) and the modules sit on nodes of their own: each row then crosses once, sprea
 replicas, and the receiving stage all-gathers it inside its tp and cp groups when it waits for
 it (the backward first reduce-scatters the Partial gradient over the language cp group).
 
+Where the first language stage is: stage 0 sits on pp rank 0 under every placement
+(`PipelineConfig.stage_rank`: looped, or V-shaped, where pp rank 0 also holds the last stage),
+so the destination is the pp-rank-0 slice of the language mesh (`_stage_spec(..., 0)`) whatever
+the schedule.
+
 NCCL safety by construction: a rank posts ALL of its sends and receives of one crossing in
 ONE batch, and every rank runs the crossings of a step in the same global order: the forward
 crossings of microbatches 0..M-1, then the backward crossings 0..M-1 (the first language
@@ -21,6 +26,11 @@ then holds a gradient until the earlier ones have gone). So the messages between
 are posted in the same order on both sides, whatever runs between them. The two-hop collectives
 run inside one stage's tp / cp groups, whose members run the same schedule: they post and wait
 the same crossings in the same order, each a collective issued at the same point on every member.
+A V placement changes none of this: the rank holding stage 0 and the last stage posts its
+crossings in the same global order (the zero-bubble schedules run the first stage's backward in
+their weight pass, at a point torch picks; `LanguageFeed` posts the gradients in microbatch order
+whatever that point is), and torch's own stage-to-stage messages travel on the pp group, which
+no crossing uses.
 """
 
 from __future__ import annotations

@@ -67,7 +67,9 @@ class LanguageFeed:
         got no gradient)."""
         self._grads[index] = {n: g for n, g, t in zip(self.names, grads, self.trainable) if t}
         # Backward crossings go out in microbatch order, the global order every rank follows,
-        # whatever order the schedule ran the backwards in (LoopedBFS: last microbatch first).
+        # whatever order the schedule ran the backwards in (LoopedBFS: last microbatch first; the
+        # zero-bubble schedules, V-shaped included: the first stage's weight pass, when torch
+        # fits it in), so the messages between any two ranks keep one order on both sides (NCCL).
         while self.post_gradients and self._next_post in self._grads:
             grads_out = self._grads.pop(self._next_post)
             self._sent.append(self.crossings[self._next_post].backward(grads_out, receives=False))

@@ -1,7 +1,11 @@
 """The language model as torch pipeline stages over its mesh's pp dim, run by torch's schedules.
 
-The decoder is cut into ``pp * virtual_stages`` stages (`stage_layers`); stage s lives on pp rank
-``s % pp`` (torch's looped placement) as a `PipelineStage` whose module is a `LanguageStage`:
+The decoder — the library's `Llama` or a user's own module meeting the protocol — is cut into
+``pp * virtual_stages`` stages (`stage_layers`), each a `decoder_stage` of it (the user's own class
+holding its parts of the decoder, `dtensor_mimo.models.protocol`) parallelized with the same
+function as the whole decoder at pp = 1 (`parallelize_llama`: a user's ``parallelize`` per part).
+Stage s lives on pp rank ``PipelineConfig.stage_rank(s, pp)`` (looped, or V-shaped for the V
+schedules) as a `PipelineStage` whose module is a `LanguageStage`:
 
 - the first stage embeds the microbatch's text, takes the encoder rows from the `LanguageFeed`,
   scatters them in at their special tokens (`assemble`) and cuts this rank's cp chunk;
@@ -33,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from dtensor_mimo.assemble import assemble, embed_text
 from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.layout import MimoLayout
-from dtensor_mimo.models import Llama
+from dtensor_mimo.models.protocol import decoder_stage
 from dtensor_mimo.parallelize import ParallelOptions, apply_data_parallel, compute_dtype, parallelize_llama
 from dtensor_mimo.schedule.config import PipelineConfig, stage_layers
 from dtensor_mimo.schedule.runtime import cached, run_schedule
@@ -48,7 +52,7 @@ class LanguageStage(nn.Module):
     """One pipeline stage of the decoder (an FSDP root); `llama` holds only this stage's parts,
     under the whole model's parameter names."""
 
-    def __init__(self, llama: Llama, first: bool, last: bool, cp_size: int, cp_rank: int,
+    def __init__(self, llama: nn.Module, first: bool, last: bool, cp_size: int, cp_rank: int,
                  hidden_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.llama, self.first, self.last = llama, first, last
@@ -99,17 +103,12 @@ def stage_inputs(mb: MimoBatch, cp_size: int, cp_rank: int) -> tuple[torch.Tenso
                            labels=chunk.labels, loss_mask=chunk.loss_mask)
 
 
-def llama_stage(llama: Llama, layers: range, first: bool, last: bool) -> Llama:
-    """A `Llama` that shares `llama`'s modules for `layers` (plus the embedding on the first stage,
-    norm and head on the last); parameter names stay those of the whole model."""
-    stage = Llama.__new__(Llama)
-    nn.Module.__init__(stage)
-    stage.config = llama.config
-    stage.tok_embeddings = llama.tok_embeddings if first else None
-    stage.layers = nn.ModuleDict({str(i): llama.layers[str(i)] for i in layers})
-    stage.norm = llama.norm if last else None
-    stage.output = llama.output if last else None
-    return stage
+def llama_stage(llama: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
+    """The stage of decoder `llama` (a `Llama` or a user's decoder meeting the protocol) that holds
+    its blocks `layers` (positions in ``llama.layers``), plus the embedding on the first stage,
+    norm and head on the last: `dtensor_mimo.models.protocol.decoder_stage`, the decoder's own
+    class sharing its modules; parameter names stay those of the whole model."""
+    return decoder_stage(llama, layers, first, last)
 
 
 def _stage_loss(loss_share: torch.Tensor, _target: None) -> torch.Tensor:
@@ -122,13 +121,14 @@ class LanguagePipeline:
 
     Args:
         layout, name: the layout and the language module's name; this rank must be a member.
-        llama: the whole decoder (its stages' modules are taken from it, not copied).
+        llama: the whole decoder, a `Llama` or a user's module meeting the protocol (its stages'
+            modules are taken from it, not copied).
         options: the language module's `ParallelOptions`.
         config: the `PipelineConfig`.
         device: this rank's device.
     """
 
-    def __init__(self, layout: MimoLayout, name: str, llama: Llama, options: ParallelOptions,
+    def __init__(self, layout: MimoLayout, name: str, llama: nn.Module, options: ParallelOptions,
                  config: PipelineConfig, device: torch.device) -> None:
         par = layout.parallelism(name)
         coord = layout.coordinate(name, torch.distributed.get_rank())
@@ -141,8 +141,8 @@ class LanguagePipeline:
         tp_mesh, dp_mesh = layout.mesh(name, "tp"), layout.mesh(name, ("dp", "cp"))
         if par.cp > 1:
             llama.set_attention_fn(ContextParallelAttention(layout.mesh(name, "cp")))
-        bounds = stage_layers(llama.config.n_layers, self.n_stages, config.split, module=name)
-        self.stage_indices = list(range(coord["pp"], self.n_stages, par.pp))
+        bounds = stage_layers(len(llama.layers), self.n_stages, config.split, module=name)
+        self.stage_indices = config.rank_stages(coord["pp"], par.pp)
         self.stages = nn.ModuleList()
         for s in self.stage_indices:
             part = llama_stage(llama, bounds[s], s == 0, s == self.n_stages - 1)
@@ -212,18 +212,19 @@ class LanguagePipeline:
         """Forward only of this rank's dp shard `mb` (encoder `rows` for the first stage), stage
         after stage; returns the next-token ids of this cp chunk on the last stage's rank, else
         None. Outside torch's schedule: one microbatch, blocking point-to-point in stage order
-        (stage s sends to s + 1 before anyone posts s + 1's send), so NCCL cannot deadlock."""
+        (stage s sends to s + 1 before anyone posts s + 1's send; consecutive stages on one rank,
+        as in a V, hand over locally), so NCCL cannot deadlock."""
         tokens, kwargs = stage_inputs(mb.to(self.device), self.par.cp, self.cp_rank)
-        pp_rank = self.pp_group.rank()
+        pp_rank, where = self.pp_group.rank(), lambda stage: self.config.stage_rank(stage, self.par.pp)
         x, out = tokens, None
         for s in range(self.n_stages):
             if s not in self.stage_indices:
                 continue
             module = self.stages[self.stage_indices.index(s)]
-            if s > 0 and (s - 1) % self.par.pp != pp_rank:
+            if s > 0 and where(s - 1) != pp_rank:
                 x = torch.empty(*tokens.shape[:1], tokens.shape[1] // self.par.cp, self.dim,
                                 dtype=self.dtype, device=self.device)
-                torch.distributed.recv(x, group=self.pp_group, group_src=(s - 1) % self.par.pp)
+                torch.distributed.recv(x, group=self.pp_group, group_src=where(s - 1))
             module.set_step(rows if module.first else None, mb.special_token_ids, 1.0)
             module.predicting = module.last
             try:
@@ -231,7 +232,7 @@ class LanguagePipeline:
             finally:
                 module.predicting = False
                 module.set_step(None, {}, 1.0)
-            if s + 1 < self.n_stages and (s + 1) % self.par.pp != pp_rank:
-                torch.distributed.send(x.contiguous(), group=self.pp_group, group_dst=(s + 1) % self.par.pp)
+            if s + 1 < self.n_stages and where(s + 1) != pp_rank:
+                torch.distributed.send(x.contiguous(), group=self.pp_group, group_dst=where(s + 1))
             out = x if module.last else None
         return out
