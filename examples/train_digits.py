@@ -43,11 +43,13 @@ from dtensor_mimo.models import (
     ViT,
     ViTConfig,
 )
-from dtensor_mimo.train.config import TrainerConfig
-from dtensor_mimo.train.trainer import model_configs
+from dtensor_mimo.train.config import parse_args
+from dtensor_mimo.train.modules import resolve
 
-# The trainer's default digits model (`python -m dtensor_mimo.train`), rows up to 64 tokens.
-LLAMA, VISION, AUDIO = model_configs(TrainerConfig(), seq_len=64)
+# The trainer's default digits model (`python -m dtensor_mimo.train`).
+_DIGITS = resolve(parse_args([]))
+LLAMA = _DIGITS.language
+VISION, AUDIO = _DIGITS.encoders["vision"].config, _DIGITS.encoders["audio"].config
 
 
 class DigitsModel(torch.nn.Module):

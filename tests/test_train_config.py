@@ -6,9 +6,11 @@ import glob
 import os
 
 import pytest
+import torch
 
 from dtensor_mimo.train.config import ConfigError, TrainerConfig, build_layout, check_config, help_text, parse_args
 
+IMAGE = ["--model.encoders.image.image_size", "16"]
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 
 
@@ -17,38 +19,51 @@ def test_defaults_are_a_heterogeneous_three_rank_layout() -> None:
     layout = build_layout(config)
     assert layout.world_size == 3
     assert [layout.ranks(n) for n in ("vision", "audio", "language")] == [[0], [1], [2]]
-    assert config.options.language.compile and config.pipeline.microbatches == 4
+    assert config.options["language"].compile and config.pipeline.microbatches == 4
 
 
 def test_file_then_overrides_in_any_order(tmp_path) -> None:
     path = tmp_path / "c.toml"
     path.write_text('[train]\nsteps = 7\n[layout.language]\ntp = 2\n[optimizer]\ndecay = "linear"\n')
     config = parse_args(["--train.steps", "40", "--config", str(path), "--optimizer.lr=5e-4",
-                         "--optimizer.module_lr", "{vision = 1e-4}", "--model.frozen", '["vision"]',
+                         "--optimizer.module_lr", "{vision = 1e-4}", "--model.encoders.vision.frozen", "true",
                          "--checkpoint.dir", "ckpt/run 1"])
     assert config.train.steps == 40  # the command line wins over the file, wherever it stands
-    assert config.layout.language.tp == 2 and config.optimizer.decay == "linear"
+    assert config.module_layout("language").tp == 2 and config.optimizer.decay == "linear"
     assert config.optimizer.lr == 5e-4 and config.optimizer.module_lr == {"vision": 1e-4}
-    assert config.model.frozen == ["vision"] and config.checkpoint.dir == "ckpt/run 1"
+    assert config.model.encoders["vision"].frozen and config.checkpoint.dir == "ckpt/run 1"
+    assert config.model.encoders["vision"].seed == 10  # the digits defaults under the override
     mixed = parse_args(["--options.vision.param_dtype", "bfloat16"])
-    assert mixed.options.vision.param_dtype == "bfloat16" and mixed.options.language.param_dtype is None
+    assert mixed.options["vision"].param_dtype == torch.bfloat16 and mixed.options["language"].param_dtype is None
+    assert mixed.options["vision"].compile  # the digits job's compile stays under the override
     assert build_layout(config).ranks("language") == [2, 3]
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--train.stepz", "3"], "unknown key 'train.stepz'; train has steps, eval_every"),
-    (["--trian.steps", "3"], "unknown key 'trian'; the config has layout, options"),
+    (["--trian.steps", "3"], "unknown key 'trian'; the config has model, layout, options"),
     (["--train.steps", "forty"], "train.steps = 'forty': expected an integer"),
     (["--options.language.param_dtype", "half"],
-     "options.language.param_dtype = 'half': expected one of 'float32', 'bfloat16', 'float16' or none"),
+     "options.language: ParallelOptions: param_dtype='half' must be a floating dtype"),
+    (["--options.language.sp", "1"], "options.language.sp = 1: expected true or false"),
     (["--train.steps", "2.5"], "train.steps = 2.5: expected an integer"),
     (["--optimizer.lr", "fast"], "optimizer.lr = 'fast': expected a number"),
     (["--options.language.compile", "yes"], "options.language.compile = 'yes': expected true or false"),
-    (["--pipeline.schedule", "1f1b"], "pipeline.schedule = '1f1b': expected one of '1F1B', 'GPipe'"),
-    (["--layout", "3"], "layout is a section (vision, audio, language, bridge_hops), got 3"),
+    (["--pipeline.schedule", "1f1b"], "pipeline: PipelineConfig.schedule='1f1b' is not one of ['1F1B', 'GPipe'"),
+    (["--layout", "3"], "layout is a section (bridge_hops, <module>), got 3"),
+    (["--layout.image", "3"], "layout.image is a section (pp, dp, cp, tp, offset), got 3"),
     (["--layout.bridge_hops", "3"], "layout.bridge_hops = 3: expected one of 1, 2 or none"),
-    (["--model.frozen", '["text"]'], "model.frozen names ['text']: the modules are ['vision', 'audio', 'language']"),
-    (["--model.frozen", '["language"]'], "the language model always trains"),
+    (["--layout.text.dp", "2"], "layout names ['text']: the modules are ['vision', 'audio', 'language']"),
+    (["--options.text.sp", "true"], "options names ['text']"),
+    (["--model.encoders.text.modality", "image"], "data.format = 'digits' trains one library image encoder"),
+    (["--model.language.frozen", "true"], "unknown key 'model.language.frozen'"),
+    (["--model.language.hf", "a", "--model.language.factory", "b:c"], "model.language: give hf or factory, not both"),
+    (["--model.encoders.vision.factory", "nodots"], "expected 'package.module:function'"),
+    (["--data.format", "llava"], "model.encoders is empty: declare at least one"),
+    (["--data.format", "llava", *IMAGE], "data.format = 'llava' needs data.path"),
+    (["--data.format", "llava", "--data.path", "x.jsonl", *IMAGE], "needs a tokenizer"),
+    (["--data.format", "llava", "--data.path", "x.jsonl", "--data.tokenizer", "t", *IMAGE,
+      "--model.encoders.v2.image_size", "8"], "several encoders take ['image']"),
     (["--optimizer.module_lr", "{video = 1e-4}"], "optimizer.module_lr names ['video']"),
     (["--train.steps", "0"], "train.steps = 0: must be >= 1"),
     (["--data.batch_size", "30"], "data.batch_size = 30 must split into pipeline.microbatches = 4"),
@@ -59,9 +74,7 @@ def test_file_then_overrides_in_any_order(tmp_path) -> None:
     (["--layout.language.offset", "0", "--layout.language.dp", "2"], "partially overlap"),
     (["--layout.audio.offset", "5"], "belong to no module"),
     (["--pipeline.schedule", "GPipe", "--pipeline.virtual_stages", "2"], "pipeline: PipelineConfig: schedule='GPipe'"),
-    (["--model.n_heads", "3"], "n_heads must divide dim"),
-    (["--options.language.activation_checkpointing", "1", "--layout.language.tp", "2"],
-     "options.language: module 'language': activation_checkpointing=1 with compile=True is not supported at tp=2"),
+    (["--model.language.n_heads", "3"], "n_heads must divide dim"),
     (["--options.vision.activation_checkpointing", "-1"], "activation_checkpointing=-1 must be an integer >= 0"),
     (["--config", "/nonexistent.toml"], "--config /nonexistent.toml: No such file"),
     (["--train.steps"], "--train.steps needs a value"),
@@ -94,8 +107,9 @@ def test_layout_must_fit_the_launched_world() -> None:
 
 def test_help_lists_every_key_with_its_default() -> None:
     text = help_text()
-    for line in ("--train.steps", "--layout.language.tp", "--checkpoint.dir", "--checkpoint.every",
-                 "--metrics.jsonl", "--pipeline.schedule"):
+    for line in ("--train.steps", "--layout.<module>.tp", "--checkpoint.dir", "--checkpoint.every",
+                 "--metrics.jsonl", "--pipeline.schedule", "--model.encoders.<name>.hf", "--options.<module>.sp",
+                 "--data.format", "--checkpoint.export_hf"):
         assert line in text
     assert "'1F1B'" in text and "1500" in text
 

@@ -127,18 +127,21 @@ def test_reload_under_other_layouts_continues(run_a, tmp_path) -> None:
     assert got_c[6] == pytest.approx(expected[6], rel=1e-5)
 
 
-def test_mismatched_checkpoint_names_keys_and_shapes(run_a) -> None:
-    from dtensor_mimo.train.trainer import build_modules
+def _shapes(config) -> dict:
+    from dtensor_mimo.train.modules import build_modules, resolve
 
+    return expected_shapes(build_modules(config, resolve(config), 33))
+
+
+def test_mismatched_checkpoint_names_keys_and_shapes(run_a) -> None:
     d, argv = run_a
-    config = parse_args([*argv, "--model.dim", "32", "--model.n_layers", "3"])
+    config = parse_args([*argv, "--model.language.dim", "32", "--model.language.n_layers", "3"])
     with pytest.raises(CheckpointError) as e:
-        check_checkpoint(str(d / "ckpt" / "step-000003"), expected_shapes(build_modules(config, 33)))
+        check_checkpoint(str(d / "ckpt" / "step-000003"), _shapes(config))
     msg = str(e.value)
     assert "missing from the checkpoint: model.language.layers.2." in msg
     assert "different shapes: model.audio.projection" in msg and "(64, 48)" in msg and "(32, 48)" in msg
-    config = parse_args(argv)
-    check_checkpoint(str(d / "ckpt" / "step-000003"), expected_shapes(build_modules(config, 33)))
+    check_checkpoint(str(d / "ckpt" / "step-000003"), _shapes(parse_args(argv)))
 
 
 # ---------------------------------------------------------------------------- predict
@@ -148,19 +151,19 @@ def _predict(argv: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     from dtensor_mimo.train.trainer import Trainer
 
     trainer = Trainer(parse_args(argv))
-    batch = trainer.heldout.batch(range(8), load=trainer._load_plan(8, 1))
+    batch = trainer.data.heldout.batch(range(8), load=trainer._load_plan(8, 1))
     return trainer.model.predict(batch), batch.tokens
 
 
 def _reference_logits(argv: list[str]) -> torch.Tensor:
     """A one-process forward of the same modules on the fully loaded batch."""
-    from dtensor_mimo.data import DigitsDataset, DigitsTask
-    from dtensor_mimo.train.trainer import build_modules, model_configs
+    from dtensor_mimo.train.datasets import train_data
+    from dtensor_mimo.train.modules import build_modules, resolve
 
     config = parse_args(argv)
-    modules = build_modules(config, 40)
-    _, vision, audio = model_configs(config, 40)
-    batch = DigitsDataset("heldout", vision, audio, 8, task=DigitsTask(), seq_len=40).batch(range(8))
+    resolved = resolve(config)
+    modules = build_modules(config, resolved, 40, meta=False)
+    batch = train_data(config, resolved).heldout.batch(range(8))
     ids = batch.special_token_ids
     with torch.no_grad():
         rows = {n: modules[n](m.inputs) for n, m in batch.modalities.items()}
@@ -171,15 +174,14 @@ def _reference_logits(argv: list[str]) -> torch.Tensor:
 @pytest.mark.parametrize("layout", [
     pytest.param(LAYOUT_A, id="tp2"),
     pytest.param(["--layout.language.cp", "2", "--layout.vision.dp", "2"], id="cp2"),
-    pytest.param(["--layout.language.pp", "2", "--model.n_layers", "3"], id="pp2"),
+    pytest.param(["--layout.language.pp", "2", "--model.language.n_layers", "3"], id="pp2"),
 ])
 def test_predict_matches_one_process(layout: list[str]) -> None:
-    # seq_len 40 for every layout (cp2 would round 33 up to 36; the reference uses 40).
-    argv = [*SHORT, *layout, "--data.heldout_samples", "8"]
+    argv = [*SHORT, *layout, "--data.heldout_samples", "8", "--data.seq_len", "40"]
     from dtensor_mimo.train.config import build_layout
 
     world = build_layout(parse_args(argv)).world_size
-    results = run_on_ranks(_predict_padded, world, argv, timeout=300)
+    results = run_on_ranks(_predict, world, argv, timeout=300)
     reference = _reference_logits(argv)
     top2 = reference.topk(2, dim=-1).values
     clear = (top2[..., 0] - top2[..., 1]) > 1e-4  # positions whose argmax is not a near-tie
@@ -187,17 +189,6 @@ def test_predict_matches_one_process(layout: list[str]) -> None:
         assert torch.equal(pred, results[0][0])  # the same on every rank
         assert torch.equal(pred[clear], reference.argmax(-1)[clear])
     assert clear.float().mean() > 0.9
-
-
-def _predict_padded(argv: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    from dtensor_mimo.train import trainer as trainer_module
-
-    original = trainer_module.sequence_length
-    trainer_module.sequence_length = lambda config, minimum: 40
-    try:
-        return _predict(argv)
-    finally:
-        trainer_module.sequence_length = original
 
 
 # ---------------------------------------------------------------------------- the command

@@ -56,6 +56,21 @@ def latest_checkpoint(directory: str) -> str | None:
     return os.path.join(directory, max(steps)[1]) if steps else None
 
 
+def resolve_load(path: str) -> str:
+    """The checkpoint `path` names: itself when it is one, else the latest complete checkpoint
+    of the directory of them it is; CheckpointError says what is there otherwise."""
+    if os.path.exists(os.path.join(path, ".metadata")):
+        return path
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path!r}: no such directory")
+    latest = latest_checkpoint(path)
+    if latest is None:
+        entries = sorted(os.listdir(path))[:8]
+        raise CheckpointError(f"checkpoint {path!r} is neither a checkpoint (no .metadata) nor a directory of "
+                              f"complete step-N checkpoints (it holds {entries or 'nothing'})")
+    return latest
+
+
 def expected_shapes(modules: Mapping[str, torch.nn.Module]) -> dict[str, tuple[int, ...]]:
     """The global shape of every model key of full (unparallelized, possibly meta) `modules`:
     what every rank of any layout agrees a checkpoint must hold."""

@@ -3,33 +3,47 @@
 Pure logic, no process group: a config is parsed and checked (keys, types, accepted values, that
 the layout is valid and fits the world, that batch sizes divide) before any process starts.
 
-    python -m dtensor_mimo.train --config examples/digits.toml --train.steps 40 \
+    python -m dtensor_mimo.train --config examples/llava_tiny.toml --train.steps 40 \
         --layout.language.tp 2 --checkpoint.dir ckpt --checkpoint.every 20 --metrics.jsonl m.jsonl
+
+Modules have the names the user gives them: ``[model.encoders.<name>]`` declares an encoder,
+``[layout.<name>]`` and ``[options.<name>]`` set its layout and `ParallelOptions`; the decoder is
+always ``language``. The sections ``options.<module>`` and ``pipeline`` are the library's own
+`ParallelOptions` and `PipelineConfig`, not copies of them.
 
 An override's value is read as a TOML value (``40``, ``1e-3``, ``true``, ``"cosine"``,
 ``[1, 2]``, ``{vision = 1e-4}``); a bare word that is not valid TOML is taken as a string.
+With ``data.format = "digits"`` (the default) the digits model and its defaults (`DIGITS`) lie
+under whatever the file and the command line set.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
+from dtensor_mimo.parallelize.options import ParallelOptions
+from dtensor_mimo.schedule.config import PipelineConfig
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-MODULES = ("vision", "audio", "language")
-"""The digits model's modules, in the order their ranks are laid out by default."""
+LANGUAGE = "language"
+"""The decoder's module name (layout, options, checkpoints)."""
 
 
 class ConfigError(ValueError):
     """A config key or value the trainer cannot use; the message names the key and the fix."""
+
+
+# ---------------------------------------------------------------------------- sections
 
 
 @dataclass
@@ -37,10 +51,12 @@ class ModuleLayout:
     """One module's parallel sizes and its first rank.
 
     Attributes:
-        pp, dp, cp, tp: pipeline, data, context and tensor parallel sizes (encoders: pp and cp 1
-            are the tested ones; cp is for the language model).
-        offset: the module's first rank; None: after the previous module's ranks (disjoint). Give
-            two modules the same offset and size to colocate them.
+        pp: pipeline stages (encoders: 1 in the trainer).
+        dp: data-parallel replicas.
+        cp: context-parallel ranks (the language model only).
+        tp: tensor-parallel ranks.
+        offset: the module's first rank; none: after the previous module's ranks (disjoint).
+            Give two modules the same offset and size to colocate them.
     """
 
     pp: int = 1
@@ -52,72 +68,105 @@ class ModuleLayout:
 
 @dataclass
 class LayoutConfig:
-    """Where each module runs. The default is heterogeneous: each encoder on a rank of its own,
-    the language model on a third."""
-
-    vision: ModuleLayout = field(default_factory=ModuleLayout)
-    audio: ModuleLayout = field(default_factory=ModuleLayout)
-    language: ModuleLayout = field(default_factory=ModuleLayout)
-    bridge_hops: Literal[1, 2] | None = None
-    """How encoder rows cross to the language model and gradients back (`MimoModel`'s
-    ``bridge_hops``): none chooses per direction (two hops across nodes where the receiving ranks
-    replicate the rows or the gradient is Partial), 1 or 2 forces."""
-
-
-@dataclass
-class ModuleOptions:
-    """`dtensor_mimo.ParallelOptions` of one module (see there)."""
-
-    sp: bool = False
-    fsdp: bool = True
-    compile: bool = True
-    compile_backend: str = "inductor"
-    reshard_after_forward: bool = True
-    activation_checkpointing: int = 0
-    param_dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    reduce_dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    loss_parallel: bool = True
-
-
-@dataclass
-class OptionsConfig:
-    vision: ModuleOptions = field(default_factory=ModuleOptions)
-    audio: ModuleOptions = field(default_factory=ModuleOptions)
-    language: ModuleOptions = field(default_factory=ModuleOptions)
-
-
-@dataclass
-class PipelineSection:
-    """`dtensor_mimo.PipelineConfig`: microbatches of the global batch per step and the language
-    model's schedule. One microbatch and pp 1 everywhere: the unpipelined step."""
-
-    microbatches: int = 4
-    schedule: Literal["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"] = "1F1B"
-    virtual_stages: int = 1
-    split: list[int] | None = None
-
-
-@dataclass
-class ModelConfig:
-    """The digits model: a Llama-style decoder, a ViT over the scans, an audio encoder over the
-    tones' log-mel spectrograms, each encoder with a projection to the decoder's width.
+    """Where each module runs: ``[layout.<module>]`` per module (`ModuleLayout`); a module left out
+    gets one rank after the previous module's. Modules are laid out encoders first, in the order
+    of ``model.encoders``, then the language model.
 
     Attributes:
-        frozen: modules whose weights do not train (forward only), e.g. ``["vision"]``.
-        seeds: each module's init seed (`init_weights`); the weights depend on nothing else.
+        bridge_hops: how encoder rows cross to the language model and gradients back: none
+            chooses per direction (two hops across nodes where the receiving ranks replicate the
+            rows), 1 or 2 forces.
     """
 
+    modules: dict[str, ModuleLayout] = field(default_factory=dict, metadata={"open": True})
+    bridge_hops: Literal[1, 2] | None = None
+
+
+@dataclass
+class LanguageSection:
+    """The decoder: a Hugging Face directory, a factory, or the library's `Llama` of these sizes.
+
+    Attributes:
+        hf: a Llama-family directory (config.json, safetensors, tokenizer files): built on the
+            meta device, each rank reading only its shards.
+        factory: "package.module:function" returning a module that follows
+            `dtensor_mimo.models.protocol`; called with `factory_args` and whichever of vocab_size,
+            seq_len it accepts.
+        factory_args: keyword arguments for `factory`.
+        dim: the library Llama's width (no hf, no factory).
+        n_layers: the library Llama's blocks.
+        n_heads: attention heads.
+        n_kv_heads: key/value heads (grouped-query attention).
+        ffn_hidden: the SwiGLU hidden width.
+        seed: init seed of whatever the checkpoint does not fill.
+    """
+
+    hf: str | None = None
+    factory: str | None = None
+    factory_args: dict[str, Any] = field(default_factory=dict)
     dim: int = 64
     n_layers: int = 2
     n_heads: int = 4
     n_kv_heads: int = 2
     ffn_hidden: int = 128
-    encoder_dim: int = 48
-    encoder_layers: int = 2
-    encoder_heads: int = 4
-    encoder_mlp: int = 96
-    frozen: list[str] = field(default_factory=list)
-    seeds: dict[str, int] = field(default_factory=lambda: {"language": 0, "vision": 10, "audio": 20})
+    seed: int = 0
+
+
+@dataclass
+class EncoderSection:
+    """One encoder (the table's name is the module's name) and its projection to the decoder.
+
+    Attributes:
+        modality: "image" or "audio": which placeholder (<image>, <audio>) and preprocessing its
+            items take.
+        hf: a SigLIP / CLIP vision directory, a LLaVA directory (its tower and projector), or a
+            Whisper directory (its encoder); its processor config preprocesses the items.
+        factory: "package.module:function" returning an encoder that follows
+            `dtensor_mimo.models.protocol` (needs `processor` and `tokens_per_item` for data).
+        factory_args: keyword arguments for `factory` (also offered: language_dim).
+        processor: a directory whose image processor / feature extractor preprocesses the items
+            (default: `hf`'s; the library encoders get one built from their config).
+        tokens_per_item: rows a factory encoder gives per item.
+        feature_layer: a SigLIP / CLIP tower's features come after this many blocks, negative
+            from the end (LLaVA's vision_feature_layer); none: -1 for SigLIP, -2 for CLIP.
+        frozen: the tower does not train (its projection does).
+        seed: init seed of what the checkpoint does not fill (e.g. a new projection).
+        dim: the library tower's width (no hf, no factory).
+        n_layers: the library tower's blocks.
+        n_heads: attention heads.
+        mlp_hidden: the MLP hidden width.
+        image_size: the library ViT's square input, pixels (0: the data's).
+        patch_size: the library ViT's patches, pixels.
+    """
+
+    modality: Literal["image", "audio"] = "image"
+    hf: str | None = None
+    factory: str | None = None
+    factory_args: dict[str, Any] = field(default_factory=dict)
+    processor: str | None = None
+    tokens_per_item: int = 0
+    feature_layer: int | None = None
+    frozen: bool = False
+    seed: int = 10
+    dim: int = 48
+    n_layers: int = 2
+    n_heads: int = 4
+    mlp_hidden: int = 96
+    image_size: int = 0
+    patch_size: int = 4
+
+
+@dataclass
+class ModelConfig:
+    """The modules: ``[model.language]`` and ``[model.encoders.<name>]`` (any number, any names).
+
+    Attributes:
+        language: the decoder (`LanguageSection`).
+        encoders: the encoders by module name (`EncoderSection`).
+    """
+
+    language: LanguageSection = field(default_factory=LanguageSection)
+    encoders: dict[str, EncoderSection] = field(default_factory=dict)
 
 
 @dataclass
@@ -125,9 +174,15 @@ class OptimizerSection:
     """AdamW for every module (`AdamWConfig`), one global clip, warmup + decay (`LRSchedule`).
 
     Attributes:
-        module_lr: per-module peak learning rates replacing `lr`, e.g. ``{vision = 1e-4}``.
-        decay: the schedule's shape after warmup, down to ``min_lr_ratio * lr`` at the last step.
+        lr: peak learning rate.
+        weight_decay: AdamW's decoupled weight decay.
+        betas: AdamW's two moment coefficients.
+        eps: AdamW's epsilon.
+        max_grad_norm: clip the global gradient norm to this (none: no clipping).
         warmup_steps: linear warmup; a run shorter than that warms up for half its steps.
+        decay: the schedule's shape after warmup, down to min_lr_ratio * lr at the last step.
+        min_lr_ratio: the last step's learning rate over the peak.
+        module_lr: per-module peak learning rates replacing lr, e.g. {vision = 1e-4}.
     """
 
     lr: float = 1e-3
@@ -143,27 +198,45 @@ class OptimizerSection:
 
 @dataclass
 class DataSection:
-    """The digits data (`dtensor_mimo.data.DigitsDataset`).
+    """What the model trains on.
 
     Attributes:
-        batch_size: samples per global batch (every module takes its dp shard of it).
-        heldout_samples: held-out samples scored at each evaluation.
+        format: "digits" (the bundled digits task) or "llava" (LLaVA conversation JSON / JSONL).
+        path: the training file (llava).
+        heldout: the held-out file scored at evaluations (llava; none: no evaluation).
+        root: media paths are relative to it (none: the training file's directory).
+        tokenizer: a tokenizer directory (none: model.language.hf).
+        seq_len: token row length (0: the longest sample's; rounded up for cp / sp).
+        truncate: cut samples longer than seq_len (whole items only) instead of refusing them.
+        pack: pack several samples into one row (document masks, per-document positions).
+        batch_size: rows per global batch (every module takes its dp shard of it).
+        heldout_samples: held-out samples scored at each evaluation (llava: 0 is all).
         seed: which samples are drawn, and the sampler's shuffle.
-        max_images, max_tones, noise_std: `DigitsTask` fields: how hard the task is.
-        workers: loader worker processes per rank decoding this rank's encoder inputs (0: in the
+        workers: loader processes per rank preparing this rank's encoder inputs (0: in the
             training process).
-        per_rank_loading: a rank decodes only the encoder inputs it encodes (False: every rank
+        per_rank_loading: a rank prepares only the encoder inputs it encodes (false: every rank
             loads the whole global batch; the same batches, for checking).
+        max_images: digits: scans per sample, up to.
+        max_tones: digits: tones per sample, up to.
+        noise_std: digits: noise of the tones.
     """
 
+    format: Literal["digits", "llava"] = "digits"
+    path: str | None = None
+    heldout: str | None = None
+    root: str | None = None
+    tokenizer: str | None = None
+    seq_len: int = 0
+    truncate: bool = False
+    pack: bool = False
     batch_size: int = 32
     heldout_samples: int = 512
     seed: int = 0
+    workers: int = 0
+    per_rank_loading: bool = True
     max_images: int = 3
     max_tones: int = 2
     noise_std: float = 0.5
-    workers: int = 0
-    per_rank_loading: bool = True
 
 
 @dataclass
@@ -172,8 +245,8 @@ class TrainSection:
         steps: optimizer steps of the whole run (a resumed run stops at the same step).
         eval_every: steps between held-out evaluations (0: only at the end).
         device: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank).
-        threads: torch intra-op threads per rank (0: torch's default); local ranks share the cores.
-        generate: held-out samples captioned with greedy decoding at the end.
+        threads: torch intra-op threads per rank (0: torch's default); local ranks share cores.
+        generate: held-out samples answered with greedy decoding at the end.
     """
 
     steps: int = 1500
@@ -186,18 +259,23 @@ class TrainSection:
 @dataclass
 class CheckpointSection:
     """Attributes:
-        dir: where checkpoints go (``DIR/step-000020``); one already there is resumed from its
-            latest step. None: no checkpoints.
+        dir: where checkpoints go (DIR/step-000020); one already there is resumed from its latest
+            step. None: no checkpoints.
         every: steps between saves (0: only at the end of the run).
         keep: the most recent checkpoints kept; older ones are deleted after a save.
-        load: a checkpoint directory to start from (weights, optimizer, position) when `dir`
-            holds none, e.g. one saved under another layout.
+        load: a checkpoint to start from when dir holds none (a step directory, or a directory of
+            them: its latest), e.g. one saved under another layout.
+        export_hf: after the last step, a Hugging Face directory (LLaVA-shaped models) or one per
+            module under it.
+        export_dtype: the exported weights' dtype.
     """
 
     dir: str | None = None
     every: int = 0
     keep: int = 2
     load: str | None = None
+    export_hf: str | None = None
+    export_dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 @dataclass
@@ -205,7 +283,7 @@ class MetricsSection:
     """Attributes:
         jsonl: a file getting one JSON object per logged step (step, loss, grad_norm,
             tokens_per_s, lr, ...). None: no file.
-        tensorboard: a TensorBoard log directory (needs the `tensorboard` package). None: off.
+        tensorboard: a TensorBoard log directory (needs the tensorboard package). None: off.
         log_every: steps between log lines (and JSONL records).
         progress: a progress bar: "auto" shows one on an interactive terminal.
         peak_tflops: the accelerator's peak dense TFLOP/s per rank for MFU; 0: a known GPU's
@@ -221,17 +299,32 @@ class MetricsSection:
 
 @dataclass
 class TrainerConfig:
-    """Everything `python -m dtensor_mimo.train` reads; see the section classes."""
+    """Everything `python -m dtensor_mimo.train` reads; see the section classes.
 
-    layout: LayoutConfig = field(default_factory=LayoutConfig)
-    options: OptionsConfig = field(default_factory=OptionsConfig)
-    pipeline: PipelineSection = field(default_factory=PipelineSection)
+    Attributes:
+        options: `ParallelOptions` by module name (a module left out: the library's defaults).
+    """
+
     model: ModelConfig = field(default_factory=ModelConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    options: dict[str, ParallelOptions] = field(default_factory=dict)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+
+    @property
+    def module_names(self) -> list[str]:
+        """The encoders in declaration order, then the language model: the layout's order."""
+        return [*self.model.encoders, LANGUAGE]
+
+    def module_layout(self, name: str) -> ModuleLayout:
+        return self.layout.modules.get(name, ModuleLayout())
+
+    def module_options(self, name: str) -> ParallelOptions:
+        return self.options.get(name, ParallelOptions())
 
     def describe(self) -> str:
         """The resolved config, one line per section (printed at start)."""
@@ -239,10 +332,15 @@ class TrainerConfig:
 
         def walk(obj: Any, prefix: str) -> None:
             scalars = []
+            hints = typing.get_type_hints(type(obj))
             for f in dataclasses.fields(obj):
-                value = getattr(obj, f.name)
+                value, tp = getattr(obj, f.name), hints[f.name]
+                path = prefix if f.metadata.get("open") else f"{prefix}{f.name}."
                 if dataclasses.is_dataclass(value):
-                    walk(value, f"{prefix}{f.name}.")
+                    walk(value, path)
+                elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+                    for key, item in value.items():
+                        walk(item, f"{path}{key}.")
                 else:
                     scalars.append(f"{f.name}={value!r}")
             if scalars:
@@ -250,6 +348,17 @@ class TrainerConfig:
 
         walk(self, "")
         return "config:\n" + "\n".join(lines)
+
+
+DIGITS: dict[str, Any] = {
+    "model": {"encoders": {"vision": {"modality": "image", "seed": 10},
+                           "audio": {"modality": "audio", "seed": 20}}},
+    "options": {name: {"compile": True} for name in ("vision", "audio", LANGUAGE)},
+    "pipeline": {"microbatches": 4},
+}
+"""The digits job's model and settings (`data.format = "digits"`): a ViT over the scans, an audio
+encoder over the tones, the library Llama; compiled blocks; encoders overlapping the language
+model's 4 microbatches. A config's own values lie over these."""
 
 
 # ---------------------------------------------------------------------------- reading values
@@ -261,18 +370,34 @@ def _describe(tp: Any) -> str:
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join("none (leave the key out)" if a is type(None) else _describe(a) for a in args)
-    if origin is list:
+        known = [a for a in args if _known(a)]
+        return " or ".join("none (leave the key out)" if a is type(None) else _describe(a) for a in known)
+    if origin in (list, tuple):
         return f"a list of {_describe(args[0])}"
     if origin is dict:
         return f"a table of {_describe(args[1])} by name"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+    if dataclasses.is_dataclass(tp):
+        return f"a table ({', '.join(_fields(tp))})"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            Any: "any value"}.get(tp, str(tp))
 
 
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """`value` as the field type `tp`, or a ConfigError naming `key` and what it accepts."""
+def _known(tp: Any) -> bool:
+    """Whether values of `tp` can come from a config file (a torch.dtype cannot: it is spelled)."""
+    return tp in (int, float, bool, str, type(None), Any) or typing.get_origin(tp) is not None \
+        or dataclasses.is_dataclass(tp)
+
+
+def _coerce(key: str, value: Any, tp: Any, current: Any = None) -> Any:
+    """`value` as the field type `tp` (`current`: the field's value, merged into for tables),
+    or a ConfigError naming `key` and what it accepts."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     bad = ConfigError(f"{key} = {value!r}: expected {_describe(tp)}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            keys = [*_fields(tp), *(["<module>"] if _open_field(tp) else [])]
+            raise ConfigError(f"{key} is a section ({', '.join(keys)}), got {value!r}")
+        return _merge(current if current is not None else tp(), value, f"{key}.")
     if origin is Literal:
         if not any(value == a and type(value) is type(a) for a in args):  # True is not 1
             raise bad
@@ -281,21 +406,27 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if value is None and type(None) in args:
             return None
         for a in args:
-            if a is type(None):
+            if a is type(None) or not _known(a):
                 continue
             try:
-                return _coerce(key, value, a)
+                return _coerce(key, value, a, current)
             except ConfigError:
                 pass
         raise bad
-    if origin is list:
+    if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise bad
-        return [_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+        items = [_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, Mapping):
             raise bad
-        return {str(k): _coerce(f"{key}.{k}", v, args[1]) for k, v in value.items()}
+        out = dict(current or {})
+        for k, v in value.items():
+            out[str(k)] = _coerce(f"{key}.{k}", v, args[1], out.get(str(k)))
+        return out
+    if tp is Any:
+        return value
     if tp is bool:
         if not isinstance(value, bool):
             raise bad
@@ -317,28 +448,43 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
 
 def _fields(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if not f.metadata.get("open")}
 
 
-def _merge(obj: Any, data: Mapping[str, Any], prefix: str) -> None:
-    """Set `obj`'s fields (a dataclass tree) from nested `data`, checking every key and value."""
-    known = _fields(type(obj))
+def _open_field(cls: type) -> dataclasses.Field | None:
+    """The field that takes a section's other keys by name (``[layout.<module>]``), if any."""
+    return next((f for f in dataclasses.fields(cls) if f.metadata.get("open")), None)
+
+
+def _merge(obj: Any, data: Mapping[str, Any], prefix: str) -> Any:
+    """`obj` (a dataclass) with the fields of nested `data` merged in, every key and value
+    checked; a new object (the library's dataclasses are frozen and check themselves)."""
+    cls = type(obj)
+    known, rest = _fields(cls), _open_field(cls)
+    changes: dict[str, Any] = {}
     for key, value in data.items():
         path = f"{prefix}{key}"
-        if key not in known:
+        if key in known:
+            current = changes.get(key, getattr(obj, key))
+            changes[key] = _coerce(path, value, known[key], current)
+        elif rest is not None:
+            tp = typing.get_type_hints(cls)[rest.name]
+            current = changes.get(rest.name, getattr(obj, rest.name))
+            changes[rest.name] = _coerce(prefix.rstrip("."), {key: value}, tp, current)
+        else:
             raise ConfigError(f"unknown key {path!r}; {prefix.rstrip('.') or 'the config'} has "
                               f"{', '.join(known)}")
-        tp = known[key]
-        if dataclasses.is_dataclass(tp):
-            if not isinstance(value, Mapping):
-                raise ConfigError(f"{path} is a section ({', '.join(_fields(tp))}), got {value!r}")
-            _merge(getattr(obj, key), value, f"{path}.")
-        else:
-            setattr(obj, key, _coerce(path, value, tp))
+    try:
+        return dataclasses.replace(obj, **changes)
+    except (TypeError, ValueError) as e:  # the library dataclass's own check
+        raise ConfigError(f"{prefix.rstrip('.')}: {e}") from None
 
 
 def _toml_value(text: str) -> Any:
-    """A command-line value read as TOML (``40``, ``true``, ``[1, 2]``), else the bare string."""
+    """A command-line value read as TOML (``40``, ``true``, ``[1, 2]``), else the bare string;
+    ``none`` unsets a key that may be none."""
+    if text == "none":
+        return None
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -352,10 +498,22 @@ def _nest(dotted: str, value: Any) -> dict[str, Any]:
     return out
 
 
+def _deep_update(base: dict[str, Any], data: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with the tables of `data` merged in key by key (values replaced)."""
+    out = dict(base)
+    for key, value in data.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _deep_update(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 def parse_args(argv: Sequence[str]) -> TrainerConfig:
     """The config from ``--config FILE.toml`` (optional) and ``--section.key value`` overrides,
-    applied in order; then `check_config`. Raises ConfigError (unknown key, bad value)."""
-    config = TrainerConfig()
+    applied in order over the format's defaults; then `check_config`. Raises ConfigError
+    (unknown key, bad value)."""
+    raw: dict[str, Any] = {}
     args = list(argv)
     overrides: list[tuple[str, str]] = []
     i = 0
@@ -373,7 +531,7 @@ def parse_args(argv: Sequence[str]) -> TrainerConfig:
         if name == "config":
             try:
                 with open(value, "rb") as f:
-                    _merge(config, tomllib.load(f), "")
+                    raw = _deep_update(raw, tomllib.load(f))
             except OSError as e:
                 raise ConfigError(f"--config {value}: {e.strerror}") from None
             except tomllib.TOMLDecodeError as e:
@@ -381,26 +539,87 @@ def parse_args(argv: Sequence[str]) -> TrainerConfig:
         else:
             overrides.append((name, value))
     for name, value in overrides:  # after the file, whatever the order on the line
-        _merge(config, _nest(name, _toml_value(value)), "")
+        raw = _deep_update(raw, _nest(name, _toml_value(value)))
+    data = raw.get("data")
+    digits = not isinstance(data, Mapping) or data.get("format", "digits") == "digits"
+    config = _merge(TrainerConfig(), _deep_update(DIGITS, raw) if digits else raw, "")
     check_config(config)
     return config
 
 
+# ---------------------------------------------------------------------------- --help
+
+
+def _attribute_help(cls: type) -> dict[str, str]:
+    """The first sentence of each entry of `cls`'s docstring ``Attributes:`` list."""
+    lines = (cls.__doc__ or "").split("Attributes:", 1)[-1].splitlines()
+    entries: dict[str, str] = {}
+    indent, current = None, None
+    for line in lines:
+        if not line.strip():
+            if entries:
+                break
+            continue
+        depth = len(line) - len(line.lstrip())
+        indent = depth if indent is None else indent
+        match = re.fullmatch(r"(\w+(?:, \w+)*): (.*)", line.strip())
+        if depth == indent and match:
+            current = match.group(1)
+            entries[current] = match.group(2)
+        elif depth > indent and current is not None:
+            entries[current] += " " + line.strip()
+        else:
+            break
+    out = {}
+    for names, text in entries.items():
+        sentence = re.split(r"(?<!e\.g)(?<!i\.e)[.]\s", text + " ", maxsplit=1)[0].rstrip(".;")
+        out.update(dict.fromkeys(names.split(", "), sentence))
+    return out
+
+
 def help_text() -> str:
-    """Every key with its default and accepted values, for ``--help``."""
-    lines = ["usage: python -m dtensor_mimo.train [--config FILE.toml] [--section.key VALUE ...]",
-             "", "Trains the digits MIMO model; prints the held-out accuracy. Keys (default):"]
+    """Every key with its default and meaning, for ``--help``."""
+    rows: list[tuple[str, str, str]] = []
 
-    def walk(obj: Any, prefix: str) -> None:
-        for name, tp in _fields(type(obj)).items():
-            value = getattr(obj, name)
-            if dataclasses.is_dataclass(tp):
-                walk(value, f"{prefix}{name}.")
+    def walk(cls: type, obj: Any, prefix: str) -> None:
+        meaning = _attribute_help(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp, value = hints[f.name], getattr(obj, f.name)
+            if f.metadata.get("open"):
+                walk(typing.get_args(tp)[1], typing.get_args(tp)[1](), f"{prefix}<module>.")
+            elif dataclasses.is_dataclass(tp):
+                walk(tp, value, f"{prefix}{f.name}.")
+            elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+                item = typing.get_args(tp)[1]
+                walk(item, item(), f"{prefix}{f.name}.<{'module' if f.name == 'options' else 'name'}>.")
             else:
-                lines.append(f"  --{prefix}{name:<28} {value!r:<22} {_describe(tp)}")
+                if isinstance(value, (list, dict)) and not value:
+                    shown = "[]" if isinstance(value, list) else "{}"
+                else:
+                    shown = "none" if value is None else repr(value)
+                rows.append((f"--{prefix}{f.name}", shown, meaning.get(f.name, _describe(tp))))
 
-    walk(TrainerConfig(), "")
+    walk(TrainerConfig, TrainerConfig(), "")
+    width = max(len(r[0]) for r in rows) + 2
+    shown = min(max(len(r[1]) for r in rows), 14) + 2
+    lines = ["usage: python -m dtensor_mimo.train [--config FILE.toml] [--section.key VALUE ...]", "",
+             "Trains a MIMO model (the digits model by default); prints the held-out accuracy.",
+             "<name>: an encoder's name (model.encoders); <module>: an encoder's or 'language'.",
+             "Defaults are the library's; data.format = 'digits' also sets "
+             + ", ".join(f"{k}" for k in _flat(DIGITS)) + ".", ""]
+    lines += [f"  {key:<{width}}{value:<{shown}}{meaning}" for key, value, meaning in rows]
     return "\n".join(lines)
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out += _flat(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}={value!r}")
+    return out
 
 
 # ---------------------------------------------------------------------------- checks
@@ -410,7 +629,8 @@ def build_layout(config: TrainerConfig, world_size: int | None = None):
     """The `MimoLayout` of `config.layout` (a ConfigError names the problem)."""
     from dtensor_mimo.layout import MimoLayout, Parallelism
 
-    sections = {n: getattr(config.layout, n) for n in MODULES}
+    names = config.module_names
+    sections = {n: config.module_layout(n) for n in names}
     try:
         pars = {n: Parallelism(pp=s.pp, dp=s.dp, cp=s.cp, tp=s.tp) for n, s in sections.items()}
         offsets = None
@@ -425,65 +645,99 @@ def build_layout(config: TrainerConfig, world_size: int | None = None):
 
 
 def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
-    """Everything that can be checked without processes: values in range, module names, the
-    layout and its fit to `world_size` (when given), batch divisibility, sequence length."""
+    """Everything that can be checked without processes or files: values in range, module names,
+    the layout and its fit to `world_size` (when given), batch divisibility. (Files and
+    directories: `dtensor_mimo.train.preflight`.)"""
     def positive(key: str, value: int | float, minimum: int = 1) -> None:
         if value < minimum:
             raise ConfigError(f"{key} = {value!r}: must be >= {minimum}")
 
-    for key in ("model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_hidden",
-                "model.encoder_dim", "model.encoder_layers", "model.encoder_heads", "model.encoder_mlp",
-                "data.batch_size", "data.heldout_samples", "train.steps", "metrics.log_every",
-                "checkpoint.keep", "pipeline.microbatches", "pipeline.virtual_stages"):
+    for key in ("data.batch_size", "train.steps", "metrics.log_every", "checkpoint.keep"):
         section, name = key.split(".")
         positive(key, getattr(getattr(config, section), name))
     for key in ("train.eval_every", "train.threads", "train.generate", "checkpoint.every", "data.workers",
-                "data.max_images", "data.max_tones", "optimizer.warmup_steps"):
+                "data.max_images", "data.max_tones", "optimizer.warmup_steps", "data.heldout_samples",
+                "data.seq_len"):
         section, name = key.split(".")
         positive(key, getattr(getattr(config, section), name), 0)
-    if config.model.n_heads % config.model.n_kv_heads or config.model.dim % config.model.n_heads:
-        raise ConfigError(f"model: dim={config.model.dim}, n_heads={config.model.n_heads}, n_kv_heads="
-                          f"{config.model.n_kv_heads}: n_heads must divide dim and be a multiple of n_kv_heads")
-    if config.model.encoder_dim % config.model.encoder_heads:
-        raise ConfigError(f"model.encoder_heads = {config.model.encoder_heads} must divide "
-                          f"model.encoder_dim = {config.model.encoder_dim}")
-    for key, names in (("model.frozen", config.model.frozen), ("model.seeds", list(config.model.seeds)),
+    lang = config.model.language
+    _check_source(f"model.{LANGUAGE}", lang.hf, lang.factory)
+    if not lang.hf and not lang.factory:
+        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden"):
+            positive(f"model.{LANGUAGE}.{key}", getattr(lang, key))
+        if lang.n_heads % lang.n_kv_heads or lang.dim % lang.n_heads:
+            raise ConfigError(f"model.{LANGUAGE}: dim={lang.dim}, n_heads={lang.n_heads}, n_kv_heads="
+                              f"{lang.n_kv_heads}: n_heads must divide dim and be a multiple of n_kv_heads")
+    if not config.model.encoders:
+        raise ConfigError("model.encoders is empty: declare at least one, e.g. [model.encoders.image] "
+                          "with hf = 'DIR' and modality = 'image'")
+    if LANGUAGE in config.model.encoders:
+        raise ConfigError(f"model.encoders.{LANGUAGE}: {LANGUAGE!r} is the decoder's name; name the encoder "
+                          "otherwise")
+    for name, enc in config.model.encoders.items():
+        key = f"model.encoders.{name}"
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ConfigError(f"{key}: an encoder's name is a plain identifier (letters, digits, _)")
+        _check_source(key, enc.hf, enc.factory)
+        if not enc.hf and not enc.factory:
+            for field_name in ("dim", "n_layers", "n_heads", "mlp_hidden", "patch_size"):
+                positive(f"{key}.{field_name}", getattr(enc, field_name))
+            if enc.dim % enc.n_heads:
+                raise ConfigError(f"{key}.n_heads = {enc.n_heads} must divide {key}.dim = {enc.dim}")
+        if enc.factory and config.data.format != "digits" and (not enc.processor or enc.tokens_per_item < 1):
+            raise ConfigError(f"{key}: a factory encoder needs processor = 'DIR' (its items' preprocessing) "
+                              "and tokens_per_item (its rows per item) for the data")
+    names = config.module_names
+    for key, given in (("layout", list(config.layout.modules)), ("options", list(config.options)),
                        ("optimizer.module_lr", list(config.optimizer.module_lr))):
-        unknown = [n for n in names if n not in MODULES]
+        unknown = [n for n in given if n not in names]
         if unknown:
-            raise ConfigError(f"{key} names {unknown}: the modules are {list(MODULES)}")
-    if "language" in config.model.frozen:
-        raise ConfigError("model.frozen = ['language']: the language model always trains; freeze "
-                          "encoders only")
+            raise ConfigError(f"{key} names {unknown}: the modules are {names}")
     if len(config.optimizer.betas) != 2 or not all(0 <= b < 1 for b in config.optimizer.betas):
         raise ConfigError(f"optimizer.betas = {config.optimizer.betas}: expected two numbers in [0, 1)")
+    data = config.data
+    if data.format == "digits":
+        kinds = {n: e.modality for n, e in config.model.encoders.items()}
+        if sorted(kinds.values()) != ["audio", "image"] or any(e.hf or e.factory for e in config.model.encoders.values()):
+            raise ConfigError(f"data.format = 'digits' trains one library image encoder and one library audio "
+                              f"encoder (model.encoders: {kinds}); for your own modules and data use "
+                              "data.format = 'llava'")
+    else:
+        if not data.path:
+            raise ConfigError("data.format = 'llava' needs data.path (a LLaVA conversation JSON / JSONL file)")
+        if not data.tokenizer and not lang.hf:
+            raise ConfigError("data.format = 'llava' needs a tokenizer: data.tokenizer = 'DIR' or "
+                              "model.language.hf = 'DIR' (a directory with tokenizer files)")
+        kinds = [e.modality for e in config.model.encoders.values()]
+        twice = sorted({k for k in kinds if kinds.count(k) > 1})
+        if twice:
+            raise ConfigError(f"model.encoders: several encoders take {twice} items; conversation data gives "
+                              "each <image> / <audio> placeholder to one encoder")
 
     layout = build_layout(config, world_size)  # with world_size: no rank left over, none missing
-    from dtensor_mimo.parallelize import ParallelOptions
-
-    for name in MODULES:
+    for name in names:
         par = layout.parallelism(name)
         try:
-            ParallelOptions(**dataclasses.asdict(getattr(config.options, name))).check_for(name, par.tp)
+            config.module_options(name).check_for(name, par.tp)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"options.{name}: {e}") from None
-        if name != "language" and (par.cp > 1 or par.pp > 1):
+        if name != LANGUAGE and (par.cp > 1 or par.pp > 1):
             raise ConfigError(f"layout.{name}: pp={par.pp}, cp={par.cp}: encoders take pp = 1 and cp = 1 "
                               "in the trainer (their evaluation runs unpipelined)")
-    pipe, lang = config.pipeline, layout.parallelism("language")
-    if lang.pp > 1 and config.pipeline.microbatches < lang.pp:
-        raise ConfigError(f"pipeline.microbatches = {pipe.microbatches} is below layout.language.pp = "
-                          f"{lang.pp}; give at least as many microbatches as stages")
-    per_mb, rem = divmod(config.data.batch_size, pipe.microbatches)
-    if rem or per_mb % lang.dp:
-        raise ConfigError(f"data.batch_size = {config.data.batch_size} must split into pipeline.microbatches "
-                          f"= {pipe.microbatches} microbatches of a multiple of layout.language.dp = {lang.dp} "
-                          f"samples; e.g. data.batch_size = {pipe.microbatches * lang.dp * max(1, per_mb // lang.dp)}")
-    try:
-        from dtensor_mimo.schedule import PipelineConfig
+    pipe, lang_par = config.pipeline, layout.parallelism(LANGUAGE)
+    if lang_par.pp > 1 and pipe.microbatches < lang_par.pp:
+        raise ConfigError(f"pipeline.microbatches = {pipe.microbatches} is below layout.{LANGUAGE}.pp = "
+                          f"{lang_par.pp}; give at least as many microbatches as stages")
+    per_mb, rem = divmod(data.batch_size, pipe.microbatches)
+    if rem or per_mb % lang_par.dp:
+        raise ConfigError(f"data.batch_size = {data.batch_size} must split into pipeline.microbatches "
+                          f"= {pipe.microbatches} microbatches of a multiple of layout.{LANGUAGE}.dp = "
+                          f"{lang_par.dp} samples; e.g. data.batch_size = "
+                          f"{pipe.microbatches * lang_par.dp * max(1, per_mb // lang_par.dp)}")
 
-        PipelineConfig(microbatches=pipe.microbatches, schedule=pipe.schedule,
-                       virtual_stages=pipe.virtual_stages,
-                       split=tuple(pipe.split) if pipe.split is not None else None)
-    except ValueError as e:
-        raise ConfigError(f"pipeline: {e}") from None
+
+def _check_source(key: str, hf: str | None, factory: str | None) -> None:
+    if hf and factory:
+        raise ConfigError(f"{key}: give hf or factory, not both")
+    if factory and not re.fullmatch(r"[\w.]+:\w+", factory):
+        raise ConfigError(f"{key}.factory = {factory!r}: expected 'package.module:function'")

@@ -19,6 +19,26 @@ import torch.multiprocessing as mp
 from dtensor_mimo.train.config import ConfigError, TrainerConfig, build_layout, check_config, help_text, parse_args
 
 
+def preflight(config: TrainerConfig) -> None:
+    """What can be checked from files before any process starts: Hugging Face directories and
+    their architectures, the tokenizer and its chat template, processors, the data files (every
+    sample's placeholders against its items, every media file's existence, lengths when
+    data.seq_len is 0), the batch against the data, and `checkpoint.load`. Raises ConfigError."""
+    from dtensor_mimo.train import checkpoint
+    from dtensor_mimo.train.datasets import train_data
+    from dtensor_mimo.train.modules import resolve
+
+    data = train_data(config, resolve(config))
+    if len(data.train) < config.data.batch_size:
+        raise ConfigError(f"data.batch_size = {config.data.batch_size} is more than the {len(data.train)} training "
+                          f"samples of {config.data.path}")
+    if config.checkpoint.load and not (config.checkpoint.dir and checkpoint.latest_checkpoint(config.checkpoint.dir)):
+        try:
+            checkpoint.resolve_load(config.checkpoint.load)
+        except checkpoint.CheckpointError as e:
+            raise ConfigError(f"checkpoint.load: {e}") from None
+
+
 def _run_rank(config: TrainerConfig) -> float:
     from dtensor_mimo.train.trainer import Trainer
 
@@ -55,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = parse_args(argv)
         if launched:
             check_config(config, int(os.environ["WORLD_SIZE"]))
+        if not launched or os.environ.get("RANK") == "0":
+            preflight(config)  # under torchrun rank 0 checks; the others find the same in their Trainer
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

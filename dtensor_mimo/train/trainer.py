@@ -1,4 +1,4 @@
-"""The trainer loop of `python -m dtensor_mimo.train`: the digits MIMO model on its layout.
+"""The trainer loop of `python -m dtensor_mimo.train`: the config's modules on their layout.
 
 One `Trainer` per rank, all built from the same `TrainerConfig` inside an initialized process
 group. What a step does on a rank:
@@ -26,85 +26,16 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from dtensor_mimo.data import (
-    IGNORE_INDEX,
-    TEXT_VOCAB,
-    DigitsDataset,
-    DigitsTask,
-    MimoBatch,
-    ResumableBatchSampler,
-    answer_digit_positions,
-    decode,
-    encode,
-    samples_to_load,
-)
+from dtensor_mimo.data import MimoBatch, ResumableBatchSampler, samples_to_load
 from dtensor_mimo.mimo import MimoModel
-from dtensor_mimo.models import (
-    AudioConfig,
-    AudioEncoder,
-    Llama,
-    LlamaConfig,
-    ModalityEncoder,
-    Projection,
-    ViT,
-    ViTConfig,
-)
-from dtensor_mimo.parallelize import ParallelOptions
-from dtensor_mimo.schedule import PipelineConfig
+from dtensor_mimo.models import ModalityEncoder
 from dtensor_mimo.train import checkpoint
-from dtensor_mimo.train.config import MODULES, TrainerConfig, build_layout
+from dtensor_mimo.train.config import LANGUAGE, TrainerConfig, build_layout
+from dtensor_mimo.train.datasets import BatchSource, TrainData, train_data
 from dtensor_mimo.train.metrics import MetricsLogger, peak_tflops, transformer_flops
+from dtensor_mimo.train.modules import ResolvedModel, build_modules, resolve
 from dtensor_mimo.train.optimizer import AdamWConfig, LRSchedule, MimoOptimizer
 from dtensor_mimo.train.step import train_step
-
-TRAIN_SAMPLES = 1_000_000
-"""Samples of the training split (each drawn from its index alone; an epoch is this many)."""
-
-
-# ---------------------------------------------------------------------------- the model
-
-
-def model_configs(config: TrainerConfig, seq_len: int) -> tuple[LlamaConfig, ViTConfig, AudioConfig]:
-    """The three modules' configs: 8x8 scans in 4x4 patches, 16-mel tone clips of 16 frames."""
-    m = config.model
-    llama = LlamaConfig(vocab_size=len(TEXT_VOCAB), dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads,
-                        n_kv_heads=m.n_kv_heads, ffn_hidden=m.ffn_hidden, max_seq_len=seq_len)
-    vision = ViTConfig(image_size=8, patch_size=4, in_channels=1, dim=m.encoder_dim,
-                       n_layers=m.encoder_layers, n_heads=m.encoder_heads, mlp_hidden=m.encoder_mlp)
-    audio = AudioConfig(n_mels=16, max_frames=16, conv_strides=(2, 2), dim=m.encoder_dim,
-                        n_layers=m.encoder_layers, n_heads=m.encoder_heads, mlp_hidden=m.encoder_mlp)
-    return llama, vision, audio
-
-
-def module_seeds(config: TrainerConfig) -> dict[str, int]:
-    """Each module's init seed (`model.seeds` over the defaults)."""
-    return {"language": 0, "vision": 10, "audio": 20} | config.model.seeds
-
-
-def build_modules(config: TrainerConfig, seq_len: int, meta: bool = False) -> dict[str, torch.nn.Module]:
-    """The full modules, frozen towers marked: ``{"vision": ModalityEncoder, "audio":
-    ModalityEncoder, "language": Llama}``, initialized from `module_seeds` (the same on every
-    rank), or with `meta` left on the meta device for `MimoModel.init_weights` (no memory)."""
-    llama_cfg, vision_cfg, audio_cfg = model_configs(config, seq_len)
-    with torch.device("meta" if meta else "cpu"):
-        modules: dict[str, torch.nn.Module] = {
-            "vision": ModalityEncoder(ViT(vision_cfg), Projection(vision_cfg.dim, llama_cfg.dim)),
-            "audio": ModalityEncoder(AudioEncoder(audio_cfg), Projection(audio_cfg.dim, llama_cfg.dim)),
-            "language": Llama(llama_cfg),
-        }
-    for name, module in modules.items():
-        if not meta:
-            module.init_weights(module_seeds(config)[name])
-    for name in config.model.frozen:  # the tower; its projection to the language width trains
-        modules[name].encoder.requires_grad_(False)
-    return modules
-
-
-def sequence_length(config: TrainerConfig, minimum: int) -> int:
-    """`minimum` rounded up so cp (2·cp chunks) and sp (tp shards) divide it."""
-    lang = config.layout.language
-    multiple = math.lcm(2 * lang.cp if lang.cp > 1 else 1, lang.tp)
-    return -(-minimum // multiple) * multiple
 
 
 # ---------------------------------------------------------------------------- data
@@ -113,7 +44,7 @@ def sequence_length(config: TrainerConfig, minimum: int) -> int:
 class _Batches(Dataset):
     """A dataset whose item at a list of indices is this rank's view of that global batch."""
 
-    def __init__(self, dataset: DigitsDataset, load: dict[str, list[int]] | None) -> None:
+    def __init__(self, dataset: BatchSource, load: dict[str, list[int]] | None) -> None:
         self.dataset, self.load = dataset, load
 
     def __getitem__(self, indices: list[int]) -> MimoBatch:
@@ -144,37 +75,31 @@ class Trainer:
     `run` trains and returns the final held-out accuracy (the same on every rank).
     """
 
-    def __init__(self, config: TrainerConfig) -> None:
+    def __init__(self, config: TrainerConfig, resolved: ResolvedModel | None = None,
+                 data: TrainData | None = None) -> None:
         self.config = config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layout = build_layout(config, self.world)
         if config.train.threads:
             torch.set_num_threads(config.train.threads)
-        d = config.data
-        task = DigitsTask(max_images=d.max_images, max_tones=d.max_tones, noise_std=d.noise_std)
-        probe = DigitsDataset("train", *model_configs(config, 64)[1:], num_samples=1, task=task)
-        self.seq_len = sequence_length(config, probe.min_seq_len)
+        self.resolved = resolve(config) if resolved is None else resolved
+        self.data = train_data(config, self.resolved) if data is None else data
+        self.seq_len = self.data.seq_len
         # On the meta device: each rank allocates and initializes only its own shards, below.
-        self.modules = build_modules(config, self.seq_len, meta=True)
-        llama_cfg, vision_cfg, audio_cfg = model_configs(config, self.seq_len)
-        self.train_set = DigitsDataset("train", vision_cfg, audio_cfg, TRAIN_SAMPLES, seed=d.seed,
-                                       task=task, seq_len=self.seq_len)
-        self.heldout = DigitsDataset("heldout", vision_cfg, audio_cfg, d.heldout_samples, seed=d.seed,
-                                     task=task, seq_len=self.seq_len)
-        self.sampler = ResumableBatchSampler(TRAIN_SAMPLES, d.batch_size, seed=d.seed)
+        self.modules = build_modules(config, self.resolved, self.seq_len, meta=True)
+        d = config.data
+        self.sampler = ResumableBatchSampler(len(self.data.train), d.batch_size, seed=d.seed)
         self.expected_keys = checkpoint.expected_shapes(self.modules)
         self.flops_per_step = self._flops()
 
-        p = config.pipeline
+        encoders = {n: m for n, m in self.modules.items() if n != LANGUAGE}
         self.model = MimoModel(
-            self.layout, self.modules["language"],
-            {n: self.modules[n] for n in ("vision", "audio")},
-            options={n: ParallelOptions(**dataclasses.asdict(getattr(config.options, n))) for n in MODULES},
-            device_type=config.train.device, bridge_hops=config.layout.bridge_hops,
-            pipeline=PipelineConfig(microbatches=p.microbatches, schedule=p.schedule,
-                                    virtual_stages=p.virtual_stages,
-                                    split=tuple(p.split) if p.split is not None else None))
-        self.model.init_weights(module_seeds(config))  # a resumed run then loads over it
+            self.layout, self.modules[LANGUAGE], encoders,
+            options={n: config.module_options(n) for n in config.module_names},
+            device_type=config.train.device, bridge_hops=config.layout.bridge_hops, pipeline=config.pipeline)
+        self.model.init_weights(self.resolved.seeds)  # a checkpoint or resumed run then loads over it
+        if self.resolved.hf_paths:
+            self.model.load_hf(self.resolved.hf_paths)
         o = config.optimizer
         self.warmup = o.warmup_steps if o.warmup_steps < config.train.steps else config.train.steps // 2
         adamw = AdamWConfig(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
@@ -187,31 +112,33 @@ class Trainer:
         self.log = MetricsLogger(self.rank == 0, config.train.steps, m.jsonl, m.tensorboard, m.progress)
         self.peak = peak_tflops(self.model.device, m.peak_tflops)
         self.step = 0
+        self.heldout_scores: dict[str, float] = {}  # the last evaluation's
 
     # ------------------------------------------------------------------ pieces
     def _flops(self) -> float:
         """Model FLOPs of one step: the language model over every token row, each encoder over
-        its items (2·params per token forward, x3 when trained; attention counted dense)."""
-        c, b = self.config, self.config.data.batch_size
-        expected_items = {"vision": c.data.max_images / 2, "audio": c.data.max_tones / 2}
-        llama = self.modules["language"]
+        its expected items (2·params per token forward, x3 when trained; attention counted dense)."""
+        b = self.config.data.batch_size
+        llama = self.modules[LANGUAGE]
+        lc = llama.config
         total = transformer_flops(sum(p.numel() for n, p in llama.named_parameters() if "embed" not in n),
-                                  b * self.seq_len, c.model.n_layers, c.model.dim, self.seq_len, True)
-        for name in ("vision", "audio"):
+                                  b * self.seq_len, lc.n_layers, lc.dim, self.seq_len, True)
+        for name, e in self.resolved.encoders.items():
             enc = self.modules[name]
-            tokens_per_item = (self.train_set.tokens_per_image if name == "vision"
-                               else self.train_set.tokens_per_clip)
-            tokens = int(b * expected_items[name] * tokens_per_item)
-            tower_trains = name not in c.model.frozen
-            total += transformer_flops(sum(p.numel() for p in enc.encoder.parameters()), tokens,
-                                       c.model.encoder_layers, c.model.encoder_dim, tokens_per_item, tower_trains)
-            total += transformer_flops(sum(p.numel() for p in enc.projection.parameters()), tokens, 0, 0, 0, True)
+            tokens = int(b * self.data.items_per_sample.get(name, 0) * e.tokens_per_item)
+            tower, projection = (enc.encoder, enc.projection) if isinstance(enc, ModalityEncoder) else (enc, None)
+            tc = getattr(tower, "config", None)
+            layers, dim = getattr(tc, "n_layers", 0), getattr(tc, "dim", 0)
+            total += transformer_flops(sum(p.numel() for p in tower.parameters()), tokens, layers, dim,
+                                       e.tokens_per_item, not e.section.frozen)
+            if projection is not None:
+                total += transformer_flops(sum(p.numel() for p in projection.parameters()), tokens, 0, 0, 0, True)
         return total
 
     def _load_plan(self, batch_size: int, microbatches: int) -> dict[str, list[int]] | None:
         if not self.config.data.per_rank_loading:
             return None
-        return samples_to_load(self.layout, self.rank, batch_size, microbatches)
+        return samples_to_load(self.layout, self.rank, batch_size, microbatches, self.model.encoder_names)
 
     def _batches(self) -> Iterator[MimoBatch]:
         """This rank's view of the global batches from the sampler's position on; the sampler
@@ -220,11 +147,11 @@ class Trainer:
         workers = self.config.data.workers
         if workers == 0:
             for indices in _Forever(self.sampler):
-                yield self.train_set.batch(indices, load=load)
+                yield self.data.train.batch(indices, load=load)
             return
-        ahead = ResumableBatchSampler(TRAIN_SAMPLES, self.config.data.batch_size, seed=self.config.data.seed)
+        ahead = ResumableBatchSampler(len(self.data.train), self.config.data.batch_size, seed=self.config.data.seed)
         ahead.load_state_dict(self.sampler.state_dict())  # the loader's own copy runs ahead
-        loader = DataLoader(_Batches(self.train_set, load), sampler=_Forever(ahead), batch_size=None,
+        loader = DataLoader(_Batches(self.data.train, load), sampler=_Forever(ahead), batch_size=None,
                             num_workers=workers, collate_fn=lambda b: b, persistent_workers=True)
         for batch, _ in zip(loader, _Forever(self.sampler)):
             yield batch
@@ -241,8 +168,16 @@ class Trainer:
         """Resume from `checkpoint.dir`'s latest checkpoint, else start from `checkpoint.load`."""
         c = self.config.checkpoint
         # Rank 0 picks; every rank then loads the same path or raises together (`checkpoint.load`).
-        chosen = [((checkpoint.latest_checkpoint(c.dir) if c.dir else None) or c.load) if self.rank == 0 else None]
+        chosen: list[Any] = [None, None]
+        if self.rank == 0:
+            try:
+                latest = checkpoint.latest_checkpoint(c.dir) if c.dir else None
+                chosen[0] = latest or (checkpoint.resolve_load(c.load) if c.load else None)
+            except checkpoint.CheckpointError as e:
+                chosen[1] = str(e)
         dist.broadcast_object_list(chosen, src=0)
+        if chosen[1] is not None:
+            raise checkpoint.CheckpointError(chosen[1])
         path = chosen[0]
         if path is None:
             return
@@ -253,34 +188,32 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
-        """Held-out exact match of the whole answer and of each modality's digits (teacher-forced
-        argmax over the answer tokens, which equals greedy decoding's answer)."""
-        b = self.config.data.batch_size
-        right = {"answer": 0, "vision": 0, "audio": 0}
-        counted = dict.fromkeys(right, 0)
-        for start in range(0, len(self.heldout), b):
-            indices = list(range(start, min(start + b, len(self.heldout))))
-            batch = self.heldout.batch(indices, load=self._load_plan(len(indices), 1))
+        """Held-out exact match of every answer ("answer", and the task's parts): teacher-forced
+        argmax over the answer tokens, which equals greedy decoding's answer."""
+        heldout, b = self.data.heldout, self.config.data.batch_size
+        right: dict[str, int] = {}
+        counted: dict[str, int] = {}
+        for start in range(0, len(heldout), b):
+            indices = list(range(start, min(start + b, len(heldout))))
+            batch = heldout.batch(indices, load=self._load_plan(len(indices), 1))
             pred = self.model.predict(batch).cpu()
-            scored = batch.labels != IGNORE_INDEX
-            wrong = (pred != batch.labels) & scored
-            masks = {"answer": scored, **answer_digit_positions(batch.labels)}
-            for name, mask in masks.items():
-                rows = (scored & mask).any(-1)
-                counted[name] += int(rows.sum())
-                right[name] += int((~(wrong & mask).any(-1) & rows).sum())
+            for name, (r, c) in self.data.score(batch, pred).items():
+                right[name] = right.get(name, 0) + r
+                counted[name] = counted.get(name, 0) + c
         return {k: right[k] / counted[k] if counted[k] else float("nan") for k in right}
 
-    def captions(self, n: int) -> list[tuple[str, str]]:
-        """Greedy captions of the first `n` held-out samples: (expected answer, generated)."""
-        batch = self.heldout.batch(range(n), load=self._load_plan(n, 1))
-        question, eos = encode("?")[0], encode("<eos>")[0]
-        prompts = [int((row == question).nonzero()[0]) + 1 for row in batch.tokens]
-        out = self.model.generate(batch, prompts, self.seq_len - max(prompts), stop_token=eos)
-        return [(self.heldout[i].answer(), decode(ids)) for i, ids in enumerate(out)]
+    def answers(self, n: int) -> list[tuple[str, str]]:
+        """Greedy answers to the first `n` held-out prompts: (expected, generated)."""
+        batch = self.data.heldout.batch(range(n), load=self._load_plan(n, 1))
+        prompts = [self.data.prompt(i) for i in range(n)]
+        lengths = [p[0] for p in prompts]
+        stops = {p[2] for p in prompts}
+        stop = stops.pop() if len(stops) == 1 else None
+        out = self.model.generate(batch, lengths, self.seq_len - max(lengths), stop_token=stop)
+        return [(expected, self.data.decode(ids)) for (_, expected, _), ids in zip(prompts, out)]
 
     # ------------------------------------------------------------------ the loop
-    def run(self) -> float:
+    def run(self) -> float | None:
         c = self.config
         self.log.print(c.describe())
         self.log.print(self.layout.describe())
@@ -314,18 +247,36 @@ class Trainer:
             if c.train.eval_every and self.step % c.train.eval_every == 0 and self.step < c.train.steps:
                 self._report_eval()
         accuracy = self._report_eval()
-        for expected, got in self.captions(min(c.train.generate, len(self.heldout))) if c.train.generate else ():
+        n = min(c.train.generate, len(self.data.heldout)) if self.data.heldout is not None else 0
+        for expected, got in self.answers(n) if n else ():
             self.log.print(f"  expected: {expected:<28} generated: {got}")
-        self.log.print(f"held-out accuracy: {accuracy:.2f}")
+        if c.checkpoint.export_hf:
+            self.export(c.checkpoint.export_hf)
+        if accuracy is not None:
+            self.log.print(f"held-out accuracy: {accuracy:.2f}")
         self.log.close()
         return accuracy
 
-    def _report_eval(self) -> float:
-        acc = self.evaluate()
+    def _report_eval(self) -> float | None:
+        if self.data.heldout is None:
+            return None
+        acc = self.heldout_scores = self.evaluate()
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in acc.items() if k != "answer")
         self.log.log({"step": self.step, **{f"heldout_{k}": v for k, v in acc.items()}},
-                     f"step {self.step}: held-out exact match {acc['answer']:.3f} "
-                     f"(image digits {acc['vision']:.3f}, tone digits {acc['audio']:.3f})")
+                     f"step {self.step}: held-out exact match {acc['answer']:.3f}" + (f" ({parts})" if parts else ""))
         return acc["answer"]
+
+    def export(self, path: str) -> None:
+        """Write the trained model as Hugging Face directories (`dtensor_mimo.train.export`)."""
+        from dtensor_mimo.train.export import export_hf
+
+        r = self.resolved
+        dtype = getattr(torch, self.config.checkpoint.export_dtype)
+        modalities = {n: e.section.modality for n, e in r.encoders.items()}
+        ids = {n: b.special_token_id for n, b in self.data.train.batch([0], load={}).modalities.items()}
+        export_hf(self.model, path, modalities=modalities, special_token_ids=ids, tokenizer=r.tokenizer,
+                  processors={n: e.processor for n, e in r.encoders.items() if e.processor is not None}, dtype=dtype)
+        self.log.print(f"step {self.step}: exported {path}")
 
     def _log(self, metrics, lr: float, window: list[list[float]], tokens: int) -> None:
         """One MAX all-reduce of this window's mean phase times and peak memory; rank 0 logs."""

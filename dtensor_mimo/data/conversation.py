@@ -1,0 +1,362 @@
+"""Conversation data in LLaVA's format, tokenized with the language model's own chat template.
+
+A file holds one sample per line (JSONL) or a JSON list of samples::
+
+    {"id": "s1", "image": "imgs/a.png" | [paths], "audio": "clips/a.wav" | [paths],
+     "conversations": [{"from": "human", "value": "<image>\\nWhat is it?"},
+                       {"from": "gpt", "value": "A cat."}]}
+
+``<image>`` / ``<audio>`` in a turn's text marks where one item's tokens go (LLaVA's convention),
+items in the order of the sample's list; a sample may have none, one or several. Turns are
+rendered with the tokenizer's ``chat_template`` (``human`` -> user, ``gpt`` -> assistant,
+``system`` -> system) and the loss counts the assistant tokens only (each answer through its
+end-of-turn token). Each placeholder token becomes ``tokens_per_item`` copies of its id: the rows
+the encoder gives for the item. Media go through the encoder's own transformers processor
+(image processor, Whisper feature extractor), and only on the ranks that encode them.
+
+Needs ``transformers`` (the tokenizer and processors are its objects) and Pillow for images.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import wave
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch.utils.data import Dataset
+
+from dtensor_mimo.data.batch import IGNORE_INDEX, MimoBatch, ModalityInputs
+
+__all__ = ["Conversation", "ConversationDataset", "DataError", "MediaSpec", "read_samples", "check_samples",
+           "image_inputs", "audio_inputs"]
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+PLACEHOLDERS = {"image": "<image>", "audio": "<audio>"}
+"""The text that marks an item of each modality (also the JSON key of its paths)."""
+
+
+class DataError(ValueError):
+    """A sample, file or tokenizer the data cannot be built from; names the sample id or path."""
+
+
+@dataclass(frozen=True)
+class MediaSpec:
+    """How one encoder's items enter the rows.
+
+    Attributes:
+        modality: "image" or "audio": the sample's key holding its paths and the placeholder.
+        special_token_id: the tokenizer's id of the placeholder (an added special token): the id
+            of every row position the encoder fills.
+        tokens_per_item: encoder rows per item.
+        item_shape: shape of one encoder input (``(C, H, W)``, ``(n_mels, frames)``).
+        prepare: paths -> encoder inputs ``[N, *item_shape]`` (the encoder's processor).
+    """
+
+    modality: str
+    special_token_id: int
+    tokens_per_item: int
+    item_shape: tuple[int, ...]
+    prepare: Callable[[list[str]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One tokenized sample: the row before padding, its labels, its items per modality, and
+    where each assistant answer starts and ends (``answers``: ``(start, stop)`` token spans)."""
+
+    id: str
+    tokens: list[int]
+    labels: list[int]
+    items: dict[str, list[str]]
+    answers: list[tuple[int, int]]
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def read_samples(path: str) -> list[dict[str, Any]]:
+    """The samples of a LLaVA JSON list or JSONL file (DataError names the file and line)."""
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such data file")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            samples = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: not valid JSON: {e}") from None
+    else:
+        samples = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    samples.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{number}: not valid JSON: {e}") from None
+    for number, sample in enumerate(samples):
+        if not isinstance(sample, dict) or not isinstance(sample.get("conversations"), list):
+            raise DataError(f"{path}: sample {number} ({str(sample)[:80]}) has no 'conversations' list")
+        sample.setdefault("id", str(number))
+    return samples
+
+
+def _paths(sample: Mapping[str, Any], modality: str) -> list[str]:
+    value = sample.get(modality)
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def check_samples(samples: Sequence[Mapping[str, Any]], modalities: Iterable[str], root: str,
+                  source: str) -> None:
+    """Without tokenizing or opening media: every turn has a known role and text, each sample's
+    placeholders match its items, every media file exists, and no sample carries a modality no
+    encoder takes. DataError names the sample id (and the path)."""
+    modalities = set(modalities)
+    for sample in samples:
+        sid = sample["id"]
+        for turn in sample["conversations"]:
+            if not isinstance(turn, dict) or turn.get("from") not in ROLES or not isinstance(turn.get("value"), str):
+                raise DataError(f"{source}: sample {sid!r}: a turn {str(turn)[:80]} needs 'from' (one of "
+                                f"{sorted(ROLES)}) and a 'value' string")
+        if not any(ROLES[t["from"]] == "assistant" for t in sample["conversations"]):
+            raise DataError(f"{source}: sample {sid!r} has no 'gpt' turn: nothing to learn from it")
+        text = "".join(t["value"] for t in sample["conversations"])
+        for modality, placeholder in PLACEHOLDERS.items():
+            paths = _paths(sample, modality)
+            if (paths or placeholder in text) and modality not in modalities:
+                raise DataError(f"{source}: sample {sid!r} has {modality} items but no encoder takes "
+                                f"{modality!r} (model.encoders.<name>.modality)")
+            if text.count(placeholder) != len(paths):
+                raise DataError(f"{source}: sample {sid!r} has {text.count(placeholder)} {placeholder} "
+                                f"placeholder(s) but {len(paths)} {modality} item(s); put one {placeholder} "
+                                "in the text where each item goes")
+            for p in paths:
+                full = os.path.join(root, p)
+                if not os.path.isfile(full):
+                    raise DataError(f"{source}: sample {sid!r}: {modality} file {full} does not exist")
+
+
+# ---------------------------------------------------------------------------- media
+
+
+def image_inputs(processor: Any) -> Callable[[list[str]], torch.Tensor]:
+    """Image files -> ``pixel_values`` with a transformers image processor (RGB)."""
+    from PIL import Image
+
+    def prepare(paths: list[str]) -> torch.Tensor:
+        images = []
+        for path in paths:
+            with Image.open(path) as image:
+                images.append(image.convert("RGB"))
+        return processor(images=images, return_tensors="pt")["pixel_values"].float()
+
+    return prepare
+
+
+def _read_wav(path: str) -> tuple[torch.Tensor, int]:
+    """A PCM WAV file as mono float samples in [-1, 1] and its sample rate."""
+    try:
+        with wave.open(path, "rb") as f:
+            rate, width, channels, frames = f.getframerate(), f.getsampwidth(), f.getnchannels(), f.getnframes()
+            raw = f.readframes(frames)
+    except (wave.Error, EOFError) as e:
+        raise DataError(f"{path}: not a PCM WAV file ({e})") from None
+    dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(width)
+    if dtype is None:
+        raise DataError(f"{path}: {8 * width}-bit samples; use 8, 16 or 32-bit PCM")
+    samples = torch.frombuffer(bytearray(raw), dtype=dtype).float()
+    if width == 1:
+        samples = samples - 128.0
+    samples = samples / float(2 ** (8 * width - 1))
+    return samples.reshape(-1, channels).mean(1), rate
+
+
+def audio_inputs(feature_extractor: Any) -> Callable[[list[str]], torch.Tensor]:
+    """WAV files -> log-mel ``input_features`` with a transformers (Whisper) feature extractor;
+    a file at another sample rate than the extractor's is refused by name."""
+    def prepare(paths: list[str]) -> torch.Tensor:
+        clips = []
+        for path in paths:
+            samples, rate = _read_wav(path)
+            if rate != feature_extractor.sampling_rate:
+                raise DataError(f"{path}: sampled at {rate} Hz but the feature extractor takes "
+                                f"{feature_extractor.sampling_rate} Hz; resample the file")
+            clips.append(samples.numpy())
+        out = feature_extractor(clips, sampling_rate=feature_extractor.sampling_rate, return_tensors="pt")
+        return out["input_features"].float()
+
+    return prepare
+
+
+# ---------------------------------------------------------------------------- the dataset
+
+
+class ConversationDataset(Dataset):
+    """The samples of a LLaVA conversation file as `MimoBatch` rows of `seq_len` tokens.
+
+    Args:
+        path: the JSON / JSONL file.
+        tokenizer: a transformers tokenizer with a ``chat_template``, whose vocabulary holds the
+            placeholders of `media` as single (added) tokens.
+        media: ``{encoder name: MediaSpec}``; the batch's modality names are the encoder names.
+        seq_len: row length; 0: the longest sample's (tokenizes every sample once).
+        root: media paths are relative to it (default: the file's directory).
+        truncate: cut longer samples at `seq_len` (an item that would be cut is dropped whole)
+            instead of raising DataError with the sample id.
+        samples: already read samples (`read_samples`), to skip reading the file again.
+    """
+
+    def __init__(self, path: str, tokenizer: Any, media: Mapping[str, MediaSpec], seq_len: int = 0,
+                 root: str | None = None, truncate: bool = False,
+                 samples: list[dict[str, Any]] | None = None) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError(f"the tokenizer ({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)}) has no "
+                            "chat_template; use a chat (instruct) tokenizer or set tokenizer.chat_template")
+        self.path, self.tokenizer, self.media = path, tokenizer, dict(media)
+        self.root = os.path.abspath(root if root is not None else os.path.dirname(path))
+        self.samples = read_samples(path) if samples is None else samples
+        self.truncate = truncate
+        self.by_modality = {spec.modality: name for name, spec in self.media.items()}
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = 0 if pad is None else pad
+        self._cache: dict[int, Conversation] = {}
+        self.seq_len = seq_len or max(len(self[i].tokens) for i in range(len(self)))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> Conversation:
+        if index not in self._cache:
+            self._cache[index] = self._tokenize(self.samples[index])
+        return self._cache[index]
+
+    # -------------------------------------------------------------- tokenization
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _tokenize(self, sample: Mapping[str, Any]) -> Conversation:
+        """Token ids with each placeholder expanded, labels on the assistant tokens."""
+        sid = str(sample["id"])
+        messages = [{"role": ROLES[t["from"]], "content": t["value"]} for t in sample["conversations"]]
+        ids = self._render(messages, False)
+        assistant = [False] * len(ids)
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt, upto = self._render(messages[:i], True), self._render(messages[:i + 1], False)
+            if upto[:len(prompt)] != prompt or ids[:len(upto)] != upto:
+                raise DataError(f"sample {sid!r}: the chat template does not render a conversation as its "
+                                "turns one after another (a prefix renders otherwise), so the assistant "
+                                "tokens cannot be found")
+            for t in range(len(prompt), len(upto)):
+                assistant[t] = True
+        # Expand placeholders: one token -> tokens_per_item copies of the encoder's id.
+        tokens: list[int] = []
+        is_answer: list[bool] = []
+        starts: dict[str, list[int]] = {name: [] for name in self.media}
+        ids_of = {spec.special_token_id: name for name, spec in self.media.items()}
+        for token, answer in zip(ids, assistant):
+            name = ids_of.get(token)
+            if name is None:
+                tokens.append(token)
+                is_answer.append(answer)
+            else:
+                starts[name].append(len(tokens))
+                n = self.media[name].tokens_per_item
+                tokens += [token] * n
+                is_answer += [False] * n
+        items = {name: _paths(sample, self.media[name].modality) for name in self.media}
+        for name, found in starts.items():
+            if len(found) != len(items[name]):
+                raise DataError(f"sample {sid!r}: {len(found)} {PLACEHOLDERS[self.media[name].modality]} "
+                                f"token(s) after tokenization but {len(items[name])} item(s)")
+        limit = getattr(self, "seq_len", 0)
+        if limit and len(tokens) > limit:
+            if not self.truncate:
+                raise DataError(f"sample {sid!r} has {len(tokens)} tokens, more than data.seq_len = {limit}; "
+                                "raise data.seq_len, or set data.truncate = true to cut it")
+            cut = limit  # an item cut in two is dropped whole (items never overlap: one can be)
+            for name, found in starts.items():
+                cut = min([cut] + [s for s in found if s < cut < s + self.media[name].tokens_per_item])
+            for name, found in starts.items():
+                items[name] = items[name][:sum(1 for s in found if s + self.media[name].tokens_per_item <= cut)]
+            tokens, is_answer = tokens[:cut], is_answer[:cut]
+        labels = [tokens[t + 1] if is_answer[t + 1] else IGNORE_INDEX for t in range(len(tokens) - 1)]
+        labels.append(IGNORE_INDEX)
+        answers, t = [], 0
+        while t < len(is_answer):
+            if is_answer[t]:
+                start = t
+                while t < len(is_answer) and is_answer[t]:
+                    t += 1
+                answers.append((start, t))
+            else:
+                t += 1
+        root = self.root
+        return Conversation(sid, tokens, labels, {n: [os.path.join(root, p) for p in ps] for n, ps in items.items()},
+                            answers)
+
+    # -------------------------------------------------------------- batches
+    def batch(self, indices: Sequence[int], load: Mapping[str, Iterable[int]] | None = None) -> MimoBatch:
+        """The global batch of samples `indices`, rows padded to `seq_len`.
+
+        Args:
+            load: ``{encoder name: positions in the batch}`` whose media to read and preprocess;
+                every other item's input is zeros (a stride-0 view, no memory, when none is
+                read). None: everything. ``{}``: token rows and item counts only.
+        """
+        samples = [self[i] for i in indices]
+        shape = (len(samples), self.seq_len)
+        tokens = torch.full(shape, self.pad_id, dtype=torch.int64)
+        labels = torch.full(shape, IGNORE_INDEX, dtype=torch.int64)
+        for row, s in enumerate(samples):
+            tokens[row, :len(s.tokens)] = torch.tensor(s.tokens, dtype=torch.int64)
+            labels[row, :len(s.labels)] = torch.tensor(s.labels, dtype=torch.int64)
+        modalities = {}
+        for name, spec in self.media.items():
+            counts = [len(s.items[name]) for s in samples]
+            wanted = range(len(samples)) if load is None else load.get(name, ())
+            modalities[name] = ModalityInputs(inputs=self._inputs(name, samples, counts, set(wanted)),
+                                              items_per_sample=tuple(counts),
+                                              tokens_per_item=spec.tokens_per_item,
+                                              special_token_id=spec.special_token_id)
+        return MimoBatch(tokens, labels, labels != IGNORE_INDEX, modalities)
+
+    def _inputs(self, name: str, samples: list[Conversation], counts: list[int], wanted: set[int]) -> torch.Tensor:
+        spec = self.media[name]
+        total = sum(counts)
+        paths = [p for i, s in enumerate(samples) if i in wanted for p in s.items[name]]
+        if not paths:
+            return torch.zeros(()).expand(total, *spec.item_shape)
+        loaded = spec.prepare(paths)
+        if tuple(loaded.shape[1:]) != spec.item_shape:
+            raise DataError(f"{name!r}: the processor gives items of shape {list(loaded.shape[1:])} but the "
+                            f"encoder takes {list(spec.item_shape)}; fix the processor config (size) or the "
+                            "encoder's")
+        if len(paths) == total:
+            return loaded
+        out = torch.zeros(total, *spec.item_shape)
+        start, taken = 0, 0
+        for i, count in enumerate(counts):
+            if i in wanted:
+                out[start:start + count] = loaded[taken:taken + count]
+                taken += count
+            start += count
+        return out
+
+    # -------------------------------------------------------------- evaluation
+    def prompt_length(self, index: int) -> int:
+        """Tokens of sample `index` before its first answer (the generation prompt included)."""
+        return self[index].answers[0][0]
+
+    def answer_text(self, index: int) -> str:
+        """The first answer of sample `index`, as text (special tokens dropped)."""
+        start, stop = self[index].answers[0]
+        return self.tokenizer.decode(self[index].tokens[start:stop], skip_special_tokens=True).strip()

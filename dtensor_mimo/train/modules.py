@@ -1,0 +1,290 @@
+"""The trainer's modules from its config: Hugging Face directories, the library's models, or a
+user's factory; and the tokenizer and processors that go with them.
+
+Resolving reads only small files (``config.json``, tokenizer and processor configs), so the
+launcher runs it before any process starts (`resolve`); each rank then builds the modules on the
+meta device (`build_modules`) and `MimoModel` allocates only its shards, which `MimoModel.load_hf`
+fills from the directories (`ResolvedModel.hf_paths`) and `init_weights` initializes otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from dtensor_mimo.models import (
+    AudioConfig,
+    AudioEncoder,
+    Llama,
+    LlamaConfig,
+    ModalityEncoder,
+    Projection,
+    ViT,
+    ViTConfig,
+)
+from dtensor_mimo.models.hf.llama import read_config
+from dtensor_mimo.train.config import LANGUAGE, ConfigError, EncoderSection, TrainerConfig
+
+_TOWERS = {"siglip_vision_model": -1, "clip_vision_model": -2, "siglip": -1, "clip": -2}
+"""Vision towers by model_type, with LLaVA's usual feature layer for each (no final norm)."""
+
+
+@dataclass
+class ResolvedEncoder:
+    """One encoder as the config describes it: its library config (None for a factory's), rows per
+    item, and its items' preprocessing (a transformers processor; None for the digits data)."""
+
+    name: str
+    section: EncoderSection
+    config: ViTConfig | AudioConfig | None
+    tokens_per_item: int
+    processor: Any = None
+    has_projector: bool = False  # an hf directory that holds LLaVA's projector too
+
+    @property
+    def item_shape(self) -> tuple[int, ...] | None:
+        """One encoder input's shape, when the library config fixes it."""
+        if isinstance(self.config, ViTConfig):
+            return (self.config.in_channels, self.config.image_size, self.config.image_size)
+        if isinstance(self.config, AudioConfig):
+            return (self.config.n_mels, self.config.max_frames)
+        return None
+
+
+@dataclass
+class ResolvedModel:
+    """What every rank builds: language config (None for a factory's), encoders, tokenizer."""
+
+    language: LlamaConfig | None
+    encoders: dict[str, ResolvedEncoder]
+    tokenizer: Any = None
+    hf_paths: dict[str, str] = field(default_factory=dict)
+    seeds: dict[str, int] = field(default_factory=dict)
+
+
+def _directory(key: str, path: str) -> str:
+    if not os.path.isdir(path):
+        raise ConfigError(f"{key} = {path!r}: no such directory")
+    if not os.path.exists(os.path.join(path, "config.json")) and key.endswith(".hf"):
+        raise ConfigError(f"{key} = {path!r}: no config.json there; point at a Hugging Face model directory")
+    return path
+
+
+def _hf_error(key: str, e: Exception) -> ConfigError:
+    return ConfigError(f"{key}: {e}")
+
+
+def vision_config(key: str, path: str, feature_layer: int | None) -> tuple[ViTConfig, bool]:
+    """The ViT of a SigLIP / CLIP / LLaVA directory, and whether it holds LLaVA's projector. A
+    plain tower gives the features after `feature_layer` blocks (default: LLaVA's for the tower),
+    without its final norm, as LLaVA takes them."""
+    top = read_config(path)
+    kind = top.get("model_type")
+    try:
+        config = ViTConfig.from_hf(path)
+    except (ValueError, KeyError) as e:
+        raise _hf_error(key, e) from None
+    if kind == "llava":
+        if feature_layer is not None:
+            raise ConfigError(f"{key}: a LLaVA directory fixes its feature layer "
+                              f"(vision_feature_layer); leave feature_layer out")
+        return config, True
+    layer = _TOWERS.get(kind, -1) if feature_layer is None else feature_layer
+    n = config.n_layers + 1 + layer if layer < 0 else layer
+    if not 1 <= n <= config.n_layers:
+        raise ConfigError(f"{key}: feature_layer = {layer} leaves {n} of the tower's {config.n_layers} blocks")
+    return dataclasses.replace(config, n_layers=n, final_norm=False), False
+
+
+def _processor(key: str, path: str, modality: str) -> Any:
+    """The transformers image processor / feature extractor saved in `path`."""
+    import transformers
+
+    file = "preprocessor_config.json"
+    if not os.path.exists(os.path.join(path, file)):
+        raise ConfigError(f"{key}: {path} has no {file} (the {modality} processor); set "
+                          f"processor = 'DIR' to a directory that has one")
+    try:
+        if modality == "audio":
+            return transformers.WhisperFeatureExtractor.from_pretrained(path)
+        return transformers.AutoImageProcessor.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 — transformers raises many kinds
+        raise ConfigError(f"{key}: cannot load the {modality} processor of {path}: {e}") from None
+
+
+def resolve_encoder(config: TrainerConfig, name: str, section: EncoderSection) -> ResolvedEncoder:
+    """Encoder `name`'s config, tokens per item and processor (reads small files only)."""
+    key = f"model.encoders.{name}"
+    if section.factory:
+        proc = section.processor and _processor(f"{key}.processor", _directory(f"{key}.processor", section.processor),
+                                                section.modality)
+        return ResolvedEncoder(name, section, None, section.tokens_per_item, proc)
+    if section.hf:
+        path = _directory(f"{key}.hf", section.hf)
+        kind = read_config(path).get("model_type")
+        if section.modality == "audio":
+            if kind != "whisper":
+                raise ConfigError(f"{key}.hf = {path!r}: model_type {kind!r} is not an audio encoder the "
+                                  "library loads (whisper)")
+            try:
+                audio = AudioConfig.from_hf(path)
+            except (ValueError, KeyError) as e:
+                raise _hf_error(key, e) from None
+            proc = _processor(key, section.processor or path, "audio")
+            frames = proc.nb_max_frames
+            if frames != audio.max_frames:
+                raise ConfigError(f"{key}: the feature extractor gives {frames} frames per clip but the encoder "
+                                  f"takes {audio.max_frames}")
+            return ResolvedEncoder(name, section, audio, audio.output_length(frames), proc)
+        if kind not in (*_TOWERS, "llava"):
+            raise ConfigError(f"{key}.hf = {path!r}: model_type {kind!r} is not a vision tower the library loads "
+                              f"(siglip, clip, their vision models, llava); for audio set modality = 'audio'")
+        vit, projector = vision_config(f"{key}.hf", path, section.feature_layer)
+        proc = _processor(key, section.processor or path, "image")
+        return ResolvedEncoder(name, section, vit, vit.num_patches, proc, projector)
+    # the library's own encoder
+    digits = config.data.format == "digits"
+    if section.modality == "image":
+        size = section.image_size or (8 if digits else 0)
+        if not size:
+            raise ConfigError(f"{key}.image_size: a library ViT on conversation data needs its image size")
+        vit = ViTConfig(image_size=size, patch_size=section.patch_size, in_channels=1 if digits else 3,
+                        dim=section.dim, n_layers=section.n_layers, n_heads=section.n_heads,
+                        mlp_hidden=section.mlp_hidden)
+        proc = None
+        if not digits:
+            proc = (_processor(key, section.processor, "image") if section.processor
+                    else _library_image_processor(size))
+        return ResolvedEncoder(name, section, vit, vit.num_patches, proc)
+    if digits:
+        audio = AudioConfig(n_mels=16, max_frames=16, conv_strides=(2, 2), dim=section.dim, n_layers=section.n_layers,
+                            n_heads=section.n_heads, mlp_hidden=section.mlp_hidden)
+        return ResolvedEncoder(name, section, audio, audio.output_length(audio.max_frames))
+    if not section.processor:
+        raise ConfigError(f"{key}: a library audio encoder on conversation data needs processor = 'DIR' (a "
+                          "Whisper feature extractor config: mel bins and frames per clip)")
+    proc = _processor(key, _directory(f"{key}.processor", section.processor), "audio")
+    audio = AudioConfig(n_mels=proc.feature_size, max_frames=proc.nb_max_frames, dim=section.dim,
+                        n_layers=section.n_layers, n_heads=section.n_heads, mlp_hidden=section.mlp_hidden)
+    return ResolvedEncoder(name, section, audio, audio.output_length(audio.max_frames), proc)
+
+
+def _library_image_processor(size: int) -> Any:
+    """A SigLIP-style image processor (resize to `size`, scale to [-1, 1]) for a library ViT."""
+    import transformers
+
+    cls = getattr(transformers, "SiglipImageProcessorPil", None) or transformers.SiglipImageProcessor
+    return cls(size={"height": size, "width": size})
+
+
+def load_tokenizer(config: TrainerConfig) -> Any:
+    """The language model's tokenizer (`data.tokenizer` or `model.language.hf`) with a placeholder
+    token for each encoder's modality added (``<image>``, ``<audio>``) when it lacks one."""
+    import transformers
+
+    from dtensor_mimo.data.conversation import PLACEHOLDERS
+
+    key = "data.tokenizer" if config.data.tokenizer else f"model.{LANGUAGE}.hf"
+    path = _directory(key, config.data.tokenizer or config.model.language.hf)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"{key} = {path!r}: no tokenizer transformers can load there ({e})") from None
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"{key} = {path!r}: the tokenizer has no chat_template; use a chat (instruct) "
+                          "tokenizer, or add a chat template to its tokenizer_config.json")
+    wanted = [PLACEHOLDERS[e.modality] for e in config.model.encoders.values()]
+    missing = [p for p in wanted if p not in tokenizer.get_vocab()]
+    if missing:
+        tokenizer.add_tokens(missing, special_tokens=True)
+    return tokenizer
+
+
+def resolve(config: TrainerConfig) -> ResolvedModel:
+    """Every module's config, the tokenizer and the processors, from small files only; a
+    ConfigError names the key and the directory."""
+    encoders = {n: resolve_encoder(config, n, s) for n, s in config.model.encoders.items()}
+    tokenizer = None if config.data.format == "digits" else load_tokenizer(config)
+    lang = config.model.language
+    language: LlamaConfig | None = None
+    hf_paths: dict[str, str] = {}
+    if lang.hf:
+        path = _directory(f"model.{LANGUAGE}.hf", lang.hf)
+        try:
+            language = LlamaConfig.from_hf(path)
+        except (ValueError, KeyError) as e:
+            raise _hf_error(f"model.{LANGUAGE}.hf", e) from None
+        hf_paths[LANGUAGE] = path
+    elif not lang.factory:
+        if config.data.format == "digits":
+            from dtensor_mimo.data import TEXT_VOCAB
+
+            vocab = len(TEXT_VOCAB)
+        else:
+            vocab = len(tokenizer)  # placeholders included: ids past the text's are never looked up
+        language = LlamaConfig(vocab_size=vocab, dim=lang.dim, n_layers=lang.n_layers, n_heads=lang.n_heads,
+                               n_kv_heads=lang.n_kv_heads, ffn_hidden=lang.ffn_hidden)
+    for name, e in encoders.items():
+        if e.section.hf:
+            hf_paths[name] = e.section.hf
+    seeds = {LANGUAGE: lang.seed, **{n: s.seed for n, s in config.model.encoders.items()}}
+    return ResolvedModel(language, encoders, tokenizer, hf_paths, seeds)
+
+
+def _call_factory(key: str, spec: str, args: dict[str, Any], offered: dict[str, Any]) -> nn.Module:
+    """``package.module:function`` called with `args` and whichever `offered` names it accepts."""
+    module_name, function_name = spec.split(":")
+    try:
+        function: Callable[..., Any] = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{key}.factory = {spec!r}: {e}") from None
+    params = inspect.signature(function).parameters
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    extra = {k: v for k, v in offered.items() if (takes_all or k in params) and k not in args}
+    module = function(**args, **extra)
+    if not isinstance(module, nn.Module):
+        raise ConfigError(f"{key}.factory = {spec!r} returned a {type(module).__name__}, not an nn.Module")
+    return module
+
+
+def build_modules(config: TrainerConfig, resolved: ResolvedModel, seq_len: int,
+                  meta: bool = True) -> dict[str, nn.Module]:
+    """The full modules ``{encoder names..., "language"}`` (on the meta device with `meta`: no
+    memory; else initialized from their seeds), frozen towers marked."""
+    lang = config.model.language
+    language_dim = resolved.language.dim if resolved.language is not None else None
+    modules: dict[str, nn.Module] = {}
+    with torch.device("meta" if meta else "cpu"):
+        if lang.factory:
+            language = _call_factory(f"model.{LANGUAGE}", lang.factory, lang.factory_args,
+                                     {"vocab_size": len(resolved.tokenizer) if resolved.tokenizer else None,
+                                      "seq_len": seq_len})
+            language_dim = language.config.dim
+        else:
+            cfg = resolved.language
+            language = Llama(dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, seq_len)))
+        for name, e in resolved.encoders.items():
+            key = f"model.encoders.{name}"
+            if e.section.factory:
+                modules[name] = _call_factory(key, e.section.factory, e.section.factory_args,
+                                              {"language_dim": language_dim})
+                continue
+            tower = ViT(e.config) if isinstance(e.config, ViTConfig) else AudioEncoder(e.config)
+            modules[name] = ModalityEncoder(tower, Projection(e.config.dim, language_dim))
+        modules[LANGUAGE] = language
+    if not meta:
+        for name, module in modules.items():
+            if callable(getattr(module, "init_weights", None)):
+                module.init_weights(resolved.seeds[name])
+    for name, e in resolved.encoders.items():
+        if e.section.frozen:  # the tower; its projection to the language width trains
+            module = modules[name]
+            (module.encoder if isinstance(module, ModalityEncoder) else module).requires_grad_(False)
+    return modules

@@ -1,0 +1,288 @@
+"""Train on your data: Hugging Face checkpoints and LLaVA conversations through the trainer.
+
+Tiny random checkpoints (Qwen2 + byte-level BPE tokenizer with a ChatML template, SigLIP, Whisper)
+and a dataset of coloured-shape images, text-only samples and tones are written with transformers
+by `examples/make_tiny_llava.py` (no download).
+
+| test                                        | what                                                        |
+|---------------------------------------------|-------------------------------------------------------------|
+| test_rows_label_the_assistant_tokens_only   | placeholders expanded to the tower's tokens; labels decode to each answer + end of turn |
+| test_long_samples_refused_or_truncated      | a sample over seq_len names its id; truncation drops a cut item whole |
+| test_bad_input_fails_before_any_process     | missing dirs/files, unsupported architecture, placeholder count, tokenizer without template, processor size, checkpoint.load without checkpoints |
+| test_layouts_give_one_process_numbers       | image dp1 / language dp1 [2], colocated dp2 [2]: losses and grad norms == one process [1]; resume == uninterrupted; load under another layout |
+| test_learns_heterogeneous_and_exports       | the README's file: held-out accuracy well above chance; the export loads in transformers and its greedy answers are ours |
+| test_learns_colocated                       | the same on one colocated dp2 layout                         |
+| test_whisper_encoder_learns_audio           | a Whisper directory's encoder on tone conversations          |
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dtensor_mimo.train.config import ConfigError, parse_args
+from tests.harness import run_on_ranks
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+CONFIG = os.path.abspath(os.path.join(ROOT, "examples", "llava_tiny.toml"))
+_spec = importlib.util.spec_from_file_location("make_tiny_llava", os.path.join(ROOT, "examples", "make_tiny_llava.py"))
+make = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make)
+
+QUICK = ["--metrics.progress", "off", "--train.generate", "0", "--metrics.log_every", "1",
+         "--optimizer.warmup_steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("tiny_llava"))
+    make.write_checkpoints(out)
+    make.write_data(out, train=512, val=48, audio_train=128, audio_val=32)
+    return out
+
+
+def _train(cwd: str, argv: list[str], config: str = CONFIG) -> dict:
+    """One trainer run on this rank (called on every rank by `run_on_ranks`): held-out accuracy
+    and the greedy answers it printed."""
+    from dtensor_mimo.train.trainer import Trainer
+
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        trainer = Trainer(parse_args(["--config", config, *argv]))
+        trainer.run()
+        n = trainer.config.train.generate
+        return {**trainer.heldout_scores, "answers": trainer.answers(n) if n else []}
+    finally:
+        os.chdir(here)
+
+
+def _run(cwd: str, argv: list[str], config: str = CONFIG) -> dict:
+    from dtensor_mimo.train.config import build_layout
+
+    world = build_layout(parse_args(["--config", config, *argv])).world_size
+    results = run_on_ranks(_train, world, cwd, argv, config, timeout=300)
+    assert all(r == results[0] for r in results)  # every rank reports the same
+    return results[0]
+
+
+def _records(path: str) -> dict[int, dict]:
+    with open(path) as f:
+        return {r["step"]: r for r in map(json.loads, f) if "loss" in r}
+
+
+# ---------------------------------------------------------------------------- rows
+
+
+def _dataset(tiny: str, *argv: str):
+    from dtensor_mimo.train.datasets import train_data
+    from dtensor_mimo.train.modules import resolve
+
+    cwd = os.getcwd()
+    os.chdir(tiny)
+    try:
+        config = parse_args(["--config", CONFIG, *argv])
+        resolved = resolve(config)
+        return train_data(config, resolved), resolved.tokenizer
+    finally:
+        os.chdir(cwd)
+
+
+def test_rows_label_the_assistant_tokens_only(tiny: str) -> None:
+    data, tokenizer = _dataset(tiny)
+    samples = [json.loads(line) for line in open(os.path.join(tiny, "data", "train.jsonl"))]
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    for index in range(12):
+        sample, row = samples[index], data.train[index]
+        images = sample.get("image", [])
+        images = [images] if isinstance(images, str) else images
+        assert row.tokens.count(image_id) == 16 * len(images)  # 16 patches per 16x16 image
+        answer_ids = [t for t in row.labels if t != -100]
+        assert tokenizer.decode(answer_ids) == sample["conversations"][1]["value"] + "<|im_end|>\n"
+        for t, label in enumerate(row.labels):  # next-token targets, on assistant tokens only
+            assert label == -100 or label == row.tokens[t + 1]
+        prompt = tokenizer.decode(row.tokens[:row.answers[0][0]]).replace("<image>" * 16, "<image>")
+        question = sample["conversations"][0]["value"]
+        assert prompt == f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    batch = data.train.batch(list(range(12)))
+    assert batch.tokens.shape == (12, 96) and batch.modalities["image"].tokens_per_item == 16
+    assert batch.modalities["image"].inputs.shape[1:] == (3, 16, 16)
+    # A rank that encodes no image reads none: zeros without memory.
+    assert batch.modalities["image"].inputs.abs().sum() > 0
+    assert data.train.batch(list(range(12)), load={}).modalities["image"].inputs.stride()[0] == 0
+
+
+def test_long_samples_refused_or_truncated(tiny: str) -> None:
+    data, tokenizer = _dataset(tiny, "--data.seq_len", "40")
+    two = next(i for i, s in enumerate(data.train.samples) if isinstance(s.get("image"), list))
+    with pytest.raises(Exception, match=f"sample 'train-{two}' has \\d+ tokens, more than data.seq_len = 40"):
+        data.train[two]
+    data, _ = _dataset(tiny, "--data.seq_len", "28", "--data.truncate", "true")
+    row = data.train[two]  # the second image's 16 tokens would cross position 28: dropped whole
+    assert len(row.tokens) <= 28 and len(row.items["image"]) == 1
+    assert row.tokens.count(tokenizer.convert_tokens_to_ids("<image>")) == 16
+    batch = data.train.batch([two])
+    assert batch.modalities["image"].items_per_sample == (1,)
+
+
+def _preflight(tiny: str, argv: list[str], message: str) -> None:
+    from dtensor_mimo.train.launch import preflight
+
+    cwd = os.getcwd()
+    os.chdir(tiny)
+    try:
+        with pytest.raises(ConfigError) as e:
+            preflight(parse_args(["--config", CONFIG, *argv]))
+        assert message in str(e.value), str(e.value)
+    finally:
+        os.chdir(cwd)
+
+
+def test_bad_input_fails_before_any_process(tiny: str, tmp_path) -> None:
+    _preflight(tiny, ["--model.language.hf", "ckpt/nope"], "model.language.hf = 'ckpt/nope': no such directory")
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    _preflight(tiny, ["--model.encoders.image.hf", str(gpt2)], "model_type 'gpt2' is not a vision tower")
+    _preflight(tiny, ["--model.language.hf", str(gpt2), "--data.tokenizer", "ckpt/lm"],
+               "model_type 'gpt2' is not a Llama-family decoder")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "two-for-one", "image": ["images/train-0-0.png", "images/train-0-1.png"],
+                               "conversations": [{"from": "human", "value": "<image> what ?"},
+                                                 {"from": "gpt", "value": "a red bar"}]}) + "\n")
+    _preflight(tiny, ["--data.path", str(bad)], "sample 'two-for-one' has 1 <image> placeholder(s) but 2 image item(s)")
+    bad.write_text(json.dumps({"id": "lost", "image": "images/missing.png", "conversations": [
+        {"from": "human", "value": "<image> what ?"}, {"from": "gpt", "value": "a red bar"}]}) + "\n")
+    _preflight(tiny, ["--data.path", str(bad)], "images/missing.png does not exist")
+    plain = tmp_path / "plain"
+    shutil.copytree(os.path.join(tiny, "ckpt", "lm"), plain)
+    os.remove(plain / "chat_template.jinja")
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    _preflight(tiny, ["--data.tokenizer", str(plain)], "the tokenizer has no chat_template")
+    big = tmp_path / "big"
+    shutil.copytree(os.path.join(tiny, "ckpt", "siglip"), big)
+    proc = json.loads((big / "preprocessor_config.json").read_text())
+    proc["size"] = {"height": 32, "width": 32}
+    (big / "preprocessor_config.json").write_text(json.dumps(proc))
+    _preflight(tiny, ["--model.encoders.image.processor", str(big)],
+               "images/train-0-0.png into [3, 32, 32] but the encoder takes [3, 16, 16]")
+    _preflight(tiny, ["--checkpoint.load", str(tmp_path)], "is neither a checkpoint (no .metadata) nor a directory")
+    # The command prints the error once and starts no process.
+    out = subprocess.run([sys.executable, "-m", "dtensor_mimo.train", "--config", CONFIG, "--data.path", str(bad)],
+                         capture_output=True, text=True, timeout=120, cwd=tiny)
+    assert out.returncode == 2 and out.stderr.count("does not exist") == 1 and "Traceback" not in out.stderr
+
+
+# ---------------------------------------------------------------------------- training
+
+
+ORACLE = [*QUICK, "--train.steps", "6", "--data.batch_size", "8", "--pipeline.microbatches", "2",
+          "--checkpoint.export_hf", "none", "--data.heldout_samples", "8"]
+COLOCATED = ["--layout.image.dp", "2", "--layout.image.offset", "0", "--layout.language.dp", "2",
+             "--layout.language.offset", "0"]
+
+
+def test_layouts_give_one_process_numbers(tiny: str, tmp_path) -> None:
+    runs = {"one": ["--layout.language.offset", "0"], "heterogeneous": [], "colocated": COLOCATED}
+    got = {}
+    for name, layout in runs.items():
+        argv = [*ORACLE, *layout, "--metrics.jsonl", str(tmp_path / f"{name}.jsonl"),
+                "--checkpoint.dir", str(tmp_path / name), "--checkpoint.every", "3"]
+        _run(tiny, argv)
+        got[name] = _records(str(tmp_path / f"{name}.jsonl"))
+    one = got["one"]
+    assert sorted(one) == [1, 2, 3, 4, 5, 6]
+    for name in ("heterogeneous", "colocated"):
+        for step, record in one.items():
+            assert got[name][step]["loss"] == pytest.approx(record["loss"], rel=1e-5), (name, step)
+            assert got[name][step]["grad_norm"] == pytest.approx(record["grad_norm"], rel=1e-4), (name, step)
+    # Resume the heterogeneous run from its step 3: the same steps 4-6, exactly.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "heterogeneous" / "step-000003", resumed / "step-000003")
+    _run(tiny, [*ORACLE, "--checkpoint.dir", str(resumed), "--metrics.jsonl", str(tmp_path / "r.jsonl")])
+    again = _records(str(tmp_path / "r.jsonl"))
+    assert sorted(again) == [4, 5, 6] and all(again[s]["loss"] == got["heterogeneous"][s]["loss"] for s in again)
+    # Step 3 under the colocated layout (user module names in the checkpoint: model.image.*).
+    _run(tiny, [*ORACLE, *COLOCATED, "--checkpoint.load", str(resumed / "step-000003"),
+                  "--metrics.jsonl", str(tmp_path / "l.jsonl")])
+    loaded = _records(str(tmp_path / "l.jsonl"))
+    assert sorted(loaded) == [4, 5, 6]
+    assert all(loaded[s]["loss"] == pytest.approx(one[s]["loss"], rel=1e-5) for s in loaded)
+    from dtensor_mimo.train.checkpoint import resolve_load
+
+    assert resolve_load(str(resumed)) == str(resumed / "step-000006")  # a directory of them: its latest
+
+
+def _hf_answers(export: str, tiny: str, count: int) -> list[str]:
+    """Greedy answers of the exported directory, in transformers, to the first held-out prompts."""
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(export, dtype=torch.float32).eval()
+    processor = transformers.AutoProcessor.from_pretrained(export)
+    from PIL import Image
+
+    answers = []
+    for line in open(os.path.join(tiny, "data", "val.jsonl")).readlines()[:count]:
+        sample = json.loads(line)
+        paths = sample.get("image", [])
+        paths = [paths] if isinstance(paths, str) else paths
+        images = [Image.open(os.path.join(tiny, "data", p)).convert("RGB") for p in paths] or None
+        messages = [{"role": "user", "content": sample["conversations"][0]["value"]}]
+        text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        inputs = processor(text=text, images=images, return_tensors="pt")
+        out = model.generate(**inputs, max_new_tokens=24, do_sample=False)
+        new = out[0, inputs["input_ids"].shape[1]:]
+        answers.append(processor.tokenizer.decode(new, skip_special_tokens=True).strip())
+    return answers
+
+
+LEARN = ["--train.steps", "400", "--metrics.log_every", "100", "--metrics.progress", "off"]
+
+
+def test_learns_heterogeneous_and_exports(tiny: str) -> None:
+    result = _run(tiny, [*LEARN, "--train.generate", "8", "--checkpoint.export_hf", "out/hf"])
+    # Chance on the image samples: 1/16 for one image, 1/256 for two.
+    assert result["with image"] >= 0.4 and result["answer"] >= 0.5, result
+    theirs = _hf_answers(os.path.join(tiny, "out", "hf"), tiny, 8)
+    assert theirs == [generated for _, generated in result["answers"]]
+    assert sum(e == g for e, g in result["answers"]) >= 3
+
+
+def test_learns_colocated(tiny: str) -> None:
+    result = _run(tiny, [*LEARN, "--train.generate", "0", "--checkpoint.export_hf", "none",
+                         "--pipeline.microbatches", "1", *COLOCATED])
+    assert result["with image"] >= 0.4 and result["answer"] >= 0.5, result
+
+
+AUDIO_CONFIG = """
+[model.language]
+hf = "ckpt/lm"
+[model.encoders.audio]
+hf = "ckpt/whisper"
+modality = "audio"
+[data]
+format = "llava"
+path = "data/audio_train.jsonl"
+heldout = "data/audio_val.jsonl"
+batch_size = 16
+[optimizer]
+lr = 2e-3
+"""
+
+
+def test_whisper_encoder_learns_audio(tiny: str, tmp_path) -> None:
+    config = tmp_path / "audio.toml"
+    config.write_text(AUDIO_CONFIG)
+    result = _run(tiny, ["--train.steps", "150", "--metrics.log_every", "50", "--metrics.progress", "off",
+                         "--train.generate", "0"], config=str(config))
+    assert result["answer"] >= 0.6, result  # chance: 1/4
