@@ -36,7 +36,7 @@ from dtensor_mimo.bridge.hops import check_hops
 from dtensor_mimo.data import MimoBatch, sample_range, shard
 from dtensor_mimo.layout import LANGUAGE, LayoutError, MimoLayout
 from dtensor_mimo.models import Llama, ModalityEncoder
-from dtensor_mimo.models.protocol import encoder_problems, language_problems
+from dtensor_mimo.models.protocol import ItemRule, encoder_problems, item_rule, language_problems
 from dtensor_mimo.parallelize import (
     ParallelOptions,
     allreduce_gradients,
@@ -160,6 +160,7 @@ class MimoModel(nn.Module):
                        else torch.device(device_type, torch.accelerator.current_device_index()))
         # Every rank must know whether an encoder trains: ranks off its mesh then join its backward.
         self._trainable = {n: any(p.requires_grad for p in e.parameters()) for n, e in encoders.items()}
+        self.item_rules = {n: item_rule(e) for n, e in encoders.items()}  # batches checked on every rank
         self._no_init = [n for n, m in [*encoders.items(), (language_name, language)]
                          if not callable(getattr(m, "init_weights", None))]
         self.rank = dist.get_rank()
@@ -385,7 +386,7 @@ class MimoModel(nn.Module):
             if share.requires_grad:
                 share.backward()
             return share.detach()
-        check_batch(self.layout, self.language_name, self.encoder_names, batch)
+        check_batch(self.layout, self.language_name, self.encoder_names, batch, self.item_rules)
         check_microbatching(batch.batch_size, self.pipeline.microbatches,
                             self.layout.parallelism(self.language_name).dp, self.language_name)
         share, self.step_error = pipelined_step(
@@ -409,7 +410,7 @@ class MimoModel(nn.Module):
             raise RuntimeError("a pipelined MimoModel runs forward and backward together: call "
                                "model.forward_backward(batch) (or train_step) instead of model(batch)")
         self._check_initialized()
-        check_batch(self.layout, self.language_name, self.encoder_names, batch)
+        check_batch(self.layout, self.language_name, self.encoder_names, batch, self.item_rules)
         names, ys = self._cross(batch)
         if self.language is None:
             return _ZeroConnectedTo.apply(self.device, *ys)
@@ -430,7 +431,7 @@ class MimoModel(nn.Module):
         stage to stage); encoders must have pp = 1. Costs one world all-reduce of ``B x S`` ids.
         """
         self._check_initialized()
-        check_batch(self.layout, self.language_name, self.encoder_names, batch)
+        check_batch(self.layout, self.language_name, self.encoder_names, batch, self.item_rules)
         staged = [n for n in self.encoder_pipelines if n in batch.modalities]
         if staged:
             raise NotImplementedError(f"MimoModel.predict: encoders {staged} have pp > 1; prediction "
@@ -676,15 +677,22 @@ def _overlapped(layout: MimoLayout, language_name: str, encoders: Mapping[str, n
                for n, e in encoders.items())
 
 
-def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str], batch: MimoBatch) -> None:
+def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str], batch: MimoBatch,
+                item_rules: Mapping[str, ItemRule | None] | None = None) -> None:
     """Pure checks of a global batch against the model: the same verdict on every rank, raised
-    before any collective."""
+    before any collective. `item_rules`: each encoder's `item_rule`."""
     unknown = [n for n in batch.modalities if n not in encoder_names]
     if unknown:
         raise ValueError(
             f"the batch carries modalities {unknown} that the model has no encoder for "
             f"(encoders: {encoder_names}); add an encoder or drop them from the batch"
         )
+    for name, m in batch.modalities.items():
+        rule = (item_rules or {}).get(name)
+        problem = rule and m.num_items and rule(tuple(m.inputs.shape[1:]), m.tokens_per_item)
+        if problem:
+            raise ValueError(f"the batch's {name!r} items do not fit encoder {name!r}: {problem}; build the "
+                             "batch's ModalityInputs for this encoder (its inputs and tokens_per_item)")
     cp = layout.parallelism(language_name).cp
     if cp > 1 and batch.seq_len % (2 * cp):
         raise ValueError(

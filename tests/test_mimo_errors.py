@@ -116,6 +116,7 @@ def _encoder_disagrees_with_metadata():
 
     llama, encoders = _model_args()
     model = MimoModel(MimoLayout({"vision": P(dp=2), "language": P()}), llama, encoders)
+    model.item_rules = {}  # as for an encoder with no item rule: the rows' own check catches it
     wrong = ModalitySpec(64, (ViTConfig.tiny().in_channels, 16, 16), tokens_per_item=8,
                          max_items=2)  # the ViT makes 16 tokens per image
     batch = synthetic_batch(SyntheticSpec.tiny(modalities={"vision": wrong}), seed=0)
@@ -130,6 +131,34 @@ def test_encoder_output_length_disagreeing_with_batch_fails_on_every_rank():
     from tests.harness import run_on_ranks
 
     assert run_on_ranks(_encoder_disagrees_with_metadata, 3, timeout=60) == [True] * 3
+
+
+def _batch_disagrees_with_encoder_config(spec):
+    import torch.distributed as dist
+
+    from dtensor_mimo.data import ModalitySpec
+
+    llama, encoders = _model_args()
+    model = MimoModel(MimoLayout({"vision": P(dp=2), "language": P()}), llama, encoders)
+    batch = synthetic_batch(SyntheticSpec.tiny(modalities={"vision": ModalitySpec(64, *spec, max_items=2)}), seed=0)
+    try:
+        model(batch)
+    except ValueError as e:
+        dist.barrier()  # raised on every rank, before any exchange
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("spec, message", [
+    (((3, 16, 16), 8), "tokens_per_item=8, but the ViT gives 16 rows per image"),
+    (((3, 20, 20), 16), "items of shape [3, 20, 20], but the ViT takes [3, 16, 16]"),
+])
+def test_batch_disagreeing_with_encoder_config_fails_on_every_rank_by_name(spec, message):
+    from tests.harness import run_on_ranks
+
+    for error in run_on_ranks(_batch_disagrees_with_encoder_config, 3, spec, timeout=60):
+        assert error is not None and "the batch's 'vision' items do not fit encoder 'vision'" in error
+        assert message in error
 
 
 OWN_ERROR = (r"encoder 'vision' produced rows of shape \(\d+, 32\) for microbatch \d, but the batch "
@@ -150,6 +179,7 @@ def _pipelined_encoder_disagrees_with_metadata(modules, offsets):
     llama, encoders = _model_args()
     layout = MimoLayout(modules, offsets=offsets)
     model = MimoModel(layout, llama, encoders, pipeline=PipelineConfig(microbatches=2))
+    model.item_rules = {}  # as for an encoder with no item rule: the rows' own check catches it
     optimizer = MimoOptimizer(model)
     wrong = ModalitySpec(64, (ViTConfig.tiny().in_channels, 16, 16), tokens_per_item=8, max_items=2)
     batch = synthetic_batch(SyntheticSpec.tiny(batch_size=4, modalities={"vision": wrong}), seed=0)

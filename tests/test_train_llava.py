@@ -8,6 +8,7 @@ by `examples/make_tiny_llava.py` (no download).
 |---------------------------------------------|-------------------------------------------------------------|
 | test_rows_label_the_assistant_tokens_only   | placeholders expanded to the tower's tokens; labels decode to each answer + end of turn |
 | test_long_samples_refused_or_truncated      | a sample over seq_len names its id; truncation drops a cut item whole |
+| test_packed_rows_equal_their_samples_alone  | data.pack: every sample once; a packed row's logits and labels == each sample's alone |
 | test_bad_input_fails_before_any_process     | missing dirs/files, unsupported architecture, placeholder count, tokenizer without template, processor size, checkpoint.load without checkpoints |
 | test_layouts_give_one_process_numbers       | image dp1 / language dp1 [2], colocated dp2 [2]: losses and grad norms == one process [1]; resume == uninterrupted; load under another layout |
 | test_learns_heterogeneous_and_exports       | the README's file: held-out accuracy well above chance; the export loads in transformers and its greedy answers are ours |
@@ -133,6 +134,44 @@ def test_long_samples_refused_or_truncated(tiny: str) -> None:
     assert row.tokens.count(tokenizer.convert_tokens_to_ids("<image>")) == 16
     batch = data.train.batch([two])
     assert batch.modalities["image"].items_per_sample == (1,)
+
+
+def _logits(modules: dict, batch) -> torch.Tensor:
+    """A one-process forward of the trainer's modules on a fully loaded batch."""
+    from dtensor_mimo.assemble import assemble, embed_text
+
+    ids = batch.special_token_ids
+    llama = modules["language"]
+    with torch.no_grad():
+        rows = {n: modules[n](m.inputs) for n, m in batch.modalities.items()}
+        h = assemble(embed_text(llama.tok_embeddings, batch.tokens, ids), batch.tokens, rows, ids)
+        return llama(h=h, positions=batch.positions, document_ids=batch.document_ids)
+
+
+def test_packed_rows_equal_their_samples_alone(tiny: str) -> None:
+    from dtensor_mimo.train.modules import build_modules, resolve
+
+    packed, _ = _dataset(tiny, "--data.pack", "true")
+    alone, _ = _dataset(tiny)
+    assert len(packed.train) < len(alone.train) and sorted(sum(packed.train.rows, [])) == list(range(512))
+    config = parse_args(["--config", CONFIG])
+    cwd = os.getcwd()
+    os.chdir(tiny)
+    try:
+        modules = build_modules(config, resolve(config), 96, meta=False)
+    finally:
+        os.chdir(cwd)
+    rows = [r for r in range(len(packed.train)) if len(packed.train.rows[r]) > 1][:3]
+    batch = packed.train.batch(rows)
+    got = _logits(modules, batch)
+    for b, row in enumerate(rows):
+        start = 0
+        for index in packed.train.rows[row]:
+            one = alone.train.batch([index])
+            n = len(alone.train[index].tokens)
+            assert torch.equal(batch.labels[b, start:start + n], one.labels[0, :n])
+            torch.testing.assert_close(got[b, start:start + n], _logits(modules, one)[0, :n], rtol=1e-5, atol=1e-5)
+            start += n
 
 
 def _preflight(tiny: str, argv: list[str], message: str) -> None:

@@ -209,11 +209,14 @@ class ConversationDataset(Dataset):
         truncate: cut longer samples at `seq_len` (an item that would be cut is dropped whole)
             instead of raising DataError with the sample id.
         samples: already read samples (`read_samples`), to skip reading the file again.
+        pack: rows hold several samples each (greedy, in an order drawn from `seed`), as
+            documents: ``document_ids`` and per-document ``positions`` keep them apart. The
+            dataset's indices (`__len__`, `batch`) are then rows; ``dataset[i]`` stays sample i.
     """
 
     def __init__(self, path: str, tokenizer: Any, media: Mapping[str, MediaSpec], seq_len: int = 0,
                  root: str | None = None, truncate: bool = False,
-                 samples: list[dict[str, Any]] | None = None) -> None:
+                 samples: list[dict[str, Any]] | None = None, pack: bool = False, seed: int = 0) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise DataError(f"the tokenizer ({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)}) has no "
                             "chat_template; use a chat (instruct) tokenizer or set tokenizer.chat_template")
@@ -225,10 +228,27 @@ class ConversationDataset(Dataset):
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = 0 if pad is None else pad
         self._cache: dict[int, Conversation] = {}
-        self.seq_len = seq_len or max(len(self[i].tokens) for i in range(len(self)))
+        self.seq_len = seq_len or max(len(self[i].tokens) for i in range(len(self.samples)))
+        self.pack = pack
+        self.rows = self._pack(seed) if pack else None
 
     def __len__(self) -> int:
-        return len(self.samples)
+        """Rows: samples, or packed rows of several samples."""
+        return len(self.samples) if self.rows is None else len(self.rows)
+
+    def _pack(self, seed: int) -> list[list[int]]:
+        """Samples in an order drawn from `seed`, each appended to the current row while it fits."""
+        order = torch.randperm(len(self.samples), generator=torch.Generator().manual_seed(seed)).tolist()
+        rows: list[list[int]] = []
+        used = self.seq_len
+        for index in order:
+            n = len(self[index].tokens)
+            if used + n > self.seq_len:
+                rows.append([])
+                used = 0
+            rows[-1].append(index)
+            used += n
+        return rows
 
     def __getitem__(self, index: int) -> Conversation:
         if index not in self._cache:
@@ -312,27 +332,42 @@ class ConversationDataset(Dataset):
                 every other item's input is zeros (a stride-0 view, no memory, when none is
                 read). None: everything. ``{}``: token rows and item counts only.
         """
-        samples = [self[i] for i in indices]
-        shape = (len(samples), self.seq_len)
+        rows = [[i] for i in indices] if self.rows is None else [self.rows[i] for i in indices]
+        shape = (len(rows), self.seq_len)
         tokens = torch.full(shape, self.pad_id, dtype=torch.int64)
         labels = torch.full(shape, IGNORE_INDEX, dtype=torch.int64)
-        for row, s in enumerate(samples):
-            tokens[row, :len(s.tokens)] = torch.tensor(s.tokens, dtype=torch.int64)
-            labels[row, :len(s.labels)] = torch.tensor(s.labels, dtype=torch.int64)
+        documents = torch.zeros(shape, dtype=torch.int64)
+        positions = torch.zeros(shape, dtype=torch.int64)
+        samples = []  # per row: its samples' items, in row order
+        for row, members in enumerate(rows):
+            start = 0
+            for doc, index in enumerate(members):
+                s = self[index]
+                end = start + len(s.tokens)
+                tokens[row, start:end] = torch.tensor(s.tokens, dtype=torch.int64)
+                labels[row, start:end] = torch.tensor(s.labels, dtype=torch.int64)
+                documents[row, start:end] = doc
+                positions[row, start:end] = torch.arange(len(s.tokens))
+                start = end
+            documents[row, start:] = len(members)  # the padding: a document of its own
+            positions[row, start:] = torch.arange(self.seq_len - start)
+            samples.append({name: [p for i in members for p in self[i].items[name]] for name in self.media})
         modalities = {}
         for name, spec in self.media.items():
-            counts = [len(s.items[name]) for s in samples]
-            wanted = range(len(samples)) if load is None else load.get(name, ())
+            counts = [len(items[name]) for items in samples]
+            wanted = range(len(rows)) if load is None else load.get(name, ())
             modalities[name] = ModalityInputs(inputs=self._inputs(name, samples, counts, set(wanted)),
                                               items_per_sample=tuple(counts),
                                               tokens_per_item=spec.tokens_per_item,
                                               special_token_id=spec.special_token_id)
-        return MimoBatch(tokens, labels, labels != IGNORE_INDEX, modalities)
+        packed = self.rows is not None
+        return MimoBatch(tokens, labels, labels != IGNORE_INDEX, modalities,
+                         document_ids=documents if packed else None, positions=positions if packed else None)
 
-    def _inputs(self, name: str, samples: list[Conversation], counts: list[int], wanted: set[int]) -> torch.Tensor:
+    def _inputs(self, name: str, rows: list[dict[str, list[str]]], counts: list[int], wanted: set[int]) -> torch.Tensor:
         spec = self.media[name]
         total = sum(counts)
-        paths = [p for i, s in enumerate(samples) if i in wanted for p in s.items[name]]
+        paths = [p for i, items in enumerate(rows) if i in wanted for p in items[name]]
         if not paths:
             return torch.zeros(()).expand(total, *spec.item_shape)
         loaded = spec.prepare(paths)

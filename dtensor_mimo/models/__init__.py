@@ -19,7 +19,7 @@ from dtensor_mimo.models.llama import Llama, LlamaConfig
 from dtensor_mimo.models.modality_encoder import ModalityEncoder
 from dtensor_mimo.models.projection import Projection
 from dtensor_mimo.models.vit import EncoderBlock, ViT, ViTConfig
-from dtensor_mimo.models.hf import load_hf, save_hf  # noqa: E402 (after the modules it converts)
+from dtensor_mimo.models.hf import load_hf, save_hf, save_llava_hf  # noqa: E402 (after the modules it converts)
 
 __all__ = [
     "AttentionFn",
@@ -40,4 +40,5 @@ __all__ = [
     "load_hf",
     "rope_cos_sin",
     "save_hf",
+    "save_llava_hf",
 ]

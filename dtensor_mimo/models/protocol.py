@@ -49,13 +49,58 @@ that list before any process group is used.
 from __future__ import annotations
 
 import copy
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
 from dtensor_mimo.models.llama import Llama
 from dtensor_mimo.models.modality_encoder import ModalityEncoder
+
+
+ItemRule = Callable[[tuple[int, ...], int], "str | None"]
+
+
+def item_rule(encoder: nn.Module) -> ItemRule | None:
+    """What an encoder takes per item, as a pure check ``(item shape, tokens_per_item) -> problem
+    or None``, so every rank can check a batch against an encoder it does not hold. Known for a
+    `ModalityEncoder` over a `ViT` or `AudioEncoder`, and for a user's encoder that has
+    ``tokens_per_item(item_shape) -> int``; None otherwise (the first crossing checks the rows)."""
+    from dtensor_mimo.models.audio import AudioEncoder
+    from dtensor_mimo.models.vit import ViT
+
+    tower = encoder.encoder if isinstance(encoder, ModalityEncoder) else encoder
+    config = getattr(tower, "config", None)
+    if isinstance(tower, ViT):
+        shape = (config.in_channels, config.image_size, config.image_size)
+
+        def vit(item: tuple[int, ...], tokens: int) -> str | None:
+            if item != shape:
+                return f"items of shape {list(item)}, but the ViT takes {list(shape)}"
+            if tokens != config.num_patches:
+                return f"tokens_per_item={tokens}, but the ViT gives {config.num_patches} rows per image"
+            return None
+
+        return vit
+    if isinstance(tower, AudioEncoder):
+        def audio(item: tuple[int, ...], tokens: int) -> str | None:
+            if len(item) != 2 or item[0] != config.n_mels or not 0 < item[1] <= config.max_frames:
+                return (f"items of shape {list(item)}, but the audio encoder takes [{config.n_mels}, frames <= "
+                        f"{config.max_frames}]")
+            if tokens != config.output_length(item[1]):
+                return (f"tokens_per_item={tokens}, but the audio encoder gives {config.output_length(item[1])} "
+                        f"rows per clip of {item[1]} frames")
+            return None
+
+        return audio
+    count = getattr(encoder, "tokens_per_item", None)
+    if callable(count):
+        def user(item: tuple[int, ...], tokens: int) -> str | None:
+            want = count(item)
+            return None if want == tokens else f"tokens_per_item={tokens}, but the encoder gives {want} rows per item"
+
+        return user
+    return None
 
 
 def encoder_problems(module: object, *, tp: int, activation_checkpointing: int) -> list[str]:

@@ -188,9 +188,11 @@ def conversation_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainDa
         media[name] = MediaSpec(spec.modality, spec.special_token_id, spec.tokens_per_item, shape, spec.prepare)
     try:
         seq_len = round_seq_len(config, d.seq_len) if d.seq_len else 0
-        train = ConversationDataset(d.path, resolved.tokenizer, media, seq_len, root, d.truncate, train_samples)
-        if not seq_len:
-            train.seq_len = round_seq_len(config, train.seq_len)
+        if not seq_len:  # the longest sample's, rounded for cp / sp
+            probe = ConversationDataset(d.path, resolved.tokenizer, media, 0, root, d.truncate, train_samples)
+            seq_len = round_seq_len(config, probe.seq_len)
+        train = ConversationDataset(d.path, resolved.tokenizer, media, seq_len, root, d.truncate, train_samples,
+                                    pack=d.pack, seed=d.seed)
         heldout = None
         if d.heldout:
             held_samples, held_root = read_checked(config, d.heldout, "data.heldout")

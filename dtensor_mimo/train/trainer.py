@@ -17,7 +17,6 @@ group. What a step does on a rank:
 from __future__ import annotations
 
 import dataclasses
-import math
 import resource
 import time
 from typing import Any, Iterator
@@ -36,6 +35,10 @@ from dtensor_mimo.train.metrics import MetricsLogger, peak_tflops, transformer_f
 from dtensor_mimo.train.modules import ResolvedModel, build_modules, resolve
 from dtensor_mimo.train.optimizer import AdamWConfig, LRSchedule, MimoOptimizer
 from dtensor_mimo.train.step import train_step
+
+
+COMPILE_STEPS = 2
+"""Steps left out of the throughput when blocks compile (the first forward and backward compile)."""
 
 
 # ---------------------------------------------------------------------------- data
@@ -225,6 +228,11 @@ class Trainer:
                            f"{c.train.steps}: warming up for {self.warmup} steps")
         self.restore()
         self.log.start_at(self.step)
+        compiled = [n for n in c.module_names if c.module_options(n).compile]
+        warm = self.step + (COMPILE_STEPS if compiled else 0)  # steps whose time is compilation
+        if compiled:
+            self.log.print(f"compiling the blocks of {', '.join(compiled)} during the first steps; tokens/s and "
+                           f"step times leave out the first {COMPILE_STEPS}")
         batches = self._batches()
         tokens = c.data.batch_size * self.seq_len
         window: list[list[float]] = []
@@ -236,10 +244,12 @@ class Trainer:
             lr = self.optimizer.lrs()["language"]  # what this step's update uses
             metrics = train_step(self.model, self.optimizer, batch, timings)
             self.step += 1
-            window.append([data_s, timings["forward_backward"], timings["optimizer"], time.perf_counter() - t0])
+            times = [data_s, timings["forward_backward"], timings["optimizer"], time.perf_counter() - t0]
+            if self.step > warm:
+                window.append(times)
             self.log.tick(self.step, metrics.loss)
             if self.step % c.metrics.log_every == 0 or self.step == c.train.steps:
-                self._log(metrics, lr, window, tokens)
+                self._log(metrics, lr, window or [times], tokens)
                 window = []
             if c.checkpoint.dir and ((c.checkpoint.every and self.step % c.checkpoint.every == 0)
                                      or self.step == c.train.steps):

@@ -3,7 +3,11 @@
 - `load_hf(module, path)` fills a library module from a checkpoint: a plain module, or one that
   is already parallelized (tp / FSDP2 DTensors, a pipeline stage), in which case each rank reads
   only the checkpoint rows of the blocks it holds.
-- `save_hf(module, path)` writes a plain module as a directory that `transformers` loads.
+- `save_hf(module, path)` writes a module as a directory that `transformers` loads: a plain one,
+  or a parallelized one (a collective over its ranks: parameters gathered one at a time, one
+  writer per file), or one pipeline stage of it (the stages together write one directory).
+- `save_llava_hf(vision, projection, language, path, ...)` writes the three as one directory that
+  ``LlavaForConditionalGeneration`` and ``AutoProcessor`` load.
 
 Families: Llama-family decoders into `Llama` (`LlamaConfig.from_hf`), SigLIP / CLIP vision towers
 into `ViT` (`ViTConfig.from_hf`), Whisper's encoder into `AudioEncoder` (`AudioConfig.from_hf`),
@@ -16,35 +20,34 @@ e.g. ``Llama(LlamaConfig.from_hf(path))``); a mismatch is named.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from dtensor_mimo.models.audio import AudioEncoder
 from dtensor_mimo.models.hf.audio import AUDIO_ANCHOR, audio_config_from_hf, audio_source
 from dtensor_mimo.models.hf.convert import Source
-from dtensor_mimo.models.hf.llama import llama_config_from_hf, llama_config_to_hf, llama_source
-from dtensor_mimo.models.hf.safetensors import INDEX, SafetensorsDir, save_file
+from dtensor_mimo.models.hf.llama import llama_config_from_hf, llama_source
+from dtensor_mimo.models.hf.directory import DEFAULT_SHARD_BYTES, write_directory
+from dtensor_mimo.models.hf.export import config_to_hf, holder, module_part, module_spec
+from dtensor_mimo.models.hf.llava import save_llava_hf
+from dtensor_mimo.models.hf.safetensors import SafetensorsDir
 from dtensor_mimo.models.hf.vision import (
     PROJECTOR_ANCHOR,
     VIT_ANCHOR,
     check_projector,
     projection_source,
     vit_config_from_hf,
-    vit_config_to_hf,
     vit_source,
 )
 from dtensor_mimo.models.layers import local_box, local_part, plain_name
 from dtensor_mimo.models.llama import Llama
 from dtensor_mimo.models.projection import Projection
-from dtensor_mimo.models.vit import ViT
+from dtensor_mimo.models.vit import ViT, ViTConfig
 
-__all__ = ["has_hf_module", "load_hf", "plan_hf", "save_hf"]
+__all__ = ["has_hf_module", "load_hf", "plan_hf", "save_hf", "save_llava_hf"]
 
 # Fields that only bound what the data layer may build: not part of the weights' meaning.
 _FREE_FIELDS = {"max_seq_len", "multiple_of"}
@@ -52,24 +55,23 @@ _FREE_FIELDS = {"max_seq_len", "multiple_of"}
 
 @dataclass(frozen=True)
 class _Family:
-    """How one library module kind maps to Hugging Face: its config both ways (None: no config
-    of its own), the `Source` of each parameter relative to the module's tensors in the
-    checkpoint (`has` tells which relative names exist; None when exporting), and an `anchor`
-    tensor whose full name reveals that prefix."""
+    """How one library module kind is read from Hugging Face: its config (None: no config of its
+    own), the `Source` of each parameter relative to the module's tensors in the checkpoint
+    (`has` tells which relative names exist), and an `anchor` tensor whose full name reveals that
+    prefix. (Writing: `dtensor_mimo.models.hf.export`.)"""
 
     config_from_hf: Callable[[str], Any]  # None returned: no config of its own (only checked)
-    config_to_hf: Callable[[Any, str], dict[str, Any]] | None
     source: Callable[[str, Any, Callable[[str], bool] | None], Source]
     anchor: str
 
 
 _FAMILIES: dict[type, _Family] = {
-    Llama: _Family(llama_config_from_hf, llama_config_to_hf,
+    Llama: _Family(llama_config_from_hf,
                    lambda name, config, has: llama_source(name, config, tied=has is not None and not has("lm_head.weight")),
                    "model.embed_tokens.weight"),
-    ViT: _Family(vit_config_from_hf, vit_config_to_hf, lambda name, config, has: vit_source(name), VIT_ANCHOR),
-    Projection: _Family(check_projector, None, lambda name, config, has: projection_source(name), PROJECTOR_ANCHOR),
-    AudioEncoder: _Family(audio_config_from_hf, None, lambda name, config, has: audio_source(name), AUDIO_ANCHOR),
+    ViT: _Family(vit_config_from_hf, lambda name, config, has: vit_source(name), VIT_ANCHOR),
+    Projection: _Family(check_projector, lambda name, config, has: projection_source(name), PROJECTOR_ANCHOR),
+    AudioEncoder: _Family(audio_config_from_hf, lambda name, config, has: audio_source(name), AUDIO_ANCHOR),
 }
 
 
@@ -114,6 +116,10 @@ def plan_hf(module: nn.Module, path: str) -> Callable[[], None]:
     family = _family(module)
     config = getattr(module, "config", None)
     expected = family.config_from_hf(path)
+    if (isinstance(expected, ViTConfig) and isinstance(config, ViTConfig) and not config.final_norm
+            and config.n_layers <= expected.n_layers):
+        # The features of an inner block (LLaVA's vision_feature_layer): the tower's first blocks.
+        expected = dataclasses.replace(expected, n_layers=config.n_layers, final_norm=False)
     if expected is not None:
         differ = [f"{f.name}: module {getattr(config, f.name)!r}, checkpoint {getattr(expected, f.name)!r}"
                   for f in dataclasses.fields(expected)
@@ -143,44 +149,32 @@ def plan_hf(module: nn.Module, path: str) -> Callable[[], None]:
 
 
 @torch.no_grad()
-def save_hf(module: nn.Module, path: str, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write the plain `module` to the directory `path` (created) as ``config.json`` and
-    safetensors files of at most `max_shard_bytes` each (an index when there are several), in
-    its parameters' dtype; `transformers` loads it back with the same outputs."""
-    params = {plain_name(n): p for n, p in module.named_parameters()}
-    sharded = [n for n, p in params.items() if isinstance(p, DTensor)]
-    if sharded:
-        raise ValueError(f"save_hf takes a plain module; {sharded[:3]} are DTensors (save the single-process "
-                         "module, or the training checkpoint with dtensor_mimo.train.checkpoint)")
-    family = _family(module)
-    if family.config_to_hf is None:
-        raise ValueError(f"save_hf: exporting a {type(module).__name__} is not supported (a projector lives "
-                         "inside a multimodal checkpoint; a Whisper encoder inside its encoder-decoder)")
-    tensors = {}
-    for name, param in params.items():
-        source = family.source(name, module.config, None)
-        tensors[source.name] = source.write(param.detach())
-    dtype = str(next(iter(params.values())).dtype).removeprefix("torch.")
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(family.config_to_hf(module.config, dtype), f, indent=2)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, "model.safetensors"))
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, file))
-        weight_map.update({name: file for name in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    with open(os.path.join(path, INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+def save_hf(module: nn.Module, path: str, max_shard_bytes: int = DEFAULT_SHARD_BYTES, *,
+            dtype: torch.dtype | None = None, layer_split: Sequence[int] | None = None,
+            writer: bool | None = None) -> None:
+    """Write `module` to the directory `path` (created) as ``config.json`` and safetensors files
+    of at most `max_shard_bytes` each (an index when there are several), in `dtype` (None: its
+    parameters' dtype); `transformers` loads it back with the same outputs: a `Llama` as its
+    Llama-family ``*ForCausalLM``, a SigLIP-style `ViT` as ``SiglipVisionModel``, an
+    `AudioEncoder` as ``WhisperEncoder``, a `Projection` as LLaVA's projector tensors
+    (``multi_modal_projector.linear_1/2``) with a small ``config.json`` describing it.
+
+    A parallelized module (tp / FSDP2 DTensor parameters) is written by a collective: every rank
+    that holds it calls `save_hf`; the parameters are gathered one at a time over their own mesh
+    and the `writer` rank (None: the first rank of every parameter's mesh; pass it explicitly
+    where plain parameters are replicated on several ranks) writes each and drops it, so no rank
+    holds the whole model. The directory is complete when the writer returns.
+
+    A pipeline stage (a module holding some ``layers`` of the whole module under the whole
+    module's names, see `dtensor_mimo.models.protocol.decoder_stage`): pass `layer_split`, the
+    blocks per stage of the whole module (e.g. ``[len(r) for r in stage_layers(...)]``); every
+    stage's ranks call `save_hf` on the same `path`, each stage writes its own files, and the
+    writer of the first stage writes ``config.json`` and the index (the file of every tensor
+    follows from the config and the split, so the stages never communicate).
+    """
+    spec = module_spec(module, dtype)
+    config = config_to_hf(spec)  # refuses what the Hugging Face family cannot express, before any gather
+    part = module_part(spec, "module", layer_split=layer_split)
+    held = holder([module], part, writer)
+    write_directory(path, [part], {"module": held}, max_shard_bytes=max_shard_bytes,
+                    metadata_writer=held.writer and 0 in held.stages, config=config)

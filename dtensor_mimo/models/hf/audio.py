@@ -5,9 +5,17 @@ tensors found under whatever prefix they carry). Names map one to one:
     layers.{i}.norm1 / attn.wq, wk, wv, wo / norm2 / mlp.fc1, fc2
         <- layers.{i}.self_attn_layer_norm / self_attn.q_proj, k_proj (no bias), v_proj, out_proj / final_layer_norm / fc1, fc2
     norm <- layer_norm
+
+Out (`whisper_config_to_hf`): a directory that
+``transformers.models.whisper.modeling_whisper.WhisperEncoder.from_pretrained`` loads
+(``config.json`` of a Whisper model, tensors under the encoder's own names; the decoder fields are
+placeholders that mirror the encoder's, and no decoder weights are written). A key bias is
+dropped: softmax is invariant to it (it adds q . b to every score of a query).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from dtensor_mimo.models.audio import AudioConfig
 from dtensor_mimo.models.hf.convert import Source, table_source
@@ -32,6 +40,29 @@ def audio_config_from_hf(path: str) -> AudioConfig:
     return AudioConfig(n_mels=c["num_mel_bins"], max_frames=2 * c["max_source_positions"], conv_strides=(1, 2),
                        dim=c["d_model"], n_layers=c["encoder_layers"], n_heads=c["encoder_attention_heads"],
                        mlp_hidden=c["encoder_ffn_dim"], norm_eps=1e-5, key_bias=False, frozen_positions=True)
+
+
+def whisper_config_to_hf(config: AudioConfig, dtype: str) -> dict[str, Any]:
+    """A Whisper ``config.json`` whose encoder is `config` (refusing what Whisper cannot express)."""
+    refused = []
+    if tuple(config.conv_strides) != (1, 2):
+        refused.append(f"conv_strides={tuple(config.conv_strides)} (Whisper's convolutions have strides (1, 2))")
+    if config.norm_eps != 1e-5:
+        refused.append(f"norm_eps={config.norm_eps} (Whisper's LayerNorms use 1e-5)")
+    if refused:
+        raise ValueError("save_hf: a Whisper encoder cannot express the AudioEncoder's " + "; ".join(refused))
+    return {"architectures": ["WhisperEncoder"], "model_type": "whisper", "num_mel_bins": config.n_mels,
+            "d_model": config.dim, "encoder_layers": config.n_layers, "encoder_attention_heads": config.n_heads,
+            "encoder_ffn_dim": config.mlp_hidden, "max_source_positions": config.output_length(config.max_frames),
+            "activation_function": "gelu", "scale_embedding": False,
+            # Placeholders (the directory holds the encoder only), valid for a WhisperConfig.
+            "decoder_layers": config.n_layers, "decoder_attention_heads": config.n_heads,
+            "decoder_ffn_dim": config.mlp_hidden, "torch_dtype": dtype, "dtype": dtype}
+
+
+def audio_skipped(name: str, config: AudioConfig) -> bool:
+    """Whether the AudioEncoder parameter `name` has no place in a Whisper checkpoint (a key bias)."""
+    return name.endswith(".attn.wk.bias")
 
 
 def audio_source(name: str) -> Source:

@@ -4,7 +4,8 @@ The format is an 8-byte little-endian header length, a JSON header (per tensor: 
 byte offsets) and the raw little-endian data. Files are memory-mapped, so reading rows of a
 tensor touches only the pages of those rows: a rank that owns a shard reads its shard, not the
 checkpoint. A directory holds ``model.safetensors`` or several files listed by
-``model.safetensors.index.json``.
+``model.safetensors.index.json``. Files are written as a stream (`SafetensorsWriter`): the
+header from names, dtypes and shapes alone, then one tensor's bytes at a time.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 import mmap
 import os
 import struct
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -73,22 +74,64 @@ class SafetensorsDir:
         return torch.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(-1, *shape[1:]).clone()
 
 
+class SafetensorsWriter:
+    """One safetensors file written as a stream: the header first, from each tensor's name, dtype
+    and shape (known without the data, e.g. from a DTensor's metadata), then the tensors' bytes in
+    header order, one `write` at a time, so a caller holds one tensor at a time. The bytes are
+    those `save_file` writes for the same tensors.
+
+    Use as a context manager; leaving it before every tensor was written raises (and a partial
+    file is left behind, named by the error).
+    """
+
+    def __init__(self, path: str, specs: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+                 metadata: Mapping[str, str] | None = None) -> None:
+        self.path = path
+        self._specs = [(name, dtype, tuple(shape)) for name, dtype, shape in specs]
+        header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+        offset = 0
+        for name, dtype, shape in self._specs:
+            if dtype not in NAMES:
+                raise ValueError(f"{path}: tensor {name!r} has dtype {dtype}, which safetensors cannot store "
+                                 f"(one of {sorted(str(d) for d in NAMES)})")
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        self._header = json.dumps(header, separators=(",", ":")).encode()
+        self._header += b" " * (-len(self._header) % 8)
+        self._next = 0
+        self._file = None
+
+    def __enter__(self) -> SafetensorsWriter:
+        self._file = open(self.path, "wb")
+        self._file.write(struct.pack("<Q", len(self._header)))
+        self._file.write(self._header)
+        return self
+
+    def write(self, tensor: torch.Tensor) -> None:
+        """The data of the next tensor of the header (its dtype and shape must match)."""
+        if self._next >= len(self._specs):
+            raise ValueError(f"{self.path}: all {len(self._specs)} tensors are written; no room for another")
+        name, dtype, shape = self._specs[self._next]
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(f"{self.path}: tensor {name!r} was declared {dtype} {list(shape)}, "
+                             f"got {tensor.dtype} {list(tensor.shape)}")
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        if flat.numel():
+            self._file.write(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))
+        self._next += 1
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self._file.close()
+        if error is None and self._next != len(self._specs):
+            missing = [name for name, _, _ in self._specs[self._next:]]
+            raise ValueError(f"{self.path}: closed with {len(missing)} tensors unwritten ({missing[:3]} ...)")
+
+
 def save_file(tensors: Mapping[str, torch.Tensor], path: str, metadata: Mapping[str, str] | None = None) -> None:
     """Write `tensors` (plain, any device) as one safetensors file, one tensor at a time (no
     second copy of the file in memory)."""
-    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
-    offset = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": NAMES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
+    specs = [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors.items()]
+    with SafetensorsWriter(path, specs, metadata) as writer:
         for tensor in tensors.values():
-            flat = tensor.detach().cpu().contiguous().reshape(-1)
-            if flat.numel():
-                f.write(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))
+            writer.write(tensor)

@@ -11,11 +11,17 @@ built from that config keeps only those blocks. Names map one to one; nothing is
     layers.{i}.norm1 / attn.wq, wk, wv, wo / norm2 / mlp.fc1, fc2
                 <- encoder.layers.{i}.layer_norm1 / self_attn.q_proj, k_proj, v_proj, out_proj / layer_norm2 / mlp.fc1, fc2
     norm        <- post_layernorm                  Projection.fc1, fc2 <- multi_modal_projector.linear_1, linear_2
+
+Out: a SigLIP-style tower with a final norm as a SigLIP vision model (`vit_config_to_hf`); inside a
+LLaVA directory a SigLIP- or CLIP-style tower without one (`llava_tower_config`: the features
+are the last block's hidden states, ``vision_feature_layer`` -1); a projector as its own small
+directory (`projector_config_to_hf`) or inside a LLaVA one.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from dtensor_mimo.models.hf.convert import Source, table_source
@@ -61,18 +67,54 @@ def vit_config_from_hf(path: str) -> ViTConfig:
                      patch_bias=not clip, final_norm=final_norm)
 
 
-def vit_config_to_hf(config: ViTConfig, dtype: str) -> dict[str, Any]:
-    """A SigLIP vision model ``config.json`` for `config` (CLIP-style towers are not exported)."""
-    if config.class_token or config.pre_norm or not config.final_norm or not config.patch_bias:
-        raise ValueError("save_hf: only SigLIP-style towers (no class token or pre-norm, a final norm, patch "
-                         "bias) are exported")
+def _tower_style(config: ViTConfig) -> str | None:
+    """"siglip" or "clip" when the ViT is such a tower (up to its final norm), else None."""
+    if not config.class_token and not config.pre_norm and config.patch_bias:
+        return "siglip"
+    if config.class_token and config.pre_norm and not config.patch_bias:
+        return "clip"
+    return None
+
+
+def _tower_fields(config: ViTConfig, dtype: str) -> dict[str, Any]:
     act = {v: k for k, v in _ACTIVATIONS.items()}[config.activation]
-    return {"architectures": ["SiglipVisionModel"], "model_type": "siglip_vision_model",
-            "image_size": config.image_size, "patch_size": config.patch_size, "num_channels": config.in_channels,
+    return {"image_size": config.image_size, "patch_size": config.patch_size, "num_channels": config.in_channels,
             "hidden_size": config.dim, "num_hidden_layers": config.n_layers,
             "num_attention_heads": config.n_heads, "intermediate_size": config.mlp_hidden,
-            "layer_norm_eps": config.norm_eps, "hidden_act": act, "vision_use_head": False,
-            "torch_dtype": dtype, "dtype": dtype}
+            "layer_norm_eps": config.norm_eps, "hidden_act": act, "torch_dtype": dtype, "dtype": dtype}
+
+
+def vit_config_to_hf(config: ViTConfig, dtype: str) -> dict[str, Any]:
+    """A SigLIP vision model ``config.json`` for `config` (CLIP-style towers are not exported)."""
+    if _tower_style(config) != "siglip" or not config.final_norm:
+        raise ValueError("save_hf: only SigLIP-style towers (no class token or pre-norm, a final norm, patch "
+                         f"bias) are exported; this ViT has class_token={config.class_token}, pre_norm="
+                         f"{config.pre_norm}, final_norm={config.final_norm}, patch_bias={config.patch_bias} "
+                         "(a tower without a final norm exports inside a LLaVA directory: save_llava_hf)")
+    return {"architectures": ["SiglipVisionModel"], "model_type": "siglip_vision_model",
+            **_tower_fields(config, dtype), "vision_use_head": False}
+
+
+def llava_tower_config(config: ViTConfig, dtype: str) -> tuple[dict[str, Any], str, int]:
+    """The ``vision_config`` of a LLaVA directory whose image features are the ViT's output,
+    with LLaVA's ``vision_feature_select_strategy`` and the processor's
+    ``num_additional_image_tokens``: a SigLIP tower keeps every token ("full", 0), a CLIP tower
+    drops its class token ("default", 1). LLaVA reads the hidden states after the last block,
+    before ``post_layernorm`` (``vision_feature_layer`` -1), so the ViT must have no final norm."""
+    style = _tower_style(config)
+    if config.final_norm:
+        raise ValueError("save_llava_hf: the ViT has a final norm (final_norm=True), but LLaVA takes the tower's "
+                         "hidden states before its post_layernorm, so no LLaVA directory gives this ViT's "
+                         "features; build the ViT with final_norm=False (as ViTConfig.from_hf of a LLaVA "
+                         "directory does), or export the modules as separate directories")
+    if style is None:
+        raise ValueError("save_llava_hf: the ViT is neither a SigLIP-style tower (no class token or pre-norm, "
+                         "patch bias) nor a CLIP-style one (class token, pre-norm, no patch bias): class_token="
+                         f"{config.class_token}, pre_norm={config.pre_norm}, patch_bias={config.patch_bias}")
+    if style == "siglip":
+        return ({"model_type": "siglip_vision_model", **_tower_fields(config, dtype), "vision_use_head": False},
+                "full", 0)
+    return {"model_type": "clip_vision_model", **_tower_fields(config, dtype)}, "default", 1
 
 
 def vit_source(name: str) -> Source:
@@ -95,3 +137,22 @@ def projection_source(name: str) -> Source:
     if match is None:
         raise KeyError(f"no Hugging Face name for the Projection parameter {name!r}")
     return Source(f"multi_modal_projector.linear_{match.group(1)}.{match.group(2)}")
+
+
+@dataclass(frozen=True)
+class ProjectionShape:
+    """The widths of a `Projection` (Linear in -> hidden, GELU, Linear hidden -> out, biases)."""
+
+    in_dim: int
+    hidden_dim: int
+    out_dim: int
+
+
+def projector_config_to_hf(shape: ProjectionShape, dtype: str) -> dict[str, Any]:
+    """The small ``config.json`` of a projector directory: LLaVA's projector fields (what
+    `check_projector` reads back) and the widths."""
+    return {"architectures": ["LlavaMultiModalProjector"], "projector_hidden_act": "gelu",
+            "multimodal_projector_bias": True, "in_features": shape.in_dim, "hidden_features": shape.hidden_dim,
+            "out_features": shape.out_dim, "torch_dtype": dtype, "dtype": dtype,
+            "description": "multi_modal_projector.linear_2(gelu(multi_modal_projector.linear_1(x))), exact GELU, "
+                           "as LLaVA's LlavaMultiModalProjector"}

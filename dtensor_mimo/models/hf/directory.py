@@ -1,0 +1,192 @@
+"""Writing one Hugging Face checkpoint directory from modules that may be spread over ranks.
+
+A directory is a list of `Part`s, each one module's tensors (a LLaVA directory has three: the
+vision tower, the projector, the language model), each cut into groups, one per pipeline stage of
+that module (one group when the module is whole). Which tensor goes to which file, every file's
+header and the index follow from the parts alone, and parts are built from the modules' configs
+(`dtensor_mimo.models.hf.export`), so every rank computes the same plan without asking another
+rank anything. Then:
+
+- the ranks that hold a group gather its parameters one at a time (`DTensor.full_tensor`: a
+  collective over the parameter's own mesh, i.e. among the holders of that group, never the
+  world), and the group's writer rank streams each into its file and drops it, so no rank ever
+  holds more than one whole tensor;
+- a file never mixes groups, so each file has exactly one writer;
+- one rank (the caller says which) writes ``config.json`` and the index.
+
+Every rank that holds a group must call `write_directory` with the same parts: it takes part in
+that group's gathers, in the plan's order, which is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from dtensor_mimo.models.hf.convert import Source
+from dtensor_mimo.models.hf.safetensors import INDEX, SINGLE, SafetensorsWriter
+
+DEFAULT_SHARD_BYTES = 5 * 2**30
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One checkpoint tensor: `source` names it (and its rotary row order), `shape` is its shape
+    in the checkpoint. It is made from the module parameter `param` (its full value; `extra_rows`
+    zero rows appended, e.g. a vocabulary extended to hold a placeholder id), or, when `param` is
+    None, it is the constant `fill` (a part the module does not have, e.g. a norm LLaVA never
+    applies)."""
+
+    source: Source
+    shape: tuple[int, ...]
+    param: str | None
+    extra_rows: int = 0
+    fill: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+    def value(self, full: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """The checkpoint tensor, from the parameter's full value `full`."""
+        if self.param is None:
+            return torch.full(self.shape, self.fill, dtype=dtype)
+        value = self.source.write(full.detach())
+        if self.extra_rows:
+            value = torch.cat([value, value.new_zeros(self.extra_rows, *value.shape[1:])])
+        return value.to(dtype)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One module's tensors in a directory. `groups[s]`: the entries of pipeline stage s of the
+    module (in file order); `dtype`: what they are written as; `skipped`: parameters the module
+    has that the checkpoint does not store (e.g. a key bias softmax ignores); `module`: a name
+    for error messages."""
+
+    key: str
+    groups: tuple[tuple[Entry, ...], ...]
+    dtype: torch.dtype
+    module: str
+    skipped: frozenset[str] = frozenset()
+
+
+@dataclass
+class Holder:
+    """What this rank holds of a part: its parameters (plain names, DTensors or plain tensors),
+    the stages (group indices) they make up, and whether this rank writes those groups' files."""
+
+    params: Mapping[str, torch.Tensor]
+    stages: list[int]
+    writer: bool
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """The files of a directory: `files[i]` holds the entries `entries[i]` of group
+    ``groups[i] = (part key, stage)``."""
+
+    files: list[str]
+    groups: list[tuple[str, int]]
+    entries: list[tuple[Entry, ...]]
+    dtypes: dict[str, torch.dtype]  # of each part key
+
+    def weight_map(self) -> dict[str, str]:
+        return {e.name: file for file, entries in zip(self.files, self.entries) for e in entries}
+
+    def total_size(self) -> int:
+        return sum(math.prod(e.shape) * _element_size(self.dtypes[key])
+                   for (key, _), entries in zip(self.groups, self.entries) for e in entries)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def plan_files(parts: list[Part], max_shard_bytes: int) -> FilePlan:
+    """Cut every group into files of at most `max_shard_bytes` (a tensor larger than that gets a
+    file of its own); one file in all is ``model.safetensors``, else ``model-0000i-of-0000n``."""
+    groups, entries = [], []
+    for part in parts:
+        size_of = _element_size(part.dtype)
+        for stage, group in enumerate(part.groups):
+            current: list[Entry] = []
+            size = 0
+            for entry in group:
+                nbytes = math.prod(entry.shape) * size_of
+                if current and size + nbytes > max_shard_bytes:
+                    groups.append((part.key, stage))
+                    entries.append(tuple(current))
+                    current, size = [], 0
+                current.append(entry)
+                size += nbytes
+            if current:
+                groups.append((part.key, stage))
+                entries.append(tuple(current))
+    n = len(entries)
+    files = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    return FilePlan(files, groups, entries, {part.key: part.dtype for part in parts})
+
+
+def check_holder(part: Part, holder: Holder) -> None:
+    """Raise, naming the parameters, unless `holder` holds exactly the parameters of its stages."""
+    expected = {e.param for s in holder.stages for e in part.groups[s] if e.param is not None}
+    held = set(holder.params) - part.skipped
+    missing, extra = sorted(expected - held), sorted(held - expected)
+    if missing or extra:
+        raise ValueError(f"the {part.module} should hold the parameters of its stages {holder.stages} of "
+                         f"{len(part.groups)}; missing {missing[:4]}, not in those stages {extra[:4]}")
+
+
+def full_value(param: torch.Tensor) -> torch.Tensor:
+    """The whole parameter: a DTensor gathered over its mesh (a collective among the ranks of
+    that mesh), a plain tensor as it is."""
+    return param.full_tensor() if isinstance(param, DTensor) else param
+
+
+@torch.no_grad()
+def write_directory(path: str, parts: list[Part], holders: Mapping[str, Holder], *,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, metadata_writer: bool = False,
+                    config: Mapping[str, Any] | None = None,
+                    extras: Callable[[str], None] | None = None) -> FilePlan:
+    """Write this rank's share of the directory `path` (created): the files of the groups it
+    holds (`holders`: part key -> `Holder`) when it is their writer, gathering them in any case;
+    if `metadata_writer`, also `config` as ``config.json``, the index (several files) and
+    `extras(path)` (tokenizer, processors, ...). Returns the file plan (the same on every rank)."""
+    plan = plan_files(parts, max_shard_bytes)
+    by_key = {part.key: part for part in parts}
+    for key, holder in holders.items():
+        check_holder(by_key[key], holder)
+    if metadata_writer or any(h.writer for h in holders.values()):
+        os.makedirs(path, exist_ok=True)
+    for file, (key, stage), entries in zip(plan.files, plan.groups, plan.entries):
+        holder = holders.get(key)
+        if holder is None or stage not in holder.stages:
+            continue
+        dtype = by_key[key].dtype
+        writer = (SafetensorsWriter(os.path.join(path, file), [(e.name, dtype, e.shape) for e in entries])
+                  if holder.writer else contextlib.nullcontext())
+        with writer as out:
+            for entry in entries:
+                full = None if entry.param is None else full_value(holder.params[entry.param])
+                if holder.writer:
+                    out.write(entry.value(full, dtype))
+                del full  # one whole tensor at a time
+    if metadata_writer:
+        if config is not None:
+            with open(os.path.join(path, "config.json"), "w") as f:
+                json.dump(config, f, indent=2)
+        if len(plan.files) > 1:
+            with open(os.path.join(path, INDEX), "w") as f:
+                json.dump({"metadata": {"total_size": plan.total_size()}, "weight_map": plan.weight_map()}, f,
+                          indent=2)
+        if extras is not None:
+            extras(path)
+    return plan

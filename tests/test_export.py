@@ -1,0 +1,350 @@
+"""Export to Hugging Face, checked against `transformers` itself: every directory written here is
+loaded by transformers (no missing or unexpected tensors) and its outputs are compared with the
+library's single-process modules (fp32: within 1e-5). Modules are tiny (dim 32, 2 layers, 16x16
+images in 4x4 patches) with every weight, bias and norm perturbed, so a misplaced tensor shows.
+
+| test                                        | what                                                         |
+|---------------------------------------------|--------------------------------------------------------------|
+| test_llava_matches_transformers[siglip-66]  | SigLIP-style ViT (no final norm) + Projection + Qwen2-style Llama -> `save_llava_hf`; the image token 66 lies outside the 64-token vocabulary (embedding and head extended, ids 64-66 suppressed); `AutoProcessor` -> LlavaProcessor expands `<image>` to the ViT's 16 tokens; logits of a prompt with an image; greedy `generate` equals a greedy loop over our modules; `load_hf` reads the directory back |
+| test_llava_matches_transformers[clip-62]    | CLIP-style ViT (class token dropped: strategy "default"), image token 62 inside the vocabulary |
+| test_whisper_encoder_matches_transformers   | `AudioEncoder` (with a key bias, which softmax ignores) -> `WhisperEncoder.from_pretrained`: features |
+| test_projection_matches_transformers        | `Projection` -> LLaVA's projector names + config.json; transformers' LlavaMultiModalProjector gives its outputs |
+| test_pipeline_stages_and_bf16               | two pipeline stages of a Llama (and of a ViT), saved one by one (`layer_split`), make one directory; bf16 export equals the bf16 cast |
+| test_refusals_are_named                     | a ViT with a final norm in LLaVA, a projector LLaVA cannot express, a tokenizer without the image token, an image processor of another size, Whisper strides, a stage without its split |
+| test_export_hf[colocated_tp_fsdp]           | `export_hf` of a MimoModel, 4 ranks: vision dp4 (FSDP2) and language dp2·tp2 (FSDP2) on the same ranks -> one LLaVA directory |
+| test_export_hf[disjoint_pp2]                | vision dp2 (FSDP2, frozen tower, ranks 0-1), language pp2 (ranks 2-3, one file per stage) -> one LLaVA directory |
+| test_export_hf[per_module]                  | vision + audio (dp2, colocated, 0-1; FSDP2 with uneven shards), language tp2 (2-3): SigLIP, Whisper, Qwen2 directories, projectors, tokenizer and processors; `save_hf` of the tp2 module itself writes the same bytes; `llava=True` and a wrong modality refused on every rank |
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from dtensor_mimo import MimoLayout, MimoModel, Parallelism, PipelineConfig
+from dtensor_mimo.assemble import assemble, embed_text
+from dtensor_mimo.models import (
+    AudioConfig,
+    AudioEncoder,
+    Llama,
+    LlamaConfig,
+    ModalityEncoder,
+    Projection,
+    ViT,
+    ViTConfig,
+    load_hf,
+    save_hf,
+    save_llava_hf,
+)
+from dtensor_mimo.models.protocol import decoder_stage
+from dtensor_mimo.schedule.encoders import keep_encoder_stage
+from tests.harness import run_on_ranks
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+PIL = pytest.importorskip("PIL.Image")
+
+LLAMA = LlamaConfig.tiny(qkv_bias=True)  # Qwen2-style: vocab 64, dim 32, 2 layers, GQA 4/2
+SIGLIP = ViTConfig.tiny(activation="gelu_tanh", final_norm=False)  # 16x16 images, 4x4 patches
+CLIP = ViTConfig.tiny(activation="quick_gelu", class_token=True, pre_norm=True, patch_bias=False, final_norm=False)
+AUDIO = AudioConfig.tiny()  # 8 mel bins, 32 frames -> 16 tokens; a key bias
+TOWERS = {"siglip": SIGLIP, "clip": CLIP}
+TEXT = "t1 t2 <image> t3 t4"
+
+
+def _perturbed(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """`module` initialized from `seed`, then every tensor moved (biases and norms included)."""
+    module.init_weights(seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    return module
+
+
+def _llava_modules(tower: str = "siglip") -> tuple[ViT, Projection, Llama]:
+    return (_perturbed(ViT(TOWERS[tower]), 1), _perturbed(Projection(32, 32), 2), _perturbed(Llama(LLAMA), 3))
+
+
+def _tokenizer(image_token_id: int):
+    """A word-level tokenizer: t0..t59 are ids 0..59, <unk> 60, <image> `image_token_id`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(60)} | {"<unk>": 60, "<image>": image_token_id}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
+                                                additional_special_tokens=["<image>"])
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return fast
+
+
+def _image_processor(tower: str):
+    if tower == "clip":
+        return transformers.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    return transformers.SiglipImageProcessor(size={"height": 16, "width": 16})
+
+
+def _whisper_encoder() -> type:
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    return WhisperEncoder
+
+
+def _image() -> "PIL.Image.Image":
+    pixels = np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    return PIL.fromarray(pixels)
+
+
+@torch.no_grad()
+def _our_logits(vit: ViT, projection: Projection, llama: Llama, tokens: torch.Tensor, pixels: torch.Tensor,
+                image_token_id: int) -> torch.Tensor:
+    """The library's single-process model, as `examples/train_digits.py` assembles it."""
+    ids = {"vision": image_token_id}
+    rows = ModalityEncoder(vit, projection)(pixels)
+    return llama(h=assemble(embed_text(llama.tok_embeddings, tokens, ids), tokens, {"vision": rows}, ids))
+
+
+@torch.no_grad()
+def _our_greedy(modules, tokens: torch.Tensor, pixels: torch.Tensor, image_token_id: int, n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        next_id = int(_our_logits(*modules, tokens, pixels, image_token_id)[0, -1].argmax())
+        out.append(next_id)
+        tokens = torch.cat([tokens, torch.tensor([[next_id]])], dim=1)
+    return out
+
+
+def _load_llava(path: str):
+    model, info = transformers.LlavaForConditionalGeneration.from_pretrained(path, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.eval()
+
+
+def _check_llava(path: str, modules, tower: str, image_token_id: int, generate: bool = True) -> None:
+    """The LLaVA directory at `path` against the library's `modules`, through transformers."""
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    assert type(processor).__name__ == "LlavaProcessor"
+    inputs = processor(text=TEXT, images=[_image()], return_tensors="pt")
+    tokens, pixels = inputs["input_ids"], inputs["pixel_values"]
+    assert int((tokens == image_token_id).sum()) == TOWERS[tower].num_patches  # the ViT's tokens per image
+    hf = _load_llava(path)
+    assert hf.config.image_token_id == image_token_id
+    want = _our_logits(*modules, tokens, pixels, image_token_id)
+    with torch.no_grad():
+        got = hf(**inputs).logits
+    torch.testing.assert_close(got[..., :LLAMA.vocab_size], want, rtol=0, atol=1e-5)
+    added = list(range(LLAMA.vocab_size, max(LLAMA.vocab_size, image_token_id + 1)))
+    assert got.shape[-1] == LLAMA.vocab_size + len(added)
+    assert list(hf.generation_config.suppress_tokens or []) == added
+    if generate:
+        with torch.no_grad():
+            generated = hf.generate(**inputs, max_new_tokens=6, do_sample=False)[0, tokens.shape[1]:].tolist()
+        assert generated == _our_greedy(modules, tokens, pixels, image_token_id, 6)
+
+
+# ------------------------------------------------------------------ one process
+
+
+@pytest.mark.parametrize("tower, image_token_id", [("siglip", 66), ("clip", 62)])
+def test_llava_matches_transformers(tower: str, image_token_id: int, tmp_path) -> None:
+    modules = _llava_modules(tower)
+    save_llava_hf(*modules, str(tmp_path), image_token_id=image_token_id, tokenizer=_tokenizer(image_token_id),
+                  image_processor=_image_processor(tower))
+    _check_llava(str(tmp_path), modules, tower, image_token_id)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["vision_feature_select_strategy"] == ("full" if tower == "siglip" else "default")
+    # The library reads its export back: the same tower, projector, and decoder (vocabulary extended).
+    vit = ViT(ViTConfig.from_hf(str(tmp_path)))
+    assert vit.config == TOWERS[tower]
+    llama = Llama(LlamaConfig.from_hf(str(tmp_path)))
+    assert llama.config.vocab_size == max(64, image_token_id + 1)
+    for module, original in zip((vit, Projection(32, 32), llama), modules):
+        load_hf(module, str(tmp_path))
+        for (name, value), want in zip(module.named_parameters(), original.parameters()):
+            assert torch.equal(value[:want.shape[0]], want), name
+
+
+def test_whisper_encoder_matches_transformers(tmp_path) -> None:
+    encoder = _perturbed(AudioEncoder(AUDIO), 4)
+    assert encoder.layers["0"].attn.wk.bias is not None
+    save_hf(encoder, str(tmp_path))
+    hf, info = _whisper_encoder().from_pretrained(str(tmp_path), output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    mels = torch.randn(2, AUDIO.n_mels, AUDIO.max_frames, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(mels).last_hidden_state, encoder(mels), rtol=0, atol=1e-5)
+
+
+def test_projection_matches_transformers(tmp_path) -> None:
+    projection = _perturbed(Projection(24, 32), 6)
+    save_hf(projection, str(tmp_path))
+    tensors = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(tensors) == [f"multi_modal_projector.linear_{i}.{k}" for i in (1, 2) for k in ("bias", "weight")]
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["in_features"], config["hidden_features"], config["out_features"]) == (24, 32, 32)
+    assert config["projector_hidden_act"] == "gelu" and config["multimodal_projector_bias"] is True
+    llava = transformers.LlavaConfig(
+        vision_config=transformers.SiglipVisionConfig(hidden_size=24, num_attention_heads=4),
+        text_config=transformers.Qwen2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2),
+        projector_hidden_act=config["projector_hidden_act"])
+    hf = transformers.models.llava.modeling_llava.LlavaMultiModalProjector(llava)
+    hf.load_state_dict({k.removeprefix("multi_modal_projector."): v for k, v in tensors.items()})
+    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x), projection(x), rtol=0, atol=1e-6)
+
+
+def test_pipeline_stages_and_bf16(tmp_path) -> None:
+    """Each stage (its own parameters only, under the whole model's names) writes its own file;
+    the first writes config.json and the index: one directory, the whole model's logits."""
+    llama = _perturbed(Llama(LLAMA), 8)
+    for stage, layers in enumerate(([0], [1])):
+        part = decoder_stage(llama, layers, first=stage == 0, last=stage == 1)
+        save_hf(part, str(tmp_path / "staged"), layer_split=[1, 1])
+    index = json.loads((tmp_path / "staged" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index["model.layers.0.mlp.up_proj.weight"] != index["model.layers.1.mlp.up_proj.weight"]
+    assert index["model.embed_tokens.weight"] == index["model.layers.0.mlp.up_proj.weight"]
+    assert index["lm_head.weight"] == index["model.layers.1.mlp.up_proj.weight"]
+    tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(9))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "staged")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, llama(tokens), rtol=0, atol=1e-5)
+    vit = _perturbed(ViT(ViTConfig.tiny()), 9)  # an encoder's stages, cut as encoder pipelines cut them
+    for stage in (0, 1):
+        part = copy.deepcopy(ModalityEncoder(vit, Projection(32, 32)))
+        keep_encoder_stage(part, range(stage, stage + 1), first=stage == 0, last=stage == 1)
+        save_hf(part.encoder, str(tmp_path / "vit"), layer_split=[1, 1])
+    images = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(10))
+    siglip = transformers.SiglipVisionModel.from_pretrained(str(tmp_path / "vit")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(siglip(pixel_values=images).last_hidden_state, vit(images), rtol=0, atol=1e-5)
+    save_hf(llama, str(tmp_path / "bf16"), dtype=torch.bfloat16)
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"))
+    assert bf16.config.dtype == torch.bfloat16
+    fp32 = hf.state_dict()
+    for name, value in bf16.state_dict().items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, fp32[name].to(torch.bfloat16)), name
+
+
+def test_refusals_are_named(tmp_path) -> None:
+    vit, projection, llama = _llava_modules()
+    with pytest.raises(ValueError, match=r"final norm \(final_norm=True\).*final_norm=False"):
+        save_llava_hf(ViT(ViTConfig.tiny()), projection, llama, str(tmp_path / "a"), image_token_id=66)
+    with pytest.raises(ValueError, match=r"the Projection is 32 -> 64 -> 32; build it as Projection\(32, 32\)"):
+        save_llava_hf(vit, Projection(32, 32, hidden_dim=64), llama, str(tmp_path / "b"), image_token_id=66)
+    with pytest.raises(ValueError, match="the tokenizer has no token with the image token id 65"):
+        save_llava_hf(vit, projection, llama, str(tmp_path / "c"), image_token_id=65, tokenizer=_tokenizer(66))
+    with pytest.raises(ValueError, match=r"conv_strides=\(2, 2\)"):
+        save_hf(AudioEncoder(AudioConfig.tiny(conv_strides=(2, 2))), str(tmp_path / "d"))
+    with pytest.raises(ValueError, match=r"makes \{'height': 224, 'width': 224\} images but the ViT takes 16x16"):
+        save_llava_hf(vit, projection, llama, str(tmp_path / "f"), image_token_id=66,
+                      image_processor=transformers.SiglipImageProcessor())
+    with pytest.raises(ValueError, match="pass layer_split"):
+        save_hf(decoder_stage(llama, [0], first=True, last=False), str(tmp_path / "e"))
+    assert not any((tmp_path / d).exists() for d in "abcdef")  # refused before anything was written
+
+
+# ------------------------------------------------------------------ export_hf on 4 ranks
+
+P = Parallelism
+CASES = {
+    "colocated_tp_fsdp": (dict(vision=P(dp=4), language=P(dp=2, tp=2)), dict(vision=0, language=0), None),
+    "disjoint_pp2": (dict(vision=P(dp=2), language=P(pp=2)), None, PipelineConfig(microbatches=2)),
+    "per_module": (dict(vision=P(dp=2), audio=P(dp=2), language=P(tp=2)), dict(vision=0, audio=0, language=2),
+                   None),
+}
+IMAGE_ID, AUDIO_ID = 66, 67
+
+
+def _mimo_modules(case: str) -> tuple[Llama, dict[str, ModalityEncoder]]:
+    if case != "per_module":
+        vit, projection, llama = _llava_modules()
+        if case == "disjoint_pp2":
+            vit.requires_grad_(False)  # a frozen tower exports too
+        return llama, {"vision": ModalityEncoder(vit, projection)}
+    encoders = {"vision": ModalityEncoder(_perturbed(ViT(ViTConfig.tiny()), 1), _perturbed(Projection(32, 32), 2)),
+                "audio": ModalityEncoder(_perturbed(AudioEncoder(AUDIO), 4), _perturbed(Projection(32, 32, 49), 5))}
+    return _perturbed(Llama(LLAMA), 3), encoders
+
+
+def _export(case: str, path: str) -> None:
+    modules, offsets, pipeline = CASES[case]
+    layout = MimoLayout(modules, offsets=offsets)
+    layout.init_meshes("cpu")
+    llama, encoders = _mimo_modules(case)
+    model = MimoModel(layout, llama, encoders, pipeline=pipeline)
+    if case == "per_module":
+        processors = {"vision": transformers.SiglipImageProcessor(size={"height": 16, "width": 16}),
+                      "audio": transformers.WhisperFeatureExtractor(feature_size=AUDIO.n_mels)}
+        export = dict(modalities={"vision": "image", "audio": "audio"},
+                      special_token_ids={"vision": IMAGE_ID, "audio": AUDIO_ID}, processors=processors)
+    else:
+        export = dict(modalities={"vision": "image"}, special_token_ids={"vision": IMAGE_ID},
+                      processors={"vision": _image_processor("siglip")})
+    from dtensor_mimo.train.export import export_hf
+
+    export_hf(model, path, tokenizer=_tokenizer(IMAGE_ID), **export)
+    # The directory is complete on every rank when export_hf returns.
+    assert os.path.exists(os.path.join(path, "language" if case == "per_module" else "", "config.json"))
+    refusals = []  # every rank refuses, before anything is written
+    if case == "per_module":
+        if model.language is not None:  # save_hf itself on the tp2 ranks: a collective, tp rank 0 writes
+            save_hf(model.language.llama, path + "-direct")
+        for wrong in (dict(export, llava=True), dict(export, modalities={"vision": "audio", "audio": "audio"})):
+            with pytest.raises(ValueError) as error:
+                export_hf(model, path + "-refused", **wrong)
+            refusals.append(str(error.value))
+        assert not os.path.exists(path + "-refused")
+    dist.barrier()
+    return refusals
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_export_hf(case: str, tmp_path) -> None:
+    refusals = run_on_ranks(_export, 4, case, str(tmp_path), timeout=120)
+    if case == "per_module":
+        for llava, modality in refusals:
+            assert "export_hf(llava=True): the model is not LLaVA-shaped: it has 2 encoders" in llava
+            assert "modalities 'vision' is 'audio' but its tower is a ViT" in modality
+    llama, encoders = _mimo_modules(case)
+    if case != "per_module":
+        vision = encoders["vision"]
+        _check_llava(str(tmp_path), (vision.encoder, vision.projection, llama), "siglip", IMAGE_ID, generate=False)
+        if case == "disjoint_pp2":  # each language stage wrote its own file
+            index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+            files = {index[f"language_model.model.layers.{i}.mlp.up_proj.weight"] for i in (0, 1)}
+            assert len(files) == 2 and len(set(index.values())) == 4  # tower, projector, 2 stages
+        return
+    direct = (tmp_path.parent / (tmp_path.name + "-direct") / "model.safetensors").read_bytes()
+    assert direct == (tmp_path / "language" / "model.safetensors").read_bytes()
+    tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(9))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "language")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, llama(tokens), rtol=0, atol=1e-5)
+    # (AutoTokenizer would pick Qwen2's own tokenizer class for this toy word-level vocabulary)
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "language"))
+    assert tokenizer("t3 t5 <image>").input_ids == [3, 5, IMAGE_ID] and tokenizer.chat_template
+    images = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(10))
+    siglip = transformers.SiglipVisionModel.from_pretrained(str(tmp_path / "vision")).eval()
+    mels = torch.randn(2, AUDIO.n_mels, AUDIO.max_frames, generator=torch.Generator().manual_seed(11))
+    whisper = _whisper_encoder().from_pretrained(str(tmp_path / "audio")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(siglip(pixel_values=images).last_hidden_state, encoders["vision"].encoder(images),
+                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(whisper(mels).last_hidden_state, encoders["audio"].encoder(mels), rtol=0, atol=1e-5)
+    for name, token_id in (("vision", IMAGE_ID), ("audio", AUDIO_ID)):
+        projector = tmp_path / name / "projector"
+        config = json.loads((projector / "config.json").read_text())
+        assert config["special_token_id"] == token_id
+        assert config["modality"] == ("image" if name == "vision" else "audio")
+        tensors = safetensors_torch.load_file(str(projector / "model.safetensors"))
+        assert torch.equal(tensors["multi_modal_projector.linear_2.weight"], encoders[name].projection.fc2.weight)
+    assert type(transformers.AutoImageProcessor.from_pretrained(str(tmp_path / "vision"))).__name__.startswith("Siglip")
+    assert transformers.AutoFeatureExtractor.from_pretrained(str(tmp_path / "audio")).feature_size == AUDIO.n_mels
