@@ -30,6 +30,7 @@ bench: $(VENV)/.installed
 	$(BENCH_MALLOC) $(VENV)/bin/torchrun --standalone --nproc-per-node=2 benchmarks/pipeline.py
 	$(BENCH_MALLOC) $(VENV)/bin/torchrun --standalone --nproc-per-node=4 benchmarks/pipeline.py
 	$(BENCH_MALLOC) $(VENV)/bin/python benchmarks/trainer.py
+	$(BENCH_MALLOC) $(VENV)/bin/python benchmarks/train_llava.py
 
 clean:
 	rm -rf $(VENV) bench_results

@@ -10,6 +10,7 @@ by `examples/make_tiny_llava.py` (no download).
 | test_long_samples_refused_or_truncated      | a sample over seq_len names its id; truncation drops a cut item whole |
 | test_packed_rows_equal_their_samples_alone  | data.pack: every sample once; a packed row's logits and labels == each sample's alone |
 | test_bad_input_fails_before_any_process     | missing dirs/files, unsupported architecture, placeholder count, tokenizer without template, processor size, checkpoint.load without checkpoints |
+| test_an_error_inside_the_ranks_is_printed_once | a factory raising on every rank: one traceback, the ranks named |
 | test_layouts_give_one_process_numbers       | image dp1 / language dp1 [2], colocated dp2 [2]: losses and grad norms == one process [1]; resume == uninterrupted; load under another layout |
 | test_learns_heterogeneous_and_exports       | the README's file: held-out accuracy well above chance; the export loads in transformers and its greedy answers are ours |
 | test_learns_colocated                       | the same on one colocated dp2 layout                         |
@@ -21,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -222,6 +224,23 @@ def test_bad_input_fails_before_any_process(tiny: str, tmp_path) -> None:
     out = subprocess.run([sys.executable, "-m", "dtensor_mimo.train", "--config", CONFIG, "--data.path", str(bad)],
                          capture_output=True, text=True, timeout=120, cwd=tiny)
     assert out.returncode == 2 and out.stderr.count("does not exist") == 1 and "Traceback" not in out.stderr
+
+
+def failing_decoder(**_) -> torch.nn.Module:
+    """A factory that fails inside every rank (after every check the launcher can make)."""
+    raise ValueError("no decoder today")
+
+
+def test_an_error_inside_the_ranks_is_printed_once(tiny: str) -> None:
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "dtensor_mimo.train", "--config", CONFIG, "--model.language.hf",
+                          "none", "--data.tokenizer", "ckpt/lm", "--model.language.factory",
+                          "tests.test_train_llava:failing_decoder"],
+                         capture_output=True, text=True, timeout=300, cwd=tiny, env=env)
+    assert out.returncode == 1
+    assert out.stderr.count("ValueError: no decoder today") == 2  # the traceback's last line, and the summary
+    assert re.search(r"error on ranks? [0-9, ]+: ValueError: no decoder today", out.stderr), out.stderr[-2000:]
+    assert out.stderr.count("Traceback") == 1
 
 
 # ---------------------------------------------------------------------------- training

@@ -236,6 +236,11 @@ class ConversationDataset(Dataset):
         """Rows: samples, or packed rows of several samples."""
         return len(self.samples) if self.rows is None else len(self.rows)
 
+    def check_lengths(self) -> None:
+        """Tokenize every sample now (DataError names the first over `seq_len`, unless truncating)."""
+        for index in range(len(self.samples)):
+            self[index]
+
     def _pack(self, seed: int) -> list[list[int]]:
         """Samples in an order drawn from `seed`, each appended to the current row while it fits."""
         order = torch.randperm(len(self.samples), generator=torch.Generator().manual_seed(seed)).tolist()

@@ -152,8 +152,8 @@ def split_problems(decoder: nn.Module, pp: int) -> list[str]:
     if outside:
         return [f"no parameters outside {', '.join(STAGE_PARTS)} (the layout gives it pp={pp}; a stage holds "
                 f"only those parts, and {outside[:4]}{' ...' if len(outside) > 4 else ''} are in none of them)"]
-    if len(decoder.layers) < 1:
-        return []  # `stage_layers` names the layer count
+    if len(decoder.layers) < 1 or type(decoder) is Llama:
+        return []  # `stage_layers` names the layer count; the library's Llama is known to split
     problem = _middle_stage_problem(decoder)
     return [problem] if problem else []
 

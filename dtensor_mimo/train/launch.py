@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import traceback
 from typing import Sequence
 
 import torch
@@ -29,6 +30,13 @@ def preflight(config: TrainerConfig) -> None:
     from dtensor_mimo.train.modules import resolve
 
     data = train_data(config, resolve(config))
+    for dataset in (data.train, data.heldout):  # every sample's length against seq_len, now
+        check = getattr(dataset, "check_lengths", None)
+        if check is not None:
+            try:
+                check()
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
     if len(data.train) < config.data.batch_size:
         raise ConfigError(f"data.batch_size = {config.data.batch_size} is more than the {len(data.train)} training "
                           f"samples of {config.data.path}")
@@ -53,10 +61,36 @@ def _run_rank(config: TrainerConfig) -> float:
         dist.destroy_process_group()
 
 
-def _local_rank(rank: int, world: int, port: int, config: TrainerConfig) -> None:
+USER_ERRORS = ("ConfigError", "DataError", "BatchError", "CheckpointError", "PlanError", "LayoutError")
+"""Errors whose message says what to fix: shown without a traceback."""
+
+
+def _local_rank(rank: int, world: int, port: int, config: TrainerConfig, errors) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    _run_rank(config)
+    try:
+        _run_rank(config)
+    except BaseException as e:  # noqa: BLE001 — reported to the launcher, which prints it once
+        errors.put((rank, f"{type(e).__name__}: {e}", type(e).__name__, traceback.format_exc()))
+        sys.exit(1)
+
+
+def _report(errors, failure: Exception) -> None:
+    """What the ranks reported, once per distinct error (ranks named), or how a rank died."""
+    reports = []
+    while not errors.empty():
+        reports.append(errors.get())
+    if not reports:
+        print(f"error: {failure}", file=sys.stderr)
+        return
+    by_message: dict[str, list] = {}
+    for report in sorted(reports):
+        by_message.setdefault(report[1], []).append(report)
+    for message, same in by_message.items():
+        ranks = ", ".join(str(r[0]) for r in same)
+        if same[0][2] not in USER_ERRORS:
+            print(same[0][3].rstrip(), file=sys.stderr)
+        print(f"error on rank{'s' if len(same) > 1 else ''} {ranks}: {message}", file=sys.stderr)
 
 
 def _free_port() -> int:
@@ -89,5 +123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{torch.cuda.device_count()} GPUs; use torchrun across machines or train.device = 'cpu'",
               file=sys.stderr)
         return 2
-    mp.start_processes(_local_rank, args=(world, _free_port(), config), nprocs=world, start_method="spawn")
+    errors = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.start_processes(_local_rank, args=(world, _free_port(), config, errors), nprocs=world,
+                           start_method="spawn")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        _report(errors, e)
+        return 1
     return 0
