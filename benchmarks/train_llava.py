@@ -10,7 +10,10 @@ written to a temporary directory) is trained for `--steps` steps of 16 samples b
   expanded to the tower's tokens), the same token loss; all cores (2 intra-op threads here);
 - ``ours heterogeneous``: `python -m dtensor_mimo.train --config examples/llava_tiny.toml`: the
   tower on rank 0, the decoder on rank 1, 2 microbatches overlapping (1 thread per rank);
-- ``ours colocated``: both modules on both ranks (dp2 each), one microbatch.
+- ``ours colocated``: both modules on both ranks (dp2 each), one microbatch; with FSDP2 (the
+  default) and without it (parameters replicated, gradients all-reduced once per step);
+- ``ours one rank`` against ``transformers (1 thread)``: the same work in one process each, the
+  library's own overhead (bridge, per-module optimizers, metrics) without any parallelism.
 
 Samples/s counts the steps after the first 10 (slowest rank, as the trainer logs it). Ratios are
 against transformers measured in the same run; the machine is noisy, so each configuration runs
@@ -33,10 +36,14 @@ CONFIG = os.path.join(ROOT, "examples", "llava_tiny.toml")
 BATCH, SKIP = 16, 10
 LAYOUTS = {
     "ours heterogeneous (image | language, 2 microbatches)": [],
+    "ours one rank (1 thread)": ["--layout.language.offset", "0", "--pipeline.microbatches", "1"],
     "ours colocated (image dp2 + language dp2)": [
         "--layout.image.dp", "2", "--layout.image.offset", "0", "--layout.language.dp", "2",
         "--layout.language.offset", "0", "--pipeline.microbatches", "1"],
 }
+LAYOUTS["ours colocated, fsdp off (gradients all-reduced)"] = [
+    *LAYOUTS["ours colocated (image dp2 + language dp2)"], "--options.image.fsdp", "false",
+    "--options.language.fsdp", "false"]
 
 
 def _make(out: str) -> None:
@@ -92,7 +99,8 @@ def transformers_baseline(cwd: str, steps: int, threads: int) -> float:
                                      projector_hidden_act="gelu")
     model = transformers.LlavaForConditionalGeneration(llava).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-    sampler = iter(ResumableBatchSampler(len(data.train), BATCH, seed=0))
+    epochs = ResumableBatchSampler(len(data.train), BATCH, seed=0)
+    sampler = (indices for _ in iter(int, 1) for indices in epochs)  # epoch after epoch
     start = 0.0
     for step in range(steps):
         if step == SKIP:
@@ -120,6 +128,7 @@ def main() -> None:
         _make(tmp)
         for _ in range(args.repeats):
             for name, run in [("transformers (1 process, 2 threads)", lambda: transformers_baseline(tmp, args.steps, 2)),
+                              ("transformers (1 process, 1 thread)", lambda: transformers_baseline(tmp, args.steps, 1)),
                               *[(n, lambda layout=layout: ours(tmp, layout, args.steps)) for n, layout in LAYOUTS.items()]]:
                 results[name] = max(results.get(name, 0.0), run())
     base = results["transformers (1 process, 2 threads)"]
@@ -127,12 +136,16 @@ def main() -> None:
     print(f"{'configuration':<{width}}  samples/s  vs transformers")
     for name, value in results.items():
         print(f"{name:<{width}}  {value:9.1f}  {value / base:14.2f}x")
-    het, col = results[next(iter(LAYOUTS))], results[list(LAYOUTS)[1]]
+    het, col = results[next(iter(LAYOUTS))], results[list(LAYOUTS)[2]]
     print(f"heterogeneous / colocated: {het / col:.2f}x")
+    col_plain = results[list(LAYOUTS)[3]]
+    print(f"heterogeneous / colocated without FSDP: {het / col_plain:.2f}x")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"samples_per_s": results, "ratio_vs_transformers": {k: v / base for k, v in results.items()},
-                   "heterogeneous_over_colocated": het / col, "steps": args.steps, "batch": BATCH}, f, indent=2)
+                   "heterogeneous_over_colocated": het / col,
+                   "heterogeneous_over_colocated_without_fsdp": het / col_plain, "steps": args.steps,
+                   "batch": BATCH}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,11 @@ def _run_rank(config: TrainerConfig) -> float:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
     try:
-        return Trainer(config).run()
+        accuracy = Trainer(config).run()
+        # Every rank done with every group before any tears its connections down (a peer still
+        # in its last collective could otherwise see the connection close under it).
+        dist.barrier()
+        return accuracy
     finally:
         dist.destroy_process_group()
 
