@@ -11,7 +11,8 @@ by `examples/make_tiny_llava.py` (no download).
 | test_packed_rows_equal_their_samples_alone  | data.pack: every sample once; a packed row's logits and labels == each sample's alone |
 | test_bad_input_fails_before_any_process     | missing dirs/files, unsupported architecture, placeholder count, tokenizer without template, processor size, checkpoint.load without checkpoints |
 | test_an_error_inside_the_ranks_is_printed_once | a factory raising on every rank: one traceback, the ranks named |
-| test_layouts_give_one_process_numbers       | image dp1 / language dp1 [2], colocated dp2 [2]: losses and grad norms == one process [1]; resume == uninterrupted; load under another layout |
+| test_layouts_give_one_process_numbers       | image dp1 / language dp1 [2], colocated dp2 [2]: losses and grad norms == one process [1]; loader workers; resume == uninterrupted; load under another layout |
+| test_factories_build_the_modules            | model.language.factory / model.encoders.<name>.factory: your functions' modules, with the offered arguments, train |
 | test_learns_heterogeneous_and_exports       | the README's file: held-out accuracy well above chance; the export loads in transformers and its greedy answers are ours |
 | test_learns_colocated                       | the same on one colocated dp2 layout                         |
 | test_whisper_encoder_learns_audio           | a Whisper directory's encoder on tone conversations          |
@@ -262,6 +263,13 @@ def test_layouts_give_one_process_numbers(tiny: str, tmp_path) -> None:
         got[name] = _records(str(tmp_path / f"{name}.jsonl"))
     one = got["one"]
     assert sorted(one) == [1, 2, 3, 4, 5, 6]
+    # The command itself (own launcher), with loader worker processes: the same losses.
+    out = subprocess.run([sys.executable, "-m", "dtensor_mimo.train", "--config", CONFIG, *ORACLE, "--data.workers",
+                          "1", "--metrics.jsonl", str(tmp_path / "w.jsonl")],
+                         capture_output=True, text=True, timeout=300, cwd=tiny)
+    assert out.returncode == 0, out.stderr[-3000:]
+    workers = _records(str(tmp_path / "w.jsonl"))
+    assert all(workers[s]["loss"] == got["heterogeneous"][s]["loss"] for s in one)
     for name in ("heterogeneous", "colocated"):
         for step, record in one.items():
             assert got[name][step]["loss"] == pytest.approx(record["loss"], rel=1e-5), (name, step)
@@ -302,6 +310,50 @@ def _hf_answers(export: str, tiny: str, count: int) -> list[str]:
         new = out[0, inputs["input_ids"].shape[1]:]
         answers.append(processor.tokenizer.decode(new, skip_special_tokens=True).strip())
     return answers
+
+
+def tiny_decoder(vocab_size: int, seq_len: int, dim: int = 32) -> torch.nn.Module:
+    """A factory for the language model: the library's Llama, sized by the trainer's offer."""
+    from dtensor_mimo.models import Llama, LlamaConfig
+
+    assert seq_len == 96
+    return Llama(LlamaConfig(vocab_size=vocab_size, dim=dim, n_layers=1, n_heads=2, ffn_hidden=64))
+
+
+def tiny_vision(language_dim: int) -> torch.nn.Module:
+    """A factory for an encoder: 16x16 images in 4x4 patches, projected to the decoder's width."""
+    from dtensor_mimo.models import ModalityEncoder, Projection, ViT, ViTConfig
+
+    vit = ViTConfig(image_size=16, patch_size=4, dim=24, n_layers=1, n_heads=2, mlp_hidden=48)
+    return ModalityEncoder(ViT(vit), Projection(vit.dim, language_dim))
+
+
+def _factory_run(cwd: str, argv: list[str]) -> tuple[str, str, list[float]]:
+    from dtensor_mimo.train.trainer import Trainer
+
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        trainer = Trainer(parse_args(["--config", CONFIG, *argv]))
+        trainer.run()
+    finally:
+        os.chdir(here)
+    with open(argv[argv.index("--metrics.jsonl") + 1]) as f:
+        losses = [r["loss"] for r in map(json.loads, f) if "loss" in r]
+    return type(trainer.modules["language"]).__name__, str(trainer.modules["language"].config.dim), losses
+
+
+def test_factories_build_the_modules(tiny: str, tmp_path) -> None:
+    argv = [*ORACLE, "--train.steps", "8", "--optimizer.lr", "3e-3", "--metrics.jsonl", str(tmp_path / "f.jsonl"),
+            "--model.language.hf", "none", "--data.tokenizer", "ckpt/lm",
+            "--model.language.factory", "tests.test_train_llava:tiny_decoder",
+            "--model.language.factory_args", "{dim = 48}",
+            "--model.encoders.image.hf", "none", "--model.encoders.image.factory", "tests.test_train_llava:tiny_vision",
+            "--model.encoders.image.processor", "ckpt/siglip", "--model.encoders.image.tokens_per_item", "16"]
+    results = run_on_ranks(_factory_run, 2, tiny, argv, timeout=300)
+    kind, dim, losses = results[0]
+    assert (kind, dim) == ("Llama", "48") and len(losses) == 8
+    assert losses[-1] < losses[0]
 
 
 LEARN = ["--train.steps", "400", "--metrics.log_every", "100", "--metrics.progress", "off"]

@@ -144,18 +144,20 @@ def check_samples(samples: Sequence[Mapping[str, Any]], modalities: Iterable[str
 # ---------------------------------------------------------------------------- media
 
 
-def image_inputs(processor: Any) -> Callable[[list[str]], torch.Tensor]:
+class image_inputs:  # noqa: N801 - used as a function; a class so that loader workers can pickle it
     """Image files -> ``pixel_values`` with a transformers image processor (RGB)."""
-    from PIL import Image
 
-    def prepare(paths: list[str]) -> torch.Tensor:
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+
+    def __call__(self, paths: list[str]) -> torch.Tensor:
+        from PIL import Image
+
         images = []
         for path in paths:
             with Image.open(path) as image:
                 images.append(image.convert("RGB"))
-        return processor(images=images, return_tensors="pt")["pixel_values"].float()
-
-    return prepare
+        return self.processor(images=images, return_tensors="pt")["pixel_values"].float()
 
 
 def _read_wav(path: str) -> tuple[torch.Tensor, int]:
@@ -176,21 +178,23 @@ def _read_wav(path: str) -> tuple[torch.Tensor, int]:
     return samples.reshape(-1, channels).mean(1), rate
 
 
-def audio_inputs(feature_extractor: Any) -> Callable[[list[str]], torch.Tensor]:
+class audio_inputs:  # noqa: N801 - used as a function; a class so that loader workers can pickle it
     """WAV files -> log-mel ``input_features`` with a transformers (Whisper) feature extractor;
     a file at another sample rate than the extractor's is refused by name."""
-    def prepare(paths: list[str]) -> torch.Tensor:
+
+    def __init__(self, feature_extractor: Any) -> None:
+        self.feature_extractor = feature_extractor
+
+    def __call__(self, paths: list[str]) -> torch.Tensor:
+        fe = self.feature_extractor
         clips = []
         for path in paths:
             samples, rate = _read_wav(path)
-            if rate != feature_extractor.sampling_rate:
+            if rate != fe.sampling_rate:
                 raise DataError(f"{path}: sampled at {rate} Hz but the feature extractor takes "
-                                f"{feature_extractor.sampling_rate} Hz; resample the file")
+                                f"{fe.sampling_rate} Hz; resample the file")
             clips.append(samples.numpy())
-        out = feature_extractor(clips, sampling_rate=feature_extractor.sampling_rate, return_tensors="pt")
-        return out["input_features"].float()
-
-    return prepare
+        return fe(clips, sampling_rate=fe.sampling_rate, return_tensors="pt")["input_features"].float()
 
 
 # ---------------------------------------------------------------------------- the dataset

@@ -57,6 +57,11 @@ class _Batches(Dataset):
         return len(self.dataset)
 
 
+def _as_is(batch: MimoBatch) -> MimoBatch:
+    """The loader's collate: a batch is already whole (a module-level function: workers pickle it)."""
+    return batch
+
+
 class _Forever:
     """Epoch after epoch of a `ResumableBatchSampler`."""
 
@@ -155,7 +160,7 @@ class Trainer:
         ahead = ResumableBatchSampler(len(self.data.train), self.config.data.batch_size, seed=self.config.data.seed)
         ahead.load_state_dict(self.sampler.state_dict())  # the loader's own copy runs ahead
         loader = DataLoader(_Batches(self.data.train, load), sampler=_Forever(ahead), batch_size=None,
-                            num_workers=workers, collate_fn=lambda b: b, persistent_workers=True)
+                            num_workers=workers, collate_fn=_as_is, persistent_workers=True)
         for batch, _ in zip(loader, _Forever(self.sampler)):
             yield batch
 
