@@ -41,7 +41,7 @@ from dtensor_mimo import MimoLayout, MimoModel, Parallelism, PipelineConfig
 from dtensor_mimo.data import ModalitySpec, SyntheticSpec, synthetic_batch
 from dtensor_mimo.models import Llama, LlamaConfig, ModalityEncoder, Projection, ViT, ViTConfig
 from dtensor_mimo.schedule import stage_inputs
-from dtensor_mimo.train.loss import loss_normalizer
+from dtensor_mimo.sequence.loss import loss_normalizer
 
 P = Parallelism
 

@@ -15,22 +15,13 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
+from dtensor_mimo.data.batch import special_id_clash
+
 __all__ = ["AssemblyError", "assemble", "embed_text", "mask_special_tokens", "special_id_clash"]
 
 
 class AssemblyError(ValueError):
     """Embeddings and tokens that cannot be assembled: names the modality and the numbers."""
-
-
-def special_id_clash(special_token_ids: Mapping[str, int]) -> str | None:
-    """The error message when two modalities share a special token id, else None."""
-    owner: dict[int, str] = {}
-    for name, token_id in special_token_ids.items():
-        if token_id in owner:
-            return (f"modalities {owner[token_id]!r} and {name!r} share special token id {token_id}; "
-                    f"each modality needs its own id")
-        owner[token_id] = name
-    return None
 
 
 def mask_special_tokens(

@@ -65,8 +65,7 @@ from dtensor_mimo.schedule import (
     stage_inputs,
     stage_layers,
 )
-from dtensor_mimo.sequence import ContextParallelAttention
-from dtensor_mimo.train.loss import loss_normalizer
+from dtensor_mimo.sequence import ContextParallelAttention, loss_normalizer
 
 # Encoder output rows on a module mesh (pp, dp, cp, tp): split over dp, whole on every other dim.
 TOKEN_PLACEMENTS = (Replicate(), Shard(0), Replicate(), Replicate())

@@ -35,6 +35,7 @@ Other cases:
 |   the vocabulary)                     |   labels, loss mask, positions recomputed by a loop       |
 | generator raggedness                  | text-only samples >= requested; a sample with max_items   |
 | generator -> real encoders            | ViT / AudioEncoder rows == tokens_per_sample sums         |
+| `SyntheticSpec.tiny`                  | `ModalitySpec.image/audio` of the tiny ViT / audio config |
 | validation errors                     | every BatchError / ValueError message                     |
 """
 
@@ -378,6 +379,14 @@ def test_generator_shards_feed_real_encoders():
             assert rows == int((part.tokens == 64).sum())
             rows = audio(part.modalities["audio"].inputs).flatten(0, 1).shape[0]
             assert rows == sum(part.tokens_per_sample("audio")) == int((part.tokens == 65).sum())
+
+
+def test_tiny_spec_fits_the_tiny_encoders():
+    """`SyntheticSpec.tiny` writes its item shapes out (the data layer imports no model class):
+    they are what `ViTConfig.tiny` and `AudioConfig.tiny` take and make."""
+    tiny = SyntheticSpec.tiny().modalities
+    assert tiny["vision"] == ModalitySpec.image(ViTConfig.tiny(), 64, max_items=2)
+    assert tiny["audio"] == ModalitySpec.audio(AudioConfig.tiny(), 65, max_items=1)
 
 
 # ------------------------------------------------------------------ validation errors

@@ -13,8 +13,8 @@ text asks what they show. Each property is compared with an independent referenc
 |                                      |   standardized with statistics computed here         |
 | the batch validates                  | `MimoBatch` accepts it; ViT / AudioEncoder output    |
 |                                      |   rows == special tokens                             |
-| per-range loading                    | slicing the fully loaded batch; the rest is zeros;   |
-|   (`load`, `load_inputs`)            |   metadata-only inputs are stride-0 views            |
+| per-range loading (`load`)           | slicing the fully loaded batch; the rest is zeros;   |
+|                                      |   metadata-only inputs are stride-0 views            |
 | `samples_to_load`                    | hand-written sample lists (table below)              |
 | DTMF tone                            | FFT peaks at the keypad table written here           |
 | log-mel spectrogram                  | peak bands: the nearest HTK mel centres, computed    |
@@ -217,8 +217,6 @@ def test_loading_a_range_equals_slicing_the_full_batch(train, samples):
     full = train.batch(indices)
     want = full.select_samples(samples)
     for name in ("vision", "audio"):
-        got = train.load_inputs(indices, name, samples)
-        assert torch.equal(got, want.modalities[name].inputs)
         partial = train.batch(indices, load={name: samples})
         # Metadata is the full batch's; the loaded samples' items are the full batch's.
         assert torch.equal(partial.tokens, full.tokens) and torch.equal(partial.labels, full.labels)

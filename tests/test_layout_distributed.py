@@ -33,7 +33,7 @@ def _check_groups(kind):
     mismatches = []
     for name in layout.names:
         for dims in DIMS:
-            expected = layout.group_of(name, dims, rank)
+            expected = next((g for g in layout.groups(name, dims) if rank in g), None)
             if expected is None:
                 assert layout.mesh(name).get_coordinate() is None
                 continue

@@ -49,11 +49,11 @@ from dtensor_mimo.models import (
 from dtensor_mimo.parallelize import (
     ParallelOptions,
     allreduce_gradients,
-    parallelize_module_for,
+    parallelize_encoder,
+    parallelize_llama,
     parallelize_projection,
-    sequence_sharded_input,
 )
-from dtensor_mimo.train.loss import vocab_parallel_argmax, vocab_parallel_cross_entropy
+from dtensor_mimo.sequence.loss import vocab_parallel_argmax, vocab_parallel_cross_entropy
 from tests.harness import run_on_ranks
 
 SEED = 1234
@@ -157,6 +157,16 @@ def _global_count(batch: dict[str, torch.Tensor]) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+def _parallelize(module: torch.nn.Module, tp_mesh, dp_mesh, options: ParallelOptions) -> None:
+    """The library's function for each kind of module in the cases."""
+    if isinstance(module, Llama):
+        parallelize_llama(module, tp_mesh, dp_mesh, options)
+    elif isinstance(module, Projection):
+        parallelize_projection(module, tp_mesh, dp_mesh, options)
+    else:
+        parallelize_encoder(module, tp_mesh, dp_mesh, options)
+
+
 @torch.no_grad()
 def _full(t: torch.Tensor | None) -> torch.Tensor | None:
     if isinstance(t, DTensor):
@@ -186,7 +196,10 @@ def _train(case: Case, modules, batch, *, rows: slice, ctx=None) -> list[dict]:
                     seq = slice(tp_rank * chunk, min(SEQ, (tp_rank + 1) * chunk))
                     leaf = h[:, seq].clone().requires_grad_()
                     leaf_full_index = (rows, seq)
-                    model_in = sequence_sharded_input(leaf, ctx["tp_mesh"], SEQ)
+                    # This rank's torch.chunk piece of the sequence as a Shard(1) DTensor of [b, SEQ, dim].
+                    shape = (leaf.shape[0], SEQ, leaf.shape[2])
+                    model_in = DTensor.from_local(leaf, ctx["tp_mesh"], [Shard(1)], run_check=False, shape=shape,
+                                                  stride=torch.empty(shape, device="meta").stride())
                 else:
                     leaf = h.clone().requires_grad_()
                     model_in = leaf
@@ -233,7 +246,7 @@ def _check_case(name: str) -> dict[str, float]:
 
     modules = _build(case.module)
     for m in modules.values():
-        parallelize_module_for(m, tp_mesh, dp_mesh, case.options)
+        _parallelize(m, tp_mesh, dp_mesh, case.options)
     if case.options.fsdp and dp > 1:  # every parameter is now dp-sharded (a DTensor)
         assert all(isinstance(p, DTensor) for m in modules.values() for p in m.parameters())
     parallel = _train(case, modules, batch, rows=rows, ctx={"tp_mesh": tp_mesh, "dp_mesh": dp_mesh})
@@ -326,7 +339,7 @@ def _init_and_compare(par: Parallelism, meta: bool) -> bool:
     layout.init_meshes("cpu")
     with torch.device("meta" if meta else "cpu"):
         model = Llama(LlamaConfig.tiny())  # PyTorch's default init: different from the reference
-    parallelize_module_for(model, layout.mesh("m", "tp"), layout.mesh("m", ("dp", "cp")))
+    parallelize_llama(model, layout.mesh("m", "tp"), layout.mesh("m", ("dp", "cp")))
     if meta:
         model.to_empty(device="cpu")  # only this rank's shards are allocated
     model.init_weights(SEED)
@@ -355,11 +368,6 @@ def test_sizes_tensor_parallel_cannot_split_are_named():
     with pytest.raises(ValueError, match=r"Llama: tensor parallel over tp=4 needs these sizes divisible "
                                          r"by 4: n_kv_heads=2, vocab_size=66; choose a tp that divides them"):
         check_divisible("Llama", {"n_heads": 8, "n_kv_heads": 2, "vocab_size": 66}, 4)
-
-
-def test_unknown_module_kind_is_refused():
-    with pytest.raises(TypeError, match=r"no plan for Linear; supported: Llama, ViT, AudioEncoder"):
-        parallelize_module_for(torch.nn.Linear(2, 2), None, None)
 
 
 # --------------------------------------------------------------------------------------------

@@ -175,3 +175,84 @@ def test_dualpipev_needs_as_many_microbatches_as_stages() -> None:
                      PipelineConfig(microbatches=2, schedule="DualPipeV", virtual_stages=2))
     _check_model(layout, llama, encoders, "language", {},
                  PipelineConfig(microbatches=2, schedule="ZBVZeroBubble", virtual_stages=2))
+
+
+# ------------------------------------------------------------ torch's private pipelining API, pinned
+#
+# `dtensor_mimo.schedule.runtime.run_schedule` runs torch's schedules on microbatches it built
+# itself (slices of the global batch, dp-sharded; ragged item counts for encoders), which torch
+# 2.13's public `step()` cannot take: it chunks one batch evenly. So it calls the private
+# `_step_microbatches` after doing to each stage what `step()` does first. A torch upgrade that
+# changes either fails here, naming what `run_schedule` has to follow.
+
+STEP_MICROBATCHES_PARAMS = ["self", "arg_mbs", "kwarg_mbs", "target_mbs", "losses", "return_outputs"]
+
+# What `step()` runs before `_step_microbatches`, and what `run_schedule` does about each line.
+STEP_PREPARATION = {
+    "PipelineScheduleSingle": {
+        "self._stage.has_backward = self._has_backward": "mirrored: stage.has_backward = True",
+        "self._stage.clear_runtime_states()": "mirrored: stage.clear_runtime_states()",
+    },
+    "PipelineScheduleMulti": {
+        "for stage in self._stages:\n    stage.has_backward = self._has_backward": "mirrored",
+        "for stage in self._stages:\n    stage.clear_runtime_states()": "mirrored",
+    },
+}
+STEP_REPLACED = ("not torch.is_grad_enabled()",  # the grad-mode check: our steps always run with grad
+                 "self._split_inputs(", "_split_tensor(target")  # the chunking: our callers build the lists
+
+
+def _preparation(step) -> list[str]:
+    """The statements of `step`'s body before its `_step_microbatches` call (docstring skipped)."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(step))).body[0].body
+    out = []
+    for statement in body:
+        text = ast.unparse(statement)
+        if "_step_microbatches(" in text:
+            return out
+        if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)):
+            out.append(text)
+    raise AssertionError(f"{step.__qualname__} no longer calls _step_microbatches: see "
+                         "dtensor_mimo/schedule/runtime.py::run_schedule")
+
+
+def test_private_torch_pipelining_api_we_rely_on() -> None:
+    import inspect
+
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+        get_schedule_class,
+    )
+
+    problems = []
+    for name in SCHEDULES:
+        cls = get_schedule_class(name)
+        if not issubclass(cls, (PipelineScheduleSingle, PipelineScheduleMulti)):
+            problems.append(f"{name!r}: {cls.__name__} is neither PipelineScheduleSingle nor PipelineScheduleMulti")
+        method = getattr(cls, "_step_microbatches", None)
+        if method is None:
+            problems.append(f"{name!r}: {cls.__name__}._step_microbatches is gone")
+            continue
+        params = list(inspect.signature(method).parameters)
+        if params[: len(STEP_MICROBATCHES_PARAMS)] != STEP_MICROBATCHES_PARAMS:
+            problems.append(f"{name!r}: {cls.__name__}._step_microbatches{inspect.signature(method)} no longer "
+                            f"starts with {STEP_MICROBATCHES_PARAMS}")
+    for base in (PipelineScheduleSingle, PipelineScheduleMulti):
+        expected = STEP_PREPARATION[base.__name__]
+        done = _preparation(base.step)
+        for text in done:
+            if text not in expected and not any(marker in text for marker in STEP_REPLACED):
+                problems.append(f"{base.__name__}.step() now also runs, before _step_microbatches:\n{text}")
+        for text in expected:
+            if text not in done:
+                problems.append(f"{base.__name__}.step() no longer runs:\n{text}")
+    if not callable(getattr(PipelineStage, "clear_runtime_states", None)):
+        problems.append("PipelineStage.clear_runtime_states is gone")
+    assert not problems, ("torch's pipelining changed under dtensor_mimo/schedule/runtime.py::run_schedule "
+                          "(which calls the private _step_microbatches); update it:\n" + "\n".join(problems))

@@ -14,7 +14,7 @@ by `examples/make_tiny_llava.py` (no download).
 | test_layouts_give_one_process_numbers       | image dp1 / language dp1 [2], colocated dp2 [2]: losses and grad norms == one process [1]; loader workers; resume == uninterrupted; load under another layout |
 | test_factories_build_the_modules            | model.language.factory / model.encoders.<name>.factory: your functions' modules, with the offered arguments, train |
 | test_learns_heterogeneous_and_exports       | the README's file: held-out accuracy well above chance; the export loads in transformers and its greedy answers are ours |
-| test_learns_colocated                       | the same on one colocated dp2 layout                         |
+| test_learns_colocated                       | the same on one colocated dp2 layout (gradients all-reduced)  |
 | test_whisper_encoder_learns_audio           | a Whisper directory's encoder on tone conversations          |
 """
 
@@ -369,8 +369,10 @@ def test_learns_heterogeneous_and_exports(tiny: str) -> None:
 
 
 def test_learns_colocated(tiny: str) -> None:
+    # FSDP off: at this size its per-block gathers double the step (the oracle test covers FSDP).
     result = _run(tiny, [*LEARN, "--train.generate", "0", "--checkpoint.export_hf", "none",
-                         "--pipeline.microbatches", "1", *COLOCATED])
+                         "--pipeline.microbatches", "1", *COLOCATED, "--options.image.fsdp", "false",
+                         "--options.language.fsdp", "false"])
     assert result["with image"] >= 0.4 and result["answer"] >= 0.5, result
 
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from dtensor_mimo.bridge import exchange
 from dtensor_mimo.bridge import hops as _hops
-from dtensor_mimo.bridge.plan import MeshSpec, PlanError, RankPlan, summed_placements
+from dtensor_mimo.bridge.plan import MeshSpec, PlanError, summed_placements
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -505,16 +505,6 @@ class Bridge:
         if sends and receives:
             self._posted[direction] = (half, delivery)
         return delivery
-
-    @property
-    def forward_plan(self) -> RankPlan:
-        """This rank's part of the forward exchange (the cross hop's, two-hop)."""
-        return self.forward_route.plan
-
-    @property
-    def backward_plan(self) -> RankPlan:
-        """This rank's part of the backward exchange (the cross hop's, two-hop)."""
-        return self.backward_route.plan
 
     def send_forward(self, x_local: torch.Tensor) -> _hops.Delivery:
         return self._post("forward", "send", x_local)

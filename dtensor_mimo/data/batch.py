@@ -22,13 +22,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
-from dtensor_mimo.assemble import special_id_clash
-from dtensor_mimo.models.audio import AudioConfig
-from dtensor_mimo.models.vit import ViTConfig
+if TYPE_CHECKING:  # annotations only: the data layer reads these configs' fields, never imports models
+    from dtensor_mimo.models.audio import AudioConfig
+    from dtensor_mimo.models.vit import ViTConfig
 
 __all__ = [
     "IGNORE_INDEX",
@@ -40,6 +40,7 @@ __all__ = [
     "microbatches",
     "sample_range",
     "shard",
+    "special_id_clash",
     "synthetic_batch",
 ]
 
@@ -64,6 +65,17 @@ def sample_range(num_samples: int, num_parts: int, index: int) -> range:
     base, extra = divmod(num_samples, num_parts)
     start = index * base + min(index, extra)
     return range(start, start + base + (1 if index < extra else 0))
+
+
+def special_id_clash(special_token_ids: Mapping[str, int]) -> str | None:
+    """The error message when two modalities share a special token id, else None."""
+    owner: dict[int, str] = {}
+    for name, token_id in special_token_ids.items():
+        if token_id in owner:
+            return (f"modalities {owner[token_id]!r} and {name!r} share special token id {token_id}; "
+                    f"each modality needs its own id")
+        owner[token_id] = name
+    return None
 
 
 # ---------------------------------------------------------------------------- the batch
@@ -299,7 +311,8 @@ class ModalitySpec:
 
     @classmethod
     def image(cls, config: ViTConfig, special_token_id: int, max_items: int = 2) -> ModalitySpec:
-        """Images for a ViT with `config`: one token per patch."""
+        """Images for a ViT with `config`: one token per patch (reads ``in_channels``,
+        ``image_size`` and ``num_patches``, so any config with those fields serves)."""
         shape = (config.in_channels, config.image_size, config.image_size)
         return cls(special_token_id, shape, config.num_patches, max_items)
 
@@ -311,7 +324,8 @@ class ModalitySpec:
         frames: int | None = None,
         max_items: int = 1,
     ) -> ModalitySpec:
-        """Log-mel clips of `frames` frames (default ``config.max_frames``) for `AudioEncoder`."""
+        """Log-mel clips of `frames` frames (default ``config.max_frames``) for `AudioEncoder`
+        (reads ``n_mels``, ``max_frames`` and ``output_length(frames)``)."""
         frames = config.max_frames if frames is None else frames
         shape = (config.n_mels, frames)
         return cls(special_token_id, shape, config.output_length(frames), max_items)
@@ -375,13 +389,18 @@ class SyntheticSpec:
         """5 rows of 64 tokens over `LlamaConfig.tiny`'s vocabulary (64), with "vision" (id 64,
         up to 2 images of 16 patches for `ViTConfig.tiny`) and "audio" (id 65, up to one clip of
         32 frames = 16 tokens for `AudioConfig.tiny`); keyword arguments override fields."""
+        # The numbers of `ModalitySpec.image(ViTConfig.tiny(), 64, 2)` and
+        # `ModalitySpec.audio(AudioConfig.tiny(), 65, max_items=1)`, written out so that the data
+        # layer needs no model class (tests/test_data.py checks that they agree).
         spec = cls(
             batch_size=5,
             seq_len=64,
             vocab_size=64,
             modalities={
-                "vision": ModalitySpec.image(ViTConfig.tiny(), special_token_id=64, max_items=2),
-                "audio": ModalitySpec.audio(AudioConfig.tiny(), special_token_id=65, max_items=1),
+                "vision": ModalitySpec(special_token_id=64, item_shape=(3, 16, 16), tokens_per_item=16,
+                                       max_items=2),
+                "audio": ModalitySpec(special_token_id=65, item_shape=(8, 32), tokens_per_item=16,
+                                      max_items=1),
             },
         )
         return dataclasses.replace(spec, **overrides)

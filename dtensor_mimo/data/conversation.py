@@ -396,10 +396,6 @@ class ConversationDataset(Dataset):
         return out
 
     # -------------------------------------------------------------- evaluation
-    def prompt_length(self, index: int) -> int:
-        """Tokens of sample `index` before its first answer (the generation prompt included)."""
-        return self[index].answers[0][0]
-
     def answer_text(self, index: int) -> str:
         """The first answer of sample `index`, as text (special tokens dropped)."""
         start, stop = self[index].answers[0]

@@ -37,11 +37,11 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from dtensor_mimo.data.batch import IGNORE_INDEX, MimoBatch, ModalityInputs, sample_range
-from dtensor_mimo.models.audio import AudioConfig
-from dtensor_mimo.models.vit import ViTConfig
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the data layer reads these configs' fields, never imports models
     from dtensor_mimo.layout import MimoLayout
+    from dtensor_mimo.models.audio import AudioConfig
+    from dtensor_mimo.models.vit import ViTConfig
 
 __all__ = [
     "AUDIO_TOKEN_ID",
@@ -432,13 +432,6 @@ class DigitsDataset(Dataset):
                 special_token_id=IMAGE_TOKEN_ID if name == "vision" else AUDIO_TOKEN_ID,
             )
         return MimoBatch(tokens, labels, (labels != IGNORE_INDEX).float(), modalities)
-
-    def load_inputs(self, indices: Sequence[int], modality: str, samples: range) -> torch.Tensor:
-        """Encoder inputs of the items of batch positions `samples` only, in order: equal to
-        ``batch(indices).select_samples(samples).modalities[modality].inputs``."""
-        descriptors = [self[indices[i]] for i in samples]
-        counts = [len(s.scans) if modality == "vision" else len(s.tone_digits) for s in descriptors]
-        return self._inputs(modality, descriptors, counts, set(range(len(descriptors))))
 
     def item_shape(self, modality: str) -> tuple[int, ...]:
         """Shape of one encoder input: ``(C, H, W)`` for "vision", ``(n_mels, T)`` for "audio"."""

@@ -163,11 +163,6 @@ class MimoLayout:
         lo, hi = self._span(self._check_name(name))
         return lo <= rank < hi
 
-    def modules_on(self, rank: int) -> list[str]:
-        """Modules that have a shard on ``rank``, in declaration order."""
-        self._check_rank(rank)
-        return [n for n in self._par if self.is_member(n, rank)]
-
     def coordinate(self, name: str, rank: int) -> dict[str, int] | None:
         """``{"pp": i, "dp": j, "cp": k, "tp": l}`` of ``rank`` in the module, None if not a member."""
         if not self.is_member(name, rank):
@@ -181,10 +176,6 @@ class MimoLayout:
     def is_first_stage(self, name: str, rank: int) -> bool:
         c = self.coordinate(name, rank)
         return c is not None and c["pp"] == 0
-
-    def is_last_stage(self, name: str, rank: int) -> bool:
-        c = self.coordinate(name, rank)
-        return c is not None and c["pp"] == self._par[name].pp - 1
 
     def groups(self, name: str, dims: str | Iterable[str]) -> list[list[int]]:
         """Rank groups along ``dims`` (one dim or several, e.g. ``("dp", "cp")``).
@@ -208,12 +199,6 @@ class MimoLayout:
                 group.append(self._rank_of(name, coord))
             out.append(group)
         return out
-
-    def group_of(self, name: str, dims: str | Iterable[str], rank: int) -> list[int] | None:
-        """The group along ``dims`` that contains ``rank``; None if it is not a member."""
-        if not self.is_member(name, rank):
-            return None
-        return next(g for g in self.groups(name, dims) if rank in g)
 
     def shares_ranks(self, a: str, b: str) -> bool:
         """True when modules ``a`` and ``b`` run on the same ranks (colocated)."""
@@ -284,10 +269,6 @@ class MimoLayout:
         if name not in self._par:
             raise KeyError(f"no module {name!r} in the layout; modules are {self.names}")
         return name
-
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside the {self.world_size}-rank world")
 
 
 def _ranges(ranks: list[int]) -> str:

@@ -4,7 +4,7 @@ dp with gradients summed, optional per-block torch.compile.
 | file                | concern                                                          |
 |---------------------|------------------------------------------------------------------|
 | options.py          | `ParallelOptions` (sp, fsdp, compile, backend, reshard)          |
-| tensor_parallel.py  | the shared block plan, sp entry/exit, `sequence_sharded_input`   |
+| tensor_parallel.py  | the shared block plan, sp entry/exit                             |
 | language.py         | the Llama decoder: `parallelize_llama`                           |
 | encoders.py         | ViT / audio: `parallelize_encoder`; `parallelize_projection`     |
 | fsdp.py             | `apply_fsdp` (sum over dp), `allreduce_gradients`                |
@@ -13,10 +13,8 @@ dp with gradients summed, optional per-block torch.compile.
 | checkpointing.py    | `checkpoint_blocks`: activation checkpointing per block          |
 | compile.py          | `compile_blocks`                                                 |
 | stack.py            | `parallelize_stack`: tp, checkpointing, compile, then FSDP2      |
-| apply.py            | `parallelize_module_for`: dispatch on the module kind            |
 """
 
-from dtensor_mimo.parallelize.apply import parallelize_module_for
 from dtensor_mimo.parallelize.checkpointing import checkpoint_blocks
 from dtensor_mimo.parallelize.compile import compile_blocks
 from dtensor_mimo.parallelize.encoders import parallelize_encoder, parallelize_projection
@@ -29,7 +27,6 @@ from dtensor_mimo.parallelize.replicas import (
     reduce_tp_replicated_gradients,
     tp_replicated,
 )
-from dtensor_mimo.parallelize.tensor_parallel import sequence_sharded_input
 
 __all__ = [
     "ParallelOptions",
@@ -43,10 +40,8 @@ __all__ = [
     "first_differing_replica",
     "parallelize_encoder",
     "parallelize_llama",
-    "parallelize_module_for",
     "parallelize_projection",
     "reduce_tp_replicated_gradients",
-    "sequence_sharded_input",
     "tp_replicated",
     "uses_fsdp",
 ]

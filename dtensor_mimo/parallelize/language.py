@@ -9,13 +9,13 @@ Input and output of the parallelized `Llama` (tp = size of `tp_mesh`):
   receives positionally): a plain tensor holding the full sequence, replicated over tp, in both
   modes. Under sp the first block slices its own chunk (no communication), and the gradient that
   flows back into `h` is the full one on every tp rank. A caller that holds only its sequence
-  chunk wraps it with `sequence_sharded_input(chunk, tp_mesh, seq_len)` (a `Shard(1)` DTensor)
-  and passes that instead.
+  chunk (chunk r of `torch.chunk(h, tp, dim=1)` on tp rank r) passes it as a `Shard(1)` DTensor
+  on `tp_mesh` instead (`DTensor.from_local` with the full `shape` and `stride`).
 - `positions`, `document_ids`, `sequence_index`: plain `[B, S]` tensors for the full sequence
   over tp (they describe the rows after the all-gather inside attention).
 - Output: logits `[B, S, vocab]` as a DTensor sharded over the vocabulary (`Shard(-1)`, the
   colwise `output` layer's own layout: `ParallelOptions.loss_parallel`, the default), which
-  `dtensor_mimo.train.loss.token_loss_sum` reduces without gathering them; or, with
+  `dtensor_mimo.sequence.loss.token_loss_sum` reduces without gathering them; or, with
   `loss_parallel=False`, plain logits replicated over tp (the vocab shards all-gathered) for
   any loss code. Either way every tp rank computes the same loss and backward takes its
   gradient once. A stage without `output` returns its hidden states plain, full, replicated

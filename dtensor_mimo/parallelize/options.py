@@ -14,7 +14,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.f
 
 @dataclass(frozen=True)
 class ParallelOptions:
-    """Per-module switches for `parallelize_module_for` and the per-kind functions.
+    """Per-module switches for the per-kind functions (`parallelize_llama`, `parallelize_encoder`, ...).
 
     Attributes:
         sp: sequence parallel on top of tensor parallel: norms and residual adds run on a

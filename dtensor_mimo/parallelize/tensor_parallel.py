@@ -20,7 +20,6 @@ tensor replicated over tp, the form every module hands to the next one.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable
 
 import torch
@@ -119,7 +118,7 @@ def to_sequence_shard(x: torch.Tensor, tp_mesh: DeviceMesh) -> DTensor:
     elif x.device_mesh != tp_mesh:
         raise ValueError(
             f"sequence-parallel input is a DTensor on mesh {x.device_mesh}, expected the module's "
-            f"tp mesh {tp_mesh}; build it with sequence_sharded_input(local, tp_mesh)"
+            f"tp mesh {tp_mesh}; build it on that mesh, or pass the plain full tensor"
         )
     if tuple(x.placements) != (Shard(SEQUENCE_DIM),):
         x = x.redistribute(tp_mesh, [Shard(SEQUENCE_DIM)])
@@ -138,35 +137,6 @@ def replicated_local_output(module: nn.Module, keep_vocab_shards: bool = False) 
         return output.full_tensor()
 
     module.register_forward_hook(hook)
-
-
-def sequence_sharded_input(
-    local: torch.Tensor, tp_mesh: DeviceMesh, seq_len: int | None = None
-) -> DTensor:
-    """Wrap this rank's sequence chunk `[B, S_local, ...]` as a DTensor `Shard(1)` of `[B, S, ...]`.
-
-    For callers that already hold only their sequence-parallel chunk (e.g. the sequence layer):
-    rank r of `tp_mesh` must hold chunk r of `torch.chunk(full, tp, dim=1)`. `seq_len` is the full
-    length S; omitted, it is `S_local * tp` (even split). Pass the result as the module input; a
-    plain full tensor needs no wrapping.
-    """
-    tp = tp_mesh.size()
-    rank = tp_mesh.get_local_rank()
-    if seq_len is None:
-        seq_len = local.shape[SEQUENCE_DIM] * tp
-    chunk = math.ceil(seq_len / tp)
-    expected = max(0, min(chunk, seq_len - rank * chunk))
-    if local.shape[SEQUENCE_DIM] != expected:
-        raise ValueError(
-            f"sequence_sharded_input: tp rank {rank} of {tp} holds {local.shape[SEQUENCE_DIM]} "
-            f"positions but chunk {rank} of a length-{seq_len} sequence (torch.chunk split) has "
-            f"{expected}; pass seq_len= the full length, or shard with torch.chunk"
-        )
-    shape = (*local.shape[:SEQUENCE_DIM], seq_len, *local.shape[SEQUENCE_DIM + 1 :])
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(
-        local, tp_mesh, [Shard(SEQUENCE_DIM)], run_check=False, shape=shape, stride=stride
-    )
 
 
 def tp_size(tp_mesh: DeviceMesh | None) -> int:

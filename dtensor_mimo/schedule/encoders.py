@@ -59,7 +59,9 @@ def keep_encoder_stage(module: nn.Module, layers: range, first: bool, last: bool
     for key in [k for k in encoder.layers if int(k) not in layers]:
         del encoder.layers[key]
     if not first:
-        for key in [*encoder._modules, *encoder._parameters]:
+        children = [name for name, _ in encoder.named_children()]
+        params = [name for name, _ in encoder.named_parameters(recurse=False, remove_duplicate=False)]
+        for key in [*children, *params]:
             if key not in ("layers", "norm"):
                 setattr(encoder, key, None)
     if not last:
@@ -187,7 +189,7 @@ def run_encoder_schedule(module: LocalEncoders, names: Sequence[str], inputs: li
     outputs = tuple(torch.empty(0, device=device) for _ in names)  # metadata only: no send
     stage = PipelineStage(module, 0, 1, device, input_args=examples, output_args=outputs, group=pp_group)
     sender.start(crossings, defer_sync=module)
-    run_schedule(ScheduleGPipe(stage, len(inputs), loss_fn=sender.loss, scale_grads=False),
+    run_schedule(ScheduleGPipe(stage, len(inputs), loss_fn=sender.loss, scale_grads=False), [stage],
                  list(inputs), None, list(range(len(inputs))))
     sender.finish()
 
@@ -203,7 +205,7 @@ class EncoderPipeline:
         self._cache: OrderedDict = OrderedDict()
 
     def _build(self, bucket: int, tokens_per_item: int, item_shape: tuple[int, ...], item_dtype: torch.dtype,
-               out_dim: int) -> tuple[ScheduleGPipe, EncoderSender]:
+               out_dim: int) -> tuple[ScheduleGPipe, PipelineStage, EncoderSender]:
         first, last = self.index == 0, self.index == self.n_stages - 1
         dtype, hidden_dtype = self.stage.dtype, self.stage.hidden_dtype
         hidden = (bucket, tokens_per_item, self.hidden)
@@ -214,7 +216,7 @@ class EncoderPipeline:
         stage = PipelineStage(self.stage, self.index, self.n_stages, self.device, input_args=(x,),
                               output_args=(y,), group=self.pp_group)
         sender = EncoderSender([self.name], bucket)
-        return ScheduleGPipe(stage, self.microbatches, loss_fn=sender.loss, scale_grads=False), sender
+        return ScheduleGPipe(stage, self.microbatches, loss_fn=sender.loss, scale_grads=False), stage, sender
 
     def run(self, items: list[torch.Tensor], counts: list[int], item_shape: tuple[int, ...],
             tokens_per_item: int, out_dim: int, crossings: Sequence[Crossing]) -> None:
@@ -223,13 +225,13 @@ class EncoderPipeline:
         stage, which therefore all pick the same bucket and cached stages."""
         bucket, self.microbatches = item_bucket(counts), len(counts)
         key = (bucket, len(counts), tokens_per_item, tuple(item_shape), out_dim)
-        schedule, sender = cached(self._cache, key, lambda: self._build(
+        schedule, torch_stage, sender = cached(self._cache, key, lambda: self._build(
             bucket, tokens_per_item, tuple(item_shape), items[0].dtype, out_dim))
         self.stage.expected_tokens = tokens_per_item
         padded = [(torch.cat([x, x.new_zeros(bucket - x.shape[0], *x.shape[1:])]),) if self.index == 0 else ()
                   for x in items]
         sender.start(crossings, items=list(counts))
-        run_schedule(schedule, padded, None, list(range(len(counts))))
+        run_schedule(schedule, [torch_stage], padded, None, list(range(len(counts))))
         sender.finish()
 
 

@@ -41,8 +41,8 @@ from dtensor_mimo.models.protocol import decoder_stage
 from dtensor_mimo.parallelize import ParallelOptions, apply_data_parallel, compute_dtype, parallelize_llama
 from dtensor_mimo.schedule.config import PipelineConfig, stage_layers
 from dtensor_mimo.schedule.runtime import cached, run_schedule
-from dtensor_mimo.sequence import ContextParallelAttention, shard_for_cp, zigzag_shard
-from dtensor_mimo.train.loss import token_loss_sum, vocab_parallel_argmax
+from dtensor_mimo.sequence import (ContextParallelAttention, shard_for_cp, token_loss_sum, vocab_parallel_argmax,
+                                   zigzag_shard)
 
 if TYPE_CHECKING:
     from dtensor_mimo.schedule.feed import LanguageFeed
@@ -166,11 +166,12 @@ class LanguagePipeline:
         """This rank's parameters of the decoder, under the whole model's names."""
         return {n: p for stage in self.stages for n, p in stage.llama.named_parameters()}
 
-    def _schedule(self, rows: int, seq_len: int) -> Any:
+    def _schedule(self, rows: int, seq_len: int) -> tuple[Any, list[PipelineStage]]:
         return cached(self._schedules, (rows, seq_len), lambda: self._build(rows, seq_len))
 
-    def _build(self, rows: int, seq_len: int) -> Any:
-        """This rank's `PipelineStage`s with one shape's static metadata, and torch's schedule."""
+    def _build(self, rows: int, seq_len: int) -> tuple[Any, list[PipelineStage]]:
+        """torch's schedule over this rank's `PipelineStage`s with one shape's static metadata, and
+        those stages (`run_schedule` prepares them itself)."""
         s_local, dtype = seq_len // self.par.cp, self.dtype
         stages = []
         for s, module in zip(self.stage_indices, self.stages):
@@ -185,13 +186,13 @@ class LanguagePipeline:
         cls = get_schedule_class(self.config.schedule)
         single = issubclass(cls, PipelineScheduleSingle)
         return cls(stages[0] if single else stages, self.config.microbatches, loss_fn=_stage_loss,
-                   scale_grads=False)
+                   scale_grads=False), stages
 
     def run(self, microbatches: list[MimoBatch], normalizer: float, feed: LanguageFeed | None) -> torch.Tensor:
         """Forward and backward of this rank's dp shards of the `microbatches` (one per global
         microbatch, equal sizes); returns this rank's loss share (0 off the last stage)."""
         first = microbatches[0]
-        schedule = self._schedule(first.batch_size, first.seq_len)
+        schedule, stages = self._schedule(first.batch_size, first.seq_len)
         for stage in self.stages:
             stage.set_step(feed if stage.first else None, first.special_token_ids, normalizer)
         args, kwargs = [], []
@@ -200,7 +201,7 @@ class LanguagePipeline:
             args.append((tokens,))
             kwargs.append(dict(microbatch=i, **kw))
         losses: list[torch.Tensor] = []
-        run_schedule(schedule, args, kwargs, [None] * len(args), losses)
+        run_schedule(schedule, stages, args, kwargs, [None] * len(args), losses)
         if self.first is not None:
             self.first.set_step(None, {}, 1.0)
         if not self.holds_loss:

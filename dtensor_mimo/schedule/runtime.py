@@ -4,9 +4,7 @@ per-shape cache of stages and schedules (torch's stage links have static shapes)
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Hashable
-
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from typing import Any, Callable, Hashable, Sequence
 
 CACHED_SHAPES = 4
 """Stages + schedule kept per module for this many shapes (sequence lengths, item buckets);
@@ -27,16 +25,19 @@ def cached(cache: OrderedDict, key: Hashable, build: Callable[[], Any]) -> Any:
     return cache[key]
 
 
-def run_schedule(schedule: Any, args: list[tuple], kwargs: list[dict] | None, targets: list | None,
-                 losses: list | None = None) -> None:
-    """One forward + backward of `schedule` on per-microbatch `args` / `kwargs` / `targets`.
+def run_schedule(schedule: Any, stages: Sequence[Any], args: list[tuple], kwargs: list[dict] | None,
+                 targets: list | None, losses: list | None = None) -> None:
+    """One forward + backward of `schedule` (over this rank's `stages`, the `PipelineStage`s it was
+    built with) on per-microbatch `args` / `kwargs` / `targets`.
 
     What torch's public ``step()`` does, minus its split of one batch into chunks: a microbatch
     here is a slice of the GLOBAL batch, dp-sharded afterwards, which is not a chunk of this
-    rank's shard, so the lists are built by the caller (``_step_microbatches`` is private torch API).
+    rank's shard (and an encoder's microbatches hold ragged item counts, which torch's even
+    chunking cannot express), so the lists are built by the caller. torch 2.13 has no public
+    entry point for that: ``_step_microbatches`` is private, pinned by
+    tests/test_schedule_config.py::test_private_torch_pipelining_api_we_rely_on.
     """
-    stages = [schedule._stage] if isinstance(schedule, PipelineScheduleSingle) else schedule._stages
-    for stage in stages:
+    for stage in stages:  # what step() does to each stage before running the microbatches
         stage.has_backward = True
         stage.clear_runtime_states()
     schedule._step_microbatches(args, kwargs, targets, losses, return_outputs=False)

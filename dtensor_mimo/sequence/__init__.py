@@ -1,19 +1,30 @@
-"""Sequence layer: context-parallel ("zigzag") sharding of a batch and the cp attention core."""
+"""Sequence layer: context-parallel ("zigzag") sharding of a batch, the cp attention core, and the
+token loss over a rank's part of the sequence, normalised by the global batch."""
 
 from dtensor_mimo.sequence.context_parallel import ContextParallelAttention
+from dtensor_mimo.sequence.loss import (
+    loss_normalizer,
+    loss_weights,
+    token_loss_sum,
+    vocab_parallel_argmax,
+    vocab_parallel_cross_entropy,
+)
 from dtensor_mimo.sequence.sharding import (
     CPShard,
     shard_for_cp,
     zigzag_index,
     zigzag_shard,
-    zigzag_unshard,
 )
 
 __all__ = [
     "CPShard",
     "ContextParallelAttention",
+    "loss_normalizer",
+    "loss_weights",
     "shard_for_cp",
+    "token_loss_sum",
+    "vocab_parallel_argmax",
+    "vocab_parallel_cross_entropy",
     "zigzag_index",
     "zigzag_shard",
-    "zigzag_unshard",
 ]

@@ -15,7 +15,6 @@ row): after sharding, the neighbour of a chunk's last column lives on another ra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,26 +56,6 @@ def zigzag_shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Ten
     """
     index = zigzag_index(x.shape[dim], cp, rank, device=x.device)
     return x.index_select(dim, index)
-
-
-def zigzag_unshard(shards: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
-    """Reassemble the full tensor from the shards of cp ranks 0, 1, ..., `len(shards) - 1`.
-
-    The inverse of `zigzag_shard`: `zigzag_unshard([zigzag_shard(x, cp, r, d) for r in
-    range(cp)], d)` equals `x`. Differentiable.
-    """
-    cp = len(shards)
-    if cp == 0:
-        raise ValueError("zigzag_unshard: pass the shards of every cp rank (got none)")
-    shapes = {tuple(s.shape) for s in shards}
-    if len(shapes) != 1:
-        raise ValueError(
-            "zigzag_unshard: every cp rank holds the same shape, got "
-            f"{[tuple(s.shape) for s in shards]}"
-        )
-    seq_len = shards[0].shape[dim] * cp
-    index = torch.cat([zigzag_index(seq_len, cp, r, device=shards[0].device) for r in range(cp)])
-    return torch.cat(list(shards), dim).index_select(dim, torch.argsort(index))
 
 
 @dataclass(frozen=True)

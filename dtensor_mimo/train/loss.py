@@ -1,111 +1,19 @@
-"""The training loss: per-token cross entropy, normalised by the loss tokens of the WHOLE global batch.
+"""The training loss, re-exported from its home below the schedule that calls it:
+`dtensor_mimo.sequence.loss` (per-token cross entropy, vocabulary-parallel or not, normalised by
+the loss tokens of the whole global batch)."""
 
-Every rank that holds a piece of the language model computes the summed loss of its tokens (its
-dp shard, its cp chunk) divided by one number that every rank derives from the global batch's
-metadata, with no communication: the total loss weight of the global batch. The shares then add
-up to the single-process loss, and so do their gradients — whatever the dp sizes of the encoders
-and of the language model, which is why the data-parallel gradient reduction must be a *sum*
-(see `dtensor_mimo.parallelize.fsdp`). Averaging per rank instead would weight a token by the
-size of the shard it landed in, and scale encoder gradients by the encoder/LLM dp ratio.
-"""
+from dtensor_mimo.sequence.loss import (
+    loss_normalizer,
+    loss_weights,
+    token_loss_sum,
+    vocab_parallel_argmax,
+    vocab_parallel_cross_entropy,
+)
 
-from __future__ import annotations
-
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-from dtensor_mimo.data import IGNORE_INDEX, MimoBatch
-
-
-def loss_weights(labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Weight of each position in the loss: the mask where a label exists, else 0 (float32)."""
-    return torch.where(labels == IGNORE_INDEX, 0.0, loss_mask.float())
-
-
-def loss_normalizer(batch: MimoBatch) -> float:
-    """Total loss weight of the global `batch` (at least 1, so a batch without targets has loss 0)."""
-    return max(float(loss_weights(batch.labels, batch.loss_mask).sum()), 1.0)
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Sum over positions of cross entropy (in fp32) times the loss weight; `logits` are
-    ``[..., vocab]``: a plain tensor, or a DTensor sharded over the vocabulary on one mesh dim
-    (loss_parallel), whose shards are combined by `vocab_parallel_cross_entropy`."""
-    if isinstance(logits, DTensor):
-        per_token = vocab_parallel_cross_entropy(logits, labels.flatten())
-    else:
-        per_token = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(),
-                                    ignore_index=IGNORE_INDEX, reduction="none")
-    return (per_token * loss_weights(labels, loss_mask).flatten()).sum()
-
-
-def vocab_parallel_cross_entropy(logits: DTensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token cross entropy ``[N]`` (0 where the label is `IGNORE_INDEX`) of `logits`, a
-    ``[..., vocab]`` DTensor sharded over its last dim on one mesh dim (replicated on the others),
-    against plain global label ids ``[N]``; the same plain tensor on every rank of that dim.
-
-    Each rank keeps its ``[N, vocab / tp]`` slice in fp32: one MAX all-reduce of ``[N]`` row
-    maxima and one SUM all-reduce of ``[2, N]`` (sum of exponentials, target logit) over the
-    sharding group, never the ``[N, vocab]`` logits. Backward is local: softmax minus one-hot on
-    the own slice, times the incoming gradient (Megatron's vocab-parallel cross entropy).
-    """
-    local, start, group = _vocab_shards(logits)
-    return _VocabParallelCrossEntropy.apply(local, labels, start, group)
-
-
-def _vocab_shards(logits: DTensor) -> tuple[torch.Tensor, int, dist.ProcessGroup]:
-    """This rank's ``[N, vocab / tp]`` logits, its first vocabulary id, and the sharding group."""
-    dims = [i for i, p in enumerate(logits.placements) if p.is_shard(logits.ndim - 1) or p.is_shard(-1)]
-    others = [p for i, p in enumerate(logits.placements) if i not in dims and not p.is_replicate()]
-    if len(dims) != 1 or others:
-        raise ValueError(f"vocab-parallel logits: placements {logits.placements} must shard the vocabulary "
-                         "(last) dim on exactly one mesh dim and replicate the others")
-    _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
-    return logits.to_local().flatten(0, -2), offset[-1], logits.device_mesh.get_group(dims[0])
-
-
-@torch.no_grad()
-def vocab_parallel_argmax(logits: DTensor) -> torch.Tensor:
-    """``logits.argmax(-1)`` of vocabulary-sharded logits (a plain tensor, the same on every
-    rank of the sharding group) without gathering them: two ``[N]`` all-reduces (the maximum,
-    then the smallest id holding it, which is torch's first-occurrence rule)."""
-    local, start, group = _vocab_shards(logits)
-    best, index = local.max(-1)
-    top = best.clone()
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    ids = torch.where(best == top, index + start, torch.iinfo(torch.int64).max)
-    dist.all_reduce(ids, op=dist.ReduceOp.MIN, group=group)
-    return ids.view(logits.shape[:-1])
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, labels: torch.Tensor, vocab_start: int,
-                group: dist.ProcessGroup) -> torch.Tensor:
-        logits = local.to(torch.promote_types(local.dtype, torch.float32))
-        row_max = logits.detach().amax(-1)
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        exp = (logits - row_max.unsqueeze(-1)).exp()
-        target = labels - vocab_start
-        owned = (target >= 0) & (target < logits.shape[-1])
-        target = target.clamp(0, logits.shape[-1] - 1)
-        target_logit = (logits.gather(-1, target.unsqueeze(-1)).squeeze(-1) - row_max) * owned
-        stats = torch.stack((exp.sum(-1), target_logit))
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
-        valid = labels != IGNORE_INDEX
-        softmax = exp.div_(stats[0].unsqueeze(-1))
-        ctx.save_for_backward(softmax, target, owned, valid)
-        ctx.dtype = local.dtype
-        return torch.where(valid, stats[0].log() - stats[1], 0.0)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        softmax, target, owned, valid = ctx.saved_tensors
-        grad_logits = softmax  # in place: the saved softmax is not needed again (one backward)
-        rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
-        grad_logits[rows, target] -= owned.to(grad_logits.dtype)
-        grad_logits.mul_((grad * valid).unsqueeze(-1))
-        return grad_logits.to(ctx.dtype), None, None, None
+__all__ = [
+    "loss_normalizer",
+    "loss_weights",
+    "token_loss_sum",
+    "vocab_parallel_argmax",
+    "vocab_parallel_cross_entropy",
+]

@@ -77,8 +77,7 @@ class SafetensorsDir:
 class SafetensorsWriter:
     """One safetensors file written as a stream: the header first, from each tensor's name, dtype
     and shape (known without the data, e.g. from a DTensor's metadata), then the tensors' bytes in
-    header order, one `write` at a time, so a caller holds one tensor at a time. The bytes are
-    those `save_file` writes for the same tensors.
+    header order, one `write` at a time, so a caller holds one tensor at a time.
 
     Use as a context manager; leaving it before every tensor was written raises (and a partial
     file is left behind, named by the error).
@@ -127,11 +126,3 @@ class SafetensorsWriter:
             missing = [name for name, _, _ in self._specs[self._next:]]
             raise ValueError(f"{self.path}: closed with {len(missing)} tensors unwritten ({missing[:3]} ...)")
 
-
-def save_file(tensors: Mapping[str, torch.Tensor], path: str, metadata: Mapping[str, str] | None = None) -> None:
-    """Write `tensors` (plain, any device) as one safetensors file, one tensor at a time (no
-    second copy of the file in memory)."""
-    specs = [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in tensors.items()]
-    with SafetensorsWriter(path, specs, metadata) as writer:
-        for tensor in tensors.values():
-            writer.write(tensor)
