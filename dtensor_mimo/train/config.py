@@ -607,7 +607,7 @@ def help_text() -> str:
              "Trains a MIMO model (the digits model by default); prints the held-out accuracy.",
              "<name>: an encoder's name (model.encoders); <module>: an encoder's or 'language'.",
              "Defaults are the library's; data.format = 'digits' also sets "
-             + ", ".join(f"{k}" for k in _flat(DIGITS)) + ".", ""]
+             + ", ".join(_flat(DIGITS)) + ".", ""]
     lines += [f"  {key:<{width}}{value:<{shown}}{meaning}" for key, value, meaning in rows]
     return "\n".join(lines)
 

@@ -30,9 +30,9 @@ from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.models import ModalityEncoder
 from dtensor_mimo.train import checkpoint
 from dtensor_mimo.train.config import LANGUAGE, TrainerConfig, build_layout
-from dtensor_mimo.train.datasets import BatchSource, TrainData, train_data
+from dtensor_mimo.train.datasets import BatchSource, train_data
 from dtensor_mimo.train.metrics import MetricsLogger, peak_tflops, transformer_flops
-from dtensor_mimo.train.modules import ResolvedModel, build_modules, resolve
+from dtensor_mimo.train.modules import build_modules, resolve
 from dtensor_mimo.train.optimizer import AdamWConfig, LRSchedule, MimoOptimizer
 from dtensor_mimo.train.step import train_step
 
@@ -83,15 +83,14 @@ class Trainer:
     `run` trains and returns the final held-out accuracy (the same on every rank).
     """
 
-    def __init__(self, config: TrainerConfig, resolved: ResolvedModel | None = None,
-                 data: TrainData | None = None) -> None:
+    def __init__(self, config: TrainerConfig) -> None:
         self.config = config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layout = build_layout(config, self.world)
         if config.train.threads:
             torch.set_num_threads(config.train.threads)
-        self.resolved = resolve(config) if resolved is None else resolved
-        self.data = train_data(config, self.resolved) if data is None else data
+        self.resolved = resolve(config)
+        self.data = train_data(config, self.resolved)
         self.seq_len = self.data.seq_len
         # On the meta device: each rank allocates and initializes only its own shards, below.
         self.modules = build_modules(config, self.resolved, self.seq_len, meta=True)
