@@ -37,7 +37,9 @@ def mask_special_tokens(
                else special_token_ids)
     if not ids:
         return tokens
-    special = torch.isin(tokens, torch.tensor(ids, dtype=tokens.dtype, device=tokens.device))
+    special = tokens == ids[0]  # compared with Python ids: no host-to-device copy of the ids
+    for token_id in ids[1:]:
+        special |= tokens == token_id
     return tokens.masked_fill(special, fill)
 
 
@@ -56,6 +58,7 @@ def _check(
     tokens: torch.Tensor,
     modality_embeddings: Mapping[str, torch.Tensor],
     special_token_ids: Mapping[str, int],
+    counts: Mapping[str, int] | None = None,
 ) -> None:
     if text_embeddings.dim() != 3 or tokens.dim() != 2 or text_embeddings.shape[:2] != tokens.shape:
         raise AssemblyError(
@@ -85,9 +88,16 @@ def _check(
     if not special_token_ids:
         return
     names = list(special_token_ids)
-    ids = torch.tensor([special_token_ids[n] for n in names], device=tokens.device)
-    counts = (tokens.reshape(-1, 1) == ids).sum(dim=0).tolist()  # one host sync for all
-    for name, count in zip(names, counts):
+    if counts is None:
+        ids = torch.tensor([special_token_ids[n] for n in names], device=tokens.device)
+        found = (tokens.reshape(-1, 1) == ids).sum(dim=0).tolist()  # one host sync for all
+    else:  # from host metadata: no device sync
+        missing = [n for n in names if n not in counts]
+        if missing:
+            raise AssemblyError(f"counts gives no special-token count for {missing} "
+                                f"(counts given: {dict(counts)})")
+        found = [counts[n] for n in names]
+    for name, count in zip(names, found):
         token_id = special_token_ids[name]
         if name not in modality_embeddings:
             if count:
@@ -111,6 +121,8 @@ def assemble(
     tokens: torch.Tensor,
     modality_embeddings: Mapping[str, torch.Tensor],
     special_token_ids: Mapping[str, int],
+    *,
+    counts: Mapping[str, int] | None = None,
 ) -> torch.Tensor:
     """The language model input ``[B, S, H]``: text embeddings with modality rows scattered in.
 
@@ -122,6 +134,10 @@ def assemble(
             dtype of `text_embeddings`.
         special_token_ids: ``{name: id}`` of every modality the model knows; a modality listed
             here without embeddings must have no tokens in the batch.
+        counts: ``{name: special tokens of that id in tokens}`` when the caller already knows
+            them from host metadata (a validated `MimoBatch`'s ``num_tokens``): the checks then
+            use them instead of counting `tokens`, which on an accelerator is a device-to-host
+            sync. None (default): count `tokens` (one sync for all modalities).
 
     Differentiable w.r.t. `text_embeddings` (zero gradient at special positions) and every
     modality embedding (row i receives the output gradient at its position). Out of place.
@@ -129,7 +145,7 @@ def assemble(
     Raises:
         AssemblyError: before computing, if counts, names, ids or hidden sizes disagree.
     """
-    _check(text_embeddings, tokens, modality_embeddings, special_token_ids)
+    _check(text_embeddings, tokens, modality_embeddings, special_token_ids, counts)
     out = text_embeddings
     for name, emb in modality_embeddings.items():
         positions = (tokens == special_token_ids[name]).unsqueeze(-1)  # [B, S, 1]

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from dtensor_mimo.bridge import exchange, redistribute_many
+from dtensor_mimo.bridge import DeferredCheck, exchange, redistribute_many
 from dtensor_mimo.bridge.hops import check_hops
 from dtensor_mimo.data import MimoBatch, sample_range, shard
 from dtensor_mimo.layout import LANGUAGE, LayoutError, MimoLayout
@@ -168,6 +168,10 @@ class MimoModel(nn.Module):
         self.buffers = exchange.BufferPool()
         """The receive buffers of every crossing (recycled on CPU: a steady training loop allocates none)."""
         self.step_error: str | None = None  # this rank's verdict on the last pipelined step
+        self.step_status: torch.Tensor | None = None
+        """Unpipelined `forward_backward`: this rank's verdict from the bridge's status words, on the
+        device (> 0: rows from a wrong shard crossed); `train_step` reads it in its one all-reduce."""
+        self._deferred: DeferredCheck | None = None  # set while forward_backward runs unpipelined
 
         lang = layout.parallelism(language_name)
         pipelined = pipeline is not None and (
@@ -374,16 +378,23 @@ class MimoModel(nn.Module):
         share (detached). Pipelined models run both inside the schedules; then call
         `reduce_gradients` as after ``model(batch).backward()``.
 
-        Pipelined, encoder rows whose shape contradicts the batch metadata do not raise here
-        (the other ranks would wait for this one): they cross as zeros and `step_error` says
-        what happened; `train_step` raises it on every rank before the optimizer steps.
+        Encoder rows whose shape contradicts the batch metadata do not raise here (the other
+        ranks would wait for this one): they cross as zeros and `step_error` says what happened
+        (unpipelined, `step_status` also holds the verdict of the bridge's status words, on the
+        device); `train_step` raises it on every rank before the optimizer steps. No host sync:
+        every count comes from the batch metadata, and no status word is read here.
         """
-        self.step_error = None
+        self.step_error, self.step_status = None, None
         self._check_initialized()
         if self.pipeline is None:
-            share = self(batch)
-            if share.requires_grad:
-                share.backward()
+            self._deferred = DeferredCheck()
+            try:
+                share = self(batch)
+                if share.requires_grad:
+                    share.backward()
+            finally:
+                deferred, self._deferred = self._deferred, None
+            self.step_error, self.step_status = deferred.error, deferred.flag(self.device)
             return share.detach()
         check_batch(self.layout, self.language_name, self.encoder_names, batch, self.item_rules)
         check_microbatching(batch.batch_size, self.pipeline.microbatches,
@@ -500,7 +511,8 @@ class MimoModel(nn.Module):
         if name in self.encoders:
             par = self.layout.parallelism(name)
             items = shard(batch, par.dp, self.layout.coordinate(name, self.rank)["dp"]).modalities[name]
-            local = self.encoders[name](items.inputs.to(self.device)).to(self.dtype)
+            local = self.encoders[name](items.inputs.to(self.device, non_blocking=items.inputs.is_cpu))
+            local = local.to(self.dtype)
         else:
             # DTensor's empty shard off the mesh, in the dtype that crosses (the receive buffers are
             # sized from it); it requires grad when the encoder trains, so that this rank's bridge
@@ -525,8 +537,9 @@ class MimoModel(nn.Module):
             # shape check the first time a modality is seen with a tokens_per_item catches a
             # mismatch with the batch metadata before any data moves (the keys are the same on
             # every rank, so every rank agrees to check); later, the status word that rides
-            # with the messages.
-            check="world" if not self._shapes_checked.issuperset(keys) else True,
+            # with the messages, read at once (`model(batch)`) or by `train_step` (one sync per step).
+            check=("world" if not self._shapes_checked.issuperset(keys) else
+                   self._deferred if self._deferred is not None else True),
             names=[(n, self.language_name) for n in names],
             hops=[self.bridge_hops] * len(xs),
             buffers=self.buffers,

@@ -285,3 +285,18 @@ def test_errors(case, args, message):
     ids = args.get("ids", {"vision": V, "audio": A})
     with pytest.raises(AssemblyError, match=re.escape(message)):
         assemble(text, ONE_MODALITY, embeddings, ids)
+
+
+def test_counts_from_metadata_replace_counting_the_tokens():
+    """`counts` (from host metadata, e.g. `MimoBatch.num_tokens`) are used instead of counting
+    `tokens` on the device: the same output, and the same errors when they disagree with the rows."""
+    tokens, ids = TWO_MODALITIES, {"vision": V, "audio": A}
+    text = rand(4, 12, HID)
+    embeddings = {"vision": rand(_count(tokens, V), HID, seed=1), "audio": rand(_count(tokens, A), HID, seed=2)}
+    counts = {"vision": _count(tokens, V), "audio": _count(tokens, A)}
+    torch.testing.assert_close(assemble(text, tokens, embeddings, ids, counts=counts),
+                               reference_assemble(text, tokens, embeddings, ids), rtol=0, atol=0)
+    with pytest.raises(AssemblyError, match=re.escape(f"batch has {counts['vision'] + 1} 'vision' tokens")):
+        assemble(text, tokens, embeddings, ids, counts={**counts, "vision": counts["vision"] + 1})
+    with pytest.raises(AssemblyError, match=re.escape("counts gives no special-token count for ['audio']")):
+        assemble(text, tokens, embeddings, ids, counts={"vision": counts["vision"]})

@@ -246,3 +246,48 @@ def test_user_language_model_missing_the_protocol_is_named():
                                          r"parallelize\(tp_mesh, options\) .*tp=2\); set_attention_fn\(fn\) "
                                          r"\(the layout gives it cp=2\)"):
         MimoModel(MimoLayout({"vision": P(), "language": P(tp=2, cp=2)}), Decoder(), encoders)
+
+
+UNPIPELINED_OWN_ERROR = (r"rank \d holds a local shard of shape \(\d+, 32\) but the plan for MeshSpec\('vision'.* "
+                         r"expects \(\d+, 32\)")
+
+
+def _unpipelined_status_words_disagree(language, hops):
+    """Unpipelined `train_step`: the bridge's status words are read in the step's all-reduce
+    (`MimoModel.step_status`), not per call; a wrong shard still fails the step on every rank."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from dtensor_mimo import MimoOptimizer, train_step
+    from dtensor_mimo.bridge import PlanError
+    from dtensor_mimo.data import ModalitySpec
+
+    llama, encoders = _model_args()
+    model = MimoModel(MimoLayout({"vision": P(dp=2), "language": language}), llama, encoders, bridge_hops=hops)
+    model.item_rules = {}  # as for an encoder with no item rule: the rows' own check catches it
+    optimizer = MimoOptimizer(model)
+    wrong = ModalitySpec(64, (ViTConfig.tiny().in_channels, 16, 16), tokens_per_item=8, max_items=2)
+    batch = synthetic_batch(SyntheticSpec.tiny(batch_size=4, modalities={"vision": wrong}), seed=0)
+    model._shapes_checked.add(("vision", 8))  # past the first-seen world check: the status words' turn
+    local = lambda p: p.to_local() if isinstance(p, DTensor) else p  # noqa: E731  (no collective)
+    before = {n: local(p).detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(PlanError, match=rf"{UNPIPELINED_OWN_ERROR}|{OTHERS_ERROR}") as error:
+        train_step(model, optimizer, batch)
+    assert all(torch.equal(local(p), before[n]) for n, p in model.named_parameters()), "a weight changed"
+    good = synthetic_batch(SyntheticSpec.tiny(batch_size=4, modalities={"vision": ModalitySpec.image(
+        ViTConfig.tiny(), special_token_id=64)}), seed=0)
+    train_step(model, optimizer, good)  # nobody was left inside an exchange
+    dist.barrier()
+    return str(error.value)
+
+
+@pytest.mark.parametrize("language, hops", [(P(), None), (P(tp=2), 2)], ids=["one_hop", "two_hop_tp2"])
+def test_unpipelined_encoder_output_disagreeing_with_batch_fails_the_step_on_every_rank(language, hops):
+    from tests.harness import run_on_ranks
+
+    import re
+
+    world = MimoLayout({"vision": P(dp=2), "language": language}).world_size
+    messages = run_on_ranks(_unpipelined_status_words_disagree, world, language, hops, timeout=60)
+    assert sum(bool(re.search(UNPIPELINED_OWN_ERROR, m)) for m in messages) == 2, messages  # the vision ranks
+    assert all(re.search(f"{UNPIPELINED_OWN_ERROR}|{OTHERS_ERROR}", m) for m in messages), messages

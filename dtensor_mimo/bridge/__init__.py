@@ -35,6 +35,13 @@ __all__ = [
 
 from dtensor_mimo.bridge.hops import hop_rows  # noqa: E402
 from dtensor_mimo.bridge.exchange import BufferPool  # noqa: E402
-from dtensor_mimo.bridge.redistribute import DEFAULT_BUFFERS, Bridge, redistribute, redistribute_many  # noqa: E402
+from dtensor_mimo.bridge.redistribute import (  # noqa: E402
+    DEFAULT_BUFFERS,
+    Bridge,
+    DeferredCheck,
+    redistribute,
+    redistribute_many,
+)
 
-__all__ += ["Bridge", "BufferPool", "DEFAULT_BUFFERS", "hop_rows", "redistribute", "redistribute_many"]
+__all__ += ["Bridge", "BufferPool", "DEFAULT_BUFFERS", "DeferredCheck", "hop_rows", "redistribute",
+            "redistribute_many"]

@@ -156,6 +156,14 @@ class Pending:
         words = self.batch.words.tolist()  # one device-to-host copy
         return {peer: w for peer, w in zip(self.batch.status_peers, words) if w}
 
+    def flagged_peers(self) -> torch.Tensor | None:
+        """How many peers sent a nonzero status word in this round (after `wait()`), as a 0-d
+        int64 tensor on the words' device: no host sync (`peer_status` reads them on the host).
+        None without status words."""
+        if self.batch.words is None:
+            return None
+        return (self.batch.words != 0).sum()
+
     def wait(self) -> torch.Tensor | None:
         if not self._done:
             self.batch.wait()
@@ -197,7 +205,7 @@ class Transfer:
 
 
 def start(transfers: Sequence[Transfer], *, send: bool = True, recv: bool = True,
-          status: int | None = None, pool: BufferPool | None = None) -> list[Pending]:
+          status: int | torch.Tensor | None = None, pool: BufferPool | None = None) -> list[Pending]:
     """Post every send and/or receive of ``transfers`` in ONE batch, then apply local copies.
 
     Several tensors (e.g. one per encoder) go in one round, in list order, so the message
@@ -208,7 +216,8 @@ def start(transfers: Sequence[Transfer], *, send: bool = True, recv: bool = True
     ``status``: a word (int64) posted with this rank's data in the same batch, on `STATUS_TAG`
     (so it does not queue behind the data), one to each peer it sends to: a receiver learns, at
     the cost of one 8-byte message per peer, whether its peers' data can be trusted
-    (`Pending.peer_status`). Every rank of one exchange must pass a status or none.
+    (`Pending.peer_status`). Every rank of one exchange must pass a status or none. A status may
+    be a one-element integer tensor on the transfers' device (a flag computed there: no host sync).
 
     ``pool``: outputs and staging buffers come from it (recycled, see `BufferPool`) instead of
     fresh allocations.
@@ -224,7 +233,8 @@ def start(transfers: Sequence[Transfer], *, send: bool = True, recv: bool = True
         recv_peers = list(dict.fromkeys(r.peer for t in transfers if recv and t.out_shape is not None
                                         for r in t.rank_plan.recvs))
         device = next(t.device for t in transfers)
-        word = torch.tensor([status], dtype=torch.int64, device=device)
+        word = (status.to(torch.int64).reshape(1) if isinstance(status, torch.Tensor)
+                else torch.full((1,), status, dtype=torch.int64, device=device))  # no host-to-device copy
         words = torch.empty(len(recv_peers), dtype=torch.int64, device=device)
         ops += [dist.P2POp(dist.isend, word, peer, tag=STATUS_TAG) for peer in send_peers]
         ops += [dist.P2POp(dist.irecv, words[i:i + 1], peer, tag=STATUS_TAG) for i, peer in enumerate(recv_peers)]

@@ -272,17 +272,26 @@ def _back(rows: torch.Tensor, like: Sequence[int], dim: int) -> torch.Tensor:
     return rows.reshape(shape).movedim(0, dim)
 
 
-def _with_flags(pieces: torch.Tensor, n: int, flag: float | None) -> torch.Tensor:
-    """`pieces` ([n * chunk, W]) as n flat pieces, each followed by the status flag if given."""
+def _with_flags(pieces: torch.Tensor, n: int, flag: float | torch.Tensor | None) -> torch.Tensor:
+    """`pieces` ([n * chunk, W]) as n flat pieces, each followed by the status flag if given (a
+    number, or a one-element tensor on the pieces' device: no host sync)."""
     flat = pieces.reshape(n, -1)
     if flag is None:
         return flat.contiguous()
+    if isinstance(flag, torch.Tensor):
+        return torch.cat([flat, flag.to(flat.dtype).reshape(1, 1).expand(n, 1)], dim=1)
     return torch.cat([flat, flat.new_full((n, 1), flag)], dim=1)
 
 
-def scatter(x: torch.Tensor, dim: int, lv: Sequence[Level], status: int | None) -> tuple[torch.Tensor, int | None]:
+Status = int | torch.Tensor | None
+"""A status word on its way through the hops: a number, or a tensor on the device (summed flags)."""
+
+
+def scatter(x: torch.Tensor, dim: int, lv: Sequence[Level], status: Status) -> tuple[torch.Tensor, Status]:
     """Hop 1 on a source rank: its piece of `x` (a Partial level reduce-scattered), outer levels first.
-    Returns the piece and the status summed over every contribution it holds."""
+    Returns the piece and the status summed over every contribution it holds: after a
+    reduce-scatter a 0-d tensor on `x`'s device (never read on the host here: reading it is a
+    device sync, left to the caller, once per call)."""
     rows = _rows2d(x, dim)
     i = 0
     while i < len(lv):
@@ -303,19 +312,20 @@ def scatter(x: torch.Tensor, dim: int, lv: Sequence[Level], status: int | None) 
         padded = rows.new_zeros(level.size * width, rows.shape[1])
         for j, (a, b) in enumerate(spans):
             padded[j * width: j * width + b - a] = rows[a:b]
-        send = _with_flags(padded, level.size, None if status is None else float(status)).reshape(-1)
+        send = _with_flags(padded, level.size, status).reshape(-1)
         out = send.new_empty(send.numel() // level.size)
         dist.reduce_scatter_single(out, send, group=level.group)
         if status is not None:
-            status = round(out[-1].item())
+            status = out[-1].round()
             out = out[:-1]
         rows = out.view(width, -1)[: hi - lo]
     return _back(rows, x.shape, dim), status
 
 
-def gather(piece: torch.Tensor, dim: int, lv: Sequence[Level], status: int | None) -> tuple[torch.Tensor, int | None]:
+def gather(piece: torch.Tensor, dim: int, lv: Sequence[Level], status: Status) -> tuple[torch.Tensor, Status]:
     """Hop 3 on a destination rank: all-gather its piece back to the shard's rows, inner levels
-    first. Returns the rows and the status summed over every piece gathered."""
+    first. Returns the rows and the status summed over every piece gathered (after a gather, a
+    0-d tensor on the piece's device, as in `scatter`)."""
     rows = _rows2d(piece, dim)
     for level in reversed(lv):
         c = level.chunk
@@ -323,12 +333,12 @@ def gather(piece: torch.Tensor, dim: int, lv: Sequence[Level], status: int | Non
             continue
         padded = rows.new_zeros(c, rows.shape[1])
         padded[: rows.shape[0]] = rows
-        send = _with_flags(padded, 1, None if status is None else float(status))[0]
+        send = _with_flags(padded, 1, status)[0]
         out = send.new_empty(level.size * send.numel())
         dist.all_gather_single(out, send, group=level.group)
         out = out.view(level.size, -1)
         if status is not None:
-            status = round(out[:, -1].sum().item())
+            status = out[:, -1].sum().round()
             out = out[:, :-1]
         rows = out.reshape(level.size * c, -1)[: level.parent_rows]
     return _back(rows, piece.shape, dim), status

@@ -192,10 +192,13 @@ class MimoBatch:
         )
 
     def to(self, device: torch.device | str) -> MimoBatch:
-        """The batch with every tensor on `device`."""
-        modalities = {n: dataclasses.replace(m, inputs=m.inputs.to(device))
+        """The batch with every tensor on `device`. A copy from host memory is non-blocking: the
+        host queues it behind the accelerator's work instead of waiting for that work (a sync);
+        the source is staged (or, pinned, kept alive) by torch, so it may be dropped at once."""
+        non_blocking = self.tokens.is_cpu
+        modalities = {n: dataclasses.replace(m, inputs=m.inputs.to(device, non_blocking=non_blocking))
                       for n, m in self.modalities.items()}
-        return self._derive(lambda t: t.to(device), modalities)
+        return self._derive(lambda t: t.to(device, non_blocking=non_blocking), modalities)
 
     def _derive(self, per_token, modalities: dict[str, ModalityInputs]) -> MimoBatch:
         """A batch of `per_token` applied to every [B, S] field, and `modalities`.

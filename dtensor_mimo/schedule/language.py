@@ -70,10 +70,13 @@ class LanguageStage(nn.Module):
 
     def forward(self, x: torch.Tensor, *, microbatch: int, positions: torch.Tensor | None,
                 document_ids: torch.Tensor | None, sequence_index: torch.Tensor | None,
-                labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+                labels: torch.Tensor, loss_mask: torch.Tensor,
+                special_counts: Mapping[str, int] | None = None) -> torch.Tensor:
         """`x`: token ids ``[b, S]`` on the first stage, else the previous stage's hidden states.
         Returns hidden states, or on the last stage this microbatch's loss share (its greedy
-        next-token ids ``[b, S / cp]`` while `predicting`)."""
+        next-token ids ``[b, S / cp]`` while `predicting`). `special_counts`: the microbatch's
+        special tokens per modality from its host metadata (`stage_inputs`), so that assembling
+        on an accelerator does not count them on the device (a host sync per microbatch)."""
         if self.first:
             ids = self.special_token_ids
             text = embed_text(self.llama.tok_embeddings, x, ids)
@@ -81,7 +84,7 @@ class LanguageStage(nn.Module):
                 text = text.full_tensor()
             feed = self.feed
             rows = {} if feed is None else feed if isinstance(feed, Mapping) else feed.rows(microbatch)
-            x = assemble(text, x, rows, ids)
+            x = assemble(text, x, rows, ids, counts=special_counts)
             if self.cp_size > 1:
                 x = zigzag_shard(x, self.cp_size, self.cp_rank)
         out = self.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
@@ -95,12 +98,15 @@ class LanguageStage(nn.Module):
 def stage_inputs(mb: MimoBatch, cp_size: int, cp_rank: int) -> tuple[torch.Tensor, dict[str, Any]]:
     """A language rank's microbatch as `LanguageStage` arguments: the full token rows (the first
     stage embeds them, then cuts its cp chunk) and this cp rank's chunk of everything else.
-    Without cp the rows are plain (``sequence_index`` None: a causal kernel, no mask)."""
+    Without cp the rows are plain (``sequence_index`` None: a causal kernel, no mask). The
+    special-token counts come from the batch metadata (items x tokens per item, which a
+    `MimoBatch` checked against its tokens on the host when it was built): no device sync."""
     chunk = shard_for_cp(cp_size, cp_rank, labels=mb.labels, loss_mask=mb.loss_mask,
                          positions=mb.positions, document_ids=mb.document_ids)
     return mb.tokens, dict(positions=chunk.positions, document_ids=chunk.document_ids,
                            sequence_index=chunk.sequence_index if cp_size > 1 else None,
-                           labels=chunk.labels, loss_mask=chunk.loss_mask)
+                           labels=chunk.labels, loss_mask=chunk.loss_mask,
+                           special_counts={n: mb.num_tokens(n) for n in mb.modalities})
 
 
 def llama_stage(llama: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:

@@ -77,7 +77,9 @@ def pipelined_step(
             par = layout.parallelism(n)
             per[n] = shard(mb, par.dp, layout.coordinate(n, rank)["dp"]).modalities[n]
         items.append(per)
-    inputs = [{n: m.inputs.to(device) for n, m in per.items() if n in encoders} for per in items]
+    # Host-to-device copies that do not wait for the device's queue (the inputs are host memory).
+    inputs = [{n: m.inputs.to(device, non_blocking=m.inputs.is_cpu) for n, m in per.items() if n in encoders}
+              for per in items]
     first = language is not None and language.first is not None
     lang_mbs = []
     if language is not None:
@@ -94,7 +96,8 @@ def pipelined_step(
                                  layout.mesh(flat[0], "pp").get_group(), device)
         for n, pipeline in encoder_pipelines.items():
             if n in local:
-                pipeline.run([per[n].inputs.to(device) for per in items], [per[n].num_items for per in items],
+                pipeline.run([per[n].inputs.to(device, non_blocking=per[n].inputs.is_cpu) for per in items],
+                             [per[n].num_items for per in items],
                              tuple(batch.modalities[n].inputs.shape[1:]), batch.modalities[n].tokens_per_item,
                              dim, crossings)
                 errors.append(pipeline.stage.error)

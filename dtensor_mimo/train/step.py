@@ -31,6 +31,12 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def read_totals(totals: torch.Tensor) -> list[float]:
+    """The step's all-reduced totals on the host: its ONE device-to-host sync, which the metrics
+    and the clip / skip / raise decision need (every other count of a step comes from host metadata)."""
+    return totals.tolist()
+
+
 def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
                timings: dict[str, float] | None = None) -> StepMetrics:
     """One optimizer step on the global `batch`; call on every rank with the same batch.
@@ -43,6 +49,8 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
     `timings`, if given, receives this rank's seconds in "forward_backward" (bridge included) and
     "optimizer" (gradient reduction, the norm's all-reduce, clip, AdamW); on GPUs timing syncs
     the device.
+
+    Host syncs: one per step (`read_totals`), whatever the number of microbatches.
     """
     start = _now(model.device) if timings is not None else 0.0
     optimizer.zero_grad()
@@ -53,16 +61,19 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
     model.reduce_gradients()
     loss_part = share.detach().double().reshape(1) if model.holds_loss_share() else \
         torch.zeros(1, dtype=torch.float64, device=model.device)
-    # The status word: ranks whose encoder rows contradicted the batch metadata (pipelined).
-    status = torch.tensor([float(model.step_error is not None)], dtype=torch.float64, device=model.device)
+    # The status word: ranks whose encoder rows contradicted the batch metadata, or (unpipelined)
+    # received rows from such a rank (`MimoModel.step_status`, on the device: no sync until here).
+    status = torch.full((1,), float(model.step_error is not None), dtype=torch.float64, device=model.device)
+    if model.step_status is not None:
+        status = torch.maximum(status, (model.step_status > 0).double().reshape(1))
     totals = torch.cat([loss_part, status, grad_sumsq_shares(model)])
     dist.all_reduce(totals)
-    if totals[1].item():
+    loss, bad, *sumsq = read_totals(totals)
+    if bad:
         optimizer.zero_grad()
         raise PlanError(model.step_error or (
-            f"{int(totals[1].item())} rank(s) produced encoder rows that disagree with the batch "
+            f"{int(bad)} rank(s) produced encoder rows that disagree with the batch "
             "metadata (their error names the encoder and the shapes); the step was not applied"))
-    loss, sumsq = totals[0].item(), totals[2:].tolist()
     grad_norm = math.sqrt(sum(sumsq))
     skipped = not optimizer.step(grad_norm)
     if timings is not None:
