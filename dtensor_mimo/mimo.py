@@ -622,7 +622,6 @@ def _check_model(layout: MimoLayout, language: Llama, encoders: Mapping[str, nn.
                         f"(dtensor_mimo.models.protocol): it needs {'; '.join(problems)}")
     for name in layout.names:
         par = layout.parallelism(name)
-        options.get(name, ParallelOptions()).check_for(name, par.tp)
         if name == language_name and par.pp > 1 and pipeline is None:
             raise LayoutError(f"{name!r} has pp={par.pp}: pass pipeline=PipelineConfig(microbatches=...) "
                               "to MimoModel (at least pp microbatches keep every stage busy)")

@@ -348,3 +348,33 @@ def test_export_hf(case: str, tmp_path) -> None:
         assert torch.equal(tensors["multi_modal_projector.linear_2.weight"], encoders[name].projection.fc2.weight)
     assert type(transformers.AutoImageProcessor.from_pretrained(str(tmp_path / "vision"))).__name__.startswith("Siglip")
     assert transformers.AutoFeatureExtractor.from_pretrained(str(tmp_path / "audio")).feature_size == AUDIO.n_mels
+
+
+def _export_with_a_failing_disk(path: str) -> str:
+    """Language tp2 (two writers' gathers): rank 2's first write fails as on a full disk."""
+    from dtensor_mimo.models.hf import safetensors as files
+    from dtensor_mimo.train.export import export_hf
+
+    modules, offsets, pipeline = CASES["per_module"]
+    layout = MimoLayout(modules, offsets=offsets)
+    layout.init_meshes("cpu")
+    llama, encoders = _mimo_modules("per_module")
+    model = MimoModel(layout, llama, encoders, pipeline=pipeline)
+    if dist.get_rank() == 2:
+        def full(self, tensor):
+            raise OSError(28, "No space left on device")
+
+        files.SafetensorsWriter.write = full
+    try:
+        export_hf(model, path, modalities={"vision": "image", "audio": "audio"},
+                  special_token_ids={"vision": IMAGE_ID, "audio": AUDIO_ID}, tokenizer=_tokenizer(IMAGE_ID),
+                  processors={})
+    except (OSError, RuntimeError) as error:
+        return str(error)
+    return "exported"
+
+
+def test_a_failing_write_fails_every_rank_without_a_hang(tmp_path) -> None:
+    errors = run_on_ranks(_export_with_a_failing_disk, 4, str(tmp_path), timeout=120)
+    assert "No space left on device" in errors[2]
+    assert all("failed writing" in e for i, e in enumerate(errors) if i != 2), errors

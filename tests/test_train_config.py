@@ -33,6 +33,7 @@ def test_file_then_overrides_in_any_order(tmp_path) -> None:
     assert config.optimizer.lr == 5e-4 and config.optimizer.module_lr == {"vision": 1e-4}
     assert config.model.encoders["vision"].frozen and config.checkpoint.dir == "ckpt/run 1"
     assert config.model.encoders["vision"].seed == 10  # the digits defaults under the override
+    assert parse_args(["--checkpoint.dir", "20240101"]).checkpoint.dir == "20240101"  # a number-like name
     mixed = parse_args(["--options.vision.param_dtype", "bfloat16"])
     assert mixed.options["vision"].param_dtype == torch.bfloat16 and mixed.options["language"].param_dtype is None
     assert mixed.options["vision"].compile  # the digits job's compile stays under the override
@@ -55,7 +56,8 @@ def test_file_then_overrides_in_any_order(tmp_path) -> None:
     (["--layout.bridge_hops", "3"], "layout.bridge_hops = 3: expected one of 1, 2 or none"),
     (["--layout.text.dp", "2"], "layout names ['text']: the modules are ['vision', 'audio', 'language']"),
     (["--options.text.sp", "true"], "options names ['text']"),
-    (["--model.encoders.text.modality", "image"], "data.format = 'digits' trains one library image encoder"),
+    (["--model.encoders.text.modality", "image"], "data.format = 'digits' trains the library's image encoder 'vision'"),
+    (["--data.heldout_samples", "0"], "data.heldout_samples = 0: must be >= 1"),
     (["--model.language.frozen", "true"], "unknown key 'model.language.frozen'"),
     (["--model.language.hf", "a", "--model.language.factory", "b:c"], "model.language: give hf or factory, not both"),
     (["--model.encoders.vision.factory", "nodots"], "expected 'package.module:function'"),

@@ -7,6 +7,7 @@ by `examples/make_tiny_llava.py` (no download).
 | test                                        | what                                                        |
 |---------------------------------------------|-------------------------------------------------------------|
 | test_rows_label_the_assistant_tokens_only   | placeholders expanded to the tower's tokens; labels decode to each answer + end of turn |
+| test_prompts_stop_at_the_first_answer_with_their_items | generation prompts: cut at the first answer, only earlier items; a truncated answer is not prompted |
 | test_long_samples_refused_or_truncated      | a sample over seq_len names its id; truncation drops a cut item whole |
 | test_packed_rows_equal_their_samples_alone  | data.pack: every sample once; a packed row's logits and labels == each sample's alone |
 | test_bad_input_fails_before_any_process     | missing dirs/files, unsupported architecture, placeholder count, tokenizer without template, processor size, checkpoint.load without checkpoints |
@@ -112,7 +113,7 @@ def test_rows_label_the_assistant_tokens_only(tiny: str) -> None:
         images = [images] if isinstance(images, str) else images
         assert row.tokens.count(image_id) == 16 * len(images)  # 16 patches per 16x16 image
         answer_ids = [t for t in row.labels if t != -100]
-        assert tokenizer.decode(answer_ids) == sample["conversations"][1]["value"] + "<|im_end|>\n"
+        assert tokenizer.decode(answer_ids) == sample["conversations"][1]["value"] + "<|im_end|>"  # not the "\n" after
         for t, label in enumerate(row.labels):  # next-token targets, on assistant tokens only
             assert label == -100 or label == row.tokens[t + 1]
         prompt = tokenizer.decode(row.tokens[:row.answers[0][0]]).replace("<image>" * 16, "<image>")
@@ -137,6 +138,28 @@ def test_long_samples_refused_or_truncated(tiny: str) -> None:
     assert row.tokens.count(tokenizer.convert_tokens_to_ids("<image>")) == 16
     batch = data.train.batch([two])
     assert batch.modalities["image"].items_per_sample == (1,)
+
+
+def test_prompts_stop_at_the_first_answer_with_their_items(tiny: str, tmp_path) -> None:
+    """Generation starts from the prompt alone: a later turn's image goes with its tokens, and a
+    sample whose answer was truncated away is not prompted."""
+    turns = [{"from": "human", "value": "<image>\nwhat is in the image ?"}, {"from": "gpt", "value": "a red bar"},
+             {"from": "human", "value": "<image>\nand this ?"}, {"from": "gpt", "value": "a blue ring"}]
+    path = tmp_path / "two.jsonl"
+    path.write_text(json.dumps({"id": "two-turns", "image": ["images/train-0-0.png", "images/train-0-1.png"],
+                                "conversations": turns}) + "\n")
+    data, tokenizer = _dataset(tiny, "--data.heldout", str(path), "--data.root", "data")
+    whole, prompt = data.heldout.batch([0]), data.heldout.prompts([0])
+    start = data.heldout[0].answers[0][0]
+    assert whole.modalities["image"].items_per_sample == (2,) and prompt.modalities["image"].items_per_sample == (1,)
+    assert torch.equal(prompt.tokens[0, :start], whole.tokens[0, :start])
+    assert (prompt.tokens[0, start:] == tokenizer.pad_token_id).all()
+    assert torch.equal(prompt.modalities["image"].inputs[0], whole.modalities["image"].inputs[0])
+    assert data.prompt(0)[1] == "a red bar"
+    assert len(data.heldout[0].answers) == 2  # both answers are scored
+    short, _ = _dataset(tiny, "--data.heldout", str(path), "--data.root", "data", "--data.seq_len", "24",
+                        "--data.truncate", "true")
+    assert not short.heldout[0].answers and short.prompt(0) is None
 
 
 def _logits(modules: dict, batch) -> torch.Tensor:
@@ -356,13 +379,13 @@ def test_factories_build_the_modules(tiny: str, tmp_path) -> None:
     assert losses[-1] < losses[0]
 
 
-LEARN = ["--train.steps", "400", "--metrics.log_every", "100", "--metrics.progress", "off"]
+LEARN = ["--train.steps", "600", "--metrics.log_every", "100", "--metrics.progress", "off"]
 
 
 def test_learns_heterogeneous_and_exports(tiny: str) -> None:
     result = _run(tiny, [*LEARN, "--train.generate", "8", "--checkpoint.export_hf", "out/hf"])
     # Chance on the image samples: 1/16 for one image, 1/256 for two.
-    assert result["with image"] >= 0.4 and result["answer"] >= 0.5, result
+    assert result["with image"] >= 0.5 and result["answer"] >= 0.5, result
     theirs = _hf_answers(os.path.join(tiny, "out", "hf"), tiny, 8)
     assert theirs == [generated for _, generated in result["answers"]]
     assert sum(e == g for e, g in result["answers"]) >= 3
@@ -373,7 +396,7 @@ def test_learns_colocated(tiny: str) -> None:
     result = _run(tiny, [*LEARN, "--train.generate", "0", "--checkpoint.export_hf", "none",
                          "--pipeline.microbatches", "1", *COLOCATED, "--options.image.fsdp", "false",
                          "--options.language.fsdp", "false"])
-    assert result["with image"] >= 0.4 and result["answer"] >= 0.5, result
+    assert result["with image"] >= 0.5 and result["answer"] >= 0.5, result
 
 
 AUDIO_CONFIG = """

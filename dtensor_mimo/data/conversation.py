@@ -31,7 +31,7 @@ from torch.utils.data import Dataset
 from dtensor_mimo.data.batch import IGNORE_INDEX, MimoBatch, ModalityInputs
 
 __all__ = ["Conversation", "ConversationDataset", "DataError", "MediaSpec", "read_samples", "check_samples",
-           "image_inputs", "audio_inputs"]
+           "image_inputs", "audio_inputs", "item_paths"]
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 PLACEHOLDERS = {"image": "<image>", "audio": "<audio>"}
@@ -104,7 +104,8 @@ def read_samples(path: str) -> list[dict[str, Any]]:
     return samples
 
 
-def _paths(sample: Mapping[str, Any], modality: str) -> list[str]:
+def item_paths(sample: Mapping[str, Any], modality: str) -> list[str]:
+    """The paths of a sample's items of `modality` (one path or a list in the JSON; none: [])."""
     value = sample.get(modality)
     if value is None:
         return []
@@ -127,7 +128,7 @@ def check_samples(samples: Sequence[Mapping[str, Any]], modalities: Iterable[str
             raise DataError(f"{source}: sample {sid!r} has no 'gpt' turn: nothing to learn from it")
         text = "".join(t["value"] for t in sample["conversations"])
         for modality, placeholder in PLACEHOLDERS.items():
-            paths = _paths(sample, modality)
+            paths = item_paths(sample, modality)
             if (paths or placeholder in text) and modality not in modalities:
                 raise DataError(f"{source}: sample {sid!r} has {modality} items but no encoder takes "
                                 f"{modality!r} (model.encoders.<name>.modality)")
@@ -282,9 +283,14 @@ class ConversationDataset(Dataset):
             prompt, upto = self._render(messages[:i], True), self._render(messages[:i + 1], False)
             if upto[:len(prompt)] != prompt or ids[:len(upto)] != upto:
                 raise DataError(f"sample {sid!r}: the chat template does not render a conversation as its "
-                                "turns one after another (a prefix renders otherwise), so the assistant "
+                                "turns one after another (a prefix renders otherwise, e.g. a template that "
+                                "renders the last assistant turn unlike earlier ones), so the assistant "
                                 "tokens cannot be found")
-            for t in range(len(prompt), len(upto)):
+            end = len(upto)  # the answer through its end-of-turn token, not the separator after it
+            eos = self.tokenizer.eos_token_id
+            if eos is not None and eos in upto[len(prompt):]:
+                end = len(upto) - upto[::-1].index(eos)
+            for t in range(len(prompt), end):
                 assistant[t] = True
         # Expand placeholders: one token -> tokens_per_item copies of the encoder's id.
         tokens: list[int] = []
@@ -301,7 +307,7 @@ class ConversationDataset(Dataset):
                 n = self.media[name].tokens_per_item
                 tokens += [token] * n
                 is_answer += [False] * n
-        items = {name: _paths(sample, self.media[name].modality) for name in self.media}
+        items = {name: item_paths(sample, self.media[name].modality) for name in self.media}
         for name, found in starts.items():
             if len(found) != len(items[name]):
                 raise DataError(f"sample {sid!r}: {len(found)} {PLACEHOLDERS[self.media[name].modality]} "
@@ -341,17 +347,35 @@ class ConversationDataset(Dataset):
                 every other item's input is zeros (a stride-0 view, no memory, when none is
                 read). None: everything. ``{}``: token rows and item counts only.
         """
-        rows = [[i] for i in indices] if self.rows is None else [self.rows[i] for i in indices]
+        members = [[i] for i in indices] if self.rows is None else [self.rows[i] for i in indices]
+        return self._batch([[self[i] for i in row] for row in members], load, packed=self.rows is not None)
+
+    def prompts(self, indices: Sequence[int], load: Mapping[str, Iterable[int]] | None = None) -> MimoBatch:
+        """Samples `indices` cut where their first answer starts, with only the items before it:
+        what greedy generation starts from (a later turn's items go with its tokens)."""
+        cut = []
+        for i in indices:
+            s = self[i]
+            stop = s.answers[0][0] if s.answers else len(s.tokens)
+            items = {}
+            for name, spec in self.media.items():  # whole items only: an answer never starts inside one
+                before = sum(1 for t in s.tokens[:stop] if t == spec.special_token_id)
+                items[name] = s.items[name][:before // spec.tokens_per_item]
+            cut.append([Conversation(s.id, s.tokens[:stop], [IGNORE_INDEX] * stop, items, [])])
+        return self._batch(cut, load, packed=False)
+
+    def _batch(self, rows: list[list[Conversation]], load: Mapping[str, Iterable[int]] | None,
+               packed: bool) -> MimoBatch:
+        """Rows of one or more conversations each (documents), padded to `seq_len`."""
         shape = (len(rows), self.seq_len)
         tokens = torch.full(shape, self.pad_id, dtype=torch.int64)
         labels = torch.full(shape, IGNORE_INDEX, dtype=torch.int64)
         documents = torch.zeros(shape, dtype=torch.int64)
         positions = torch.zeros(shape, dtype=torch.int64)
-        samples = []  # per row: its samples' items, in row order
+        samples = []  # per row: its conversations' items, in row order
         for row, members in enumerate(rows):
             start = 0
-            for doc, index in enumerate(members):
-                s = self[index]
+            for doc, s in enumerate(members):
                 end = start + len(s.tokens)
                 tokens[row, start:end] = torch.tensor(s.tokens, dtype=torch.int64)
                 labels[row, start:end] = torch.tensor(s.labels, dtype=torch.int64)
@@ -360,7 +384,7 @@ class ConversationDataset(Dataset):
                 start = end
             documents[row, start:] = len(members)  # the padding: a document of its own
             positions[row, start:] = torch.arange(self.seq_len - start)
-            samples.append({name: [p for i in members for p in self[i].items[name]] for name in self.media})
+            samples.append({name: [p for s in members for p in s.items[name]] for name in self.media})
         modalities = {}
         for name, spec in self.media.items():
             counts = [len(items[name]) for items in samples]
@@ -369,7 +393,6 @@ class ConversationDataset(Dataset):
                                               items_per_sample=tuple(counts),
                                               tokens_per_item=spec.tokens_per_item,
                                               special_token_id=spec.special_token_id)
-        packed = self.rows is not None
         return MimoBatch(tokens, labels, labels != IGNORE_INDEX, modalities,
                          document_ids=documents if packed else None, positions=positions if packed else None)
 

@@ -89,10 +89,3 @@ class ParallelOptions:
             return self.reduce_dtype
         return torch.float32 if self.param_dtype is not None else None
 
-    def check_for(self, module: str, tp: int) -> None:
-        """Raise ValueError for option combinations that cannot run on `module` with tensor
-        parallel size `tp` (checked on every rank before any process group is used).
-
-        None in torch 2.13: activation checkpointing composes with compile at any tp (a
-        checkpointed block is compiled inside its checkpoint, and only there: `compile_blocks`
-        skips it)."""

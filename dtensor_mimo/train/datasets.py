@@ -27,12 +27,14 @@ from dtensor_mimo.data.conversation import (
     ConversationDataset,
     DataError,
     MediaSpec,
+    PLACEHOLDERS,
     audio_inputs,
     check_samples,
     image_inputs,
+    item_paths,
     read_samples,
 )
-from dtensor_mimo.train.config import ConfigError, TrainerConfig
+from dtensor_mimo.train.config import LANGUAGE, ConfigError, TrainerConfig
 from dtensor_mimo.train.modules import ResolvedModel
 
 TRAIN_SAMPLES = 1_000_000
@@ -57,7 +59,8 @@ class TrainData:
         seq_len: token row length (cp / sp rounding applied).
         score: ``(batch, predicted ids) -> {name: (right, counted)}``: exact match of every
             answer ("answer") and of any parts the task reports.
-        prompt: held-out index -> (prompt length, expected answer text, stop token id).
+        prompt: held-out index -> (prompt length, expected answer text, stop token id), or None
+            for a sample with no answer to generate.
         decode: generated ids -> text.
         items_per_sample: each encoder's expected items per sample (for FLOPs).
     """
@@ -66,14 +69,14 @@ class TrainData:
     heldout: BatchSource | None
     seq_len: int
     score: Callable[[MimoBatch, torch.Tensor], dict[str, tuple[int, int]]]
-    prompt: Callable[[int], tuple[int, str, int | None]]
+    prompt: Callable[[int], tuple[int, str, int | None] | None]
     decode: Callable[[list[int]], str]
     items_per_sample: dict[str, float]
 
 
 def round_seq_len(config: TrainerConfig, minimum: int) -> int:
     """`minimum` rounded up so the language model's cp (2·cp chunks) and sp (tp shards) divide it."""
-    lang = config.module_layout("language")
+    lang = config.module_layout(LANGUAGE)
     multiple = math.lcm(2 * lang.cp if lang.cp > 1 else 1, lang.tp)
     return -(-minimum // multiple) * multiple
 
@@ -95,10 +98,8 @@ def exact_match(batch: MimoBatch, pred: torch.Tensor, parts: Mapping[str, torch.
 def digits_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainData:
     """The bundled digits task for the digits model's image and audio encoders."""
     d = config.data
-    kinds = {e.section.modality: e for e in resolved.encoders.values()}
-    vision, audio = kinds["image"].config, kinds["audio"].config
+    vision, audio = resolved.encoders["vision"].config, resolved.encoders["audio"].config
     task = DigitsTask(max_images=d.max_images, max_tones=d.max_tones, noise_std=d.noise_std)
-    names = {"vision": kinds["image"].name, "audio": kinds["audio"].name}
     probe = DigitsDataset("train", vision, audio, num_samples=1, task=task)
     seq_len = round_seq_len(config, max(probe.min_seq_len, d.seq_len))
     train = DigitsDataset("train", vision, audio, TRAIN_SAMPLES, seed=d.seed, task=task, seq_len=seq_len)
@@ -110,31 +111,10 @@ def digits_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainData:
         return int((row == question).nonzero()[0]) + 1, heldout[index].answer(), eos
 
     def score(batch: MimoBatch, pred: torch.Tensor) -> dict[str, tuple[int, int]]:
-        parts = answer_digit_positions(batch.labels)
-        return exact_match(batch, pred, {names[k]: v for k, v in parts.items()})
+        return exact_match(batch, pred, answer_digit_positions(batch.labels))
 
-    return TrainData(_Renamed(train, names), _Renamed(heldout, names), seq_len, score, prompt, decode,
-                     {names["vision"]: d.max_images / 2, names["audio"]: d.max_tones / 2})
-
-
-class _Renamed:
-    """A digits dataset whose batches name their modalities after the user's encoders."""
-
-    def __init__(self, dataset: DigitsDataset, names: dict[str, str]) -> None:
-        self.dataset, self.names = dataset, names
-        self.seq_len = dataset.seq_len
-        self.back = {v: k for k, v in names.items()}
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def batch(self, indices: Sequence[int], load: Mapping[str, Iterable[int]] | None = None) -> MimoBatch:
-        inner = None if load is None else {self.back[k]: v for k, v in load.items() if k in self.back}
-        batch = self.dataset.batch(indices, load=inner)
-        if self.names == {"vision": "vision", "audio": "audio"}:
-            return batch
-        modalities = {self.names[k]: v for k, v in batch.modalities.items()}
-        return MimoBatch(batch.tokens, batch.labels, batch.loss_mask, modalities)
+    return TrainData(train, heldout, seq_len, score, prompt, decode,
+                     {"vision": d.max_images / 2, "audio": d.max_tones / 2})
 
 
 # ---------------------------------------------------------------------------- conversations
@@ -142,8 +122,6 @@ class _Renamed:
 
 def media_specs(resolved: ResolvedModel) -> dict[str, MediaSpec]:
     """Each encoder's placeholder id, rows per item, input shape and preprocessing."""
-    from dtensor_mimo.data.conversation import PLACEHOLDERS
-
     specs = {}
     vocab = resolved.tokenizer.get_vocab()
     for name, e in resolved.encoders.items():
@@ -176,7 +154,7 @@ def conversation_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainDa
         first = next((s for s in train_samples if s.get(spec.modality)), None)
         if first is None:
             continue
-        path = os.path.join(root, _listed(first[spec.modality])[0])
+        path = os.path.join(root, item_paths(first, spec.modality)[0])
         try:
             shape = tuple(spec.prepare([path]).shape[1:])
         except DataError as e:
@@ -204,8 +182,10 @@ def conversation_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainDa
         raise ConfigError(str(e)) from None
     tokenizer = resolved.tokenizer
 
-    def prompt(index: int) -> tuple[int, str, int | None]:
+    def prompt(index: int) -> tuple[int, str, int | None] | None:
         sample = heldout[index]
+        if not sample.answers:  # truncated away
+            return None
         start, stop = sample.answers[0]
         eos = tokenizer.eos_token_id
         return start, heldout.answer_text(index), eos if eos in sample.tokens[start:stop] else sample.tokens[stop - 1]
@@ -216,14 +196,11 @@ def conversation_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainDa
                  for name, m in batch.modalities.items()}
         return exact_match(batch, pred, parts)
 
-    items = {name: sum(len(_listed(s.get(spec.modality))) for s in train_samples) / len(train_samples)
+    rows = len(train)  # items per row: several samples' when packed
+    items = {name: sum(len(item_paths(s, spec.modality)) for s in train_samples) / rows
              for name, spec in media.items()}
     return TrainData(train, heldout, train.seq_len, score, prompt,
                      lambda ids: tokenizer.decode(ids, skip_special_tokens=True).strip(), items)
-
-
-def _listed(value: Any) -> list[Any]:
-    return [] if value is None else [value] if isinstance(value, str) else list(value)
 
 
 def train_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainData:

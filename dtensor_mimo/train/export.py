@@ -145,12 +145,12 @@ def export_hf(model: MimoModel, path: str, *, modalities: Mapping[str, str], spe
     else:
         directories = [_llava_directory(model, path, rank, merged, special_token_ids, tokenizer, processors)]
     error = None
-    try:
-        for d in directories:
+    for d in directories:  # every directory, even after a failure: its gathers are collectives
+        try:
             write_directory(d.path, d.parts, d.holders, max_shard_bytes=max_shard_bytes, metadata_writer=rank == 0,
                             config=d.config, extras=d.extras)
-    except Exception as caught:  # noqa: BLE001 - every rank learns of it at the barrier
-        error = caught
+        except Exception as caught:  # noqa: BLE001 - every rank learns of it at the barrier
+            error = error or caught
     verdict = torch.tensor([float(error is not None)], device=model.device)
     dist.all_reduce(verdict)  # also the barrier: the directory is complete when any rank returns
     if error is not None:

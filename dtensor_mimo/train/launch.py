@@ -39,7 +39,7 @@ def preflight(config: TrainerConfig) -> None:
                 raise ConfigError(str(e)) from None
     if len(data.train) < config.data.batch_size:
         raise ConfigError(f"data.batch_size = {config.data.batch_size} is more than the {len(data.train)} training "
-                          f"samples of {config.data.path}")
+                          f"rows of {config.data.path} (samples, or packed rows with data.pack)")
     if config.checkpoint.load and not (config.checkpoint.dir and checkpoint.latest_checkpoint(config.checkpoint.dir)):
         try:
             checkpoint.resolve_load(config.checkpoint.load)
@@ -47,7 +47,7 @@ def preflight(config: TrainerConfig) -> None:
             raise ConfigError(f"checkpoint.load: {e}") from None
 
 
-def _run_rank(config: TrainerConfig) -> float:
+def _run_rank(config: TrainerConfig) -> float | None:
     from dtensor_mimo.train.trainer import Trainer
 
     device = config.train.device
@@ -75,7 +75,9 @@ def _local_rank(rank: int, world: int, port: int, config: TrainerConfig, errors)
     try:
         _run_rank(config)
     except BaseException as e:  # noqa: BLE001 — reported to the launcher, which prints it once
-        errors.put((rank, f"{type(e).__name__}: {e}", type(e).__name__, traceback.format_exc()))
+        # Bounded: a put larger than the pipe's buffer would block until the launcher reads,
+        # which it does only once every rank has ended.
+        errors.put((rank, f"{type(e).__name__}: {e}"[:4000], type(e).__name__, traceback.format_exc()[-16000:]))
         sys.exit(1)
 
 
@@ -114,7 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if launched:
             check_config(config, int(os.environ["WORLD_SIZE"]))
         if not launched or os.environ.get("RANK") == "0":
-            preflight(config)  # under torchrun rank 0 checks; the others find the same in their Trainer
+            # Under torchrun rank 0 checks: on an error it exits with 2 before joining the group,
+            # and torchrun ends the other workers waiting in the rendezvous.
+            preflight(config)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -46,7 +46,6 @@ class ResolvedEncoder:
     config: ViTConfig | AudioConfig | None
     tokens_per_item: int
     processor: Any = None
-    has_projector: bool = False  # an hf directory that holds LLaVA's projector too
 
     @property
     def item_shape(self) -> tuple[int, ...] | None:
@@ -60,10 +59,12 @@ class ResolvedEncoder:
 
 @dataclass
 class ResolvedModel:
-    """What every rank builds: language config (None for a factory's), encoders, tokenizer."""
+    """What every rank builds: language config (None for a factory's), encoders, tokenizer, and the
+    vocabulary the data uses (the tokenizer's with its placeholders, or the digits task's)."""
 
     language: LlamaConfig | None
     encoders: dict[str, ResolvedEncoder]
+    vocab_size: int
     tokenizer: Any = None
     hf_paths: dict[str, str] = field(default_factory=dict)
     seeds: dict[str, int] = field(default_factory=dict)
@@ -77,12 +78,8 @@ def _directory(key: str, path: str) -> str:
     return path
 
 
-def _hf_error(key: str, e: Exception) -> ConfigError:
-    return ConfigError(f"{key}: {e}")
-
-
-def vision_config(key: str, path: str, feature_layer: int | None) -> tuple[ViTConfig, bool]:
-    """The ViT of a SigLIP / CLIP / LLaVA directory, and whether it holds LLaVA's projector. A
+def vision_config(key: str, path: str, feature_layer: int | None) -> ViTConfig:
+    """The ViT of a SigLIP / CLIP / LLaVA directory (a LLaVA directory's own feature layer). A
     plain tower gives the features after `feature_layer` blocks (default: LLaVA's for the tower),
     without its final norm, as LLaVA takes them."""
     top = read_config(path)
@@ -90,17 +87,17 @@ def vision_config(key: str, path: str, feature_layer: int | None) -> tuple[ViTCo
     try:
         config = ViTConfig.from_hf(path)
     except (ValueError, KeyError) as e:
-        raise _hf_error(key, e) from None
+        raise ConfigError(f"{key}: {e}") from None
     if kind == "llava":
         if feature_layer is not None:
             raise ConfigError(f"{key}: a LLaVA directory fixes its feature layer "
                               f"(vision_feature_layer); leave feature_layer out")
-        return config, True
+        return config
     layer = _TOWERS.get(kind, -1) if feature_layer is None else feature_layer
     n = config.n_layers + 1 + layer if layer < 0 else layer
     if not 1 <= n <= config.n_layers:
         raise ConfigError(f"{key}: feature_layer = {layer} leaves {n} of the tower's {config.n_layers} blocks")
-    return dataclasses.replace(config, n_layers=n, final_norm=False), False
+    return dataclasses.replace(config, n_layers=n, final_norm=False)
 
 
 def _processor(key: str, path: str, modality: str) -> Any:
@@ -136,7 +133,7 @@ def resolve_encoder(config: TrainerConfig, name: str, section: EncoderSection) -
             try:
                 audio = AudioConfig.from_hf(path)
             except (ValueError, KeyError) as e:
-                raise _hf_error(key, e) from None
+                raise ConfigError(f"{key}: {e}") from None
             proc = _processor(key, section.processor or path, "audio")
             frames = proc.nb_max_frames
             if frames != audio.max_frames:
@@ -146,9 +143,9 @@ def resolve_encoder(config: TrainerConfig, name: str, section: EncoderSection) -
         if kind not in (*_TOWERS, "llava"):
             raise ConfigError(f"{key}.hf = {path!r}: model_type {kind!r} is not a vision tower the library loads "
                               f"(siglip, clip, their vision models, llava); for audio set modality = 'audio'")
-        vit, projector = vision_config(f"{key}.hf", path, section.feature_layer)
+        vit = vision_config(f"{key}.hf", path, section.feature_layer)
         proc = _processor(key, section.processor or path, "image")
-        return ResolvedEncoder(name, section, vit, vit.num_patches, proc, projector)
+        return ResolvedEncoder(name, section, vit, vit.num_patches, proc)
     # the library's own encoder
     digits = config.data.format == "digits"
     if section.modality == "image":
@@ -212,6 +209,12 @@ def resolve(config: TrainerConfig) -> ResolvedModel:
     ConfigError names the key and the directory."""
     encoders = {n: resolve_encoder(config, n, s) for n, s in config.model.encoders.items()}
     tokenizer = None if config.data.format == "digits" else load_tokenizer(config)
+    if config.data.format == "digits":
+        from dtensor_mimo.data import TEXT_VOCAB
+
+        vocab = len(TEXT_VOCAB)
+    else:
+        vocab = len(tokenizer)  # placeholders included: ids past the text's are never looked up
     lang = config.model.language
     language: LlamaConfig | None = None
     hf_paths: dict[str, str] = {}
@@ -220,22 +223,16 @@ def resolve(config: TrainerConfig) -> ResolvedModel:
         try:
             language = LlamaConfig.from_hf(path)
         except (ValueError, KeyError) as e:
-            raise _hf_error(f"model.{LANGUAGE}.hf", e) from None
+            raise ConfigError(f"model.{LANGUAGE}.hf: {e}") from None
         hf_paths[LANGUAGE] = path
     elif not lang.factory:
-        if config.data.format == "digits":
-            from dtensor_mimo.data import TEXT_VOCAB
-
-            vocab = len(TEXT_VOCAB)
-        else:
-            vocab = len(tokenizer)  # placeholders included: ids past the text's are never looked up
         language = LlamaConfig(vocab_size=vocab, dim=lang.dim, n_layers=lang.n_layers, n_heads=lang.n_heads,
                                n_kv_heads=lang.n_kv_heads, ffn_hidden=lang.ffn_hidden)
     for name, e in encoders.items():
         if e.section.hf:
             hf_paths[name] = e.section.hf
     seeds = {LANGUAGE: lang.seed, **{n: s.seed for n, s in config.model.encoders.items()}}
-    return ResolvedModel(language, encoders, tokenizer, hf_paths, seeds)
+    return ResolvedModel(language, encoders, vocab, tokenizer, hf_paths, seeds)
 
 
 def _call_factory(key: str, spec: str, args: dict[str, Any], offered: dict[str, Any]) -> nn.Module:
@@ -264,8 +261,7 @@ def build_modules(config: TrainerConfig, resolved: ResolvedModel, seq_len: int,
     with torch.device("meta" if meta else "cpu"):
         if lang.factory:
             language = _call_factory(f"model.{LANGUAGE}", lang.factory, lang.factory_args,
-                                     {"vocab_size": len(resolved.tokenizer) if resolved.tokenizer else None,
-                                      "seq_len": seq_len})
+                                     {"vocab_size": resolved.vocab_size, "seq_len": seq_len})
             language_dim = language.config.dim
         else:
             cfg = resolved.language

@@ -164,9 +164,11 @@ class Trainer:
             yield batch
 
     def trainer_state(self) -> dict[str, Any]:
+        """The loop's position for checkpoints: step, optimizer updates, the sampler's place."""
         return {"step": self.step, "updates": self.optimizer.updates, "sampler": self.sampler.state_dict()}
 
     def save(self) -> None:
+        """A checkpoint of this step in `checkpoint.dir` (every rank)."""
         c = self.config.checkpoint
         path = checkpoint.save(c.dir, self.step, self.model, self.optimizer, self.trainer_state(), c.keep)
         self.log.print(f"step {self.step}: saved {path}")
@@ -210,9 +212,14 @@ class Trainer:
         return {k: right[k] / counted[k] if counted[k] else float("nan") for k in right}
 
     def answers(self, n: int) -> list[tuple[str, str]]:
-        """Greedy answers to the first `n` held-out prompts: (expected, generated)."""
-        batch = self.data.heldout.batch(range(n), load=self._load_plan(n, 1))
-        prompts = [self.data.prompt(i) for i in range(n)]
+        """Greedy answers to the first `n` held-out prompts (samples with an answer): (expected,
+        generated). Each row starts as its prompt alone, with only the items before the answer."""
+        heldout = self.data.heldout
+        chosen = [i for i in range(len(heldout)) if self.data.prompt(i) is not None][:n]
+        if not chosen:
+            return []
+        batch = getattr(heldout, "prompts", heldout.batch)(chosen, load=self._load_plan(len(chosen), 1))
+        prompts = [self.data.prompt(i) for i in chosen]
         lengths = [p[0] for p in prompts]
         stops = {p[2] for p in prompts}
         stop = stops.pop() if len(stops) == 1 else None
@@ -221,6 +228,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> float | None:
+        """Train to `train.steps` (resuming or loading a checkpoint first), evaluate, export and
+        answer a few held-out prompts; returns the held-out accuracy (None without held-out data)."""
         c = self.config
         self.log.print(c.describe())
         self.log.print(self.layout.describe())
@@ -261,11 +270,11 @@ class Trainer:
             if c.train.eval_every and self.step % c.train.eval_every == 0 and self.step < c.train.steps:
                 self._report_eval()
         accuracy = self._report_eval()
-        n = min(c.train.generate, len(self.data.heldout)) if self.data.heldout is not None else 0
-        for expected, got in self.answers(n) if n else ():
-            self.log.print(f"  expected: {expected:<28} generated: {got}")
         if c.checkpoint.export_hf:
             self.export(c.checkpoint.export_hf)
+        n = c.train.generate if self.data.heldout is not None else 0
+        for expected, got in self.answers(n) if n else ():
+            self.log.print(f"  expected: {expected:<28} generated: {got}")
         if accuracy is not None:
             self.log.print(f"held-out accuracy: {accuracy:.2f}")
         self.log.close()

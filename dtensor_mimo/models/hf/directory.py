@@ -20,7 +20,6 @@ that group's gathers, in the plan's order, which is the same on every rank.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -164,29 +163,53 @@ def write_directory(path: str, parts: list[Part], holders: Mapping[str, Holder],
     by_key = {part.key: part for part in parts}
     for key, holder in holders.items():
         check_holder(by_key[key], holder)
+    # A write that fails (a full disk, a permission) must not skip the gathers: the other members
+    # of the tensor's mesh are waiting in them. The first failure stops the writing, the gathers
+    # go on, and it is raised once this rank has joined every one of them.
+    errors: list[Exception] = []
+
+    def attempt(action: Callable[[], Any]) -> Any:
+        if errors:
+            return None
+        try:
+            return action()
+        except Exception as caught:  # noqa: BLE001 - raised below, after the gathers
+            errors.append(caught)
+            return None
+
     if metadata_writer or any(h.writer for h in holders.values()):
-        os.makedirs(path, exist_ok=True)
+        attempt(lambda: os.makedirs(path, exist_ok=True))
     for file, (key, stage), entries in zip(plan.files, plan.groups, plan.entries):
         holder = holders.get(key)
         if holder is None or stage not in holder.stages:
             continue
         dtype = by_key[key].dtype
-        writer = (SafetensorsWriter(os.path.join(path, file), [(e.name, dtype, e.shape) for e in entries])
-                  if holder.writer else contextlib.nullcontext())
-        with writer as out:
-            for entry in entries:
-                full = None if entry.param is None else full_value(holder.params[entry.param])
-                if holder.writer:
+        out = attempt(lambda: SafetensorsWriter(os.path.join(path, file),  # noqa: B023 - called at once
+                                                [(e.name, dtype, e.shape) for e in entries]).__enter__()) \
+            if holder.writer else None
+        for entry in entries:
+            full = None if entry.param is None else full_value(holder.params[entry.param])
+            if out is not None and not errors:
+                try:
                     out.write(entry.value(full, dtype))
-                del full  # one whole tensor at a time
+                except Exception as caught:  # noqa: BLE001 - raised below, after the gathers
+                    errors.append(caught)
+            del full  # one whole tensor at a time
+        if out is not None:  # closed in any case; unwritten tensors are an error only without an earlier one
+            out.__exit__(type(errors[0]), errors[0], None) if errors else attempt(lambda: out.__exit__(None, None, None))
     if metadata_writer:
         if config is not None:
-            with open(os.path.join(path, "config.json"), "w") as f:
-                json.dump(config, f, indent=2)
+            attempt(lambda: _write_json(os.path.join(path, "config.json"), config))
         if len(plan.files) > 1:
-            with open(os.path.join(path, INDEX), "w") as f:
-                json.dump({"metadata": {"total_size": plan.total_size()}, "weight_map": plan.weight_map()}, f,
-                          indent=2)
+            attempt(lambda: _write_json(os.path.join(path, INDEX), {"metadata": {"total_size": plan.total_size()},
+                                                                    "weight_map": plan.weight_map()}))
         if extras is not None:
-            extras(path)
+            attempt(lambda: extras(path))
+    if errors:
+        raise errors[0]
     return plan
+
+
+def _write_json(path: str, value: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2)
