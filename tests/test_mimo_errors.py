@@ -167,25 +167,23 @@ OWN_ERROR = (r"encoder 'vision' produced rows of shape \(\d+, 32\) for microbatc
 OTHERS_ERROR = r"\d rank\(s\) produced encoder rows that disagree with the batch metadata"
 
 
-def _pipelined_encoder_disagrees_with_metadata(modules, offsets):
+def _wrong_rows_fail_the_step(model, error_pattern: str) -> str:
+    """One `train_step` on a batch whose metadata plans 8 rows per image where the ViT makes 16:
+    it raises `error_pattern` (on every rank), no weight changes, and the next step runs."""
     import torch.distributed as dist
-
     from torch.distributed.tensor import DTensor
 
-    from dtensor_mimo import MimoOptimizer, PipelineConfig, train_step
+    from dtensor_mimo import MimoOptimizer, train_step
     from dtensor_mimo.bridge import PlanError
     from dtensor_mimo.data import ModalitySpec
 
-    llama, encoders = _model_args()
-    layout = MimoLayout(modules, offsets=offsets)
-    model = MimoModel(layout, llama, encoders, pipeline=PipelineConfig(microbatches=2))
     model.item_rules = {}  # as for an encoder with no item rule: the rows' own check catches it
     optimizer = MimoOptimizer(model)
     wrong = ModalitySpec(64, (ViTConfig.tiny().in_channels, 16, 16), tokens_per_item=8, max_items=2)
     batch = synthetic_batch(SyntheticSpec.tiny(batch_size=4, modalities={"vision": wrong}), seed=0)
     local = lambda p: p.to_local() if isinstance(p, DTensor) else p  # noqa: E731  (no collective)
     before = {n: local(p).detach().clone() for n, p in model.named_parameters()}
-    with pytest.raises(PlanError, match=rf"{OWN_ERROR}|{OTHERS_ERROR}") as error:
+    with pytest.raises(PlanError, match=error_pattern) as error:
         train_step(model, optimizer, batch)
     assert all(torch.equal(local(p), before[n]) for n, p in model.named_parameters()), "a weight changed"
     good = synthetic_batch(SyntheticSpec.tiny(batch_size=4, modalities={"vision": ModalitySpec.image(
@@ -193,6 +191,14 @@ def _pipelined_encoder_disagrees_with_metadata(modules, offsets):
     train_step(model, optimizer, good)  # nobody was left inside an exchange
     dist.barrier()
     return str(error.value)
+
+
+def _pipelined_encoder_disagrees_with_metadata(modules, offsets):
+    from dtensor_mimo import PipelineConfig
+
+    llama, encoders = _model_args()
+    model = MimoModel(MimoLayout(modules, offsets=offsets), llama, encoders, pipeline=PipelineConfig(microbatches=2))
+    return _wrong_rows_fail_the_step(model, rf"{OWN_ERROR}|{OTHERS_ERROR}")
 
 
 @pytest.mark.parametrize("modules, offsets", [
@@ -255,30 +261,10 @@ UNPIPELINED_OWN_ERROR = (r"rank \d holds a local shard of shape \(\d+, 32\) but 
 def _unpipelined_status_words_disagree(language, hops):
     """Unpipelined `train_step`: the bridge's status words are read in the step's all-reduce
     (`MimoModel.step_status`), not per call; a wrong shard still fails the step on every rank."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from dtensor_mimo import MimoOptimizer, train_step
-    from dtensor_mimo.bridge import PlanError
-    from dtensor_mimo.data import ModalitySpec
-
     llama, encoders = _model_args()
     model = MimoModel(MimoLayout({"vision": P(dp=2), "language": language}), llama, encoders, bridge_hops=hops)
-    model.item_rules = {}  # as for an encoder with no item rule: the rows' own check catches it
-    optimizer = MimoOptimizer(model)
-    wrong = ModalitySpec(64, (ViTConfig.tiny().in_channels, 16, 16), tokens_per_item=8, max_items=2)
-    batch = synthetic_batch(SyntheticSpec.tiny(batch_size=4, modalities={"vision": wrong}), seed=0)
     model._shapes_checked.add(("vision", 8))  # past the first-seen world check: the status words' turn
-    local = lambda p: p.to_local() if isinstance(p, DTensor) else p  # noqa: E731  (no collective)
-    before = {n: local(p).detach().clone() for n, p in model.named_parameters()}
-    with pytest.raises(PlanError, match=rf"{UNPIPELINED_OWN_ERROR}|{OTHERS_ERROR}") as error:
-        train_step(model, optimizer, batch)
-    assert all(torch.equal(local(p), before[n]) for n, p in model.named_parameters()), "a weight changed"
-    good = synthetic_batch(SyntheticSpec.tiny(batch_size=4, modalities={"vision": ModalitySpec.image(
-        ViTConfig.tiny(), special_token_id=64)}), seed=0)
-    train_step(model, optimizer, good)  # nobody was left inside an exchange
-    dist.barrier()
-    return str(error.value)
+    return _wrong_rows_fail_the_step(model, rf"{UNPIPELINED_OWN_ERROR}|{OTHERS_ERROR}")
 
 
 @pytest.mark.parametrize("language, hops", [(P(), None), (P(tp=2), 2)], ids=["one_hop", "two_hop_tp2"])

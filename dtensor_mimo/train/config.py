@@ -699,6 +699,7 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
     if len(config.optimizer.betas) != 2 or not all(0 <= b < 1 for b in config.optimizer.betas):
         raise ConfigError(f"optimizer.betas = {config.optimizer.betas}: expected two numbers in [0, 1)")
     data = config.data
+    _refuse_unused(config)
     if data.format == "digits":
         kinds = {n: e.modality for n, e in config.model.encoders.items()}
         if kinds != {"vision": "image", "audio": "audio"} or any(e.hf or e.factory for e in config.model.encoders.values()):
@@ -734,6 +735,41 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
                           f"= {pipe.microbatches} microbatches of a multiple of layout.{LANGUAGE}.dp = "
                           f"{lang_par.dp} samples; e.g. data.batch_size = "
                           f"{pipe.microbatches * lang_par.dp * max(1, per_mb // lang_par.dp)}")
+
+
+def _changed(obj: Any, names: Sequence[str]) -> list[str]:
+    """Which of `names` differ from their dataclass defaults in `obj` (i.e. were set)."""
+    default = type(obj)()
+    return [n for n in names if getattr(obj, n) != getattr(default, n)]
+
+
+def _refuse_unused(config: TrainerConfig) -> None:
+    """A key that this config would ignore is refused by name, never silently dropped."""
+    digits = config.data.format == "digits"
+    unused = [f"data.{n}" for n in _changed(config.data, ("path", "heldout", "root", "tokenizer", "truncate", "pack")
+                                             if digits else ("max_images", "max_tones", "noise_std"))]
+    library = ("dim", "n_layers", "n_heads", "mlp_hidden", "image_size", "patch_size")
+    for name, enc in config.model.encoders.items():
+        key = f"model.encoders.{name}"
+        if enc.hf or enc.factory:
+            unused += [f"{key}.{n}" for n in _changed(enc, library)]
+        if not enc.factory:
+            unused += [f"{key}.{n}" for n in _changed(enc, ("tokens_per_item", "factory_args"))]
+        if not enc.hf or enc.modality != "image":
+            unused += [f"{key}.{n}" for n in _changed(enc, ("feature_layer",))]
+        if digits:
+            unused += [f"{key}.{n}" for n in _changed(enc, ("processor",))]
+    lang = config.model.language
+    if lang.hf or lang.factory:
+        unused += [f"model.{LANGUAGE}.{n}" for n in _changed(lang, ("dim", "n_layers", "n_heads", "n_kv_heads",
+                                                                      "ffn_hidden"))]
+    if not lang.factory:
+        unused += [f"model.{LANGUAGE}.{n}" for n in _changed(lang, ("factory_args",))]
+    if unused:
+        raise ConfigError(f"{', '.join(unused)}: not used by this config (the library model's sizes apply without "
+                          "hf or factory; tokens_per_item and factory_args with a factory; feature_layer with an "
+                          "image tower's hf; data.path, heldout, root, tokenizer, truncate, pack with data.format = "
+                          "'llava'; max_images, max_tones, noise_std with 'digits'); remove them")
 
 
 def _check_source(key: str, hf: str | None, factory: str | None) -> None:
