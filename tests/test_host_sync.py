@@ -18,6 +18,8 @@ blocking copy of host data to the device (``torch.tensor(..., device=)``, ``.to(
 | unpipelined  | dp1 (0)        | dp2 (1-2)        | none (batch 4, 8) | 3     |
 | two-hop      | dp1 (0)        | tp2 (1-2)        | none (batch 4, 8) | 3     |
 
+(Unpipelined: the same step with one microbatch and one stage.)
+
 Each run takes two steps on the same model; the second step (no warm-up: the schedules, plans and
 first-seen shape checks are cached) is counted. Expected, per rank and step: only syncs of
 `ALLOWED`, each once, the same counts whatever the number of microbatches.
@@ -50,12 +52,6 @@ ALLOWED = {
     # train_step: the loss, the status word and every module's squared gradient norm, read once
     # after their one all-reduce (the step's metrics and its clip / skip / raise decision).
     ("dtensor_mimo/train/step.py", None): "the step's one read of its all-reduced totals",
-    # Encoder ranks (pp = 1 encoders): `run_encoder_schedule` builds a fresh one-stage GPipe each
-    # step, and torch's first `_step_microbatches` of a schedule runs its P2P warm-up vote, which
-    # copies the vote to the device (`torch.tensor(..., device=)`) and reads the result back
-    # (`result.item()`): once per step, not per microbatch.
-    ("dtensor_mimo/schedule/runtime.py", "torch/distributed/pipelining/"):
-        "torch's pipeline warm-up vote of the encoders' one-stage schedule",
 }
 """(innermost library file, innermost torch file or None) of each sync expected once per step, and why."""
 
@@ -226,8 +222,8 @@ def test_pipelined_step_syncs_do_not_grow_with_microbatches() -> None:
 
 @pytest.mark.parametrize("language, hops", [(P(dp=2), None), (P(tp=2), 2)], ids=["dp2", "tp2_two_hop"])
 def test_unpipelined_step_syncs_are_fixed(language: Parallelism, hops: int | None) -> None:
-    """The bridge's status words are read in train_step's all-reduce, not per call (nor, two-hop,
-    per scatter / gather level)."""
+    """Without a pipeline (one stage, one microbatch) the step's only sync is train_step's (nor,
+    two-hop, one per scatter / gather level)."""
     modules = {"vision": P(), "language": language}
     _check(_per_rank(modules, None, 4, hops), _per_rank(modules, None, 8, hops))
 

@@ -109,6 +109,7 @@ class Case:
     custom_language: bool = False  # the language model is `UserDecoder` (a user's module), not `Llama`
     predict: bool = False  # after training, `MimoModel.predict` of the first batch == the reference argmax
     bridge_hops: int | None = None  # MimoModel's route across the bridge (None: one hop on one node)
+    text_only_steps: tuple[int, ...] = ()  # steps whose batch carries no encoder item at all
 
     @property
     def encoders(self) -> tuple[str, ...]:
@@ -284,11 +285,12 @@ def _modules(encoders: tuple[str, ...], frozen: tuple[str, ...] = (), n_layers: 
 
 
 def _batches(encoders: tuple[str, ...], packed: bool, batch_size: int = 5, seq_lens=(64, 64, 64),
-             distinct: int | None = None):
+             distinct: int | None = None, text_only: tuple[int, ...] = ()):
     spec = SyntheticSpec.tiny(modalities={n: MODALITIES[n] for n in encoders},
                               documents_per_row=2 if packed else 1, batch_size=batch_size,
                               text_only_samples=max(1, batch_size // 4))
-    return [synthetic_batch(dataclasses.replace(spec, seq_len=s), FIRST_SEED + i % (distinct or len(seq_lens)))
+    return [synthetic_batch(dataclasses.replace(spec, seq_len=s, modalities={} if i in text_only else spec.modalities),
+                            FIRST_SEED + i % (distinct or len(seq_lens)))
             for i, s in enumerate(seq_lens)]
 
 
@@ -300,7 +302,7 @@ def _reference(encoders: tuple[str, ...], packed: bool, frozen: tuple[str, ...],
                n_layers: int = 2, seq_lens: tuple[int, ...] = (64, 64, 64),
                autocast: torch.dtype | None = None, distinct: int | None = None,
                language_hf: str | None = None, custom_vision: bool = False,
-               custom_language: bool = False) -> list[dict]:
+               custom_language: bool = False, text_only: tuple[int, ...] = ()) -> list[dict]:
     """The single-process run; `autocast`: its forward under ``torch.autocast("cpu", autocast)``
     (the mixed precision reference), the loss in fp32."""
     llama, encs = _modules(encoders, frozen, n_layers, language_hf=language_hf, custom_vision=custom_vision,
@@ -317,7 +319,7 @@ def _reference(encoders: tuple[str, ...], packed: bool, frozen: tuple[str, ...],
             h = assemble(embed_text(llama.tok_embeddings, batch.tokens, ids), batch.tokens, rows, ids)
             return llama(h=h, positions=batch.positions, document_ids=batch.document_ids)
 
-    batches = _batches(encoders, packed, batch_size, seq_lens, distinct)
+    batches = _batches(encoders, packed, batch_size, seq_lens, distinct, text_only)
     for batch in batches:
         logits = forward(batch)
         weight = torch.where(batch.labels == IGNORE_INDEX, 0.0, batch.loss_mask).flatten()
@@ -409,7 +411,8 @@ def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
     optimizer = MimoOptimizer(model, OPT)
     rank = dist.get_rank()
     records = []
-    for batch in _batches(case.encoders, case.packed, case.batch_size, case.seq_lens, case.distinct_batches):
+    for batch in _batches(case.encoders, case.packed, case.batch_size, case.seq_lens, case.distinct_batches,
+                          case.text_only_steps):
         metrics = train_step(model, optimizer, batch)
         assert not metrics.skipped
         # Every module's ranks gather its full gradients and weights; the first rank of each of
@@ -450,7 +453,8 @@ def check_against_reference(case: Case, run: Callable[[Case], list[dict]] = _dis
     every rank's records."""
     expected = _reference(case.encoders, case.packed, case.frozen, case.batch_size, case.n_layers,
                           case.seq_lens, distinct=case.distinct_batches, language_hf=case.language_hf,
-                          custom_vision=case.custom_vision, custom_language=case.custom_language)
+                          custom_vision=case.custom_vision, custom_language=case.custom_language,
+                          text_only=case.text_only_steps)
     per_rank = run_on_ranks(run, case.layout().world_size, case, timeout=300)
     for step, want in enumerate(expected):
         got = {"grads": {}, "weights": {}}

@@ -68,7 +68,7 @@ def test_user_decoder_that_cannot_be_split_into_stages_is_named(decoder, match):
     with pytest.raises(TypeError, match=r"the language model \(_Decoder\) does not meet the language protocol .*"
                                         + match):
         MimoModel(layout, decoder, encoders, pipeline=PipelineConfig(microbatches=2))
-    from dtensor_mimo.mimo import _check_model
+    from dtensor_mimo.schedule.checks import check_model as _check_model
 
     _check_model(  # at pp = 1 the same decoder is fine: nothing is split
         MimoLayout({"vision": P(), "language": P()}), decoder, encoders, "language", {}, None)
@@ -254,17 +254,13 @@ def test_user_language_model_missing_the_protocol_is_named():
         MimoModel(MimoLayout({"vision": P(), "language": P(tp=2, cp=2)}), Decoder(), encoders)
 
 
-UNPIPELINED_OWN_ERROR = (r"rank \d holds a local shard of shape \(\d+, 32\) but the plan for MeshSpec\('vision'.* "
-                         r"expects \(\d+, 32\)")
-
-
-def _unpipelined_status_words_disagree(language, hops):
-    """Unpipelined `train_step`: the bridge's status words are read in the step's all-reduce
-    (`MimoModel.step_status`), not per call; a wrong shard still fails the step on every rank."""
+def _unpipelined_rows_disagree(language, hops):
+    """The step without a `pipeline` (a one-stage pipeline, one microbatch): a wrong shard crosses
+    as zeros, its rank records the error on the host, and `train_step`'s one all-reduce fails the
+    step on every rank."""
     llama, encoders = _model_args()
     model = MimoModel(MimoLayout({"vision": P(dp=2), "language": language}), llama, encoders, bridge_hops=hops)
-    model._shapes_checked.add(("vision", 8))  # past the first-seen world check: the status words' turn
-    return _wrong_rows_fail_the_step(model, rf"{UNPIPELINED_OWN_ERROR}|{OTHERS_ERROR}")
+    return _wrong_rows_fail_the_step(model, rf"{OWN_ERROR}|{OTHERS_ERROR}")
 
 
 @pytest.mark.parametrize("language, hops", [(P(), None), (P(tp=2), 2)], ids=["one_hop", "two_hop_tp2"])
@@ -274,6 +270,6 @@ def test_unpipelined_encoder_output_disagreeing_with_batch_fails_the_step_on_eve
     import re
 
     world = MimoLayout({"vision": P(dp=2), "language": language}).world_size
-    messages = run_on_ranks(_unpipelined_status_words_disagree, world, language, hops, timeout=60)
-    assert sum(bool(re.search(UNPIPELINED_OWN_ERROR, m)) for m in messages) == 2, messages  # the vision ranks
-    assert all(re.search(f"{UNPIPELINED_OWN_ERROR}|{OTHERS_ERROR}", m) for m in messages), messages
+    messages = run_on_ranks(_unpipelined_rows_disagree, world, language, hops, timeout=60)
+    assert sum(bool(re.search(OWN_ERROR, m)) for m in messages) == 2, messages  # the vision ranks
+    assert all(re.search(f"{OWN_ERROR}|{OTHERS_ERROR}", m) for m in messages), messages

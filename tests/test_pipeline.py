@@ -1,7 +1,7 @@
 """Pipelined MIMO training against the single-process reference (`tests/test_mimo.py`'s oracle).
 
 Every case: 8 samples per global batch with ragged image counts (0-2) and text-only samples,
-4 microbatches, 3 steps; loss, grad norm, every gradient and every post-step weight compared.
+4 microbatches (unless noted), 3 steps; loss, grad norm, every gradient and every post-step weight compared.
 The language model has 4 layers (so 2 x 2 virtual stages fit).
 
 | case            | vision (ranks)   | language (ranks)          | world | schedule             | notes                         |
@@ -12,17 +12,20 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 | fan_in_pp2_dp2  | dp3 (0-2)        | pp2·dp2 (3-6)             | 7     | GPipe                | dp 3 -> 2 per microbatch      |
 | interleaved     | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | Interleaved1F1B      | compiled stages, meta         |
 | coloc_pp2_dp2   | dp4 (0-3)        | pp2·dp2 (0-3)             | 4     | 1F1B                 | colocated three phases        |
+| coloc_recompute | dp4 (0-3)        | pp2·dp2 (0-3)             | 4     | 1F1B                 | colocated, vision graphs freed (`recompute_colocated`), FSDP2 |
+| coloc_pp1_recompute | dp2 (0-1)    | dp2 (0-1)                 | 2     | one stage, 4 mb      | colocated at pp = 1, graphs freed |
+| coloc_two_recompute | dp2 (0-1) + audio dp2 (0-1) | dp2 (0-1)  | 2     | one stage, 4 mb      | two recomputed encoders, each reduced once (FSDP2) |
 | cp_pp2          | dp2 (0-1)        | cp2·pp2 (2-5)             | 6     | 1F1B                 | packed rows, Partial gradient, meta |
 | two_hop_cp_pp2  | tp2 (0-1)        | cp2·pp2 (2-5)             | 6     | 1F1B                 | two hops per crossing: cp all-gather, cp reduce-scatter, vision tp all-gather |
-| overlap_pp1     | dp2 (0-1)        | dp2 (2-3)                 | 4     | 1F1B (one stage)     | pp = 1, microbatches overlap  |
+| overlap_pp1     | dp2 (0-1)        | dp2 (2-3)                 | 4     | 1F1B (one stage)     | pp = 1, microbatches overlap; step 1 text only |
 | frozen_vision   | dp2 (0-1), frozen| pp2 (2-3)                 | 4     | 1F1B                 | three phases, no backward crossing |
 | vision_pp2      | pp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B (vision GPipe)  | encoder stages, items padded  |
 | vision_pp2_dp2  | pp2·dp2 (0-3)    | dp1 (4)                   | 5     | 1F1B (one stage)     | encoder stages + FSDP, fan-in, meta |
 | vision_pp2_1mb  | pp2 (0-1)        | dp1 (2)                   | 3     | GPipe, 1 microbatch  | encoder stages without overlap|
 | looped_bfs      | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | LoopedBFS            | backwards last microbatch first|
-| zero_bubble     | dp1 (0)          | pp2, 2 virtual (1-2)      | 3     | InterleavedZeroBubble| split backward, eager         |
+| zero_bubble     | dp1 (0)          | pp2, 2 virtual (1-2)      | 3     | InterleavedZeroBubble| split backward, eager; 8 microbatches (crossing window 4) |
 | length_buckets  | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | sequence 64, 32, 64 per step  |
-| zbv             | dp1 (0)          | pp2, 2 virtual, V (1-2)   | 3     | ZBVZeroBubble        | stages 0,3 / 1,2: crossings and loss on pp rank 0; predict |
+| zbv             | dp1 (0)          | pp2, 2 virtual, V (1-2)   | 3     | ZBVZeroBubble        | stages 0,3 / 1,2: crossings and loss on pp rank 0; predict; 8 microbatches (window 4) |
 | dualpipev       | dp2 (0-1)        | pp2, 2 virtual, V (2-3)   | 4     | DualPipeV            | V placement, fan-in per microbatch |
 | user_decoder_pp2| dp1 (0)          | pp2 (1-2), `UserDecoder`  | 3     | 1F1B                 | a user's decoder split into its own stages, meta; predict |
 | user_decoder_tp2| dp4 (0-3)        | pp2·tp2 (0-3), `UserDecoder` | 4  | GPipe                | colocated; the user's tp plan on each stage |
@@ -55,18 +58,26 @@ CASES = {
                          options={"language": ParallelOptions(compile=True, compile_backend="aot_eager")},
                          meta=True),
     "coloc_pp2_dp2": _case(P(dp=4), P(pp=2, dp=2), offsets={"vision": 0, "language": 0}),
+    "coloc_recompute": _case(P(dp=4), P(pp=2, dp=2), offsets={"vision": 0, "language": 0},
+                             options={"vision": ParallelOptions(recompute_colocated=True)}),
+    "coloc_pp1_recompute": _case(P(dp=2), P(dp=2), offsets={"vision": 0, "language": 0},
+                                 options={"vision": ParallelOptions(recompute_colocated=True)}),
+    "coloc_two_recompute": Case({"vision": P(dp=2), "audio": P(dp=2), "language": P(dp=2)},
+                                offsets={"vision": 0, "audio": 0, "language": 0}, pipeline=MB4, batch_size=8,
+                                n_layers=4, options={n: ParallelOptions(recompute_colocated=True)
+                                                     for n in ("vision", "audio")}),
     "cp_pp2": _case(P(dp=2), P(pp=2, cp=2), packed=True, meta=True),
     "two_hop_cp_pp2": _case(P(tp=2), P(pp=2, cp=2), packed=True, bridge_hops=2),
-    "overlap_pp1": _case(P(dp=2), P(dp=2)),
+    "overlap_pp1": _case(P(dp=2), P(dp=2), text_only_steps=(1,)),
     "frozen_vision": _case(P(dp=2), P(pp=2), frozen=("vision",)),
     "vision_pp2": _case(P(pp=2), P(pp=2)),
     "vision_pp2_dp2": _case(P(pp=2, dp=2), P(), meta=True),
     "vision_pp2_1mb": _case(P(pp=2), P(), PipelineConfig(microbatches=1, schedule="GPipe")),
     "looped_bfs": _case(P(dp=2), P(pp=2), PipelineConfig(microbatches=4, schedule="LoopedBFS", virtual_stages=2)),
-    "zero_bubble": _case(P(), P(pp=2), PipelineConfig(microbatches=4, schedule="InterleavedZeroBubble",
+    "zero_bubble": _case(P(), P(pp=2), PipelineConfig(microbatches=8, schedule="InterleavedZeroBubble",
                                                       virtual_stages=2)),
     "length_buckets": _case(P(dp=2), P(pp=2), seq_lens=(64, 32, 64)),
-    "zbv": _case(P(), P(pp=2), PipelineConfig(microbatches=4, schedule="ZBVZeroBubble", virtual_stages=2),
+    "zbv": _case(P(), P(pp=2), PipelineConfig(microbatches=8, schedule="ZBVZeroBubble", virtual_stages=2),
                  predict=True),
     "dualpipev": _case(P(dp=2), P(pp=2), PipelineConfig(microbatches=4, schedule="DualPipeV", virtual_stages=2)),
     "user_decoder_pp2": _case(P(), P(pp=2), custom_language=True, meta=True, predict=True),
@@ -88,3 +99,31 @@ def test_crossings_recycle_their_receive_buffers() -> None:
     allocations = [[r["allocations"] for r in records] for records in per_rank]
     assert sum(a[0] for a in allocations) > 0, allocations
     assert all(a[0] == a[-1] for a in allocations), allocations
+
+
+def test_recomputed_colocated_encoder_replays_its_dropout() -> None:
+    """`ColocatedEncoders` with `recompute`: no graph kept after phase 1, and phase 3's recomputed
+    forward draws the same dropout masks, so the gradients equal those of the kept graph."""
+    import torch
+    from torch import nn
+
+    from dtensor_mimo.schedule.encoders import ColocatedEncoders
+
+    torch.manual_seed(0)
+    encoder = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 4))
+    inputs = [{"vision": torch.randn(5, 6)}, {"vision": torch.randn(3, 6)}]
+    grads = [{"vision": torch.randn(5, 4)}, {"vision": torch.randn(3, 4)}]
+    results = []
+    for recompute in ((), ("vision",)):
+        encoder.zero_grad()
+        torch.manual_seed(1)
+        colocated = ColocatedEncoders({"vision": encoder}, inputs, torch.float32, recompute)
+        rows = colocated.encode()
+        assert all(r["vision"].requires_grad == (not recompute) for r in rows)  # no graph kept
+        after = torch.rand(1)  # the step's RNG stream goes on as without recompute
+        colocated.backward(grads)
+        results.append(([r["vision"].detach() for r in rows], [p.grad.clone() for p in encoder.parameters()], after))
+    (rows_kept, grads_kept, after_kept), (rows_re, grads_re, after_re) = results
+    assert all(torch.equal(a, b) for a, b in zip(rows_kept, rows_re))
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(grads_kept, grads_re))
+    assert torch.equal(after_kept, after_re)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dtensor_mimo import LayoutError, MimoLayout, Parallelism, PipelineConfig
-from dtensor_mimo.mimo import _check_model
+from dtensor_mimo.schedule.checks import check_model as _check_model
 from dtensor_mimo.models import Llama, LlamaConfig, ModalityEncoder, Projection, ViT, ViTConfig
 from dtensor_mimo.schedule import SCHEDULES, check_microbatching, stage_layers
 from dtensor_mimo.schedule.config import rank_stages, stage_rank
@@ -256,3 +256,45 @@ def test_private_torch_pipelining_api_we_rely_on() -> None:
         problems.append("PipelineStage.clear_runtime_states is gone")
     assert not problems, ("torch's pipelining changed under dtensor_mimo/schedule/runtime.py::run_schedule "
                           "(which calls the private _step_microbatches); update it:\n" + "\n".join(problems))
+
+
+def test_crossing_order_interleaves_backward_j_with_forward_j_plus_window():
+    from dtensor_mimo.schedule import crossing_order
+
+    assert list(crossing_order(5, 2)) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2),
+                                          ("F", 4), ("B", 3), ("B", 4)]
+    assert list(crossing_order(3, 3)) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]
+    assert list(crossing_order(2, 5)) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+
+
+@pytest.mark.parametrize("schedule, virtual, pp, expected", [
+    ("1F1B", 1, 1, 1),  # one stage: forward, backward, forward, ...
+    ("1F1B", 1, 2, 2),  # stage 0 of 1F1B warms up with one forward per stage
+    ("1F1B", 1, 4, 4),
+    ("GPipe", 1, 2, 8),  # every forward first
+    ("LoopedBFS", 2, 2, 8),  # every forward first; backwards last microbatch first
+    ("Interleaved1F1B", 2, 2, 4),  # F0 F1 F2 F3 B0 B1 F4 F5 B2 B3 ... on stage 0 (torch's order)
+    ("DualPipeV", 2, 2, 8),  # overlapped forward-backward actions: not modelled, every microbatch
+])
+def test_first_stage_in_flight_bound_of_each_schedule(schedule, virtual, pp, expected):
+    """How many microbatches stage 0 runs forward before their gradients leave (8 microbatches):
+    the crossing window lean encoders follow (`dtensor_mimo.schedule.order`)."""
+    from dtensor_mimo.schedule import crossing_window
+    from dtensor_mimo.schedule.order import in_flight
+
+    config = PipelineConfig(microbatches=8, schedule=schedule, virtual_stages=virtual)
+    assert in_flight(config, pp) == expected
+    assert crossing_window(config, pp, lean=True) == expected
+    assert crossing_window(config, pp, lean=False) == 8  # colocated / encoder pipelines: all forwards first
+
+
+def test_first_stage_actions_follow_torch_zero_bubble_order():
+    """Zero bubble at pp 2, 2 virtual stages, 4 microbatches: stage 0's split backward (I, W) as
+    torch orders it; a gradient leaves after the microbatch's last backward pass."""
+    from dtensor_mimo.schedule.order import first_stage_actions, in_flight
+
+    config = PipelineConfig(microbatches=4, schedule="InterleavedZeroBubble", virtual_stages=2)
+    actions = first_stage_actions(config, 2)
+    assert [a for a in actions if a[0] == "F"] == [("F", k) for k in range(4)]
+    assert sorted(j for kind, j in actions if kind == "W") == [0, 1, 2, 3]
+    assert in_flight(config, 2) == 4

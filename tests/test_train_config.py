@@ -51,7 +51,7 @@ def test_file_then_overrides_in_any_order(tmp_path) -> None:
     (["--optimizer.lr", "fast"], "optimizer.lr = 'fast': expected a number"),
     (["--options.language.compile", "yes"], "options.language.compile = 'yes': expected true or false"),
     (["--pipeline.schedule", "1f1b"], "pipeline: PipelineConfig.schedule='1f1b' is not one of ['1F1B', 'GPipe'"),
-    (["--layout", "3"], "layout is a section (bridge_hops, <module>), got 3"),
+    (["--layout", "3"], "layout is a section (bridge_hops, auto, <module>), got 3"),
     (["--layout.image", "3"], "layout.image is a section (pp, dp, cp, tp, offset), got 3"),
     (["--layout.bridge_hops", "3"], "layout.bridge_hops = 3: expected one of 1, 2 or none"),
     (["--layout.text.dp", "2"], "layout names ['text']: the modules are ['vision', 'audio', 'language']"),

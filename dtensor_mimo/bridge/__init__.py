@@ -38,10 +38,9 @@ from dtensor_mimo.bridge.exchange import BufferPool  # noqa: E402
 from dtensor_mimo.bridge.redistribute import (  # noqa: E402
     DEFAULT_BUFFERS,
     Bridge,
-    DeferredCheck,
     redistribute,
     redistribute_many,
 )
 
-__all__ += ["Bridge", "BufferPool", "DEFAULT_BUFFERS", "DeferredCheck", "hop_rows", "redistribute",
+__all__ += ["Bridge", "BufferPool", "DEFAULT_BUFFERS", "hop_rows", "redistribute",
             "redistribute_many"]

@@ -202,7 +202,7 @@ def _exchange(legs: Sequence[_Leg], trip: _Trip, locals_: Sequence[torch.Tensor 
     words: `Pending.peer_status`) and, with a `status`, the verdict on this rank's outputs as a 0-d
     int64 tensor on the device, > 0 where a peer flagged the data it sent or a gathered piece came
     from a flagged one. Nothing here reads a status on the host (a device sync): the caller reads
-    the verdict once (`_RedistributeFunction`), or later (`DeferredCheck`)."""
+    the verdict once (`_RedistributeFunction`)."""
     routes, pieces, bad = trip.routes, [], status
     for leg, route, x in zip(legs, routes, locals_):
         if x is not None and route.scatter:
@@ -231,52 +231,22 @@ def _positive(status: int | torch.Tensor) -> int | torch.Tensor:
     return (status > 0.5).long() if isinstance(status, torch.Tensor) else int(status > 0)
 
 
-class DeferredCheck:
-    """``check=`` for `redistribute_many` calls whose verdict the caller reads later, once (e.g. a
-    training step's one all-reduce, `MimoModel.forward_backward`): the status words ride with the
-    data as with ``check=True``, but no call reads them on the host (a device sync per call).
-
-    A rank whose own shard disagrees with the plan sends zeros of the planned shape and records
-    `error` (known on the host, no sync); its gradient comes back as zeros of its real shape, so
-    its backward runs like every other rank's. `flag()` gives this rank's verdict as a device
-    tensor: > 0 where it holds a wrong shard or received rows from one.
-    """
-
-    def __init__(self) -> None:
-        self.error: str | None = None
-        self._flags: list[torch.Tensor] = []
-        self._own = False
-
-    def record(self, mine: str | None, verdict: torch.Tensor | None) -> None:
-        self.error = self.error or mine
-        self._own = self._own or mine is not None
-        if verdict is not None:
-            self._flags.append(verdict.reshape(()))
-
-    def flag(self, device: torch.device) -> torch.Tensor:
-        """This rank's verdict over every recorded call: a 0-d float64 tensor on `device`."""
-        own = torch.full((), float(self._own), dtype=torch.float64, device=device)
-        return own if not self._flags else own + torch.stack(self._flags).sum().to(own)
-
-
 class _RedistributeFunction(torch.autograd.Function):
     """Many tensors, one autograd node: forward and backward are one batched round each (plus,
     two-hop, the scatter and gather collectives inside each mesh)."""
 
     @staticmethod
-    def forward(ctx, call: _Call, check: bool | str | DeferredCheck, pool: exchange.BufferPool | None,
+    def forward(ctx, call: _Call, check: bool | str, pool: exchange.BufferPool | None,
                 *xs: DTensor) -> tuple[DTensor, ...]:
         legs, trip = call.legs, call.forward
         ctx.call, ctx.pool = call, pool
-        ctx.real_shapes = [None] * len(legs)  # a wrong shard's own shape (DeferredCheck)
         if trip.idle and check != "world":
             return trip.wrap([None] * len(legs))
         x_locals = [None if e is None else x.to_local() for x, e in zip(xs, trip.in_shapes)]
         if check == "world":
             _check_local_shapes(x_locals, trip.in_shapes, [leg.src for leg in legs], trip.devices[0])
         mine = None  # this rank's wrong shard: its planned rows go out as zeros, flagged
-        x_locals_in = list(x_locals)
-        if check is True or isinstance(check, DeferredCheck):
+        if check is True:
             for i, (xl, e) in enumerate(zip(x_locals, trip.in_shapes)):
                 if xl is not None:
                     x_locals[i], bad = exchange.as_planned(xl, e)
@@ -285,11 +255,7 @@ class _RedistributeFunction(torch.autograd.Function):
                                         f"but the plan for {legs[i].src!r} expects {e}")
         status = None if check is False or check == "world" else int(mine is not None)
         outs, first, verdict = _exchange(legs, trip, x_locals, status, pool)
-        if isinstance(check, DeferredCheck):
-            check.record(mine, verdict)
-            ctx.real_shapes = [None if xl is None or xl.shape == e else tuple(xl.shape)
-                               for xl, e in zip(x_locals_in, trip.in_shapes)]
-        elif check is True and (mine is not None or (verdict is not None and verdict.item())):  # the call's one sync
+        if check is True and (mine is not None or (verdict is not None and verdict.item())):  # the call's one sync
             bad_peers = [] if first is None else sorted(first.peer_status())
             _raise_bad_shards(mine, bad_peers, not bad_peers, legs)
         return trip.wrap(outs)
@@ -314,9 +280,6 @@ class _RedistributeFunction(torch.autograd.Function):
                 g_local = torch.zeros(shape, dtype=leg.dtype, device=device)
             g_locals.append(g_local)
         outs, _, _ = _exchange(legs, trip, g_locals, None, ctx.pool)
-        # A wrong shard (`DeferredCheck`) gets a zero gradient of its own shape.
-        outs = [o if real is None else torch.zeros(real, dtype=leg.dtype, device=device)
-                for o, real, leg, device in zip(outs, ctx.real_shapes, legs, trip.devices)]
         return (None, None, None, *trip.wrap(outs))
 
 
@@ -360,7 +323,7 @@ def redistribute(
     *,
     sample_sizes: Sequence[int] | None = None,
     grad_placements: Sequence[Placement] | None = None,
-    check: bool | str | DeferredCheck = True,
+    check: bool | str = True,
     hops: int | None = None,
     buffers: exchange.BufferPool | bool = True,
 ) -> DTensor:
@@ -396,8 +359,7 @@ def redistribute(
             so the caller's next collective is where they learn of it). "world": one small
             all-reduce over the world first, so every rank raises before any data moves
             (MimoModel uses it the first time it sees a modality). False: no check (a wrong
-            shard can hang or corrupt). A `DeferredCheck` (`redistribute_many`): the status
-            words of True, read later by the caller, once (no host sync in the call).
+            shard can hang or corrupt).
             Host syncs: True reads the verdict once per call (however many two-hop levels).
         hops: how rows travel. 1: every destination rank that holds a row receives it from a
             source rank (a row crosses once per destination replica). 2: each row crosses once,
@@ -431,7 +393,7 @@ def redistribute_many(
     *,
     sample_sizes: Sequence[Sequence[int] | None] | None = None,
     grad_placements: Sequence[Sequence[Placement] | None] | None = None,
-    check: bool | str | DeferredCheck = True,
+    check: bool | str = True,
     names: Sequence[tuple[str, str]] | None = None,
     hops: Sequence[int | None] | None = None,
     buffers: exchange.BufferPool | bool = True,
@@ -445,19 +407,17 @@ def redistribute_many(
     bridges. Arguments are per-tensor lists with `redistribute`'s meaning; ``names`` labels
     each tensor's (source, destination) meshes in error messages, e.g. ``("vision", "language")``;
     ``hops`` chooses one-hop or two-hop per tensor; ``buffers`` is `redistribute`'s, for all.
-    ``check`` is `redistribute`'s, or a `DeferredCheck`: the status words travel as with True, and
-    the caller reads the verdict later (no device-to-host sync in the call).
+    ``check`` is `redistribute`'s.
 
     Host syncs: ``check=True`` reads the status words' verdict once per call (one sync, whatever
-    the number of tensors and two-hop levels); a `DeferredCheck` and False read none; "world"
-    reads its all-reduce once.
+    the number of tensors and two-hop levels); False reads none; "world" reads its all-reduce once.
 
     A call is prepared once per signature (meshes, placements, shapes, sizes, options) and
     cached, so a repeated call costs a dictionary lookup before its messages are posted.
     """
     n = len(xs)
-    if not (isinstance(check, DeferredCheck) or check in (True, False, "world")):
-        raise ValueError(f"redistribute: check={check!r}; use True (status word), 'world', False or a DeferredCheck")
+    if check not in (True, False, "world"):
+        raise ValueError(f"redistribute: check={check!r}; use True (status word), 'world' or False")
     if not (len(device_meshes) == len(placements) == n):
         raise ValueError(f"redistribute_many: {n} tensors, {len(device_meshes)} meshes and "
                          f"{len(placements)} placement lists; give one of each per tensor")

@@ -2,19 +2,24 @@
 positions, the ViT's transformer blocks, a final norm.
 
 Clips `[N_clips, n_mels, T]` become `[N_clips, T_out, dim]` with
-`T_out = AudioConfig.output_length(T)`, which the data layer uses to count audio tokens.
+`T_out = AudioConfig.output_length(T)`, which the data layer uses to count audio tokens. A list
+of clips, each `[n_mels, T_i]` (of their own lengths with `variable_length`), becomes their rows
+`[sum_i output_length(T_i), dim]`, encoded as one packed sequence: the convolutions as one
+matmul over every clip's windows (zero outside its clip, as the convolution's padding), positions
+from 0 in every clip, attention within each clip (`dtensor_mimo.models.layers.packed_attention`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtensor_mimo.models.layers import init_weights
+from dtensor_mimo.models.layers import PackedItems, init_weights
 from dtensor_mimo.models.vit import EncoderBlock
 
 _KERNEL = 3  # both convolutions: kernel 3, padding 1, as in Whisper
@@ -33,6 +38,9 @@ class AudioConfig:
     # Whisper's variants (defaults: learned positions, a key bias); see `from_hf`.
     key_bias: bool = True
     frozen_positions: bool = False  # the position table does not train (Whisper's sinusoids)
+    # Clips of a list may differ in length (each up to max_frames, none padded); else a list's
+    # clips share one length, as the rows of a tensor do.
+    variable_length: bool = False
 
     def __post_init__(self) -> None:
         if self.mlp_hidden is None:
@@ -54,6 +62,23 @@ class AudioConfig:
             t = (t + 2 * (_KERNEL // 2) - _KERNEL) // stride + 1  # Conv1d length formula
         return t
 
+    def item_problem(self, shape: Sequence[int]) -> str | None:
+        """Why the encoder cannot encode one clip of `shape` ``[n_mels, T]`` (None: it can),
+        phrased to follow "a clip of" / "items of"."""
+        shape = list(shape)
+        if len(shape) != 2 or shape[0] != self.n_mels or not 0 < shape[1] <= self.max_frames:
+            return f"shape {shape}, but the audio encoder takes [{self.n_mels}, frames <= {self.max_frames}]"
+        return None
+
+    def tokens_for(self, shape: Sequence[int]) -> int:
+        """Rows the encoder gives for one clip of `shape` ``[n_mels, T]``: `output_length(T)`.
+        Pure: the data and batch layers count tokens per item with it before any encoder runs.
+        Raises ValueError for a clip the encoder cannot encode (`item_problem`)."""
+        problem = self.item_problem(shape)
+        if problem:
+            raise ValueError(f"AudioEncoder: a clip of {problem}")
+        return self.output_length(shape[1])
+
     @classmethod
     def from_hf(cls, path: str) -> AudioConfig:
         """The encoder config of a Hugging Face Whisper checkpoint directory."""
@@ -69,7 +94,9 @@ class AudioConfig:
 
 
 class AudioEncoder(nn.Module):
-    """Audio encoder: `[N_clips, n_mels, T]` -> `[N_clips, config.output_length(T), dim]`.
+    """Audio encoder: `[N_clips, n_mels, T]` -> `[N_clips, config.output_length(T), dim]`, or a
+    list of clips `[n_mels, T_i]` -> their rows `[sum_i output_length(T_i), dim]`, items in order
+    (one packed sequence with per-clip attention).
 
     Call `init_weights(seed)` for weights that depend only on the seed and parameter names.
     """
@@ -93,9 +120,21 @@ class AudioEncoder(nn.Module):
         """Deterministic init from `seed`; see `dtensor_mimo.models.layers.init_weights`."""
         init_weights(self, seed)
 
-    def embed(self, mels: torch.Tensor) -> torch.Tensor:
-        """Convolutions and position embeddings: `[N, n_mels, T]` -> `[N, output_length(T), dim]`
-        (the part before the blocks; a first pipeline stage runs it)."""
+    def tokens_for(self, shape: Sequence[int]) -> int:
+        """Rows this encoder gives for one clip of `shape` ``[n_mels, T]`` (`AudioConfig.tokens_for`)."""
+        return self.config.tokens_for(shape)
+
+    def packed_items(self, shapes: Sequence[Sequence[int]]) -> PackedItems:
+        """Rows of each clip of `shapes` inside the blocks of a packed call (what the blocks and
+        `finish` take as `packed`)."""
+        return PackedItems([self.tokens_for(s) for s in shapes])
+
+    def embed(self, mels: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        """Convolutions and position embeddings (the part before the blocks; a first pipeline
+        stage runs it): `[N, n_mels, T]` -> `[N, output_length(T), dim]`; a list of clips ->
+        their rows packed `[1, sum(packed_items(shapes).lengths), dim]`."""
+        if not isinstance(mels, torch.Tensor):
+            return self._embed_packed(mels)
         c = self.config
         if mels.dim() != 3 or mels.shape[1] != c.n_mels or mels.shape[2] > c.max_frames:
             raise ValueError(
@@ -107,12 +146,53 @@ class AudioEncoder(nn.Module):
         x = x.transpose(1, 2)  # [N, T_out, dim]
         return x + self.pos_embed[: x.shape[1]]
 
-    def finish(self, x: torch.Tensor) -> torch.Tensor:
-        """The part after the blocks (a last pipeline stage runs it): the final norm."""
-        return self.norm(x)
+    def _embed_packed(self, mels: Sequence[torch.Tensor]) -> torch.Tensor:
+        frames = []
+        for i, clip in enumerate(mels):
+            problem = (f"a {type(clip).__name__}, not a tensor [n_mels, T]" if not isinstance(clip, torch.Tensor)
+                       else self.config.item_problem(clip.shape))
+            if problem:
+                raise ValueError(f"AudioEncoder: clip {i} of the {len(mels)} in the list has {problem}")
+            frames.append(clip.shape[1])
+        if not self.config.variable_length and len(set(frames)) > 1:
+            raise ValueError(f"AudioEncoder: the clips of the list have lengths {frames} frames; clips of their "
+                             "own length need AudioConfig(variable_length=True)")
+        weight = self.conv1.weight
+        x = torch.cat([clip.t() for clip in mels]) if mels else weight.new_zeros(0, self.config.n_mels)
+        x, frames = _packed_conv(x.to(weight.dtype), frames, self.conv1)
+        x, frames = _packed_conv(F.gelu(x), frames, self.conv2)
+        positions = torch.cat([torch.arange(n) for n in frames] or [torch.zeros(0, dtype=torch.long)])
+        # every clip's positions from 0
+        return (F.gelu(x) + self.pos_embed[positions.to(x.device, non_blocking=True)]).unsqueeze(0)
 
-    def forward(self, mels: torch.Tensor) -> torch.Tensor:
-        x = self.embed(mels)
+    def finish(self, x: torch.Tensor, packed: PackedItems | None = None) -> torch.Tensor:
+        """The part after the blocks (a last pipeline stage runs it): the final norm; a packed
+        `x [1, S, dim]` (`packed` given) comes out as rows `[S, dim]`."""
+        x = self.norm(x)
+        return x if packed is None else x.squeeze(0)
+
+    def forward(self, mels: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        x = self.embed(mels)  # checks the clips
+        packed = None if isinstance(mels, torch.Tensor) else self.packed_items([m.shape for m in mels])
         for layer in self.layers.values():
-            x = layer(x)
-        return self.finish(x)
+            x = layer(x, packed=packed)
+        return self.finish(x, packed)
+
+
+def _packed_conv(x: torch.Tensor, frames: Sequence[int], conv: nn.Conv1d) -> tuple[torch.Tensor, list[int]]:
+    """`conv` (kernel 3, padding 1) applied to each clip of the packed frames `x [sum(frames),
+    C_in]` on its own: ``([sum(out_frames), C_out], out_frames)``. Every output frame's window of
+    input rows is gathered (a row index past the end: the zero row standing for the padding, so
+    no window reaches into a neighbouring clip) and all windows go through one matmul."""
+    stride, pad = conv.stride[0], conv.padding[0]
+    out_frames = [(n + 2 * pad - _KERNEL) // stride + 1 for n in frames]
+    zero = x.shape[0]  # the index of the zero row appended below
+    index, start = [torch.zeros(0, _KERNEL, dtype=torch.long)], 0
+    for n, m in zip(frames, out_frames):  # on the host (sizes are ints), then one copy to the device
+        taps = torch.arange(m).unsqueeze(1) * stride - pad + torch.arange(_KERNEL)
+        index.append(torch.where((taps >= 0) & (taps < n), taps + start, zero))  # [m, kernel]
+        start += n
+    index = torch.cat(index).to(x.device, non_blocking=True)
+    windows = torch.cat([x, x.new_zeros(1, x.shape[1])])[index]  # [out, kernel, C_in]
+    out = F.linear(windows.transpose(1, 2).flatten(1), conv.weight.flatten(1), conv.bias)  # weight [C_out, C_in, k]
+    return out, out_frames

@@ -1,5 +1,5 @@
 """Pieces shared by every reference model: RMSNorm, rotary embeddings, the causal attention core,
-and deterministic weight initialisation.
+the encoders' packed (block-diagonal) attention core, and deterministic weight initialisation.
 
 Each lives here once; `llama.py`, `vit.py`, `audio.py` and `projection.py` import them.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -192,6 +192,77 @@ def causal_attention(
 # Query rows per chunk of the masked attention path: its transient memory is about
 # chunk x Skv (mask and, without a fused kernel, scores per head) whatever the sequence length.
 ATTENTION_QUERY_CHUNK = 1024
+
+
+class PackedItems:
+    """The item lengths of a packed sequence (rows per item, in order), as one object for the
+    encoder blocks' ``packed`` argument. `packed_attention` runs outside the compiled graph, so a
+    compiled block only passes the object on and never reads the lengths: a new mix of item
+    sizes does not recompile it (a list of ints would be guarded value by value)."""
+
+    __slots__ = ("lengths",)
+
+    def __init__(self, lengths: Sequence[int]) -> None:
+        self.lengths = tuple(int(n) for n in lengths)
+
+    def __repr__(self) -> str:
+        return f"PackedItems({list(self.lengths)})"
+
+
+@torch.compiler.disable  # see PackedItems; the spans are planned from Python ints anyway
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     items: PackedItems | Sequence[int]) -> torch.Tensor:
+    """Bidirectional attention over items packed along the sequence (the encoders' core for items
+    of different sizes): ``q, k, v [B, H, S, D]`` with ``S = sum(lengths)`` (`items`: the
+    lengths, or `PackedItems` of them), item i the rows ``sum(lengths[:i]) .. + lengths[i]``; a
+    row attends to every row of its own item and to no other (a block-diagonal mask), scale
+    ``1 / sqrt(D)``. Returns ``[B, H, S, D]``.
+
+    The lengths are Python ints (from the items' shapes), so the blocks are planned on the host
+    without a device sync: consecutive items are grouped into spans of at most
+    `PACKED_SPAN_ROWS` rows (a longer item is a span of its own) and each span is one SDPA call
+    over its own rows only — unmasked (the fused kernel) when it holds one item, with the
+    document rule of `causal_attention` minus causality (a boolean mask of the span) when it
+    holds several small ones, which then share one call. Work is that of the items plus at most
+    ``S x PACKED_SPAN_ROWS`` for the shared spans, never ``S x S``, and no item is padded.
+    """
+    lengths = items.lengths if isinstance(items, PackedItems) else tuple(items)
+    if sum(lengths) != q.shape[2] or any(n < 0 for n in lengths):
+        raise ValueError(f"packed_attention: item lengths {list(lengths)} do not sum to the {q.shape[2]} rows")
+    spans = _spans(lengths, PACKED_SPAN_ROWS)
+    if not spans:
+        return q.new_empty(q.shape[:3] + (v.shape[3],))
+    sizes = [sum(span) for span in spans]
+    gqa = q.shape[1] != k.shape[1]
+    outputs = []
+    # split, not slicing: its backward is one concatenation, not a zero-filled full-size gradient per span
+    for span, qs, ks, vs in zip(spans, q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2)):
+        mask = None
+        if len(span) > 1:
+            item = torch.tensor([i for i, n in enumerate(span) for _ in range(n)], device=q.device)
+            mask = item.unsqueeze(0) == item.unsqueeze(1)  # [span, span]: same item
+        outputs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+# Rows up to which consecutive small items share one masked SDPA call in `packed_attention`
+# (fewer calls) at the price of attention work between them (at most this many keys per row).
+PACKED_SPAN_ROWS = 128
+
+
+def _spans(lengths: Sequence[int], limit: int) -> list[list[int]]:
+    """Consecutive items grouped greedily into spans of at most `limit` rows (an item longer than
+    `limit` alone): the lengths of each span's items; empty items are skipped."""
+    spans: list[list[int]] = []
+    rows = 0  # of the last span
+    for n in lengths:
+        if n and spans and rows + n <= limit:
+            spans[-1].append(n)
+            rows += n
+        elif n:
+            spans.append([n])
+            rows = n
+    return spans
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,

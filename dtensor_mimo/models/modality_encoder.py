@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
@@ -10,10 +12,13 @@ from dtensor_mimo.models.projection import Projection
 
 class ModalityEncoder(nn.Module):
     """``inputs [N, ...]`` -> ``[N * tokens_per_item, out_dim]``: encode each item, project each
-    token, flatten items batch-major (the row order of `dtensor_mimo.assemble.assemble`).
+    token, flatten items batch-major (the row order of `dtensor_mimo.assemble.assemble`). A list
+    of items (one tensor each, sizes of their own) goes to the encoder as it is, and its rows
+    ``[sum_i tokens_for(item_i), in_dim]`` are projected: ``[sum_i tokens_i, out_dim]``.
 
     Args:
-        encoder: maps ``[N, ...]`` to ``[N, tokens_per_item, in_dim]`` (`ViT`, `AudioEncoder`).
+        encoder: maps ``[N, ...]`` to ``[N, tokens_per_item, in_dim]`` (`ViT`, `AudioEncoder`),
+            and a list of items to their rows.
         projection: maps ``in_dim`` to the language model's ``dim``.
     """
 
@@ -33,6 +38,12 @@ class ModalityEncoder(nn.Module):
         if self.projection is not None:
             self.projection.init_weights(seed + 1)
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def tokens_for(self, shape: Sequence[int]) -> int:
+        """Rows for one item of `shape` (the encoder's own `tokens_for`: pure, no forward)."""
+        return self.encoder.tokens_for(shape)
+
+    def forward(self, inputs: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        if not isinstance(inputs, torch.Tensor):
+            return self.projection(self.encoder(inputs))  # already rows [sum tokens, in_dim]
         # Flatten before projecting: the result is then a fresh tensor, not a view (FSDP2 warns on views).
         return self.projection(self.encoder(inputs).flatten(0, 1))

@@ -62,37 +62,34 @@ ItemRule = Callable[[tuple[int, ...], int], "str | None"]
 
 
 def item_rule(encoder: nn.Module) -> ItemRule | None:
-    """What an encoder takes per item, as a pure check ``(item shape, tokens_per_item) -> problem
-    or None``, so every rank can check a batch against an encoder it does not hold. Known for a
-    `ModalityEncoder` over a `ViT` or `AudioEncoder`, and for a user's encoder that has
-    ``tokens_per_item(item_shape) -> int``; None otherwise (the first crossing checks the rows)."""
+    """What an encoder takes per item, as a pure check ``(item shape, tokens of that item) ->
+    problem or None``, so every rank can check a batch against an encoder it does not hold (call
+    it once per item when items differ in size). Known for a `ModalityEncoder` over a `ViT` or
+    `AudioEncoder` (their configs' `item_problem` and `tokens_for`), and for a user's encoder
+    that has ``tokens_per_item(item_shape) -> int``; None otherwise (the first crossing checks
+    the rows)."""
     from dtensor_mimo.models.audio import AudioEncoder
     from dtensor_mimo.models.vit import ViT
 
     tower = encoder.encoder if isinstance(encoder, ModalityEncoder) else encoder
     config = getattr(tower, "config", None)
-    if isinstance(tower, ViT):
-        shape = (config.in_channels, config.image_size, config.image_size)
+    if isinstance(tower, (ViT, AudioEncoder)):
+        # Per item, so a count of its own for each item (dynamic resolution, variable length).
+        vit = isinstance(tower, ViT)
 
-        def vit(item: tuple[int, ...], tokens: int) -> str | None:
-            if item != shape:
-                return f"items of shape {list(item)}, but the ViT takes {list(shape)}"
-            if tokens != config.num_patches:
-                return f"tokens_per_item={tokens}, but the ViT gives {config.num_patches} rows per image"
-            return None
+        def library(item: tuple[int, ...], tokens: int) -> str | None:
+            problem = config.item_problem(item)
+            if problem:
+                return f"items of {problem}"
+            want = config.tokens_for(item)
+            if tokens == want:
+                return None
+            if vit:
+                size = f" of {item[1]}x{item[2]} px" if config.dynamic_resolution else ""
+                return f"tokens_per_item={tokens}, but the ViT gives {want} rows per image{size}"
+            return f"tokens_per_item={tokens}, but the audio encoder gives {want} rows per clip of {item[1]} frames"
 
-        return vit
-    if isinstance(tower, AudioEncoder):
-        def audio(item: tuple[int, ...], tokens: int) -> str | None:
-            if len(item) != 2 or item[0] != config.n_mels or not 0 < item[1] <= config.max_frames:
-                return (f"items of shape {list(item)}, but the audio encoder takes [{config.n_mels}, frames <= "
-                        f"{config.max_frames}]")
-            if tokens != config.output_length(item[1]):
-                return (f"tokens_per_item={tokens}, but the audio encoder gives {config.output_length(item[1])} "
-                        f"rows per clip of {item[1]} frames")
-            return None
-
-        return audio
+        return library
     count = getattr(encoder, "tokens_per_item", None)
     if callable(count):
         def user(item: tuple[int, ...], tokens: int) -> str | None:

@@ -1,6 +1,10 @@
 """A ViT image encoder: patch embedding, learned positions, pre-norm transformer blocks.
 
-Images `[N_img, C, H, W]` become patch embeddings `[N_img, n_patches, dim]`. By default this is
+Images `[N_img, C, H, W]` become patch embeddings `[N_img, n_patches, dim]`; a list of images,
+each `[C, H_i, W_i]` (at their own size with `dynamic_resolution`), becomes their rows
+`[sum_i tokens_i, dim]`, encoded as one packed sequence with per-item attention
+(`dtensor_mimo.models.layers.packed_attention`), each item with its own interpolated position
+grid (SigLIP's `interpolate_pos_encoding`). By default this is
 SigLIP's vision tower without its pooling head (no class token: the language model consumes every
 patch); CLIP-style towers (a class token that attends but is dropped from the output, a LayerNorm
 before the blocks, quick GELU) are config switches. The block class `EncoderBlock` is shared with
@@ -13,13 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtensor_mimo.models.layers import init_weights
+from dtensor_mimo.models.layers import PackedItems, init_weights, packed_attention
 
 
 @dataclass
@@ -38,6 +42,11 @@ class ViTConfig:
     pre_norm: bool = False  # CLIP: LayerNorm on the embeddings before the blocks
     final_norm: bool = True  # LayerNorm after the blocks (LLaVA's CLIP features have none)
     patch_bias: bool = True  # CLIP's patch embedding has none
+    # Images at their own size: an image [C, H, W] gives (H // patch) * (W // patch) tokens, its
+    # positions interpolated (bicubic) from the learned image_size grid, as transformers' SigLIP /
+    # CLIP with interpolate_pos_encoding=True. max_patches: the most tokens one image may give.
+    dynamic_resolution: bool = False
+    max_patches: int | None = None
 
     def __post_init__(self) -> None:
         if self.mlp_hidden is None:
@@ -50,12 +59,48 @@ class ViTConfig:
             raise ValueError(
                 f"ViTConfig: dim={self.dim} must be divisible by n_heads={self.n_heads}"
             )
+        if self.max_patches is not None and (not self.dynamic_resolution or self.max_patches < 1):
+            raise ValueError(f"ViTConfig: max_patches={self.max_patches} is the patch budget of one image under "
+                             f"dynamic_resolution=True (got dynamic_resolution={self.dynamic_resolution}); "
+                             "it must be >= 1")
 
     @property
     def num_patches(self) -> int:
         """Tokens per image: the length of the encoder output (pixels beyond the last whole
         patch are dropped, as the patch convolution does)."""
         return (self.image_size // self.patch_size) ** 2
+
+    def item_problem(self, shape: Sequence[int]) -> str | None:
+        """Why this ViT cannot encode one image of `shape` ``[C, H, W]`` (None: it can), phrased
+        to follow "an image of" / "items of"."""
+        shape = list(shape)
+        p = self.patch_size
+        if not self.dynamic_resolution:
+            fixed = [self.in_channels, self.image_size, self.image_size]
+            if shape != fixed:
+                return (f"shape {shape}, but the ViT takes {fixed} (ViTConfig(dynamic_resolution=True) takes "
+                        "images at their own size)")
+            return None
+        if len(shape) != 3 or shape[0] != self.in_channels:
+            return f"shape {shape}, but the ViT takes [{self.in_channels}, H, W] (in_channels={self.in_channels})"
+        if shape[1] < p or shape[2] < p:
+            return f"shape {shape}, smaller than one {p}x{p} patch"
+        patches = (shape[1] // p) * (shape[2] // p)
+        if self.max_patches is not None and patches > self.max_patches:
+            return (f"shape {shape}: {patches} patches ({shape[1] // p} x {shape[2] // p} of {p} px), over the "
+                    f"budget max_patches={self.max_patches}; resize it to at most {self.max_patches * p * p} "
+                    "pixels (the data layer's job)")
+        return None
+
+    def tokens_for(self, shape: Sequence[int]) -> int:
+        """Rows the ViT gives for one image of `shape` ``[C, H, W]``: ``(H // patch) * (W //
+        patch)`` (`num_patches` without dynamic resolution). Pure: the data and batch layers count
+        tokens per item with it before any encoder runs. Raises ValueError for an image the ViT
+        cannot encode (`item_problem`)."""
+        problem = self.item_problem(shape)
+        if problem:
+            raise ValueError(f"ViT: an image of {problem}")
+        return (shape[1] // self.patch_size) * (shape[2] // self.patch_size)
 
     @classmethod
     def from_hf(cls, path: str) -> ViTConfig:
@@ -74,7 +119,9 @@ class ViTConfig:
 
 class SelfAttention(nn.Module):
     """Bidirectional multi-head self-attention (every token sees every token of its item);
-    `key_bias` False: no bias on `wk` (Whisper; softmax ignores it anyway)."""
+    `key_bias` False: no bias on `wk` (Whisper; softmax ignores it anyway). Items are the rows of
+    `x [N, S, dim]`, or, with `packed`, consecutive runs of `packed.lengths` rows of a packed
+    `x [1, S, dim]` (`packed_attention`)."""
 
     def __init__(self, dim: int, n_heads: int, key_bias: bool = True) -> None:
         super().__init__()
@@ -84,13 +131,13 @@ class SelfAttention(nn.Module):
         self.wv = nn.Linear(dim, dim)
         self.wo = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, packed: PackedItems | None = None) -> torch.Tensor:
         # -1: the number of heads this rank holds (all of them, or a tensor-parallel shard);
         # unflatten rather than view(b, s, -1, d) so that an empty batch works too.
         q = self.wq(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         k = self.wk(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         v = self.wv(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v)
+        out = F.scaled_dot_product_attention(q, k, v) if packed is None else packed_attention(q, k, v, packed)
         return self.wo(out.transpose(1, 2).flatten(2))
 
 
@@ -115,7 +162,9 @@ class MLP(nn.Module):
 
 
 class EncoderBlock(nn.Module):
-    """Pre-norm block: h = x + attn(norm1(x)); out = h + mlp(norm2(h))."""
+    """Pre-norm block: h = x + attn(norm1(x)); out = h + mlp(norm2(h)). `packed`: `x` is a
+    packed sequence of these items (see `SelfAttention`); a keyword, so that tensor
+    parallel input hooks, which handle positional arguments, pass it through untouched."""
 
     def __init__(self, dim: int, n_heads: int, mlp_hidden: int, norm_eps: float, activation: str = "gelu",
                  key_bias: bool = True) -> None:
@@ -125,13 +174,15 @@ class EncoderBlock(nn.Module):
         self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
         self.mlp = MLP(dim, mlp_hidden, activation)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, *, packed: PackedItems | None = None) -> torch.Tensor:
+        h = x + self.attn(self.norm1(x), packed=packed)
         return h + self.mlp(self.norm2(h))
 
 
 class ViT(nn.Module):
-    """Image encoder: `[N_img, C, H, W]` -> `[N_img, num_patches, dim]`.
+    """Image encoder: `[N_img, C, H, W]` -> `[N_img, num_patches, dim]`, or a list of images
+    `[C, H_i, W_i]` -> their rows `[sum_i tokens_for(image_i), dim]`, items in order (one packed
+    sequence with per-item attention; images at their own size need `dynamic_resolution`).
 
     Call `init_weights(seed)` for weights that depend only on the seed and parameter names.
     """
@@ -158,32 +209,91 @@ class ViT(nn.Module):
         """Deterministic init from `seed`; see `dtensor_mimo.models.layers.init_weights`."""
         init_weights(self, seed)
 
-    def embed(self, images: torch.Tensor) -> torch.Tensor:
-        """Patch and position embeddings: `[N, C, H, W]` -> `[N, num_patches, dim]` (the part
-        before the blocks; a first pipeline stage runs it)."""
+    def tokens_for(self, shape: Sequence[int]) -> int:
+        """Rows this ViT gives for one image of `shape` ``[C, H, W]`` (`ViTConfig.tokens_for`)."""
+        return self.config.tokens_for(shape)
+
+    def packed_items(self, shapes: Sequence[Sequence[int]]) -> PackedItems:
+        """Rows of each image of `shapes` inside the blocks of a packed call: its tokens, plus
+        the class token of a CLIP-style tower (what the blocks and `finish` take as `packed`)."""
+        return PackedItems([self.tokens_for(s) + int(self.config.class_token) for s in shapes])
+
+    def positions(self, grid: tuple[int, int]) -> torch.Tensor:
+        """Position embeddings of an image of ``grid = (rows, columns)`` patches: `pos_embed`
+        itself for the learned square grid, else its patch part resized bicubically as
+        transformers' SigLIP / CLIP ``interpolate_pos_encoding`` does (the class token's row, if
+        any, first and unchanged): ``[class + rows * columns, dim]``."""
+        side = self.config.image_size // self.config.patch_size
+        if tuple(grid) == (side, side):  # transformers skips the (identity) resize here too
+            return self.pos_embed
+        extra = int(self.cls_token is not None)
+        dim = self.pos_embed.shape[-1]
+        table = self.pos_embed[extra:].reshape(1, side, side, dim).permute(0, 3, 1, 2)
+        table = F.interpolate(table, size=tuple(grid), mode="bicubic", align_corners=False)
+        table = table.permute(0, 2, 3, 1).reshape(-1, dim)
+        return torch.cat([self.pos_embed[:extra], table]) if extra else table
+
+    def embed(self, images: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        """Patch and position embeddings (the part before the blocks; a first pipeline stage
+        runs it): `[N, C, H, W]` -> `[N, (class +) patches, dim]`; a list of images -> their rows
+        packed `[1, sum(packed_items(shapes).lengths), dim]`."""
+        if not isinstance(images, torch.Tensor):
+            return self._embed_packed(images)
         c = self.config
-        expected = (c.in_channels, c.image_size, c.image_size)
-        if images.dim() != 4 or tuple(images.shape[1:]) != expected:
-            raise ValueError(
-                f"ViT: expected images [N, {c.in_channels}, {c.image_size}, {c.image_size}], "
-                f"got {list(images.shape)}"
-            )
+        problem = c.item_problem(images.shape[1:]) if images.dim() == 4 else "not [N, C, H, W]"
+        if problem:
+            size = "H, W" if c.dynamic_resolution else f"{c.image_size}, {c.image_size}"
+            detail = f" (images of {problem})" if c.dynamic_resolution and images.dim() == 4 else ""
+            raise ValueError(f"ViT: expected images [N, {c.in_channels}, {size}], got {list(images.shape)}{detail}")
         x = self.patch_embed(images)  # [N, dim, H/p, W/p]
+        grid = tuple(x.shape[2:])
         x = x.flatten(2).transpose(1, 2)  # [N, num_patches, dim], patches in row-major order
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], 1, -1).to(x.dtype), x], dim=1)
-        x = x + self.pos_embed
+        x = x + self.positions(grid)
         return x if self.pre_norm is None else self.pre_norm(x)
 
-    def finish(self, x: torch.Tensor) -> torch.Tensor:
+    def _embed_packed(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
+        p, weight = self.config.patch_size, self.patch_embed.weight
+        grids = []
+        for i, image in enumerate(images):
+            problem = (f"a {type(image).__name__}, not a tensor [C, H, W]" if not isinstance(image, torch.Tensor)
+                       else self.config.item_problem(image.shape))
+            if problem:
+                raise ValueError(f"ViT: image {i} of the {len(images)} in the list has {problem}")
+            grids.append((image.shape[1] // p, image.shape[2] // p))
+        # The patch convolution as one Linear over every image's patches (cut row-major, pixels
+        # beyond the last whole patch dropped, as the convolution drops them).
+        patches = [image[:, :h * p, :w * p].unflatten(1, (h, p)).unflatten(3, (w, p)).permute(1, 3, 0, 2, 4)
+                   .reshape(h * w, -1) for image, (h, w) in zip(images, grids)]
+        patches = torch.cat(patches) if patches else weight.new_zeros(0, weight[0].numel())
+        x = F.linear(patches.to(weight.dtype), weight.flatten(1), self.patch_embed.bias)  # [patches, dim]
+        if self.cls_token is not None and grids:  # each image's class token first, as in the batch path
+            cls = self.cls_token.to(x.dtype).unsqueeze(0)
+            x = torch.cat([part for item in x.split([h * w for h, w in grids]) for part in (cls, item)])
+        if grids:
+            table = {grid: self.positions(grid) for grid in set(grids)}  # each size resized once
+            x = x + torch.cat([table[grid] for grid in grids])
+        x = x.unsqueeze(0)
+        return x if self.pre_norm is None else self.pre_norm(x)
+
+    def finish(self, x: torch.Tensor, packed: PackedItems | None = None) -> torch.Tensor:
         """The part after the blocks (a last pipeline stage runs it): the final norm, if any,
-        and the class token dropped: `[N, num_patches, dim]`."""
+        and the class token dropped: `[N, num_patches, dim]`; for a packed `x [1, S, dim]` of
+        the items `packed` (`packed_items`), their rows `[sum tokens, dim]`."""
         if self.norm is not None:
             x = self.norm(x)
-        return x[:, 1:] if self.cls_token is not None else x
+        # config, not cls_token: a last pipeline stage does not hold the embeddings
+        if packed is None:
+            return x[:, 1:] if self.config.class_token else x
+        x = x.squeeze(0)
+        if self.config.class_token and packed.lengths:
+            x = torch.cat([item[1:] for item in x.split(list(packed.lengths))])
+        return x
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.embed(images)
+    def forward(self, images: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        x = self.embed(images)  # checks the images
+        packed = None if isinstance(images, torch.Tensor) else self.packed_items([i.shape for i in images])
         for layer in self.layers.values():
-            x = layer(x)
-        return self.finish(x)
+            x = layer(x, packed=packed)
+        return self.finish(x, packed)

@@ -23,8 +23,10 @@ from dtensor_mimo.parallelize.language import parallelize_llama
 from dtensor_mimo.parallelize.options import ParallelOptions
 from dtensor_mimo.parallelize.precision import apply_data_parallel, autocast_forward, compute_dtype, uses_fsdp
 from dtensor_mimo.parallelize.replicas import (
+    finish_gradients,
     first_differing_replica,
     reduce_tp_replicated_gradients,
+    replica_problems,
     tp_replicated,
 )
 
@@ -37,11 +39,13 @@ __all__ = [
     "checkpoint_blocks",
     "compile_blocks",
     "compute_dtype",
+    "finish_gradients",
     "first_differing_replica",
     "parallelize_encoder",
     "parallelize_llama",
     "parallelize_projection",
     "reduce_tp_replicated_gradients",
+    "replica_problems",
     "tp_replicated",
     "uses_fsdp",
 ]

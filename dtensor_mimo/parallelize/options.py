@@ -26,7 +26,9 @@ class ParallelOptions:
         compile: `torch.compile` each transformer block (the whole module for a projection).
         compile_backend: backend for `compile`; "inductor" (default) or e.g. "aot_eager".
         reshard_after_forward: FSDP2 frees the gathered parameters after forward (ZeRO-3) when
-            True, keeps them until backward (ZeRO-2-like, more memory, one all-gather less).
+            True, keeps them until backward (ZeRO-2-like, more memory, one all-gather less);
+            with False an encoder on ranks of its own keeps them gathered across the step's
+            microbatches (one all-gather per step).
             The root module is never resharded after forward (FSDP2's own default).
         activation_checkpointing: recompute block activations in backward instead of keeping
             them: 0 off, 1 every transformer block, n every n-th block (the first, then every
@@ -40,6 +42,10 @@ class ParallelOptions:
         reduce_dtype: dtype of the data-parallel gradient reduction (FSDP2's reduce-scatter or
             the all-reduce without FSDP). None: float32 when `param_dtype` is set (fp32 gradient
             sums), else the gradients' dtype.
+        recompute_colocated: an encoder sharing ranks with the language model (the colocated
+            three phases): keep no graph while the language model runs its microbatches; each
+            microbatch is encoded again right before its backward (one more encoder forward per
+            step, RNG replayed; numerics unchanged). False: every microbatch's graph is kept.
         loss_parallel: language model with tp > 1: the head's logits stay sharded over the
             vocabulary (a ``Shard(-1)`` DTensor) and the cross entropy combines the shards with
             two small tp all-reduces per microbatch instead of all-gathering ``[tokens, vocab]``
@@ -55,6 +61,7 @@ class ParallelOptions:
     param_dtype: torch.dtype | str | None = None
     reduce_dtype: torch.dtype | str | None = None
     loss_parallel: bool = True
+    recompute_colocated: bool = False
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -65,7 +72,7 @@ class ParallelOptions:
                 raise TypeError(f"ParallelOptions: {name}={value!r} must be a floating dtype such as "
                                 f"torch.bfloat16, one of {sorted(DTYPES)}, or None")
         flags = {n: getattr(self, n) for n in ("sp", "fsdp", "compile", "reshard_after_forward",
-                                               "loss_parallel")}
+                                               "loss_parallel", "recompute_colocated")}
         wrong = {n: v for n, v in flags.items() if not isinstance(v, bool)}
         if wrong:
             raise TypeError(f"ParallelOptions: {wrong} must be True or False")

@@ -22,7 +22,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dtensor_mimo.parallelize.fsdp import sum_in_place
+from dtensor_mimo.parallelize.fsdp import allreduce_gradients, sum_in_place
+from dtensor_mimo.parallelize.options import ParallelOptions
+from dtensor_mimo.parallelize.precision import uses_fsdp
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -92,3 +94,31 @@ def first_differing_replica(params: Mapping[str, nn.Parameter], mesh: DeviceMesh
                 return name
             offset += t.numel()
     return None
+
+
+def replica_problems(name: str, params: Mapping[str, nn.Parameter], tp_mesh: DeviceMesh | None,
+                     dp_mesh: DeviceMesh | None, options: ParallelOptions) -> list[str]:
+    """What differs among module `name`'s replicas: the parameters tp leaves whole over
+    `tp_mesh`, and every parameter over `dp_mesh` when the module does not use FSDP2."""
+    checks = [("tp", tp_mesh, {n: p for n, p in params.items() if tp_replicated(p)})]
+    if not uses_fsdp(options, dp_mesh):
+        checks.append(("dp·cp", dp_mesh, params))
+    return [f"module {name!r}: parameter {bad!r} differs over {dim}" for dim, mesh, group in checks
+            if mesh is not None and (bad := first_differing_replica(group, mesh)) is not None]
+
+
+@torch.no_grad()
+def finish_gradients(module: nn.Module, params: Mapping[str, nn.Parameter], tp_mesh: DeviceMesh | None,
+                     dp_mesh: DeviceMesh | None, options: ParallelOptions) -> None:
+    """After backward, make `module`'s gradients (`params`: its parameters by name) what
+    clipping and the optimizer expect: summed over `dp_mesh` without FSDP2 (FSDP2 already did),
+    tp-replicated ones made identical (`reduce_tp_replicated_gradients`), and gradients left
+    as pending partial sums by tp (the norm weights under sp) reduced to their parameter's
+    placements. Call on every rank of the module's meshes."""
+    if not uses_fsdp(options, dp_mesh):
+        allreduce_gradients(module, dp_mesh, options.gradient_reduce_dtype)
+    reduce_tp_replicated_gradients(params, tp_mesh)
+    for param in params.values():
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            param.grad = grad.redistribute(grad.device_mesh, param.placements)

@@ -12,9 +12,11 @@ from dtensor_mimo.schedule.config import (
     stage_layers,
     stage_rank,
 )
+from dtensor_mimo.schedule.checks import check_batch, check_model
 from dtensor_mimo.schedule.crossing import Crossing
 from dtensor_mimo.schedule.encoders import EncoderPipeline, EncoderStage, keep_encoder_stage
 from dtensor_mimo.schedule.language import LanguagePipeline, LanguageStage, llama_stage, stage_inputs
+from dtensor_mimo.schedule.order import crossing_order, crossing_window
 from dtensor_mimo.schedule.step import pipelined_step
 
 __all__ = [
@@ -27,8 +29,12 @@ __all__ = [
     "LanguagePipeline",
     "LanguageStage",
     "PipelineConfig",
+    "check_batch",
     "check_microbatching",
+    "check_model",
     "check_pipeline_layout",
+    "crossing_order",
+    "crossing_window",
     "keep_encoder_stage",
     "llama_stage",
     "pipelined_step",

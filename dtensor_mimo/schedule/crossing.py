@@ -19,10 +19,12 @@ so the destination is the pp-rank-0 slice of the language mesh (`_stage_spec(...
 the schedule.
 
 NCCL safety by construction: a rank posts ALL of its sends and receives of one crossing in
-ONE batch, and every rank runs the crossings of a step in the same global order: the forward
-crossings of microbatches 0..M-1, then the backward crossings 0..M-1 (the first language
-stage may run its backwards in another order, e.g. LoopedBFS last microbatch first; `LanguageFeed`
-then holds a gradient until the earlier ones have gone). So the messages between any two ranks
+ONE batch, and every rank runs the crossings of a step in the same global order,
+`dtensor_mimo.schedule.order.crossing_order`: the forward crossings of the first `window`
+microbatches, then the backward crossing of j followed by the forward crossing of j + window (a
+window of M: every forward, then every backward); the first language stage may run its backwards
+in another order, e.g. LoopedBFS last microbatch first, and `LanguageFeed` then holds a gradient
+until the earlier ones have gone. So the messages between any two ranks
 are posted in the same order on both sides, whatever runs between them. The two-hop collectives
 run inside one stage's tp / cp groups, whose members run the same schedule: they post and wait
 the same crossings in the same order, each a collective issued at the same point on every member.

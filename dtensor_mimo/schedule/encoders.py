@@ -1,29 +1,36 @@
 """The encoder side of a pipelined step: each microbatch's rows leave through its `Crossing`.
 
-Encoders on ranks of their own (disjoint from the language model) run as torch `PipelineStage`s
-under torch's `ScheduleGPipe`, whose loss function (on the encoder's last stage) is the bridge:
-`_CrossToLanguage` posts microbatch i's rows to the first language stage as soon as they are
-computed (so the encoder computes microbatch i+1 while the language model runs microbatch i), and
-its backward waits for microbatch i's gradient to come back, after which the schedule runs that
-microbatch's encoder backward. GPipe's order (all forwards, then backwards 0..M-1) is the global
-crossing order of `dtensor_mimo.schedule.crossing`, whatever schedule the language model runs.
+Encoders at pp = 1 on ranks of their own (disjoint from the language model) follow the step's
+crossing order (`dtensor_mimo.schedule.order`): they encode the first `window` microbatches and
+post their rows; then, for each microbatch j, post the receive of j's gradient, encode microbatch
+``j + window`` (while the language model runs backward j), and run j's encoder backward once the
+gradient is there. An encoder rank thus holds at most ``window + 1`` microbatches of activations
+(``pp + 1`` under 1F1B), not M, and still computes microbatch i+1 while the language model runs i.
+With ``reshard_after_forward=False`` an FSDP2 encoder also keeps its gathered parameters across
+the step's microbatches (one all-gather per step instead of two per microbatch), resharding after
+the last backward; with True (the default) it gathers per microbatch and keeps the memory low.
 
-Encoder pipelines (pp > 1): item counts vary per microbatch (ragged images), but torch's stage
-links have static shapes. Each microbatch's items are therefore padded with zero items to a
+Encoder pipelines (pp > 1) run as torch `PipelineStage`s under torch's `ScheduleGPipe`, whose
+loss function (on the encoder's last stage) is the bridge: `_CrossToLanguage` posts microbatch
+i's rows as soon as they are computed, and its backward waits for microbatch i's gradient to come
+back. GPipe's order (all forwards, then backwards 0..M-1) is the crossing order with a window of
+M, which every rank then follows. Item counts vary per microbatch (ragged images), but torch's
+stage links have static shapes. Each microbatch's items are therefore padded with zero items to a
 bucket (the step's largest dp-shard item count over its microbatches, rounded up to a power of
 two); every stage computes the bucket from the batch metadata, so no size crosses the wire. An
 item is attended to only within itself, so padding changes no real row; the last stage drops the
 padded rows before the bridge, so their gradient is zero. Stages and schedule are cached per bucket.
 
 Encoders that share ranks with the language model cannot overlap with it (one process runs
-both): they take the colocated three phases instead (`encode_all`, the language schedule,
-then `backward_all`).
+both): they take the colocated three phases instead (`ColocatedEncoders`: encode, the language
+schedule, backward), optionally recomputing each microbatch before its backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from typing import Sequence
+from typing import Collection, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,22 +40,15 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import ScheduleGPipe
 
 from dtensor_mimo.bridge.hops import Delivery
+from dtensor_mimo.layout import MimoLayout
+from dtensor_mimo.models import ModalityEncoder
+from dtensor_mimo.parallelize import (ParallelOptions, apply_data_parallel, compute_dtype, parallelize_encoder,
+                                      parallelize_projection)
+from dtensor_mimo.parallelize.stack import parallelize_stack, user_tp_plan
+from dtensor_mimo.schedule.config import stage_layers
 from dtensor_mimo.schedule.crossing import Crossing
+from dtensor_mimo.schedule.order import crossing_order
 from dtensor_mimo.schedule.runtime import cached, run_schedule
-
-
-class LocalEncoders(nn.Module):
-    """This rank's encoders as one stage module: ``(*inputs) -> (*rows)`` in `names` order,
-    rows cast to the dtype that crosses the bridge."""
-
-    def __init__(self, encoders: dict[str, nn.Module], dtype: torch.dtype) -> None:
-        super().__init__()
-        self.encoders = nn.ModuleDict(encoders)
-        self.dtype = dtype
-
-    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """One input per encoder, in order -> its rows ``[items * tokens, dim]``."""
-        return tuple(enc(x).to(self.dtype) for enc, x in zip(self.encoders.values(), inputs))
 
 
 def keep_encoder_stage(module: nn.Module, layers: range, first: bool, last: bool) -> None:
@@ -134,16 +134,11 @@ class EncoderSender:
         self.crossings: list[Crossing] = []
         self.items: list[int] | None = None
         self._sent: list[list[Delivery]] = []
-        self._fsdp: list[FSDPModule] = []
 
-    def start(self, crossings: Sequence[Crossing], items: list[int] | None = None,
-              defer_sync: nn.Module | None = None) -> None:
-        """Begin a step. `defer_sync`: a module whose FSDP gradient reduction waits for the last
-        microbatch's backward (torch's stage does this itself only for an FSDP stage module)."""
+    def start(self, crossings: Sequence[Crossing], items: list[int] | None = None) -> None:
+        """Begin a step (torch's stage defers an FSDP stage module's gradient reduction to the
+        last microbatch itself)."""
         self.crossings, self.items = list(crossings), items
-        self._fsdp = [m for m in defer_sync.modules() if isinstance(m, FSDPModule)] if defer_sync else []
-        for m in self._fsdp:
-            m.set_requires_gradient_sync(False)
 
     def loss(self, rows: torch.Tensor | tuple[torch.Tensor, ...], index: int) -> torch.Tensor:
         """torch's loss function on the encoder's last stage: the rows cross to the language model."""
@@ -158,9 +153,6 @@ class EncoderSender:
 
     def receive(self, index: int, like: Sequence[tuple]) -> list[torch.Tensor]:
         """Microbatch `index`'s gradient of each encoder's rows (`like`: their shapes)."""
-        if index == len(self.crossings) - 1:  # the last backward reduces the accumulated gradients
-            for m in self._fsdp:
-                m.set_requires_gradient_sync(True)
         crossing = self.crossings[index]
         grads = dict(zip(crossing.backward_names,
                          (p.wait() for p in crossing.backward({}, receives=True))))
@@ -176,22 +168,73 @@ class EncoderSender:
             for p in pendings:
                 p.wait()
         self._sent.clear()
-        for m in self._fsdp:
-            m.set_requires_gradient_sync(True)
 
 
-def run_encoder_schedule(module: LocalEncoders, names: Sequence[str], inputs: list[tuple[torch.Tensor, ...]],
-                         crossings: Sequence[Crossing], pp_group: dist.ProcessGroup, device: torch.device) -> None:
-    """Forward and backward of this rank's pp = 1 encoders on every microbatch under torch's
-    GPipe (one stage: nothing is cached, there is no stage link)."""
-    sender = EncoderSender(names)
-    examples = tuple(x.detach() for x in inputs[0])
-    outputs = tuple(torch.empty(0, device=device) for _ in names)  # metadata only: no send
-    stage = PipelineStage(module, 0, 1, device, input_args=examples, output_args=outputs, group=pp_group)
-    sender.start(crossings, defer_sync=module)
-    run_schedule(ScheduleGPipe(stage, len(inputs), loss_fn=sender.loss, scale_grads=False), [stage],
-                 list(inputs), None, list(range(len(inputs))))
-    sender.finish()
+def run_local_encoders(encoders: Mapping[str, nn.Module], inputs: list[dict[str, torch.Tensor]],
+                       crossings: Sequence[Crossing], window: int, dtype: torch.dtype,
+                       keep_gathered: Collection[str] = ()) -> None:
+    """Forward and backward of this rank's pp = 1 encoders on every microbatch, in the step's
+    crossing order with `window` (`crossing_order`): microbatch j's backward runs once its
+    gradient arrived, after encoding microbatch ``j + window``. `inputs`: per microbatch, each
+    encoder's dp-shard items on the device. FSDP2 modules reduce their gradients once, in the last
+    backward; those of the encoders named in `keep_gathered` also keep their parameters gathered
+    until it."""
+    outputs: dict[int, dict[str, torch.Tensor]] = {}
+    sent: list[list[Delivery]] = []
+    posted: tuple[int, list[Delivery]] | None = None  # the backward receive posted last
+
+    def finish(j: int, pendings: list[Delivery]) -> None:
+        grads = {n: p.wait() for n, p in zip(crossings[j].backward_names, pendings)}
+        if j == len(crossings) - 1:  # the last backward reduces (and reshards) the accumulated state
+            for n in encoders:
+                accumulation.last(n)
+        _backward([outputs.pop(j)], [grads])
+
+    with _Accumulation(encoders, keep_gathered) as accumulation:
+        for kind, i in crossing_order(len(crossings), window):
+            if kind == "F":
+                outputs[i] = {n: encoders[n](x).to(dtype) for n, x in inputs[i].items()}
+                sent.append(crossings[i].forward(outputs[i], receives=False))
+                continue
+            if posted is not None:
+                finish(*posted)
+            posted = (i, crossings[i].backward({}, receives=True))
+        if posted is not None:
+            finish(*posted)
+    for pendings in sent:  # each batch waited once
+        for p in pendings:
+            p.wait()
+
+
+class _Accumulation:
+    """FSDP2 across a step's microbatches of some encoders (a context): each microbatch's backward
+    accumulates unsharded gradients (no reduce-scatter, and not FSDP's last backward, so its
+    prefetching state survives) and, for the encoders in `keep_gathered`, keeps the parameters
+    gathered; `last(name)` before an encoder's last backward, which reduces and reshards. On
+    exit (an exception too) every module gets FSDP2's defaults back."""
+
+    def __init__(self, encoders: Mapping[str, nn.Module], keep_gathered: Collection[str] = ()) -> None:
+        self.modules = {n: [m for m in e.modules() if isinstance(m, FSDPModule)] for n, e in encoders.items()}
+        self.keep_gathered = set(keep_gathered)
+
+    def _set(self, name: str, accumulate: bool) -> None:
+        for m in self.modules[name]:
+            m.set_requires_gradient_sync(not accumulate, recurse=False)
+            m.set_is_last_backward(not accumulate)
+            if name in self.keep_gathered:
+                m.set_reshard_after_backward(not accumulate, recurse=False)
+
+    def __enter__(self) -> "_Accumulation":
+        for name in self.modules:
+            self._set(name, True)
+        return self
+
+    def last(self, name: str) -> None:
+        self._set(name, False)
+
+    def __exit__(self, *_exc) -> None:
+        for name in self.modules:
+            self._set(name, False)
 
 
 class EncoderPipeline:
@@ -235,16 +278,109 @@ class EncoderPipeline:
         sender.finish()
 
 
-def encode_all(encoders: dict[str, nn.Module], inputs: list[dict[str, torch.Tensor]],
-               dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
-    """Colocated phase 1: this rank's encoder rows of every microbatch (graphs kept)."""
-    return [{n: encoders[n](x).to(dtype) for n, x in mb.items()} for mb in inputs]
+class ColocatedEncoders:
+    """Colocated phases 1 and 3: this rank's encoders (sharing ranks with the language model) on
+    every microbatch of a step, before and after the language schedule.
+
+    An encoder named in `recompute` keeps no graph through the language schedule: phase 1
+    encodes it without autograd (saving the RNG state), phase 3 recomputes each microbatch right
+    before its backward (same RNG state, so dropout masks repeat), and its graph is freed before
+    the next microbatch's. Costs one more encoder forward per step; the activations held while the
+    language model runs drop from M microbatches' to none.
+
+    Args:
+        encoders: this rank's pp = 1 encoders, by name.
+        inputs: per microbatch, each encoder's dp-shard items on the device.
+        dtype: what crosses the bridge.
+        recompute: names of the encoders recomputed in phase 3.
+    """
+
+    def __init__(self, encoders: Mapping[str, nn.Module], inputs: list[dict[str, torch.Tensor]],
+                 dtype: torch.dtype, recompute: Collection[str] = ()) -> None:
+        self.encoders, self.inputs, self.dtype = encoders, inputs, dtype
+        self.recompute = {n for n in recompute if any(p.requires_grad for p in encoders[n].parameters())}
+        self._outputs: list[dict[str, torch.Tensor]] = []
+        self._rng: dict[tuple[int, str], tuple] = {}
+
+    def encode(self) -> list[dict[str, torch.Tensor]]:
+        """Phase 1: every microbatch's rows (with their graphs, except the recomputed encoders')."""
+        for k, mb in enumerate(self.inputs):
+            out = {}
+            for n, x in mb.items():
+                if n in self.recompute:
+                    self._rng[k, n] = _rng_state(x.device)
+                    with torch.no_grad():
+                        out[n] = self.encoders[n](x).to(self.dtype)
+                else:
+                    out[n] = self.encoders[n](x).to(self.dtype)
+            self._outputs.append(out)
+        return self._outputs
+
+    def backward(self, grads: list[dict[str, torch.Tensor]]) -> None:
+        """Phase 3: the kept graphs' backward in one call, then each recomputed microbatch's
+        forward and backward in turn (a zero gradient for rows that disagreed with the plan, so
+        every rank of an encoder runs the same backward)."""
+        kept = [{n: o for n, o in out.items() if n not in self.recompute} for out in self._outputs]
+        _backward(kept, grads)
+        steps = [(k, n) for k, mb in enumerate(self.inputs) for n in mb if n in self.recompute]
+        last = {n: i for i, (_, n) in enumerate(steps)}  # each encoder's last backward: one reduction
+        with _Accumulation({n: self.encoders[n] for n in last}) as accumulation:
+            for i, (k, n) in enumerate(steps):
+                if last[n] == i:
+                    accumulation.last(n)
+                x = self.inputs[k][n]
+                with _replayed(self._rng.pop((k, n)), x.device):
+                    rows = self.encoders[n](x).to(self.dtype)
+                _backward([{n: rows}], [grads[k]])
+        self._outputs = []
 
 
-def backward_all(outputs: list[dict[str, torch.Tensor]], grads: list[dict[str, torch.Tensor]]) -> None:
-    """Colocated phase 3: one encoder backward over every microbatch's rows (a zero gradient for
-    rows that disagreed with the plan, so every rank of an encoder runs the same backward)."""
+def _backward(outputs: list[dict[str, torch.Tensor]], grads: list[dict[str, torch.Tensor]]) -> None:
+    """One backward over `outputs` (rows per microbatch and encoder) with the received `grads`."""
     pairs = [(out, g if (g := grads[i].get(n)) is not None and g.shape == out.shape else torch.zeros_like(out))
              for i, mb in enumerate(outputs) for n, out in mb.items() if out.requires_grad]
     if pairs:
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+def _rng_state(device: torch.device) -> tuple:
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+@contextlib.contextmanager
+def _replayed(state: tuple, device: torch.device) -> Iterator[None]:
+    """Run with the RNG state `state` (`_rng_state`), leaving the current state as it was."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
+def build_encoder_part(layout: MimoLayout, name: str, module: nn.Module, options: ParallelOptions,
+                       rank: int, dtype: torch.dtype, device: torch.device
+                       ) -> tuple[nn.Module, nn.Module, EncoderPipeline | None]:
+    """Encoder `name`'s part on this rank, parallelized: tp, checkpointing and compile on the
+    tower and the projection, then FSDP2 (or autocast) on the pair (pp = 1) or on this rank's
+    pipeline stage of it (pp > 1: the stage keeps only its parts, names unchanged); a user's own
+    encoder as one stack with its own tp plan. `dtype`: what crosses the bridge. Returns the
+    module, the root FSDP2 was applied to, and the stage's `EncoderPipeline` (pp > 1)."""
+    pp = layout.parallelism(name).pp
+    tp_mesh, dp_mesh = layout.mesh(name, "tp"), layout.mesh(name, ("dp", "cp"))
+    if not isinstance(module, ModalityEncoder):
+        return parallelize_stack(module, tp_mesh, dp_mesh, options, user_tp_plan), module, None
+    root: nn.Module = module
+    pipeline = None
+    if pp > 1:
+        s = layout.coordinate(name, rank)["pp"]
+        keep_encoder_stage(module, stage_layers(len(module.encoder.layers), pp, module=name)[s], s == 0, s == pp - 1)
+        root = EncoderStage(module, s == 0, s == pp - 1, dtype, compute_dtype(options, module))
+        pipeline = EncoderPipeline(name, root, s, pp, layout.mesh(name, "pp").get_group(),
+                                   module.encoder.config.dim, device)
+    no_fsdp = options.for_submodules()  # FSDP / mixed precision go on the root, below
+    parallelize_encoder(module.encoder, tp_mesh, dp_mesh, no_fsdp)
+    if module.projection is not None:
+        parallelize_projection(module.projection, tp_mesh, dp_mesh, no_fsdp)
+    blocks = [*module.encoder.layers.values(), *([module.projection] if module.projection else [])]
+    apply_data_parallel(root, dp_mesh, blocks, options)
+    return module, root, pipeline

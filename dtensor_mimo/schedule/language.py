@@ -214,13 +214,14 @@ class LanguagePipeline:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach() for loss in losses]).sum()
 
-    @torch.no_grad()
-    def predict(self, mb: MimoBatch, rows: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-        """Forward only of this rank's dp shard `mb` (encoder `rows` for the first stage), stage
-        after stage; returns the next-token ids of this cp chunk on the last stage's rank, else
-        None. Outside torch's schedule: one microbatch, blocking point-to-point in stage order
-        (stage s sends to s + 1 before anyone posts s + 1's send; consecutive stages on one rank,
-        as in a V, hand over locally), so NCCL cannot deadlock."""
+    def run_once(self, mb: MimoBatch, rows: Mapping[str, torch.Tensor], normalizer: float = 1.0,
+                 predicting: bool = False) -> torch.Tensor | None:
+        """One forward of this rank's dp shard `mb` (encoder `rows` for the first stage), stage
+        after stage, outside torch's schedule; returns the last stage's output on its rank (this cp
+        chunk's loss share, or next-token ids while `predicting`), else None. With autograd on,
+        the caller runs backward (``model(batch).backward()``: one stage only). Blocking
+        point-to-point in stage order (stage s sends to s + 1 before anyone posts s + 1's send;
+        consecutive stages on one rank, as in a V, hand over locally), so NCCL cannot deadlock."""
         tokens, kwargs = stage_inputs(mb.to(self.device), self.par.cp, self.cp_rank)
         pp_rank, where = self.pp_group.rank(), lambda stage: self.config.stage_rank(stage, self.par.pp)
         x, out = tokens, None
@@ -232,8 +233,8 @@ class LanguagePipeline:
                 x = torch.empty(*tokens.shape[:1], tokens.shape[1] // self.par.cp, self.dim,
                                 dtype=self.dtype, device=self.device)
                 torch.distributed.recv(x, group=self.pp_group, group_src=where(s - 1))
-            module.set_step(rows if module.first else None, mb.special_token_ids, 1.0)
-            module.predicting = module.last
+            module.set_step(rows if module.first else None, mb.special_token_ids, normalizer)
+            module.predicting = predicting and module.last
             try:
                 x = module(x, microbatch=0, **kwargs)
             finally:

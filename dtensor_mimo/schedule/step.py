@@ -5,17 +5,23 @@ to the first language stage through `Crossing` i. What each rank does:
 
 | rank holds                         | what it runs                                                     |
 |------------------------------------|------------------------------------------------------------------|
-| encoders only (overlapped)         | torch's GPipe over its encoders (or its encoder's pp group); rows leave per microbatch |
+| encoders only (overlapped)         | its encoders in the crossing order (`run_local_encoders`), or torch's GPipe over its encoder's pp group; rows leave per microbatch |
 | language only                      | torch's language schedule; the first stage receives per microbatch, sends each gradient as soon as its backward ran |
 | encoders + language (colocated)    | three phases: encode every microbatch, language schedule, one encoder backward |
 
-Every rank posts its crossings in the same global order (forwards 0..M-1, then backwards 0..M-1),
-which keeps point-to-point traffic deadlock-free on NCCL by construction.
+Every rank posts its crossings in the same global order (`dtensor_mimo.schedule.order`: the
+forwards of the first `window` microbatches, then the backward of j followed by the forward of
+``j + window``), which keeps point-to-point traffic deadlock-free on NCCL by construction. The
+window is the first language stage's in-flight bound when every encoder is a pp = 1 encoder on
+ranks of its own, else M (all forwards, then all backwards).
+
+A step of an unpipelined model is this same step with one microbatch: pp = 1 is a one-stage
+pipeline.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -24,13 +30,7 @@ from dtensor_mimo.bridge.exchange import BufferPool
 from dtensor_mimo.data import MimoBatch, microbatches, shard
 from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.schedule.crossing import Crossing
-from dtensor_mimo.schedule.encoders import (
-    EncoderPipeline,
-    LocalEncoders,
-    backward_all,
-    encode_all,
-    run_encoder_schedule,
-)
+from dtensor_mimo.schedule.encoders import ColocatedEncoders, EncoderPipeline, run_local_encoders
 from dtensor_mimo.schedule.feed import LanguageFeed
 from dtensor_mimo.schedule.language import LanguagePipeline
 
@@ -41,6 +41,7 @@ def pipelined_step(
     batch: MimoBatch,
     *,
     num_microbatches: int,
+    window: int,
     encoders: Mapping[str, nn.Module],
     encoder_pipelines: Mapping[str, EncoderPipeline],
     trainable: Mapping[str, bool],
@@ -52,20 +53,27 @@ def pipelined_step(
     device: torch.device,
     buffers: BufferPool | None = None,
     hops: int | None = None,
+    keep_gathered: Collection[str] = (),
+    recompute: Collection[str] = (),
 ) -> tuple[torch.Tensor, str | None]:
     """Forward and backward of the global `batch`; returns this rank's loss share and, if this
     rank's encoder rows disagreed with the batch metadata, what went wrong (`Crossing.forward`).
 
-    `encoders`: the pp = 1 encoders this rank holds; `encoder_pipelines`: this rank's stage of
-    each pp > 1 encoder (on ranks of its own); `trainable`: every encoder's, known on every rank;
-    `language`: this rank's language pipeline or None; `overlapped`: every encoder trains and is
-    on ranks of its own; `buffers`: where the crossings receive (recycled across steps); `hops`:
-    the crossings' route (`Crossing`'s ``n_hops``).
+    `window`: the crossing order's (`crossing_window`, the same on every rank); `encoders`: the
+    pp = 1 encoders this rank holds; `encoder_pipelines`: this rank's stage of each pp > 1
+    encoder (on ranks of its own); `trainable`: every encoder's, known on every rank; `language`:
+    this rank's language pipeline or None; `overlapped`: every encoder trains and is on ranks of
+    its own; `buffers`: where the crossings receive (recycled across steps); `hops`: the
+    crossings' route (`Crossing`'s ``n_hops``); `keep_gathered`: overlapped pp = 1 encoders whose
+    FSDP2 parameters stay gathered across the step (`run_local_encoders`); `recompute`: colocated
+    encoders that keep no graph through the language schedule (`ColocatedEncoders`).
     """
     rank = torch.distributed.get_rank()
     mbs = microbatches(batch, num_microbatches)
     names = [n for n in trainable if n in batch.modalities]
     flags = [trainable[n] for n in names]
+    if not any(flags):  # no gradient crosses back: nothing paces the forward crossings
+        window = num_microbatches
     crossings = [Crossing(layout, language_name, mb, names, flags, dim, dtype, device, index=i, buffers=buffers,
                           n_hops=hops)
                  for i, mb in enumerate(mbs)]
@@ -91,9 +99,8 @@ def pipelined_step(
     if overlapped:
         flat = [n for n in local if n in encoders]
         if flat:
-            module = LocalEncoders({n: encoders[n] for n in flat}, dtype)
-            run_encoder_schedule(module, flat, [tuple(mb[n] for n in flat) for mb in inputs], crossings,
-                                 layout.mesh(flat[0], "pp").get_group(), device)
+            run_local_encoders({n: encoders[n] for n in flat}, inputs, crossings, window, dtype,
+                               keep_gathered)
         for n, pipeline in encoder_pipelines.items():
             if n in local:
                 pipeline.run([per[n].inputs.to(device, non_blocking=per[n].inputs.is_cpu) for per in items],
@@ -104,17 +111,17 @@ def pipelined_step(
                 pipeline.stage.error = None
         if language is None:
             return torch.zeros((), device=device), _error(crossings, errors)
-        received = [c.forward({}, receives=first) for c in crossings]
-        feed = LanguageFeed(crossings, received, flags, post_gradients=True) if first else None
+        feed = LanguageFeed(crossings, flags, post_gradients=True, window=window) if first else None
         share = language.run(lang_mbs, normalizer, feed)
         if feed is not None:
             feed.finish()
         return share, _error(crossings, errors)
 
-    # Colocated: encode everything, run the language schedule, one encoder backward.
-    outputs = encode_all(encoders, inputs, dtype)
+    # Colocated: encode everything, run the language schedule, then the encoders' backward.
+    colocated = ColocatedEncoders(encoders, inputs, dtype, recompute)
+    outputs = colocated.encode()
     received = [c.forward(out, receives=first) for c, out in zip(crossings, outputs)]
-    feed = LanguageFeed(crossings, received, flags, post_gradients=False) if first else None
+    feed = LanguageFeed(crossings, flags, post_gradients=False, received=received) if first else None
     share = language.run(lang_mbs, normalizer, feed) if language is not None else torch.zeros((), device=device)
     for pendings in received:  # sends of ranks that do not receive (each batch waited once)
         for p in pendings:
@@ -123,7 +130,7 @@ def pipelined_step(
                 for i, c in enumerate(crossings)]
     grads = [{n: p.wait() for n, p in zip(c.backward_names, pendings)}
              for c, pendings in zip(crossings, returned)]
-    backward_all(outputs, grads)
+    colocated.backward(grads)
     return share, _error(crossings, errors)
 
 

@@ -2,6 +2,7 @@
 token loss over a rank's part of the sequence, normalised by the global batch."""
 
 from dtensor_mimo.sequence.context_parallel import ContextParallelAttention
+from dtensor_mimo.sequence.generate import greedy_generate
 from dtensor_mimo.sequence.loss import (
     loss_normalizer,
     loss_weights,
@@ -19,6 +20,7 @@ from dtensor_mimo.sequence.sharding import (
 __all__ = [
     "CPShard",
     "ContextParallelAttention",
+    "greedy_generate",
     "loss_normalizer",
     "loss_weights",
     "shard_for_cp",

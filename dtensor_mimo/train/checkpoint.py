@@ -14,6 +14,12 @@ Saves are atomic: every rank writes into ``DIR/.step-000020.tmp``, and after a b
 renames it to ``DIR/step-000020`` (one rename, atomic on a POSIX file system). A save killed
 midway leaves only the ``.tmp`` directory, which is never taken for a checkpoint and is removed
 by the next save. The last `keep` checkpoints are kept.
+
+Saves are verified: before the rename, ``manifest.json`` records every file's size and CRC-32
+(each rank checksums a share of the files; rank 0 writes the manifest). Resuming takes the newest
+checkpoint that still matches its manifest (sizes on rank 0, checksums shared out over the ranks)
+and says which file made it skip a newer one (`choose_checkpoint`); a checkpoint named by
+``checkpoint.load`` is verified the same way and refused when it does not match.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import os
 import re
 import shutil
 import zlib
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,6 +42,9 @@ from dtensor_mimo.train.optimizer import MimoOptimizer
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+MANIFEST = "manifest.json"
+"""Every file of a checkpoint with its size and CRC-32: ``{"files": {name: [bytes, crc32]}}``."""
+_CHUNK = 8 << 20  # bytes read at a time while checksumming
 
 
 class CheckpointError(RuntimeError):
@@ -46,24 +55,98 @@ def checkpoint_path(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:06d}")
 
 
-def latest_checkpoint(directory: str) -> str | None:
-    """The complete checkpoint with the highest step in `directory` (None: there is none).
-    A directory is complete once renamed from its ``.tmp`` name and holding DCP's metadata."""
+def step_checkpoints(directory: str) -> list[str]:
+    """The checkpoints (renamed ``step-N`` directories) of `directory`, newest first."""
     if not os.path.isdir(directory):
-        return None
-    steps = [(int(m.group(1)), name) for name in os.listdir(directory)
-             if (m := _STEP_DIR.match(name)) and os.path.exists(os.path.join(directory, name, ".metadata"))]
-    return os.path.join(directory, max(steps)[1]) if steps else None
+        return []
+    steps = sorted(((int(m.group(1)), name) for name in os.listdir(directory) if (m := _STEP_DIR.match(name))),
+                   reverse=True)
+    return [os.path.join(directory, name) for _, name in steps]
 
 
-def resolve_load(path: str) -> str:
+def latest_checkpoint(directory: str, warn: Callable[[str], None] | None = None) -> str | None:
+    """The newest checkpoint in `directory` that is complete: DCP's metadata present and every
+    file of its manifest there with its recorded size (checksums: `verify`). None: there is none.
+    Each newer one passed over is reported to `warn` (naming the file that is wrong)."""
+    for path in step_checkpoints(directory):
+        problems = verify(path, checksums=False)
+        if not problems:
+            return path
+        if warn is not None:
+            warn(f"skipped checkpoint {path}: {'; '.join(problems)}")
+    return None
+
+
+def file_crc32(path: str) -> int:
+    """CRC-32 of the file at `path`, read in chunks (memory stays flat whatever the size)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _entries(directory: str, names: Sequence[str]) -> dict[str, list[int]]:
+    return {n: [os.path.getsize(os.path.join(directory, n)), file_crc32(os.path.join(directory, n))] for n in names}
+
+
+def verify(path: str, share: tuple[int, int] = (0, 1), checksums: bool = True) -> list[str]:
+    """What is wrong with the checkpoint at `path` (empty: nothing), each problem naming its file:
+    no ``.metadata``, a file of the manifest missing or of another size, and (with `checksums`)
+    another CRC-32 for this rank's `share` = (rank, world) of the files, so the ranks of a world
+    read each file once between them. A checkpoint without a manifest (saved before manifests
+    existed) is checked for ``.metadata`` only."""
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        return [f"{os.path.join(path, '.metadata')} is missing (DCP's index of the checkpoint)"]
+    manifest = os.path.join(path, MANIFEST)
+    if not os.path.exists(manifest):
+        return []
+    try:
+        with open(manifest) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return [f"{manifest} is unreadable ({e})"]
+    problems = []
+    rank, world = share
+    for i, (name, (size, crc)) in enumerate(sorted(files.items())):
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            problems.append(f"{file} is missing")
+        elif (actual := os.path.getsize(file)) != size:
+            problems.append(f"{file} has {actual} bytes, the manifest says {size}")
+        elif checksums and i % world == rank and file_crc32(file) != crc:
+            problems.append(f"{file} has another checksum than the manifest's (corrupt)")
+    return problems
+
+
+def choose_checkpoint(directory: str) -> tuple[str | None, list[str]]:
+    """The newest checkpoint of `directory` that verifies on every rank, and a warning for each
+    newer one skipped (naming the file). Collective: call on every rank; each checksums its share
+    of a candidate's files and one all-gather pools the verdicts, so every rank returns the same."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    candidates: list[Any] = [step_checkpoints(directory) if rank == 0 else None]
+    dist.broadcast_object_list(candidates, src=0)  # rank 0 lists: one view of a shared directory
+    warnings = []
+    for path in candidates[0]:
+        problems = verify(path, (rank, world))
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, problems)
+        found = list(dict.fromkeys(p for ps in everyone for p in ps))
+        if not found:
+            return path, warnings
+        warnings.append(f"skipped checkpoint {path}: {'; '.join(found)}; trying an older one")
+    return None, warnings
+
+
+def resolve_load(path: str, warn: Callable[[str], None] | None = None) -> str:
     """The checkpoint `path` names: itself when it is one, else the latest complete checkpoint
-    of the directory of them it is; CheckpointError says what is there otherwise."""
+    of the directory of them it is (newer incomplete ones reported to `warn`); CheckpointError
+    says what is there otherwise."""
     if os.path.exists(os.path.join(path, ".metadata")):
         return path
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path!r}: no such directory")
-    latest = latest_checkpoint(path)
+    latest = latest_checkpoint(path, warn)
     if latest is None:
         entries = sorted(os.listdir(path))[:8]
         raise CheckpointError(f"checkpoint {path!r} is neither a checkpoint (no .metadata) nor a directory of "
@@ -117,6 +200,7 @@ def save(directory: str, step: int, model: MimoModel, optimizer: MimoOptimizer,
     dist.barrier()
     dcp.save(_state(model, optimizer, trainer), checkpoint_id=tmp)
     dist.barrier()  # every rank's files and the metadata are written
+    write_manifest(tmp)
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -127,6 +211,22 @@ def save(directory: str, step: int, model: MimoModel, optimizer: MimoOptimizer,
                 shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     dist.barrier()
     return final
+
+
+def write_manifest(directory: str) -> None:
+    """Write `MANIFEST` for the saved files in `directory` (collective: each rank checksums its
+    share of them; rank 0 writes the file, flushed to disk before the checkpoint is renamed)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = sorted(n for n in os.listdir(directory) if n != MANIFEST)
+    mine = _entries(directory, names[rank::world])
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        files = {n: e for part in everyone for n, e in part.items()}
+        with open(os.path.join(directory, MANIFEST), "w") as f:
+            json.dump({"files": files}, f, indent=0, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def _newest(directory: str, keep: int) -> set[str]:
@@ -166,28 +266,30 @@ def _short(items: list[str], limit: int = 8) -> str:
 
 
 def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
-         expected: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+         expected: Mapping[str, tuple[int, ...]], verified: bool = False) -> dict[str, Any]:
     """Load the checkpoint at `path` into this rank's shards of `model` and `optimizer`, whatever
     layout it was saved under; returns the trainer state. Call on every rank.
 
-    Before DCP's collectives, one small all-reduce makes every rank agree: if any rank cannot
-    read the checkpoint, finds it mismatched, or chose another path (e.g. a file system that is
-    not shared), all of them raise instead of leaving the others waiting in `dcp.load`."""
+    Before DCP's collectives, one small all-gather makes every rank agree: if any rank cannot
+    read the checkpoint, finds it mismatched or corrupt (`verify`, skipped when `verified`), or
+    chose another path (e.g. a file system that is not shared), all of them raise instead of
+    leaving the others waiting in `dcp.load`."""
     problem = None
     try:
+        problems = [] if verified else verify(path, (dist.get_rank(), dist.get_world_size()))
+        if problems:
+            raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}")
         check_checkpoint(path, expected)
     except CheckpointError as e:
         problem = e
-    name = zlib.crc32(os.path.abspath(path).encode())
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    votes = torch.tensor([float(problem is not None), name, -name], dtype=torch.float64, device=device)
-    dist.all_reduce(votes, op=dist.ReduceOp.MAX)
-    votes = votes.tolist()
+    verdicts: list[Any] = [None] * dist.get_world_size()  # small: a path and at most one message per rank
+    dist.all_gather_object(verdicts, (os.path.abspath(path), None if problem is None else str(problem)))
     if problem is not None:
         raise problem
-    if votes[0]:
-        raise CheckpointError(f"loading {path}: another rank could not use its checkpoint (its error says why)")
-    if votes[1] != -votes[2]:
+    others = list(dict.fromkeys(m for _, m in verdicts if m is not None))
+    if others:  # what the other ranks found (a checksum only one rank read, say)
+        raise CheckpointError("; ".join(others))
+    if len({p for p, _ in verdicts}) > 1:
         raise CheckpointError(f"loading {path}: the ranks chose different checkpoint paths; put "
                               "checkpoint.dir on a file system every rank sees")
     meta = FileSystemReader(path).read_metadata().state_dict_metadata

@@ -76,10 +76,14 @@ class LayoutConfig:
         bridge_hops: how encoder rows cross to the language model and gradients back: none
             chooses per direction (two hops across nodes where the receiving ranks replicate the
             rows), 1 or 2 forces.
+        auto: train on the layout planner's first choice (`python -m dtensor_mimo.plan`) for the
+            world (under torchrun its size; else the configured layout's), replacing every
+            module's layout and pipeline.microbatches.
     """
 
     modules: dict[str, ModuleLayout] = field(default_factory=dict, metadata={"open": True})
     bridge_hops: Literal[1, 2] | None = None
+    auto: bool = False
 
 
 @dataclass
@@ -248,6 +252,8 @@ class TrainSection:
         device: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank).
         threads: torch intra-op threads per rank (0: torch's default); local ranks share cores.
         generate: held-out samples answered with greedy decoding at the end.
+        timeout_s: seconds a rank waits for a peer in a collective before it fails (the process
+            group timeout; also bounds a restarted world's wait for its peers).
     """
 
     steps: int = 1500
@@ -255,6 +261,7 @@ class TrainSection:
     device: Literal["cpu", "cuda"] = "cpu"
     threads: int = 1
     generate: int = 3
+    timeout_s: float = 600
 
 
 @dataclass
@@ -663,6 +670,8 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
                 "data.seq_len"):
         section, name = key.split(".")
         positive(key, getattr(getattr(config, section), name), 0)
+    if not config.train.timeout_s > 0:
+        raise ConfigError(f"train.timeout_s = {config.train.timeout_s!r}: give a positive number of seconds (e.g. 600)")
     lang = config.model.language
     _check_source(f"model.{LANGUAGE}", lang.hf, lang.factory)
     if not lang.hf and not lang.factory:
@@ -719,7 +728,8 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
             raise ConfigError(f"model.encoders: several encoders take {twice} items; conversation data gives "
                               "each <image> / <audio> placeholder to one encoder")
 
-    layout = build_layout(config, world_size)  # with world_size: no rank left over, none missing
+    # With layout.auto the planner replaces the layout for the world: it need not fit it yet.
+    layout = build_layout(config, None if config.layout.auto else world_size)  # no rank left over, none missing
     for name in names:
         par = layout.parallelism(name)
         if name != LANGUAGE and (par.cp > 1 or par.pp > 1):

@@ -183,9 +183,7 @@ def _check_arguments(model: MimoModel, modalities: Mapping[str, str], special_to
 
 
 def _language_modules(model: MimoModel) -> list[nn.Module]:
-    """This rank's modules of the language model: the whole decoder, its pipeline stages, or none."""
-    if model.language is not None:
-        return [model.language.llama]
+    """This rank's modules of the language model: its pipeline stages (the whole decoder at pp = 1), or none."""
     return [stage.llama for stage in model.language_stages]
 
 
@@ -211,7 +209,7 @@ def _describe(model: MimoModel, rank: int, dtype: torch.dtype | None) -> dict[st
                 out[name] = _Described(unsupported=f"a {type(modules[0]).__name__}, not a Llama")
                 continue
             spec = module_spec(modules[0], dtype)
-            stages = model.pipeline.num_stages(pp) if model.pipeline is not None else 1
+            stages = model.pipeline.num_stages(pp)
             out[name] = _Described(spec, None, _split(model, name, spec.config.n_layers, stages))
             _check_held(modules, spec, out[name].split, name)
             continue

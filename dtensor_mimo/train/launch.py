@@ -8,16 +8,19 @@ checks that the layout fits it. The config is parsed and checked before any proc
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import time
 import traceback
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dtensor_mimo.train.config import ConfigError, TrainerConfig, build_layout, check_config, help_text, parse_args
+from dtensor_mimo.train.distributed import abort, init_distributed
 
 
 def preflight(config: TrainerConfig) -> None:
@@ -47,22 +50,30 @@ def preflight(config: TrainerConfig) -> None:
             raise ConfigError(f"checkpoint.load: {e}") from None
 
 
-def _run_rank(config: TrainerConfig) -> float | None:
+def _run_rank(config: TrainerConfig, on_error: Callable[[BaseException], None] | None = None) -> float | None:
+    """Train on this rank of the world (joined here unless already initialised). On an error,
+    `on_error` hears it first (while the peers still wait), then this rank's groups are aborted so
+    the peers fail at once instead of waiting for `train.timeout_s`; the error propagates."""
     from dtensor_mimo.train.trainer import Trainer
 
-    device = config.train.device
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0)))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        init_distributed(config.train.device, config.train.timeout_s)
+    if config.layout.auto:  # torchrun: rank 0 plans for this world, every rank trains its choice
+        from dtensor_mimo.train.plan import auto_layout_collective
+
+        config = auto_layout_collective(config)
     try:
         accuracy = Trainer(config).run()
         # Every rank done with every group before any tears its connections down (a peer still
         # in its last collective could otherwise see the connection close under it).
         dist.barrier()
-        return accuracy
-    finally:
-        dist.destroy_process_group()
+    except BaseException as e:
+        if on_error is not None:
+            on_error(e)
+        abort()
+        raise
+    dist.destroy_process_group()
+    return accuracy
 
 
 USER_ERRORS = ("ConfigError", "DataError", "BatchError", "CheckpointError", "PlanError", "LayoutError")
@@ -72,31 +83,78 @@ USER_ERRORS = ("ConfigError", "DataError", "BatchError", "CheckpointError", "Pla
 def _local_rank(rank: int, world: int, port: int, config: TrainerConfig, errors) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    try:
-        _run_rank(config)
-    except BaseException as e:  # noqa: BLE001 — reported to the launcher, which prints it once
+
+    def report(e: BaseException) -> None:
         # Bounded: a put larger than the pipe's buffer would block until the launcher reads,
-        # which it does only once every rank has ended.
-        errors.put((rank, f"{type(e).__name__}: {e}"[:4000], type(e).__name__, traceback.format_exc()[-16000:]))
-        sys.exit(1)
+        # which it does only once every rank has ended. Stamped before this rank's groups close,
+        # so the rank that failed first is known even when a peer reports sooner.
+        errors.put((time.time(), rank, describe(e)[:4000], type(e).__name__, traceback.format_exc()[-16000:]))
+
+    try:
+        _run_rank(config, report)
+    except BaseException:  # noqa: BLE001 — reported to the launcher, which prints it once
+        _exit_now(1)
 
 
-def _report(errors, failure: Exception) -> None:
-    """What the ranks reported, once per distinct error (ranks named), or how a rank died."""
+def _exit_now(code: int) -> None:
+    """End a failed rank's process at once: the interpreter's teardown of a model takes seconds
+    (2 s measured for the digits job), and a launcher sees the failure only when the process
+    ends. The logs are flushed (`Trainer.run` closes its logger on an error)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def describe(e: BaseException) -> str:
+    """``Type: message (notes)``. An error re-raised with a message that starts blank
+    (torch.distributed.pipelining wraps a stage's error as "RuntimeError: \\n failed to run
+    forward: args ...") is described by the error it was raised from."""
+    notes = "".join(f" ({note})" for note in getattr(e, "__notes__", ()))
+    cause = e
+    while cause.__cause__ is not None and not str(cause).split("\n", 1)[0].strip():
+        cause = cause.__cause__
+    if cause is e:
+        return f"{type(e).__name__}: {e}{notes}"
+    return f"{type(e).__name__} from {type(cause).__name__}: {str(cause).strip()}{notes}"
+
+
+def _report(errors, failure: Exception, killed: Sequence[tuple[int, str]] = ()) -> None:
+    """The rank that failed first, with its traceback, then what the others saw after it.
+
+    The first is a rank that died without a word (killed: out of memory, a signal) when the
+    launcher saw one, else the earliest reported error; the peers' later errors (typically
+    "Connection closed by peer") are listed once per distinct message, ranks named."""
     reports = []
     while not errors.empty():
         reports.append(errors.get())
-    if not reports:
+    reports.sort()  # by the time each rank failed
+    reported = {r[1] for r in reports}
+    index, name = getattr(failure, "error_index", None), getattr(failure, "signal_name", None)
+    silent = [(r, n) for r, n in killed if r not in reported] or \
+        ([(index, name)] if name and index not in reported else [])
+    by_message: dict[str, list] = {}  # in the order of each message's first report
+    for report in reports:
+        by_message.setdefault(report[2], []).append(report)
+    groups = list(by_message.values())
+    if silent:
+        for rank, name in silent:
+            print(f"error: rank {rank} was killed by {name} (no Python error: out of memory? a signal "
+                  f"from outside?)", file=sys.stderr)
+    elif groups:
+        first = groups.pop(0)
+        if first[0][3] not in USER_ERRORS:
+            print(first[0][4].rstrip(), file=sys.stderr)
+        print(f"error on {_ranks(first)}: {first[0][2]}", file=sys.stderr)
+    else:
         print(f"error: {failure}", file=sys.stderr)
-        return
-    by_message: dict[str, list] = {}
-    for report in sorted(reports):
-        by_message.setdefault(report[1], []).append(report)
-    for message, same in by_message.items():
-        ranks = ", ".join(str(r[0]) for r in same)
-        if same[0][2] not in USER_ERRORS:
-            print(same[0][3].rstrip(), file=sys.stderr)
-        print(f"error on rank{'s' if len(same) > 1 else ''} {ranks}: {message}", file=sys.stderr)
+    start = reports[0][0] if reports else 0.0
+    for same in groups:
+        print(f"then, on {_ranks(same)} (+{same[0][0] - start:.2f} s): {same[0][2]}", file=sys.stderr)
+
+
+def _ranks(reports: list) -> str:
+    ranks = sorted(r[1] for r in reports)
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _free_port() -> int:
@@ -113,6 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     try:
         config = parse_args(argv)
+        if config.layout.auto and not launched:  # the planner's first choice for the layout's world
+            from dtensor_mimo.train.plan import auto_layout
+
+            config = auto_layout(config, build_layout(config).world_size)
         if launched:
             check_config(config, int(os.environ["WORLD_SIZE"]))
         if not launched or os.environ.get("RANK") == "0":
@@ -123,7 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if launched:
-        _run_rank(config)
+        try:
+            _run_rank(config)
+        except BaseException as e:  # noqa: BLE001 — printed here, then out at once (see _local_rank)
+            traceback.print_exc()
+            print(f"error on rank {os.environ['RANK']}: {describe(e)}", file=sys.stderr)
+            _exit_now(1)
         return 0
     world = build_layout(config).world_size
     if config.train.device == "cuda" and world > torch.cuda.device_count():
@@ -132,10 +199,21 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     errors = mp.get_context("spawn").SimpleQueue()
+    ranks = mp.start_processes(_local_rank, args=(world, _free_port(), config, errors), nprocs=world,
+                               start_method="spawn", join=False)
     try:
-        mp.start_processes(_local_rank, args=(world, _free_port(), config, errors), nprocs=world,
-                           start_method="spawn")
+        while not ranks.join():
+            pass
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        _report(errors, e)
+        _report(errors, e, _killed(ranks.processes))
         return 1
     return 0
+
+
+def _killed(processes) -> list[tuple[int, str]]:
+    """(rank, signal) of the ranks that a signal other than the launcher's own SIGTERM ended."""
+    out = []
+    for rank, p in enumerate(processes):
+        if p.exitcode is not None and p.exitcode < 0 and -p.exitcode != signal.SIGTERM:
+            out.append((rank, signal.Signals(-p.exitcode).name))
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from dtensor_mimo.bridge import PlanError
 from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.train.optimizer import MimoOptimizer, grad_sumsq_shares
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -61,11 +64,8 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
     model.reduce_gradients()
     loss_part = share.detach().double().reshape(1) if model.holds_loss_share() else \
         torch.zeros(1, dtype=torch.float64, device=model.device)
-    # The status word: ranks whose encoder rows contradicted the batch metadata, or (unpipelined)
-    # received rows from such a rank (`MimoModel.step_status`, on the device: no sync until here).
+    # The status word: ranks whose encoder rows contradicted the batch metadata (`step_error`).
     status = torch.full((1,), float(model.step_error is not None), dtype=torch.float64, device=model.device)
-    if model.step_status is not None:
-        status = torch.maximum(status, (model.step_status > 0).double().reshape(1))
     totals = torch.cat([loss_part, status, grad_sumsq_shares(model)])
     dist.all_reduce(totals)
     loss, bad, *sumsq = read_totals(totals)
@@ -76,6 +76,10 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
             "metadata (their error names the encoder and the shapes); the step was not applied"))
     grad_norm = math.sqrt(sum(sumsq))
     skipped = not optimizer.step(grad_norm)
+    if skipped and dist.get_rank() == 0:  # the same verdict on every rank: said once
+        log.warning("step skipped after %d update(s): the global gradient norm is %s (loss %s); weights and "
+                    "optimizer state are unchanged (a non-finite input or a too high lr?)",
+                    optimizer.updates, grad_norm, loss)
     if timings is not None:
         timings["optimizer"] = _now(model.device) - middle
     return StepMetrics(loss, grad_norm, {n: math.sqrt(s) for n, s in zip(model.module_names, sumsq)},

@@ -17,7 +17,10 @@ group. What a step does on a rank:
 from __future__ import annotations
 
 import dataclasses
+import os
 import resource
+import signal
+import sys
 import time
 from typing import Any, Iterator
 
@@ -39,6 +42,35 @@ from dtensor_mimo.train.step import train_step
 
 COMPILE_STEPS = 2
 """Steps left out of the throughput when blocks compile (the first forward and backward compile)."""
+
+FAULT_ENV = "DTENSOR_MIMO_FAULT"
+"""A test hook: ``DTENSOR_MIMO_FAULT=WHAT:STEP:RANK`` makes rank RANK fail in step STEP (1-based)
+of a run's first round (never after a torchrun restart, so the restarted world can resume). WHAT:
+``kill`` (SIGKILL at the step's start, after step STEP-1 and its checkpoint), ``data`` (the batch's
+loading raises), ``encoder`` / ``language`` (the forward of any of this rank's encoder or language
+modules raises; the rank must hold one)."""
+
+_FAULTS = ("kill", "data", "encoder", "language")
+
+
+class InjectedFault(RuntimeError):
+    """The failure `FAULT_ENV` asked for."""
+
+
+def _fire(message: str) -> None:
+    """Say when the fault fires (what `benchmarks/faults.py` measures detection from)."""
+    print(f"{message} (at {time.time():.3f})", file=sys.stderr, flush=True)
+
+
+def _fault(rank: int) -> tuple[str, int] | None:
+    """(what, step) of `FAULT_ENV` on this rank, None when it names another rank or a restart runs."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[0] not in _FAULTS or not parts[1].isdigit() or not parts[2].isdigit():
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected WHAT:STEP:RANK with WHAT one of {_FAULTS}, e.g. kill:5:1")
+    return (parts[0], int(parts[1])) if int(parts[2]) == rank else None
 
 
 # ---------------------------------------------------------------------------- data
@@ -120,6 +152,25 @@ class Trainer:
         self.peak = peak_tflops(self.model.device, m.peak_tflops)
         self.step = 0
         self.heldout_scores: dict[str, float] = {}  # the last evaluation's
+        self.fault = _fault(self.rank)
+        if self.fault and self.fault[0] in ("encoder", "language"):
+            self._arm(self.fault[0])
+
+    def _arm(self, what: str) -> None:
+        """`FAULT_ENV`'s raise in the forward of this rank's `what` modules, in the fault's step."""
+        parts = list(self.model.encoders.values()) if what == "encoder" else list(self.model.language_stages)
+        if not parts:
+            raise ValueError(f"{FAULT_ENV}: rank {self.rank} holds no {what} module to fail in")
+
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if self.step + 1 == self.fault[1]:
+                message = f"{FAULT_ENV}: {what} forward of {type(module).__name__} on rank {self.rank}"
+                _fire(message)
+                raise InjectedFault(message)
+
+        for part in parts:
+            for module in part.modules():
+                module.register_forward_pre_hook(hook)
 
     # ------------------------------------------------------------------ pieces
     def _flops(self) -> float:
@@ -174,23 +225,30 @@ class Trainer:
         self.log.print(f"step {self.step}: saved {path}")
 
     def restore(self) -> None:
-        """Resume from `checkpoint.dir`'s latest checkpoint, else start from `checkpoint.load`."""
+        """Resume from `checkpoint.dir`'s newest checkpoint that verifies (newer damaged ones are
+        skipped with a warning naming the file), else start from `checkpoint.load`."""
         c = self.config.checkpoint
-        # Rank 0 picks; every rank then loads the same path or raises together (`checkpoint.load`).
-        chosen: list[Any] = [None, None]
-        if self.rank == 0:
-            try:
-                latest = checkpoint.latest_checkpoint(c.dir) if c.dir else None
-                chosen[0] = latest or (checkpoint.resolve_load(c.load) if c.load else None)
-            except checkpoint.CheckpointError as e:
-                chosen[1] = str(e)
-        dist.broadcast_object_list(chosen, src=0)
-        if chosen[1] is not None:
-            raise checkpoint.CheckpointError(chosen[1])
-        path = chosen[0]
+        path, verified = None, False
+        if c.dir:
+            path, warnings = checkpoint.choose_checkpoint(c.dir)
+            for warning in warnings:
+                self.log.print(f"warning: {warning}")
+            verified = path is not None
+        if path is None and c.load:
+            # Rank 0 picks; every rank then loads the same path or raises together.
+            chosen: list[Any] = [None, None]
+            if self.rank == 0:
+                try:
+                    chosen[0] = checkpoint.resolve_load(c.load, lambda w: self.log.print(f"warning: {w}"))
+                except checkpoint.CheckpointError as e:
+                    chosen[1] = str(e)
+            dist.broadcast_object_list(chosen, src=0)
+            if chosen[1] is not None:
+                raise checkpoint.CheckpointError(chosen[1])
+            path = chosen[0]
         if path is None:
             return
-        state = checkpoint.load(path, self.model, self.optimizer, self.expected_keys)
+        state = checkpoint.load(path, self.model, self.optimizer, self.expected_keys, verified=verified)
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.log.print(f"resumed from {path} at step {self.step}")
@@ -250,25 +308,14 @@ class Trainer:
         tokens = c.data.batch_size * self.seq_len
         window: list[list[float]] = []
         while self.step < c.train.steps:
-            t0 = time.perf_counter()
-            batch = next(batches)
-            timings: dict[str, float] = {}
-            data_s = time.perf_counter() - t0
-            lr = self.optimizer.lrs()["language"]  # what this step's update uses
-            metrics = train_step(self.model, self.optimizer, batch, timings)
-            self.step += 1
-            times = [data_s, timings["forward_backward"], timings["optimizer"], time.perf_counter() - t0]
-            if self.step > warm:
-                window.append(times)
-            self.log.tick(self.step, metrics.loss)
-            if self.step % c.metrics.log_every == 0 or self.step == c.train.steps:
-                self._log(metrics, lr, window or [times], tokens)
-                window = []
-            if c.checkpoint.dir and ((c.checkpoint.every and self.step % c.checkpoint.every == 0)
-                                     or self.step == c.train.steps):
-                self.save()
-            if c.train.eval_every and self.step % c.train.eval_every == 0 and self.step < c.train.steps:
-                self._report_eval()
+            step = self.step + 1
+            try:
+                window = self._run_step(batches, window, warm, tokens)
+            except BaseException as e:
+                # Which step, for errors that cannot say (a peer's closed connection, a timeout).
+                e.add_note(f"in step {step}")
+                self.log.close()  # what was logged is on disk, however the process ends
+                raise
         accuracy = self._report_eval()
         if c.checkpoint.export_hf:
             self.export(c.checkpoint.export_hf)
@@ -279,6 +326,39 @@ class Trainer:
             self.log.print(f"held-out accuracy: {accuracy:.2f}")
         self.log.close()
         return accuracy
+
+    def _run_step(self, batches: Iterator[MimoBatch], window: list[list[float]], warm: int,
+                  tokens: int) -> list[list[float]]:
+        """One step of `run`'s loop: the batch, `train_step`, logs, checkpoint, evaluation; returns
+        the throughput window (phase times of the steps since the last log line)."""
+        c = self.config
+        t0 = time.perf_counter()
+        if self.fault and self.fault[1] == self.step + 1 and self.fault[0] in ("kill", "data"):
+            if self.fault[0] == "kill":
+                _fire(f"{FAULT_ENV}: killing rank {self.rank}")
+                os.kill(os.getpid(), signal.SIGKILL)
+            message = f"{FAULT_ENV}: loading the batch on rank {self.rank}"
+            _fire(message)
+            raise InjectedFault(message)
+        batch = next(batches)
+        timings: dict[str, float] = {}
+        data_s = time.perf_counter() - t0
+        lr = self.optimizer.lrs()["language"]  # what this step's update uses
+        metrics = train_step(self.model, self.optimizer, batch, timings)
+        self.step += 1
+        times = [data_s, timings["forward_backward"], timings["optimizer"], time.perf_counter() - t0]
+        if self.step > warm:
+            window.append(times)
+        self.log.tick(self.step, metrics.loss)
+        if self.step % c.metrics.log_every == 0 or self.step == c.train.steps:
+            self._log(metrics, lr, window or [times], tokens)
+            window = []
+        if c.checkpoint.dir and ((c.checkpoint.every and self.step % c.checkpoint.every == 0)
+                                 or self.step == c.train.steps):
+            self.save()
+        if c.train.eval_every and self.step % c.train.eval_every == 0 and self.step < c.train.steps:
+            self._report_eval()
+        return window
 
     def _report_eval(self) -> float | None:
         if self.data.heldout is None:

@@ -44,13 +44,15 @@ from dtensor_mimo.models.hf.vision import (
 )
 from dtensor_mimo.models.layers import local_box, local_part, plain_name
 from dtensor_mimo.models.llama import Llama
+from dtensor_mimo.models.modality_encoder import ModalityEncoder
 from dtensor_mimo.models.projection import Projection
 from dtensor_mimo.models.vit import ViT, ViTConfig
 
 __all__ = ["has_hf_module", "load_hf", "plan_hf", "save_hf", "save_llava_hf"]
 
-# Fields that only bound what the data layer may build: not part of the weights' meaning.
-_FREE_FIELDS = {"max_seq_len", "multiple_of"}
+# Fields that only bound what the data layer may build, or how inputs are taken: not part of the
+# weights' meaning.
+_FREE_FIELDS = {"max_seq_len", "multiple_of", "dynamic_resolution", "max_patches", "variable_length"}
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,17 @@ def load_hf(module: nn.Module, path: str) -> None:
     (naming the fields) or the checkpoint lacks a tensor or has another shape (naming them).
     """
     plan_hf(module, path)()
+
+
+def hf_parts(module: nn.Module, path: str, name: str = "encoder") -> list[nn.Module]:
+    """The parts of encoder `module` (named `name` in messages) that the checkpoint at `path`
+    fills: a `ModalityEncoder`'s tower, and its projection when the checkpoint holds one (a
+    LLaVA directory's projector). A user's own encoder is refused: it loads its own weights."""
+    if not isinstance(module, ModalityEncoder):
+        raise TypeError(f"load_hf: encoder {name!r} is a {type(module).__name__}; load your own module's "
+                        "weights yourself")
+    projection = module.projection
+    return [module.encoder] + ([projection] if projection is not None and has_hf_module(Projection, path) else [])
 
 
 def plan_hf(module: nn.Module, path: str) -> Callable[[], None]:

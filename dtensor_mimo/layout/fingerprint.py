@@ -1,0 +1,82 @@
+"""Fingerprints of state that every rank must hold alike (pure: no process group here).
+
+A layout, the modules' options and the pipeline config must be the same on every rank at
+construction, and the global batch's metadata and the set of trainable parameters the same at
+every step; a rank that differs otherwise hangs its peers in an exchange or silently trains on
+other data. Each rank reduces such state to a small integer, and the ranks compare integers inside
+a collective they already make:
+
+- at construction, an all-gather of ``(fingerprint, summary)`` (`disagreement` names the ranks
+  that differ and shows what each has);
+- at a step, two more float64 terms of a SUM all-reduce the step already makes:
+  ``agreement_terms(fp)`` = (fp, fp²); every rank agrees iff the sums are (n·fp, n·fp²) for its own
+  fp (`agreed`). The variance of the ranks' fingerprints is zero exactly then, and with
+  `STEP_BITS`-bit fingerprints the sums stay exact in float64 up to 2**(53 - 2·STEP_BITS) ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from typing import Any, Iterable, Sequence
+
+STEP_BITS = 20
+"""Bits of a per-step fingerprint: sums of squares over 8,192 ranks stay exact in float64."""
+
+
+def _canonical(value: Any) -> Any:
+    """A JSON-able form that is the same in every process (no ids, no hash seeds)."""
+    if hasattr(value, "detach") and hasattr(value, "numpy"):  # a tensor: its dtype, shape and bytes
+        array = value.detach().cpu().contiguous().numpy()
+        return ["tensor", str(array.dtype), list(array.shape), zlib.crc32(array.tobytes())]
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(_canonical(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)  # dataclasses (layouts, options, configs) print their fields
+
+
+def fingerprint(*values: Any, bits: int = 32) -> int:
+    """A `bits`-bit integer of `values` (tensors by content; dicts by sorted key), equal in every
+    process for equal values."""
+    text = json.dumps([_canonical(v) for v in values], sort_keys=True, separators=(",", ":"))
+    return zlib.crc32(text.encode()) & ((1 << bits) - 1)
+
+
+def batch_fingerprint(tokens: Any, items: dict[str, tuple[Sequence[int], int]]) -> int:
+    """The step fingerprint of a global batch's metadata: its token ids and, per modality, the
+    items per sample and tokens per item (what every rank derives its exchange sizes from)."""
+    return fingerprint(tokens, items, bits=STEP_BITS)
+
+
+def trainable_fingerprint(names: Iterable[tuple[str, bool]]) -> int:
+    """The step fingerprint of which parameters train: ``(module.param name, requires_grad)`` pairs
+    of every module (every rank lists all modules' names, not only its own shards)."""
+    return fingerprint(sorted(names), bits=STEP_BITS)
+
+
+def agreement_terms(fp: int) -> tuple[float, float]:
+    """This rank's two terms for a SUM all-reduce: (fp, fp²)."""
+    return float(fp), float(fp) * float(fp)
+
+
+def agreed(fp: int, sum_fp: float, sum_sq: float, world: int) -> bool:
+    """Whether every one of `world` ranks had `fp`, from the all-reduced sums of `agreement_terms`."""
+    return sum_fp == world * float(fp) and sum_sq == world * float(fp) * float(fp)
+
+
+def disagreement(per_rank: Sequence[tuple[int, str]], what: str) -> str | None:
+    """An error message naming the ranks whose ``(fingerprint, summary)`` differs from rank 0's and
+    what each holds, or None when all agree. The same message on every rank."""
+    first, summary = per_rank[0]
+    others = [r for r, (fp, _) in enumerate(per_rank) if fp != first]
+    if not others:
+        return None
+    shown = "; ".join(f"rank {r}: {per_rank[r][1]}" for r in others[:4])
+    more = f" (+{len(others) - 4} more ranks)" if len(others) > 4 else ""
+    return (f"the {what} differs between ranks: rank 0: {summary}; {shown}{more}. Every rank must build the "
+            f"same {what} (the same config file and arguments on every rank)")

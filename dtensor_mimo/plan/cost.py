@@ -1,0 +1,417 @@
+"""The cost model of one training step: pure functions of profiles, a layout and the microbatches.
+
+Each function is one effect, in seconds (or bytes), and is unit-tested on hand-computed cases:
+
+- collectives on a `Link` (ring all-reduce, all-gather / reduce-scatter, point-to-point);
+- a module's work per microbatch on its busiest rank (`module_microbatch`): blocks and the rest
+  of the module at tokens / (dp·cp), the per-token part divided by tp (the fixed per-call part
+  is not), tp and cp collectives per block, FSDP2 gathers per microbatch, pp stage sends;
+- the language pipeline (`pipeline_time`): ``(M + bubble) x`` the busiest stage's microbatch time,
+  with the schedule's bubble (`bubble_units`);
+- encoders on ranks of their own overlap the language model (`overlapped_step`: the encoder's
+  microbatch i + 1 runs while the language model runs microbatch i); encoders sharing ranks with it,
+  or frozen ones, run in three phases (`three_phase_step`);
+- bridge crossings from the bridge's own plan (`crossing_time`: the busiest rank's rows and
+  messages, `dtensor_mimo.bridge.plan`);
+- the dp gradient reduction once per step (`gradient_reduction`), the optimizer, data loading;
+- on a CPU host whose ranks share cores, a step lasts at least the ranks' summed busy time over
+  the cores (`shared_cores`);
+- peak memory per rank (`peak_memory`) and each module's idle fraction.
+
+`predict` puts them together for a `Candidate`. Nothing here touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from dtensor_mimo.bridge.hops import hop_rows, wants_two_hops
+from dtensor_mimo.bridge.plan import MeshSpec, plan
+from dtensor_mimo.layout import Parallelism
+from dtensor_mimo.plan.candidate import Candidate
+from dtensor_mimo.plan.profile import DeviceProfile, Job, Link, ModuleProfile
+from dtensor_mimo.schedule.config import (LOOPED_SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, PipelineConfig,
+                                          stage_layers)
+
+ADAM_STATE_BYTES = 8
+"""AdamW's two fp32 moments per trainable parameter."""
+
+
+# ---------------------------------------------------------------------------- collectives
+
+
+def allreduce_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce of `nbytes` over `n` ranks: 2(n-1) steps of nbytes/n each, plus the
+    link's per-collective cost."""
+    if n <= 1:
+        return 0.0
+    return link.collective_s + 2 * (n - 1) * (link.latency_s + nbytes / n / link.bandwidth)
+
+
+def allgather_time(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-gather (or reduce-scatter) of a `nbytes` whole over `n` ranks: n-1 steps of
+    nbytes/n, plus the link's per-collective cost."""
+    if n <= 1:
+        return 0.0
+    return link.collective_s + (n - 1) * (link.latency_s + nbytes / n / link.bandwidth)
+
+
+# ---------------------------------------------------------------------------- pipeline
+
+
+def bubble_units(schedule: str, pp: int, virtual_stages: int = 1) -> float:
+    """Idle microbatch-slots of a pp-stage pipeline, in units of one microbatch's full work on a
+    rank: ``pp - 1`` for one stage per rank (1F1B, GPipe), ``(pp - 1) / v`` looped with v stages
+    per rank, about a third of that for the zero-bubble schedules (their weight passes fill most
+    of it: an approximation, not torch's exact schedule)."""
+    if pp <= 1:
+        return 0.0
+    units = (pp - 1) / (virtual_stages if schedule in LOOPED_SCHEDULES + V_SCHEDULES else 1)
+    return units / 3 if schedule in ZERO_BUBBLE_SCHEDULES else units
+
+
+def pipeline_time(per_microbatch: float, microbatches: int, pp: int, schedule: str = "1F1B",
+                  virtual_stages: int = 1) -> float:
+    """A pipeline's step: ``(M + bubble) x`` the busiest rank's forward+backward of one microbatch."""
+    return (microbatches + bubble_units(schedule, pp, virtual_stages)) * per_microbatch
+
+
+def overlapped_step(enc_fwd: float, enc_bwd: float, lang_step: float, lang_traverse: float, microbatches: int,
+                    enc_start: float = 0.0, lang_start: float = 0.0) -> float:
+    """Encoders on ranks of their own, overlapping the language pipeline (torch's GPipe on the
+    encoder: forwards of microbatches 0..M-1, then their backwards as gradients come back).
+
+    Args:
+        enc_fwd, enc_bwd: the encoders' forward / backward of one microbatch (crossings included).
+        lang_step: the language pipeline's whole step once its inputs arrive (`pipeline_time`).
+        lang_traverse: one microbatch's forward and backward through every language stage.
+        microbatches: M.
+        enc_start, lang_start: when each side can start (after its data).
+
+    The step ends with the last of: the language model, started after the first encoder
+    microbatch, then the last encoder backward; the last microbatch's encoder forward, its trip
+    through the language stages and its encoder backward; the encoder's M forwards (or the
+    first gradient's return) and then its M backwards.
+    """
+    m = microbatches
+    first = max(lang_start, enc_start + enc_fwd)
+    lang_bound = first + lang_step + enc_bwd
+    last_trip = enc_start + m * enc_fwd + lang_traverse + enc_bwd
+    enc_bound = max(enc_start + m * enc_fwd, first + lang_traverse) + m * enc_bwd
+    return max(lang_bound, last_trip, enc_bound)
+
+
+def three_phase_step(enc_fwd: float, enc_bwd: float, lang_step: float, microbatches: int,
+                     start: float = 0.0) -> float:
+    """Encoders sharing ranks with the language model (or frozen): every microbatch's encoder
+    forward, the language schedule, then the encoder backwards: no overlap."""
+    return start + microbatches * enc_fwd + lang_step + microbatches * enc_bwd
+
+
+def shared_cores(critical_path: float, busy_per_rank: Sequence[float], cores: int | None) -> float:
+    """A step on ranks that share `cores` cores lasts at least their summed busy time / cores."""
+    if not cores:
+        return critical_path
+    return max(critical_path, sum(busy_per_rank) / cores)
+
+
+def idle_fraction(busy: float, step: float) -> float:
+    """The share of the step a rank spends waiting."""
+    return 0.0 if step <= 0 else min(1.0, max(0.0, 1 - busy / step))
+
+
+# ---------------------------------------------------------------------------- one module
+
+
+@dataclass(frozen=True)
+class ModuleCost:
+    """One module's per-microbatch work on its busiest rank, and its per-step extras.
+
+    Attributes:
+        forward, backward: one microbatch on the busiest rank (every stage it holds), seconds.
+        stage_trip: one microbatch's forward and backward through every pp stage (the pipeline's
+            latency for one microbatch), seconds.
+        reduce: the dp gradient reduction once per step, seconds.
+        optimizer: AdamW over the rank's trainable parameters, seconds.
+        load: preparing the rank's inputs for the step, seconds.
+        memory: peak bytes on the busiest rank (parameters, gradients, optimizer state, saved
+            activations of the microbatches in flight).
+    """
+
+    forward: float
+    backward: float
+    stage_trip: float
+    reduce: float
+    optimizer: float
+    load: float
+    memory: float
+
+
+def rank_layers(n_layers: int, pp: int, schedule: str = "1F1B", virtual_stages: int = 1,
+                split: Sequence[int] | None = None) -> list[tuple[int, bool]]:
+    """Per pp rank: (blocks it holds, whether it holds the last stage: head and loss)."""
+    config = PipelineConfig(microbatches=max(1, pp), schedule=schedule, virtual_stages=virtual_stages)
+    n_stages = config.num_stages(pp)
+    bounds = stage_layers(n_layers, n_stages, split)
+    out = []
+    for r in range(pp):
+        stages = config.rank_stages(r, pp)
+        out.append((sum(len(bounds[s]) for s in stages), n_stages - 1 in stages))
+    return out
+
+
+def microbatch_tokens(profile: ModuleProfile, samples: int, par: Parallelism) -> float:
+    """Rows one rank of the module processes per microbatch: its dp shard (the largest, when dp
+    does not divide the samples), cut by cp."""
+    return math.ceil(samples / par.dp) * profile.tokens_per_sample / par.cp
+
+
+def module_cost(profile: ModuleProfile, par: Parallelism, batch_size: int, microbatches: int,
+                device: DeviceProfile, ranks: Sequence[int], schedule: str = "1F1B",
+                virtual_stages: int = 1, keeps_all: bool = False) -> ModuleCost:
+    """`ModuleCost` of `profile` laid out as `par` on global `ranks` (mesh order, tp fastest).
+
+    `keeps_all`: the module keeps every microbatch's activations until its backward (an encoder:
+    GPipe on its own ranks, or the three phases); else min(M, pp) microbatches are in flight
+    (1F1B), or all M under GPipe.
+    """
+    m = microbatches
+    samples = batch_size // m if batch_size % m == 0 else math.ceil(batch_size / m)
+    tokens = microbatch_tokens(profile, samples, par)
+    tp, dpcp = par.tp, par.dp * par.cp
+    tp_link = device.link(ranks[:tp])
+    dp_stride = par.cp * par.tp
+    dp_link = device.link(ranks[0:par.dp * dp_stride:par.tp]) if dpcp > 1 else device.intra
+    pp_link = device.link([ranks[0], ranks[min(len(ranks) - 1, par.dp * dp_stride)]]) if par.pp > 1 else device.intra
+    act = tokens * profile.hidden * profile.act_bytes
+
+    def block(affine) -> float:
+        return affine.fixed + affine.per_token * tokens / tp
+
+    fsdp = profile.fsdp and dpcp > 1
+    tp_comm = 2 * allreduce_time(act, tp, tp_link) if tp > 1 else 0.0
+    cp_comm = allgather_time(2 * act * par.cp, par.cp, dp_link) if par.cp > 1 else 0.0
+    # the wrappers' own per-call cost: DTensor dispatch under tp, FSDP2's hooks under dp·cp
+    wrap_f = (profile.tp_forward_s if tp > 1 else 0.0) + (profile.fsdp_forward_s if fsdp else 0.0)
+    wrap_b = (profile.tp_backward_s if tp > 1 else 0.0) + (profile.fsdp_backward_s if fsdp else 0.0)
+    block_f = block(profile.block_forward) + tp_comm + cp_comm + wrap_f
+    trains_blocks = profile.block_backward.fixed > 0 or profile.block_backward.per_token > 0
+    block_b = (block(profile.block_backward) + tp_comm + cp_comm + wrap_b) if trains_blocks else 0.0
+    gather_block = allgather_time(profile.block_params * profile.param_bytes / tp, dpcp, dp_link) if fsdp else 0.0
+    gather_rest = allgather_time(profile.rest_params * profile.param_bytes / tp, dpcp, dp_link) if fsdp else 0.0
+    regather = profile.reshard_after_forward and trains_blocks
+
+    per_rank = rank_layers(profile.n_layers, par.pp, schedule, virtual_stages) if par.pp > 1 else \
+        [(profile.n_layers, True)]
+    stage_send = 0.0
+    if par.pp > 1:  # a stage receives its input and sends its output, forward and backward
+        stage_send = 2 * pp_link.time(tokens * profile.width * profile.act_bytes)
+
+    overhead = device.microbatch_s / 2  # the runtime's own work, forward and backward
+
+    def rank_work(layers: int, last: bool) -> tuple[float, float]:
+        f = layers * (block_f + gather_block) + stage_send + overhead
+        b = layers * (block_b + (gather_block if regather else 0.0)) + stage_send + overhead
+        if last or par.pp == 1:
+            f += block(profile.rest_forward) + gather_rest
+            b += block(profile.rest_backward)
+        return f, b
+
+    works = [rank_work(*lr) for lr in per_rank]
+    fwd, bwd = max(works, key=lambda fb: fb[0] + fb[1])
+    trip = sum(f + b for f, b in works)
+
+    # Parameters per rank: blocks of its stages (+ the rest, counted whole: conservative) over tp,
+    # sharded over dp·cp by FSDP2.
+    busiest_layers = max(layers for layers, _ in per_rank)
+    params = (profile.block_params * busiest_layers + profile.rest_params) / tp
+    share = profile.trainable_params / max(1, profile.params)
+    shard = dpcp if fsdp else 1
+    state = params * profile.param_bytes + params * share * (profile.param_bytes + ADAM_STATE_BYTES)
+    gathered = (profile.block_params + profile.rest_params) / tp * profile.param_bytes if fsdp else 0.0
+    in_flight = m if keeps_all or schedule == "GPipe" else min(m, par.pp)
+    activations = profile.activation_bytes_per_token * tokens / tp * busiest_layers * in_flight
+    memory = state / shard + gathered + activations
+    grad_bytes = params * share * profile.param_bytes
+    reduce = (allgather_time(grad_bytes, dpcp, dp_link) if profile.fsdp else allreduce_time(grad_bytes, dpcp, dp_link)) \
+        if profile.trainable else 0.0
+    optimizer = device.optimizer(params * share / shard) if profile.trainable else 0.0
+    load = profile.load(math.ceil(batch_size / par.dp)) if profile.load.fixed or profile.load.per_token else 0.0
+    return ModuleCost(fwd, bwd, trip, reduce, optimizer, load, memory)
+
+
+# ---------------------------------------------------------------------------- the bridge
+
+
+@functools.lru_cache(maxsize=4096)
+def _crossing_rows(enc: Parallelism, lang: Parallelism, colocated: bool, samples: int, rows_per_sample: int,
+                   two_hops: bool) -> tuple[int, int, int]:
+    """(busiest rank's rows between the modules, its messages, its rows inside the destination
+    mesh for a two-hop route) of one microbatch, from the bridge's own plan."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = (Shard(0), Replicate(), Replicate())
+    src_grid = _grid(enc, 0)
+    dst_grid = _grid(lang, 0 if colocated else enc.size)
+    sizes = (rows_per_sample,) * samples
+    src = MeshSpec(src_grid, placements, sample_sizes=sizes, name="encoder")
+    dst = MeshSpec(dst_grid, placements, sample_sizes=sizes, name="language")
+    world = enc.size if colocated else enc.size + lang.size
+    if two_hops and wants_two_hops(src, dst):
+        rows = hop_rows(src, dst, 2)
+        dst_ranks = lang.dp * lang.cp * lang.tp
+        return math.ceil(rows["between"] / max(1, min(src.shape[0] * enc.tp, dst_ranks))), 1, \
+            math.ceil(rows["inside"] / dst_ranks)
+    p = plan(src, dst, world)
+    busiest, messages = 0, 0
+    for r in range(world):
+        rp = p.for_rank(r)
+        sent = sum(s.hi - s.lo for s in rp.sends)
+        got = sum(v.hi - v.lo for v in rp.recvs)
+        busiest = max(busiest, sent, got)
+        messages = max(messages, len(rp.sends), len(rp.recvs))
+    return busiest, messages, 0
+
+
+def _grid(par: Parallelism, offset: int) -> list:
+    """The first pp stage's (dp, cp, tp) grid of global ranks."""
+    return [[[offset + (d * par.cp + c) * par.tp + t for t in range(par.tp)] for c in range(par.cp)]
+            for d in range(par.dp)]
+
+
+def crossing_time(enc: ModuleProfile, enc_par: Parallelism, lang_par: Parallelism, colocated: bool,
+                  samples: int, device: DeviceProfile, enc_ranks: Sequence[int], lang_ranks: Sequence[int]) -> float:
+    """One direction of one microbatch's crossing: the busiest rank's messages and bytes over the
+    link between the modules (and, two hops across nodes, the all-gather inside the language mesh)."""
+    if enc.tokens_per_sample <= 0 or samples == 0:
+        return 0.0
+    link = device.link([enc_ranks[0], lang_ranks[0]]) if not colocated else device.intra
+    two = link is device.inter and device.inter != device.intra
+    # Planned once per pair of layouts with one row per sample over lcm(dp, dp) samples (every dp
+    # rank of both sides holding whole samples), then scaled: exact when the microbatch's samples
+    # are a multiple of it, with uniform rows per sample.
+    unit = math.lcm(enc_par.dp, lang_par.dp)
+    rows, messages, inside = _crossing_rows(enc_par, lang_par, colocated, unit, 1, two)
+    scale = samples / unit * enc.tokens_per_sample
+    rows, inside = rows * scale, inside * scale
+    row_bytes = enc.width * enc.act_bytes
+    t = link.time(rows * row_bytes, messages) if messages else 0.0
+    if inside:
+        t += allgather_time(inside * row_bytes * lang_par.tp * lang_par.cp, lang_par.tp * lang_par.cp,
+                            device.link(lang_ranks[:lang_par.tp * lang_par.cp]))
+    return t
+
+
+# ---------------------------------------------------------------------------- a step
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The cost model's verdict on a candidate.
+
+    Attributes:
+        candidate: what was predicted.
+        step_s: one training step, seconds.
+        tokens_per_s: the language model's tokens per second (batch x sequence / step).
+        peak_bytes: the busiest rank's peak memory.
+        idle: per module, the share of the step its ranks wait.
+        busy: per module, its ranks' busy seconds per step.
+        parts: named terms of the step (seconds), for the report.
+        fits: whether every rank's peak memory fits the device.
+    """
+
+    candidate: Candidate
+    step_s: float
+    tokens_per_s: float
+    peak_bytes: float
+    idle: dict[str, float]
+    busy: dict[str, float]
+    parts: dict[str, float] = field(default_factory=dict)
+    fits: bool = True
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / 2**30
+
+
+def predict(job: Job, candidate: Candidate, device: DeviceProfile) -> Prediction:
+    """One step of `job` on `candidate` (a layout the validators accepted) on `device`."""
+    m = candidate.microbatches
+    pars, offsets = candidate.parallelisms, candidate.offset_of
+    lang_name = job.language
+    lang_par = pars[lang_name]
+    encoders = [e for e in job.encoders]
+    samples = job.batch_size // m
+
+    def ranks(name: str) -> range:
+        return range(offsets[name], offsets[name] + pars[name].size)
+
+    colocated = {e.name: candidate.shares_ranks(e.name, lang_name) for e in encoders}
+    overlapped = all(e.trainable and not colocated[e.name] for e in encoders)
+    costs = {e.name: module_cost(e, pars[e.name], job.batch_size, m, device, ranks(e.name), keeps_all=True)
+             for e in encoders}
+    lang = job.lang
+    costs[lang_name] = module_cost(lang, lang_par, job.batch_size, m, device, ranks(lang_name), job.schedule,
+                                   job.virtual_stages)
+    cross_f = {e.name: crossing_time(e, pars[e.name], lang_par, colocated[e.name], samples, device,
+                                     ranks(e.name), ranks(lang_name)) for e in encoders}
+    cross_b = {e.name: cross_f[e.name] if e.trainable else 0.0 for e in encoders}
+
+    # Rank groups: modules sharing a span run one after the other on the same ranks.
+    groups: dict[tuple[int, int], list[str]] = {}
+    for name in job.names:
+        groups.setdefault((offsets[name], pars[name].size), []).append(name)
+    rows = job.rows(job.batch_size)
+    load = {span: rows + sum(costs[n].load for n in names) for span, names in groups.items()}
+    lang_span = (offsets[lang_name], lang_par.size)
+    lc = costs[lang_name]
+    cross_in = sum(cross_f.values()) + sum(cross_b.values())
+    lang_mb = lc.forward + lc.backward + cross_in
+    lang_step = pipeline_time(lang_mb, m, lang_par.pp, job.schedule, job.virtual_stages)
+    lang_trip = lc.stage_trip + cross_in
+
+    enc_spans = [span for span in groups if span != lang_span]
+    enc_f = {span: sum(costs[n].forward + cross_f[n] for n in groups[span]) for span in enc_spans}
+    enc_b = {span: sum(costs[n].backward + cross_b[n] for n in groups[span]) for span in enc_spans}
+    coloc = [n for n in groups[lang_span] if n != lang_name]
+    coloc_f = sum(costs[n].forward + cross_f[n] for n in coloc)
+    coloc_b = sum(costs[n].backward + cross_b[n] for n in coloc)
+    reduce = {span: sum(costs[n].reduce for n in names) for span, names in groups.items()}
+    optim = {span: sum(costs[n].optimizer for n in names) for span, names in groups.items()}
+
+    if overlapped and enc_spans:
+        ends = []
+        for span in enc_spans:
+            ends.append(overlapped_step(enc_f[span], enc_b[span], lang_step, lang_trip, m, load[span],
+                                        load[lang_span]) + reduce[span] + optim[span])
+        lang_end = max(load[lang_span], *(load[s] + enc_f[s] for s in enc_spans)) + lang_step \
+            + reduce[lang_span] + optim[lang_span]
+        fb_end = max(*ends, lang_end)
+    else:
+        enc_all_f = coloc_f + max((enc_f[s] for s in enc_spans), default=0.0)
+        enc_all_b = coloc_b + max((enc_b[s] for s in enc_spans), default=0.0)
+        start = max(load.values())
+        fb_end = three_phase_step(enc_all_f, enc_all_b, lang_step, m, start) + \
+            max(reduce.values()) + max(optim.values())
+    # One small all-reduce over the world (the global gradient norm and the step's verdict).
+    world_ranks = range(candidate.world_size)
+    critical = fb_end + allreduce_time(16, candidate.world_size, device.link(world_ranks)) + device.step_s
+
+    busy_span = {}
+    for span, names in groups.items():
+        work = sum(m * (costs[n].forward + costs[n].backward) for n in names)
+        work += sum(m * (cross_f.get(n, 0.0) + cross_b.get(n, 0.0)) for n in names)
+        busy_span[span] = load[span] + work + reduce[span] + optim[span] + device.step_s
+    step = shared_cores(critical, [busy_span[s] * s[1] for s in groups], device.cores)
+    busy = {n: busy_span[(offsets[n], pars[n].size)] for n in job.names}
+    idle = {n: idle_fraction(busy[n], step) for n in job.names}
+    peak = max(sum(costs[n].memory for n in names) for names in groups.values())
+    fits = device.memory_bytes is None or peak <= device.memory_bytes
+    tokens = job.batch_size * lang.tokens_per_sample
+    parts = {"language pipeline": lang_step, "bubble": bubble_units(job.schedule, lang_par.pp, job.virtual_stages)
+             * lang_mb, "crossings": m * cross_in, "dp reduce": max(reduce.values()),
+             "optimizer": max(optim.values()), "data": max(load.values())}
+    return Prediction(candidate, step, tokens / step, peak, idle, busy, parts, fits)

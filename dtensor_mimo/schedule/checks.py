@@ -1,0 +1,132 @@
+"""Pure checks of a `MimoModel`'s parts against its layout and of a global batch against the model:
+the same verdict on every rank, raised before any process group is used."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from torch import nn
+
+from dtensor_mimo.data import MimoBatch
+from dtensor_mimo.layout import LayoutError, MimoLayout
+from dtensor_mimo.models import ModalityEncoder
+from dtensor_mimo.models.protocol import ItemRule, encoder_problems, language_problems
+from dtensor_mimo.parallelize import ParallelOptions
+from dtensor_mimo.schedule.config import (ZERO_BUBBLE_SCHEDULES, PipelineConfig, check_pipeline_layout,
+                                          stage_layers)
+
+
+def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, nn.Module],
+                language_name: str, options: Mapping[str, ParallelOptions],
+                pipeline: PipelineConfig | None) -> None:
+    """Pure validation of the model against the layout, before any process group is used."""
+    layout.require_mimo(language_name, encoders)
+    extra = [n for n in layout.names if n != language_name and n not in encoders]
+    if extra:
+        raise LayoutError(f"layout modules {extra} are neither the language model nor an encoder "
+                          f"(encoders: {list(encoders)}); remove them from the layout")
+    unknown = [n for n in options if n not in layout.names]
+    if unknown:
+        raise LayoutError(f"options given for {unknown}, which are not modules of the layout {layout.names}")
+    for name, module in encoders.items():
+        par = layout.parallelism(name)
+        problems = encoder_problems(module, tp=par.tp,
+                                    activation_checkpointing=options.get(name, ParallelOptions()).activation_checkpointing)
+        if problems:
+            raise TypeError(f"encoder {name!r} ({type(module).__name__}) does not meet the encoder protocol "
+                            f"(dtensor_mimo.models.protocol): it needs {'; '.join(problems)}")
+    lang = layout.parallelism(language_name)
+    problems = language_problems(language, tp=lang.tp, cp=lang.cp, pp=lang.pp)
+    if problems:
+        raise TypeError(f"the language model ({type(language).__name__}) does not meet the language protocol "
+                        f"(dtensor_mimo.models.protocol): it needs {'; '.join(problems)}")
+    for name in layout.names:
+        par = layout.parallelism(name)
+        if name == language_name and par.pp > 1 and pipeline is None:
+            raise LayoutError(f"{name!r} has pp={par.pp}: pass pipeline=PipelineConfig(microbatches=...) "
+                              "to MimoModel (at least pp microbatches keep every stage busy)")
+        if name != language_name and par.cp != 1:
+            raise LayoutError(f"encoder {name!r} has cp={par.cp}; context parallelism applies to the "
+                              "language model only: use dp for the encoder instead")
+    check_pipeline_layout(layout, language_name, pipeline)
+    for name, module in encoders.items():
+        pp = layout.parallelism(name).pp
+        if pp > 1:
+            problem = encoder_pipeline_problem(layout, language_name, encoders, name, options, pipeline)
+            if problem:
+                raise LayoutError(f"encoder {name!r} has pp={pp}: {problem}")
+            stage_layers(len(module.encoder.layers), pp, module=name)
+    if pipeline is not None:  # every rank, before any process group: layers per stage
+        stage_layers(len(language.layers), pipeline.num_stages(layout.parallelism(language_name).pp),
+                     pipeline.split, module=language_name)
+    lang_options = options.get(language_name, ParallelOptions())
+    if pipeline is not None and pipeline.schedule in ZERO_BUBBLE_SCHEDULES and lang_options.compile:
+        # torch 2.13 runs a block compiled in place (`compile_blocks`) and gets the numbers right,
+        # but the block's backward is one compiled node: the input pass runs all of it, and the
+        # weight pass runs all of it again. Refused rather than silently doubling that compute.
+        raise LayoutError(f"schedule {pipeline.schedule!r} splits backward into an input pass and a weight "
+                          f"pass, but {language_name!r} has compile=True: torch 2.13 runs a compiled block's "
+                          "whole backward in both passes (twice the backward compute, which undoes the "
+                          "zero-bubble split): use schedule='Interleaved1F1B' or '1F1B' with compile, or "
+                          "compile=False with this schedule")
+    for name, module in encoders.items():
+        if module.out_dim != language.config.dim:
+            raise ValueError(f"encoder {name!r} projects to {module.out_dim} features but the language "
+                             f"model's dim is {language.config.dim}; set the projection's out_dim to it")
+
+
+def encoder_pipeline_problem(layout: MimoLayout, language_name: str, encoders: Mapping[str, nn.Module],
+                             name: str, options: Mapping[str, ParallelOptions],
+                             pipeline: PipelineConfig | None) -> str | None:
+    """Why encoder `name` (pp > 1) cannot run as a pipeline, or None."""
+    if pipeline is None:
+        return "pass pipeline=PipelineConfig(microbatches=...)"
+    if any(set(layout.ranks(name)) & set(layout.ranks(m)) for m in layout.names if m != name):
+        return "its ranks must be its own: disjoint from the language model and every other encoder"
+    if not overlapped(layout, language_name, encoders):
+        return ("every encoder must train and sit on ranks of its own (the colocated three-phase path, "
+                "taken otherwise, has no encoder stages)")
+    if options.get(name, ParallelOptions()).sp:
+        return "sequence parallel is not supported on encoder stages: set sp=False"
+    if not isinstance(encoders[name], ModalityEncoder):
+        return f"encoder stages are cut from a ModalityEncoder, not a {type(encoders[name]).__name__}"
+    encoder = encoders[name].encoder
+    if getattr(getattr(encoder, "config", None), "class_token", False):
+        return "a class token is not supported on encoder stages (stage links carry the patch tokens only)"
+    if not (hasattr(encoder, "embed") and hasattr(encoder, "finish") and hasattr(encoder, "layers")
+            and hasattr(encoder, "norm") and isinstance(getattr(getattr(encoder, "config", None), "dim", None), int)):
+        return (f"its encoder {type(encoder).__name__} needs embed(), layers, finish(), norm and config.dim "
+                "(as ViT and AudioEncoder have)")
+    return None
+
+
+def overlapped(layout: MimoLayout, language_name: str, encoders: Mapping[str, nn.Module]) -> bool:
+    """Encoder and language microbatches overlap when every encoder trains (its gradient comes
+    back per microbatch) and sits on ranks of its own."""
+    lang = set(layout.ranks(language_name))
+    return all(any(p.requires_grad for p in e.parameters()) and not lang & set(layout.ranks(n))
+               for n, e in encoders.items())
+
+
+def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str], batch: MimoBatch,
+                item_rules: Mapping[str, ItemRule | None] | None = None) -> None:
+    """Pure checks of a global batch against the model: the same verdict on every rank, raised
+    before any collective. `item_rules`: each encoder's `item_rule`."""
+    unknown = [n for n in batch.modalities if n not in encoder_names]
+    if unknown:
+        raise ValueError(
+            f"the batch carries modalities {unknown} that the model has no encoder for "
+            f"(encoders: {encoder_names}); add an encoder or drop them from the batch"
+        )
+    for name, m in batch.modalities.items():
+        rule = (item_rules or {}).get(name)
+        problem = rule and m.num_items and rule(tuple(m.inputs.shape[1:]), m.tokens_per_item)
+        if problem:
+            raise ValueError(f"the batch's {name!r} items do not fit encoder {name!r}: {problem}; build the "
+                             "batch's ModalityInputs for this encoder (its inputs and tokens_per_item)")
+    cp = layout.parallelism(language_name).cp
+    if cp > 1 and batch.seq_len % (2 * cp):
+        raise ValueError(
+            f"{language_name!r} has cp={cp}: the sequence length {batch.seq_len} must be a "
+            f"multiple of 2*cp={2 * cp} (load-balanced sharding); pad the rows"
+        )

@@ -1,0 +1,41 @@
+"""Greedy decoding over a teacher-forced predictor (no KV cache): one full forward per new token."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import torch
+
+from dtensor_mimo.data import MimoBatch
+
+
+def greedy_generate(predict: Callable[[MimoBatch], torch.Tensor], batch: MimoBatch, prompt_lengths: Sequence[int],
+                    max_new_tokens: int, stop_token: int | None = None) -> list[list[int]]:
+    """Each sample's `batch` row up to ``prompt_lengths[i]`` tokens is its prompt (its encoder
+    items included); returns the ids `predict` (next-token ids ``[B, S]`` at every position)
+    generates per sample, up to `max_new_tokens` or through `stop_token`, writing each new id
+    into the row after the prompt before the next call."""
+    if len(prompt_lengths) != batch.batch_size:
+        raise ValueError(f"generate: {len(prompt_lengths)} prompt lengths for {batch.batch_size} samples")
+    bad = [n for n in prompt_lengths if not 1 <= n <= batch.seq_len - max_new_tokens]
+    if bad:
+        raise ValueError(f"generate: prompt lengths {bad} leave no room for {max_new_tokens} new "
+                         f"tokens in rows of {batch.seq_len}; shorten them or lower max_new_tokens")
+    tokens = batch.tokens.clone()
+    ends = torch.as_tensor(list(prompt_lengths))
+    rows = torch.arange(batch.batch_size)
+    done = torch.zeros(batch.batch_size, dtype=torch.bool)
+    generated: list[list[int]] = [[] for _ in prompt_lengths]
+    for _ in range(max_new_tokens):
+        ids = predict(dataclasses.replace(batch, tokens=tokens)).cpu()
+        new = ids[rows, ends - 1]
+        for i in torch.nonzero(~done).flatten().tolist():
+            generated[i].append(int(new[i]))
+        tokens[rows[~done], ends[~done]] = new[~done]
+        ends = ends + (~done).long()
+        if stop_token is not None:
+            done |= new == stop_token
+        if done.all():
+            break
+    return generated

@@ -1,0 +1,77 @@
+"""Joining and leaving the process group: a timeout, restarts under torchrun, failing fast.
+
+`init_distributed` is what the trainer calls, and what a user of the library calls in place of
+``dist.init_process_group()``:
+
+- **Restarts.** ``torchrun --max-restarts=N`` keeps one TCPStore (its rendezvous store) for every
+  round of workers, and ``init_process_group("env://")`` connects to it without a per-round
+  prefix (torch's ``_create_c10d_store``: "We create a new TCPStore for every retry", which is no
+  longer true since the rendezvous store is shared). gloo's full-mesh connect then reads the
+  previous round's addresses and fails ("connectFullMesh failed ... Connection refused") or
+  hangs. Prefixing the store with ``TORCHELASTIC_RESTART_COUNT`` gives each round its own keys.
+- **Timeout.** ``timeout_s`` bounds how long a rank waits for a peer in the default group (the
+  bridge's exchanges and the step's all-reduce run there). DeviceMesh's subgroups (FSDP, tp, pp)
+  do not inherit it: ``new_group`` takes torch's own default (30 minutes) unless the mesh is built
+  with a ``backend_override`` carrying the timeout (measured, torch 2.13).
+- **Failing fast.** `abort` after an exception: NCCL communicators are aborted (a peer's pending
+  collective errors at once instead of waiting for the timeout); gloo's connections close, which
+  a peer's next wait sees as "Connection closed by peer".
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def init_distributed(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Initialise the default process group from torchrun's (or the own launcher's) environment.
+
+    ``device``: "cpu" (gloo) or "cuda" (NCCL; this rank's GPU is ``LOCAL_RANK``, bound eagerly).
+    ``timeout_s``: seconds a collective waits for a peer before it fails.
+    Under ``torchrun --max-restarts=N`` each round of workers gets its own keys in the shared
+    rendezvous store, so a restarted world connects instead of finding the dead round's ranks.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s = {timeout_s}: give a positive number of seconds (e.g. 600)")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend, device_id = "gloo", None
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        backend, device_id = "nccl", torch.device("cuda", local)
+    store = restart_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout, device_id=device_id)
+
+
+def restart_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun's shared rendezvous store: a client of it with this round's key prefix;
+    otherwise None (``env://`` is then right: a fresh store per launch)."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"dtensor_mimo/restart_{restart}", client)
+
+
+def abort() -> None:
+    """Tear this rank's process groups down after an error, without waiting for peers: NCCL
+    aborts its communicators (peers' collectives fail instead of hanging); gloo closes its
+    connections (peers' next wait fails). Safe to call when nothing is initialised."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        # Experimental in torch 2.13 (no public spelling); destroy alone could block on a hung kernel.
+        dist.distributed_c10d._abort_process_group()
+        return
+    dist.destroy_process_group()

@@ -1,0 +1,436 @@
+"""``python -m dtensor_mimo.plan``: the layout planner on the trainer's config, and ``--layout.auto``.
+
+    python -m dtensor_mimo.plan [--config FILE.toml] [--world N] [--top K] [--json OUT]
+                                [--cache FILE] [--remeasure] [--section.key VALUE ...]
+
+Reads the same model and data config as the trainer (the digits job without ``--config``; any
+``--section.key VALUE`` override the trainer takes), measures what it needs on this machine (each
+module's blocks forward and backward at a few batch sizes, the data loading, AdamW, a gloo link
+and a collective with ``--world`` local processes, the runtime's own cost per microbatch and per
+step from two short real runs on 2 ranks; cached under ``~/.cache/dtensor_mimo/`` by a hash of the
+model, the data and the machine, or in ``--cache FILE``), searches the layouts of ``--world`` ranks (default:
+the configured layout's) and prints them ranked by predicted step time, with tokens/s, peak memory
+per rank and each module's idle fraction, the homogeneous layout (every module on every rank,
+dp = world) as a last row. ``--json OUT`` writes the ranked list; each entry's ``layout`` and
+``microbatches`` are trainer overrides (`overrides_of`).
+
+Why this file is in the trainer's package: the command reads the trainer's config
+(`TrainerConfig`, `parse_args`), modules (`build_modules`) and data (`train_data`), which live in
+`train`; the planner itself (`dtensor_mimo.plan`) sits below `train` and never imports it.
+``python -m dtensor_mimo.plan`` is a two-line entry point that calls `main` here.
+
+Measured uncompiled on CPU (``options.<module>.compile`` is not applied to the timed blocks), with
+one intra-op thread per rank as the trainer runs by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from dtensor_mimo.layout import Parallelism
+from dtensor_mimo.plan import (Affine, DeviceProfile, Job, Link, ModuleProfile, Prediction,
+                               entry, homogeneous, predict, search, table, validate, write_json)
+from dtensor_mimo.plan.candidate import Candidate
+from dtensor_mimo.plan.search import InvalidCandidate
+from dtensor_mimo.train.config import (LANGUAGE, ConfigError, ModuleLayout, TrainerConfig, build_layout,
+                                       parse_args)
+
+USAGE = ("usage: python -m dtensor_mimo.plan [--config FILE.toml] [--world N] [--top K] [--json OUT] "
+         "[--cache FILE] [--remeasure] [--section.key VALUE ...]")
+
+
+# ---------------------------------------------------------------------------- profiles
+
+
+def _description(config: TrainerConfig) -> dict[str, Any]:
+    """What the measurements depend on (the cache key)."""
+    d = config.data
+    return {"model": dataclasses.asdict(config.model),
+            "data": {k: getattr(d, k) for k in ("format", "path", "seq_len", "pack", "batch_size", "max_images",
+                                               "max_tones", "truncate")},
+            "options": {n: {k: str(v) for k, v in dataclasses.asdict(config.module_options(n)).items()}
+                        for n in config.module_names},
+            "pipeline": {"schedule": config.pipeline.schedule, "virtual_stages": config.pipeline.virtual_stages}}
+
+
+def measure_profiles(config: TrainerConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure every module, the data, AdamW and a gloo link on this machine (a JSON-ready dict:
+    ``{"job": Job.to_dict(), "device": DeviceProfile.to_dict()}``)."""
+    import time
+
+    import torch
+
+    from dtensor_mimo.plan import measure
+    from dtensor_mimo.train.datasets import train_data
+    from dtensor_mimo.train.modules import build_modules, resolve
+
+    torch.set_num_threads(max(1, config.train.threads))
+    torch.manual_seed(0)
+    resolved = resolve(config)
+    data = train_data(config, resolved)
+    seq_len = data.seq_len
+    modules = build_modules(config, resolved, seq_len, meta=False)
+    b = config.data.batch_size
+    probe = data.train.batch(list(range(max(b, 64))), load=None)
+
+    def fit_load(load: Callable[[list[int]], dict[str, list[int]]]) -> Affine:
+        points = []
+        for n in (4, 16, 32):
+            idx = list(range(1000, 1000 + n))
+            t = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                data.train.batch(idx, load=load(idx))
+                t.append(time.perf_counter() - t0)
+            points.append((n, min(t)))
+        return Affine.fit(points)
+
+    rows = fit_load(lambda idx: {})
+    profiles = []
+    with measure.one_rank_mesh() as mesh:
+        for name in config.module_names:
+            profiles.append(_measure_module(config, resolved, data, modules, probe, seq_len, name, mesh,
+                                            fit_load, log))
+    job = Job(tuple(profiles), b, config.pipeline.schedule, config.pipeline.virtual_stages, LANGUAGE, rows)
+    log("measuring AdamW ...")
+    optimizer = measure.measure_optimizer()
+    return {"job": job.to_dict(), "optimizer": dataclasses.asdict(optimizer), "links": {},
+            "description": _description(config)}
+
+
+def _wrappers(module: Any, name: str, mesh: Any, options: Any) -> dict[str, Callable[[Any], None]]:
+    """How FSDP2 and the library's tensor parallel plan wrap `module` (for `wrapper_overhead`)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from dtensor_mimo.models import Llama, ModalityEncoder
+    from dtensor_mimo.parallelize.encoders import apply_encoder_tp
+    from dtensor_mimo.parallelize.fsdp import apply_fsdp
+    from dtensor_mimo.parallelize.language import apply_llama_tp
+    from dtensor_mimo.plan import measure
+
+    out: dict[str, Callable[[Any], None]] = {
+        "fsdp": lambda m: apply_fsdp(m, mesh, list(measure._layers(m).values()), options.reshard_after_forward,
+                                     MixedPrecisionPolicy())}
+    if isinstance(module, Llama):
+        out["tp"] = lambda m: apply_llama_tp(m, mesh, dataclasses.replace(options, loss_parallel=False))
+    elif isinstance(module, ModalityEncoder) and hasattr(module.encoder, "layers"):
+        out["tp"] = lambda m: apply_encoder_tp(m.encoder, mesh, options)
+    return out
+
+
+def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: dict[str, Any], probe: Any,
+                    seq_len: int, name: str, mesh: Any, fit_load: Callable[..., Affine],
+                    log: Callable[[str], None]) -> ModuleProfile:
+    """One module's profile: blocks and rest timed at three batch sizes, saved activations, the
+    FSDP2 and tensor-parallel wrappers' own cost per block call (on a one-rank `mesh`)."""
+    import torch
+
+    from dtensor_mimo.plan import measure
+
+    module, options = modules[name], config.module_options(name)
+    log(f"measuring {name} ...")
+    params = sum(p.numel() for p in module.parameters())
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    if name == LANGUAGE:
+        c = resolved.language
+        vocab = c.vocab_size if c is not None else resolved.vocab_size
+
+        def make(n: int) -> tuple[Any, int]:
+            return torch.randint(0, vocab, (n, seq_len)), n * seq_len
+
+        sizes = (2, 8, 32)
+        tokens_per_sample = float(seq_len)
+        width = hidden = getattr(getattr(module, "config", None), "dim", 0)
+        divides = (c.n_heads, c.n_kv_heads, c.ffn_hidden, c.vocab_size) if c is not None else ()
+        load = Affine()
+    else:
+        e = resolved.encoders[name]
+        items = probe.modalities[name].inputs
+
+        def make(n: int, items=items, per=e.tokens_per_item) -> tuple[Any, int]:
+            reps = -(-n // max(1, items.shape[0]))
+            return torch.cat([items] * reps)[:n], n * per
+
+        sizes = (4, 16, 48)
+        tokens_per_sample = data.items_per_sample.get(name, 0.0) * e.tokens_per_item
+        width = module.out_dim if hasattr(module, "out_dim") else 0
+        cfg = e.config
+        hidden = getattr(cfg, "dim", width)
+        proj = getattr(getattr(module, "projection", None), "fc1", None)
+        divides = tuple(x for x in (getattr(cfg, "n_heads", None), getattr(cfg, "mlp_hidden", None),
+                                    getattr(proj, "out_features", None)) if x)
+        load = fit_load(lambda idx, name=name: {name: idx})
+    times = measure.time_module(module, make, sizes)
+    layers = measure._layers(module)
+    n_layers = len(layers)
+    block_params = sum(p.numel() for p in next(iter(layers.values())).parameters()) if n_layers else 0
+    inputs, tokens = make(sizes[1])
+    act = measure.activation_bytes_per_token(module, inputs, tokens)
+    frozen_tower = name != LANGUAGE and config.model.encoders[name].frozen
+    if frozen_tower:
+        times["block_backward"] = Affine()
+    wrappers = {}
+    if mesh is not None:
+        for kind, wrap in _wrappers(module, name, mesh, options).items():
+            try:
+                f, bw = measure.wrapper_overhead(module, inputs, wrap)
+            except Exception as err:  # noqa: BLE001 - a wrapper this module cannot take: cost unknown, 0
+                log(f"  {name}: {kind} wrapper not timed ({type(err).__name__}: {err})")
+                continue
+            wrappers[f"{kind}_forward_s"], wrappers[f"{kind}_backward_s"] = f, bw
+    return ModuleProfile(
+        name=name, n_layers=n_layers, tokens_per_sample=tokens_per_sample,
+        block_params=block_params, rest_params=params - block_params * n_layers, trainable_params=trainable,
+        activation_bytes_per_token=0.0 if frozen_tower else act, width=width, hidden=hidden,
+        tp_divides=divides, cp=name == LANGUAGE, fsdp=options.fsdp,
+        reshard_after_forward=options.reshard_after_forward, load=load, **times, **wrappers)
+
+
+def load_profiles(config: TrainerConfig, world: int, cache: str | None = None, remeasure: bool = False,
+                  log: Callable[[str], None] = print) -> tuple[Job, DeviceProfile, str]:
+    """The job's profiles and this machine's for `world` local ranks, from the cache or measured
+    now (the gloo link is measured with `world` processes at once: on fewer cores than ranks a
+    message waits for its peer to be scheduled); (job, device, cache path)."""
+    import json
+
+    from dtensor_mimo.plan import measure
+
+    path = Path(cache) if cache else measure.CACHE_DIR / f"plan-{measure.cache_key(_description(config))}.json"
+    if remeasure and path.exists():
+        path.unlink()
+    data, hit = measure.cached(path, lambda: measure_profiles(config, log))
+    links = data.setdefault("links", {})
+    if str(world) not in links:
+        log(f"measuring a gloo link with {world} local processes ...")
+        links[str(world)] = dataclasses.asdict(measure.measure_link(world))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+        hit = False
+    job = Job.from_dict(data["job"])
+
+    def device_for(w: int, runtime: dict[str, float]) -> DeviceProfile:
+        link = Link(**links[str(w)])
+        return DeviceProfile(name=f"this machine ({os.cpu_count()} cores, CPU, gloo)", intra=link, inter=link,
+                             memory_bytes=None, ranks_per_node=1 << 20, optimizer=Affine(**data["optimizer"]),
+                             cores=os.cpu_count(), microbatch_s=runtime.get("microbatch_s", 0.0),
+                             step_s=runtime.get("step_s", 0.0))
+
+    if "runtime" not in data:
+        if "2" not in links:
+            links["2"] = dataclasses.asdict(measure.measure_link(2))
+        data["runtime"] = calibrate_runtime(config, job, device_for(2, {}), log)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+        hit = False
+    log(f"profiles {'read from' if hit else 'measured, cached in'} {path}")
+    return job, device_for(world, data["runtime"]), str(path)
+
+
+# ---------------------------------------------------------------------------- the runtime's overhead
+
+
+def _calibration_rank(rank: int, world: int, port: int, config: TrainerConfig) -> None:
+    import torch.distributed as dist
+
+    from dtensor_mimo.train.trainer import Trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    sys.stdout = open(os.devnull, "w")  # the trainer's log lines; the step times go to metrics.jsonl
+    dist.init_process_group("gloo")
+    try:
+        Trainer(config).run()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_steps(config: TrainerConfig, layout: dict[str, Any], microbatches: int, steps: int = 30,
+                 warmup: int = 10) -> float:
+    """Median logged step time (after `warmup`) of a short real run of `config` on `layout`."""
+    import json
+    import socket
+    import statistics
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        jsonl = os.path.join(tmp, "m.jsonl")
+        run = with_candidate(config, {"layout": layout, "microbatches": microbatches})
+        run = dataclasses.replace(
+            run, train=dataclasses.replace(run.train, steps=steps, generate=0),
+            metrics=dataclasses.replace(run.metrics, jsonl=jsonl, log_every=10, progress="off", tensorboard=None),
+            data=dataclasses.replace(run.data, heldout_samples=min(run.data.heldout_samples, 8)),
+            checkpoint=type(run.checkpoint)(),
+            options={n: dataclasses.replace(run.module_options(n), compile=False) for n in run.module_names},
+            optimizer=dataclasses.replace(run.optimizer, warmup_steps=5))
+        world = build_layout(run).world_size
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.start_processes(_calibration_rank, args=(world, port, run), nprocs=world, start_method="spawn")
+        with open(jsonl) as f:
+            times = [r["step_s"] for r in map(json.loads, f) if "step_s" in r and r["step"] > warmup]
+    return statistics.median(times)
+
+
+def calibrate_runtime(config: TrainerConfig, job: Job, device: DeviceProfile,
+                      log: Callable[[str], None] = print) -> dict[str, float]:
+    """The runtime's busy time per microbatch and per step (`DeviceProfile.microbatch_s`,
+    `step_s`), from two short real runs on 2 local ranks — the encoders on rank 0, the language
+    model on rank 1, with 1 and with M microbatches — minus what the cost model already predicts
+    for them. Measured at 2 ranks, used at any world."""
+    m = max(mm for mm in (2, 4, 8) if job.batch_size % mm == 0) if job.batch_size % 2 == 0 else 1
+    encoders = [n for n in job.names if n != job.language]
+    layout = {**{n: {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "offset": 0} for n in encoders},
+              job.language: {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "offset": 1}}
+    log(f"measuring the runtime's overhead: 2 ranks, 1 and {m} microbatches ...")
+    measured = {1: _train_steps(config, layout, 1)}
+    if m > 1:
+        measured[m] = _train_steps(config, layout, m)
+    cands = {k: Candidate.of({n: Parallelism() for n in job.names}, {n: v["offset"] for n, v in layout.items()}, k)
+             for k in measured}
+    per_mb, per_step = 0.0, 0.0
+    for _ in range(20):  # both terms enter the prediction through maxima: a few fixed-point rounds
+        dev = dataclasses.replace(device, microbatch_s=per_mb, step_s=per_step)
+        pred = {k: predict(job, c, dev).step_s for k, c in cands.items()}
+        if m > 1:
+            per_mb = max(0.0, per_mb + ((measured[m] - pred[m]) - (measured[1] - pred[1])) / (m - 1))
+        per_step = max(0.0, per_step + measured[1] - pred[1])
+    return {"microbatch_s": per_mb, "step_s": per_step, **{f"measured_m{k}_s": v for k, v in measured.items()}}
+
+
+# ---------------------------------------------------------------------------- the config's layouts
+
+
+def configured_candidate(config: TrainerConfig, world: int) -> Candidate | None:
+    """The config's own layout as a candidate (None if it does not fill `world`)."""
+    try:
+        layout = build_layout(config, world)
+    except ConfigError:
+        return None
+    return Candidate.of({n: layout.parallelism(n) for n in layout.names}, {n: layout.offset(n) for n in layout.names},
+                        config.pipeline.microbatches)
+
+
+def with_candidate(config: TrainerConfig, chosen: dict[str, Any]) -> TrainerConfig:
+    """`config` with the layout and microbatches of a ``--json`` entry (auto off)."""
+    modules = {n: ModuleLayout(**{k: v[k] for k in ("pp", "dp", "cp", "tp", "offset")})
+               for n, v in chosen["layout"].items()}
+    layout = dataclasses.replace(config.layout, modules=modules, auto=False)
+    pipeline = dataclasses.replace(config.pipeline, microbatches=chosen["microbatches"])
+    return dataclasses.replace(config, layout=layout, pipeline=pipeline)
+
+
+def plan(config: TrainerConfig, world: int, top: int = 10, cache: str | None = None, remeasure: bool = False,
+         log: Callable[[str], None] = print) -> list[Prediction]:
+    """Rank the layouts of `world` ranks for `config`'s job; print the table's `top` rows."""
+    job, device, _ = load_profiles(config, world, cache, remeasure, log)
+    result = search(job, world, device)
+    if not result.ranked:
+        raise ConfigError(f"no layout of {world} ranks trains this job (modules {job.names}, batch "
+                          f"{job.batch_size}); try another world size or data.batch_size")
+    base = homogeneous(job, world)
+    try:
+        if base is not None:
+            validate(job, base, world)
+    except InvalidCandidate:
+        base = None
+    baseline = predict(job, base, device) if base is not None else None
+    log(f"{result.evaluated} layouts of {world} ranks ({'all' if result.exhaustive else 'pruned search'}); "
+        f"predicted on {device.name}, blocks measured uncompiled; '!': over memory")
+    log(table(result.ranked, job.names, top, baseline))
+    own = configured_candidate(config, world)
+    if own is not None:
+        try:
+            validate(job, own, world)
+            p = predict(job, own, device)
+            rank = next((i for i, q in enumerate(result.ranked, 1) if q.candidate == own), None)
+            log(f"the configured layout ({own.describe()}, M={own.microbatches}): {p.step_s * 1e3:.1f} ms predicted"
+                + (f", rank {rank}" if rank else ""))
+        except InvalidCandidate:
+            pass
+    return result.ranked
+
+
+def auto_layout(config: TrainerConfig, world: int, top: int = 5, log: Callable[[str], None] = print) -> TrainerConfig:
+    """`config` on the planner's first choice for `world` ranks (``--layout.auto true``), after
+    printing the table's top rows."""
+    ranked = plan(config, world, top, log=log)
+    chosen = entry(ranked[0])
+    log(f"layout.auto: training on {ranked[0].candidate.describe()}, {chosen['microbatches']} microbatches")
+    return with_candidate(config, chosen)
+
+
+def auto_layout_collective(config: TrainerConfig, log: Callable[[str], None] = print) -> TrainerConfig:
+    """``--layout.auto`` inside an initialized process group (torchrun): rank 0 plans for the
+    group's world size and prints the table, every rank trains on its first choice (one
+    broadcast), so all ranks agree whatever their own measurements would say."""
+    import torch.distributed as dist
+
+    chosen: list[Any] = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            chosen[0] = entry(plan(config, dist.get_world_size(), 5, log=log)[0])
+        except ConfigError as e:
+            chosen[1] = str(e)
+    dist.broadcast_object_list(chosen, src=0)
+    if chosen[1] is not None:
+        raise ConfigError(chosen[1])
+    return with_candidate(config, chosen[0])
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(USAGE + "\n\n" + (__doc__ or "").split("\n\n", 2)[2])
+        return 0
+    own: dict[str, str | None] = {"world": None, "top": "10", "json": None, "cache": None}
+    remeasure, rest, i = False, [], 0
+    while i < len(argv):
+        key, eq, value = argv[i][2:].partition("=") if argv[i].startswith("--") else ("", "", "")
+        if key == "remeasure":
+            remeasure, i = True, i + 1
+            continue
+        if key in own:
+            if not eq:
+                if i + 1 >= len(argv):
+                    print(f"error: --{key} needs a value\n{USAGE}", file=sys.stderr)
+                    return 2
+                value, i = argv[i + 1], i + 1
+            own[key] = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    try:
+        config = parse_args(rest)
+        world = int(own["world"]) if own["world"] else build_layout(config).world_size
+        top = int(own["top"])
+        if world < 1 or top < 1:
+            raise ValueError
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except ValueError:
+        print(f"error: --world and --top take integers >= 1, got {own['world']!r}, {own['top']!r}\n{USAGE}",
+              file=sys.stderr)
+        return 2
+    try:
+        ranked = plan(config, world, top, own["cache"], remeasure)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if own["json"]:
+        write_json(own["json"], ranked)
+        print(f"wrote {len(ranked)} ranked layouts to {own['json']}")
+    return 0

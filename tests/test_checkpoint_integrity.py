@@ -1,0 +1,233 @@
+"""Checkpoints are verified: a damaged newest one is skipped for the previous, never loaded.
+
+| case (ranks)                                              | expected                                          |
+|-----------------------------------------------------------|---------------------------------------------------|
+| save [2]                                                  | manifest.json: every other file, its size and the |
+|                                                           | zlib.crc32 of its bytes                           |
+| newest truncated / a byte flipped / a shard deleted /      | `choose_checkpoint` takes the previous one on      |
+| .metadata deleted / manifest garbled [2]                  | every rank, its warning names the file            |
+| `load` of a damaged checkpoint [2]                        | CheckpointError naming the file, on every rank     |
+| a saving process SIGKILLed at random times, 10 trials [1] | the newest verified checkpoint is at least the    |
+|                                                           | last one announced, and reads back its own step   |
+| trainer, newest shard truncated [2]                       | warning line; resumes from the previous; losses   |
+|                                                           | of the steps after == the uninterrupted run's     |
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from dtensor_mimo.train import checkpoint
+from dtensor_mimo.train.checkpoint import MANIFEST, CheckpointError
+from dtensor_mimo.train.config import parse_args
+from tests.harness import run_on_ranks
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _Model:
+    """What `checkpoint.save` reads of a MimoModel: module names and their parameters."""
+
+    def __init__(self, numel: int) -> None:
+        torch.manual_seed(0)
+        self.params = {"vision": {"w": torch.nn.Parameter(torch.randn(numel))},
+                       "language": {"w": torch.nn.Parameter(torch.randn(numel // 2)),
+                                    "b": torch.nn.Parameter(torch.randn(7))}}
+        self.module_names = list(self.params)
+
+    def module_parameters(self, name: str) -> dict[str, torch.nn.Parameter]:
+        return self.params[name]
+
+
+class _Optimizer:
+    """What `checkpoint.save` reads of a MimoOptimizer: one torch optimizer per module."""
+
+    def __init__(self, model: _Model) -> None:
+        self.optimizers = {n: torch.optim.AdamW(ps.values()) for n, ps in model.params.items()}
+
+
+def _save(directory: str, steps: list[int], numel: int = 4096) -> None:
+    model = _Model(numel)
+    optimizer = _Optimizer(model)
+    for step in steps:
+        checkpoint.save(directory, step, model, optimizer, {"step": step}, keep=2)
+
+
+def _save_and_list(directory: str) -> dict[str, list[int]]:
+    _save(directory, [1])
+    path = checkpoint.checkpoint_path(directory, 1)
+    with open(os.path.join(path, MANIFEST)) as f:
+        return json.load(f)["files"]
+
+
+def test_manifest_lists_every_file_with_size_and_crc(tmp_path) -> None:
+    manifests = run_on_ranks(_save_and_list, 2, str(tmp_path), timeout=120)
+    assert manifests[0] == manifests[1]
+    path = tmp_path / "step-000001"
+    names = sorted(os.listdir(path))
+    assert sorted(manifests[0]) == [n for n in names if n != MANIFEST]
+    assert ".metadata" in names and sum(n.endswith(".distcp") for n in names) == 2  # one file per rank
+    for name, (size, crc) in manifests[0].items():
+        data = (path / name).read_bytes()
+        assert (size, crc) == (len(data), zlib.crc32(data)), name
+
+
+def _truncate(path: str) -> str:
+    name = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[-1]
+    with open(os.path.join(path, name), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(path, name)) // 2)
+    return name
+
+
+def _flip(path: str) -> str:
+    name = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[-1]  # rank 1's share of the checks
+    with open(os.path.join(path, name), "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return name
+
+
+def _delete(name: str):
+    def damage(path: str) -> str:
+        name_ = name if name != "shard" else sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[0]
+        os.remove(os.path.join(path, name_))
+        return name_
+    return damage
+
+
+def _garble(path: str) -> str:
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        f.write("{not json")
+    return MANIFEST
+
+
+DAMAGE = {"truncated": _truncate, "flipped": _flip, "shard deleted": _delete("shard"),
+          "no metadata": _delete(".metadata"), "manifest garbled": _garble}
+
+
+def _choose(directory: str, damage: str) -> tuple:
+    _save(directory, [1, 2])
+    damaged = None
+    if dist.get_rank() == 0:
+        damaged = DAMAGE[damage](checkpoint.checkpoint_path(directory, 2))
+    dist.barrier()
+    path, warnings = checkpoint.choose_checkpoint(directory)
+    try:
+        _model = _Model(4096)
+        shapes = {f"model.{m}.{n}": tuple(p.shape) for m, ps in _model.params.items() for n, p in ps.items()}
+        checkpoint.load(checkpoint.checkpoint_path(directory, 2), _model, _Optimizer(_model), shapes)
+        refused = None
+    except CheckpointError as e:
+        refused = str(e)
+    return damaged, path, warnings, refused
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_newest_checkpoint_is_skipped_for_the_previous(tmp_path, damage) -> None:
+    results = run_on_ranks(_choose, 2, str(tmp_path), damage, timeout=120)
+    damaged = results[0][0]
+    for _, path, warnings, refused in results:
+        assert path == checkpoint.checkpoint_path(str(tmp_path), 1)
+        assert len(warnings) == 1 and "step-000002" in warnings[0] and damaged in warnings[0], warnings
+        assert refused is not None and damaged in refused, refused
+    assert results[0][1:] == results[1][1:]  # the same verdict on every rank
+
+
+SAVER = """
+import os, sys
+import torch.distributed as dist
+sys.path.insert(0, {repo!r})
+from tests.test_checkpoint_integrity import _Model, _Optimizer
+from dtensor_mimo.train import checkpoint
+
+directory = sys.argv[1]
+dist.init_process_group("gloo", init_method="file://" + os.path.join(directory, "..", "store-" + sys.argv[2]),
+                        rank=0, world_size=1)
+model = _Model(1 << 20)
+optimizer = _Optimizer(model)
+latest = checkpoint.latest_checkpoint(directory)
+step = int(latest.rsplit("-", 1)[1]) if latest else 0
+while True:
+    step += 1
+    checkpoint.save(directory, step, model, optimizer, {{"step": step}}, keep=2)
+    print(f"saved {{step}}", flush=True)
+"""
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_kill_during_save_never_loses_the_previous_checkpoint(tmp_path) -> None:
+    script = tmp_path / "saver.py"
+    script.write_text(SAVER.format(repo=REPO))
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    rng = random.Random(21)
+    announced = 0
+    for trial in range(10):
+        proc = subprocess.Popen([sys.executable, str(script), str(directory), str(trial)],
+                                stdout=subprocess.PIPE, text=True)
+        first = proc.stdout.readline()  # warm: imports done, one save behind it
+        assert first.startswith("saved"), first
+        time.sleep(rng.uniform(0.0, 0.6))
+        proc.send_signal(signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=60)
+        announced = max([announced, *(int(line.split()[1]) for line in [first, *rest.splitlines()])])
+        latest = checkpoint.latest_checkpoint(str(directory))
+        assert latest is not None, f"trial {trial}: no checkpoint left ({sorted(os.listdir(directory))})"
+        assert checkpoint.verify(latest) == [], trial
+        step = int(latest.rsplit("-", 1)[1])
+        assert step >= announced, (trial, step, announced)
+        state = {"trainer": ""}
+        dcp.load(state, checkpoint_id=latest)  # no process group here: DCP reads it alone
+        assert json.loads(state["trainer"]) == {"step": step}
+
+
+TINY = ["--train.steps", "8", "--data.batch_size", "8", "--pipeline.microbatches", "2",
+        "--data.heldout_samples", "8", "--train.generate", "0", "--metrics.log_every", "1",
+        "--optimizer.warmup_steps", "2", "--metrics.progress", "off", "--layout.audio.offset", "0",
+        "--checkpoint.every", "2",
+        *[f"--options.{m}.compile=false" for m in ("vision", "audio", "language")]]
+
+
+def _train(argv: list[str]) -> float:
+    from dtensor_mimo.train.trainer import Trainer
+
+    return Trainer(parse_args(argv)).run()
+
+
+def _losses(path) -> dict[int, float]:
+    with open(path) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def test_trainer_resumes_from_the_previous_checkpoint_when_the_newest_is_truncated(tmp_path) -> None:
+    pytest.importorskip("sklearn")
+    ckpt = tmp_path / "ckpt"
+    run_on_ranks(_train, 2, [*TINY, "--train.steps", "6", "--checkpoint.dir", str(ckpt),
+                             "--metrics.jsonl", str(tmp_path / "ref.jsonl")], timeout=300)
+    assert sorted(os.listdir(ckpt)) == ["step-000004", "step-000006"]
+    name = _truncate(str(ckpt / "step-000006"))
+    out = subprocess.run([sys.executable, "-m", "dtensor_mimo.train", *TINY, "--train.steps", "6",
+                          "--checkpoint.dir", str(ckpt), "--metrics.jsonl", str(tmp_path / "m.jsonl")],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 0, out.stderr[-3000:]
+    warning = next(line for line in out.stdout.splitlines() if line.startswith("warning:"))
+    assert "step-000006" in warning and name in warning and "bytes, the manifest says" in warning
+    assert f"resumed from {ckpt / 'step-000004'} at step 4" in out.stdout
+    reference, got = _losses(tmp_path / "ref.jsonl"), _losses(tmp_path / "m.jsonl")
+    assert sorted(got) == [5, 6]
+    assert [got[s] for s in (5, 6)] == [reference[s] for s in (5, 6)]

@@ -1,0 +1,212 @@
+"""Faults end the job fast and say where they started; what must not drift, doesn't.
+
+| case                                                             | expected                                  |
+|------------------------------------------------------------------|-------------------------------------------|
+| launcher report: ranks' errors arriving out of order              | the earliest failure first, with its       |
+|                                                                  | traceback; later ones as "then, on rank"  |
+| own launcher [2], an encoder raises in step 2 on rank 0          | exit 1; rank 0's traceback and error first, |
+|                                                                  | "(in step 2)"; rank 1's error after        |
+| own launcher [2], rank 1 SIGKILLed as step 2 starts               | exit 1; "rank 1 was killed by SIGKILL"     |
+| `train.timeout_s` [2]: rank 1 never joins a collective            | rank 0 fails with a timeout, not a hang    |
+| a NaN image [2]                                                  | step skipped, one warning line on rank 0   |
+| same seed twice                                                  | tests/test_trainer.py::test_resume_equals_uninterrupted and test_per_rank_loading_gives_the_same_batches compare losses with ``==`` across runs; here: two runs bit-identical |
+| torch's storage use count (what `BufferPool` frees blocks by)    | still counts views and saved tensors       |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import io
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dtensor_mimo.bridge.exchange import BufferPool, use_count_tracks_views
+from dtensor_mimo.train import launch
+from dtensor_mimo.train.config import parse_args
+from tests.harness import run_on_ranks
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--train.steps", "3", "--data.batch_size", "8", "--pipeline.microbatches", "2",
+        "--data.heldout_samples", "8", "--train.generate", "0", "--metrics.log_every", "1",
+        "--optimizer.warmup_steps", "2", "--metrics.progress", "off", "--layout.audio.offset", "0",
+        *[f"--options.{m}.compile=false" for m in ("vision", "audio", "language")]]
+
+
+class _Queue:
+    def __init__(self, items: list) -> None:
+        self.items = list(items)
+
+    def empty(self) -> bool:
+        return not self.items
+
+    def get(self):
+        return self.items.pop(0)
+
+
+def test_report_puts_the_first_failure_first(capsys) -> None:
+    peer = "RuntimeError: Connection closed by peer (in step 3)"
+    reports = [(105.0, 2, peer, "RuntimeError", "Traceback: rank 2's\n"),  # arrived first, failed later
+               (100.0, 0, "ValueError: bad image (in step 3)", "ValueError", "Traceback: rank 0's\n"),
+               (105.5, 1, peer, "RuntimeError", "Traceback: rank 1's\n")]
+    launch._report(_Queue(reports), RuntimeError("process 2 exited"))
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["Traceback: rank 0's", "error on rank 0: ValueError: bad image (in step 3)",
+                   f"then, on ranks 1, 2 (+5.00 s): {peer}"]
+
+
+def test_report_names_a_killed_rank_before_the_errors_it_caused(capsys) -> None:
+    peer = "RuntimeError: Connection reset by peer (in step 2)"
+    launch._report(_Queue([(7.0, 0, peer, "RuntimeError", "Traceback: rank 0's\n")]),
+                   RuntimeError("process 0 exited"), killed=[(1, "SIGKILL")])
+    err = capsys.readouterr().err
+    assert err.index("error: rank 1 was killed by SIGKILL") < err.index(f"then, on rank 0 (+0.00 s): {peer}")
+    assert "Traceback" not in err
+
+
+def _launch(fault: str, tmp_path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dtensor_mimo.train", *TINY], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": REPO, "DTENSOR_MIMO_FAULT": fault})
+
+
+def test_own_launcher_shows_the_failing_ranks_error_first(tmp_path) -> None:
+    pytest.importorskip("sklearn")
+    out = _launch("encoder:2:0", tmp_path)
+    assert out.returncode == 1
+    err = out.stderr
+    first = "error on rank 0: InjectedFault: DTENSOR_MIMO_FAULT: encoder forward of ModalityEncoder on rank 0 " \
+            "(in step 2)"
+    assert first in err, err[-3000:]
+    assert err.index('trainer.py", line') < err.index(first)  # rank 0's own traceback, before its error
+    assert "then, on rank 1" in err.split(first)[1]  # the peer's error, after it
+
+
+def test_own_launcher_names_a_killed_rank(tmp_path) -> None:
+    pytest.importorskip("sklearn")
+    out = _launch("kill:2:1", tmp_path)
+    assert out.returncode == 1
+    assert "error: rank 1 was killed by SIGKILL" in out.stderr, out.stderr[-3000:]
+
+
+def _wait_for_a_peer_that_never_comes(timeout_s: float) -> str | None:
+    """A world with `timeout_s` where rank 1 skips an all-reduce: what rank 0's raises."""
+    from dtensor_mimo.train.distributed import init_distributed
+
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)  # a fresh store for the new world
+    init_distributed("cpu", timeout_s)
+    message = None
+    if dist.get_rank() == 0:
+        try:
+            dist.all_reduce(torch.ones(1))
+        except RuntimeError as e:
+            message = str(e)
+    else:
+        time.sleep(timeout_s + 5)
+    # The harness's world again (its timeout), for the next test.
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    return message
+
+
+def test_timeout_s_ends_a_wait_for_a_peer() -> None:
+    message, _ = run_on_ranks(_wait_for_a_peer_that_never_comes, 2, 3.0, timeout=120)
+    assert message is not None and "Timed out" in message and "3000ms" in message, message
+
+
+def _nan_step() -> tuple[bool, float, list[str]]:
+    from dtensor_mimo import MimoModel, MimoOptimizer, Parallelism
+    from dtensor_mimo.train.step import train_step
+    from tests.test_mimo import Case, _batches, _modules
+    from tests.test_optimizer import BASE
+
+    case = Case({"vision": Parallelism(), "language": Parallelism()}, offsets={"vision": 0, "language": 1})
+    layout = case.layout()
+    layout.init_meshes("cpu")
+    llama, encoders = _modules(case.encoders)
+    model = MimoModel(layout, llama, encoders)
+    optimizer = MimoOptimizer(model, BASE)
+    batch = _batches(case.encoders, packed=False)[0]
+    vision = batch.modalities["vision"]
+    inputs = vision.inputs.clone()
+    inputs[0] = float("nan")
+    batch = dataclasses.replace(batch, modalities={**batch.modalities, "vision": dataclasses.replace(vision, inputs=inputs)})
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("dtensor_mimo.train.step")
+    logger.addHandler(handler)
+    try:
+        metrics = train_step(model, optimizer, batch)
+    finally:
+        logger.removeHandler(handler)
+    return metrics.skipped, metrics.grad_norm, stream.getvalue().splitlines()
+
+
+def test_a_skipped_non_finite_step_logs_one_warning() -> None:
+    results = run_on_ranks(_nan_step, 2, timeout=120)
+    for skipped, norm, _ in results:
+        assert skipped and not math.isfinite(norm)
+    assert [len(lines) for _, _, lines in results] == [1, 0]  # said once, by rank 0
+    assert "step skipped after 0 update(s): the global gradient norm is nan" in results[0][2][0]
+
+
+def _losses(path) -> list[float]:
+    with open(path) as f:
+        return [r["loss"] for r in map(json.loads, f) if "loss" in r]
+
+
+def _train(argv: list[str]) -> float:
+    from dtensor_mimo.train.trainer import Trainer
+
+    return Trainer(parse_args(argv)).run()
+
+
+def test_same_seed_gives_bit_identical_losses(tmp_path) -> None:
+    pytest.importorskip("sklearn")
+    for name in ("a", "b"):
+        run_on_ranks(_train, 2, [*TINY, "--train.steps", "4", "--metrics.jsonl", str(tmp_path / f"{name}.jsonl")],
+                     timeout=300)
+    a, b = _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "b.jsonl")
+    assert len(a) == 4 and a == b
+
+
+def test_buffer_pool_can_tell_a_free_block() -> None:
+    assert use_count_tracks_views(), (
+        "torch's storage use count (torch._C._storage_Use_Count) no longer counts views and saved "
+        "tensors: BufferPool now hands out fresh tensors; find the new public or private spelling")
+    pool = BufferPool(max_blocks=2)
+    first = pool.take((4, 4), torch.float32, torch.device("cpu"))
+    ptr = first.data_ptr()
+    view = first[1:]
+    del first
+    kept = pool.take((4, 4), torch.float32, torch.device("cpu"))
+    assert kept.data_ptr() != ptr  # a view of the first output is alive: its block is not reused
+    del view
+    again = pool.take((4, 4), torch.float32, torch.device("cpu"))
+    assert again.data_ptr() == ptr  # now it is
+    held = [pool.take((4, 4), torch.float32, torch.device("cpu")) for _ in range(5)]
+    assert pool.blocks == 2 and len({t.data_ptr() for t in held}) == 5  # bounded; the rest fresh
+
+
+def test_describe_reaches_through_a_blank_rewrap() -> None:
+    """torch.distributed.pipelining re-raises a stage's error as a RuntimeError whose message starts blank."""
+    try:
+        try:
+            raise ValueError("image 3 has 2 channels, the encoder expects 3")
+        except ValueError as inner:
+            raise RuntimeError("\n    failed to run forward:\n    args: ...") from inner
+    except RuntimeError as e:
+        e.add_note("in step 4")
+        assert launch.describe(e) == ("RuntimeError from ValueError: image 3 has 2 channels, the encoder "
+                                      "expects 3 (in step 4)")

@@ -1,0 +1,71 @@
+"""Fingerprints of state the ranks must share (`dtensor_mimo.layout.fingerprint`), in one process.
+
+| input                                                          | expected                                |
+|----------------------------------------------------------------|-----------------------------------------|
+| equal values in another process (hash seed differs)            | the same fingerprint                    |
+| a token id, an item count, a requires_grad flag changed         | another fingerprint                     |
+| sums of (fp, fp²) over 8,192 ranks, all equal / one different   | agreed / not agreed (each sum exact)    |
+| gathered (fp, summary), rank 2 differs                          | a message naming rank 2 and both states  |
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from dtensor_mimo.layout import MimoLayout, Parallelism
+from dtensor_mimo.layout.fingerprint import (STEP_BITS, agreed, agreement_terms, batch_fingerprint, disagreement,
+                                             fingerprint, trainable_fingerprint)
+
+TOKENS = torch.arange(24).reshape(2, 12)
+ITEMS = {"vision": ((1, 0), 16), "audio": ((2, 1), 8)}
+
+
+def test_equal_values_in_another_process_give_the_same_fingerprint() -> None:
+    layout = MimoLayout({"vision": Parallelism(dp=2), "language": Parallelism(tp=2)})
+    here = (fingerprint(layout, {"b": 1, "a": {2, 1}}), batch_fingerprint(TOKENS, ITEMS))
+    code = ("import torch; from dtensor_mimo.layout import MimoLayout, Parallelism; "
+            "from dtensor_mimo.layout.fingerprint import fingerprint, batch_fingerprint; "
+            "layout = MimoLayout({'vision': Parallelism(dp=2), 'language': Parallelism(tp=2)}); "
+            "print(fingerprint(layout, {'a': {1, 2}, 'b': 1}), "
+            "batch_fingerprint(torch.arange(24).reshape(2, 12), {'audio': ((2, 1), 8), 'vision': ((1, 0), 16)}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONHASHSEED": "12345"})
+    assert out.returncode == 0, out.stderr
+    assert tuple(map(int, out.stdout.split())) == here
+
+
+def test_a_changed_detail_changes_the_fingerprint() -> None:
+    base = batch_fingerprint(TOKENS, ITEMS)
+    other_tokens = TOKENS.clone()
+    other_tokens[1, 5] += 1
+    assert batch_fingerprint(other_tokens, ITEMS) != base
+    assert batch_fingerprint(TOKENS, {**ITEMS, "audio": ((1, 2), 8)}) != base
+    assert base < 2 ** STEP_BITS
+    names = [("vision.encoder.w", True), ("language.w", True)]
+    assert trainable_fingerprint(names) != trainable_fingerprint([("vision.encoder.w", False), ("language.w", True)])
+    assert trainable_fingerprint(names) == trainable_fingerprint(names[::-1])
+
+
+def test_sums_of_terms_tell_agreement_exactly() -> None:
+    world, fp = 8192, 2 ** STEP_BITS - 1
+    terms = [agreement_terms(fp)] * world
+    sums = [sum(t[0] for t in terms), sum(t[1] for t in terms)]
+    assert agreed(fp, *sums, world)
+    terms[17] = agreement_terms(fp - 1)
+    sums = [sum(t[0] for t in terms), sum(t[1] for t in terms)]
+    assert not agreed(fp, *sums, world) and not agreed(fp - 1, *sums, world)
+    # Values that keep the plain sum: only the squares tell.
+    pair = [agreement_terms(10), agreement_terms(30)]
+    assert not agreed(20, pair[0][0] + pair[1][0], pair[0][1] + pair[1][1], 2)
+
+
+def test_disagreement_names_the_ranks() -> None:
+    per_rank = [(7, "vision dp2"), (7, "vision dp2"), (9, "vision dp4"), (7, "vision dp2")]
+    message = disagreement(per_rank, "layout")
+    assert message is not None and "rank 0: vision dp2; rank 2: vision dp4" in message
+    assert "rank 1" not in message and "rank 3" not in message
+    assert disagreement([(7, "a")] * 3, "layout") is None

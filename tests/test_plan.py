@@ -1,0 +1,307 @@
+"""The layout planner (`dtensor_mimo.plan`): cost model, search space, trainer-ready output.
+
+| what                               | cases                                                              |
+|------------------------------------|--------------------------------------------------------------------|
+| collectives, bubble, pipeline      | ring all-reduce / all-gather, 1F1B / interleaved / zero-bubble     |
+| overlap and three phases           | language-bound and encoder-bound overlap; colocated sum; 2 cores   |
+| one module                         | dp / tp / FSDP / pp stage layers (loop and V) / memory, by hand    |
+| wrappers' own cost                 | FSDP2 and DTensor tp per block call, only where they run           |
+| crossings                          | fan-in 2 -> 1 disjoint (2 messages), colocated equal dp (0)        |
+| the search space                   | world 4 vision + language, world 3 with audio: brute force         |
+| trainer output                     | every ``--json`` entry of world 4 parses as trainer overrides      |
+
+Everything is pure (synthetic profiles, no measurement, no process group); no timing assertions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+
+import pytest
+
+from dtensor_mimo.data import TEXT_VOCAB
+from dtensor_mimo.layout import LayoutError, MimoLayout, Parallelism
+from dtensor_mimo.plan import (Affine, DeviceProfile, Job, Link, ModuleProfile, SearchSpace, entry,
+                               enumerate_layouts, homogeneous, overrides_of, predict, search, write_json)
+from dtensor_mimo.plan.cost import (allgather_time, allreduce_time, bubble_units, crossing_time, module_cost,
+                                    overlapped_step, pipeline_time, rank_layers, shared_cores, three_phase_step)
+from dtensor_mimo.train.config import build_layout, check_config, parse_args
+
+P = Parallelism
+LINK = Link(latency_s=1e-5, bandwidth=1e6)
+FAST = DeviceProfile("test", intra=LINK, inter=LINK, ranks_per_node=64, optimizer=Affine(1e-4, 1e-8))
+
+
+def profile(name: str, *, layers: int = 2, tokens: float = 10.0, divides: tuple[int, ...] = (4,),
+            cp: bool = False, fsdp: bool = False, frozen: bool = False) -> ModuleProfile:
+    block_params, rest_params = 1000, 500
+    return ModuleProfile(
+        name=name, n_layers=layers, tokens_per_sample=tokens,
+        block_forward=Affine(1e-3, 1e-6), block_backward=Affine() if frozen else Affine(2e-3, 2e-6),
+        rest_forward=Affine(), rest_backward=Affine(), block_params=block_params, rest_params=rest_params,
+        trainable_params=rest_params if frozen else block_params * layers + rest_params,
+        activation_bytes_per_token=0.0 if frozen else 100.0, width=8, hidden=8, tp_divides=divides, cp=cp,
+        fsdp=fsdp)
+
+
+# ---------------------------------------------------------------------------- the cost model
+
+
+def test_collectives_by_hand() -> None:
+    # ring all-reduce of 1000 bytes over 4 ranks: 6 steps of (10 us + 250 B / 1 MB/s)
+    assert allreduce_time(1000, 4, LINK) == pytest.approx(6 * (1e-5 + 250e-6))
+    assert allgather_time(1000, 4, LINK) == pytest.approx(3 * (1e-5 + 250e-6))
+    assert allreduce_time(1000, 1, LINK) == allgather_time(1000, 1, LINK) == 0.0
+    assert LINK.time(2000, messages=3) == pytest.approx(3e-5 + 2e-3)
+    shared = Link(latency_s=1e-5, bandwidth=1e6, collective_s=1e-3)  # ranks waiting for cores
+    assert allreduce_time(1000, 4, shared) == pytest.approx(1e-3 + 6 * (1e-5 + 250e-6))
+    assert allgather_time(1000, 4, shared) == pytest.approx(1e-3 + 3 * (1e-5 + 250e-6))
+
+
+def test_affine_fit() -> None:
+    line = Affine.fit([(10, 0.5 + 10 * 0.01), (20, 0.5 + 20 * 0.01), (40, 0.5 + 40 * 0.01)])
+    assert line.fixed == pytest.approx(0.5) and line.per_token == pytest.approx(0.01)
+    # a negative intercept is refitted through the origin
+    through = Affine.fit([(10, 0.05), (20, 0.2)])
+    assert through.fixed == 0.0 and through.per_token == pytest.approx((10 * 0.05 + 20 * 0.2) / (100 + 400))
+
+
+def test_bubble_and_pipeline_by_hand() -> None:
+    assert bubble_units("1F1B", 1) == 0
+    assert bubble_units("1F1B", 4) == 3
+    assert bubble_units("GPipe", 4) == 3
+    assert bubble_units("Interleaved1F1B", 4, 2) == 1.5
+    assert bubble_units("ZBVZeroBubble", 4, 2) == pytest.approx(0.5)
+    assert pipeline_time(0.1, 8, 4) == pytest.approx(1.1)  # (M + pp - 1) x 0.1
+
+
+def test_overlap_by_hand() -> None:
+    # language-bound: the language model (4 x 2 s) starts after the first encoder forward (1 s)
+    # and the last encoder backward (1 s) follows it
+    assert overlapped_step(1, 1, lang_step=8, lang_traverse=2, microbatches=4) == 10
+    # encoder-bound: 4 forwards and 4 backwards of 3 s each, nothing hides them
+    assert overlapped_step(3, 3, lang_step=4, lang_traverse=1, microbatches=4) == 24
+    # the last microbatch's trip: 4 forwards of 3 s, 10 s through the language stages, 1 s back
+    assert overlapped_step(3, 1, lang_step=12, lang_traverse=10, microbatches=4) == 23
+    # data first: the encoder starts at 2 s
+    assert overlapped_step(1, 1, 8, 2, 4, enc_start=2) == 12
+    assert three_phase_step(1, 1, 8, 4) == 16
+    assert three_phase_step(1, 1, 8, 4, start=0.5) == 16.5
+
+
+def test_shared_cores() -> None:
+    assert shared_cores(10, [6, 6, 6, 6], 2) == 12  # 24 busy seconds on 2 cores
+    assert shared_cores(10, [6, 6, 6, 6], 4) == 10
+    assert shared_cores(10, [6, 6, 6, 6], None) == 10
+
+
+def test_stage_layers_loop_and_v() -> None:
+    assert rank_layers(5, 2) == [(3, False), (2, True)]
+    assert rank_layers(4, 2, "ZBVZeroBubble", 2) == [(2, True), (2, False)]  # rank 0: stages 0 and 3
+    assert rank_layers(8, 2, "Interleaved1F1B", 2) == [(4, False), (4, True)]
+
+
+def test_module_cost_dp_by_hand() -> None:
+    p = profile("language", fsdp=False)
+    # batch 8, 2 microbatches: 4 samples; dp 2: 2 samples x 10 rows = 20 tokens per rank
+    c = module_cost(p, P(dp=2), 8, 2, FAST, range(2))
+    assert c.forward == pytest.approx(2 * (1e-3 + 20e-6))
+    assert c.backward == pytest.approx(2 * (2e-3 + 40e-6))
+    params = 2 * 1000 + 500
+    assert c.reduce == pytest.approx(allreduce_time(params * 4, 2, LINK))  # all-reduce without FSDP
+    assert c.optimizer == pytest.approx(1e-4 + 1e-8 * params)
+    # fp32 parameters + gradients + two AdamW moments; 1F1B on one stage keeps one microbatch
+    assert c.memory == pytest.approx(params * (4 + 4 + 8) + 100 * 20 * 2)
+
+
+def test_module_cost_tp_and_fsdp_by_hand() -> None:
+    p = profile("language", fsdp=True)
+    c = module_cost(p, P(tp=2), 8, 1, FAST, range(2))
+    tokens = 8 * 10
+    comm = 2 * allreduce_time(tokens * 8 * 4, 2, LINK)  # two all-reduces of [tokens, hidden] per block
+    assert c.forward == pytest.approx(2 * (1e-3 + 1e-6 * tokens / 2 + comm))
+    # FSDP over dp = 2: one all-gather of each block forward and again in backward (reshard)
+    f = module_cost(p, P(dp=2), 8, 1, FAST, range(2))
+    gather = allgather_time(1000 * 4, 2, LINK)
+    assert f.forward == pytest.approx(2 * (1e-3 + 40e-6 + gather) + allgather_time(500 * 4, 2, LINK))
+    assert f.backward == pytest.approx(2 * (2e-3 + 80e-6 + gather))
+    params = 2 * 1000 + 500
+    # state sharded over dp; one gathered block and the unsharded rest at a time; activations
+    assert f.memory == pytest.approx(params * 16 / 2 + (1000 + 500) * 4 + 100 * 40 * 2)
+
+
+def test_wrapper_costs_apply_only_where_the_wrapper_runs() -> None:
+    p = dataclasses.replace(profile("language", fsdp=True), fsdp_forward_s=1e-3, fsdp_backward_s=2e-3,
+                            tp_forward_s=3e-3, tp_backward_s=4e-3)
+    plain = module_cost(p, P(), 8, 1, FAST, range(1))
+    assert plain.forward == pytest.approx(2 * (1e-3 + 80e-6))  # dp = tp = 1: neither wrapper
+    tp = module_cost(p, P(tp=2), 8, 1, FAST, range(2))
+    comm = 2 * allreduce_time(80 * 8 * 4, 2, LINK)
+    assert tp.forward == pytest.approx(2 * (1e-3 + 40e-6 + comm + 3e-3))
+    assert tp.backward == pytest.approx(2 * (2e-3 + 80e-6 + comm + 4e-3))
+    dp = module_cost(p, P(dp=2), 8, 1, FAST, range(2))
+    gather = allgather_time(1000 * 4, 2, LINK)
+    assert dp.backward == pytest.approx(2 * (2e-3 + 80e-6 + 2e-3 + gather))
+
+
+def test_module_cost_pipeline_and_frozen() -> None:
+    p = profile("language", layers=3)
+    c = module_cost(p, P(pp=2), 8, 4, FAST, range(2))
+    tokens = 2 * 10
+    send = 2 * LINK.time(tokens * 8 * 4)
+    # rank 0 holds 2 blocks (the busiest), rank 1 one block and the (empty) rest
+    assert c.forward == pytest.approx(2 * (1e-3 + 1e-6 * tokens) + send)
+    assert c.stage_trip == pytest.approx(3 * (3e-3 + 3e-6 * tokens) + 2 * 2 * send)
+    frozen = module_cost(profile("vision", frozen=True), P(dp=2), 8, 1, FAST, range(2), keeps_all=True)
+    assert frozen.backward == 0.0 and frozen.reduce > 0  # the projection still trains
+
+
+def test_crossing_from_the_bridge_plan() -> None:
+    enc = profile("vision", tokens=3)
+    # fan-in: vision dp2 (ranks 0-1) -> language dp1 (rank 2); 4 samples x 3 rows; the language
+    # rank receives 12 rows of 8 fp32 features in 2 messages
+    t = crossing_time(enc, P(dp=2), P(), False, 4, FAST, range(0, 2), range(2, 3))
+    assert t == pytest.approx(LINK.time(12 * 8 * 4, messages=2))
+    # colocated with the same dp: every row is a local copy
+    assert crossing_time(enc, P(dp=2), P(dp=2), True, 4, FAST, range(2), range(2)) == 0.0
+
+
+def test_predict_is_consistent() -> None:
+    job = Job((profile("vision", tokens=4), profile("language", tokens=32, cp=True)), batch_size=8)
+    base = homogeneous(job, 2)
+    pred = predict(job, base, FAST)
+    assert pred.tokens_per_s == pytest.approx(8 * 32 / pred.step_s)
+    assert all(0 <= v <= 1 for v in pred.idle.values())
+    assert pred.idle["vision"] == pred.idle["language"]  # colocated: the same ranks
+
+
+# ---------------------------------------------------------------------------- the search space
+
+
+def digits_job(batch_size: int = 8, audio: bool = True) -> Job:
+    """Synthetic profiles with the digits model's names and the sizes tp must divide."""
+    encoders = [profile("vision", tokens=6, divides=(4, 96, 64))]
+    if audio:
+        encoders.append(profile("audio", tokens=4, divides=(4, 96, 64)))
+    language = profile("language", tokens=33, cp=True, divides=(4, 2, 128, len(TEXT_VOCAB)))
+    return Job((*encoders, language), batch_size=batch_size)
+
+
+def brute_force(job: Job, world: int, max_microbatches: int) -> set:
+    """Every (sizes, offsets, M) that `MimoLayout` builds for `world` and that the library and the
+    trainer accept, written out independently; offsets renumbered so that rank groups come in the
+    order of their first module (the planner leaves out which group takes which ranks)."""
+    dims = [(pp, dp, cp, tp) for pp, dp, cp, tp in itertools.product(range(1, world + 1), repeat=4)
+            if pp * dp * cp * tp <= world]
+    names = job.names
+    found = set()
+    for shapes in itertools.product(dims, repeat=len(names)):
+        for offsets in itertools.product(range(world), repeat=len(names)):
+            if any(o + math.prod(s) > world for o, s in zip(offsets, shapes)):
+                continue
+            pars = {n: P(*s) for n, s in zip(names, shapes)}
+            try:
+                MimoLayout(pars, offsets=dict(zip(names, offsets)), world_size=world)
+            except LayoutError:
+                continue
+            for m in range(1, max_microbatches + 1):
+                if job.batch_size % m or not _accepted(job, pars, m):
+                    continue
+                found.add(_renumbered(names, pars, dict(zip(names, offsets)), m))
+    return found
+
+
+def _accepted(job: Job, pars: dict, m: int) -> bool:
+    lang = pars["language"]
+    for p in job.modules:
+        par = pars[p.name]
+        if any(d % par.tp for d in p.tp_divides) or job.batch_size // m < par.dp:
+            return False
+        if p.name != "language" and (par.pp > 1 or par.cp > 1):
+            return False
+    if job.batch_size % (m * lang.dp) or lang.pp > job.lang.n_layers or m < lang.pp:  # 1F1B
+        return False
+    return True
+
+
+def _renumbered(names, pars, offsets, m) -> tuple:
+    spans = sorted({(offsets[n], pars[n].size) for n in names},
+                   key=lambda s: min(i for i, n in enumerate(names) if (offsets[n], pars[n].size) == s))
+    start, new = 0, {}
+    for span in spans:
+        new[span] = start
+        start += span[1]
+    return tuple((n, pars[n].shape, new[(offsets[n], pars[n].size)]) for n in names) + (m,)
+
+
+def _key(cand) -> tuple:
+    return tuple((n, p.shape, o) for (n, p), (_, o) in zip(cand.modules, cand.offsets)) + (cand.microbatches,)
+
+
+@pytest.mark.parametrize("world,audio", [(4, False), (3, True)])
+def test_search_enumerates_exactly_the_valid_layouts(world: int, audio: bool) -> None:
+    job = digits_job(batch_size=8, audio=audio)
+    space = SearchSpace(max_microbatches=8)
+    mine = [_key(c) for c in enumerate_layouts(job, world, space)]
+    assert len(mine) == len(set(mine)), "a layout enumerated twice"
+    expected = brute_force(job, world, 8)
+    assert set(mine) == expected
+    assert len(expected) > 50
+
+
+def test_search_ranks_everything_it_enumerates() -> None:
+    job = digits_job()
+    result = search(job, 4, FAST)
+    assert result.exhaustive
+    assert result.evaluated == sum(1 for _ in enumerate_layouts(job, 4))
+    steps = [p.step_s for p in result.ranked]
+    assert steps == sorted(steps)
+
+
+def test_pruned_search_finds_layouts_of_a_large_world() -> None:
+    job = digits_job(batch_size=64)
+    result = search(job, 64, FAST, exhaustive=False)
+    assert result.ranked and not result.exhaustive
+    for p in result.ranked[:20]:
+        assert p.candidate.layout(64).world_size == 64
+
+
+# ---------------------------------------------------------------------------- trainer output
+
+
+def test_json_entries_are_trainer_overrides(tmp_path) -> None:
+    job = digits_job(batch_size=32)  # the digits job's batch
+    ranked = search(job, 4, FAST).ranked
+    path = tmp_path / "plan.json"
+    write_json(str(path), ranked)
+    entries = json.loads(path.read_text())
+    assert len(entries) == len(ranked)
+    assert set(entries[0]) == {"layout", "microbatches", "predicted_step_s", "predicted_peak_gib"}
+    for e, pred in zip(entries, ranked):
+        assert set(e["layout"]) == {"vision", "audio", "language"}
+        assert all(set(v) == {"pp", "dp", "cp", "tp", "offset"} for v in e["layout"].values())
+        config = parse_args(overrides_of(e))
+        check_config(config, 4)
+        layout = build_layout(config, 4)
+        for name, keys in e["layout"].items():
+            par = layout.parallelism(name)
+            assert (par.pp, par.dp, par.cp, par.tp, layout.offset(name)) == \
+                (keys["pp"], keys["dp"], keys["cp"], keys["tp"], keys["offset"])
+        assert config.pipeline.microbatches == e["microbatches"] == pred.candidate.microbatches
+        assert e == json.loads(json.dumps(entry(pred)))
+
+
+def test_layout_auto_config() -> None:
+    from dtensor_mimo.train.plan import with_candidate
+
+    config = parse_args(["--layout.auto", "true"])
+    assert config.layout.auto
+    check_config(config, 5)  # the planner replaces the layout: any world passes the config check
+    chosen = entry(search(digits_job(batch_size=32), 4, FAST).ranked[0])
+    planned = with_candidate(config, chosen)
+    assert not planned.layout.auto
+    check_config(planned, 4)
+    assert build_layout(planned, 4).world_size == 4
