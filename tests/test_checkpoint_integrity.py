@@ -92,7 +92,9 @@ def _truncate(path: str) -> str:
 
 
 def _flip(path: str) -> str:
-    name = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[-1]  # rank 1's share of the checks
+    # the first shard: index 1 of the manifest's sorted files (after .metadata), rank 1's share of
+    # the checksums, so the verdict must travel from a non-zero rank
+    name = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[0]
     with open(os.path.join(path, name), "r+b") as f:
         f.seek(100)
         byte = f.read(1)

@@ -155,7 +155,7 @@ def test_module_cost_pipeline_and_frozen() -> None:
     # rank 0 holds 2 blocks (the busiest), rank 1 one block and the (empty) rest
     assert c.forward == pytest.approx(2 * (1e-3 + 1e-6 * tokens) + send)
     assert c.stage_trip == pytest.approx(3 * (3e-3 + 3e-6 * tokens) + 2 * 2 * send)
-    frozen = module_cost(profile("vision", frozen=True), P(dp=2), 8, 1, FAST, range(2), keeps_all=True)
+    frozen = module_cost(profile("vision", frozen=True), P(dp=2), 8, 1, FAST, range(2), held=1)
     assert frozen.backward == 0.0 and frozen.reduce > 0  # the projection still trains
 
 
@@ -167,6 +167,20 @@ def test_crossing_from_the_bridge_plan() -> None:
     assert t == pytest.approx(LINK.time(12 * 8 * 4, messages=2))
     # colocated with the same dp: every row is a local copy
     assert crossing_time(enc, P(dp=2), P(dp=2), True, 4, FAST, range(2), range(2)) == 0.0
+
+
+def test_encoders_hold_the_crossing_window_plus_one_when_lean() -> None:
+    """Disjoint pp = 1 encoders keep window + 1 microbatches of activations (1F1B at language pp2:
+    stage 0 has 2 in flight, the window adds one of slack: 4), else all M (colocated, or a GPipe
+    language model)."""
+    from dtensor_mimo.plan.cost import encoder_held
+
+    job = Job((profile("vision", tokens=4), profile("language", tokens=32)), batch_size=8)
+    assert encoder_held(job, 2, 8, lean=True) == 4
+    assert encoder_held(job, 2, 8, lean=False) == 8
+    assert encoder_held(job, 1, 8, lean=True) == 3
+    assert encoder_held(job, 2, 2, lean=True) == 2
+    assert encoder_held(dataclasses.replace(job, schedule="GPipe"), 2, 8, lean=True) == 8
 
 
 def test_predict_is_consistent() -> None:

@@ -33,6 +33,7 @@ from dtensor_mimo.bridge.plan import MeshSpec, plan
 from dtensor_mimo.layout import Parallelism
 from dtensor_mimo.plan.candidate import Candidate
 from dtensor_mimo.plan.profile import DeviceProfile, Job, Link, ModuleProfile
+from dtensor_mimo.schedule import order
 from dtensor_mimo.schedule.config import (LOOPED_SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES, PipelineConfig,
                                           stage_layers)
 
@@ -81,8 +82,10 @@ def pipeline_time(per_microbatch: float, microbatches: int, pp: int, schedule: s
 
 def overlapped_step(enc_fwd: float, enc_bwd: float, lang_step: float, lang_traverse: float, microbatches: int,
                     enc_start: float = 0.0, lang_start: float = 0.0) -> float:
-    """Encoders on ranks of their own, overlapping the language pipeline (torch's GPipe on the
-    encoder: forwards of microbatches 0..M-1, then their backwards as gradients come back).
+    """Encoders on ranks of their own, overlapping the language pipeline, timed as if the encoder
+    ran its forwards of microbatches 0..M-1, then their backwards as gradients come back (the
+    crossing order of `dtensor_mimo.schedule.order` interleaves them by its window, with the same
+    busy time).
 
     Args:
         enc_fwd, enc_bwd: the encoders' forward / backward of one microbatch (crossings included).
@@ -171,12 +174,12 @@ def microbatch_tokens(profile: ModuleProfile, samples: int, par: Parallelism) ->
 
 def module_cost(profile: ModuleProfile, par: Parallelism, batch_size: int, microbatches: int,
                 device: DeviceProfile, ranks: Sequence[int], schedule: str = "1F1B",
-                virtual_stages: int = 1, keeps_all: bool = False) -> ModuleCost:
+                virtual_stages: int = 1, held: int | None = None) -> ModuleCost:
     """`ModuleCost` of `profile` laid out as `par` on global `ranks` (mesh order, tp fastest).
 
-    `keeps_all`: the module keeps every microbatch's activations until its backward (an encoder:
-    GPipe on its own ranks, or the three phases); else min(M, pp) microbatches are in flight
-    (1F1B), or all M under GPipe.
+    `held`: the microbatches whose activations the module keeps at once (an encoder:
+    `encoder_held`); None: the module's own schedule's bound on its first stage
+    (`dtensor_mimo.schedule.order.in_flight`: pp under 1F1B, all M under GPipe).
     """
     m = microbatches
     samples = batch_size // m if batch_size % m == 0 else math.ceil(batch_size / m)
@@ -232,7 +235,8 @@ def module_cost(profile: ModuleProfile, par: Parallelism, batch_size: int, micro
     shard = dpcp if fsdp else 1
     state = params * profile.param_bytes + params * share * (profile.param_bytes + ADAM_STATE_BYTES)
     gathered = (profile.block_params + profile.rest_params) / tp * profile.param_bytes if fsdp else 0.0
-    in_flight = m if keeps_all or schedule == "GPipe" else min(m, par.pp)
+    in_flight = held if held is not None else order.in_flight(
+        PipelineConfig(microbatches=m, schedule=schedule, virtual_stages=virtual_stages), par.pp)
     activations = profile.activation_bytes_per_token * tokens / tp * busiest_layers * in_flight
     memory = state / shard + gathered + activations
     grad_bytes = params * share * profile.param_bytes
@@ -337,6 +341,15 @@ class Prediction:
         return self.peak_bytes / 2**30
 
 
+def encoder_held(job: Job, language_pp: int, microbatches: int, lean: bool) -> int:
+    """Microbatches of activations an encoder keeps at once: the crossing window + 1 when every
+    encoder is a pp = 1 encoder on ranks of its own (`dtensor_mimo.schedule.order`), else all of
+    them (colocated three phases, encoder pipelines under GPipe)."""
+    config = PipelineConfig(microbatches=microbatches, schedule=job.schedule, virtual_stages=job.virtual_stages)
+    window = order.crossing_window(config, language_pp, lean)
+    return min(microbatches, window + 1) if lean else microbatches
+
+
 def predict(job: Job, candidate: Candidate, device: DeviceProfile) -> Prediction:
     """One step of `job` on `candidate` (a layout the validators accepted) on `device`."""
     m = candidate.microbatches
@@ -351,7 +364,9 @@ def predict(job: Job, candidate: Candidate, device: DeviceProfile) -> Prediction
 
     colocated = {e.name: candidate.shares_ranks(e.name, lang_name) for e in encoders}
     overlapped = all(e.trainable and not colocated[e.name] for e in encoders)
-    costs = {e.name: module_cost(e, pars[e.name], job.batch_size, m, device, ranks(e.name), keeps_all=True)
+    lean = overlapped and all(pars[e.name].pp == 1 for e in encoders)
+    held = encoder_held(job, lang_par.pp, m, lean)
+    costs = {e.name: module_cost(e, pars[e.name], job.batch_size, m, device, ranks(e.name), held=held)
              for e in encoders}
     lang = job.lang
     costs[lang_name] = module_cost(lang, lang_par, job.batch_size, m, device, ranks(lang_name), job.schedule,

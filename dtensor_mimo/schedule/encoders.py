@@ -5,7 +5,7 @@ crossing order (`dtensor_mimo.schedule.order`): they encode the first `window` m
 post their rows; then, for each microbatch j, post the receive of j's gradient, encode microbatch
 ``j + window`` (while the language model runs backward j), and run j's encoder backward once the
 gradient is there. An encoder rank thus holds at most ``window + 1`` microbatches of activations
-(``pp + 1`` under 1F1B), not M, and still computes microbatch i+1 while the language model runs i.
+(``pp + 2`` under 1F1B), not M, and still computes microbatch i+1 while the language model runs i.
 With ``reshard_after_forward=False`` an FSDP2 encoder also keeps its gathered parameters across
 the step's microbatches (one all-gather per step instead of two per microbatch), resharding after
 the last backward; with True (the default) it gathers per microbatch and keeps the memory low.

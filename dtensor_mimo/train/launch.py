@@ -56,13 +56,13 @@ def _run_rank(config: TrainerConfig, on_error: Callable[[BaseException], None] |
     the peers fail at once instead of waiting for `train.timeout_s`; the error propagates."""
     from dtensor_mimo.train.trainer import Trainer
 
-    if not dist.is_initialized():
-        init_distributed(config.train.device, config.train.timeout_s)
-    if config.layout.auto:  # torchrun: rank 0 plans for this world, every rank trains its choice
-        from dtensor_mimo.train.plan import auto_layout_collective
-
-        config = auto_layout_collective(config)
     try:
+        if not dist.is_initialized():
+            init_distributed(config.train.device, config.train.timeout_s)
+        if config.layout.auto:  # torchrun: rank 0 plans for this world, every rank trains its choice
+            from dtensor_mimo.train.plan import auto_layout_collective
+
+            config = auto_layout_collective(config)
         accuracy = Trainer(config).run()
         # Every rank done with every group before any tears its connections down (a peer still
         # in its last collective could otherwise see the connection close under it).
