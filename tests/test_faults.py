@@ -210,3 +210,15 @@ def test_describe_reaches_through_a_blank_rewrap() -> None:
         e.add_note("in step 4")
         assert launch.describe(e) == ("RuntimeError from ValueError: image 3 has 2 channels, the encoder "
                                       "expects 3 (in step 4)")
+
+
+def test_private_nccl_abort_we_rely_on_is_still_there() -> None:
+    """`dtensor_mimo.train.distributed.abort` calls torch's private `_abort_process_group` on NCCL
+    (no public spelling in torch 2.13); CI has no GPU, so this pins the name on CPU."""
+    import inspect
+
+    import torch.distributed as dist
+
+    fn = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    assert callable(fn), "torch.distributed.distributed_c10d._abort_process_group is gone: update abort()"
+    assert list(inspect.signature(fn).parameters)[:1] == ["group"], inspect.signature(fn)

@@ -17,7 +17,7 @@ by the next save. The last `keep` checkpoints are kept.
 
 Saves are verified: before the rename, ``manifest.json`` records every file's size and CRC-32
 (each rank checksums a share of the files; rank 0 writes the manifest). Resuming takes the newest
-checkpoint that still matches its manifest (sizes on rank 0, checksums shared out over the ranks)
+checkpoint that still matches its manifest (each rank checks the sizes and checksums of its share)
 and says which file made it skip a newer one (`choose_checkpoint`); a checkpoint named by
 ``checkpoint.load`` is verified the same way and refused when it does not match.
 """
@@ -93,8 +93,8 @@ def _entries(directory: str, names: Sequence[str]) -> dict[str, list[int]]:
 def verify(path: str, share: tuple[int, int] = (0, 1), checksums: bool = True) -> list[str]:
     """What is wrong with the checkpoint at `path` (empty: nothing), each problem naming its file:
     no ``.metadata``, a file of the manifest missing or of another size, and (with `checksums`)
-    another CRC-32 for this rank's `share` = (rank, world) of the files, so the ranks of a world
-    read each file once between them. A checkpoint without a manifest (saved before manifests
+    another CRC-32, for this rank's `share` = (rank, world) of the manifest's files, so the ranks
+    of a world look at each file once between them (one process: every file). A checkpoint without a manifest (saved before manifests
     existed) is checked for ``.metadata`` only."""
     if not os.path.exists(os.path.join(path, ".metadata")):
         return [f"{os.path.join(path, '.metadata')} is missing (DCP's index of the checkpoint)"]
@@ -109,12 +109,14 @@ def verify(path: str, share: tuple[int, int] = (0, 1), checksums: bool = True) -
     problems = []
     rank, world = share
     for i, (name, (size, crc)) in enumerate(sorted(files.items())):
+        if i % world != rank:  # each file is looked at by one rank: O(files / world) per rank
+            continue
         file = os.path.join(path, name)
         if not os.path.exists(file):
             problems.append(f"{file} is missing")
         elif (actual := os.path.getsize(file)) != size:
             problems.append(f"{file} has {actual} bytes, the manifest says {size}")
-        elif checksums and i % world == rank and file_crc32(file) != crc:
+        elif checksums and file_crc32(file) != crc:
             problems.append(f"{file} has another checksum than the manifest's (corrupt)")
     return problems
 
@@ -217,10 +219,15 @@ def write_manifest(directory: str) -> None:
     """Write `MANIFEST` for the saved files in `directory` (collective: each rank checksums its
     share of them; rank 0 writes the file, flushed to disk before the checkpoint is renamed)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    names = sorted(n for n in os.listdir(directory) if n != MANIFEST)
-    mine = _entries(directory, names[rank::world])
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, mine)
+    shares: list[Any] = [None]
+    if rank == 0:  # one listing of the (shared) directory, each rank sent only its share
+        names = sorted(n for n in os.listdir(directory) if n != MANIFEST)
+        dist.scatter_object_list(shares, [names[r::world] for r in range(world)], src=0)
+    else:
+        dist.scatter_object_list(shares, None, src=0)
+    mine = _entries(directory, shares[0])
+    everyone: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
     if rank == 0:
         files = {n: e for part in everyone for n, e in part.items()}
         with open(os.path.join(directory, MANIFEST), "w") as f:

@@ -99,7 +99,7 @@ def _local_rank(rank: int, world: int, port: int, config: TrainerConfig, errors)
 def _exit_now(code: int) -> None:
     """End a failed rank's process at once: the interpreter's teardown of a model takes seconds
     (2 s measured for the digits job), and a launcher sees the failure only when the process
-    ends. The logs are flushed (`Trainer.run` closes its logger on an error)."""
+    ends. The logs are flushed (`Trainer.run` closes its logger on any error)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

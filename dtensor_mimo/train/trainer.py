@@ -288,6 +288,13 @@ class Trainer:
     def run(self) -> float | None:
         """Train to `train.steps` (resuming or loading a checkpoint first), evaluate, export and
         answer a few held-out prompts; returns the held-out accuracy (None without held-out data)."""
+        try:
+            return self._run()
+        except BaseException:
+            self.log.close()  # what was logged is on disk, however the process ends (the launcher exits at once)
+            raise
+
+    def _run(self) -> float | None:
         c = self.config
         self.log.print(c.describe())
         self.log.print(self.layout.describe())
@@ -314,7 +321,6 @@ class Trainer:
             except BaseException as e:
                 # Which step, for errors that cannot say (a peer's closed connection, a timeout).
                 e.add_note(f"in step {step}")
-                self.log.close()  # what was logged is on disk, however the process ends
                 raise
         accuracy = self._report_eval()
         if c.checkpoint.export_hf:
