@@ -102,8 +102,10 @@ def _wait_for_a_peer_that_never_comes(timeout_s: float) -> str | None:
     """A world with `timeout_s` where rank 1 skips an all-reduce: what rank 0's raises."""
     from dtensor_mimo.train.distributed import init_distributed
 
+    ports = [[launch._free_port(), launch._free_port()] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(ports, src=0)  # free ports for the two new worlds' stores
     dist.destroy_process_group()
-    os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)  # a fresh store for the new world
+    os.environ["MASTER_PORT"] = str(ports[0][0])
     init_distributed("cpu", timeout_s)
     message = None
     if dist.get_rank() == 0:
@@ -115,14 +117,15 @@ def _wait_for_a_peer_that_never_comes(timeout_s: float) -> str | None:
         time.sleep(timeout_s + 5)
     # The harness's world again (its timeout), for the next test.
     dist.destroy_process_group()
-    os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
+    os.environ["MASTER_PORT"] = str(ports[0][1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     return message
 
 
 def test_timeout_s_ends_a_wait_for_a_peer() -> None:
-    message, _ = run_on_ranks(_wait_for_a_peer_that_never_comes, 2, 3.0, timeout=120)
-    assert message is not None and "Timed out" in message and "3000ms" in message, message
+    # 5 s: long enough that both ranks join the new world's store within it on a loaded machine
+    message, _ = run_on_ranks(_wait_for_a_peer_that_never_comes, 2, 5.0, timeout=120)
+    assert message is not None and "Timed out" in message and "5000ms" in message, message
 
 
 def _nan_step() -> tuple[bool, float, list[str]]:
