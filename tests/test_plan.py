@@ -319,3 +319,19 @@ def test_layout_auto_config() -> None:
     assert not planned.layout.auto
     check_config(planned, 4)
     assert build_layout(planned, 4).world_size == 4
+
+
+@pytest.mark.parametrize("env, argv, match", [
+    ({}, ["--train.device", "cuda"], "train.device = 'cuda'"),
+    ({"WORLD_SIZE": "16", "RANK": "0", "LOCAL_WORLD_SIZE": "8"}, [], "a world of 16 ranks over several nodes"),
+])
+def test_layout_auto_refused_where_its_measurements_do_not_describe_the_run(monkeypatch, capsys, env, argv, match):
+    from dtensor_mimo.train import launch
+
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert launch.main(["--layout.auto", "true", *argv]) == 2
+    err = capsys.readouterr().err
+    assert match in err and "python -m dtensor_mimo.plan" in err, err

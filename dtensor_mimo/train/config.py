@@ -78,7 +78,7 @@ class LayoutConfig:
             rows), 1 or 2 forces.
         auto: train on the layout planner's first choice (`python -m dtensor_mimo.plan`) for the
             world (under torchrun its size; else the configured layout's), replacing every
-            module's layout and pipeline.microbatches.
+            module's layout and pipeline.microbatches; CPU runs on one node (it measures this host).
     """
 
     modules: dict[str, ModuleLayout] = field(default_factory=dict, metadata={"open": True})

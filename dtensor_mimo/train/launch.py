@@ -163,6 +163,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def refuse_auto(config: TrainerConfig, launched: bool) -> None:
+    """``--layout.auto`` measures on this machine's CPU (gloo) and, under torchrun, on rank 0's host
+    while every peer waits: refused (ConfigError) for a GPU run or a world spanning several nodes,
+    where those measurements would not describe the run."""
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    where = ("train.device = 'cuda'" if config.train.device == "cuda" else
+             f"a world of {world} ranks over several nodes ({local} here)" if launched and local != world else None)
+    if where is not None:
+        raise ConfigError(f"layout.auto = true with {where}: the planner measures this host's CPU; run "
+                          "`python -m dtensor_mimo.plan --config FILE --world N --json plan.json` and pass the "
+                          "chosen entry as --layout.<module>.* and --pipeline.microbatches overrides")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
@@ -171,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     try:
         config = parse_args(argv)
+        if config.layout.auto:
+            refuse_auto(config, launched)
         if config.layout.auto and not launched:  # the planner's first choice for the layout's world
             from dtensor_mimo.train.plan import auto_layout
 
