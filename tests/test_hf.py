@@ -173,12 +173,23 @@ def test_mimo_load_hf_trains_like_one_process(family: str, tmp_path) -> None:
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, patch_size=4)
 
 
-def _randomized(model: torch.nn.Module) -> torch.nn.Module:
-    torch.manual_seed(1)
+def randomized(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
+    """`model` with every tensor perturbed (HF zero-initializes biases and norms: make each matter)."""
+    torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return model.eval()
+
+
+def tiny_whisper() -> torch.nn.Module:
+    """A tiny randomized transformers Whisper (8 mel bins, 16 positions, 2 encoder layers)."""
+    config = transformers.WhisperConfig(
+        num_mel_bins=8, d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=64, max_source_positions=16,
+        max_target_positions=16, vocab_size=50, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=3)
+    return randomized(transformers.WhisperModel(config))
 
 
 def _images(size: int) -> torch.Tensor:
@@ -188,7 +199,7 @@ def _images(size: int) -> torch.Tensor:
 def test_siglip_tower_matches_transformers(tmp_path) -> None:
     """SigLIP: tanh GELU, a final norm, an image size the patch does not divide (30 / 4: the
     leftover pixels dropped); `save_hf` -> transformers -> the same features."""
-    hf = _randomized(transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**VISION, image_size=30)))
+    hf = randomized(transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**VISION, image_size=30)))
     hf.save_pretrained(tmp_path / "hf")
     vit = ViT(ViTConfig.from_hf(str(tmp_path / "hf")))
     load_hf(vit, str(tmp_path / "hf"))
@@ -204,7 +215,7 @@ def test_siglip_tower_matches_transformers(tmp_path) -> None:
 def test_clip_tower_matches_transformers(tmp_path) -> None:
     """CLIP: class token (attends, then dropped), pre-LayerNorm, quick GELU, no patch bias; its
     patch features are `last_hidden_state` without the class token (no final norm)."""
-    hf = _randomized(transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**VISION, image_size=16)))
+    hf = randomized(transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**VISION, image_size=16)))
     hf.save_pretrained(tmp_path / "hf")
     vit = ViT(ViTConfig.from_hf(str(tmp_path / "hf")))
     load_hf(vit, str(tmp_path / "hf"))
@@ -222,7 +233,7 @@ def test_llava_checkpoint_fills_tower_projector_and_language_model(tmp_path) -> 
     config = transformers.LlavaConfig(
         vision_config=transformers.CLIPVisionConfig(**VISION, image_size=16),
         text_config=transformers.LlamaConfig(**(SMALL | dict(vocab_size=80))), image_token_index=70)
-    hf = _randomized(transformers.LlavaForConditionalGeneration(config))
+    hf = randomized(transformers.LlavaForConditionalGeneration(config))
     hf.save_pretrained(tmp_path / "llava")
     path = str(tmp_path / "llava")
     vit_config, llama_config = ViTConfig.from_hf(path), LlamaConfig.from_hf(path)
@@ -243,12 +254,7 @@ def test_llava_checkpoint_fills_tower_projector_and_language_model(tmp_path) -> 
 
 def test_whisper_encoder_matches_transformers(tmp_path) -> None:
     """Whisper: no k_proj bias, a frozen position table; full-length input (Whisper's own rule)."""
-    config = transformers.WhisperConfig(
-        num_mel_bins=8, d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
-        decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=64, max_source_positions=16,
-        max_target_positions=16, vocab_size=50, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        decoder_start_token_id=3)
-    hf = _randomized(transformers.WhisperModel(config))
+    hf = tiny_whisper()
     hf.save_pretrained(tmp_path / "hf")
     audio_config = AudioConfig.from_hf(str(tmp_path / "hf"))
     encoder = AudioEncoder(audio_config)
@@ -263,7 +269,7 @@ def test_llava_from_pretrained_example_learns(tmp_path) -> None:
     """examples/llava_from_pretrained.py on tiny checkpoints written here: a SigLIP tower on rank
     0 (frozen), a Qwen2 decoder on tp2 (ranks 1-2) with q/k/v biases; it trains (the synthetic
     batches are memorized) and every rank runs to the end."""
-    _randomized(transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**VISION, image_size=16))) \
+    randomized(transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**VISION, image_size=16))) \
         .save_pretrained(tmp_path / "siglip")
     _write(str(tmp_path / "qwen2"), "qwen2")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")

@@ -26,18 +26,11 @@ from dtensor_mimo.models import AudioConfig, AudioEncoder, ModalityEncoder, Proj
 from dtensor_mimo.models import layers
 from dtensor_mimo.models.layers import packed_attention
 from dtensor_mimo.models.protocol import item_rule
+from tests.test_hf import randomized, tiny_whisper
 
 transformers = pytest.importorskip("transformers")
 
 SIZES = [(32, 32), (48, 32), (16, 64), (40, 24), (35, 33)]  # (H, W); 35x33 leaves pixels beyond a patch
-
-
-def _randomize(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    with torch.no_grad():  # HF zero-initializes biases and norms: make every tensor matter
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model.eval()
 
 
 def _image(h: int, w: int, seed: int, channels: int = 3, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -78,7 +71,7 @@ TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
 def test_siglip_dynamic_resolution_matches_transformers(tmp_path):
     from dtensor_mimo.train.modules import vision_config
 
-    hf = _randomize(transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**TOWER)))
+    hf = randomized(transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**TOWER)))
     hf.save_pretrained(tmp_path / "siglip")
     path = str(tmp_path / "siglip")
     # The tower with its final norm (last_hidden_state), and the trainer's (feature_layer -1 for
@@ -102,7 +95,7 @@ def test_siglip_dynamic_resolution_matches_transformers(tmp_path):
 
 
 def test_clip_dynamic_resolution_matches_transformers(tmp_path):
-    hf = _randomize(transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**TOWER)))
+    hf = randomized(transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**TOWER)))
     hf.save_pretrained(tmp_path / "clip")
     vit = ViT(dataclasses.replace(ViTConfig.from_hf(str(tmp_path / "clip")), dynamic_resolution=True))
     load_hf(vit, str(tmp_path / "clip"))
@@ -120,11 +113,11 @@ def test_clip_dynamic_resolution_matches_transformers(tmp_path):
 
 def _vit(**overrides) -> ViT:
     config = ViTConfig.tiny(image_size=16, patch_size=4, dynamic_resolution=True, **overrides)
-    return _randomize(ViT(config).double(), seed=3).train()
+    return randomized(ViT(config).double(), seed=3).train()
 
 
 def _audio(**overrides) -> AudioEncoder:
-    return _randomize(AudioEncoder(AudioConfig.tiny(variable_length=True, **overrides)).double(), seed=3).train()
+    return randomized(AudioEncoder(AudioConfig.tiny(variable_length=True, **overrides)).double(), seed=3).train()
 
 
 def _images() -> list[torch.Tensor]:  # 16, 8, 15, 30, 4, 16 tokens (4 px patches)
@@ -143,7 +136,7 @@ MODELS = {
                           activation="quick_gelu"), _images),
     "audio": (_audio, _clips),
     "audio_stride2": (lambda: _audio(conv_strides=(2, 2)), _clips),
-    "modality_encoder": (lambda: ModalityEncoder(_vit(), _randomize(Projection(32, 24).double(), seed=4)),
+    "modality_encoder": (lambda: ModalityEncoder(_vit(), randomized(Projection(32, 24).double(), seed=4)),
                          _images),
 }
 
@@ -226,12 +219,7 @@ def _whisper_reference(encoder, clip: torch.Tensor) -> torch.Tensor:
 
 
 def test_whisper_unpadded_clip_matches_transformers(tmp_path):
-    config = transformers.WhisperConfig(
-        num_mel_bins=8, d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=64,
-        decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=64, max_source_positions=16,
-        max_target_positions=16, vocab_size=50, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        decoder_start_token_id=3)
-    hf = _randomize(transformers.WhisperModel(config))
+    hf = tiny_whisper()
     hf.save_pretrained(tmp_path / "whisper")
     audio = AudioEncoder(dataclasses.replace(AudioConfig.from_hf(str(tmp_path / "whisper")), variable_length=True))
     load_hf(audio, str(tmp_path / "whisper"))

@@ -376,14 +376,17 @@ def auto_layout_collective(config: TrainerConfig, log: Callable[[str], None] = p
     import torch.distributed as dist
 
     chosen: list[Any] = [None, None]
+    error: Exception | None = None
     if dist.get_rank() == 0:
         try:
             chosen[0] = entry(plan(config, dist.get_world_size(), 5, log=log)[0])
-        except ConfigError as e:
-            chosen[1] = str(e)
+        except Exception as e:  # noqa: BLE001 — any failure reaches the peers waiting below, not a hang
+            error, chosen[1] = e, f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(chosen, src=0)
+    if error is not None:
+        raise error
     if chosen[1] is not None:
-        raise ConfigError(chosen[1])
+        raise ConfigError(f"layout.auto: rank 0 could not plan: {chosen[1]}")
     return with_candidate(config, chosen[0])
 
 
