@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench clean
+.PHONY: demo test fuzz bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,12 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# Random layouts x batches against the single-process oracle, and malformed input (tests/test_fuzz.py);
+# the suite runs a few fixed examples, this N random ones: make fuzz FUZZ_EXAMPLES=200
+FUZZ_EXAMPLES ?= 40
+fuzz: $(VENV)/.installed
+	DTENSOR_MIMO_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/test_fuzz.py --hypothesis-show-statistics
 
 # glibc returns large freed blocks to the OS, so every fresh output buffer page-faults again;
 # keeping them (as CUDA's caching allocator does on GPU) is the setting to train with on CPU.

@@ -5,7 +5,7 @@ from dtensor_mimo.layout import LANGUAGE, LayoutError, MimoLayout, Parallelism
 from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.parallelize import ParallelOptions
 from dtensor_mimo.schedule import PipelineConfig
-from dtensor_mimo.train import AdamWConfig, LRSchedule, MimoOptimizer
+from dtensor_mimo.train import AdamWConfig, LRSchedule, MimoOptimizer, init_distributed
 from dtensor_mimo.train.step import StepMetrics, train_step
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "Parallelism",
     "PipelineConfig",
     "StepMetrics",
+    "init_distributed",
     "redistribute",
     "redistribute_many",
     "train_step",

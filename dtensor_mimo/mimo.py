@@ -21,8 +21,9 @@ from dtensor_mimo.bridge import exchange
 from dtensor_mimo.bridge.hops import check_hops
 from dtensor_mimo.data import MimoBatch, sample_range, shard
 from dtensor_mimo.layout import LANGUAGE, MimoLayout
+from dtensor_mimo.layout.mesh import check_agreement
 from dtensor_mimo.models.hf import hf_parts, plan_hf
-from dtensor_mimo.models.protocol import item_rule
+from dtensor_mimo.models.protocol import encoder_width, item_rule
 from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, finish_gradients, replica_problems
 from dtensor_mimo.schedule import (EncoderPipeline, LanguagePipeline, LanguageStage, PipelineConfig,
                                    check_microbatching, pipelined_step, stage_inputs)
@@ -91,8 +92,13 @@ class MimoModel(nn.Module):
         check_hops(bridge_hops, "MimoModel bridge_hops")
         if not dist.is_initialized():
             raise RuntimeError("MimoModel needs torch.distributed initialised (torchrun + init_process_group)")
-        if not layout.meshes_ready:
-            layout.init_meshes(device_type)
+        # What every rank must build alike, compared in one all-gather before the first group is
+        # made: a rank that differs would wait in another new_group or exchange than its peers.
+        agree = _agreement_parts(language, encoders, options or {}, language_name, device_type, pipeline, bridge_hops)
+        if layout.meshes_ready:
+            check_agreement({"layout": layout, **agree})
+        else:
+            layout.init_meshes(device_type, agree)
         self.layout, self.language_name, self.encoder_names = layout, language_name, list(encoders)
         self.options = {name: (options or {}).get(name, ParallelOptions()) for name in self.module_names}
         self.dim = language.config.dim
@@ -104,6 +110,7 @@ class MimoModel(nn.Module):
         # its item rule (batches are checked everywhere), and which modules lack init_weights.
         self._trainable = {n: any(p.requires_grad for p in e.parameters()) for n, e in encoders.items()}
         self.item_rules = {n: item_rule(e) for n, e in encoders.items()}
+        self._widths = {n: encoder_width(e) for n, e in encoders.items()}  # what an item costs (balancing)
         modules = {**encoders, language_name: language}
         self._no_init = [n for n, m in modules.items() if not callable(getattr(m, "init_weights", None))]
         self.overlapped = overlapped(layout, language_name, encoders)
@@ -115,7 +122,7 @@ class MimoModel(nn.Module):
         # Modules built on the meta device: only this rank's shards get allocated, uninitialized
         # until `init_weights` or a checkpoint load.
         self.uninitialized = {n for n, m in modules.items() if _on_meta(m)}
-        self._shapes_checked: set[tuple[str, int]] = set()  # (modality, tokens_per_item) seen world-wide
+        self._shapes_checked: set[tuple] = set()  # (modality, item shape, tokens) seen world-wide
         self.buffers = exchange.BufferPool()
         """The receive buffers of every crossing (recycled on CPU: a steady training loop allocates none)."""
         self.step_error: str | None = None  # this rank's verdict on the last step's encoder rows
@@ -141,6 +148,8 @@ class MimoModel(nn.Module):
             if any(p.is_meta for p in root.parameters()):
                 root.to_empty(device=self.device)
         self._grad_placements = (Replicate(), Shard(0), Partial() if lang.cp > 1 else Replicate(), Replicate())
+        self._requires_grad = {n: p.requires_grad for n, p in self.named_parameters()}
+        """This rank's trainable set as built: the schedule's crossings follow it (`train_step` refuses a change)."""
 
     def _to_device(self, module: nn.Module) -> nn.Module:
         """A module on this rank's device; a meta module stays on meta until parallelized."""
@@ -270,7 +279,8 @@ class MimoModel(nn.Module):
             normalizer=loss_normalizer(batch), dim=self.dim, dtype=self.dtype, device=self.device,
             buffers=self.buffers, hops=self.bridge_hops,
             keep_gathered=[n for n in self.encoders if not self.options[n].reshard_after_forward],
-            recompute=[n for n in self.encoders if self.options[n].recompute_colocated])
+            recompute=[n for n in self.encoders if self.options[n].recompute_colocated],
+            balance={n: self.options[n].balance for n in self.encoder_names}, widths=self._widths)
         return share
 
     def forward(self, batch: MimoBatch) -> torch.Tensor:
@@ -327,9 +337,9 @@ class MimoModel(nn.Module):
     def _cross(self, batch: MimoBatch) -> tuple[list[str], tuple[DTensor, ...]]:
         """Every encoder's output rows of `batch`, moved to the language mesh in one exchange."""
         names = [n for n in self.encoder_names if n in batch.modalities]
-        keys = [(n, batch.modalities[n].tokens_per_item) for n in names]
-        # One world-wide shape check the first time a modality is seen with a tokens_per_item
-        # (the keys are the same on every rank); later the status words riding with the data.
+        keys = [(n, shape, tokens) for n in names for shape, tokens in batch.modalities[n].item_kinds()]
+        # One world-wide shape check the first time a modality is seen with an item size (the keys
+        # are the same on every rank); later the status words riding with the data.
         check = "world" if not self._shapes_checked.issuperset(keys) else True
         ys = encoder_rows(self.layout, self.language_name, self.encoders, names, self._trainable, batch, self.rank,
                           self.dim, self.dtype, self.device, self._grad_placements, check, self.bridge_hops,
@@ -363,6 +373,22 @@ class MimoModel(nn.Module):
             if params:
                 module = (self.language_stages if name == self.language_name else self.encoders[name])
                 finish_gradients(module, params, *self._meshes(name), self.options[name])
+
+
+def _agreement_parts(language: nn.Module, encoders: Mapping[str, nn.Module], options: Mapping[str, ParallelOptions],
+                     language_name: str, device_type: str, pipeline: PipelineConfig | None,
+                     bridge_hops: int | None) -> dict[str, object]:
+    """The constructor's arguments that every rank must give alike (`check_agreement`)."""
+    modules = {**encoders, language_name: language}
+    return {
+        "module list": [f"{n}: {type(m).__name__}" for n, m in modules.items()],
+        "ParallelOptions mapping": {n: options.get(n, ParallelOptions()) for n in modules},
+        "PipelineConfig": pipeline if pipeline is not None else PipelineConfig(),
+        "bridge_hops setting": bridge_hops,
+        "device type": device_type,
+        "frozen parameter list": {n: [p for p, w in m.named_parameters() if not w.requires_grad]
+                                  for n, m in modules.items()},
+    }
 
 
 def _on_meta(module: nn.Module) -> bool:

@@ -11,6 +11,11 @@
 |                                                           | last one announced, and reads back its own step   |
 | trainer, newest shard truncated [2]                       | warning line; resumes from the previous; losses   |
 |                                                           | of the steps after == the uninterrupted run's     |
+| `resolve_load` of a directory, newest byte-flipped [2]    | the previous one, warning naming the file; the    |
+|                                                           | newest named itself: kept (load refuses it); it   |
+|                                                           | without .metadata: "is damaged", names the parent |
+| rank 1 cannot read its share while the manifest is written | CheckpointError naming rank 1 and the file on     |
+| [2]                                                       | every rank, nothing renamed into place            |
 """
 
 from __future__ import annotations
@@ -233,3 +238,68 @@ def test_trainer_resumes_from_the_previous_checkpoint_when_the_newest_is_truncat
     reference, got = _losses(tmp_path / "ref.jsonl"), _losses(tmp_path / "m.jsonl")
     assert sorted(got) == [5, 6]
     assert [got[s] for s in (5, 6)] == [reference[s] for s in (5, 6)]
+
+
+def _resolve(directory: str) -> tuple:
+    _save(directory, [1, 2])
+    newest, previous = (checkpoint.checkpoint_path(directory, s) for s in (2, 1))
+    flipped = None
+    if dist.get_rank() == 0:
+        flipped = _flip(newest)  # same size: only a checksum tells
+    dist.barrier()
+    warnings: list[str] = []
+    chosen = checkpoint.resolve_load(directory, warnings.append)
+    named = checkpoint.resolve_load(newest)  # named itself: never swapped (load refuses it)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.remove(os.path.join(newest, ".metadata"))
+    dist.barrier()
+    try:
+        checkpoint.resolve_load(newest)
+        lost = None
+    except CheckpointError as e:
+        lost = str(e)
+    return flipped, chosen == previous, warnings, named == newest, lost
+
+
+def test_load_of_a_directory_takes_the_newest_that_verifies_and_a_named_one_is_never_swapped(tmp_path) -> None:
+    """`checkpoint.load DIR` chooses as a resume from `checkpoint.dir` does (checksums included)."""
+    (flipped, *first), second = run_on_ranks(_resolve, 2, str(tmp_path), timeout=120)
+    newest = checkpoint.checkpoint_path(str(tmp_path), 2)
+    for took_previous, warnings, named_kept, lost in (first, second[1:]):
+        assert took_previous and named_kept
+        assert warnings == [f"skipped checkpoint {newest}: {os.path.join(newest, flipped)} has another checksum "
+                            "than the manifest's (corrupt)"]
+        assert lost == (f"checkpoint {newest!r} is damaged: {os.path.join(newest, '.metadata')} is missing (DCP's "
+                        f"index of the checkpoint); name the directory that holds it ({str(tmp_path)!r}) to load "
+                        "the newest complete checkpoint instead")
+
+
+def _manifest_with_a_failing_rank(directory: str) -> tuple[str | None, float]:
+    """Rank 1 cannot read one file of its share while the manifest is written."""
+    import errno
+
+    real = checkpoint._entries
+    if dist.get_rank() == 1:
+        def failing(directory_, names):
+            raise OSError(errno.EIO, "Input/output error", os.path.join(directory_, names[0]))
+        checkpoint._entries = failing
+    start = time.monotonic()
+    try:
+        _save(directory, [1])
+        return None, time.monotonic() - start
+    except CheckpointError as e:
+        return str(e), time.monotonic() - start
+    finally:
+        checkpoint._entries = real
+
+
+def test_a_rank_failing_while_the_manifest_is_written_fails_every_rank(tmp_path) -> None:
+    results = run_on_ranks(_manifest_with_a_failing_rank, 2, str(tmp_path), timeout=120)
+    tmp = os.path.join(str(tmp_path), ".step-000001.tmp")
+    shard = sorted(n for n in os.listdir(tmp) if n != MANIFEST)[1]  # rank 1's share: every other file
+    for message, seconds in results:
+        assert message == (f"writing the manifest of {tmp}: rank 1 could not checksum {os.path.join(tmp, shard)}: "
+                           "Input/output error"), message
+        assert seconds < 30
+    assert checkpoint.step_checkpoints(str(tmp_path)) == []  # nothing renamed into place

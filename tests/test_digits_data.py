@@ -22,6 +22,9 @@ text asks what they show. Each property is compared with an independent referenc
 | sampler                              | state round trip; epochs are permutations            |
 | exact match, answer parts            | hand-made logits and labels                          |
 | no scikit-learn                      | ImportError naming pip install 'dtensor_mimo[data]'  |
+| items at their own size (issue 20)   | rows per item from sizes / frames tabled here; the   |
+|                                      |   same scans and tones; pixels: the scan on blank    |
+|                                      |   paper at its offset; encoders give those rows      |
 
 `samples_to_load` (v: vision, a: audio; language ranks load nothing):
 
@@ -34,6 +37,7 @@ text asks what they show. Each property is compared with an independent referenc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 
@@ -386,3 +390,64 @@ def test_without_scikit_learn_the_error_says_what_to_install(monkeypatch):
     monkeypatch.setattr(digits_module, "_scans", cached.__wrapped__)
     with pytest.raises(ImportError, match=r"pip install 'dtensor_mimo\[data\]'"):
         DigitsDataset("train", VIT, AUDIO, 10)
+
+
+# ------------------------------------------------------------------ items at their own size (issue 20)
+
+# The ViT at dynamic resolution takes 8x8, 8x12, 12x8 and 12x12 images (4x4 patches: 4, 6, 6, 9 rows);
+# the audio encoder at variable length takes clips of 8..16 frames (strides 2, 2: 2, 3, 3, 3, 3, 4, 4, 4, 4 rows).
+DYNAMIC_VIT = dataclasses.replace(VIT, dynamic_resolution=True, max_patches=9)
+VARIABLE_AUDIO = dataclasses.replace(AUDIO, variable_length=True)
+PATCH_ROWS = {(8, 8): 4, (8, 12): 6, (12, 8): 6, (12, 12): 9}
+CLIP_ROWS = {8: 2, 9: 3, 10: 3, 11: 3, 12: 3, 13: 4, 14: 4, 15: 4, 16: 4}
+
+
+def test_varied_sizes_give_each_item_its_own_rows(train, sklearn_digits):
+    varied = DigitsDataset("train", DYNAMIC_VIT, VARIABLE_AUDIO, num_samples=500, seed=3)
+    indices = list(range(40))
+    samples = [varied[i] for i in indices]
+    assert {size for s in samples for size in s.image_sizes} == set(PATCH_ROWS)
+    assert {f for s in samples for f in s.tone_frames} <= set(CLIP_ROWS) and len({f for s in samples for f in s.tone_frames}) > 4
+    for s, fixed in zip(samples, (train[i] for i in indices)):  # the same scans, digits and tones
+        assert (s.scans, s.image_digits, s.tone_digits, s.tone_seeds) == (fixed.scans, fixed.image_digits,
+                                                                        fixed.tone_digits, fixed.tone_seeds)
+    assert varied.seq_len == 1 + 3 * 9 + 2 * 4 + 2 + 10  # the largest items: <bos> media "what ?" answer
+    batch = varied.batch(indices)
+    images, tones = batch.modalities["vision"], batch.modalities["audio"]
+    rows = [PATCH_ROWS[size] for s in samples for size in s.image_sizes]
+    clips = [CLIP_ROWS[f] for s in samples for f in s.tone_frames]
+    assert images.item_tokens == tuple(rows) and tones.item_tokens == tuple(clips)
+    for b, s in enumerate(samples):  # placeholders: each item's own rows
+        row = batch.tokens[b].tolist()
+        assert row.count(IMAGE_TOKEN_ID) == sum(PATCH_ROWS[size] for size in s.image_sizes)
+        assert row.count(AUDIO_TOKEN_ID) == sum(CLIP_ROWS[f] for f in s.tone_frames)
+    assert [tuple(x.shape) for x in images.inputs] == [(1, *size) for s in samples for size in s.image_sizes]
+    assert [tuple(x.shape) for x in tones.inputs] == [(16, f) for s in samples for f in s.tone_frames]
+    # Each image is the scan at 8x8, standardized, on blank paper at its patch-aligned offset.
+    scans = sklearn_digits[0]
+    blank = -digits_module.PIXEL_MEAN / digits_module.PIXEL_STD
+    k = 0
+    for s in samples:
+        for scan, (top, left), (h, w) in zip(s.scans, s.image_offsets, s.image_sizes):
+            x = images.inputs[k][0]
+            assert top % 4 == 0 and left % 4 == 0 and top + 8 <= h and left + 8 <= w
+            expected = torch.full((h, w), blank)
+            expected[top:top + 8, left:left + 8] = (scans[scan] - 4.884) / 6.017
+            torch.testing.assert_close(x, expected, rtol=0, atol=1e-5)
+            k += 1
+    # The encoders give exactly those rows (the batch itself checked the placeholders on construction).
+    assert ViT(DYNAMIC_VIT)(images.inputs).shape[0] == sum(rows)
+    assert AudioEncoder(VARIABLE_AUDIO)(tones.inputs).shape[0] == sum(clips)
+    # Per-rank loading: the named samples' items as loaded in full, the others zeros of their own size.
+    part = varied.batch(indices, load={"vision": [0, 1, 2], "audio": []})
+    first = sum(len(s.scans) for s in samples[:3])
+    for k, (x, y) in enumerate(zip(part.modalities["vision"].inputs, images.inputs)):
+        assert torch.equal(x, y) if k < first else (x.shape == y.shape and x.stride() == (0, 0, 0))
+    assert all(x.stride() == (0, 0) for x in part.modalities["audio"].inputs)
+    stretched = DigitsDataset("train", DYNAMIC_VIT, AUDIO, num_samples=500, seed=3,
+                              task=DigitsTask(image_fit="stretch"))
+    assert [tuple(x.shape[1:]) for x in stretched.batch(indices).modalities["vision"].inputs] == \
+        [size for s in samples for size in s.image_sizes]
+    assert isinstance(stretched.batch(indices).modalities["audio"].inputs, torch.Tensor)  # clips of one length
+    with pytest.raises(ValueError, match="not whole 4x4 patches"):
+        DigitsDataset("train", DYNAMIC_VIT, AUDIO, 10, task=DigitsTask(image_scales=((1.0, 1.25),)))

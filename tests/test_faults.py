@@ -8,9 +8,12 @@
 |                                                                  | "(in step 2)"; rank 1's error after        |
 | own launcher [2], rank 1 SIGKILLed as step 2 starts               | exit 1; "rank 1 was killed by SIGKILL"     |
 | `train.timeout_s` [2]: rank 1 never joins a collective            | rank 0 fails with a timeout, not a hang    |
+| `train.timeout_s` [3]: rank 2 never joins its mesh's dp group      | rank 1 fails after the same timeout        |
 | a NaN image [2]                                                  | step skipped, one warning line on rank 0   |
 | same seed twice                                                  | tests/test_trainer.py::test_resume_equals_uninterrupted and test_per_rank_loading_gives_the_same_batches compare losses with ``==`` across runs; here: two runs bit-identical |
 | torch's storage use count (what `BufferPool` frees blocks by)    | still counts views and saved tensors       |
+| `init_distributed("cuda")` (recorded, no GPU)                     | nccl, ``device_id=cuda:LOCAL_RANK``         |
+| state that must agree across ranks: see the table further down     |                                            |
 """
 
 from __future__ import annotations
@@ -98,8 +101,9 @@ def test_own_launcher_names_a_killed_rank(tmp_path) -> None:
     assert "error: rank 1 was killed by SIGKILL" in out.stderr, out.stderr[-3000:]
 
 
-def _wait_for_a_peer_that_never_comes(timeout_s: float) -> str | None:
-    """A world with `timeout_s` where rank 1 skips an all-reduce: what rank 0's raises."""
+def _in_a_world_with_timeout(timeout_s: float, body):
+    """``body()`` in a new world joined by `init_distributed` with `timeout_s`, then the
+    harness's world again (its timeout) for the next test."""
     from dtensor_mimo.train.distributed import init_distributed
 
     ports = [[launch._free_port(), launch._free_port()] if dist.get_rank() == 0 else None]
@@ -107,25 +111,60 @@ def _wait_for_a_peer_that_never_comes(timeout_s: float) -> str | None:
     dist.destroy_process_group()
     os.environ["MASTER_PORT"] = str(ports[0][0])
     init_distributed("cpu", timeout_s)
-    message = None
-    if dist.get_rank() == 0:
-        try:
-            dist.all_reduce(torch.ones(1))
-        except RuntimeError as e:
-            message = str(e)
-    else:
-        time.sleep(timeout_s + 5)
-    # The harness's world again (its timeout), for the next test.
-    dist.destroy_process_group()
-    os.environ["MASTER_PORT"] = str(ports[0][1])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    return message
+    try:
+        return body()
+    finally:
+        dist.destroy_process_group()
+        os.environ["MASTER_PORT"] = str(ports[0][1])
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+
+
+def _wait_for_a_peer_that_never_comes(timeout_s: float) -> str | None:
+    """A world with `timeout_s` where rank 1 skips an all-reduce: what rank 0's raises."""
+    def body():
+        if dist.get_rank() == 0:
+            try:
+                dist.all_reduce(torch.ones(1))
+            except RuntimeError as e:
+                return str(e)
+        else:
+            time.sleep(timeout_s + 5)
+        return None
+
+    return _in_a_world_with_timeout(timeout_s, body)
+
+
+def _mesh_group_waits_for_a_peer(timeout_s: float) -> tuple[str | None, float]:
+    """Vision on rank 0, language dp2 on ranks 1-2: rank 2 skips an all-reduce over language's
+    dp group (a mesh subgroup, not the world): what rank 1's raises, and after how long."""
+    from dtensor_mimo import MimoLayout, Parallelism
+
+    def body():
+        layout = MimoLayout({"vision": Parallelism(), "language": Parallelism(dp=2)})
+        layout.init_meshes("cpu")
+        rank, start = dist.get_rank(), time.monotonic()
+        if rank == 1:
+            try:
+                dist.all_reduce(torch.ones(1), group=layout.mesh("language", "dp").get_group())
+            except RuntimeError as e:
+                return str(e), time.monotonic() - start
+        elif rank == 2:
+            time.sleep(timeout_s + 1)
+        return None, 0.0
+
+    return _in_a_world_with_timeout(timeout_s, body)
 
 
 def test_timeout_s_ends_a_wait_for_a_peer() -> None:
     # 5 s: long enough that both ranks join the new world's store within it on a loaded machine
     message, _ = run_on_ranks(_wait_for_a_peer_that_never_comes, 2, 5.0, timeout=120)
     assert message is not None and "Timed out" in message and "5000ms" in message, message
+
+
+def test_timeout_s_reaches_the_mesh_groups() -> None:
+    _, (message, waited), _ = run_on_ranks(_mesh_group_waits_for_a_peer, 3, 5.0, timeout=120)
+    assert message is not None and "Timed out" in message and "5000ms" in message, message
+    assert waited < 30, waited  # torch's own default for a new group is 30 minutes
 
 
 def _nan_step() -> tuple[bool, float, list[str]]:
@@ -225,3 +264,174 @@ def test_private_nccl_abort_we_rely_on_is_still_there() -> None:
     fn = getattr(dist.distributed_c10d, "_abort_process_group", None)
     assert callable(fn), "torch.distributed.distributed_c10d._abort_process_group is gone: update abort()"
     assert list(inspect.signature(fn).parameters)[:1] == ["group"], inspect.signature(fn)
+
+
+# ------------------------------------------------------------------ state that must agree across ranks
+# | case (2 ranks)                                                | expected on every rank                  |
+# |---------------------------------------------------------------|-----------------------------------------|
+# | layout differs; MimoModel builds the meshes, or the user does  | "the layout differs" naming both, before |
+# |                                                               | any group is built                      |
+# | ParallelOptions / PipelineConfig / frozen set differ          | the same, naming that part              |
+# | a batch differs at step 0 (unpipelined and pipelined)         | "fed different batches", before any      |
+# |                                                               | exchange                                |
+# | a batch differs (same sizes) at a later step                  | the same, weights unchanged             |
+# | requires_grad_ after construction (frozen / unfrozen), on the | "requires_grad changed" on both ranks,   |
+# | encoder's rank only                                           | weights unchanged; restored: trains on  |
+
+DISJOINT = ({"vision": {"dp": 1}, "language": {"dp": 1}}, {"vision": 0, "language": 1})
+COLOCATED = ({"vision": {"dp": 2}, "language": {"dp": 2}}, {"vision": 0, "language": 0})
+
+
+def _attempt(build) -> str:
+    try:
+        build()
+        return "built"
+    except RuntimeError as e:
+        return str(e)
+
+
+def _construction_disagreements() -> dict[str, str]:
+    from dtensor_mimo import MimoLayout, MimoModel, ParallelOptions, PipelineConfig
+    from tests.test_mimo import _modules
+
+    rank = dist.get_rank()
+    out = {}
+    modules, offsets = DISJOINT if rank == 0 else COLOCATED
+    layout = MimoLayout(modules, offsets=offsets)
+    llama, encs = _modules(("vision",))
+    out["model builds meshes"] = _attempt(lambda: MimoModel(layout, llama, encs))
+    out["user builds meshes"] = _attempt(lambda: layout.init_meshes("cpu"))
+    layout = MimoLayout(DISJOINT[0], offsets=DISJOINT[1])
+    layout.init_meshes("cpu")
+    out["options"] = _attempt(lambda: MimoModel(layout, llama, encs,
+                                                options={"language": ParallelOptions(fsdp=rank == 0)}))
+    out["pipeline"] = _attempt(lambda: MimoModel(layout, llama, encs, pipeline=PipelineConfig(microbatches=1 + rank)))
+    frozen = _modules(("vision",), frozen=("vision.encoder.patch",) if rank == 1 else ())
+    out["frozen"] = _attempt(lambda: MimoModel(layout, *frozen))
+    dist.barrier()  # the world is still usable: nothing hangs
+    return out
+
+
+def test_state_that_differs_at_construction_raises_on_every_rank() -> None:
+    from dtensor_mimo import MimoLayout
+    from dtensor_mimo.models import ViT
+    from tests.test_mimo import VISION
+
+    results = run_on_ranks(_construction_disagreements, 2, timeout=120)
+    assert results[0] == results[1]  # every rank, the same message
+    got = results[0]
+    layouts = [repr(MimoLayout(m, offsets=o)) for m, o in (DISJOINT, COLOCATED)]
+    want = (f"the layout differs between ranks: rank 0: {layouts[0]}; rank 1: {layouts[1]}. Every rank must "
+            "build the same layout (the same config file and arguments on every rank)")
+    assert got["model builds meshes"] == want and got["user builds meshes"] == want
+    assert got["options"].startswith(
+        "the ParallelOptions mapping differs between ranks: rank 0: {vision: ParallelOptions(), language: "
+        "ParallelOptions()}; rank 1: {vision: ParallelOptions(), language: ParallelOptions(fsdp=False)}."), got
+    assert got["pipeline"].startswith("the PipelineConfig differs between ranks: rank 0: PipelineConfig(); "
+                                      "rank 1: PipelineConfig(microbatches=2)."), got
+    patch = [n for n, _ in ViT(VISION).named_parameters() if n.startswith("patch")]
+    assert got["frozen"].startswith(
+        "the frozen parameter list differs between ranks: rank 0: {vision: [], language: []}; rank 1: "
+        f"{{vision: {['encoder.' + n for n in patch]}, language: []}}."), got
+
+
+def _model(modules: dict, offsets: dict, frozen: tuple[str, ...] = (), microbatches: int | None = None):
+    from dtensor_mimo import MimoLayout, MimoModel, MimoOptimizer, PipelineConfig
+    from tests.test_mimo import _modules
+    from tests.test_optimizer import BASE
+
+    llama, encs = _modules(("vision",), frozen=frozen)
+    model = MimoModel(MimoLayout(modules, offsets=offsets), llama, encs,
+                      pipeline=PipelineConfig(microbatches=microbatches) if microbatches else None)
+    return model, MimoOptimizer(model, BASE)
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _unchanged(model, before: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+
+
+def _different_batches(microbatches: int | None) -> list[str]:
+    """Step 0: rank 1 passes another batch (other sizes); step 1: the same; step 2: one token
+    id differs on rank 1 (same sizes, so the step runs); step 3: the same again."""
+    from dtensor_mimo.train.step import train_step
+    from tests.test_mimo import _batches
+
+    model, optimizer = _model(*COLOCATED if microbatches else DISJOINT, microbatches=microbatches)
+    batches = _batches(("vision",), packed=False, batch_size=4)
+    rank, out = dist.get_rank(), []
+    before = _weights(model)
+    out.append(_attempt(lambda: train_step(model, optimizer, batches[rank])))
+    assert _unchanged(model, before)
+    train_step(model, optimizer, batches[0])
+    changed = dataclasses.replace(batches[0], tokens=batches[0].tokens.clone())
+    changed.tokens[0, 1] += rank  # a text token: same sizes everywhere
+    before = _weights(model)
+    out.append(_attempt(lambda: train_step(model, optimizer, changed)))
+    assert _unchanged(model, before)
+    assert not train_step(model, optimizer, batches[0]).skipped
+    return out
+
+
+@pytest.mark.parametrize("microbatches", [None, 2])
+def test_different_batches_raise_on_every_rank_before_the_step(microbatches) -> None:
+    for messages in zip(*run_on_ranks(_different_batches, 2, microbatches, timeout=120)):
+        for message in messages:
+            assert message.startswith("the ranks were fed different batches in this step"), message
+            assert message.endswith("every rank must pass the same global batch (the same data, seed and "
+                                    "position); the step was not applied"), message
+
+
+def _trainable_changed_after_construction(frozen_at_build: bool) -> list[str]:
+    """Rank 0 (vision's) flips vision's patch embedding after the model was built."""
+    from dtensor_mimo.train.step import train_step
+    from tests.test_mimo import _batches
+
+    model, optimizer = _model(*DISJOINT, frozen=("vision.encoder.patch",) if frozen_at_build else ())
+    batch = _batches(("vision",), packed=False, batch_size=4)[0]
+    train_step(model, optimizer, batch)
+    flipped = [p for n, p in model.named_parameters() if n.startswith("encoders.vision.encoder.patch")]
+    assert bool(flipped) == (dist.get_rank() == 0)
+    for p in flipped:
+        p.requires_grad_(not p.requires_grad)
+    before = _weights(model)
+    message = _attempt(lambda: train_step(model, optimizer, batch))
+    assert _unchanged(model, before)
+    assert all(p.requires_grad == frozen_at_build and p.grad is None for p in flipped)  # as the user left them
+    for p in flipped:  # back as built: the next step trains
+        p.requires_grad_(not frozen_at_build)
+    assert not train_step(model, optimizer, batch).skipped and not _unchanged(model, before)
+    return [message]
+
+
+@pytest.mark.parametrize("frozen_at_build", [False, True])
+def test_requires_grad_changed_after_construction_is_refused_on_every_rank(frozen_at_build: bool) -> None:
+    (here,), (peer,) = run_on_ranks(_trainable_changed_after_construction, 2, frozen_at_build, timeout=120)
+    what = "unfrozen" if frozen_at_build else "frozen"
+    tail = ("the schedule (which gradients cross back to which encoder) is fixed at construction; freeze or "
+            "unfreeze before building the MimoModel (and its MimoOptimizer). The step was not applied")
+    assert here.startswith(f"requires_grad changed after the MimoModel was built, on 1 rank(s) (here: "
+                           f"encoders.vision.encoder.patch"), here
+    assert f" {what}" in here and here.endswith(tail)
+    assert peer == f"requires_grad changed after the MimoModel was built, on 1 rank(s): {tail}"
+
+
+def test_init_distributed_binds_the_gpu_on_cuda(monkeypatch) -> None:
+    """NCCL safety: the default group's communicator is created eagerly for this rank's GPU
+    (``device_id``), so DeviceMesh splits its groups from it; checked on CPU by recording the call."""
+    from dtensor_mimo.train import distributed
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    distributed.init_distributed("cuda", 42.0)
+    assert calls == [("set_device", 3), (("nccl",), {"timeout": datetime.timedelta(seconds=42),
+                                                     "device_id": torch.device("cuda", 3)})]
+    calls.clear()
+    distributed.init_distributed("cpu", 42.0)
+    assert calls == [(("gloo",), {"timeout": datetime.timedelta(seconds=42), "device_id": None})]

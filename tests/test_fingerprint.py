@@ -6,6 +6,7 @@
 | a token id, an item count, a requires_grad flag changed         | another fingerprint                     |
 | sums of (fp, fp²) over 8,192 ranks, all equal / one different   | agreed / not agreed (each sum exact)    |
 | gathered (fp, summary), rank 2 differs                          | a message naming rank 2 and both states  |
+| `summary` of options / configs                                  | only the fields that differ from default |
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import torch
 
 from dtensor_mimo.layout import MimoLayout, Parallelism
 from dtensor_mimo.layout.fingerprint import (STEP_BITS, agreed, agreement_terms, batch_fingerprint, disagreement,
-                                             fingerprint, trainable_fingerprint)
+                                             fingerprint, summary, trainable_fingerprint)
 
 TOKENS = torch.arange(24).reshape(2, 12)
-ITEMS = {"vision": ((1, 0), 16), "audio": ((2, 1), 8)}
+ITEMS = {"vision": ((1, 0), (16, 0)), "audio": ((2, 1), (16, 8))}
 
 
 def test_equal_values_in_another_process_give_the_same_fingerprint() -> None:
@@ -31,7 +32,7 @@ def test_equal_values_in_another_process_give_the_same_fingerprint() -> None:
             "from dtensor_mimo.layout.fingerprint import fingerprint, batch_fingerprint; "
             "layout = MimoLayout({'vision': Parallelism(dp=2), 'language': Parallelism(tp=2)}); "
             "print(fingerprint(layout, {'a': {1, 2}, 'b': 1}), "
-            "batch_fingerprint(torch.arange(24).reshape(2, 12), {'audio': ((2, 1), 8), 'vision': ((1, 0), 16)}))")
+            "batch_fingerprint(torch.arange(24).reshape(2, 12), {'audio': ((2, 1), (16, 8)), 'vision': ((1, 0), (16, 0))}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONHASHSEED": "12345"})
     assert out.returncode == 0, out.stderr
@@ -43,7 +44,8 @@ def test_a_changed_detail_changes_the_fingerprint() -> None:
     other_tokens = TOKENS.clone()
     other_tokens[1, 5] += 1
     assert batch_fingerprint(other_tokens, ITEMS) != base
-    assert batch_fingerprint(TOKENS, {**ITEMS, "audio": ((1, 2), 8)}) != base
+    assert batch_fingerprint(TOKENS, {**ITEMS, "audio": ((1, 2), (8, 16))}) != base
+    assert batch_fingerprint(TOKENS, {**ITEMS, "audio": ((2, 1), (16, 9))}) != base
     assert base < 2 ** STEP_BITS
     names = [("vision.encoder.w", True), ("language.w", True)]
     assert trainable_fingerprint(names) != trainable_fingerprint([("vision.encoder.w", False), ("language.w", True)])
@@ -69,3 +71,12 @@ def test_disagreement_names_the_ranks() -> None:
     assert message is not None and "rank 0: vision dp2; rank 2: vision dp4" in message
     assert "rank 1" not in message and "rank 3" not in message
     assert disagreement([(7, "a")] * 3, "layout") is None
+
+
+def test_summary_shows_what_differs_from_the_defaults() -> None:
+    from dtensor_mimo import ParallelOptions, PipelineConfig
+
+    assert summary(ParallelOptions()) == "ParallelOptions()"
+    assert summary({"vision": ParallelOptions(fsdp=False), "language": PipelineConfig(microbatches=4)}) == \
+        "{vision: ParallelOptions(fsdp=False), language: PipelineConfig(microbatches=4)}"
+    assert summary(list(range(1000)), limit=20) == "[0, 1, 2, 3, 4, 5..."

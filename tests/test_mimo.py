@@ -29,6 +29,11 @@ two documents each (positions restart, attention stays inside a document).
 | eight         | dp3 (0-2)          | dp1 (3)       | tp2·dp2 + sp (4-7)      | 8     | yes    | dp3 -> dp2, compiled blocks, meta |
 | custom_encoder| dp2, FSDP2 (0-1)   | -             | dp1 (2)                 | 3     | no     | a user's encoder (`PatchMLP`), meta |
 | custom_enc_tp | tp2, compiled (0-1)| -             | tp2 + sp (2-3)          | 4     | no     | a user's encoder with its own tp plan |
+| varied_fan_in | dp2 (0-1)          | dp2 (0-1)     | dp1 (2)                 | 3     | no     | items of own sizes, balanced over dp |
+| varied_fan_out| dp1 (0)            | -             | dp2 (1-2)               | 3     | no     | items of own sizes           |
+| varied_coloc  | dp4 (0-3)          | -             | tp2·dp2 (0-3)           | 4     | no     | colocated, own sizes, balanced, meta |
+| varied_cp     | dp2 (0-1)          | -             | cp2 (2-3)               | 4     | yes    | own sizes, by sample (balance=False) |
+| balanced_uniform | dp3 (0-2), balance=True | -      | dp1 (3)                 | 4     | no     | one size, items balanced over dp |
 
 With tp the language model's logits stay sharded over the vocabulary (loss_parallel) unless the
 case says "gathered logits".
@@ -89,6 +94,15 @@ MODALITIES = {
     "vision": ModalitySpec.image(VISION, special_token_id=64, max_items=2),
     "audio": ModalitySpec.audio(AUDIO, special_token_id=65, max_items=1),
 }
+# `Case.varied`: images at their own resolution (16, 12, 18 or 6 patches) and clips at their own
+# length (16, 8 or 12 tokens), a list of inputs and a token count per item.
+VARIED_VISION = dataclasses.replace(VISION, dynamic_resolution=True)
+VARIED_AUDIO = dataclasses.replace(AUDIO, variable_length=True)
+VARIED = {
+    "vision": ModalitySpec.image(VARIED_VISION, special_token_id=64, max_items=2,
+                                 sizes=[(16, 16), (8, 24), (24, 12), (12, 8)]),
+    "audio": ModalitySpec.audio(VARIED_AUDIO, special_token_id=65, max_items=1, lengths=[32, 16, 24]),
+}
 
 
 @dataclass(frozen=True)
@@ -110,6 +124,7 @@ class Case:
     predict: bool = False  # after training, `MimoModel.predict` of the first batch == the reference argmax
     bridge_hops: int | None = None  # MimoModel's route across the bridge (None: one hop on one node)
     text_only_steps: tuple[int, ...] = ()  # steps whose batch carries no encoder item at all
+    varied: bool = False  # items of different sizes (`VARIED`): dynamic-resolution ViT, variable-length audio
 
     @property
     def encoders(self) -> tuple[str, ...]:
@@ -155,6 +170,16 @@ CASES = {
     "custom_enc_tp": Case({"vision": P(tp=2), "language": P(tp=2)}, custom_vision=True,
                           options={"vision": ParallelOptions(compile=True, compile_backend="aot_eager"),
                                    "language": SP}),
+    # Items of different sizes (`VARIED`), balanced over encoder dp (the default when items vary).
+    "varied_fan_in": Case({"vision": P(dp=2), "audio": P(dp=2), "language": P()},
+                          offsets={"vision": 0, "audio": 0, "language": 2}, varied=True, batch_size=8),
+    "varied_fan_out": Case({"vision": P(), "language": P(dp=2)}, varied=True),
+    "varied_coloc": Case({"vision": P(dp=4), "language": P(dp=2, tp=2)}, offsets={"vision": 0, "language": 0},
+                         varied=True, meta=True),
+    "varied_cp": Case({"vision": P(dp=2), "language": P(cp=2)}, packed=True, varied=True,
+                      options={"vision": ParallelOptions(balance=False)}),
+    "balanced_uniform": Case({"vision": P(dp=3), "language": P()}, batch_size=7,
+                             options={"vision": ParallelOptions(balance=True)}),
     "eight": Case({"vision": P(dp=3), "audio": P(), "language": P(dp=2, tp=2)},
                   options={"language": ParallelOptions(sp=True, compile=True, compile_backend="aot_eager")},
                   packed=True, meta=True),
@@ -261,7 +286,8 @@ def _seeds(encoders: tuple[str, ...]) -> dict[str, int]:
 
 def _modules(encoders: tuple[str, ...], frozen: tuple[str, ...] = (), n_layers: int = 2,
              meta: bool = False, language_hf: str | None = None,
-             custom_vision: bool = False, custom_language: bool = False) -> tuple[nn.Module, dict[str, nn.Module]]:
+             custom_vision: bool = False, custom_language: bool = False,
+             varied: bool = False) -> tuple[nn.Module, dict[str, nn.Module]]:
     """The modules, initialized from `_seeds` and the language model loaded from `language_hf`
     if given (meta: left uninitialized on the meta device)."""
     seeds = _seeds(encoders)
@@ -269,7 +295,8 @@ def _modules(encoders: tuple[str, ...], frozen: tuple[str, ...] = (), n_layers: 
     with torch.device("meta" if meta else "cpu"):
         llama = UserDecoder(UserDecoderConfig(n_layers=n_layers)) if custom_language else Llama(config)
         built = {name: PatchMLP(LLAMA.dim) if name == "vision" and custom_vision else
-                 ModalityEncoder(ViT(VISION) if name == "vision" else AudioEncoder(AUDIO),
+                 ModalityEncoder(ViT(VARIED_VISION if varied else VISION) if name == "vision"
+                                 else AudioEncoder(VARIED_AUDIO if varied else AUDIO),
                                  Projection(32, LLAMA.dim, hidden_dim=64)) for name in encoders}
     for name, module in [("language", llama), *built.items()]:
         if not meta:
@@ -285,8 +312,8 @@ def _modules(encoders: tuple[str, ...], frozen: tuple[str, ...] = (), n_layers: 
 
 
 def _batches(encoders: tuple[str, ...], packed: bool, batch_size: int = 5, seq_lens=(64, 64, 64),
-             distinct: int | None = None, text_only: tuple[int, ...] = ()):
-    spec = SyntheticSpec.tiny(modalities={n: MODALITIES[n] for n in encoders},
+             distinct: int | None = None, text_only: tuple[int, ...] = (), varied: bool = False):
+    spec = SyntheticSpec.tiny(modalities={n: (VARIED if varied else MODALITIES)[n] for n in encoders},
                               documents_per_row=2 if packed else 1, batch_size=batch_size,
                               text_only_samples=max(1, batch_size // 4))
     return [synthetic_batch(dataclasses.replace(spec, seq_len=s, modalities={} if i in text_only else spec.modalities),
@@ -302,11 +329,12 @@ def _reference(encoders: tuple[str, ...], packed: bool, frozen: tuple[str, ...],
                n_layers: int = 2, seq_lens: tuple[int, ...] = (64, 64, 64),
                autocast: torch.dtype | None = None, distinct: int | None = None,
                language_hf: str | None = None, custom_vision: bool = False,
-               custom_language: bool = False, text_only: tuple[int, ...] = ()) -> list[dict]:
+               custom_language: bool = False, text_only: tuple[int, ...] = (), varied: bool = False) -> list[dict]:
     """The single-process run; `autocast`: its forward under ``torch.autocast("cpu", autocast)``
-    (the mixed precision reference), the loss in fp32."""
+    (the mixed precision reference), the loss in fp32. Items of different sizes (`varied`) are
+    encoded one call per item, not packed."""
     llama, encs = _modules(encoders, frozen, n_layers, language_hf=language_hf, custom_vision=custom_vision,
-                           custom_language=custom_language)
+                           custom_language=custom_language, varied=varied)
     modules = {**encs, "language": llama}
     opts = {n: torch.optim.AdamW(m.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps,
                                  weight_decay=OPT.weight_decay) for n, m in modules.items()}
@@ -315,11 +343,13 @@ def _reference(encoders: tuple[str, ...], packed: bool, frozen: tuple[str, ...],
     def forward(batch):
         ids = batch.special_token_ids
         with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-            rows = {n: encs[n](m.inputs) for n, m in batch.modalities.items()}
+            rows = {n: encs[n](m.inputs) if not isinstance(m.inputs, list) else
+                    torch.cat([encs[n](x[None]) for x in m.inputs]) if m.inputs else encs[n]([])
+                    for n, m in batch.modalities.items()}
             h = assemble(embed_text(llama.tok_embeddings, batch.tokens, ids), batch.tokens, rows, ids)
             return llama(h=h, positions=batch.positions, document_ids=batch.document_ids)
 
-    batches = _batches(encoders, packed, batch_size, seq_lens, distinct, text_only)
+    batches = _batches(encoders, packed, batch_size, seq_lens, distinct, text_only, varied)
     for batch in batches:
         logits = forward(batch)
         weight = torch.where(batch.labels == IGNORE_INDEX, 0.0, batch.loss_mask).flatten()
@@ -369,7 +399,8 @@ def _check_meta_built(model: MimoModel, case: Case) -> None:
                 assert isinstance(p, DTensor) and p.to_local().numel() < p.numel(), \
                     f"{name}.{pname}: a full copy on an FSDP rank"
     with pytest.raises(RuntimeError, match="meta device"):
-        model.forward_backward(_batches(case.encoders, case.packed, case.batch_size, case.seq_lens[:1])[0])
+        model.forward_backward(_batches(case.encoders, case.packed, case.batch_size, case.seq_lens[:1],
+                                        varied=case.varied)[0])
     model.init_weights(_seeds(case.encoders))
     if case.language_hf:
         model.load_hf({"language": case.language_hf})  # each rank reads its own blocks
@@ -403,7 +434,7 @@ def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
     layout = case.layout()
     layout.init_meshes("cpu")
     llama, encs = _modules(case.encoders, case.frozen, case.n_layers, case.meta, case.language_hf,
-                           case.custom_vision, case.custom_language)
+                           case.custom_vision, case.custom_language, case.varied)
     model = MimoModel(layout, llama, encs, options=case.options, pipeline=case.pipeline,
                       bridge_hops=case.bridge_hops)
     if case.meta:
@@ -412,7 +443,7 @@ def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
     rank = dist.get_rank()
     records = []
     for batch in _batches(case.encoders, case.packed, case.batch_size, case.seq_lens, case.distinct_batches,
-                          case.text_only_steps):
+                          case.text_only_steps, case.varied):
         metrics = train_step(model, optimizer, batch)
         assert not metrics.skipped
         # Every module's ranks gather its full gradients and weights; the first rank of each of
@@ -428,7 +459,7 @@ def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
         records.append(record)
     if case.predict:
         records[-1]["predicted"] = model.predict(_batches(case.encoders, case.packed, case.batch_size,
-                                                          case.seq_lens[:1])[0])
+                                                          case.seq_lens[:1], varied=case.varied)[0])
     return records
 
 
@@ -454,7 +485,7 @@ def check_against_reference(case: Case, run: Callable[[Case], list[dict]] = _dis
     expected = _reference(case.encoders, case.packed, case.frozen, case.batch_size, case.n_layers,
                           case.seq_lens, distinct=case.distinct_batches, language_hf=case.language_hf,
                           custom_vision=case.custom_vision, custom_language=case.custom_language,
-                          text_only=case.text_only_steps)
+                          text_only=case.text_only_steps, varied=case.varied)
     per_rank = run_on_ranks(run, case.layout().world_size, case, timeout=300)
     for step, want in enumerate(expected):
         got = {"grads": {}, "weights": {}}

@@ -8,6 +8,7 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 |-----------------|------------------|---------------------------|-------|----------------------|-------------------------------|
 | pp2             | dp1 (0)          | pp2 (1-2)                 | 3     | 1F1B                 | overlapped; predict           |
 | dp2_pp2         | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | overlapped, FSDP2 vision      |
+| varied_pp2      | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | images of own sizes, balanced per microbatch, lean window |
 | tp_sp_pp2       | dp2 (0-1)        | tp2·pp2 + sp (2-5)        | 6     | 1F1B                 | overlapped, meta              |
 | fan_in_pp2_dp2  | dp3 (0-2)        | pp2·dp2 (3-6)             | 7     | GPipe                | dp 3 -> 2 per microbatch      |
 | interleaved     | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | Interleaved1F1B      | compiled stages, meta         |
@@ -51,6 +52,7 @@ def _case(vision: Parallelism, language: Parallelism, pipeline: PipelineConfig =
 CASES = {
     "pp2": _case(P(), P(pp=2), predict=True),
     "dp2_pp2": _case(P(dp=2), P(pp=2)),
+    "varied_pp2": _case(P(dp=2), P(pp=2), varied=True),
     "tp_sp_pp2": _case(P(dp=2), P(pp=2, tp=2), options={"language": ParallelOptions(sp=True)}, meta=True),
     "fan_in_pp2_dp2": _case(P(dp=3), P(pp=2, dp=2), PipelineConfig(microbatches=4, schedule="GPipe")),
     "interleaved": _case(P(dp=2), P(pp=2), PipelineConfig(microbatches=4, schedule="Interleaved1F1B",

@@ -87,10 +87,52 @@ def test_file_then_overrides_in_any_order(tmp_path) -> None:
     (["--config", "/nonexistent.toml"], "--config /nonexistent.toml: No such file"),
     (["--train.steps"], "--train.steps needs a value"),
     (["steps=3"], "unexpected argument 'steps=3'"),
+    # items at their own size (issue 20)
+    (["--data.image_max_pixels", "256"], "data.image_max_pixels: not used by this config"),  # digits: own sizes
+    (["--model.encoders.vision.max_patches", "9"], "model.encoders.vision.max_patches: not used by this config"),
+    (["--model.encoders.vision.dynamic_resolution", "true", "--model.encoders.vision.max_patches", "-1"],
+     "model.encoders.vision.max_patches = -1: must be >= 0"),
+    (["--model.encoders.audio.dynamic_resolution", "true"],
+     "model.encoders.audio.dynamic_resolution is for image encoders; an audio encoder takes clips at their own "
+     "length with model.encoders.audio.variable_length = true"),
+    (["--model.encoders.vision.variable_length", "true"], "model.encoders.vision.variable_length is for audio"),
+    (["--data.format", "llava", "--data.path", "x", "--data.tokenizer", "t", *IMAGE, "--data.image_min_pixels", "64"],
+     "data.image_min_pixels: not used by this config"),  # no encoder at dynamic resolution
+    (["--data.format", "llava", "--data.path", "x", "--data.tokenizer", "t", *IMAGE,
+      "--model.encoders.image.dynamic_resolution", "true", "--data.audio_max_seconds", "2"],
+     "data.audio_max_seconds: not used by this config"),
+    (["--data.format", "llava", "--data.path", "x", "--data.tokenizer", "t", *IMAGE,
+      "--model.encoders.image.dynamic_resolution", "true", "--data.image_min_pixels", "512",
+      "--data.image_max_pixels", "256"], "data.image_min_pixels = 512 is above data.image_max_pixels = 256"),
+    (["--data.format", "llava", "--data.path", "x", "--data.tokenizer", "t", "--model.encoders.image.factory",
+      "m:f", "--model.encoders.image.processor", "p", "--model.encoders.image.tokens_per_item", "4",
+      "--model.encoders.image.dynamic_resolution", "true"],
+     "model.encoders.image.dynamic_resolution: items of their own size need an encoder the library configures"),
 ])
 def test_bad_input_names_the_key(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as e:
         parse_args(argv)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model.encoders.vision.max_patches", "4"], "model.encoders.vision.max_patches = 4: the digits scans at "
+     "dynamic resolution (8x8, 8x12, 12x8, 12x12 px) give up to 9 patches of 4x4; raise it to 9"),
+    (["--model.encoders.vision.patch_size", "8"], "model.encoders.vision.dynamic_resolution: DigitsTask: "
+     "image_scales=((1.0, 1.0), (1.0, 1.5), (1.5, 1.0), (1.5, 1.5)) of image size 8 give 8x12, 12x8, 12x12 px, "
+     "not whole 8x8 patches"),
+])
+def test_digits_dynamic_resolution_checks_its_sizes(argv: list[str], message: str) -> None:
+    """Scans at 8x8, 8x12, 12x8, 12x12 (the library ViT's 4x4 patches): up to 3 x 3 = 9 patches."""
+    from dtensor_mimo.train.modules import resolve
+
+    on = ["--model.encoders.vision.dynamic_resolution", "true", "--model.encoders.audio.variable_length", "true"]
+    resolved = resolve(parse_args(on))
+    vision, audio = resolved.encoders["vision"], resolved.encoders["audio"]
+    assert vision.config.dynamic_resolution and vision.config.max_patches == 9 == vision.tokens_per_item
+    assert audio.config.variable_length and audio.tokens_per_item == 4  # 16 frames, strides 2, 2: 16 -> 8 -> 4
+    with pytest.raises(ConfigError) as e:
+        resolve(parse_args([*on, *argv]))
     assert message in str(e.value)
 
 

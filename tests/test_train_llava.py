@@ -17,6 +17,10 @@ by `examples/make_tiny_llava.py` (no download).
 | test_learns_heterogeneous_and_exports       | the README's file: held-out accuracy well above chance; the export loads in transformers and its greedy answers are ours |
 | test_learns_colocated                       | the same on one colocated dp2 layout (gradients all-reduced)  |
 | test_whisper_encoder_learns_audio           | a Whisper directory's encoder on tone conversations          |
+| test_fit_image_size_keeps_the_aspect_within_the_budget | dynamic resolution's resize: sizes worked out by hand |
+| test_dynamic_resolution_expands_each_image_to_its_own_rows | SigLIP dynamic_resolution: each placeholder -> (H/4)(W/4) rows; per-item inputs == PIL bicubic resize; per-rank loading; one-process forward |
+| test_truncation_cuts_at_item_boundaries_of_their_own_sizes | truncation inside the second (24-row) / first image drops it whole |
+| test_variable_length_clips_keep_their_own_length | Whisper variable_length: frames = samples // hop, features == the extractor on the clip alone; audio_max_seconds, max_patches checked |
 """
 
 from __future__ import annotations
@@ -89,14 +93,14 @@ def _records(path: str) -> dict[int, dict]:
 # ---------------------------------------------------------------------------- rows
 
 
-def _dataset(tiny: str, *argv: str):
+def _dataset(tiny: str, *argv: str, config: str = CONFIG):
     from dtensor_mimo.train.datasets import train_data
     from dtensor_mimo.train.modules import resolve
 
     cwd = os.getcwd()
     os.chdir(tiny)
     try:
-        config = parse_args(["--config", CONFIG, *argv])
+        config = parse_args(["--config", config, *argv])
         resolved = resolve(config)
         return train_data(config, resolved), resolved.tokenizer
     finally:
@@ -421,3 +425,179 @@ def test_whisper_encoder_learns_audio(tiny: str, tmp_path) -> None:
     result = _run(tiny, ["--train.steps", "150", "--metrics.log_every", "50", "--metrics.progress", "off",
                          "--train.generate", "0"], config=str(config))
     assert result["answer"] >= 0.6, result  # chance: 1/4
+
+
+# ---------------------------------------------------------------------------- items of their own size
+
+
+# (height, width) of a source image -> the size it is resized to, for 4x4 patches and 128..512 pixels:
+# aspect ratio kept, sides whole patches; worked out by hand from the rule (Qwen2-VL's).
+FITS = [
+    ((16, 16), (16, 16)),    # inside the budget: unchanged
+    ((16, 24), (16, 24)),
+    ((15, 25), (16, 24)),    # sides rounded to patches: 3.75 -> 4, 6.25 -> 6
+    ((40, 40), (20, 20)),    # 1600 px: scaled by sqrt(512 / 1600) = 0.566 -> 22.6 -> floored to 20
+    ((8, 8), (12, 12)),      # 64 px: scaled by sqrt(2) -> 11.3 -> ceiled to 12 (144 >= 128)
+    ((64, 8), (64, 8)),      # exactly 512
+    ((200, 8), (112, 4)),    # 113.1 -> 112; 4.5 -> one patch
+    ((6, 300), (4, 128)),    # one patch high; 160 wide would make 640 px: the long side gives way
+]
+
+
+@pytest.mark.parametrize("source, fitted", FITS)
+def test_fit_image_size_keeps_the_aspect_within_the_budget(source, fitted) -> None:
+    from dtensor_mimo.data.conversation import fit_image_size
+
+    assert fit_image_size(*source, patch=4, min_pixels=128, max_pixels=512) == fitted
+
+
+# The varied data set: sample id -> its images' source sizes (h, w); -> sizes and 4x4-patch rows after fitting.
+VARIED = {"square": [(16, 16)], "wide": [(16, 24)], "big": [(40, 40)], "small": [(8, 8)],
+          "pair": [(16, 16), (16, 24)], "text": []}
+FITTED = {"square": [(16, 16)], "wide": [(16, 24)], "big": [(20, 20)], "small": [(12, 12)],
+          "pair": [(16, 16), (16, 24)], "text": []}
+ROWS = {name: [h // 4 * (w // 4) for h, w in sizes] for name, sizes in FITTED.items()}  # 16, 24, 25, 9, ...
+DYNAMIC = ["--data.path", "data/varied.jsonl", "--data.heldout", "none", "--model.encoders.image.dynamic_resolution",
+           "true", "--data.image_max_pixels", "512", "--data.image_min_pixels", "128"]
+# clip samples at 16 kHz (Whisper hop 500, window 1024): frames = samples // 500, a short clip padded to 513
+# samples, a long one cut at audio_max_seconds (default: the encoder's 32 frames, 1 s); rows: (frames - 1) // 2 + 1.
+CLIPS = [16000, 8000, 12345, 300, 20000]
+FRAMES = [32, 16, 24, 1, 32]
+CLIP_ROWS = [16, 8, 12, 1, 16]
+
+
+@pytest.fixture(scope="module")
+def varied(tiny: str) -> str:
+    """Images of several sizes and clips of several lengths beside the tiny setup's data."""
+    import random
+    import wave
+
+    rng = random.Random(1)
+    os.makedirs(os.path.join(tiny, "data", "varied"), exist_ok=True)
+    with open(os.path.join(tiny, "data", "varied.jsonl"), "w") as f:
+        for sid, sizes in VARIED.items():
+            paths = []
+            for k, (h, w) in enumerate(sizes):
+                path = f"varied/{sid}-{k}.png"
+                make.draw_shape("red", "cross", rng).resize((w, h)).save(os.path.join(tiny, "data", path))
+                paths.append(path)
+            question = " ".join(["<image>"] * len(paths)) + "\nwhat is in the image ?" if paths else "repeat : red"
+            sample = {"id": sid, "conversations": [{"from": "human", "value": question},
+                                                   {"from": "gpt", "value": "a red cross" if paths else "red"}]}
+            if paths:
+                sample["image"] = paths
+            f.write(json.dumps(sample) + "\n")
+    with open(os.path.join(tiny, "data", "varied_audio.jsonl"), "w") as f:
+        for k, n in enumerate(CLIPS):
+            path = f"varied/clip-{k}.wav"
+            samples = (torch.randn(n, generator=torch.Generator().manual_seed(k)) * 3000).to(torch.int16)
+            with wave.open(os.path.join(tiny, "data", path), "wb") as w:
+                w.setnchannels(1)
+                w.setsampwidth(2)
+                w.setframerate(16000)
+                w.writeframes(samples.numpy().tobytes())
+            f.write(json.dumps({"id": f"clip-{k}", "audio": path, "conversations": [
+                {"from": "human", "value": "<audio>\nhow does it sound ?"}, {"from": "gpt", "value": "low"}]}) + "\n")
+    return tiny
+
+
+def _runs(row: list[int], token: int) -> list[int]:
+    """Lengths of the runs of `token` in `row`."""
+    runs, previous = [], None
+    for t in row:
+        if t == token:
+            runs[-1:] = [runs[-1] + 1] if previous == token else [*runs[-1:], 1]
+        previous = t
+    return runs
+
+
+def test_dynamic_resolution_expands_each_image_to_its_own_rows(varied: str) -> None:
+    import numpy as np
+    from PIL import Image
+
+    data, tokenizer = _dataset(varied, *DYNAMIC)
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    ids = [data.train[i].id for i in range(len(data.train))]
+    for i, sid in enumerate(ids):
+        assert _runs(data.train[i].tokens, image_id) == ROWS[sid], sid
+    batch = data.train.batch(range(len(ids)))
+    m = batch.modalities["image"]
+    assert m.items_per_sample == tuple(len(VARIED[s]) for s in ids)
+    assert m.item_tokens == tuple(n for s in ids for n in ROWS[s])
+    fitted = [size for s in ids for size in FITTED[s]]
+    assert [tuple(x.shape) for x in m.inputs] == [(3, h, w) for h, w in fitted]
+    # Pixels: PIL's bicubic resize to the fitted size, scaled to [-1, 1] (SigLIP's mean and std 0.5).
+    paths = [p for s in ids for p in data.train.samples[ids.index(s)].get("image", [])]
+    for x, path, (h, w) in zip(m.inputs, paths, fitted):
+        image = Image.open(os.path.join(varied, "data", path)).convert("RGB").resize((w, h), Image.BICUBIC)
+        expected = (torch.tensor(np.asarray(image), dtype=torch.float32).permute(2, 0, 1) / 255 - 0.5) / 0.5
+        torch.testing.assert_close(x, expected, rtol=0, atol=1e-5)
+    # A rank that encodes only sample 1 reads only its image; the others are zeros of their own size.
+    partial = data.train.batch(range(len(ids)), load={"image": [1]}).modalities["image"]
+    first = sum(len(VARIED[s]) for s in ids[:1])
+    for k, (x, y) in enumerate(zip(partial.inputs, m.inputs)):
+        if k == first:
+            assert torch.equal(x, y)
+        else:
+            assert x.shape == y.shape and x.stride() == (0, 0, 0)
+    # The trainer's modules on one process take the batch: the tower's rows fill the placeholders.
+    from dtensor_mimo.train.modules import build_modules, resolve
+
+    cwd = os.getcwd()
+    os.chdir(varied)
+    try:
+        config = parse_args(["--config", CONFIG, *DYNAMIC])
+        resolved = resolve(config)
+    finally:
+        os.chdir(cwd)
+    assert resolved.encoders["image"].config.max_patches == 32  # 512 px / 4x4
+    logits = _logits(build_modules(config, resolved, 96, meta=False), batch)
+    assert logits.shape[:2] == batch.tokens.shape and torch.isfinite(logits).all()
+    assert data.tokens_per_item["image"] == pytest.approx(sum(m.item_tokens) / m.num_items)
+
+
+def test_truncation_cuts_at_item_boundaries_of_their_own_sizes(varied: str) -> None:
+    whole, tokenizer = _dataset(varied, *DYNAMIC)
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    pair = next(i for i in range(len(whole.train)) if whole.train[i].id == "pair")
+    row = whole.train[pair].tokens
+    first = row.index(image_id)
+    second = first + 16 + row[first + 16:].index(image_id)  # 16 rows of the 16x16 image, then the 16x24 one's 24
+    assert whole.train.prompts([pair]).modalities["image"].item_tokens == (16, 24)  # both before the answer
+    # (seq_len, rows of the images kept, where the row is cut: before an image cut in two)
+    for limit, kept, cut in ((second + 5, [16], second), (second + 24, [16, 24], second + 24), (first + 3, [], first)):
+        data, _ = _dataset(varied, *DYNAMIC, "--data.seq_len", str(limit), "--data.truncate", "true")
+        sample = data.train[pair]
+        assert sample.item_tokens["image"] == kept and len(sample.items["image"]) == len(kept), limit
+        assert _runs(sample.tokens, image_id) == kept and sample.tokens == row[:cut]
+        assert data.train.batch([pair]).modalities["image"].item_tokens == tuple(kept)
+
+
+def test_variable_length_clips_keep_their_own_length(varied: str, tmp_path) -> None:
+    import numpy as np
+    import wave
+
+    config = tmp_path / "audio.toml"
+    config.write_text(AUDIO_CONFIG)
+    argv = ["--data.path", "data/varied_audio.jsonl", "--data.heldout", "none", "--data.root", "data",
+            "--model.encoders.audio.variable_length", "true"]
+    data, tokenizer = _dataset(varied, *argv, config=str(config))
+    audio_id = tokenizer.convert_tokens_to_ids("<audio>")
+    assert [_runs(data.train[i].tokens, audio_id) for i in range(len(CLIPS))] == [[n] for n in CLIP_ROWS]
+    m = data.train.batch(range(len(CLIPS))).modalities["audio"]
+    assert m.item_tokens == tuple(CLIP_ROWS) and [x.shape[1] for x in m.inputs] == FRAMES
+    fe = transformers.WhisperFeatureExtractor.from_pretrained(os.path.join(varied, "ckpt", "whisper"))
+    for k, x in enumerate(m.inputs):  # the extractor on the clip alone: cut to 1 s, or padded to one window
+        with wave.open(os.path.join(varied, "data", f"varied/clip-{k}.wav")) as w:
+            clip = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32) / 32768
+        clip = np.pad(clip[:16000], (0, max(0, 513 - len(clip))))
+        expected = fe(clip, sampling_rate=16000, padding="longest", return_tensors="pt")["input_features"][0]
+        torch.testing.assert_close(x, expected)
+    half, _ = _dataset(varied, *argv, "--data.audio_max_seconds", "0.5", config=str(config))
+    assert half.train.batch(range(len(CLIPS))).modalities["audio"].item_tokens == (8, 8, 8, 1, 8)  # 16 frames at most
+    with pytest.raises(ConfigError, match=r"data.audio_max_seconds = 2: 64 frames of 500 samples at 16000 Hz, more "
+                                          r"than model.encoders.audio takes \(32 frames, 1 s\)"):
+        _dataset(varied, *argv, "--data.audio_max_seconds", "2", config=str(config))
+    with pytest.raises(ConfigError, match=r"model.encoders.image.max_patches = 16: images of up to "
+                                          r"data.image_max_pixels = 512 pixels give up to 32 patches of 4x4"):
+        _dataset(varied, *DYNAMIC, "--model.encoders.image.max_patches", "16")

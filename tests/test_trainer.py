@@ -8,6 +8,7 @@
 | B: colocated vision dp4, audio dp4, language dp2·tp2 [4] | loads A's step 3, steps 4-6 == A's                |
 | C: everything on one rank [1]                            | loads B's step 5, step 6 == A's                   |
 | A, cp2 language, pp2 language (1F1B)                     | `MimoModel.predict` == argmax of a one-process model |
+| D: vision + audio @0, language @1 [2], items at their own size | losses and grad norms == C's on the same data   |
 
 Losses under other layouts agree to float rounding (other reduction orders); a resumed run under
 the same layout reproduces them exactly.
@@ -189,6 +190,29 @@ def test_predict_matches_one_process(layout: list[str]) -> None:
         assert torch.equal(pred, results[0][0])  # the same on every rank
         assert torch.equal(pred[clear], reference.argmax(-1)[clear])
     assert clear.float().mean() > 0.9
+
+
+VARIED = ["--model.encoders.vision.dynamic_resolution", "true", "--model.encoders.audio.variable_length", "true"]
+
+
+def _records(path: str) -> dict[int, tuple[float, float]]:
+    with open(path) as f:
+        return {r["step"]: (r["loss"], r["grad_norm"]) for r in map(json.loads, f) if "loss" in r}
+
+
+def test_items_of_their_own_size_give_one_process_numbers(tmp_path) -> None:
+    """Scans at 8x8..12x12 and clips of 8..16 frames (the digits data at varied resolution): the
+    encoders on rank 0, the language model on rank 1 (per-rank loading: rank 1 loads no item)
+    give the one-rank run's losses and gradient norms."""
+    base = [*SHORT, *VARIED, "--train.steps", "3", "--data.heldout_samples", "8"]
+    one = [*base, *LAYOUT_C, "--metrics.jsonl", str(tmp_path / "one.jsonl")]
+    two = [*base, "--layout.audio.offset", "0", "--metrics.jsonl", str(tmp_path / "two.jsonl")]
+    run_on_ranks(_train, 1, one, timeout=300)
+    run_on_ranks(_train, 2, two, timeout=300)
+    got, expected = _records(str(tmp_path / "two.jsonl")), _records(str(tmp_path / "one.jsonl"))
+    assert sorted(got) == sorted(expected) == [1, 2, 3]
+    for step, (loss, norm) in expected.items():
+        assert got[step][0] == pytest.approx(loss, rel=1e-5) and got[step][1] == pytest.approx(norm, rel=1e-5), step
 
 
 # ---------------------------------------------------------------------------- the command

@@ -17,6 +17,8 @@ How rows are laid out on a side:
 - `sample_sizes` given: samples (not rows) are split over the shard index like
   ``torch.tensor_split(range(n_samples), n_shards)``; a shard holds its samples' rows.
   This is the data layer's rule (dp rank k of every module takes the same samples).
+- `shard_bounds` given: shard k holds rows ``[bounds[k], bounds[k+1])``, any ragged split (an
+  encoder's items balanced over its dp ranks by cost, `dtensor_mimo.data.balance`).
 - `Replicate()` dims: every rank of the group holds the same rows. `Partial()` dims:
   every rank holds the same rows as a partial sum; the value is the sum over the dim.
 - `split_dims`: those Replicate/Partial dims instead chunk their shard's rows further
@@ -171,6 +173,9 @@ class MeshSpec:
             ``torch.chunk`` piece of their shard's rows instead of all of them, nested in
             mesh-dim order after the Shard dims' rule: the two-hop bridge's intermediate layout
             (a `Partial` dim split this way holds reduce-scattered sums). Default: none.
+        shard_bounds: the first row of each shard index of the Shard dims, then the extent
+            (``n_shards + 1`` nondecreasing rows from 0): an explicit ragged split that replaces
+            the chunk and sample rules. None (default): those rules.
 
     Validating a mesh costs O(ranks); `replace` derives specs (new sample sizes every step,
     other placements) from a validated one at O(samples), as the bridge does on its hot path.
@@ -182,6 +187,7 @@ class MeshSpec:
     sample_sizes: tuple[int, ...] | None = None
     name: str = field(default="", compare=False)
     split_dims: tuple[int, ...] = ()
+    shard_bounds: tuple[int, ...] | None = None
     _mesh: _Mesh = field(init=False, compare=False)
     _hash: int = field(init=False, compare=False)
     _sizes_hash: int = field(init=False, compare=False)
@@ -228,7 +234,16 @@ class MeshSpec:
         else:
             extent, sizes, starts = self._check_sizes(where)
             sizes_hash = hash((extent, sizes))
+        bounds = self.shard_bounds
+        if bounds is not None:
+            bounds = tuple(map(operator.index, bounds))
+            n_outer = prod(_resolve(mesh, placements, split).outer)
+            if (len(bounds) != n_outer + 1 or bounds[0] != 0 or bounds[-1] != extent
+                    or any(a > b for a, b in zip(bounds, bounds[1:]))):
+                raise PlanError(f"{where()}: shard_bounds {list(bounds[:9])} must be {n_outer + 1} nondecreasing "
+                                f"rows from 0 to the extent {extent} (one start per shard, then the end)")
         set_ = object.__setattr__
+        set_(self, "shard_bounds", bounds)
         set_(self, "mesh", mesh.nested)
         set_(self, "placements", placements)
         set_(self, "extent", extent)
@@ -237,7 +252,7 @@ class MeshSpec:
         set_(self, "_mesh", mesh)
         set_(self, "_starts", starts)
         set_(self, "_sizes_hash", sizes_hash)
-        set_(self, "_hash", hash((mesh.hash, placements, sizes_hash, split)))
+        set_(self, "_hash", hash((mesh.hash, placements, sizes_hash, split, bounds)))
 
     def _check_sizes(self, where) -> tuple[int, tuple[int, ...] | None, list[int] | None]:
         extent = self.extent
@@ -267,17 +282,21 @@ class MeshSpec:
         return starts[-1], sizes, starts
 
     def replace(self, **changes: Any) -> "MeshSpec":
-        """This spec with some of `placements`, `extent`, `sample_sizes`, `name`, `split_dims`
-        changed, without validating the mesh again (O(samples) for new sizes, O(mesh ndim)
-        otherwise; not O(ranks)). New `sample_sizes` alone drop the old extent (they define it)."""
-        unknown = set(changes) - {"placements", "extent", "sample_sizes", "name", "split_dims"}
+        """This spec with some of `placements`, `extent`, `sample_sizes`, `name`, `split_dims`,
+        `shard_bounds` changed, without validating the mesh again (O(samples) for new sizes, O(mesh
+        ndim) otherwise; not O(ranks)). New `sample_sizes` alone drop the old extent (they define
+        it); new sizes drop the old `shard_bounds` unless given."""
+        fields = ("placements", "extent", "sample_sizes", "name", "split_dims", "shard_bounds")
+        unknown = set(changes) - set(fields)
         if unknown:
             raise TypeError(f"MeshSpec.replace: unknown field(s) {sorted(unknown)}")
         same_sizes = "sample_sizes" not in changes and "extent" not in changes
         if "sample_sizes" in changes and "extent" not in changes:
             changes["extent"] = None
+        if not same_sizes and "shard_bounds" not in changes:
+            changes["shard_bounds"] = None
         spec = object.__new__(MeshSpec)
-        for f in ("placements", "extent", "sample_sizes", "name", "split_dims"):
+        for f in fields:
             object.__setattr__(spec, f, changes.get(f, getattr(self, f)))
         spec._finish(self._mesh, self if same_sizes else None)
         return spec
@@ -289,9 +308,10 @@ class MeshSpec:
         sizes = "" if self.sample_sizes is None else f", {len(self.sample_sizes)} samples"
         name = f"{self.name!r}, " if self.name else ""
         split = f", split_dims={self.split_dims}" if self.split_dims else ""
+        bounds = "" if self.shard_bounds is None else f", shard_bounds={list(self.shard_bounds[:9])}"
         return (
             f"MeshSpec({name}shape={self.shape}, ranks={_ranks_summary(self.ranks)}, "
-            f"placements={_placements_str(self.placements)}, extent={self.extent}{sizes}{split})"
+            f"placements={_placements_str(self.placements)}, extent={self.extent}{sizes}{split}{bounds})"
         )
 
     @classmethod
@@ -422,7 +442,9 @@ def _bounds(spec: MeshSpec, shard: int) -> tuple[int, int]:
     """Global rows ``[lo, hi)`` of a shard index, O(mesh ndim); nondecreasing in `shard`."""
     st = _static(spec)
     outer, inner = divmod(shard, st.n_inner)
-    if spec._starts is None:
+    if spec.shard_bounds is not None:
+        lo, hi = spec.shard_bounds[outer], spec.shard_bounds[outer + 1]
+    elif spec._starts is None:
         lo, hi = _chunk(0, spec.extent, st.outer, outer)
     else:  # samples split like torch.tensor_split(range(n_samples), n_outer)
         q, rem = divmod(len(spec._starts) - 1, prod(st.outer))
@@ -433,7 +455,7 @@ def _bounds(spec: MeshSpec, shard: int) -> tuple[int, int]:
 
 def _offset(spec: MeshSpec, lo: int, hi: int) -> int:
     """DTensor's global offset of a shard: an empty chunk-rule shard sits at the extent."""
-    return spec.extent if lo == hi and spec.sample_sizes is None else lo
+    return spec.extent if lo == hi and spec.sample_sizes is None and spec.shard_bounds is None else lo
 
 
 def _overlaps(spec: MeshSpec, lo: int, hi: int):

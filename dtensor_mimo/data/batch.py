@@ -8,11 +8,12 @@ the same global batch with the same rule, encoder dp rank k and language dp rank
 samples that the bridge planner (`dtensor_mimo.bridge.plan`, ``sample_sizes`` given) says they
 hold: the alignment is true by construction, not a convention between two data loaders.
 
-Per modality the batch carries the encoder inputs of all items in sample order and two numbers
-of metadata, ``items_per_sample`` and ``tokens_per_item``. Their product,
-`MimoBatch.tokens_per_sample(name)`, is the per-sample row count of the flattened encoder output
-``[sum tokens, H]`` (samples contiguous, in sample order): the ragged sizes the bridge moves,
-known on every rank without a shape message. The batch checks on construction that its token
+Per modality the batch carries the encoder inputs of all items in sample order (one tensor, or one
+tensor per item when items differ in size: images at their own resolution, clips at their own
+length) and two pieces of metadata, ``items_per_sample`` and ``tokens_per_item`` (one count, or
+one per item). Their per-sample sums, `MimoBatch.tokens_per_sample(name)`, are the row counts of
+the flattened encoder output ``[sum tokens, H]`` (samples contiguous, in sample order): the
+ragged sizes the bridge moves, known on every rank without a shape message. The batch checks on construction that its token
 ids carry exactly that many special tokens per row, so bridge sizes and the later assembly
 (`dtensor_mimo.assemble`) can never disagree.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
@@ -87,45 +88,103 @@ class ModalityInputs:
 
     Attributes:
         inputs: encoder inputs of all items, samples in order and each sample's items in order:
-            images ``[N, C, H, W]``, spectrograms ``[N, n_mels, T]``. ``N = sum(items_per_sample)``.
+            one tensor when every item has the same size (images ``[N, C, H, W]``, spectrograms
+            ``[N, n_mels, T]``), or a list of ``N`` tensors, one per item, when they differ
+            (images ``[C, H_i, W_i]`` at their own resolution, clips ``[n_mels, T_i]`` at their
+            own length). ``N = sum(items_per_sample)``.
         items_per_sample: items (images, clips) of each sample; 0 for a sample without any.
-        tokens_per_item: encoder output tokens per item (ViT: ``num_patches``; audio:
-            ``AudioConfig.output_length(T)``); also the special tokens per item in the token row.
+        tokens_per_item: encoder output tokens per item: one int for every item (ViT:
+            ``num_patches``; audio: ``AudioConfig.output_length(T)``), or one count per item
+            (``ViTConfig.tokens_for(shape)`` of each image); also the special tokens of each item
+            in the token row.
         special_token_id: the token id that marks this modality's positions in ``tokens``.
     """
 
-    inputs: torch.Tensor
+    inputs: torch.Tensor | list[torch.Tensor]
     items_per_sample: tuple[int, ...]
-    tokens_per_item: int
+    tokens_per_item: int | tuple[int, ...]
     special_token_id: int
 
     def __post_init__(self) -> None:
         counts = tuple(self.items_per_sample)
-        if not all(isinstance(n, int) or (torch.is_tensor(n) and not n.is_floating_point())
-                   for n in [*counts, self.tokens_per_item]):
+        per_item = not _is_int(self.tokens_per_item)
+        try:
+            tokens = tuple(self.tokens_per_item) if per_item else (self.tokens_per_item,)
+        except TypeError:
+            tokens = (self.tokens_per_item,)
+        if not all(_is_int(n) for n in [*counts, *tokens]):
             raise BatchError(
                 f"items_per_sample {list(counts)} and tokens_per_item {self.tokens_per_item!r} must "
-                f"be integers"
+                f"be integers (tokens_per_item: one int, or one int per item)"
             )
         object.__setattr__(self, "items_per_sample", tuple(int(n) for n in counts))
+        object.__setattr__(self, "tokens_per_item", tuple(int(n) for n in tokens) if per_item else int(tokens[0]))
+        if isinstance(self.inputs, tuple):
+            object.__setattr__(self, "inputs", list(self.inputs))
 
     @property
     def num_items(self) -> int:
         return sum(self.items_per_sample)
 
+    @property
+    def varied(self) -> bool:
+        """Items may differ in size: `inputs` is a per-item list or `tokens_per_item` per item."""
+        return isinstance(self.inputs, list) or isinstance(self.tokens_per_item, tuple)
+
+    @property
+    def item_tokens(self) -> tuple[int, ...]:
+        """Encoder output tokens of each item, in order."""
+        t = self.tokens_per_item
+        return t if isinstance(t, tuple) else (t,) * self.num_items
+
+    def item_shapes(self) -> list[tuple[int, ...]]:
+        """The shape of each item's input, in order."""
+        if isinstance(self.inputs, list):
+            return [tuple(x.shape) for x in self.inputs]
+        return [tuple(self.inputs.shape[1:])] * self.num_items
+
     def tokens_per_sample(self) -> list[int]:
         """Special tokens (= encoder output rows) of each sample."""
-        return [n * self.tokens_per_item for n in self.items_per_sample]
+        t = self.tokens_per_item
+        if not isinstance(t, tuple):
+            return [n * t for n in self.items_per_sample]
+        offsets = [0, *accumulate(self.items_per_sample)]
+        return [sum(t[a:b]) for a, b in zip(offsets, offsets[1:])]
+
+    def item_kinds(self) -> set[tuple[tuple[int, ...], int]]:
+        """The distinct ``(input shape, tokens)`` pairs of the items (what a per-item check needs)."""
+        return set(zip(self.item_shapes(), self.item_tokens))
+
+    def select_items(self, items: range) -> ModalityInputs:
+        """The contiguous `items` (a range over this modality's items, in order) as the items of
+        one sample: an encoder rank's share when items are balanced over ranks (`data.balance`)."""
+        t = self.tokens_per_item
+        return dataclasses.replace(self, inputs=self.inputs[items.start : items.stop], items_per_sample=(len(items),),
+                                   tokens_per_item=t[items.start : items.stop] if isinstance(t, tuple) else t)
 
     def select_samples(self, samples: range) -> ModalityInputs:
         """The items of the contiguous `samples`, in order."""
         offsets = [0, *accumulate(self.items_per_sample)]
         first, last = offsets[samples.start], offsets[samples.stop]
+        t = self.tokens_per_item
         return dataclasses.replace(
             self,
             inputs=self.inputs[first:last],
             items_per_sample=self.items_per_sample[samples.start : samples.stop],
+            tokens_per_item=t[first:last] if isinstance(t, tuple) else t,
         )
+
+    def to(self, device: torch.device | str) -> ModalityInputs:
+        """These inputs on `device` (non-blocking from host memory, see `MimoBatch.to`)."""
+        def move(x: torch.Tensor) -> torch.Tensor:
+            return x.to(device, non_blocking=x.is_cpu)
+        inputs = [move(x) for x in self.inputs] if isinstance(self.inputs, list) else move(self.inputs)
+        return dataclasses.replace(self, inputs=inputs)
+
+
+def _is_int(n: object) -> bool:
+    return (isinstance(n, int) and not isinstance(n, bool)) or (torch.is_tensor(n) and n.dim() == 0
+                                                                  and not n.is_floating_point())
 
 
 @dataclass(frozen=True, eq=False)  # tensors: compare fields explicitly
@@ -134,16 +193,16 @@ class MimoBatch:
 
     Attributes:
         tokens: ``[B, S]`` int64 token ids; a modality's positions hold its ``special_token_id``
-            (which may lie outside the text vocabulary), ``tokens_per_item`` contiguous ids per
-            item.
+            (which may lie outside the text vocabulary), the item's ``tokens_per_item`` contiguous
+            ids per item.
         labels: ``[B, S]`` int64 next-token targets; `IGNORE_INDEX` where there is none.
         loss_mask: ``[B, S]`` float or bool; which positions count in the loss.
         modalities: ``{name: ModalityInputs}``, e.g. ``"vision"``, ``"audio"``.
         document_ids: ``[B, S]`` int64 document of each token of a packed row, or None.
         positions: ``[B, S]`` int64 rotary positions (restarting per document), or None.
 
-    Construction checks shapes, dtypes and that row b holds exactly
-    ``items_per_sample[b] * tokens_per_item`` tokens of each modality's special id.
+    Construction checks shapes, dtypes and that row b holds exactly as many tokens of each
+    modality's special id as its items' ``tokens_per_item`` add up to.
     """
 
     tokens: torch.Tensor
@@ -196,8 +255,7 @@ class MimoBatch:
         host queues it behind the accelerator's work instead of waiting for that work (a sync);
         the source is staged (or, pinned, kept alive) by torch, so it may be dropped at once."""
         non_blocking = self.tokens.is_cpu
-        modalities = {n: dataclasses.replace(m, inputs=m.inputs.to(device, non_blocking=non_blocking))
-                      for n, m in self.modalities.items()}
+        modalities = {n: m.to(device) for n, m in self.modalities.items()}
         return self._derive(lambda t: t.to(device, non_blocking=non_blocking), modalities)
 
     def _derive(self, per_token, modalities: dict[str, ModalityInputs]) -> MimoBatch:
@@ -254,12 +312,31 @@ class MimoBatch:
                     f"{name!r}: items_per_sample has {len(m.items_per_sample)} entries for a "
                     f"batch of {b} samples"
                 )
-            if any(n < 0 for n in m.items_per_sample) or m.tokens_per_item < 0:
+            if any(n < 0 for n in m.items_per_sample) or any(t < 0 for t in m.item_tokens[:m.num_items]):
                 raise BatchError(
                     f"{name!r}: items_per_sample {list(m.items_per_sample)} and tokens_per_item "
-                    f"{m.tokens_per_item} must be >= 0"
+                    f"{_shown(m.tokens_per_item)} must be >= 0"
                 )
-            if m.inputs.dim() < 1 or m.inputs.shape[0] != m.num_items:
+            if isinstance(m.tokens_per_item, tuple) and len(m.tokens_per_item) != m.num_items:
+                raise BatchError(
+                    f"{name!r}: tokens_per_item has {len(m.tokens_per_item)} counts but "
+                    f"items_per_sample {list(m.items_per_sample)} sum to {m.num_items} items; give one "
+                    f"count per item (or one int for all)"
+                )
+            if isinstance(m.inputs, list):
+                if len(m.inputs) != m.num_items:
+                    raise BatchError(
+                        f"{name!r}: items_per_sample {list(m.items_per_sample)} sum to {m.num_items} items "
+                        f"but inputs is a list of {len(m.inputs)} tensors; give one tensor per item"
+                    )
+                dims = {x.dim() for x in m.inputs if torch.is_tensor(x)}
+                if not all(torch.is_tensor(x) for x in m.inputs) or len(dims) > 1:
+                    raise BatchError(
+                        f"{name!r}: a list of inputs holds one tensor per item, all with the same number "
+                        f"of dims (images [C, H_i, W_i], clips [n_mels, T_i]); got "
+                        f"{[list(x.shape) if torch.is_tensor(x) else type(x).__name__ for x in m.inputs[:4]]}"
+                    )
+            elif m.inputs.dim() < 1 or m.inputs.shape[0] != m.num_items:
                 raise BatchError(
                     f"{name!r}: items_per_sample {list(m.items_per_sample)} sum to "
                     f"{m.num_items} items but inputs have shape {list(m.inputs.shape)}; "
@@ -274,11 +351,16 @@ class MimoBatch:
         for (name, m), found in zip(self.modalities.items(), counts):
             for sample, (have, want) in enumerate(zip(found, m.tokens_per_sample())):
                 if have != want:
+                    per = (f"x tokens_per_item={m.tokens_per_item}" if not isinstance(m.tokens_per_item, tuple)
+                           else "with their tokens_per_item")
                     raise BatchError(
                         f"sample {sample} has {have} {name!r} tokens (id {m.special_token_id}) "
-                        f"but items_per_sample[{sample}]={m.items_per_sample[sample]} x "
-                        f"tokens_per_item={m.tokens_per_item} = {want}"
+                        f"but items_per_sample[{sample}]={m.items_per_sample[sample]} {per} = {want}"
                     )
+
+
+def _shown(tokens: int | tuple[int, ...]) -> str:
+    return str(tokens) if not isinstance(tokens, tuple) or len(tokens) <= 8 else f"{list(tokens[:8])} ..."
 
 
 def shard(batch: MimoBatch, dp_size: int, dp_rank: int) -> MimoBatch:
@@ -305,19 +387,33 @@ class ModalitySpec:
         item_shape: shape of one encoder input, e.g. ``(C, H, W)`` or ``(n_mels, T)``.
         tokens_per_item: encoder output tokens of one item.
         max_items: items per sample are drawn from ``0..max_items``.
+        sizes: items of different sizes: ``((shape, tokens), ...)``, one drawn uniformly per item
+            (the batch then holds a list of inputs and a count per item); empty: every item is
+            `item_shape` with `tokens_per_item`.
     """
 
     special_token_id: int
     item_shape: tuple[int, ...]
     tokens_per_item: int
     max_items: int = 2
+    sizes: tuple[tuple[tuple[int, ...], int], ...] = ()
+
+    @property
+    def most_tokens(self) -> int:
+        """Tokens of the largest item this spec makes."""
+        return max([self.tokens_per_item, *(t for _, t in self.sizes)])
 
     @classmethod
-    def image(cls, config: ViTConfig, special_token_id: int, max_items: int = 2) -> ModalitySpec:
+    def image(cls, config: ViTConfig, special_token_id: int, max_items: int = 2,
+              sizes: Sequence[tuple[int, int]] = ()) -> ModalitySpec:
         """Images for a ViT with `config`: one token per patch (reads ``in_channels``,
-        ``image_size`` and ``num_patches``, so any config with those fields serves)."""
+        ``image_size`` and ``num_patches``, so any config with those fields serves). `sizes`:
+        ``(H, W)`` pixel sizes drawn per image, for a ``dynamic_resolution`` config (tokens from
+        its ``tokens_for``)."""
         shape = (config.in_channels, config.image_size, config.image_size)
-        return cls(special_token_id, shape, config.num_patches, max_items)
+        shapes = [(config.in_channels, h, w) for h, w in sizes]
+        return cls(special_token_id, shape, config.num_patches, max_items,
+                   tuple((s, config.tokens_for(s)) for s in shapes))
 
     @classmethod
     def audio(
@@ -326,12 +422,15 @@ class ModalitySpec:
         special_token_id: int,
         frames: int | None = None,
         max_items: int = 1,
+        lengths: Sequence[int] = (),
     ) -> ModalitySpec:
         """Log-mel clips of `frames` frames (default ``config.max_frames``) for `AudioEncoder`
-        (reads ``n_mels``, ``max_frames`` and ``output_length(frames)``)."""
+        (reads ``n_mels``, ``max_frames`` and ``output_length(frames)``). `lengths`: frame
+        counts drawn per clip, for a ``variable_length`` config."""
         frames = config.max_frames if frames is None else frames
         shape = (config.n_mels, frames)
-        return cls(special_token_id, shape, config.output_length(frames), max_items)
+        return cls(special_token_id, shape, config.output_length(frames), max_items,
+                   tuple(((config.n_mels, t), config.output_length(t)) for t in lengths))
 
 
 @dataclass(frozen=True)
@@ -371,7 +470,7 @@ class SyntheticSpec:
         negative = {n: m.max_items for n, m in self.modalities.items() if m.max_items < 0}
         if negative:
             raise ValueError(f"SyntheticSpec: max_items must be >= 0, got {negative}")
-        longest = sum(m.max_items * m.tokens_per_item for m in self.modalities.values())
+        longest = sum(m.max_items * m.most_tokens for m in self.modalities.values())
         if longest > self.seq_len:
             raise ValueError(
                 f"SyntheticSpec: a sample with max_items of every modality needs {longest} "
@@ -439,6 +538,10 @@ def synthetic_batch(spec: SyntheticSpec, seed: int) -> MimoBatch:
     if spec.text_only_samples < b:
         for c, m in zip(counts, specs):
             c[order[spec.text_only_samples]] = m.max_items
+    # Each item's (shape, tokens): drawn per item where a modality has sizes.
+    kinds = [[m.sizes[i] for i in torch.randint(len(m.sizes), (sum(c),), generator=g).tolist()] if m.sizes
+             else [(m.item_shape, m.tokens_per_item)] * sum(c) for c, m in zip(counts, specs)]
+    firsts = [[0, *accumulate(c)] for c in counts]
 
     text_ids = torch.tensor([i for i in range(spec.vocab_size) if i not in special_ids],
                             dtype=torch.int64)
@@ -448,9 +551,13 @@ def synthetic_batch(spec: SyntheticSpec, seed: int) -> MimoBatch:
 
     for row in range(b):
         # This row's items, shuffled across modalities: (special id, length).
-        items = [(m.special_token_id, m.tokens_per_item)
-                 for c, m in zip(counts, specs) for _ in range(c[row])]
-        items = [items[i] for i in torch.randperm(len(items), generator=g).tolist()]
+        items = [(m.special_token_id, k[i][1])
+                 for c, m, k, f in zip(counts, specs, kinds, firsts) for i in range(f[row], f[row] + c[row])]
+        shuffled = [items[i][0] for i in torch.randperm(len(items), generator=g).tolist()]
+        # Modalities interleave at random; each modality's items keep their order (the assembly
+        # fills a modality's positions with its items' rows in item order).
+        queues = {token_id: iter([it for it in items if it[0] == token_id]) for token_id in special_ids}
+        items = [next(queues[token_id]) for token_id in shuffled]
         # Stars and bars: n sorted distinct draws from free + n slots give the text gaps.
         free = s - sum(length for _, length in items)
         slots = torch.randperm(free + len(items), generator=g)[: len(items)].sort().values.tolist()
@@ -493,12 +600,13 @@ def synthetic_batch(spec: SyntheticSpec, seed: int) -> MimoBatch:
 
     modalities = {
         name: ModalityInputs(
-            inputs=torch.randn(sum(c), *m.item_shape, generator=g),
+            inputs=([torch.randn(*shape, generator=g) for shape, _ in k] if m.sizes
+                    else torch.randn(sum(c), *m.item_shape, generator=g)),
             items_per_sample=c,
-            tokens_per_item=m.tokens_per_item,
+            tokens_per_item=tuple(t for _, t in k) if m.sizes else m.tokens_per_item,
             special_token_id=m.special_token_id,
         )
-        for name, m, c in zip(names, specs, counts)
+        for name, m, c, k in zip(names, specs, counts, kinds)
     }
     packed = spec.documents_per_row > 1
     return MimoBatch(

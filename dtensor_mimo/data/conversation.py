@@ -14,15 +14,22 @@ end-of-turn token). Each placeholder token becomes ``tokens_per_item`` copies of
 the encoder gives for the item. Media go through the encoder's own transformers processor
 (image processor, Whisper feature extractor), and only on the ranks that encode them.
 
+Items of their own size (`MediaSpec.shape_of`): each image is resized to its own size
+(`fit_image_size`: aspect ratio kept, sides multiples of the patch, pixels within a budget), each
+clip keeps its own length; a placeholder then expands to that item's own row count, read from the
+file's header on every rank (no pixels decoded), and a batch carries one tensor per item.
+
 Needs ``transformers`` (the tokenizer and processors are its objects) and Pillow for images.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import wave
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -31,7 +38,7 @@ from torch.utils.data import Dataset
 from dtensor_mimo.data.batch import IGNORE_INDEX, MimoBatch, ModalityInputs
 
 __all__ = ["Conversation", "ConversationDataset", "DataError", "MediaSpec", "read_samples", "check_samples",
-           "image_inputs", "audio_inputs", "item_paths"]
+           "image_inputs", "audio_inputs", "item_paths", "fit_image_size"]
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 PLACEHOLDERS = {"image": "<image>", "audio": "<audio>"}
@@ -50,28 +57,45 @@ class MediaSpec:
         modality: "image" or "audio": the sample's key holding its paths and the placeholder.
         special_token_id: the tokenizer's id of the placeholder (an added special token): the id
             of every row position the encoder fills.
-        tokens_per_item: encoder rows per item.
-        item_shape: shape of one encoder input (``(C, H, W)``, ``(n_mels, frames)``).
-        prepare: paths -> encoder inputs ``[N, *item_shape]`` (the encoder's processor).
+        tokens_per_item: encoder rows per item (items of their own size: the most one item gives).
+        item_shape: shape of one encoder input (``(C, H, W)``, ``(n_mels, frames)``); items of
+            their own size: unused.
+        prepare: paths -> encoder inputs ``[N, *item_shape]`` (the encoder's processor); items of
+            their own size: a list with one tensor per path.
+        shape_of: items of their own size: a media file -> its encoder input's shape, from the
+            file's header (`image_inputs.shape`, `audio_inputs.shape`); None: every item has
+            `item_shape`.
+        tokens_for: with `shape_of`: an input shape -> the encoder's rows for it (the encoder
+            config's ``tokens_for``; ValueError for an item it cannot take).
     """
 
     modality: str
     special_token_id: int
     tokens_per_item: int
     item_shape: tuple[int, ...]
-    prepare: Callable[[list[str]], torch.Tensor]
+    prepare: Callable[[list[str]], torch.Tensor | list[torch.Tensor]]
+    shape_of: Callable[[str], tuple[int, ...]] | None = None
+    tokens_for: Callable[[Sequence[int]], int] | None = None
+
+    @property
+    def varied(self) -> bool:
+        """Whether items have their own sizes (one tensor and one row count per item)."""
+        return self.shape_of is not None
 
 
 @dataclass(frozen=True)
 class Conversation:
-    """One tokenized sample: the row before padding, its labels, its items per modality, and
-    where each assistant answer starts and ends (``answers``: ``(start, stop)`` token spans)."""
+    """One tokenized sample: the row before padding, its labels, its items per modality (paths),
+    where each assistant answer starts and ends (``answers``: ``(start, stop)`` token spans), and
+    each item's encoder input shape and rows (``item_shapes``, ``item_tokens``, per modality)."""
 
     id: str
     tokens: list[int]
     labels: list[int]
     items: dict[str, list[str]]
     answers: list[tuple[int, int]]
+    item_shapes: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
+    item_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------- reading
@@ -145,20 +169,73 @@ def check_samples(samples: Sequence[Mapping[str, Any]], modalities: Iterable[str
 # ---------------------------------------------------------------------------- media
 
 
+def fit_image_size(height: int, width: int, patch: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """The ``(H, W)`` an image of `height` x `width` pixels is resized to for an encoder of
+    `patch`-pixel patches: its aspect ratio kept, each side a whole number of patches (at least
+    one), ``H * W <= max_pixels``, and ``H * W >= min_pixels`` where rounding to patches allows
+    (Qwen2-VL's rule; an image already inside the budget only has its sides rounded).
+    ``max_pixels`` must hold one patch."""
+    if max_pixels < patch * patch:
+        raise ValueError(f"fit_image_size: max_pixels={max_pixels} holds no {patch}x{patch} patch")
+
+    def side(length: int, scale: float, rounding: Callable[[float], int]) -> int:
+        return max(patch, rounding(length * scale / patch) * patch)
+
+    h, w = side(height, 1.0, round), side(width, 1.0, round)
+    if h * w > max_pixels:
+        scale = math.sqrt(max_pixels / (height * width))
+        h, w = side(height, scale, math.floor), side(width, scale, math.floor)
+    elif h * w < min_pixels:
+        scale = math.sqrt(min_pixels / (height * width))
+        h, w = side(height, scale, math.ceil), side(width, scale, math.ceil)
+    while h * w > max_pixels:  # a side held at one patch, or rounded up: the longer side gives way
+        if h >= w:
+            h -= patch
+        else:
+            w -= patch
+    return h, w
+
+
 class image_inputs:  # noqa: N801 - used as a function; a class so that loader workers can pickle it
-    """Image files -> ``pixel_values`` with a transformers image processor (RGB)."""
+    """Image files -> ``pixel_values`` with a transformers image processor (RGB).
 
-    def __init__(self, processor: Any) -> None:
-        self.processor = processor
+    Args:
+        processor: the encoder's image processor: it resizes, rescales and normalizes.
+        fit: ``(patch, min_pixels, max_pixels)``: each image at its own size (`fit_image_size`),
+            the processor resizing it to that size instead of its configured square (no crop);
+            the call then returns one ``[3, H_i, W_i]`` tensor per path. None: one size for all.
+    """
 
-    def __call__(self, paths: list[str]) -> torch.Tensor:
+    def __init__(self, processor: Any, fit: tuple[int, int, int] | None = None) -> None:
+        self.processor, self.fit = processor, fit
+
+    def shape(self, path: str) -> tuple[int, int, int]:
+        """The input shape of image `path` under `fit`, from its header (no pixels decoded)."""
+        from PIL import Image
+
+        try:
+            with Image.open(path) as image:
+                width, height = image.size
+        except OSError as e:
+            raise DataError(f"{path}: not an image Pillow reads ({e})") from None
+        return (3, *fit_image_size(height, width, *self.fit))
+
+    def __call__(self, paths: list[str]) -> torch.Tensor | list[torch.Tensor]:
         from PIL import Image
 
         images = []
         for path in paths:
             with Image.open(path) as image:
                 images.append(image.convert("RGB"))
-        return self.processor(images=images, return_tensors="pt")["pixel_values"].float()
+        if self.fit is None:
+            return self.processor(images=images, return_tensors="pt")["pixel_values"].float()
+        out = []
+        for image in images:
+            h, w = fit_image_size(image.height, image.width, *self.fit)
+            pixels = self.processor(images=[image], size={"height": h, "width": w}, do_resize=True,
+                                    do_center_crop=False, return_tensors="pt")["pixel_values"]
+            out.append(pixels[0].float())
+        return out
 
 
 def _read_wav(path: str) -> tuple[torch.Tensor, int]:
@@ -181,21 +258,59 @@ def _read_wav(path: str) -> tuple[torch.Tensor, int]:
 
 class audio_inputs:  # noqa: N801 - used as a function; a class so that loader workers can pickle it
     """WAV files -> log-mel ``input_features`` with a transformers (Whisper) feature extractor;
-    a file at another sample rate than the extractor's is refused by name."""
+    a file at another sample rate than the extractor's is refused by name.
 
-    def __init__(self, feature_extractor: Any) -> None:
-        self.feature_extractor = feature_extractor
+    Args:
+        feature_extractor: the encoder's feature extractor (padding every clip to its chunk).
+        max_samples: each clip at its own length, cut after this many samples (and a clip
+            shorter than the extractor's window zero-padded to it), ``hop_length`` samples a
+            frame; the call then returns one ``[n_mels, T_i]`` tensor per path. None: every clip
+            padded to the extractor's chunk.
+    """
 
-    def __call__(self, paths: list[str]) -> torch.Tensor:
+    def __init__(self, feature_extractor: Any, max_samples: int | None = None) -> None:
+        self.feature_extractor, self.max_samples = feature_extractor, max_samples
+
+    def _span(self, num_samples: int) -> int:
+        """Samples of a clip of `num_samples` once cut to `max_samples` and padded to one window."""
+        fe = self.feature_extractor
+        shortest = max(fe.hop_length, fe.n_fft // 2 + 1)  # the centred STFT's reflection needs this much
+        return max(shortest, min(num_samples, self.max_samples))
+
+    def _check_rate(self, path: str, rate: int) -> None:
+        if rate != self.feature_extractor.sampling_rate:
+            raise DataError(f"{path}: sampled at {rate} Hz but the feature extractor takes "
+                            f"{self.feature_extractor.sampling_rate} Hz; resample the file")
+
+    def shape(self, path: str) -> tuple[int, int]:
+        """The input shape of clip `path` under `max_samples`, from its header (no samples read)."""
+        try:
+            with wave.open(path, "rb") as f:
+                rate, frames = f.getframerate(), f.getnframes()
+        except (wave.Error, EOFError) as e:
+            raise DataError(f"{path}: not a PCM WAV file ({e})") from None
+        self._check_rate(path, rate)
+        fe = self.feature_extractor
+        return (fe.feature_size, self._span(frames) // fe.hop_length)
+
+    def __call__(self, paths: list[str]) -> torch.Tensor | list[torch.Tensor]:
         fe = self.feature_extractor
         clips = []
         for path in paths:
             samples, rate = _read_wav(path)
-            if rate != fe.sampling_rate:
-                raise DataError(f"{path}: sampled at {rate} Hz but the feature extractor takes "
-                                f"{fe.sampling_rate} Hz; resample the file")
-            clips.append(samples.numpy())
-        return fe(clips, sampling_rate=fe.sampling_rate, return_tensors="pt")["input_features"].float()
+            self._check_rate(path, rate)
+            clips.append(samples)
+        if self.max_samples is None:
+            return fe([c.numpy() for c in clips], sampling_rate=fe.sampling_rate,
+                      return_tensors="pt")["input_features"].float()
+        out = []
+        for clip in clips:
+            span = self._span(len(clip))
+            clip = torch.nn.functional.pad(clip[:span], (0, span - min(span, len(clip))))
+            features = fe(clip.numpy(), sampling_rate=fe.sampling_rate, padding="longest", truncation=False,
+                          return_tensors="pt")["input_features"]
+            out.append(features[0].float())
+        return out
 
 
 # ---------------------------------------------------------------------------- the dataset
@@ -292,7 +407,10 @@ class ConversationDataset(Dataset):
                 end = len(upto) - upto[::-1].index(eos)
             for t in range(len(prompt), end):
                 assistant[t] = True
-        # Expand placeholders: one token -> tokens_per_item copies of the encoder's id.
+        items = {name: item_paths(sample, self.media[name].modality) for name in self.media}
+        shapes = {name: [self._item_shape(name, p) for p in paths] for name, paths in items.items()}
+        sizes = {name: [self._item_tokens(sid, name, shape) for shape in found] for name, found in shapes.items()}
+        # Expand placeholders: item k's token -> as many copies of the encoder's id as it gives rows.
         tokens: list[int] = []
         is_answer: list[bool] = []
         starts: dict[str, list[int]] = {name: [] for name in self.media}
@@ -303,11 +421,11 @@ class ConversationDataset(Dataset):
                 tokens.append(token)
                 is_answer.append(answer)
             else:
+                k = len(starts[name])
                 starts[name].append(len(tokens))
-                n = self.media[name].tokens_per_item
+                n = sizes[name][k] if k < len(sizes[name]) else 1  # too many placeholders: refused below
                 tokens += [token] * n
                 is_answer += [False] * n
-        items = {name: item_paths(sample, self.media[name].modality) for name in self.media}
         for name, found in starts.items():
             if len(found) != len(items[name]):
                 raise DataError(f"sample {sid!r}: {len(found)} {PLACEHOLDERS[self.media[name].modality]} "
@@ -319,9 +437,10 @@ class ConversationDataset(Dataset):
                                 "raise data.seq_len, or set data.truncate = true to cut it")
             cut = limit  # an item cut in two is dropped whole (items never overlap: one can be)
             for name, found in starts.items():
-                cut = min([cut] + [s for s in found if s < cut < s + self.media[name].tokens_per_item])
+                cut = min([cut] + [s for s, n in zip(found, sizes[name]) if s < cut < s + n])
             for name, found in starts.items():
-                items[name] = items[name][:sum(1 for s in found if s + self.media[name].tokens_per_item <= cut)]
+                kept = sum(1 for s, n in zip(found, sizes[name]) if s + n <= cut)
+                items[name], shapes[name], sizes[name] = items[name][:kept], shapes[name][:kept], sizes[name][:kept]
             tokens, is_answer = tokens[:cut], is_answer[:cut]
         labels = [tokens[t + 1] if is_answer[t + 1] else IGNORE_INDEX for t in range(len(tokens) - 1)]
         labels.append(IGNORE_INDEX)
@@ -336,7 +455,21 @@ class ConversationDataset(Dataset):
                 t += 1
         root = self.root
         return Conversation(sid, tokens, labels, {n: [os.path.join(root, p) for p in ps] for n, ps in items.items()},
-                            answers)
+                            answers, shapes, sizes)
+
+    def _item_shape(self, name: str, path: str) -> tuple[int, ...]:
+        """Encoder input shape of one item (its file's header when items have their own sizes)."""
+        spec = self.media[name]
+        return spec.shape_of(os.path.join(self.root, path)) if spec.varied else spec.item_shape
+
+    def _item_tokens(self, sid: str, name: str, shape: tuple[int, ...]) -> int:
+        spec = self.media[name]
+        if not spec.varied:
+            return spec.tokens_per_item
+        try:
+            return spec.tokens_for(shape)
+        except ValueError as e:
+            raise DataError(f"sample {sid!r}: {name!r}: {e}") from None
 
     # -------------------------------------------------------------- batches
     def batch(self, indices: Sequence[int], load: Mapping[str, Iterable[int]] | None = None) -> MimoBatch:
@@ -357,11 +490,14 @@ class ConversationDataset(Dataset):
         for i in indices:
             s = self[i]
             stop = s.answers[0][0] if s.answers else len(s.tokens)
-            items = {}
+            kept = {}
             for name, spec in self.media.items():  # whole items only: an answer never starts inside one
                 before = sum(1 for t in s.tokens[:stop] if t == spec.special_token_id)
-                items[name] = s.items[name][:before // spec.tokens_per_item]
-            cut.append([Conversation(s.id, s.tokens[:stop], [IGNORE_INDEX] * stop, items, [])])
+                kept[name] = sum(1 for end in accumulate(s.item_tokens[name]) if end <= before)
+            cut.append([Conversation(s.id, s.tokens[:stop], [IGNORE_INDEX] * stop,
+                                     {n: s.items[n][:k] for n, k in kept.items()}, [],
+                                     {n: s.item_shapes[n][:k] for n, k in kept.items()},
+                                     {n: s.item_tokens[n][:k] for n, k in kept.items()})])
         return self._batch(cut, load, packed=False)
 
     def _batch(self, rows: list[list[Conversation]], load: Mapping[str, Iterable[int]] | None,
@@ -388,13 +524,40 @@ class ConversationDataset(Dataset):
         modalities = {}
         for name, spec in self.media.items():
             counts = [len(items[name]) for items in samples]
-            wanted = range(len(rows)) if load is None else load.get(name, ())
-            modalities[name] = ModalityInputs(inputs=self._inputs(name, samples, counts, set(wanted)),
-                                              items_per_sample=tuple(counts),
-                                              tokens_per_item=spec.tokens_per_item,
+            wanted = set(range(len(rows)) if load is None else load.get(name, ()))
+            if spec.varied:  # one tensor and one row count per item
+                shapes = [[shape for s in members for shape in s.item_shapes[name]] for members in rows]
+                inputs: torch.Tensor | list[torch.Tensor] = self._varied_inputs(name, samples, shapes, wanted)
+                tokens_per_item: int | tuple[int, ...] = tuple(n for members in rows for s in members
+                                                               for n in s.item_tokens[name])
+            else:
+                inputs, tokens_per_item = self._inputs(name, samples, counts, wanted), spec.tokens_per_item
+            modalities[name] = ModalityInputs(inputs=inputs, items_per_sample=tuple(counts),
+                                              tokens_per_item=tokens_per_item,
                                               special_token_id=spec.special_token_id)
         return MimoBatch(tokens, labels, labels != IGNORE_INDEX, modalities,
                          document_ids=documents if packed else None, positions=positions if packed else None)
+
+    def _varied_inputs(self, name: str, rows: list[dict[str, list[str]]], shapes: list[list[tuple[int, ...]]],
+                       wanted: set[int]) -> list[torch.Tensor]:
+        """One tensor per item, rows in order: the wanted rows' loaded, the others zeros of their
+        item's shape (stride-0 views, no memory)."""
+        spec = self.media[name]
+        paths = [p for i, items in enumerate(rows) if i in wanted for p in items[name]]
+        loaded = iter(spec.prepare(paths) if paths else [])
+        out = []
+        for i, items in enumerate(rows):
+            for path, shape in zip(items[name], shapes[i]):
+                if i not in wanted:
+                    out.append(torch.zeros(()).expand(*shape))
+                    continue
+                item = next(loaded)
+                if tuple(item.shape) != tuple(shape):
+                    raise DataError(f"{name!r}: the processor turns {path} into {list(item.shape)} but its header "
+                                    f"gave {list(shape)} (and the token row counts its rows from that); fix the "
+                                    "processor config")
+                out.append(item)
+        return out
 
     def _inputs(self, name: str, rows: list[dict[str, list[str]]], counts: list[int], wanted: set[int]) -> torch.Tensor:
         spec = self.media[name]

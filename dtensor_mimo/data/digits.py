@@ -13,6 +13,16 @@ so a model gets a sample right only if the vision encoder reads every scan and t
 encoder hears every tone. `exact_match` scores a sample right when every answer token is: with
 teacher forcing, the argmax at every answer position equals greedy decoding.
 
+At their own sizes: with a ViT of ``dynamic_resolution`` each image is drawn at one of a few
+sizes (`DigitsTask.image_scales`: by default the ViT's image size times 1 or 1.5 per side, e.g.
+8x8, 8x12, 12x8, 12x12), giving its own patch count: the scan at the ViT's image size on blank
+paper of that size, at a random patch-aligned place (`DigitsTask.image_fit` "pad"), or the scan
+stretched bilinearly to it ("stretch": every patch then sees the digit at another scale, which the
+small digits ViT learns several times slower, see README); with an audio
+encoder of ``variable_length`` each tone clip has its own length (`DigitsTask.min_clip_fraction`
+up to ``max_frames`` frames). The batch then carries one tensor and one row count per item. The
+scans, digits and tones drawn are the same as at one size.
+
 Held out: the scans are split once (`DigitsTask.split_seed`) 80/20, and the two splits draw
 their samples from their own scans and their own tone seeds (even for training, odd for held
 out), so no held-out scan or tone is ever trained on.
@@ -34,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Dataset, Sampler
 
 from dtensor_mimo.data.batch import IGNORE_INDEX, MimoBatch, ModalityInputs, sample_range
@@ -136,6 +147,12 @@ class DigitsTask:
         max_shift: training scans are shifted by up to this many pixels along each axis
             (augmentation; held-out scans are never shifted). Off by default: on 8x8 scans
             even 1 pixel slows learning several-fold (see examples/train_digits.py).
+        image_scales: with a dynamic-resolution ViT, the ``(height, width)`` scales of the ViT's
+            image size an image is drawn at (uniformly); each size a multiple of the patch.
+        image_fit: how a scan fills an image of another size: "pad" (at the ViT's image size, on
+            blank paper, at a random patch-aligned place; scales >= 1) or "stretch" (bilinearly).
+        min_clip_fraction: with a variable-length audio encoder, a clip's frames are drawn
+            uniformly from this fraction of ``max_frames`` (at least 4 frames) up to all of them.
     """
 
     max_images: int = 3
@@ -153,6 +170,9 @@ class DigitsTask:
     frequency_jitter: float = 0.015
     min_duration: float = 0.4
     max_shift: int = 0
+    image_scales: tuple[tuple[float, float], ...] = ((1.0, 1.0), (1.0, 1.5), (1.5, 1.0), (1.5, 1.5))
+    image_fit: str = "pad"
+    min_clip_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.max_images < 0 or self.max_tones < 0:
@@ -169,6 +189,29 @@ class DigitsTask:
                              f"are 8x8)")
         if not 0 < self.min_duration <= 1:
             raise ValueError(f"DigitsTask: min_duration={self.min_duration} must be in (0, 1]")
+        if not self.image_scales or any(len(s) != 2 or min(s) <= 0 for s in self.image_scales):
+            raise ValueError(f"DigitsTask: image_scales={self.image_scales} must be (height, width) pairs > 0")
+        if self.image_fit not in ("pad", "stretch"):
+            raise ValueError(f"DigitsTask: image_fit={self.image_fit!r} must be 'pad' or 'stretch'")
+        if self.image_fit == "pad" and min(min(s) for s in self.image_scales) < 1:
+            raise ValueError(f"DigitsTask: image_scales={self.image_scales} below 1 cannot hold the scan with "
+                             "image_fit='pad'; use scales >= 1 or image_fit='stretch'")
+        if not 0 < self.min_clip_fraction <= 1:
+            raise ValueError(f"DigitsTask: min_clip_fraction={self.min_clip_fraction} must be in (0, 1]")
+
+    def image_sizes(self, image_size: int, patch_size: int) -> list[tuple[int, int]]:
+        """The ``(H, W)`` scans are drawn at under dynamic resolution: `image_scales` times
+        `image_size`, each side a multiple of `patch_size` (ValueError names one that is not)."""
+        sizes = [(round(image_size * a), round(image_size * b)) for a, b in self.image_scales]
+        bad = [f"{h}x{w}" for h, w in sizes if h % patch_size or w % patch_size or min(h, w) < patch_size]
+        if bad:
+            raise ValueError(f"DigitsTask: image_scales={self.image_scales} of image size {image_size} give "
+                             f"{', '.join(bad)} px, not whole {patch_size}x{patch_size} patches")
+        return sizes
+
+    def clip_frames(self, max_frames: int) -> range:
+        """The frames a variable-length clip is drawn with (the centred STFT needs 4 or more)."""
+        return range(min(max_frames, max(4, math.ceil(self.min_clip_fraction * max_frames))), max_frames + 1)
 
 
 @dataclass(frozen=True)
@@ -181,6 +224,10 @@ class DigitsSample:
         image_shifts: ``(rows, columns)`` each scan is shifted by (augmentation; zeros held out).
         tone_digits: the digit of each tone, in order.
         tone_seeds: the seed each tone is synthesized from (`dtmf_tone`).
+        image_sizes: each scan's ``(H, W)`` as the ViT takes it.
+        tone_frames: each tone clip's frames.
+        image_offsets: each scan's top-left ``(row, column)`` on its image (`DigitsTask.image_fit`
+            "pad"; zeros otherwise).
     """
 
     scans: tuple[int, ...]
@@ -188,6 +235,9 @@ class DigitsSample:
     image_shifts: tuple[tuple[int, int], ...]
     tone_digits: tuple[int, ...]
     tone_seeds: tuple[int, ...]
+    image_sizes: tuple[tuple[int, int], ...] = ()
+    tone_frames: tuple[int, ...] = ()
+    image_offsets: tuple[tuple[int, int], ...] = ()
 
     def answer(self) -> str:
         """The answer text, e.g. ``"images 3 7 ; tones 5 <eos>"``."""
@@ -221,16 +271,27 @@ def _split_scans(task: DigitsTask) -> dict[str, torch.Tensor]:
     return {"train": order[held:].sort().values, "heldout": order[:held].sort().values}
 
 
-def _image(scan: int, shift: tuple[int, int], config: ViTConfig) -> torch.Tensor:
+def _image(scan: int, shift: tuple[int, int], config: ViTConfig, size: tuple[int, int] | None = None,
+           offset: tuple[int, int] | None = None) -> torch.Tensor:
     """Scan `scan` as a ViT input ``[C, H, W]``: shifted by `shift` pixels (blank paper moves
-    in), standardized, enlarged by pixel repetition."""
+    in), standardized, enlarged by pixel repetition to the ViT's image size; with `size`
+    ``(H, W)`` (dynamic resolution) then put on blank paper of that size at `offset`, or
+    (no offset) enlarged bilinearly to it."""
     pixels = torch.zeros(8, 8)
     (dy, dx), raw = shift, _scans()[0][scan]
     pixels[max(dy, 0) : 8 + min(dy, 0), max(dx, 0) : 8 + min(dx, 0)] = (
         raw[max(-dy, 0) : 8 + min(-dy, 0), max(-dx, 0) : 8 + min(-dx, 0)])
     pixels = (pixels - PIXEL_MEAN) / PIXEL_STD
+    if size is not None and offset is None:
+        pixels = F.interpolate(pixels[None, None], size=size, mode="bilinear", align_corners=False)[0, 0]
+        return pixels.expand(config.in_channels, -1, -1)
     factor = config.image_size // 8
     pixels = pixels.repeat_interleave(factor, 0).repeat_interleave(factor, 1)
+    if size is not None:
+        paper = torch.full(size, -PIXEL_MEAN / PIXEL_STD)  # a blank pixel, standardized
+        (top, left), n = offset, config.image_size
+        paper[top : top + n, left : left + n] = pixels
+        pixels = paper
     return pixels.expand(config.in_channels, -1, -1)
 
 
@@ -320,6 +381,10 @@ class DigitsDataset(Dataset):
     ``dataset[i]`` is a `DigitsSample` (a descriptor, no pixels); `batch` turns a list of
     indices into a `MimoBatch` with modalities "vision" (images for a `ViT` with `vision`) and
     "audio" (log-mel clips of ``audio.max_frames`` frames for an `AudioEncoder` with `audio`).
+    With ``vision.dynamic_resolution`` scans come at their own sizes, with
+    ``audio.variable_length`` clips at their own lengths (`DigitsTask.image_scales`,
+    `DigitsTask.min_clip_fraction`): that modality's inputs are then a list, one tensor per item,
+    and its ``tokens_per_item`` one count per item.
 
     Args:
         split: "train" or "heldout": which scans and which tone seeds samples use.
@@ -351,6 +416,10 @@ class DigitsDataset(Dataset):
                 f"DigitsDataset: AudioConfig.max_frames={audio.max_frames} frames of hop "
                 f"{self.task.hop_length} make clips of {self.clip_samples} samples, too short for "
                 f"n_fft={self.task.n_fft}; raise max_frames or lower DigitsTask.n_fft")
+        self.image_sizes = (self.task.image_sizes(vision.image_size, vision.patch_size)
+                            if self.varied("vision") else [(vision.image_size, vision.image_size)])
+        self.clip_frames = (self.task.clip_frames(audio.max_frames) if self.varied("audio")
+                            else range(audio.max_frames, audio.max_frames + 1))
         self.seq_len = self.min_seq_len if seq_len is None else seq_len
         if self.seq_len < self.min_seq_len:
             raise ValueError(f"DigitsDataset: seq_len={seq_len} is shorter than the longest "
@@ -359,13 +428,33 @@ class DigitsDataset(Dataset):
         self._split_id = _SPLITS.index(split)
 
     # -------------------------------------------------------------- sizes
+    def varied(self, modality: str) -> bool:
+        """Whether `modality`'s items have their own sizes (one tensor and row count per item)."""
+        if modality == "vision":
+            return bool(getattr(self.vision, "dynamic_resolution", False))
+        return bool(getattr(self.audio, "variable_length", False))
+
+    def _image_tokens(self, size: tuple[int, int]) -> int:
+        p = self.vision.patch_size
+        return (size[0] // p) * (size[1] // p)
+
     @property
     def tokens_per_image(self) -> int:
-        return self.vision.num_patches
+        """Rows of an image: the largest size's under dynamic resolution."""
+        return max(self._image_tokens(size) for size in self.image_sizes)
 
     @property
     def tokens_per_clip(self) -> int:
+        """Rows of a tone clip: the longest clip's under variable length."""
         return self.audio.output_length(self.audio.max_frames)
+
+    def mean_tokens(self, modality: str) -> float:
+        """Expected rows per item of `modality` (sizes are drawn uniformly)."""
+        if modality == "vision":
+            counts = [self._image_tokens(size) for size in self.image_sizes]
+        else:
+            counts = [self.audio.output_length(f) for f in self.clip_frames]
+        return sum(counts) / len(counts)
 
     @property
     def clip_samples(self) -> int:
@@ -400,8 +489,19 @@ class DigitsDataset(Dataset):
         tone_seeds = tuple(2 * _mix(self.seed, self._split_id, index, k) + self._split_id
                            for k in range(n_tones))
         image_digits = tuple(_scans()[1][list(scans)].tolist())
+        # Sizes are drawn last: the scans, digits and tones are those of the one-size dataset.
+        sizes = torch.randint(len(self.image_sizes), (n_images,), generator=g).tolist() if self.varied("vision") \
+            else [0] * n_images
+        frames = torch.randint(len(self.clip_frames), (n_tones,), generator=g).tolist() if self.varied("audio") \
+            else [0] * n_tones
+        image_sizes = tuple(self.image_sizes[k] for k in sizes)
+        offsets = [(0, 0)] * n_images
+        if self.varied("vision") and self.task.image_fit == "pad":  # patch-aligned places on the paper
+            p, n = self.vision.patch_size, self.vision.image_size
+            offsets = [(p * int(torch.randint((h - n) // p + 1, (), generator=g)),
+                        p * int(torch.randint((w - n) // p + 1, (), generator=g))) for h, w in image_sizes]
         return DigitsSample(scans, image_digits, tuple(map(tuple, shifts)), tone_digits,
-                            tone_seeds)
+                            tone_seeds, image_sizes, tuple(self.clip_frames[k] for k in frames), tuple(offsets))
 
     # -------------------------------------------------------------- batches
     def batch(self, indices: Sequence[int],
@@ -423,15 +523,35 @@ class DigitsDataset(Dataset):
         labels = torch.tensor([r[1] for r in rows], dtype=torch.int64).reshape(shape)
         modalities = {}
         for name in DIGITS_MODALITIES:
-            wanted = range(len(samples)) if load is None else load.get(name, ())
+            wanted = set(range(len(samples)) if load is None else load.get(name, ()))
             counts = [len(s.scans) if name == "vision" else len(s.tone_digits) for s in samples]
+            if self.varied(name):  # one tensor and one row count per item
+                inputs: torch.Tensor | list[torch.Tensor] = [
+                    self._item(name, sample, k) if i in wanted else torch.zeros(()).expand(*shape)
+                    for i, sample in enumerate(samples) for k, shape in enumerate(self.item_shapes(name, sample))]
+                tokens_per_item: int | tuple[int, ...] = tuple(n for s in samples for n in self.item_tokens(name, s))
+            else:
+                inputs = self._inputs(name, samples, counts, wanted)
+                tokens_per_item = self.tokens_per_image if name == "vision" else self.tokens_per_clip
             modalities[name] = ModalityInputs(
-                inputs=self._inputs(name, samples, counts, set(wanted)),
+                inputs=inputs,
                 items_per_sample=tuple(counts),
-                tokens_per_item=self.tokens_per_image if name == "vision" else self.tokens_per_clip,
+                tokens_per_item=tokens_per_item,
                 special_token_id=IMAGE_TOKEN_ID if name == "vision" else AUDIO_TOKEN_ID,
             )
         return MimoBatch(tokens, labels, (labels != IGNORE_INDEX).float(), modalities)
+
+    def item_shapes(self, modality: str, sample: DigitsSample) -> list[tuple[int, ...]]:
+        """The input shape of each of `sample`'s items of `modality`."""
+        if modality == "vision":
+            return [(self.vision.in_channels, *size) for size in sample.image_sizes]
+        return [(self.audio.n_mels, frames) for frames in sample.tone_frames]
+
+    def item_tokens(self, modality: str, sample: DigitsSample) -> list[int]:
+        """The encoder rows of each of `sample`'s items of `modality`."""
+        if modality == "vision":
+            return [self._image_tokens(size) for size in sample.image_sizes]
+        return [self.audio.output_length(frames) for frames in sample.tone_frames]
 
     def item_shape(self, modality: str) -> tuple[int, ...]:
         """Shape of one encoder input: ``(C, H, W)`` for "vision", ``(n_mels, T)`` for "audio"."""
@@ -459,15 +579,19 @@ class DigitsDataset(Dataset):
 
     def _item(self, name: str, sample: DigitsSample, k: int) -> torch.Tensor:
         if name == "vision":
-            return _image(sample.scans[k], sample.image_shifts[k], self.vision)
-        wave = dtmf_tone(sample.tone_digits[k], sample.tone_seeds[k], self.task, self.clip_samples)
+            if not self.varied("vision"):
+                return _image(sample.scans[k], sample.image_shifts[k], self.vision)
+            offset = sample.image_offsets[k] if self.task.image_fit == "pad" else None
+            return _image(sample.scans[k], sample.image_shifts[k], self.vision, sample.image_sizes[k], offset)
+        samples = self.task.hop_length * (sample.tone_frames[k] - 1)  # the centred STFT's frames
+        wave = dtmf_tone(sample.tone_digits[k], sample.tone_seeds[k], self.task, samples)
         return log_mel_spectrogram(wave, self.task, self.audio.n_mels)
 
     def _row(self, sample: DigitsSample) -> tuple[list[int], list[int]]:
         """Token ids and labels of one sample, padded to `seq_len`."""
         prompt = ([_WORDS["<bos>"]]
-                  + [IMAGE_TOKEN_ID] * (len(sample.scans) * self.tokens_per_image)
-                  + [AUDIO_TOKEN_ID] * (len(sample.tone_digits) * self.tokens_per_clip)
+                  + [IMAGE_TOKEN_ID] * sum(self.item_tokens("vision", sample))
+                  + [AUDIO_TOKEN_ID] * sum(self.item_tokens("audio", sample))
                   + encode("what ?"))
         answer = encode(sample.answer())
         pad = self.seq_len - len(prompt) - len(answer)

@@ -6,8 +6,9 @@ every step; a rank that differs otherwise hangs its peers in an exchange or sile
 other data. Each rank reduces such state to a small integer, and the ranks compare integers inside
 a collective they already make:
 
-- at construction, an all-gather of ``(fingerprint, summary)`` (`disagreement` names the ranks
-  that differ and shows what each has);
+- at construction, an all-gather of each part's fingerprint, then — only when they differ, which
+  every rank then knows — of each part's `summary` (`disagreement` names the ranks that differ
+  and shows what each has; `dtensor_mimo.layout.mesh.check_agreement` runs both);
 - at a step, two more float64 terms of a SUM all-reduce the step already makes:
   ``agreement_terms(fp)`` = (fp, fp²); every rank agrees iff the sums are (n·fp, n·fp²) for its own
   fp (`agreed`). The variance of the ranks' fingerprints is zero exactly then, and with
@@ -16,9 +17,10 @@ a collective they already make:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import zlib
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 STEP_BITS = 20
 """Bits of a per-step fingerprint: sums of squares over 8,192 ranks stay exact in float64."""
@@ -47,10 +49,33 @@ def fingerprint(*values: Any, bits: int = 32) -> int:
     return zlib.crc32(text.encode()) & ((1 << bits) - 1)
 
 
-def batch_fingerprint(tokens: Any, items: dict[str, tuple[Sequence[int], int]]) -> int:
-    """The step fingerprint of a global batch's metadata: its token ids and, per modality, the
-    items per sample and tokens per item (what every rank derives its exchange sizes from)."""
-    return fingerprint(tokens, items, bits=STEP_BITS)
+def summary(value: Any, limit: int = 300) -> str:
+    """A short text of `value` for an error message: a dataclass shows only its fields that
+    differ from their defaults (``ParallelOptions(sp=True)``); a mapping, its entries so shown."""
+    if isinstance(value, Mapping):
+        text = "{" + ", ".join(f"{k}: {summary(v, limit)}" for k, v in value.items()) + "}"
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changed = [f"{f.name}={getattr(value, f.name)!r}" for f in dataclasses.fields(value)
+                   if f.repr and getattr(value, f.name) != _default(f)]
+        text = f"{type(value).__name__}({', '.join(changed)})"
+    else:
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING  # required: always shown
+
+
+def batch_fingerprint(tokens: Any, items: Mapping[str, tuple[Sequence[int], Sequence[int]]]) -> int:
+    """The step fingerprint of a global batch's metadata: its token ids (a tensor, or a tuple of
+    the per-token tensors) and, per modality, the items per sample and tokens per sample (what
+    every rank derives its exchange sizes from)."""
+    return fingerprint(tokens, {k: [list(a), list(b)] for k, (a, b) in items.items()}, bits=STEP_BITS)
 
 
 def trainable_fingerprint(names: Iterable[tuple[str, bool]]) -> int:

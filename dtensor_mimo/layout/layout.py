@@ -13,7 +13,7 @@ and tested in one process. `dtensor_mimo.layout.mesh` turns a layout into Device
 from __future__ import annotations
 
 import itertools
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from dtensor_mimo.layout.parallelism import MESH_DIMS, Parallelism
 
@@ -236,11 +236,16 @@ class MimoLayout:
         return f"MimoLayout({{{mods}}}, world_size={self.world_size})"
 
     # ------------------------------------------------------------------ meshes
-    def init_meshes(self, device_type: str = "cpu") -> None:
-        """Build one DeviceMesh per module (collective: call on every rank, same layout)."""
+    def init_meshes(self, device_type: str = "cpu", agree: Mapping[str, Any] | None = None) -> None:
+        """Build one DeviceMesh per module (collective: call on every rank, same layout).
+
+        First, one all-gather checks that every rank holds this layout (and the `agree` parts,
+        ``{what: value}``, e.g. options the meshes will serve): if not, every rank raises naming
+        the ranks and what each holds, instead of hanging in ``new_group``. The meshes' groups
+        wait for a peer as long as the default group does (its ``timeout``)."""
         from dtensor_mimo.layout.mesh import build_meshes
 
-        self._meshes = build_meshes(self, device_type)
+        self._meshes = build_meshes(self, device_type, agree)
 
     @property
     def meshes_ready(self) -> bool:

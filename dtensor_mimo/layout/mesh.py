@@ -9,16 +9,24 @@ Each module is built as a 3-D root mesh ``("pp", "dp_cp", "tp")`` unflattened to
 ``("pp", "dp", "cp", "tp")``. Building the flattened dp·cp dim up front (instead of
 ``mesh["dp", "cp"]._flatten()`` later) matters twice: ``_flatten`` on members only
 hangs, and FSDP over dp·cp with TP requires both meshes to share one root.
+
+Two guards come first. The layout must be the same on every rank: a rank with another layout
+would sit in another ``new_group`` than its peers, forever, so one all-gather of its fingerprint
+(`check_agreement`) raises on every rank before any group is built. And the groups get the
+default group's timeout (``init_process_group(timeout=...)``, the trainer's ``train.timeout_s``):
+``new_group`` otherwise takes torch's 30-minute default, whatever the default group has.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import datetime
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from dtensor_mimo.layout.fingerprint import disagreement, fingerprint, summary
 from dtensor_mimo.layout.parallelism import MESH_DIMS
 
 if TYPE_CHECKING:
@@ -28,9 +36,10 @@ if TYPE_CHECKING:
 class ModuleMeshes:
     """The DeviceMeshes of every module of a layout, on this rank."""
 
-    def __init__(self, layout: "MimoLayout", device_type: str) -> None:
+    def __init__(self, layout: "MimoLayout", device_type: str, agree: Mapping[str, Any] | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("init_meshes needs torch.distributed initialised (torchrun + init_process_group)")
+        check_agreement({"layout": layout, **(agree or {})})  # before the first new_group
         world = dist.get_world_size()
         if world != layout.world_size:
             raise RuntimeError(
@@ -40,12 +49,37 @@ class ModuleMeshes:
         self._layout = layout
         self._roots: dict[str, DeviceMesh] = {}
         self._meshes: dict[str, DeviceMesh] = {}
+        timeout = default_timeout()
         for name in layout.names:  # same order on every rank
             par = layout.parallelism(name)
             grid = torch.tensor(layout.ranks(name), dtype=torch.int).reshape(par.pp, par.dp * par.cp, par.tp)
-            root = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp_cp", "tp"))
+            root = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp_cp", "tp"),
+                              backend_override=tuple(_with_timeout(n, world, timeout) for n in grid.shape))
             self._roots[name] = root
-            self._meshes[name] = root._unflatten("dp_cp", (par.dp, par.cp), ("dp", "cp"))
+            self._meshes[name] = root._unflatten(
+                "dp_cp", (par.dp, par.cp), ("dp", "cp"),
+                backend_override={d: o for d, n in (("dp", par.dp), ("cp", par.cp))
+                                  if (o := _with_timeout(n, world, timeout)) != (None, None)})
+        if dist.get_backend() == "nccl":
+            self._first_collectives()
+
+    def _first_collectives(self) -> None:
+        """NCCL safety: torch requires that a group's FIRST ``batch_isend_irecv`` involve every
+        rank of the group (a subset may hang while the communicator is created). So each mesh
+        group's first operation is made an all-reduce of all its members, here, in the same order
+        (modules in declaration order, then dims) on every rank, so no two ranks wait on two
+        groups in opposite orders. The default group, where the bridge's exchanges run, needs no
+        such step: ``init_process_group(device_id=...)`` (`dtensor_mimo.train.distributed`)
+        creates its communicator eagerly, and its first operation is `check_agreement`'s
+        all-gather of every rank, before any exchange."""
+        device = torch.device("cuda", torch.cuda.current_device())
+        for name in self._layout.names:
+            if self._meshes[name].get_coordinate() is None:
+                continue
+            for dims in ("pp", "dp_cp", "dp", "cp", "tp"):
+                group = self.get(name, dims).get_group()
+                if group.size() > 1:
+                    dist.all_reduce(torch.zeros(1, device=device), group=group)
 
     def get(self, name: str, dims: str | tuple[str, ...] | None = None) -> DeviceMesh:
         mesh = self._meshes[name]
@@ -66,6 +100,56 @@ class ModuleMeshes:
         return mesh[dims]
 
 
-def build_meshes(layout: "MimoLayout", device_type: str = "cpu") -> ModuleMeshes:
-    """Build the meshes of ``layout`` (collective over the world)."""
-    return ModuleMeshes(layout, device_type)
+def build_meshes(layout: "MimoLayout", device_type: str = "cpu",
+                 agree: Mapping[str, Any] | None = None) -> ModuleMeshes:
+    """Build the meshes of ``layout`` (collective over the world), after checking that every
+    rank has the same layout and the same `agree` parts (`check_agreement`)."""
+    return ModuleMeshes(layout, device_type, agree)
+
+
+def check_agreement(parts: Mapping[str, Any]) -> None:
+    """Raise on every rank, with `disagreement`'s message, unless every rank holds the same
+    `parts` (``{what: value}``, the same keys everywhere: a layout, options, a config).
+
+    Collective over the world: one all-gather of the parts' fingerprints; only when some differ
+    (every rank sees it in the gathered fingerprints) a second one of their `summary` texts, for
+    the message. Call it before any collective that a disagreement would hang."""
+    names = list(parts)
+    mine = [fingerprint(parts[n]) for n in names]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (names, mine))
+    if all(g == gathered[0] for g in gathered):
+        return
+    texts: list[Any] = [None] * len(gathered)
+    dist.all_gather_object(texts, [summary(parts[n]) for n in names])
+    problems = []
+    for i, name in enumerate(names):
+        per_rank = [(fps[i] if names_r == names else -1, texts[r][i] if names_r == names else
+                     f"other parts {names_r}") for r, (names_r, fps) in enumerate(gathered)]
+        if (problem := disagreement(per_rank, name)) is not None:
+            problems.append(problem)
+    raise RuntimeError(" | ".join(problems) or f"ranks disagree on which state to compare: {names}")
+
+
+def default_timeout() -> datetime.timedelta | None:
+    """The default process group's timeout (what ``init_process_group(timeout=...)`` set), or
+    None where the backend does not say."""
+    group = dist.distributed_c10d._get_default_group()
+    for device in group._device_types:
+        options = getattr(group._get_backend(device), "options", None)
+        if options is not None and getattr(options, "_timeout", None) is not None:
+            return options._timeout
+    return None
+
+
+def _with_timeout(size: int, world: int, timeout: datetime.timedelta | None) -> tuple[Any, Any]:
+    """A mesh dim's ``backend_override``: options carrying `timeout` (DeviceMesh passes their
+    ``_timeout`` to ``new_group`` / ``split_group``); ``(None, None)`` for a dim spanning the
+    world, which DeviceMesh serves with the default group itself (already bound by `timeout`)."""
+    if timeout is None or (size == world and not torch.cuda.is_available()):
+        return (None, None)  # (with CUDA present DeviceMesh makes a new group even of the world)
+    backend = dist.get_backend()
+    options = (dist.ProcessGroupNCCL.Options() if backend == "nccl" else
+               dist.ProcessGroupGloo._Options())
+    options._timeout = timeout
+    return (None, options)

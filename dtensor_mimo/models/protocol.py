@@ -100,6 +100,15 @@ def item_rule(encoder: nn.Module) -> ItemRule | None:
     return None
 
 
+def encoder_width(encoder: nn.Module) -> int | None:
+    """The width of an encoder's transformer (its tower's ``config.dim``: `ViT`, `AudioEncoder`,
+    or a user's encoder with such a config), which sets what an item costs (`data.balance`);
+    None when unknown."""
+    tower = encoder.encoder if isinstance(encoder, ModalityEncoder) else encoder
+    dim = getattr(getattr(tower, "config", None), "dim", None)
+    return dim if isinstance(dim, int) and not isinstance(dim, bool) else None
+
+
 def encoder_problems(module: object, *, tp: int, activation_checkpointing: int) -> list[str]:
     """What `module` lacks to serve as an encoder with tensor parallel size `tp` (empty: fine)."""
     if not isinstance(module, nn.Module):

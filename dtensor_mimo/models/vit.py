@@ -268,12 +268,14 @@ class ViT(nn.Module):
                    .reshape(h * w, -1) for image, (h, w) in zip(images, grids)]
         patches = torch.cat(patches) if patches else weight.new_zeros(0, weight[0].numel())
         x = F.linear(patches.to(weight.dtype), weight.flatten(1), self.patch_embed.bias)  # [patches, dim]
-        if self.cls_token is not None and grids:  # each image's class token first, as in the batch path
-            cls = self.cls_token.to(x.dtype).unsqueeze(0)
-            x = torch.cat([part for item in x.split([h * w for h, w in grids]) for part in (cls, item)])
-        if grids:
-            table = {grid: self.positions(grid) for grid in set(grids)}  # each size resized once
-            x = x + torch.cat([table[grid] for grid in grids])
+        # No image (a rank whose share is empty) still runs every parameter, on empty slices: each
+        # parameter gets a (zero) gradient, as on the ranks with images, so FSDP2 reduces the same
+        # gradients everywhere.
+        if self.cls_token is not None:  # each image's class token first, as in the batch path
+            cls = self.cls_token.to(x.dtype).reshape(1, -1)
+            x = torch.cat([part for item in x.split([h * w for h, w in grids]) for part in (cls, item)] or [cls[:0]])
+        table = {grid: self.positions(grid) for grid in set(grids)}  # each size resized once
+        x = x + torch.cat([table[grid] for grid in grids] or [self.pos_embed[:0]])
         x = x.unsqueeze(0)
         return x if self.pre_norm is None else self.pre_norm(x)
 

@@ -50,6 +50,10 @@ class ParallelOptions:
             vocabulary (a ``Shard(-1)`` DTensor) and the cross entropy combines the shards with
             two small tp all-reduces per microbatch instead of all-gathering ``[tokens, vocab]``
             logits. False: logits all-gathered (replicated over tp). Numerics unchanged.
+        balance: an encoder with dp > 1 (and pp = 1): its items are split over its dp ranks in
+            contiguous runs of about equal cost (`dtensor_mimo.data.balance`) instead of by
+            sample; the bridge plan takes the new owners directly (no extra hop). None (default):
+            on for a batch whose items differ in size, off otherwise. Numerics unchanged.
     """
 
     sp: bool = False
@@ -62,6 +66,7 @@ class ParallelOptions:
     reduce_dtype: torch.dtype | str | None = None
     loss_parallel: bool = True
     recompute_colocated: bool = False
+    balance: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -76,6 +81,9 @@ class ParallelOptions:
         wrong = {n: v for n, v in flags.items() if not isinstance(v, bool)}
         if wrong:
             raise TypeError(f"ParallelOptions: {wrong} must be True or False")
+        if self.balance not in (None, True, False):
+            raise TypeError(f"ParallelOptions: balance={self.balance!r} must be True, False or None (on when "
+                            "a batch's items differ in size)")
         ac = self.activation_checkpointing
         if isinstance(ac, bool) or not isinstance(ac, int) or ac < 0:
             raise TypeError(f"ParallelOptions: activation_checkpointing={ac!r} must be an integer >= 0 "

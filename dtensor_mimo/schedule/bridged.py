@@ -40,7 +40,7 @@ def encode(layout: MimoLayout, name: str, encoder: nn.Module | None, batch: Mimo
     in the `dtype` that crosses, as a DTensor on the encoder's mesh."""
     if encoder is not None:
         items = shard(batch, layout.parallelism(name).dp, layout.coordinate(name, rank)["dp"]).modalities[name]
-        local = encoder(items.inputs.to(device, non_blocking=items.inputs.is_cpu)).to(dtype)
+        local = encoder(items.to(device).inputs).to(dtype)
     else:
         local = torch.empty(0, dtype=dtype, device=device, requires_grad=trainable)
     return DTensor.from_local(local, layout.mesh(name), TOKEN_PLACEMENTS, run_check=False,

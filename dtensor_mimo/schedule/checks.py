@@ -40,6 +40,9 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
     if problems:
         raise TypeError(f"the language model ({type(language).__name__}) does not meet the language protocol "
                         f"(dtensor_mimo.models.protocol): it needs {'; '.join(problems)}")
+    if options.get(language_name, ParallelOptions()).balance:
+        raise LayoutError(f"ParallelOptions(balance=True) was given for the language model {language_name!r}; "
+                          "balancing applies to encoders (their items over their dp ranks)")
     for name in layout.names:
         par = layout.parallelism(name)
         if name == language_name and par.pp > 1 and pipeline is None:
@@ -51,6 +54,14 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
     check_pipeline_layout(layout, language_name, pipeline)
     for name, module in encoders.items():
         pp = layout.parallelism(name).pp
+        if options.get(name, ParallelOptions()).recompute_colocated and not (
+                set(layout.ranks(name)) & set(layout.ranks(language_name))):
+            raise LayoutError(f"encoder {name!r} has ParallelOptions(recompute_colocated=True) but shares no rank "
+                              f"with {language_name!r}: only a colocated encoder keeps its graph through the "
+                              "language schedule (one on ranks of its own already holds only its crossing window)")
+        if options.get(name, ParallelOptions()).balance and pp > 1:
+            raise LayoutError(f"encoder {name!r} has pp={pp} and ParallelOptions(balance=True): balancing "
+                              "moves items between the dp ranks of a pp = 1 encoder; drop balance, or use pp = 1")
         if pp > 1:
             problem = encoder_pipeline_problem(layout, language_name, encoders, name, options, pipeline)
             if problem:
@@ -120,10 +131,15 @@ def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str]
         )
     for name, m in batch.modalities.items():
         rule = (item_rules or {}).get(name)
-        problem = rule and m.num_items and rule(tuple(m.inputs.shape[1:]), m.tokens_per_item)
+        kinds = sorted(m.item_kinds()) if rule and m.num_items else []
+        problem = next((p for shape, tokens in kinds if (p := rule(shape, tokens))), None)
         if problem:
             raise ValueError(f"the batch's {name!r} items do not fit encoder {name!r}: {problem}; build the "
                              "batch's ModalityInputs for this encoder (its inputs and tokens_per_item)")
+        if m.varied and layout.parallelism(name).pp > 1:
+            raise ValueError(f"the batch's {name!r} items differ in size, but encoder {name!r} has pp="
+                             f"{layout.parallelism(name).pp}: an encoder pipeline's stage links have one "
+                             "shape per item; give it pp = 1 (dp or tp instead), or items of one size")
     cp = layout.parallelism(language_name).cp
     if cp > 1 and batch.seq_len % (2 * cp):
         raise ValueError(

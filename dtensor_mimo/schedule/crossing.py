@@ -75,11 +75,15 @@ class Crossing:
             (fresh tensors).
         n_hops: the route of every direction: 1, 2 or None (`hops.default_hops`: two hops across
             nodes where the receiving stage replicates the rows or the gradient is Partial).
+        bounds: per encoder whose items are balanced over its dp ranks, the rows where each dp
+            rank's share starts, then the row count (`data.balance.row_bounds`); the others'
+            dp ranks hold their samples' rows.
     """
 
     def __init__(self, layout: MimoLayout, language: str, microbatch: MimoBatch, names: Sequence[str],
                  trainable: Sequence[bool], dim: int, dtype: torch.dtype, device: torch.device,
-                 index: int = 0, buffers: exchange.BufferPool | None = None, n_hops: int | None = None) -> None:
+                 index: int = 0, buffers: exchange.BufferPool | None = None, n_hops: int | None = None,
+                 bounds: Mapping[str, Sequence[int]] | None = None) -> None:
         world, self.rank = dist.get_world_size(), dist.get_rank()
         lang = layout.parallelism(language)
         grad = (Shard(0), Partial() if lang.cp > 1 else Replicate(), Replicate())
@@ -93,7 +97,7 @@ class Crossing:
         lang_groups = _groups(layout, language)
         for name in self.names:
             sizes = tuple(microbatch.tokens_per_sample(name))
-            src = _stage_spec(layout, name, -1).replace(sample_sizes=sizes)
+            src = _stage_spec(layout, name, -1).replace(sample_sizes=sizes, shard_bounds=(bounds or {}).get(name))
             dst = dst_base.replace(sample_sizes=sizes)
             enc_groups = _groups(layout, name)
             self._forward.append(hops.route(src, dst, self.rank, world, n_hops, enc_groups, lang_groups))

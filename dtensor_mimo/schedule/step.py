@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from dtensor_mimo.bridge.exchange import BufferPool
-from dtensor_mimo.data import MimoBatch, microbatches, shard
+from dtensor_mimo.data import MimoBatch, ModalityInputs, microbatches, shard
+from dtensor_mimo.data.balance import item_cuts, row_bounds
 from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.schedule.crossing import Crossing
 from dtensor_mimo.schedule.encoders import ColocatedEncoders, EncoderPipeline, run_local_encoders
@@ -55,6 +56,8 @@ def pipelined_step(
     hops: int | None = None,
     keep_gathered: Collection[str] = (),
     recompute: Collection[str] = (),
+    balance: Mapping[str, bool | None] | None = None,
+    widths: Mapping[str, int | None] | None = None,
 ) -> tuple[torch.Tensor, str | None]:
     """Forward and backward of the global `batch`; returns this rank's loss share and, if this
     rank's encoder rows disagreed with the batch metadata, what went wrong (`Crossing.forward`).
@@ -66,7 +69,10 @@ def pipelined_step(
     its own; `buffers`: where the crossings receive (recycled across steps); `hops`: the
     crossings' route (`Crossing`'s ``n_hops``); `keep_gathered`: overlapped pp = 1 encoders whose
     FSDP2 parameters stay gathered across the step (`run_local_encoders`); `recompute`: colocated
-    encoders that keep no graph through the language schedule (`ColocatedEncoders`).
+    encoders that keep no graph through the language schedule (`ColocatedEncoders`); `balance`:
+    each encoder's `ParallelOptions.balance` (None: on for a microbatch whose items differ in
+    size), its items then cut over its dp ranks by cost (`data.balance`, the encoder's width from
+    `widths`), and the crossings planned for those owners.
     """
     rank = torch.distributed.get_rank()
     mbs = microbatches(batch, num_microbatches)
@@ -74,20 +80,23 @@ def pipelined_step(
     flags = [trainable[n] for n in names]
     if not any(flags):  # no gradient crosses back: nothing paces the forward crossings
         window = num_microbatches
+    # Which items each encoder dp rank encodes, per microbatch: by sample, or balanced by cost.
+    balanced = [[n for n in names if _balanced(mb.modalities[n], (balance or {}).get(n))] for mb in mbs]
+    cuts = [{n: item_cuts(mb.modalities[n], layout.parallelism(n).dp, n in b, (widths or {}).get(n)) for n in names}
+            for mb, b in zip(mbs, balanced)]
     crossings = [Crossing(layout, language_name, mb, names, flags, dim, dtype, device, index=i, buffers=buffers,
-                          n_hops=hops)
-                 for i, mb in enumerate(mbs)]
+                          n_hops=hops, bounds={n: row_bounds(mb.modalities[n], c[n]) for n in b})
+                 for i, (mb, c, b) in enumerate(zip(mbs, cuts, balanced))]
     local = [n for n in names if n in encoders or n in encoder_pipelines]
-    items = []  # this rank's dp shard of each microbatch's items, per local encoder
-    for mb in mbs:
+    items = []  # this rank's share of each microbatch's items, per local encoder
+    for mb, c in zip(mbs, cuts):
         per = {}
         for n in local:
-            par = layout.parallelism(n)
-            per[n] = shard(mb, par.dp, layout.coordinate(n, rank)["dp"]).modalities[n]
+            k = layout.coordinate(n, rank)["dp"]
+            per[n] = mb.modalities[n].select_items(range(c[n][k], c[n][k + 1]))
         items.append(per)
     # Host-to-device copies that do not wait for the device's queue (the inputs are host memory).
-    inputs = [{n: m.inputs.to(device, non_blocking=m.inputs.is_cpu) for n, m in per.items() if n in encoders}
-              for per in items]
+    inputs = [{n: m.to(device).inputs for n, m in per.items() if n in encoders} for per in items]
     first = language is not None and language.first is not None
     lang_mbs = []
     if language is not None:
@@ -103,7 +112,7 @@ def pipelined_step(
                                keep_gathered)
         for n, pipeline in encoder_pipelines.items():
             if n in local:
-                pipeline.run([per[n].inputs.to(device, non_blocking=per[n].inputs.is_cpu) for per in items],
+                pipeline.run([per[n].to(device).inputs for per in items],
                              [per[n].num_items for per in items],
                              tuple(batch.modalities[n].inputs.shape[1:]), batch.modalities[n].tokens_per_item,
                              dim, crossings)
@@ -132,6 +141,12 @@ def pipelined_step(
              for c, pendings in zip(crossings, returned)]
     colocated.backward(grads)
     return share, _error(crossings, errors)
+
+
+def _balanced(m: ModalityInputs, option: bool | None) -> bool:
+    """Whether an encoder's items are balanced over its dp ranks: its `ParallelOptions.balance`,
+    or (None) whether the items differ in size."""
+    return m.varied if option is None else option
 
 
 def _error(crossings: Sequence[Crossing], errors: Sequence[str | None]) -> str | None:

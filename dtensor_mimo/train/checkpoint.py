@@ -64,12 +64,14 @@ def step_checkpoints(directory: str) -> list[str]:
     return [os.path.join(directory, name) for _, name in steps]
 
 
-def latest_checkpoint(directory: str, warn: Callable[[str], None] | None = None) -> str | None:
+def latest_checkpoint(directory: str, warn: Callable[[str], None] | None = None,
+                      checksums: bool = False) -> str | None:
     """The newest checkpoint in `directory` that is complete: DCP's metadata present and every
-    file of its manifest there with its recorded size (checksums: `verify`). None: there is none.
-    Each newer one passed over is reported to `warn` (naming the file that is wrong)."""
+    file of its manifest there with its recorded size (and, with `checksums`, its CRC-32: `verify`,
+    every file read in this process). None: there is none. Each newer one passed over is reported
+    to `warn` (naming the file that is wrong)."""
     for path in step_checkpoints(directory):
-        problems = verify(path, checksums=False)
+        problems = verify(path, checksums=checksums)
         if not problems:
             return path
         if warn is not None:
@@ -140,15 +142,21 @@ def choose_checkpoint(directory: str) -> tuple[str | None, list[str]]:
     return None, warnings
 
 
-def resolve_load(path: str, warn: Callable[[str], None] | None = None) -> str:
-    """The checkpoint `path` names: itself when it is one, else the latest complete checkpoint
-    of the directory of them it is (newer incomplete ones reported to `warn`); CheckpointError
-    says what is there otherwise."""
+def resolve_load(path: str, warn: Callable[[str], None] | None = None, checksums: bool = True) -> str:
+    """The checkpoint `path` names: itself when it is one, else the newest checkpoint of the
+    directory of them it is that verifies (`latest_checkpoint` with `checksums`, as a resume from
+    ``checkpoint.dir`` chooses; newer damaged ones reported to `warn`); CheckpointError says what
+    is there otherwise. A checkpoint named itself is never swapped for another: `load` refuses it
+    when damaged, and one that lost its ``.metadata`` is named as damaged here."""
     if os.path.exists(os.path.join(path, ".metadata")):
         return path
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path!r}: no such directory")
-    latest = latest_checkpoint(path, warn)
+    if _STEP_DIR.match(os.path.basename(os.path.normpath(path))) or os.path.exists(os.path.join(path, MANIFEST)):
+        raise CheckpointError(f"checkpoint {path!r} is damaged: {'; '.join(verify(path, checksums=False))}; name "
+                              f"the directory that holds it ({os.path.dirname(os.path.normpath(path)) or '.'!r}) "
+                              "to load the newest complete checkpoint instead")
+    latest = latest_checkpoint(path, warn, checksums)
     if latest is None:
         entries = sorted(os.listdir(path))[:8]
         raise CheckpointError(f"checkpoint {path!r} is neither a checkpoint (no .metadata) nor a directory of "
@@ -203,37 +211,72 @@ def save(directory: str, step: int, model: MimoModel, optimizer: MimoOptimizer,
     dcp.save(_state(model, optimizer, trainer), checkpoint_id=tmp)
     dist.barrier()  # every rank's files and the metadata are written
     write_manifest(tmp)
+    error = None
     if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for name in os.listdir(directory):  # older checkpoints beyond `keep`, stale partial saves
-            m = _STEP_DIR.match(name)
-            if (m and int(m.group(1)) < step and name not in _newest(directory, keep)) or \
-                    (name.startswith(".step-") and name.endswith(".tmp")):
-                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-    dist.barrier()
+        try:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for name in os.listdir(directory):  # older checkpoints beyond `keep`, stale partial saves
+                m = _STEP_DIR.match(name)
+                if (m and int(m.group(1)) < step and name not in _newest(directory, keep)) or \
+                        (name.startswith(".step-") and name.endswith(".tmp")):
+                    shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        except OSError as e:
+            error = f"rank 0 could not rename {tmp} to {final}: {e}"
+    _every_rank_raises([error], f"saving {final}")  # in place of a barrier: rank 0's verdict too
     return final
+
+
+def _every_rank_raises(errors: list[str | None], what: str) -> None:
+    """One all-gather of each rank's `errors` (its verdicts, None: fine); raises CheckpointError
+    on every rank when any rank's is not None, so no rank waits for one that gave up."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, errors)
+    found = list(dict.fromkeys(e for part in everyone for e in part if e is not None))
+    if found:
+        raise CheckpointError(f"{what}: {'; '.join(found)}")
 
 
 def write_manifest(directory: str) -> None:
     """Write `MANIFEST` for the saved files in `directory` (collective: each rank checksums its
-    share of them; rank 0 writes the file, flushed to disk before the checkpoint is renamed)."""
+    share of them; rank 0 writes the file, flushed to disk before the checkpoint is renamed).
+    A rank that cannot read its share, or rank 0 failing to list or write, makes every rank raise
+    CheckpointError naming the rank and the file (all-gathers, not a gather to rank 0 alone)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     shares: list[Any] = [None]
     if rank == 0:  # one listing of the (shared) directory, each rank sent only its share
-        names = sorted(n for n in os.listdir(directory) if n != MANIFEST)
-        dist.scatter_object_list(shares, [names[r::world] for r in range(world)], src=0)
+        try:
+            names = sorted(n for n in os.listdir(directory) if n != MANIFEST)
+            parts: list[Any] = [names[r::world] for r in range(world)]
+        except OSError as e:
+            parts = [f"rank 0 could not list {directory}: {e}"] * world
+        dist.scatter_object_list(shares, parts, src=0)
     else:
         dist.scatter_object_list(shares, None, src=0)
-    mine = _entries(directory, shares[0])
-    everyone: list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object(mine, everyone, dst=0)
+    mine, error = {}, None
+    if isinstance(shares[0], str):  # rank 0's listing failed: every rank knows it now
+        error = shares[0]
+    else:
+        try:
+            mine = _entries(directory, shares[0])
+        except OSError as e:
+            error = f"rank {rank} could not checksum {e.filename or directory}: {e.strerror or e}"
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, (mine, error))
+    errors = list(dict.fromkeys(e for _, e in everyone if e is not None))
+    if errors:
+        raise CheckpointError(f"writing the manifest of {directory}: {'; '.join(errors)}")
+    error = None
     if rank == 0:
-        files = {n: e for part in everyone for n, e in part.items()}
-        with open(os.path.join(directory, MANIFEST), "w") as f:
-            json.dump({"files": files}, f, indent=0, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            files = {n: e for part, _ in everyone for n, e in part.items()}
+            with open(os.path.join(directory, MANIFEST), "w") as f:
+                json.dump({"files": files}, f, indent=0, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            error = f"rank 0 could not write {os.path.join(directory, MANIFEST)}: {e}"
+    _every_rank_raises([error], f"writing the manifest of {directory}")
 
 
 def _newest(directory: str, keep: int) -> set[str]:

@@ -142,6 +142,14 @@ class EncoderSection:
         mlp_hidden: the MLP hidden width.
         image_size: the library ViT's square input, pixels (needed on conversation data; digits: 8).
         patch_size: the library ViT's patches, pixels.
+        dynamic_resolution: images at their own size (aspect ratio kept; conversation data: resized
+            into data.image_min_pixels..image_max_pixels; digits: scans at 8x8, 8x12, 12x8, 12x12),
+            each giving (H // patch) * (W // patch) rows, positions interpolated from the tower's
+            grid; an image encoder from a SigLIP / CLIP directory or the library ViT.
+        max_patches: with dynamic_resolution, the most rows one image may give (0: what
+            data.image_max_pixels allows; digits: the largest scan's).
+        variable_length: clips at their own length (up to data.audio_max_seconds), each giving
+            its own rows, no padding; an audio encoder from a Whisper directory or the library's.
     """
 
     modality: Literal["image", "audio"] = "image"
@@ -159,6 +167,9 @@ class EncoderSection:
     mlp_hidden: int = 96
     image_size: int = 0
     patch_size: int = 4
+    dynamic_resolution: bool = False
+    max_patches: int = 0
+    variable_length: bool = False
 
 
 @dataclass
@@ -224,6 +235,12 @@ class DataSection:
         max_images: digits: scans per sample, up to.
         max_tones: digits: tones per sample, up to.
         noise_std: digits: noise of the tones.
+        image_max_pixels: images of a dynamic_resolution encoder are resized, aspect ratio kept and
+            each side a multiple of the patch, to at most this many pixels (0: the tower's
+            image_size squared).
+        image_min_pixels: and to at least this many where image_max_pixels allows (0: one patch).
+        audio_max_seconds: clips of a variable_length encoder keep their own length up to this
+            (longer ones are cut; 0: the longest the encoder takes).
     """
 
     format: Literal["digits", "llava"] = "digits"
@@ -242,6 +259,9 @@ class DataSection:
     max_images: int = 3
     max_tones: int = 2
     noise_std: float = 0.5
+    image_max_pixels: int = 0
+    image_min_pixels: int = 0
+    audio_max_seconds: float = 0.0
 
 
 @dataclass
@@ -667,7 +687,7 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         positive(key, getattr(getattr(config, section), name))
     for key in ("train.eval_every", "train.threads", "train.generate", "checkpoint.every", "data.workers",
                 "data.max_images", "data.max_tones", "optimizer.warmup_steps", "data.heldout_samples",
-                "data.seq_len"):
+                "data.seq_len", "data.image_max_pixels", "data.image_min_pixels", "data.audio_max_seconds"):
         section, name = key.split(".")
         positive(key, getattr(getattr(config, section), name), 0)
     if not config.train.timeout_s > 0:
@@ -696,6 +716,18 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
                 positive(f"{key}.{field_name}", getattr(enc, field_name))
             if enc.dim % enc.n_heads:
                 raise ConfigError(f"{key}.n_heads = {enc.n_heads} must divide {key}.dim = {enc.dim}")
+        positive(f"{key}.max_patches", enc.max_patches, 0)
+        if enc.modality == "audio" and enc.dynamic_resolution:
+            raise ConfigError(f"{key}.dynamic_resolution is for image encoders; an audio encoder takes clips at "
+                              f"their own length with {key}.variable_length = true")
+        if enc.modality == "image" and enc.variable_length:
+            raise ConfigError(f"{key}.variable_length is for audio encoders; an image encoder takes images at "
+                              f"their own size with {key}.dynamic_resolution = true")
+        if enc.factory and (enc.dynamic_resolution or enc.variable_length):
+            which = "dynamic_resolution" if enc.dynamic_resolution else "variable_length"
+            raise ConfigError(f"{key}.{which}: items of their own size need an encoder the library configures (a "
+                              "SigLIP / CLIP / Whisper directory or the library's); a factory encoder gives "
+                              "tokens_per_item rows per item")
         if enc.factory and config.data.format != "digits" and (not enc.processor or enc.tokens_per_item < 1):
             raise ConfigError(f"{key}: a factory encoder needs processor = 'DIR' (its items' preprocessing) "
                               "and tokens_per_item (its rows per item) for the data")
@@ -709,6 +741,9 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"optimizer.betas = {config.optimizer.betas}: expected two numbers in [0, 1)")
     data = config.data
     _refuse_unused(config)
+    if data.image_min_pixels and data.image_max_pixels and data.image_min_pixels > data.image_max_pixels:
+        raise ConfigError(f"data.image_min_pixels = {data.image_min_pixels} is above data.image_max_pixels = "
+                          f"{data.image_max_pixels}; images are resized to a pixel count between the two")
     if data.format == "digits":
         kinds = {n: e.modality for n, e in config.model.encoders.items()}
         if kinds != {"vision": "image", "audio": "audio"} or any(e.hf or e.factory for e in config.model.encoders.values()):
@@ -758,9 +793,17 @@ def _refuse_unused(config: TrainerConfig) -> None:
     digits = config.data.format == "digits"
     unused = [f"data.{n}" for n in _changed(config.data, ("path", "heldout", "root", "tokenizer", "truncate", "pack")
                                              if digits else ("max_images", "max_tones", "noise_std"))]
+    encoders = config.model.encoders.values()
+    # Conversation media are resized / cut to these; the digits scans and tones have their own sizes.
+    if digits or not any(e.dynamic_resolution for e in encoders):
+        unused += [f"data.{n}" for n in _changed(config.data, ("image_max_pixels", "image_min_pixels"))]
+    if digits or not any(e.variable_length for e in encoders):
+        unused += [f"data.{n}" for n in _changed(config.data, ("audio_max_seconds",))]
     library = ("dim", "n_layers", "n_heads", "mlp_hidden", "image_size", "patch_size")
     for name, enc in config.model.encoders.items():
         key = f"model.encoders.{name}"
+        if not enc.dynamic_resolution:
+            unused += [f"{key}.{n}" for n in _changed(enc, ("max_patches",))]
         if enc.hf or enc.factory:
             unused += [f"{key}.{n}" for n in _changed(enc, library)]
         if not enc.factory:
@@ -778,8 +821,10 @@ def _refuse_unused(config: TrainerConfig) -> None:
     if unused:
         raise ConfigError(f"{', '.join(unused)}: not used by this config (the library model's sizes apply without "
                           "hf or factory; tokens_per_item and factory_args with a factory; feature_layer with an "
-                          "image tower's hf; data.path, heldout, root, tokenizer, truncate, pack with data.format = "
-                          "'llava'; max_images, max_tones, noise_std with 'digits'); remove them")
+                          "image tower's hf; max_patches with dynamic_resolution; data.path, heldout, root, tokenizer, "
+                          "truncate, pack, and image_max_pixels, image_min_pixels (audio_max_seconds) with an encoder's "
+                          "dynamic_resolution (variable_length), with data.format = 'llava'; max_images, max_tones, "
+                          "noise_std with 'digits'); remove them")
 
 
 def _check_source(key: str, hf: str | None, factory: str | None) -> None:

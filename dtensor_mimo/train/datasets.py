@@ -63,6 +63,9 @@ class TrainData:
             for a sample with no answer to generate.
         decode: generated ids -> text.
         items_per_sample: each encoder's expected items per sample (for FLOPs).
+        tokens_per_item: each encoder's expected rows per item (for FLOPs and the planner): the
+            fixed count, or with items of their own size the mean of the data's (digits: over
+            its sizes; conversations: over the first training items, from their headers).
     """
 
     train: BatchSource
@@ -72,6 +75,7 @@ class TrainData:
     prompt: Callable[[int], tuple[int, str, int | None] | None]
     decode: Callable[[list[int]], str]
     items_per_sample: dict[str, float]
+    tokens_per_item: dict[str, float]
 
 
 def round_seq_len(config: TrainerConfig, minimum: int) -> int:
@@ -114,22 +118,48 @@ def digits_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainData:
         return exact_match(batch, pred, answer_digit_positions(batch.labels))
 
     return TrainData(train, heldout, seq_len, score, prompt, decode,
-                     {"vision": d.max_images / 2, "audio": d.max_tones / 2})
+                     {"vision": d.max_images / 2, "audio": d.max_tones / 2},
+                     {"vision": train.mean_tokens("vision"), "audio": train.mean_tokens("audio")})
 
 
 # ---------------------------------------------------------------------------- conversations
 
 
 def media_specs(resolved: ResolvedModel) -> dict[str, MediaSpec]:
-    """Each encoder's placeholder id, rows per item, input shape and preprocessing."""
+    """Each encoder's placeholder id, rows per item, input shape and preprocessing; for an
+    encoder of items at their own size, how an item's shape and rows follow from its file."""
     specs = {}
     vocab = resolved.tokenizer.get_vocab()
     for name, e in resolved.encoders.items():
         modality = e.section.modality
-        prepare = audio_inputs(e.processor) if modality == "audio" else image_inputs(e.processor)
+        if modality == "audio":
+            prepare = audio_inputs(e.processor, e.clip_samples)
+        else:
+            fit = (e.config.patch_size, *e.image_pixels) if e.image_pixels else None
+            prepare = image_inputs(e.processor, fit)
+        varied = {"shape_of": prepare.shape, "tokens_for": e.config.tokens_for} if e.varied else {}
         specs[name] = MediaSpec(modality, vocab[PLACEHOLDERS[modality]], e.tokens_per_item,
-                                e.item_shape or (), prepare)
+                                e.item_shape or (), prepare, **varied)
     return specs
+
+
+MEAN_TOKENS_ITEMS = 64
+"""Items whose headers estimate an encoder's mean rows per item when items have their own sizes."""
+
+
+def mean_tokens(spec: MediaSpec, samples: Sequence[Mapping[str, Any]], root: str) -> float:
+    """The expected rows per item of `spec`'s encoder: fixed, or the mean over the first
+    `MEAN_TOKENS_ITEMS` items of `samples` (their headers only)."""
+    if not spec.varied:
+        return float(spec.tokens_per_item)
+    paths = [p for s in samples for p in item_paths(s, spec.modality)][:MEAN_TOKENS_ITEMS]
+    counts = []
+    for p in paths:
+        try:
+            counts.append(spec.tokens_for(spec.shape_of(os.path.join(root, p))))
+        except ValueError:  # the dataset names the sample when it meets it
+            continue
+    return sum(counts) / len(counts) if counts else float(spec.tokens_per_item)
 
 
 def read_checked(config: TrainerConfig, path: str, key: str) -> tuple[list[dict[str, Any]], str]:
@@ -155,6 +185,17 @@ def conversation_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainDa
         if first is None:
             continue
         path = os.path.join(root, item_paths(first, spec.modality)[0])
+        if spec.varied:  # the processor's output against the header's prediction, and the encoder takes it
+            try:
+                shape, predicted = tuple(spec.prepare([path])[0].shape), spec.shape_of(path)
+                spec.tokens_for(shape)
+            except (DataError, ValueError) as e:
+                raise ConfigError(f"model.encoders.{name}: {e}") from None
+            if shape != predicted:
+                raise ConfigError(f"model.encoders.{name}: its processor turns {path} into {list(shape)}, not the "
+                                  f"{list(predicted)} its header gives (and the token rows count); use a processor "
+                                  "that resizes to the size it is given (SigLIP, CLIP) or a Whisper feature extractor")
+            continue
         try:
             shape = tuple(spec.prepare([path]).shape[1:])
         except DataError as e:
@@ -199,8 +240,9 @@ def conversation_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainDa
     rows = len(train)  # items per row: several samples' when packed
     items = {name: sum(len(item_paths(s, spec.modality)) for s in train_samples) / rows
              for name, spec in media.items()}
+    tokens = {name: mean_tokens(spec, train_samples, root) for name, spec in media.items()}
     return TrainData(train, heldout, train.seq_len, score, prompt,
-                     lambda ids: tokenizer.decode(ids, skip_special_tokens=True).strip(), items)
+                     lambda ids: tokenizer.decode(ids, skip_special_tokens=True).strip(), items, tokens)
 
 
 def train_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainData:

@@ -10,9 +10,14 @@
   previous round's addresses and fails ("connectFullMesh failed ... Connection refused") or
   hangs. Prefixing the store with ``TORCHELASTIC_RESTART_COUNT`` gives each round its own keys.
 - **Timeout.** ``timeout_s`` bounds how long a rank waits for a peer in the default group (the
-  bridge's exchanges and the step's all-reduce run there). DeviceMesh's subgroups (FSDP, tp, pp)
-  do not inherit it: ``new_group`` takes torch's own default (30 minutes) unless the mesh is built
-  with a ``backend_override`` carrying the timeout (measured, torch 2.13).
+  bridge's exchanges and the step's all-reduce run there) and in the modules' mesh groups (FSDP,
+  tp, cp, pp): ``new_group`` would take torch's own default (30 minutes), so
+  `dtensor_mimo.layout.mesh` builds each mesh with a ``backend_override`` carrying the default
+  group's timeout (measured, torch 2.13: tests/test_faults.py).
+- **NCCL.** ``device_id`` binds this rank's GPU at init: the world's communicator is created
+  eagerly and DeviceMesh splits its groups from it (``ncclCommSplit``); see
+  `dtensor_mimo.layout.mesh.ModuleMeshes._first_collectives` for torch's rule on a group's first
+  batched point-to-point.
 - **Failing fast.** `abort` after an exception: NCCL communicators are aborted (a peer's pending
   collective errors at once instead of waiting for the timeout); gloo's connections close, which
   a peer's next wait sees as "Connection closed by peer".

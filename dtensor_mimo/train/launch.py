@@ -45,7 +45,7 @@ def preflight(config: TrainerConfig) -> None:
                           f"rows of {config.data.path} (samples, or packed rows with data.pack)")
     if config.checkpoint.load and not (config.checkpoint.dir and checkpoint.latest_checkpoint(config.checkpoint.dir)):
         try:
-            checkpoint.resolve_load(config.checkpoint.load)
+            checkpoint.resolve_load(config.checkpoint.load, checksums=False)  # sizes: the ranks checksum
         except checkpoint.CheckpointError as e:
             raise ConfigError(f"checkpoint.load: {e}") from None
 

@@ -39,17 +39,36 @@ _TOWERS = {"siglip_vision_model": -1, "clip_vision_model": -2, "siglip": -1, "cl
 @dataclass
 class ResolvedEncoder:
     """One encoder as the config describes it: its library config (None for a factory's), rows per
-    item, and its items' preprocessing (a transformers processor; None for the digits data)."""
+    item, and its items' preprocessing (a transformers processor; None for the digits data).
+
+    Attributes:
+        tokens_per_item: the rows every item gives; for items of their own size (`varied`) an
+            upper bound, the most one item may give (``max_patches``; the longest clip's rows),
+            not what an item gives: the data counts each item's (`ViTConfig.tokens_for`).
+        image_pixels: ``(min, max)`` pixels images are resized into (dynamic resolution on
+            conversation data; else None).
+        clip_samples: the most samples of a clip kept (variable-length audio on conversation
+            data; else None).
+    """
 
     name: str
     section: EncoderSection
     config: ViTConfig | AudioConfig | None
     tokens_per_item: int
     processor: Any = None
+    image_pixels: tuple[int, int] | None = None
+    clip_samples: int | None = None
+
+    @property
+    def varied(self) -> bool:
+        """Whether items have their own sizes (dynamic resolution, variable-length clips)."""
+        return bool(getattr(self.config, "dynamic_resolution", False) or getattr(self.config, "variable_length", False))
 
     @property
     def item_shape(self) -> tuple[int, ...] | None:
-        """One encoder input's shape, when the library config fixes it."""
+        """One encoder input's shape, when the library config fixes it (None when items vary)."""
+        if self.varied:
+            return None
         if isinstance(self.config, ViTConfig):
             return (self.config.in_channels, self.config.image_size, self.config.image_size)
         if isinstance(self.config, AudioConfig):
@@ -100,6 +119,47 @@ def vision_config(key: str, path: str, feature_layer: int | None) -> ViTConfig:
     return dataclasses.replace(config, n_layers=n, final_norm=False)
 
 
+def dynamic_vit(config: TrainerConfig, name: str, vit: ViTConfig) -> tuple[ViTConfig, tuple[int, int]]:
+    """`vit` taking images at their own size (``[model.encoders.<name>] dynamic_resolution``) on
+    conversation data, and the ``(min, max)`` pixels images are resized into: data.image_max_pixels
+    (default: max_patches patches, else the tower's own image_size squared) and image_min_pixels
+    (default: one patch). max_patches defaults to what image_max_pixels allows and may not be less."""
+    key, section, data = f"model.encoders.{name}", config.model.encoders[name], config.data
+    p = vit.patch_size
+    most = data.image_max_pixels or (section.max_patches * p * p if section.max_patches else vit.image_size ** 2)
+    least = data.image_min_pixels or p * p
+    if most < p * p:
+        raise ConfigError(f"data.image_max_pixels = {most} is less than one {p}x{p} patch of {key}")
+    if least > most:
+        raise ConfigError(f"data.image_min_pixels = {least} is above the {most} pixels an image of {key} may have "
+                          f"(data.image_max_pixels, or {key}.max_patches x {p}x{p}); lower it or raise those")
+    patches = most // (p * p)
+    if section.max_patches and section.max_patches < patches:
+        raise ConfigError(f"{key}.max_patches = {section.max_patches}: images of up to data.image_max_pixels = {most} "
+                          f"pixels give up to {patches} patches of {p}x{p}; raise max_patches to {patches} or lower "
+                          "data.image_max_pixels")
+    vit = dataclasses.replace(vit, dynamic_resolution=True, max_patches=section.max_patches or patches)
+    return vit, (least, most)
+
+
+def variable_audio(config: TrainerConfig, name: str, audio: AudioConfig, fe: Any) -> tuple[AudioConfig, int]:
+    """`audio` taking clips at their own length (``[model.encoders.<name>] variable_length``) on
+    conversation data, and the most samples of a clip kept: data.audio_max_seconds (default: the
+    longest clip the encoder takes, at the feature extractor's rate and hop)."""
+    key, rate, hop = f"model.encoders.{name}", fe.sampling_rate, fe.hop_length
+    longest = audio.max_frames * hop / rate
+    seconds = config.data.audio_max_seconds or longest
+    samples = int(seconds * rate)
+    shortest = max(hop, fe.n_fft // 2 + 1)
+    if samples // hop > audio.max_frames:
+        raise ConfigError(f"data.audio_max_seconds = {seconds:g}: {samples // hop} frames of {hop} samples at "
+                          f"{rate} Hz, more than {key} takes ({audio.max_frames} frames, {longest:g} s); lower it")
+    if samples < shortest:
+        raise ConfigError(f"data.audio_max_seconds = {seconds:g}: {samples} samples, less than the feature "
+                          f"extractor's window of {shortest} samples at {rate} Hz; raise it")
+    return dataclasses.replace(audio, variable_length=True), samples
+
+
 def _processor(key: str, path: str, modality: str) -> Any:
     """The transformers image processor / feature extractor saved in `path`."""
     import transformers
@@ -135,6 +195,10 @@ def resolve_encoder(config: TrainerConfig, name: str, section: EncoderSection) -
             except (ValueError, KeyError) as e:
                 raise ConfigError(f"{key}: {e}") from None
             proc = _processor(key, section.processor or path, "audio")
+            if section.variable_length:
+                audio, samples = variable_audio(config, name, audio, proc)
+                longest = audio.output_length(samples // proc.hop_length)
+                return ResolvedEncoder(name, section, audio, longest, proc, clip_samples=samples)
             frames = proc.nb_max_frames
             if frames != audio.max_frames:
                 raise ConfigError(f"{key}: the feature extractor gives {frames} frames per clip but the encoder "
@@ -145,6 +209,9 @@ def resolve_encoder(config: TrainerConfig, name: str, section: EncoderSection) -
                               f"(siglip, clip, their vision models, llava); for audio set modality = 'audio'")
         vit = vision_config(f"{key}.hf", path, section.feature_layer)
         proc = _processor(key, section.processor or path, "image")
+        if section.dynamic_resolution:
+            vit, pixels = dynamic_vit(config, name, vit)
+            return ResolvedEncoder(name, section, vit, vit.max_patches, proc, image_pixels=pixels)
         return ResolvedEncoder(name, section, vit, vit.num_patches, proc)
     # the library's own encoder
     digits = config.data.format == "digits"
@@ -155,14 +222,21 @@ def resolve_encoder(config: TrainerConfig, name: str, section: EncoderSection) -
         vit = ViTConfig(image_size=size, patch_size=section.patch_size, in_channels=1 if digits else 3,
                         dim=section.dim, n_layers=section.n_layers, n_heads=section.n_heads,
                         mlp_hidden=section.mlp_hidden)
-        proc = None
-        if not digits:
-            proc = (_processor(key, section.processor, "image") if section.processor
-                    else _library_image_processor(size))
+        if digits:
+            if section.dynamic_resolution:
+                vit = _digits_dynamic(key, section, vit)
+                return ResolvedEncoder(name, section, vit, vit.max_patches)
+            return ResolvedEncoder(name, section, vit, vit.num_patches)
+        proc = (_processor(key, section.processor, "image") if section.processor
+                else _library_image_processor(size))
+        if section.dynamic_resolution:
+            vit, pixels = dynamic_vit(config, name, vit)
+            return ResolvedEncoder(name, section, vit, vit.max_patches, proc, image_pixels=pixels)
         return ResolvedEncoder(name, section, vit, vit.num_patches, proc)
     if digits:
         audio = AudioConfig(n_mels=16, max_frames=16, conv_strides=(2, 2), dim=section.dim, n_layers=section.n_layers,
-                            n_heads=section.n_heads, mlp_hidden=section.mlp_hidden)
+                            n_heads=section.n_heads, mlp_hidden=section.mlp_hidden,
+                            variable_length=section.variable_length)
         return ResolvedEncoder(name, section, audio, audio.output_length(audio.max_frames))
     if not section.processor:
         raise ConfigError(f"{key}: a library audio encoder on conversation data needs processor = 'DIR' (a "
@@ -170,7 +244,29 @@ def resolve_encoder(config: TrainerConfig, name: str, section: EncoderSection) -
     proc = _processor(key, _directory(f"{key}.processor", section.processor), "audio")
     audio = AudioConfig(n_mels=proc.feature_size, max_frames=proc.nb_max_frames, dim=section.dim,
                         n_layers=section.n_layers, n_heads=section.n_heads, mlp_hidden=section.mlp_hidden)
+    if section.variable_length:
+        audio, samples = variable_audio(config, name, audio, proc)
+        longest = audio.output_length(samples // proc.hop_length)
+        return ResolvedEncoder(name, section, audio, longest, proc, clip_samples=samples)
     return ResolvedEncoder(name, section, audio, audio.output_length(audio.max_frames), proc)
+
+
+def _digits_dynamic(key: str, section: EncoderSection, vit: ViTConfig) -> ViTConfig:
+    """The digits ViT taking scans at their own sizes (`DigitsTask.image_sizes`); max_patches
+    defaults to the largest scan's patches and may not be less."""
+    from dtensor_mimo.data import DigitsTask
+
+    p = vit.patch_size
+    try:
+        sizes = DigitsTask().image_sizes(vit.image_size, p)
+    except ValueError as e:
+        raise ConfigError(f"{key}.dynamic_resolution: {e}") from None
+    largest = max((h // p) * (w // p) for h, w in sizes)
+    if section.max_patches and section.max_patches < largest:
+        raise ConfigError(f"{key}.max_patches = {section.max_patches}: the digits scans at dynamic resolution "
+                          f"({', '.join(f'{h}x{w}' for h, w in sizes)} px) give up to {largest} patches of {p}x{p}; "
+                          f"raise it to {largest}")
+    return dataclasses.replace(vit, dynamic_resolution=True, max_patches=section.max_patches or largest)
 
 
 def _library_image_processor(size: int) -> Any:

@@ -149,14 +149,19 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
         load = Affine()
     else:
         e = resolved.encoders[name]
-        items = probe.modalities[name].inputs
+        m = probe.modalities[name]
 
-        def make(n: int, items=items, per=e.tokens_per_item) -> tuple[Any, int]:
-            reps = -(-n // max(1, items.shape[0]))
-            return torch.cat([items] * reps)[:n], n * per
+        def make(n: int, items=m.inputs, per=m.item_tokens) -> tuple[Any, int]:
+            """The probe's first `n` items (repeated), and their rows (each item's own when they vary)."""
+            count = len(per)
+            reps = -(-n // max(1, count))
+            if isinstance(items, list):  # items of their own size: a list, one tensor per item
+                return (items * reps)[:n], sum((list(per) * reps)[:n])
+            return torch.cat([items] * reps)[:n], n * e.tokens_per_item
 
         sizes = (4, 16, 48)
-        tokens_per_sample = data.items_per_sample.get(name, 0.0) * e.tokens_per_item
+        # the data's mean rows per item when items vary (e.tokens_per_item is then an upper bound)
+        tokens_per_sample = data.items_per_sample.get(name, 0.0) * data.tokens_per_item.get(name, e.tokens_per_item)
         width = module.out_dim if hasattr(module, "out_dim") else 0
         cfg = e.config
         hidden = getattr(cfg, "dim", width)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from dtensor_mimo.bridge import PlanError
 from dtensor_mimo.data import MimoBatch
+from dtensor_mimo.layout.fingerprint import agreed, agreement_terms, batch_fingerprint
 from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.train.optimizer import MimoOptimizer, grad_sumsq_shares
 
@@ -44,31 +48,67 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
                timings: dict[str, float] | None = None) -> StepMetrics:
     """One optimizer step on the global `batch`; call on every rank with the same batch.
 
-    One small all-reduce over the world carries the loss, every module's squared gradient norm
-    and a status word, so every rank reports the same loss, takes the same clip and skip
-    decision, and raises together when a pipelined step found encoder rows that contradict the
-    batch metadata (`MimoModel.step_error`), before any weight changes.
+    One small all-reduce over the world carries the loss, every module's squared gradient norm,
+    two status words and the batch's fingerprint, so every rank reports the same loss, takes the
+    same clip and skip decision, and raises together, before any weight changes, when:
+
+    - the ranks were fed different batches (`batch_fingerprint` of the token ids, labels, loss
+      mask and each modality's items and tokens per sample; `agreed`);
+    - a parameter's ``requires_grad`` changed after the model was built (the step runs with the
+      trainable set as built, so the crossings match on every rank, then is refused);
+    - a pipelined step found encoder rows that contradict the batch metadata (`MimoModel.step_error`).
+
+    A model's first step also compares the batch fingerprints before its first exchange (one more
+    all-reduce, once): ranks fed different data from the start fail there, every rank with the
+    same message. Later batches whose exchange sizes differ between ranks cannot be told before
+    the exchange: gloo then aborts the receiving process ("Received data size doesn't match
+    expected size") and its peers fail at once, their errors noting their batch fingerprints.
 
     `timings`, if given, receives this rank's seconds in "forward_backward" (bridge included) and
     "optimizer" (gradient reduction, the norm's all-reduce, clip, AdamW); on GPUs timing syncs
     the device.
 
-    Host syncs: one per step (`read_totals`), whatever the number of microbatches.
+    Host syncs: one per step (`read_totals`), whatever the number of microbatches (two on a
+    model's first step).
     """
     start = _now(model.device) if timings is not None else 0.0
     optimizer.zero_grad()
-    share = model.forward_backward(batch)
-    if timings is not None:
-        middle = _now(model.device)
-        timings["forward_backward"] = middle - start
-    model.reduce_gradients()
-    loss_part = share.detach().double().reshape(1) if model.holds_loss_share() else \
-        torch.zeros(1, dtype=torch.float64, device=model.device)
-    # The status word: ranks whose encoder rows contradicted the batch metadata (`step_error`).
-    status = torch.full((1,), float(model.step_error is not None), dtype=torch.float64, device=model.device)
-    totals = torch.cat([loss_part, status, grad_sumsq_shares(model)])
-    dist.all_reduce(totals)
-    loss, bad, *sumsq = read_totals(totals)
+    fp = step_fingerprint(batch)
+    if model not in _FIRST_STEP_CHECKED:  # before any exchange: sizes that differ would kill gloo
+        _check_same_batch(fp, model.device)
+        _FIRST_STEP_CHECKED.add(model)
+    changed = trainable_changes(model)
+    try:
+        with _as_built(model, changed):
+            share = model.forward_backward(batch)
+            if timings is not None:
+                middle = _now(model.device)
+                timings["forward_backward"] = middle - start
+            model.reduce_gradients()
+        loss_part = share.detach().double().reshape(1) if model.holds_loss_share() else \
+            torch.zeros(1, dtype=torch.float64, device=model.device)
+        # The status words: ranks whose encoder rows contradicted the batch metadata (`step_error`),
+        # ranks whose trainable set changed; then the batch fingerprint's agreement terms.
+        status = torch.tensor([float(model.step_error is not None), float(bool(changed)), *agreement_terms(fp)],
+                              dtype=torch.float64).to(model.device, non_blocking=True)
+        totals = torch.cat([loss_part, status, grad_sumsq_shares(model)])
+        dist.all_reduce(totals)
+    except RuntimeError as e:
+        if _from_the_transport(e):  # a peer's closed connection or a timeout says nothing of why
+            e.add_note(f"this rank's batch fingerprint is {fp} (different ones on other ranks: they were fed "
+                       "different batches)")
+        raise
+    loss, bad, frozen, sum_fp, sum_sq, *sumsq = read_totals(totals)
+    if not agreed(fp, sum_fp, sum_sq, dist.get_world_size()):
+        optimizer.zero_grad()
+        raise RuntimeError(_different_batches(fp))
+    if frozen:
+        optimizer.zero_grad()
+        here = (f" (here: {_shown(changed)})" if changed else "")
+        raise RuntimeError(
+            f"requires_grad changed after the MimoModel was built, on {int(frozen)} rank(s){here}: the schedule "
+            "(which gradients cross back to which encoder) is fixed at construction; freeze or unfreeze before "
+            "building the MimoModel (and its MimoOptimizer). The step was not applied")
     if bad:
         optimizer.zero_grad()
         raise PlanError(model.step_error or (
@@ -84,3 +124,70 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
         timings["optimizer"] = _now(model.device) - middle
     return StepMetrics(loss, grad_norm, {n: math.sqrt(s) for n, s in zip(model.module_names, sumsq)},
                        skipped)
+
+
+_FIRST_STEP_CHECKED: weakref.WeakSet[MimoModel] = weakref.WeakSet()
+"""Models whose first step compared the batch fingerprints before any exchange."""
+
+
+def _check_same_batch(fp: int, device: torch.device) -> None:
+    """One all-reduce of `fp`'s agreement terms; raises on every rank if any rank's differs."""
+    terms = torch.tensor(agreement_terms(fp), dtype=torch.float64).to(device)
+    dist.all_reduce(terms)
+    if not agreed(fp, *terms.tolist(), dist.get_world_size()):
+        raise RuntimeError(_different_batches(fp))
+
+
+def _different_batches(fp: int) -> str:
+    return ("the ranks were fed different batches in this step (their batch fingerprints differ: token ids, "
+            f"labels, loss mask or a modality's items / tokens per sample; this rank's is {fp}): every rank "
+            "must pass the same global batch (the same data, seed and position); the step was not applied")
+
+
+def _from_the_transport(e: BaseException | None) -> bool:
+    """Whether `e` (or what it wraps) is the process group's own error: gloo's, NCCL's, a timeout."""
+    while e is not None:
+        if isinstance(e, dist.DistError) or (type(e) is RuntimeError and any(
+                w in str(e) for w in ("gloo", "NCCL", "Timed out", "Connection"))):
+            return True
+        e = e.__cause__
+    return False
+
+
+def step_fingerprint(batch: MimoBatch) -> int:
+    """`batch_fingerprint` of a global batch: its per-token tensors (when on the host: hashing
+    device memory would sync) and each modality's items and tokens per sample."""
+    tensors = (batch.tokens, batch.labels, batch.loss_mask) if batch.tokens.is_cpu else ()
+    return batch_fingerprint(tensors, {n: (m.items_per_sample, m.tokens_per_sample())
+                                       for n, m in batch.modalities.items()})
+
+
+def trainable_changes(model: MimoModel) -> dict[str, bool]:
+    """This rank's parameters whose ``requires_grad`` differs from when `model` was built:
+    ``{name: requires_grad as built}``."""
+    built = model._requires_grad
+    return {n: built[n] for n, p in model.named_parameters() if n in built and p.requires_grad != built[n]}
+
+
+@contextlib.contextmanager
+def _as_built(model: MimoModel, changed: dict[str, bool]) -> Iterator[None]:
+    """`changed` parameters trainable as built for the duration (the peers' crossings expect it)."""
+    if not changed:
+        yield
+        return
+    params = dict(model.named_parameters())
+    try:
+        for name, flag in changed.items():
+            params[name].requires_grad_(flag)
+        yield
+    finally:
+        for name, flag in changed.items():
+            params[name].requires_grad_(not flag)
+            params[name].grad = None
+
+
+def _shown(changed: dict[str, bool]) -> str:
+    names = sorted(changed)
+    verb = lambda n: "frozen" if changed[n] else "unfrozen"  # noqa: E731
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(f"{n} {verb(n)}" for n in names[:3]) + more

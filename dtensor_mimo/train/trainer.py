@@ -175,7 +175,10 @@ class Trainer:
     # ------------------------------------------------------------------ pieces
     def _flops(self) -> float:
         """Model FLOPs of one step: the language model over every token row, each encoder over
-        its expected items (2·params per token forward, x3 when trained; attention counted dense)."""
+        its expected items at their expected rows (the data's mean when items have their own
+        sizes; attention then counted at that mean length, an estimate: the cost of one item's
+        attention grows with its rows squared) (2·params per token forward, x3 when trained;
+        attention counted dense)."""
         b = self.config.data.batch_size
         llama = self.modules[LANGUAGE]
         lc = llama.config
@@ -183,12 +186,13 @@ class Trainer:
                                   b * self.seq_len, lc.n_layers, lc.dim, self.seq_len, True)
         for name, e in self.resolved.encoders.items():
             enc = self.modules[name]
-            tokens = int(b * self.data.items_per_sample.get(name, 0) * e.tokens_per_item)
+            per_item = self.data.tokens_per_item.get(name, e.tokens_per_item)
+            tokens = int(b * self.data.items_per_sample.get(name, 0) * per_item)
             tower, projection = (enc.encoder, enc.projection) if isinstance(enc, ModalityEncoder) else (enc, None)
             tc = getattr(tower, "config", None)
             layers, dim = getattr(tc, "n_layers", 0), getattr(tc, "dim", 0)
             total += transformer_flops(sum(p.numel() for p in tower.parameters()), tokens, layers, dim,
-                                       e.tokens_per_item, not e.section.frozen)
+                                       round(per_item), not e.section.frozen)
             if projection is not None:
                 total += transformer_flops(sum(p.numel() for p in projection.parameters()), tokens, 0, 0, 0, True)
         return total

@@ -1,0 +1,73 @@
+"""Which items each of an encoder's dp ranks encodes: by sample (the data layer's rule) or balanced.
+
+By sample, encoder dp rank k encodes the items of the samples that every module's dp rank k
+holds (`sample_range`). When items differ in size (images at their own resolution, clips at
+their own length) or samples carry different numbers of items, those shares differ in cost, and
+the slowest encoder rank sets the pace of the step. Balanced, the modality's items, in batch
+order, are cut into dp contiguous runs of about equal cost; the bridge's plan takes the new
+owners directly (`MeshSpec.shard_bounds`: a ragged split of the rows, not of the samples), so
+the rows still cross in one hop and land where the language model's dp ranks expect them.
+Every rank derives the cuts from the batch metadata alone (pure, no message), and the same cuts
+on every rank are what keep the plan's two sides in agreement.
+
+The cost of an item of ``t`` tokens through a transformer of width ``w``: per layer and token,
+the linear layers take about ``24 w^2`` multiply-adds and attention ``2 t w``, so the item costs
+``t (12 w + t)`` up to a constant factor (`item_cost`): tokens for small items, tokens squared
+once ``t`` nears ``12 w``.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from itertools import accumulate
+from typing import Sequence
+
+from dtensor_mimo.data.batch import BatchError, ModalityInputs, sample_range
+
+__all__ = ["balanced_cuts", "item_cost", "item_cuts", "row_bounds", "sample_cuts"]
+
+
+def item_cost(tokens: int, width: int | None) -> int:
+    """Relative cost of encoding an item of `tokens` tokens with a transformer of `width`
+    (None: unknown, the cost is the token count)."""
+    return tokens if width is None else tokens * (12 * width + tokens)
+
+
+def balanced_cuts(costs: Sequence[int], parts: int) -> tuple[int, ...]:
+    """Cut items with `costs` (in order) into `parts` contiguous runs of about equal total cost:
+    ``parts + 1`` item indices from 0 to ``len(costs)``. Cut k sits at the item boundary whose
+    cost prefix is closest to ``k / parts`` of the total, so each run's cost is within one
+    item's cost of the mean."""
+    if parts < 1:
+        raise BatchError(f"cannot split items into {parts} parts; need at least 1")
+    prefix = [0, *accumulate(costs)]
+    total, cuts = prefix[-1], [0]
+    for k in range(1, parts):
+        target = total * k / parts
+        i = bisect_left(prefix, target)
+        if i > 0 and (i == len(prefix) or target - prefix[i - 1] <= prefix[i] - target):
+            i -= 1
+        cuts.append(max(i, cuts[-1]))
+    return (*cuts, len(costs))
+
+
+def sample_cuts(items_per_sample: Sequence[int], parts: int) -> tuple[int, ...]:
+    """The data layer's rule in item indices: part k holds the items of its samples
+    (`sample_range`)."""
+    offsets = [0, *accumulate(items_per_sample)]
+    return (*(offsets[sample_range(len(items_per_sample), parts, k).start] for k in range(parts)), offsets[-1])
+
+
+def item_cuts(m: ModalityInputs, parts: int, balance: bool, width: int | None = None) -> tuple[int, ...]:
+    """Item indices where each of `parts` encoder dp ranks starts, then the item count:
+    `balanced_cuts` of the items' `item_cost` when `balance`, else `sample_cuts`."""
+    if not balance:
+        return sample_cuts(m.items_per_sample, parts)
+    return balanced_cuts([item_cost(t, width) for t in m.item_tokens], parts)
+
+
+def row_bounds(m: ModalityInputs, cuts: Sequence[int]) -> tuple[int, ...]:
+    """The encoder output rows where each part of `cuts` starts, then the row count: the
+    bridge's ``shard_bounds``."""
+    prefix = [0, *accumulate(m.item_tokens)]
+    return tuple(prefix[c] for c in cuts)
