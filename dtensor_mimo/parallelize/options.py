@@ -54,6 +54,8 @@ class ParallelOptions:
             contiguous runs of about equal cost (`dtensor_mimo.data.balance`) instead of by
             sample; the bridge plan takes the new owners directly (no extra hop). None (default):
             on for a batch whose items differ in size, off otherwise. Numerics unchanged.
+            Training steps (`forward_backward`, `train_step`) balance; `model(batch)` and
+            `predict` encode by sample.
     """
 
     sp: bool = False

@@ -1,0 +1,67 @@
+"""Encoder dp balancing (`dtensor_mimo.data.balance`) and the bridge's explicit ragged split
+(`MeshSpec.shard_bounds`), pure: no process group. The oracle cases `varied_*` and
+`balanced_uniform` (tests/test_mimo.py) check that balanced steps change no number."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from torch.distributed.tensor import Replicate, Shard
+
+from dtensor_mimo.bridge import MeshSpec, PlanError
+from dtensor_mimo.bridge.plan import Recv, Send, plan_for_rank
+from dtensor_mimo.data.balance import balanced_cuts, item_cost, sample_cuts
+
+
+def _best_max(costs: list[int], parts: int) -> int:
+    """The smallest largest-run cost of any contiguous split, by trying every split."""
+    n = len(costs)
+    best = sum(costs)
+    for inner in itertools.combinations_with_replacement(range(n + 1), parts - 1):
+        cuts = (0, *inner, n)
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(cuts, cuts[1:])))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_balanced_runs_are_within_one_item_of_the_mean_and_of_the_best(seed: int) -> None:
+    rng = random.Random(seed)
+    costs = [item_cost(rng.choice([4, 16, 64, 256]), 32) for _ in range(rng.randint(0, 9))]
+    parts = rng.randint(1, 4)
+    cuts = balanced_cuts(costs, parts)
+    assert len(cuts) == parts + 1 and cuts[0] == 0 and cuts[-1] == len(costs)
+    assert all(a <= b for a, b in zip(cuts, cuts[1:]))
+    runs = [sum(costs[a:b]) for a, b in zip(cuts, cuts[1:])]
+    biggest = max(costs, default=0)
+    assert max(runs) <= sum(costs) / parts + biggest
+    assert max(runs) <= _best_max(costs, parts) + biggest
+
+
+def test_balancing_evens_out_what_the_sample_rule_leaves_uneven() -> None:
+    # Two samples: four large images, then four small ones; by sample one rank gets all the large.
+    tokens = [256] * 4 + [16] * 4
+    costs = [item_cost(t, 64) for t in tokens]
+    by_sample = sample_cuts([4, 4], 2)
+    assert by_sample == (0, 4, 8)
+    balanced = balanced_cuts(costs, 2)
+    runs = [sum(costs[a:b]) for a, b in zip(balanced, balanced[1:])]
+    assert max(runs) / (sum(costs) / 2) < 1.3
+    assert balanced != by_sample
+
+
+def test_shard_bounds_split_the_rows_as_given() -> None:
+    src = MeshSpec([0, 1], (Shard(0),), sample_sizes=(6, 4, 2), shard_bounds=(0, 3, 12))
+    assert src.local_range(0) == (0, 3) and src.local_range(1) == (3, 12)
+    dst = MeshSpec([2], (Replicate(),), sample_sizes=(6, 4, 2))
+    # Rank 2 holds all 12 rows: 3 from rank 0, 9 from rank 1, in row order.
+    assert plan_for_rank(src, dst, 2).recvs == (Recv(0, 0, 3), Recv(1, 3, 12))
+    assert plan_for_rank(src, dst, 0).sends == (Send(2, 0, 3),)
+    assert plan_for_rank(src, dst, 1).sends == (Send(2, 0, 9),)
+
+
+@pytest.mark.parametrize("bounds", [(0, 3), (0, 13, 12), (1, 3, 12), (0, 7, 5, 12)])
+def test_shard_bounds_that_do_not_split_the_rows_are_refused(bounds) -> None:
+    with pytest.raises(PlanError, match="shard_bounds"):
+        MeshSpec([0, 1], (Shard(0),), sample_sizes=(6, 4, 2), shard_bounds=bounds)
