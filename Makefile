@@ -36,6 +36,8 @@ bench: $(VENV)/.installed
 	$(BENCH_MALLOC) $(VENV)/bin/torchrun --standalone --nproc-per-node=2 benchmarks/pipeline.py
 	$(BENCH_MALLOC) $(VENV)/bin/torchrun --standalone --nproc-per-node=4 benchmarks/pipeline.py
 	$(BENCH_MALLOC) $(VENV)/bin/torchrun --standalone --nproc-per-node=3 benchmarks/encoder_memory.py --out bench_results/encoder_memory.json
+	$(BENCH_MALLOC) $(VENV)/bin/python benchmarks/packed_encoder.py
+	$(BENCH_MALLOC) $(VENV)/bin/torchrun --standalone --nproc-per-node=2 benchmarks/balance.py
 	$(BENCH_MALLOC) $(VENV)/bin/python benchmarks/trainer.py
 	$(BENCH_MALLOC) $(VENV)/bin/python benchmarks/train_llava.py
 

@@ -161,17 +161,28 @@ sys.path.insert(0, {repo!r})
 from tests.test_checkpoint_integrity import _Model, _Optimizer
 from dtensor_mimo.train import checkpoint
 
+# A warm server: torch is imported once; each trial (a line on stdin) is a forked child that
+# saves in a loop until the test SIGKILLs it (no thread has started before the fork).
 directory = sys.argv[1]
-dist.init_process_group("gloo", init_method="file://" + os.path.join(directory, "..", "store-" + sys.argv[2]),
-                        rank=0, world_size=1)
-model = _Model(1 << 20)
-optimizer = _Optimizer(model)
-latest = checkpoint.latest_checkpoint(directory)
-step = int(latest.rsplit("-", 1)[1]) if latest else 0
-while True:
-    step += 1
-    checkpoint.save(directory, step, model, optimizer, {{"step": step}}, keep=2)
-    print(f"saved {{step}}", flush=True)
+for trial in map(str.strip, sys.stdin):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            print(f"child {{os.getpid()}}", flush=True)
+            dist.init_process_group("gloo", init_method="file://" + os.path.join(directory, "..", "store-" + trial),
+                                    rank=0, world_size=1)
+            model = _Model(1 << 20)
+            optimizer = _Optimizer(model)
+            latest = checkpoint.latest_checkpoint(directory)
+            step = int(latest.rsplit("-", 1)[1]) if latest else 0
+            while True:
+                step += 1
+                checkpoint.save(directory, step, model, optimizer, {{"step": step}}, keep=2)
+                print(f"saved {{step}}", flush=True)
+        finally:
+            os._exit(1)
+    os.waitpid(pid, 0)
+    print("ended", flush=True)
 """
 
 
@@ -183,23 +194,33 @@ def test_kill_during_save_never_loses_the_previous_checkpoint(tmp_path) -> None:
     directory.mkdir()
     rng = random.Random(21)
     announced = 0
-    for trial in range(10):
-        proc = subprocess.Popen([sys.executable, str(script), str(directory), str(trial)],
-                                stdout=subprocess.PIPE, text=True)
-        first = proc.stdout.readline()  # warm: imports done, one save behind it
-        assert first.startswith("saved"), first
-        time.sleep(rng.uniform(0.0, 0.6))
-        proc.send_signal(signal.SIGKILL)
-        rest, _ = proc.communicate(timeout=60)
-        announced = max([announced, *(int(line.split()[1]) for line in [first, *rest.splitlines()])])
-        latest = checkpoint.latest_checkpoint(str(directory))
-        assert latest is not None, f"trial {trial}: no checkpoint left ({sorted(os.listdir(directory))})"
-        assert checkpoint.verify(latest) == [], trial
-        step = int(latest.rsplit("-", 1)[1])
-        assert step >= announced, (trial, step, announced)
-        state = {"trainer": ""}
-        dcp.load(state, checkpoint_id=latest)  # no process group here: DCP reads it alone
-        assert json.loads(state["trainer"]) == {"step": step}
+    server = subprocess.Popen([sys.executable, str(script), str(directory)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        for trial in range(10):
+            server.stdin.write(f"{trial}\n")
+            server.stdin.flush()
+            child = int(server.stdout.readline().split()[1])
+            first = server.stdout.readline()  # warm: one save behind it
+            assert first.startswith("saved"), first
+            time.sleep(rng.uniform(0.0, 0.6))
+            os.kill(child, signal.SIGKILL)
+            lines = [first]
+            while not (line := server.stdout.readline()).startswith("ended"):
+                assert line, "the saver server exited"
+                lines.append(line)
+            announced = max([announced, *(int(line.split()[1]) for line in lines)])
+            latest = checkpoint.latest_checkpoint(str(directory))
+            assert latest is not None, f"trial {trial}: no checkpoint left ({sorted(os.listdir(directory))})"
+            assert checkpoint.verify(latest) == [], trial
+            step = int(latest.rsplit("-", 1)[1])
+            assert step >= announced, (trial, step, announced)
+            state = {"trainer": ""}
+            dcp.load(state, checkpoint_id=latest)  # no process group here: DCP reads it alone
+            assert json.loads(state["trainer"]) == {"step": step}
+    finally:
+        server.stdin.close()
+        server.wait(timeout=60)
 
 
 TINY = ["--train.steps", "8", "--data.batch_size", "8", "--pipeline.microbatches", "2",

@@ -67,6 +67,7 @@ from dtensor_mimo import (
 from dtensor_mimo.assemble import assemble, embed_text
 from dtensor_mimo.bridge import hops
 from dtensor_mimo.data import IGNORE_INDEX, ModalitySpec, SyntheticSpec, synthetic_batch
+from dtensor_mimo.data.balance import item_cuts, row_bounds
 from dtensor_mimo.models import init_weights
 from dtensor_mimo.models.hf import load_hf
 from dtensor_mimo.models import (
@@ -441,9 +442,13 @@ def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
         _check_meta_built(model, case)
     optimizer = MimoOptimizer(model, OPT)
     rank = dist.get_rank()
+    encoded: dict[str, list[int]] = {}  # rows out of each encoder forward on this rank, this step
+    for name, encoder in encs.items():
+        encoder.register_forward_hook(lambda m, args, out, name=name: encoded.setdefault(name, []).append(len(out)))
     records = []
     for batch in _batches(case.encoders, case.packed, case.batch_size, case.seq_lens, case.distinct_batches,
                           case.text_only_steps, case.varied):
+        encoded.clear()
         metrics = train_step(model, optimizer, batch)
         assert not metrics.skipped
         # Every module's ranks gather its full gradients and weights; the first rank of each of
@@ -456,6 +461,7 @@ def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
             record[kind] = {k: v for k, v in record[kind].items() if k.split(".")[0] in keep}
         record["allocations"] = model.buffers.allocations  # receive buffers allocated so far
         record["hop_calls"] = dict(hop_calls)  # two-hop scatters and gathers so far
+        record["encoded"] = {n: (layout.coordinate(n, rank)["dp"], rows) for n, rows in encoded.items()}
         records.append(record)
     if case.predict:
         records[-1]["predicted"] = model.predict(_batches(case.encoders, case.packed, case.batch_size,
@@ -465,7 +471,34 @@ def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_training_matches_single_process(name: str) -> None:
-    check_route(CASES[name], check_against_reference(CASES[name]))
+    per_rank = check_against_reference(CASES[name])
+    check_route(CASES[name], per_rank)
+    check_encoded_shares(CASES[name], per_rank)
+
+
+def check_encoded_shares(case: Case, per_rank: list[list[dict]]) -> None:
+    """Each encoder dp rank encoded the rows its cut gives it (one forward per step): balanced by
+    cost where its `ParallelOptions.balance` (None: items of different sizes) says so, else by
+    sample; and a balanced case does move items somewhere (its cuts differ from by sample)."""
+    widths = {"vision": VISION.dim, "audio": AUDIO.dim}
+    batches = _batches(case.encoders, case.packed, case.batch_size, case.seq_lens, case.distinct_batches,
+                       case.text_only_steps, case.varied)
+    moved = False
+    for step, batch in enumerate(batches):
+        for name, m in batch.modalities.items():
+            dp, option = case.modules[name].dp, case.options.get(name, ParallelOptions()).balance
+            balance = m.varied if option is None else option
+            bounds = row_bounds(m, item_cuts(m, dp, balance, widths[name]))
+            moved |= balance and bounds != row_bounds(m, item_cuts(m, dp, False))
+            for records in per_rank:
+                if name in records[step]["encoded"]:
+                    k, rows = records[step]["encoded"][name]
+                    assert len(rows) <= 1 and sum(rows) == bounds[k + 1] - bounds[k], \
+                        (step, name, k, rows, bounds)
+    balanced = [n for n in case.encoders if case.options.get(n, ParallelOptions()).balance
+                or (case.varied and case.options.get(n, ParallelOptions()).balance is None)]
+    assert moved or not balanced or all(case.modules[n].dp == 1 for n in balanced), \
+        "a balanced case whose cuts never differ from by sample tests nothing"
 
 
 def check_route(case: Case, per_rank: list[list[dict]]) -> None:

@@ -15,7 +15,6 @@ by `examples/make_tiny_llava.py` (no download).
 | test_layouts_give_one_process_numbers       | image dp1 / language dp1 [2], colocated dp2 [2]: losses and grad norms == one process [1]; loader workers; resume == uninterrupted; load under another layout |
 | test_factories_build_the_modules            | model.language.factory / model.encoders.<name>.factory: your functions' modules, with the offered arguments, train |
 | test_learns_heterogeneous_and_exports       | the README's file: held-out accuracy well above chance; the export loads in transformers and its greedy answers are ours |
-| test_learns_colocated                       | the same on one colocated dp2 layout (gradients all-reduced)  |
 | test_whisper_encoder_learns_audio           | a Whisper directory's encoder on tone conversations          |
 | test_fit_image_size_keeps_the_aspect_within_the_budget | dynamic resolution's resize: sizes worked out by hand |
 | test_dynamic_resolution_expands_each_image_to_its_own_rows | SigLIP dynamic_resolution: each placeholder -> (H/4)(W/4) rows; per-item inputs == PIL bicubic resize; per-rank loading; one-process forward |
@@ -395,12 +394,9 @@ def test_learns_heterogeneous_and_exports(tiny: str) -> None:
     assert sum(e == g for e, g in result["answers"]) >= 3
 
 
-def test_learns_colocated(tiny: str) -> None:
-    # FSDP off: at this size its per-block gathers double the step (the oracle test covers FSDP).
-    result = _run(tiny, [*LEARN, "--train.generate", "0", "--checkpoint.export_hf", "none",
-                         "--pipeline.microbatches", "1", *COLOCATED, "--options.image.fsdp", "false",
-                         "--options.language.fsdp", "false"])
-    assert result["with image"] >= 0.5 and result["answer"] >= 0.5, result
+# The colocated layout learns too: `test_layouts_give_one_process_numbers` shows it gives the
+# one-process run's losses and gradient norms, step by step, as the heterogeneous layout that
+# learns above does.
 
 
 AUDIO_CONFIG = """

@@ -10,15 +10,18 @@ the rows still cross in one hop and land where the language model's dp ranks exp
 Every rank derives the cuts from the batch metadata alone (pure, no message), and the same cuts
 on every rank are what keep the plan's two sides in agreement.
 
-The cost of an item of ``t`` tokens through a transformer of width ``w``: per layer and token,
-the linear layers take about ``24 w^2`` multiply-adds and attention ``2 t w``, so the item costs
-``t (12 w + t)`` up to a constant factor (`item_cost`): tokens for small items, tokens squared
-once ``t`` nears ``12 w``.
+The cost of an item of ``t`` tokens through a transformer of width ``w`` (MLP ``4w``): per layer
+and token, the linear layers take ``12 w^2`` multiply-adds (q, k, v and the output ``4 w^2``, the
+MLP ``8 w^2``) and attention ``2 t w`` (scores and values), so the item costs ``t (6 w + t)`` up
+to a constant factor (`item_cost`): tokens for small items, tokens squared once ``t`` nears
+``6 w``. Measured (`benchmarks/balance.py`, ViT width 384 on a CPU), the time per token of items
+of 256..1024 patches falls within this and ``t (12 w + t)``; max/mean across parts within 0.15 of
+the prediction.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from itertools import accumulate
 from typing import Sequence
 
@@ -30,25 +33,57 @@ __all__ = ["balanced_cuts", "item_cost", "item_cuts", "row_bounds", "sample_cuts
 def item_cost(tokens: int, width: int | None) -> int:
     """Relative cost of encoding an item of `tokens` tokens with a transformer of `width`
     (None: unknown, the cost is the token count)."""
-    return tokens if width is None else tokens * (12 * width + tokens)
+    return tokens if width is None else tokens * (6 * width + tokens)
 
 
 def balanced_cuts(costs: Sequence[int], parts: int) -> tuple[int, ...]:
-    """Cut items with `costs` (in order) into `parts` contiguous runs of about equal total cost:
-    ``parts + 1`` item indices from 0 to ``len(costs)``. Cut k sits at the item boundary whose
-    cost prefix is closest to ``k / parts`` of the total, so each run's cost is within one
-    item's cost of the mean."""
+    """Cut items with `costs` (in order) into `parts` contiguous runs: ``parts + 1`` item indices
+    from 0 to ``len(costs)``. The largest run costs the least any contiguous split allows (the
+    slowest rank sets the step's pace), and within that bound each cut sits as near as it can to
+    the item boundary whose cost prefix is ``k / parts`` of the total, so the other runs come out
+    even too. O(n log(total)) for n items."""
     if parts < 1:
         raise BatchError(f"cannot split items into {parts} parts; need at least 1")
     prefix = [0, *accumulate(costs)]
-    total, cuts = prefix[-1], [0]
+    n, total = len(costs), prefix[-1]
+    bound = _least_largest_run(prefix, parts)
+    # first[j]: the first item from which the rest fits in j runs of at most `bound` (packed
+    # greedily from the end); a cut k must leave the rest a fit in parts - k runs.
+    first = [n] * (parts + 1)
+    for j in range(1, parts + 1):
+        first[j] = bisect_left(prefix, prefix[first[j - 1]] - bound)
+    cuts = [0]
     for k in range(1, parts):
         target = total * k / parts
         i = bisect_left(prefix, target)
-        if i > 0 and (i == len(prefix) or target - prefix[i - 1] <= prefix[i] - target):
+        if i > 0 and (i > n or target - prefix[i - 1] <= prefix[i] - target):
             i -= 1
-        cuts.append(max(i, cuts[-1]))
-    return (*cuts, len(costs))
+        last = bisect_right(prefix, prefix[cuts[-1]] + bound) - 1  # this run within the bound
+        cuts.append(min(max(i, first[parts - k], cuts[-1]), last))
+    return (*cuts, n)
+
+
+def _least_largest_run(prefix: Sequence[int], parts: int) -> int:
+    """The least cost bound that `parts` contiguous runs of the items (cost `prefix` sums) can
+    keep to: a binary search over the bound, each checked by packing runs greedily."""
+    def fits(bound: int) -> bool:
+        start, runs = 0, 0
+        while start < len(prefix) - 1:
+            end = bisect_right(prefix, prefix[start] + bound) - 1
+            if end == start:  # one item over the bound
+                return False
+            start, runs = end, runs + 1
+        return runs <= parts
+
+    lo = max((b - a for a, b in zip(prefix, prefix[1:])), default=0)
+    hi = prefix[-1]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def sample_cuts(items_per_sample: Sequence[int], parts: int) -> tuple[int, ...]:
