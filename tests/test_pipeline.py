@@ -39,7 +39,7 @@ import dataclasses
 import pytest
 
 from dtensor_mimo import ParallelOptions, Parallelism, PipelineConfig
-from tests.test_mimo import Case, check_against_reference, check_route
+from tests.test_mimo import Case, check_against_reference, check_encoded_shares, check_route
 
 P = Parallelism
 MB4 = PipelineConfig(microbatches=4)
@@ -90,7 +90,9 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_pipelined_training_matches_single_process(name: str) -> None:
-    check_route(CASES[name], check_against_reference(CASES[name]))
+    per_rank = check_against_reference(CASES[name])
+    check_route(CASES[name], per_rank)
+    check_encoded_shares(CASES[name], per_rank)
 
 
 def test_crossings_recycle_their_receive_buffers() -> None:
