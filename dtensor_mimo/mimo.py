@@ -343,7 +343,7 @@ class MimoModel(nn.Module):
         check = "world" if not self._shapes_checked.issuperset(keys) else True
         ys = encoder_rows(self.layout, self.language_name, self.encoders, names, self._trainable, batch, self.rank,
                           self.dim, self.dtype, self.device, self._grad_placements, check, self.bridge_hops,
-                          self.buffers)
+                          self.buffers, {n: self.options[n].balance for n in names}, self._widths)
         self._shapes_checked.update(keys)
         return names, ys
 

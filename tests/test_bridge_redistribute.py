@@ -13,6 +13,8 @@
 | colocated_fan_in       | tp2·dp4 (0-7)                | tp4·dp2 (0-7)                    | [T, H], dim 0     | yes    |
 | colocated_fan_out      | tp4·dp2 (0-7)                | tp2·dp4 (0-7)                    | [T, H], dim 0     | yes    |
 | colocated_equal        | tp2·dp4 (0-7)                | tp2·dp4 (0-7), another mesh obj  | [T, H], dim 0     | yes    |
+| fan_in_bounds          | dp4 (0-3), shard_bounds      | dp2 (4-5)                        | [T, H], dim 0     | yes, source split its own way |
+| colocated_bounds       | tp2·dp4 (0-7), shard_bounds  | tp4·dp2 (0-7)                    | [T, H], dim 0     | yes, source split its own way |
 
 Reference: the full tensor X (float64, same seed on every rank) sliced by hand with
 ``torch.tensor_split`` over samples (ragged) or ``torch.chunk`` over rows (DTensor's rule).
@@ -58,6 +60,7 @@ class Case:
     dim: int
     sample_sizes: tuple[int, ...] | None = None
     grad: tuple | None = None  # gradient placements on the destination; default = its placements
+    src_bounds: tuple[int, ...] | None = None  # the source's own ragged split (`shard_bounds`)
 
 
 RAGGED = (3, 0, 5, 2, 0, 4, 1, 6)  # 21 rows, two text-only samples
@@ -83,6 +86,12 @@ CASES = {
                              Side(0, (2, 4), ("dp", "tp"), (Shard(0), Replicate())), (21, H), 0, RAGGED),
     "colocated_fan_out": Case(Side(0, (2, 4), ("dp", "tp"), (Shard(0), Replicate())),
                               Side(0, (4, 2), ("dp", "tp"), (Shard(0), Replicate())), (21, H), 0, RAGGED),
+    # The source split its own way (encoder dp balancing): rows [b_k, b_k+1) on shard k, one empty.
+    "fan_in_bounds": Case(Side(0, (4,), ("dp",), (Shard(0),)), Side(4, (2,), ("dp",), (Shard(0),)),
+                          (21, H), 0, RAGGED, src_bounds=(0, 2, 2, 14, 21)),
+    "colocated_bounds": Case(Side(0, (4, 2), ("dp", "tp"), (Shard(0), Replicate())),
+                             Side(0, (2, 4), ("dp", "tp"), (Shard(0), Replicate())), (21, H), 0, RAGGED,
+                             src_bounds=(0, 9, 10, 19, 21)),
     "colocated_equal": Case(Side(0, (4, 2), ("dp", "tp"), (Shard(0), Replicate())),
                             Side(0, (4, 2), ("dp", "tp"), (Shard(0), Replicate())), (21, H), 0, RAGGED),
 }
@@ -96,12 +105,14 @@ def _mesh(side: Side) -> DeviceMesh:
     return DeviceMesh("cpu", ranks, mesh_dim_names=side.names)
 
 
-def _expected_rows(side: Side, coord, extent, sample_sizes) -> torch.Tensor:
+def _expected_rows(side: Side, coord, extent, sample_sizes, bounds=None) -> torch.Tensor:
     """Global row ids a rank holds, written from the placements' definition (not the planner)."""
     shard_dims = [i for i, p in enumerate(side.placements) if isinstance(p, Shard)]
     n, idx = 1, 0
     for i in shard_dims:
         n, idx = n * side.shape[i], idx * side.shape[i] + coord[i]
+    if bounds is not None:
+        return torch.arange(bounds[idx], bounds[idx + 1])
     if sample_sizes is None:
         chunks = torch.chunk(torch.arange(extent), n)
         return chunks[idx] if idx < len(chunks) else torch.arange(0)
@@ -140,7 +151,7 @@ def _run_route(name, n_hops, buffers=True, seed=1234, keep=None):
     if sc is None:
         x_local = torch.empty(0, dtype=torch.float64, requires_grad=True)
     else:
-        rows = _expected_rows(case.src, sc, extent, case.sample_sizes)
+        rows = _expected_rows(case.src, sc, extent, case.sample_sizes, case.src_bounds)
         x_local = X.index_select(dim, rows)
         for i, p in enumerate(case.src.placements):
             if isinstance(p, Partial):  # member k holds (k+1)/sum(1..n) of the value
@@ -151,7 +162,7 @@ def _run_route(name, n_hops, buffers=True, seed=1234, keep=None):
                            shape=X.shape, stride=X.stride())
 
     grad_placements = case.grad or tuple(Replicate() if isinstance(p, Partial) else p for p in case.dst.placements)
-    y = redistribute(x, dst_mesh, case.dst.placements, sample_sizes=case.sample_sizes,
+    y = redistribute(x, dst_mesh, case.dst.placements, sample_sizes=case.sample_sizes, shard_bounds=case.src_bounds,
                      grad_placements=case.grad, hops=n_hops, buffers=buffers)
     assert y.device_mesh is dst_mesh and tuple(y.placements) == case.dst.placements
     assert tuple(y.shape) == tuple(X.shape)
@@ -179,7 +190,7 @@ def _run_route(name, n_hops, buffers=True, seed=1234, keep=None):
     # ---- gradient vs single-process autograd: d<X, G>/dX = G (Partial pieces sum to G)
     x_dot_gx = torch.zeros((), dtype=torch.float64)
     if sc is not None:
-        rows = _expected_rows(case.src, sc, extent, case.sample_sizes)
+        rows = _expected_rows(case.src, sc, extent, case.sample_sizes, case.src_bounds)
         expected = G_full.index_select(dim, rows)
         torch.testing.assert_close(x_local.grad, expected, rtol=1e-12, atol=1e-12)
         if _distinct(case.src, sc, case.src.placements):
@@ -260,6 +271,10 @@ def _bad_sample_sizes():
         redistribute(x, dst_mesh, case.dst.placements, sample_sizes=(3, -1, 6, 2, 0, 4, 1, 6))
     with pytest.raises(PlanError, match=r"a placement the plan cannot serve"):
         redistribute(x, dst_mesh, (Shard(1),), sample_sizes=RAGGED)
+    with pytest.raises(PlanError, match=r"shard_bounds \[0, 9, 5, 21\] must be 5 nondecreasing"):
+        redistribute(x, dst_mesh, case.dst.placements, sample_sizes=RAGGED, shard_bounds=(0, 9, 5, 21))
+    with pytest.raises(ValueError, match=r"1 tensors, but shard_bounds has 2 entries; give one per tensor"):
+        redistribute_many([x], [dst_mesh], [case.dst.placements], shard_bounds=[None, (0, 21)])
     return True
 
 

@@ -173,10 +173,11 @@ CASES = {
                                    "language": SP}),
     # Items of different sizes (`VARIED`), balanced over encoder dp (the default when items vary).
     "varied_fan_in": Case({"vision": P(dp=2), "audio": P(dp=2), "language": P()},
-                          offsets={"vision": 0, "audio": 0, "language": 2}, varied=True, batch_size=8),
+                          offsets={"vision": 0, "audio": 0, "language": 2}, varied=True, batch_size=8,
+                          predict=True),
     "varied_fan_out": Case({"vision": P(), "language": P(dp=2)}, varied=True),
     "varied_coloc": Case({"vision": P(dp=4), "language": P(dp=2, tp=2)}, offsets={"vision": 0, "language": 0},
-                         varied=True, meta=True),
+                         varied=True, meta=True, predict=True),
     "varied_cp": Case({"vision": P(dp=2), "language": P(cp=2)}, packed=True, varied=True,
                       options={"vision": ParallelOptions(balance=False)}),
     "balanced_uniform": Case({"vision": P(dp=3), "language": P()}, batch_size=7,
@@ -464,8 +465,10 @@ def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
         record["encoded"] = {n: (layout.coordinate(n, rank)["dp"], rows) for n, rows in encoded.items()}
         records.append(record)
     if case.predict:
+        encoded.clear()
         records[-1]["predicted"] = model.predict(_batches(case.encoders, case.packed, case.batch_size,
                                                           case.seq_lens[:1], varied=case.varied)[0])
+        records[-1]["predict_encoded"] = {n: (layout.coordinate(n, rank)["dp"], rows) for n, rows in encoded.items()}
     return records
 
 
@@ -477,17 +480,22 @@ def test_training_matches_single_process(name: str) -> None:
 
 
 def check_encoded_shares(case: Case, per_rank: list[list[dict]]) -> None:
-    """Each encoder dp rank encoded, microbatch by microbatch, the rows its cut gives it: balanced
-    by cost where its `ParallelOptions.balance` (None: items of different sizes) says so, else by
-    sample; and a balanced case does move items somewhere (its cuts differ from by sample).
+    """Each encoder dp rank encoded, microbatch by microbatch and in `predict`, the rows its cut
+    gives it: balanced by cost where its `ParallelOptions.balance` (None: items of different
+    sizes) says so, else by sample; and a balanced case does move items somewhere (its cuts
+    differ from by sample).
     Encoders with pp > 1 (stages, not the module, run) are not looked at; recomputed encoders
     run their forwards again in backward, after these."""
     widths = {"vision": VISION.dim, "audio": AUDIO.dim}
     batches = _batches(case.encoders, case.packed, case.batch_size, case.seq_lens, case.distinct_batches,
                        case.text_only_steps, case.varied)
+    runs = [(batch, microbatches(batch, case.pipeline.microbatches if case.pipeline else 1), step, "encoded")
+            for step, batch in enumerate(batches)]
+    if case.predict:  # one microbatch, after the last step
+        first = _batches(case.encoders, case.packed, case.batch_size, case.seq_lens[:1], varied=case.varied)[0]
+        runs.append((first, [first], len(batches) - 1, "predict_encoded"))
     moved = False
-    for step, batch in enumerate(batches):
-        mbs = microbatches(batch, case.pipeline.microbatches if case.pipeline else 1)
+    for batch, mbs, step, key in runs:
         for name in batch.modalities:
             dp, option = case.modules[name].dp, case.options.get(name, ParallelOptions()).balance
             planned = []
@@ -497,8 +505,8 @@ def check_encoded_shares(case: Case, per_rank: list[list[dict]]) -> None:
                 planned.append(row_bounds(m, item_cuts(m, dp, balance, widths[name])))
                 moved |= balance and planned[-1] != row_bounds(m, item_cuts(m, dp, False))
             for records in per_rank:
-                if name in records[step]["encoded"] and case.modules[name].pp == 1:
-                    k, rows = records[step]["encoded"][name]
+                if name in records[step][key] and case.modules[name].pp == 1:
+                    k, rows = records[step][key][name]
                     assert rows[:len(mbs)] == [b[k + 1] - b[k] for b in planned], (step, name, k, rows, planned)
     balanced = [n for n in case.encoders if case.options.get(n, ParallelOptions()).balance
                 or (case.varied and case.options.get(n, ParallelOptions()).balance is None)]

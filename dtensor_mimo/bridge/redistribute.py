@@ -290,7 +290,8 @@ drops them."""
 
 def _leg(src_mesh: DeviceMesh, src_placements: tuple[Placement, ...], shape: torch.Size, dtype: torch.dtype,
          device_mesh: DeviceMesh, placements: tuple[Placement, ...], sample_sizes: tuple[int, ...] | None,
-         grad_placements: tuple[Placement, ...] | None, names: tuple[str, str], n_hops: int | None) -> _Leg:
+         shard_bounds: tuple[int, ...] | None, grad_placements: tuple[Placement, ...] | None,
+         names: tuple[str, str], n_hops: int | None) -> _Leg:
     _hops.check_hops(n_hops, "redistribute")
     dim = _bridged_dim(src_placements, placements)
     extent = shape[dim] if len(shape) else 1
@@ -299,20 +300,22 @@ def _leg(src_mesh: DeviceMesh, src_placements: tuple[Placement, ...], shape: tor
     if len(grad_placements) != device_mesh.ndim:
         raise PlanError(f"grad_placements {grad_placements} has {len(grad_placements)} entries for a "
                         f"{device_mesh.ndim}-d destination mesh; give one placement per mesh dim")
-    return _Leg(_spec(src_mesh, src_placements, extent, sample_sizes, names[0]),
+    src = _spec(src_mesh, src_placements, extent, sample_sizes, names[0])
+    return _Leg(src if shard_bounds is None else src.replace(shard_bounds=shard_bounds),
                 _spec(device_mesh, placements, extent, sample_sizes, names[1]),
                 src_mesh, device_mesh, placements, grad_placements, shape, dtype, dim, n_hops)
 
 
 def _signature(x: DTensor, device_mesh: DeviceMesh, placements: Sequence[Placement],
-               sample_sizes: Sequence[int] | None, grad_placements: Sequence[Placement] | None,
-               names: tuple[str, str], n_hops: int | None) -> tuple:
+               sample_sizes: Sequence[int] | None, shard_bounds: Sequence[int] | None,
+               grad_placements: Sequence[Placement] | None, names: tuple[str, str], n_hops: int | None) -> tuple:
     """`_leg`'s arguments for one tensor, hashable: the key of the prepared call."""
     if not isinstance(x, DTensor):
         raise TypeError(f"redistribute expects a DTensor, got {type(x).__name__}; wrap it with "
                         "DTensor.from_local or distribute_tensor first")
     return (x.device_mesh, tuple(x.placements), x.shape, x.dtype, device_mesh, tuple(placements),
             None if sample_sizes is None else tuple(sample_sizes),
+            None if shard_bounds is None else tuple(shard_bounds),
             None if grad_placements is None else tuple(grad_placements), tuple(names), n_hops)
 
 
@@ -322,6 +325,7 @@ def redistribute(
     placements: Sequence[Placement],
     *,
     sample_sizes: Sequence[int] | None = None,
+    shard_bounds: Sequence[int] | None = None,
     grad_placements: Sequence[Placement] | None = None,
     check: bool | str = True,
     hops: int | None = None,
@@ -345,6 +349,10 @@ def redistribute(
             instead of rows like ``torch.chunk``. Every rank derives them from batch metadata,
             so no sizes cross the wire. For ragged inputs, build ``x`` with
             ``DTensor.from_local(local, mesh, placements, shape=global_shape, stride=...)``.
+        shard_bounds: the source's own ragged split, when it is not `sample_sizes`': the first
+            row of each shard index of its Shard dims, then the extent (e.g. an encoder's items
+            balanced over its dp ranks, `dtensor_mimo.data.balance`); the destination still
+            splits by `sample_sizes`. Rows keep their global order, so they cross in one hop.
         grad_placements: placements of ``y``'s gradient on ``device_mesh``, declared up front
             because ranks off that mesh must plan the backward too. Default: ``placements``
             with `Partial` read as `Replicate`. Declare e.g. ``Partial()`` on the cp dim when
@@ -379,10 +387,11 @@ def redistribute(
     Errors in the metadata (sizes that do not sum, a placement the plan cannot serve, meshes
     over another world) raise `PlanError` on every rank before any communication.
     """
-    if sample_sizes is None and isinstance(x, DTensor) and x.device_mesh == device_mesh:
+    if sample_sizes is None and shard_bounds is None and isinstance(x, DTensor) and x.device_mesh == device_mesh:
         return x.redistribute(device_mesh, tuple(placements))
     (y,) = redistribute_many([x], [device_mesh], [placements], sample_sizes=[sample_sizes],
-                             grad_placements=[grad_placements], check=check, hops=[hops], buffers=buffers)
+                             shard_bounds=[shard_bounds], grad_placements=[grad_placements], check=check,
+                             hops=[hops], buffers=buffers)
     return y
 
 
@@ -392,6 +401,7 @@ def redistribute_many(
     placements: Sequence[Sequence[Placement]],
     *,
     sample_sizes: Sequence[Sequence[int] | None] | None = None,
+    shard_bounds: Sequence[Sequence[int] | None] | None = None,
     grad_placements: Sequence[Sequence[Placement] | None] | None = None,
     check: bool | str = True,
     names: Sequence[tuple[str, str]] | None = None,
@@ -422,12 +432,17 @@ def redistribute_many(
         raise ValueError(f"redistribute_many: {n} tensors, {len(device_meshes)} meshes and "
                          f"{len(placements)} placement lists; give one of each per tensor")
     sample_sizes = [None] * n if sample_sizes is None else list(sample_sizes)
+    shard_bounds = [None] * n if shard_bounds is None else list(shard_bounds)
     grad_placements = [None] * n if grad_placements is None else list(grad_placements)
     names = [("source", "destination")] * n if names is None else list(names)
     hops = [None] * n if hops is None else list(hops)
+    per_tensor = {"sample_sizes": sample_sizes, "shard_bounds": shard_bounds, "grad_placements": grad_placements,
+                  "names": names, "hops": hops}
+    if wrong := [f"{k} has {len(v)}" for k, v in per_tensor.items() if len(v) != n]:
+        raise ValueError(f"redistribute_many: {n} tensors, but {', '.join(wrong)} entries; give one per tensor")
     pool = DEFAULT_BUFFERS if buffers is True else (buffers or None)
     signature = tuple(_signature(*args) for args in zip(xs, device_meshes, placements, sample_sizes,
-                                                        grad_placements, names, hops))
+                                                        shard_bounds, grad_placements, names, hops))
     call = _prepare(signature, _context([m for leg in signature for m in (leg[0], leg[4])]))
     return _RedistributeFunction.apply(call, check, pool, *xs)
 

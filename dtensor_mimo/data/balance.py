@@ -27,7 +27,7 @@ from typing import Sequence
 
 from dtensor_mimo.data.batch import BatchError, ModalityInputs, sample_range
 
-__all__ = ["balanced_cuts", "item_cost", "item_cuts", "row_bounds", "sample_cuts"]
+__all__ = ["balanced_cuts", "encoder_cuts", "item_cost", "item_cuts", "row_bounds", "sample_cuts"]
 
 
 def item_cost(tokens: int, width: int | None) -> int:
@@ -106,3 +106,14 @@ def row_bounds(m: ModalityInputs, cuts: Sequence[int]) -> tuple[int, ...]:
     bridge's ``shard_bounds``."""
     prefix = [0, *accumulate(m.item_tokens)]
     return tuple(prefix[c] for c in cuts)
+
+
+def encoder_cuts(m: ModalityInputs, parts: int, balance: bool | None,
+                 width: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """Where each of an encoder's `parts` dp ranks starts in `m`'s items, and (balanced only) in
+    its rows: ``(item cuts, row bounds or None)``. Balanced by cost when `balance` (an encoder's
+    `ParallelOptions.balance`; None: when the items differ in size), the row bounds then being
+    the bridge's ``shard_bounds``; else by sample (None: the bridge's own sample split)."""
+    balanced = m.varied if balance is None else balance
+    cuts = item_cuts(m, parts, balanced, width)
+    return cuts, (row_bounds(m, cuts) if balanced else None)

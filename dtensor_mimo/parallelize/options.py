@@ -51,11 +51,10 @@ class ParallelOptions:
             two small tp all-reduces per microbatch instead of all-gathering ``[tokens, vocab]``
             logits. False: logits all-gathered (replicated over tp). Numerics unchanged.
         balance: an encoder with dp > 1 (and pp = 1): its items are split over its dp ranks in
-            contiguous runs of about equal cost (`dtensor_mimo.data.balance`) instead of by
-            sample; the bridge plan takes the new owners directly (no extra hop). None (default):
-            on for a batch whose items differ in size, off otherwise. Numerics unchanged.
-            Training steps (`forward_backward`, `train_step`) balance; `model(batch)` and
-            `predict` encode by sample.
+            the contiguous runs whose costliest is least (`dtensor_mimo.data.balance`) instead of
+            by sample; the bridge plan takes the new owners directly (no extra hop). None
+            (default): on for a (micro)batch whose items differ in size, off otherwise. Numerics
+            unchanged. Every path balances: training steps, `model(batch)` and `predict`.
     """
 
     sp: bool = False

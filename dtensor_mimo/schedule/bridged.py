@@ -11,7 +11,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from dtensor_mimo.bridge import exchange, redistribute_many
-from dtensor_mimo.data import MimoBatch, shard
+from dtensor_mimo.data import MimoBatch
+from dtensor_mimo.data.balance import encoder_cuts
 from dtensor_mimo.layout import MimoLayout
 
 TOKEN_PLACEMENTS = (Replicate(), Shard(0), Replicate(), Replicate())
@@ -34,12 +35,14 @@ class ZeroConnectedTo(torch.autograd.Function):
 
 
 def encode(layout: MimoLayout, name: str, encoder: nn.Module | None, batch: MimoBatch, rank: int, dim: int,
-           dtype: torch.dtype, device: torch.device, trainable: bool) -> DTensor:
-    """This rank's rows of encoder `name` (`encoder`: None off its mesh, where the shard is empty
-    but requires grad when the encoder trains, so that this rank joins the backward exchange),
-    in the `dtype` that crosses, as a DTensor on the encoder's mesh."""
+           dtype: torch.dtype, device: torch.device, trainable: bool, cuts: Sequence[int]) -> DTensor:
+    """This rank's rows of encoder `name`: the items from ``cuts[k]`` to ``cuts[k + 1]`` for its dp
+    index k (`data.balance.encoder_cuts`). `encoder`: None off its mesh, where the shard is empty
+    but requires grad when the encoder trains, so that this rank joins the backward exchange.
+    In the `dtype` that crosses, as a DTensor on the encoder's mesh."""
     if encoder is not None:
-        items = shard(batch, layout.parallelism(name).dp, layout.coordinate(name, rank)["dp"]).modalities[name]
+        k = layout.coordinate(name, rank)["dp"]
+        items = batch.modalities[name].select_items(range(cuts[k], cuts[k + 1]))
         local = encoder(items.to(device).inputs).to(dtype)
     else:
         local = torch.empty(0, dtype=dtype, device=device, requires_grad=trainable)
@@ -50,15 +53,22 @@ def encode(layout: MimoLayout, name: str, encoder: nn.Module | None, batch: Mimo
 def encoder_rows(layout: MimoLayout, language: str, encoders: Mapping[str, nn.Module], names: Sequence[str],
                  trainable: Mapping[str, bool], batch: MimoBatch, rank: int, dim: int, dtype: torch.dtype,
                  device: torch.device, grad_placements: tuple[Placement, ...], check: bool | str,
-                 hops: int | None, buffers: exchange.BufferPool | None) -> tuple[DTensor, ...]:
+                 hops: int | None, buffers: exchange.BufferPool | None,
+                 balance: Mapping[str, bool | None] | None = None,
+                 widths: Mapping[str, int | None] | None = None) -> tuple[DTensor, ...]:
     """The rows of every encoder of `names` (this rank's own in `encoders`, `encode`d here) moved
     to the `language` mesh in one exchange, with the batch's per-sample token counts as ragged
-    sizes; `check`, `hops` and `buffers` as `redistribute`'s."""
-    xs = [encode(layout, n, encoders[n] if n in encoders else None, batch, rank, dim, dtype, device, trainable[n])
-          for n in names]
+    sizes; each encoder's items cut over its dp ranks by sample or, as its `balance` says, by
+    cost (`data.balance.encoder_cuts`, its width from `widths`; the exchange then takes the new
+    owners as ``shard_bounds``); `check`, `hops` and `buffers` as `redistribute`'s."""
+    cuts = [encoder_cuts(batch.modalities[n], layout.parallelism(n).dp, (balance or {}).get(n), (widths or {}).get(n))
+            for n in names]
+    xs = [encode(layout, n, encoders[n] if n in encoders else None, batch, rank, dim, dtype, device, trainable[n],
+                 starts) for n, (starts, _) in zip(names, cuts)]
     if not xs:
         return ()
     return redistribute_many(
         xs, [layout.mesh(language)] * len(xs), [TOKEN_PLACEMENTS] * len(xs),
-        sample_sizes=[batch.tokens_per_sample(n) for n in names], grad_placements=[grad_placements] * len(xs),
-        check=check, names=[(n, language) for n in names], hops=[hops] * len(xs), buffers=buffers)
+        sample_sizes=[batch.tokens_per_sample(n) for n in names], shard_bounds=[bounds for _, bounds in cuts],
+        grad_placements=[grad_placements] * len(xs), check=check, names=[(n, language) for n in names],
+        hops=[hops] * len(xs), buffers=buffers)

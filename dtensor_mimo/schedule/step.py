@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from dtensor_mimo.bridge.exchange import BufferPool
-from dtensor_mimo.data import MimoBatch, ModalityInputs, microbatches, shard
-from dtensor_mimo.data.balance import item_cuts, row_bounds
+from dtensor_mimo.data import MimoBatch, microbatches, shard
+from dtensor_mimo.data.balance import encoder_cuts
 from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.schedule.crossing import Crossing
 from dtensor_mimo.schedule.encoders import ColocatedEncoders, EncoderPipeline, run_local_encoders
@@ -81,19 +81,18 @@ def pipelined_step(
     if not any(flags):  # no gradient crosses back: nothing paces the forward crossings
         window = num_microbatches
     # Which items each encoder dp rank encodes, per microbatch: by sample, or balanced by cost.
-    balanced = [[n for n in names if _balanced(mb.modalities[n], (balance or {}).get(n))] for mb in mbs]
-    cuts = [{n: item_cuts(mb.modalities[n], layout.parallelism(n).dp, n in b, (widths or {}).get(n)) for n in names}
-            for mb, b in zip(mbs, balanced)]
+    cuts = [{n: encoder_cuts(mb.modalities[n], layout.parallelism(n).dp, (balance or {}).get(n), (widths or {}).get(n))
+             for n in names} for mb in mbs]
     crossings = [Crossing(layout, language_name, mb, names, flags, dim, dtype, device, index=i, buffers=buffers,
-                          n_hops=hops, bounds={n: row_bounds(mb.modalities[n], c[n]) for n in b})
-                 for i, (mb, c, b) in enumerate(zip(mbs, cuts, balanced))]
+                          n_hops=hops, bounds={n: b for n, (_, b) in c.items() if b is not None})
+                 for i, (mb, c) in enumerate(zip(mbs, cuts))]
     local = [n for n in names if n in encoders or n in encoder_pipelines]
     items = []  # this rank's share of each microbatch's items, per local encoder
     for mb, c in zip(mbs, cuts):
         per = {}
         for n in local:
-            k = layout.coordinate(n, rank)["dp"]
-            per[n] = mb.modalities[n].select_items(range(c[n][k], c[n][k + 1]))
+            k, (starts, _) = layout.coordinate(n, rank)["dp"], c[n]
+            per[n] = mb.modalities[n].select_items(range(starts[k], starts[k + 1]))
         items.append(per)
     # Host-to-device copies that do not wait for the device's queue (the inputs are host memory).
     inputs = [{n: m.to(device).inputs for n, m in per.items() if n in encoders} for per in items]
@@ -141,12 +140,6 @@ def pipelined_step(
              for c, pendings in zip(crossings, returned)]
     colocated.backward(grads)
     return share, _error(crossings, errors)
-
-
-def _balanced(m: ModalityInputs, option: bool | None) -> bool:
-    """Whether an encoder's items are balanced over its dp ranks: its `ParallelOptions.balance`,
-    or (None) whether the items differ in size."""
-    return m.varied if option is None else option
 
 
 def _error(crossings: Sequence[Crossing], errors: Sequence[str | None]) -> str | None:
