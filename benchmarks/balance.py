@@ -280,7 +280,8 @@ def main() -> None:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"date": datetime.date.today().isoformat(), "machine": platform.platform(),
-                       "cpus": os.cpu_count(), "world": world, "threads": torch.get_num_threads(),
+                       "cpus": os.cpu_count(), "load_average": os.getloadavg(), "world": world,
+                       "threads": torch.get_num_threads(),
                        "config": {**vars(args), "vit": vars(vision)}, "mixes": mixes,
                        "encoder": encoder, "model": model}, f, indent=1)
         print(f"wrote {args.out}")

@@ -29,7 +29,7 @@ from typing import Any, Callable
 DEFAULT_TIMEOUT = float(os.environ.get("DTENSOR_MIMO_TEST_TIMEOUT", "120"))
 STARTUP_TIMEOUT = 120.0  # spawning + importing torch, not counted in a call's timeout
 FAILURE_GRACE_S = 3.0  # after the first failing rank, how long the others get to report
-MAX_POOLS = 3  # live pools kept (each rank is a process holding torch; 3 pools of up to 8 ranks: ~5 GB)
+MAX_POOLS = 3  # live pools kept (each rank is a process holding torch, ~0.3 GB: 8 + 7 + 6 ranks at most)
 
 
 class DistributedTestFailure(AssertionError):

@@ -28,8 +28,8 @@ def _best_max(costs: list[int], parts: int) -> int:
 @pytest.mark.parametrize("seed", range(40))
 def test_balanced_runs_are_the_best_contiguous_split(seed: int) -> None:
     rng = random.Random(seed)
-    costs = [item_cost(rng.choice([4, 16, 64, 256]), 32) for _ in range(rng.randint(0, 9))]
-    parts = rng.randint(1, 4)
+    costs = [item_cost(rng.choice([0, 4, 16, 64, 256]), 32) for _ in range(rng.randint(0, 9))]  # 0: no rows
+    parts = rng.randint(1, 6)  # more parts than items too
     cuts = balanced_cuts(costs, parts)
     assert len(cuts) == parts + 1 and cuts[0] == 0 and cuts[-1] == len(costs)
     assert all(a <= b for a, b in zip(cuts, cuts[1:]))

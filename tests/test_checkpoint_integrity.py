@@ -155,14 +155,15 @@ def test_damaged_newest_checkpoint_is_skipped_for_the_previous(tmp_path, damage)
 
 
 SAVER = """
-import os, sys
+import os, sys, traceback
 import torch.distributed as dist
 sys.path.insert(0, {repo!r})
 from tests.test_checkpoint_integrity import _Model, _Optimizer
 from dtensor_mimo.train import checkpoint
 
 # A warm server: torch is imported once; each trial (a line on stdin) is a forked child that
-# saves in a loop until the test SIGKILLs it (no thread has started before the fork).
+# saves in a loop until the test SIGKILLs it. Only numpy's BLAS pool (which handles fork) has
+# started a thread by then; no process group, no torch intra-op pool.
 directory = sys.argv[1]
 for trial in map(str.strip, sys.stdin):
     pid = os.fork()
@@ -179,10 +180,12 @@ for trial in map(str.strip, sys.stdin):
                 step += 1
                 checkpoint.save(directory, step, model, optimizer, {{"step": step}}, keep=2)
                 print(f"saved {{step}}", flush=True)
+        except BaseException:
+            traceback.print_exc()
         finally:
             os._exit(1)
-    os.waitpid(pid, 0)
-    print("ended", flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(f"ended {{os.WTERMSIG(status) if os.WIFSIGNALED(status) else -1}}", flush=True)
 """
 
 
@@ -196,19 +199,22 @@ def test_kill_during_save_never_loses_the_previous_checkpoint(tmp_path) -> None:
     announced = 0
     server = subprocess.Popen([sys.executable, str(script), str(directory)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
+    child = None
     try:
         for trial in range(10):
             server.stdin.write(f"{trial}\n")
             server.stdin.flush()
             child = int(server.stdout.readline().split()[1])
             first = server.stdout.readline()  # warm: one save behind it
-            assert first.startswith("saved"), first
+            assert first.startswith("saved"), f"trial {trial}: the saver said {first!r} (its error is above)"
             time.sleep(rng.uniform(0.0, 0.6))
             os.kill(child, signal.SIGKILL)
             lines = [first]
             while not (line := server.stdout.readline()).startswith("ended"):
                 assert line, "the saver server exited"
                 lines.append(line)
+            assert line.split() == ["ended", str(int(signal.SIGKILL))], f"trial {trial}: the saver {line!r}"
+            child = None
             announced = max([announced, *(int(line.split()[1]) for line in lines)])
             latest = checkpoint.latest_checkpoint(str(directory))
             assert latest is not None, f"trial {trial}: no checkpoint left ({sorted(os.listdir(directory))})"
@@ -219,8 +225,16 @@ def test_kill_during_save_never_loses_the_previous_checkpoint(tmp_path) -> None:
             dcp.load(state, checkpoint_id=latest)  # no process group here: DCP reads it alone
             assert json.loads(state["trainer"]) == {"step": step}
     finally:
+        if child is not None:  # a failed trial: its saver may still be saving
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         server.stdin.close()
-        server.wait(timeout=60)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 TINY = ["--train.steps", "8", "--data.batch_size", "8", "--pipeline.microbatches", "2",

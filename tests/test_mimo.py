@@ -16,7 +16,7 @@ two documents each (positions restart, attention stays inside a document).
 | fan_in        | dp2 (0-1)          | -             | dp1 (2)                 | 3     | no     | vision FSDP2                 |
 | fan_out       | dp1 (0)            | -             | dp2 (1-2)               | 3     | no     | LLM without FSDP (all-reduce)|
 | tp_sp         | dp2 (0-1)          | -             | tp2 + sp (2-3)          | 4     | no     | meta                         |
-| coloc_fan_in  | dp4 (0-3)          | -             | tp2·dp2 (0-3)           | 4     | no     | colocated                    |
+| coloc_fan_in  | dp4 (0-3)          | -             | tp2·dp2 (0-3)           | 4     | no     | colocated, FSDP off (all-reduce) |
 | coloc_tp      | tp2·dp2 + sp (0-3) | -             | tp4 (0-3)               | 4     | no     | colocated, tp change, meta, gathered logits |
 | cp            | dp2 (0-1)          | -             | cp2 (2-3)               | 4     | yes    | meta                         |
 | two_hop_cp    | tp2 (0-1)          | -             | cp2 (2-3)               | 4     | yes    | two hops: rows all-gathered over cp, gradient reduce-scattered over cp, all-gathered over vision tp |
@@ -143,7 +143,8 @@ CASES = {
                     options={"language": ParallelOptions(fsdp=False)}),
     "tp_sp": Case({"vision": P(dp=2), "language": P(tp=2)}, options={"language": SP}, meta=True),
     "coloc_fan_in": Case({"vision": P(dp=4), "language": P(dp=2, tp=2)},
-                         offsets={"vision": 0, "language": 0}),
+                         offsets={"vision": 0, "language": 0},
+                         options={n: ParallelOptions(fsdp=False) for n in ("vision", "language")}),
     "coloc_tp": Case({"vision": P(dp=2, tp=2), "language": P(tp=4)},
                      offsets={"vision": 0, "language": 0}, meta=True,
                      options={"vision": SP, "language": ParallelOptions(loss_parallel=False)}),
@@ -483,10 +484,11 @@ def check_encoded_shares(case: Case, per_rank: list[list[dict]]) -> None:
     """Each encoder dp rank encoded, microbatch by microbatch and in `predict`, the rows its cut
     gives it: balanced by cost where its `ParallelOptions.balance` (None: items of different
     sizes) says so, else by sample; and a balanced case does move items somewhere (its cuts
-    differ from by sample).
-    Encoders with pp > 1 (stages, not the module, run) are not looked at; recomputed encoders
-    run their forwards again in backward, after these."""
-    widths = {"vision": VISION.dim, "audio": AUDIO.dim}
+    differ from by sample). Every rank of an encoder's mesh runs exactly one forward per
+    microbatch (recomputed encoders: then each again, in backward); encoders with pp > 1 (their
+    stages run, not the module) are not looked at. The plan comes from `data.balance`, checked
+    against every contiguous split in tests/test_balance.py; this checks the run follows it."""
+    widths, layout = {"vision": VISION.dim, "audio": AUDIO.dim}, case.layout()
     batches = _batches(case.encoders, case.packed, case.batch_size, case.seq_lens, case.distinct_batches,
                        case.text_only_steps, case.varied)
     runs = [(batch, microbatches(batch, case.pipeline.microbatches if case.pipeline else 1), step, "encoded")
@@ -504,10 +506,16 @@ def check_encoded_shares(case: Case, per_rank: list[list[dict]]) -> None:
                 balance = m.varied if option is None else option
                 planned.append(row_bounds(m, item_cuts(m, dp, balance, widths[name])))
                 moved |= balance and planned[-1] != row_bounds(m, item_cuts(m, dp, False))
-            for records in per_rank:
-                if name in records[step][key] and case.modules[name].pp == 1:
-                    k, rows = records[step][key][name]
-                    assert rows[:len(mbs)] == [b[k + 1] - b[k] for b in planned], (step, name, k, rows, planned)
+            if case.modules[name].pp > 1:
+                continue
+            again = key == "encoded" and case.options.get(name, ParallelOptions()).recompute_colocated
+            for rank, records in enumerate(per_rank):
+                if layout.coordinate(name, rank) is None:
+                    continue
+                assert name in records[step][key], f"step {step}: rank {rank} recorded no {name} forward"
+                k, rows = records[step][key][name]
+                want = [b[k + 1] - b[k] for b in planned]
+                assert rows == want * (2 if again else 1), (step, name, k, rows, planned)
     balanced = [n for n in case.encoders if case.options.get(n, ParallelOptions()).balance
                 or (case.varied and case.options.get(n, ParallelOptions()).balance is None)]
     assert moved or not balanced or all(case.modules[n].dp == 1 for n in balanced), \

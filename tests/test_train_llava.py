@@ -395,8 +395,9 @@ def test_learns_heterogeneous_and_exports(tiny: str) -> None:
 
 
 # The colocated layout learns too: `test_layouts_give_one_process_numbers` shows it gives the
-# one-process run's losses and gradient norms, step by step, as the heterogeneous layout that
-# learns above does.
+# one-process run's losses and gradient norms over 6 steps, as the heterogeneous layout that
+# learns above does (with FSDP2; colocated without FSDP, the setting docs/testing.md suggests
+# for small modules, is the oracle's `coloc_fan_in` in tests/test_mimo.py).
 
 
 AUDIO_CONFIG = """
