@@ -163,8 +163,9 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEF
     _pools[world_size] = pool  # most recently used last
     try:
         return pool.run(fn, args, kwargs, timeout)
-    except DistributedTestFailure:
+    except BaseException:  # a failure, or the call cut short (pytest-timeout, ^C): ranks may be mid-job
         _pools.pop(world_size, None)
+        pool.close(kill=True)
         raise
 
 

@@ -6,7 +6,8 @@ input that must fail on every rank, never hang (hypothesis).
 | placement: disjoint / colocated / encoders sharing ranks;     | loss, grad norm, every gradient and     |
 | vision dp·tp, audio, language dp·tp·cp·pp (world <= 4);       | post-step weight == the single-process  |
 | microbatches; packed rows; a frozen ViT; batch size, two      | run's (`tests.test_mimo`'s oracle, its  |
-| steps' lengths, a step with no item at all (text-only)        | tolerance)                             |
+| steps' lengths, a step with no item at all (text-only);       | tolerance); every encoder rank encoded  |
+| items of their own size; each encoder's `balance`             | its planned share                      |
 | a valid layout + one malformation: microbatches that do not   | every rank raises, the error naming     |
 | cut the batch, tokens_per_item or image size the encoder does | what is wrong (no rank left waiting:    |
 | not make / take, a modality the model lacks, one rank fed     | the harness times out otherwise)       |
@@ -33,7 +34,7 @@ from dtensor_mimo.schedule import check_microbatching
 from dtensor_mimo.schedule.checks import check_model
 from dtensor_mimo.schedule.config import check_pipeline_layout
 from tests.harness import run_on_ranks
-from tests.test_mimo import Case, _modules, check_against_reference
+from tests.test_mimo import Case, _modules, check_against_reference, check_encoded_shares
 
 EXAMPLES = int(os.environ.get("DTENSOR_MIMO_FUZZ_EXAMPLES", "0"))
 """0: the suite's few derandomized examples; N: N random ones (``make fuzz``)."""
@@ -72,10 +73,14 @@ def cases(draw) -> Case:
     pipelined = microbatches > 1 or lang.pp > 1  # a static-shape pipeline: even microbatches and dp shards
     batch_size = draw(st.integers(1, 3)) * microbatches * lang.dp if pipelined else draw(st.integers(1, 6))
     assume(batch_size <= 8)
-    lengths = [64, 96] if "audio" in modules else [32, 48, 64]  # room for every item of a sample
+    varied = draw(st.booleans())  # items of their own size (images, clips)
+    lengths = [64, 96] if "audio" in modules or varied else [32, 48, 64]  # room for every item of a sample
     seq_lens = tuple(draw(st.sampled_from(lengths)) for _ in range(2))
+    balance = st.sampled_from([None, True, False])  # None: balanced when the items vary
     return Case(modules, offsets=offsets,
-                options={"language": ParallelOptions(sp=lang.tp > 1 and draw(st.booleans()))},
+                options={"language": ParallelOptions(sp=lang.tp > 1 and draw(st.booleans())),
+                         **{n: ParallelOptions(balance=draw(balance)) for n in modules if n != "language"}},
+                varied=varied,
                 packed=draw(st.booleans()), batch_size=batch_size, seq_lens=seq_lens,
                 frozen=("vision.encoder",) if draw(st.booleans()) else (),
                 pipeline=PipelineConfig(microbatches=microbatches) if pipelined else None,
@@ -86,7 +91,7 @@ def _refused(case: Case) -> str | None:
     """The library's own pure verdict on `case` (None: it trains)."""
     try:
         layout = case.layout()
-        llama, encoders = _modules(case.encoders, meta=True)
+        llama, encoders = _modules(case.encoders, meta=True, varied=case.varied)
         check_model(layout, llama, encoders, "language", case.options, case.pipeline)
         check_pipeline_layout(layout, "language", case.pipeline)
         check_microbatching(case.batch_size, case.pipeline.microbatches if case.pipeline else 1,
@@ -108,7 +113,7 @@ RICH = Case({"vision": Parallelism(), "audio": Parallelism(), "language": Parall
 @given(case=cases())
 def test_random_layouts_and_batches_match_the_single_process_run(case: Case) -> None:
     assume(_refused(case) is None)
-    check_against_reference(case)
+    check_encoded_shares(case, check_against_reference(case, clipping=False))
 
 
 # ------------------------------------------------------------------ malformed input

@@ -9,8 +9,11 @@
 | crossings                          | fan-in 2 -> 1 disjoint (2 messages), colocated equal dp (0)        |
 | the search space                   | world 4 vision + language, world 3 with audio: brute force         |
 | trainer output                     | every ``--json`` entry of world 4 parses as trainer overrides      |
+| items of their own size            | the measured job's encoder rows per sample == the digits data's    |
+|                                    | mean over 256 drawn samples (not one item's count)                 |
 
-Everything is pure (synthetic profiles, no measurement, no process group); no timing assertions.
+Everything but the last row is pure (synthetic profiles, no measurement, no process group); the
+last measures the digits job's modules in this process (a few seconds). No timing assertions.
 """
 
 from __future__ import annotations
@@ -335,3 +338,20 @@ def test_layout_auto_refused_where_its_measurements_do_not_describe_the_run(monk
     assert launch.main(["--layout.auto", "true", *argv]) == 2
     err = capsys.readouterr().err
     assert match in err and "python -m dtensor_mimo.plan" in err, err
+
+
+def test_measured_job_of_items_of_their_own_size() -> None:
+    pytest.importorskip("sklearn")
+    from dtensor_mimo.train.datasets import train_data
+    from dtensor_mimo.train.modules import resolve
+    from dtensor_mimo.train.plan import measure_profiles
+
+    config = parse_args(["--model.encoders.vision.dynamic_resolution", "true",
+                         "--model.encoders.audio.variable_length", "true"])
+    profiles = {m["name"]: m for m in measure_profiles(config, log=lambda _: None)["job"]["modules"]}
+    batch = train_data(config, resolve(config)).train.batch(list(range(256)), load=None)
+    for name in ("vision", "audio"):
+        m = batch.modalities[name]
+        assert m.varied
+        drawn = sum(m.item_tokens) / batch.batch_size
+        assert profiles[name]["tokens_per_sample"] == pytest.approx(drawn, rel=0.15), name
