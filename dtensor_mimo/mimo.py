@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from dtensor_mimo.bridge import exchange
 from dtensor_mimo.bridge.hops import check_hops
-from dtensor_mimo.data import MimoBatch, sample_range, shard
+from dtensor_mimo.data import MimoBatch, microbatches, sample_range, shard
+from dtensor_mimo.data.balance import encoder_cuts, max_over_mean
 from dtensor_mimo.layout import LANGUAGE, MimoLayout
 from dtensor_mimo.layout.mesh import check_agreement
 from dtensor_mimo.models.hf import hf_parts, plan_hf
@@ -346,6 +347,28 @@ class MimoModel(nn.Module):
                           self.buffers, {n: self.options[n].balance for n in names}, self._widths)
         self._shapes_checked.update(keys)
         return names, ys
+
+    def encoder_imbalance(self, batch: MimoBatch) -> dict[str, float]:
+        """Each encoder with dp > 1: its costliest dp rank's share of `batch` over the mean share
+        (`data.balance.max_over_mean` of the cuts the step makes, by sample or balanced as its
+        `ParallelOptions.balance` says), averaged over the microbatches that hold its items.
+        1.0 is even; the slowest rank sets the pace. Host metadata only: no message, no sync."""
+        mbs = microbatches(batch, self.pipeline.microbatches) if self.pipelined else [batch]
+        out = {}
+        for n in self.encoder_names:
+            dp = self.layout.parallelism(n).dp
+            if dp == 1 or n not in batch.modalities:
+                continue
+            ratios = []
+            for mb in mbs:
+                m = mb.modalities.get(n)
+                if m is not None:
+                    cuts, _ = encoder_cuts(m, dp, self.options[n].balance, self._widths[n])
+                    if (r := max_over_mean(m, cuts, self._widths[n])) is not None:
+                        ratios.append(r)
+            if ratios:
+                out[n] = sum(ratios) / len(ratios)
+        return out
 
     def _check_initialized(self) -> None:
         if self.uninitialized:  # the same set on every rank: every rank raises

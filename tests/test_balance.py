@@ -12,7 +12,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from dtensor_mimo.bridge import MeshSpec, PlanError
 from dtensor_mimo.bridge.plan import Recv, Send, plan_for_rank
-from dtensor_mimo.data.balance import balanced_cuts, item_cost, sample_cuts
+from dtensor_mimo.data import ModalityInputs
+from dtensor_mimo.data.balance import balanced_cuts, item_cost, max_over_mean, sample_cuts
 
 
 def _best_max(costs: list[int], parts: int) -> int:
@@ -73,3 +74,14 @@ def test_shard_bounds_split_the_rows_as_given() -> None:
 def test_shard_bounds_that_do_not_split_the_rows_are_refused(bounds) -> None:
     with pytest.raises(PlanError, match="shard_bounds"):
         MeshSpec([0, 1], (Shard(0),), sample_sizes=(6, 4, 2), shard_bounds=bounds)
+
+
+def test_max_over_mean_by_hand() -> None:
+    import torch
+
+    items = [torch.zeros(3, 4, 4)] * 3
+    m = ModalityInputs(inputs=items, items_per_sample=(2, 1), tokens_per_item=(4, 4, 16), special_token_id=9)
+    assert max_over_mean(m, (0, 2, 3)) == 16 * 2 / 24  # parts of 8 and 16 tokens (width unknown)
+    assert max_over_mean(m, (0, 3, 3)) == 2.0  # everything on one of two ranks
+    width = 2  # cost t (6w + t): 4 -> 64, 16 -> 448
+    assert max_over_mean(m, (0, 2, 3), width) == 448 * 2 / 576

@@ -152,7 +152,7 @@ def _predict(argv: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     from dtensor_mimo.train.trainer import Trainer
 
     trainer = Trainer(parse_args(argv))
-    batch = trainer.data.heldout.batch(range(8), load=trainer._load_plan(8, 1))
+    batch = trainer._load_plan(8, 1)(trainer.data.heldout.batch, list(range(8)))
     return trainer.model.predict(batch), batch.tokens
 
 
@@ -202,17 +202,30 @@ def _records(path: str) -> dict[int, tuple[float, float]]:
 
 def test_items_of_their_own_size_give_one_process_numbers(tmp_path) -> None:
     """Scans at 8x8..12x12 and clips of 8..16 frames (the digits data at varied resolution): the
-    encoders on rank 0, the language model on rank 1 (per-rank loading: rank 1 loads no item)
-    give the one-rank run's losses and gradient norms."""
+    encoders on rank 0, the language model on rank 1 (per-rank loading: rank 1 loads no item),
+    and both encoders dp2 (balanced, the default, and by sample) give the one-rank run's losses
+    and gradient norms; the logged encoder imbalance is never worse balanced than by sample."""
     base = [*SHORT, *VARIED, "--train.steps", "3", "--data.heldout_samples", "8"]
-    one = [*base, *LAYOUT_C, "--metrics.jsonl", str(tmp_path / "one.jsonl")]
-    two = [*base, "--layout.audio.offset", "0", "--metrics.jsonl", str(tmp_path / "two.jsonl")]
-    run_on_ranks(_train, 1, one, timeout=300)
-    run_on_ranks(_train, 2, two, timeout=300)
-    got, expected = _records(str(tmp_path / "two.jsonl")), _records(str(tmp_path / "one.jsonl"))
-    assert sorted(got) == sorted(expected) == [1, 2, 3]
-    for step, (loss, norm) in expected.items():
-        assert got[step][0] == pytest.approx(loss, rel=1e-5) and got[step][1] == pytest.approx(norm, rel=1e-5), step
+    dp2 = ["--layout.vision.dp", "2", "--layout.audio.dp", "2", "--layout.audio.offset", "0"]
+    runs = {"one": (1, LAYOUT_C), "two": (2, ["--layout.audio.offset", "0"]), "balanced": (3, dp2),
+            "by_sample": (3, [*dp2, "--options.vision.balance", "false", "--options.audio.balance", "false"])}
+    for name, (world, layout) in runs.items():
+        run_on_ranks(_train, world, [*base, *layout, "--metrics.jsonl", str(tmp_path / f"{name}.jsonl")], timeout=300)
+    expected = _records(str(tmp_path / "one.jsonl"))
+    assert sorted(expected) == [1, 2, 3]
+    for name in ("two", "balanced", "by_sample"):
+        got = _records(str(tmp_path / f"{name}.jsonl"))
+        assert sorted(got) == [1, 2, 3], name
+        for step, (loss, norm) in expected.items():
+            assert got[step][0] == pytest.approx(loss, rel=1e-5) and got[step][1] == pytest.approx(norm, rel=1e-5), \
+                (name, step)
+    logged = {name: [r for r in map(json.loads, open(tmp_path / f"{name}.jsonl")) if "loss" in r]
+              for name in ("balanced", "by_sample")}
+    for balanced, by_sample in zip(*logged.values()):
+        for encoder in ("vision", "audio"):
+            key = f"encoder_imbalance_{encoder}"
+            assert 1.0 <= balanced[key] <= by_sample[key], (balanced["step"], key, balanced[key], by_sample[key])
+    assert any(b["encoder_imbalance_vision"] < s["encoder_imbalance_vision"] for b, s in zip(*logged.values()))
 
 
 # ---------------------------------------------------------------------------- the command

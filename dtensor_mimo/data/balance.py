@@ -26,7 +26,7 @@ from typing import Sequence
 
 from dtensor_mimo.data.batch import BatchError, ModalityInputs, sample_range
 
-__all__ = ["balanced_cuts", "encoder_cuts", "item_cost", "item_cuts", "row_bounds", "sample_cuts"]
+__all__ = ["balanced_cuts", "encoder_cuts", "item_cost", "item_cuts", "max_over_mean", "row_bounds", "sample_cuts"]
 
 
 def item_cost(tokens: int, width: int | None) -> int:
@@ -119,3 +119,14 @@ def encoder_cuts(m: ModalityInputs, parts: int, balance: bool | None,
     balanced = m.varied if balance is None else balance
     cuts = item_cuts(m, parts, balanced, width)
     return cuts, (row_bounds(m, cuts) if balanced else None)
+
+
+def max_over_mean(m: ModalityInputs, cuts: Sequence[int], width: int | None = None) -> float | None:
+    """The costliest part of `cuts` over the mean part (`item_cost` sums): how long the slowest
+    encoder dp rank works against the average, 1.0 when even; None when `m` costs nothing."""
+    costs = [item_cost(t, width) for t in m.item_tokens]
+    prefix = [0, *accumulate(costs)]
+    parts = len(cuts) - 1
+    if prefix[-1] == 0:
+        return None
+    return max(prefix[b] - prefix[a] for a, b in zip(cuts, cuts[1:])) * parts / prefix[-1]

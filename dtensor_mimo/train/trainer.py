@@ -5,12 +5,13 @@ group. What a step does on a rank:
 
 1. data: the sampler's next global batch of indices (the same on every rank); the rank builds the
    batch's token rows and per-sample item counts (metadata, small) and decodes only the encoder
-   inputs of the items it encodes (`samples_to_load`): a language-only rank synthesizes no tone
-   and reads no scan. Optionally in loader worker processes.
+   inputs of the items it encodes (`samples_to_load`; an encoder balanced over its dp ranks: the
+   samples holding its cut of the items, from a metadata pass first, `_LoadPlan`): a
+   language-only rank synthesizes no tone and reads no scan. Optionally in loader worker processes.
 2. `train_step`: forward + backward through encoders, bridge and language model, the global
    norm, clip and AdamW.
 3. every `metrics.log_every` steps: one MAX all-reduce of the per-phase times, a log line and a
-   JSONL record on rank 0; checkpoints every `checkpoint.every` steps; held-out evaluation every
+   JSONL record on rank 0 (with each dp > 1 encoder's `encoder_imbalance`); checkpoints every `checkpoint.every` steps; held-out evaluation every
    `train.eval_every` steps and at the end, which prints ``held-out accuracy: 0.xx``.
 """
 
@@ -22,13 +23,15 @@ import resource
 import signal
 import sys
 import time
-from typing import Any, Iterator
+from itertools import accumulate
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from dtensor_mimo.data import MimoBatch, ResumableBatchSampler, samples_to_load
+from dtensor_mimo.data import MimoBatch, ResumableBatchSampler, microbatches, samples_to_load
+from dtensor_mimo.data.balance import encoder_cuts
 from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.models import ModalityEncoder
 from dtensor_mimo.train import checkpoint
@@ -76,14 +79,49 @@ def _fault(rank: int) -> tuple[str, int] | None:
 # ---------------------------------------------------------------------------- data
 
 
+class _LoadPlan:
+    """Which samples of a global batch this rank loads the items of, per modality (None: all).
+
+    An encoder split by sample needs its dp shard of every microbatch (`samples_to_load`, fixed).
+    An encoder balanced over its dp ranks (`ParallelOptions.balance`) encodes a cut of the items
+    that depends on their sizes, so its samples come from the batch's metadata (a first pass
+    with ``load={}``, no item decoded): those holding an item of this rank's cut of each
+    microbatch (`data.balance.encoder_cuts`, the rule the step applies)."""
+
+    def __init__(self, fixed: dict[str, list[int]] | None, microbatches: int,
+                 balanced: dict[str, tuple[int, int, bool | None, int | None]]) -> None:
+        self.fixed, self.microbatches = fixed, microbatches
+        self.balanced = balanced if fixed is not None else {}
+        """``{encoder: (dp, this rank's dp index, its balance option, its width)}``."""
+
+    def __call__(self, make: Callable[..., MimoBatch], indices: Sequence[int]) -> MimoBatch:
+        """``make(indices, load=...)`` with this rank's load."""
+        if not self.balanced:
+            return make(indices, load=self.fixed)
+        meta = make(indices, load={})
+        load = dict(self.fixed)
+        mbs = microbatches(meta, self.microbatches)
+        for name, (dp, k, option, width) in self.balanced.items():
+            load[name], start = [], 0
+            for mb in mbs:
+                if name in mb.modalities:
+                    m = mb.modalities[name]
+                    cuts, _ = encoder_cuts(m, dp, option, width)
+                    first = list(accumulate(m.items_per_sample, initial=0))
+                    load[name] += [start + s for s in range(mb.batch_size)
+                                   if first[s] < cuts[k + 1] and first[s + 1] > cuts[k]]
+                start += mb.batch_size
+        return make(indices, load=load)
+
+
 class _Batches(Dataset):
     """A dataset whose item at a list of indices is this rank's view of that global batch."""
 
-    def __init__(self, dataset: BatchSource, load: dict[str, list[int]] | None) -> None:
-        self.dataset, self.load = dataset, load
+    def __init__(self, dataset: BatchSource, plan: _LoadPlan) -> None:
+        self.dataset, self.plan = dataset, plan
 
     def __getitem__(self, indices: list[int]) -> MimoBatch:
-        return self.dataset.batch(indices, load=self.load)
+        return self.plan(self.dataset.batch, indices)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -197,23 +235,31 @@ class Trainer:
                 total += transformer_flops(sum(p.numel() for p in projection.parameters()), tokens, 0, 0, 0, True)
         return total
 
-    def _load_plan(self, batch_size: int, microbatches: int) -> dict[str, list[int]] | None:
+    def _load_plan(self, batch_size: int, microbatches: int) -> _LoadPlan:
         if not self.config.data.per_rank_loading:
-            return None
-        return samples_to_load(self.layout, self.rank, batch_size, microbatches, self.model.encoder_names)
+            return _LoadPlan(None, microbatches, {})
+        fixed = samples_to_load(self.layout, self.rank, batch_size, microbatches, self.model.encoder_names)
+        balanced = {}
+        for n in fixed:
+            par, option = self.layout.parallelism(n), self.model.options[n].balance
+            section = self.config.model.encoders[n]
+            may_vary = section.dynamic_resolution or section.variable_length
+            if par.dp > 1 and (option or (option is None and may_vary)):
+                balanced[n] = (par.dp, self.layout.coordinate(n, self.rank)["dp"], option, self.model._widths[n])
+        return _LoadPlan(fixed, microbatches, balanced)
 
     def _batches(self) -> Iterator[MimoBatch]:
         """This rank's view of the global batches from the sampler's position on; the sampler
         advances as batches are consumed (its state is the checkpoint's data position)."""
-        load = self._load_plan(self.config.data.batch_size, self.config.pipeline.microbatches)
+        plan = self._load_plan(self.config.data.batch_size, self.config.pipeline.microbatches)
         workers = self.config.data.workers
         if workers == 0:
             for indices in _Forever(self.sampler):
-                yield self.data.train.batch(indices, load=load)
+                yield plan(self.data.train.batch, indices)
             return
         ahead = ResumableBatchSampler(len(self.data.train), self.config.data.batch_size, seed=self.config.data.seed)
         ahead.load_state_dict(self.sampler.state_dict())  # the loader's own copy runs ahead
-        loader = DataLoader(_Batches(self.data.train, load), sampler=_Forever(ahead), batch_size=None,
+        loader = DataLoader(_Batches(self.data.train, plan), sampler=_Forever(ahead), batch_size=None,
                             num_workers=workers, collate_fn=_as_is, persistent_workers=True)
         for batch, _ in zip(loader, _Forever(self.sampler)):
             yield batch
@@ -266,7 +312,7 @@ class Trainer:
         counted: dict[str, int] = {}
         for start in range(0, len(heldout), b):
             indices = list(range(start, min(start + b, len(heldout))))
-            batch = heldout.batch(indices, load=self._load_plan(len(indices), 1))
+            batch = self._load_plan(len(indices), 1)(heldout.batch, indices)
             pred = self.model.predict(batch).cpu()
             for name, (r, c) in self.data.score(batch, pred).items():
                 right[name] = right.get(name, 0) + r
@@ -280,7 +326,7 @@ class Trainer:
         chosen = [i for i in range(len(heldout)) if self.data.prompt(i) is not None][:n]
         if not chosen:
             return []
-        batch = getattr(heldout, "prompts", heldout.batch)(chosen, load=self._load_plan(len(chosen), 1))
+        batch = self._load_plan(len(chosen), 1)(getattr(heldout, "prompts", heldout.batch), chosen)
         prompts = [self.data.prompt(i) for i in chosen]
         lengths = [p[0] for p in prompts]
         stops = {p[2] for p in prompts}
@@ -361,7 +407,7 @@ class Trainer:
             window.append(times)
         self.log.tick(self.step, metrics.loss)
         if self.step % c.metrics.log_every == 0 or self.step == c.train.steps:
-            self._log(metrics, lr, window or [times], tokens)
+            self._log(metrics, lr, window or [times], tokens, self.model.encoder_imbalance(batch))
             window = []
         if c.checkpoint.dir and ((c.checkpoint.every and self.step % c.checkpoint.every == 0)
                                  or self.step == c.train.steps):
@@ -391,8 +437,9 @@ class Trainer:
                   processors={n: e.processor for n, e in r.encoders.items() if e.processor is not None}, dtype=dtype)
         self.log.print(f"step {self.step}: exported {path}")
 
-    def _log(self, metrics, lr: float, window: list[list[float]], tokens: int) -> None:
-        """One MAX all-reduce of this window's mean phase times and peak memory; rank 0 logs."""
+    def _log(self, metrics, lr: float, window: list[list[float]], tokens: int, imbalance: dict[str, float]) -> None:
+        """One MAX all-reduce of this window's mean phase times and peak memory; rank 0 logs, with
+        the logged step's encoder `imbalance` (`MimoModel.encoder_imbalance`)."""
         mean = torch.tensor(window, dtype=torch.float64).mean(0)
         memory = (torch.cuda.max_memory_allocated(self.model.device) if self.model.device.type == "cuda"
                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
@@ -406,9 +453,12 @@ class Trainer:
                   "step_s": step_s, "data_s": data_s, "forward_backward_s": fb_s, "optimizer_s": opt_s,
                   "peak_memory_gib": memory / 2**30, "tflops": tflops, "mfu": mfu,
                   "skipped": metrics.skipped,
-                  **{f"grad_norm_{n}": v for n, v in metrics.module_grad_norms.items()}}
+                  **{f"grad_norm_{n}": v for n, v in metrics.module_grad_norms.items()},
+                  **{f"encoder_imbalance_{n}": v for n, v in imbalance.items()}}
+        shares = "".join(f" {n} {v:.2f}" for n, v in imbalance.items())
         self.log.log(record, f"step {self.step:>5} | loss {metrics.loss:.4f} | grad norm {metrics.grad_norm:.3f} | "
                              f"lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s | step "
                              f"{step_s * 1e3:.1f} ms (data {data_s * 1e3:.1f}, fwd+bwd {fb_s * 1e3:.1f}, "
                              f"optim {opt_s * 1e3:.1f}) | mem {record['peak_memory_gib']:.2f} GiB | "
-                             + (f"MFU {mfu:.1%}" if mfu is not None else f"{tflops * 1e3:.1f} GFLOP/s"))
+                             + (f"MFU {mfu:.1%}" if mfu is not None else f"{tflops * 1e3:.1f} GFLOP/s")
+                             + (f" | encoder max/mean{shares}" if shares else ""))
