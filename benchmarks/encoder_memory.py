@@ -85,7 +85,7 @@ def measure(layout: MimoLayout, m: int, options: dict, window: int | None, visio
     encoder.init_weights(10)
     model = MimoModel(layout, llama, {"vision": encoder}, options=options, pipeline=PipelineConfig(microbatches=m))
     if window is not None:
-        model.window = window  # every rank: the same crossing order
+        model.parts = dataclasses.replace(model.parts, window=window)  # every rank: the same crossing order
     spec = SyntheticSpec(vocab_size=256, seq_len=160, batch_size=dist.get_world_size(), text_only_samples=0,
                          modalities={"vision": ModalitySpec.image(vision, special_token_id=255, max_items=2)})
     batch = repeated(synthetic_batch(spec, seed=0), m)

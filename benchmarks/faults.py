@@ -33,10 +33,10 @@ FAULTS = {"encoder": "encoder:3:0", "language": "language:3:2", "data": "data:3:
 
 def run(launcher: str, fault: str) -> dict:
     if launcher == "own":
-        command = [sys.executable, "-m", "dtensor_mimo.train", *RUN]
+        command = [sys.executable, "-m", "tests.inject_faults", *RUN]
     else:
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        command = [torchrun, "--standalone", "--nproc-per-node=3", "-m", "dtensor_mimo.train", *RUN]
+        command = [torchrun, "--standalone", "--nproc-per-node=3", "-m", "tests.inject_faults", *RUN]
     env = {**os.environ, "PYTHONPATH": REPO, "DTENSOR_MIMO_FAULT": FAULTS[fault]}
     lines: list[tuple[float, str]] = []  # stderr, each line stamped when it arrived
     with tempfile.TemporaryDirectory() as cwd:

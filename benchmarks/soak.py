@@ -37,7 +37,7 @@ def _rank(rank: int, world: int, port: int, argv: list[str], every: int, out_dir
 
     from dtensor_mimo.bridge import DEFAULT_BUFFERS
     from dtensor_mimo.train.config import parse_args
-    from dtensor_mimo.train.distributed import init_distributed
+    from dtensor_mimo.layout.world import init_distributed
     from dtensor_mimo.train.trainer import Trainer
 
     config = parse_args(argv)

@@ -5,8 +5,8 @@ from dtensor_mimo.layout import LANGUAGE, LayoutError, MimoLayout, Parallelism
 from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.parallelize import ParallelOptions
 from dtensor_mimo.schedule import PipelineConfig
-from dtensor_mimo.train import AdamWConfig, LRSchedule, MimoOptimizer, init_distributed
-from dtensor_mimo.train.step import StepMetrics, train_step
+from dtensor_mimo.layout.world import init_distributed
+from dtensor_mimo.optim import AdamWConfig, LRSchedule, MimoOptimizer, StepMetrics, train_step
 
 __all__ = [
     "LANGUAGE",

@@ -2,10 +2,10 @@
 
 Composition only: the checks (`schedule.checks`), each encoder's part (`schedule.encoders`),
 the language model's stages (`schedule.language`: pp = 1 is a one-stage pipeline) and the step
-(`schedule.step`, microbatches crossing per `schedule.order`) live in the schedule layer; this
-class holds this rank's parts and gives them one face: `forward_backward` (every layout, every
-schedule), `model(batch)` (one stage, one microbatch: the loss share to call backward on, its
-encoder rows crossing by `redistribute_many`), `predict`/`generate`, weights and gradients.
+as data (`schedule.program`, run by `schedule.executor`) live in the schedule layer; this class
+builds this rank's parts once (`RankParts`) and gives them one face: `run` (a training step,
+``model(batch)`` or a prediction, as the same program at different lengths), `forward_backward`,
+`model(batch)`, `predict`/`generate`, weights and gradients.
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
-from dtensor_mimo.bridge import exchange
+from dtensor_mimo.bridge import PlanError, exchange
 from dtensor_mimo.bridge.hops import check_hops
 from dtensor_mimo.data import MimoBatch, microbatches, sample_range, shard
 from dtensor_mimo.data.balance import encoder_cuts, max_over_mean
@@ -27,14 +25,15 @@ from dtensor_mimo.models.hf import hf_parts, plan_hf
 from dtensor_mimo.models.protocol import encoder_width, item_rule
 from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, finish_gradients, replica_problems
 from dtensor_mimo.schedule import (EncoderPipeline, LanguagePipeline, LanguageStage, PipelineConfig,
-                                   check_microbatching, pipelined_step, stage_inputs)
-from dtensor_mimo.schedule.bridged import ZeroConnectedTo, encoder_rows
+                                   check_microbatching, stage_inputs)
 from dtensor_mimo.schedule.checks import check_batch, check_model, overlapped
 from dtensor_mimo.schedule.encoders import build_encoder_part
+from dtensor_mimo.schedule.executor import RankParts, StepResult, execute
 from dtensor_mimo.schedule.order import crossing_window
+from dtensor_mimo.schedule.program import Action
 from dtensor_mimo.sequence import greedy_generate, loss_normalizer
 
-__all__ = ["MimoModel", "check_batch"]
+__all__ = ["MimoModel", "StepResult", "check_batch"]
 
 
 class MimoModel(nn.Module):
@@ -114,19 +113,15 @@ class MimoModel(nn.Module):
         self._widths = {n: encoder_width(e) for n, e in encoders.items()}  # what an item costs (balancing)
         modules = {**encoders, language_name: language}
         self._no_init = [n for n, m in modules.items() if not callable(getattr(m, "init_weights", None))]
-        self.overlapped = overlapped(layout, language_name, encoders)
-        lang = layout.parallelism(language_name)
-        lean = self.overlapped and all(layout.parallelism(n).pp == 1 for n in encoders)
-        self.window = crossing_window(self.pipeline, lang.pp, lean)
-        """Microbatches whose forward crossings run ahead of the backward ones (`schedule.order`)."""
         self.dtype = compute_dtype(self.options[language_name], language)  # what crosses the bridge
         # Modules built on the meta device: only this rank's shards get allocated, uninitialized
         # until `init_weights` or a checkpoint load.
         self.uninitialized = {n for n, m in modules.items() if _on_meta(m)}
         self._shapes_checked: set[tuple] = set()  # (modality, item shape, tokens) seen world-wide
+        self.batches_compared = False
+        """Whether a `train_step` compared the ranks' batch fingerprints before its first exchange."""
         self.buffers = exchange.BufferPool()
         """The receive buffers of every crossing (recycled on CPU: a steady training loop allocates none)."""
-        self.step_error: str | None = None  # this rank's verdict on the last step's encoder rows
 
         roots: list[nn.Module] = []  # this rank's FSDP roots (what `to_empty` needs)
         self.encoders = nn.ModuleDict()
@@ -148,9 +143,20 @@ class MimoModel(nn.Module):
         for root in roots:
             if any(p.is_meta for p in root.parameters()):
                 root.to_empty(device=self.device)
-        self._grad_placements = (Replicate(), Shard(0), Partial() if lang.cp > 1 else Replicate(), Replicate())
-        self._requires_grad = {n: p.requires_grad for n, p in self.named_parameters()}
+        lean = overlapped(layout, language_name, encoders) and all(layout.parallelism(n).pp == 1 for n in encoders)
+        self.parts = RankParts(
+            layout, language_name, self.rank, self.device, self.dim, self.dtype,
+            encoders={n: e for n, e in self.encoders.items() if n not in self.encoder_pipelines},
+            encoder_pipelines=self.encoder_pipelines, language=self.language_pipeline, trainable=self._trainable,
+            widths=self._widths, options=self.options, pipeline=self.pipeline,
+            window=crossing_window(self.pipeline, layout.parallelism(language_name).pp, lean),
+            overlapped=overlapped(layout, language_name, encoders), hops=bridge_hops, buffers=self.buffers)
+        """This rank's parts and what every step shares, for the executor (`schedule.executor`)."""
+        self._named_parameters = dict(self.named_parameters())
+        self._requires_grad = {n: p.requires_grad for n, p in self._named_parameters.items()}
         """This rank's trainable set as built: the schedule's crossings follow it (`train_step` refuses a change)."""
+        self._module_parameters = {n: self._collect_parameters(n) for n in self.module_names}
+        """Per module, walked once (every step reads them: gradient reduction, norms)."""
 
     def _to_device(self, module: nn.Module) -> nn.Module:
         """A module on this rank's device; a meta module stays on meta until parallelized."""
@@ -175,6 +181,9 @@ class MimoModel(nn.Module):
 
     def module_parameters(self, name: str) -> dict[str, nn.Parameter]:
         """This rank's parameters of module `name`, named as in the user's module ({} off its mesh)."""
+        return self._module_parameters[name]
+
+    def _collect_parameters(self, name: str) -> dict[str, nn.Parameter]:
         if name == self.language_name:
             return {} if self.language_pipeline is None else self.language_pipeline.named_parameters()
         return dict(self.encoders[name].named_parameters()) if name in self.encoders else {}
@@ -257,75 +266,83 @@ class MimoModel(nn.Module):
             raise RuntimeError(elsewhere.replace("{n}", str(int(verdict.item()))))
 
     # ------------------------------------------------------------------ one step
-    def forward_backward(self, batch: MimoBatch) -> torch.Tensor:
-        """Forward and backward of the global `batch` on every rank, run by the schedules (one
-        stage and one microbatch at pp = 1 without a `pipeline`); returns this rank's loss share
-        (detached). Then call `reduce_gradients` (`train_step` does both).
+    def program(self, batch: MimoBatch, mode: str = "train") -> list[Action]:
+        """This rank's actions for a `mode` step over the global `batch` ("train": a training
+        step, "forward": ``model(batch)``, "predict"): what the one executor runs
+        (`dtensor_mimo.schedule.program`; ``format_program`` prints it). Pure: no message."""
+        return self.parts.program(batch, mode, mode != "train" and self._new_item_kinds(batch))
 
-        Encoder rows whose shape contradicts the batch metadata do not raise here (the other
-        ranks would wait for this one): they cross as zeros and `step_error` says what happened;
-        `train_step` raises it on every rank before the optimizer steps. No host sync: every
-        count comes from the batch metadata."""
-        self.step_error = None
+    def run(self, batch: MimoBatch, mode: str = "train") -> StepResult:
+        """One `mode` step over the global `batch` on this rank (call on every rank): its program
+        (`program`) run by the executor. Returns the `StepResult`: the loss share (train: after
+        forward and backward, detached; forward: with its graph), the ids (predict) and the error
+        its encoder rows met, if any (they crossed as zeros; `train_step` agrees on it in its one
+        all-reduce and raises on every rank)."""
         self._check_initialized()
         check_batch(self.layout, self.language_name, self.encoder_names, batch, self.item_rules)
-        lang = self.layout.parallelism(self.language_name)
-        if self.pipelined:
-            check_microbatching(batch.batch_size, self.pipeline.microbatches, lang.dp, self.language_name)
-        share, self.step_error = pipelined_step(
-            self.layout, self.language_name, batch, num_microbatches=self.pipeline.microbatches,
-            window=self.window, encoders={n: e for n, e in self.encoders.items() if n not in self.encoder_pipelines},
-            encoder_pipelines=self.encoder_pipelines, trainable=self._trainable,
-            language=self.language_pipeline, overlapped=self.overlapped,
-            normalizer=loss_normalizer(batch), dim=self.dim, dtype=self.dtype, device=self.device,
-            buffers=self.buffers, hops=self.bridge_hops,
-            keep_gathered=[n for n in self.encoders if not self.options[n].reshard_after_forward],
-            recompute=[n for n in self.encoders if self.options[n].recompute_colocated],
-            balance={n: self.options[n].balance for n in self.encoder_names}, widths=self._widths)
-        return share
+        if mode == "train" and self.pipelined:
+            check_microbatching(batch.batch_size, self.pipeline.microbatches,
+                                self.layout.parallelism(self.language_name).dp, self.language_name)
+        check = mode != "train" and self._new_item_kinds(batch)
+        actions = self.parts.program(batch, mode, check)
+        result = execute(self.parts, actions, batch, self.parts.shape(batch, mode, check), loss_normalizer(batch))
+        if mode != "train":
+            self._shapes_checked.update(_item_kinds(batch, self.encoder_names))
+        return result
+
+    def forward_backward(self, batch: MimoBatch) -> torch.Tensor:
+        """Forward and backward of the global `batch` on every rank (`run` in "train" mode);
+        returns this rank's loss share (detached). Then call `reduce_gradients` (`train_step`
+        does both). Encoder rows whose shape contradicts the batch metadata cross as zeros, so
+        that no peer waits; this raises them here, on the ranks that made them (`run` returns
+        them instead, for a caller that agrees on them with its peers, as `train_step` does).
+        No host sync: every count comes from the batch metadata."""
+        result = self.run(batch, "train")
+        if result.error is not None:
+            raise PlanError(result.error)
+        return result.loss
 
     def forward(self, batch: MimoBatch) -> torch.Tensor:
         """This rank's share of the loss of the global `batch` (call on every rank, then
-        ``.backward()`` where it requires grad, then `reduce_gradients`). One stage, one
-        microbatch: a pipelined model runs `forward_backward` instead."""
+        ``.backward()``, then `reduce_gradients`). One stage, one microbatch: a pipelined model
+        runs `forward_backward` instead. The first time an item size is seen, every rank agrees
+        in one all-reduce that the encoder rows have their planned shapes (else all raise)."""
         if self.pipelined:
             raise RuntimeError("a pipelined MimoModel runs forward and backward together: call "
                                "model.forward_backward(batch) (or train_step) instead of model(batch)")
-        self._check_initialized()
-        check_batch(self.layout, self.language_name, self.encoder_names, batch, self.item_rules)
-        names, ys = self._cross(batch)
-        if self.language_pipeline is None:
-            return ZeroConnectedTo.apply(self.device, *ys)
-        rows = {n: y.to_local(grad_placements=self._grad_placements) for n, y in zip(names, ys)}
-        return self.language_pipeline.run_once(self._language_shard(batch), rows, loss_normalizer(batch))
+        result = self.run(batch, "forward")
+        if result.error is not None:
+            raise PlanError(result.error)
+        return result.loss
 
     @torch.no_grad()
     def predict(self, batch: MimoBatch) -> torch.Tensor:
         """Greedy next-token ids ``[B, S]`` at every position of the global `batch` (teacher
         forced), the same tensor on every rank; call on every rank. One microbatch, stage after
         stage; encoders must have pp = 1. Costs one world all-reduce of ``B x S`` ids."""
-        self._check_initialized()
-        check_batch(self.layout, self.language_name, self.encoder_names, batch, self.item_rules)
         staged = [n for n in self.encoder_names if n in batch.modalities and self.layout.parallelism(n).pp > 1]
         if staged:
             raise NotImplementedError(f"MimoModel.predict: encoders {staged} have pp > 1; prediction "
                                       "runs encoders unpipelined (pp = 1)")
-        names, ys = self._cross(batch)
-        out = torch.zeros(batch.batch_size, batch.seq_len, dtype=torch.int64, device=self.device)
-        if self.language_pipeline is not None:
-            local = self._language_shard(batch)
-            ids = self.language_pipeline.run_once(local, {n: y.to_local() for n, y in zip(names, ys)},
-                                                  predicting=True)
-            if self.holds_loss_share():  # one rank per (dp, cp) coordinate writes its positions
-                par, coord = self.layout.parallelism(self.language_name), self._coord()
-                samples = sample_range(batch.batch_size, par.dp, coord["dp"])
-                index = stage_inputs(local, par.cp, coord["cp"])[1]["sequence_index"]  # None: every column
-                if index is None:
-                    out[samples.start:samples.stop] = ids
-                else:
-                    out[samples.start:samples.stop].scatter_(1, index.to(self.device), ids)
+        result = self.run(batch, "predict")
+        # The ids, and in the same all-reduce the ranks whose encoder rows went wrong.
+        out = torch.zeros(batch.batch_size * batch.seq_len + 1, dtype=torch.int64, device=self.device)
+        ids = out[:-1].view(batch.batch_size, batch.seq_len)
+        out[-1] = int(result.error is not None)
+        if result.ids is not None and self.holds_loss_share():  # one rank per (dp, cp) coordinate writes
+            par, coord = self.layout.parallelism(self.language_name), self._coord()
+            samples = sample_range(batch.batch_size, par.dp, coord["dp"])
+            local = shard(batch, par.dp, coord["dp"])
+            index = stage_inputs(local, par.cp, coord["cp"])[1]["sequence_index"]  # None: every column
+            if index is None:
+                ids[samples.start:samples.stop] = result.ids
+            else:
+                ids[samples.start:samples.stop].scatter_(1, index.to(self.device), result.ids)
         dist.all_reduce(out)
-        return out
+        if result.error is not None or out[-1].item():
+            raise PlanError(result.error or f"{out[-1].item()} rank(s) produced encoder rows that disagree with "
+                                            "the batch metadata (their error names the encoder and the shapes)")
+        return ids
 
     def generate(self, batch: MimoBatch, prompt_lengths: Sequence[int], max_new_tokens: int,
                  stop_token: int | None = None) -> list[list[int]]:
@@ -335,18 +352,10 @@ class MimoModel(nn.Module):
         `stop_token`. Call on every rank with the same arguments; every rank returns the same."""
         return greedy_generate(self.predict, batch, prompt_lengths, max_new_tokens, stop_token)
 
-    def _cross(self, batch: MimoBatch) -> tuple[list[str], tuple[DTensor, ...]]:
-        """Every encoder's output rows of `batch`, moved to the language mesh in one exchange."""
-        names = [n for n in self.encoder_names if n in batch.modalities]
-        keys = [(n, shape, tokens) for n in names for shape, tokens in batch.modalities[n].item_kinds()]
-        # One world-wide shape check the first time a modality is seen with an item size (the keys
-        # are the same on every rank); later the status words riding with the data.
-        check = "world" if not self._shapes_checked.issuperset(keys) else True
-        ys = encoder_rows(self.layout, self.language_name, self.encoders, names, self._trainable, batch, self.rank,
-                          self.dim, self.dtype, self.device, self._grad_placements, check, self.bridge_hops,
-                          self.buffers, {n: self.options[n].balance for n in names}, self._widths)
-        self._shapes_checked.update(keys)
-        return names, ys
+    def _new_item_kinds(self, batch: MimoBatch) -> bool:
+        """Whether `batch` holds an item size not yet seen by a forward or a prediction (the
+        same answer on every rank): their rows are then checked world-wide before they cross."""
+        return not self._shapes_checked.issuperset(_item_kinds(batch, self.encoder_names))
 
     def encoder_imbalance(self, batch: MimoBatch) -> dict[str, float]:
         """Each encoder with dp > 1: its costliest dp rank's share of `batch` over the mean share
@@ -382,10 +391,6 @@ class MimoModel(nn.Module):
     def _coord(self) -> dict[str, int]:
         return self.layout.coordinate(self.language_name, self.rank)
 
-    def _language_shard(self, batch: MimoBatch) -> MimoBatch:
-        """This language rank's dp shard of `batch`, on its device."""
-        return shard(batch, self.layout.parallelism(self.language_name).dp, self._coord()["dp"]).to(self.device)
-
     def reduce_gradients(self) -> None:
         """Finish this rank's gradients after backward (call on every rank): dp (dp·cp) sums for
         modules without FSDP (FSDP already did), and tp's pending partial sums reduced to their
@@ -412,6 +417,11 @@ def _agreement_parts(language: nn.Module, encoders: Mapping[str, nn.Module], opt
         "frozen parameter list": {n: [p for p, w in m.named_parameters() if not w.requires_grad]
                                   for n, m in modules.items()},
     }
+
+
+def _item_kinds(batch: MimoBatch, names: Sequence[str]) -> set[tuple]:
+    return {(n, shape, tokens) for n in names if n in batch.modalities
+            for shape, tokens in batch.modalities[n].item_kinds()}
 
 
 def _on_meta(module: nn.Module) -> bool:

@@ -77,7 +77,7 @@ def test_report_names_a_killed_rank_before_the_errors_it_caused(capsys) -> None:
 
 
 def _launch(fault: str, tmp_path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dtensor_mimo.train", *TINY], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tests.inject_faults", *TINY], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": REPO, "DTENSOR_MIMO_FAULT": fault})
 
@@ -104,7 +104,7 @@ def test_own_launcher_names_a_killed_rank(tmp_path) -> None:
 def _in_a_world_with_timeout(timeout_s: float, body):
     """``body()`` in a new world joined by `init_distributed` with `timeout_s`, then the
     harness's world again (its timeout) for the next test."""
-    from dtensor_mimo.train.distributed import init_distributed
+    from dtensor_mimo.layout.world import init_distributed
 
     ports = [[launch._free_port(), launch._free_port()] if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(ports, src=0)  # free ports for the two new worlds' stores
@@ -169,7 +169,7 @@ def test_timeout_s_reaches_the_mesh_groups() -> None:
 
 def _nan_step() -> tuple[bool, float, list[str]]:
     from dtensor_mimo import MimoModel, MimoOptimizer, Parallelism
-    from dtensor_mimo.train.step import train_step
+    from dtensor_mimo.optim.step import train_step
     from tests.test_mimo import Case, _batches, _modules
     from tests.test_optimizer import BASE
 
@@ -186,7 +186,7 @@ def _nan_step() -> tuple[bool, float, list[str]]:
     batch = dataclasses.replace(batch, modalities={**batch.modalities, "vision": dataclasses.replace(vision, inputs=inputs)})
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
-    logger = logging.getLogger("dtensor_mimo.train.step")
+    logger = logging.getLogger("dtensor_mimo.optim.step")
     logger.addHandler(handler)
     try:
         metrics = train_step(model, optimizer, batch)
@@ -255,7 +255,7 @@ def test_describe_reaches_through_a_blank_rewrap() -> None:
 
 
 def test_private_nccl_abort_we_rely_on_is_still_there() -> None:
-    """`dtensor_mimo.train.distributed.abort` calls torch's private `_abort_process_group` on NCCL
+    """`dtensor_mimo.layout.world.abort` calls torch's private `_abort_process_group` on NCCL
     (no public spelling in torch 2.13); CI has no GPU, so this pins the name on CPU."""
     import inspect
 
@@ -357,7 +357,7 @@ def _unchanged(model, before: dict[str, torch.Tensor]) -> bool:
 def _different_batches(microbatches: int | None) -> list[str]:
     """Step 0: rank 1 passes another batch (other sizes); step 1: the same; step 2: one token
     id differs on rank 1 (same sizes, so the step runs); step 3: the same again."""
-    from dtensor_mimo.train.step import train_step
+    from dtensor_mimo.optim.step import train_step
     from tests.test_mimo import _batches
 
     model, optimizer = _model(*COLOCATED if microbatches else DISJOINT, microbatches=microbatches)
@@ -387,7 +387,7 @@ def test_different_batches_raise_on_every_rank_before_the_step(microbatches) -> 
 
 def _trainable_changed_after_construction(frozen_at_build: bool) -> list[str]:
     """Rank 0 (vision's) flips vision's patch embedding after the model was built."""
-    from dtensor_mimo.train.step import train_step
+    from dtensor_mimo.optim.step import train_step
     from tests.test_mimo import _batches
 
     model, optimizer = _model(*DISJOINT, frozen=("vision.encoder.patch",) if frozen_at_build else ())
@@ -422,7 +422,7 @@ def test_requires_grad_changed_after_construction_is_refused_on_every_rank(froze
 def test_init_distributed_binds_the_gpu_on_cuda(monkeypatch) -> None:
     """NCCL safety: the default group's communicator is created eagerly for this rank's GPU
     (``device_id``), so DeviceMesh splits its groups from it; checked on CPU by recording the call."""
-    from dtensor_mimo.train import distributed
+    from dtensor_mimo.layout import world as distributed
 
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))

@@ -132,7 +132,7 @@ def _malformed_step(case: Case, malformation: str) -> str | None:
     """One step of `case` with `malformation`: this rank's error, or None."""
     from dtensor_mimo import MimoModel, MimoOptimizer
     from dtensor_mimo.data import ModalitySpec, SyntheticSpec, synthetic_batch
-    from dtensor_mimo.train.step import train_step
+    from dtensor_mimo.optim.step import train_step
     from tests.test_mimo import MODALITIES, OPT, _batches
 
     llama, encoders = _modules(case.encoders)

@@ -51,7 +51,7 @@ P = Parallelism
 ALLOWED = {
     # train_step: the loss, the status word and every module's squared gradient norm, read once
     # after their one all-reduce (the step's metrics and its clip / skip / raise decision).
-    ("dtensor_mimo/train/step.py", None): "the step's one read of its all-reduced totals",
+    ("dtensor_mimo/optim/step.py", None): "the step's one read of its all-reduced totals",
 }
 """(innermost library file, innermost torch file or None) of each sync expected once per step, and why."""
 
@@ -217,7 +217,7 @@ def test_pipelined_step_syncs_do_not_grow_with_microbatches() -> None:
     two = _per_rank(modules, PipelineConfig(microbatches=2), 8)
     four = _per_rank(modules, PipelineConfig(microbatches=4), 8)
     _check(two, four)
-    assert all(any(s.startswith("dtensor_mimo/train/step.py") for s in r) for r in four), four
+    assert all(any(s.startswith("dtensor_mimo/optim/step.py") for s in r) for r in four), four
 
 
 @pytest.mark.parametrize("language, hops", [(P(dp=2), None), (P(tp=2), 2)], ids=["dp2", "tp2_two_hop"])
@@ -285,7 +285,7 @@ def _unchecked(fn):
 
 def _gpu_step() -> None:
     """Two steps on this rank's GPU; the second raises on any sync but the allowed ones."""
-    import dtensor_mimo.train.step as step_module
+    import dtensor_mimo.optim.step as step_module
     from torch.distributed.pipelining import schedules
 
     case = Case({"vision": P(), "language": P(pp=2)}, pipeline=PipelineConfig(microbatches=4))

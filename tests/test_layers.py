@@ -11,6 +11,7 @@
 | sequence              | dtensor_mimo/sequence/ (the token loss too)      |
 | schedule              | dtensor_mimo/schedule/                           |
 | mimo                  | dtensor_mimo/mimo.py                             |
+| optim                 | dtensor_mimo/optim/ (optimizer, training step)   |
 | plan                  | dtensor_mimo/plan/ (the layout planner)          |
 | train                 | dtensor_mimo/train/                              |
 | (package facade)      | dtensor_mimo/__init__.py: re-exports, any layer  |
@@ -32,7 +33,7 @@ from pathlib import Path
 PACKAGE = "dtensor_mimo"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
-LAYERS = ["layout", "data", "models", "parallelize", "bridge", "assemble", "sequence", "schedule", "mimo", "plan",
+LAYERS = ["layout", "data", "models", "parallelize", "bridge", "assemble", "sequence", "schedule", "mimo", "optim", "plan",
           "train"]
 
 ALLOWED: dict[tuple[str, str], str] = {

@@ -106,12 +106,12 @@ def test_crossings_recycle_their_receive_buffers() -> None:
 
 
 def test_recomputed_colocated_encoder_replays_its_dropout() -> None:
-    """`ColocatedEncoders` with `recompute`: no graph kept after phase 1, and phase 3's recomputed
-    forward draws the same dropout masks, so the gradients equal those of the kept graph."""
+    """`LocalEncoders` with `recompute`: no graph kept after ``encode``, and the forward recomputed
+    before ``backward`` draws the same dropout masks, so the gradients equal those of the kept graph."""
     import torch
     from torch import nn
 
-    from dtensor_mimo.schedule.encoders import ColocatedEncoders
+    from dtensor_mimo.schedule.encoders import LocalEncoders
 
     torch.manual_seed(0)
     encoder = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 4))
@@ -121,12 +121,12 @@ def test_recomputed_colocated_encoder_replays_its_dropout() -> None:
     for recompute in ((), ("vision",)):
         encoder.zero_grad()
         torch.manual_seed(1)
-        colocated = ColocatedEncoders({"vision": encoder}, inputs, torch.float32, recompute)
-        rows = colocated.encode()
-        assert all(r["vision"].requires_grad == (not recompute) for r in rows)  # no graph kept
+        local = LocalEncoders({"vision": encoder}, inputs, torch.float32, recompute)
+        rows = [local.encode(k, "vision") for k in range(len(inputs))]
+        assert all(r.requires_grad == (not recompute) for r in rows)  # no graph kept
         after = torch.rand(1)  # the step's RNG stream goes on as without recompute
-        colocated.backward(grads)
-        results.append(([r["vision"].detach() for r in rows], [p.grad.clone() for p in encoder.parameters()], after))
+        local.backward(dict(enumerate(grads)))
+        results.append(([r.detach() for r in rows], [p.grad.clone() for p in encoder.parameters()], after))
     (rows_kept, grads_kept, after_kept), (rows_re, grads_re, after_re) = results
     assert all(torch.equal(a, b) for a, b in zip(rows_kept, rows_re))
     assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(grads_kept, grads_re))

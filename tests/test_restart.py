@@ -59,7 +59,7 @@ def test_killed_worker_restarts_and_resumes_with_the_same_losses(tmp_path) -> No
     reference = dict(_records(tmp_path / "ref.jsonl"))
     assert sorted(reference) == list(range(1, 9))
 
-    out = _torchrun(["-m", "dtensor_mimo.train", *TINY, "--checkpoint.dir", "ckpt", "--metrics.jsonl", "m.jsonl"],
+    out = _torchrun(["-m", "tests.inject_faults", *TINY, "--checkpoint.dir", "ckpt", "--metrics.jsonl", "m.jsonl"],
                     tmp_path, {"DTENSOR_MIMO_FAULT": "kill:6:1"})
     assert out.returncode == 0, out.stderr[-4000:]
     assert "DTENSOR_MIMO_FAULT: killing rank 1" in out.stderr
@@ -75,7 +75,7 @@ def test_killed_worker_restarts_and_resumes_with_the_same_losses(tmp_path) -> No
 RESTARTED_SUMS = """
 import os, signal
 import torch, torch.distributed as dist
-from dtensor_mimo.train.distributed import init_distributed
+from dtensor_mimo.layout.world import init_distributed
 
 init_distributed("cpu", timeout_s=60)
 rank, restart = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])

@@ -66,8 +66,8 @@ def _spec(mesh: DeviceMesh, placements: Sequence[Placement], extent: int,
         extent=extent, sample_sizes=None if sample_sizes is None else tuple(sample_sizes))
 
 
-def _check_local_shapes(locals_: Sequence[torch.Tensor | None], expected: Sequence[tuple[int, ...] | None],
-                        specs: Sequence[MeshSpec], device: torch.device) -> None:
+def check_local_shapes(locals_: Sequence[torch.Tensor | None], expected: Sequence[tuple[int, ...] | None],
+                       specs: Sequence[MeshSpec], device: torch.device) -> None:
     """Agree over the whole world that every rank's local shards have the planned shapes.
 
     A wrong shard is visible on its own rank only; raising there alone would leave the
@@ -244,7 +244,7 @@ class _RedistributeFunction(torch.autograd.Function):
             return trip.wrap([None] * len(legs))
         x_locals = [None if e is None else x.to_local() for x, e in zip(xs, trip.in_shapes)]
         if check == "world":
-            _check_local_shapes(x_locals, trip.in_shapes, [leg.src for leg in legs], trip.devices[0])
+            check_local_shapes(x_locals, trip.in_shapes, [leg.src for leg in legs], trip.devices[0])
         mine = None  # this rank's wrong shard: its planned rows go out as zeros, flagged
         if check is True:
             for i, (xl, e) in enumerate(zip(x_locals, trip.in_shapes)):

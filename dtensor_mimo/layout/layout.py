@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Iterable, Mapping
 
+from dtensor_mimo.layout.mesh import build_meshes
 from dtensor_mimo.layout.parallelism import MESH_DIMS, Parallelism
 
 LANGUAGE = "language"
@@ -243,8 +244,6 @@ class MimoLayout:
         ``{what: value}``, e.g. options the meshes will serve): if not, every rank raises naming
         the ranks and what each holds, instead of hanging in ``new_group``. The meshes' groups
         wait for a peer as long as the default group does (its ``timeout``)."""
-        from dtensor_mimo.layout.mesh import build_meshes
-
         self._meshes = build_meshes(self, device_type, agree)
 
     @property

@@ -20,23 +20,33 @@ default group's timeout (``init_process_group(timeout=...)``, the trainer's ``tr
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_mimo.layout.fingerprint import disagreement, fingerprint, summary
-from dtensor_mimo.layout.parallelism import MESH_DIMS
+from dtensor_mimo.layout.parallelism import MESH_DIMS, Parallelism
 
-if TYPE_CHECKING:
-    from dtensor_mimo.layout.layout import MimoLayout
+
+class Layout(Protocol):
+    """What the meshes read of a `MimoLayout` (which builds them: this module does not import it)."""
+
+    world_size: int
+
+    @property
+    def names(self) -> list[str]: ...
+
+    def parallelism(self, name: str) -> Parallelism: ...
+
+    def ranks(self, name: str) -> list[int]: ...
 
 
 class ModuleMeshes:
     """The DeviceMeshes of every module of a layout, on this rank."""
 
-    def __init__(self, layout: "MimoLayout", device_type: str, agree: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, layout: Layout, device_type: str, agree: Mapping[str, Any] | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("init_meshes needs torch.distributed initialised (torchrun + init_process_group)")
         check_agreement({"layout": layout, **(agree or {})})  # before the first new_group
@@ -56,8 +66,9 @@ class ModuleMeshes:
             root = DeviceMesh(device_type, grid, mesh_dim_names=("pp", "dp_cp", "tp"),
                               backend_override=tuple(_with_timeout(n, world, timeout) for n in grid.shape))
             self._roots[name] = root
+            # The dim by index: torch 2.11's _unflatten rejects every dim name (its check is inverted).
             self._meshes[name] = root._unflatten(
-                "dp_cp", (par.dp, par.cp), ("dp", "cp"),
+                1, (par.dp, par.cp), ("dp", "cp"),
                 backend_override={d: o for d, n in (("dp", par.dp), ("cp", par.cp))
                                   if (o := _with_timeout(n, world, timeout)) != (None, None)})
         if dist.get_backend() == "nccl":
@@ -69,7 +80,7 @@ class ModuleMeshes:
         group's first operation is made an all-reduce of all its members, here, in the same order
         (modules in declaration order, then dims) on every rank, so no two ranks wait on two
         groups in opposite orders. The default group, where the bridge's exchanges run, needs no
-        such step: ``init_process_group(device_id=...)`` (`dtensor_mimo.train.distributed`)
+        such step: ``init_process_group(device_id=...)`` (`dtensor_mimo.layout.world`)
         creates its communicator eagerly, and its first operation is `check_agreement`'s
         all-gather of every rank, before any exchange."""
         device = torch.device("cuda", torch.cuda.current_device())
@@ -100,7 +111,7 @@ class ModuleMeshes:
         return mesh[dims]
 
 
-def build_meshes(layout: "MimoLayout", device_type: str = "cpu",
+def build_meshes(layout: Layout, device_type: str = "cpu",
                  agree: Mapping[str, Any] | None = None) -> ModuleMeshes:
     """Build the meshes of ``layout`` (collective over the world), after checking that every
     rank has the same layout and the same `agree` parts (`check_agreement`)."""

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtensor_mimo.models.config_json import read_config
 from dtensor_mimo.models.layers import PackedItems, init_weights
 from dtensor_mimo.models.vit import EncoderBlock
 
@@ -82,9 +83,14 @@ class AudioConfig:
     @classmethod
     def from_hf(cls, path: str) -> AudioConfig:
         """The encoder config of a Hugging Face Whisper checkpoint directory."""
-        from dtensor_mimo.models.hf.audio import audio_config_from_hf
-
-        return audio_config_from_hf(path)
+        c = read_config(path)
+        if c.get("model_type") != "whisper":
+            raise ValueError(f"{path}: model_type {c.get('model_type')!r} is not 'whisper'")
+        if c.get("activation_function", "gelu") != "gelu":
+            raise ValueError(f"{path}: activation_function={c['activation_function']!r} (the encoder uses gelu)")
+        return cls(n_mels=c["num_mel_bins"], max_frames=2 * c["max_source_positions"], conv_strides=(1, 2),
+                           dim=c["d_model"], n_layers=c["encoder_layers"], n_heads=c["encoder_attention_heads"],
+                           mlp_hidden=c["encoder_ffn_dim"], norm_eps=1e-5, key_bias=False, frozen_positions=True)
 
     @classmethod
     def tiny(cls, **overrides) -> AudioConfig:

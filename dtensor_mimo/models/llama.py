@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtensor_mimo.models.config_json import read_config
 from dtensor_mimo.models.layers import (
     AttentionFn,
     RMSNorm,
@@ -29,6 +30,10 @@ from dtensor_mimo.models.layers import (
     init_weights,
     rope_cos_sin,
 )
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+"""Hugging Face ``model_type``s that `LlamaConfig.from_hf` reads."""
 
 
 @dataclass
@@ -85,9 +90,35 @@ class LlamaConfig:
         Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3; transformers v4 or v5 layout). What the
         model cannot express (sliding windows, other rope types, MLP or output biases, ...) is
         refused by name."""
-        from dtensor_mimo.models.hf.llama import llama_config_from_hf
-
-        return llama_config_from_hf(path)
+        c = read_config(path)
+        c = c.get("text_config", c)  # a LLaVA checkpoint's language model
+        family = c.get("model_type")
+        if family not in FAMILIES:
+            raise ValueError(f"{path}: model_type {family!r} is not a Llama-family decoder ({', '.join(FAMILIES)})")
+        refused = []
+        if c.get("hidden_act", "silu") != "silu":
+            refused.append(f"hidden_act={c['hidden_act']!r} (the MLP is SwiGLU with silu)")
+        if c.get("mlp_bias"):
+            refused.append("mlp_bias=true")
+        if c.get("attention_bias") and family != "qwen2":
+            refused.append("attention_bias=true (an o_proj bias)")
+        if c.get("use_sliding_window") or (family == "mistral" and c.get("sliding_window")):
+            refused.append(f"sliding_window={c.get('sliding_window')} (attention is full causal)")
+        rope = c.get("rope_parameters") or {**(c.get("rope_scaling") or {}), "rope_theta": c.get("rope_theta", 10000.0)}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            refused.append(f"rope_type={rope_type!r} (supported: 'default', 'llama3')")
+        if refused:
+            raise ValueError(f"{path}: the library's Llama cannot express " + "; ".join(refused))
+        scaling = None if rope_type == "default" else RopeScaling(
+            factor=rope["factor"], low_freq_factor=rope["low_freq_factor"], high_freq_factor=rope["high_freq_factor"],
+            original_max_position_embeddings=rope["original_max_position_embeddings"])
+        return cls(
+            vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
+            n_heads=c["num_attention_heads"], n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+            ffn_hidden=c["intermediate_size"], norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=rope["rope_theta"],
+            max_seq_len=c.get("max_position_embeddings", 2048), head_dim=c.get("head_dim"),
+            qkv_bias=family == "qwen2" or bool(c.get("attention_bias")), qk_norm=family == "qwen3", rope_scaling=scaling)
 
 
 class Attention(nn.Module):

@@ -23,7 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtensor_mimo.models.config_json import read_config
 from dtensor_mimo.models.layers import PackedItems, init_weights, packed_attention
+
+
+TOWERS = ("siglip_vision_model", "clip_vision_model")
+"""Hugging Face ``model_type``s of the vision towers `ViTConfig.from_hf` reads."""
+HF_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "quick_gelu": "quick_gelu"}
+"""Hugging Face ``hidden_act`` -> the ViT's ``activation``."""
 
 
 @dataclass
@@ -106,9 +113,29 @@ class ViTConfig:
     def from_hf(cls, path: str) -> ViTConfig:
         """The config of a Hugging Face SigLIP or CLIP vision tower directory (a vision model,
         or a full SigLIP / CLIP / LLaVA checkpoint: its ``vision_config``)."""
-        from dtensor_mimo.models.hf.vision import vit_config_from_hf
-
-        return vit_config_from_hf(path)
+        top = read_config(path)
+        c = top.get("vision_config", top)
+        tower = c.get("model_type")
+        if tower not in TOWERS:
+            raise ValueError(f"{path}: model_type {tower!r} is not a vision tower the ViT loads ({', '.join(TOWERS)})")
+        clip = tower == "clip_vision_model"
+        if c.get("hidden_act") not in HF_ACTIVATIONS:
+            raise ValueError(f"{path}: hidden_act={c.get('hidden_act')!r} is not one of {sorted(HF_ACTIVATIONS)}")
+        layers, final_norm = c["num_hidden_layers"], not clip  # CLIP's post_layernorm only norms its pooled output
+        if "vision_config" in top and top.get("model_type") == "llava":
+            layer, strategy = top.get("vision_feature_layer", -2), top.get("vision_feature_select_strategy", "default")
+            if not isinstance(layer, int):
+                raise ValueError(f"{path}: vision_feature_layer={layer!r}: features from several layers are not supported")
+            if strategy != ("default" if clip else "full"):
+                # "default" drops the first token: CLIP's class token, but a patch of a SigLIP tower.
+                raise ValueError(f"{path}: vision_feature_select_strategy={strategy!r} with a {tower}: the ViT keeps "
+                                 f"exactly the patch tokens ({'default' if clip else 'full'})")
+            layers, final_norm = (layers + 1 + layer if layer < 0 else layer), False
+        return cls(image_size=c["image_size"], patch_size=c["patch_size"], in_channels=c.get("num_channels", 3),
+                         dim=c["hidden_size"], n_layers=layers, n_heads=c["num_attention_heads"],
+                         mlp_hidden=c["intermediate_size"], norm_eps=c.get("layer_norm_eps", 1e-6),
+                         activation=HF_ACTIVATIONS[c["hidden_act"]], class_token=clip, pre_norm=clip,
+                         patch_bias=not clip, final_norm=final_norm)
 
     @classmethod
     def tiny(cls, **overrides) -> ViTConfig:

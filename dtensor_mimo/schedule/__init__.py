@@ -1,5 +1,6 @@
-"""Schedule layer: microbatches, the language model's torch pipeline stages, and the module graph's
-step (encoder microbatches overlapping language microbatches; colocated three phases)."""
+"""Schedule layer: the language model's torch pipeline stages, the encoders' parts, and the step
+as data (`program`: this rank's actions for a training step, a forward or a prediction) run by
+one executor (`execute`)."""
 
 from dtensor_mimo.schedule.config import (
     SCHEDULES,
@@ -17,9 +18,17 @@ from dtensor_mimo.schedule.crossing import Crossing
 from dtensor_mimo.schedule.encoders import EncoderPipeline, EncoderStage, keep_encoder_stage
 from dtensor_mimo.schedule.language import LanguagePipeline, LanguageStage, llama_stage, stage_inputs
 from dtensor_mimo.schedule.order import crossing_order, crossing_window
-from dtensor_mimo.schedule.step import pipelined_step
+from dtensor_mimo.schedule.executor import RankParts, StepResult, execute
+from dtensor_mimo.schedule.program import Action, RankRoles, StepShape, format_program, program
 
 __all__ = [
+    "Action",
+    "RankParts",
+    "RankRoles",
+    "StepResult",
+    "StepShape",
+    "execute",
+    "format_program",
     "SCHEDULES",
     "V_SCHEDULES",
     "ZERO_BUBBLE_SCHEDULES",
@@ -37,7 +46,7 @@ __all__ = [
     "crossing_window",
     "keep_encoder_stage",
     "llama_stage",
-    "pipelined_step",
+    "program",
     "rank_stages",
     "stage_inputs",
     "stage_layers",

@@ -46,6 +46,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from dtensor_mimo.bridge import MeshSpec
 from dtensor_mimo.bridge import exchange, hops
+from dtensor_mimo.bridge.redistribute import check_local_shapes
 from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.layout import MimoLayout
 
@@ -93,6 +94,7 @@ class Crossing:
         self.buffers = buffers
         self.error: str | None = None  # rows that disagreed with the plan (see `forward`)
         self._forward, self._backward = [], []
+        self._sources: list[MeshSpec] = []
         dst_base = _stage_spec(layout, language, 0)
         lang_groups = _groups(layout, language)
         for name in self.names:
@@ -100,6 +102,7 @@ class Crossing:
             src = _stage_spec(layout, name, -1).replace(sample_sizes=sizes, shard_bounds=(bounds or {}).get(name))
             dst = dst_base.replace(sample_sizes=sizes)
             enc_groups = _groups(layout, name)
+            self._sources.append(src)
             self._forward.append(hops.route(src, dst, self.rank, world, n_hops, enc_groups, lang_groups))
             if name in self.backward_names:
                 self._backward.append(hops.backward_route(src, dst, grad, self.rank, world, n_hops, enc_groups,
@@ -137,12 +140,63 @@ class Crossing:
                     "the batch's tokens_per_item match the encoder's output length")
         return self._start(self.names, self._forward, rows, receives)
 
+    def check_world(self, rows: Mapping[str, torch.Tensor]) -> None:
+        """One world all-reduce of whether this rank's `rows` have the planned shapes: every rank
+        raises `PlanError` before any row moves if one rank's do not (a check for the first
+        microbatch of a new item size; `forward` alone tells only the step's result)."""
+        check_local_shapes([rows.get(n) for n in self.names],
+                           [(r.src_rows, self.dim) if n in rows else None for n, r in zip(self.names, self._forward)],
+                           self._sources, self.device)
+
+    def across(self, rows: Mapping[str, torch.Tensor], receives: bool) -> dict[str, torch.Tensor]:
+        """Both directions as one autograd node: the rows cross now (this rank's sends and
+        receives in one batch) and their gradients come back when the caller runs backward (again
+        one batch, so a rank on both sides never waits for its own unposted message). Returns the
+        received rows on first-stage ranks, else empty ``[0, dim]`` tensors connected to `rows`.
+        Ranks without rows pass none; where an encoder trains they still join the backward."""
+        held = [rows.get(n) for n in self.names]
+        # A rank without rows of a trainable encoder holds an empty leaf, so that the node is
+        # recorded and its backward posts this rank's part of the gradients' exchange.
+        trains = bool(self.backward_names)
+        inputs = [x if x is not None else torch.empty(0, device=self.device, requires_grad=trains) for x in held]
+        return dict(zip(self.names, _Across.apply(self, receives, [x is not None for x in held], *inputs)))
+
     def backward(self, grads: Mapping[str, torch.Tensor | None], receives: bool) -> list[hops.Delivery]:
         """Post this rank's part of the backward exchange; `grads` on first-stage language ranks
         (two hops with cp > 1: a reduce-scatter over cp first, on every cp rank), `receives` on
         encoder ranks (``wait()`` gives the gradient of their rows). Trainable encoders only
         (`backward_names`)."""
         return self._start(self.backward_names, self._backward, grads, receives)
+
+
+class _Across(torch.autograd.Function):
+    """`Crossing.across`: forward posts and waits the rows' exchange, backward the gradients'."""
+
+    @staticmethod
+    def forward(ctx, crossing: Crossing, receives: bool, held: list[bool], *rows: torch.Tensor):
+        ctx.crossing, ctx.held, ctx.receives = crossing, held, receives
+        ctx.like = [(r.shape, r.dtype) for r in rows]
+        sent = {n: r for n, r, h in zip(crossing.names, rows, held) if h}
+        outs = [d.wait() for d in crossing.forward(sent, receives)]
+        ctx.out_shapes = [None if o is None else o.shape for o in outs]
+        empty = lambda: torch.empty(0, crossing.dim, dtype=crossing.dtype, device=crossing.device)  # noqa: E731
+        return tuple(o if o is not None else empty() for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        crossing, device = ctx.crossing, ctx.crossing.device
+        # A first-stage rank sends the gradient of every row it received (zeros where autograd
+        # gave none); the others send nothing.
+        sent = {} if not ctx.receives else {
+            n: g if g is not None else torch.zeros(shape, dtype=crossing.dtype, device=device)
+            for n, g, shape in zip(crossing.names, grads, ctx.out_shapes)}
+        back = dict(zip(crossing.backward_names,
+                        (d.wait() for d in crossing.backward(sent, receives=any(ctx.held)))))
+        # Rows that disagreed with the plan crossed as zeros: a zero gradient (same backward on every rank).
+        out = [None if not h else g if (g := back.get(n)) is not None and g.shape == shape
+               else torch.zeros(shape, dtype=dtype, device=device)
+               for n, h, (shape, dtype) in zip(crossing.names, ctx.held, ctx.like)]
+        return (None, None, None, *out)
 
 
 def _groups(layout: MimoLayout, name: str) -> hops.Groups:

@@ -1,14 +1,13 @@
-"""The encoder side of a pipelined step: each microbatch's rows leave through its `Crossing`.
+"""The encoder side of a step: this rank's encoders, driven by the program's actions
+(`dtensor_mimo.schedule.program`), each microbatch's rows leaving through its `Crossing`.
 
-Encoders at pp = 1 on ranks of their own (disjoint from the language model) follow the step's
-crossing order (`dtensor_mimo.schedule.order`): they encode the first `window` microbatches and
-post their rows; then, for each microbatch j, post the receive of j's gradient, encode microbatch
-``j + window`` (while the language model runs backward j), and run j's encoder backward once the
-gradient is there. An encoder rank thus holds at most ``window + 1`` microbatches of activations
-(``pp + 2`` under 1F1B), not M, and still computes microbatch i+1 while the language model runs i.
-With ``reshard_after_forward=False`` an FSDP2 encoder also keeps its gathered parameters across
-the step's microbatches (one all-gather per step instead of two per microbatch), resharding after
-the last backward; with True (the default) it gathers per microbatch and keeps the memory low.
+Encoders at pp = 1 (`LocalEncoders`) encode a microbatch per ``encode`` action and run its
+backward per ``backward`` action. On ranks of their own they follow the step's crossing order
+(`dtensor_mimo.schedule.order`): an encoder rank holds at most ``window + 1`` microbatches of
+activations (``pp + 2`` under 1F1B), not M, and still computes microbatch i+1 while the language
+model runs i. FSDP2 encoders accumulate unsharded gradients over the microbatches and reduce in
+the last backward (`_Accumulation`); with ``reshard_after_forward=False`` they also keep their
+gathered parameters across the step (one all-gather per step instead of two per microbatch).
 
 Encoder pipelines (pp > 1) run as torch `PipelineStage`s under torch's `ScheduleGPipe`, whose
 loss function (on the encoder's last stage) is the bridge: `_CrossToLanguage` posts microbatch
@@ -22,8 +21,8 @@ item is attended to only within itself, so padding changes no real row; the last
 padded rows before the bridge, so their gradient is zero. Stages and schedule are cached per bucket.
 
 Encoders that share ranks with the language model cannot overlap with it (one process runs
-both): they take the colocated three phases instead (`ColocatedEncoders`: encode, the language
-schedule, backward), optionally recomputing each microbatch before its backward.
+both): their program takes the colocated three phases instead (encode, the language schedule,
+backward), optionally recomputing each microbatch before its backward.
 """
 
 from __future__ import annotations
@@ -47,7 +46,6 @@ from dtensor_mimo.parallelize import (ParallelOptions, apply_data_parallel, comp
 from dtensor_mimo.parallelize.stack import parallelize_stack, user_tp_plan
 from dtensor_mimo.schedule.config import stage_layers
 from dtensor_mimo.schedule.crossing import Crossing
-from dtensor_mimo.schedule.order import crossing_order
 from dtensor_mimo.schedule.runtime import cached, run_schedule
 
 
@@ -170,42 +168,6 @@ class EncoderSender:
         self._sent.clear()
 
 
-def run_local_encoders(encoders: Mapping[str, nn.Module], inputs: list[dict[str, torch.Tensor]],
-                       crossings: Sequence[Crossing], window: int, dtype: torch.dtype,
-                       keep_gathered: Collection[str] = ()) -> None:
-    """Forward and backward of this rank's pp = 1 encoders on every microbatch, in the step's
-    crossing order with `window` (`crossing_order`): microbatch j's backward runs once its
-    gradient arrived, after encoding microbatch ``j + window``. `inputs`: per microbatch, each
-    encoder's dp-shard items on the device. FSDP2 modules reduce their gradients once, in the last
-    backward; those of the encoders named in `keep_gathered` also keep their parameters gathered
-    until it."""
-    outputs: dict[int, dict[str, torch.Tensor]] = {}
-    sent: list[list[Delivery]] = []
-    posted: tuple[int, list[Delivery]] | None = None  # the backward receive posted last
-
-    def finish(j: int, pendings: list[Delivery]) -> None:
-        grads = {n: p.wait() for n, p in zip(crossings[j].backward_names, pendings)}
-        if j == len(crossings) - 1:  # the last backward reduces (and reshards) the accumulated state
-            for n in encoders:
-                accumulation.last(n)
-        _backward([outputs.pop(j)], [grads])
-
-    with _Accumulation(encoders, keep_gathered) as accumulation:
-        for kind, i in crossing_order(len(crossings), window):
-            if kind == "F":
-                outputs[i] = {n: encoders[n](x).to(dtype) for n, x in inputs[i].items()}
-                sent.append(crossings[i].forward(outputs[i], receives=False))
-                continue
-            if posted is not None:
-                finish(*posted)
-            posted = (i, crossings[i].backward({}, receives=True))
-        if posted is not None:
-            finish(*posted)
-    for pendings in sent:  # each batch waited once
-        for p in pendings:
-            p.wait()
-
-
 class _Accumulation:
     """FSDP2 across a step's microbatches of some encoders (a context): each microbatch's backward
     accumulates unsharded gradients (no reduce-scatter, and not FSDP's last backward, so its
@@ -278,52 +240,54 @@ class EncoderPipeline:
         sender.finish()
 
 
-class ColocatedEncoders:
-    """Colocated phases 1 and 3: this rank's encoders (sharing ranks with the language model) on
-    every microbatch of a step, before and after the language schedule.
+class LocalEncoders:
+    """This rank's pp = 1 encoders over a step's microbatches, driven by the program's ``encode``
+    and ``backward`` actions: each microbatch's rows are kept (with their graph) until their
+    gradients come back.
 
-    An encoder named in `recompute` keeps no graph through the language schedule: phase 1
-    encodes it without autograd (saving the RNG state), phase 3 recomputes each microbatch right
-    before its backward (same RNG state, so dropout masks repeat), and its graph is freed before
-    the next microbatch's. Costs one more encoder forward per step; the activations held while the
-    language model runs drop from M microbatches' to none.
+    An encoder named in `recompute` keeps no graph between its ``encode`` and its ``backward``:
+    it encodes without autograd (saving the RNG state) and recomputes the microbatch right before
+    its backward (same RNG state, so dropout masks repeat), freeing the graph before the next
+    microbatch's. Costs one more encoder forward per step; what colocated encoders hold while the
+    language schedule runs drops from M microbatches' activations to none.
 
     Args:
         encoders: this rank's pp = 1 encoders, by name.
         inputs: per microbatch, each encoder's dp-shard items on the device.
         dtype: what crosses the bridge.
-        recompute: names of the encoders recomputed in phase 3.
+        recompute: names of the encoders recomputed before their backward.
     """
 
-    def __init__(self, encoders: Mapping[str, nn.Module], inputs: list[dict[str, torch.Tensor]],
+    def __init__(self, encoders: Mapping[str, nn.Module], inputs: Sequence[Mapping[str, torch.Tensor]],
                  dtype: torch.dtype, recompute: Collection[str] = ()) -> None:
         self.encoders, self.inputs, self.dtype = encoders, inputs, dtype
         self.recompute = {n for n in recompute if any(p.requires_grad for p in encoders[n].parameters())}
-        self._outputs: list[dict[str, torch.Tensor]] = []
+        self.outputs: dict[int, dict[str, torch.Tensor]] = {}
+        """Rows per microbatch and encoder, until their backward."""
         self._rng: dict[tuple[int, str], tuple] = {}
 
-    def encode(self) -> list[dict[str, torch.Tensor]]:
-        """Phase 1: every microbatch's rows (with their graphs, except the recomputed encoders')."""
-        for k, mb in enumerate(self.inputs):
-            out = {}
-            for n, x in mb.items():
-                if n in self.recompute:
-                    self._rng[k, n] = _rng_state(x.device)
-                    with torch.no_grad():
-                        out[n] = self.encoders[n](x).to(self.dtype)
-                else:
-                    out[n] = self.encoders[n](x).to(self.dtype)
-            self._outputs.append(out)
-        return self._outputs
+    def encode(self, k: int, name: str) -> torch.Tensor:
+        """Microbatch `k`'s rows of encoder `name` (without a graph if it is recomputed)."""
+        x = self.inputs[k][name]
+        if name in self.recompute:
+            self._rng[k, name] = _rng_state(x.device)
+            with torch.no_grad():
+                rows = self.encoders[name](x).to(self.dtype)
+        else:
+            rows = self.encoders[name](x).to(self.dtype)
+        self.outputs.setdefault(k, {})[name] = rows
+        return rows
 
-    def backward(self, grads: list[dict[str, torch.Tensor]]) -> None:
-        """Phase 3: the kept graphs' backward in one call, then each recomputed microbatch's
-        forward and backward in turn (a zero gradient for rows that disagreed with the plan, so
-        every rank of an encoder runs the same backward)."""
-        kept = [{n: o for n, o in out.items() if n not in self.recompute} for out in self._outputs]
-        _backward(kept, grads)
-        steps = [(k, n) for k, mb in enumerate(self.inputs) for n in mb if n in self.recompute]
-        last = {n: i for i, (_, n) in enumerate(steps)}  # each encoder's last backward: one reduction
+    def backward(self, grads: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        """The backward of the microbatches in `grads` (``{k: {encoder: gradient of its rows}}``):
+        the kept graphs in one call, then each recomputed microbatch's forward and backward in
+        turn, each recomputed encoder reducing once, in its last one (a zero gradient for rows that
+        disagreed with the plan, so every rank of an encoder runs the same backward)."""
+        outputs = {k: self.outputs.pop(k, {}) for k in grads}
+        _backward([{n: o for n, o in out.items() if n not in self.recompute} for out in outputs.values()],
+                  list(grads.values()))
+        steps = [(k, n) for k, out in outputs.items() for n in out if n in self.recompute]
+        last = {n: i for i, (_, n) in enumerate(steps)}
         with _Accumulation({n: self.encoders[n] for n in last}) as accumulation:
             for i, (k, n) in enumerate(steps):
                 if last[n] == i:
@@ -332,10 +296,9 @@ class ColocatedEncoders:
                 with _replayed(self._rng.pop((k, n)), x.device):
                     rows = self.encoders[n](x).to(self.dtype)
                 _backward([{n: rows}], [grads[k]])
-        self._outputs = []
 
 
-def _backward(outputs: list[dict[str, torch.Tensor]], grads: list[dict[str, torch.Tensor]]) -> None:
+def _backward(outputs: Sequence[Mapping[str, torch.Tensor]], grads: Sequence[Mapping[str, torch.Tensor]]) -> None:
     """One backward over `outputs` (rows per microbatch and encoder) with the received `grads`."""
     pairs = [(out, g if (g := grads[i].get(n)) is not None and g.shape == out.shape else torch.zeros_like(out))
              for i, mb in enumerate(outputs) for n, out in mb.items() if out.requires_grad]

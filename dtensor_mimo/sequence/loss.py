@@ -13,7 +13,7 @@ Why here, in the sequence layer: the loss is the other half of sharding a sequen
 cuts labels and loss mask into each rank's part (`shard_for_cp`); the loss sums over exactly that
 part and the normaliser makes the parts add up. Its callers sit above it — the last pipeline
 stage (`dtensor_mimo.schedule.language`) and `MimoModel`, which computes the normaliser once per
-step — and it needs only the data layer's batch, so it lives below both. `dtensor_mimo.train.loss`
+step — and it needs only the data layer's batch, so it lives below both. `dtensor_mimo.train`
 re-exports these names.
 """
 

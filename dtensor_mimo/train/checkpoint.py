@@ -38,7 +38,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtensor_mimo.mimo import MimoModel
-from dtensor_mimo.train.optimizer import MimoOptimizer
+from dtensor_mimo.optim.optimizer import MimoOptimizer
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")

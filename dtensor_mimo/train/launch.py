@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dtensor_mimo.train.config import ConfigError, TrainerConfig, build_layout, check_config, help_text, parse_args
-from dtensor_mimo.train.distributed import abort, init_distributed
+from dtensor_mimo.layout.world import abort, init_distributed
 
 
 def preflight(config: TrainerConfig) -> None:

@@ -29,7 +29,7 @@ from dtensor_mimo.models import (
     ViT,
     ViTConfig,
 )
-from dtensor_mimo.models.hf.llama import read_config
+from dtensor_mimo.models.config_json import read_config
 from dtensor_mimo.train.config import LANGUAGE, ConfigError, EncoderSection, TrainerConfig
 
 _TOWERS = {"siglip_vision_model": -1, "clip_vision_model": -2, "siglip": -1, "clip": -2}

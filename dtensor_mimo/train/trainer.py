@@ -18,10 +18,7 @@ group. What a step does on a rank:
 from __future__ import annotations
 
 import dataclasses
-import os
 import resource
-import signal
-import sys
 import time
 from itertools import accumulate
 from typing import Any, Callable, Iterator, Sequence
@@ -39,42 +36,12 @@ from dtensor_mimo.train.config import LANGUAGE, TrainerConfig, build_layout
 from dtensor_mimo.train.datasets import BatchSource, train_data
 from dtensor_mimo.train.metrics import MetricsLogger, peak_tflops, transformer_flops
 from dtensor_mimo.train.modules import build_modules, resolve
-from dtensor_mimo.train.optimizer import AdamWConfig, LRSchedule, MimoOptimizer
-from dtensor_mimo.train.step import train_step
+from dtensor_mimo.optim.optimizer import AdamWConfig, LRSchedule, MimoOptimizer
+from dtensor_mimo.optim.step import train_step
 
 
 COMPILE_STEPS = 2
 """Steps left out of the throughput when blocks compile (the first forward and backward compile)."""
-
-FAULT_ENV = "DTENSOR_MIMO_FAULT"
-"""A test hook: ``DTENSOR_MIMO_FAULT=WHAT:STEP:RANK`` makes rank RANK fail in step STEP (1-based)
-of a run's first round (never after a torchrun restart, so the restarted world can resume). WHAT:
-``kill`` (SIGKILL at the step's start, after step STEP-1 and its checkpoint), ``data`` (the batch's
-loading raises), ``encoder`` / ``language`` (the forward of any of this rank's encoder or language
-modules raises; the rank must hold one)."""
-
-_FAULTS = ("kill", "data", "encoder", "language")
-
-
-class InjectedFault(RuntimeError):
-    """The failure `FAULT_ENV` asked for."""
-
-
-def _fire(message: str) -> None:
-    """Say when the fault fires (what `benchmarks/faults.py` measures detection from)."""
-    print(f"{message} (at {time.time():.3f})", file=sys.stderr, flush=True)
-
-
-def _fault(rank: int) -> tuple[str, int] | None:
-    """(what, step) of `FAULT_ENV` on this rank, None when it names another rank or a restart runs."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return None
-    parts = spec.split(":")
-    if len(parts) != 3 or parts[0] not in _FAULTS or not parts[1].isdigit() or not parts[2].isdigit():
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected WHAT:STEP:RANK with WHAT one of {_FAULTS}, e.g. kill:5:1")
-    return (parts[0], int(parts[1])) if int(parts[2]) == rank else None
-
 
 # ---------------------------------------------------------------------------- data
 
@@ -190,25 +157,6 @@ class Trainer:
         self.peak = peak_tflops(self.model.device, m.peak_tflops)
         self.step = 0
         self.heldout_scores: dict[str, float] = {}  # the last evaluation's
-        self.fault = _fault(self.rank)
-        if self.fault and self.fault[0] in ("encoder", "language"):
-            self._arm(self.fault[0])
-
-    def _arm(self, what: str) -> None:
-        """`FAULT_ENV`'s raise in the forward of this rank's `what` modules, in the fault's step."""
-        parts = list(self.model.encoders.values()) if what == "encoder" else list(self.model.language_stages)
-        if not parts:
-            raise ValueError(f"{FAULT_ENV}: rank {self.rank} holds no {what} module to fail in")
-
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            if self.step + 1 == self.fault[1]:
-                message = f"{FAULT_ENV}: {what} forward of {type(module).__name__} on rank {self.rank}"
-                _fire(message)
-                raise InjectedFault(message)
-
-        for part in parts:
-            for module in part.modules():
-                module.register_forward_pre_hook(hook)
 
     # ------------------------------------------------------------------ pieces
     def _flops(self) -> float:
@@ -389,13 +337,6 @@ class Trainer:
         the throughput window (phase times of the steps since the last log line)."""
         c = self.config
         t0 = time.perf_counter()
-        if self.fault and self.fault[1] == self.step + 1 and self.fault[0] in ("kill", "data"):
-            if self.fault[0] == "kill":
-                _fire(f"{FAULT_ENV}: killing rank {self.rank}")
-                os.kill(os.getpid(), signal.SIGKILL)
-            message = f"{FAULT_ENV}: loading the batch on rank {self.rank}"
-            _fire(message)
-            raise InjectedFault(message)
         batch = next(batches)
         timings: dict[str, float] = {}
         data_s = time.perf_counter() - t0

@@ -19,7 +19,6 @@ from typing import Any
 
 from dtensor_mimo.models.audio import AudioConfig
 from dtensor_mimo.models.hf.convert import Source, table_source
-from dtensor_mimo.models.hf.llama import read_config
 
 AUDIO_ANCHOR = "conv1.weight"
 _TOP = {"conv1.weight": "conv1.weight", "conv1.bias": "conv1.bias", "conv2.weight": "conv2.weight",
@@ -30,16 +29,8 @@ _LAYER = {"norm1": "self_attn_layer_norm", "norm2": "final_layer_norm", "attn.wq
           "mlp.fc1": "fc1", "mlp.fc2": "fc2"}
 
 
-def audio_config_from_hf(path: str) -> AudioConfig:
-    """See `AudioConfig.from_hf`."""
-    c = read_config(path)
-    if c.get("model_type") != "whisper":
-        raise ValueError(f"{path}: model_type {c.get('model_type')!r} is not 'whisper'")
-    if c.get("activation_function", "gelu") != "gelu":
-        raise ValueError(f"{path}: activation_function={c['activation_function']!r} (the encoder uses gelu)")
-    return AudioConfig(n_mels=c["num_mel_bins"], max_frames=2 * c["max_source_positions"], conv_strides=(1, 2),
-                       dim=c["d_model"], n_layers=c["encoder_layers"], n_heads=c["encoder_attention_heads"],
-                       mlp_hidden=c["encoder_ffn_dim"], norm_eps=1e-5, key_bias=False, frozen_positions=True)
+audio_config_from_hf = AudioConfig.from_hf
+"""See `AudioConfig.from_hf`."""
 
 
 def whisper_config_to_hf(config: AudioConfig, dtype: str) -> dict[str, Any]:

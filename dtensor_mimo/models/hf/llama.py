@@ -9,15 +9,11 @@ permuted within each head on the way in (and back on the way out); everything el
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 from dtensor_mimo.models.hf.convert import Source, table_source
-from dtensor_mimo.models.layers import RopeScaling
 from dtensor_mimo.models.llama import LlamaConfig
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER = {
     "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
     "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
@@ -30,46 +26,8 @@ _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "mo
         "output.weight": "lm_head.weight"}
 
 
-def read_config(path: str) -> dict[str, Any]:
-    """``config.json`` of a Hugging Face model directory."""
-    file = os.path.join(path, "config.json")
-    if not os.path.exists(file):
-        raise FileNotFoundError(f"{path}: no config.json; point at a Hugging Face model directory")
-    with open(file) as f:
-        return json.load(f)
-
-
-def llama_config_from_hf(path: str) -> LlamaConfig:
-    """See `LlamaConfig.from_hf`."""
-    c = read_config(path)
-    c = c.get("text_config", c)  # a LLaVA checkpoint's language model
-    family = c.get("model_type")
-    if family not in FAMILIES:
-        raise ValueError(f"{path}: model_type {family!r} is not a Llama-family decoder ({', '.join(FAMILIES)})")
-    refused = []
-    if c.get("hidden_act", "silu") != "silu":
-        refused.append(f"hidden_act={c['hidden_act']!r} (the MLP is SwiGLU with silu)")
-    if c.get("mlp_bias"):
-        refused.append("mlp_bias=true")
-    if c.get("attention_bias") and family != "qwen2":
-        refused.append("attention_bias=true (an o_proj bias)")
-    if c.get("use_sliding_window") or (family == "mistral" and c.get("sliding_window")):
-        refused.append(f"sliding_window={c.get('sliding_window')} (attention is full causal)")
-    rope = c.get("rope_parameters") or {**(c.get("rope_scaling") or {}), "rope_theta": c.get("rope_theta", 10000.0)}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        refused.append(f"rope_type={rope_type!r} (supported: 'default', 'llama3')")
-    if refused:
-        raise ValueError(f"{path}: the library's Llama cannot express " + "; ".join(refused))
-    scaling = None if rope_type == "default" else RopeScaling(
-        factor=rope["factor"], low_freq_factor=rope["low_freq_factor"], high_freq_factor=rope["high_freq_factor"],
-        original_max_position_embeddings=rope["original_max_position_embeddings"])
-    return LlamaConfig(
-        vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
-        n_heads=c["num_attention_heads"], n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-        ffn_hidden=c["intermediate_size"], norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=rope["rope_theta"],
-        max_seq_len=c.get("max_position_embeddings", 2048), head_dim=c.get("head_dim"),
-        qkv_bias=family == "qwen2" or bool(c.get("attention_bias")), qk_norm=family == "qwen3", rope_scaling=scaling)
+llama_config_from_hf = LlamaConfig.from_hf
+"""See `LlamaConfig.from_hf`."""
 
 
 def llama_config_to_hf(config: LlamaConfig, dtype: str) -> dict[str, Any]:

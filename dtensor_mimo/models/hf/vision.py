@@ -25,11 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtensor_mimo.models.hf.convert import Source, table_source
-from dtensor_mimo.models.hf.llama import read_config
-from dtensor_mimo.models.vit import ViTConfig
+from dtensor_mimo.models.config_json import read_config
+from dtensor_mimo.models.vit import HF_ACTIVATIONS, ViTConfig
 
-TOWERS = ("siglip_vision_model", "clip_vision_model")
-_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "quick_gelu": "quick_gelu"}
 _TOP = {"patch_embed.weight": "embeddings.patch_embedding.weight", "patch_embed.bias": "embeddings.patch_embedding.bias",
         "pos_embed": "embeddings.position_embedding.weight", "cls_token": "embeddings.class_embedding",
         "pre_norm.weight": "pre_layrnorm.weight", "pre_norm.bias": "pre_layrnorm.bias",
@@ -40,31 +38,8 @@ VIT_ANCHOR = "embeddings.patch_embedding.weight"
 PROJECTOR_ANCHOR = "multi_modal_projector.linear_1.weight"
 
 
-def vit_config_from_hf(path: str) -> ViTConfig:
-    """See `ViTConfig.from_hf`."""
-    top = read_config(path)
-    c = top.get("vision_config", top)
-    tower = c.get("model_type")
-    if tower not in TOWERS:
-        raise ValueError(f"{path}: model_type {tower!r} is not a vision tower the ViT loads ({', '.join(TOWERS)})")
-    clip = tower == "clip_vision_model"
-    if c.get("hidden_act") not in _ACTIVATIONS:
-        raise ValueError(f"{path}: hidden_act={c.get('hidden_act')!r} is not one of {sorted(_ACTIVATIONS)}")
-    layers, final_norm = c["num_hidden_layers"], not clip  # CLIP's post_layernorm only norms its pooled output
-    if "vision_config" in top and top.get("model_type") == "llava":
-        layer, strategy = top.get("vision_feature_layer", -2), top.get("vision_feature_select_strategy", "default")
-        if not isinstance(layer, int):
-            raise ValueError(f"{path}: vision_feature_layer={layer!r}: features from several layers are not supported")
-        if strategy != ("default" if clip else "full"):
-            # "default" drops the first token: CLIP's class token, but a patch of a SigLIP tower.
-            raise ValueError(f"{path}: vision_feature_select_strategy={strategy!r} with a {tower}: the ViT keeps "
-                             f"exactly the patch tokens ({'default' if clip else 'full'})")
-        layers, final_norm = (layers + 1 + layer if layer < 0 else layer), False
-    return ViTConfig(image_size=c["image_size"], patch_size=c["patch_size"], in_channels=c.get("num_channels", 3),
-                     dim=c["hidden_size"], n_layers=layers, n_heads=c["num_attention_heads"],
-                     mlp_hidden=c["intermediate_size"], norm_eps=c.get("layer_norm_eps", 1e-6),
-                     activation=_ACTIVATIONS[c["hidden_act"]], class_token=clip, pre_norm=clip,
-                     patch_bias=not clip, final_norm=final_norm)
+vit_config_from_hf = ViTConfig.from_hf
+"""See `ViTConfig.from_hf`."""
 
 
 def _tower_style(config: ViTConfig) -> str | None:
@@ -77,7 +52,7 @@ def _tower_style(config: ViTConfig) -> str | None:
 
 
 def _tower_fields(config: ViTConfig, dtype: str) -> dict[str, Any]:
-    act = {v: k for k, v in _ACTIVATIONS.items()}[config.activation]
+    act = {v: k for k, v in HF_ACTIVATIONS.items()}[config.activation]
     return {"image_size": config.image_size, "patch_size": config.patch_size, "num_channels": config.in_channels,
             "hidden_size": config.dim, "num_hidden_layers": config.n_layers,
             "num_attention_heads": config.n_heads, "intermediate_size": config.mlp_hidden,

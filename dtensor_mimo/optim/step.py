@@ -6,7 +6,6 @@ import contextlib
 import logging
 import math
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -17,7 +16,7 @@ from dtensor_mimo.bridge import PlanError
 from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.layout.fingerprint import agreed, agreement_terms, batch_fingerprint
 from dtensor_mimo.mimo import MimoModel
-from dtensor_mimo.train.optimizer import MimoOptimizer, grad_sumsq_shares
+from dtensor_mimo.optim.optimizer import MimoOptimizer, grad_sumsq_shares
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
       mask and each modality's items and tokens per sample; `agreed`);
     - a parameter's ``requires_grad`` changed after the model was built (the step runs with the
       trainable set as built, so the crossings match on every rank, then is refused);
-    - a pipelined step found encoder rows that contradict the batch metadata (`MimoModel.step_error`).
+    - the step found encoder rows that contradict the batch metadata (`MimoModel.run`'s result).
 
     A model's first step also compares the batch fingerprints before its first exchange (one more
     all-reduce, once): ranks fed different data from the start fail there, every rank with the
@@ -74,22 +73,22 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
     start = _now(model.device) if timings is not None else 0.0
     optimizer.zero_grad()
     fp = step_fingerprint(batch)
-    if model not in _FIRST_STEP_CHECKED:  # before any exchange: sizes that differ would kill gloo
+    if not model.batches_compared:  # before any exchange: sizes that differ would kill gloo
         _check_same_batch(fp, model.device)
-        _FIRST_STEP_CHECKED.add(model)
+        model.batches_compared = True
     changed = trainable_changes(model)
     try:
         with _as_built(model, changed):
-            share = model.forward_backward(batch)
+            result = model.run(batch)
             if timings is not None:
                 middle = _now(model.device)
                 timings["forward_backward"] = middle - start
             model.reduce_gradients()
-        loss_part = share.detach().double().reshape(1) if model.holds_loss_share() else \
+        loss_part = result.loss.detach().double().reshape(1) if model.holds_loss_share() else \
             torch.zeros(1, dtype=torch.float64, device=model.device)
-        # The status words: ranks whose encoder rows contradicted the batch metadata (`step_error`),
-        # ranks whose trainable set changed; then the batch fingerprint's agreement terms.
-        status = torch.tensor([float(model.step_error is not None), float(bool(changed)), *agreement_terms(fp)],
+        # The status words: ranks whose encoder rows contradicted the batch metadata (the result's
+        # error), ranks whose trainable set changed; then the batch fingerprint's agreement terms.
+        status = torch.tensor([float(result.error is not None), float(bool(changed)), *agreement_terms(fp)],
                               dtype=torch.float64).to(model.device, non_blocking=True)
         totals = torch.cat([loss_part, status, grad_sumsq_shares(model)])
         dist.all_reduce(totals)
@@ -111,7 +110,7 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
             "building the MimoModel (and its MimoOptimizer). The step was not applied")
     if bad:
         optimizer.zero_grad()
-        raise PlanError(model.step_error or (
+        raise PlanError(result.error or (
             f"{int(bad)} rank(s) produced encoder rows that disagree with the batch "
             "metadata (their error names the encoder and the shapes); the step was not applied"))
     grad_norm = math.sqrt(sum(sumsq))
@@ -124,10 +123,6 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
         timings["optimizer"] = _now(model.device) - middle
     return StepMetrics(loss, grad_norm, {n: math.sqrt(s) for n, s in zip(model.module_names, sumsq)},
                        skipped)
-
-
-_FIRST_STEP_CHECKED: weakref.WeakSet[MimoModel] = weakref.WeakSet()
-"""Models whose first step compared the batch fingerprints before any exchange."""
 
 
 def _check_same_batch(fp: int, device: torch.device) -> None:
@@ -166,7 +161,7 @@ def trainable_changes(model: MimoModel) -> dict[str, bool]:
     """This rank's parameters whose ``requires_grad`` differs from when `model` was built:
     ``{name: requires_grad as built}``."""
     built = model._requires_grad
-    return {n: built[n] for n, p in model.named_parameters() if n in built and p.requires_grad != built[n]}
+    return {n: built[n] for n, p in model._named_parameters.items() if p.requires_grad != built[n]}
 
 
 @contextlib.contextmanager
