@@ -319,11 +319,7 @@ class MimoModel(nn.Module):
     def predict(self, batch: MimoBatch) -> torch.Tensor:
         """Greedy next-token ids ``[B, S]`` at every position of the global `batch` (teacher
         forced), the same tensor on every rank; call on every rank. One microbatch, stage after
-        stage; encoders must have pp = 1. Costs one world all-reduce of ``B x S`` ids."""
-        staged = [n for n in self.encoder_names if n in batch.modalities and self.layout.parallelism(n).pp > 1]
-        if staged:
-            raise NotImplementedError(f"MimoModel.predict: encoders {staged} have pp > 1; prediction "
-                                      "runs encoders unpipelined (pp = 1)")
+        stage (encoders and the language model). Costs one world all-reduce of ``B x S`` ids."""
         result = self.run(batch, "predict")
         # The ids, and in the same all-reduce the ranks whose encoder rows went wrong.
         out = torch.zeros(batch.batch_size * batch.seq_len + 1, dtype=torch.int64, device=self.device)

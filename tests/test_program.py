@@ -7,7 +7,7 @@ one executor.
 | pp = 1 encoder on its own ranks, first / later language stage | train | every torch schedule, pp 1-2, M 1-5 |
 | encoder pipeline (last and inner stage)        | train          | GPipe order (window M)     |
 | colocated (encoder + first stage), encoder-only, language-only, frozen encoder | train | any |
-| any rank                                       | forward, predict | one microbatch            |
+| any rank (encoder stages too)                  | forward, predict | one microbatch            |
 """
 
 from __future__ import annotations
@@ -139,6 +139,10 @@ def test_forward_and_predict_are_one_microbatch_of_the_same_program(mode):
     assert format_program(program(ENCODER, shape)) == "encode vision mb0 | check rows mb0 | cross mb0"
     # A rank of neither module still joins the world-wide check, and nothing else.
     assert format_program(program(RankRoles(), shape)) == "check rows mb0"
+    # An encoder in pipeline stages: each stage runs the microbatch in turn, the last one's rows cross.
+    last, inner = RankRoles(encoder_stages=(("vision", True),)), RankRoles(encoder_stages=(("vision", False),))
+    assert format_program(program(last, shape)) == "encoder pipeline vision mb0 | check rows mb0 | cross mb0"
+    assert format_program(program(inner, shape)) == "encoder pipeline vision mb0 | check rows mb0"
     with pytest.raises(ValueError, match="a forward runs one microbatch"):
         StepShape("forward", (), (), microbatches=2)
 

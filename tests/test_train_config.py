@@ -76,7 +76,7 @@ def test_file_then_overrides_in_any_order(tmp_path) -> None:
     (["--train.steps", "0"], "train.steps = 0: must be >= 1"),
     (["--data.batch_size", "30"], "data.batch_size = 30 must split into pipeline.microbatches = 4"),
     (["--layout.language.dp", "3"], "multiple of layout.language.dp = 3"),
-    (["--layout.vision.cp", "2"], "layout.vision: pp=1, cp=2: encoders take pp = 1 and cp = 1"),
+    (["--layout.vision.cp", "2"], "layout.vision: cp=2: encoders take cp = 1"),
     (["--layout.language.pp", "2", "--pipeline.microbatches", "1", "--data.batch_size", "8"],
      "pipeline.microbatches = 1 is below layout.language.pp = 2"),
     (["--layout.language.offset", "0", "--layout.language.dp", "2"], "partially overlap"),

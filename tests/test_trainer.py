@@ -176,6 +176,7 @@ def _reference_logits(argv: list[str]) -> torch.Tensor:
     pytest.param(LAYOUT_A, id="tp2"),
     pytest.param(["--layout.language.cp", "2", "--layout.vision.dp", "2"], id="cp2"),
     pytest.param(["--layout.language.pp", "2", "--model.language.n_layers", "3"], id="pp2"),
+    pytest.param(["--layout.vision.pp", "2"], id="vision_pp2"),
 ])
 def test_predict_matches_one_process(layout: list[str]) -> None:
     argv = [*SHORT, *layout, "--data.heldout_samples", "8", "--data.seq_len", "40"]
@@ -227,6 +228,23 @@ def test_items_of_their_own_size_give_one_process_numbers(tmp_path) -> None:
             key = f"encoder_imbalance_{encoder}"
             assert 1.0 <= balanced[key] <= by_sample[key], (balanced["step"], key, balanced[key], by_sample[key])
     assert any(b["encoder_imbalance_vision"] < s["encoder_imbalance_vision"] for b, s in zip(*logged.values()))
+
+
+def test_encoder_pipeline_gives_one_process_numbers(tmp_path) -> None:
+    """The vision encoder in two pipeline stages (ranks 0-1), audio on rank 2, the language model
+    on rank 3: the one-rank run's losses and gradient norms, and its held-out score (the
+    evaluation runs the encoder's stages one after the other, `MimoModel.predict`)."""
+    base = [*SHORT, "--train.steps", "3", "--data.heldout_samples", "8"]
+    runs = {"one": (1, LAYOUT_C), "vision_pp2": (4, ["--layout.vision.pp", "2"])}
+    scores = {}
+    for name, (world, layout) in runs.items():
+        scores[name] = run_on_ranks(_train, world, [*base, *layout, "--metrics.jsonl", str(tmp_path / f"{name}.jsonl")],
+                                    timeout=300)[0]
+    expected, got = _records(str(tmp_path / "one.jsonl")), _records(str(tmp_path / "vision_pp2.jsonl"))
+    assert sorted(got) == sorted(expected) == [1, 2, 3]
+    for step, (loss, norm) in expected.items():
+        assert got[step][0] == pytest.approx(loss, rel=1e-5) and got[step][1] == pytest.approx(norm, rel=1e-5), step
+    assert scores["vision_pp2"] == scores["one"]
 
 
 # ---------------------------------------------------------------------------- the command

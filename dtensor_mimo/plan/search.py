@@ -11,7 +11,7 @@ enumerated).
 
 Every candidate passes the real validators (`validate`): `MimoLayout` itself, the pipeline's
 `check_pipeline_layout` and `check_microbatching`, layers per stage (`stage_layers`), and the
-trainer's rules (encoders take pp = 1 and cp = 1; tp divides the heads and widths the module
+trainer's rules (encoders at pp = 1, the search's own limit, and cp = 1; tp divides the heads and widths the module
 cuts; every dp rank of a module gets at least one sample per microbatch). So every printed
 candidate trains.
 
@@ -82,7 +82,7 @@ def module_problem(job: Job, profile: ModuleProfile, par: Parallelism, microbatc
     if bad:
         return f"tp={par.tp} does not divide {bad}"
     if not is_lang and (par.pp > 1 or par.cp > 1):
-        return "encoders take pp = 1 and cp = 1 in the trainer"
+        return "the search keeps encoders at pp = 1 and cp = 1 (encoder pipelines are not in its cost model)"
     if par.cp > 1 and not profile.cp:
         return "context parallel applies to the language model only"
     samples, rem = divmod(job.batch_size, microbatches)

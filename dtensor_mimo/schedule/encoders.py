@@ -239,6 +239,24 @@ class EncoderPipeline:
         run_schedule(schedule, [torch_stage], padded, None, list(range(len(counts))))
         sender.finish()
 
+    def run_once(self, items: torch.Tensor | None, count: int, tokens_per_item: int) -> torch.Tensor | None:
+        """One microbatch forward through every stage, outside torch's schedule (a forward or a
+        prediction): `items` (the first stage's: this dp rank's items) or the previous stage's
+        hidden states ``[count, tokens_per_item, hidden]``, sized from the batch metadata, go in;
+        returns the rows on the last stage, else None. Blocking point-to-point in stage order
+        (stage s sends to s + 1 before anyone posts s + 1's send), so NCCL cannot deadlock."""
+        self.stage.expected_tokens = tokens_per_item
+        if self.index == 0:
+            x = items
+        else:
+            x = torch.empty(count, tokens_per_item, self.hidden, dtype=self.stage.hidden_dtype, device=self.device)
+            dist.recv(x, group=self.pp_group, group_src=self.index - 1)
+        y = self.stage(x)
+        if self.index == self.n_stages - 1:
+            return y
+        dist.send(y.contiguous(), group=self.pp_group, group_dst=self.index + 1)
+        return None
+
 
 class LocalEncoders:
     """This rank's pp = 1 encoders over a step's microbatches, driven by the program's ``encode``

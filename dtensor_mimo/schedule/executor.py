@@ -191,9 +191,16 @@ class _Run:
     def do_encoder_pipeline(self, a: Action) -> None:
         name, pipeline = a.module, self.parts.encoder_pipelines[a.module]
         modality = self.batch.modalities[name]  # every microbatch's item shape and tokens are the batch's
-        pipeline.run([per[name].to(self.parts.device).inputs for per in self.items],
-                     [per[name].num_items for per in self.items], tuple(modality.inputs.shape[1:]),
-                     modality.tokens_per_item, self.parts.dim, self.crossings)
+        if a.microbatch is not None:  # one microbatch, stage after stage
+            items = self.items[0][name]
+            rows = pipeline.run_once(items.to(self.parts.device).inputs if pipeline.index == 0 else None,
+                                     items.num_items, modality.tokens_per_item)
+            if rows is not None:
+                self.local.outputs.setdefault(0, {})[name] = rows
+        else:
+            pipeline.run([per[name].to(self.parts.device).inputs for per in self.items],
+                         [per[name].num_items for per in self.items], tuple(modality.inputs.shape[1:]),
+                         modality.tokens_per_item, self.parts.dim, self.crossings)
         if pipeline.stage.error:
             self.errors.append(pipeline.stage.error)
         pipeline.stage.error = None

@@ -49,7 +49,8 @@ class Action:
     - ``backward``: wait for the microbatch's gradients and run the encoder backward (`microbatch`
       None: every microbatch at once, the colocated phase 3).
     - ``encoder pipeline``: torch's GPipe over encoder `module`'s stages; `nested`: the crossings
-      its last stage posts.
+      its last stage posts (a training step); one microbatch through this rank's stage, blocking
+      sends between stages (`microbatch` 0: a forward or a prediction).
     - ``language``: this rank's language stages over every microbatch (`module`: the mode);
       `nested`: on the first stage, torch's computations of stage 0 (``F`` / ``B`` / ``I`` / ``W``
       with their microbatch) and the crossings posted between them.
@@ -132,10 +133,13 @@ def program(roles: RankRoles, shape: StepShape,
     torch's order, (kind, microbatch) (`order.first_stage_actions`; None: not known, or not a
     training step), nested into the language action of the first stage for the reader."""
     local = [n for n in shape.encoders if n in roles.encoders]
-    if shape.mode != "train":
+    stages = [(n, last) for n, last in roles.encoder_stages if n in shape.encoders]
+    if shape.mode != "train":  # one microbatch, stage after stage
+        sends = bool(local) or any(last for _, last in stages)
         return [*(Action("encode", 0, n) for n in local),
+                *(Action("encoder pipeline", 0, n) for n, _ in stages),
                 *([Action("check rows", 0)] if shape.check_rows and shape.encoders else []),
-                *([Action("cross", 0)] if shape.encoders and (local or roles.first_stage) else []),
+                *([Action("cross", 0)] if shape.encoders and (sends or roles.first_stage) else []),
                 *([Action("language", module=shape.mode)] if roles.language else [])]
     m, trains = shape.microbatches, bool(shape.trainable)
     window = shape.window if trains else m  # no gradient paces the forward crossings
@@ -155,9 +159,7 @@ def program(roles: RankRoles, shape: StepShape,
         if last is not None:
             actions.append(Action("backward", last))
         actions.append(Action("finish sends"))
-    for name, is_last in roles.encoder_stages:
-        if name not in shape.encoders:
-            continue
+    for name, is_last in stages:
         nested = ((*(Action("rows", i, send=True) for i in range(m)),
                    *(Action("grads", i, recv=True) for i in range(m))) if is_last else ())
         actions.append(Action("encoder pipeline", module=name, nested=nested))

@@ -51,7 +51,7 @@ class ModuleLayout:
     """One module's parallel sizes and its first rank.
 
     Attributes:
-        pp: pipeline stages (encoders: 1 in the trainer).
+        pp: pipeline stages.
         dp: data-parallel replicas.
         cp: context-parallel ranks (the language model only).
         tp: tensor-parallel ranks.
@@ -767,9 +767,9 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
     layout = build_layout(config, None if config.layout.auto else world_size)  # no rank left over, none missing
     for name in names:
         par = layout.parallelism(name)
-        if name != LANGUAGE and (par.cp > 1 or par.pp > 1):
-            raise ConfigError(f"layout.{name}: pp={par.pp}, cp={par.cp}: encoders take pp = 1 and cp = 1 "
-                              "in the trainer (their evaluation runs unpipelined)")
+        if name != LANGUAGE and par.cp > 1:
+            raise ConfigError(f"layout.{name}: cp={par.cp}: encoders take cp = 1 (context parallelism is the "
+                              "language model's)")
     pipe, lang_par = config.pipeline, layout.parallelism(LANGUAGE)
     if lang_par.pp > 1 and pipe.microbatches < lang_par.pp:
         raise ConfigError(f"pipeline.microbatches = {pipe.microbatches} is below layout.{LANGUAGE}.pp = "
