@@ -23,7 +23,11 @@ def _blocks(text: str, language: str) -> list[str]:
 
 
 def test_library_example_runs_on_three_ranks(tmp_path) -> None:
-    code = next(b for b in _blocks(_read("README.md"), "python") if "train_step(model, optimizer, batch)" in b)
+    blocks = _blocks(_read("README.md"), "python")
+    code = next(b for b in blocks if "train_step(model, optimizer, batch)" in b)
+    # The programs the README prints for that model, each rank's written to a file.
+    shown = next(b for b in blocks if "format_program(model.program(batch" in b)
+    code += shown.replace("print(format_program(", "open(f'program.{dist.get_rank()}', 'w').write(format_program(")
     script = tmp_path / "example.py"
     script.write_text(code)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -34,6 +38,12 @@ def test_library_example_runs_on_three_ranks(tmp_path) -> None:
     assert len(lines) == 3 and len(set(lines)) == 1  # loss and grad norm, the same on every rank
     loss, norm = map(float, lines[0].split())
     assert 0 < loss < 20 and norm > 0
+    comments = " ".join(line.lstrip("# ") for line in shown.splitlines() if line.startswith("#"))
+    said = {int(m.group(1)): " ".join(m.group(2).split())
+            for m in re.finditer(r"rank (\d) \([^)]*\): (.*?)(?= rank \d|$)", comments)}
+    assert sorted(said) == [0, 1]
+    for rank, program in said.items():
+        assert (tmp_path / f"program.{rank}").read_text() == program, rank
 
 
 def test_readme_config_is_the_example_file() -> None:

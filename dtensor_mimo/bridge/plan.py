@@ -349,6 +349,10 @@ class MeshSpec:
                 return p.dim
         return None
 
+    def is_member(self, rank: int) -> bool:
+        """Whether `rank` is on this side's mesh (O(1))."""
+        return rank in _static(self).index
+
     def local_range(self, rank: int) -> tuple[int, int]:
         """Global rows ``[lo, hi)`` that `rank` holds; ``(0, 0)`` for a rank outside the mesh."""
         i = _static(self).index.get(rank)

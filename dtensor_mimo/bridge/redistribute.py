@@ -464,6 +464,9 @@ class Bridge:
     its sends and receives together and both calls return that same handle; that first call
     needs the rank's local source (``send_forward(x)``, or ``recv_forward(src_local=x)``). Two
     ranks that each send to the other can therefore never block on each other's unposted receive.
+    Several bridges whose transfers must go in one batch (one per encoder of a microbatch, as
+    `MimoModel`'s crossings) are posted together with `post_together`; `Bridge.between` builds a
+    bridge between two sides given as `MeshSpec`s (e.g. one pipeline stage's slice of a mesh).
 
     Example::
 
@@ -489,25 +492,55 @@ class Bridge:
         hops: int | None = None,
     ) -> None:
         _hops.check_hops(hops, "Bridge")
-        self.dim = _bridged_dim(src_placements, dst_placements)
-        self.buffers = buffers
-        """Where outputs are received: a `BufferPool` (recycled) or None (fresh tensors)."""
-        self.global_shape = tuple(global_shape)
-        self.dtype = dtype
-        extent = self.global_shape[self.dim]
+        dim = _bridged_dim(src_placements, dst_placements)
+        extent = tuple(global_shape)[dim]
         src = _spec(src_mesh, src_placements, extent, sample_sizes, "source")
         dst = _spec(dst_mesh, dst_placements, extent, sample_sizes, "destination")
-        world = dist.get_world_size()
-        self.rank = dist.get_rank()
-        self.forward_route = _hops.route(src, dst, self.rank, world, hops, src_mesh.get_group, dst_mesh.get_group)
+        self._setup(src, dst, grad_placements or dst.placements, hops, src_mesh.get_group, dst_mesh.get_group,
+                    global_shape, dim, dtype, (_device(src_mesh), _device(dst_mesh)), buffers)
+
+    @classmethod
+    def between(cls, src: MeshSpec, dst: MeshSpec, *, global_shape: Sequence[int], dtype: torch.dtype,
+                device: torch.device, src_groups: _hops.Groups, dst_groups: _hops.Groups,
+                grad_placements: Sequence[Placement] | None, hops: int | None = None,
+                buffers: exchange.BufferPool | None = None) -> "Bridge":
+        """A bridge between two sides given as `MeshSpec`s (a pipeline stage's slice of a module
+        mesh, ragged sizes and shard bounds included) along dim 0, on `device`; `src_groups` /
+        `dst_groups` give each side's process group along a spec dim (two hops); without
+        `grad_placements` no gradient comes back (``send_backward`` / ``recv_backward`` refused)."""
+        bridge = cls.__new__(cls)
+        bridge._setup(src, dst, grad_placements, hops, src_groups, dst_groups, global_shape, 0, dtype,
+                      (device, device), buffers)
+        return bridge
+
+    def _setup(self, src: MeshSpec, dst: MeshSpec, grad_placements: Sequence[Placement] | None, hops: int | None,
+               src_groups: _hops.Groups, dst_groups: _hops.Groups, global_shape: Sequence[int], dim: int,
+               dtype: torch.dtype, devices: tuple[torch.device, torch.device],
+               buffers: exchange.BufferPool | None) -> None:
+        self.dim, self.dtype, self.global_shape = dim, dtype, tuple(global_shape)
+        self.buffers = buffers
+        """Where outputs are received: a `BufferPool` (recycled) or None (fresh tensors)."""
+        self.src, self.dst = src, dst
+        world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.forward_route = _hops.route(src, dst, self.rank, world, hops, src_groups, dst_groups)
         """This rank's part of the forward trip."""
-        self.backward_route = _hops.backward_route(src, dst, grad_placements or dst.placements, self.rank, world,
-                                                   hops, src_mesh.get_group, dst_mesh.get_group)
-        """This rank's part of the backward trip."""
-        self._src_device, self._dst_device = _device(src_mesh), _device(dst_mesh)
-        self._in_src = src_mesh.get_coordinate() is not None
-        self._in_dst = dst_mesh.get_coordinate() is not None
+        self.backward_route = None if grad_placements is None else _hops.backward_route(
+            src, dst, grad_placements, self.rank, world, hops, src_groups, dst_groups)
+        """This rank's part of the backward trip (None: no gradient comes back)."""
+        self._src_device, self._dst_device = devices
+        self._in_src, self._in_dst = src.is_member(self.rank), dst.is_member(self.rank)
         self._posted: dict[str, tuple[str, _hops.Delivery]] = {}  # both-sides rank: (half, handle)
+
+    def route(self, direction: str) -> _hops.Route:
+        """This rank's route of "forward" or "backward"."""
+        route = self.forward_route if direction == "forward" else self.backward_route
+        if route is None:
+            raise RuntimeError("Bridge: built without grad_placements, so no gradient comes back")
+        return route
+
+    def out_shape(self, direction: str) -> tuple[int, ...]:
+        """The local shape this rank receives in `direction` (before a two-hop gather)."""
+        return _local_shape(self.global_shape, self.dim, self.route(direction).plan.dst_rows)
 
     def _post(self, direction: str, half: str, local: torch.Tensor | None) -> _hops.Delivery:
         posted = self._posted.get(direction)
@@ -521,19 +554,15 @@ class Bridge:
                 f"before the {direction} exchange it already posted was received; call the other half "
                 "for it first (one exchange per direction in flight on such a rank)")
         forward = direction == "forward"
-        route = self.forward_route if forward else self.backward_route
-        rp = route.plan
         sends = self._in_src if forward else self._in_dst
         receives = self._in_dst if forward else self._in_src
-        if local is None and (rp.sends or rp.copies or (sends and route.scatter)):
+        route = self.route(direction)
+        if local is None and (route.plan.sends or route.plan.copies or (sends and route.scatter)):
             raise ValueError(
                 f"Bridge: rank {self.rank} holds rows to send or copy in the {direction} exchange but "
                 f"{half}_{direction} got no local tensor; pass it (on a rank on both meshes, to "
                 "whichever half it calls first)")
-        device = self._dst_device if forward else self._src_device
-        out_shape = _local_shape(self.global_shape, self.dim, rp.dst_rows) if receives else None
-        (delivery,) = _hops.post([route], self.dim, [local], [out_shape], self.dtype, device, send=sends,
-                                 recv=receives, pool=self.buffers)
+        (delivery,) = post_together([self], direction, [local], send=sends, recv=receives)
         if sends and receives:
             self._posted[direction] = (half, delivery)
         return delivery
@@ -549,3 +578,18 @@ class Bridge:
 
     def recv_backward(self, grad_local: torch.Tensor | None = None) -> _hops.Delivery:
         return self._post("backward", "recv", grad_local)
+
+
+def post_together(bridges: Sequence[Bridge], direction: str, locals_: Sequence[torch.Tensor | None], *,
+                  send: bool, recv: bool) -> list[_hops.Delivery]:
+    """Post this rank's part of one direction ("forward" / "backward") of several bridges as ONE
+    batch (each local scattered first, two-hop), in list order: what every rank sharing the
+    bridges must do in the same order (NCCL safety). `send` / `recv`: which sides this rank posts;
+    the bridges share a dim, dtype and buffers (the first's). Returns one `Delivery` per bridge."""
+    if not bridges:
+        return []
+    first, forward = bridges[0], direction == "forward"
+    device = first._dst_device if forward else first._src_device
+    return _hops.post([b.route(direction) for b in bridges], first.dim, locals_,
+                      [b.out_shape(direction) if recv else None for b in bridges], first.dtype, device,
+                      send=send, recv=recv, pool=first.buffers)

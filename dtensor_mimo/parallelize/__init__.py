@@ -5,22 +5,27 @@ dp with gradients summed, optional per-block torch.compile.
 |---------------------|------------------------------------------------------------------|
 | options.py          | `ParallelOptions` (sp, fsdp, compile, backend, reshard)          |
 | tensor_parallel.py  | the shared block plan, sp entry/exit                             |
-| language.py         | the Llama decoder: `parallelize_llama`                           |
-| encoders.py         | ViT / audio: `parallelize_encoder`; `parallelize_projection`     |
+| part.py             | `parallelize`: the one order (tp, checkpointing, compile, FSDP2) |
+| language.py         | the Llama decoder's tensor parallel plan                         |
+| encoders.py         | ViT / audio and projection tensor parallel plans                 |
 | fsdp.py             | `apply_fsdp` (sum over dp), `allreduce_gradients`                |
 | precision.py        | mixed precision: FSDP2 policy or autocast, `compute_dtype`       |
 | replicas.py         | tp-replicated gradients made identical, replica comparison       |
 | checkpointing.py    | `checkpoint_blocks`: activation checkpointing per block          |
 | compile.py          | `compile_blocks`                                                 |
-| stack.py            | `parallelize_stack`: tp, checkpointing, compile, then FSDP2      |
 """
 
 from dtensor_mimo.parallelize.checkpointing import checkpoint_blocks
 from dtensor_mimo.parallelize.compile import compile_blocks
-from dtensor_mimo.parallelize.encoders import parallelize_encoder, parallelize_projection
 from dtensor_mimo.parallelize.fsdp import allreduce_gradients, apply_fsdp
-from dtensor_mimo.parallelize.language import parallelize_llama
 from dtensor_mimo.parallelize.options import ParallelOptions
+from dtensor_mimo.parallelize.part import (
+    parallelize,
+    parallelize_encoder,
+    parallelize_llama,
+    parallelize_projection,
+    stacks,
+)
 from dtensor_mimo.parallelize.precision import apply_data_parallel, autocast_forward, compute_dtype, uses_fsdp
 from dtensor_mimo.parallelize.replicas import (
     finish_gradients,
@@ -41,11 +46,13 @@ __all__ = [
     "compute_dtype",
     "finish_gradients",
     "first_differing_replica",
+    "parallelize",
     "parallelize_encoder",
     "parallelize_llama",
     "parallelize_projection",
     "reduce_tp_replicated_gradients",
     "replica_problems",
+    "stacks",
     "tp_replicated",
     "uses_fsdp",
 ]

@@ -1,4 +1,5 @@
-"""How to parallelize the modality encoders (ViT, audio) and the projection into the LLM width.
+"""Tensor parallel plans of the modality encoders (ViT, audio) and the projection into the LLM width
+(the rest of their parallelization is `dtensor_mimo.parallelize.part.parallelize`).
 
 Input and output (tp = size of `tp_mesh`):
 
@@ -24,30 +25,13 @@ from torch.distributed.tensor.parallel import (
 
 from dtensor_mimo.models import AudioEncoder, Projection, ViT
 from dtensor_mimo.parallelize.options import ParallelOptions
-from dtensor_mimo.parallelize.precision import apply_data_parallel
-from dtensor_mimo.parallelize.stack import parallelize_stack
 from dtensor_mimo.parallelize.tensor_parallel import (
     SEQUENCE_DIM,
     block_plan,
     check_divisible,
     parallelize_blocks,
     replicated_local_output,
-    tp_size,
 )
-
-
-def parallelize_encoder(
-    model: ViT | AudioEncoder,
-    tp_mesh: DeviceMesh | None,
-    dp_mesh: DeviceMesh | None,
-    options: ParallelOptions = ParallelOptions(),
-) -> ViT | AudioEncoder:
-    """Apply tp (+sp), per-block compile and FSDP2 to a ViT or audio encoder in place; returns it.
-
-    `tp_mesh`: the module's "tp" sub-mesh (None or size 1: no tensor parallel); `dp_mesh`: its
-    "dp" sub-mesh (dp·cp if the encoder has cp). Same mesh rules as `parallelize_llama`.
-    """
-    return parallelize_stack(model, tp_mesh, dp_mesh, options, apply_encoder_tp)
 
 
 def apply_encoder_tp(model: ViT | AudioEncoder, tp_mesh: DeviceMesh, options: ParallelOptions) -> None:
@@ -74,20 +58,8 @@ def apply_encoder_tp(model: ViT | AudioEncoder, tp_mesh: DeviceMesh, options: Pa
         replicated_local_output(model)
 
 
-def parallelize_projection(
-    model: Projection,
-    tp_mesh: DeviceMesh | None,
-    dp_mesh: DeviceMesh | None,
-    options: ParallelOptions = ParallelOptions(),
-) -> Projection:
-    """fc1 colwise, fc2 rowwise (output replicated, plain); compile and FSDP2 as one unit.
-
-    `options.sp` does not apply (no norm, and the output must be replicated anyway).
-    """
-    if tp_size(tp_mesh) > 1:
-        check_divisible("Projection", {"hidden_dim": model.fc1.out_features}, tp_mesh.size())
-        parallelize_module(model, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    if options.compile:
-        model.compile(backend=options.compile_backend)
-    apply_data_parallel(model, dp_mesh, [], options)
-    return model
+def apply_projection_tp(model: Projection, tp_mesh: DeviceMesh, options: ParallelOptions) -> None:
+    """fc1 colwise, fc2 rowwise (output replicated, plain); `options.sp` does not apply (no norm,
+    and the output must be replicated anyway)."""
+    check_divisible("Projection", {"hidden_dim": model.fc1.out_features}, tp_mesh.size())
+    parallelize_module(model, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})

@@ -1,4 +1,5 @@
-"""How to parallelize the Llama decoder: tensor (+ sequence) parallel, compile, FSDP2 over dp·cp.
+"""The Llama decoder's tensor (+ sequence) parallel plan (compile and FSDP2 over dp·cp: the one
+`dtensor_mimo.parallelize.part.parallelize`).
 
 Input and output of the parallelized `Llama` (tp = size of `tp_mesh`):
 
@@ -43,7 +44,6 @@ from torch.distributed.tensor.parallel import (
 
 from dtensor_mimo.models import Llama
 from dtensor_mimo.parallelize.options import ParallelOptions
-from dtensor_mimo.parallelize.stack import parallelize_stack, user_tp_plan
 from dtensor_mimo.parallelize.tensor_parallel import (
     SEQUENCE_DIM,
     block_plan,
@@ -51,24 +51,6 @@ from dtensor_mimo.parallelize.tensor_parallel import (
     parallelize_blocks,
     replicated_local_output,
 )
-
-
-def parallelize_llama(
-    model: Llama,
-    tp_mesh: DeviceMesh | None,
-    dp_mesh: DeviceMesh | None,
-    options: ParallelOptions = ParallelOptions(),
-) -> Llama:
-    """Apply tp (+sp), per-block compile and FSDP2 to `model` in place; returns it. A decoder
-    that is not the library's `Llama` (`dtensor_mimo.models.protocol`) brings its own tp plan.
-
-    `tp_mesh`: the module's "tp" sub-mesh (None or size 1: no tensor parallel).
-    `dp_mesh`: the flattened dp·cp sub-mesh (`layout.mesh(name, ("dp", "cp"))`); FSDP2 shards
-    over it when `options.fsdp`, else the caller sums gradients with `allreduce_gradients`.
-    The meshes must share one root mesh (as `MimoLayout` builds them).
-    """
-    return parallelize_stack(model, tp_mesh, dp_mesh, options,
-                             apply_llama_tp if isinstance(model, Llama) else user_tp_plan)
 
 
 def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh, options: ParallelOptions) -> None:

@@ -1,8 +1,9 @@
 """One microbatch's crossing from the encoders' meshes to the first language stage, and back.
 
 A crossing moves every encoder's output rows of ONE microbatch (a slice of the global batch,
-dp-sharded per module) in one exchange: the bridge's pure planner over the microbatch's ragged
-sizes, then one `batch_isend_irecv` per rank per direction. Source: the last pipeline stage
+dp-sharded per module) in one exchange: one public `Bridge` per encoder (the bridge's pure
+planner over the microbatch's ragged sizes), posted together (`post_together`: one
+`batch_isend_irecv` per rank per direction). Source: the last pipeline stage
 of each encoder's mesh, ``(dp, cp, tp)`` with the rows split over dp. Destination: the first
 stage of the language mesh, rows split over dp and whole on every cp and tp rank; the gradient
 comes back `Partial` over cp (each cp rank only sees its positions) and replicated over tp.
@@ -44,9 +45,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from dtensor_mimo.bridge import MeshSpec
-from dtensor_mimo.bridge import exchange, hops
-from dtensor_mimo.bridge.redistribute import check_local_shapes
+from dtensor_mimo.bridge import Bridge, MeshSpec, exchange, hops
+from dtensor_mimo.bridge.redistribute import check_local_shapes, post_together
 from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.layout import MimoLayout
 
@@ -85,35 +85,29 @@ class Crossing:
                  trainable: Sequence[bool], dim: int, dtype: torch.dtype, device: torch.device,
                  index: int = 0, buffers: exchange.BufferPool | None = None, n_hops: int | None = None,
                  bounds: Mapping[str, Sequence[int]] | None = None) -> None:
-        world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.rank = dist.get_rank()
         lang = layout.parallelism(language)
         grad = (Shard(0), Partial() if lang.cp > 1 else Replicate(), Replicate())
         self.names = list(names)
         self.backward_names = [n for n, t in zip(names, trainable) if t]
         self.dim, self.dtype, self.device, self.index = dim, dtype, device, index
-        self.buffers = buffers
         self.error: str | None = None  # rows that disagreed with the plan (see `forward`)
-        self._forward, self._backward = [], []
-        self._sources: list[MeshSpec] = []
         dst_base = _stage_spec(layout, language, 0)
-        lang_groups = _groups(layout, language)
+        self.bridges: dict[str, Bridge] = {}
+        """One `Bridge` per encoder: its last stage's slice of its mesh to the first language stage's."""
         for name in self.names:
             sizes = tuple(microbatch.tokens_per_sample(name))
             src = _stage_spec(layout, name, -1).replace(sample_sizes=sizes, shard_bounds=(bounds or {}).get(name))
-            dst = dst_base.replace(sample_sizes=sizes)
-            enc_groups = _groups(layout, name)
-            self._sources.append(src)
-            self._forward.append(hops.route(src, dst, self.rank, world, n_hops, enc_groups, lang_groups))
-            if name in self.backward_names:
-                self._backward.append(hops.backward_route(src, dst, grad, self.rank, world, n_hops, enc_groups,
-                                                          lang_groups))
+            self.bridges[name] = Bridge.between(
+                src, dst_base.replace(sample_sizes=sizes), global_shape=(src.extent, dim), dtype=dtype, device=device,
+                src_groups=_groups(layout, name), dst_groups=_groups(layout, language),
+                grad_placements=grad if name in self.backward_names else None, hops=n_hops, buffers=buffers)
 
-    def _start(self, names, routes: Sequence[hops.Route], locals_: Mapping[str, torch.Tensor | None],
+    def _start(self, names: Sequence[str], direction: str, locals_: Mapping[str, torch.Tensor | None],
                receives: bool) -> list[hops.Delivery]:
         # Detached: what arrives is a new leaf on the other side, also for local copies.
         locals_ = [None if (x := locals_.get(n)) is None else x.detach() for n in names]
-        return hops.post(routes, 0, locals_, [(r.plan.dst_rows, self.dim) if receives else None for r in routes],
-                         self.dtype, self.device, pool=self.buffers)
+        return post_together([self.bridges[n] for n in names], direction, locals_, send=True, recv=receives)
 
     def forward(self, rows: Mapping[str, torch.Tensor | None], receives: bool) -> list[hops.Delivery]:
         """Post this rank's part of the forward exchange (its sends and receives in one batch).
@@ -127,8 +121,8 @@ class Crossing:
         carries that verdict in its one all-reduce and raises on every rank.
         """
         rows = dict(rows)
-        for name, route in zip(self.names, self._forward):
-            x = rows.get(name)
+        for name in self.names:
+            x, route = rows.get(name), self.bridges[name].forward_route
             if x is None:
                 continue
             rows[name], bad = exchange.as_planned(x, (route.src_rows, self.dim))
@@ -138,15 +132,16 @@ class Crossing:
                     f"microbatch {self.index}, but the batch metadata plans ({route.src_rows}, {self.dim}) "
                     f"(its dp shard's items x tokens_per_item, by the language model's width): make "
                     "the batch's tokens_per_item match the encoder's output length")
-        return self._start(self.names, self._forward, rows, receives)
+        return self._start(self.names, "forward", rows, receives)
 
     def check_world(self, rows: Mapping[str, torch.Tensor]) -> None:
         """One world all-reduce of whether this rank's `rows` have the planned shapes: every rank
         raises `PlanError` before any row moves if one rank's do not (a check for the first
         microbatch of a new item size; `forward` alone tells only the step's result)."""
+        bridges = [self.bridges[n] for n in self.names]
         check_local_shapes([rows.get(n) for n in self.names],
-                           [(r.src_rows, self.dim) if n in rows else None for n, r in zip(self.names, self._forward)],
-                           self._sources, self.device)
+                           [(b.forward_route.src_rows, self.dim) if n in rows else None for n, b in zip(self.names, bridges)],
+                           [b.src for b in bridges], self.device)
 
     def across(self, rows: Mapping[str, torch.Tensor], receives: bool) -> dict[str, torch.Tensor]:
         """Both directions as one autograd node: the rows cross now (this rank's sends and
@@ -166,7 +161,7 @@ class Crossing:
         (two hops with cp > 1: a reduce-scatter over cp first, on every cp rank), `receives` on
         encoder ranks (``wait()`` gives the gradient of their rows). Trainable encoders only
         (`backward_names`)."""
-        return self._start(self.backward_names, self._backward, grads, receives)
+        return self._start(self.backward_names, "backward", grads, receives)
 
 
 class _Across(torch.autograd.Function):

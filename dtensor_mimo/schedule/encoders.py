@@ -40,10 +40,7 @@ from torch.distributed.pipelining.schedules import ScheduleGPipe
 
 from dtensor_mimo.bridge.hops import Delivery
 from dtensor_mimo.layout import MimoLayout
-from dtensor_mimo.models import ModalityEncoder
-from dtensor_mimo.parallelize import (ParallelOptions, apply_data_parallel, compute_dtype, parallelize_encoder,
-                                      parallelize_projection)
-from dtensor_mimo.parallelize.stack import parallelize_stack, user_tp_plan
+from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, parallelize, stacks
 from dtensor_mimo.schedule.config import stage_layers
 from dtensor_mimo.schedule.crossing import Crossing
 from dtensor_mimo.schedule.runtime import cached, run_schedule
@@ -341,27 +338,20 @@ def _replayed(state: tuple, device: torch.device) -> Iterator[None]:
 def build_encoder_part(layout: MimoLayout, name: str, module: nn.Module, options: ParallelOptions,
                        rank: int, dtype: torch.dtype, device: torch.device
                        ) -> tuple[nn.Module, nn.Module, EncoderPipeline | None]:
-    """Encoder `name`'s part on this rank, parallelized: tp, checkpointing and compile on the
-    tower and the projection, then FSDP2 (or autocast) on the pair (pp = 1) or on this rank's
-    pipeline stage of it (pp > 1: the stage keeps only its parts, names unchanged); a user's own
-    encoder as one stack with its own tp plan. `dtype`: what crosses the bridge. Returns the
-    module, the root FSDP2 was applied to, and the stage's `EncoderPipeline` (pp > 1)."""
+    """Encoder `name`'s part on this rank, parallelized (`parallelize`: tp, checkpointing and
+    compile on each of its stacks, the tower and the projection, or a user's own encoder with its
+    own tp plan; then FSDP2 or autocast on the part: the module at pp = 1, this rank's pipeline
+    stage of it at pp > 1). `dtype`: what crosses the bridge. Returns the module, the root FSDP2
+    was applied to, and the stage's `EncoderPipeline` (pp > 1)."""
     pp = layout.parallelism(name).pp
     tp_mesh, dp_mesh = layout.mesh(name, "tp"), layout.mesh(name, ("dp", "cp"))
-    if not isinstance(module, ModalityEncoder):
-        return parallelize_stack(module, tp_mesh, dp_mesh, options, user_tp_plan), module, None
     root: nn.Module = module
     pipeline = None
-    if pp > 1:
+    if pp > 1:  # the stage keeps only its parts of the encoder (names unchanged); FSDP2 on the stage
         s = layout.coordinate(name, rank)["pp"]
         keep_encoder_stage(module, stage_layers(len(module.encoder.layers), pp, module=name)[s], s == 0, s == pp - 1)
         root = EncoderStage(module, s == 0, s == pp - 1, dtype, compute_dtype(options, module))
         pipeline = EncoderPipeline(name, root, s, pp, layout.mesh(name, "pp").get_group(),
                                    module.encoder.config.dim, device)
-    no_fsdp = options.for_submodules()  # FSDP / mixed precision go on the root, below
-    parallelize_encoder(module.encoder, tp_mesh, dp_mesh, no_fsdp)
-    if module.projection is not None:
-        parallelize_projection(module.projection, tp_mesh, dp_mesh, no_fsdp)
-    blocks = [*module.encoder.layers.values(), *([module.projection] if module.projection else [])]
-    apply_data_parallel(root, dp_mesh, blocks, options)
+    parallelize(root, tp_mesh, dp_mesh, options, parts=stacks(module))
     return module, root, pipeline

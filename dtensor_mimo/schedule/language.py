@@ -3,7 +3,8 @@
 The decoder — the library's `Llama` or a user's own module meeting the protocol — is cut into
 ``pp * virtual_stages`` stages (`stage_layers`), each a `decoder_stage` of it (the user's own class
 holding its parts of the decoder, `dtensor_mimo.models.protocol`) parallelized with the same
-function as the whole decoder at pp = 1 (`parallelize_llama`: a user's ``parallelize`` per part).
+function as the whole decoder at pp = 1 (`dtensor_mimo.parallelize.parallelize`: a user's
+``parallelize`` per part).
 Stage s lives on pp rank ``PipelineConfig.stage_rank(s, pp)`` (looped, or V-shaped for the V
 schedules) as a `PipelineStage` whose module is a `LanguageStage`:
 
@@ -38,7 +39,7 @@ from dtensor_mimo.assemble import assemble, embed_text
 from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.models.protocol import decoder_stage
-from dtensor_mimo.parallelize import ParallelOptions, apply_data_parallel, compute_dtype, parallelize_llama
+from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, parallelize
 from dtensor_mimo.schedule.config import PipelineConfig, stage_layers
 from dtensor_mimo.schedule.runtime import cached, run_schedule
 from dtensor_mimo.sequence import (ContextParallelAttention, shard_for_cp, token_loss_sum, vocab_parallel_argmax,
@@ -152,10 +153,8 @@ class LanguagePipeline:
         self.stages = nn.ModuleList()
         for s in self.stage_indices:
             part = llama_stage(llama, bounds[s], s == 0, s == self.n_stages - 1)
-            parallelize_llama(part, tp_mesh, dp_mesh, options.for_submodules())
             module = LanguageStage(part, s == 0, s == self.n_stages - 1, par.cp, self.cp_rank, self.dtype)
-            apply_data_parallel(module, dp_mesh, list(part.layers.values()), options)
-            self.stages.append(module)
+            self.stages.append(parallelize(module, tp_mesh, dp_mesh, options, parts=[part]))
         self._schedules: OrderedDict = OrderedDict()
 
     @property

@@ -1,0 +1,105 @@
+"""`parallelize`: the one order every module part is parallelized in, whatever the module and
+wherever it runs (a whole module at pp = 1, a pipeline stage, a planner's measurement):
+
+1. tensor parallel: each stack's own plan (`tp_plan`: the library's Llama, ViT / audio encoder
+   and projection plans, or a user module's ``parallelize(tp_mesh, options)``);
+2. activation checkpointing of each stack's blocks (``layers``; a stack without, e.g. a
+   projection, is not checkpointed);
+3. per-block torch.compile (a stack without blocks compiles whole);
+4. FSDP2 over dp·cp on the part's root: each block (a stack without blocks is one unit), then
+   the root itself, with the mixed precision policy; without FSDP (off, or a dp·cp mesh of
+   size 1: no wrapper where nothing is sharded) autocast around the root's forward.
+
+A part is a root module and the stacks it holds (`stacks`): a `ModalityEncoder` holds its tower
+and its projection, an `EncoderStage` or a `LanguageStage` the pieces of its module that it
+keeps. The schedule layer calls this for every part; torchtitan's ``pipeline_llm`` applies one
+``parallelize_fn`` to every part the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtensor_mimo.models import AudioEncoder, Llama, ModalityEncoder, Projection, ViT
+from dtensor_mimo.parallelize.checkpointing import checkpoint_blocks
+from dtensor_mimo.parallelize.compile import compile_blocks
+from dtensor_mimo.parallelize.encoders import apply_encoder_tp, apply_projection_tp
+from dtensor_mimo.parallelize.language import apply_llama_tp
+from dtensor_mimo.parallelize.options import ParallelOptions
+from dtensor_mimo.parallelize.precision import apply_data_parallel
+from dtensor_mimo.parallelize.tensor_parallel import tp_size
+
+TpPlan = Callable[[nn.Module, DeviceMesh, ParallelOptions], None]
+
+
+def user_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, options: ParallelOptions) -> None:
+    """A user module's own tensor parallel plan: its ``parallelize(tp_mesh, options)`` method
+    (see `dtensor_mimo.models.protocol`)."""
+    model.parallelize(tp_mesh, options)
+
+
+def tp_plan(module: nn.Module) -> TpPlan:
+    """The tensor parallel plan of one stack: the library's for its own modules, else the
+    module's own ``parallelize`` (`user_tp_plan`)."""
+    if isinstance(module, Llama):
+        return apply_llama_tp
+    if isinstance(module, (ViT, AudioEncoder)):
+        return apply_encoder_tp
+    if isinstance(module, Projection):
+        return apply_projection_tp
+    return user_tp_plan
+
+
+def stacks(module: nn.Module) -> list[nn.Module]:
+    """The stacks a module holds, each parallelized with its own `tp_plan`: a `ModalityEncoder`'s
+    tower and projection (those still there: a pipeline stage keeps its own), else the module."""
+    if isinstance(module, ModalityEncoder):
+        return [m for m in (module.encoder, module.projection) if m is not None]
+    return [module]
+
+
+def blocks(module: nn.Module) -> nn.ModuleDict | None:
+    """A stack's blocks (its ``layers`` ModuleDict), None without."""
+    layers = getattr(module, "layers", None)
+    return layers if isinstance(layers, nn.ModuleDict) else None
+
+
+def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh | None,
+                options: ParallelOptions = ParallelOptions(), parts: Sequence[nn.Module] | None = None) -> nn.Module:
+    """Parallelize the stacks `parts` held by `root` (default: `stacks(root)`; steps 1-3 each),
+    then FSDP2 or autocast on `root` (step 4), in place; returns `root`. `tp_mesh`: the module's
+    "tp" sub-mesh (None or size 1: no tensor parallel); `dp_mesh`: its flattened dp·cp sub-mesh,
+    sharing one root mesh with `tp_mesh` (as `MimoLayout` builds them). A part without any
+    blocks cannot take activation checkpointing (refused by name)."""
+    parts = stacks(root) if parts is None else list(parts)
+    if options.activation_checkpointing and all(blocks(stack) is None for stack in parts):
+        raise ValueError(f"{type(root).__name__} has no `layers` ModuleDict of blocks to checkpoint; "
+                         "set activation_checkpointing=0")
+    units: list[nn.Module] = []  # FSDP2's units below the root
+    for stack in parts:
+        if tp_size(tp_mesh) > 1:
+            tp_plan(stack)(stack, tp_mesh, options)
+        layers = blocks(stack)
+        if layers is None:  # compiled whole, one FSDP2 unit (a projection: not checkpointed)
+            if options.compile:
+                stack.compile(backend=options.compile_backend)
+            if stack is not root:
+                units.append(stack)
+            continue
+        backend = options.compile_backend if options.compile else None
+        done = (checkpoint_blocks(layers, options.activation_checkpointing, backend)
+                if options.activation_checkpointing else set())
+        if options.compile:
+            compile_blocks(layers, options.compile_backend, skip=done)
+        units.extend(layers.values())
+    apply_data_parallel(root, dp_mesh, units, options)
+    return root
+
+
+
+parallelize_llama = parallelize_encoder = parallelize_projection = parallelize
+"""`parallelize` under the per-kind names users call (a `Llama` or a user's decoder, a `ViT` or
+`AudioEncoder`, a `Projection`): one function."""
