@@ -38,9 +38,11 @@ from dtensor_mimo.bridge.exchange import BufferPool  # noqa: E402
 from dtensor_mimo.bridge.redistribute import (  # noqa: E402
     DEFAULT_BUFFERS,
     Bridge,
+    Side,
+    post_together,
     redistribute,
     redistribute_many,
 )
 
-__all__ += ["Bridge", "BufferPool", "DEFAULT_BUFFERS", "hop_rows", "redistribute",
+__all__ += ["Bridge", "BufferPool", "DEFAULT_BUFFERS", "Side", "hop_rows", "post_together", "redistribute",
             "redistribute_many"]

@@ -218,25 +218,6 @@ class Delivery:
         return self._out
 
 
-def post(routes: Sequence[Route], dim: int, locals_: Sequence[torch.Tensor | None],
-         out_shapes: Sequence[Sequence[int] | None], dtype: torch.dtype, device: torch.device, *,
-         send: bool = True, recv: bool = True, pool: exchange.BufferPool | None = None) -> list[Delivery]:
-    """Start several tensors' routes on this rank: each local is scattered (two-hop; a Partial
-    level reduce-scatters, so every member of the sending side posts the same routes in the same
-    order), then ONE batch of the cross hops' messages (`exchange.start`); `out_shapes` are the
-    cross hop's local outputs (``route.plan.dst_rows`` rows), None where this rank receives none."""
-    transfers = []
-    for rt, local, shape in zip(routes, locals_, out_shapes):
-        if send and rt.scatter:
-            if local is None:
-                raise ValueError(f"rank {dist.get_rank()} scatters rows over its replicas before they "
-                                 "cross but got no local tensor; pass its rows (or its gradient)")
-            local, _ = scatter(local, dim, rt.scatter, None)
-        transfers.append(exchange.Transfer(rt.plan, dim, local, shape, dtype, device))
-    pendings = exchange.start(transfers, send=send, recv=recv, pool=pool)
-    return [Delivery(p, rt, dim) for p, rt in zip(pendings, routes)]
-
-
 def hop_rows(src: MeshSpec, dst: MeshSpec, hops: int) -> dict[str, int]:
     """Rows one redistribution moves per route: ``between`` the ranks of the cross hop (its
     messages; local copies excluded) and ``inside`` the meshes (ring reduce-scatter on the

@@ -12,7 +12,7 @@ import copy
 import functools
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -283,6 +283,21 @@ class _RedistributeFunction(torch.autograd.Function):
         return (None, None, None, *trip.wrap(outs))
 
 
+class Side(NamedTuple):
+    """One side of a `Bridge`: who holds which rows (`MeshSpec`), its process group along each
+    spec dim (for two hops), and the device its rows live on."""
+
+    spec: MeshSpec
+    groups: _hops.Groups
+    device: torch.device
+
+
+class _Rows(NamedTuple):
+    global_shape: tuple[int, ...]
+    dim: int
+    dtype: torch.dtype
+
+
 DEFAULT_BUFFERS = exchange.BufferPool()
 """The buffers `redistribute` recycles by default (``buffers=True``); ``DEFAULT_BUFFERS.clear()``
 drops them."""
@@ -494,41 +509,38 @@ class Bridge:
         _hops.check_hops(hops, "Bridge")
         dim = _bridged_dim(src_placements, dst_placements)
         extent = tuple(global_shape)[dim]
-        src = _spec(src_mesh, src_placements, extent, sample_sizes, "source")
-        dst = _spec(dst_mesh, dst_placements, extent, sample_sizes, "destination")
-        self._setup(src, dst, grad_placements or dst.placements, hops, src_mesh.get_group, dst_mesh.get_group,
-                    global_shape, dim, dtype, (_device(src_mesh), _device(dst_mesh)), buffers)
+        src = Side(_spec(src_mesh, src_placements, extent, sample_sizes, "source"), src_mesh.get_group,
+                   _device(src_mesh))
+        dst = Side(_spec(dst_mesh, dst_placements, extent, sample_sizes, "destination"), dst_mesh.get_group,
+                   _device(dst_mesh))
+        self._setup(src, dst, _Rows(tuple(global_shape), dim, dtype), grad_placements or dst.spec.placements, hops,
+                    buffers)
 
     @classmethod
-    def between(cls, src: MeshSpec, dst: MeshSpec, *, global_shape: Sequence[int], dtype: torch.dtype,
-                device: torch.device, src_groups: _hops.Groups, dst_groups: _hops.Groups,
+    def between(cls, src: Side, dst: Side, *, width: int, dtype: torch.dtype,
                 grad_placements: Sequence[Placement] | None, hops: int | None = None,
                 buffers: exchange.BufferPool | None = None) -> "Bridge":
-        """A bridge between two sides given as `MeshSpec`s (a pipeline stage's slice of a module
-        mesh, ragged sizes and shard bounds included) along dim 0, on `device`; `src_groups` /
-        `dst_groups` give each side's process group along a spec dim (two hops); without
-        `grad_placements` no gradient comes back (``send_backward`` / ``recv_backward`` refused)."""
+        """A bridge of rows ``[extent, width]`` between two `Side`s (e.g. a pipeline stage's slice
+        of a module mesh, ragged sizes and shard bounds included); without `grad_placements` no
+        gradient comes back (``send_backward`` / ``recv_backward`` refused)."""
         bridge = cls.__new__(cls)
-        bridge._setup(src, dst, grad_placements, hops, src_groups, dst_groups, global_shape, 0, dtype,
-                      (device, device), buffers)
+        bridge._setup(src, dst, _Rows((src.spec.extent, width), 0, dtype), grad_placements, hops, buffers)
         return bridge
 
-    def _setup(self, src: MeshSpec, dst: MeshSpec, grad_placements: Sequence[Placement] | None, hops: int | None,
-               src_groups: _hops.Groups, dst_groups: _hops.Groups, global_shape: Sequence[int], dim: int,
-               dtype: torch.dtype, devices: tuple[torch.device, torch.device],
-               buffers: exchange.BufferPool | None) -> None:
-        self.dim, self.dtype, self.global_shape = dim, dtype, tuple(global_shape)
+    def _setup(self, src: Side, dst: Side, rows: _Rows, grad_placements: Sequence[Placement] | None,
+               hops: int | None, buffers: exchange.BufferPool | None) -> None:
+        self.global_shape, self.dim, self.dtype = rows
         self.buffers = buffers
         """Where outputs are received: a `BufferPool` (recycled) or None (fresh tensors)."""
-        self.src, self.dst = src, dst
+        self.src, self.dst = src.spec, dst.spec
         world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.forward_route = _hops.route(src, dst, self.rank, world, hops, src_groups, dst_groups)
+        self.forward_route = _hops.route(src.spec, dst.spec, self.rank, world, hops, src.groups, dst.groups)
         """This rank's part of the forward trip."""
         self.backward_route = None if grad_placements is None else _hops.backward_route(
-            src, dst, grad_placements, self.rank, world, hops, src_groups, dst_groups)
+            src.spec, dst.spec, grad_placements, self.rank, world, hops, src.groups, dst.groups)
         """This rank's part of the backward trip (None: no gradient comes back)."""
-        self._src_device, self._dst_device = devices
-        self._in_src, self._in_dst = src.is_member(self.rank), dst.is_member(self.rank)
+        self._src_device, self._dst_device = src.device, dst.device
+        self._in_src, self._in_dst = src.spec.is_member(self.rank), dst.spec.is_member(self.rank)
         self._posted: dict[str, tuple[str, _hops.Delivery]] = {}  # both-sides rank: (half, handle)
 
     def route(self, direction: str) -> _hops.Route:
@@ -583,13 +595,23 @@ class Bridge:
 def post_together(bridges: Sequence[Bridge], direction: str, locals_: Sequence[torch.Tensor | None], *,
                   send: bool, recv: bool) -> list[_hops.Delivery]:
     """Post this rank's part of one direction ("forward" / "backward") of several bridges as ONE
-    batch (each local scattered first, two-hop), in list order: what every rank sharing the
+    batch, in list order: each local is scattered first (two hops; a Partial level
+    reduce-scatters, so every member of the sending side posts the same bridges in the same
+    order), then one `exchange.start` of every cross hop's messages. What every rank sharing the
     bridges must do in the same order (NCCL safety). `send` / `recv`: which sides this rank posts;
     the bridges share a dim, dtype and buffers (the first's). Returns one `Delivery` per bridge."""
     if not bridges:
         return []
     first, forward = bridges[0], direction == "forward"
-    device = first._dst_device if forward else first._src_device
-    return _hops.post([b.route(direction) for b in bridges], first.dim, locals_,
-                      [b.out_shape(direction) if recv else None for b in bridges], first.dtype, device,
-                      send=send, recv=recv, pool=first.buffers)
+    device, dim = (first._dst_device if forward else first._src_device), first.dim
+    transfers, routes = [], [b.route(direction) for b in bridges]
+    for bridge, route, local in zip(bridges, routes, locals_):
+        if send and route.scatter:
+            if local is None:
+                raise ValueError(f"rank {dist.get_rank()} scatters rows over its replicas before they "
+                                 "cross but got no local tensor; pass its rows (or its gradient)")
+            local, _ = _hops.scatter(local, dim, route.scatter, None)
+        transfers.append(exchange.Transfer(route.plan, dim, local, bridge.out_shape(direction) if recv else None,
+                                           first.dtype, device))
+    pendings = exchange.start(transfers, send=send, recv=recv, pool=first.buffers)
+    return [_hops.Delivery(p, route, dim) for p, route in zip(pendings, routes)]

@@ -39,13 +39,14 @@ no crossing uses.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from dtensor_mimo.bridge import Bridge, MeshSpec, exchange, hops
+from dtensor_mimo.bridge import Bridge, MeshSpec, Side, exchange, hops
 from dtensor_mimo.bridge.redistribute import check_local_shapes, post_together
 from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.layout import MimoLayout
@@ -62,46 +63,62 @@ def _stage_spec(layout: MimoLayout, name: str, stage: int) -> MeshSpec:
     return MeshSpec(layout.rank_grid(name)[stage], ROWS, 0, name=name)
 
 
+@dataclass(frozen=True)
+class CrossingSetup:
+    """What every crossing of a model shares, known on every rank.
+
+    Attributes:
+        layout, language: the MIMO layout and its language module's name.
+        dim, dtype, device: width, dtype and device of the rows that cross.
+        hops: the route of every direction: 1, 2 or None (`hops.default_hops`: two hops across
+            nodes where the receiving stage replicates the rows or the gradient is Partial).
+        buffers: where outputs are received (recycled across microbatches and steps), or None
+            (fresh tensors).
+    """
+
+    layout: MimoLayout
+    language: str
+    dim: int
+    dtype: torch.dtype
+    device: torch.device
+    hops: int | None = None
+    buffers: exchange.BufferPool | None = field(default=None, compare=False)
+
+
 class Crossing:
     """The forward and backward exchanges of one microbatch, planned for this rank.
 
     Args:
-        layout: the MIMO layout; `language` its language module.
+        setup: what every crossing of the model shares (`CrossingSetup`).
         microbatch: the microbatch (a global-batch slice) whose rows cross.
         names: encoders whose rows cross, in the same order on every rank.
         trainable: per name, whether its gradient crosses back (frozen encoders: no backward).
-        dim, dtype, device: row width, dtype and device of what crosses.
         index: the microbatch's index (for error messages).
-        buffers: where outputs are received (recycled across microbatches and steps), or None
-            (fresh tensors).
-        n_hops: the route of every direction: 1, 2 or None (`hops.default_hops`: two hops across
-            nodes where the receiving stage replicates the rows or the gradient is Partial).
         bounds: per encoder whose items are balanced over its dp ranks, the rows where each dp
             rank's share starts, then the row count (`data.balance.row_bounds`); the others'
             dp ranks hold their samples' rows.
     """
 
-    def __init__(self, layout: MimoLayout, language: str, microbatch: MimoBatch, names: Sequence[str],
-                 trainable: Sequence[bool], dim: int, dtype: torch.dtype, device: torch.device,
-                 index: int = 0, buffers: exchange.BufferPool | None = None, n_hops: int | None = None,
-                 bounds: Mapping[str, Sequence[int]] | None = None) -> None:
+    def __init__(self, setup: CrossingSetup, microbatch: MimoBatch, names: Sequence[str], trainable: Sequence[bool],
+                 index: int = 0, bounds: Mapping[str, Sequence[int]] | None = None) -> None:
+        layout, language = setup.layout, setup.language
         self.rank = dist.get_rank()
         lang = layout.parallelism(language)
         grad = (Shard(0), Partial() if lang.cp > 1 else Replicate(), Replicate())
         self.names = list(names)
         self.backward_names = [n for n, t in zip(names, trainable) if t]
-        self.dim, self.dtype, self.device, self.index = dim, dtype, device, index
+        self.dim, self.dtype, self.device, self.index = setup.dim, setup.dtype, setup.device, index
         self.error: str | None = None  # rows that disagreed with the plan (see `forward`)
-        dst_base = _stage_spec(layout, language, 0)
+        dst = Side(_stage_spec(layout, language, 0), _groups(layout, language), setup.device)
         self.bridges: dict[str, Bridge] = {}
         """One `Bridge` per encoder: its last stage's slice of its mesh to the first language stage's."""
         for name in self.names:
             sizes = tuple(microbatch.tokens_per_sample(name))
             src = _stage_spec(layout, name, -1).replace(sample_sizes=sizes, shard_bounds=(bounds or {}).get(name))
             self.bridges[name] = Bridge.between(
-                src, dst_base.replace(sample_sizes=sizes), global_shape=(src.extent, dim), dtype=dtype, device=device,
-                src_groups=_groups(layout, name), dst_groups=_groups(layout, language),
-                grad_placements=grad if name in self.backward_names else None, hops=n_hops, buffers=buffers)
+                Side(src, _groups(layout, name), setup.device), dst._replace(spec=dst.spec.replace(sample_sizes=sizes)),
+                width=setup.dim, dtype=setup.dtype, grad_placements=grad if name in self.backward_names else None,
+                hops=setup.hops, buffers=setup.buffers)
 
     def _start(self, names: Sequence[str], direction: str, locals_: Mapping[str, torch.Tensor | None],
                receives: bool) -> list[hops.Delivery]:

@@ -34,7 +34,7 @@ from dtensor_mimo.data.balance import encoder_cuts
 from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.parallelize import ParallelOptions
 from dtensor_mimo.schedule.config import PipelineConfig
-from dtensor_mimo.schedule.crossing import Crossing
+from dtensor_mimo.schedule.crossing import Crossing, CrossingSetup
 from dtensor_mimo.schedule.encoders import EncoderPipeline, LocalEncoders, _Accumulation
 from dtensor_mimo.schedule.feed import LanguageFeed
 from dtensor_mimo.schedule.language import LanguagePipeline
@@ -80,6 +80,12 @@ class RankParts:
     overlapped: bool
     hops: int | None = None
     buffers: BufferPool | None = field(default=None, compare=False)
+
+    @functools.cached_property
+    def crossing_setup(self) -> CrossingSetup:
+        """What this model's crossings share (`Crossing`)."""
+        return CrossingSetup(self.layout, self.language_name, self.dim, self.dtype, self.device, self.hops,
+                             self.buffers)
 
     @property
     def roles(self) -> RankRoles:
@@ -147,8 +153,7 @@ class _Run:
         cuts = [{n: encoder_cuts(mb.modalities[n], layout.parallelism(n).dp, parts.options[n].balance,
                                  parts.widths[n]) for n in names} for mb in self.mbs]
         self.crossings = [
-            Crossing(layout, parts.language_name, mb, names, [parts.trainable[n] for n in names], parts.dim,
-                     parts.dtype, parts.device, index=i, buffers=parts.buffers, n_hops=parts.hops,
+            Crossing(parts.crossing_setup, mb, names, [parts.trainable[n] for n in names], index=i,
                      bounds={n: b for n, (_, b) in c.items() if b is not None})
             for i, (mb, c) in enumerate(zip(self.mbs, cuts))]
         held = [n for n in names if n in parts.encoders or n in parts.encoder_pipelines]
