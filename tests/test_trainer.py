@@ -256,9 +256,9 @@ def test_main_command_short_run(tmp_path) -> None:
     code generation of every block on 3 ranks sharing 2 cores took 2.5 of the suite's minutes
     (`make demo` runs it with inductor)."""
     out = subprocess.run(
-        [sys.executable, "-m", "dtensor_mimo.train", "--train.steps", "20", "--data.heldout_samples", "16",
-         "--optimizer.warmup_steps", "5", "--metrics.jsonl", str(tmp_path / "m.jsonl"),
-         "--metrics.log_every", "10",
+        [sys.executable, "-m", "dtensor_mimo.train", "--train.steps", "6", "--data.heldout_samples", "8",
+         "--optimizer.warmup_steps", "2", "--metrics.jsonl", str(tmp_path / "m.jsonl"),
+         "--metrics.log_every", "3",
          *[f"--options.{m}.compile_backend=aot_eager" for m in ("vision", "audio", "language")]],
         capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
