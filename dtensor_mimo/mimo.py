@@ -278,6 +278,9 @@ class MimoModel(nn.Module):
         forward and backward, detached; forward: with its graph), the ids (predict) and the error
         its encoder rows met, if any (they crossed as zeros; `train_step` agrees on it in its one
         all-reduce and raises on every rank)."""
+        if mode == "forward" and self.pipelined:
+            raise RuntimeError("a pipelined MimoModel runs forward and backward together: call "
+                               "model.forward_backward(batch) (or train_step) instead of model(batch)")
         self._check_initialized()
         check_batch(self.layout, self.language_name, self.encoder_names, batch, self.item_rules)
         if mode == "train" and self.pipelined:
@@ -307,9 +310,6 @@ class MimoModel(nn.Module):
         ``.backward()``, then `reduce_gradients`). One stage, one microbatch: a pipelined model
         runs `forward_backward` instead. The first time an item size is seen, every rank agrees
         in one all-reduce that the encoder rows have their planned shapes (else all raise)."""
-        if self.pipelined:
-            raise RuntimeError("a pipelined MimoModel runs forward and backward together: call "
-                               "model.forward_backward(batch) (or train_step) instead of model(batch)")
         result = self.run(batch, "forward")
         if result.error is not None:
             raise PlanError(result.error)
