@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +13,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.f
 
 @dataclass(frozen=True)
 class ParallelOptions:
-    """Per-module switches for the per-kind functions (`parallelize_llama`, `parallelize_encoder`, ...).
+    """Per-module switches for `dtensor_mimo.parallelize.parallelize` (every part of the module).
 
     Attributes:
         sp: sequence parallel on top of tensor parallel: norms and residual adds run on a
@@ -92,11 +91,6 @@ class ParallelOptions:
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise TypeError(f"ParallelOptions: compile_backend={self.compile_backend!r} must be a "
                             "backend name such as 'inductor' or 'aot_eager'")
-
-    def for_submodules(self) -> "ParallelOptions":
-        """These options for the parts of a module whose root (e.g. a pipeline stage) takes FSDP2
-        and mixed precision itself: tp, sp, checkpointing and compile only."""
-        return dataclasses.replace(self, fsdp=False, param_dtype=None)
 
     @property
     def gradient_reduce_dtype(self) -> torch.dtype | None:

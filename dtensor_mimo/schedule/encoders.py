@@ -6,7 +6,7 @@ backward per ``backward`` action. On ranks of their own they follow the step's c
 (`dtensor_mimo.schedule.order`): an encoder rank holds at most ``window + 1`` microbatches of
 activations (``pp + 2`` under 1F1B), not M, and still computes microbatch i+1 while the language
 model runs i. FSDP2 encoders accumulate unsharded gradients over the microbatches and reduce in
-the last backward (`_Accumulation`); with ``reshard_after_forward=False`` they also keep their
+the last backward (`Accumulation`); with ``reshard_after_forward=False`` they also keep their
 gathered parameters across the step (one all-gather per step instead of two per microbatch).
 
 Encoder pipelines (pp > 1) run as torch `PipelineStage`s under torch's `ScheduleGPipe`, whose
@@ -165,7 +165,7 @@ class EncoderSender:
         self._sent.clear()
 
 
-class _Accumulation:
+class Accumulation:
     """FSDP2 across a step's microbatches of some encoders (a context): each microbatch's backward
     accumulates unsharded gradients (no reduce-scatter, and not FSDP's last backward, so its
     prefetching state survives) and, for the encoders in `keep_gathered`, keeps the parameters
@@ -183,7 +183,7 @@ class _Accumulation:
             if name in self.keep_gathered:
                 m.set_reshard_after_backward(not accumulate, recurse=False)
 
-    def __enter__(self) -> "_Accumulation":
+    def __enter__(self) -> "Accumulation":
         for name in self.modules:
             self._set(name, True)
         return self
@@ -303,7 +303,7 @@ class LocalEncoders:
                   list(grads.values()))
         steps = [(k, n) for k, out in outputs.items() for n in out if n in self.recompute]
         last = {n: i for i, (_, n) in enumerate(steps)}
-        with _Accumulation({n: self.encoders[n] for n in last}) as accumulation:
+        with Accumulation({n: self.encoders[n] for n in last}) as accumulation:
             for i, (k, n) in enumerate(steps):
                 if last[n] == i:
                     accumulation.last(n)

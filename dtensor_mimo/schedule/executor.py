@@ -35,7 +35,7 @@ from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.parallelize import ParallelOptions
 from dtensor_mimo.schedule.config import PipelineConfig
 from dtensor_mimo.schedule.crossing import Crossing, CrossingSetup
-from dtensor_mimo.schedule.encoders import EncoderPipeline, LocalEncoders, _Accumulation
+from dtensor_mimo.schedule.encoders import EncoderPipeline, LocalEncoders, Accumulation
 from dtensor_mimo.schedule.feed import LanguageFeed
 from dtensor_mimo.schedule.language import LanguagePipeline
 from dtensor_mimo.schedule.order import first_stage_actions
@@ -132,9 +132,9 @@ def execute(parts: RankParts, actions: Sequence[Action], batch: MimoBatch, shape
     run = _Run(parts, batch, shape, normalizer)
     with contextlib.ExitStack() as stack:
         if shape.mode == "train" and shape.overlapped and run.local.encoders:
-            # FSDP2 accumulates over the microbatches; the last backward reduces (`_Accumulation`).
+            # FSDP2 accumulates over the microbatches; the last backward reduces (`Accumulation`).
             keep = [n for n in run.local.encoders if not parts.options[n].reshard_after_forward]
-            run.accumulation = stack.enter_context(_Accumulation(run.local.encoders, keep))
+            run.accumulation = stack.enter_context(Accumulation(run.local.encoders, keep))
         for action in actions:
             getattr(run, "do_" + action.op.replace(" ", "_"))(action)
     return StepResult(run.loss, run.ids, next((e for e in [*run.errors, *(c.error for c in run.crossings)] if e), None))
@@ -169,7 +169,7 @@ class _Run:
         recompute = [n for n in parts.encoders if parts.options[n].recompute_colocated and not shape.overlapped]
         self.local = LocalEncoders({n: parts.encoders[n] for n in held if n in parts.encoders}, inputs, parts.dtype,
                                    recompute if shape.mode == "train" else ())
-        self.accumulation: _Accumulation | None = None
+        self.accumulation: Accumulation | None = None
         self.received: dict[int, list[Delivery]] = {}  # forward crossings this rank receives
         self.grads: dict[int, list[Delivery]] = {}  # backward crossings this rank receives
         self.sent: list[list[Delivery]] = []  # sends to complete
