@@ -26,7 +26,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["--train.steps", "6", "--data.batch_size", "8", "--pipeline.microbatches", "2",
        "--data.heldout_samples", "8", "--train.generate", "0", "--metrics.log_every", "1",
-       "--optimizer.warmup_steps", "2", "--metrics.progress", "off",
+       "--lr_schedule.warmup_steps", "2", "--metrics.progress", "off",
        *[f"--options.{m}.compile=false" for m in ("vision", "audio", "language")]]
 FAULTS = {"encoder": "encoder:3:0", "language": "language:3:2", "data": "data:3:1", "kill": "kill:3:1"}
 

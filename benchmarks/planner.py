@@ -81,7 +81,7 @@ def train(overrides: list[str], steps: int, warmup: int) -> tuple[float | None, 
     """Median logged step time after `warmup` steps of a real run, and how it ended."""
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = os.path.join(tmp, "m.jsonl")
-        cmd = [sys.executable, "-m", "dtensor_mimo.train", "--train.steps", str(steps), "--optimizer.warmup_steps",
+        cmd = [sys.executable, "-m", "dtensor_mimo.train", "--train.steps", str(steps), "--lr_schedule.warmup_steps",
                "5", "--metrics.jsonl", jsonl, *NO_COMPILE, *QUIET, *overrides]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
         if proc.returncode:

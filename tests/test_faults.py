@@ -41,7 +41,7 @@ from tests.harness import run_on_ranks
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--train.steps", "3", "--data.batch_size", "8", "--pipeline.microbatches", "2",
         "--data.heldout_samples", "8", "--train.generate", "0", "--metrics.log_every", "1",
-        "--optimizer.warmup_steps", "2", "--metrics.progress", "off", "--layout.audio.offset", "0",
+        "--lr_schedule.warmup_steps", "2", "--metrics.progress", "off", "--layout.audio.offset", "0",
         *[f"--options.{m}.compile=false" for m in ("vision", "audio", "language")]]
 
 

@@ -29,7 +29,7 @@ pytest.importorskip("sklearn")
 
 TINY = ["--train.steps", "8", "--data.batch_size", "8", "--pipeline.microbatches", "2",
         "--data.heldout_samples", "8", "--train.generate", "0", "--metrics.log_every", "1",
-        "--optimizer.warmup_steps", "2", "--metrics.progress", "off", "--layout.audio.offset", "0",
+        "--lr_schedule.warmup_steps", "2", "--metrics.progress", "off", "--layout.audio.offset", "0",
         "--checkpoint.every", "2",
         *[f"--options.{m}.compile=false" for m in ("vision", "audio", "language")]]
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")

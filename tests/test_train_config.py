@@ -24,12 +24,13 @@ def test_defaults_are_a_heterogeneous_three_rank_layout() -> None:
 
 def test_file_then_overrides_in_any_order(tmp_path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text('[train]\nsteps = 7\n[layout.language]\ntp = 2\n[optimizer]\ndecay = "linear"\n')
+    path.write_text('[train]\nsteps = 7\n[layout.language]\ntp = 2\n[lr_schedule]\ndecay = "linear"\n')
     config = parse_args(["--train.steps", "40", "--config", str(path), "--optimizer.lr=5e-4",
                          "--optimizer.module_lr", "{vision = 1e-4}", "--model.encoders.vision.frozen", "true",
                          "--checkpoint.dir", "ckpt/run 1"])
     assert config.train.steps == 40  # the command line wins over the file, wherever it stands
-    assert config.module_layout("language").tp == 2 and config.optimizer.decay == "linear"
+    assert config.module_layout("language").tp == 2 and config.lr_schedule.decay == "linear"
+    assert config.lr_schedule.total_steps == 40  # the run's steps unless given
     assert config.optimizer.lr == 5e-4 and config.optimizer.module_lr == {"vision": 1e-4}
     assert config.model.encoders["vision"].frozen and config.checkpoint.dir == "ckpt/run 1"
     assert config.model.encoders["vision"].seed == 10  # the digits defaults under the override
@@ -38,6 +39,23 @@ def test_file_then_overrides_in_any_order(tmp_path) -> None:
     assert mixed.options["vision"].param_dtype == torch.bfloat16 and mixed.options["language"].param_dtype is None
     assert mixed.options["vision"].compile  # the digits job's compile stays under the override
     assert build_layout(config).ranks("language") == [2, 3]
+
+
+def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> None:
+    from dtensor_mimo.layout import Parallelism
+    from dtensor_mimo.optim import AdamWConfig, LRSchedule
+
+    config = parse_args(["--data.format", "llava", "--data.path", "x", "--data.tokenizer", "t", *IMAGE])
+    # one set of defaults: the library's (the digits job sets its own, written in DIGITS)
+    assert config.optimizer.adamw == AdamWConfig() and config.lr_schedule == LRSchedule(total_steps=1500)
+    assert isinstance(config.module_layout("image"), Parallelism)
+    digits = parse_args(["--train.steps", "20"])
+    assert (digits.optimizer.lr, digits.lr_schedule.decay, digits.lr_schedule.warmup_steps) == (1e-3, "cosine", 10)
+    with pytest.warns(FutureWarning, match="optimizer.warmup_steps is now lr_schedule.warmup_steps"):
+        moved = parse_args(["--optimizer.warmup_steps", "3", "--optimizer.decay", "linear"])
+    assert (moved.lr_schedule.warmup_steps, moved.lr_schedule.decay) == (3, "linear")
+    assert moved.optimizer.per_module() == {} and parse_args(
+        ["--optimizer.module_lr", "{audio = 2e-3}"]).optimizer.per_module()["audio"].lr == 2e-3
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -58,12 +76,18 @@ def test_file_then_overrides_in_any_order(tmp_path) -> None:
     (["--options.text.sp", "true"], "options names ['text']"),
     (["--model.encoders.text.modality", "image"], "data.format = 'digits' trains the library's image encoder 'vision'"),
     (["--data.heldout_samples", "0"], "data.heldout_samples = 0: must be >= 1"),
-    (["--data.pack", "true"], "data.pack: not used by this config"),
+    (["--data.pack", "true"], "data.pack is a key of data.format = 'llava'; this config has data.format = "
+     "'digits': remove it"),
     (["--model.encoders.vision.feature_layer", "-1"], "model.encoders.vision.feature_layer: not used"),
     (["--model.language.hf", "lm", "--model.language.dim", "32", "--data.format", "llava", "--data.path", "x",
       *IMAGE], "model.language.dim: not used by this config"),
     (["--data.format", "llava", "--data.path", "x", "--data.tokenizer", "t", *IMAGE, "--data.max_images", "2"],
-     "data.max_images: not used by this config"),
+     "data.max_images is a key of data.format = 'digits'"),
+    (["--data.format", "csv"], "data.format = 'csv': expected one of 'digits', 'llava'"),
+    (["--optimizer.warmup_steps", "3", "--lr_schedule.warmup_steps", "4"],
+     "optimizer.warmup_steps and lr_schedule.warmup_steps are both set"),
+    (["--lr_schedule.min_lr_ratio", "2"], "lr_schedule: LRSchedule.min_lr_ratio is a fraction of the peak lr"),
+    (["--layout.vision.offset", "-1"], "layout.vision: offset must be a rank >= 0, got -1"),
     (["--model.language.frozen", "true"], "unknown key 'model.language.frozen'"),
     (["--model.language.hf", "a", "--model.language.factory", "b:c"], "model.language: give hf or factory, not both"),
     (["--model.encoders.vision.factory", "nodots"], "expected 'package.module:function'"),
@@ -88,7 +112,7 @@ def test_file_then_overrides_in_any_order(tmp_path) -> None:
     (["--train.steps"], "--train.steps needs a value"),
     (["steps=3"], "unexpected argument 'steps=3'"),
     # items at their own size (issue 20)
-    (["--data.image_max_pixels", "256"], "data.image_max_pixels: not used by this config"),  # digits: own sizes
+    (["--data.image_max_pixels", "256"], "data.image_max_pixels is a key of data.format = 'llava'"),  # digits
     (["--model.encoders.vision.max_patches", "9"], "model.encoders.vision.max_patches: not used by this config"),
     (["--model.encoders.vision.dynamic_resolution", "true", "--model.encoders.vision.max_patches", "-1"],
      "model.encoders.vision.max_patches = -1: must be >= 0"),

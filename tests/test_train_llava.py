@@ -48,7 +48,7 @@ make = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make)
 
 QUICK = ["--metrics.progress", "off", "--train.generate", "0", "--metrics.log_every", "1",
-         "--optimizer.warmup_steps", "2"]
+         "--lr_schedule.warmup_steps", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -413,6 +413,12 @@ heldout = "data/audio_val.jsonl"
 batch_size = 16
 [optimizer]
 lr = 2e-3
+betas = [0.9, 0.999]
+weight_decay = 0.01
+[lr_schedule]
+warmup_steps = 50
+decay = "cosine"
+min_lr_ratio = 0.1
 """
 
 

@@ -40,7 +40,7 @@ LAYOUT_B = ["--layout.vision.dp", "4", "--layout.audio.dp", "4", "--layout.audio
 LAYOUT_C = ["--layout.audio.offset", "0", "--layout.language.offset", "0"]
 SHORT = ["--train.steps", "6", "--data.batch_size", "8", "--pipeline.microbatches", "2",
          "--data.heldout_samples", "8", "--train.generate", "0", "--metrics.log_every", "1",
-         "--optimizer.warmup_steps", "2", "--metrics.progress", "off",
+         "--lr_schedule.warmup_steps", "2", "--metrics.progress", "off",
          *[f"--options.{m}.compile=false" for m in ("vision", "audio", "language")]]
 
 
@@ -257,7 +257,7 @@ def test_main_command_short_run(tmp_path) -> None:
     (`make demo` runs it with inductor)."""
     out = subprocess.run(
         [sys.executable, "-m", "dtensor_mimo.train", "--train.steps", "6", "--data.heldout_samples", "8",
-         "--optimizer.warmup_steps", "2", "--metrics.jsonl", str(tmp_path / "m.jsonl"),
+         "--lr_schedule.warmup_steps", "2", "--metrics.jsonl", str(tmp_path / "m.jsonl"),
          "--metrics.log_every", "3",
          *[f"--options.{m}.compile_backend=aot_eager" for m in ("vision", "audio", "language")]],
         capture_output=True, text=True, timeout=400, cwd=tmp_path)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from math import prod
 from typing import Any, Mapping
 
@@ -16,6 +16,12 @@ class Parallelism:
 
     The module's ranks form a ``pp x dp x cp x tp`` grid with tp varying fastest,
     so consecutive ranks share a tp group (the fastest interconnect), then cp, dp, pp.
+
+    Attributes:
+        pp: pipeline stages.
+        dp: data-parallel replicas.
+        cp: context-parallel ranks (the language model only).
+        tp: tensor-parallel ranks.
     """
 
     pp: int = 1
@@ -24,11 +30,11 @@ class Parallelism:
     tp: int = 1
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
+        for dim in MESH_DIMS:
+            value = getattr(self, dim)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(
-                    f"Parallelism.{f.name} must be an integer >= 1, got {value!r}"
+                    f"Parallelism.{dim} must be an integer >= 1, got {value!r}"
                 )
 
     @classmethod

@@ -20,13 +20,17 @@ under whatever the file and the command line set.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import sys
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
+from dtensor_mimo.layout.parallelism import MESH_DIMS, Parallelism
+from dtensor_mimo.optim.optimizer import AdamWConfig, LRSchedule
 from dtensor_mimo.parallelize.options import ParallelOptions
 from dtensor_mimo.schedule.config import PipelineConfig
 
@@ -46,24 +50,26 @@ class ConfigError(ValueError):
 # ---------------------------------------------------------------------------- sections
 
 
-@dataclass
-class ModuleLayout:
-    """One module's parallel sizes and its first rank.
+@dataclass(frozen=True)
+class ModuleLayout(Parallelism):
+    """One module's `Parallelism` (pp, dp, cp, tp) and its first rank.
 
     Attributes:
-        pp: pipeline stages.
-        dp: data-parallel replicas.
-        cp: context-parallel ranks (the language model only).
-        tp: tensor-parallel ranks.
         offset: the module's first rank; none: after the previous module's ranks (disjoint).
             Give two modules the same offset and size to colocate them.
     """
 
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
-    tp: int = 1
     offset: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.offset is not None and (isinstance(self.offset, bool) or self.offset < 0):
+            raise ValueError(f"offset must be a rank >= 0, got {self.offset!r}")
+
+    @property
+    def parallelism(self) -> Parallelism:
+        """The sizes alone (what `MimoLayout` takes)."""
+        return Parallelism(**{d: getattr(self, d) for d in MESH_DIMS})
 
 
 @dataclass
@@ -185,46 +191,51 @@ class ModelConfig:
     encoders: dict[str, EncoderSection] = field(default_factory=dict)
 
 
-@dataclass
-class OptimizerSection:
-    """AdamW for every module (`AdamWConfig`), one global clip, warmup + decay (`LRSchedule`).
+@dataclass(frozen=True)
+class OptimizerSection(AdamWConfig):
+    """The library's `AdamWConfig` for every module (its defaults: lr 3e-4, betas (0.9, 0.95),
+    weight decay 0.1 except embeddings, one global clip at 1.0), and per-module learning rates.
 
     Attributes:
         lr: peak learning rate.
-        weight_decay: AdamW's decoupled weight decay.
         betas: AdamW's two moment coefficients.
         eps: AdamW's epsilon.
+        weight_decay: AdamW's decoupled weight decay.
+        no_decay: parameters whose name holds one of these (and every vector) take no weight decay.
         max_grad_norm: clip the global gradient norm to this (none: no clipping).
-        warmup_steps: linear warmup; a run shorter than that warms up for half its steps.
-        decay: the schedule's shape after warmup, down to min_lr_ratio * lr at the last step.
-        min_lr_ratio: the last step's learning rate over the peak.
         module_lr: per-module peak learning rates replacing lr, e.g. {vision = 1e-4}.
     """
 
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    max_grad_norm: float | None = 1.0
-    warmup_steps: int = 50
-    decay: Literal["constant", "linear", "cosine"] = "cosine"
-    min_lr_ratio: float = 0.1
     module_lr: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def adamw(self) -> AdamWConfig:
+        """The config every module without its own lr takes."""
+        return AdamWConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(AdamWConfig)})
+
+    def per_module(self) -> dict[str, AdamWConfig]:
+        """`MimoOptimizer`'s per_module: the modules of module_lr with their own peak lr."""
+        return {name: dataclasses.replace(self.adamw, lr=lr) for name, lr in self.module_lr.items()}
+
+
+SCHEDULE_HELP = {
+    "warmup_steps": "linear warmup; a run shorter than that warms up for half its steps",
+    "warmup_start": "the first warmup step's learning rate over the peak",
+    "decay": "the schedule's shape after warmup, down to min_lr_ratio * lr at total_steps",
+    "total_steps": "where the decay ends (none: train.steps)",
+    "min_lr_ratio": "the last step's learning rate over the peak",
+}
+"""``--help`` lines of `LRSchedule`'s keys (the library's docstring is prose)."""
 
 
 @dataclass
 class DataSection:
-    """What the model trains on.
+    """What the model trains on, whatever the source; ``data.format`` chooses the source's own
+    section (`DigitsData`, `ConversationData`), whose keys are also under ``[data]``.
 
     Attributes:
         format: "digits" (the bundled digits task) or "llava" (LLaVA conversation JSON / JSONL).
-        path: the training file (llava).
-        heldout: the held-out file scored at evaluations (llava; none: no evaluation).
-        root: media paths are relative to it (none: the training file's directory).
-        tokenizer: a tokenizer directory (none: model.language.hf).
         seq_len: token row length (0: the longest sample's; rounded up for cp / sp).
-        truncate: cut samples longer than seq_len (whole items only) instead of refusing them.
-        pack: pack several samples into one row (document masks, per-document positions).
         batch_size: rows per global batch (every module takes its dp shard of it).
         heldout_samples: held-out samples scored at each evaluation (llava: 0 is all; digits: >= 1).
         seed: which samples are drawn, and the sampler's shuffle.
@@ -232,9 +243,44 @@ class DataSection:
             training process).
         per_rank_loading: a rank prepares only the encoder inputs it encodes (false: every rank
             loads the whole global batch; the same batches, for checking).
-        max_images: digits: scans per sample, up to.
-        max_tones: digits: tones per sample, up to.
-        noise_std: digits: noise of the tones.
+    """
+
+    format: str = "digits"
+    seq_len: int = 0
+    batch_size: int = 32
+    heldout_samples: int = 512
+    seed: int = 0
+    workers: int = 0
+    per_rank_loading: bool = True
+
+
+@dataclass
+class DigitsData(DataSection):
+    """``data.format = "digits"``: the bundled digits task (`dtensor_mimo.data.DigitsTask`).
+
+    Attributes:
+        max_images: scans per sample, up to.
+        max_tones: tones per sample, up to.
+        noise_std: noise of the tones.
+    """
+
+    format: Literal["digits"] = "digits"
+    max_images: int = 3
+    max_tones: int = 2
+    noise_std: float = 0.5
+
+
+@dataclass
+class ConversationData(DataSection):
+    """``data.format = "llava"``: LLaVA conversations (JSON / JSONL) and their media.
+
+    Attributes:
+        path: the training file.
+        heldout: the held-out file scored at evaluations (none: no evaluation).
+        root: media paths are relative to it (none: the training file's directory).
+        tokenizer: a tokenizer directory (none: model.language.hf).
+        truncate: cut samples longer than seq_len (whole items only) instead of refusing them.
+        pack: pack several samples into one row (document masks, per-document positions).
         image_max_pixels: images of a dynamic_resolution encoder are resized, aspect ratio kept and
             each side a multiple of the patch, to at most this many pixels (0: the tower's
             image_size squared).
@@ -243,22 +289,13 @@ class DataSection:
             (longer ones are cut; 0: the longest the encoder takes).
     """
 
-    format: Literal["digits", "llava"] = "digits"
+    format: Literal["llava"] = "llava"
     path: str | None = None
     heldout: str | None = None
     root: str | None = None
     tokenizer: str | None = None
-    seq_len: int = 0
     truncate: bool = False
     pack: bool = False
-    batch_size: int = 32
-    heldout_samples: int = 512
-    seed: int = 0
-    workers: int = 0
-    per_rank_loading: bool = True
-    max_images: int = 3
-    max_tones: int = 2
-    noise_std: float = 0.5
     image_max_pixels: int = 0
     image_min_pixels: int = 0
     audio_max_seconds: float = 0.0
@@ -331,6 +368,9 @@ class TrainerConfig:
 
     Attributes:
         options: `ParallelOptions` by module name (a module left out: the library's defaults).
+        lr_schedule: the library's `LRSchedule` for every module; its total_steps defaults to
+            train.steps.
+        data: the source's own section, chosen by data.format.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -338,7 +378,8 @@ class TrainerConfig:
     options: dict[str, ParallelOptions] = field(default_factory=dict)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
-    data: DataSection = field(default_factory=DataSection)
+    lr_schedule: LRSchedule = field(default_factory=LRSchedule)
+    data: DigitsData | ConversationData = field(default_factory=DigitsData)
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
@@ -383,10 +424,20 @@ DIGITS: dict[str, Any] = {
                            "audio": {"modality": "audio", "seed": 20}}},
     "options": {name: {"compile": True} for name in ("vision", "audio", LANGUAGE)},
     "pipeline": {"microbatches": 4},
+    "optimizer": {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.01},
+    "lr_schedule": {"warmup_steps": 50, "decay": "cosine", "min_lr_ratio": 0.1},
 }
 """The digits job's model and settings (`data.format = "digits"`): a ViT over the scans, an audio
 encoder over the tones, the library Llama; compiled blocks; encoders overlapping the language
-model's 4 microbatches. A config's own values lie over these."""
+model's 4 microbatches; the optimizer and schedule this small task learns fastest with. A config's
+own values lie over these."""
+
+MOVED: dict[str, str] = {
+    "optimizer.warmup_steps": "lr_schedule.warmup_steps",
+    "optimizer.decay": "lr_schedule.decay",
+    "optimizer.min_lr_ratio": "lr_schedule.min_lr_ratio",
+}
+"""Keys that moved (old -> new): still read, with a warning naming the new key."""
 
 
 # ---------------------------------------------------------------------------- reading values
@@ -433,6 +484,8 @@ def _coerce(key: str, value: Any, tp: Any, current: Any = None) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        if _is_sources(tp):
+            return _coerce_source(key, value, args, current)
         for a in args:
             if a is type(None) or not _known(a):
                 continue
@@ -474,6 +527,32 @@ def _coerce(key: str, value: Any, tp: Any, current: Any = None) -> Any:
             raise bad
         return value
     raise TypeError(f"config field {key} has a type the reader does not know: {tp}")
+
+
+def _is_sources(tp: Any) -> bool:
+    """Whether `tp` is a union of sections, one chosen by its ``format`` (``data``)."""
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and \
+        all(dataclasses.is_dataclass(a) for a in typing.get_args(tp))
+
+
+def _coerce_source(key: str, value: Any, sections: Sequence[type], current: Any) -> Any:
+    """One of `sections` (each with a Literal ``format``), the one that `value`'s format (else
+    `current`'s) names, merged with `value`; a key of another section is refused by name."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key} is a section, got {value!r}")
+    formats = {typing.get_args(_fields(cls)["format"])[0]: cls for cls in sections}
+    chosen = value.get("format", getattr(current, "format", None))
+    if chosen not in formats:
+        raise ConfigError(f"{key}.format = {chosen!r}: expected one of {', '.join(map(repr, formats))}")
+    cls = formats[chosen]
+    for name in value:
+        if name not in _fields(cls):
+            others = [f for f, c in formats.items() if name in _fields(c)]
+            if others:
+                raise ConfigError(f"{key}.{name} is a key of {key}.format = {others[0]!r}; this config has "
+                                  f"{key}.format = {chosen!r}: remove it")
+    base = current if type(current) is cls else cls()
+    return _merge(base, value, f"{key}.")
 
 
 def _fields(cls: type) -> dict[str, Any]:
@@ -570,18 +649,66 @@ def parse_args(argv: Sequence[str]) -> TrainerConfig:
             overrides.append((name, value))
     for name, value in overrides:  # after the file, whatever the order on the line
         raw = _deep_update(raw, _nest(name, _toml_value(value)))
+    raw = _read_moved(raw)
     data = raw.get("data")
     digits = not isinstance(data, Mapping) or data.get("format", "digits") == "digits"
-    config = _merge(TrainerConfig(), _deep_update(DIGITS, raw) if digits else raw, "")
+    raw = _with_schedule_steps(_deep_update(DIGITS, raw) if digits else raw)
+    config = _merge(TrainerConfig(), raw, "")
     check_config(config)
     return config
+
+
+def _read_moved(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with each `MOVED` key at its new place, and a warning (rank 0) naming it."""
+    for old, new in MOVED.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        section = raw.get(old_section)
+        if not isinstance(section, Mapping) or old_key not in section:
+            continue
+        target = raw.get(new_section)
+        if isinstance(target, Mapping) and new_key in target:
+            raise ConfigError(f"{old} and {new} are both set; {old} is the old name of {new}: keep {new}")
+        raw = {**raw, old_section: {k: v for k, v in section.items() if k != old_key}}
+        raw = _deep_update(raw, {new_section: {new_key: section[old_key]}})
+        if os.environ.get("RANK", "0") == "0":
+            warnings.warn(f"{old} is now {new}; {old} will stop being read in a later release",
+                          FutureWarning, stacklevel=3)
+    return raw
+
+
+def _with_schedule_steps(raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with lr_schedule.total_steps (unless given) at train.steps, and a warmup not shorter
+    than the run cut to half of it (the library's `LRSchedule` takes neither)."""
+    train, schedule = raw.get("train", {}), raw.get("lr_schedule", {})
+    if not isinstance(train, Mapping) or not isinstance(schedule, Mapping):
+        return raw  # the merge names the bad section
+    steps = train.get("steps", TrainSection.steps)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        return {k: v for k, v in raw.items() if k != "lr_schedule"}  # train.steps is refused by name first
+    schedule = dict(schedule)
+    schedule.setdefault("total_steps", steps)
+    warmup = schedule.get("warmup_steps", LRSchedule.warmup_steps)
+    if isinstance(warmup, int) and isinstance(schedule["total_steps"], int) and warmup >= schedule["total_steps"]:
+        schedule["warmup_steps"] = schedule["total_steps"] // 2
+    # merged last: a bad train.steps is then named before the schedule that depends on it
+    return {**{k: v for k, v in raw.items() if k != "lr_schedule"}, "lr_schedule": schedule}
 
 
 # ---------------------------------------------------------------------------- --help
 
 
 def _attribute_help(cls: type) -> dict[str, str]:
-    """The first sentence of each entry of `cls`'s docstring ``Attributes:`` list."""
+    """The first sentence of each entry of the ``Attributes:`` lists of `cls`'s docstring and its
+    bases' (`SCHEDULE_HELP` for `LRSchedule`)."""
+    out: dict[str, str] = dict(SCHEDULE_HELP) if cls is LRSchedule else {}
+    for klass in reversed(cls.__mro__):
+        out.update(_own_attribute_help(klass))
+    return out
+
+
+def _own_attribute_help(cls: type) -> dict[str, str]:
+    if "Attributes:" not in (cls.__doc__ or ""):
+        return {}
     lines = (cls.__doc__ or "").split("Attributes:", 1)[-1].splitlines()
     entries: dict[str, str] = {}
     indent, current = None, None
@@ -611,13 +738,22 @@ def help_text() -> str:
     """Every key with its default and meaning, for ``--help``."""
     rows: list[tuple[str, str, str]] = []
 
-    def walk(cls: type, obj: Any, prefix: str) -> None:
+    def walk(cls: type, obj: Any, prefix: str, only: set[str] | None = None, note: str = "") -> None:
         meaning = _attribute_help(cls)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            if only is not None and f.name not in only:
+                continue
             tp, value = hints[f.name], getattr(obj, f.name)
             if f.metadata.get("open"):
                 walk(typing.get_args(tp)[1], typing.get_args(tp)[1](), f"{prefix}<module>.")
+            elif _is_sources(tp):  # sections chosen by format
+                sources = typing.get_args(tp)
+                common = set.intersection(*(set(_fields(c)) for c in sources))
+                walk(type(value), value, f"{prefix}{f.name}.", common)
+                for source in sources:
+                    walk(source, source(), f"{prefix}{f.name}.", set(_fields(source)) - common,
+                         f"{source.format}: ")
             elif dataclasses.is_dataclass(tp):
                 walk(tp, value, f"{prefix}{f.name}.")
             elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
@@ -628,7 +764,7 @@ def help_text() -> str:
                     shown = "[]" if isinstance(value, list) else "{}"
                 else:
                     shown = "none" if value is None else repr(value)
-                rows.append((f"--{prefix}{f.name}", shown, meaning.get(f.name, _describe(tp))))
+                rows.append((f"--{prefix}{f.name}", shown, note + meaning.get(f.name, _describe(tp))))
 
     walk(TrainerConfig, TrainerConfig(), "")
     width = max(len(r[0]) for r in rows) + 2
@@ -657,12 +793,12 @@ def _flat(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
 
 def build_layout(config: TrainerConfig, world_size: int | None = None):
     """The `MimoLayout` of `config.layout` (a ConfigError names the problem)."""
-    from dtensor_mimo.layout import MimoLayout, Parallelism
+    from dtensor_mimo.layout import MimoLayout
 
     names = config.module_names
     sections = {n: config.module_layout(n) for n in names}
     try:
-        pars = {n: Parallelism(pp=s.pp, dp=s.dp, cp=s.cp, tp=s.tp) for n, s in sections.items()}
+        pars = {n: s.parallelism for n, s in sections.items()}
         offsets = None
         if any(s.offset is not None for s in sections.values()):
             offsets, nxt = {}, 0
@@ -686,10 +822,11 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         section, name = key.split(".")
         positive(key, getattr(getattr(config, section), name))
     for key in ("train.eval_every", "train.threads", "train.generate", "checkpoint.every", "data.workers",
-                "data.max_images", "data.max_tones", "optimizer.warmup_steps", "data.heldout_samples",
-                "data.seq_len", "data.image_max_pixels", "data.image_min_pixels", "data.audio_max_seconds"):
+                "data.max_images", "data.max_tones", "data.heldout_samples", "data.seq_len",
+                "data.image_max_pixels", "data.image_min_pixels", "data.audio_max_seconds"):
         section, name = key.split(".")
-        positive(key, getattr(getattr(config, section), name), 0)
+        if hasattr(getattr(config, section), name):  # data: the source's own keys
+            positive(key, getattr(getattr(config, section), name), 0)
     if not config.train.timeout_s > 0:
         raise ConfigError(f"train.timeout_s = {config.train.timeout_s!r}: give a positive number of seconds (e.g. 600)")
     lang = config.model.language
@@ -741,9 +878,6 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         raise ConfigError(f"optimizer.betas = {config.optimizer.betas}: expected two numbers in [0, 1)")
     data = config.data
     _refuse_unused(config)
-    if data.image_min_pixels and data.image_max_pixels and data.image_min_pixels > data.image_max_pixels:
-        raise ConfigError(f"data.image_min_pixels = {data.image_min_pixels} is above data.image_max_pixels = "
-                          f"{data.image_max_pixels}; images are resized to a pixel count between the two")
     if data.format == "digits":
         kinds = {n: e.modality for n, e in config.model.encoders.items()}
         if kinds != {"vision": "image", "audio": "audio"} or any(e.hf or e.factory for e in config.model.encoders.values()):
@@ -757,6 +891,9 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         if not data.tokenizer and not lang.hf:
             raise ConfigError("data.format = 'llava' needs a tokenizer: data.tokenizer = 'DIR' or "
                               "model.language.hf = 'DIR' (a directory with tokenizer files)")
+        if data.image_min_pixels and data.image_max_pixels and data.image_min_pixels > data.image_max_pixels:
+            raise ConfigError(f"data.image_min_pixels = {data.image_min_pixels} is above data.image_max_pixels = "
+                              f"{data.image_max_pixels}; images are resized to a pixel count between the two")
         kinds = [e.modality for e in config.model.encoders.values()]
         twice = sorted({k for k in kinds if kinds.count(k) > 1})
         if twice:
@@ -791,13 +928,12 @@ def _changed(obj: Any, names: Sequence[str]) -> list[str]:
 def _refuse_unused(config: TrainerConfig) -> None:
     """A key that this config would ignore is refused by name, never silently dropped."""
     digits = config.data.format == "digits"
-    unused = [f"data.{n}" for n in _changed(config.data, ("path", "heldout", "root", "tokenizer", "truncate", "pack")
-                                             if digits else ("max_images", "max_tones", "noise_std"))]
+    unused: list[str] = []
     encoders = config.model.encoders.values()
-    # Conversation media are resized / cut to these; the digits scans and tones have their own sizes.
-    if digits or not any(e.dynamic_resolution for e in encoders):
+    # Conversation media are resized / cut to these (a key of digits data is refused when read).
+    if not digits and not any(e.dynamic_resolution for e in encoders):
         unused += [f"data.{n}" for n in _changed(config.data, ("image_max_pixels", "image_min_pixels"))]
-    if digits or not any(e.variable_length for e in encoders):
+    if not digits and not any(e.variable_length for e in encoders):
         unused += [f"data.{n}" for n in _changed(config.data, ("audio_max_seconds",))]
     library = ("dim", "n_layers", "n_heads", "mlp_hidden", "image_size", "patch_size")
     for name, enc in config.model.encoders.items():
@@ -821,10 +957,8 @@ def _refuse_unused(config: TrainerConfig) -> None:
     if unused:
         raise ConfigError(f"{', '.join(unused)}: not used by this config (the library model's sizes apply without "
                           "hf or factory; tokens_per_item and factory_args with a factory; feature_layer with an "
-                          "image tower's hf; max_patches with dynamic_resolution; data.path, heldout, root, tokenizer, "
-                          "truncate, pack, and image_max_pixels, image_min_pixels (audio_max_seconds) with an encoder's "
-                          "dynamic_resolution (variable_length), with data.format = 'llava'; max_images, max_tones, "
-                          "noise_std with 'digits'); remove them")
+                          "image tower's hf; max_patches with dynamic_resolution; data.image_max_pixels, image_min_pixels "
+                          "(audio_max_seconds) with an encoder's dynamic_resolution (variable_length)); remove them")
 
 
 def _check_source(key: str, hf: str | None, factory: str | None) -> None:

@@ -50,8 +50,8 @@ def _description(config: TrainerConfig) -> dict[str, Any]:
     """What the measurements depend on (the cache key)."""
     d = config.data
     return {"model": dataclasses.asdict(config.model),
-            "data": {k: getattr(d, k) for k in ("format", "path", "seq_len", "pack", "batch_size", "max_images",
-                                               "max_tones", "truncate")},
+            "data": {k: getattr(d, k, None) for k in ("format", "path", "seq_len", "pack", "batch_size", "max_images",
+                                                     "max_tones", "truncate")},
             "options": {n: {k: str(v) for k, v in dataclasses.asdict(config.module_options(n)).items()}
                         for n in config.module_names},
             "pipeline": {"schedule": config.pipeline.schedule, "virtual_stages": config.pipeline.virtual_stages}}
@@ -275,7 +275,7 @@ def _train_steps(config: TrainerConfig, layout: dict[str, Any], microbatches: in
             data=dataclasses.replace(run.data, heldout_samples=min(run.data.heldout_samples, 8)),
             checkpoint=type(run.checkpoint)(),
             options={n: dataclasses.replace(run.module_options(n), compile=False) for n in run.module_names},
-            optimizer=dataclasses.replace(run.optimizer, warmup_steps=5))
+            lr_schedule=dataclasses.replace(run.lr_schedule, warmup_steps=5, total_steps=steps))
         world = build_layout(run).world_size
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))

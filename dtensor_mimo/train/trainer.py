@@ -17,7 +17,6 @@ group. What a step does on a rank:
 
 from __future__ import annotations
 
-import dataclasses
 import resource
 import time
 from itertools import accumulate
@@ -36,7 +35,7 @@ from dtensor_mimo.train.config import LANGUAGE, TrainerConfig, build_layout
 from dtensor_mimo.train.datasets import BatchSource, train_data
 from dtensor_mimo.train.metrics import MetricsLogger, peak_tflops, transformer_flops
 from dtensor_mimo.train.modules import build_modules, resolve
-from dtensor_mimo.optim.optimizer import AdamWConfig, LRSchedule, MimoOptimizer
+from dtensor_mimo.optim.optimizer import MimoOptimizer
 from dtensor_mimo.optim.step import train_step
 
 
@@ -144,14 +143,8 @@ class Trainer:
         self.model.init_weights(self.resolved.seeds)  # a checkpoint or resumed run then loads over it
         if self.resolved.hf_paths:
             self.model.load_hf(self.resolved.hf_paths)
-        o = config.optimizer
-        self.warmup = o.warmup_steps if o.warmup_steps < config.train.steps else config.train.steps // 2
-        adamw = AdamWConfig(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                            max_grad_norm=o.max_grad_norm)
-        self.optimizer = MimoOptimizer(
-            self.model, adamw, per_module={n: dataclasses.replace(adamw, lr=lr) for n, lr in o.module_lr.items()},
-            schedule=LRSchedule(warmup_steps=self.warmup, decay=o.decay, total_steps=config.train.steps,
-                                min_lr_ratio=o.min_lr_ratio))
+        self.optimizer = MimoOptimizer(self.model, config.optimizer.adamw, config.optimizer.per_module(),
+                                       config.lr_schedule)
         m = config.metrics
         self.log = MetricsLogger(self.rank == 0, config.train.steps, m.jsonl, m.tensorboard, m.progress)
         self.peak = peak_tflops(self.model.device, m.peak_tflops)
@@ -299,9 +292,6 @@ class Trainer:
         params = {n: sum(p.numel() for p in m.parameters()) for n, m in self.modules.items()}
         self.log.print("parameters: " + ", ".join(f"{n} {v:,}" for n, v in params.items()) +
                        f"; seq_len {self.seq_len}; batch {c.data.batch_size}")
-        if self.warmup != c.optimizer.warmup_steps:
-            self.log.print(f"optimizer.warmup_steps = {c.optimizer.warmup_steps} is not below train.steps = "
-                           f"{c.train.steps}: warming up for {self.warmup} steps")
         self.restore()
         self.log.start_at(self.step)
         compiled = [n for n in c.module_names if c.module_options(n).compile]
