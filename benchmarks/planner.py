@@ -1,12 +1,15 @@
 """The layout planner against reality: predicted vs measured step time of layouts at world 4.
 
     python benchmarks/planner.py [--world 4] [--steps 24] [--warmup 8] [--repeats 2]
-                                 [--out bench_results/planner.json]
+                                 [--top 3] [--more 4] [--bottom 0] [--out bench_results/planner.json]
+
+issue 31's check: ``--top 3 --more 0 --bottom 3`` (the planner's three first and three last
+choices, Spearman over them >= 0.8).
 
 1. Runs the planner (`dtensor_mimo.train.plan`) on the default digits job for `--world` ranks:
    profiles measured on this machine (or read from the cache), every valid layout ranked.
 2. Picks layouts to train for real: the planner's top 3, a few from the middle and the bottom of
-   the ranking (spread evenly), and the homogeneous layout (every module on every rank, dp =
+   the ranking (spread evenly), its last `--bottom`, and the homogeneous layout (every module on every rank, dp =
    world); at least 6.
 3. Trains each with ``python -m dtensor_mimo.train --train.steps N`` and the layout's overrides
    (compile off for every module, as the planner measures blocks uncompiled; held-out scoring and
@@ -66,13 +69,17 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
-def choose(ranked: list, n_top: int, n_more: int) -> list[int]:
-    """Indices into the ranking: the top `n_top`, then `n_more` spread evenly down to the last."""
+def choose(ranked: list, n_top: int, n_more: int, n_bottom: int = 0) -> list[int]:
+    """Indices into the ranking: the top `n_top`, `n_more` spread evenly down to the last, and
+    the last `n_bottom`."""
     picked = list(range(min(n_top, len(ranked))))
     rest = len(ranked) - n_top
     for k in range(1, n_more + 1):
         i = n_top + round(k * (rest - 1) / n_more)
         if i not in picked and i < len(ranked):
+            picked.append(i)
+    for i in range(max(0, len(ranked) - n_bottom), len(ranked)):
+        if i not in picked:
             picked.append(i)
     return picked
 
@@ -100,6 +107,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--top", type=int, default=3, help="the planner's first choices trained")
     ap.add_argument("--more", type=int, default=4, help="further layouts, spread down the ranking")
+    ap.add_argument("--bottom", type=int, default=0, help="the planner's last choices trained")
     ap.add_argument("--cache", default=None, help="profile cache file (default: ~/.cache/dtensor_mimo/)")
     ap.add_argument("--remeasure", action="store_true")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "planner.json"))
@@ -122,8 +130,9 @@ def main() -> None:
     result = search(job, args.world, device)
     t_search = time.perf_counter() - t0
     ranked = result.ranked
-    picks = choose(ranked, args.top, args.more)
+    picks = choose(ranked, args.top, args.more, args.bottom)
     chosen = [(i + 1, ranked[i]) for i in picks]
+    n_picked = len(chosen)  # the Spearman correlation is over these (the homogeneous layout may follow)
     base = homogeneous(job, args.world)
     if base is not None and all(p.candidate != base for _, p in chosen):
         rank = next((i + 1 for i, p in enumerate(ranked) if p.candidate == base), None)
@@ -154,12 +163,15 @@ def main() -> None:
                      "measured_step_s": statistics.median(times) if times else None,
                      "measured_runs_s": times, "status": status.get(k)})
     ok = [r for r in rows if r["measured_step_s"] is not None]
-    rho = spearman([r["predicted_step_s"] for r in ok], [r["measured_step_s"] for r in ok]) if len(ok) > 2 else None
+    ranked_ok = [r for r in rows[:n_picked] if r["measured_step_s"] is not None]
+    rho = (spearman([r["predicted_step_s"] for r in ranked_ok], [r["measured_step_s"] for r in ranked_ok])
+           if len(ranked_ok) > 2 else None)
+    rho_all = spearman([r["predicted_step_s"] for r in ok], [r["measured_step_s"] for r in ok]) if len(ok) > 2 else None
     first = next((r for r in ok if r["planner_rank"] == 1), None)
     best = min(ok, key=lambda r: r["measured_step_s"]) if ok else None
     homo = next((r for r in ok if r["homogeneous"]), None)
     summary = {
-        "spearman": rho, "layouts_measured": len(ok),
+        "spearman": rho, "spearman_with_homogeneous": rho_all, "layouts_measured": len(ok),
         "first_over_best_measured": first["measured_step_s"] / best["measured_step_s"] if first and best else None,
         "best_measured": best["layout_text"] if best else None,
         "homogeneous_over_first": homo["measured_step_s"] / first["measured_step_s"] if homo and first else None,
@@ -181,7 +193,9 @@ def main() -> None:
         print(f"{r['planner_rank'] or '-':>5}  {(r['layout_text'] + tag):<50}{r['microbatches']:>3}"
               f"{r['predicted_step_s'] * 1e3:>14.1f}{meas:>13}{runs:>16}")
     if rho is not None:
-        print(f"Spearman rank correlation (predicted vs measured step time, {len(ok)} layouts): {rho:.3f}")
+        print(f"Spearman rank correlation (predicted vs measured step time, the {len(ranked_ok)} layouts picked "
+              f"from the ranking): {rho:.3f}" + (f"; {rho_all:.3f} with the homogeneous layout" if len(ok) >
+                                                 len(ranked_ok) else ""))
     if summary["first_over_best_measured"] is not None:
         print(f"planner's first choice / best measured step time: {summary['first_over_best_measured']:.3f} "
               f"(best measured: {summary['best_measured']})")

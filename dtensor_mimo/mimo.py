@@ -309,7 +309,11 @@ class MimoModel(nn.Module):
         """This rank's share of the loss of the global `batch` (call on every rank, then
         ``.backward()``, then `reduce_gradients`). One stage, one microbatch: a pipelined model
         runs `forward_backward` instead. The first time an item size is seen, every rank agrees
-        in one all-reduce that the encoder rows have their planned shapes (else all raise)."""
+        in one all-reduce that the encoder rows have their planned shapes (else all raise). Later
+        calls add no collective: rows of a wrong shape (an encoder whose output length changed
+        for a size already seen) cross as zeros and raise `PlanError` on the ranks that made
+        them only; their peers' backward then waits for them until the process group's timeout
+        (`train_step` agrees on such an error in its one all-reduce and raises on every rank)."""
         result = self.run(batch, "forward")
         if result.error is not None:
             raise PlanError(result.error)

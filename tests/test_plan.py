@@ -340,15 +340,19 @@ def test_layout_auto_refused_where_its_measurements_do_not_describe_the_run(monk
     assert match in err and "python -m dtensor_mimo.plan" in err, err
 
 
-def test_measured_job_of_items_of_their_own_size() -> None:
+def test_measured_job_of_items_of_their_own_size_parallelized_as_trained() -> None:
+    """The modules are measured after the trainer's own `parallelize`: vision's checkpointed
+    blocks keep a fraction of what audio's (the same blocks, the same width) keep."""
     pytest.importorskip("sklearn")
     from dtensor_mimo.train.datasets import train_data
     from dtensor_mimo.train.modules import resolve
     from dtensor_mimo.train.plan import measure_profiles
 
     config = parse_args(["--model.encoders.vision.dynamic_resolution", "true",
-                         "--model.encoders.audio.variable_length", "true"])
+                         "--model.encoders.audio.variable_length", "true",
+                         "--options.vision.activation_checkpointing", "1"])
     profiles = {m["name"]: m for m in measure_profiles(config, log=lambda _: None)["job"]["modules"]}
+    assert profiles["vision"]["activation_bytes_per_token"] < profiles["audio"]["activation_bytes_per_token"] / 4
     batch = train_data(config, resolve(config)).train.batch(list(range(256)), load=None)
     for name in ("vision", "audio"):
         m = batch.modalities[name]

@@ -68,19 +68,22 @@ def blocks(module: nn.Module) -> nn.ModuleDict | None:
 
 
 def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh | None,
-                options: ParallelOptions = ParallelOptions(), parts: Sequence[nn.Module] | None = None) -> nn.Module:
+                options: ParallelOptions = ParallelOptions(), parts: Sequence[nn.Module] | None = None, *,
+                wrap_one_rank: bool = False) -> nn.Module:
     """Parallelize the stacks `parts` held by `root` (default: `stacks(root)`; steps 1-3 each),
     then FSDP2 or autocast on `root` (step 4), in place; returns `root`. `tp_mesh`: the module's
     "tp" sub-mesh (None or size 1: no tensor parallel); `dp_mesh`: its flattened dp·cp sub-mesh,
     sharing one root mesh with `tp_mesh` (as `MimoLayout` builds them). A part without any
-    blocks cannot take activation checkpointing (refused by name)."""
+    blocks cannot take activation checkpointing (refused by name). `wrap_one_rank`: apply tensor
+    parallel and FSDP2 on meshes of one rank too (nothing is sharded; the planner times their
+    per-call cost so)."""
     parts = stacks(root) if parts is None else list(parts)
     if options.activation_checkpointing and all(blocks(stack) is None for stack in parts):
         raise ValueError(f"{type(root).__name__} has no `layers` ModuleDict of blocks to checkpoint; "
                          "set activation_checkpointing=0")
     units: list[nn.Module] = []  # FSDP2's units below the root
     for stack in parts:
-        if tp_size(tp_mesh) > 1:
+        if tp_size(tp_mesh) > 1 or (wrap_one_rank and tp_mesh is not None):
             tp_plan(stack)(stack, tp_mesh, options)
         layers = blocks(stack)
         if layers is None:  # compiled whole, one FSDP2 unit (a projection: not checkpointed)
@@ -95,7 +98,7 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
         if options.compile:
             compile_blocks(layers, options.compile_backend, skip=done)
         units.extend(layers.values())
-    apply_data_parallel(root, dp_mesh, units, options)
+    apply_data_parallel(root, dp_mesh, units, options, wrap_one_rank)
     return root
 
 

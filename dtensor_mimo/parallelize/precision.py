@@ -32,17 +32,18 @@ def compute_dtype(options: ParallelOptions, module: nn.Module) -> torch.dtype:
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.get_default_dtype())
 
 
-def uses_fsdp(options: ParallelOptions, dp_mesh: DeviceMesh | None) -> bool:
-    """Whether a module with `options` on `dp_mesh` is sharded by FSDP2."""
-    return options.fsdp and dp_mesh is not None and dp_mesh.size() > 1
+def uses_fsdp(options: ParallelOptions, dp_mesh: DeviceMesh | None, one_rank: bool = False) -> bool:
+    """Whether a module with `options` on `dp_mesh` is sharded by FSDP2 (`one_rank`: also on a
+    mesh of one rank)."""
+    return options.fsdp and dp_mesh is not None and (dp_mesh.size() > 1 or one_rank)
 
 
 def apply_data_parallel(root: nn.Module, dp_mesh: DeviceMesh | None, blocks: Sequence[nn.Module],
-                        options: ParallelOptions) -> None:
+                        options: ParallelOptions, one_rank: bool = False) -> None:
     """FSDP2 on `blocks` and `root` over `dp_mesh` with the options' mixed precision policy when
-    `options.fsdp` and dp > 1; otherwise (gradients summed later by `allreduce_gradients`)
-    autocast around `root`'s forward when `options.param_dtype` is set."""
-    if uses_fsdp(options, dp_mesh):
+    `options.fsdp` and dp > 1 (`one_rank`: or 1); otherwise (gradients summed later by
+    `allreduce_gradients`) autocast around `root`'s forward when `options.param_dtype` is set."""
+    if uses_fsdp(options, dp_mesh, one_rank):
         policy = MixedPrecisionPolicy(param_dtype=options.param_dtype,
                                       reduce_dtype=options.gradient_reduce_dtype)
         apply_fsdp(root, dp_mesh, blocks, options.reshard_after_forward, policy)

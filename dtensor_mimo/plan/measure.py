@@ -1,7 +1,8 @@
 """Profiles measured on this machine: module forward/backward times, activation bytes, a gloo link,
 AdamW; cached in a JSON file keyed by what was measured.
 
-Blocks are timed eagerly (uncompiled), with one intra-op thread (the trainer's `train.threads`
+Modules are timed as the trainer runs them, after `dtensor_mimo.parallelize.parallelize` (activation
+checkpointing, mixed precision) on no mesh, but eagerly (uncompiled), with one intra-op thread (the trainer's `train.threads`
 default): a compiled block is faster per call, which the profile does not see. Every compute time
 is the fastest of a few repetitions after a warm-up (other processes' load only adds), at a few
 token counts, fitted by `Affine.fit`; link times are medians (waiting for a peer is the point).
@@ -31,6 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from dtensor_mimo.parallelize.part import blocks, stacks
 from dtensor_mimo.plan.profile import Affine, Link
 
 CACHE_DIR = Path(os.environ.get("DTENSOR_MIMO_CACHE", Path.home() / ".cache" / "dtensor_mimo"))
@@ -77,10 +79,25 @@ def _fastest_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
     return min(times)
 
 
+def block_stack(module: nn.Module) -> nn.Module | None:
+    """The stack of `module` that holds its blocks (`dtensor_mimo.parallelize.part.stacks`): the
+    tower of an encoder, the decoder itself; None without blocks."""
+    return next((stack for stack in stacks(module) if blocks(stack) is not None), None)
+
+
+def module_blocks(module: nn.Module) -> nn.ModuleDict:
+    """The blocks of `module` (empty without)."""
+    stack = block_stack(module)
+    return blocks(stack) if stack is not None else nn.ModuleDict()
+
+
 @contextlib.contextmanager
 def _blocks_removed(module: nn.Module):
-    """`module` (or its ``encoder``) with an empty ``layers`` for the duration."""
-    owner = module.encoder if hasattr(module, "encoder") and hasattr(module.encoder, "layers") else module
+    """`module` with its block stack's ``layers`` emptied for the duration."""
+    owner = block_stack(module)
+    if owner is None:
+        yield
+        return
     layers = owner.layers
     owner.layers = nn.ModuleDict()
     try:
@@ -109,7 +126,7 @@ def time_module(module: nn.Module, make_inputs: Callable[[int], tuple[torch.Tens
     fastest of `reps`: on a machine other processes load, the fastest run is the module's own
     cost, the others carry someone else's.
     """
-    n_layers = len(_layers(module))
+    n_layers = len(module_blocks(module))
     points: dict[str, list[tuple[float, float]]] = {k: [] for k in ("full_f", "full_b", "rest_f", "rest_b")}
     for n in sizes:
         inputs, tokens = make_inputs(n)
@@ -131,11 +148,6 @@ def time_module(module: nn.Module, make_inputs: Callable[[int], tuple[torch.Tens
                 for (t, full), (_, r) in zip(points[f"full_{kind}"], rest)]
         out["block_forward" if kind == "f" else "block_backward"] = Affine.fit(diff)
     return out
-
-
-def _layers(module: nn.Module) -> nn.ModuleDict:
-    owner = module.encoder if hasattr(module, "encoder") and hasattr(module.encoder, "layers") else module
-    return owner.layers
 
 
 def saved_bytes(module: nn.Module, inputs: torch.Tensor) -> int:
@@ -160,7 +172,7 @@ def saved_bytes(module: nn.Module, inputs: torch.Tensor) -> int:
 
 def activation_bytes_per_token(module: nn.Module, inputs: torch.Tensor, tokens: int) -> float:
     """Bytes one block keeps for backward per token: (whole - without blocks) / blocks / tokens."""
-    n_layers = len(_layers(module))
+    n_layers = len(module_blocks(module))
     full = saved_bytes(module, inputs)
     with _blocks_removed(module):
         rest = saved_bytes(module, inputs)
@@ -199,7 +211,7 @@ def wrapper_overhead(module: nn.Module, inputs: torch.Tensor, wrap: Callable[[nn
 
     wrapped = copy.deepcopy(module)
     wrap(wrapped)
-    n_layers = max(1, len(_layers(module)))
+    n_layers = max(1, len(module_blocks(module)))
     best = {}
     for name, m in (("plain", module), ("wrapped", wrapped)):
         _forward_backward(m, inputs)

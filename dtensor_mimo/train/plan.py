@@ -19,8 +19,11 @@ Why this file is in the trainer's package: the command reads the trainer's confi
 `train`; the planner itself (`dtensor_mimo.plan`) sits below `train` and never imports it.
 ``python -m dtensor_mimo.plan`` is a two-line entry point that calls `main` here.
 
-Measured uncompiled on CPU (``options.<module>.compile`` is not applied to the timed blocks), with
-one intra-op thread per rank as the trainer runs by default.
+Each module is measured after the library's one `parallelize` with its ``options.<module>``
+(activation checkpointing, mixed precision) but uncompiled (``compile`` is not applied to the timed
+blocks), on no mesh, with one intra-op thread per rank as the trainer runs by default; FSDP2's and
+tensor parallel's per-call cost through the same `parallelize` on a one-rank mesh; the runtime's
+cost from real runs of the trainer (the executor).
 """
 
 from __future__ import annotations
@@ -102,24 +105,15 @@ def measure_profiles(config: TrainerConfig, log: Callable[[str], None] = print) 
             "description": _description(config)}
 
 
-def _wrappers(module: Any, name: str, mesh: Any, options: Any) -> dict[str, Callable[[Any], None]]:
-    """How FSDP2 and the library's tensor parallel plan wrap `module` (for `wrapper_overhead`)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+def _wrappers(mesh: Any, options: Any) -> dict[str, Callable[[Any], None]]:
+    """FSDP2 and tensor parallel as `parallelize` applies them, each alone on the one-rank `mesh`
+    (for `wrapper_overhead`)."""
+    from dtensor_mimo.parallelize import parallelize
 
-    from dtensor_mimo.models import Llama, ModalityEncoder
-    from dtensor_mimo.parallelize.encoders import apply_encoder_tp
-    from dtensor_mimo.parallelize.fsdp import apply_fsdp
-    from dtensor_mimo.parallelize.language import apply_llama_tp
-    from dtensor_mimo.plan import measure
-
-    out: dict[str, Callable[[Any], None]] = {
-        "fsdp": lambda m: apply_fsdp(m, mesh, list(measure._layers(m).values()), options.reshard_after_forward,
-                                     MixedPrecisionPolicy())}
-    if isinstance(module, Llama):
-        out["tp"] = lambda m: apply_llama_tp(m, mesh, dataclasses.replace(options, loss_parallel=False))
-    elif isinstance(module, ModalityEncoder) and hasattr(module.encoder, "layers"):
-        out["tp"] = lambda m: apply_encoder_tp(m.encoder, mesh, options)
-    return out
+    plain = dataclasses.replace(options, compile=False, activation_checkpointing=0, param_dtype=None,
+                                loss_parallel=False)  # the measured output is summed, not a loss
+    return {"fsdp": lambda m: parallelize(m, None, mesh, dataclasses.replace(plain, fsdp=True), wrap_one_rank=True),
+            "tp": lambda m: parallelize(m, mesh, None, plain, wrap_one_rank=True)}
 
 
 def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: dict[str, Any], probe: Any,
@@ -127,8 +121,11 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
                     log: Callable[[str], None]) -> ModuleProfile:
     """One module's profile: blocks and rest timed at three batch sizes, saved activations, the
     FSDP2 and tensor-parallel wrappers' own cost per block call (on a one-rank `mesh`)."""
+    import copy
+
     import torch
 
+    from dtensor_mimo.parallelize import parallelize
     from dtensor_mimo.plan import measure
 
     module, options = modules[name], config.module_options(name)
@@ -169,8 +166,11 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
         divides = tuple(x for x in (getattr(cfg, "n_heads", None), getattr(cfg, "mlp_hidden", None),
                                     getattr(proj, "out_features", None)) if x)
         load = fit_load(lambda idx, name=name: {name: idx})
+    pristine = copy.deepcopy(module)  # what the wrappers' cost is measured on, below
+    # As the trainer runs it (activation checkpointing, mixed precision), on no mesh and uncompiled
+    parallelize(module, None, None, dataclasses.replace(options, compile=False))
     times = measure.time_module(module, make, sizes)
-    layers = measure._layers(module)
+    layers = measure.module_blocks(module)
     n_layers = len(layers)
     block_params = sum(p.numel() for p in next(iter(layers.values())).parameters()) if n_layers else 0
     inputs, tokens = make(sizes[1])
@@ -180,9 +180,9 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
         times["block_backward"] = Affine()
     wrappers = {}
     if mesh is not None:
-        for kind, wrap in _wrappers(module, name, mesh, options).items():
+        for kind, wrap in _wrappers(mesh, options).items():
             try:
-                f, bw = measure.wrapper_overhead(module, inputs, wrap)
+                f, bw = measure.wrapper_overhead(pristine, inputs, wrap)
             except Exception as err:  # noqa: BLE001 - a wrapper this module cannot take: cost unknown, 0
                 log(f"  {name}: {kind} wrapper not timed ({type(err).__name__}: {err})")
                 continue
