@@ -45,7 +45,7 @@ CACHE_DIR = Path(os.environ.get("DTENSOR_MIMO_CACHE", Path.home() / ".cache" / "
 def cache_key(description: Any) -> str:
     """A short hash of a JSON-able description of what is measured (and of the machine)."""
     machine = {"torch": torch.__version__, "host": socket.gethostname(), "threads": torch.get_num_threads(),
-               "cpus": os.cpu_count(), "version": 1}
+               "cpus": os.cpu_count(), "version": 2}
     text = json.dumps({"what": description, "machine": machine}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
