@@ -17,6 +17,10 @@ checkout that has them can be the baseline.
 | llama | `Llama` tiny (dim 32, 2 layers), no encoder | world 1 |
 | llava | tiny `ViT` + `Projection` + `Llama`, 2 images a sample | world 1, colocated |
 | llava, 2 ranks, M=2 | the same | vision on rank 0, language on rank 1, 2 microbatches |
+| transformers llama | `LlamaForCausalLM` of the same sizes (SDPA), `torch.optim.AdamW` (foreach, the same hyperparameters), `clip_grad_norm_`, the same batches | one process |
+
+The last case is the plain single-model stack the issue-29 target compares against: "llama /
+transformers" is the library's host time per step over it (target: at most 1.1).
 """
 
 from __future__ import annotations
@@ -29,12 +33,59 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = {"llama": (1, 1), "llava": (1, 1), "llava, 2 ranks, M=2": (2, 2)}
+CASES = {"llama": (1, 1), "llava": (1, 1), "llava, 2 ranks, M=2": (2, 2), "transformers llama": (1, 1)}
+REFERENCE = "transformers llama"
+"""Runs once per repeat whatever the trees (it uses no dtensor_mimo step)."""
+
+
+def _transformers_steps(steps: int) -> list[float]:
+    """`LlamaForCausalLM` of `LlamaConfig.tiny`'s sizes + AdamW + clip on `llama`'s batches."""
+    import time
+
+    import torch
+    import transformers
+    from torch.nn import functional as F
+
+    from dtensor_mimo.data import SyntheticSpec, synthetic_batch
+    from dtensor_mimo.models import LlamaConfig
+    from dtensor_mimo.optim import AdamWConfig
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    c, a = LlamaConfig.tiny(), AdamWConfig()
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_hidden, num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, max_position_embeddings=c.max_seq_len,
+        rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, attn_implementation="sdpa"))
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
+                                   {"params": rest, "weight_decay": 0.0}], lr=a.lr, betas=a.betas, eps=a.eps,
+                                  foreach=True)
+    batches = [synthetic_batch(SyntheticSpec.tiny(batch_size=8, modalities={}), seed=s) for s in range(4)]
+    times = []
+    for i in range(5 + steps):
+        t0 = time.perf_counter()
+        b = batches[i % 4]
+        logits = model(input_ids=b.tokens).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), b.labels.flatten(), ignore_index=-100)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()
+        if i >= 5:
+            times.append(time.perf_counter() - t0)
+    return times
 
 
 def _worker(case: str, steps: int) -> None:
     """One case in this process (a rank of its world); rank 0 prints the step times as JSON."""
     import time
+
+    if case == REFERENCE:
+        print(json.dumps(_transformers_steps(steps)))
+        return
 
     import torch
     import torch.distributed as dist
@@ -101,16 +152,22 @@ def main() -> None:
     samples: dict[str, dict[str, list[float]]] = {c: {t: [] for t in trees} for c in args.cases}
     for _ in range(args.repeats):  # alternate: noise hits every tree alike
         for case in args.cases:
-            for label, tree in trees.items():
+            for label, tree in (trees if case != REFERENCE else {"this tree": HERE}).items():
                 samples[case][label] += run(tree, case, args.steps)
     rows = []
     print(f"{'case':<24}" + "".join(f"{t + ' ms':>16}" for t in trees) + ("   this / baseline" if args.baseline else ""))
     for case in args.cases:
-        medians = {t: statistics.median(v) * 1e3 for t, v in samples[case].items()}
-        ratio = medians["this tree"] / medians["baseline"] if args.baseline else None
+        medians = {t: statistics.median(v) * 1e3 for t, v in samples[case].items() if v}
+        ratio = medians["this tree"] / medians["baseline"] if "baseline" in medians else None
         print(f"{case:<24}" + "".join(f"{m:>16.2f}" for m in medians.values())
               + (f"{ratio:>18.3f}" if ratio is not None else ""))
         rows.append({"case": case, "median_ms": medians, "ratio": ratio})
+    if REFERENCE in args.cases and "llama" in args.cases:
+        over = {t: m / rows[args.cases.index(REFERENCE)]["median_ms"]["this tree"]
+                for t, m in rows[args.cases.index("llama")]["median_ms"].items()}
+        print("llama / transformers llama (host time per step): "
+              + ", ".join(f"{t} {v:.3f}" for t, v in over.items()))
+        rows.append({"case": "llama / transformers llama", "ratio_by_tree": over})
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"steps": args.steps, "repeats": args.repeats, "trees": trees, "rows": rows}, f, indent=1)

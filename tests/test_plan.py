@@ -99,6 +99,8 @@ def test_shared_cores() -> None:
     assert shared_cores(10, [6, 6, 6, 6], 2) == 12  # 24 busy seconds on 2 cores
     assert shared_cores(10, [6, 6, 6, 6], 4) == 10
     assert shared_cores(10, [6, 6, 6, 6], None) == 10
+    # the busiest rank shares the 2 cores with 3, then 2 others: 2 x 4/2 + 2 x 3/2 + 4 x 1, not 18 / 2
+    assert shared_cores(0, [2, 4, 4, 8], 2) == 11
 
 
 def test_stage_layers_loop_and_v() -> None:

@@ -14,8 +14,8 @@ Each function is one effect, in seconds (or bytes), and is unit-tested on hand-c
 - bridge crossings from the bridge's own plan (`crossing_time`: the busiest rank's rows and
   messages, `dtensor_mimo.bridge.plan`);
 - the dp gradient reduction once per step (`gradient_reduction`), the optimizer, data loading;
-- on a CPU host whose ranks share cores, a step lasts at least the ranks' summed busy time over
-  the cores (`shared_cores`);
+- on a CPU host whose ranks share cores, a step lasts at least the time processor sharing takes
+  to finish every rank's busy time (`shared_cores`);
 - peak memory per rank (`peak_memory`) and each module's idle fraction.
 
 `predict` puts them together for a `Candidate`. Nothing here touches torch.distributed.
@@ -115,10 +115,18 @@ def three_phase_step(enc_fwd: float, enc_bwd: float, lang_step: float, microbatc
 
 
 def shared_cores(critical_path: float, busy_per_rank: Sequence[float], cores: int | None) -> float:
-    """A step on ranks that share `cores` cores lasts at least their summed busy time / cores."""
+    """A step on ranks that share `cores` cores (a CPU host): at least the critical path, and at
+    least the time processor sharing — how an OS time-slices busy processes — takes to finish
+    every rank's busy time: while k > cores ranks still have work, each advances at cores / k
+    of a core. (Equal busy times give their sum over the cores; one rank busier than the others
+    finishes later than that sum, slowed while it shares the cores.)"""
     if not cores:
         return critical_path
-    return max(critical_path, sum(busy_per_rank) / cores)
+    elapsed, done, ranks = 0.0, 0.0, len(busy_per_rank)
+    for i, work in enumerate(sorted(busy_per_rank)):
+        elapsed += (work - done) * max(1.0, (ranks - i) / cores)
+        done = work
+    return max(critical_path, elapsed)
 
 
 def idle_fraction(busy: float, step: float) -> float:
@@ -420,7 +428,7 @@ def predict(job: Job, candidate: Candidate, device: DeviceProfile) -> Prediction
         work = sum(m * (costs[n].forward + costs[n].backward) for n in names)
         work += sum(m * (cross_f.get(n, 0.0) + cross_b.get(n, 0.0)) for n in names)
         busy_span[span] = load[span] + work + reduce[span] + optim[span] + device.step_s
-    step = shared_cores(critical, [busy_span[s] * s[1] for s in groups], device.cores)
+    step = shared_cores(critical, [busy_span[s] for s in groups for _ in range(s[1])], device.cores)
     busy = {n: busy_span[(offsets[n], pars[n].size)] for n in job.names}
     idle = {n: idle_fraction(busy[n], step) for n in job.names}
     peak = max(sum(costs[n].memory for n in names) for names in groups.values())
