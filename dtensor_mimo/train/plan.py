@@ -7,7 +7,8 @@ Reads the same model and data config as the trainer (the digits job without ``--
 ``--section.key VALUE`` override the trainer takes), measures what it needs on this machine (each
 module's blocks forward and backward at a few batch sizes, the data loading, AdamW, a gloo link
 and a collective with ``--world`` local processes, the runtime's own cost per microbatch and per
-step from two short real runs on 2 ranks; cached under ``~/.cache/dtensor_mimo/`` by a hash of the
+step from two short real runs on 2 ranks, what a collective costs under load from a real run of the
+homogeneous layout on ``--world`` ranks; cached under ``~/.cache/dtensor_mimo/`` by a hash of the
 model, the data and the machine, or in ``--cache FILE``), searches the layouts of ``--world`` ranks (default:
 the configured layout's) and prints them ranked by predicted step time, with tokens/s, peak memory
 per rank and each module's idle fraction, the homogeneous layout (every module on every rank,
@@ -220,6 +221,8 @@ def load_profiles(config: TrainerConfig, world: int, cache: str | None = None, r
 
     def device_for(w: int, runtime: dict[str, float]) -> DeviceProfile:
         link = Link(**links[str(w)])
+        if f"collective_s_{w}" in runtime:  # fitted to a real run of `w` ranks (`calibrate_collectives`)
+            link = dataclasses.replace(link, collective_s=runtime[f"collective_s_{w}"])
         return DeviceProfile(name=f"this machine ({os.cpu_count()} cores, CPU, gloo)", intra=link, inter=link,
                              memory_bytes=None, ranks_per_node=1 << 20, optimizer=Affine(**data["optimizer"]),
                              cores=os.cpu_count(), microbatch_s=runtime.get("microbatch_s", 0.0),
@@ -233,6 +236,14 @@ def load_profiles(config: TrainerConfig, world: int, cache: str | None = None, r
         tmp.write_text(json.dumps(data, indent=1))
         tmp.replace(path)
         hit = False
+    if world > 1 and f"collective_s_{world}" not in data["runtime"]:
+        fitted = calibrate_collectives(config, job, device_for(world, data["runtime"]), world, log)
+        if fitted is not None:
+            data["runtime"][f"collective_s_{world}"] = fitted
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data, indent=1))
+            tmp.replace(path)
+            hit = False
     log(f"profiles {'read from' if hit else 'measured, cached in'} {path}")
     return job, device_for(world, data["runtime"]), str(path)
 
@@ -310,6 +321,34 @@ def calibrate_runtime(config: TrainerConfig, job: Job, device: DeviceProfile,
             per_mb = max(0.0, per_mb + ((measured[m] - pred[m]) - (measured[1] - pred[1])) / (m - 1))
         per_step = max(0.0, per_step + measured[1] - pred[1])
     return {"microbatch_s": per_mb, "step_s": per_step, **{f"measured_m{k}_s": v for k, v in measured.items()}}
+
+
+def calibrate_collectives(config: TrainerConfig, job: Job, device: DeviceProfile, world: int,
+                          log: Callable[[str], None] = print) -> float | None:
+    """`Link.collective_s` for `world` local ranks, fitted to a short real run of the homogeneous
+    layout (every module on every rank, dp = world: FSDP2 gathers and reduce-scatters every block,
+    the collectives every other layout has too): the per-collective cost that makes its prediction
+    the measured step. A ping-pong between idle processes misses what a collective costs when its
+    peers are busy computing on shared cores (each waits to be scheduled); None when the batch
+    does not split over `world` ranks."""
+    base = homogeneous(job, world)
+    if base is None:
+        return None
+    log(f"measuring the collectives' cost under load: the homogeneous layout on {world} ranks ...")
+    measured = _train_steps(config, {n: {"pp": 1, "dp": world, "cp": 1, "tp": 1, "offset": 0} for n in job.names},
+                            base.microbatches)
+
+    def predicted(collective_s: float) -> float:
+        link = dataclasses.replace(device.intra, collective_s=collective_s)
+        return predict(job, base, dataclasses.replace(device, intra=link, inter=link)).step_s
+
+    low, high = 0.0, 1.0  # the prediction grows with collective_s: bisect
+    if predicted(low) >= measured:
+        return 0.0
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if predicted(mid) < measured else (low, mid)
+    return low
 
 
 # ---------------------------------------------------------------------------- the config's layouts
