@@ -59,9 +59,10 @@ def test_collectives_by_hand() -> None:
     assert allgather_time(1000, 4, LINK) == pytest.approx(3 * (1e-5 + 250e-6))
     assert allreduce_time(1000, 1, LINK) == allgather_time(1000, 1, LINK) == 0.0
     assert LINK.time(2000, messages=3) == pytest.approx(3e-5 + 2e-3)
-    shared = Link(latency_s=1e-5, bandwidth=1e6, collective_s=1e-3)  # ranks waiting for cores
-    assert allreduce_time(1000, 4, shared) == pytest.approx(1e-3 + 6 * (1e-5 + 250e-6))
-    assert allgather_time(1000, 4, shared) == pytest.approx(1e-3 + 3 * (1e-5 + 250e-6))
+    shared = Link(latency_s=1e-5, bandwidth=1e6, collective_s=1e-3)  # ranks waiting for cores, every step
+    assert allreduce_time(1000, 4, shared) == pytest.approx(6 * (1e-3 + 1e-5 + 250e-6))
+    assert allgather_time(1000, 4, shared) == pytest.approx(3 * (1e-3 + 1e-5 + 250e-6))
+    assert shared.time(1000) == LINK.time(1000)  # a point-to-point message does not wait so
 
 
 def test_affine_fit() -> None:

@@ -45,19 +45,19 @@ ADAM_STATE_BYTES = 8
 
 
 def allreduce_time(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce of `nbytes` over `n` ranks: 2(n-1) steps of nbytes/n each, plus the
-    link's per-collective cost."""
+    """Ring all-reduce of `nbytes` over `n` ranks: 2(n-1) steps of nbytes/n each, each step
+    paying the link's latency and its collective wait (`Link.collective_s`)."""
     if n <= 1:
         return 0.0
-    return link.collective_s + 2 * (n - 1) * (link.latency_s + nbytes / n / link.bandwidth)
+    return 2 * (n - 1) * (link.latency_s + link.collective_s + nbytes / n / link.bandwidth)
 
 
 def allgather_time(nbytes: float, n: int, link: Link) -> float:
     """Ring all-gather (or reduce-scatter) of a `nbytes` whole over `n` ranks: n-1 steps of
-    nbytes/n, plus the link's per-collective cost."""
+    nbytes/n, each paying the link's latency and its collective wait."""
     if n <= 1:
         return 0.0
-    return link.collective_s + (n - 1) * (link.latency_s + nbytes / n / link.bandwidth)
+    return (n - 1) * (link.latency_s + link.collective_s + nbytes / n / link.bandwidth)
 
 
 # ---------------------------------------------------------------------------- pipeline

@@ -45,7 +45,7 @@ CACHE_DIR = Path(os.environ.get("DTENSOR_MIMO_CACHE", Path.home() / ".cache" / "
 def cache_key(description: Any) -> str:
     """A short hash of a JSON-able description of what is measured (and of the machine)."""
     machine = {"torch": torch.__version__, "host": socket.gethostname(), "threads": torch.get_num_threads(),
-               "cpus": os.cpu_count(), "version": 2}
+               "cpus": os.cpu_count(), "version": 3}
     text = json.dumps({"what": description, "machine": machine}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -279,7 +279,7 @@ def _link_rank(rank: int, world: int, port: int, sizes: Sequence[int], reps: int
 
 def measure_link(world: int = 2, sizes: Sequence[int] = (4, 65_536, 1 << 20, 4 << 20), reps: int = 20) -> Link:
     """One-way gloo send/recv between local processes: latency and bandwidth (bytes/s), and the
-    extra cost of a collective over all of them (`Link.collective_s`).
+    extra cost of each step of a collective over all of them (`Link.collective_s`).
 
     `world` processes run at once, ping-ponging in pairs, so that on a host with fewer cores than
     ranks the latency includes waiting for the peer to be scheduled, as in a real step.
@@ -297,8 +297,8 @@ def measure_link(world: int = 2, sizes: Sequence[int] = (4, 65_536, 1 << 20, 4 <
     points = sorted(results)
     # The smallest message is the latency; the bandwidth is the slope between the smallest and the
     # largest (a least-squares line through all of them can cross zero under noise). What a tiny
-    # all-reduce over `world` processes takes beyond its ring's 2(world-1) latencies is the
-    # per-collective cost.
+    # all-reduce over `world` processes takes beyond its ring's 2(world-1) latencies, per step, is
+    # the collective wait (idle peers here; the planner fits it under load, `calibrate_collectives`).
     (n0, t0), (n1, t1) = points[0], points[-1]
     return Link(latency_s=t0, bandwidth=(n1 - n0) / (t1 - t0) if t1 > t0 else 1e12,
-                collective_s=max(0.0, allreduce - 2 * (world - 1) * t0))
+                collective_s=max(0.0, allreduce / (2 * (world - 1)) - t0))

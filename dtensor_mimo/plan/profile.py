@@ -148,9 +148,10 @@ class ModuleProfile:
 
 @dataclass(frozen=True)
 class Link:
-    """A point-to-point link: ``seconds = latency_s + bytes / bandwidth`` per message; a collective
-    over it costs `collective_s` more per call (ranks waiting for each other to be scheduled on a
-    host with fewer cores than ranks; 0 on dedicated devices)."""
+    """A point-to-point link: ``seconds = latency_s + bytes / bandwidth`` per message; each step
+    of a collective's ring over it costs `collective_s` more (a rank waiting for its ring
+    neighbour, busy computing, to be scheduled on a host with fewer cores than ranks: every step of
+    a larger group waits again; 0 on dedicated devices)."""
 
     latency_s: float
     bandwidth: float

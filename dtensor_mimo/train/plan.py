@@ -221,8 +221,8 @@ def load_profiles(config: TrainerConfig, world: int, cache: str | None = None, r
 
     def device_for(w: int, runtime: dict[str, float]) -> DeviceProfile:
         link = Link(**links[str(w)])
-        if f"collective_s_{w}" in runtime:  # fitted to a real run of `w` ranks (`calibrate_collectives`)
-            link = dataclasses.replace(link, collective_s=runtime[f"collective_s_{w}"])
+        if f"collective_wait_s_{w}" in runtime:  # fitted to a real run of `w` ranks (`calibrate_collectives`)
+            link = dataclasses.replace(link, collective_s=runtime[f"collective_wait_s_{w}"])
         return DeviceProfile(name=f"this machine ({os.cpu_count()} cores, CPU, gloo)", intra=link, inter=link,
                              memory_bytes=None, ranks_per_node=1 << 20, optimizer=Affine(**data["optimizer"]),
                              cores=os.cpu_count(), microbatch_s=runtime.get("microbatch_s", 0.0),
@@ -236,10 +236,10 @@ def load_profiles(config: TrainerConfig, world: int, cache: str | None = None, r
         tmp.write_text(json.dumps(data, indent=1))
         tmp.replace(path)
         hit = False
-    if world > 1 and f"collective_s_{world}" not in data["runtime"]:
+    if world > 1 and f"collective_wait_s_{world}" not in data["runtime"]:
         fitted = calibrate_collectives(config, job, device_for(world, data["runtime"]), world, log)
         if fitted is not None:
-            data["runtime"][f"collective_s_{world}"] = fitted
+            data["runtime"][f"collective_wait_s_{world}"] = fitted
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(data, indent=1))
             tmp.replace(path)
@@ -325,7 +325,7 @@ def calibrate_runtime(config: TrainerConfig, job: Job, device: DeviceProfile,
 
 def calibrate_collectives(config: TrainerConfig, job: Job, device: DeviceProfile, world: int,
                           log: Callable[[str], None] = print) -> float | None:
-    """`Link.collective_s` for `world` local ranks, fitted to a short real run of the homogeneous
+    """`Link.collective_s` (the wait per ring step) for `world` local ranks, fitted to a short real run of the homogeneous
     layout (every module on every rank, dp = world: FSDP2 gathers and reduce-scatters every block,
     the collectives every other layout has too): the per-collective cost that makes its prediction
     the measured step. A ping-pong between idle processes misses what a collective costs when its
