@@ -59,6 +59,7 @@ class ModuleMeshes:
         self._layout = layout
         self._roots: dict[str, DeviceMesh] = {}
         self._meshes: dict[str, DeviceMesh] = {}
+        self._slices: dict[tuple[str, tuple[str, ...]], DeviceMesh] = {}  # torch builds a new one per slicing
         timeout = default_timeout()
         for name in layout.names:  # same order on every rank
             par = layout.parallelism(name)
@@ -108,7 +109,9 @@ class ModuleMeshes:
             )
         if set(dims) in ({"dp_cp"}, {"dp", "cp"}):  # flat dp·cp (FSDP), in either order
             return self._roots[name]["dp_cp"]
-        return mesh[dims]
+        if (name, dims) not in self._slices:  # a slice reuses the root's groups: no collective
+            self._slices[name, dims] = mesh[dims]
+        return self._slices[name, dims]
 
 
 def build_meshes(layout: Layout, device_type: str = "cpu",

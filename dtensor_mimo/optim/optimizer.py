@@ -182,7 +182,8 @@ class MimoOptimizer:
         self.configs = {name: per_module.get(name, config) for name in model.module_names}
         self.updates = 0  # applied so far: the schedule's position
         self.optimizers = {
-            name: torch.optim.AdamW(_param_groups(params, cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+            name: torch.optim.AdamW(_param_groups(params, cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                    **_implementation(next(iter(params.values())).device))
             for name, cfg in self.configs.items()
             if (params := model.module_parameters(name))
         }
@@ -245,12 +246,23 @@ class MimoOptimizer:
         self._set_lrs()
 
 
+def _implementation(device: torch.device) -> dict[str, bool]:
+    """AdamW's fastest form on `device`: one fused kernel per parameter group on CUDA (DTensor
+    shards included: DTensor runs ``_fused_adamw_`` shard-locally), one foreach call per group
+    elsewhere (torch's own default on CPU is a Python loop over the parameters)."""
+    return {"fused": True} if device.type == "cuda" else {"foreach": True}
+
+
 def _param_groups(params: Mapping[str, torch.nn.Parameter], config: AdamWConfig) -> list[dict[str, Any]]:
-    """AdamW's groups for one module: with weight decay and without (empty ones left out)."""
-    decay = [p for name, p in params.items() if config.decays(name, p)]
-    no_decay = [p for name, p in params.items() if not config.decays(name, p)]
-    return [g for g in ({"params": decay, "weight_decay": config.weight_decay},
-                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    """AdamW's groups for one module: with weight decay and without, each split by the mesh its
+    parameters are DTensors on (plain tensors apart), so that one foreach or fused call never
+    mixes DTensors with plain tensors or meshes (which DTensor refuses); empty ones left out."""
+    groups: dict[tuple[bool, Any], list[torch.nn.Parameter]] = {}
+    for name, p in params.items():
+        mesh = p.device_mesh if isinstance(p, DTensor) else None
+        groups.setdefault((config.decays(name, p), mesh), []).append(p)
+    return [{"params": ps, "weight_decay": config.weight_decay if decays else 0.0}
+            for (decays, _), ps in groups.items()]
 
 
 def _local_grads(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
