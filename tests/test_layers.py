@@ -21,8 +21,8 @@ A module may import its own layer and the layers below it, never one above: ever
 runs counts, at module level or inside a function. Imports under ``if TYPE_CHECKING:`` only
 name types for annotations and never run, so they are not counted. `ALLOWED` lists the
 exceptions, each with its reason; it is empty. A ``__main__.py`` is exempt like the facade: it is
-the command ``python -m <package>`` runs and nothing imports it, so it may call a higher layer
-(``python -m dtensor_mimo.plan`` runs `dtensor_mimo.train.plan`, which reads the trainer's config).
+the command ``python -m <package>`` runs and nothing imports it (none calls a higher layer today:
+``python -m dtensor_mimo.plan`` starts ``python -m dtensor_mimo.train plan`` as a process).
 """
 
 from __future__ import annotations

@@ -362,3 +362,15 @@ def test_measured_job_of_items_of_their_own_size_parallelized_as_trained() -> No
         assert m.varied
         drawn = sum(m.item_tokens) / batch.batch_size
         assert profiles[name]["tokens_per_sample"] == pytest.approx(drawn, rel=0.15), name
+
+
+@pytest.mark.parametrize("command", [["dtensor_mimo.plan"], ["dtensor_mimo.train", "plan"]])
+def test_planner_command_both_ways(command: list[str]) -> None:
+    """``python -m dtensor_mimo.plan`` is ``python -m dtensor_mimo.train plan`` (the planner's
+    package starts the application's command, it does not import it)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", *command, "--world", "0"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "--world and --top take integers >= 1, got '0'" in out.stderr, out.stderr

@@ -1,9 +1,10 @@
-"""``python -m dtensor_mimo.plan``: the command lives in `dtensor_mimo.train.plan`, because it reads
-the trainer's config; this entry point only calls it (entry points are exempt from the layer rule,
-`tests/test_layers.py`: nothing imports them)."""
+"""``python -m dtensor_mimo.plan``: the layout planner on a trainer config, the same command as
+``python -m dtensor_mimo.train plan`` (`dtensor_mimo.train.plan`: it reads the trainer's config,
+modules and data, so it belongs to the application, above this package). Started as that command
+in this process's place (a process, not an import: the planner's package never depends on the
+trainer's)."""
 
+import os
 import sys
 
-from dtensor_mimo.train.plan import main
-
-sys.exit(main())
+os.execv(sys.executable, [sys.executable, "-m", "dtensor_mimo.train", "plan", *sys.argv[1:]])

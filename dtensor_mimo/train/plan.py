@@ -17,8 +17,9 @@ dp = world) as a last row. ``--json OUT`` writes the ranked list; each entry's `
 
 Why this file is in the trainer's package: the command reads the trainer's config
 (`TrainerConfig`, `parse_args`), modules (`build_modules`) and data (`train_data`), which live in
-`train`; the planner itself (`dtensor_mimo.plan`) sits below `train` and never imports it.
-``python -m dtensor_mimo.plan`` is a two-line entry point that calls `main` here.
+`train`, and the trainer's ``--layout.auto`` runs it; the planner itself (`dtensor_mimo.plan`) sits
+below `train` and never imports it. ``python -m dtensor_mimo.train plan ...`` runs `main` here;
+``python -m dtensor_mimo.plan ...`` starts that command (a process, not an import).
 
 Each module is measured after the library's one `parallelize` with its ``options.<module>``
 (activation checkpointing, mixed precision) but uncompiled (``compile`` is not applied to the timed
@@ -43,8 +44,8 @@ from dtensor_mimo.plan.search import InvalidCandidate
 from dtensor_mimo.train.config import (LANGUAGE, ConfigError, ModuleLayout, TrainerConfig, build_layout,
                                        parse_args)
 
-USAGE = ("usage: python -m dtensor_mimo.plan [--config FILE.toml] [--world N] [--top K] [--json OUT] "
-         "[--cache FILE] [--remeasure] [--section.key VALUE ...]")
+USAGE = ("usage: python -m dtensor_mimo.plan (or: python -m dtensor_mimo.train plan) [--config FILE.toml] "
+         "[--world N] [--top K] [--json OUT] [--cache FILE] [--remeasure] [--section.key VALUE ...]")
 
 
 # ---------------------------------------------------------------------------- profiles
