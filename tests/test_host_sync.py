@@ -22,7 +22,8 @@ blocking copy of host data to the device (``torch.tensor(..., device=)``, ``.to(
 
 Each run takes two steps on the same model; the second step (no warm-up: the schedules, plans and
 first-seen shape checks are cached) is counted. Expected, per rank and step: only syncs of
-`ALLOWED`, each once, the same counts whatever the number of microbatches.
+`ALLOWED`, each once (and `HOST_ONLY`'s reads of host tensors), the same counts whatever the
+number of microbatches.
 
 The GPU variant runs the pipelined step on 3 GPUs (NCCL) under
 ``torch.cuda.set_sync_debug_mode("error")`` and is skipped with fewer.
@@ -54,6 +55,14 @@ ALLOWED = {
     ("dtensor_mimo/optim/step.py", None): "the step's one read of its all-reduced totals",
 }
 """(innermost library file, innermost torch file or None) of each sync expected once per step, and why."""
+
+HOST_ONLY = {
+    # AdamW's foreach path (`MimoOptimizer` on CPU) reads each parameter's step counter, which torch
+    # keeps as a CPU tensor on every device: no device sync. On CUDA `MimoOptimizer` takes the fused
+    # path, which reads none (the GPU variant below checks that under the sync debug mode).
+    ("dtensor_mimo/optim/optimizer.py", "torch/optim/"): "AdamW's step counters, host tensors",
+}
+"""Sites that read host tensors whatever the device (any count, the same whatever the microbatches)."""
 
 _SYNCS = {
     torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
@@ -96,10 +105,10 @@ def _blocking_host_to_device(func, args, kwargs) -> bool:
     return False
 
 
-def _allowed(site: str) -> bool:
+def _allowed(site: str, sites=ALLOWED) -> bool:
     lib, _, inner = site.partition(" <- ")
     return any(lib.split(":")[0] == a and (b is None and not inner or b is not None and inner.startswith(b))
-               for a, b in ALLOWED)
+               for a, b in sites)
 
 
 def _in_device_mesh() -> bool:
@@ -208,6 +217,8 @@ def _check(small: list[dict[str, int]], large: list[dict[str, int]]) -> None:
     for rank, (a, b) in enumerate(zip(small, large)):
         assert a == b, f"rank {rank}: syncs depend on the microbatches: {a} vs {b}"
         for site, n in a.items():
+            if _allowed(site, HOST_ONLY):
+                continue
             assert _allowed(site), f"rank {rank}: unexpected device sync at {site} ({n}x): {a}"
             assert n == 1, f"rank {rank}: {n} syncs at {site}, expected one per step: {a}"
 
