@@ -31,10 +31,29 @@ class StepMetrics:
     skipped: bool
 
 
-def _now(device: torch.device) -> float:
-    if device.type != "cpu":
-        torch.accelerator.synchronize()
+class Elapsed:
+    """A phase's seconds between two CUDA events, read when first converted (``float(e)``): the
+    phase timing adds no device sync to the step; reading it waits for the phase's end."""
+
+    def __init__(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        self.start, self.end = start, end
+
+    def __float__(self) -> float:
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1e3
+
+
+def _mark(device: torch.device) -> float | torch.cuda.Event:
+    """Now: the host clock on CPU, a CUDA event recorded on the current stream on GPUs."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
     return time.perf_counter()
+
+
+def _between(start: float | torch.cuda.Event, end: float | torch.cuda.Event) -> float | Elapsed:
+    return Elapsed(start, end) if isinstance(start, torch.cuda.Event) else end - start
 
 
 def read_totals(totals: torch.Tensor) -> list[float]:
@@ -64,13 +83,13 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
     expected size") and its peers fail at once, their errors noting their batch fingerprints.
 
     `timings`, if given, receives this rank's seconds in "forward_backward" (bridge included) and
-    "optimizer" (gradient reduction, the norm's all-reduce, clip, AdamW); on GPUs timing syncs
-    the device.
+    "optimizer" (gradient reduction, the norm's all-reduce, clip, AdamW): floats on CPU, `Elapsed`
+    between CUDA events on GPUs (no sync of their own: ``float()`` them later, e.g. when logging).
 
     Host syncs: one per step (`read_totals`), whatever the number of microbatches (two on a
     model's first step).
     """
-    start = _now(model.device) if timings is not None else 0.0
+    start = _mark(model.device) if timings is not None else 0.0
     optimizer.zero_grad()
     fp = step_fingerprint(batch)
     if not model.batches_compared:  # before any exchange: sizes that differ would kill gloo
@@ -81,8 +100,8 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
         with _as_built(model, changed):
             result = model.run(batch)
             if timings is not None:
-                middle = _now(model.device)
-                timings["forward_backward"] = middle - start
+                middle = _mark(model.device)
+                timings["forward_backward"] = _between(start, middle)
             model.reduce_gradients()
         loss_part = result.loss.detach().double().reshape(1) if model.holds_loss_share() else \
             torch.zeros(1, dtype=torch.float64, device=model.device)
@@ -120,7 +139,7 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
                     "optimizer state are unchanged (a non-finite input or a too high lr?)",
                     optimizer.updates, grad_norm, loss)
     if timings is not None:
-        timings["optimizer"] = _now(model.device) - middle
+        timings["optimizer"] = _between(middle, _mark(model.device))
     return StepMetrics(loss, grad_norm, {n: math.sqrt(s) for n, s in zip(model.module_names, sumsq)},
                        skipped)
 

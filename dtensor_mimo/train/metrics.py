@@ -15,8 +15,10 @@ from typing import Any, Mapping, TextIO
 
 import torch
 
-# Peak dense bf16 TFLOP/s per GPU, for MFU when `metrics.peak_tflops` is not given.
-_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+# Peak dense bf16 TFLOP/s per GPU, for MFU when `metrics.peak_tflops` is not given; the first entry
+# whose words are all in the device's name (the PCIe and NVL boards before the SXM ones).
+_PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H200", 989.0),
+                ("H100", 989.0), ("A100", 312.0)]
 
 
 def peak_tflops(device: torch.device, configured: float) -> float | None:
@@ -25,7 +27,7 @@ def peak_tflops(device: torch.device, configured: float) -> float | None:
         return configured
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        return next((v for k, v in _PEAK_TFLOPS.items() if k in name), None)
+        return next((v for k, v in _PEAK_TFLOPS if all(w in name for w in k.split())), None)
     return None
 
 

@@ -293,6 +293,8 @@ class Trainer:
         self.log.print("parameters: " + ", ".join(f"{n} {v:,}" for n, v in params.items()) +
                        f"; seq_len {self.seq_len}; batch {c.data.batch_size}")
         self.restore()
+        if self.model.device.type == "cuda":  # the logged peak is training's, not building's or loading's
+            torch.cuda.reset_peak_memory_stats(self.model.device)
         self.log.start_at(self.step)
         compiled = [n for n in c.module_names if c.module_options(n).compile]
         warm = self.step + (COMPILE_STEPS if compiled else 0)  # steps whose time is compilation
@@ -371,7 +373,8 @@ class Trainer:
     def _log(self, metrics, lr: float, window: list[list[float]], tokens: int, imbalance: dict[str, float]) -> None:
         """One MAX all-reduce of this window's mean phase times and peak memory; rank 0 logs, with
         the logged step's encoder `imbalance` (`MimoModel.encoder_imbalance`)."""
-        mean = torch.tensor(window, dtype=torch.float64).mean(0)
+        # Phase times of GPU steps are CUDA event pairs: read here, once per log line, not per step.
+        mean = torch.tensor([[float(t) for t in row] for row in window], dtype=torch.float64).mean(0)
         memory = (torch.cuda.max_memory_allocated(self.model.device) if self.model.device.type == "cuda"
                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         times = torch.cat([mean, torch.tensor([float(memory)], dtype=torch.float64)]).to(self.model.device)
