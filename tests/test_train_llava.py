@@ -300,10 +300,12 @@ def test_layouts_give_one_process_numbers(tiny: str, tmp_path) -> None:
         for step, record in one.items():
             assert got[name][step]["loss"] == pytest.approx(record["loss"], rel=1e-5), (name, step)
             assert got[name][step]["grad_norm"] == pytest.approx(record["grad_norm"], rel=1e-4), (name, step)
-    # Resume the heterogeneous run from its step 3: the same steps 4-6, exactly.
+    # Resume the heterogeneous run from its step 3: the same steps 4-6, exactly (batches prepared
+    # ahead by the prefetch thread: the same batches, from the checkpoint's data position).
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "heterogeneous" / "step-000003", resumed / "step-000003")
-    _run(tiny, [*ORACLE, "--checkpoint.dir", str(resumed), "--metrics.jsonl", str(tmp_path / "r.jsonl")])
+    _run(tiny, [*ORACLE, "--checkpoint.dir", str(resumed), "--metrics.jsonl", str(tmp_path / "r.jsonl"),
+                "--data.prefetch", "true"])
     again = _records(str(tmp_path / "r.jsonl"))
     assert sorted(again) == [4, 5, 6] and all(again[s]["loss"] == got["heterogeneous"][s]["loss"] for s in again)
     # Step 3 under the colocated layout (user module names in the checkpoint: model.image.*).

@@ -181,6 +181,12 @@ class ModalityInputs:
         inputs = [move(x) for x in self.inputs] if isinstance(self.inputs, list) else move(self.inputs)
         return dataclasses.replace(self, inputs=inputs)
 
+    def pin_memory(self) -> ModalityInputs:
+        """These inputs in pinned host memory (see `MimoBatch.pin_memory`)."""
+        pin = torch.Tensor.pin_memory
+        inputs = [pin(x) for x in self.inputs] if isinstance(self.inputs, list) else pin(self.inputs)
+        return dataclasses.replace(self, inputs=inputs)
+
 
 def _is_int(n: object) -> bool:
     return (isinstance(n, int) and not isinstance(n, bool)) or (torch.is_tensor(n) and n.dim() == 0
@@ -257,6 +263,12 @@ class MimoBatch:
         non_blocking = self.tokens.is_cpu
         modalities = {n: m.to(device) for n, m in self.modalities.items()}
         return self._derive(lambda t: t.to(device, non_blocking=non_blocking), modalities)
+
+    def pin_memory(self) -> MimoBatch:
+        """The batch in pinned (page-locked) host memory, so that `to` a GPU copies it
+        asynchronously, overlapping the work already queued (a loader's ``pin_memory=True`` calls
+        this). Needs an accelerator."""
+        return self._derive(torch.Tensor.pin_memory, {n: m.pin_memory() for n, m in self.modalities.items()})
 
     def _derive(self, per_token, modalities: dict[str, ModalityInputs]) -> MimoBatch:
         """A batch of `per_token` applied to every [B, S] field, and `modalities`.

@@ -243,6 +243,9 @@ class DataSection:
             training process).
         per_rank_loading: a rank prepares only the encoder inputs it encodes (false: every rank
             loads the whole global batch; the same batches, for checking).
+        prefetch: with workers = 0, a thread prepares the next two batches while the step runs
+            (none: on GPUs, where the step leaves the host free; off on CPU, where the ranks already
+            share the cores); batches are pinned on GPUs either way.
     """
 
     format: str = "digits"
@@ -252,6 +255,7 @@ class DataSection:
     seed: int = 0
     workers: int = 0
     per_rank_loading: bool = True
+    prefetch: bool | None = None
 
 
 @dataclass

@@ -109,6 +109,41 @@ class _Forever:
             yield from self.sampler
 
 
+def _prefetched(batches: Iterator[MimoBatch], depth: int, pin: bool) -> Iterator[MimoBatch]:
+    """`batches`, prepared up to `depth` ahead by a background thread (decoding and tensor work
+    release the GIL), pinned when `pin`; an error preparing one is raised where it is consumed."""
+    import queue
+    import threading
+
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                item = batch.pin_memory() if pin else batch
+                while not stop.is_set():
+                    try:
+                        ready.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+            ready.put(e)
+
+    threading.Thread(target=produce, name="dtensor_mimo-prefetch", daemon=True).start()
+    try:
+        while True:
+            item = ready.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
 # ---------------------------------------------------------------------------- the trainer
 
 
@@ -192,17 +227,24 @@ class Trainer:
     def _batches(self) -> Iterator[MimoBatch]:
         """This rank's view of the global batches from the sampler's position on; the sampler
         advances as batches are consumed (its state is the checkpoint's data position)."""
-        plan = self._load_plan(self.config.data.batch_size, self.config.pipeline.microbatches)
-        workers = self.config.data.workers
-        if workers == 0:
+        d = self.config.data
+        plan = self._load_plan(d.batch_size, self.config.pipeline.microbatches)
+        prefetch = d.prefetch if d.prefetch is not None else self.model.device.type == "cuda"
+        if d.workers == 0 and not prefetch:
             for indices in _Forever(self.sampler):
                 yield plan(self.data.train.batch, indices)
             return
-        ahead = ResumableBatchSampler(len(self.data.train), self.config.data.batch_size, seed=self.config.data.seed)
+        ahead = ResumableBatchSampler(len(self.data.train), d.batch_size, seed=d.seed)
         ahead.load_state_dict(self.sampler.state_dict())  # the loader's own copy runs ahead
-        loader = DataLoader(_Batches(self.data.train, plan), sampler=_Forever(ahead), batch_size=None,
-                            num_workers=workers, collate_fn=_as_is, persistent_workers=True)
-        for batch, _ in zip(loader, _Forever(self.sampler)):
+        pin = self.model.device.type == "cuda"  # host-to-device copies then overlap the step
+        if d.workers == 0:  # one thread prepares the next batches while the step runs
+            batches: Iterator[MimoBatch] = _prefetched((plan(self.data.train.batch, i) for i in _Forever(ahead)),
+                                                       depth=2, pin=pin)
+        else:
+            batches = iter(DataLoader(_Batches(self.data.train, plan), sampler=_Forever(ahead), batch_size=None,
+                                      num_workers=d.workers, collate_fn=_as_is, persistent_workers=True,
+                                      pin_memory=pin))
+        for batch, _ in zip(batches, _Forever(self.sampler)):
             yield batch
 
     def trainer_state(self) -> dict[str, Any]:
