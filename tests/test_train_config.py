@@ -194,3 +194,13 @@ def test_example_configs_parse_and_check(path: str) -> None:
     config = parse_args(["--config", path])
     assert isinstance(config, TrainerConfig)
     check_config(config, build_layout(config).world_size)
+
+
+def test_a_directory_without_tokenizer_files_is_named_as_such(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    from dtensor_mimo.train.modules import load_tokenizer
+
+    (tmp_path / "config.json").write_text("{}")  # a model directory, its tokenizer elsewhere
+    config = parse_args(["--data.format", "llava", "--data.path", "x", "--data.tokenizer", str(tmp_path), *IMAGE])
+    with pytest.raises(ConfigError, match="no tokenizer files there .*tokenizer.json.*point data.tokenizer"):
+        load_tokenizer(config)

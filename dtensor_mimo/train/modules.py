@@ -277,6 +277,10 @@ def _library_image_processor(size: int) -> Any:
     return cls(size={"height": size, "width": size})
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+"""A tokenizer directory holds at least one of these (what transformers' tokenizers read)."""
+
+
 def load_tokenizer(config: TrainerConfig) -> Any:
     """The language model's tokenizer (`data.tokenizer` or `model.language.hf`) with a placeholder
     token for each encoder's modality added (``<image>``, ``<audio>``) when it lacks one."""
@@ -286,6 +290,9 @@ def load_tokenizer(config: TrainerConfig) -> Any:
 
     key = "data.tokenizer" if config.data.tokenizer else f"model.{LANGUAGE}.hf"
     path = _directory(key, config.data.tokenizer or config.model.language.hf)
+    if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ConfigError(f"{key} = {path!r}: no tokenizer files there (none of {', '.join(TOKENIZER_FILES)}); "
+                          "point data.tokenizer at the directory that has them (e.g. the instruct model's)")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001
