@@ -277,7 +277,8 @@ def _library_image_processor(size: int) -> Any:
     return cls(size={"height": size, "width": size})
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
 """A tokenizer directory holds at least one of these (what transformers' tokenizers read)."""
 
 
