@@ -28,3 +28,25 @@ def test_transformer_flops_by_hand() -> None:
     # 2 params/token forward + 4 * layers * seq * dim per token; x3 when trained
     assert metrics.transformer_flops(100, 10, 2, 8, 5, False) == 2 * 100 * 10 + 4 * 2 * 5 * 8 * 10
     assert metrics.transformer_flops(100, 10, 2, 8, 5, True) == 3 * (2 * 100 * 10 + 4 * 2 * 5 * 8 * 10)
+
+
+def test_phase_times_between_cuda_events_are_read_once_when_used() -> None:
+    """`train_step`'s GPU phase timings (`Elapsed`) wait for their end event only when used, once."""
+    from dtensor_mimo.optim.step import Elapsed
+
+    class Event:  # the two calls Elapsed makes of a torch.cuda.Event
+        waits = 0
+
+        def __init__(self, t: float) -> None:
+            self.t = t
+
+        def synchronize(self) -> None:
+            Event.waits += 1
+
+        def elapsed_time(self, end: "Event") -> float:  # milliseconds, as CUDA's
+            return (end.t - self.t) * 1e3
+
+    phase = Elapsed(Event(1.0), Event(1.25))
+    assert Event.waits == 0  # recording a phase waits for nothing
+    assert float(phase) == 0.25 and phase * 1e3 == 250.0 and f"{phase:.1f}" == "0.2" and sum([phase, phase]) == 0.5
+    assert Event.waits == 1

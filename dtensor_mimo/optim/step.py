@@ -32,15 +32,41 @@ class StepMetrics:
 
 
 class Elapsed:
-    """A phase's seconds between two CUDA events, read when first converted (``float(e)``): the
-    phase timing adds no device sync to the step; reading it waits for the phase's end."""
+    """A phase's seconds between two CUDA events, read when first used as a number (``float(e)``,
+    arithmetic, formatting): the phase timing adds no device sync to the step; reading it waits
+    for the phase's end (``json.dumps`` needs ``float(e)``)."""
 
     def __init__(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         self.start, self.end = start, end
+        self._seconds: float | None = None
 
     def __float__(self) -> float:
-        self.end.synchronize()
-        return self.start.elapsed_time(self.end) / 1e3
+        if self._seconds is None:
+            self.end.synchronize()
+            self._seconds = self.start.elapsed_time(self.end) / 1e3
+        return self._seconds
+
+    def __add__(self, other: float) -> float:
+        return float(self) + float(other)
+
+    __radd__ = __add__
+
+    def __sub__(self, other: float) -> float:
+        return float(self) - float(other)
+
+    def __mul__(self, other: float) -> float:
+        return float(self) * float(other)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other: float) -> float:
+        return float(self) / float(other)
+
+    def __format__(self, spec: str) -> str:
+        return format(float(self), spec)
+
+    def __repr__(self) -> str:
+        return f"Elapsed({float(self)!r})"
 
 
 def _mark(device: torch.device) -> float | torch.cuda.Event:
