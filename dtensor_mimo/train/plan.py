@@ -326,12 +326,12 @@ def calibrate_runtime(config: TrainerConfig, job: Job, device: DeviceProfile,
 
 def calibrate_collectives(config: TrainerConfig, job: Job, device: DeviceProfile, world: int,
                           log: Callable[[str], None] = print) -> float | None:
-    """`Link.collective_s` (the wait per ring step) for `world` local ranks, fitted to a short real run of the homogeneous
-    layout (every module on every rank, dp = world: FSDP2 gathers and reduce-scatters every block,
-    the collectives every other layout has too): the per-collective cost that makes its prediction
-    the measured step. A ping-pong between idle processes misses what a collective costs when its
-    peers are busy computing on shared cores (each waits to be scheduled); None when the batch
-    does not split over `world` ranks."""
+    """`Link.collective_s`, the wait per ring step of a collective, for `world` local ranks: fitted
+    to a short real run of the homogeneous layout (every module on every rank, dp = world: FSDP2
+    gathers and reduce-scatters every block, the collectives every other layout has too) so that
+    its prediction is the measured step. A ping-pong between idle processes misses what a
+    collective costs when its peers are busy computing on shared cores (each waits to be
+    scheduled); None when the batch does not split over `world` ranks."""
     base = homogeneous(job, world)
     if base is None:
         return None
