@@ -674,10 +674,14 @@ def _read_moved(raw: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"{old} and {new} are both set; {old} is the old name of {new}: keep {new}")
         raw = {**raw, old_section: {k: v for k, v in section.items() if k != old_key}}
         raw = _deep_update(raw, {new_section: {new_key: section[old_key]}})
-        if os.environ.get("RANK", "0") == "0":
-            warnings.warn(f"{old} is now {new}; {old} will stop being read in a later release",
-                          FutureWarning, stacklevel=3)
+        _tell(f"{old} is now {new}; {old} will stop being read in a later release", FutureWarning)
     return raw
+
+
+def _tell(message: str, category: type[Warning]) -> None:
+    """A warning about the config, once (rank 0 of a torchrun world, where every rank parses it)."""
+    if os.environ.get("RANK", "0") == "0":
+        warnings.warn(message, category, stacklevel=4)
 
 
 def _with_schedule_steps(raw: dict[str, Any]) -> dict[str, Any]:
@@ -694,6 +698,8 @@ def _with_schedule_steps(raw: dict[str, Any]) -> dict[str, Any]:
     warmup = schedule.get("warmup_steps", LRSchedule.warmup_steps)
     if isinstance(warmup, int) and isinstance(schedule["total_steps"], int) and warmup >= schedule["total_steps"]:
         schedule["warmup_steps"] = schedule["total_steps"] // 2
+        _tell(f"lr_schedule.warmup_steps = {warmup} is not below the schedule's {schedule['total_steps']} steps: "
+              f"warming up for {schedule['warmup_steps']} steps", UserWarning)
     # merged last: a bad train.steps is then named before the schedule that depends on it
     return {**{k: v for k, v in raw.items() if k != "lr_schedule"}, "lr_schedule": schedule}
 
