@@ -5,12 +5,15 @@
 
 ``fn`` must be a module-level function (it is pickled by reference). Every rank runs
 ``fn(*args, **kwargs)`` with the default gloo process group initialised and one
-intra-op thread. Rank processes are spawned once per world size and reused across
-calls (spawning costs seconds on 2 cores), so ``fn`` must leave the default group
-usable. A failure on any rank raises `DistributedTestFailure` carrying that rank's
-traceback; a rank that does not finish within ``timeout`` seconds fails the test
-with the list of ranks still running. After a failure or a timeout the pool is
-killed (ranks may be stuck in a collective) and the next call spawns a fresh one.
+intra-op thread. Rank processes are spawned once and reused by every call (spawning and
+importing torch costs seconds per process on 2 cores): a call on N ranks runs on the pool's
+processes 0..N-1, spawning the ones missing, and when N differs from the previous call's world
+those processes leave the old default group and form a new one of N ranks (milliseconds). So
+``fn`` must leave the default group usable. A failure on any rank raises
+`DistributedTestFailure` carrying that rank's traceback; a rank that does not finish within
+``timeout`` seconds fails the test with the list of ranks still running. After a failure or a
+timeout the call's processes are killed (ranks may be stuck in a collective, and a group with
+collectives left pending cannot be left cleanly) and the next call spawns fresh ones.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from typing import Any, Callable
 DEFAULT_TIMEOUT = float(os.environ.get("DTENSOR_MIMO_TEST_TIMEOUT", "120"))
 STARTUP_TIMEOUT = 120.0  # spawning + importing torch, not counted in a call's timeout
 FAILURE_GRACE_S = 3.0  # after the first failing rank, how long the others get to report
-MAX_POOLS = 3  # live pools kept (each rank is a process holding torch, ~0.3 GB: 8 + 7 + 6 ranks at most)
 
 
 class DistributedTestFailure(AssertionError):
@@ -42,76 +44,119 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+def _join(rank: int, group: tuple[int, int], current: tuple[int, int] | None) -> None:
+    """Make ``group`` (world size, port) this process's default group, leaving ``current``.
+
+    Leaving is safe: a process only ever leaves a group after a call in which every rank of it
+    finished (a failed call kills its processes instead)."""
+    import torch
+    import torch.distributed as dist
+
+    if current is not None:
+        dist.destroy_process_group()
+        # Caches keyed by DeviceMesh contents, not identity, would hand a new mesh of the same
+        # ranks the old one's group names: DTensor's sharding propagation (its output specs hold
+        # the mesh; torch's own C++ cache) and compiled graphs (traced with the names).
+        torch._C._clear_DTensor_sharding_propagator_cache()
+        torch._dynamo.reset()
+    world_size, port = group
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
+
+
+def _worker(rank: int, tasks, results) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
     results.put((0, rank, True, None))  # ready: the per-call timeout starts after start-up
+    current = None
     while True:
         item = tasks.get()
         if item is None:
             break
-        job, fn, args, kwargs = item
+        job, group, fn, args, kwargs = item
         try:
+            if group != current:
+                _join(rank, group, current)
+                current = group
             payload, ok = pickle.dumps(fn(*args, **kwargs)), True
         except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
             payload, ok = traceback.format_exc(), False
         results.put((job, rank, ok, payload))
-    dist.destroy_process_group()
+    if current is not None:
+        dist.destroy_process_group()
 
 
 class _RankPool:
-    def __init__(self, world_size: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.world_size = world_size
-        self.results = ctx.Queue()
-        self.tasks = [ctx.Queue() for _ in range(world_size)]
-        port = _free_port()
-        self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results),
-                        daemon=True, name=f"rank{r}of{world_size}")
-            for r in range(world_size)
-        ]
-        for p in self.procs:
-            p.start()
+    """Rank processes by position; a call on N ranks uses positions 0..N-1."""
+
+    def __init__(self) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.results = self.ctx.Queue()
+        self.procs: list[Any] = []  # a process, or None where one was killed
+        self.tasks: list[Any] = []
+        self.group: tuple[int, int] | None = None  # (world size, port) that positions 0..N-1 share
         self.job = 0
-        ready, deadline = 0, time.monotonic() + STARTUP_TIMEOUT
-        while ready < world_size:
+
+    def _spawn(self, world_size: int) -> None:
+        self.procs += [None] * (world_size - len(self.procs))
+        self.tasks += [None] * (world_size - len(self.tasks))
+        new = [r for r in range(world_size) if self.procs[r] is None or not self.procs[r].is_alive()]
+        if not new:
+            return
+        for r in new:
+            if self.procs[r] is not None:  # died between calls: its peers' group is gone with it
+                self._kill(range(len(self.procs)))
+                return self._spawn(world_size)
+            self.tasks[r] = self.ctx.Queue()
+            self.procs[r] = self.ctx.Process(target=_worker, args=(r, self.tasks[r], self.results),
+                                             daemon=True, name=f"rank{r}")
+            self.procs[r].start()
+        ready, deadline = set(), time.monotonic() + STARTUP_TIMEOUT
+        while len(ready) < len(new):
             try:
-                self.results.get(timeout=max(deadline - time.monotonic(), 0.1))
-                ready += 1
+                job, rank, _, _ = self.results.get(timeout=max(deadline - time.monotonic(), 0.1))
+                if job == 0:
+                    ready.add(rank)
             except queue.Empty:
-                self.close(kill=True)
+                codes = [self.procs[r].exitcode for r in new]
+                self._kill(new)
                 raise DistributedTestFailure(
-                    f"{world_size} ranks did not start within {STARTUP_TIMEOUT:.0f} s "
-                    f"(exit codes {[p.exitcode for p in self.procs]})") from None
+                    f"rank processes {new} did not start within {STARTUP_TIMEOUT:.0f} s (exit codes {codes})") from None
 
-    def alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
+    def _kill(self, ranks) -> None:
+        for r in ranks:
+            if self.procs[r] is not None:
+                self.procs[r].kill()
+                self.procs[r].join(timeout=5)
+                self.procs[r] = self.tasks[r] = None
+        self.group = None  # every later call forms a new group, so survivors leave their old one
 
-    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+    def run(self, fn: Callable, world_size: int, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+        self._spawn(world_size)
+        if self.group is None or self.group[0] != world_size:
+            self.group = (world_size, _free_port())
         self.job += 1
-        for q in self.tasks:
-            q.put((self.job, fn, args, kwargs))
+        for q in self.tasks[:world_size]:
+            q.put((self.job, self.group, fn, args, kwargs))
         done: dict[int, Any] = {}
         failures: dict[int, str] = {}
         deadline = time.monotonic() + timeout
-        while len(done) + len(failures) < self.world_size:
+        procs = self.procs[:world_size]
+        while len(done) + len(failures) < world_size:
             wait = deadline - time.monotonic()
             if wait <= 0:
                 break
             try:
                 job, rank, ok, payload = self.results.get(timeout=min(wait, 1.0))
             except queue.Empty:
-                dead = [p.name for p in self.procs if not p.is_alive()]
+                dead = [p.name for p in procs if not p.is_alive()]
                 if dead:
                     failures.setdefault(-1, f"rank process(es) {dead} died (exit codes "
-                                        f"{[p.exitcode for p in self.procs]})")
+                                        f"{[p.exitcode for p in procs]})")
                     break
                 continue
             if job != self.job:
@@ -121,56 +166,46 @@ class _RankPool:
             else:
                 failures[rank] = payload
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-        if failures or len(done) < self.world_size:
-            self.close(kill=True)
+        if failures or len(done) < world_size:
+            self._kill(range(world_size))
             name = getattr(fn, "__qualname__", repr(fn))
-            hung = sorted(set(range(self.world_size)) - set(done) - set(failures))
-            parts = [f"{name} on {self.world_size} ranks:"]
+            hung = sorted(set(range(world_size)) - set(done) - set(failures))
+            parts = [f"{name} on {world_size} ranks:"]
             for rank in sorted(failures):
                 parts.append(f"--- rank {rank} raised:\n{failures[rank]}" if rank >= 0 else failures[rank])
             if hung:
                 why = "after another rank failed" if failures else f"within {timeout:.0f} s"
                 parts.append(f"--- ranks {hung} did not finish {why} (hang or deadlock)")
             raise DistributedTestFailure("\n".join(parts))
-        return [done[r] for r in range(self.world_size)]
+        return [done[r] for r in range(world_size)]
 
-    def close(self, kill: bool = False) -> None:
+    def close(self) -> None:
         for p, q in zip(self.procs, self.tasks):
-            if kill:
-                p.kill()
-            elif p.is_alive():
+            if p is not None and p.is_alive():
                 q.put(None)
         for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+            if p is not None:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+        self.procs, self.tasks, self.group = [], [], None
 
 
-_pools: dict[int, _RankPool] = {}
+_pool = _RankPool()
 
 
 def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT,
                  **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result."""
-    pool = _pools.pop(world_size, None)
-    if pool is not None and not pool.alive():
-        pool.close(kill=True)
-        pool = None
-    if pool is None:
-        while len(_pools) >= MAX_POOLS:  # evict the least recently used
-            _pools.pop(next(iter(_pools))).close()
-        pool = _RankPool(world_size)
-    _pools[world_size] = pool  # most recently used last
     try:
-        return pool.run(fn, args, kwargs, timeout)
-    except BaseException:  # a failure, or the call cut short (pytest-timeout, ^C): ranks may be mid-job
-        _pools.pop(world_size, None)
-        pool.close(kill=True)
+        return _pool.run(fn, world_size, args, kwargs, timeout)
+    except DistributedTestFailure:
+        raise
+    except BaseException:  # the call cut short (pytest-timeout, ^C): ranks may be mid-job
+        _pool._kill(range(min(world_size, len(_pool.procs))))
         raise
 
 
 @atexit.register
 def _shutdown() -> None:
-    for pool in _pools.values():
-        pool.close()
-    _pools.clear()
+    _pool.close()
