@@ -96,8 +96,10 @@ class SampleSource:
 
     format = ""
 
-    def __init__(self, files: Sequence[str], root: str, key: str = "data.path") -> None:
-        self.files, self.root, self.key = list(files), os.path.abspath(root), key
+    def __init__(self, files: Sequence[str], root: str, key: str = "data.path",
+                 written: str | Sequence[str] | None = None) -> None:
+        self.files, self.root, self.key = [os.path.abspath(f) for f in files], os.path.abspath(root), key
+        self.written = written if written is not None else (files[0] if len(files) == 1 else list(files))
         self._starts = [0]  # global index of each file indexed so far's first sample, then the next
         self.limit: int | None = None  # `first`: the samples after it are left out
 
@@ -105,8 +107,9 @@ class SampleSource:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_h_")}  # handles reopen
 
     def describe(self) -> str:
-        """What the user wrote, for messages: ``data.path = 'x.jsonl'`` (and the file count)."""
-        return f"{self.key} ({len(self.files)} files)" if len(self.files) > 1 else f"{self.key} = {self.files[0]!r}"
+        """What the user wrote, for messages: ``data.path = 'x-*.jsonl'`` (and the file count)."""
+        count = f" ({len(self.files)} files)" if len(self.files) > 1 else ""
+        return f"{self.key} = {self.written!r}{count}"
 
     # -- to implement
     def _count(self, k: int) -> int:
@@ -190,8 +193,8 @@ class JsonSource(SampleSource):
     format = "llava"
 
     def __init__(self, files: Sequence[str], root: str, key: str = "data.path",
-                 samples: list[dict[str, Any]] | None = None) -> None:
-        super().__init__(files, root, key)
+                 written: str | Sequence[str] | None = None, samples: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(files, root, key, written)
         self._lines: dict[int, np.ndarray | list[dict[str, Any]]] = {}  # per file: line bounds, or its samples
         if samples is not None:
             self._lines[0] = samples
@@ -290,8 +293,9 @@ class TarSource(SampleSource):
 
     format = "webdataset"
 
-    def __init__(self, files: Sequence[str], root: str, key: str = "data.path") -> None:
-        super().__init__(files, root, key)
+    def __init__(self, files: Sequence[str], root: str, key: str = "data.path",
+                 written: str | Sequence[str] | None = None) -> None:
+        super().__init__(files, root, key, written)
         self._shards: dict[int, tuple[list[str], list[dict[str, tuple[int, int]]]]] = {}
 
     def _index(self, k: int) -> tuple[list[str], list[dict[str, tuple[int, int]]]]:
@@ -378,7 +382,7 @@ class _Table:
     def _open(self) -> tuple[list[str], int]:
         if importlib.util.find_spec("pyarrow") is None:
             raise DataError(f"{self.describe}: data.format = 'hf' needs pyarrow and datasets: "
-                            "pip install 'dtensor_mimo[hf]'")
+                            "pip install 'dtensor_mimo[datasets]'")
         h = self.handle()
         if self.kind() == "parquet":
             return list(h.schema_arrow.names), h.metadata.num_rows
@@ -451,8 +455,9 @@ class ArrowSource(SampleSource):
 
     format = "hf"
 
-    def __init__(self, files: Sequence[str], root: str, key: str = "data.path") -> None:
-        super().__init__(files, root, key)
+    def __init__(self, files: Sequence[str], root: str, key: str = "data.path",
+                 written: str | Sequence[str] | None = None) -> None:
+        super().__init__(files, root, key, written)
         self._tables: dict[int, _Table] = {}
 
     def _table(self, k: int) -> _Table:
@@ -510,4 +515,4 @@ def open_source(format: str, path: str | Sequence[str], root: str | None, key: s
     files = expand_paths(path, key)
     base = root if root is not None else os.path.dirname(files[0])
     cls = {"llava": JsonSource, "webdataset": TarSource, "hf": ArrowSource}[format]
-    return cls(files, base, key)
+    return cls(files, base, key, path)
