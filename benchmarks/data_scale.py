@@ -14,6 +14,7 @@ Measured from outside the trainer, per run:
 | column              | what                                                                      |
 |---------------------|---------------------------------------------------------------------------|
 | first step s        | process start to the first step's record in the metrics JSONL (launcher preflight, rank start-up, data indexing, model build, step 1) |
+| CPU s               | user + system CPU seconds of the launcher and its ranks until then (less sensitive to a shared machine's load) |
 | RSS MiB rank r      | each rank's resident memory (``/proc/PID/status`` VmRSS) once the last step's record is written |
 | RSS peak MiB rank r | each rank's VmHWM then                                                     |
 
@@ -111,6 +112,19 @@ def _status(pid: int, key: str) -> float:
     return float("nan")
 
 
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds the processes `pids` have used so far."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            continue
+    return total
+
+
 def _records(path: str) -> list[dict]:
     try:
         with open(path) as f:
@@ -131,13 +145,14 @@ def run(workdir: str, path: str, steps: int, tag: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first = None
+    first = cpu = None
     rss: list[float] = []
     peak: list[float] = []
     while proc.poll() is None:
         records = _records(metrics)
         if records and first is None:
             first = time.perf_counter() - start
+            cpu = _cpu_s([proc.pid, *_rank_pids(proc.pid)])
         if len(records) >= steps and not rss:
             pids = _rank_pids(proc.pid)
             try:
@@ -150,7 +165,7 @@ def run(workdir: str, path: str, steps: int, tag: str) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"the trainer failed on {path}:\n{output[-4000:]}")
     checked = next((line for line in output.splitlines() if line.startswith("data: ")), "")
-    return {"first_step_s": first, "rss_mib": rss, "peak_rss_mib": peak, "total_s": time.perf_counter() - start,
+    return {"first_step_s": first, "first_step_cpu_s": cpu, "rss_mib": rss, "peak_rss_mib": peak, "total_s": time.perf_counter() - start,
             "losses": [r["loss"] for r in _records(metrics)], "preflight": checked}
 
 
@@ -177,7 +192,7 @@ def main() -> None:
             rows.append({"samples": n, "input": kind, "bytes": os.path.getsize(single), "generate_s": generated,
                          **result})
     base = {r["input"]: r for r in rows if r["samples"] == min(args.sizes)}
-    header = (f"{'samples':>9} {'input':<18} {'MB':>6} {'first step s':>12} "
+    header = (f"{'samples':>9} {'input':<18} {'MB':>6} {'first step s':>12} {'CPU s':>6} "
               + " ".join(f"{'RSS MiB r' + str(k):>12}" for k in range(2))
               + " ".join(f"{'+ vs ' + format(min(args.sizes), ',') + ' r' + str(k):>15}" for k in range(2)))
     print(header)
@@ -188,9 +203,11 @@ def main() -> None:
         ok &= r["first_step_s"] is not None and r["first_step_s"] <= TARGET_FIRST_STEP_S
         ok &= all(e < TARGET_EXTRA_MIB for e in extra)
         print(f"{r['samples']:>9,} {r['input']:<18} {r['bytes'] / 1e6:>6.0f} {r['first_step_s']:>12.1f} "
+              f"{r['first_step_cpu_s']:>6.1f} "
               + " ".join(f"{m:>12.0f}" for m in r["rss_mib"]) + " ".join(f"{e:>15.0f}" for e in extra))
     print(f"targets: first step <= {TARGET_FIRST_STEP_S:.0f} s, RSS above the {min(args.sizes):,}-sample run "
           f"< {TARGET_EXTRA_MIB:.0f} MiB per rank: {'met' if ok else 'NOT met'}")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(rows[-1]["preflight"])
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

@@ -30,7 +30,6 @@ from dtensor_mimo.data.conversation import (
     audio_inputs,
     check_samples,
     image_inputs,
-    item_paths,
 )
 from dtensor_mimo.data.sources import SampleSource, open_source
 from dtensor_mimo.train.config import LANGUAGE, ConfigError, TrainerConfig
@@ -270,7 +269,7 @@ def conversation_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainDa
     # Estimated from the first samples (FLOPs, the planner's costs): items per sample, times the
     # samples a packed row holds (exact: packing has measured every sample).
     per_row = 1.0 if train.rows is None else len(train.samples) / len(train)
-    items = {name: per_row * sum(len(item_paths(s, spec.modality)) for s in head) / len(head)
+    items = {name: per_row * sum(len(train_source.media(i, s, spec.modality)) for i, s in enumerate(head)) / len(head)
              for name, spec in media.items()}
     tokens = {name: mean_tokens(spec, train_source, head) for name, spec in media.items()}
     what = (f"all {len(head)} samples of {train_source.describe()}" if whole else
