@@ -336,18 +336,25 @@ class ConversationDataset(Dataset):
     """The samples of a LLaVA conversation file as `MimoBatch` rows of `seq_len` tokens.
 
     Args:
-        path: the JSON / JSONL file.
+        path: the JSON / JSONL file (a list of them or a glob) when `samples` is not given.
         tokenizer: a transformers tokenizer with a ``chat_template``, whose vocabulary holds the
             placeholders of `media` as single (added) tokens.
         media: ``{encoder name: MediaSpec}``; the batch's modality names are the encoder names.
         seq_len: row length; 0: the longest sample's (tokenizes every sample once).
-        root: media paths are relative to it (default: the file's directory).
+        root: media paths are relative to it (default: the first file's directory).
         truncate: cut longer samples at `seq_len` (an item that would be cut is dropped whole)
             instead of raising DataError with the sample id.
-        samples: already read samples (`read_samples`), to skip reading the file again.
+        samples: already read samples (`read_samples`), or a `SampleSource` of any format
+            (`dtensor_mimo.data.sources.open_source`): read by index when a batch wants them.
         pack: rows hold several samples each (greedy, in an order drawn from `seed`), as
             documents: ``document_ids`` and per-document ``positions`` keep them apart. The
             dataset's indices (`__len__`, `batch`) are then rows; ``dataset[i]`` stays sample i.
+        cache_samples: tokenized samples kept (the first met; int32 tokens): the rest are
+            tokenized again when met again.
+
+    Samples are tokenized (and their media headers read) when a batch first wants them, in the
+    process that builds the batch; nothing is read up front but the files' indexes, except with
+    `seq_len` 0 or `pack`, which need every sample's length.
     """
 
     def __init__(self, path: str | Sequence[str], tokenizer: Any, media: Mapping[str, MediaSpec], seq_len: int = 0,

@@ -12,9 +12,10 @@ Three formats hold the same LLaVA-style samples (``conversations``, ``id``, ``im
   a member is then one read at its offset. (The `webdataset` package streams shards in order,
   which gives no sample by index and so no exact resume.)
 - ``"hf"``: a Hugging Face `datasets` directory written by ``save_to_disk`` (memory-mapped by
-  ``datasets.load_from_disk``), or Parquet / Arrow files (pyarrow; Parquet a row group at a
-  time), with the samples' keys as columns; media as paths or bytes (an ``Image()`` column's
-  ``{"bytes", "path"}``).
+  ``datasets.load_from_disk``), or Parquet / Arrow files (pyarrow), with the samples' keys as
+  columns; media as paths or bytes (an ``Image()`` column's ``{"bytes", "path"}``). Arrow is
+  memory-mapped; Parquet is compressed by row group, so a sample costs decoding its row group
+  (the last one kept): for shuffled reads write small row groups or save_to_disk instead.
 
 Several files (a list, or a glob) are one sequence, in the order given (a glob's sorted).
 Media are named by references: a file's path, or ``SHARD[MEMBER]`` / ``FILE[row R COLUMN K]``

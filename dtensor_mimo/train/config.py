@@ -237,9 +237,11 @@ class DataSection:
         format: "digits" (the bundled digits task), "llava" (LLaVA conversation JSON / JSONL),
             "webdataset" (tar shards of LLaVA samples and their media) or "hf" (a Hugging Face
             datasets directory, Parquet or Arrow files).
-        seq_len: token row length (0: the longest sample's; rounded up for cp / sp).
+        seq_len: token row length (0: the longest sample's, for conversations only when the corpus
+            has at most 256 samples; rounded up for cp / sp).
         batch_size: rows per global batch (every module takes its dp shard of it).
-        heldout_samples: held-out samples scored at each evaluation (llava: 0 is all; digits: >= 1).
+        heldout_samples: held-out samples scored at each evaluation (conversations: 0 is all;
+            digits: >= 1).
         seed: which samples are drawn, and the sampler's shuffle.
         workers: loader processes per rank preparing this rank's encoder inputs (0: in the
             training process).
@@ -284,7 +286,8 @@ class ConversationData(DataSection):
     Attributes:
         path: the training data: a file, a list of files or a glob (one sequence, in that order).
         heldout: the held-out data scored at evaluations, as path (none: no evaluation).
-        root: media paths are relative to it (none: the training file's directory).
+        root: media paths are relative to it (none: the first training file's directory;
+            webdataset: unused, media are members of the shards).
         tokenizer: a tokenizer directory (none: model.language.hf).
         truncate: cut samples longer than seq_len (whole items only) instead of refusing them.
         pack: pack several samples into one row (document masks, per-document positions); needs
