@@ -14,7 +14,7 @@ text-only samples) is written as the reference JSON list and again as:
 | test_every_format_gives_the_json_batches    | token ids, labels, item counts and image tensors at the same indices == the JSON file's; lengths equal |
 | test_every_format_trains_to_the_same_losses | 4 trainer steps from each format: losses bit-identical to JSONL's |
 | test_format_errors_name_the_input           | a glob matching nothing, a tar sample without .json, an hf dataset without conversations: the launcher's config error names what was written and the fix, before any rank |
-| test_sources_read_lazily                    | a source indexes only the files its first samples need; exact resume position is the sampler's (unchanged) |
+| test_sources_read_lazily                    | a source indexes only the files its first samples need; blank lines and a last line without newline in JSONL |
 """
 
 from __future__ import annotations
@@ -210,6 +210,15 @@ def test_sources_read_lazily(corpus) -> None:
         assert source._lines == {}  # the head was read without indexing any file
         assert source[14]["id"] == "train-14" and sorted(source._lines) == [0, 1]  # the third shard untouched
         assert len(source) == SAMPLES and source.first(5)[4]["id"] == "train-4" and len(source.first(5)) == 5
+        # blank and whitespace-only lines skipped, the last line without its newline
+        conv = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]
+        with open("data/gaps.jsonl", "w") as f:
+            f.write("\n".join(["", json.dumps({"id": "a", "conversations": conv}), "   ", "",
+                               json.dumps({"id": "b", "conversations": conv}), " \t\r",
+                               "  " + json.dumps({"id": "c", "conversations": conv})]))
+        gaps = open_source("llava", "data/gaps.jsonl", None)
+        assert [s["id"] for s in gaps.head(9)] == ["a", "b", "c"]
+        assert len(gaps) == 3 and [gaps[i]["id"] for i in range(3)] == ["a", "b", "c"]
         tars = open_source("webdataset", "data/train-*.tar", None)
         assert tars[3]["id"] == "train-3" and sorted(tars._shards) == [0]
         ref = tars.media(3, tars[3], "image")[0] if tars[3].get("image") else None
