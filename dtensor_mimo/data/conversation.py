@@ -24,18 +24,21 @@ Needs ``transformers`` (the tokenizer and processors are its objects) and Pillow
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import wave
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from dtensor_mimo.data.batch import IGNORE_INDEX, MimoBatch, ModalityInputs
+
+if TYPE_CHECKING:
+    from dtensor_mimo.data.sources import SampleSource
 
 __all__ = ["Conversation", "ConversationDataset", "DataError", "MediaSpec", "read_samples", "check_samples",
            "image_inputs", "audio_inputs", "item_paths", "fit_image_size"]
@@ -98,34 +101,47 @@ class Conversation:
     item_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
+CACHE_SAMPLES = 65_536
+"""Tokenized samples a dataset keeps (the first met): a small corpus is tokenized once, a large
+one's memory stays bounded (each later epoch tokenizes again what did not fit)."""
+
+
+@dataclass(frozen=True)
+class _Tokenized:
+    """A sample as the cache keeps it: int32 tokens, the answer spans (the labels follow from
+    them), its items' references, shapes and rows."""
+
+    id: str
+    tokens: np.ndarray
+    answers: tuple[tuple[int, int], ...]
+    items: dict[str, tuple[str, ...]]
+    item_shapes: dict[str, list[tuple[int, ...]]]
+    item_tokens: dict[str, list[int]]
+
+    @property
+    def labels(self) -> np.ndarray:
+        """The next token at each position followed by an answer token, else IGNORE_INDEX."""
+        labels = np.full(len(self.tokens), IGNORE_INDEX, dtype=np.int64)
+        for start, stop in self.answers:
+            first = max(start, 1)
+            labels[first - 1:stop - 1] = self.tokens[first:stop]
+        return labels
+
+    def conversation(self) -> Conversation:
+        return Conversation(self.id, self.tokens.tolist(), self.labels.tolist(),
+                            {n: list(p) for n, p in self.items.items()}, list(self.answers),
+                            self.item_shapes, self.item_tokens)
+
+
 # ---------------------------------------------------------------------------- reading
 
 
 def read_samples(path: str) -> list[dict[str, Any]]:
     """The samples of a LLaVA JSON list or JSONL file (DataError names the file and line)."""
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: no such data file")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    stripped = text.lstrip()
-    if stripped.startswith("["):
-        try:
-            samples = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}: not valid JSON: {e}") from None
-    else:
-        samples = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    samples.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{number}: not valid JSON: {e}") from None
-    for number, sample in enumerate(samples):
-        if not isinstance(sample, dict) or not isinstance(sample.get("conversations"), list):
-            raise DataError(f"{path}: sample {number} ({str(sample)[:80]}) has no 'conversations' list")
-        sample.setdefault("id", str(number))
-    return samples
+    from dtensor_mimo.data.sources import JsonSource
+
+    source = JsonSource([path], os.path.dirname(path))
+    return [source[i] for i in range(len(source))]
 
 
 def item_paths(sample: Mapping[str, Any], modality: str) -> list[str]:
@@ -136,34 +152,34 @@ def item_paths(sample: Mapping[str, Any], modality: str) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def check_samples(samples: Sequence[Mapping[str, Any]], modalities: Iterable[str], root: str,
-                  source: str) -> None:
+def check_samples(source: SampleSource, samples: Sequence[Mapping[str, Any]], modalities: Iterable[str],
+                  where: str) -> None:
     """Without tokenizing or opening media: every turn has a known role and text, each sample's
-    placeholders match its items, every media file exists, and no sample carries a modality no
-    encoder takes. DataError names the sample id (and the path)."""
+    placeholders match its items, every media item exists, and no sample carries a modality no
+    encoder takes. `samples` are `source`'s first ones (`SampleSource.head`). DataError names
+    `where`, the sample id (and the item)."""
     modalities = set(modalities)
-    for sample in samples:
+    for index, sample in enumerate(samples):
         sid = sample["id"]
         for turn in sample["conversations"]:
             if not isinstance(turn, dict) or turn.get("from") not in ROLES or not isinstance(turn.get("value"), str):
-                raise DataError(f"{source}: sample {sid!r}: a turn {str(turn)[:80]} needs 'from' (one of "
+                raise DataError(f"{where}: sample {sid!r}: a turn {str(turn)[:80]} needs 'from' (one of "
                                 f"{sorted(ROLES)}) and a 'value' string")
         if not any(ROLES[t["from"]] == "assistant" for t in sample["conversations"]):
-            raise DataError(f"{source}: sample {sid!r} has no 'gpt' turn: nothing to learn from it")
+            raise DataError(f"{where}: sample {sid!r} has no 'gpt' turn: nothing to learn from it")
         text = "".join(t["value"] for t in sample["conversations"])
         for modality, placeholder in PLACEHOLDERS.items():
-            paths = item_paths(sample, modality)
-            if (paths or placeholder in text) and modality not in modalities:
-                raise DataError(f"{source}: sample {sid!r} has {modality} items but no encoder takes "
+            refs = source.media(index, sample, modality)
+            if (refs or placeholder in text) and modality not in modalities:
+                raise DataError(f"{where}: sample {sid!r} has {modality} items but no encoder takes "
                                 f"{modality!r} (model.encoders.<name>.modality)")
-            if text.count(placeholder) != len(paths):
-                raise DataError(f"{source}: sample {sid!r} has {text.count(placeholder)} {placeholder} "
-                                f"placeholder(s) but {len(paths)} {modality} item(s); put one {placeholder} "
+            if text.count(placeholder) != len(refs):
+                raise DataError(f"{where}: sample {sid!r} has {text.count(placeholder)} {placeholder} "
+                                f"placeholder(s) but {len(refs)} {modality} item(s); put one {placeholder} "
                                 "in the text where each item goes")
-            for p in paths:
-                full = os.path.join(root, p)
-                if not os.path.isfile(full):
-                    raise DataError(f"{source}: sample {sid!r}: {modality} file {full} does not exist")
+            for ref in refs:
+                if not source.exists(ref):
+                    raise DataError(f"{where}: sample {sid!r}: {modality} file {ref} does not exist")
 
 
 # ---------------------------------------------------------------------------- media
@@ -320,35 +336,53 @@ class ConversationDataset(Dataset):
     """The samples of a LLaVA conversation file as `MimoBatch` rows of `seq_len` tokens.
 
     Args:
-        path: the JSON / JSONL file.
+        path: the JSON / JSONL file (a list of them or a glob) when `samples` is not given.
         tokenizer: a transformers tokenizer with a ``chat_template``, whose vocabulary holds the
             placeholders of `media` as single (added) tokens.
         media: ``{encoder name: MediaSpec}``; the batch's modality names are the encoder names.
         seq_len: row length; 0: the longest sample's (tokenizes every sample once).
-        root: media paths are relative to it (default: the file's directory).
+        root: media paths are relative to it (default: the first file's directory).
         truncate: cut longer samples at `seq_len` (an item that would be cut is dropped whole)
             instead of raising DataError with the sample id.
-        samples: already read samples (`read_samples`), to skip reading the file again.
+        samples: already read samples (`read_samples`), or a `SampleSource` of any format
+            (`dtensor_mimo.data.sources.open_source`): read by index when a batch wants them.
         pack: rows hold several samples each (greedy, in an order drawn from `seed`), as
             documents: ``document_ids`` and per-document ``positions`` keep them apart. The
             dataset's indices (`__len__`, `batch`) are then rows; ``dataset[i]`` stays sample i.
+        cache_samples: tokenized samples kept (the first met; int32 tokens): the rest are
+            tokenized again when met again.
+
+    Samples are tokenized (and their media headers read) when a batch first wants them, in the
+    process that builds the batch; nothing is read up front but the files' indexes, except with
+    `seq_len` 0 or `pack`, which need every sample's length.
     """
 
-    def __init__(self, path: str, tokenizer: Any, media: Mapping[str, MediaSpec], seq_len: int = 0,
+    def __init__(self, path: str | Sequence[str], tokenizer: Any, media: Mapping[str, MediaSpec], seq_len: int = 0,
                  root: str | None = None, truncate: bool = False,
-                 samples: list[dict[str, Any]] | None = None, pack: bool = False, seed: int = 0) -> None:
+                 samples: Sequence[dict[str, Any]] | SampleSource | None = None, pack: bool = False, seed: int = 0,
+                 cache_samples: int = CACHE_SAMPLES) -> None:
+        from dtensor_mimo.data.sources import JsonSource, SampleSource, open_source
+
         if not getattr(tokenizer, "chat_template", None):
             raise DataError(f"the tokenizer ({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)}) has no "
                             "chat_template; use a chat (instruct) tokenizer or set tokenizer.chat_template")
         self.path, self.tokenizer, self.media = path, tokenizer, dict(media)
-        self.root = os.path.abspath(root if root is not None else os.path.dirname(path))
-        self.samples = read_samples(path) if samples is None else samples
+        if isinstance(samples, SampleSource):
+            self.source = samples
+        elif samples is not None:
+            first = path if isinstance(path, str) else path[0]
+            self.source = JsonSource([first], root if root is not None else os.path.dirname(first), samples=list(samples))
+        else:
+            self.source = open_source("llava", path, root)
+        self.samples = self.source  # sample i's dict as written: self.samples[i]
+        self.root = self.source.root
         self.truncate = truncate
         self.by_modality = {spec.modality: name for name, spec in self.media.items()}
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = 0 if pad is None else pad
-        self._cache: dict[int, Conversation] = {}
-        self.seq_len = seq_len or max(len(self[i].tokens) for i in range(len(self.samples)))
+        self.cache_samples = cache_samples
+        self._cache: dict[int, _Tokenized] = {}
+        self.seq_len = seq_len or max(len(self._record(i).tokens) for i in range(len(self.samples)))
         self.pack = pack
         self.rows = self._pack(seed) if pack else None
 
@@ -356,18 +390,22 @@ class ConversationDataset(Dataset):
         """Rows: samples, or packed rows of several samples."""
         return len(self.samples) if self.rows is None else len(self.rows)
 
-    def check_lengths(self) -> None:
-        """Tokenize every sample now (DataError names the first over `seq_len`, unless truncating)."""
-        for index in range(len(self.samples)):
-            self[index]
+    def check_lengths(self, limit: int | None = None) -> int:
+        """Tokenize the first `limit` samples (None: all) now: DataError names the first over
+        `seq_len` (unless truncating), a placeholder without its item, an unreadable media header.
+        Returns the longest one's token count."""
+        count = len(self.samples) if limit is None else min(limit, len(self.samples))
+        return max((len(self._record(index).tokens) for index in range(count)), default=0)
 
     def _pack(self, seed: int) -> list[list[int]]:
-        """Samples in an order drawn from `seed`, each appended to the current row while it fits."""
+        """Samples in an order drawn from `seed`, each appended to the current row while it fits.
+        Every sample's length is needed up front: this tokenizes the whole corpus (in each rank,
+        lengths kept as int32), the one whole-corpus pass left (windowed packing would remove it)."""
         order = torch.randperm(len(self.samples), generator=torch.Generator().manual_seed(seed)).tolist()
         rows: list[list[int]] = []
         used = self.seq_len
         for index in order:
-            n = len(self[index].tokens)
+            n = len(self._record(index).tokens)
             if used + n > self.seq_len:
                 rows.append([])
                 used = 0
@@ -375,10 +413,18 @@ class ConversationDataset(Dataset):
             used += n
         return rows
 
+    def _record(self, index: int) -> _Tokenized:
+        """Sample `index` tokenized: from the cache (the first `cache_samples` met are kept, int32
+        tokens, labels rebuilt from the answer spans), else tokenized now."""
+        record = self._cache.get(index)
+        if record is None:
+            record = self._tokenize(index)
+            if len(self._cache) < self.cache_samples:
+                self._cache[index] = record
+        return record
+
     def __getitem__(self, index: int) -> Conversation:
-        if index not in self._cache:
-            self._cache[index] = self._tokenize(self.samples[index])
-        return self._cache[index]
+        return self._record(index).conversation()
 
     # -------------------------------------------------------------- tokenization
     def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
@@ -386,8 +432,9 @@ class ConversationDataset(Dataset):
                                                   add_generation_prompt=generation_prompt)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _tokenize(self, sample: Mapping[str, Any]) -> Conversation:
+    def _tokenize(self, index: int) -> _Tokenized:
         """Token ids with each placeholder expanded, labels on the assistant tokens."""
+        sample = self.samples[index]
         sid = str(sample["id"])
         messages = [{"role": ROLES[t["from"]], "content": t["value"]} for t in sample["conversations"]]
         ids = self._render(messages, False)
@@ -407,7 +454,7 @@ class ConversationDataset(Dataset):
                 end = len(upto) - upto[::-1].index(eos)
             for t in range(len(prompt), end):
                 assistant[t] = True
-        items = {name: item_paths(sample, self.media[name].modality) for name in self.media}
+        items = {name: self.source.media(index, sample, self.media[name].modality) for name in self.media}
         shapes = {name: [self._item_shape(name, p) for p in paths] for name, paths in items.items()}
         sizes = {name: [self._item_tokens(sid, name, shape) for shape in found] for name, found in shapes.items()}
         # Expand placeholders: item k's token -> as many copies of the encoder's id as it gives rows.
@@ -442,8 +489,6 @@ class ConversationDataset(Dataset):
                 kept = sum(1 for s, n in zip(found, sizes[name]) if s + n <= cut)
                 items[name], shapes[name], sizes[name] = items[name][:kept], shapes[name][:kept], sizes[name][:kept]
             tokens, is_answer = tokens[:cut], is_answer[:cut]
-        labels = [tokens[t + 1] if is_answer[t + 1] else IGNORE_INDEX for t in range(len(tokens) - 1)]
-        labels.append(IGNORE_INDEX)
         answers, t = [], 0
         while t < len(is_answer):
             if is_answer[t]:
@@ -453,14 +498,13 @@ class ConversationDataset(Dataset):
                 answers.append((start, t))
             else:
                 t += 1
-        root = self.root
-        return Conversation(sid, tokens, labels, {n: [os.path.join(root, p) for p in ps] for n, ps in items.items()},
-                            answers, shapes, sizes)
+        return _Tokenized(sid, np.asarray(tokens, dtype=np.int32), tuple(answers),
+                          {n: tuple(ps) for n, ps in items.items()}, shapes, sizes)
 
     def _item_shape(self, name: str, path: str) -> tuple[int, ...]:
         """Encoder input shape of one item (its file's header when items have their own sizes)."""
         spec = self.media[name]
-        return spec.shape_of(os.path.join(self.root, path)) if spec.varied else spec.item_shape
+        return spec.shape_of(self.source.open(path)) if spec.varied else spec.item_shape
 
     def _item_tokens(self, sid: str, name: str, shape: tuple[int, ...]) -> int:
         spec = self.media[name]
@@ -481,7 +525,7 @@ class ConversationDataset(Dataset):
                 read). None: everything. ``{}``: token rows and item counts only.
         """
         members = [[i] for i in indices] if self.rows is None else [self.rows[i] for i in indices]
-        return self._batch([[self[i] for i in row] for row in members], load, packed=self.rows is not None)
+        return self._batch([[self._record(i) for i in row] for row in members], load, packed=self.rows is not None)
 
     def prompts(self, indices: Sequence[int], load: Mapping[str, Iterable[int]] | None = None) -> MimoBatch:
         """Samples `indices` cut where their first answer starts, with only the items before it:
@@ -500,7 +544,7 @@ class ConversationDataset(Dataset):
                                      {n: s.item_tokens[n][:k] for n, k in kept.items()})])
         return self._batch(cut, load, packed=False)
 
-    def _batch(self, rows: list[list[Conversation]], load: Mapping[str, Iterable[int]] | None,
+    def _batch(self, rows: list[list[Conversation | _Tokenized]], load: Mapping[str, Iterable[int]] | None,
                packed: bool) -> MimoBatch:
         """Rows of one or more conversations each (documents), padded to `seq_len`."""
         shape = (len(rows), self.seq_len)
@@ -513,8 +557,8 @@ class ConversationDataset(Dataset):
             start = 0
             for doc, s in enumerate(members):
                 end = start + len(s.tokens)
-                tokens[row, start:end] = torch.tensor(s.tokens, dtype=torch.int64)
-                labels[row, start:end] = torch.tensor(s.labels, dtype=torch.int64)
+                tokens[row, start:end] = torch.as_tensor(np.asarray(s.tokens, dtype=np.int64))
+                labels[row, start:end] = torch.as_tensor(np.asarray(s.labels, dtype=np.int64))
                 documents[row, start:end] = doc
                 positions[row, start:end] = torch.arange(len(s.tokens))
                 start = end
@@ -544,7 +588,7 @@ class ConversationDataset(Dataset):
         item's shape (stride-0 views, no memory)."""
         spec = self.media[name]
         paths = [p for i, items in enumerate(rows) if i in wanted for p in items[name]]
-        loaded = iter(spec.prepare(paths) if paths else [])
+        loaded = iter(spec.prepare([self.source.open(p) for p in paths]) if paths else [])
         out = []
         for i, items in enumerate(rows):
             for path, shape in zip(items[name], shapes[i]):
@@ -565,7 +609,7 @@ class ConversationDataset(Dataset):
         paths = [p for i, items in enumerate(rows) if i in wanted for p in items[name]]
         if not paths:
             return torch.zeros(()).expand(total, *spec.item_shape)
-        loaded = spec.prepare(paths)
+        loaded = spec.prepare([self.source.open(p) for p in paths])
         if tuple(loaded.shape[1:]) != spec.item_shape:
             raise DataError(f"{name!r}: the processor gives items of shape {list(loaded.shape[1:])} but the "
                             f"encoder takes {list(spec.item_shape)}; fix the processor config (size) or the "

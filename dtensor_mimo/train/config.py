@@ -234,10 +234,14 @@ class DataSection:
     section (`DigitsData`, `ConversationData`), whose keys are also under ``[data]``.
 
     Attributes:
-        format: "digits" (the bundled digits task) or "llava" (LLaVA conversation JSON / JSONL).
-        seq_len: token row length (0: the longest sample's; rounded up for cp / sp).
+        format: "digits" (the bundled digits task), "llava" (LLaVA conversation JSON / JSONL),
+            "webdataset" (tar shards of LLaVA samples and their media) or "hf" (a Hugging Face
+            datasets directory, Parquet or Arrow files).
+        seq_len: token row length (0: the longest sample's, for conversations only when the corpus
+            has at most 256 samples; rounded up for cp / sp).
         batch_size: rows per global batch (every module takes its dp shard of it).
-        heldout_samples: held-out samples scored at each evaluation (llava: 0 is all; digits: >= 1).
+        heldout_samples: held-out samples scored at each evaluation (conversations: 0 is all;
+            digits: >= 1).
         seed: which samples are drawn, and the sampler's shuffle.
         workers: loader processes per rank preparing this rank's encoder inputs (0: in the
             training process).
@@ -276,15 +280,18 @@ class DigitsData(DataSection):
 
 @dataclass
 class ConversationData(DataSection):
-    """``data.format = "llava"``: LLaVA conversations (JSON / JSONL) and their media.
+    """``data.format = "llava"``: LLaVA conversations (JSON / JSONL) and their media. The other
+    conversation formats (`WebDatasetData`, `HFData`) hold the same samples and take the same keys.
 
     Attributes:
-        path: the training file.
-        heldout: the held-out file scored at evaluations (none: no evaluation).
-        root: media paths are relative to it (none: the training file's directory).
+        path: the training data: a file, a list of files or a glob (one sequence, in that order).
+        heldout: the held-out data scored at evaluations, as path (none: no evaluation).
+        root: media paths are relative to it (none: the first training file's directory;
+            webdataset: unused, media are members of the shards).
         tokenizer: a tokenizer directory (none: model.language.hf).
         truncate: cut samples longer than seq_len (whole items only) instead of refusing them.
-        pack: pack several samples into one row (document masks, per-document positions).
+        pack: pack several samples into one row (document masks, per-document positions); needs
+            every sample's length, so each rank tokenizes the whole corpus once at the start.
         image_max_pixels: images of a dynamic_resolution encoder are resized, aspect ratio kept and
             each side a multiple of the patch, to at most this many pixels (0: the tower's
             image_size squared).
@@ -294,8 +301,8 @@ class ConversationData(DataSection):
     """
 
     format: Literal["llava"] = "llava"
-    path: str | None = None
-    heldout: str | None = None
+    path: str | list[str] | None = None
+    heldout: str | list[str] | None = None
     root: str | None = None
     tokenizer: str | None = None
     truncate: bool = False
@@ -303,6 +310,25 @@ class ConversationData(DataSection):
     image_max_pixels: int = 0
     image_min_pixels: int = 0
     audio_max_seconds: float = 0.0
+
+
+@dataclass
+class WebDatasetData(ConversationData):
+    """``data.format = "webdataset"``: uncompressed tar shards; the members sharing a key
+    (``KEY.json``, ``KEY.png``) are one sample, ``KEY.json`` its LLaVA sample whose ``image`` /
+    ``audio`` name members of the same sample (``"png"`` or ``"KEY.png"``). The keys of
+    `ConversationData`; `root` is unused (media are members)."""
+
+    format: Literal["webdataset"] = "webdataset"
+
+
+@dataclass
+class HFData(ConversationData):
+    """``data.format = "hf"``: a Hugging Face datasets directory (``save_to_disk``) or Parquet /
+    Arrow files with the samples' keys as columns (``conversations``, ``id``, ``image`` /
+    ``audio`` as paths under `root` or bytes). The keys of `ConversationData`."""
+
+    format: Literal["hf"] = "hf"
 
 
 @dataclass
@@ -383,7 +409,7 @@ class TrainerConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     lr_schedule: LRSchedule = field(default_factory=LRSchedule)
-    data: DigitsData | ConversationData = field(default_factory=DigitsData)
+    data: DigitsData | ConversationData | WebDatasetData | HFData = field(default_factory=DigitsData)
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
@@ -761,9 +787,12 @@ def help_text() -> str:
                 sources = typing.get_args(tp)
                 common = set.intersection(*(set(_fields(c)) for c in sources))
                 walk(type(value), value, f"{prefix}{f.name}.", common)
-                for source in sources:
-                    walk(source, source(), f"{prefix}{f.name}.", set(_fields(source)) - common,
-                         f"{source.format}: ")
+                shown: set[str] = set(common)
+                for source in sources:  # each key once, noting the formats that take it
+                    own = set(_fields(source)) - shown
+                    takes = [c.format for c in sources if own <= set(_fields(c))]
+                    walk(source, source(), f"{prefix}{f.name}.", own, f"{', '.join(takes)}: ")
+                    shown |= own
             elif dataclasses.is_dataclass(tp):
                 walk(tp, value, f"{prefix}{f.name}.")
             elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
@@ -893,13 +922,15 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         if kinds != {"vision": "image", "audio": "audio"} or any(e.hf or e.factory for e in config.model.encoders.values()):
             raise ConfigError(f"data.format = 'digits' trains the library's image encoder 'vision' and audio encoder "
                               f"'audio' (model.encoders: {kinds}); for your own modules and data use "
-                              "data.format = 'llava'")
+                              "data.format = 'llava' (or 'webdataset', 'hf')")
         positive("data.heldout_samples", data.heldout_samples)
     else:
         if not data.path:
-            raise ConfigError("data.format = 'llava' needs data.path (a LLaVA conversation JSON / JSONL file)")
+            what = {"llava": "LLaVA conversation JSON / JSONL files", "webdataset": "tar shards",
+                    "hf": "a save_to_disk directory, Parquet or Arrow files"}[data.format]
+            raise ConfigError(f"data.format = {data.format!r} needs data.path ({what}: a path, a list or a glob)")
         if not data.tokenizer and not lang.hf:
-            raise ConfigError("data.format = 'llava' needs a tokenizer: data.tokenizer = 'DIR' or "
+            raise ConfigError(f"data.format = {data.format!r} needs a tokenizer: data.tokenizer = 'DIR' or "
                               "model.language.hf = 'DIR' (a directory with tokenizer files)")
         if data.image_min_pixels and data.image_max_pixels and data.image_min_pixels > data.image_max_pixels:
             raise ConfigError(f"data.image_min_pixels = {data.image_min_pixels} is above data.image_max_pixels = "
@@ -945,6 +976,8 @@ def _refuse_unused(config: TrainerConfig) -> None:
         unused += [f"data.{n}" for n in _changed(config.data, ("image_max_pixels", "image_min_pixels"))]
     if not digits and not any(e.variable_length for e in encoders):
         unused += [f"data.{n}" for n in _changed(config.data, ("audio_max_seconds",))]
+    if config.data.format == "webdataset":  # media are members of the shards
+        unused += [f"data.{n}" for n in _changed(config.data, ("root",))]
     library = ("dim", "n_layers", "n_heads", "mlp_hidden", "image_size", "patch_size")
     for name, enc in config.model.encoders.items():
         key = f"model.encoders.{name}"
@@ -968,7 +1001,8 @@ def _refuse_unused(config: TrainerConfig) -> None:
         raise ConfigError(f"{', '.join(unused)}: not used by this config (the library model's sizes apply without "
                           "hf or factory; tokens_per_item and factory_args with a factory; feature_layer with an "
                           "image tower's hf; max_patches with dynamic_resolution; data.image_max_pixels, image_min_pixels "
-                          "(audio_max_seconds) with an encoder's dynamic_resolution (variable_length)); remove them")
+                          "(audio_max_seconds) with an encoder's dynamic_resolution (variable_length); data.root with files, not "
+                          "webdataset shards); remove them")
 
 
 def _check_source(key: str, hf: str | None, factory: str | None) -> None:

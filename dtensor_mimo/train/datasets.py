@@ -8,7 +8,6 @@ scored against the model's greedy predictions, and how a sample is prompted for 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
@@ -31,9 +30,8 @@ from dtensor_mimo.data.conversation import (
     audio_inputs,
     check_samples,
     image_inputs,
-    item_paths,
-    read_samples,
 )
+from dtensor_mimo.data.sources import SampleSource, open_source
 from dtensor_mimo.train.config import LANGUAGE, ConfigError, TrainerConfig
 from dtensor_mimo.train.modules import ResolvedModel
 
@@ -62,10 +60,14 @@ class TrainData:
         prompt: held-out index -> (prompt length, expected answer text, stop token id), or None
             for a sample with no answer to generate.
         decode: generated ids -> text.
-        items_per_sample: each encoder's expected items per sample (for FLOPs).
+        items_per_sample: each encoder's expected items per row (for FLOPs and the planner;
+            conversations: estimated from the first `CHECKED_SAMPLES` training samples).
         tokens_per_item: each encoder's expected rows per item (for FLOPs and the planner): the
             fixed count, or with items of their own size the mean of the data's (digits: over
             its sizes; conversations: over the first training items, from their headers).
+        known_rows: training rows known without indexing the whole corpus (all of them, or at
+            least this many): what the launcher checks data.batch_size against.
+        checked: one line: what the pre-launch checks read of the data, and what they did not.
     """
 
     train: BatchSource
@@ -76,6 +78,8 @@ class TrainData:
     decode: Callable[[list[int]], str]
     items_per_sample: dict[str, float]
     tokens_per_item: dict[str, float]
+    known_rows: int = 0
+    checked: str = ""
 
 
 def round_seq_len(config: TrainerConfig, minimum: int) -> int:
@@ -119,7 +123,7 @@ def digits_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainData:
 
     return TrainData(train, heldout, seq_len, score, prompt, decode,
                      {"vision": d.max_images / 2, "audio": d.max_tones / 2},
-                     {"vision": train.mean_tokens("vision"), "audio": train.mean_tokens("audio")})
+                     {"vision": train.mean_tokens("vision"), "audio": train.mean_tokens("audio")}, len(train))
 
 
 # ---------------------------------------------------------------------------- conversations
@@ -146,79 +150,104 @@ def media_specs(resolved: ResolvedModel) -> dict[str, MediaSpec]:
 MEAN_TOKENS_ITEMS = 64
 """Items whose headers estimate an encoder's mean rows per item when items have their own sizes."""
 
+CHECKED_SAMPLES = 256
+"""Samples read and checked before training, from the start of each file list (JSON shape,
+placeholders against items, media existence; the launcher also tokenizes them): the other samples
+are checked when a rank first reads them. Estimates of the whole corpus come from these too."""
 
-def mean_tokens(spec: MediaSpec, samples: Sequence[Mapping[str, Any]], root: str) -> float:
+
+def mean_tokens(spec: MediaSpec, source: SampleSource, samples: Sequence[Mapping[str, Any]]) -> float:
     """The expected rows per item of `spec`'s encoder: fixed, or the mean over the first
-    `MEAN_TOKENS_ITEMS` items of `samples` (their headers only)."""
+    `MEAN_TOKENS_ITEMS` items of `samples` (`source`'s first ones; their headers only): an estimate."""
     if not spec.varied:
         return float(spec.tokens_per_item)
-    paths = [p for s in samples for p in item_paths(s, spec.modality)][:MEAN_TOKENS_ITEMS]
+    refs = [r for i, s in enumerate(samples) for r in source.media(i, s, spec.modality)][:MEAN_TOKENS_ITEMS]
     counts = []
-    for p in paths:
+    for ref in refs:
         try:
-            counts.append(spec.tokens_for(spec.shape_of(os.path.join(root, p))))
+            counts.append(spec.tokens_for(spec.shape_of(source.open(ref))))
         except ValueError:  # the dataset names the sample when it meets it
             continue
     return sum(counts) / len(counts) if counts else float(spec.tokens_per_item)
 
 
-def read_checked(config: TrainerConfig, path: str, key: str) -> tuple[list[dict[str, Any]], str]:
-    """A conversation file's samples, checked (placeholders, media files), and its media root."""
+def open_checked(config: TrainerConfig, path: str | list[str], key: str,
+                 least: int = 0) -> tuple[SampleSource, list[dict[str, Any]]]:
+    """The `data.format` source of `path` and its first ``max(CHECKED_SAMPLES, least)`` samples,
+    checked (JSON shape, placeholders, media exist); nothing else of the corpus is read."""
     try:
-        samples = read_samples(path)
-        root = os.path.abspath(config.data.root or os.path.dirname(path))
-        check_samples(samples, [e.modality for e in config.model.encoders.values()], root, f"{key} = {path!r}")
+        source = open_source(config.data.format, path, config.data.root, key)
+        head = source.head(max(CHECKED_SAMPLES, least))
+        check_samples(source, head, [e.modality for e in config.model.encoders.values()], source.describe())
     except DataError as e:
         raise ConfigError(str(e)) from None
-    if not samples:
+    if not head:
         raise ConfigError(f"{key} = {path!r} holds no samples")
-    return samples, root
+    return source, head
 
 
-def conversation_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainData:
-    """A LLaVA conversation file (and its held-out file) for the config's encoders."""
-    d = config.data
-    media = media_specs(resolved)
-    train_samples, root = read_checked(config, d.path, "data.path")
-    for name, spec in media.items():  # one item through the processor: its shape against the encoder's
-        first = next((s for s in train_samples if s.get(spec.modality)), None)
+def _probe_processors(media: dict[str, MediaSpec], source: SampleSource, head: list[dict[str, Any]]) -> None:
+    """One item of each encoder through its processor: its shape against the encoder's (fixed
+    shapes are then taken from it: `media` is updated)."""
+    for name, spec in media.items():
+        first = next(((i, s) for i, s in enumerate(head) if s.get(spec.modality)), None)
         if first is None:
             continue
-        path = os.path.join(root, item_paths(first, spec.modality)[0])
+        ref = source.media(first[0], first[1], spec.modality)[0]
         if spec.varied:  # the processor's output against the header's prediction, and the encoder takes it
             try:
-                shape, predicted = tuple(spec.prepare([path])[0].shape), spec.shape_of(path)
+                shape, predicted = tuple(spec.prepare([source.open(ref)])[0].shape), spec.shape_of(source.open(ref))
                 spec.tokens_for(shape)
             except (DataError, ValueError) as e:
                 raise ConfigError(f"model.encoders.{name}: {e}") from None
             if shape != predicted:
-                raise ConfigError(f"model.encoders.{name}: its processor turns {path} into {list(shape)}, not the "
+                raise ConfigError(f"model.encoders.{name}: its processor turns {ref} into {list(shape)}, not the "
                                   f"{list(predicted)} its header gives (and the token rows count); use a processor "
                                   "that resizes to the size it is given (SigLIP, CLIP) or a Whisper feature extractor")
             continue
         try:
-            shape = tuple(spec.prepare([path]).shape[1:])
+            shape = tuple(spec.prepare([source.open(ref)]).shape[1:])
         except DataError as e:
             raise ConfigError(str(e)) from None
         if spec.item_shape and shape != spec.item_shape:
-            raise ConfigError(f"model.encoders.{name}: its processor turns {path} into {list(shape)} but the "
+            raise ConfigError(f"model.encoders.{name}: its processor turns {ref} into {list(shape)} but the "
                               f"encoder takes {list(spec.item_shape)}; give the processor the encoder's input size "
                               "(processor = 'DIR', or the preprocessor_config.json of its hf directory)")
         media[name] = MediaSpec(spec.modality, spec.special_token_id, spec.tokens_per_item, shape, spec.prepare)
+
+
+def conversation_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainData:
+    """Conversation data of `data.format` (and its held-out data) for the config's encoders.
+
+    Lazy: the sources index their files when a rank first needs them (`len` for the sampler);
+    samples are tokenized and media probed when a batch wants them. What the whole corpus would
+    give (items per sample, rows per item) is estimated from its first `CHECKED_SAMPLES`."""
+    d = config.data
+    media = media_specs(resolved)
+    train_source, head = open_checked(config, d.path, "data.path", d.batch_size)
+    _probe_processors(media, train_source, head)
+    whole = len(head) < max(CHECKED_SAMPLES, d.batch_size)  # the head is the whole corpus
     try:
         seq_len = round_seq_len(config, d.seq_len) if d.seq_len else 0
-        if not seq_len:  # the longest sample's, rounded for cp / sp
-            probe = ConversationDataset(d.path, resolved.tokenizer, media, 0, root, d.truncate, train_samples)
+        if not seq_len:  # the longest sample's, rounded for cp / sp: only where that is cheap
+            if not whole:
+                probe = ConversationDataset(d.path, resolved.tokenizer, media, 1 << 30, truncate=d.truncate,
+                                            samples=train_source.first(len(head)))
+                raise ConfigError(f"data.seq_len = 0 takes the longest sample's length, which needs every sample of "
+                                  f"{train_source.describe()} tokenized; give data.seq_len (the first {len(head)} "
+                                  f"samples' longest has {probe.check_lengths()} tokens)")
+            probe = ConversationDataset(d.path, resolved.tokenizer, media, 0, truncate=d.truncate,
+                                        samples=train_source)
             seq_len = round_seq_len(config, probe.seq_len)
-        train = ConversationDataset(d.path, resolved.tokenizer, media, seq_len, root, d.truncate, train_samples,
-                                    pack=d.pack, seed=d.seed)
+        train = ConversationDataset(d.path, resolved.tokenizer, media, seq_len, truncate=d.truncate,
+                                    samples=train_source, pack=d.pack, seed=d.seed)
         heldout = None
         if d.heldout:
-            held_samples, held_root = read_checked(config, d.heldout, "data.heldout")
+            held_source, _ = open_checked(config, d.heldout, "data.heldout")
             if d.heldout_samples:
-                held_samples = held_samples[:d.heldout_samples]
-            heldout = ConversationDataset(d.heldout, resolved.tokenizer, media, train.seq_len, held_root,
-                                          d.truncate, held_samples)
+                held_source = held_source.first(d.heldout_samples)
+            heldout = ConversationDataset(d.heldout, resolved.tokenizer, media, train.seq_len, truncate=d.truncate,
+                                          samples=held_source)
     except DataError as e:
         raise ConfigError(str(e)) from None
     tokenizer = resolved.tokenizer
@@ -237,12 +266,20 @@ def conversation_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainDa
                  for name, m in batch.modalities.items()}
         return exact_match(batch, pred, parts)
 
-    rows = len(train)  # items per row: several samples' when packed
-    items = {name: sum(len(item_paths(s, spec.modality)) for s in train_samples) / rows
+    # Estimated from the first samples (FLOPs, the planner's costs): items per sample, times the
+    # samples a packed row holds (exact: packing has measured every sample).
+    per_row = 1.0 if train.rows is None else len(train.samples) / len(train)
+    items = {name: per_row * sum(len(train_source.media(i, s, spec.modality)) for i, s in enumerate(head)) / len(head)
              for name, spec in media.items()}
-    tokens = {name: mean_tokens(spec, train_samples, root) for name, spec in media.items()}
+    tokens = {name: mean_tokens(spec, train_source, head) for name, spec in media.items()}
+    what = (f"all {len(head)} samples of {train_source.describe()}" if whole else
+            f"the first {len(head)} samples of {train_source.describe()}")
+    checked = (f"checked {what} (JSON shape, placeholders, media files exist, token lengths) and one item through "
+               f"each processor" + ("" if whole else "; not checked: the other samples (a rank names the first "
+                                    "that fails when it reads it); items per sample estimated from these"))
     return TrainData(train, heldout, train.seq_len, score, prompt,
-                     lambda ids: tokenizer.decode(ids, skip_special_tokens=True).strip(), items, tokens)
+                     lambda ids: tokenizer.decode(ids, skip_special_tokens=True).strip(), items, tokens,
+                     len(head) if train.rows is None else len(train), checked)
 
 
 def train_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainData:

@@ -25,23 +25,27 @@ from dtensor_mimo.layout.world import abort, init_distributed
 
 def preflight(config: TrainerConfig) -> None:
     """What can be checked from files before any process starts: Hugging Face directories and
-    their architectures, the tokenizer and its chat template, processors, the data files (every
-    sample's placeholders against its items, every media file's existence, lengths when
-    data.seq_len is 0), the batch against the data, and `checkpoint.load`. Raises ConfigError."""
+    their architectures, the tokenizer and its chat template, processors, the data files (they
+    exist; the first `CHECKED_SAMPLES` samples' JSON shape, placeholders against items, media
+    files, token lengths: a bounded sample, never a pass over the whole corpus), the batch
+    against the data, and `checkpoint.load`. Prints one line saying what of the data it did not
+    check. Raises ConfigError."""
     from dtensor_mimo.train import checkpoint
-    from dtensor_mimo.train.datasets import train_data
+    from dtensor_mimo.train.datasets import CHECKED_SAMPLES, train_data
     from dtensor_mimo.train.modules import resolve
 
     data = train_data(config, resolve(config))
-    for dataset in (data.train, data.heldout):  # every sample's length against seq_len, now
+    for dataset in (data.train, data.heldout):  # the checked samples' lengths against seq_len, now
         check = getattr(dataset, "check_lengths", None)
         if check is not None:
             try:
-                check()
+                check(CHECKED_SAMPLES)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-    if len(data.train) < config.data.batch_size:
-        raise ConfigError(f"data.batch_size = {config.data.batch_size} is more than the {len(data.train)} training "
+    if data.checked:
+        print(f"data: {data.checked}", flush=True)
+    if data.known_rows < config.data.batch_size:
+        raise ConfigError(f"data.batch_size = {config.data.batch_size} is more than the {data.known_rows} training "
                           f"rows of {config.data.path} (samples, or packed rows with data.pack)")
     if config.checkpoint.load and not (config.checkpoint.dir and checkpoint.latest_checkpoint(config.checkpoint.dir)):
         try:

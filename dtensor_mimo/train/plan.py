@@ -80,7 +80,7 @@ def measure_profiles(config: TrainerConfig, log: Callable[[str], None] = print) 
     seq_len = data.seq_len
     modules = build_modules(config, resolved, seq_len, meta=False)
     b = config.data.batch_size
-    probe = data.train.batch(list(range(max(b, 64))), load=None)
+    probe = data.train.batch(list(range(max(b, 64))), load=None)  # the first samples only: read and tokenized now
 
     def fit_load(load: Callable[[list[int]], dict[str, list[int]]]) -> Affine:
         points = []
@@ -159,7 +159,8 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
             return torch.cat([items] * reps)[:n], n * e.tokens_per_item
 
         sizes = (4, 16, 48)
-        # the data's mean rows per item when items vary (e.tokens_per_item is then an upper bound)
+        # the data's mean rows per item when items vary (e.tokens_per_item is then an upper bound);
+        # conversations: both factors estimated from the first CHECKED_SAMPLES samples (train/datasets.py)
         tokens_per_sample = data.items_per_sample.get(name, 0.0) * data.tokens_per_item.get(name, e.tokens_per_item)
         width = module.out_dim if hasattr(module, "out_dim") else 0
         cfg = e.config

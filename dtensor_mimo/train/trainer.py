@@ -166,6 +166,9 @@ class Trainer:
         # On the meta device: each rank allocates and initializes only its own shards, below.
         self.modules = build_modules(config, self.resolved, self.seq_len, meta=True)
         d = config.data
+        # The exact sample count (the sampler's shuffle and the checkpoint's data position need it):
+        # conversation files are indexed here (JSONL line starts, tar headers, table row counts),
+        # no sample parsed or tokenized.
         self.sampler = ResumableBatchSampler(len(self.data.train), d.batch_size, seed=d.seed)
         self.expected_keys = checkpoint.expected_shapes(self.modules)
         self.flops_per_step = self._flops()

@@ -1,0 +1,519 @@
+"""Where conversation samples come from, read by index, lazily, in whichever process asks.
+
+Three formats hold the same LLaVA-style samples (``conversations``, ``id``, ``image`` / ``audio``):
+
+- ``"llava"``: JSON / JSONL files. A JSONL file is indexed on first use by one scan of its bytes
+  for line starts (8 bytes a sample, no JSON parsed); sample i is then one read and one
+  ``json.loads``. A JSON list has no lines to index and is parsed whole (use JSONL when large).
+- ``"webdataset"``: uncompressed tar shards; the members sharing a key (``KEY.json``,
+  ``KEY.png``, ...) are one sample, its ``.json`` the LLaVA sample, whose ``image`` / ``audio``
+  values name members of the same sample (``"png"`` or ``"KEY.png"``). A shard's member offsets
+  are indexed on first use (tar headers only, read with the standard library's `tarfile`);
+  a member is then one read at its offset. (The `webdataset` package streams shards in order,
+  which gives no sample by index and so no exact resume.)
+- ``"hf"``: a Hugging Face `datasets` directory written by ``save_to_disk`` (memory-mapped by
+  ``datasets.load_from_disk``), or Parquet / Arrow files (pyarrow), with the samples' keys as
+  columns; media as paths or bytes (an ``Image()`` column's ``{"bytes", "path"}``). Arrow is
+  memory-mapped; Parquet is compressed by row group, so a sample costs decoding its row group
+  (the last one kept): for shuffled reads write small row groups or save_to_disk instead.
+
+Several files (a list, or a glob) are one sequence, in the order given (a glob's sorted).
+Media are named by references: a file's path, or ``SHARD[MEMBER]`` / ``FILE[row R COLUMN K]``
+for bytes inside a shard or a table; `SampleSource.open` gives what Pillow and `wave` read.
+Sources pickle without their open handles (loader workers reopen them).
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import glob
+import importlib.util
+import io
+import json
+import mmap
+import os
+import re
+import tarfile
+from typing import Any, BinaryIO, Mapping, Sequence
+
+import numpy as np
+
+from dtensor_mimo.data.conversation import DataError, item_paths
+
+__all__ = ["FORMATS", "SampleSource", "JsonSource", "TarSource", "ArrowSource", "MediaBytes", "expand_paths",
+           "open_source"]
+
+FORMATS = ("llava", "webdataset", "hf")
+
+
+def expand_paths(path: str | Sequence[str], key: str) -> list[str]:
+    """`path` (a file, a list of files, a glob) as the files it names, globs sorted. DataError
+    names `key`, what was written, and the pattern that matched nothing or the missing file."""
+    patterns = [path] if isinstance(path, str) else list(path)
+    if not patterns:
+        raise DataError(f"{key} = []: give a file, a list of files or a glob such as 'data/train-*.jsonl'")
+    files: list[str] = []
+    for pattern in patterns:
+        if any(c in pattern for c in "*?["):
+            found = sorted(glob.glob(pattern, recursive=True))
+            if not found:
+                raise DataError(f"{key} = {path!r}: {pattern!r} matches no file (relative to {os.getcwd()}); "
+                                "fix the pattern or the directory you run from")
+            files += found
+        elif not os.path.exists(pattern):
+            raise DataError(f"{key} = {path!r}: {pattern} does not exist (relative to {os.getcwd()})")
+        else:
+            files.append(pattern)
+    return files
+
+
+class MediaBytes(io.BytesIO):
+    """A media item's bytes (a tar member, a table cell), named by its reference in errors."""
+
+    def __init__(self, data: bytes, ref: str) -> None:
+        super().__init__(data)
+        self.ref = ref
+
+    def __str__(self) -> str:
+        return self.ref
+
+    __repr__ = __str__
+
+
+def _check_sample(sample: Any, where: str) -> dict[str, Any]:
+    if not isinstance(sample, dict) or not isinstance(sample.get("conversations"), list):
+        raise DataError(f"{where} ({str(sample)[:80]}) has no 'conversations' list")
+    return sample
+
+
+class SampleSource:
+    """A sequence of LLaVA-style samples from files, read by index.
+
+    ``source[i]`` is sample i's dict as written (``id`` set to its index when absent);
+    `media` gives a sample's items of one modality as references, `open` a reference as a path
+    or a file object, `head` the first samples without indexing the rest of the corpus.
+    """
+
+    format = ""
+
+    def __init__(self, files: Sequence[str], root: str, key: str = "data.path",
+                 written: str | Sequence[str] | None = None) -> None:
+        self.files, self.root, self.key = [os.path.abspath(f) for f in files], os.path.abspath(root), key
+        self.written = written if written is not None else (files[0] if len(files) == 1 else list(files))
+        self._starts = [0]  # global index of each file indexed so far's first sample, then the next
+        self.limit: int | None = None  # `first`: the samples after it are left out
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_h_")}  # handles reopen
+
+    def describe(self) -> str:
+        """What the user wrote, for messages: ``data.path = 'x-*.jsonl'`` (and the file count)."""
+        count = f" ({len(self.files)} files)" if len(self.files) > 1 else ""
+        return f"{self.key} = {self.written!r}{count}"
+
+    # -- to implement
+    def _count(self, k: int) -> int:
+        """Samples in file `k` (indexing it)."""
+        raise NotImplementedError
+
+    def _read(self, k: int, j: int) -> dict[str, Any]:
+        """Sample `j` of file `k`, as written."""
+        raise NotImplementedError
+
+    def _head(self, k: int, n: int) -> list[dict[str, Any]]:
+        """Up to `n` first samples of file `k` (default: indexing it)."""
+        return [self._read(k, j) for j in range(min(n, self._count(k)))]
+
+    def media(self, index: int, sample: Mapping[str, Any], modality: str) -> list[str]:
+        """References of sample `index`'s items of `modality` (default: paths under `root`)."""
+        return [os.path.join(self.root, p) for p in item_paths(sample, modality)]
+
+    def open(self, ref: str) -> str | BinaryIO:
+        """What Pillow / `wave` read for `ref`: the path itself, or its bytes."""
+        return ref
+
+    def exists(self, ref: str) -> bool:
+        """Whether `ref` can be opened, checked cheaply (a file's existence)."""
+        return os.path.isfile(ref)
+
+    # -- the sequence
+    def _bounds(self, upto: int | None = None) -> list[int]:
+        """Each file's first global index, then the total, for the files up to the one holding
+        sample `upto` (None: every file); each file is indexed once, when first needed."""
+        starts = self._starts
+        while len(starts) <= len(self.files) and (upto is None or upto >= starts[-1]):
+            starts.append(starts[-1] + self._count(len(starts) - 1))
+        return starts
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        """(file, index in the file) of global sample `index`."""
+        starts = self._bounds(index)
+        if not 0 <= index < starts[-1] or (self.limit is not None and index >= self.limit):
+            raise IndexError(f"{self.describe()}: sample {index} of {starts[-1]}")
+        k = bisect.bisect_right(starts, index) - 1
+        return k, index - starts[k]
+
+    def __len__(self) -> int:
+        if self.limit is not None:
+            return min(self.limit, self._bounds(self.limit - 1)[-1])
+        return self._bounds()[-1]
+
+    def first(self, n: int) -> SampleSource:
+        """The first `n` samples (all if fewer), sharing this source's indexes."""
+        view = copy.copy(self)
+        view.limit = n if self.limit is None else min(n, self.limit)
+        return view
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        k, j = self._locate(index)
+        sample = self._read(k, j)
+        sample.setdefault("id", str(index))
+        return sample
+
+    def head(self, n: int) -> list[dict[str, Any]]:
+        """The first `n` samples (all if fewer), reading only the files they are in."""
+        out: list[dict[str, Any]] = []
+        for k in range(len(self.files)):
+            if len(out) >= n:
+                break
+            for sample in self._head(k, n - len(out)):
+                sample.setdefault("id", str(len(out)))
+                out.append(sample)
+        return out
+
+
+# ---------------------------------------------------------------------------- llava: JSON / JSONL
+
+_SCAN = 1 << 24  # bytes per numpy pass when finding line starts
+
+
+class JsonSource(SampleSource):
+    """LLaVA JSON lists and JSONL files (see the module docstring); ``samples``: already in memory."""
+
+    format = "llava"
+
+    def __init__(self, files: Sequence[str], root: str, key: str = "data.path",
+                 written: str | Sequence[str] | None = None, samples: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(files, root, key, written)
+        self._lines: dict[int, np.ndarray | list[dict[str, Any]]] = {}  # per file: line bounds, or its samples
+        if samples is not None:
+            self._lines[0] = samples
+
+    def _index(self, k: int) -> np.ndarray | list[dict[str, Any]]:
+        if k not in self._lines:
+            self._lines[k] = self._scan(self.files[k])
+        return self._lines[k]
+
+    def _scan(self, path: str) -> np.ndarray | list[dict[str, Any]]:
+        """``[2, n]`` int64 starts and ends of the non-blank lines of a JSONL file; a JSON list's samples."""
+        if not os.path.isfile(path):
+            raise DataError(f"{self.describe()}: {path}: no such data file")
+        size = os.path.getsize(path)
+        if size == 0:
+            return np.zeros((2, 0), dtype=np.int64)
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            first = re.search(rb"\S", mm[:4096])
+            if first is not None and mm[first.start():first.start() + 1] == b"[":
+                try:
+                    samples = json.loads(mm[:].decode("utf-8"))
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise DataError(f"{path}: not valid JSON: {e}") from None
+                if not isinstance(samples, list):
+                    raise DataError(f"{path}: a JSON file holds a list of samples")
+                return samples
+            data = np.frombuffer(mm, dtype=np.uint8)
+            newlines = [np.flatnonzero(data[s:s + _SCAN] == 10) + s for s in range(0, size, _SCAN)]
+            ends = np.concatenate(newlines + [np.array([size], dtype=np.int64)]).astype(np.int64)
+            starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+            keep = ends > starts
+            # a line starting with whitespace may be blank (skipped, as a JSONL reader does)
+            for i in np.flatnonzero(keep & (data[np.minimum(starts, size - 1)] <= 32)):
+                keep[i] = bool(mm[starts[i]:ends[i]].strip())
+            del data
+        return np.stack([starts[keep], ends[keep]])
+
+    def _count(self, k: int) -> int:
+        lines = self._index(k)
+        return len(lines) if isinstance(lines, list) else lines.shape[1]
+
+    def _parse(self, k: int, j: int, raw: bytes, start: int) -> dict[str, Any]:
+        try:
+            sample = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{self.files[k]}: the line at byte {start} (sample {j} of the file): "
+                            f"not valid JSON: {e}") from None
+        return _check_sample(sample, f"{self.files[k]}: sample {j}")
+
+    def _read(self, k: int, j: int) -> dict[str, Any]:
+        lines = self._index(k)
+        if isinstance(lines, list):
+            return dict(_check_sample(lines[j], f"{self.files[k]}: sample {j}"))
+        start, end = int(lines[0, j]), int(lines[1, j])
+        fd = self.__dict__.setdefault("_h_fds", {}).get(k)
+        if fd is None:
+            fd = self._h_fds[k] = os.open(self.files[k], os.O_RDONLY)
+        return self._parse(k, j, os.pread(fd, end - start, start), start)
+
+    def _head(self, k: int, n: int) -> list[dict[str, Any]]:
+        if k in self._lines:
+            return super()._head(k, n)
+        path = self.files[k]
+        if not os.path.isfile(path):
+            raise DataError(f"{self.describe()}: {path}: no such data file")
+        with open(path, "rb") as f:
+            start = f.read(4096).lstrip()
+            if start.startswith(b"["):
+                return super()._head(k, n)  # a JSON list: parsed whole
+            f.seek(0)
+            out, offset = [], 0
+            for line in f:
+                if line.strip():
+                    out.append(self._parse(k, len(out), line, offset))
+                    if len(out) >= n:
+                        break
+                offset += len(line)
+        return out
+
+
+# ---------------------------------------------------------------------------- webdataset: tar shards
+
+
+def _split_member(name: str) -> tuple[str, str] | None:
+    """WebDataset's rule: the key is the path up to the first dot of the base name."""
+    directory, _, base = name.rpartition("/")
+    stem, dot, suffix = base.partition(".")
+    if not dot or not stem:
+        return None
+    return (f"{directory}/{stem}" if directory else stem), suffix
+
+
+class TarSource(SampleSource):
+    """WebDataset tar shards (see the module docstring): each shard's index is built when a
+    sample of it is first wanted (`head`: the first shards only)."""
+
+    format = "webdataset"
+
+    def __init__(self, files: Sequence[str], root: str, key: str = "data.path",
+                 written: str | Sequence[str] | None = None) -> None:
+        super().__init__(files, root, key, written)
+        self._shards: dict[int, tuple[list[str], list[dict[str, tuple[int, int]]]]] = {}
+
+    def _index(self, k: int) -> tuple[list[str], list[dict[str, tuple[int, int]]]]:
+        """The shard's keys in order and each key's ``{suffix: (offset, size)}``."""
+        if k in self._shards:
+            return self._shards[k]
+        path = self.files[k]
+        members: dict[str, dict[str, tuple[int, int]]] = {}
+        try:
+            with tarfile.open(path, "r:") as tar:  # headers only: the data is skipped by seeking
+                for info in tar:
+                    if not info.isfile():
+                        continue
+                    split = _split_member(info.name)
+                    if split is not None:
+                        members.setdefault(split[0], {})[split[1]] = (info.offset_data, info.size)
+        except (tarfile.TarError, OSError) as e:
+            raise DataError(f"{self.describe()}: {path} is not an uncompressed tar file ({e}); webdataset "
+                            "shards are read by seeking, so write them uncompressed (tar cf, or "
+                            "webdataset.TarWriter on a .tar name)") from None
+        for key, found in members.items():
+            if "json" not in found:
+                raise DataError(f"{self.describe()}: {path}: sample {key!r} has no .json member (it has "
+                                f"{', '.join(sorted(key + '.' + s for s in found))}); each sample's conversation "
+                                f"goes in {key}.json beside its media (see data.format = 'webdataset')")
+        self._shards[k] = (list(members), list(members.values()))
+        return self._shards[k]
+
+    def _count(self, k: int) -> int:
+        return len(self._index(k)[0])
+
+    def _bytes(self, k: int, offset: int, size: int) -> bytes:
+        fd = self.__dict__.setdefault("_h_fds", {}).get(k)
+        if fd is None:
+            fd = self._h_fds[k] = os.open(self.files[k], os.O_RDONLY)
+        return os.pread(fd, size, offset)
+
+    def _read(self, k: int, j: int) -> dict[str, Any]:
+        keys, members = self._index(k)
+        where = f"{self.files[k]}[{keys[j]}.json]"
+        try:
+            sample = json.loads(self._bytes(k, *members[j]["json"]))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{where}: not valid JSON: {e}") from None
+        sample = _check_sample(sample, where)
+        sample.setdefault("id", keys[j])
+        return sample
+
+    def media(self, index: int, sample: Mapping[str, Any], modality: str) -> list[str]:
+        k, j = self._locate(index)
+        keys, members = self._index(k)
+        key, found = keys[j], members[j]
+        refs = []
+        for value in item_paths(sample, modality):
+            suffix = value if value in found else value[len(key) + 1:] if value.startswith(key + ".") else None
+            if suffix not in found:
+                raise DataError(f"{self.files[k]}: sample {sample.get('id', key)!r}: its {modality} {value!r} is "
+                                f"no member of the sample (it has {', '.join(sorted(key + '.' + s for s in found))});"
+                                f" name a member as 'png' or '{key}.png'")
+            refs.append(f"{self.files[k]}[{key}.{suffix}]")
+        return refs
+
+    def open(self, ref: str) -> BinaryIO:
+        path, _, member = ref[:-1].rpartition("[")
+        k = self.files.index(path)
+        keys, members = self._index(k)
+        key, suffix = _split_member(member)
+        return MediaBytes(self._bytes(k, *members[keys.index(key)][suffix]), ref)
+
+    def exists(self, ref: str) -> bool:
+        return True  # `media` found it in the shard's index
+
+
+# ---------------------------------------------------------------------------- hf: datasets / Parquet / Arrow
+
+
+class _Table:
+    """One file or directory of rows: its row count and row j as a dict (pyarrow / datasets)."""
+
+    def __init__(self, path: str, describe: str) -> None:
+        self.path, self.describe = path, describe
+        self.columns, self.rows = self._open()
+
+    def _open(self) -> tuple[list[str], int]:
+        if importlib.util.find_spec("pyarrow") is None:
+            raise DataError(f"{self.describe}: data.format = 'hf' needs pyarrow and datasets: "
+                            "pip install 'dtensor_mimo[datasets]'")
+        h = self.handle()
+        if self.kind() == "parquet":
+            return list(h.schema_arrow.names), h.metadata.num_rows
+        return list(h.column_names), h.num_rows
+
+    def kind(self) -> str:
+        if os.path.isdir(self.path):
+            return "dir"
+        return "parquet" if self.path.endswith(".parquet") else "arrow"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_h_")}
+
+    def handle(self) -> Any:
+        h = self.__dict__.get("_h_table")
+        if h is not None:
+            return h
+        kind = self.kind()
+        try:
+            if kind == "dir":
+                import datasets
+
+                if os.path.isfile(os.path.join(self.path, "dataset_dict.json")):
+                    splits = sorted(e for e in os.listdir(self.path) if os.path.isdir(os.path.join(self.path, e)))
+                    raise DataError(f"{self.describe}: {self.path} holds the splits {splits}; give one, e.g. "
+                                    f"{os.path.join(self.path, splits[0] if splits else 'train')!r}")
+                h = datasets.load_from_disk(self.path).with_format("arrow")
+            elif kind == "parquet":
+                import pyarrow.parquet as pq
+
+                h = pq.ParquetFile(self.path)
+            else:
+                import pyarrow as pa
+
+                source = pa.memory_map(self.path)
+                try:
+                    h = pa.ipc.open_file(source).read_all()
+                except pa.ArrowInvalid:
+                    h = pa.ipc.open_stream(pa.memory_map(self.path)).read_all()  # datasets' own files
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001 - pyarrow / datasets raise many kinds; named here
+            raise DataError(f"{self.describe}: {self.path}: not a save_to_disk directory, Parquet or Arrow file "
+                            f"({type(e).__name__}: {e})") from None
+        self._h_table = h
+        return h
+
+    def row(self, j: int) -> dict[str, Any]:
+        h = self.handle()
+        if self.kind() == "dir":
+            return h[j].to_pylist()[0]
+        if self.kind() == "parquet":  # one row group at a time, the last one kept
+            group, start = self.__dict__.get("_h_group", (None, -1))
+            meta = h.metadata
+            if not (group is not None and start <= j < start + group.num_rows):
+                start = 0
+                for g in range(meta.num_row_groups):
+                    n = meta.row_group(g).num_rows
+                    if j < start + n:
+                        group = h.read_row_group(g)
+                        break
+                    start += n
+                self._h_group = (group, start)
+            return group.slice(j - start, 1).to_pylist()[0]
+        return h.slice(j, 1).to_pylist()[0]
+
+
+class ArrowSource(SampleSource):
+    """Hugging Face `datasets` directories, Parquet and Arrow files (see the module docstring)."""
+
+    format = "hf"
+
+    def __init__(self, files: Sequence[str], root: str, key: str = "data.path",
+                 written: str | Sequence[str] | None = None) -> None:
+        super().__init__(files, root, key, written)
+        self._tables: dict[int, _Table] = {}
+
+    def _table(self, k: int) -> _Table:
+        if k not in self._tables:
+            table = _Table(self.files[k], self.describe())
+            if "conversations" not in table.columns:
+                raise DataError(f"{self.describe()}: {self.files[k]} has the columns {table.columns} but no "
+                                "'conversations' column (a list of {'from', 'value'} turns); rename yours, "
+                                "e.g. dataset.rename_column('messages', 'conversations'), and save it again")
+            self._tables[k] = table
+        return self._tables[k]
+
+    def _count(self, k: int) -> int:
+        return self._table(k).rows
+
+    def _read(self, k: int, j: int) -> dict[str, Any]:
+        row = self._table(k).row(j)
+        if row.get("id") is None:
+            row.pop("id", None)
+        return _check_sample(row, f"{self.files[k]}: row {j}")
+
+    def media(self, index: int, sample: Mapping[str, Any], modality: str) -> list[str]:
+        value = sample.get(modality)
+        values = [] if value is None else value if isinstance(value, list) else [value]
+        refs = []
+        for n, v in enumerate(values):
+            if isinstance(v, dict):  # datasets' Image() / Audio(): bytes, else a path
+                v = v.get("bytes") if v.get("bytes") is not None else v.get("path")
+            if isinstance(v, (bytes, bytearray)):
+                k, j = self._locate(index)
+                refs.append(f"{self.files[k]}[row {j} {modality} {n}]")
+            elif isinstance(v, str):
+                refs.append(os.path.join(self.root, v))
+            else:
+                raise DataError(f"{self.describe()}: sample {sample.get('id', index)!r}: its {modality} column holds "
+                                f"{type(v).__name__}; give paths (strings) or bytes")
+        return refs
+
+    def open(self, ref: str) -> str | BinaryIO:
+        match = re.fullmatch(r"(.*)\[row (\d+) (\w+) (\d+)\]", ref)
+        if match is None or match.group(1) not in self.files:
+            return ref
+        path, j, modality, n = match.group(1), int(match.group(2)), match.group(3), int(match.group(4))
+        value = self._table(self.files.index(path)).row(j)[modality]
+        value = value[n] if isinstance(value, list) else value
+        return MediaBytes(value["bytes"] if isinstance(value, dict) else value, ref)
+
+    def exists(self, ref: str) -> bool:
+        return re.fullmatch(r".*\[row \d+ \w+ \d+\]", ref) is not None or os.path.isfile(ref)
+
+
+def open_source(format: str, path: str | Sequence[str], root: str | None, key: str = "data.path") -> SampleSource:
+    """The source of `format` for `path` (a file, list of files or glob); media under `root`
+    (default: the first file's directory). Nothing is indexed yet. DataError names `key`."""
+    files = expand_paths(path, key)
+    base = root if root is not None else os.path.dirname(files[0])
+    cls = {"llava": JsonSource, "webdataset": TarSource, "hf": ArrowSource}[format]
+    return cls(files, base, key, path)

@@ -1,0 +1,228 @@
+"""The same conversations in every input format give the same batches and the same training.
+
+One tiny corpus (examples/make_tiny_llava.py: coloured-shape images, one or two a sample, and
+text-only samples) is written as the reference JSON list and again as:
+
+| format        | written as                                                         |
+|---------------|--------------------------------------------------------------------|
+| llava         | one JSONL file; three JSONL shards named by a glob; a list of them |
+| webdataset    | two tar shards: KEY.json + KEY.png / KEY.0.png, KEY.1.png members  |
+| hf            | a save_to_disk directory (images as bytes); Parquet files (paths)  |
+
+| test                                        | what                                                            |
+|---------------------------------------------|-----------------------------------------------------------------|
+| test_every_format_gives_the_json_batches    | token ids, labels, item counts and image tensors at the same indices == the JSON file's; lengths equal |
+| test_every_format_trains_to_the_same_losses | 4 trainer steps from each format: losses bit-identical to JSONL's |
+| test_format_errors_name_the_input           | a glob matching nothing, a tar sample without .json, an hf dataset without conversations: the launcher's config error names what was written and the fix, before any rank |
+| test_sources_read_lazily                    | a source indexes only the files its first samples need; blank lines and a last line without newline in JSONL |
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import tarfile
+
+import pytest
+import torch
+
+from tests.harness import run_on_ranks
+
+pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+datasets = pytest.importorskip("datasets")
+pq = pytest.importorskip("pyarrow.parquet")
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+CONFIG = os.path.abspath(os.path.join(ROOT, "examples", "llava_tiny.toml"))
+_spec = importlib.util.spec_from_file_location("make_tiny_llava", os.path.join(ROOT, "examples", "make_tiny_llava.py"))
+make = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make)
+
+SAMPLES = 40
+
+
+def _images(sample: dict) -> list[str]:
+    value = sample.get("image", [])
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _write_tar(path: str, samples: list[dict], data: str) -> None:
+    with tarfile.open(path, "w") as tar:
+        for sample in samples:
+            key = sample["id"].replace("-", "_")
+            paths = _images(sample)
+            names = ["png"] if len(paths) == 1 else [f"{k}.png" for k in range(len(paths))]
+            record = {k: v for k, v in sample.items() if k != "image"}
+            if paths:
+                record["image"] = names[0] if len(paths) == 1 else [f"{key}.{n}" for n in names]  # both spellings
+            members = [(f"{key}.json", json.dumps(record).encode())]
+            members += [(f"{key}.{n}", open(os.path.join(data, p), "rb").read()) for n, p in zip(names, paths)]
+            for name, payload in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict[str, list[str]]:
+    """The tiny checkpoints and one corpus in every format: ``{name: extra argv}``."""
+    out = str(tmp_path_factory.mktemp("formats"))
+    make.write_checkpoints(out)
+    make.write_data(out, train=SAMPLES, val=8)
+    data = os.path.join(out, "data")
+    samples = [json.loads(line) for line in open(os.path.join(data, "train.jsonl"))]
+    with open(os.path.join(data, "train.json"), "w") as f:
+        json.dump(samples, f, indent=1)
+    for k, part in enumerate((samples[:13], samples[13:30], samples[30:])):
+        with open(os.path.join(data, f"shard-{k}.jsonl"), "w") as f:
+            f.writelines(json.dumps(s) + "\n" for s in part)
+    _write_tar(os.path.join(data, "train-0.tar"), samples[:25], data)
+    _write_tar(os.path.join(data, "train-1.tar"), samples[25:], data)
+    columns = {"id": [s["id"] for s in samples], "conversations": [s["conversations"] for s in samples]}
+    with_bytes = datasets.Dataset.from_dict({**columns, "image": [[open(os.path.join(data, p), "rb").read()
+                                                                   for p in _images(s)] for s in samples]})
+    with_bytes.save_to_disk(os.path.join(data, "hf"))
+    with_paths = datasets.Dataset.from_dict({**columns, "image": [_images(s) for s in samples]})
+    with_paths.select(range(20)).to_parquet(os.path.join(data, "part-0.parquet"))
+    with_paths.select(range(20, SAMPLES)).to_parquet(os.path.join(data, "part-1.parquet"))
+    with_paths.remove_columns("conversations").save_to_disk(os.path.join(data, "no_conversations"))
+    llava = ["--data.format", "llava", "--data.root", "data"]
+    return {"dir": out,
+            "json": [*llava, "--data.path", "data/train.json"],
+            "jsonl": [*llava, "--data.path", "data/train.jsonl"],
+            "jsonl glob": [*llava, "--data.path", "data/shard-*.jsonl"],
+            "jsonl list": [*llava, "--data.path", '["data/shard-0.jsonl", "data/shard-1.jsonl", "data/shard-2.jsonl"]'],
+            "webdataset": ["--data.format", "webdataset", "--data.path", "data/train-*.tar", "--data.root", "none"],
+            "hf dir (bytes)": ["--data.format", "hf", "--data.path", "data/hf"],
+            "hf parquet (paths)": ["--data.format", "hf", "--data.path", "data/part-*.parquet", "--data.root", "data"]}
+
+
+FORMATS = ["jsonl", "jsonl glob", "jsonl list", "webdataset", "hf dir (bytes)", "hf parquet (paths)"]
+
+
+def _data(cwd: str, argv: list[str]):
+    from dtensor_mimo.train.config import parse_args
+    from dtensor_mimo.train.datasets import train_data
+    from dtensor_mimo.train.modules import resolve
+
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        config = parse_args(["--config", CONFIG, *argv, "--data.heldout", "none"])
+        return train_data(config, resolve(config))
+    finally:
+        os.chdir(here)
+
+
+def test_every_format_gives_the_json_batches(corpus) -> None:
+    reference = _data(corpus["dir"], corpus["json"])
+    indices = [3, 0, 17, 39, 25, 12, 24, 30]  # across every shard boundary
+    want = reference.train.batch(indices)
+    assert want.modalities["image"].items_per_sample.count(2) >= 1  # two-image samples are in it
+    for name in FORMATS:
+        got = _data(corpus["dir"], corpus[name])
+        assert len(got.train) == len(reference.train) == SAMPLES, name
+        batch = got.train.batch(indices)
+        assert torch.equal(batch.tokens, want.tokens) and torch.equal(batch.labels, want.labels), name
+        m, w = batch.modalities["image"], want.modalities["image"]
+        assert m.items_per_sample == w.items_per_sample, name
+        assert torch.equal(m.inputs, w.inputs), name
+        assert [got.train[i].id for i in indices] == [reference.train[i].id for i in indices], name
+        # a rank that encodes only sample 2 of the batch: the same rows, only that sample's pixels
+        part = got.train.batch(indices, load={"image": [2]})
+        assert torch.equal(part.tokens, want.tokens)
+        assert got.items_per_sample == reference.items_per_sample, name
+
+
+def _losses(cwd: str, runs: dict[str, list[str]], common: list[str]) -> dict[str, list[float]]:
+    """One process: a trainer run per format, its JSONL losses."""
+    from dtensor_mimo.train.config import parse_args
+    from dtensor_mimo.train.trainer import Trainer
+
+    here = os.getcwd()
+    os.chdir(cwd)
+    out = {}
+    try:
+        for name, argv in runs.items():
+            path = os.path.join(cwd, f"{name}.jsonl".replace(" ", "_"))
+            Trainer(parse_args(["--config", CONFIG, *argv, *common, "--metrics.jsonl", path])).run()
+            with open(path) as f:
+                out[name] = [r["loss"] for r in map(json.loads, f) if "loss" in r]
+    finally:
+        os.chdir(here)
+    return out
+
+
+def test_every_format_trains_to_the_same_losses(corpus) -> None:
+    common = ["--metrics.progress", "off", "--train.generate", "0", "--metrics.log_every", "1", "--train.steps", "4",
+              "--data.batch_size", "8", "--pipeline.microbatches", "1", "--checkpoint.export_hf", "none",
+              "--data.heldout", "none", "--layout.language.offset", "0", "--lr_schedule.warmup_steps", "1"]
+    runs = {name: corpus[name] for name in ["jsonl", "jsonl glob", "webdataset", "hf dir (bytes)",
+                                             "hf parquet (paths)"]}
+    losses = run_on_ranks(_losses, 1, corpus["dir"], runs, common, timeout=300)[0]
+    assert len(losses["jsonl"]) == 4
+    for name, got in losses.items():
+        assert got == losses["jsonl"], name  # the same batches: bit-identical
+
+
+def _config_error(cwd: str, argv: list[str], capsys) -> str:
+    from dtensor_mimo.train.launch import main
+
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        assert main(["--config", CONFIG, *argv]) == 2  # refused by the launcher: no rank started
+    finally:
+        os.chdir(here)
+    return capsys.readouterr().err
+
+
+def test_format_errors_name_the_input(corpus, tmp_path, capsys) -> None:
+    err = _config_error(corpus["dir"], ["--data.path", "data/nothing-*.jsonl"], capsys)
+    assert "data.path = 'data/nothing-*.jsonl'" in err and "matches no file" in err and "fix the pattern" in err
+    bad = os.path.join(corpus["dir"], "data", "bad.tar")
+    with tarfile.open(bad, "w") as tar:
+        for name in ("a.json", "b.png"):
+            info = tarfile.TarInfo(name)
+            payload = b'{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}'
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+    err = _config_error(corpus["dir"], ["--data.format", "webdataset", "--data.path", "data/bad.tar", "--data.root", "none"],
+                        capsys)
+    assert "data.path = 'data/bad.tar'" in err and "sample 'b' has no .json member (it has b.png)" in err
+    assert "b.json" in err
+    err = _config_error(corpus["dir"], ["--data.format", "hf", "--data.path", "data/no_conversations"], capsys)
+    assert "data.path = 'data/no_conversations'" in err and "no 'conversations' column" in err
+    assert "rename_column" in err
+
+
+def test_sources_read_lazily(corpus) -> None:
+    from dtensor_mimo.data.sources import open_source
+
+    cwd = os.getcwd()
+    os.chdir(corpus["dir"])
+    try:
+        source = open_source("llava", "data/shard-*.jsonl", "data")
+        assert [s["id"] for s in source.head(3)] == ["train-0", "train-1", "train-2"]
+        assert source._lines == {}  # the head was read without indexing any file
+        assert source[14]["id"] == "train-14" and sorted(source._lines) == [0, 1]  # the third shard untouched
+        assert len(source) == SAMPLES and source.first(5)[4]["id"] == "train-4" and len(source.first(5)) == 5
+        # blank and whitespace-only lines skipped, the last line without its newline
+        conv = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]
+        with open("data/gaps.jsonl", "w") as f:
+            f.write("\n".join(["", json.dumps({"id": "a", "conversations": conv}), "   ", "",
+                               json.dumps({"id": "b", "conversations": conv}), " \t\r",
+                               "  " + json.dumps({"id": "c", "conversations": conv})]))
+        gaps = open_source("llava", "data/gaps.jsonl", None)
+        assert [s["id"] for s in gaps.head(9)] == ["a", "b", "c"]
+        assert len(gaps) == 3 and [gaps[i]["id"] for i in range(3)] == ["a", "b", "c"]
+        tars = open_source("webdataset", "data/train-*.tar", None)
+        assert tars[3]["id"] == "train-3" and sorted(tars._shards) == [0]
+        ref = tars.media(3, tars[3], "image")[0] if tars[3].get("image") else None
+        if ref is not None:
+            assert ref.startswith(os.path.abspath(os.path.join("data", "train-0.tar")) + "[")
+    finally:
+        os.chdir(cwd)
