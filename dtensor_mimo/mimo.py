@@ -24,6 +24,7 @@ from dtensor_mimo.layout.mesh import check_agreement
 from dtensor_mimo.models.hf import hf_parts, plan_hf
 from dtensor_mimo.models.protocol import encoder_width, item_rule
 from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, finish_gradients, replica_problems
+from dtensor_mimo.parallelize.fp8 import check_fp8, refresh_fp8_scales
 from dtensor_mimo.schedule import (EncoderPipeline, LanguagePipeline, LanguageStage, PipelineConfig,
                                    check_microbatching, stage_inputs)
 from dtensor_mimo.schedule.checks import check_batch, check_model, overlapped
@@ -90,6 +91,8 @@ class MimoModel(nn.Module):
         super().__init__()
         check_model(layout, language, encoders, language_name, options or {}, pipeline)
         check_hops(bridge_hops, "MimoModel bridge_hops")
+        for name, opts in (options or {}).items():  # torchao and the GPU, before any group is made
+            check_fp8(name, opts.fp8, device_type)
         if not dist.is_initialized():
             raise RuntimeError("MimoModel needs torch.distributed initialised (torchrun + init_process_group)")
         # What every rank must build alike, compared in one all-gather before the first group is
@@ -244,6 +247,17 @@ class MimoModel(nn.Module):
             fill()
         if self.language_name in paths:
             self.uninitialized.discard(self.language_name)
+
+    def refresh_fp8_scales(self) -> None:
+        """After the weights changed (`MimoOptimizer.step` calls it; a checkpoint load): modules
+        with ``ParallelOptions(fp8="tensorwise")`` under FSDP2 recompute their weights' float8
+        scales in one all-reduce each (`dtensor_mimo.parallelize.fp8.refresh_fp8_scales`).
+        Call on every rank; modules without fp8 do nothing."""
+        for name in self.module_names:
+            if self.options[name].fp8 == "tensorwise":
+                for root in ([self.encoders[name]] if name in self.encoders else
+                             self.language_stages if name == self.language_name else []):
+                    refresh_fp8_scales(root)
 
     def check_replicas(self) -> None:
         """Debug check (call on every rank): every parameter copy that should be identical — over

@@ -332,13 +332,18 @@ def _reference(encoders: tuple[str, ...], packed: bool, frozen: tuple[str, ...],
                n_layers: int = 2, seq_lens: tuple[int, ...] = (64, 64, 64),
                autocast: torch.dtype | None = None, distinct: int | None = None,
                language_hf: str | None = None, custom_vision: bool = False,
-               custom_language: bool = False, text_only: tuple[int, ...] = (), varied: bool = False) -> list[dict]:
+               custom_language: bool = False, text_only: tuple[int, ...] = (), varied: bool = False,
+               prepare: Callable[[str, nn.Module], object] | None = None) -> list[dict]:
     """The single-process run; `autocast`: its forward under ``torch.autocast("cpu", autocast)``
     (the mixed precision reference), the loss in fp32. Items of different sizes (`varied`) are
-    encoded one call per item, not packed."""
+    encoded one call per item, not packed. `prepare(name, module)` changes each module in place
+    before training (e.g. fp8's Linear layers)."""
     llama, encs = _modules(encoders, frozen, n_layers, language_hf=language_hf, custom_vision=custom_vision,
                            custom_language=custom_language, varied=varied)
     modules = {**encs, "language": llama}
+    for name, module in modules.items():
+        if prepare is not None:
+            prepare(name, module)
     opts = {n: torch.optim.AdamW(m.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps,
                                  weight_decay=OPT.weight_decay) for n, m in modules.items()}
     records = []

@@ -68,6 +68,9 @@ class _OneProcess:
     def module_parameters(self, name: str) -> dict[str, nn.Parameter]:
         return dict(self.modules[name].named_parameters())
 
+    def refresh_fp8_scales(self) -> None:
+        """No fp8 modules here."""
+
 
 def _all_modules() -> dict[str, nn.Module]:
     llama, encoders = _modules(ENCODERS)

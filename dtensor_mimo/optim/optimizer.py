@@ -220,6 +220,7 @@ class MimoOptimizer:
                         torch._foreach_mul_(grads, coef)
         for opt in self.optimizers.values():
             opt.step()
+        self.model.refresh_fp8_scales()  # float8 all-gathers of the new weights
         self.updates += 1
         self._set_lrs()
         return True

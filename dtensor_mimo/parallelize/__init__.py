@@ -13,6 +13,7 @@ dp with gradients summed, optional per-block torch.compile.
 | replicas.py         | tp-replicated gradients made identical, replica comparison       |
 | checkpointing.py    | `checkpoint_blocks`: activation checkpointing per block          |
 | compile.py          | `compile_blocks`                                                 |
+| fp8.py              | fp8 per module: torchao's `Float8Linear`, which layers, checks   |
 """
 
 from dtensor_mimo.parallelize.checkpointing import checkpoint_blocks

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dtensor_mimo.parallelize.fp8 import FP8_RECIPES, FP8Recipe
+
 # The spellings a config file may use for a dtype (`ParallelOptions(param_dtype="bf16")`).
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
@@ -54,6 +56,12 @@ class ParallelOptions:
             by sample; the bridge plan takes the new owners directly (no extra hop). None
             (default): on for a (micro)batch whose items differ in size, off otherwise. Numerics
             unchanged. Every path balances: training steps, `model(batch)` and `predict`.
+        fp8: float8 training of the module's Linear layers through torchao (`dtensor_mimo.parallelize.fp8`):
+            "tensorwise" (one scale per tensor; FSDP2 all-gathers the weights in float8) or
+            "rowwise" (one scale per row, more accurate); None: off. Layers whose dims are not
+            multiples of 16 and the output head stay in the compute dtype (`param_dtype`, e.g.
+            bf16). Composes with tp/sp, compile and FSDP2; needs ``pip install 'dtensor_mimo[fp8]'``
+            and, on CUDA, compute capability 8.9+ (emulated on the CPU).
     """
 
     sp: bool = False
@@ -67,6 +75,7 @@ class ParallelOptions:
     loss_parallel: bool = True
     recompute_colocated: bool = False
     balance: bool | None = None
+    fp8: FP8Recipe | None = None
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -88,6 +97,9 @@ class ParallelOptions:
         if isinstance(ac, bool) or not isinstance(ac, int) or ac < 0:
             raise TypeError(f"ParallelOptions: activation_checkpointing={ac!r} must be an integer >= 0 "
                             "(0 off, 1 every block, n every n-th block)")
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"ParallelOptions: fp8={self.fp8!r} must be one of {', '.join(map(repr, FP8_RECIPES))} "
+                             "(torchao's float8 recipes) or None (off)")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise TypeError(f"ParallelOptions: compile_backend={self.compile_backend!r} must be a "
                             "backend name such as 'inductor' or 'aot_eager'")

@@ -1,6 +1,8 @@
 """`parallelize`: the one order every module part is parallelized in, whatever the module and
 wherever it runs (a whole module at pp = 1, a pipeline stage, a planner's measurement):
 
+0. fp8 (`ParallelOptions.fp8`): each stack's Linear layers become torchao's ``Float8Linear``
+   (`dtensor_mimo.parallelize.fp8`: which layers, and float8 all-gathers where FSDP2 shards);
 1. tensor parallel: each stack's own plan (`tp_plan`: the library's Llama, ViT / audio encoder
    and projection plans, or a user module's ``parallelize(tp_mesh, options)``);
 2. activation checkpointing of each stack's blocks (``layers``; a stack without, e.g. a
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -27,9 +30,10 @@ from dtensor_mimo.models import AudioEncoder, Llama, ModalityEncoder, Projection
 from dtensor_mimo.parallelize.checkpointing import checkpoint_blocks
 from dtensor_mimo.parallelize.compile import compile_blocks
 from dtensor_mimo.parallelize.encoders import apply_encoder_tp, apply_projection_tp
+from dtensor_mimo.parallelize.fp8 import convert_to_fp8, fp8_config
 from dtensor_mimo.parallelize.language import apply_llama_tp
 from dtensor_mimo.parallelize.options import ParallelOptions
-from dtensor_mimo.parallelize.precision import apply_data_parallel
+from dtensor_mimo.parallelize.precision import apply_data_parallel, uses_fsdp
 from dtensor_mimo.parallelize.tensor_parallel import tp_size
 
 TpPlan = Callable[[nn.Module, DeviceMesh, ParallelOptions], None]
@@ -69,20 +73,25 @@ def blocks(module: nn.Module) -> nn.ModuleDict | None:
 
 def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh | None,
                 options: ParallelOptions = ParallelOptions(), parts: Sequence[nn.Module] | None = None, *,
-                wrap_one_rank: bool = False) -> nn.Module:
+                wrap_one_rank: bool = False, name: str | None = None) -> nn.Module:
     """Parallelize the stacks `parts` held by `root` (default: `stacks(root)`; steps 1-3 each),
     then FSDP2 or autocast on `root` (step 4), in place; returns `root`. `tp_mesh`: the module's
     "tp" sub-mesh (None or size 1: no tensor parallel); `dp_mesh`: its flattened dp·cp sub-mesh,
     sharing one root mesh with `tp_mesh` (as `MimoLayout` builds them). A part without any
     blocks cannot take activation checkpointing (refused by name). `wrap_one_rank`: apply tensor
     parallel and FSDP2 on meshes of one rank too (nothing is sharded; the planner times their
-    per-call cost so)."""
+    per-call cost so). `name`: the module's name in errors (default: its class name)."""
     parts = stacks(root) if parts is None else list(parts)
+    name = name or type(root).__name__
     if options.activation_checkpointing and all(blocks(stack) is None for stack in parts):
-        raise ValueError(f"{type(root).__name__} has no `layers` ModuleDict of blocks to checkpoint; "
+        raise ValueError(f"{name} has no `layers` ModuleDict of blocks to checkpoint; "
                          "set activation_checkpointing=0")
+    fp8 = None if options.fp8 is None else fp8_config(
+        name, options.fp8, _device_type(root, tp_mesh, dp_mesh), uses_fsdp(options, dp_mesh, wrap_one_rank))
     units: list[nn.Module] = []  # FSDP2's units below the root
     for stack in parts:
+        if fp8 is not None:
+            convert_to_fp8(stack, fp8, name)
         if tp_size(tp_mesh) > 1 or (wrap_one_rank and tp_mesh is not None):
             tp_plan(stack)(stack, tp_mesh, options)
         layers = blocks(stack)
@@ -101,6 +110,14 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
     apply_data_parallel(root, dp_mesh, units, options, wrap_one_rank)
     return root
 
+
+def _device_type(root: nn.Module, *meshes: DeviceMesh | None) -> str:
+    """Where `root` will compute: its meshes' device type, else its parameters' ("cpu" on meta)."""
+    mesh = next((m for m in meshes if m is not None), None)
+    if mesh is not None:
+        return mesh.device_type
+    device = next((p.device for p in root.parameters()), torch.device("cpu"))
+    return "cpu" if device.type == "meta" else device.type
 
 
 parallelize_llama = parallelize_encoder = parallelize_projection = parallelize

@@ -154,7 +154,7 @@ class LanguagePipeline:
         for s in self.stage_indices:
             part = llama_stage(llama, bounds[s], s == 0, s == self.n_stages - 1)
             module = LanguageStage(part, s == 0, s == self.n_stages - 1, par.cp, self.cp_rank, self.dtype)
-            self.stages.append(parallelize(module, tp_mesh, dp_mesh, options, parts=[part]))
+            self.stages.append(parallelize(module, tp_mesh, dp_mesh, options, parts=[part], name=name))
         self._schedules: OrderedDict = OrderedDict()
 
     @property

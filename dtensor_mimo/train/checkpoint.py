@@ -352,6 +352,7 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
         del state[k]
     dcp.load(state, checkpoint_id=path)  # in place: parameters, AdamW state; the rest replaced
     model.uninitialized.clear()  # every parameter came from the checkpoint
+    model.refresh_fp8_scales()
     if rng in state:
         torch.set_rng_state(state[rng])
     trainer = json.loads(state["trainer"])

@@ -1,0 +1,124 @@
+"""FP8 training per module through torchao's float8 training (`ParallelOptions.fp8`).
+
+`parallelize` swaps a module's ``nn.Linear`` layers for torchao's ``Float8Linear`` first, before
+tensor parallel, checkpointing, compile and FSDP2 (the order torchtitan uses): each converted
+layer casts its input, weight and output gradient to float8 (e4m3) with dynamic scales and runs
+its three matmuls in float8, keeping fp32 master weights.
+
+- "tensorwise": one scale per tensor. Under FSDP2 the weights are all-gathered in float8
+  (``enable_fsdp_float8_all_gather``: half the bytes of bf16), and after each optimizer step
+  `refresh_fp8_scales` computes every weight's scale in one all-reduce
+  (``precompute_float8_dynamic_scale_for_fsdp``).
+- "rowwise": one scale per row (power-of-2 scales), more accurate; FSDP2 gathers in the
+  parameters' own precision (torchao's float8 all-gather is tensorwise only).
+
+Which layers convert (`converts_to_fp8`): every ``nn.Linear`` whose in and out features are
+multiples of 16 (what the float8 matmul kernels take), except the output head (a layer named
+one of `KEPT_HEADS`, e.g. the decoder's ``output`` or a user decoder's ``lm_head``): the logits
+stay in the compute dtype, as in torchtitan and Megatron-LM. Tensor parallel keeps its own plan:
+torch's Colwise/Rowwise styles shard ``Float8Linear`` like ``nn.Linear`` and the float8 casts
+run on each rank's shard (torchtitan's rowwise path; torchao's float8 tp styles would also send
+the tp all-gathers in float8, for tensorwise only).
+
+On CUDA float8 needs compute capability 8.9 or newer (Ada, Hopper, Blackwell); elsewhere (the
+CPU, gloo tests) torchao emulates the float8 matmuls (``emulate=True``: the same casts and
+rounding, the products in high precision). torchao is an optional extra
+(``pip install 'dtensor_mimo[fp8]'``), imported only where fp8 is asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from torchao.float8 import Float8LinearConfig
+
+FP8Recipe = Literal["tensorwise", "rowwise"]
+FP8_RECIPES: tuple[str, ...] = get_args(FP8Recipe)
+"""`ParallelOptions.fp8`'s values (torchao's recipe names); None: off."""
+
+KEPT_HEADS = ("output", "lm_head")
+"""Linear layers with these names stay in the compute dtype: the vocabulary head."""
+
+FP8_DIM_MULTIPLE = 16
+"""A Linear converts only when both its in and out features are multiples of this."""
+
+MIN_CAPABILITY = (8, 9)
+"""The CUDA compute capability from which float8 matmuls run in hardware."""
+
+
+def _torchao_float8(module: str) -> Any:
+    """``torchao.float8``, or an ImportError that names `module` and the install command."""
+    try:
+        return importlib.import_module("torchao.float8")
+    except ImportError as e:
+        raise ImportError(f"ParallelOptions(fp8=...) for module {module!r} needs torchao's float8 training, "
+                          f"which is not installed ({e}); install it with: pip install 'dtensor_mimo[fp8]' "
+                          "(torchao>=0.18), or set fp8 off for this module") from None
+
+
+def check_fp8(module: str, recipe: str | None, device_type: str) -> None:
+    """Raise before any process group is used if module `module` asks for fp8 (`recipe`) where
+    it cannot run: torchao not installed, or a CUDA device older than compute capability 8.9
+    (the current device's capability is named). None: nothing to check."""
+    if recipe is None:
+        return
+    _torchao_float8(module)
+    if device_type == "cuda":
+        capability = tuple(torch.cuda.get_device_capability())
+        if capability < MIN_CAPABILITY:
+            name = torch.cuda.get_device_name()
+            raise RuntimeError(
+                f"ParallelOptions(fp8={recipe!r}) for module {module!r}: {name} has compute capability "
+                f"{capability[0]}.{capability[1]}, float8 matmuls need {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
+                "or newer (H100, H200, L4, L40S, B200); set fp8 off for this module (and param_dtype='bf16')")
+
+
+def fp8_config(module: str, recipe: str, device_type: str, fsdp: bool) -> Float8LinearConfig:
+    """torchao's `Float8LinearConfig` for `recipe` on `device_type` (emulated off CUDA), with
+    float8 all-gathers where the module is FSDP2-sharded (`fsdp`) and the recipe is tensorwise."""
+    check_fp8(module, recipe, device_type)
+    config = _torchao_float8(module).Float8LinearConfig.from_recipe_name(recipe)
+    return dataclasses.replace(config, emulate=device_type != "cuda",
+                               enable_fsdp_float8_all_gather=fsdp and recipe == "tensorwise")
+
+
+def converts_to_fp8(layer: nn.Module, fqn: str) -> bool:
+    """Whether `layer` (named `fqn` inside its stack) becomes a ``Float8Linear``: an
+    ``nn.Linear`` with in and out features multiples of `FP8_DIM_MULTIPLE`, not named one of
+    `KEPT_HEADS`."""
+    return (isinstance(layer, nn.Linear) and fqn.rsplit(".", 1)[-1] not in KEPT_HEADS
+            and layer.in_features % FP8_DIM_MULTIPLE == 0 and layer.out_features % FP8_DIM_MULTIPLE == 0)
+
+
+def convert_to_fp8(stack: nn.Module, config: Float8LinearConfig, module: str) -> None:
+    """Swap `stack`'s Linear layers that `converts_to_fp8` selects for torchao's ``Float8Linear``
+    (in place; parameters keep their names, dtype and values)."""
+    _torchao_float8(module).convert_to_float8_training(stack, module_filter_fn=converts_to_fp8, config=config)
+
+
+def fp8_layers(module: nn.Module) -> list[str]:
+    """The names of `module`'s float8 Linear layers (torchao's ``Float8Linear``)."""
+    float8_linear = sys.modules.get("torchao.float8.float8_linear")  # none converted before torchao's import
+    if float8_linear is None:
+        return []
+    return [name for name, m in module.named_modules() if isinstance(m, float8_linear.Float8Linear)]
+
+
+@torch.no_grad()
+def refresh_fp8_scales(module: nn.Module) -> None:
+    """After the weights of `module` changed (an optimizer step, a load): recompute the float8
+    scales of its FSDP2 weights that are all-gathered in float8 (tensorwise), every weight in
+    one all-reduce, instead of one per weight at the next all-gather. Every rank of the
+    module's dp mesh calls it; a module without such weights does nothing (no collective)."""
+    if not fp8_layers(module):
+        return
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(module)

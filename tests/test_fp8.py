@@ -1,0 +1,208 @@
+"""FP8 training per module (`ParallelOptions(fp8=...)`, torchao's float8 training, emulated on CPU).
+
+The model and batches are `tests/test_mimo.py`'s (tiny ViT + projection, tiny Llama, 3 steps of
+AdamW at lr 1e-2 with clipping; 2 steps in the distributed cases). References: the same model trained in one process without fp8
+(fp32; and under bf16 autocast, for scale), and the one-process fp8 run for the distributed case.
+
+| case               | vision                 | language                  | world | against                 |
+|--------------------|------------------------|---------------------------|-------|-------------------------|
+| language tensorwise| fp32                   | fp8 tensorwise            | 1     | fp32 without fp8        |
+| language rowwise   | fp32                   | fp8 rowwise               | 1     | fp32 without fp8        |
+| vision rowwise     | fp8 rowwise            | fp32                      | 1     | fp32 without fp8        |
+| fsdp               | dp2 FSDP2, fp8 rowwise | dp2 FSDP2, fp8 tensorwise (float8 all-gather) | 2 (colocated) | the one-process fp8 run |
+| tp                 | dp2 FSDP2, fp8 rowwise | tp2 + sp, fp8 tensorwise, compiled (aot_eager) | 2 (colocated) | the one-process fp8 run |
+
+Tolerances. float8 e4m3 keeps 3 mantissa bits: each cast rounds by up to 2^-4 = 6% of the value
+(about 2 significant decimal digits), and e5m2 gradients by 2^-3. Over a dot product of K terms the
+rounding errors are independent and mostly cancel, so a layer's output moves by about
+6% / sqrt(K) of its size, and the loss by far less: fp8 against fp32 is held to 1% of the loss
+per step (2 significant digits; measured: at most 0.02%), and to differ from fp32 at all (the
+layers really ran in float8). The dp2 run casts each rank's own activations with its own scale,
+so it is not bitwise the one-process fp8 run: its losses are held to 0.2% of them (measured:
+at most 0.01%); tp casts the same replicated activations and whole-tensor weight scales as one
+process (measured: equal in fp32).
+
+Errors: a misspelt recipe (options and trainer config), fp8 without torchao, fp8 on a GPU older
+than compute capability 8.9: each names the module and the fix, before any process group.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from dtensor_mimo import MimoLayout, MimoModel, ParallelOptions, Parallelism
+from dtensor_mimo.models import Llama, ViT, ViTConfig
+from dtensor_mimo.parallelize import parallelize
+from dtensor_mimo.parallelize.fp8 import check_fp8, fp8_layers
+from dtensor_mimo.train.config import ConfigError, parse_args
+from tests.harness import run_on_ranks
+from tests.test_mimo import LLAMA, Case, _distributed, _modules, _reference
+
+float8 = pytest.importorskip("torchao.float8")
+
+P = Parallelism
+FP8_TOL = 1e-2  # relative, fp8 against fp32 (see the module docstring)
+DP_TOL = 2e-3  # relative, dp2 fp8 against one-process fp8
+RECIPES = {"vision": "rowwise", "language": "tensorwise"}  # of both distributed cases
+STEPS = (64, 64)  # the distributed cases' steps (sequence lengths): the second all-gathers with refreshed scales
+DISTRIBUTED = {
+    "fsdp": Case({"vision": P(dp=2), "language": P(dp=2)}, offsets={"vision": 0, "language": 0}, seq_lens=STEPS,
+                 options={"vision": ParallelOptions(fp8="rowwise"), "language": ParallelOptions(fp8="tensorwise")}),
+    "tp": Case({"vision": P(dp=2), "language": P(tp=2)}, offsets={"vision": 0, "language": 0}, seq_lens=STEPS,
+               options={"vision": ParallelOptions(fp8="rowwise"),
+                        "language": ParallelOptions(fp8="tensorwise", sp=True, compile=True,
+                                                    compile_backend="aot_eager")}),
+}
+
+
+def _fp8(recipes: dict[str, str]):
+    """`_reference`'s `prepare`: the library's fp8 conversion of the named modules (one process)."""
+    def prepare(name: str, module: nn.Module) -> None:
+        if name in recipes:
+            parallelize(module, None, None, ParallelOptions(fp8=recipes[name]), name=name)
+    return prepare
+
+
+def _losses(records: list[dict]) -> list[float]:
+    return [r["loss"] for r in records]
+
+
+def _relative(got: list[float], want: list[float]) -> list[float]:
+    return [abs(g - w) / abs(w) for g, w in zip(got, want)]
+
+
+def _linear_names(module: nn.Module) -> set[str]:
+    return {n for n, m in module.named_modules() if isinstance(m, nn.Linear)}
+
+
+# ------------------------------------------------------------------ which layers convert
+
+
+def test_language_model_linears_convert_except_the_head() -> None:
+    llama = Llama(LLAMA)
+    linears = _linear_names(llama)
+    parallelize(llama, None, None, ParallelOptions(fp8="tensorwise"))
+    # every dim of the tiny Llama (32, 16, 64) is a multiple of 16: all but the head convert
+    assert set(fp8_layers(llama)) == linears - {"output"}
+    assert type(llama.output) is nn.Linear
+
+
+def test_encoder_layers_whose_dims_are_not_multiples_of_16_stay() -> None:
+    vit = ViT(ViTConfig.tiny(mlp_hidden=40))  # fc1 32 -> 40, fc2 40 -> 32: not multiples of 16
+    parallelize(vit, None, None, ParallelOptions(fp8="rowwise"))
+    converted = set(fp8_layers(vit))
+    assert converted == {f"layers.{i}.attn.{w}" for i in ("0", "1") for w in ("wq", "wk", "wv", "wo")}
+    assert all(type(vit.layers[i].mlp.fc1) is nn.Linear for i in ("0", "1"))
+
+
+# ------------------------------------------------------------------ numerics
+
+
+@pytest.fixture(scope="module")
+def fp32() -> list[float]:
+    return _losses(_reference(("vision",), False, ()))
+
+
+@pytest.mark.parametrize("recipes", [{"language": "tensorwise"}, {"language": "rowwise"}, {"vision": "rowwise"}],
+                         ids=["language-tensorwise", "language-rowwise", "vision-rowwise"])
+def test_fp8_losses_follow_fp32(recipes: dict[str, str], fp32: list[float]) -> None:
+    fp8 = _losses(_reference(("vision",), False, (), prepare=_fp8(recipes)))
+    errors = _relative(fp8, fp32)
+    print(f"fp8 {recipes} vs fp32: {fp8} vs {fp32}, relative {errors}")
+    assert max(errors) < FP8_TOL, (fp8, fp32)
+    assert max(errors) > 0, "the losses are fp32's bit for bit: no layer ran in float8"
+
+
+@pytest.fixture(scope="module")
+def one_process_fp8() -> list[float]:
+    return _losses(_reference(("vision",), False, (), seq_lens=STEPS, prepare=_fp8(RECIPES)))
+
+
+def _distributed_recording_fp8(case: Case) -> tuple[list[dict], list[torch.dtype], int]:
+    """`_distributed`, plus the dtypes FSDP2 all-gathered float8-cast weights in and how many
+    times the float8 scales were precomputed after an optimizer step, on this rank."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    gathered: list[torch.dtype] = []
+    refreshed = [0]
+    pre_all_gather = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
+    precompute = float8.precompute_float8_dynamic_scale_for_fsdp
+
+    @functools.wraps(pre_all_gather)  # FSDP2 reads its signature
+    def recording_pre_all_gather(self, *args, **kwargs):
+        out = pre_all_gather(self, *args, **kwargs)
+        gathered.append(out[0][0].dtype)
+        return out
+
+    def recording_precompute(module: nn.Module) -> None:
+        refreshed[0] += 1
+        precompute(module)
+
+    WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = recording_pre_all_gather
+    float8.precompute_float8_dynamic_scale_for_fsdp = recording_precompute
+    try:
+        return _distributed(case), gathered, refreshed[0]
+    finally:
+        WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = pre_all_gather
+        float8.precompute_float8_dynamic_scale_for_fsdp = precompute
+
+
+@pytest.mark.parametrize("name", list(DISTRIBUTED))
+def test_distributed_fp8_matches_one_process_fp8(name: str, one_process_fp8: list[float]) -> None:
+    case = DISTRIBUTED[name]
+    per_rank = run_on_ranks(_distributed_recording_fp8, 2, case, timeout=180)
+    for records, gathered, refreshed in per_rank:
+        losses = _losses(records)
+        errors = _relative(losses, one_process_fp8)
+        print(f"{name} fp8 vs one-process fp8: {losses} vs {one_process_fp8}, relative {errors}")
+        assert max(errors) < DP_TOL, (losses, one_process_fp8)
+        steps = len(records)
+        assert refreshed == steps  # the tensorwise language model, once after each optimizer step
+        if case.layout().parallelism("language").dp == 2:  # FSDP2: tensorwise weights gathered in float8
+            assert gathered and set(gathered) == {torch.float8_e4m3fn}, gathered
+        else:
+            assert not gathered
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_misspelt_recipe_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"fp8='rowwize' must be one of 'tensorwise', 'rowwise'"):
+        ParallelOptions(fp8="rowwize")
+    with pytest.raises(ConfigError, match=r"options.language.fp8 = 'rowwize': expected one of 'tensorwise', 'rowwise'"):
+        parse_args(["--options.language.fp8", "rowwize"])
+    config = parse_args(["--options.language.fp8", "rowwise"])  # the language model alone
+    assert config.module_options("language").fp8 == "rowwise" and config.module_options("vision").fp8 is None
+
+
+def _build(device_type: str = "cpu") -> None:
+    """A `MimoModel` with fp8 on the language model; every test process lacks a process group,
+    so an fp8 error raised here was raised before any collective."""
+    llama, encoders = _modules(("vision",))
+    layout = MimoLayout({"vision": P(), "language": P()}, offsets={"vision": 0, "language": 0})
+    MimoModel(layout, llama, encoders, options={"language": ParallelOptions(fp8="rowwise")}, device_type=device_type)
+
+
+def test_fp8_without_torchao_names_the_module_and_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
+        monkeypatch.setitem(sys.modules, module, None)  # `import torchao...` now fails
+    with pytest.raises(ImportError, match=r"module 'language' needs torchao.*pip install 'dtensor_mimo\[fp8\]'"):
+        _build()
+    with pytest.raises(ImportError, match=r"module 'Llama' needs torchao"):
+        parallelize(Llama(LLAMA), None, None, ParallelOptions(fp8="tensorwise"))
+
+
+def test_gpu_without_fp8_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(RuntimeError, match=r"fp8='rowwise'\) for module 'language': NVIDIA A100-SXM4-80GB has "
+                                           r"compute capability 8.0, float8 matmuls need 8.9"):
+        _build("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_fp8("language", "tensorwise", "cuda")  # an H100 passes
