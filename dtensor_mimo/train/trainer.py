@@ -13,11 +13,18 @@ group. What a step does on a rank:
 3. every `metrics.log_every` steps: one MAX all-reduce of the per-phase times, a log line and a
    JSONL record on rank 0 (with each dp > 1 encoder's `encoder_imbalance`); checkpoints every `checkpoint.every` steps; held-out evaluation every
    `train.eval_every` steps and at the end, which prints ``held-out accuracy: 0.xx``.
+
+SIGTERM / SIGINT (`dtensor_mimo.train.preemption`): a rank that got one says so in the step's
+own all-reduce (two votes of `train_step`), so every rank learns it in the same step, whichever
+rank was signalled; they finish that step, write a checkpoint (as a periodic one: atomic, with
+its manifest) and `run` returns with `stopped` set. No collective of its own: a stop waits at
+most for the step in flight.
 """
 
 from __future__ import annotations
 
 import resource
+import signal
 import time
 from itertools import accumulate
 from typing import Any, Callable, Iterator, Sequence
@@ -31,6 +38,7 @@ from dtensor_mimo.data.balance import encoder_cuts
 from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.models import ModalityEncoder
 from dtensor_mimo.train import checkpoint
+from dtensor_mimo.train.preemption import STOP_SIGNALS, StopSignals, exit_status
 from dtensor_mimo.train.config import LANGUAGE, TrainerConfig, build_layout
 from dtensor_mimo.train.datasets import BatchSource, train_data
 from dtensor_mimo.train.metrics import MetricsLogger, peak_tflops, transformer_flops
@@ -154,8 +162,12 @@ class Trainer:
     `run` trains and returns the final held-out accuracy (the same on every rank).
     """
 
-    def __init__(self, config: TrainerConfig) -> None:
+    def __init__(self, config: TrainerConfig, signals: StopSignals | None = None) -> None:
         self.config = config
+        self.signals = signals  # None: no signal handling (a caller's own process)
+        self.stopped: signal.Signals | None = None
+        """The signal the run was stopped by (every rank the same), None: it was not."""
+        self.saved: str | None = None  # the last checkpoint written
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layout = build_layout(config, self.world)
         if config.train.threads:
@@ -255,6 +267,7 @@ class Trainer:
         """A checkpoint of this step in `checkpoint.dir` (every rank)."""
         c = self.config.checkpoint
         path = checkpoint.save(c.dir, self.step, self.model, self.optimizer, self.trainer_state(), c.keep)
+        self.saved = path
         self.log.print(f"step {self.step}: saved {path}")
 
     def restore(self) -> None:
@@ -267,6 +280,9 @@ class Trainer:
             for warning in warnings:
                 self.log.print(f"warning: {warning}")
             verified = path is not None
+            if path is None:  # a mistyped dir would otherwise start over in silence
+                self.log.print(f"no checkpoint in {c.dir}: " + ("starting from checkpoint.load" if c.load
+                                                                   else "starting at step 0"))
         if path is None and c.load:
             # Rank 0 picks; every rank then loads the same path or raises together.
             chosen: list[Any] = [None, None]
@@ -354,6 +370,10 @@ class Trainer:
                 # Which step, for errors that cannot say (a peer's closed connection, a timeout).
                 e.add_note(f"in step {step}")
                 raise
+            if self.stopped is not None:
+                self._say_stopped()
+                self.log.close()
+                return None
         accuracy = self._report_eval()
         if c.checkpoint.export_hf:
             self.export(c.checkpoint.export_hf)
@@ -375,8 +395,9 @@ class Trainer:
         timings: dict[str, float] = {}
         data_s = time.perf_counter() - t0
         lr = self.optimizer.lrs()["language"]  # what this step's update uses
-        metrics = train_step(self.model, self.optimizer, batch, timings)
+        metrics = train_step(self.model, self.optimizer, batch, timings, votes=self._stop_votes())
         self.step += 1
+        self._agree_on_stop(metrics.votes[:len(STOP_SIGNALS)])
         times = [data_s, timings["forward_backward"], timings["optimizer"], time.perf_counter() - t0]
         if self.step > warm:
             window.append(times)
@@ -385,11 +406,40 @@ class Trainer:
             self._log(metrics, lr, window or [times], tokens, self.model.encoder_imbalance(batch))
             window = []
         if c.checkpoint.dir and ((c.checkpoint.every and self.step % c.checkpoint.every == 0)
-                                 or self.step == c.train.steps):
+                                 or self.step == c.train.steps or self.stopped is not None):
             self.save()
-        if c.train.eval_every and self.step % c.train.eval_every == 0 and self.step < c.train.steps:
+        if (c.train.eval_every and self.step % c.train.eval_every == 0 and self.step < c.train.steps
+                and self.stopped is None):
             self._report_eval()
         return window
+
+    # ------------------------------------------------------------------ stopping
+    def _stop_votes(self) -> tuple[float, ...]:
+        """This rank's votes to stop, one per `STOP_SIGNALS` (1.0: it got that signal).
+
+        Why in the step's all-reduce rather than a check of its own: the step already waits for
+        every rank once, so the verdict costs nothing per step and is the same on every rank at
+        the same step, whichever rank was signalled (a signal to one rank only stops them all
+        there, never hangs). The price: a stop waits for the step in flight to end."""
+        got = self.signals.requested if self.signals is not None else None
+        return tuple(float(got == s) for s in STOP_SIGNALS)
+
+    def _agree_on_stop(self, votes: Sequence[float]) -> None:
+        """The signal every rank stops for, from the summed `votes`: the first of `STOP_SIGNALS`
+        any rank got (SIGTERM before SIGINT: the scheduler's word wins)."""
+        for sig, count in zip(STOP_SIGNALS, votes):
+            if count:
+                self.stopped = sig
+                return
+
+    def _say_stopped(self) -> None:
+        c = self.config
+        code = exit_status(self.stopped)
+        if c.checkpoint.dir:
+            where = f"checkpoint written to {self.saved}; rerun the same command to resume"
+        else:
+            where = "nothing saved (no checkpoint.dir is set)"
+        self.log.print(f"stopped by {self.stopped.name} at step {self.step}: {where} (exit status {code})")
 
     def _report_eval(self) -> float | None:
         if self.data.heldout is None:
