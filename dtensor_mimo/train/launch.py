@@ -278,16 +278,22 @@ def _join(ranks) -> int:
     from multiprocessing.connection import wait
 
     stops = {exit_status(s) for s in STOP_SIGNALS}
-    while True:
-        wait([p.sentinel for p in ranks.processes if p.exitcode is None])
-        stopped = [p.exitcode for p in ranks.processes if p.exitcode in stops]
-        if stopped:
+    live = {p.sentinel: p for p in ranks.processes}
+    while live:
+        for sentinel in wait(list(live)):
+            live.pop(sentinel).join()  # reaped: its exit code is known
+        codes = [p.exitcode for p in ranks.processes if p.exitcode is not None]
+        if any(c in stops for c in codes):
             for p in ranks.processes:
                 p.join(timeout=120)  # they are past the checkpoint: at most a barrier away
             if all(p.exitcode in stops for p in ranks.processes):
-                return stopped[0]
-        if ranks.join():  # a rank that ended: fine (then the loop waits on), or failed (raises)
-            return 0
+                return ranks.processes[0].exitcode
+            break
+        if any(c != 0 for c in codes):
+            break
+    while not ranks.join():  # a failure raises here, its peers terminated, as before
+        pass
+    return 0
 
 
 def _killed(processes) -> list[tuple[int, str]]:
