@@ -175,16 +175,25 @@ def read_checked(config: TrainerConfig, path: str, key: str) -> tuple[list[dict[
     return samples, root
 
 
+def _decodes(spec: MediaSpec, path: str) -> bool:
+    try:
+        spec.prepare([path])
+    except Exception:  # noqa: BLE001 - whatever the decoder raises; the probe then takes another file
+        return False
+    return True
+
+
 def conversation_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainData:
     """A LLaVA conversation file (and its held-out file) for the config's encoders."""
     d = config.data
     media = media_specs(resolved)
     train_samples, root = read_checked(config, d.path, "data.path")
     for name, spec in media.items():  # one item through the processor: its shape against the encoder's
-        first = next((s for s in train_samples if s.get(spec.modality)), None)
-        if first is None:
+        firsts = [os.path.join(root, item_paths(s, spec.modality)[0]) for s in train_samples if s.get(spec.modality)]
+        if not firsts:
             continue
-        path = os.path.join(root, item_paths(first, spec.modality)[0])
+        # A file that does not decode is the step's to name (or skip), not the config's: probe another.
+        path = next((p for p in firsts[:8] if _decodes(spec, p)), firsts[0])
         if spec.varied:  # the processor's output against the header's prediction, and the encoder takes it
             try:
                 shape, predicted = tuple(spec.prepare([path])[0].shape), spec.shape_of(path)
