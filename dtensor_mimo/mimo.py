@@ -334,10 +334,12 @@ class MimoModel(nn.Module):
         return result.loss
 
     @torch.no_grad()
-    def predict(self, batch: MimoBatch) -> torch.Tensor:
+    def predict(self, batch: MimoBatch, with_loss: bool = False) -> torch.Tensor | tuple[torch.Tensor, float]:
         """Greedy next-token ids ``[B, S]`` at every position of the global `batch` (teacher
         forced), the same tensor on every rank; call on every rank. One microbatch, stage after
-        stage (encoders and the language model). Costs one world all-reduce of ``B x S`` ids."""
+        stage (encoders and the language model). Costs one world all-reduce of ``B x S`` ids.
+        `with_loss`: also the batch's loss from the same logits (as `train_step` reports it),
+        ``(ids, loss)``, for one more all-reduce of one number."""
         result = self.run(batch, "predict")
         # The ids, and in the same all-reduce the ranks whose encoder rows went wrong.
         out = torch.zeros(batch.batch_size * batch.seq_len + 1, dtype=torch.int64, device=self.device)
@@ -356,7 +358,12 @@ class MimoModel(nn.Module):
         if result.error is not None or out[-1].item():
             raise PlanError(result.error or f"{out[-1].item()} rank(s) produced encoder rows that disagree with "
                                             "the batch metadata (their error names the encoder and the shapes)")
-        return ids
+        if not with_loss:
+            return ids
+        share = result.loss.detach().double().reshape(1) if self.holds_loss_share() and result.ids is not None \
+            else torch.zeros(1, dtype=torch.float64, device=self.device)
+        dist.all_reduce(share)
+        return ids, share.item()
 
     def generate(self, batch: MimoBatch, prompt_lengths: Sequence[int], max_new_tokens: int,
                  stop_token: int | None = None) -> list[list[int]]:

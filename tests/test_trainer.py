@@ -77,6 +77,8 @@ def test_metrics_jsonl_fields(run_a) -> None:
         assert r["tokens_per_s"] > 0 and r["lr"] > 0
     assert steps[0]["lr"] == pytest.approx(1e-3 * 0.5)  # warmup 2 steps: half the peak at step 1
     assert "heldout_answer" in records[-1]
+    assert math.isfinite(records[-1]["heldout_loss"]) and records[-1]["heldout_loss"] > 0
+    assert not [k for r in records for k in r if " " in k]  # metric keys without spaces
 
 
 def test_checkpoints_kept_and_complete(run_a) -> None:

@@ -40,7 +40,7 @@ from dtensor_mimo.data.batch import IGNORE_INDEX, MimoBatch, ModalityInputs
 if TYPE_CHECKING:
     from dtensor_mimo.data.sources import SampleSource
 
-__all__ = ["Conversation", "ConversationDataset", "DataError", "MediaSpec", "read_samples", "check_samples",
+__all__ = ["Conversation", "ConversationDataset", "DataError", "MediaError", "MediaSpec", "read_samples", "check_samples",
            "image_inputs", "audio_inputs", "item_paths", "fit_image_size"]
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -50,6 +50,18 @@ PLACEHOLDERS = {"image": "<image>", "audio": "<audio>"}
 
 class DataError(ValueError):
     """A sample, file or tokenizer the data cannot be built from; names the sample id or path."""
+
+
+class MediaError(DataError):
+    """A media file of a batch that its preparation (decoding) failed on: names the sample id and
+    the path. `row`: the row of the batch holding the sample; `sample_id`, `path`, `reason`."""
+
+    def __init__(self, message: str, row: int = -1, sample_id: str = "", path: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.row, self.sample_id, self.path, self.reason = row, sample_id, path, reason
+
+    def __reduce__(self):  # loader workers pickle it with its fields
+        return type(self), (str(self), self.row, self.sample_id, self.path, self.reason)
 
 
 @dataclass(frozen=True)
@@ -569,13 +581,19 @@ class ConversationDataset(Dataset):
         for name, spec in self.media.items():
             counts = [len(items[name]) for items in samples]
             wanted = set(range(len(rows)) if load is None else load.get(name, ()))
-            if spec.varied:  # one tensor and one row count per item
-                shapes = [[shape for s in members for shape in s.item_shapes[name]] for members in rows]
-                inputs: torch.Tensor | list[torch.Tensor] = self._varied_inputs(name, samples, shapes, wanted)
-                tokens_per_item: int | tuple[int, ...] = tuple(n for members in rows for s in members
-                                                               for n in s.item_tokens[name])
-            else:
-                inputs, tokens_per_item = self._inputs(name, samples, counts, wanted), spec.tokens_per_item
+            try:
+                if spec.varied:  # one tensor and one row count per item
+                    shapes = [[shape for s in members for shape in s.item_shapes[name]] for members in rows]
+                    inputs: torch.Tensor | list[torch.Tensor] = self._varied_inputs(name, samples, shapes, wanted)
+                    tokens_per_item: int | tuple[int, ...] = tuple(n for members in rows for s in members
+                                                                   for n in s.item_tokens[name])
+                else:
+                    inputs, tokens_per_item = self._inputs(name, samples, counts, wanted), spec.tokens_per_item
+            except MediaError as e:  # which sample: the first wanted row holding the file
+                row = next(i for i in sorted(wanted) if e.path in samples[i][name])
+                sid = next(c.id for c in rows[row] if e.path in c.items[name])
+                raise MediaError(f"{self.path}: sample {sid!r}: cannot decode its {spec.modality} file {e.path} "
+                                 f"({e.reason})", row, sid, e.path, e.reason) from e.__cause__
             modalities[name] = ModalityInputs(inputs=inputs, items_per_sample=tuple(counts),
                                               tokens_per_item=tokens_per_item,
                                               special_token_id=spec.special_token_id)
@@ -588,7 +606,7 @@ class ConversationDataset(Dataset):
         item's shape (stride-0 views, no memory)."""
         spec = self.media[name]
         paths = [p for i, items in enumerate(rows) if i in wanted for p in items[name]]
-        loaded = iter(spec.prepare([self.source.open(p) for p in paths]) if paths else [])
+        loaded = iter(self._prepare(spec, paths) if paths else [])
         out = []
         for i, items in enumerate(rows):
             for path, shape in zip(items[name], shapes[i]):
@@ -603,13 +621,27 @@ class ConversationDataset(Dataset):
                 out.append(item)
         return out
 
+    def _prepare(self, spec: MediaSpec, paths: list[str]) -> torch.Tensor | list[torch.Tensor]:
+        """``spec.prepare`` of the files at `paths`; when it fails, each path alone finds the file it
+        failed on: MediaError with its path and the reason (`_batch` adds the sample)."""
+        try:
+            return spec.prepare([self.source.open(p) for p in paths])
+        except Exception as error:  # noqa: BLE001 - a decoder raises what it likes (OSError, SyntaxError, ...)
+            for path in paths:
+                try:
+                    spec.prepare([self.source.open(path)])
+                except Exception as e:  # noqa: BLE001
+                    raise MediaError(f"cannot decode {path} ({e})", path=path,
+                                     reason=f"{type(e).__name__}: {e}") from e
+            raise error
+
     def _inputs(self, name: str, rows: list[dict[str, list[str]]], counts: list[int], wanted: set[int]) -> torch.Tensor:
         spec = self.media[name]
         total = sum(counts)
         paths = [p for i, items in enumerate(rows) if i in wanted for p in items[name]]
         if not paths:
             return torch.zeros(()).expand(total, *spec.item_shape)
-        loaded = spec.prepare([self.source.open(p) for p in paths])
+        loaded = self._prepare(spec, paths)
         if tuple(loaded.shape[1:]) != spec.item_shape:
             raise DataError(f"{name!r}: the processor gives items of shape {list(loaded.shape[1:])} but the "
                             f"encoder takes {list(spec.item_shape)}; fix the processor config (size) or the "

@@ -3,6 +3,7 @@ training step over a `MimoModel` (`train_step`: its program, the gradient reduct
 all-reduce, clip and AdamW)."""
 
 from dtensor_mimo.optim.optimizer import AdamWConfig, LRSchedule, MimoOptimizer, grad_sumsq_shares
-from dtensor_mimo.optim.step import StepMetrics, train_step
+from dtensor_mimo.optim.step import StepMetrics, UnusableBatch, train_step
 
-__all__ = ["AdamWConfig", "LRSchedule", "MimoOptimizer", "StepMetrics", "grad_sumsq_shares", "train_step"]
+__all__ = ["AdamWConfig", "LRSchedule", "MimoOptimizer", "StepMetrics", "UnusableBatch", "grad_sumsq_shares",
+           "train_step"]

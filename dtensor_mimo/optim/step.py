@@ -7,13 +7,13 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from dtensor_mimo.bridge import PlanError
-from dtensor_mimo.data import MimoBatch
+from dtensor_mimo.data import BatchError, MimoBatch
 from dtensor_mimo.layout.fingerprint import agreed, agreement_terms, batch_fingerprint
 from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.optim.optimizer import MimoOptimizer, grad_sumsq_shares
@@ -29,6 +29,14 @@ class StepMetrics:
     grad_norm: float
     module_grad_norms: dict[str, float]
     skipped: bool
+    votes: tuple[float, ...] = ()
+    """`train_step`'s ``votes``, summed over the world."""
+
+
+class UnusableBatch(BatchError):
+    """Some rank could not build its part of the step's batch (it passed ``unusable`` to
+    `train_step`): raised on every rank, the step not applied. What went wrong is that rank's to
+    say (the caller gathers its reasons, e.g. the file that failed to decode)."""
 
 
 class Elapsed:
@@ -89,7 +97,8 @@ def read_totals(totals: torch.Tensor) -> list[float]:
 
 
 def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
-               timings: dict[str, float] | None = None) -> StepMetrics:
+               timings: dict[str, float] | None = None, *, votes: Sequence[float] = (),
+               unusable: bool = False) -> StepMetrics:
     """One optimizer step on the global `batch`; call on every rank with the same batch.
 
     One small all-reduce over the world carries the loss, every module's squared gradient norm,
@@ -100,7 +109,15 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
       mask and each modality's items and tokens per sample; `agreed`);
     - a parameter's ``requires_grad`` changed after the model was built (the step runs with the
       trainable set as built, so the crossings match on every rank, then is refused);
-    - the step found encoder rows that contradict the batch metadata (`MimoModel.run`'s result).
+    - the step found encoder rows that contradict the batch metadata (`MimoModel.run`'s result);
+    - a rank passed ``unusable``: it could not build its part of `batch` (a media file that does
+      not decode) and ran the step on stand-ins of the same shapes (zeros) so that no peer waits
+      for it: `UnusableBatch` on every rank.
+
+    `votes` are numbers of this rank's that ride in the same all-reduce and come back summed over
+    the world in `StepMetrics.votes` (the same on every rank): a decision every rank must take at
+    the same step (e.g. stop after it, `dtensor_mimo.train.preemption`) costs no collective of
+    its own.
 
     A model's first step also compares the batch fingerprints before its first exchange (one more
     all-reduce, once): ranks fed different data from the start fail there, every rank with the
@@ -133,7 +150,8 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
             torch.zeros(1, dtype=torch.float64, device=model.device)
         # The status words: ranks whose encoder rows contradicted the batch metadata (the result's
         # error), ranks whose trainable set changed; then the batch fingerprint's agreement terms.
-        status = torch.tensor([float(result.error is not None), float(bool(changed)), *agreement_terms(fp)],
+        status = torch.tensor([float(result.error is not None), float(bool(changed)), float(unusable),
+                               *agreement_terms(fp), *map(float, votes)],
                               dtype=torch.float64).to(model.device, non_blocking=True)
         totals = torch.cat([loss_part, status, grad_sumsq_shares(model)])
         dist.all_reduce(totals)
@@ -142,7 +160,12 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
             e.add_note(f"this rank's batch fingerprint is {fp} (different ones on other ranks: they were fed "
                        "different batches)")
         raise
-    loss, bad, frozen, sum_fp, sum_sq, *sumsq = read_totals(totals)
+    loss, bad, frozen, unusable_ranks, sum_fp, sum_sq, *rest = read_totals(totals)
+    summed_votes, sumsq = tuple(rest[:len(votes)]), rest[len(votes):]
+    if unusable_ranks:  # before the fingerprint: a rank's stand-ins may not hash like its peers' inputs
+        optimizer.zero_grad()
+        raise UnusableBatch(f"{int(unusable_ranks)} rank(s) could not build their part of this step's batch "
+                            f"(this rank: {'it' if unusable else 'not it'}); the step was not applied")
     if not agreed(fp, sum_fp, sum_sq, dist.get_world_size()):
         optimizer.zero_grad()
         raise RuntimeError(_different_batches(fp))
@@ -167,7 +190,7 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
     if timings is not None:
         timings["optimizer"] = _between(middle, _mark(model.device))
     return StepMetrics(loss, grad_norm, {n: math.sqrt(s) for n, s in zip(model.module_names, sumsq)},
-                       skipped)
+                       skipped, summed_votes)
 
 
 def _check_same_batch(fp: int, device: torch.device) -> None:

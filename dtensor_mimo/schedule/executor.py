@@ -256,6 +256,8 @@ class _Run:
         out = language.run_once(local, self.rows, self.normalizer, predicting=a.module == "predict")
         if a.module == "predict":
             self.ids = out
+            if language.predicted_loss is not None:
+                self.loss = language.predicted_loss
         elif out is not None:
             self.loss = out
 

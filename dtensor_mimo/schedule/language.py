@@ -60,6 +60,7 @@ class LanguageStage(nn.Module):
         self.cp_size, self.cp_rank = cp_size, cp_rank
         self.hidden_dtype = hidden_dtype  # what a non-last stage sends on (the compute dtype)
         self.predicting = False  # the last stage returns next-token ids instead of a loss share
+        self.predicted_loss: torch.Tensor | None = None  # and keeps the loss share here
         self.set_step(None, {}, 1.0)
 
     def set_step(self, feed: LanguageFeed | Mapping[str, torch.Tensor] | None,
@@ -91,7 +92,8 @@ class LanguageStage(nn.Module):
         out = self.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
         if not self.last:
             return out if self.hidden_dtype is None else out.to(self.hidden_dtype)
-        if self.predicting:
+        if self.predicting:  # the ids, and the loss share of the same logits (held-out loss)
+            self.predicted_loss = token_loss_sum(out, labels, loss_mask).detach() / self.normalizer
             return vocab_parallel_argmax(out) if isinstance(out, DTensor) else out.argmax(-1)
         return token_loss_sum(out, labels, loss_mask) / self.normalizer
 
@@ -217,13 +219,15 @@ class LanguagePipeline:
                  predicting: bool = False) -> torch.Tensor | None:
         """One forward of this rank's dp shard `mb` (encoder `rows` for the first stage), stage
         after stage, outside torch's schedule; returns the last stage's output on its rank (this cp
-        chunk's loss share, or next-token ids while `predicting`), else None. With autograd on,
+        chunk's loss share, or next-token ids while `predicting`, its loss share then in
+        ``predicted_loss``), else None. With autograd on,
         the caller runs backward (``model(batch).backward()``: one stage only). Blocking
         point-to-point in stage order (stage s sends to s + 1 before anyone posts s + 1's send;
         consecutive stages on one rank, as in a V, hand over locally), so NCCL cannot deadlock."""
         tokens, kwargs = stage_inputs(mb.to(self.device), self.par.cp, self.cp_rank)
         pp_rank, where = self.pp_group.rank(), lambda stage: self.config.stage_rank(stage, self.par.pp)
         x, out = tokens, None
+        self.predicted_loss: torch.Tensor | None = None
         for s in range(self.n_stages):
             if s not in self.stage_indices:
                 continue
@@ -242,4 +246,6 @@ class LanguagePipeline:
             if s + 1 < self.n_stages and where(s + 1) != pp_rank:
                 torch.distributed.send(x.contiguous(), group=self.pp_group, group_dst=where(s + 1))
             out = x if module.last else None
+            if module.last and predicting:
+                self.predicted_loss, module.predicted_loss = module.predicted_loss, None
         return out

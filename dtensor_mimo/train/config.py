@@ -298,6 +298,9 @@ class ConversationData(DataSection):
         image_min_pixels: and to at least this many where image_max_pixels allows (0: one patch).
         audio_max_seconds: clips of a variable_length encoder keep their own length up to this
             (longer ones are cut; 0: the longest the encoder takes).
+        skip_bad_media: a sample whose media file fails to decode is left out (on every rank, one
+            warning line, counted as skipped_samples in the log) instead of stopping the run with an
+            error naming the sample and the file.
     """
 
     format: Literal["llava"] = "llava"
@@ -310,6 +313,7 @@ class ConversationData(DataSection):
     image_max_pixels: int = 0
     image_min_pixels: int = 0
     audio_max_seconds: float = 0.0
+    skip_bad_media: bool = False
 
 
 @dataclass
@@ -335,7 +339,7 @@ class HFData(ConversationData):
 class TrainSection:
     """Attributes:
         steps: optimizer steps of the whole run (a resumed run stops at the same step).
-        eval_every: steps between held-out evaluations (0: only at the end).
+        eval_every: steps between held-out evaluations (exact match and loss; 0: only at the end).
         device: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank).
         threads: torch intra-op threads per rank (0: torch's default); local ranks share cores.
         generate: held-out samples answered with greedy decoding at the end.
@@ -344,7 +348,7 @@ class TrainSection:
     """
 
     steps: int = 1500
-    eval_every: int = 0
+    eval_every: int = 500
     device: Literal["cpu", "cuda"] = "cpu"
     threads: int = 1
     generate: int = 3

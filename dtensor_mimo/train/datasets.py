@@ -186,14 +186,23 @@ def open_checked(config: TrainerConfig, path: str | list[str], key: str,
     return source, head
 
 
+def _decodes(spec: MediaSpec, source: SampleSource, ref: str) -> bool:
+    try:
+        spec.prepare([source.open(ref)])
+    except Exception:  # noqa: BLE001 - whatever the decoder raises; the probe then takes another file
+        return False
+    return True
+
+
 def _probe_processors(media: dict[str, MediaSpec], source: SampleSource, head: list[dict[str, Any]]) -> None:
     """One item of each encoder through its processor: its shape against the encoder's (fixed
     shapes are then taken from it: `media` is updated)."""
     for name, spec in media.items():
-        first = next(((i, s) for i, s in enumerate(head) if s.get(spec.modality)), None)
-        if first is None:
+        firsts = [source.media(i, s, spec.modality)[0] for i, s in enumerate(head) if s.get(spec.modality)]
+        if not firsts:
             continue
-        ref = source.media(first[0], first[1], spec.modality)[0]
+        # A file that does not decode is the step's to name (or skip), not the config's: probe another.
+        ref = next((r for r in firsts[:8] if _decodes(spec, source, r)), firsts[0])
         if spec.varied:  # the processor's output against the header's prediction, and the encoder takes it
             try:
                 shape, predicted = tuple(spec.prepare([source.open(ref)])[0].shape), spec.shape_of(source.open(ref))

@@ -3,6 +3,11 @@
 Without a launcher it starts the layout's world of local ranks itself (gloo on CPU; one process
 per rank); under ``torchrun`` it joins the given world (NCCL with ``--train.device cuda``) and
 checks that the layout fits it. The config is parsed and checked before any process starts.
+
+SIGTERM / SIGINT: every rank handles them (`dtensor_mimo.train.preemption`): the run stops after
+the step in flight with a checkpoint and every rank exits with 128 + the signal's number (143,
+130), as does the own launcher, which forwards the signals it gets to its ranks (torchrun forwards
+them itself). A second signal ends the ranks at once.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dtensor_mimo.train.config import ConfigError, TrainerConfig, build_layout, check_config, help_text, parse_args
+from dtensor_mimo.train.preemption import REPEAT_S, STOP_SIGNALS, StopSignals, exit_status
 from dtensor_mimo.layout.world import abort, init_distributed
 
 
@@ -54,12 +60,15 @@ def preflight(config: TrainerConfig) -> None:
             raise ConfigError(f"checkpoint.load: {e}") from None
 
 
-def _run_rank(config: TrainerConfig, on_error: Callable[[BaseException], None] | None = None) -> float | None:
-    """Train on this rank of the world (joined here unless already initialised). On an error,
-    `on_error` hears it first (while the peers still wait), then this rank's groups are aborted so
-    the peers fail at once instead of waiting for `train.timeout_s`; the error propagates."""
+def _run_rank(config: TrainerConfig, on_error: Callable[[BaseException], None] | None = None) -> int:
+    """Train on this rank of the world (joined here unless already initialised); returns the exit
+    status: 0, or `exit_status` of the signal that stopped the run (the same on every rank). On
+    an error, `on_error` hears it first (while the peers still wait), then this rank's groups are
+    aborted so the peers fail at once instead of waiting for `train.timeout_s`; the error
+    propagates."""
     from dtensor_mimo.train.trainer import Trainer
 
+    signals = StopSignals().install()  # first: a signal while building is a stop after step 1
     try:
         if not dist.is_initialized():
             init_distributed(config.train.device, config.train.timeout_s)
@@ -67,7 +76,8 @@ def _run_rank(config: TrainerConfig, on_error: Callable[[BaseException], None] |
             from dtensor_mimo.train.plan import auto_layout_collective
 
             config = auto_layout_collective(config)
-        accuracy = Trainer(config).run()
+        trainer = Trainer(config, signals)
+        trainer.run()
         # Every rank done with every group before any tears its connections down (a peer still
         # in its last collective could otherwise see the connection close under it).
         dist.barrier()
@@ -77,7 +87,7 @@ def _run_rank(config: TrainerConfig, on_error: Callable[[BaseException], None] |
         abort()
         raise
     dist.destroy_process_group()
-    return accuracy
+    return exit_status(trainer.stopped) if trainer.stopped is not None else 0
 
 
 USER_ERRORS = ("ConfigError", "DataError", "BatchError", "CheckpointError", "PlanError", "LayoutError")
@@ -95,9 +105,11 @@ def _local_rank(rank: int, world: int, port: int, config: TrainerConfig, errors)
         errors.put((time.time(), rank, describe(e)[:4000], type(e).__name__, traceback.format_exc()[-16000:]))
 
     try:
-        _run_rank(config, report)
+        status = _run_rank(config, report)
     except BaseException:  # noqa: BLE001 — reported to the launcher, which prints it once
         _exit_now(1)
+    if status:
+        _exit_now(status)
 
 
 def _exit_now(code: int) -> None:
@@ -205,12 +217,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if launched:
         try:
-            _run_rank(config)
+            status = _run_rank(config)
         except BaseException as e:  # noqa: BLE001 — printed here, then out at once (see _local_rank)
             traceback.print_exc()
             print(f"error on rank {os.environ['RANK']}: {describe(e)}", file=sys.stderr)
             _exit_now(1)
-        return 0
+        return status
     world = build_layout(config).world_size
     if config.train.device == "cuda" and world > torch.cuda.device_count():
         print(f"config error: the layout needs {world} ranks but this machine has "
@@ -220,12 +232,71 @@ def main(argv: Sequence[str] | None = None) -> int:
     errors = mp.get_context("spawn").SimpleQueue()
     ranks = mp.start_processes(_local_rank, args=(world, _free_port(), config, errors), nprocs=world,
                                start_method="spawn", join=False)
+    forward = _Forward(ranks.processes)
     try:
-        while not ranks.join():
-            pass
+        return _join(ranks)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        if forward.killed is not None:  # the second signal: the ranks were ended at once
+            return exit_status(forward.killed)
         _report(errors, e, _killed(ranks.processes))
         return 1
+    finally:
+        forward.uninstall()
+
+
+class _Forward:
+    """The launcher's SIGTERM / SIGINT handlers: each signal is sent on to every live rank (a
+    rank takes one arriving twice within `REPEAT_S`, from a terminal's Ctrl-C and from here, as
+    one); a second one, `REPEAT_S` or more after the first, SIGKILLs the ranks: out at once even
+    if one is stuck in a collective (where its own handler cannot run)."""
+
+    def __init__(self, processes) -> None:
+        self.processes, self.first_at, self.killed = processes, None, None
+        self.previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+
+    def _handle(self, signum: int, _frame) -> None:
+        now = time.monotonic()
+        second = self.first_at is not None and now - self.first_at >= REPEAT_S
+        self.first_at = now if self.first_at is None else self.first_at
+        for p in self.processes:
+            if p.is_alive():
+                try:
+                    if second:
+                        p.kill()
+                    else:
+                        os.kill(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+        if second:
+            self.killed = signal.Signals(signum)
+
+    def uninstall(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def _join(ranks) -> int:
+    """Wait for the ranks: 0 when all end well, the stop status when they stopped for a signal
+    (`_run_rank`; every rank exits with it, after rank 0 has said so: the others are waited for,
+    not terminated as after a failure); a failure raises as `ProcessContext.join` does."""
+    from multiprocessing.connection import wait
+
+    stops = {exit_status(s) for s in STOP_SIGNALS}
+    live = {p.sentinel: p for p in ranks.processes}
+    while live:
+        for sentinel in wait(list(live)):
+            live.pop(sentinel).join()  # reaped: its exit code is known
+        codes = [p.exitcode for p in ranks.processes if p.exitcode is not None]
+        if any(c in stops for c in codes):
+            for p in ranks.processes:
+                p.join(timeout=120)  # they are past the checkpoint: at most a barrier away
+            if all(p.exitcode in stops for p in ranks.processes):
+                return ranks.processes[0].exitcode
+            break
+        if any(c != 0 for c in codes):
+            break
+    while not ranks.join():  # a failure raises here, its peers terminated, as before
+        pass
     return 0
 
 

@@ -13,30 +13,41 @@ group. What a step does on a rank:
 3. every `metrics.log_every` steps: one MAX all-reduce of the per-phase times, a log line and a
    JSONL record on rank 0 (with each dp > 1 encoder's `encoder_imbalance`); checkpoints every `checkpoint.every` steps; held-out evaluation every
    `train.eval_every` steps and at the end, which prints ``held-out accuracy: 0.xx``.
+
+SIGTERM / SIGINT (`dtensor_mimo.train.preemption`): a rank that got one says so in the step's
+own all-reduce (two votes of `train_step`), so every rank learns it in the same step, whichever
+rank was signalled; they finish that step, write a checkpoint (as a periodic one: atomic, with
+its manifest) and `run` returns with `stopped` set. No collective of its own: a stop waits at
+most for the step in flight.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import resource
+import signal
 import time
 from itertools import accumulate
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from dtensor_mimo.data import MimoBatch, ResumableBatchSampler, microbatches, samples_to_load
+from dtensor_mimo.data import IGNORE_INDEX, BatchError, MimoBatch, ResumableBatchSampler, microbatches, samples_to_load
 from dtensor_mimo.data.balance import encoder_cuts
+from dtensor_mimo.data.conversation import MediaError
 from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.models import ModalityEncoder
 from dtensor_mimo.train import checkpoint
+from dtensor_mimo.train.preemption import STOP_SIGNALS, StopSignals, exit_status
 from dtensor_mimo.train.config import LANGUAGE, TrainerConfig, build_layout
 from dtensor_mimo.train.datasets import BatchSource, train_data
 from dtensor_mimo.train.metrics import MetricsLogger, peak_tflops, transformer_flops
 from dtensor_mimo.train.modules import build_modules, resolve
 from dtensor_mimo.optim.optimizer import MimoOptimizer
-from dtensor_mimo.optim.step import train_step
+from dtensor_mimo.optim.step import UnusableBatch, train_step
+from dtensor_mimo.sequence.loss import loss_weights
 
 
 COMPILE_STEPS = 2
@@ -60,10 +71,36 @@ class _LoadPlan:
         self.balanced = balanced if fixed is not None else {}
         """``{encoder: (dp, this rank's dp index, its balance option, its width)}``."""
 
-    def __call__(self, make: Callable[..., MimoBatch], indices: Sequence[int]) -> MimoBatch:
-        """``make(indices, load=...)`` with this rank's load."""
+    def __call__(self, make: Callable[..., MimoBatch], indices: Sequence[int],
+                 skip: Sequence[int] = ()) -> MimoBatch:
+        """``make(indices, load=...)`` with this rank's load, less the rows (positions in the
+        batch) in `skip`: their items are zeros of their shapes, as those another rank encodes."""
+        load = self._load(make, indices)
+        if skip:
+            if load is None:
+                load = {n: range(len(indices)) for n in make(indices, load={}).modalities}
+            load = {n: [r for r in rows if r not in skip] for n, rows in load.items()}
+        return make(indices, load=load)
+
+    def tolerant(self, make: Callable[..., MimoBatch], indices: Sequence[int],
+                 skip: Sequence[int] = ()) -> tuple[MimoBatch, list[MediaError]]:
+        """`__call__`, through media that fail to decode: their rows are built as those in
+        `skip` (zeros: the shapes every peer expects), and each failure (`MediaError`: the
+        batch row, the sample id, the file) is returned for the ranks to agree on."""
+        failed: list[MediaError] = []
+        skip = set(skip)
+        while True:
+            try:
+                return self(make, indices, sorted(skip)), failed
+            except MediaError as e:
+                if e.row < 0 or e.row in skip:
+                    raise
+                failed.append(e)
+                skip.add(e.row)
+
+    def _load(self, make: Callable[..., MimoBatch], indices: Sequence[int]) -> dict[str, list[int]] | None:
         if not self.balanced:
-            return make(indices, load=self.fixed)
+            return self.fixed
         meta = make(indices, load={})
         load = dict(self.fixed)
         mbs = microbatches(meta, self.microbatches)
@@ -77,7 +114,7 @@ class _LoadPlan:
                     load[name] += [start + s for s in range(mb.batch_size)
                                    if first[s] < cuts[k + 1] and first[s + 1] > cuts[k]]
                 start += mb.batch_size
-        return make(indices, load=load)
+        return load
 
 
 class _Batches(Dataset):
@@ -86,8 +123,8 @@ class _Batches(Dataset):
     def __init__(self, dataset: BatchSource, plan: _LoadPlan) -> None:
         self.dataset, self.plan = dataset, plan
 
-    def __getitem__(self, indices: list[int]) -> MimoBatch:
-        return self.plan(self.dataset.batch, indices)
+    def __getitem__(self, indices: list[int]) -> tuple[MimoBatch, list[MediaError]]:
+        return self.plan.tolerant(self.dataset.batch, indices)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -96,6 +133,22 @@ class _Batches(Dataset):
 def _as_is(batch: MimoBatch) -> MimoBatch:
     """The loader's collate: a batch is already whole (a module-level function: workers pickle it)."""
     return batch
+
+
+def _without_labels(batch: MimoBatch, rows: Sequence[int]) -> MimoBatch:
+    """`batch` with no loss (and no score) on `rows`: a row left out, with the shapes unchanged."""
+    if not rows:
+        return batch
+    labels, mask = batch.labels.clone(), batch.loss_mask.clone()
+    labels[list(rows)] = IGNORE_INDEX
+    mask[list(rows)] = 0
+    return dataclasses.replace(batch, labels=labels, loss_mask=mask)
+
+
+def _media_message(whys: Iterable[str]) -> str:
+    whys = list(whys)
+    return (f"{len(whys)} sample(s) whose media cannot be decoded: {'; '.join(whys)}; fix or remove them, or "
+            "set data.skip_bad_media = true to leave such samples out")
 
 
 class _Forever:
@@ -109,9 +162,10 @@ class _Forever:
             yield from self.sampler
 
 
-def _prefetched(batches: Iterator[MimoBatch], depth: int, pin: bool) -> Iterator[MimoBatch]:
-    """`batches`, prepared up to `depth` ahead by a background thread (decoding and tensor work
-    release the GIL), pinned when `pin`; an error preparing one is raised where it is consumed."""
+def _prefetched(batches: Iterator[tuple], depth: int, pin: bool) -> Iterator[tuple]:
+    """`batches` (tuples whose first element is a `MimoBatch`), prepared up to `depth` ahead by a
+    background thread (decoding and tensor work release the GIL), pinned when `pin`; an error
+    preparing one is raised where it is consumed."""
     import queue
     import threading
 
@@ -121,7 +175,7 @@ def _prefetched(batches: Iterator[MimoBatch], depth: int, pin: bool) -> Iterator
     def produce() -> None:
         try:
             for batch in batches:
-                item = batch.pin_memory() if pin else batch
+                item = (batch[0].pin_memory(), *batch[1:]) if pin else batch
                 while not stop.is_set():
                     try:
                         ready.put(item, timeout=0.1)
@@ -154,8 +208,12 @@ class Trainer:
     `run` trains and returns the final held-out accuracy (the same on every rank).
     """
 
-    def __init__(self, config: TrainerConfig) -> None:
+    def __init__(self, config: TrainerConfig, signals: StopSignals | None = None) -> None:
         self.config = config
+        self.signals = signals  # None: no signal handling (a caller's own process)
+        self.stopped: signal.Signals | None = None
+        """The signal the run was stopped by (every rank the same), None: it was not."""
+        self.saved: str | None = None  # the last checkpoint written
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layout = build_layout(config, self.world)
         if config.train.threads:
@@ -188,6 +246,10 @@ class Trainer:
         self.peak = peak_tflops(self.model.device, m.peak_tflops)
         self.step = 0
         self.heldout_scores: dict[str, float] = {}  # the last evaluation's
+        self.skip_bad_media = getattr(d, "skip_bad_media", False)
+        self.left_out: dict[int, str] = {}  # training rows whose media fail to decode: why (every rank)
+        self.heldout_left_out: dict[int, str] = {}  # held-out rows, likewise
+        self.skipped_samples = 0  # rows left out of steps (data.skip_bad_media), this process
 
     # ------------------------------------------------------------------ pieces
     def _flops(self) -> float:
@@ -227,28 +289,29 @@ class Trainer:
                 balanced[n] = (par.dp, self.layout.coordinate(n, self.rank)["dp"], option, self.model._widths[n])
         return _LoadPlan(fixed, microbatches, balanced)
 
-    def _batches(self) -> Iterator[MimoBatch]:
-        """This rank's view of the global batches from the sampler's position on; the sampler
+    def _batches(self) -> Iterator[tuple[list[int], MimoBatch, list[MediaError]]]:
+        """This rank's view of the global batches from the sampler's position on, with their
+        indices and the media that failed to decode (`_LoadPlan.tolerant`); the sampler
         advances as batches are consumed (its state is the checkpoint's data position)."""
         d = self.config.data
-        plan = self._load_plan(d.batch_size, self.config.pipeline.microbatches)
+        plan = self.train_plan = self._load_plan(d.batch_size, self.config.pipeline.microbatches)
         prefetch = d.prefetch if d.prefetch is not None else self.model.device.type == "cuda"
         if d.workers == 0 and not prefetch:
             for indices in _Forever(self.sampler):
-                yield plan(self.data.train.batch, indices)
+                yield (list(indices), *plan.tolerant(self.data.train.batch, indices, self._left_out(indices)))
             return
         ahead = ResumableBatchSampler(len(self.data.train), d.batch_size, seed=d.seed)
         ahead.load_state_dict(self.sampler.state_dict())  # the loader's own copy runs ahead
         pin = self.model.device.type == "cuda"  # host-to-device copies then overlap the step
         if d.workers == 0:  # one thread prepares the next batches while the step runs
-            batches: Iterator[MimoBatch] = _prefetched((plan(self.data.train.batch, i) for i in _Forever(ahead)),
-                                                       depth=2, pin=pin)
+            batches: Iterator[tuple] = _prefetched((plan.tolerant(self.data.train.batch, i) for i in _Forever(ahead)),
+                                                   depth=2, pin=pin)
         else:
             batches = iter(DataLoader(_Batches(self.data.train, plan), sampler=_Forever(ahead), batch_size=None,
                                       num_workers=d.workers, collate_fn=_as_is, persistent_workers=True,
                                       pin_memory=pin))
-        for batch, _ in zip(batches, _Forever(self.sampler)):
-            yield batch
+        for (batch, failed), indices in zip(batches, _Forever(self.sampler)):
+            yield list(indices), batch, list(failed)
 
     def trainer_state(self) -> dict[str, Any]:
         """The loop's position for checkpoints: step, optimizer updates, the sampler's place."""
@@ -258,6 +321,7 @@ class Trainer:
         """A checkpoint of this step in `checkpoint.dir` (every rank)."""
         c = self.config.checkpoint
         path = checkpoint.save(c.dir, self.step, self.model, self.optimizer, self.trainer_state(), c.keep)
+        self.saved = path
         self.log.print(f"step {self.step}: saved {path}")
 
     def restore(self) -> None:
@@ -270,6 +334,9 @@ class Trainer:
             for warning in warnings:
                 self.log.print(f"warning: {warning}")
             verified = path is not None
+            if path is None:  # a mistyped dir would otherwise start over in silence
+                self.log.print(f"no checkpoint in {c.dir}: " + ("starting from checkpoint.load" if c.load
+                                                                   else "starting at step 0"))
         if path is None and c.load:
             # Rank 0 picks; every rank then loads the same path or raises together.
             chosen: list[Any] = [None, None]
@@ -292,18 +359,24 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
         """Held-out exact match of every answer ("answer", and the task's parts): teacher-forced
-        argmax over the answer tokens, which equals greedy decoding's answer."""
+        argmax over the answer tokens, which equals greedy decoding's answer; and the held-out
+        loss ("loss": per target token, as the training loss, from the same logits)."""
         heldout, b = self.data.heldout, self.config.data.batch_size
         right: dict[str, int] = {}
         counted: dict[str, int] = {}
+        loss_sum, weight = 0.0, 0.0
         for start in range(0, len(heldout), b):
             indices = list(range(start, min(start + b, len(heldout))))
-            batch = self._load_plan(len(indices), 1)(heldout.batch, indices)
-            pred = self.model.predict(batch).cpu()
+            batch = self._heldout_batch(heldout.batch, indices)
+            pred, loss = self.model.predict(batch, with_loss=True)
+            pred = pred.cpu()
+            tokens = float(loss_weights(batch.labels, batch.loss_mask).sum())
+            loss_sum, weight = loss_sum + loss * tokens, weight + tokens
             for name, (r, c) in self.data.score(batch, pred).items():
                 right[name] = right.get(name, 0) + r
                 counted[name] = counted.get(name, 0) + c
-        return {k: right[k] / counted[k] if counted[k] else float("nan") for k in right}
+        scores = {k: right[k] / counted[k] if counted[k] else float("nan") for k in right}
+        return {**scores, "loss": loss_sum / weight if weight else float("nan")}
 
     def answers(self, n: int) -> list[tuple[str, str]]:
         """Greedy answers to the first `n` held-out prompts (samples with an answer): (expected,
@@ -312,13 +385,27 @@ class Trainer:
         chosen = [i for i in range(len(heldout)) if self.data.prompt(i) is not None][:n]
         if not chosen:
             return []
-        batch = self._load_plan(len(chosen), 1)(getattr(heldout, "prompts", heldout.batch), chosen)
+        batch = self._heldout_batch(getattr(heldout, "prompts", heldout.batch), chosen)
         prompts = [self.data.prompt(i) for i in chosen]
         lengths = [p[0] for p in prompts]
         stops = {p[2] for p in prompts}
         stop = stops.pop() if len(stops) == 1 else None
         out = self.model.generate(batch, lengths, self.seq_len - max(lengths), stop_token=stop)
-        return [(expected, self.data.decode(ids)) for (_, expected, _), ids in zip(prompts, out)]
+        return [(expected, self.data.decode(ids)) for i, (_, expected, _), ids in zip(chosen, prompts, out)
+                if i not in self.heldout_left_out]
+
+    def _heldout_batch(self, make: Callable[..., MimoBatch], indices: Sequence[int]) -> MimoBatch:
+        """A held-out batch, its rows whose media fail to decode left out of the scores. Every
+        rank learns of a failure on any rank in one all-reduce of the count per batch (the
+        evaluation's own; a training step's rides on the step's)."""
+        known = self.heldout_left_out
+        batch, failed = self._load_plan(len(indices), 1).tolerant(make, indices, self._left_out(indices, known))
+        failed = [e for e in failed if indices[e.row] not in known]
+        count = torch.tensor([float(len(failed))], device=self.model.device)
+        dist.all_reduce(count)
+        if count.item():
+            self._agree_on_media(failed, indices, known, heldout=True)
+        return _without_labels(batch, self._left_out(indices, known))
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> float | None:
@@ -357,14 +444,19 @@ class Trainer:
                 # Which step, for errors that cannot say (a peer's closed connection, a timeout).
                 e.add_note(f"in step {step}")
                 raise
-        accuracy = self._report_eval()
-        if c.checkpoint.export_hf:
+            if self.stopped is not None:
+                self._say_stopped()
+                self.log.close()
+                return None
+        if c.checkpoint.export_hf:  # first: nothing in the held-out data can cost the export
             self.export(c.checkpoint.export_hf)
+        accuracy = self._report_eval()
         n = c.train.generate if self.data.heldout is not None else 0
         for expected, got in self.answers(n) if n else ():
             self.log.print(f"  expected: {expected:<28} generated: {got}")
         if accuracy is not None:
             self.log.print(f"held-out accuracy: {accuracy:.2f}")
+        self._held_out_errors()
         self.log.close()
         return accuracy
 
@@ -374,12 +466,25 @@ class Trainer:
         the throughput window (phase times of the steps since the last log line)."""
         c = self.config
         t0 = time.perf_counter()
-        batch = next(batches)
+        indices, batch, failed = next(batches)
         timings: dict[str, float] = {}
         data_s = time.perf_counter() - t0
         lr = self.optimizer.lrs()["language"]  # what this step's update uses
-        metrics = train_step(self.model, self.optimizer, batch, timings)
+        while True:
+            rows = self._left_out(indices)  # known on every rank alike
+            failed = [e for e in failed if indices[e.row] not in self.left_out]  # new ones
+            try:
+                metrics = train_step(self.model, self.optimizer, _without_labels(batch, rows), timings,
+                                     votes=self._stop_votes(), unusable=bool(failed))
+                break
+            except UnusableBatch:
+                # Some rank could not decode a file: all learn which (raises here unless skipping),
+                # then run the step again without those rows. Only then: no per-step cost.
+                self._agree_on_media(failed, indices, self.left_out, heldout=False)
+                batch, failed = self.train_plan.tolerant(self.data.train.batch, indices, self._left_out(indices))
+        self.skipped_samples += len(rows)
         self.step += 1
+        self._agree_on_stop(metrics.votes[:len(STOP_SIGNALS)])
         times = [data_s, timings["forward_backward"], timings["optimizer"], time.perf_counter() - t0]
         if self.step > warm:
             window.append(times)
@@ -388,19 +493,81 @@ class Trainer:
             self._log(metrics, lr, window or [times], tokens, self.model.encoder_imbalance(batch))
             window = []
         if c.checkpoint.dir and ((c.checkpoint.every and self.step % c.checkpoint.every == 0)
-                                 or self.step == c.train.steps):
+                                 or self.step == c.train.steps or self.stopped is not None):
             self.save()
-        if c.train.eval_every and self.step % c.train.eval_every == 0 and self.step < c.train.steps:
+        if (c.train.eval_every and self.step % c.train.eval_every == 0 and self.step < c.train.steps
+                and self.stopped is None):
             self._report_eval()
         return window
+
+    # ------------------------------------------------------------------ media that fail to decode
+    def _left_out(self, indices: Sequence[int], left_out: dict[int, str] | None = None) -> list[int]:
+        """Positions in a batch of `indices` whose rows are left out (their media fail to decode)."""
+        known = self.left_out if left_out is None else left_out
+        return [r for r, i in enumerate(indices) if i in known]
+
+    def _agree_on_media(self, failed: Sequence[MediaError], indices: Sequence[int], known: dict[int, str],
+                        heldout: bool) -> None:
+        """Every rank's `failed` media (one all-gather, only when some rank has one), added to
+        `known` (``{row index: why}``) on every rank; each new one said once (rank 0). Training
+        data without ``data.skip_bad_media``: BatchError on every rank naming each sample and file
+        (held-out data: left out of the score, the error raised at the end of the run, after the
+        export: `_held_out_errors`)."""
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, [(indices[e.row], str(e)) for e in failed])
+        found = {i: why for part in everyone for i, why in part if i not in known}
+        if not heldout and not self.skip_bad_media:
+            raise BatchError(_media_message(found.values()) + "; the step was not applied")
+        for index, why in found.items():
+            known[index] = why
+            what = "scored" if heldout else "trained on"
+            self.log.print(f"warning: {why}: the sample is not {what}" +
+                           (" (data.skip_bad_media)" if self.skip_bad_media else ""))
+
+    def _held_out_errors(self) -> None:
+        """Without ``data.skip_bad_media``, held-out media that failed to decode end the run (after
+        the export and the evaluation), naming each sample and file: on every rank alike."""
+        if self.heldout_left_out and not self.skip_bad_media:
+            raise BatchError(_media_message(self.heldout_left_out.values()) + " (held-out data: those samples were "
+                             "left out of the scores; the export was written)")
+
+    # ------------------------------------------------------------------ stopping
+    def _stop_votes(self) -> tuple[float, ...]:
+        """This rank's votes to stop, one per `STOP_SIGNALS` (1.0: it got that signal).
+
+        Why in the step's all-reduce rather than a check of its own: the step already waits for
+        every rank once, so the verdict costs nothing per step and is the same on every rank at
+        the same step, whichever rank was signalled (a signal to one rank only stops them all
+        there, never hangs). The price: a stop waits for the step in flight to end."""
+        got = self.signals.requested if self.signals is not None else None
+        return tuple(float(got == s) for s in STOP_SIGNALS)
+
+    def _agree_on_stop(self, votes: Sequence[float]) -> None:
+        """The signal every rank stops for, from the summed `votes`: the first of `STOP_SIGNALS`
+        any rank got (SIGTERM before SIGINT: the scheduler's word wins)."""
+        for sig, count in zip(STOP_SIGNALS, votes):
+            if count:
+                self.stopped = sig
+                return
+
+    def _say_stopped(self) -> None:
+        c = self.config
+        code = exit_status(self.stopped)
+        if c.checkpoint.dir:
+            where = f"checkpoint written to {self.saved}; rerun the same command to resume"
+        else:
+            where = "nothing saved (no checkpoint.dir is set)"
+        self.log.print(f"stopped by {self.stopped.name} at step {self.step}: {where} (exit status {code})")
 
     def _report_eval(self) -> float | None:
         if self.data.heldout is None:
             return None
         acc = self.heldout_scores = self.evaluate()
-        parts = ", ".join(f"{k} {v:.3f}" for k, v in acc.items() if k != "answer")
-        self.log.log({"step": self.step, **{f"heldout_{k}": v for k, v in acc.items()}},
-                     f"step {self.step}: held-out exact match {acc['answer']:.3f}" + (f" ({parts})" if parts else ""))
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in acc.items() if k not in ("answer", "loss"))
+        # JSONL keys without spaces: a part "with image" is heldout_with_image
+        self.log.log({"step": self.step, **{f"heldout_{k.replace(' ', '_')}": v for k, v in acc.items()}},
+                     f"step {self.step}: held-out exact match {acc['answer']:.3f}" + (f" ({parts})" if parts else "")
+                     + f", loss {acc['loss']:.4f}")
         return acc["answer"]
 
     def export(self, path: str) -> None:
@@ -431,7 +598,7 @@ class Trainer:
                   "tokens_per_s": tokens / step_s, "lr": lr,
                   "step_s": step_s, "data_s": data_s, "forward_backward_s": fb_s, "optimizer_s": opt_s,
                   "peak_memory_gib": memory / 2**30, "tflops": tflops, "mfu": mfu,
-                  "skipped": metrics.skipped,
+                  "skipped": metrics.skipped, "skipped_samples": self.skipped_samples,
                   **{f"grad_norm_{n}": v for n, v in metrics.module_grad_norms.items()},
                   **{f"encoder_imbalance_{n}": v for n, v in imbalance.items()}}
         shares = "".join(f" {n} {v:.2f}" for n, v in imbalance.items())
@@ -440,4 +607,5 @@ class Trainer:
                              f"{step_s * 1e3:.1f} ms (data {data_s * 1e3:.1f}, fwd+bwd {fb_s * 1e3:.1f}, "
                              f"optim {opt_s * 1e3:.1f}) | mem {record['peak_memory_gib']:.2f} GiB | "
                              + (f"MFU {mfu:.1%}" if mfu is not None else f"{tflops * 1e3:.1f} GFLOP/s")
-                             + (f" | encoder max/mean{shares}" if shares else ""))
+                             + (f" | encoder max/mean{shares}" if shares else "")
+                             + (f" | {self.skipped_samples} samples skipped" if self.skipped_samples else ""))

@@ -1,0 +1,106 @@
+"""Broken media never costs a run: a file that fails to decode is named on every rank, or skipped.
+
+Tiny LLaVA data (`examples/make_tiny_llava.py`: 32 training samples, 8 held-out), image / language
+on ranks 0 / 1 (the image is decoded on rank 0 only), 4 steps of 8: every training sample once.
+
+| case                                                       | expected                                        |
+|------------------------------------------------------------|-------------------------------------------------|
+| a training sample's PNG truncated                          | exit 1, within the timeout; every rank's error: |
+|                                                            | BatchError naming the sample id and the file    |
+| the same, data.skip_bad_media = true, a held-out PNG too,  | one warning line per sample; trains to step 4;  |
+| export_hf set                                              | skipped_samples counted; the export written     |
+| a held-out PNG truncated (no skipping), export_hf set      | the export written; then exit 1 naming it       |
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "examples", "llava_tiny.toml")
+ARGS = ["--config", CONFIG, "--train.steps", "4", "--data.batch_size", "8", "--metrics.progress", "off",
+        "--train.generate", "0", "--metrics.log_every", "1", "--lr_schedule.warmup_steps", "2",
+        "--metrics.jsonl", "m.jsonl", "--checkpoint.export_hf", "out/hf"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    spec = importlib.util.spec_from_file_location("make_tiny_llava", os.path.join(ROOT, "examples",
+                                                                                  "make_tiny_llava.py"))
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    out = str(tmp_path_factory.mktemp("broken_media"))
+    make.write_checkpoints(out)
+    make.write_data(out, train=32, val=8)
+    return out
+
+
+def _copy_with_a_truncated_image(tiny: str, dest, splits: tuple[str, ...]) -> dict[str, tuple[str, str]]:
+    """`tiny` copied to `dest` with the first image of the first imaged sample of each of `splits`
+    cut to half its bytes: ``{split: (sample id, file)}``."""
+    shutil.copytree(tiny, dest)
+    broken = {}
+    for split in splits:
+        with open(os.path.join(dest, "data", f"{split}.jsonl")) as f:
+            sample = next(s for s in map(json.loads, f) if "image" in s)
+        image = sample["image"] if isinstance(sample["image"], str) else sample["image"][0]
+        path = os.path.join(dest, "data", image)
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path, "wb") as f:
+            f.write(data[:len(data) // 2])
+        broken[split] = (sample["id"], path)
+    return broken
+
+
+def _train(cwd, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dtensor_mimo.train", *ARGS, *argv], capture_output=True, text=True,
+                          timeout=300, cwd=cwd, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def test_a_truncated_training_image_is_named_on_every_rank(tiny: str, tmp_path) -> None:
+    (sid, path), = _copy_with_a_truncated_image(tiny, tmp_path / "run", ("train",)).values()
+    out = _train(tmp_path / "run")
+    assert out.returncode == 1, out.stderr[-3000:]
+    named = f"sample {sid!r}: cannot decode its image file {path}"
+    assert "error on ranks 0, 1: BatchError: 1 sample(s) whose media cannot be decoded: " in out.stderr, \
+        out.stderr[-3000:]
+    assert named in out.stderr and "data.skip_bad_media = true" in out.stderr
+    assert "fed different batches" not in out.stderr and "Traceback" not in out.stderr
+    assert not os.path.exists(tmp_path / "run" / "out" / "hf")
+
+
+def test_skip_bad_media_trains_to_the_end_and_exports(tiny: str, tmp_path) -> None:
+    broken = _copy_with_a_truncated_image(tiny, tmp_path / "run", ("train", "val"))
+    out = _train(tmp_path / "run", "--data.skip_bad_media", "true")
+    assert out.returncode == 0, out.stderr[-3000:]
+    for split, (sid, path) in broken.items():
+        lines = [line for line in out.stdout.splitlines() if f"sample {sid!r}: cannot decode its image file {path}"
+                 in line]
+        what = "trained on" if split == "train" else "scored"
+        assert len(lines) == 1 and lines[0].startswith("warning: ") and \
+            lines[0].endswith(f"the sample is not {what} (data.skip_bad_media)"), out.stdout[-3000:]
+    with open(tmp_path / "run" / "m.jsonl") as f:
+        records = [r for r in map(json.loads, f) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[-1]["skipped_samples"] == 1
+    assert os.path.exists(tmp_path / "run" / "out" / "hf" / "config.json")
+
+
+def test_a_truncated_heldout_image_does_not_cost_the_export(tiny: str, tmp_path) -> None:
+    (sid, path), = _copy_with_a_truncated_image(tiny, tmp_path / "run", ("val",)).values()
+    out = _train(tmp_path / "run")
+    assert os.path.exists(tmp_path / "run" / "out" / "hf" / "config.json"), out.stderr[-3000:]
+    assert out.returncode == 1
+    assert f"sample {sid!r}: cannot decode its image file {path}" in out.stderr
+    assert "the export was written" in out.stderr

@@ -1,0 +1,188 @@
+"""Nothing lost on preemption: SIGTERM / SIGINT stop the run after the step in flight, with a checkpoint.
+
+| case                                                                  | expected                                   |
+|-----------------------------------------------------------------------|--------------------------------------------|
+| `train_step` votes [2]: rank 1 votes, rank 0 does not                  | both get the same sums in the same step    |
+| `train_step` unusable [2]: rank 1 could not build its part             | `UnusableBatch` on both, weights unchanged  |
+| `StopSignals`: a signal, the same again at once, then a second one     | first recorded; the repeat ignored; the    |
+|                                                                       | second exits at once with 143              |
+| own launcher [2], SIGTERM to the launcher after a logged step           | exit 143; "stopped by SIGTERM at step N:    |
+|                                                                       | checkpoint written to ckpt/step-N"; verifies |
+| torchrun [2] resuming it, SIGTERM to torchrun after a later step       | "resumed from ... at step N"; workers exit  |
+|                                                                       | 143; the line; the checkpoint verifies     |
+| resumed to the end [2]                                                | every step's loss == the uninterrupted     |
+|                                                                       | run's, exactly                              |
+| `checkpoint.dir` holding no checkpoint                                | "no checkpoint in DIR: starting at step 0" |
+| no `checkpoint.dir`, SIGTERM                                          | "nothing saved", exit 143                   |
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from dtensor_mimo.train.checkpoint import verify
+from dtensor_mimo.train.config import parse_args
+from tests.harness import run_on_ranks
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+STEPS = 24
+TINY = ["--train.steps", str(STEPS), "--data.batch_size", "8", "--pipeline.microbatches", "2",
+        "--data.heldout_samples", "8", "--train.generate", "0", "--metrics.log_every", "1",
+        "--lr_schedule.warmup_steps", "2", "--metrics.progress", "off", "--layout.audio.offset", "0",
+        *[f"--options.{m}.compile=false" for m in ("vision", "audio", "language")]]
+ENV = {**os.environ, "PYTHONPATH": REPO}
+
+
+# ---------------------------------------------------------------------------- the step's votes
+
+
+def _votes_and_unusable() -> tuple[tuple[float, ...], str]:
+    from dtensor_mimo.optim.step import UnusableBatch, train_step
+    from tests.test_faults import DISJOINT, _model, _unchanged, _weights
+    from tests.test_mimo import _batches
+
+    model, optimizer = _model(*DISJOINT)
+    batch = _batches(("vision",), packed=False, batch_size=4)[0]
+    rank = dist.get_rank()
+    votes = train_step(model, optimizer, batch, votes=(float(rank == 1), 0.0)).votes
+    before = _weights(model)
+    try:
+        train_step(model, optimizer, batch, unusable=rank == 1)
+        message = "no error"
+    except UnusableBatch as e:
+        message = str(e)
+    assert _unchanged(model, before)
+    return votes, message
+
+
+def test_votes_and_an_unusable_batch_reach_every_rank() -> None:
+    (votes0, here0), (votes1, here1) = run_on_ranks(_votes_and_unusable, 2, timeout=120)
+    assert votes0 == votes1 == (1.0, 0.0)
+    tail = "could not build their part of this step's batch"
+    assert f"1 rank(s) {tail} (this rank: not it); the step was not applied" == here0
+    assert f"1 rank(s) {tail} (this rank: it); the step was not applied" == here1
+
+
+# ---------------------------------------------------------------------------- StopSignals
+
+SIGNALLED = """
+import os, signal, time
+from dtensor_mimo.train import preemption
+preemption.REPEAT_S = 0.5
+s = preemption.StopSignals().install()
+os.kill(os.getpid(), signal.SIGTERM)
+os.kill(os.getpid(), signal.SIGINT)   # at once: the same request, delivered twice
+print("requested", s.requested.name, flush=True)
+time.sleep(0.6)
+os.kill(os.getpid(), signal.SIGTERM)  # a second one: out at once
+time.sleep(5)
+print("still here", flush=True)
+"""
+
+
+def test_a_second_signal_exits_at_once() -> None:
+    out = subprocess.run([sys.executable, "-c", SIGNALLED], capture_output=True, text=True, timeout=60, env=ENV)
+    assert out.returncode == 143, out.stderr
+    assert out.stdout == "requested SIGTERM\n"
+    assert "SIGTERM again: exiting now, without a checkpoint" in out.stderr
+
+
+# ---------------------------------------------------------------------------- whole runs
+
+
+def _train(argv: list[str]) -> float:
+    from dtensor_mimo.train.trainer import Trainer
+
+    return Trainer(parse_args(argv)).run()
+
+
+def _records(path) -> list[tuple[int, float]]:
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line being written
+                continue
+            if "loss" in record:
+                out.append((record["step"], record["loss"]))
+    return out
+
+
+def _stop_when_logged(cmd: list[str], cwd, jsonl, after_step: int, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Start `cmd`, SIGTERM it once `jsonl` logs a step past `after_step`, wait for it to end."""
+    p = subprocess.Popen(cmd, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while not any(s > after_step for s, _ in _records(jsonl)):
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < deadline, "no step logged"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        stdout, stderr = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    return subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr)
+
+
+def _stopped_line(out: subprocess.CompletedProcess, ckpt: str) -> int:
+    found = re.findall(r"stopped by SIGTERM at step (\d+): checkpoint written to (\S+); rerun the same command to "
+                       r"resume \(exit status 143\)", out.stdout)
+    assert len(found) == 1, (out.stdout[-3000:], out.stderr[-3000:])
+    step, path = int(found[0][0]), found[0][1]
+    assert path == os.path.join(ckpt, f"step-{step:06d}") and 0 < step < STEPS
+    return step
+
+
+def test_sigterm_under_both_launchers_loses_nothing(tmp_path) -> None:
+    pytest.importorskip("sklearn")
+    run_on_ranks(_train, 2, [*TINY, "--metrics.jsonl", str(tmp_path / "ref.jsonl")], timeout=300)
+    reference = dict(_records(tmp_path / "ref.jsonl"))
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    ckpt = "ckpt"
+    args = [*TINY, "--checkpoint.dir", ckpt]
+
+    # The own launcher: the launcher gets SIGTERM and forwards it to its ranks.
+    own = _stop_when_logged([sys.executable, "-m", "dtensor_mimo.train", *args, "--metrics.jsonl", "a.jsonl"],
+                            tmp_path, tmp_path / "a.jsonl", 0)
+    assert own.returncode == 143, own.stderr[-3000:]
+    assert f"no checkpoint in {ckpt}: starting at step 0" in own.stdout
+    first = _stopped_line(own, ckpt)
+    assert verify(str(tmp_path / ckpt / f"step-{first:06d}")) == []
+
+    # torchrun: it gets SIGTERM and forwards it to its workers, which stop together.
+    tr = _stop_when_logged([TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "dtensor_mimo.train", *args,
+                            "--metrics.jsonl", "b.jsonl"], tmp_path, tmp_path / "b.jsonl", first)
+    assert f"resumed from {os.path.join(ckpt, f'step-{first:06d}')} at step {first}" in tr.stdout
+    second = _stopped_line(tr, ckpt)
+    assert second > first and verify(str(tmp_path / ckpt / f"step-{second:06d}")) == []
+    assert tr.returncode != 0  # torchrun's own status after a signal (the workers': 143, as above)
+
+    # Resumed to the end: every step's loss is the uninterrupted run's.
+    run_on_ranks(_train, 2, [*TINY, "--checkpoint.dir", str(tmp_path / ckpt), "--metrics.jsonl",
+                             str(tmp_path / "c.jsonl")], timeout=300)
+    got = [*_records(tmp_path / "a.jsonl"), *_records(tmp_path / "b.jsonl"), *_records(tmp_path / "c.jsonl")]
+    assert [s for s, _ in got] == list(range(1, STEPS + 1))
+    assert [loss for _, loss in got] == [reference[s] for s, _ in got]
+
+
+def test_sigterm_without_a_checkpoint_dir_says_nothing_was_saved(tmp_path) -> None:
+    pytest.importorskip("sklearn")
+    out = _stop_when_logged([sys.executable, "-m", "dtensor_mimo.train", *TINY, "--metrics.jsonl", "m.jsonl"],
+                            tmp_path, tmp_path / "m.jsonl", 0)
+    assert out.returncode == 143, out.stderr[-3000:]
+    assert re.search(r"stopped by SIGTERM at step \d+: nothing saved \(no checkpoint.dir is set\) "
+                     r"\(exit status 143\)", out.stdout), out.stdout[-2000:]
