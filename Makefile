@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test fuzz bench clean
+.PHONY: demo test learn fuzz bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# Long learning runs (held-out accuracy well above chance after hundreds of steps), outside the suite
+learn: $(VENV)/.installed
+	$(PY) -m pytest -q -m learn
 
 # Random layouts x batches against the single-process oracle, and malformed input (tests/test_fuzz.py);
 # the suite runs a few fixed examples, this N random ones: make fuzz FUZZ_EXAMPLES=200 (no whole-test

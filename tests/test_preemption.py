@@ -8,7 +8,7 @@
 |                                                                       | second exits at once with 143              |
 | own launcher [2], SIGTERM to the launcher after a logged step           | exit 143; "stopped by SIGTERM at step N:    |
 |                                                                       | checkpoint written to ckpt/step-N"; verifies |
-| torchrun [2] resuming it, SIGTERM to torchrun after a later step       | "resumed from ... at step N"; workers exit  |
+| torchrun [2], a loader worker per rank, resuming it; SIGTERM to torchrun | "resumed from ... at step N"; workers exit |
 |                                                                       | 143; the line; the checkpoint verifies     |
 | resumed to the end [2]                                                | every step's loss == the uninterrupted     |
 |                                                                       | run's, exactly                              |
@@ -163,9 +163,12 @@ def test_sigterm_under_both_launchers_loses_nothing(tmp_path) -> None:
     first = _stopped_line(own, ckpt)
     assert verify(str(tmp_path / ckpt / f"step-{first:06d}")) == []
 
-    # torchrun: it gets SIGTERM and forwards it to its workers, which stop together.
+    # torchrun: it gets SIGTERM and forwards it to its workers, which stop together. Each rank
+    # loads through a loader worker process (running ahead of the step: the checkpoint's data
+    # position must still be the step's).
     tr = _stop_when_logged([TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "dtensor_mimo.train", *args,
-                            "--metrics.jsonl", "b.jsonl"], tmp_path, tmp_path / "b.jsonl", first)
+                            "--data.workers", "1", "--metrics.jsonl", "b.jsonl"], tmp_path, tmp_path / "b.jsonl",
+                           first)
     assert f"resumed from {os.path.join(ckpt, f'step-{first:06d}')} at step {first}" in tr.stdout
     second = _stopped_line(tr, ckpt)
     assert second > first and verify(str(tmp_path / ckpt / f"step-{second:06d}")) == []

@@ -277,18 +277,6 @@ def test_main_command_rejects_bad_config_before_starting(tmp_path) -> None:
     assert "Traceback" not in out.stderr
 
 
-def test_torchrun_with_loader_workers_gives_the_same_losses(run_a, tmp_path) -> None:
-    """Under torchrun (the given world), with loader worker processes: layout A's losses."""
-    d, argv = run_a
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    common = [torchrun, "--standalone", "--nproc-per-node=4", "-m", "dtensor_mimo.train", *SHORT]
-    out = subprocess.run([*common, *LAYOUT_A, "--data.workers", "1", "--metrics.jsonl", str(tmp_path / "m.jsonl")],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "language  1   1   1   2   2..3   own ranks" in out.stdout
-    assert _losses(str(tmp_path / "m.jsonl")) == _losses(str(d / "m.jsonl"))
-
-
 @pytest.mark.parametrize("rank", ["0", "3"])
 def test_torchrun_rank_refuses_a_layout_that_does_not_fit_its_world(rank, monkeypatch, capsys) -> None:
     """Under torchrun (its environment) each rank checks the config against the world's size and

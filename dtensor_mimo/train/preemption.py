@@ -29,6 +29,15 @@ REPEAT_S = 2.0
 """A signal within this many seconds of the first is the first one again (see the module's doc)."""
 
 
+def ignore_stop_signals(_worker_id: int = 0) -> None:
+    """In a helper process of a rank (a DataLoader worker: its ``worker_init_fn``): leave the stop
+    signals to the rank. A launcher's signal reaches the rank's whole process group (torchrun
+    signals each worker's group), and a loader worker ended by it would end the rank's step
+    with "DataLoader worker exited unexpectedly" instead of letting it finish and save."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def exit_status(sig: int) -> int:
     """The exit status of a run stopped by `sig`: 128 + its number (143 SIGTERM, 130 SIGINT)."""
     return 128 + int(sig)

@@ -40,7 +40,7 @@ from dtensor_mimo.data.conversation import MediaError
 from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.models import ModalityEncoder
 from dtensor_mimo.train import checkpoint
-from dtensor_mimo.train.preemption import STOP_SIGNALS, StopSignals, exit_status
+from dtensor_mimo.train.preemption import STOP_SIGNALS, StopSignals, exit_status, ignore_stop_signals
 from dtensor_mimo.train.config import LANGUAGE, TrainerConfig, build_layout
 from dtensor_mimo.train.datasets import BatchSource, train_data
 from dtensor_mimo.train.metrics import MetricsLogger, peak_tflops, transformer_flops
@@ -309,7 +309,7 @@ class Trainer:
         else:
             batches = iter(DataLoader(_Batches(self.data.train, plan), sampler=_Forever(ahead), batch_size=None,
                                       num_workers=d.workers, collate_fn=_as_is, persistent_workers=True,
-                                      pin_memory=pin))
+                                      pin_memory=pin, worker_init_fn=ignore_stop_signals))
         for (batch, failed), indices in zip(batches, _Forever(self.sampler)):
             yield list(indices), batch, list(failed)
 
