@@ -25,6 +25,7 @@ import os
 import random
 import struct
 import wave
+from typing import Sequence
 
 COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230), "yellow": (230, 210, 40)}
 SHAPES = ("square", "cross", "ring", "bar")
@@ -131,8 +132,12 @@ def write_tone(path: str, pitch: str, rng: random.Random) -> None:
         f.writeframes(bytes(frames))
 
 
-def write_images_split(data: str, name: str, n: int, rng: random.Random) -> None:
-    """`n` samples: one image (half), two images (a quarter) or text only (a quarter)."""
+def write_images_split(data: str, name: str, n: int, rng: random.Random,
+                       sizes: Sequence[tuple[int, int]] = ()) -> None:
+    """`n` samples: one image (half), two images (a quarter) or text only (a quarter); with
+    `sizes`, each image resized (bicubic) to one ``(H, W)`` of them, drawn at random."""
+    from PIL import Image
+
     os.makedirs(os.path.join(data, "images"), exist_ok=True)
     with open(os.path.join(data, f"{name}.jsonl"), "w") as f:
         for i in range(n):
@@ -147,7 +152,11 @@ def write_images_split(data: str, name: str, n: int, rng: random.Random) -> None
                 for k in range(count):
                     color, shape = rng.choice(list(COLORS)), rng.choice(SHAPES)
                     path = os.path.join("images", f"{name}-{i}-{k}.png")
-                    draw_shape(color, shape, rng).save(os.path.join(data, path))
+                    image = draw_shape(color, shape, rng)
+                    if sizes:
+                        h, w = rng.choice(sizes)
+                        image = image.resize((w, h), Image.BICUBIC)
+                    image.save(os.path.join(data, path))
                     paths.append(path)
                     parts.append(f"a {color} {shape}")
                 sample["image"] = paths[0] if count == 1 else paths
@@ -171,12 +180,13 @@ def write_audio_split(data: str, name: str, n: int, rng: random.Random) -> None:
 
 
 def write_data(out: str, train: int = 512, val: int = 64, audio_train: int = 0, audio_val: int = 0,
-               seed: int = 0) -> None:
-    """The conversation files and their media under ``out/data``."""
+               seed: int = 0, sizes: Sequence[tuple[int, int]] = ()) -> None:
+    """The conversation files and their media under ``out/data``; `sizes`: images of those
+    ``(H, W)`` (see `write_images_split`), else all 16x16."""
     rng = random.Random(seed)
     data = os.path.join(out, "data")
-    write_images_split(data, "train", train, rng)
-    write_images_split(data, "val", val, rng)
+    write_images_split(data, "train", train, rng, sizes)
+    write_images_split(data, "val", val, rng, sizes)
     if audio_train:
         write_audio_split(data, "train", audio_train, rng)
         write_audio_split(data, "val", audio_val, rng)

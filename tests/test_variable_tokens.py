@@ -5,6 +5,7 @@ clips at their own length, a list of items encoded as one packed sequence with p
 |-----------------------------------------------------|------------------------------------------------------|
 | test_packed_attention_is_block_diagonal             | `packed_attention` = SDPA with a dense block-diagonal mask, any lengths (zeros too), spans of one and several items |
 | test_siglip_dynamic_resolution_matches_transformers | a tiny SigLIP (patch 8, 4x4 learned grid) loaded with `load_hf`: features at 32x32, 48x32, 16x64, 40x24, 35x33 = transformers with `interpolate_pos_encoding=True` (1e-5), final norm and the trainer's tower (hidden states of the last block) |
+| test_siglip_dynamic_resolution_gradients_match_transformers | the same tower, float64: gradients of the position table (through the bicubic resize) and the patch weights for 48x32, 16x64, 40x24, 35x33 = transformers' (1e-10) |
 | test_clip_dynamic_resolution_matches_transformers   | the same for CLIP (class token per item, pre-norm)   |
 | test_packed_equals_per_item                         | ViT (SigLIP- and CLIP-style), audio, `ModalityEncoder`: a list of mixed sizes = the per-item tensor-path calls, values and every parameter's gradient (float64), spans of one and of several items |
 | test_tensor_input_unchanged                         | `[N, C, H, W]` as before: dynamic_resolution changes no number at the learned size; a batch at another size = the list path |
@@ -92,6 +93,27 @@ def test_siglip_dynamic_resolution_matches_transformers(tmp_path):
             for im, w in zip(images, want):  # the tensor path at each size too
                 torch.testing.assert_close(vit(im[None])[0], w, rtol=0, atol=1e-5)
     assert [vit.tokens_for(im.shape) for im in images] == [16, 24, 16, 15, 16]
+
+
+def test_siglip_dynamic_resolution_gradients_match_transformers(tmp_path):
+    # What training sees: each size's positions are a bicubic resize of the learned grid, so the
+    # grid's gradient is the resize's transpose summed over the sizes of the batch.
+    hf = randomized(transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**TOWER)))
+    hf.save_pretrained(tmp_path / "siglip")
+    vit = ViT(dataclasses.replace(ViTConfig.from_hf(str(tmp_path / "siglip")), dynamic_resolution=True,
+                                  max_patches=64))
+    load_hf(vit, str(tmp_path / "siglip"))
+    hf, vit = hf.double(), vit.double()
+    images = [_image(h, w, seed=i, dtype=torch.float64) for i, (h, w) in enumerate(SIZES[1:])]
+    weights = [torch.randn(vit.tokens_for(im.shape), 32, generator=torch.Generator().manual_seed(9 + i),
+                           dtype=torch.float64) for i, im in enumerate(images)]
+    (vit(images) * torch.cat(weights)).sum().backward()
+    sum((hf(pixel_values=im[None], interpolate_pos_encoding=True).last_hidden_state[0] * w).sum()
+        for im, w in zip(images, weights)).backward()
+    embeddings = hf.embeddings
+    torch.testing.assert_close(vit.pos_embed.grad, embeddings.position_embedding.weight.grad, rtol=0, atol=1e-10)
+    torch.testing.assert_close(vit.patch_embed.weight.grad, embeddings.patch_embedding.weight.grad, rtol=0,
+                               atol=1e-10)
 
 
 def test_clip_dynamic_resolution_matches_transformers(tmp_path):
