@@ -6,6 +6,7 @@ Clips are MP4s (H.264, 16x16 px, 4 frames a second) of a moving coloured shape w
 | test                                              | what                                                  |
 |---------------------------------------------------|-------------------------------------------------------|
 | test_sample_frames_by_hand                        | frame indices for (frames, rate, fps, max_frames) worked out by hand |
+| test_video_keys_are_checked                       | data.video_* without a video encoder, out of range; a factory or variable_length video encoder |
 | test_video_rows_are_the_frames_decoded_alone      | a clip of 0.5 / 1.5 / 2.5 s -> 1 / 3 / 4 frames (4: spread over the clip), the header's count; |
 |                                                   | `<video>` -> frames x 16 rows; each frame's input == PyAV + the SigLIP processor in the test; |
 |                                                   | dynamic_resolution: one input and one row count per frame, the same pixels |
@@ -53,6 +54,30 @@ def test_sample_frames_by_hand() -> None:
     assert sample_frames(30, 29.97, 0.5, 16) == [0]
     assert sample_frames(100, 25, 2, 1) == [0]
     assert sample_frames(1, 25, 2, 16) == [0] and sample_frames(0, 25, 2, 16) == []
+
+
+LLAVA = ["--data.format", "llava", "--data.path", "x.jsonl", "--data.tokenizer", "t",
+         "--model.encoders.video.image_size", "16"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([*LLAVA, "--model.encoders.video.modality", "image", "--data.video_fps", "4"],
+     "data.video_fps: not used by this config"),
+    ([*LLAVA, "--model.encoders.video.modality", "video", "--data.video_fps", "0"],
+     "data.video_fps = 0.0: frames taken per second of video must be > 0"),
+    ([*LLAVA, "--model.encoders.video.modality", "video", "--data.video_max_frames", "0"],
+     "data.video_max_frames = 0: must be >= 1"),
+    (["--data.format", "llava", "--data.path", "x.jsonl", "--data.tokenizer", "t", "--model.encoders.video.modality",
+      "video", "--model.encoders.video.factory", "m:f"], "model.encoders.video: a video encoder runs an image tower"),
+    ([*LLAVA, "--model.encoders.video.modality", "video", "--model.encoders.video.variable_length", "true"],
+     "model.encoders.video.variable_length is for audio encoders"),
+])
+def test_video_keys_are_checked(argv: list[str], message: str) -> None:
+    from dtensor_mimo.train.config import ConfigError, check_config
+
+    with pytest.raises(ConfigError) as e:
+        check_config(parse_args(argv))
+    assert message in str(e.value)
 
 
 # ---------------------------------------------------------------------------- data
