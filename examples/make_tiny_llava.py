@@ -14,6 +14,10 @@ Writes under ``--out``:
   ("What is in the image?" -> "a red cross"; two images: "a red cross and a blue ring"), text-only
   samples ("repeat: green blue" -> "green blue"), and ``data/audio_*.jsonl`` with WAV tones
   ("How does it sound?" -> "high").
+- with ``--video N``: ``data/video_train.jsonl``, ``data/video_val.jsonl`` (N and N // 4 samples)
+  with MP4 clips (16x16 px, 4 frames a second, 1.5-2.5 s; written with PyAV) of a coloured
+  square or cross moving left, right, up or down ("What is moving and where?" -> "a red square
+  moving left"), for `examples/llava_video_tiny.toml`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role
                  "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}"
                  "{{ '<|im_start|>assistant\n' }}{% endif %}")
 IMAGE_SIZE, SAMPLE_RATE = 16, 16000
+DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
+VIDEO_SHAPES = ("square", "cross")
+VIDEO_RATE, VIDEO_SECONDS, VIDEO_TRAVEL = 4, (1.5, 2.0, 2.5), 8  # frames a second, clip lengths, pixels moved
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -179,8 +186,58 @@ def write_audio_split(data: str, name: str, n: int, rng: random.Random) -> None:
                 {"from": "human", "value": "<audio>\nhow does it sound ?"}, {"from": "gpt", "value": pitch}]}) + "\n")
 
 
+def moving_frames(color: str, shape: str, direction: str, seconds: float, rng: random.Random) -> list:
+    """16x16 RGB frames (uint8 arrays) at `VIDEO_RATE` of one shape crossing `VIDEO_TRAVEL`
+    pixels in `direction` over `seconds`, on a noisy dark background."""
+    import numpy as np
+
+    n = round(seconds * VIDEO_RATE)
+    (ux, uy), rgb = DIRECTIONS[direction], np.array(COLORS[color])
+    across = 8 + rng.randint(-2, 2)  # the other axis: fixed for the clip
+    start = 8 - VIDEO_TRAVEL // 2 + rng.randint(-1, 1)
+    y, x = np.mgrid[:IMAGE_SIZE, :IMAGE_SIZE]
+    frames = []
+    for i in range(n):
+        along = start + round(VIDEO_TRAVEL * i / max(1, n - 1))  # from one side to the other
+        cx = along if ux > 0 else IMAGE_SIZE - along if ux < 0 else across
+        cy = along if uy > 0 else IMAGE_SIZE - along if uy < 0 else across
+        dx, dy = np.abs(x - cx), np.abs(y - cy)
+        inside = np.maximum(dx, dy) <= 2 if shape == "square" else ((dx == 0) & (dy <= 3)) | ((dy == 0) & (dx <= 3))
+        noise = np.array([[[rng.randint(-20, 20) for _ in range(3)] for _ in range(IMAGE_SIZE)]
+                          for _ in range(IMAGE_SIZE)])
+        frames.append(np.clip(np.where(inside[..., None], rgb, 20) + noise, 0, 255).astype(np.uint8))
+    return frames
+
+
+def write_clip(path: str, frames: list) -> None:
+    """An H.264 MP4 of `frames` at `VIDEO_RATE` frames a second (4:4:4, near lossless), with PyAV."""
+    import av
+
+    with av.open(path, "w") as container:
+        stream = container.add_stream("libx264", rate=VIDEO_RATE)
+        stream.width = stream.height = IMAGE_SIZE
+        stream.pix_fmt = "yuv444p"
+        stream.options = {"crf": "8"}
+        for array in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")))
+        container.mux(stream.encode())
+
+
+def write_video_split(data: str, name: str, n: int, rng: random.Random) -> None:
+    """`n` samples, each one clip: "what is moving and where ?" -> "a red square moving left"."""
+    os.makedirs(os.path.join(data, "videos"), exist_ok=True)
+    with open(os.path.join(data, f"video_{name}.jsonl"), "w") as f:
+        for i in range(n):
+            color, shape, direction = rng.choice(list(COLORS)), rng.choice(VIDEO_SHAPES), rng.choice(list(DIRECTIONS))
+            path = os.path.join("videos", f"{name}-{i}.mp4")
+            write_clip(os.path.join(data, path), moving_frames(color, shape, direction, rng.choice(VIDEO_SECONDS), rng))
+            f.write(json.dumps({"id": f"video-{name}-{i}", "video": path, "conversations": [
+                {"from": "human", "value": "<video>\nwhat is moving and where ?"},
+                {"from": "gpt", "value": f"a {color} {shape} moving {direction}"}]}) + "\n")
+
+
 def write_data(out: str, train: int = 512, val: int = 64, audio_train: int = 0, audio_val: int = 0,
-               seed: int = 0, sizes: Sequence[tuple[int, int]] = ()) -> None:
+               seed: int = 0, sizes: Sequence[tuple[int, int]] = (), video_train: int = 0, video_val: int = 0) -> None:
     """The conversation files and their media under ``out/data``; `sizes`: images of those
     ``(H, W)`` (see `write_images_split`), else all 16x16."""
     rng = random.Random(seed)
@@ -190,6 +247,10 @@ def write_data(out: str, train: int = 512, val: int = 64, audio_train: int = 0, 
     if audio_train:
         write_audio_split(data, "train", audio_train, rng)
         write_audio_split(data, "val", audio_val, rng)
+    if video_train:
+        video_rng = random.Random(seed + 1)  # the other files stay as they were without video
+        write_video_split(data, "train", video_train, video_rng)
+        write_video_split(data, "val", video_val, video_rng)
 
 
 def main() -> None:
@@ -198,10 +259,12 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=512, help="training samples")
     parser.add_argument("--val", type=int, default=64, help="held-out samples")
     parser.add_argument("--audio", type=int, default=256, help="audio training samples (a quarter as many held out)")
+    parser.add_argument("--video", type=int, default=0, help="video training samples (a quarter as many held "
+                        "out; needs PyAV: pip install av)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     write_checkpoints(args.out, args.seed)
-    write_data(args.out, args.train, args.val, args.audio, args.audio // 4, args.seed)
+    write_data(args.out, args.train, args.val, args.audio, args.audio // 4, args.seed, args.video, args.video // 4)
     print(f"wrote {args.out}/ckpt/{{lm,siglip,whisper}} and {args.out}/data")
 
 

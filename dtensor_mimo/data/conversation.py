@@ -3,10 +3,11 @@
 A file holds one sample per line (JSONL) or a JSON list of samples::
 
     {"id": "s1", "image": "imgs/a.png" | [paths], "audio": "clips/a.wav" | [paths],
+     "video": "clips/a.mp4" | [paths],
      "conversations": [{"from": "human", "value": "<image>\\nWhat is it?"},
                        {"from": "gpt", "value": "A cat."}]}
 
-``<image>`` / ``<audio>`` in a turn's text marks where one item's tokens go (LLaVA's convention),
+``<image>`` / ``<audio>`` / ``<video>`` in a turn's text marks where one item's tokens go (LLaVA's convention),
 items in the order of the sample's list; a sample may have none, one or several. Turns are
 rendered with the tokenizer's ``chat_template`` (``human`` -> user, ``gpt`` -> assistant,
 ``system`` -> system) and the loss counts the assistant tokens only (each answer through its
@@ -19,7 +20,15 @@ Items of their own size (`MediaSpec.shape_of`): each image is resized to its own
 clip keeps its own length; a placeholder then expands to that item's own row count, read from the
 file's header on every rank (no pixels decoded), and a batch carries one tensor per item.
 
-Needs ``transformers`` (the tokenizer and processors are its objects) and Pillow for images.
+Video (`video_inputs`, PyAV): a clip is one item of the sample (one ``<video>``) whose shape is
+``(frames, C, H, W)``: its frames are sampled at ``fps`` up to ``max_frames`` (`sample_frames`),
+the count known from the container's header (frame count and rate, nothing decoded), and each
+frame is one encoder item through the image tower (`MediaSpec.frames`): the placeholder expands
+to frames x rows per frame, and the batch carries one encoder item per frame, so packing, encoder
+dp balancing and the bridge's ragged plans take frames as they take images.
+
+Needs ``transformers`` (the tokenizer and processors are its objects), Pillow for images and
+PyAV (``av``) for video.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import math
 import os
 import wave
 from dataclasses import dataclass, field
+from fractions import Fraction
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
@@ -41,10 +51,10 @@ if TYPE_CHECKING:
     from dtensor_mimo.data.sources import SampleSource
 
 __all__ = ["Conversation", "ConversationDataset", "DataError", "MediaError", "MediaSpec", "read_samples", "check_samples",
-           "image_inputs", "audio_inputs", "item_paths", "fit_image_size"]
+           "image_inputs", "audio_inputs", "video_inputs", "item_paths", "fit_image_size", "sample_frames"]
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-PLACEHOLDERS = {"image": "<image>", "audio": "<audio>"}
+PLACEHOLDERS = {"image": "<image>", "audio": "<audio>", "video": "<video>"}
 """The text that marks an item of each modality (also the JSON key of its paths)."""
 
 
@@ -69,7 +79,7 @@ class MediaSpec:
     """How one encoder's items enter the rows.
 
     Attributes:
-        modality: "image" or "audio": the sample's key holding its paths and the placeholder.
+        modality: "image", "audio" or "video": the sample's key holding its paths and the placeholder.
         special_token_id: the tokenizer's id of the placeholder (an added special token): the id
             of every row position the encoder fills.
         tokens_per_item: encoder rows per item (items of their own size: the most one item gives).
@@ -81,7 +91,12 @@ class MediaSpec:
             file's header (`image_inputs.shape`, `audio_inputs.shape`); None: every item has
             `item_shape`.
         tokens_for: with `shape_of`: an input shape -> the encoder's rows for it (the encoder
-            config's ``tokens_for``; ValueError for an item it cannot take).
+            config's ``tokens_for``; ValueError for an item it cannot take); with `frames`, of
+            one frame.
+        frames: each item is a clip of shape ``(frames, *frame shape)`` (`video_inputs`) whose
+            frames are the encoder's items: its placeholder expands to the frames' rows, and the
+            batch holds one encoder item per frame. `tokens_per_item` and `item_shape` are then
+            a frame's (`item_shape` ``()``: frames of their own size, one tensor per frame).
     """
 
     modality: str
@@ -91,11 +106,19 @@ class MediaSpec:
     prepare: Callable[[list[str]], torch.Tensor | list[torch.Tensor]]
     shape_of: Callable[[str], tuple[int, ...]] | None = None
     tokens_for: Callable[[Sequence[int]], int] | None = None
+    frames: bool = False
 
     @property
     def varied(self) -> bool:
         """Whether items have their own sizes (one tensor and one row count per item)."""
         return self.shape_of is not None
+
+    def rows_of(self, shape: Sequence[int]) -> int:
+        """The encoder's rows for an item of input `shape` (with `frames`: every frame's);
+        ValueError for an item the encoder cannot take."""
+        if self.frames:
+            return shape[0] * self.tokens_for(shape[1:])
+        return self.tokens_for(shape)
 
 
 @dataclass(frozen=True)
@@ -255,6 +278,10 @@ class image_inputs:  # noqa: N801 - used as a function; a class so that loader w
         for path in paths:
             with Image.open(path) as image:
                 images.append(image.convert("RGB"))
+        return self.pixels(images)
+
+    def pixels(self, images: list[Any]) -> torch.Tensor | list[torch.Tensor]:
+        """RGB PIL images -> ``[N, 3, H, W]``, or with `fit` one ``[3, H_i, W_i]`` per image."""
         if self.fit is None:
             return self.processor(images=images, return_tensors="pt")["pixel_values"].float()
         out = []
@@ -263,6 +290,120 @@ class image_inputs:  # noqa: N801 - used as a function; a class so that loader w
             pixels = self.processor(images=[image], size={"height": h, "width": w}, do_resize=True,
                                     do_center_crop=False, return_tensors="pt")["pixel_values"]
             out.append(pixels[0].float())
+        return out
+
+
+def sample_frames(num_frames: int, rate: float, fps: float, max_frames: int) -> list[int]:
+    """Indices of the frames taken from a clip of `num_frames` frames at `rate` frames a second:
+    one every ``1 / fps`` seconds from the first (``k * rate / fps``, rounded down), as many as
+    start within the clip; when that is more than `max_frames`, `max_frames` spread uniformly over
+    the clip instead (``k * num_frames / max_frames``). Never a frame twice (an `fps` above
+    `rate` takes every frame). Exact (rational) arithmetic: a 2 s clip at 25 fps sampled at 2 fps
+    gives frames 0, 12, 25, 37 (12.5 rounded down)."""
+    if num_frames < 1:
+        return []
+    rate_q, fps_q = Fraction(rate).limit_denominator(1 << 20), Fraction(fps).limit_denominator(1 << 20)
+    step = max(rate_q / fps_q, Fraction(num_frames, max_frames), Fraction(1))
+    count = min(max_frames, math.ceil(num_frames / step))
+    return [math.floor(k * step) for k in range(count)]
+
+
+class video_inputs:  # noqa: N801 - used as a function; a class so that loader workers can pickle it
+    """Video files -> each clip's sampled frames ``[F, 3, H, W]`` through an image processor, with
+    PyAV: frames at `fps` up to `max_frames` (`sample_frames`), their count from the container's
+    header (the video stream's frame count and average rate; a container that records no frame
+    count: its duration times the rate), so `shape` decodes nothing.
+
+    Args:
+        images: how a frame becomes pixels (`image_inputs`: the tower's image processor, with its
+            `fit` for frames at their own size).
+        fps: frames taken per second of video.
+        max_frames: the most frames taken from one clip (spread over the clip when more).
+        frame_shape: a frame's input shape when the tower takes one size (``(3, S, S)``); None:
+            frames at their own size under ``images.fit``.
+
+    Frames are taken by index at the stream's average rate (a variable-rate clip is sampled as
+    if constant). A clip that decodes fewer frames than its header counts is broken (an error);
+    when the count was estimated from the duration, the last frame decoded stands in.
+    """
+
+    def __init__(self, images: image_inputs, fps: float, max_frames: int,
+                 frame_shape: tuple[int, ...] | None = None) -> None:
+        if not fps > 0 or max_frames < 1:
+            raise ValueError(f"video_inputs: fps={fps} must be > 0 and max_frames={max_frames} >= 1")
+        self.images, self.fps, self.max_frames, self.frame_shape = images, fps, max_frames, frame_shape
+
+    @staticmethod
+    def _header(container: Any, path: Any) -> tuple[Any, int, float, bool]:
+        """(the video stream, its frames, frames a second, whether the count is exact)."""
+        if not container.streams.video:
+            raise DataError(f"{path}: holds no video stream")
+        stream = container.streams.video[0]
+        rate = stream.average_rate or stream.guessed_rate or stream.base_rate
+        if not rate:
+            raise DataError(f"{path}: its video stream records no frame rate")
+        if stream.frames:
+            return stream, int(stream.frames), float(rate), True
+        if stream.duration is not None and stream.time_base:
+            seconds = float(stream.duration * stream.time_base)
+        elif container.duration is not None:
+            seconds = container.duration / 1_000_000  # av.time_base
+        else:
+            raise DataError(f"{path}: its header records neither a frame count nor a duration")
+        return stream, max(1, round(seconds * float(rate))), float(rate), False
+
+    def indices(self, path: Any) -> list[int]:
+        """The frames of `path` taken (`sample_frames`), from its header."""
+        import av
+
+        try:
+            with av.open(path) as container:
+                _, frames, rate, _ = self._header(container, path)
+        except av.FFmpegError as e:
+            raise DataError(f"{path}: not a video PyAV reads ({e})") from None
+        return sample_frames(frames, rate, self.fps, self.max_frames)
+
+    def shape(self, path: Any) -> tuple[int, ...]:
+        """The input shape ``(F, 3, H, W)`` of clip `path`, from its header (nothing decoded)."""
+        import av
+
+        try:
+            with av.open(path) as container:
+                stream, frames, rate, _ = self._header(container, path)
+                height, width = stream.codec_context.height, stream.codec_context.width
+        except av.FFmpegError as e:
+            raise DataError(f"{path}: not a video PyAV reads ({e})") from None
+        count = len(sample_frames(frames, rate, self.fps, self.max_frames))
+        if self.frame_shape is not None:
+            return (count, *self.frame_shape)
+        return (count, 3, *fit_image_size(height, width, *self.images.fit))
+
+    def frames(self, path: Any) -> list[Any]:
+        """The sampled frames of `path` as RGB PIL images."""
+        import av
+
+        with av.open(path) as container:
+            stream, frames, rate, exact = self._header(container, path)
+            wanted = sample_frames(frames, rate, self.fps, self.max_frames)
+            taken: dict[int, Any] = {}
+            last = None
+            for i, frame in enumerate(container.decode(stream)):
+                last = frame
+                if i in wanted:
+                    taken[i] = frame.to_image()
+                if i >= wanted[-1]:
+                    break
+        missing = [i for i in wanted if i not in taken]
+        if missing and (exact or last is None):
+            raise DataError(f"{path}: decoded {i + 1 if last is not None else 0} frames but its header counts "
+                            f"{frames} (frame {missing[0]} is missing): a truncated or broken clip")
+        return [taken[i] if i in taken else last.to_image() for i in wanted]
+
+    def __call__(self, paths: list[Any]) -> list[torch.Tensor]:
+        out = []
+        for path in paths:
+            pixels = self.images.pixels(self.frames(path))
+            out.append(torch.stack(pixels) if isinstance(pixels, list) else pixels)
         return out
 
 
@@ -467,7 +608,10 @@ class ConversationDataset(Dataset):
             for t in range(len(prompt), end):
                 assistant[t] = True
         items = {name: self.source.media(index, sample, self.media[name].modality) for name in self.media}
-        shapes = {name: [self._item_shape(name, p) for p in paths] for name, paths in items.items()}
+        try:
+            shapes = {name: [self._item_shape(name, p) for p in paths] for name, paths in items.items()}
+        except DataError as e:  # a header that cannot be read (every rank tokenizes: every rank raises)
+            raise DataError(f"sample {sid!r}: {e}") from None
         sizes = {name: [self._item_tokens(sid, name, shape) for shape in found] for name, found in shapes.items()}
         # Expand placeholders: item k's token -> as many copies of the encoder's id as it gives rows.
         tokens: list[int] = []
@@ -523,7 +667,7 @@ class ConversationDataset(Dataset):
         if not spec.varied:
             return spec.tokens_per_item
         try:
-            return spec.tokens_for(shape)
+            return spec.rows_of(shape)
         except ValueError as e:
             raise DataError(f"sample {sid!r}: {name!r}: {e}") from None
 
@@ -582,7 +726,9 @@ class ConversationDataset(Dataset):
             counts = [len(items[name]) for items in samples]
             wanted = set(range(len(rows)) if load is None else load.get(name, ()))
             try:
-                if spec.varied:  # one tensor and one row count per item
+                if spec.frames:  # each clip's frames are the encoder's items
+                    inputs, tokens_per_item, counts = self._frame_inputs(name, samples, rows, wanted)
+                elif spec.varied:  # one tensor and one row count per item
                     shapes = [[shape for s in members for shape in s.item_shapes[name]] for members in rows]
                     inputs: torch.Tensor | list[torch.Tensor] = self._varied_inputs(name, samples, shapes, wanted)
                     tokens_per_item: int | tuple[int, ...] = tuple(n for members in rows for s in members
@@ -599,6 +745,25 @@ class ConversationDataset(Dataset):
                                               special_token_id=spec.special_token_id)
         return MimoBatch(tokens, labels, labels != IGNORE_INDEX, modalities,
                          document_ids=documents if packed else None, positions=positions if packed else None)
+
+    def _frame_inputs(self, name: str, samples: list[dict[str, list[str]]], rows: list[list[Conversation | _Tokenized]],
+                      wanted: set[int]) -> tuple[torch.Tensor | list[torch.Tensor], int | tuple[int, ...], list[int]]:
+        """A frames spec's encoder items: every clip's frames in order (the wanted rows' decoded,
+        the others zeros), their rows and each row's frame count. A tower of one frame size gets
+        one ``[frames, C, H, W]`` tensor and one row count, else one tensor and count per frame."""
+        spec = self.media[name]
+        shapes = [[shape for s in members for shape in s.item_shapes[name]] for members in rows]
+        counts = [sum(shape[0] for shape in row) for row in shapes]
+        if spec.item_shape:  # frames of one size
+            if not any(samples[i][name] for i in wanted):
+                return torch.zeros(()).expand(sum(counts), *spec.item_shape), spec.tokens_per_item, counts
+            clips = self._varied_inputs(name, samples, shapes, wanted)
+            inputs = torch.cat(clips) if clips else torch.zeros(0, *spec.item_shape)
+            return inputs, spec.tokens_per_item, counts
+        clips = self._varied_inputs(name, samples, shapes, wanted)
+        frames = [frame for clip in clips for frame in clip.unbind(0)]
+        tokens = tuple(spec.tokens_for(shape[1:]) for row in shapes for shape in row for _ in range(shape[0]))
+        return frames, tokens, counts
 
     def _varied_inputs(self, name: str, rows: list[dict[str, list[str]]], shapes: list[list[tuple[int, ...]]],
                        wanted: set[int]) -> list[torch.Tensor]:

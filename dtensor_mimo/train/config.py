@@ -127,8 +127,9 @@ class EncoderSection:
     """One encoder (the table's name is the module's name) and its projection to the decoder.
 
     Attributes:
-        modality: "image" or "audio": which placeholder (<image>, <audio>) and preprocessing its
-            items take.
+        modality: "image", "audio" or "video": which placeholder (<image>, <audio>, <video>) and
+            preprocessing its items take; "video": an image tower (SigLIP / CLIP hf or the
+            library ViT) run on each sampled frame (data.video_fps, data.video_max_frames).
         hf: a SigLIP / CLIP vision directory, a LLaVA directory (its tower and projector), or a
             Whisper directory (its encoder); its processor config preprocesses the items.
         factory: "package.module:function" returning an encoder that follows
@@ -158,7 +159,7 @@ class EncoderSection:
             its own rows, no padding; an audio encoder from a Whisper directory or the library's.
     """
 
-    modality: Literal["image", "audio"] = "image"
+    modality: Literal["image", "audio", "video"] = "image"
     hf: str | None = None
     factory: str | None = None
     factory_args: dict[str, Any] = field(default_factory=dict)
@@ -301,6 +302,9 @@ class ConversationData(DataSection):
         skip_bad_media: a sample whose media file fails to decode is left out (on every rank, one
             warning line, counted as skipped_samples in the log) instead of stopping the run with an
             error naming the sample and the file.
+        video_fps: frames taken per second of a video clip (a video encoder's items; PyAV).
+        video_max_frames: the most frames taken from one clip; a longer clip's are spread
+            uniformly over it.
     """
 
     format: Literal["llava"] = "llava"
@@ -314,6 +318,8 @@ class ConversationData(DataSection):
     image_min_pixels: int = 0
     audio_max_seconds: float = 0.0
     skip_bad_media: bool = False
+    video_fps: float = 2.0
+    video_max_frames: int = 16
 
 
 @dataclass
@@ -900,7 +906,7 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         if enc.modality == "audio" and enc.dynamic_resolution:
             raise ConfigError(f"{key}.dynamic_resolution is for image encoders; an audio encoder takes clips at "
                               f"their own length with {key}.variable_length = true")
-        if enc.modality == "image" and enc.variable_length:
+        if enc.modality in ("image", "video") and enc.variable_length:
             raise ConfigError(f"{key}.variable_length is for audio encoders; an image encoder takes images at "
                               f"their own size with {key}.dynamic_resolution = true")
         if enc.factory and (enc.dynamic_resolution or enc.variable_length):
@@ -908,6 +914,9 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
             raise ConfigError(f"{key}.{which}: items of their own size need an encoder the library configures (a "
                               "SigLIP / CLIP / Whisper directory or the library's); a factory encoder gives "
                               "tokens_per_item rows per item")
+        if enc.factory and enc.modality == "video":
+            raise ConfigError(f"{key}: a video encoder runs an image tower on each frame: give hf = a SigLIP / CLIP "
+                              "directory (or the library ViT's sizes), not a factory")
         if enc.factory and config.data.format != "digits" and (not enc.processor or enc.tokens_per_item < 1):
             raise ConfigError(f"{key}: a factory encoder needs processor = 'DIR' (its items' preprocessing) "
                               "and tokens_per_item (its rows per item) for the data")
@@ -936,6 +945,9 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         if not data.tokenizer and not lang.hf:
             raise ConfigError(f"data.format = {data.format!r} needs a tokenizer: data.tokenizer = 'DIR' or "
                               "model.language.hf = 'DIR' (a directory with tokenizer files)")
+        if not data.video_fps > 0:
+            raise ConfigError(f"data.video_fps = {data.video_fps!r}: frames taken per second of video must be > 0")
+        positive("data.video_max_frames", data.video_max_frames)
         if data.image_min_pixels and data.image_max_pixels and data.image_min_pixels > data.image_max_pixels:
             raise ConfigError(f"data.image_min_pixels = {data.image_min_pixels} is above data.image_max_pixels = "
                               f"{data.image_max_pixels}; images are resized to a pixel count between the two")
@@ -943,7 +955,7 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         twice = sorted({k for k in kinds if kinds.count(k) > 1})
         if twice:
             raise ConfigError(f"model.encoders: several encoders take {twice} items; conversation data gives "
-                              "each <image> / <audio> placeholder to one encoder")
+                              "each <image> / <audio> / <video> placeholder to one encoder")
 
     # With layout.auto the planner replaces the layout for the world: it need not fit it yet.
     layout = build_layout(config, None if config.layout.auto else world_size)  # no rank left over, none missing
@@ -980,6 +992,8 @@ def _refuse_unused(config: TrainerConfig) -> None:
         unused += [f"data.{n}" for n in _changed(config.data, ("image_max_pixels", "image_min_pixels"))]
     if not digits and not any(e.variable_length for e in encoders):
         unused += [f"data.{n}" for n in _changed(config.data, ("audio_max_seconds",))]
+    if not digits and not any(e.modality == "video" for e in encoders):
+        unused += [f"data.{n}" for n in _changed(config.data, ("video_fps", "video_max_frames"))]
     if config.data.format == "webdataset":  # media are members of the shards
         unused += [f"data.{n}" for n in _changed(config.data, ("root",))]
     library = ("dim", "n_layers", "n_heads", "mlp_hidden", "image_size", "patch_size")
@@ -991,7 +1005,7 @@ def _refuse_unused(config: TrainerConfig) -> None:
             unused += [f"{key}.{n}" for n in _changed(enc, library)]
         if not enc.factory:
             unused += [f"{key}.{n}" for n in _changed(enc, ("tokens_per_item", "factory_args"))]
-        if not enc.hf or enc.modality != "image":
+        if not enc.hf or enc.modality not in ("image", "video"):
             unused += [f"{key}.{n}" for n in _changed(enc, ("feature_layer",))]
         if digits:
             unused += [f"{key}.{n}" for n in _changed(enc, ("processor",))]
@@ -1005,7 +1019,8 @@ def _refuse_unused(config: TrainerConfig) -> None:
         raise ConfigError(f"{', '.join(unused)}: not used by this config (the library model's sizes apply without "
                           "hf or factory; tokens_per_item and factory_args with a factory; feature_layer with an "
                           "image tower's hf; max_patches with dynamic_resolution; data.image_max_pixels, image_min_pixels "
-                          "(audio_max_seconds) with an encoder's dynamic_resolution (variable_length); data.root with files, not "
+                          "(audio_max_seconds) with an encoder's dynamic_resolution (variable_length); data.video_fps, video_max_frames "
+                          "with a video encoder; data.root with files, not "
                           "webdataset shards); remove them")
 
 

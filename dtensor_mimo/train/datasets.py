@@ -30,6 +30,7 @@ from dtensor_mimo.data.conversation import (
     audio_inputs,
     check_samples,
     image_inputs,
+    video_inputs,
 )
 from dtensor_mimo.data.sources import SampleSource, open_source
 from dtensor_mimo.train.config import LANGUAGE, ConfigError, TrainerConfig
@@ -129,9 +130,10 @@ def digits_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainData:
 # ---------------------------------------------------------------------------- conversations
 
 
-def media_specs(resolved: ResolvedModel) -> dict[str, MediaSpec]:
+def media_specs(config: TrainerConfig, resolved: ResolvedModel) -> dict[str, MediaSpec]:
     """Each encoder's placeholder id, rows per item, input shape and preprocessing; for an
-    encoder of items at their own size, how an item's shape and rows follow from its file."""
+    encoder of items at their own size (and of video clips: frames by data.video_fps and
+    data.video_max_frames), how an item's shape and rows follow from its file."""
     specs = {}
     vocab = resolved.tokenizer.get_vocab()
     for name, e in resolved.encoders.items():
@@ -141,9 +143,12 @@ def media_specs(resolved: ResolvedModel) -> dict[str, MediaSpec]:
         else:
             fit = (e.config.patch_size, *e.image_pixels) if e.image_pixels else None
             prepare = image_inputs(e.processor, fit)
-        varied = {"shape_of": prepare.shape, "tokens_for": e.config.tokens_for} if e.varied else {}
+        if modality == "video":  # a clip of frames through the image tower, its frame count from its header
+            prepare = video_inputs(prepare, config.data.video_fps, config.data.video_max_frames, e.item_shape)
+        varied = ({"shape_of": prepare.shape, "tokens_for": e.config.tokens_for}
+                  if e.varied or modality == "video" else {})
         specs[name] = MediaSpec(modality, vocab[PLACEHOLDERS[modality]], e.tokens_per_item,
-                                e.item_shape or (), prepare, **varied)
+                                e.item_shape or (), prepare, frames=modality == "video", **varied)
     return specs
 
 
@@ -156,19 +161,24 @@ placeholders against items, media existence; the launcher also tokenizes them): 
 are checked when a rank first reads them. Estimates of the whole corpus come from these too."""
 
 
-def mean_tokens(spec: MediaSpec, source: SampleSource, samples: Sequence[Mapping[str, Any]]) -> float:
-    """The expected rows per item of `spec`'s encoder: fixed, or the mean over the first
-    `MEAN_TOKENS_ITEMS` items of `samples` (`source`'s first ones; their headers only): an estimate."""
+def mean_tokens(spec: MediaSpec, source: SampleSource, samples: Sequence[Mapping[str, Any]]) -> tuple[float, float]:
+    """The expected rows per encoder item of `spec`'s encoder and encoder items per file (a
+    video's frames; else 1): fixed, or the means over the first `MEAN_TOKENS_ITEMS` files of
+    `samples` (`source`'s first ones; their headers only): an estimate."""
     if not spec.varied:
-        return float(spec.tokens_per_item)
+        return float(spec.tokens_per_item), 1.0
     refs = [r for i, s in enumerate(samples) for r in source.media(i, s, spec.modality)][:MEAN_TOKENS_ITEMS]
-    counts = []
+    rows, items = [], []
     for ref in refs:
         try:
-            counts.append(spec.tokens_for(spec.shape_of(source.open(ref))))
-        except ValueError:  # the dataset names the sample when it meets it
+            shape = spec.shape_of(source.open(ref))
+            rows.append(spec.rows_of(shape))
+        except ValueError:  # the dataset names the sample when it meets it (DataError: a ValueError)
             continue
-    return sum(counts) / len(counts) if counts else float(spec.tokens_per_item)
+        items.append(shape[0] if spec.frames else 1)
+    if not sum(items):
+        return float(spec.tokens_per_item), 1.0
+    return sum(rows) / sum(items), sum(items) / len(items)
 
 
 def open_checked(config: TrainerConfig, path: str | list[str], key: str,
@@ -206,7 +216,7 @@ def _probe_processors(media: dict[str, MediaSpec], source: SampleSource, head: l
         if spec.varied:  # the processor's output against the header's prediction, and the encoder takes it
             try:
                 shape, predicted = tuple(spec.prepare([source.open(ref)])[0].shape), spec.shape_of(source.open(ref))
-                spec.tokens_for(shape)
+                spec.rows_of(shape)
             except (DataError, ValueError) as e:
                 raise ConfigError(f"model.encoders.{name}: {e}") from None
             if shape != predicted:
@@ -232,7 +242,7 @@ def conversation_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainDa
     samples are tokenized and media probed when a batch wants them. What the whole corpus would
     give (items per sample, rows per item) is estimated from its first `CHECKED_SAMPLES`."""
     d = config.data
-    media = media_specs(resolved)
+    media = media_specs(config, resolved)
     train_source, head = open_checked(config, d.path, "data.path", d.batch_size)
     _probe_processors(media, train_source, head)
     whole = len(head) < max(CHECKED_SAMPLES, d.batch_size)  # the head is the whole corpus
@@ -278,9 +288,11 @@ def conversation_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainDa
     # Estimated from the first samples (FLOPs, the planner's costs): items per sample, times the
     # samples a packed row holds (exact: packing has measured every sample).
     per_row = 1.0 if train.rows is None else len(train.samples) / len(train)
-    items = {name: per_row * sum(len(train_source.media(i, s, spec.modality)) for i, s in enumerate(head)) / len(head)
+    means = {name: mean_tokens(spec, train_source, head) for name, spec in media.items()}  # per item; items per file
+    items = {name: per_row * means[name][1] * sum(len(train_source.media(i, s, spec.modality))
+                                                   for i, s in enumerate(head)) / len(head)
              for name, spec in media.items()}
-    tokens = {name: mean_tokens(spec, train_source, head) for name, spec in media.items()}
+    tokens = {name: mean[0] for name, mean in means.items()}
     what = (f"all {len(head)} samples of {train_source.describe()}" if whole else
             f"the first {len(head)} samples of {train_source.describe()}")
     checked = (f"checked {what} (JSON shape, placeholders, media files exist, token lengths) and one item through "

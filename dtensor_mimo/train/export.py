@@ -56,7 +56,7 @@ from dtensor_mimo.schedule.config import stage_layers
 if TYPE_CHECKING:
     from dtensor_mimo.mimo import MimoModel
 
-MODALITIES = {"image": ViT, "audio": AudioEncoder}
+MODALITIES = {"image": ViT, "audio": AudioEncoder, "video": ViT}
 """The modality names `export_hf` takes, and the tower each needs."""
 
 
@@ -93,7 +93,7 @@ def export_hf(model: MimoModel, path: str, *, modalities: Mapping[str, str], spe
         model: the trained `MimoModel` (any layout: tp, FSDP2, pipeline stages, colocated or
             disjoint modules, frozen towers).
         path: the output directory (shared by every rank's filesystem).
-        modalities: ``{encoder name: "image" | "audio"}``, every encoder of the model.
+        modalities: ``{encoder name: "image" | "audio" | "video"}``, every encoder of the model.
         special_token_ids: ``{encoder name: id}``: the placeholder ids the model was trained with
             (the LLaVA image token; recorded next to a projector otherwise).
         tokenizer: a transformers tokenizer, saved with the language model (for LLaVA it needs a
@@ -132,7 +132,7 @@ def export_hf(model: MimoModel, path: str, *, modalities: Mapping[str, str], spe
     wrong = [f"{n!r} is {modalities[n]!r} but its tower is a {merged[n].main.kind.__name__}"
              for n in model.encoder_names if merged[n].main.kind is not MODALITIES[modalities[n]]]
     if wrong:
-        raise ValueError("export_hf: modalities " + "; ".join(wrong) + " (image: ViT, audio: AudioEncoder)")
+        raise ValueError("export_hf: modalities " + "; ".join(wrong) + " (image, video: ViT; audio: AudioEncoder)")
     bad = [f"{n!r}: {problem}" for n, p in processors.items() if (problem := processor_problem(p, merged[n].main))]
     if bad:
         raise ValueError("export_hf: processors " + "; ".join(bad))

@@ -215,7 +215,7 @@ def resolve_encoder(config: TrainerConfig, name: str, section: EncoderSection) -
         return ResolvedEncoder(name, section, vit, vit.num_patches, proc)
     # the library's own encoder
     digits = config.data.format == "digits"
-    if section.modality == "image":
+    if section.modality in ("image", "video"):  # a video's frames go through an image tower
         size = section.image_size or (8 if digits else 0)
         if not size:
             raise ConfigError(f"{key}.image_size: a library ViT on conversation data needs its image size")

@@ -1,0 +1,217 @@
+"""Video: clips whose sampled frames are the image tower's items.
+
+Clips are MP4s (H.264, 16x16 px, 4 frames a second) of a moving coloured shape written with PyAV by
+`examples/make_tiny_llava.py`; the tower is its tiny SigLIP (16x16 images, 16 rows each).
+
+| test                                              | what                                                  |
+|---------------------------------------------------|-------------------------------------------------------|
+| test_sample_frames_by_hand                        | frame indices for (frames, rate, fps, max_frames) worked out by hand |
+| test_video_keys_are_checked                       | data.video_* without a video encoder, out of range; a factory or variable_length video encoder |
+| test_video_rows_are_the_frames_decoded_alone      | a clip of 0.5 / 1.5 / 2.5 s -> 1 / 3 / 4 frames (4: spread over the clip), the header's count; |
+|                                                   | `<video>` -> frames x 16 rows; each frame's input == PyAV + the SigLIP processor in the test; |
+|                                                   | dynamic_resolution: one input and one row count per frame, the same pixels |
+| test_broken_clips_name_the_sample_and_file        | a clip that opens but does not decode: MediaError (sample id, path); not a video: DataError (sample id, path) |
+| test_dp2_frames_give_one_process_numbers          | video dp2 + language dp2 colocated [2], frames balanced: losses == one process [1] (1e-5); |
+|                                                   | encoder max/mean logged, 1.0 (clips of 1 or 3 frames, 2 a microbatch: every total even) |
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from dtensor_mimo.data.conversation import DataError, MediaError, sample_frames
+from dtensor_mimo.train.config import parse_args
+from tests.harness import run_on_ranks
+
+av = pytest.importorskip("av")
+transformers = pytest.importorskip("transformers")
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+CONFIG = os.path.abspath(os.path.join(ROOT, "examples", "llava_video_tiny.toml"))
+_spec = importlib.util.spec_from_file_location("make_tiny_llava", os.path.join(ROOT, "examples", "make_tiny_llava.py"))
+make = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make)
+
+QUICK = ["--metrics.progress", "off", "--train.generate", "0", "--metrics.log_every", "1",
+         "--lr_schedule.warmup_steps", "2"]
+
+
+def test_sample_frames_by_hand() -> None:
+    assert sample_frames(16, 8, 2, 16) == [0, 4, 8, 12]             # every 4th frame: 2 of 8 a second
+    assert sample_frames(50, 25, 2, 16) == [0, 12, 25, 37]          # 12.5 frames apart, rounded down
+    assert sample_frames(7, 4, 2, 16) == [0, 2, 4, 6]               # 1.75 s: the 4th starts at 1.5 s
+    assert sample_frames(10, 4, 2, 4) == [0, 2, 5, 7]               # 5 at 2 fps > 4: 4 over 10 frames
+    assert sample_frames(300, 30, 2, 16) == [0, 18, 37, 56, 75, 93, 112, 131, 150, 168, 187, 206, 225, 243, 262,
+                                             281]                   # 20 > 16: 18.75 frames apart
+    assert sample_frames(6, 4, 10, 16) == [0, 1, 2, 3, 4, 5]        # fps above the clip's: each frame once
+    assert sample_frames(30, 30, 1, 16) == [0]                      # 1 s at 1 fps
+    assert sample_frames(30, 29.97, 0.5, 16) == [0]
+    assert sample_frames(100, 25, 2, 1) == [0]
+    assert sample_frames(1, 25, 2, 16) == [0] and sample_frames(0, 25, 2, 16) == []
+
+
+LLAVA = ["--data.format", "llava", "--data.path", "x.jsonl", "--data.tokenizer", "t",
+         "--model.encoders.video.image_size", "16"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([*LLAVA, "--model.encoders.video.modality", "image", "--data.video_fps", "4"],
+     "data.video_fps: not used by this config"),
+    ([*LLAVA, "--model.encoders.video.modality", "video", "--data.video_fps", "0"],
+     "data.video_fps = 0.0: frames taken per second of video must be > 0"),
+    ([*LLAVA, "--model.encoders.video.modality", "video", "--data.video_max_frames", "0"],
+     "data.video_max_frames = 0: must be >= 1"),
+    (["--data.format", "llava", "--data.path", "x.jsonl", "--data.tokenizer", "t", "--model.encoders.video.modality",
+      "video", "--model.encoders.video.factory", "m:f"], "model.encoders.video: a video encoder runs an image tower"),
+    ([*LLAVA, "--model.encoders.video.modality", "video", "--model.encoders.video.variable_length", "true"],
+     "model.encoders.video.variable_length is for audio encoders"),
+])
+def test_video_keys_are_checked(argv: list[str], message: str) -> None:
+    from dtensor_mimo.train.config import ConfigError, check_config
+
+    with pytest.raises(ConfigError) as e:
+        check_config(parse_args(argv))
+    assert message in str(e.value)
+
+
+# ---------------------------------------------------------------------------- data
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    """Checkpoints, and video files: `video_train.jsonl` (12 clips of 0.5 s or 1.5 s: 1 or 3
+    frames at 2 fps), `clips.jsonl` (0.5, 1.5, 2.5 s), `broken.jsonl` (a cut clip, a text file)."""
+    out = str(tmp_path_factory.mktemp("tiny_video"))
+    make.write_checkpoints(out)
+    data = os.path.join(out, "data")
+    os.makedirs(os.path.join(data, "videos"))
+    rng = random.Random(0)
+
+    def write(name: str, seconds: list[float]) -> None:
+        with open(os.path.join(data, f"{name}.jsonl"), "w") as f:
+            for i, s in enumerate(seconds):
+                color, shape, direction = rng.choice(list(make.COLORS)), rng.choice(make.VIDEO_SHAPES), \
+                    rng.choice(list(make.DIRECTIONS))
+                path = f"videos/{name}-{i}.mp4"
+                make.write_clip(os.path.join(data, path), make.moving_frames(color, shape, direction, s, rng))
+                f.write(json.dumps({"id": f"{name}-{i}", "video": path, "conversations": [
+                    {"from": "human", "value": "<video>\nwhat is moving and where ?"},
+                    {"from": "gpt", "value": f"a {color} {shape} moving {direction}"}]}) + "\n")
+
+    write("video_train", [rng.choice([0.5, 1.5]) for _ in range(12)])
+    write("clips", [0.5, 1.5, 2.5])
+    # A clip whose header (written first: faststart) counts 10 frames, cut short; and a text file.
+    with av.open(os.path.join(data, "videos", "cut.mp4"), "w", options={"movflags": "faststart"}) as container:
+        stream = container.add_stream("libx264", rate=4)
+        stream.width = stream.height = 16
+        stream.pix_fmt = "yuv444p"
+        for _ in range(10):
+            noise = torch.randint(0, 256, (16, 16, 3), dtype=torch.uint8).numpy()
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(noise, format="rgb24")))
+        container.mux(stream.encode())
+    whole = open(os.path.join(data, "videos", "cut.mp4"), "rb").read()
+    open(os.path.join(data, "videos", "cut.mp4"), "wb").write(whole[:len(whole) * 2 // 3])
+    open(os.path.join(data, "videos", "text.mp4"), "w").write("not a video\n")
+    with open(os.path.join(data, "broken.jsonl"), "w") as f:
+        for i, path in enumerate(["videos/clips-1.mp4", "videos/cut.mp4", "videos/text.mp4"]):
+            f.write(json.dumps({"id": f"broken-{i}", "video": path, "conversations": [
+                {"from": "human", "value": "<video>\nwhat is moving and where ?"},
+                {"from": "gpt", "value": "a red square moving left"}]}) + "\n")
+    return out
+
+
+def _dataset(tiny: str, *argv: str):
+    from dtensor_mimo.train.datasets import train_data
+    from dtensor_mimo.train.modules import resolve
+
+    cwd = os.getcwd()
+    os.chdir(tiny)
+    try:
+        config = parse_args(["--config", CONFIG, "--data.heldout", "none", *argv])
+        resolved = resolve(config)
+        return train_data(config, resolved), resolved.tokenizer
+    finally:
+        os.chdir(cwd)
+
+
+def _reference_frames(path: str, indices: list[int]) -> torch.Tensor:
+    """Frames `indices` of `path`, decoded here with PyAV, through the tower's own processor."""
+    with av.open(path) as container:
+        frames = [f.to_image() for f in container.decode(video=0)]
+    processor = transformers.AutoImageProcessor.from_pretrained(os.path.join(os.path.dirname(path), "..", "..",
+                                                                             "ckpt", "siglip"))
+    return processor(images=[frames[i] for i in indices], return_tensors="pt")["pixel_values"].float()
+
+
+def test_video_rows_are_the_frames_decoded_alone(tiny: str) -> None:
+    # 0.5 / 1.5 / 2.5 s at 4 frames a second: 2 / 6 / 10 frames; at 2 fps, at most 4
+    expected = {0: [0], 1: [0, 2, 4], 2: [0, 2, 5, 7]}
+    data, tokenizer = _dataset(tiny, "--data.path", "data/clips.jsonl")
+    video_id = tokenizer.convert_tokens_to_ids("<video>")
+    refs = {i: _reference_frames(os.path.join(tiny, "data", "videos", f"clips-{i}.mp4"), idx)
+            for i, idx in expected.items()}
+    for i, idx in expected.items():
+        assert data.train[i].tokens.count(video_id) == 16 * len(idx)  # frames x 16 patches
+        assert data.train[i].item_shapes == {"video": [(len(idx), 3, 16, 16)]}
+    batch = data.train.batch([0, 1, 2])
+    m = batch.modalities["video"]
+    assert m.items_per_sample == (1, 3, 4) and m.tokens_per_item == 16
+    assert torch.equal(m.inputs, torch.cat([refs[0], refs[1], refs[2]]))
+    # A rank that encodes only sample 1 decodes only its clip; the others' frames are zeros.
+    part = data.train.batch([0, 1, 2], load={"video": [1]}).modalities["video"]
+    assert torch.equal(part.inputs[1:4], refs[1]) and not part.inputs[:1].any() and not part.inputs[4:].any()
+    # Frames at their own size (dynamic resolution): one input and one row count per frame.
+    dynamic, _ = _dataset(tiny, "--data.path", "data/clips.jsonl", "--model.encoders.video.dynamic_resolution", "true")
+    m = dynamic.train.batch([0, 1, 2]).modalities["video"]
+    assert m.items_per_sample == (1, 3, 4) and m.tokens_per_item == (16,) * 8
+    assert all(torch.equal(a, b) for a, b in zip(m.inputs, torch.cat([refs[0], refs[1], refs[2]])))
+    assert data.items_per_sample["video"] == pytest.approx(8 / 3) and data.tokens_per_item["video"] == 16
+
+
+def test_broken_clips_name_the_sample_and_file(tiny: str) -> None:
+    data, _ = _dataset(tiny, "--data.path", "data/broken.jsonl")
+    with pytest.raises(MediaError) as cut:
+        data.train.batch([0, 1])
+    assert cut.value.sample_id == "broken-1" and cut.value.path.endswith("videos/cut.mp4") and cut.value.row == 1
+    assert "sample 'broken-1'" in str(cut.value) and "cut.mp4" in str(cut.value)
+    with pytest.raises(DataError, match=r"sample 'broken-2'.*text\.mp4.*not a video PyAV reads"):
+        data.train.batch([2])
+
+
+# ---------------------------------------------------------------------------- layouts
+
+
+def _train(cwd: str, argv: list[str]) -> None:
+    from dtensor_mimo.train.trainer import Trainer
+
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        Trainer(parse_args(["--config", CONFIG, *argv])).run()
+    finally:
+        os.chdir(here)
+
+
+def test_dp2_frames_give_one_process_numbers(tiny: str, tmp_path) -> None:
+    base = [*QUICK, "--train.steps", "3", "--data.batch_size", "4", "--data.heldout", "none"]
+    runs = {"one": (1, ["--layout.language.offset", "0"]),
+            "dp2": (2, ["--layout.video.dp", "2", "--layout.video.offset", "0", "--layout.language.dp", "2",
+                        "--layout.language.offset", "0", "--options.video.balance", "true"])}
+    records = {}
+    for name, (world, layout) in runs.items():
+        path = str(tmp_path / f"{name}.jsonl")
+        run_on_ranks(_train, world, tiny, [*base, *layout, "--metrics.jsonl", path], timeout=300)
+        records[name] = {r["step"]: r for r in map(json.loads, open(path)) if "loss" in r}
+    assert sorted(records["one"]) == sorted(records["dp2"]) == [1, 2, 3]
+    for step, one in records["one"].items():
+        got = records["dp2"][step]
+        assert got["loss"] == pytest.approx(one["loss"], rel=1e-5), step
+        assert got["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4), step
+        # 2 samples a microbatch, each clip 1 or 3 frames: an even total, cut in two equal halves
+        assert got["encoder_imbalance_video"] == 1.0, step
