@@ -413,8 +413,8 @@ def test_requires_grad_changed_after_construction_is_refused_on_every_rank(froze
     what = "unfrozen" if frozen_at_build else "frozen"
     tail = ("the schedule (which gradients cross back to which encoder) is fixed at construction; freeze or "
             "unfreeze before building the MimoModel (and its MimoOptimizer). The step was not applied")
-    assert here.startswith(f"requires_grad changed after the MimoModel was built, on 1 rank(s) (here: "
-                           f"encoders.vision.encoder.patch"), here
+    assert here.startswith("requires_grad changed after the MimoModel was built, on 1 rank(s) (here: "
+                           "encoders.vision.encoder.patch"), here
     assert f" {what}" in here and here.endswith(tail)
     assert peer == f"requires_grad changed after the MimoModel was built, on 1 rank(s): {tail}"
 
