@@ -182,9 +182,8 @@ def moving_frames(color: str, shape: str, direction: str, seconds: float, rng: r
     """16x16 RGB frames (uint8 arrays) at `VIDEO_RATE` of one shape crossing `VIDEO_TRAVEL`
     pixels in `direction` over `seconds`, on a noisy dark background; with `timeline`, a white
     progress bar on the top row (as a player shows): each frame's place in the clip is in its
-    pixels. (The tiny 2-layer decoder knows the frames' order only from rotary positions over
-    their rows; with the bar it learns the task reliably, without it only now and then. A single
-    frame still does not tell the direction.)"""
+    pixels (the tiny 2-layer decoder knows the frames' order only from rotary positions over
+    their rows). A single frame still does not tell the direction."""
     import numpy as np
 
     n = round(seconds * VIDEO_RATE)
