@@ -15,9 +15,9 @@ Writes under ``--out``:
   samples ("repeat: green blue" -> "green blue"), and ``data/audio_*.jsonl`` with WAV tones
   ("How does it sound?" -> "high").
 - with ``--video N``: ``data/video_train.jsonl``, ``data/video_val.jsonl`` (N and N // 4 samples)
-  with MP4 clips (16x16 px, 4 frames a second, 1.5-2.5 s; written with PyAV) of a coloured
-  square or cross moving left, right, up or down ("What is moving and where?" -> "a red square
-  moving left"), for `examples/llava_video_tiny.toml`.
+  with MP4 clips (16x16 px, 4 frames a second, 1.5-2.5 s, a progress bar on the top row; written
+  with PyAV) of a coloured square or cross moving left, right, up or down ("What is moving and
+  where?" -> "a red square moving left"), for `examples/llava_video_tiny.toml`.
 """
 
 from __future__ import annotations
@@ -186,9 +186,13 @@ def write_audio_split(data: str, name: str, n: int, rng: random.Random) -> None:
                 {"from": "human", "value": "<audio>\nhow does it sound ?"}, {"from": "gpt", "value": pitch}]}) + "\n")
 
 
-def moving_frames(color: str, shape: str, direction: str, seconds: float, rng: random.Random) -> list:
+def moving_frames(color: str, shape: str, direction: str, seconds: float, rng: random.Random,
+                  timeline: bool = True) -> list:
     """16x16 RGB frames (uint8 arrays) at `VIDEO_RATE` of one shape crossing `VIDEO_TRAVEL`
-    pixels in `direction` over `seconds`, on a noisy dark background."""
+    pixels in `direction` over `seconds`, on a noisy dark background; with `timeline`, a white
+    progress bar on the top row (as a player shows): each frame's place in the clip is in its
+    pixels (the tiny 2-layer decoder knows the frames' order only from rotary positions over
+    their rows). A single frame still does not tell the direction."""
     import numpy as np
 
     n = round(seconds * VIDEO_RATE)
@@ -205,7 +209,10 @@ def moving_frames(color: str, shape: str, direction: str, seconds: float, rng: r
         inside = np.maximum(dx, dy) <= 2 if shape == "square" else ((dx == 0) & (dy <= 3)) | ((dy == 0) & (dx <= 3))
         noise = np.array([[[rng.randint(-20, 20) for _ in range(3)] for _ in range(IMAGE_SIZE)]
                           for _ in range(IMAGE_SIZE)])
-        frames.append(np.clip(np.where(inside[..., None], rgb, 20) + noise, 0, 255).astype(np.uint8))
+        frame = np.clip(np.where(inside[..., None], rgb, 20) + noise, 0, 255).astype(np.uint8)
+        if timeline:  # a player's progress bar on the top row: how far into the clip the frame is
+            frame[0, :round(IMAGE_SIZE * (i + 1) / n)] = 255
+        frames.append(frame)
     return frames
 
 
