@@ -19,7 +19,6 @@ text-only samples) is written as the reference JSON list and again as:
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -29,17 +28,14 @@ import pytest
 import torch
 
 from tests.harness import run_on_ranks
+from tests.test_train_llava import ROOT, make  # the tiny checkpoints and data writer
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 datasets = pytest.importorskip("datasets")
 pq = pytest.importorskip("pyarrow.parquet")
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
 CONFIG = os.path.abspath(os.path.join(ROOT, "examples", "llava_tiny.toml"))
-_spec = importlib.util.spec_from_file_location("make_tiny_llava", os.path.join(ROOT, "examples", "make_tiny_llava.py"))
-make = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(make)
 
 SAMPLES = 40
 

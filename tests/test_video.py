@@ -17,7 +17,6 @@ Clips are MP4s (H.264, 16x16 px, 4 frames a second) of a moving coloured shape w
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -28,18 +27,13 @@ import torch
 from dtensor_mimo.data.conversation import DataError, MediaError, sample_frames
 from dtensor_mimo.train.config import parse_args
 from tests.harness import run_on_ranks
+from tests.test_train_llava import QUICK, ROOT, make  # the tiny checkpoints and data writer
 
 av = pytest.importorskip("av")
 transformers = pytest.importorskip("transformers")
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
 CONFIG = os.path.abspath(os.path.join(ROOT, "examples", "llava_video_tiny.toml"))
-_spec = importlib.util.spec_from_file_location("make_tiny_llava", os.path.join(ROOT, "examples", "make_tiny_llava.py"))
-make = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(make)
 
-QUICK = ["--metrics.progress", "off", "--train.generate", "0", "--metrics.log_every", "1",
-         "--lr_schedule.warmup_steps", "2"]
 
 
 def test_sample_frames_by_hand() -> None:
