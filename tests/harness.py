@@ -49,21 +49,40 @@ def _join(rank: int, group: tuple[int, int], current: tuple[int, int] | None) ->
 
     Leaving is safe: a process only ever leaves a group after a call in which every rank of it
     finished (a failed call kills its processes instead)."""
-    import torch
     import torch.distributed as dist
 
     if current is not None:
         dist.destroy_process_group()
-        # Caches keyed by DeviceMesh contents, not identity, would hand a new mesh of the same
-        # ranks the old one's group names: DTensor's sharding propagation (its output specs hold
-        # the mesh; torch's own C++ cache) and compiled graphs (traced with the names).
-        torch._C._clear_DTensor_sharding_propagator_cache()
-        torch._dynamo.reset()
     world_size, port = group
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
+
+
+def _release_groups() -> None:
+    """Destroy every process group but the default one, after a call in which every rank finished.
+
+    A call's meshes make groups that nothing uses afterwards, and each gloo group keeps a thread
+    that wakes every 10 ms (epoll): left alone, a few hundred of them in each long-lived rank
+    process took both cores of a 2-core machine by the end of the suite. Caches keyed by mesh
+    contents, not identity, would then hand a new mesh of the same ranks a destroyed group's name:
+    DTensor's sharding propagation (its output specs hold the mesh; torch's own C++ cache) and
+    compiled graphs (traced with the names), so both are cleared too."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    dist.barrier()  # no peer is still reading what this rank sent (every rank: members differ by group)
+    extra = [pg for pg in list(_world.pg_map) if pg is not _world.default_pg]
+    for pg in extra:
+        dist.destroy_process_group(pg)
+    if extra:
+        torch._C._clear_DTensor_sharding_propagator_cache()
+        torch._dynamo.reset()
+        gc.collect()  # the groups' threads stop when their last reference goes
 
 
 def _worker(rank: int, tasks, results) -> None:
@@ -83,6 +102,7 @@ def _worker(rank: int, tasks, results) -> None:
                 _join(rank, group, current)
                 current = group
             payload, ok = pickle.dumps(fn(*args, **kwargs)), True
+            _release_groups()
         except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
             payload, ok = traceback.format_exc(), False
         results.put((job, rank, ok, payload))

@@ -10,6 +10,8 @@ Clips are MP4s (H.264, 16x16 px, 4 frames a second) of a moving coloured shape w
 | test_video_rows_are_the_frames_decoded_alone      | a clip of 0.5 / 1.5 / 2.5 s -> 1 / 3 / 4 frames (4: spread over the clip), the header's count; |
 |                                                   | `<video>` -> frames x 16 rows; each frame's input == PyAV + the SigLIP processor in the test; |
 |                                                   | dynamic_resolution: one input and one row count per frame, the same pixels |
+| test_frame_text_goes_before_each_frame            | data.video_frame_text: its tokens (the tokenizer's, in the test) before each frame's 16 rows, |
+|                                                   | labels and frames unchanged; a clip cut by seq_len dropped whole with its texts |
 | test_broken_clips_name_the_sample_and_file        | a clip that opens but does not decode: MediaError (sample id, path); not a video: DataError (sample id, path) |
 | test_dp2_frames_give_one_process_numbers          | video dp2 + language dp2 colocated [2], frames balanced: losses == one process [1] (1e-5); |
 |                                                   | encoder max/mean logged, 1.0 (clips of 1 or 3 frames, 2 a microbatch: every total even) |
@@ -61,6 +63,10 @@ LLAVA = ["--data.format", "llava", "--data.path", "x.jsonl", "--data.tokenizer",
      "data.video_fps = 0.0: frames taken per second of video must be > 0"),
     ([*LLAVA, "--model.encoders.video.modality", "video", "--data.video_max_frames", "0"],
      "data.video_max_frames = 0: must be >= 1"),
+    ([*LLAVA, "--model.encoders.video.modality", "video", "--data.video_frame_text", "Frame: "],
+     "data.video_frame_text = 'Frame: ' has no {frame}"),
+    ([*LLAVA, "--model.encoders.video.modality", "image", "--data.video_frame_text", "Frame{frame}: "],
+     "data.video_frame_text: not used by this config"),
     (["--data.format", "llava", "--data.path", "x.jsonl", "--data.tokenizer", "t", "--model.encoders.video.modality",
       "video", "--model.encoders.video.factory", "m:f"], "model.encoders.video: a video encoder runs an image tower"),
     ([*LLAVA, "--model.encoders.video.modality", "video", "--model.encoders.video.variable_length", "true"],
@@ -166,6 +172,32 @@ def test_video_rows_are_the_frames_decoded_alone(tiny: str) -> None:
     assert m.items_per_sample == (1, 3, 4) and m.tokens_per_item == (16,) * 8
     assert all(torch.equal(a, b) for a, b in zip(m.inputs, torch.cat([refs[0], refs[1], refs[2]])))
     assert data.items_per_sample["video"] == pytest.approx(8 / 3) and data.tokens_per_item["video"] == 16
+
+
+def test_frame_text_goes_before_each_frame(tiny: str) -> None:
+    plain, tokenizer = _dataset(tiny, "--data.path", "data/clips.jsonl")
+    text = "Frame{frame}: "
+    framed, _ = _dataset(tiny, "--data.path", "data/clips.jsonl", "--data.video_frame_text", text, "--data.seq_len", "192")
+    video_id = tokenizer.convert_tokens_to_ids("<video>")
+    for i, frames in enumerate([1, 3, 4]):
+        before = plain.train[i].tokens
+        start, stop = before.index(video_id), len(before) - before[::-1].index(video_id)
+        clip = []
+        for f in range(1, frames + 1):
+            clip += tokenizer(f"Frame{f}: ", add_special_tokens=False)["input_ids"] + [video_id] * 16
+        s = framed.train[i]
+        assert s.tokens == before[:start] + clip + before[stop:]
+        assert s.labels == [-100] * (len(s.tokens) - len(plain.train[i].labels[stop:])) + plain.train[i].labels[stop:]
+    # The encoder rows are the same frames, in the same order: assembly fills the <video> positions.
+    a, b = plain.train.batch([0, 1, 2]).modalities["video"], framed.train.batch([0, 1, 2]).modalities["video"]
+    assert torch.equal(a.inputs, b.inputs) and a.items_per_sample == b.items_per_sample
+    # A clip that the row limit would cut between its frames is dropped whole, its text with it.
+    whole = framed.train[2].tokens
+    last_row = len(whole) - whole[::-1].index(video_id) - 1
+    cut, _ = _dataset(tiny, "--data.path", "data/clips.jsonl", "--data.video_frame_text", text,
+                      "--data.seq_len", str(last_row), "--data.truncate", "true")
+    first_text = whole.index(video_id) - len(tokenizer("Frame1: ", add_special_tokens=False)["input_ids"])
+    assert cut.train[2].tokens == whole[:first_text] and cut.train[2].item_shapes == {"video": []}
 
 
 def test_broken_clips_name_the_sample_and_file(tiny: str) -> None:

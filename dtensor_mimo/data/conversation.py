@@ -97,6 +97,10 @@ class MediaSpec:
             frames are the encoder's items: its placeholder expands to the frames' rows, and the
             batch holds one encoder item per frame. `tokens_per_item` and `item_shape` are then
             a frame's (`item_shape` ``()``: frames of their own size, one tensor per frame).
+        frame_text: with `frames`, text put before each frame's rows, ``{frame}`` replaced by
+            its number in the clip from 1: e.g. ``"Frame{frame}: "`` (InternVL's video prompt).
+            It tells the language model which frame a row belongs to, and so their order, from
+            its tokens rather than only from the rows' positions. "": the rows alone.
     """
 
     modality: str
@@ -107,6 +111,15 @@ class MediaSpec:
     shape_of: Callable[[str], tuple[int, ...]] | None = None
     tokens_for: Callable[[Sequence[int]], int] | None = None
     frames: bool = False
+    frame_text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.frame_text and not self.frames:
+            raise ValueError(f"MediaSpec({self.modality!r}): frame_text={self.frame_text!r} is for clips of "
+                             "frames (frames=True)")
+        if self.frame_text and "{frame}" not in self.frame_text:
+            raise ValueError(f"MediaSpec({self.modality!r}): frame_text={self.frame_text!r} has no {{frame}}: "
+                             "every frame would get the same text; put {frame} where its number goes")
 
     @property
     def varied(self) -> bool:
@@ -535,6 +548,7 @@ class ConversationDataset(Dataset):
         self.pad_id = 0 if pad is None else pad
         self.cache_samples = cache_samples
         self._cache: dict[int, _Tokenized] = {}
+        self._frame_texts: dict[tuple[str, int], list[int]] = {}
         self.seq_len = seq_len or max(len(self._record(i).tokens) for i in range(len(self.samples)))
         self.pack = pack
         self.rows = self._pack(seed) if pack else None
@@ -613,22 +627,30 @@ class ConversationDataset(Dataset):
         except DataError as e:  # a header that cannot be read (every rank tokenizes: every rank raises)
             raise DataError(f"sample {sid!r}: {e}") from None
         sizes = {name: [self._item_tokens(sid, name, shape) for shape in found] for name, found in shapes.items()}
-        # Expand placeholders: item k's token -> as many copies of the encoder's id as it gives rows.
+        # Expand placeholders: item k's token -> as many copies of the encoder's id as it gives rows
+        # (a clip's: each frame's rows after its frame_text).
         tokens: list[int] = []
         is_answer: list[bool] = []
         starts: dict[str, list[int]] = {name: [] for name in self.media}
+        spans: dict[str, list[int]] = {name: [] for name in self.media}  # tokens from an item's start
         ids_of = {spec.special_token_id: name for name, spec in self.media.items()}
         for token, answer in zip(ids, assistant):
             name = ids_of.get(token)
             if name is None:
                 tokens.append(token)
                 is_answer.append(answer)
+                continue
+            k = len(starts[name])
+            starts[name].append(len(tokens))
+            n = sizes[name][k] if k < len(sizes[name]) else 1  # too many placeholders: refused below
+            if self.media[name].frame_text and k < len(shapes[name]):
+                frames = shapes[name][k][0]
+                for f in range(frames):
+                    tokens += self._frame_text(name, f) + [token] * (n // frames)
             else:
-                k = len(starts[name])
-                starts[name].append(len(tokens))
-                n = sizes[name][k] if k < len(sizes[name]) else 1  # too many placeholders: refused below
                 tokens += [token] * n
-                is_answer += [False] * n
+            spans[name].append(len(tokens) - starts[name][-1])
+            is_answer += [False] * spans[name][-1]
         for name, found in starts.items():
             if len(found) != len(items[name]):
                 raise DataError(f"sample {sid!r}: {len(found)} {PLACEHOLDERS[self.media[name].modality]} "
@@ -640,9 +662,9 @@ class ConversationDataset(Dataset):
                                 "raise data.seq_len, or set data.truncate = true to cut it")
             cut = limit  # an item cut in two is dropped whole (items never overlap: one can be)
             for name, found in starts.items():
-                cut = min([cut] + [s for s, n in zip(found, sizes[name]) if s < cut < s + n])
+                cut = min([cut] + [s for s, n in zip(found, spans[name]) if s < cut < s + n])
             for name, found in starts.items():
-                kept = sum(1 for s, n in zip(found, sizes[name]) if s + n <= cut)
+                kept = sum(1 for s, n in zip(found, spans[name]) if s + n <= cut)
                 items[name], shapes[name], sizes[name] = items[name][:kept], shapes[name][:kept], sizes[name][:kept]
             tokens, is_answer = tokens[:cut], is_answer[:cut]
         answers, t = [], 0
@@ -656,6 +678,13 @@ class ConversationDataset(Dataset):
                 t += 1
         return _Tokenized(sid, np.asarray(tokens, dtype=np.int32), tuple(answers),
                           {n: tuple(ps) for n, ps in items.items()}, shapes, sizes)
+
+    def _frame_text(self, name: str, frame: int) -> list[int]:
+        """The token ids of encoder `name`'s frame_text for frame `frame` (from 0), cached."""
+        if (name, frame) not in self._frame_texts:
+            text = self.media[name].frame_text.format(frame=frame + 1)
+            self._frame_texts[name, frame] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self._frame_texts[name, frame]
 
     def _item_shape(self, name: str, path: str) -> tuple[int, ...]:
         """Encoder input shape of one item (its file's header when items have their own sizes)."""

@@ -305,6 +305,9 @@ class ConversationData(DataSection):
         video_fps: frames taken per second of a video clip (a video encoder's items; PyAV).
         video_max_frames: the most frames taken from one clip; a longer clip's are spread
             uniformly over it.
+        video_frame_text: text put before each frame's rows, ``{frame}`` its number in the clip
+            from 1 (e.g. ``"Frame{frame}: "``, InternVL's video prompt): which frame a row is of
+            is then in the language model's tokens, not only in the rows' positions. "": none.
     """
 
     format: Literal["llava"] = "llava"
@@ -320,6 +323,7 @@ class ConversationData(DataSection):
     skip_bad_media: bool = False
     video_fps: float = 2.0
     video_max_frames: int = 16
+    video_frame_text: str = ""
 
 
 @dataclass
@@ -948,6 +952,9 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         if not data.video_fps > 0:
             raise ConfigError(f"data.video_fps = {data.video_fps!r}: frames taken per second of video must be > 0")
         positive("data.video_max_frames", data.video_max_frames)
+        if data.video_frame_text and "{frame}" not in data.video_frame_text:
+            raise ConfigError(f"data.video_frame_text = {data.video_frame_text!r} has no {{frame}}: every frame would "
+                              "get the same text; put {frame} where the frame's number goes")
         if data.image_min_pixels and data.image_max_pixels and data.image_min_pixels > data.image_max_pixels:
             raise ConfigError(f"data.image_min_pixels = {data.image_min_pixels} is above data.image_max_pixels = "
                               f"{data.image_max_pixels}; images are resized to a pixel count between the two")
@@ -993,7 +1000,7 @@ def _refuse_unused(config: TrainerConfig) -> None:
     if not digits and not any(e.variable_length for e in encoders):
         unused += [f"data.{n}" for n in _changed(config.data, ("audio_max_seconds",))]
     if not digits and not any(e.modality == "video" for e in encoders):
-        unused += [f"data.{n}" for n in _changed(config.data, ("video_fps", "video_max_frames"))]
+        unused += [f"data.{n}" for n in _changed(config.data, ("video_fps", "video_max_frames", "video_frame_text"))]
     if config.data.format == "webdataset":  # media are members of the shards
         unused += [f"data.{n}" for n in _changed(config.data, ("root",))]
     library = ("dim", "n_layers", "n_heads", "mlp_hidden", "image_size", "patch_size")
@@ -1019,8 +1026,8 @@ def _refuse_unused(config: TrainerConfig) -> None:
         raise ConfigError(f"{', '.join(unused)}: not used by this config (the library model's sizes apply without "
                           "hf or factory; tokens_per_item and factory_args with a factory; feature_layer with an "
                           "image tower's hf; max_patches with dynamic_resolution; data.image_max_pixels, image_min_pixels "
-                          "(audio_max_seconds) with an encoder's dynamic_resolution (variable_length); data.video_fps, video_max_frames "
-                          "with a video encoder; data.root with files, not "
+                          "(audio_max_seconds) with an encoder's dynamic_resolution (variable_length); data.video_fps, video_max_frames, "
+                          "video_frame_text with a video encoder; data.root with files, not "
                           "webdataset shards); remove them")
 
 

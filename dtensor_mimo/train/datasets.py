@@ -148,7 +148,8 @@ def media_specs(config: TrainerConfig, resolved: ResolvedModel) -> dict[str, Med
         varied = ({"shape_of": prepare.shape, "tokens_for": e.config.tokens_for}
                   if e.varied or modality == "video" else {})
         specs[name] = MediaSpec(modality, vocab[PLACEHOLDERS[modality]], e.tokens_per_item,
-                                e.item_shape or (), prepare, frames=modality == "video", **varied)
+                                e.item_shape or (), prepare, frames=modality == "video",
+                                frame_text=config.data.video_frame_text if modality == "video" else "", **varied)
     return specs
 
 
