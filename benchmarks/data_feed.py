@@ -12,6 +12,8 @@ step's batch comes from:
 | files, 1 worker | PNG decoding, the image processor and tokenization in a loader worker process (`data.workers = 1`) |
 | files, prefetch | the same work in the trainer's prefetch thread (`data.prefetch = true`), two batches ahead |
 | files, inline | the same work between steps, on the step's own thread (`data.prefetch = false`) |
+| memory, core busy | as memory, while a second process builds the same batches from files and drops them: |
+| | the worker's work without its hand-over, so "files, 1 worker" minus this is what the transfer costs |
 
 Each case runs in a fresh process; the cases alternate `--repeats` times so machine noise hits
 them alike. Reported: the median step time (the trainer's ``step_s``: from asking for the batch
@@ -35,7 +37,8 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {"memory": ["--data.prefetch", "false"], "files, 1 worker": ["--data.workers", "1"],
-         "files, prefetch": ["--data.prefetch", "true"], "files, inline": ["--data.prefetch", "false"]}
+         "files, prefetch": ["--data.prefetch", "true"], "files, inline": ["--data.prefetch", "false"],
+         "memory, core busy": ["--data.prefetch", "false"]}
 WARM = 10
 PHASES = ("step_s", "data_s", "forward_backward_s", "optimizer_s")
 
@@ -62,7 +65,13 @@ def _one(workdir: str, case: str, steps: int, batch_size: int, jsonl: str) -> No
     config = os.path.join(ROOT, "examples", "llava_tiny.toml")
     argv = _argv(config, steps, batch_size, jsonl, case)
     trainer = Trainer(parse_args(argv))
-    if case == "memory":
+    busy = None
+    if case == "memory, core busy":  # a loader worker's work, its batches dropped instead of handed over
+        import multiprocessing
+
+        busy = multiprocessing.get_context("fork").Process(
+            target=_build_forever, args=(trainer.data.train.batch, _sampled(trainer, steps)), daemon=True)
+    if case.startswith("memory"):
         # The same batches, built by a first trainer over the same sampler (same seed, same order)
         # before this one starts: its steps then take them from a dict.
         source = trainer.data.train
@@ -78,8 +87,22 @@ def _one(workdir: str, case: str, steps: int, batch_size: int, jsonl: str) -> No
         for indices in list(_sampled(trainer, steps)):
             plan.tolerant(remembered, indices)
         source.batch = remembered
+    if busy is not None:
+        busy.start()
     trainer.run()
+    if busy is not None:
+        busy.kill()
     dist.destroy_process_group()
+
+
+def _build_forever(build, batches: list[list[int]]) -> None:
+    """Build `batches` from files again and again (a second process: the work of a loader worker)."""
+    import torch
+
+    torch.set_num_threads(1)
+    while True:
+        for indices in batches:
+            build(indices)
 
 
 def _sampled(trainer, steps: int):
@@ -137,9 +160,9 @@ def main() -> None:
     base = medians["memory"]["step_s"]
     rows = {case: {**{f"{k[:-2]}_ms": v for k, v in m.items()}, "vs_memory": m["step_s"] / base,
                    "steps": len(times[case])} for case, m in medians.items()}
-    print(f"{'fed from':<18} {'step ms':>8} {'vs memory':>10} {'data ms':>8} {'fwd+bwd ms':>11} {'optim ms':>9}  (medians)")
+    print(f"{'fed from':<20} {'step ms':>8} {'vs memory':>10} {'data ms':>8} {'fwd+bwd ms':>11} {'optim ms':>9}  (medians)")
     for case, r in rows.items():
-        print(f"{case:<18} {r['step_ms']:>8.1f} {r['vs_memory']:>9.3f}x {r['data_ms']:>8.1f} "
+        print(f"{case:<20} {r['step_ms']:>8.1f} {r['vs_memory']:>9.3f}x {r['data_ms']:>8.1f} "
               f"{r['forward_backward_ms']:>11.1f} {r['optimizer_ms']:>9.1f}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -68,10 +70,9 @@ def _release_groups() -> None:
     process took both cores of a 2-core machine by the end of the suite. Caches keyed by mesh
     contents, not identity, would then hand a new mesh of the same ranks a destroyed group's name:
     DTensor's sharding propagation (its output specs hold the mesh; torch's own C++ cache) and
-    compiled graphs (traced with the names), so both are cleared too."""
+    compiled graphs (traced with the names), so those are cleared too (`_clear_mesh_caches`)."""
     import gc
 
-    import torch
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
 
@@ -80,9 +81,31 @@ def _release_groups() -> None:
     for pg in extra:
         dist.destroy_process_group(pg)
     if extra:
-        torch._C._clear_DTensor_sharding_propagator_cache()
-        torch._dynamo.reset()
+        _clear_mesh_caches()
         gc.collect()  # the groups' threads stop when their last reference goes
+
+
+def _clear_mesh_caches() -> None:
+    """Empty the caches that hold meshes (so their groups) or are keyed by their contents: torch's
+    C++ and Python DTensor sharding propagation, its redistribute planners, dynamo's compiled
+    graphs, and the ``lru_cache``s of torch.distributed and of this library (keyed by meshes,
+    plans and specs)."""
+    import torch
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()  # weak keys, but values that hold the mesh
+    torch._dynamo.reset()
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(("dtensor_mimo", "torch.distributed")):
+            continue
+        for value in list(vars(module).values()):  # type(): some module attributes warn when read
+            found = list(vars(value).values()) if issubclass(type(value), type) else [value]
+            for v in found:
+                v = v.__func__ if type(v) is staticmethod else v
+                if type(v) is functools._lru_cache_wrapper:
+                    v.cache_clear()
 
 
 def _worker(rank: int, tasks, results) -> None:

@@ -12,6 +12,10 @@ Clips are MP4s (H.264, 16x16 px, 4 frames a second) of a moving coloured shape w
 |                                                   | dynamic_resolution: one input and one row count per frame, the same pixels |
 | test_frame_text_goes_before_each_frame            | data.video_frame_text: its tokens (the tokenizer's, in the test) before each frame's 16 rows, |
 |                                                   | labels and frames unchanged; a clip cut by seq_len dropped whole with its texts |
+| test_temporal_patch_stacks_frame_pairs            | temporal_patch = 2: each pair of frames one item [6, 16, 16] (frame t first), the last |
+|                                                   | frame repeated to fill a pair; 16 rows a pair; fixed and dynamic resolution alike |
+| test_temporal_patch_embeds_a_still_pair_as_its_frame | a SigLIP tower loaded with temporal_patch = 2: kernel [w/2, w/2]; a pair of one frame |
+|                                                   | twice == the frame through the plain tower; a shape naming both factors |
 | test_broken_clips_name_the_sample_and_file        | a clip that opens but does not decode: MediaError (sample id, path); not a video: DataError (sample id, path) |
 | test_dp2_frames_give_one_process_numbers          | video dp2 + language dp2 colocated [2], frames balanced: losses == one process [1] (1e-5); |
 |                                                   | encoder max/mean logged, 1.0 (clips of 1 or 3 frames, 2 a microbatch: every total even) |
@@ -63,6 +67,10 @@ LLAVA = ["--data.format", "llava", "--data.path", "x.jsonl", "--data.tokenizer",
      "data.video_fps = 0.0: frames taken per second of video must be > 0"),
     ([*LLAVA, "--model.encoders.video.modality", "video", "--data.video_max_frames", "0"],
      "data.video_max_frames = 0: must be >= 1"),
+    ([*LLAVA, "--model.encoders.video.modality", "image", "--model.encoders.video.temporal_patch", "2"],
+     "model.encoders.video.temporal_patch = 2: frames per item is for video encoders"),
+    ([*LLAVA, "--model.encoders.video.modality", "video", "--model.encoders.video.temporal_patch", "0"],
+     "model.encoders.video.temporal_patch = 0: must be >= 1"),
     ([*LLAVA, "--model.encoders.video.modality", "video", "--data.video_frame_text", "Frame: "],
      "data.video_frame_text = 'Frame: ' has no {frame}"),
     ([*LLAVA, "--model.encoders.video.modality", "image", "--data.video_frame_text", "Frame{frame}: "],
@@ -198,6 +206,45 @@ def test_frame_text_goes_before_each_frame(tiny: str) -> None:
                       "--data.seq_len", str(last_row), "--data.truncate", "true")
     first_text = whole.index(video_id) - len(tokenizer("Frame1: ", add_special_tokens=False)["input_ids"])
     assert cut.train[2].tokens == whole[:first_text] and cut.train[2].item_shapes == {"video": []}
+
+
+def test_temporal_patch_stacks_frame_pairs(tiny: str) -> None:
+    expected = {0: [0], 1: [0, 2, 4], 2: [0, 2, 5, 7]}  # as above: 1, 3 and 4 frames
+    refs = [_reference_frames(os.path.join(tiny, "data", "videos", f"clips-{i}.mp4"), idx)
+            for i, idx in expected.items()]
+    # Pairs along channels, frame t first; a clip's last frame fills its last pair.
+    pairs = [torch.cat([refs[0][0], refs[0][0]]).unsqueeze(0), torch.stack([torch.cat([refs[1][0], refs[1][1]]),
+                                                                torch.cat([refs[1][2], refs[1][2]])]),
+             torch.stack([torch.cat([refs[2][0], refs[2][1]]), torch.cat([refs[2][2], refs[2][3]])])]
+    for argv in ([], ["--model.encoders.video.dynamic_resolution", "true"]):
+        data, tokenizer = _dataset(tiny, "--data.path", "data/clips.jsonl", "--model.encoders.video.temporal_patch",
+                                   "2", *argv)
+        video_id = tokenizer.convert_tokens_to_ids("<video>")
+        assert [data.train[i].tokens.count(video_id) for i in range(3)] == [16, 32, 32]  # pairs x 16 patches
+        m = data.train.batch([0, 1, 2]).modalities["video"]
+        assert m.items_per_sample == (1, 2, 2)
+        got = m.inputs if isinstance(m.inputs, torch.Tensor) else torch.stack(m.inputs)
+        assert torch.equal(got, torch.cat(pairs))
+
+
+def test_temporal_patch_embeds_a_still_pair_as_its_frame(tiny: str) -> None:
+    import dataclasses
+
+    from dtensor_mimo.models.hf import load_hf
+    from dtensor_mimo.models.vit import ViT, ViTConfig
+
+    path = os.path.join(tiny, "ckpt", "siglip")
+    one = ViTConfig.from_hf(path)
+    frame, pair = ViT(one), ViT(dataclasses.replace(one, temporal_patch=2))
+    load_hf(frame, path)
+    load_hf(pair, path)
+    w = frame.patch_embed.weight
+    assert torch.equal(pair.patch_embed.weight, torch.cat([w / 2, w / 2], dim=1))
+    x, y = torch.randn(3, 3, 16, 16), torch.randn(3, 3, 16, 16)
+    torch.testing.assert_close(pair(torch.cat([x, x], dim=1)), frame(x), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(pair(torch.cat([x, y], dim=1)), frame(x), atol=1e-3)  # the second frame counts
+    with pytest.raises(ValueError, match=r"\[6, H, W\].*in_channels=3 x temporal_patch=2"):
+        dataclasses.replace(one, temporal_patch=2, dynamic_resolution=True).tokens_for((3, 16, 16))
 
 
 def test_broken_clips_name_the_sample_and_file(tiny: str) -> None:

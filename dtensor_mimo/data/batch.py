@@ -422,8 +422,8 @@ class ModalitySpec:
         ``image_size`` and ``num_patches``, so any config with those fields serves). `sizes`:
         ``(H, W)`` pixel sizes drawn per image, for a ``dynamic_resolution`` config (tokens from
         its ``tokens_for``)."""
-        shape = (config.in_channels, config.image_size, config.image_size)
-        shapes = [(config.in_channels, h, w) for h, w in sizes]
+        shape = (config.item_channels, config.image_size, config.image_size)
+        shapes = [(config.item_channels, h, w) for h, w in sizes]
         return cls(special_token_id, shape, config.num_patches, max_items,
                    tuple((s, config.tokens_for(s)) for s in shapes))
 

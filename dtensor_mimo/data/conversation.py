@@ -97,8 +97,8 @@ class MediaSpec:
             frames are the encoder's items: its placeholder expands to the frames' rows, and the
             batch holds one encoder item per frame. `tokens_per_item` and `item_shape` are then
             a frame's (`item_shape` ``()``: frames of their own size, one tensor per frame).
-        frame_text: with `frames`, text put before each frame's rows, ``{frame}`` replaced by
-            its number in the clip from 1: e.g. ``"Frame{frame}: "`` (InternVL's video prompt).
+        frame_text: with `frames`, text put before each frame's rows (each item's: a stack of
+            frames under a temporal patch), ``{frame}`` replaced by its number in the clip from 1: e.g. ``"Frame{frame}: "`` (InternVL's video prompt).
             It tells the language model which frame a row belongs to, and so their order, from
             its tokens rather than only from the rows' positions. "": the rows alone.
     """
@@ -325,7 +325,9 @@ class video_inputs:  # noqa: N801 - used as a function; a class so that loader w
     """Video files -> each clip's sampled frames ``[F, 3, H, W]`` through an image processor, with
     PyAV: frames at `fps` up to `max_frames` (`sample_frames`), their count from the container's
     header (the video stream's frame count and average rate; a container that records no frame
-    count: its duration times the rate), so `shape` decodes nothing.
+    count: its duration times the rate), so `shape` decodes nothing. With `temporal_patch` k > 1,
+    every k consecutive frames are stacked along channels into one item: ``[ceil(F / k), 3k, H,
+    W]``, the clip's last frame repeated to fill its last stack (as Qwen2-VL pads).
 
     Args:
         images: how a frame becomes pixels (`image_inputs`: the tower's image processor, with its
@@ -334,6 +336,7 @@ class video_inputs:  # noqa: N801 - used as a function; a class so that loader w
         max_frames: the most frames taken from one clip (spread over the clip when more).
         frame_shape: a frame's input shape when the tower takes one size (``(3, S, S)``); None:
             frames at their own size under ``images.fit``.
+        temporal_patch: frames per item (a tower with `ViTConfig.temporal_patch`).
 
     Frames are taken by index at the stream's average rate (a variable-rate clip is sampled as
     if constant). A clip that decodes fewer frames than its header counts is broken (an error);
@@ -341,10 +344,12 @@ class video_inputs:  # noqa: N801 - used as a function; a class so that loader w
     """
 
     def __init__(self, images: image_inputs, fps: float, max_frames: int,
-                 frame_shape: tuple[int, ...] | None = None) -> None:
-        if not fps > 0 or max_frames < 1:
-            raise ValueError(f"video_inputs: fps={fps} must be > 0 and max_frames={max_frames} >= 1")
+                 frame_shape: tuple[int, ...] | None = None, temporal_patch: int = 1) -> None:
+        if not fps > 0 or max_frames < 1 or temporal_patch < 1:
+            raise ValueError(f"video_inputs: fps={fps} must be > 0, max_frames={max_frames} and "
+                             f"temporal_patch={temporal_patch} >= 1")
         self.images, self.fps, self.max_frames, self.frame_shape = images, fps, max_frames, frame_shape
+        self.temporal_patch = temporal_patch
 
     @staticmethod
     def _header(container: Any, path: Any) -> tuple[Any, int, float, bool]:
@@ -386,10 +391,11 @@ class video_inputs:  # noqa: N801 - used as a function; a class so that loader w
                 height, width = stream.codec_context.height, stream.codec_context.width
         except av.FFmpegError as e:
             raise DataError(f"{path}: not a video PyAV reads ({e})") from None
-        count = len(sample_frames(frames, rate, self.fps, self.max_frames))
+        k = self.temporal_patch
+        items = -(-len(sample_frames(frames, rate, self.fps, self.max_frames)) // k)
         if self.frame_shape is not None:
-            return (count, *self.frame_shape)
-        return (count, 3, *fit_image_size(height, width, *self.images.fit))
+            return (items, self.frame_shape[0] * k, *self.frame_shape[1:])
+        return (items, 3 * k, *fit_image_size(height, width, *self.images.fit))
 
     def frames(self, path: Any) -> list[Any]:
         """The sampled frames of `path` as RGB PIL images."""
@@ -413,10 +419,15 @@ class video_inputs:  # noqa: N801 - used as a function; a class so that loader w
         return [taken[i] if i in taken else last.to_image() for i in wanted]
 
     def __call__(self, paths: list[Any]) -> list[torch.Tensor]:
-        out = []
+        out, k = [], self.temporal_patch
         for path in paths:
             pixels = self.images.pixels(self.frames(path))
-            out.append(torch.stack(pixels) if isinstance(pixels, list) else pixels)
+            pixels = torch.stack(pixels) if isinstance(pixels, list) else pixels  # [F, C, H, W]
+            if k > 1:
+                pad = -len(pixels) % k
+                pixels = torch.cat([pixels, pixels[-1:].expand(pad, *pixels.shape[1:])])
+                pixels = pixels.reshape(len(pixels) // k, k * pixels.shape[1], *pixels.shape[2:])
+            out.append(pixels)
         return out
 
 

@@ -54,6 +54,10 @@ class ViTConfig:
     # CLIP with interpolate_pos_encoding=True. max_patches: the most tokens one image may give.
     dynamic_resolution: bool = False
     max_patches: int | None = None
+    # Video: each item stacks this many consecutive frames of in_channels each along channels
+    # (Qwen2-VL's temporal patch): the patch embedding sees them together, so the motion within a
+    # stack is in every patch's embedding, and a stack gives one frame's rows.
+    temporal_patch: int = 1
 
     def __post_init__(self) -> None:
         if self.mlp_hidden is None:
@@ -62,6 +66,8 @@ class ViTConfig:
             raise ValueError(f"ViTConfig: patch_size={self.patch_size} exceeds image_size={self.image_size}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"ViTConfig: activation={self.activation!r} is not one of {sorted(ACTIVATIONS)}")
+        if self.temporal_patch < 1:
+            raise ValueError(f"ViTConfig: temporal_patch={self.temporal_patch}: frames per item must be >= 1")
         if self.dim % self.n_heads != 0:
             raise ValueError(
                 f"ViTConfig: dim={self.dim} must be divisible by n_heads={self.n_heads}"
@@ -70,6 +76,11 @@ class ViTConfig:
             raise ValueError(f"ViTConfig: max_patches={self.max_patches} is the patch budget of one image under "
                              f"dynamic_resolution=True (got dynamic_resolution={self.dynamic_resolution}); "
                              "it must be >= 1")
+
+    @property
+    def item_channels(self) -> int:
+        """Channels of one item: `in_channels` per frame times the frames stacked (`temporal_patch`)."""
+        return self.in_channels * self.temporal_patch
 
     @property
     def num_patches(self) -> int:
@@ -83,13 +94,14 @@ class ViTConfig:
         shape = list(shape)
         p = self.patch_size
         if not self.dynamic_resolution:
-            fixed = [self.in_channels, self.image_size, self.image_size]
+            fixed = [self.item_channels, self.image_size, self.image_size]
             if shape != fixed:
                 return (f"shape {shape}, but the ViT takes {fixed} (ViTConfig(dynamic_resolution=True) takes "
                         "images at their own size)")
             return None
-        if len(shape) != 3 or shape[0] != self.in_channels:
-            return f"shape {shape}, but the ViT takes [{self.in_channels}, H, W] (in_channels={self.in_channels})"
+        if len(shape) != 3 or shape[0] != self.item_channels:
+            return f"shape {shape}, but the ViT takes [{self.item_channels}, H, W] (in_channels={self.in_channels}" + (
+                f" x temporal_patch={self.temporal_patch})" if self.temporal_patch > 1 else ")")
         if shape[1] < p or shape[2] < p:
             return f"shape {shape}, smaller than one {p}x{p} patch"
         patches = (shape[1] // p) * (shape[2] // p)
@@ -219,7 +231,7 @@ class ViT(nn.Module):
         self.config = config
         # A stride-p convolution with a p x p kernel is one Linear applied to every patch.
         self.patch_embed = nn.Conv2d(
-            config.in_channels, config.dim, kernel_size=config.patch_size, stride=config.patch_size,
+            config.item_channels, config.dim, kernel_size=config.patch_size, stride=config.patch_size,
             bias=config.patch_bias,
         )
         extra = int(config.class_token)
@@ -271,7 +283,7 @@ class ViT(nn.Module):
         if problem:
             size = "H, W" if c.dynamic_resolution else f"{c.image_size}, {c.image_size}"
             detail = f" (images of {problem})" if c.dynamic_resolution and images.dim() == 4 else ""
-            raise ValueError(f"ViT: expected images [N, {c.in_channels}, {size}], got {list(images.shape)}{detail}")
+            raise ValueError(f"ViT: expected images [N, {c.item_channels}, {size}], got {list(images.shape)}{detail}")
         x = self.patch_embed(images)  # [N, dim, H/p, W/p]
         grid = tuple(x.shape[2:])
         x = x.flatten(2).transpose(1, 2)  # [N, num_patches, dim], patches in row-major order

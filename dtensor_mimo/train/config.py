@@ -157,6 +157,11 @@ class EncoderSection:
             data.image_max_pixels allows; digits: the largest scan's).
         variable_length: clips at their own length (up to data.audio_max_seconds), each giving
             its own rows, no padding; an audio encoder from a Whisper directory or the library's.
+        temporal_patch: a video encoder's frames per item (Qwen2-VL's temporal patch): 2 stacks
+            each pair of consecutive frames along channels, so the tower's patch embedding sees
+            the motion between them in every patch (a SigLIP / CLIP tower's kernel is repeated
+            over the pair and halved: a still pair embeds as one frame) and a pair gives one
+            frame's rows; a clip's last frame fills its last pair.
     """
 
     modality: Literal["image", "audio", "video"] = "image"
@@ -177,6 +182,7 @@ class EncoderSection:
     dynamic_resolution: bool = False
     max_patches: int = 0
     variable_length: bool = False
+    temporal_patch: int = 1
 
 
 @dataclass
@@ -918,6 +924,10 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
             raise ConfigError(f"{key}.{which}: items of their own size need an encoder the library configures (a "
                               "SigLIP / CLIP / Whisper directory or the library's); a factory encoder gives "
                               "tokens_per_item rows per item")
+        positive(f"{key}.temporal_patch", enc.temporal_patch)
+        if enc.temporal_patch != 1 and enc.modality != "video":
+            raise ConfigError(f"{key}.temporal_patch = {enc.temporal_patch}: frames per item is for video encoders "
+                              f"(modality = 'video'); this one's modality is {enc.modality!r}")
         if enc.factory and enc.modality == "video":
             raise ConfigError(f"{key}: a video encoder runs an image tower on each frame: give hf = a SigLIP / CLIP "
                               "directory (or the library ViT's sizes), not a factory")

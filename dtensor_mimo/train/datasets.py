@@ -144,7 +144,9 @@ def media_specs(config: TrainerConfig, resolved: ResolvedModel) -> dict[str, Med
             fit = (e.config.patch_size, *e.image_pixels) if e.image_pixels else None
             prepare = image_inputs(e.processor, fit)
         if modality == "video":  # a clip of frames through the image tower, its frame count from its header
-            prepare = video_inputs(prepare, config.data.video_fps, config.data.video_max_frames, e.item_shape)
+            k = e.config.temporal_patch
+            frame = e.item_shape and (e.item_shape[0] // k, *e.item_shape[1:])
+            prepare = video_inputs(prepare, config.data.video_fps, config.data.video_max_frames, frame, k)
         varied = ({"shape_of": prepare.shape, "tokens_for": e.config.tokens_for}
                   if e.varied or modality == "video" else {})
         specs[name] = MediaSpec(modality, vocab[PLACEHOLDERS[modality]], e.tokens_per_item,

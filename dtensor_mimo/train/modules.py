@@ -70,7 +70,7 @@ class ResolvedEncoder:
         if self.varied:
             return None
         if isinstance(self.config, ViTConfig):
-            return (self.config.in_channels, self.config.image_size, self.config.image_size)
+            return (self.config.item_channels, self.config.image_size, self.config.image_size)
         if isinstance(self.config, AudioConfig):
             return (self.config.n_mels, self.config.max_frames)
         return None
@@ -207,7 +207,8 @@ def resolve_encoder(config: TrainerConfig, name: str, section: EncoderSection) -
         if kind not in (*_TOWERS, "llava"):
             raise ConfigError(f"{key}.hf = {path!r}: model_type {kind!r} is not a vision tower the library loads "
                               f"(siglip, clip, their vision models, llava); for audio set modality = 'audio'")
-        vit = vision_config(f"{key}.hf", path, section.feature_layer)
+        vit = dataclasses.replace(vision_config(f"{key}.hf", path, section.feature_layer),
+                                  temporal_patch=section.temporal_patch)
         proc = _processor(key, section.processor or path, "image")
         if section.dynamic_resolution:
             vit, pixels = dynamic_vit(config, name, vit)
@@ -221,7 +222,7 @@ def resolve_encoder(config: TrainerConfig, name: str, section: EncoderSection) -
             raise ConfigError(f"{key}.image_size: a library ViT on conversation data needs its image size")
         vit = ViTConfig(image_size=size, patch_size=section.patch_size, in_channels=1 if digits else 3,
                         dim=section.dim, n_layers=section.n_layers, n_heads=section.n_heads,
-                        mlp_hidden=section.mlp_hidden)
+                        mlp_hidden=section.mlp_hidden, temporal_patch=section.temporal_patch)
         if digits:
             if section.dynamic_resolution:
                 vit = _digits_dynamic(key, section, vit)

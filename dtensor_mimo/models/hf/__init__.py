@@ -52,7 +52,7 @@ __all__ = ["has_hf_module", "load_hf", "plan_hf", "save_hf", "save_llava_hf"]
 
 # Fields that only bound what the data layer may build, or how inputs are taken: not part of the
 # weights' meaning.
-_FREE_FIELDS = {"max_seq_len", "multiple_of", "dynamic_resolution", "max_patches", "variable_length"}
+_FREE_FIELDS = {"max_seq_len", "multiple_of", "dynamic_resolution", "max_patches", "variable_length", "temporal_patch"}
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ _FAMILIES: dict[type, _Family] = {
     Llama: _Family(llama_config_from_hf,
                    lambda name, config, has: llama_source(name, config, tied=has is not None and not has("lm_head.weight")),
                    "model.embed_tokens.weight"),
-    ViT: _Family(vit_config_from_hf, lambda name, config, has: vit_source(name), VIT_ANCHOR),
+    ViT: _Family(vit_config_from_hf, lambda name, config, has: vit_source(name, config), VIT_ANCHOR),
     Projection: _Family(check_projector, lambda name, config, has: projection_source(name), PROJECTOR_ANCHOR),
     AudioEncoder: _Family(audio_config_from_hf, lambda name, config, has: audio_source(name), AUDIO_ANCHOR),
 }
@@ -147,7 +147,7 @@ def plan_hf(module: nn.Module, path: str) -> Callable[[], None]:
     sources = {n: dataclasses.replace(s, name=prefix + s.name) for n, s in relative.items()}
     missing = sorted(s.name for s in sources.values() if s.name not in files)
     shapes = [f"{s.name}: checkpoint {files.shape(s.name)}, module {tuple(params[n].shape)}"
-              for n, s in sources.items() if s.name in files and files.shape(s.name) != tuple(params[n].shape)]
+              for n, s in sources.items() if s.name in files and s.module_shape(files.shape(s.name)) != tuple(params[n].shape)]
     if missing or shapes:
         raise ValueError(f"load_hf({path!r}): " + "; ".join(
             ([f"missing tensors {missing}"] if missing else []) + ([f"shapes differ: {shapes}"] if shapes else [])))

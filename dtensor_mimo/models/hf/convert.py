@@ -39,6 +39,10 @@ class Source:
         box = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:]))
         return rows[(slice(None), *box)]
 
+    def module_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The module parameter's shape for a checkpoint tensor of `shape`."""
+        return shape
+
     def write(self, value: torch.Tensor) -> torch.Tensor:
         """The full parameter `value` in the checkpoint's order."""
         return value if self.rotary_head_dim is None else to_half_split(value, self.rotary_head_dim)

@@ -24,7 +24,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from dtensor_mimo.models.hf.convert import Source, table_source
+from dtensor_mimo.models.hf.safetensors import SafetensorsDir
 from dtensor_mimo.models.config_json import read_config
 from dtensor_mimo.models.vit import HF_ACTIVATIONS, ViTConfig
 
@@ -53,7 +56,7 @@ def _tower_style(config: ViTConfig) -> str | None:
 
 def _tower_fields(config: ViTConfig, dtype: str) -> dict[str, Any]:
     act = {v: k for k, v in HF_ACTIVATIONS.items()}[config.activation]
-    return {"image_size": config.image_size, "patch_size": config.patch_size, "num_channels": config.in_channels,
+    return {"image_size": config.image_size, "patch_size": config.patch_size, "num_channels": config.item_channels,
             "hidden_size": config.dim, "num_hidden_layers": config.n_layers,
             "num_attention_heads": config.n_heads, "intermediate_size": config.mlp_hidden,
             "layer_norm_eps": config.norm_eps, "hidden_act": act, "torch_dtype": dtype, "dtype": dtype}
@@ -92,9 +95,31 @@ def llava_tower_config(config: ViTConfig, dtype: str) -> tuple[dict[str, Any], s
     return {"model_type": "clip_vision_model", **_tower_fields(config, dtype)}, "default", 1
 
 
-def vit_source(name: str) -> Source:
-    """The checkpoint tensor (relative to the tower) of the ViT parameter `name`."""
-    return table_source(name, "ViT", _TOP, _LAYER, "encoder.layers")
+@dataclass(frozen=True)
+class _StackedFrames(Source):
+    """The patch embedding of a tower taking `frames` frames stacked along channels (a video
+    tower's temporal patch) from an image tower's: its kernel repeated over the frames and divided
+    by their number (Qwen2-VL's inflation of a 2-D patch embedding), so a stack of one frame
+    repeated embeds as that frame alone."""
+
+    frames: int = 1
+
+    def read(self, files: SafetensorsDir, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        rows = files.read(self.name, slice(offset[0], offset[0] + shape[0]))
+        rows = rows.repeat(1, self.frames, 1, 1) / self.frames
+        return rows[(slice(None), *(slice(o, o + n) for o, n in zip(offset[1:], shape[1:])))]
+
+    def module_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (shape[0], shape[1] * self.frames, *shape[2:])
+
+
+def vit_source(name: str, config: ViTConfig | None = None) -> Source:
+    """The checkpoint tensor (relative to the tower) of the ViT parameter `name` (of a ViT with
+    `config`: a temporal patch's embedding comes from an image tower's, `_StackedFrames`)."""
+    source = table_source(name, "ViT", _TOP, _LAYER, "encoder.layers")
+    if name == "patch_embed.weight" and config is not None and config.temporal_patch > 1:
+        return _StackedFrames(source.name, frames=config.temporal_patch)
+    return source
 
 
 def check_projector(path: str) -> None:
