@@ -125,10 +125,11 @@ def _worker(rank: int, tasks, results) -> None:
                 _join(rank, group, current)
                 current = group
             payload, ok = pickle.dumps(fn(*args, **kwargs)), True
-            _release_groups()
         except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
             payload, ok = traceback.format_exc(), False
         results.put((job, rank, ok, payload))
+        if ok:  # after reporting: a peer that hangs is then the only rank named in the failure
+            _release_groups()
     if current is not None:
         dist.destroy_process_group()
 
