@@ -179,6 +179,47 @@ def test_to_moves_every_tensor():
     assert all(t.device.type == "meta" for t in tensors)
 
 
+def _as_is(item):
+    """The loader's collate: the worker's item as it is."""
+    return item
+
+
+class _OneFlat(torch.utils.data.Dataset):
+    def __init__(self, obj) -> None:
+        self.obj = obj
+
+    def __getitem__(self, i):
+        from dtensor_mimo.data.transfer import Flat
+
+        return Flat.pack(self.obj)
+
+    def __len__(self) -> int:
+        return 1
+
+
+def test_a_batch_crosses_from_a_loader_worker_as_one_buffer():
+    from dtensor_mimo.data.transfer import Flat
+
+    batch = hand_batch(with_packing=True)
+    varied = ModalityInputs([torch.full((3, 4, 2 + i), float(i)) for i in range(3)], (1, 2), (2, 3, 1), 7)
+    stand_in = torch.zeros(()).expand(5, 3)  # stride 0: pickled as it is, not copied out
+    obj = (batch, varied, ["a note"], stand_in, torch.tensor([1.5, -2.0], dtype=torch.bfloat16))
+    flat = Flat.pack(obj)
+    assert len(flat.layout) == 5 + 2 + 3 + 1  # batch tensors, its two modalities, the list's three, the bf16
+    loader = torch.utils.data.DataLoader(_OneFlat(obj), batch_size=None, num_workers=1, collate_fn=_as_is)
+    got = next(iter(loader)).unpack()
+    b, v, note, zeros, half = got
+    for name in ("tokens", "labels", "loss_mask", "document_ids", "positions"):
+        assert torch.equal(getattr(b, name), getattr(batch, name)) and getattr(b, name).dtype == getattr(batch, name).dtype
+    for name, m in batch.modalities.items():
+        assert torch.equal(b.modalities[name].inputs, m.inputs) and b.modalities[name].items_per_sample == m.items_per_sample
+    assert all(torch.equal(x, y) for x, y in zip(v.inputs, varied.inputs)) and v.tokens_per_item == (2, 3, 1)
+    assert note == ["a note"] and zeros.stride() == (0, 0) and torch.equal(zeros, stand_in)
+    assert half.dtype == torch.bfloat16 and half.tolist() == [1.5, -2.0]
+    # Each tensor is a view of the one buffer, at an aligned offset.
+    assert b.tokens.untyped_storage().data_ptr() == half.untyped_storage().data_ptr()
+
+
 def test_sample_range_is_tensor_split():
     for n in range(13):
         for parts in range(1, 9):

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 from dtensor_mimo.data import IGNORE_INDEX, BatchError, MimoBatch, ResumableBatchSampler, microbatches, samples_to_load
 from dtensor_mimo.data.balance import encoder_cuts
 from dtensor_mimo.data.conversation import MediaError
+from dtensor_mimo.data.transfer import Flat
 from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.models import ModalityEncoder
 from dtensor_mimo.train import checkpoint
@@ -118,19 +119,20 @@ class _LoadPlan:
 
 
 class _Batches(Dataset):
-    """A dataset whose item at a list of indices is this rank's view of that global batch."""
+    """A dataset whose item at a list of indices is this rank's view of that global batch, packed
+    into one buffer for the trip from a loader worker (`Flat`)."""
 
     def __init__(self, dataset: BatchSource, plan: _LoadPlan) -> None:
         self.dataset, self.plan = dataset, plan
 
-    def __getitem__(self, indices: list[int]) -> tuple[MimoBatch, list[MediaError]]:
-        return self.plan.tolerant(self.dataset.batch, indices)
+    def __getitem__(self, indices: list[int]) -> Flat:
+        return Flat.pack(self.plan.tolerant(self.dataset.batch, indices))
 
     def __len__(self) -> int:
         return len(self.dataset)
 
 
-def _as_is(batch: MimoBatch) -> MimoBatch:
+def _as_is(batch: Any) -> Any:
     """The loader's collate: a batch is already whole (a module-level function: workers pickle it)."""
     return batch
 
@@ -307,9 +309,10 @@ class Trainer:
             batches: Iterator[tuple] = _prefetched((plan.tolerant(self.data.train.batch, i) for i in _Forever(ahead)),
                                                    depth=2, pin=pin)
         else:
-            batches = iter(DataLoader(_Batches(self.data.train, plan), sampler=_Forever(ahead), batch_size=None,
-                                      num_workers=d.workers, collate_fn=_as_is, persistent_workers=True,
-                                      pin_memory=pin, worker_init_fn=ignore_stop_signals))
+            loader = DataLoader(_Batches(self.data.train, plan), sampler=_Forever(ahead), batch_size=None,
+                                num_workers=d.workers, collate_fn=_as_is, persistent_workers=True,
+                                pin_memory=pin, worker_init_fn=ignore_stop_signals)
+            batches = (flat.unpack() for flat in loader)
         for (batch, failed), indices in zip(batches, _Forever(self.sampler)):
             yield list(indices), batch, list(failed)
 
