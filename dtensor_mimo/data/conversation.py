@@ -98,9 +98,10 @@ class MediaSpec:
             batch holds one encoder item per frame. `tokens_per_item` and `item_shape` are then
             a frame's (`item_shape` ``()``: frames of their own size, one tensor per frame).
         frame_text: with `frames`, text put before each frame's rows (each item's: a stack of
-            frames under a temporal patch), ``{frame}`` replaced by its number in the clip from 1: e.g. ``"Frame{frame}: "`` (InternVL's video prompt).
-            It tells the language model which frame a row belongs to, and so their order, from
-            its tokens rather than only from the rows' positions. "": the rows alone.
+            frames under a temporal patch), ``{frame}`` replaced by its number in the clip from 1:
+            e.g. ``"Frame{frame}: "`` (InternVL's video prompt). It tells the language model which
+            frame a row belongs to, and so their order, from its tokens rather than only from the
+            rows' positions. "": the rows alone.
     """
 
     modality: str
