@@ -8,8 +8,9 @@
 intra-op thread. Rank processes are spawned once and reused by every call (spawning and
 importing torch costs seconds per process on 2 cores): a call on N ranks runs on the pool's
 processes 0..N-1, spawning the ones missing, and when N differs from the previous call's world
-those processes leave the old default group and form a new one of N ranks (milliseconds). So
-``fn`` must leave the default group usable. A failure on any rank raises
+those processes leave the old default group and form a new one of N ranks (milliseconds). After
+each call the ranks destroy the other groups it made (`_release_groups`). So ``fn`` must leave the
+default group usable. A failure on any rank raises
 `DistributedTestFailure` carrying that rank's traceback; a rank that does not finish within
 ``timeout`` seconds fails the test with the list of ranks still running. After a failure or a
 timeout the call's processes are killed (ranks may be stuck in a collective, and a group with

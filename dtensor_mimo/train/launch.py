@@ -12,6 +12,7 @@ them itself). A second signal ends the ranks at once.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -60,6 +61,15 @@ def preflight(config: TrainerConfig) -> None:
             raise ConfigError(f"checkpoint.load: {e}") from None
 
 
+def _quiet_known_logs() -> None:
+    """torchao, when installed, is imported by transformers' quantizers: it logs the optional
+    kernels that do not load on this platform, and torch logs a deprecation in torchao's enum
+    registration, on every rank of every run. Neither concerns a trainer's user (an fp8 module
+    checks what it needs: `dtensor_mimo.parallelize.fp8.check_fp8`); errors still show."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _run_rank(config: TrainerConfig, on_error: Callable[[BaseException], None] | None = None) -> int:
     """Train on this rank of the world (joined here unless already initialised); returns the exit
     status: 0, or `exit_status` of the signal that stopped the run (the same on every rank). On
@@ -68,6 +78,7 @@ def _run_rank(config: TrainerConfig, on_error: Callable[[BaseException], None] |
     propagates."""
     from dtensor_mimo.train.trainer import Trainer
 
+    _quiet_known_logs()
     signals = StopSignals().install()  # first: a signal while building is a stop after step 1
     try:
         if not dist.is_initialized():
@@ -194,6 +205,7 @@ def refuse_auto(config: TrainerConfig, launched: bool) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    _quiet_known_logs()
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
