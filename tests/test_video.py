@@ -17,9 +17,9 @@ Clips are MP4s (H.264, 16x16 px, 4 frames a second) of a moving coloured shape w
 | test_temporal_patch_embeds_a_still_pair_as_its_frame | a SigLIP tower loaded with temporal_patch = 2: kernel [w/2, w/2]; a pair of one frame |
 |                                                   | twice == the frame through the plain tower; a shape naming both factors |
 | test_broken_clips_name_the_sample_and_file        | a clip that opens but does not decode: MediaError (sample id, path); not a video: DataError (sample id, path) |
-| test_dp2_frames_give_one_process_numbers          | video dp2 + language dp2 colocated [2], frames balanced: losses == one process [1] (1e-5); |
+| test_dp2_frames_give_one_process_numbers          | video dp2 + language dp2 colocated [2], frames (or pairs) balanced: losses == one process [1] (1e-5); |
 |                                                   | encoder max/mean logged, 1.0 (clips of 1 or 3 frames, 2 a microbatch: every total even) |
-| test_the_example_learns_motion (`make learn`)     | the example's 2,000 steps on 1,024 clips: held-out exact match >= 0.85 |
+| test_the_example_learns_motion (`make learn`)     | the example's 3,000 steps on 1,024 clips: held-out exact match >= 0.85 |
 """
 
 from __future__ import annotations
@@ -273,8 +273,10 @@ def _train(cwd: str, argv: list[str]) -> None:
         os.chdir(here)
 
 
-def test_dp2_frames_give_one_process_numbers(tiny: str, tmp_path) -> None:
-    base = [*QUICK, *FRAMES, "--train.steps", "3", "--data.batch_size", "4", "--data.heldout", "none"]
+@pytest.mark.parametrize("frames", [1, 2])
+def test_dp2_frames_give_one_process_numbers(tiny: str, tmp_path, frames: int) -> None:
+    base = [*QUICK, "--model.encoders.video.temporal_patch", str(frames), "--train.steps", "3",
+            "--data.batch_size", "4", "--data.heldout", "none"]
     runs = {"one": (1, ["--layout.language.offset", "0"]),
             "dp2": (2, ["--layout.video.dp", "2", "--layout.video.offset", "0", "--layout.language.dp", "2",
                         "--layout.language.offset", "0", "--options.video.balance", "true"])}
@@ -288,8 +290,9 @@ def test_dp2_frames_give_one_process_numbers(tiny: str, tmp_path) -> None:
         got = records["dp2"][step]
         assert got["loss"] == pytest.approx(one["loss"], rel=1e-5), step
         assert got["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4), step
-        # 2 samples a microbatch, each clip 1 or 3 frames: an even total, cut in two equal halves
-        assert got["encoder_imbalance_video"] == 1.0, step
+        # 2 samples a microbatch, each clip 1 or 3 frames: an even total, cut in two equal halves;
+        # in pairs, 1 or 2 items a clip: halves within one item of each other
+        assert got["encoder_imbalance_video"] == 1.0 if frames == 1 else 1.0 <= got["encoder_imbalance_video"] <= 1.5
 
 
 @pytest.mark.learn  # about 6 min on 2 cores: `make learn`, not the suite
@@ -304,4 +307,4 @@ def test_the_example_learns_motion(tmp_path) -> None:
     run_on_ranks(_train, 2, out, ["--metrics.jsonl", path, "--metrics.progress", "off", "--train.generate", "0",
                                   "--checkpoint.export_hf", "none"], timeout=1800)
     scores = [r for r in map(json.loads, open(path)) if "heldout_with_video" in r]
-    assert scores[-1]["step"] == 2000 and scores[-1]["heldout_with_video"] >= 0.85, scores
+    assert scores[-1]["step"] == 3000 and scores[-1]["heldout_with_video"] >= 0.85, scores
