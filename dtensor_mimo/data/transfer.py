@@ -58,7 +58,7 @@ class Flat:
         buffer = self.buffer
         views = []
         for start, dtype, shape in self.layout:
-            n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            n = torch.Size(shape).numel() * dtype.itemsize
             views.append(buffer[start:start + n].view(dtype).view(shape))
 
         class _Unpickler(pickle.Unpickler):
