@@ -1,29 +1,44 @@
-"""One GPU: the library's language model against plain transformers, same batches, same run.
+"""One GPU: the library against plain transformers, same batches, same run — the project's own GPU benchmark.
 
-    python benchmarks/gpu.py [--steps 10] [--warmup 5] [--out bench_results/gpu.json] [--record]
+    python benchmarks/gpu.py [--budget 540] [--cases ...] [--steps 10] [--warmup 5] [--record]
     python benchmarks/gpu.py --tiny          # the CPU check: tiny sizes, aot_eager, no record
 
-Each case runs in a fresh process (its own compile caches and memory) on the same batches:
+On a lent machine without network (torch and transformers there; torchao carried as a wheel in
+`.whl/`, which `.git/info/exclude` ignores; the device README says how to fetch it), one call:
 
-| case | what |
-|---|---|
-| ours | `Llama` through `MimoModel` (world 1) + `MimoOptimizer` + `train_step`: bf16 compute (`ParallelOptions(param_dtype="bf16")`, fp32 master weights), per-block compile, fused AdamW |
-| ours fp8 tensorwise, ours fp8 rowwise | the same with `ParallelOptions(fp8=...)`: torchao's float8 training of every Linear but the output head (emulated on the CPU) |
-| transformers | `LlamaForCausalLM` of the same sizes (SDPA), fp32 weights under bf16 autocast, fused AdamW, clip 1.0, eager |
-| transformers compiled | the same with each decoder layer compiled (as ours) |
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=/tmp/site; PYTHONUNBUFFERED=1 python3 benchmarks/gpu.py --record --budget 540 \
+      --out $OUT/gpu.json 2>&1 | tee $OUT/log; cp benchmarks/RESULTS.md $OUT/
 
-Sizes (default, issue 29's): Llama 1.04B, dim 2048, 16 layers, 32 / 8 heads, ffn 8192, vocab 32000,
-batch 4 x 4096 tokens. A case's step time is the mean over `--steps` steps timed between two device
-syncs (after `--warmup` steps: compilation), so work the host queues ahead counts as it runs. MFU
-is model FLOPs (the trainer's formula, `dtensor_mimo.train.metrics.transformer_flops`: 6 x the
-non-embedding parameters x tokens + attention) over the step time over the card's dense bf16 peak
-(`peak_tflops`). `--record` appends the rows, dated with the card and torch version, to
-`benchmarks/RESULTS.md`. Runs on torch 2.11 and 2.13 with transformers 5.x, nothing else; the fp8
-cases need torchao (`pip install 'dtensor_mimo[fp8]'`, a 3.4 MB wheel to carry) and a GPU of compute
-capability 8.9+, else they fail alone, by name. A second table gives each fp8 case's speed-up over
-ours in bf16 (issue 29 asks for 1.25x).
+Each case runs in a fresh process (its own compile caches and memory) on the same batches; the
+cases run in priority order (`CASES`) until `--budget` seconds are spent, the JSON rewritten after
+each, so a short lease still leaves the most important figures:
 
-Still to add (issue 29): the VLM against `LlavaForConditionalGeneration`, the tiny task's step time.
+| section | case | what |
+|---|---|---|
+| lm | ours | `Llama` through `MimoModel` (world 1) + `MimoOptimizer` + `train_step`: bf16 compute (`ParallelOptions(param_dtype="bf16")`, fp32 master weights), per-block compile, fused AdamW |
+| lm | ours fp8 tensorwise / rowwise | the same with `ParallelOptions(fp8=...)`: torchao float8 training of every Linear but the output head |
+| lm | transformers (compiled) | `LlamaForCausalLM` of the same sizes (SDPA), fp32 weights under bf16 autocast, fused AdamW, clip 1.0; eager, or each decoder layer compiled (as ours) |
+| vlm | ours | a SigLIP tower + LLaVA projector (`ModalityEncoder(ViT, Projection)`) and a Qwen2 decoder (`Llama`) colocated on the one rank, both bf16 + per-block compile, through `MimoModel` + `train_step` |
+| vlm | transformers (compiled) | `LlavaForConditionalGeneration` of the same config (SDPA, fp32 weights under bf16 autocast, fused AdamW, clip 1.0); eager, or each tower layer, each decoder layer and the projector compiled |
+| tiny | trainer | the README's tiny LLaVA task (`examples/make_tiny_llava.py`, `examples/llava_tiny.toml`, eager) through `python -m dtensor_mimo.train` on the device, world 1: its logged step time (issue 29 asks for < 15 ms); also with per-block compile (on CPU it cuts the top-level aten ops of a step from 1,894 to 826: the host's launch work on a GPU), and with one loader worker (`data.workers = 1`) instead of the default prefetch thread |
+
+Sizes (default, issue 29's): LM Llama 1.04B (dim 2048, 16 layers, 32 / 8 heads, ffn 8192, vocab
+32000), batch 4 x 4096 tokens. VLM: SigLIP-base tower (768 x 12, 224 px / 16: 196 rows an image)
+and a Qwen2 0.4B decoder (896 x 24, 14 / 2 heads, ffn 4864, vocab 32000), 32 samples x 512 tokens
+with 0-2 images each (`synthetic_batch`: 1 on average). Both sides build the VLM from one
+``LlavaConfig`` (ours through `ViTConfig.from_hf` / `LlamaConfig.from_hf` of it); `--tiny` also
+checks that ours, loaded from transformers' weights (`MimoModel.load_hf`), gives transformers'
+loss on the same batch, so the two run the same model.
+
+A case's step time is the mean over `--steps` steps timed between two device syncs (after
+`--warmup` steps: compilation), three times, the median kept; work the host queues ahead counts as
+it runs. MFU is model FLOPs (the trainer's formula, `dtensor_mimo.train.metrics.transformer_flops`:
+6 x the non-embedding parameters x tokens + attention, per module) over the step time over the
+card's dense bf16 peak (`peak_tflops`). `--record` appends the rows, dated with the card and torch
+version, to `benchmarks/RESULTS.md`. Runs on torch 2.11 and 2.13 with transformers 5.x, nothing
+else; the fp8 cases need torchao (`pip install 'dtensor_mimo[fp8]'`, a 3.4 MB wheel to carry) and
+a GPU of compute capability 8.9+, else they fail alone, by name.
 """
 
 from __future__ import annotations
@@ -35,28 +50,26 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-SIZES = {"default": dict(vocab=32000, dim=2048, layers=16, heads=32, kv_heads=8, ffn=8192, batch=4, seq=4096),
-         "tiny": dict(vocab=256, dim=64, layers=2, heads=4, kv_heads=2, ffn=128, batch=2, seq=64)}
-CASES = ("ours", "ours fp8 tensorwise", "ours fp8 rowwise", "transformers", "transformers compiled")
-FP8 = "ours fp8 "  # the fp8 cases' prefix; the recipe follows
-
-
-def _batches(s: dict, count: int = 4) -> list:
-    """Fixed random token batches on the host: (tokens, next-token labels)."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(count):
-        t = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1), generator=g)
-        out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
-    return out
+LM = {"default": dict(vocab=32000, dim=2048, layers=16, heads=32, kv_heads=8, ffn=8192, batch=4, seq=4096),
+      "tiny": dict(vocab=256, dim=64, layers=2, heads=4, kv_heads=2, ffn=128, batch=2, seq=64)}
+VLM = {"default": dict(image=224, patch=16, vdim=768, vlayers=12, vheads=12, vmlp=3072,
+                       vocab=32000, dim=896, layers=24, heads=14, kv_heads=2, ffn=4864, batch=32, seq=512),
+       "tiny": dict(image=32, patch=8, vdim=32, vlayers=2, vheads=2, vmlp=64,
+                    vocab=256, dim=64, layers=2, heads=4, kv_heads=2, ffn=128, batch=4, seq=64)}
+# Priority order: what issue 29's "Done when" needs first, so that a short lease measures it.
+CASES = ("lm ours", "lm transformers compiled", "vlm ours", "vlm transformers compiled", "tiny trainer",
+         "tiny trainer compiled", "lm ours fp8 tensorwise", "lm ours fp8 rowwise", "tiny trainer workers=1",
+         "vlm transformers", "lm transformers")
+TINY = {"tiny trainer": [], "tiny trainer workers=1": ["--data.workers", "1"],
+        "tiny trainer compiled": [f"--options.{m}.compile=true" for m in ("image", "language")]}
+FP8 = "lm ours fp8 "  # the fp8 cases' prefix; the recipe follows
 
 
 def _sync(device: str) -> None:
@@ -81,17 +94,41 @@ def _timed(step, device: str, warmup: int, steps: int) -> list[float]:
     return rounds
 
 
-def _ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: str | None = None) -> dict:
-    import torch
-
-    from dtensor_mimo import (AdamWConfig, MimoLayout, MimoModel, MimoOptimizer, ParallelOptions, Parallelism,
-                              init_distributed, train_step)
-    from dtensor_mimo.data import MimoBatch
-    from dtensor_mimo.models import Llama, LlamaConfig
+def _world_of_one(device: str) -> None:
+    from dtensor_mimo import init_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     init_distributed(device)
+
+
+def _no_embed(model) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+
+
+# ---------------------------------------------------------------------------------------- LM
+
+
+def _lm_batches(s: dict, count: int = 4) -> list:
+    """Fixed random token batches on the host: (tokens, next-token labels)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(count):
+        t = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1), generator=g)
+        out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
+    return out
+
+
+def _lm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: str | None = None) -> dict:
+    import torch
+
+    from dtensor_mimo import AdamWConfig, MimoLayout, MimoModel, MimoOptimizer, ParallelOptions, Parallelism, train_step
+    from dtensor_mimo.data import MimoBatch
+    from dtensor_mimo.models import Llama, LlamaConfig
+
+    _world_of_one(device)
     with torch.device("meta"):
         llama = Llama(LlamaConfig(vocab_size=s["vocab"], dim=s["dim"], n_layers=s["layers"], n_heads=s["heads"],
                                   n_kv_heads=s["kv_heads"], ffn_hidden=s["ffn"], max_seq_len=s["seq"]))
@@ -100,13 +137,12 @@ def _ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: str 
                       device_type=device)
     model.init_weights({"language": 0})
     optimizer = MimoOptimizer(model, AdamWConfig(lr=1e-4))
-    batches = [MimoBatch(t, l, loss_mask=torch.ones_like(l, dtype=torch.bool)) for t, l in _batches(s)]
-    params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+    batches = [MimoBatch(t, l, loss_mask=torch.ones_like(l, dtype=torch.bool)) for t, l in _lm_batches(s)]
     rounds = _timed(lambda i: train_step(model, optimizer, batches[i % len(batches)]), device, warmup, steps)
-    return {"step_s": rounds, "params_no_embed": params}
+    return {"step_s": rounds, "params_no_embed": _no_embed(model)}
 
 
-def _transformers(s: dict, device: str, backend: str, warmup: int, steps: int, compiled: bool) -> dict:
+def _lm_transformers(s: dict, device: str, backend: str, warmup: int, steps: int, compiled: bool) -> dict:
     import torch
     import torch.nn.functional as F
     import transformers
@@ -121,47 +157,284 @@ def _transformers(s: dict, device: str, backend: str, warmup: int, steps: int, c
     if compiled:
         for layer in model.model.layers:
             layer.compile(backend=backend)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
-                                  **({"fused": True} if device == "cuda" else {"foreach": True}))
-    batches = [(t.to(device), l.to(device)) for t, l in _batches(s)]
+    optimizer = _adamw(model, device)
+    batches = [(t.to(device), l.to(device)) for t, l in _lm_batches(s)]
 
     def step(i: int) -> None:
         tokens, labels = batches[i % len(batches)]
         with torch.autocast(device, dtype=torch.bfloat16):
             logits = model(input_ids=tokens, use_cache=False).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss.item()  # the one host read per step, as train_step's
+        _finish(model, optimizer, loss)
 
-    params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
-    return {"step_s": _timed(step, device, warmup, steps), "params_no_embed": params}
+    return {"step_s": _timed(step, device, warmup, steps), "params_no_embed": _no_embed(model)}
+
+
+def _adamw(model, device: str):
+    import torch
+
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
+                             **({"fused": True} if device == "cuda" else {"foreach": True}))
+
+
+def _finish(model, optimizer, loss) -> None:
+    """transformers' side of a step after the loss: backward, clip 1.0, AdamW, one host read (as train_step)."""
+    import torch
+
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss.item()
+
+
+def _lm_flops(s: dict, r: dict) -> float:
+    from dtensor_mimo.train.metrics import transformer_flops
+
+    return transformer_flops(r["params_no_embed"], s["batch"] * s["seq"], s["layers"], s["dim"], s["seq"], True)
+
+
+# ---------------------------------------------------------------------------------------- VLM
+
+
+def _llava_config(s: dict):
+    """The VLM both sides build: SigLIP tower (no pooling head, last layer's rows, all of them),
+    GELU projector, Qwen2 decoder; the image placeholder is the vocabulary's last id."""
+    import transformers
+
+    vision = transformers.SiglipVisionConfig(image_size=s["image"], patch_size=s["patch"], hidden_size=s["vdim"],
+                                             num_hidden_layers=s["vlayers"], num_attention_heads=s["vheads"],
+                                             intermediate_size=s["vmlp"], vision_use_head=False)
+    text = transformers.Qwen2Config(vocab_size=s["vocab"], hidden_size=s["dim"], intermediate_size=s["ffn"],
+                                    num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                                    num_key_value_heads=s["kv_heads"], max_position_embeddings=max(4096, s["seq"]),
+                                    tie_word_embeddings=False)
+    return transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=s["vocab"] - 1,
+                                    vision_feature_layer=-1, vision_feature_select_strategy="full",
+                                    projector_hidden_act="gelu")
+
+
+def _vlm_batches(s: dict, count: int = 4) -> list:
+    """Fixed synthetic batches (`MimoBatch`, host): 0-2 images per sample at random positions,
+    text ids below the placeholder id, next-token labels on text, a masked prompt prefix."""
+    from dtensor_mimo.data import ModalitySpec, SyntheticSpec, synthetic_batch
+
+    tokens = (s["image"] // s["patch"]) ** 2
+    image = ModalitySpec(special_token_id=s["vocab"] - 1, item_shape=(3, s["image"], s["image"]),
+                         tokens_per_item=tokens, max_items=2)
+    spec = SyntheticSpec(batch_size=s["batch"], seq_len=s["seq"], vocab_size=s["vocab"] - 1,
+                         modalities={"vision": image}, text_only_samples=0)
+    return [synthetic_batch(spec, seed) for seed in range(count)]
+
+
+def _vlm_ours_model(s: dict, device: str, backend: str, compile_: bool, weights: str | None = None):
+    import torch
+
+    from dtensor_mimo import MimoLayout, MimoModel, ParallelOptions, Parallelism
+    from dtensor_mimo.models import Llama, LlamaConfig, ModalityEncoder, Projection, ViT, ViTConfig
+
+    with tempfile.TemporaryDirectory() as config_dir:
+        _llava_config(s).save_pretrained(config_dir)
+        vit_config, llama_config = ViTConfig.from_hf(config_dir), LlamaConfig.from_hf(config_dir)
+    with torch.device("meta"):
+        llama = Llama(llama_config)
+        vision = ModalityEncoder(ViT(vit_config), Projection(vit_config.dim, llama_config.dim))
+    layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()}, offsets={"vision": 0, "language": 0})
+    options = ParallelOptions(compile=compile_, compile_backend=backend, param_dtype="bf16" if device == "cuda" else None)
+    model = MimoModel(layout, llama, {"vision": vision}, options={"vision": options, "language": options},
+                      device_type=device)
+    model.init_weights({"language": 0, "vision": 1})
+    if weights:
+        model.load_hf({"language": weights, "vision": weights})
+    return model
+
+
+def _vlm_ours(s: dict, device: str, backend: str, warmup: int, steps: int) -> dict:
+    from dtensor_mimo import AdamWConfig, MimoOptimizer, train_step
+
+    _world_of_one(device)
+    model = _vlm_ours_model(s, device, backend, compile_=True)
+    optimizer = MimoOptimizer(model, AdamWConfig(lr=1e-4))
+    batches = _vlm_batches(s)
+    rounds = _timed(lambda i: train_step(model, optimizer, batches[i % len(batches)]), device, warmup, steps)
+    return {"step_s": rounds, **_vlm_params(s), "images": [b.modalities["vision"].num_items for b in batches]}
+
+
+def _llava(s: dict, device: str):
+    import torch
+    import transformers
+
+    with torch.device(device):
+        model = transformers.LlavaForConditionalGeneration._from_config(_llava_config(s), attn_implementation="sdpa",
+                                                                        dtype=torch.float32)
+    return model.train()
+
+
+def _llava_loss(model, batch, device: str):
+    """transformers' loss of a `MimoBatch`: summed token cross entropy over the batch's loss weights."""
+    import torch
+    import torch.nn.functional as F
+
+    from dtensor_mimo.sequence.loss import loss_weights
+
+    vision = batch.modalities["vision"]
+    pixels = vision.inputs.to(device, non_blocking=True) if vision.num_items else None
+    tokens, labels = batch.tokens.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True)
+    weights = loss_weights(batch.labels, batch.loss_mask).to(device, non_blocking=True)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        logits = model(input_ids=tokens, pixel_values=pixels, use_cache=False).logits
+    per_token = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="none")
+    return (per_token * weights.flatten()).sum() / weights.sum().clamp(min=1.0)
+
+
+def _vlm_transformers(s: dict, device: str, backend: str, warmup: int, steps: int, compiled: bool) -> dict:
+    model = _llava(s, device)
+    if compiled:  # the same per-block compile as ours (a whole-model compile breaks at masked_scatter)
+        tower = model.model.vision_tower
+        for layer in [*model.model.language_model.layers, *getattr(tower, "vision_model", tower).encoder.layers]:
+            layer.compile(backend=backend)
+        model.model.multi_modal_projector.compile(backend=backend)
+    optimizer = _adamw(model, device)
+    batches = _vlm_batches(s)
+    rounds = _timed(lambda i: _finish(model, optimizer, _llava_loss(model, batches[i % len(batches)], device)),
+                    device, warmup, steps)
+    return {"step_s": rounds, **_vlm_params(s), "images": [b.modalities["vision"].num_items for b in batches]}
+
+
+def _vlm_params(s: dict) -> dict:
+    """Parameters each module runs, counted on the meta device: the decoder's without embeddings,
+    the tower's embeddings and blocks (no post-layernorm: LLaVA takes the last layer's rows)."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.LlavaForConditionalGeneration(_llava_config(s))
+    inner = model.model
+    return {"params_language": _no_embed(inner.language_model) + model.lm_head.weight.numel(),
+            "params_tower": sum(p.numel() for n, p in inner.vision_tower.named_parameters() if "post_layernorm" not in n),
+            "params_projection": sum(p.numel() for p in inner.multi_modal_projector.parameters())}
+
+
+def _vlm_flops(s: dict, r: dict) -> float:
+    """Model FLOPs of an average timed step (the batches' own image counts)."""
+    from dtensor_mimo.train.metrics import transformer_flops
+
+    per_item = (s["image"] // s["patch"]) ** 2
+    images = statistics.mean(r["images"])
+    return (transformer_flops(r["params_language"], s["batch"] * s["seq"], s["layers"], s["dim"], s["seq"], True)
+            + transformer_flops(r["params_tower"], images * per_item, s["vlayers"], s["vdim"], per_item, True)
+            + transformer_flops(r["params_projection"], images * per_item, 0, 0, 0, True))
+
+
+def _vlm_same_model(s: dict) -> dict:
+    """(--tiny) ours loaded from transformers' LLaVA weights gives transformers' loss on a batch."""
+    import torch
+
+    _world_of_one("cpu")
+    torch.manual_seed(0)
+    llava = _llava(s, "cpu")
+    batch = _vlm_batches(s, 1)[0]
+    with tempfile.TemporaryDirectory() as weights:
+        llava.save_pretrained(weights)
+        model = _vlm_ours_model(s, "cpu", "eager", compile_=False, weights=weights)
+    with torch.no_grad():
+        theirs = float(_llava_loss(llava, batch, "cpu"))
+        ours = float(model(batch))
+    return {"ours": ours, "transformers": theirs}
+
+
+# ---------------------------------------------------------------------------------------- tiny task
+
+
+def _tiny_trainer(device: str, steps: int, extra: list[str]) -> dict:
+    """The README's tiny LLaVA task through the trainer on `device`, world 1 (`extra` overrides
+    after its config): its logged step times."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    with tempfile.TemporaryDirectory() as root:
+        subprocess.run([sys.executable, os.path.join(ROOT, "examples", "make_tiny_llava.py"), "--out", root,
+                        "--audio", "0"], check=True, capture_output=True, text=True, env=env)
+        jsonl = os.path.join(root, "m.jsonl")
+        argv = [sys.executable, "-m", "dtensor_mimo.train", "--config", os.path.join(ROOT, "examples", "llava_tiny.toml"),
+                "--layout.language.offset", "0", "--train.device", device, "--train.steps", str(steps),
+                "--train.generate", "0", "--checkpoint.export_hf", "none", "--data.heldout_samples", "8", "--metrics.log_every", "10", "--metrics.jsonl", jsonl,
+                "--metrics.progress", "off", *extra]
+        out = subprocess.run(argv, capture_output=True, text=True, cwd=root, env=env)
+        if out.returncode:
+            raise RuntimeError(f"the trainer exited with {out.returncode}: " + (out.stderr or out.stdout)[-2000:])
+        records = [json.loads(line) for line in open(jsonl)]
+    timed = [r for r in records if "step_s" in r and r["step"] > steps // 4]  # after compile and warm-up
+    return {"step_s": [r["step_s"] for r in timed], "data_s": [r.get("data_s", 0.0) for r in timed]}
+
+
+# ---------------------------------------------------------------------------------------- driver
 
 
 def _case(args: argparse.Namespace) -> None:
     """One case in this process; its result as JSON on the last line."""
     import torch
 
-    s = SIZES["tiny" if args.tiny else "default"]
+    size = "tiny" if args.tiny else "default"
     device = "cpu" if args.tiny else "cuda"
     backend = "aot_eager" if args.tiny else "inductor"
     if device == "cuda":
         torch.cuda.set_device(0)
         torch.cuda.reset_peak_memory_stats()
-    if args.case.startswith("ours"):
-        fp8 = args.case[len(FP8):] if args.case.startswith(FP8) else None
-        out = _ours(s, device, backend, args.warmup, args.steps, fp8)
+    case = args.case
+    if case == "vlm same model":
+        out = _vlm_same_model(VLM[size])
+    elif case.startswith("lm ours"):
+        out = _lm_ours(LM[size], device, backend, args.warmup, args.steps, case[len(FP8):] if case.startswith(FP8) else None)
+    elif case.startswith("lm transformers"):
+        out = _lm_transformers(LM[size], device, backend, args.warmup, args.steps, compiled=case.endswith("compiled"))
+    elif case == "vlm ours":
+        out = _vlm_ours(VLM[size], device, backend, args.warmup, args.steps)
+    elif case.startswith("vlm transformers"):
+        out = _vlm_transformers(VLM[size], device, backend, args.warmup, args.steps, compiled=case.endswith("compiled"))
+    elif case.startswith("tiny trainer"):
+        backend_args = [f"--options.{m}.compile_backend={backend}" for m in ("image", "language")]
+        out = _tiny_trainer(device, 60 if args.tiny else 300, [*TINY[case], *backend_args])
     else:
-        out = _transformers(s, device, backend, args.warmup, args.steps, compiled=args.case == "transformers compiled")
+        raise SystemExit(f"unknown case {case!r}; one of {', '.join(CASES)}")
     out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
     print(json.dumps(out))
+
+
+def _run_case(case: str, args: argparse.Namespace, seconds: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--case", case, "--steps", str(args.steps),
+           "--warmup", str(args.warmup), *(["--tiny"] if args.tiny else [])]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return {"error": f"stopped after {seconds:.0f} s (the budget left)"}
+    if out.returncode:
+        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1][:300]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _summarize(case: str, r: dict, peak: float | None) -> None:
+    """Median step, tokens or samples per second, MFU, in place."""
+    section = case.split()[0]
+    size = "tiny" if r.get("tiny") else "default"
+    r["median_step_s"] = statistics.median(r["step_s"])
+    if section == "lm":
+        s = LM[size]
+        r["tokens_per_s"] = s["batch"] * s["seq"] / r["median_step_s"]
+        flops = _lm_flops(s, r)
+    elif section == "vlm":
+        s = VLM[size]
+        r["samples_per_s"] = s["batch"] / r["median_step_s"]
+        flops = _vlm_flops(s, r)
+    else:
+        flops = None
+    r["mfu"] = flops / r["median_step_s"] / (peak * 1e12) if flops and peak else None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU check: tiny sizes, aot_eager compile, no record")
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES, metavar="CASE",
+                    help=f"which cases, run in the order of CASES ({', '.join(CASES)})")
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for all cases; the rest are skipped")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "gpu.json"))
@@ -174,65 +447,80 @@ def main() -> None:
 
     import torch
 
-    from dtensor_mimo.train.metrics import peak_tflops, transformer_flops
+    from dtensor_mimo.train.metrics import peak_tflops
 
-    s = SIZES["tiny" if args.tiny else "default"]
+    start = time.monotonic()
     device = torch.device("cpu") if args.tiny else torch.device("cuda", 0)
     card = "CPU" if args.tiny else torch.cuda.get_device_name(0)
-    peak = peak_tflops(device, 0.0)
-    rows = {}
-    for case in CASES:
-        cmd = [sys.executable, os.path.abspath(__file__), "--case", case, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), *(["--tiny"] if args.tiny else [])]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
-        if out.returncode:
-            rows[case] = {"error": (out.stderr or out.stdout).strip().splitlines()[-1][:300]}
-            print(f"{case}: FAILED: {rows[case]['error']}", flush=True)
-            continue
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        step = statistics.median(r["step_s"])
-        tokens = s["batch"] * s["seq"]
-        flops = transformer_flops(r["params_no_embed"], tokens, s["layers"], s["dim"], s["seq"], True)
-        rows[case] = {**r, "median_step_s": step, "tokens_per_s": tokens / step,
-                      "mfu": flops / step / (peak * 1e12) if peak else None}
-        print(f"{case}: {step * 1e3:.1f} ms", flush=True)
-    base = rows.get("transformers compiled", {}).get("median_step_s")
-    print(f"\n{card}, torch {torch.__version__}, Llama {s['dim']}x{s['layers']}, batch {s['batch']} x {s['seq']}, bf16")
-    print(f"{'case':<24}{'step ms':>10}{'tokens/s':>12}{'MFU':>8}{'vs transformers compiled':>27}")
-    lines = []
-    for case, r in rows.items():
-        if "error" in r:
-            print(f"{case:<24}  failed: {r['error']}")
-            continue
-        ratio = base / r["median_step_s"] if base else None
-        mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"
-        print(f"{case:<24}{r['median_step_s'] * 1e3:>10.1f}{r['tokens_per_s']:>12,.0f}{mfu:>8}"
-              + (f"{ratio:>26.3f}x" if ratio else ""))
-        lines.append(f"| {datetime.date.today()} | {card} | {torch.__version__} | LM 1B {case} | "
-                     f"{r['median_step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | {mfu} | "
-                     + (f"{ratio:.3f}x" if ratio else "-") + " |")
-    bf16 = rows.get("ours", {}).get("median_step_s")
-    fp8_rows = {c: r for c, r in rows.items() if c.startswith(FP8) and "error" not in r}
-    if bf16 and fp8_rows:
-        print(f"\nFP8 against bf16 (ours, same batches, same run)\n{'case':<24}{'step ms':>10}{'vs ours bf16':>15}")
-        for case, r in fp8_rows.items():
-            speedup = bf16 / r["median_step_s"]
-            r["vs_bf16"] = speedup
-            print(f"{case:<24}{r['median_step_s'] * 1e3:>10.1f}{speedup:>14.3f}x")
-            lines.append(f"| {datetime.date.today()} | {card} | {torch.__version__} | LM 1B {case} vs ours bf16 | "
-                         f"{r['median_step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | - | {speedup:.3f}x |")
+    peak = peak_tflops(device, 0.0) or None
+    result = {"card": card, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+              "sizes": {"lm": LM["tiny" if args.tiny else "default"], "vlm": VLM["tiny" if args.tiny else "default"]},
+              "rows": {}}
+    rows = result["rows"]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"card": card, "torch": torch.__version__, "sizes": s, "rows": rows,
-                   "date": datetime.date.today().isoformat()}, f, indent=1)
+    if args.tiny:  # the check that both VLM sides run one model
+        result["vlm_same_model"] = same = _run_case("vlm same model", args, 600)
+        print(f"vlm same model: {same}", flush=True)
+        if "error" in same or abs(same["ours"] - same["transformers"]) > 1e-5 * abs(same["transformers"]):
+            raise SystemExit(f"the two VLMs differ: {same}")
+    for case in [c for c in CASES if c in args.cases]:
+        left = args.budget - (time.monotonic() - start)
+        if left < 20:
+            rows[case] = {"error": "skipped: the budget is spent"}
+            continue
+        r = _run_case(case, args, left)
+        if "error" not in r:
+            r["tiny"] = args.tiny
+            _summarize(case, r, peak)
+        rows[case] = r
+        print(f"{case}: " + (f"FAILED: {r['error']}" if "error" in r else f"{r['median_step_s'] * 1e3:.1f} ms"), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    lines = _report(result, args.tiny)
     if args.record and not args.tiny:
         path = os.path.join(HERE, "RESULTS.md")
         new = not os.path.exists(path)
         with open(path, "a") as f:
             if new:
                 f.write("# GPU results (`benchmarks/gpu.py --record`)\n\n| date | card | torch | case | step ms | "
-                        "tokens/s | MFU | vs transformers compiled |\n|---|---|---|---|---|---|---|---|\n")
+                        "tokens or samples/s | MFU | ratio | against |\n|---|---|---|---|---|---|---|---|---|\n")
             f.write("\n".join(lines) + "\n")
+
+
+# What each case is compared with (same run, same card), and what issue 29 asks of the ratio.
+BASELINES = {"lm ours": ("lm transformers compiled", 1.0), "lm transformers": ("lm transformers compiled", None),
+             "lm ours fp8 tensorwise": ("lm ours", 1.25), "lm ours fp8 rowwise": ("lm ours", 1.25),
+             "vlm ours": ("vlm transformers compiled", 1.1), "vlm transformers": ("vlm transformers compiled", None)}
+
+
+def _report(result: dict, tiny: bool) -> list[str]:
+    """Print the table; the RESULTS.md rows."""
+    import torch
+
+    rows, card = result["rows"], result["card"]
+    lm, vlm = result["sizes"]["lm"], result["sizes"]["vlm"]
+    print(f"\n{card}, torch {torch.__version__}, bf16{' (tiny sizes, CPU)' if tiny else ''}\n"
+          f"lm: Llama {lm['dim']} x {lm['layers']}, batch {lm['batch']} x {lm['seq']}; vlm: SigLIP {vlm['vdim']} x "
+          f"{vlm['vlayers']} @ {vlm['image']} px / {vlm['patch']} + Qwen2 {vlm['dim']} x {vlm['layers']}, "
+          f"{vlm['batch']} samples x {vlm['seq']}")
+    print(f"{'case':<28}{'step ms':>10}{'per s':>12}{'MFU':>8}{'ratio':>9}  against (issue 29 asks)")
+    lines = []
+    for case, r in rows.items():
+        if "error" in r:
+            print(f"{case:<28}  {r['error']}")
+            continue
+        base, target = BASELINES.get(case, (None, None))
+        base_s = rows.get(base, {}).get("median_step_s")
+        ratio = base_s / r["median_step_s"] if base_s else None
+        per_s = r.get("tokens_per_s") or r.get("samples_per_s")
+        per = f"{per_s:,.0f}" if per_s else "-"
+        mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") else "-"
+        against = f"{base}" + (f" (>= {target}x)" if target else "") if base_s else ("< 15 ms" if case.startswith("tiny") else "")
+        ratio_text = f"{ratio:.3f}x" if ratio else "-"
+        print(f"{case:<28}{r['median_step_s'] * 1e3:>10.1f}{per:>12}{mfu:>8}{ratio_text:>9}  {against}")
+        lines.append(f"| {result['date']} | {card} | {torch.__version__} | {case} | {r['median_step_s'] * 1e3:.1f} | "
+                     f"{per} | {mfu} | {ratio_text} | {against or '-'} |")
+    return lines
 
 
 if __name__ == "__main__":
