@@ -18,6 +18,7 @@ each, so a short lease still leaves the most important figures:
 |---|---|---|
 | lm | ours | `Llama` through `MimoModel` (world 1) + `MimoOptimizer` + `train_step`: bf16 compute (`ParallelOptions(param_dtype="bf16")`, fp32 master weights), per-block compile, fused AdamW |
 | lm | ours fp8 tensorwise / rowwise | the same with `ParallelOptions(fp8=...)`: torchao float8 training of every Linear but the output head |
+| lm | ours unchunked loss | the same with `ParallelOptions(chunked_loss=False)`: plain `[tokens, vocab]` logits (time and peak memory of the chunked head + loss) |
 | lm | transformers (compiled) | `LlamaForCausalLM` of the same sizes (SDPA), fp32 weights under bf16 autocast, fused AdamW, clip 1.0; eager, or each decoder layer compiled (as ours) |
 | vlm | ours | a SigLIP tower + LLaVA projector (`ModalityEncoder(ViT, Projection)`) and a Qwen2 decoder (`Llama`) colocated on the one rank, both bf16 + per-block compile, through `MimoModel` + `train_step` |
 | vlm | transformers (compiled) | `LlavaForConditionalGeneration` of the same config (SDPA, fp32 weights under bf16 autocast, fused AdamW, clip 1.0); eager, or each tower layer, each decoder layer and the projector compiled |
@@ -65,8 +66,8 @@ VLM = {"default": dict(image=224, patch=16, vdim=768, vlayers=12, vheads=12, vml
                     vocab=256, dim=64, layers=2, heads=4, kv_heads=2, ffn=128, batch=4, seq=64)}
 # Priority order: what issue 29's "Done when" needs first, so that a short lease measures it.
 CASES = ("lm ours", "lm transformers compiled", "vlm ours", "vlm transformers compiled", "tiny trainer",
-         "tiny trainer compiled", "lm ours fp8 tensorwise", "lm ours fp8 rowwise", "tiny trainer workers=1",
-         "vlm transformers", "lm transformers")
+         "tiny trainer compiled", "lm ours fp8 tensorwise", "lm ours fp8 rowwise", "lm ours unchunked loss",
+         "tiny trainer workers=1", "vlm transformers", "lm transformers")
 TINY = {"tiny trainer": [], "tiny trainer workers=1": ["--data.workers", "1"],
         "tiny trainer compiled": [f"--options.{m}.compile=true" for m in ("image", "language")]}
 FP8 = "lm ours fp8 "  # the fp8 cases' prefix; the recipe follows
@@ -121,7 +122,8 @@ def _lm_batches(s: dict, count: int = 4) -> list:
     return out
 
 
-def _lm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: str | None = None) -> dict:
+def _lm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: str | None = None,
+             chunked_loss: bool = True) -> dict:
     import torch
 
     from dtensor_mimo import AdamWConfig, MimoLayout, MimoModel, MimoOptimizer, ParallelOptions, Parallelism, train_step
@@ -132,7 +134,8 @@ def _lm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: s
     with torch.device("meta"):
         llama = Llama(LlamaConfig(vocab_size=s["vocab"], dim=s["dim"], n_layers=s["layers"], n_heads=s["heads"],
                                   n_kv_heads=s["kv_heads"], ffn_hidden=s["ffn"], max_seq_len=s["seq"]))
-    options = ParallelOptions(compile=True, compile_backend=backend, param_dtype="bf16", fp8=fp8)
+    options = ParallelOptions(compile=True, compile_backend=backend, param_dtype="bf16", fp8=fp8,
+                              chunked_loss=chunked_loss)
     model = MimoModel(MimoLayout({"language": Parallelism()}), llama, {}, options={"language": options},
                       device_type=device)
     model.init_weights({"language": 0})
@@ -383,7 +386,8 @@ def _case(args: argparse.Namespace) -> None:
     if case == "vlm same model":
         out = _vlm_same_model(VLM[size])
     elif case.startswith("lm ours"):
-        out = _lm_ours(LM[size], device, backend, args.warmup, args.steps, case[len(FP8):] if case.startswith(FP8) else None)
+        out = _lm_ours(LM[size], device, backend, args.warmup, args.steps, case[len(FP8):] if case.startswith(FP8) else None,
+                       chunked_loss=case != "lm ours unchunked loss")
     elif case.startswith("lm transformers"):
         out = _lm_transformers(LM[size], device, backend, args.warmup, args.steps, compiled=case.endswith("compiled"))
     elif case == "vlm ours":
@@ -483,13 +487,14 @@ def main() -> None:
         with open(path, "a") as f:
             if new:
                 f.write("# GPU results (`benchmarks/gpu.py --record`)\n\n| date | card | torch | case | step ms | "
-                        "tokens or samples/s | MFU | ratio | against |\n|---|---|---|---|---|---|---|---|---|\n")
+                        "tokens or samples/s | MFU | peak GiB | ratio | against |\n|---|---|---|---|---|---|---|---|---|---|\n")
             f.write("\n".join(lines) + "\n")
 
 
 # What each case is compared with (same run, same card), and what issue 29 asks of the ratio.
 BASELINES = {"lm ours": ("lm transformers compiled", 1.0), "lm transformers": ("lm transformers compiled", None),
              "lm ours fp8 tensorwise": ("lm ours", 1.25), "lm ours fp8 rowwise": ("lm ours", 1.25),
+             "lm ours unchunked loss": ("lm ours", None),
              "vlm ours": ("vlm transformers compiled", 1.1), "vlm transformers": ("vlm transformers compiled", None)}
 
 
@@ -503,7 +508,7 @@ def _report(result: dict, tiny: bool) -> list[str]:
           f"lm: Llama {lm['dim']} x {lm['layers']}, batch {lm['batch']} x {lm['seq']}; vlm: SigLIP {vlm['vdim']} x "
           f"{vlm['vlayers']} @ {vlm['image']} px / {vlm['patch']} + Qwen2 {vlm['dim']} x {vlm['layers']}, "
           f"{vlm['batch']} samples x {vlm['seq']}")
-    print(f"{'case':<28}{'step ms':>10}{'per s':>12}{'MFU':>8}{'ratio':>9}  against (issue 29 asks)")
+    print(f"{'case':<28}{'step ms':>10}{'per s':>12}{'MFU':>8}{'peak GiB':>10}{'ratio':>9}  against (issue 29 asks)")
     lines = []
     for case, r in rows.items():
         if "error" in r:
@@ -517,9 +522,10 @@ def _report(result: dict, tiny: bool) -> list[str]:
         mfu = f"{r['mfu'] * 100:.1f}%" if r.get("mfu") else "-"
         against = f"{base}" + (f" (>= {target}x)" if target else "") if base_s else ("< 15 ms" if case.startswith("tiny") else "")
         ratio_text = f"{ratio:.3f}x" if ratio else "-"
-        print(f"{case:<28}{r['median_step_s'] * 1e3:>10.1f}{per:>12}{mfu:>8}{ratio_text:>9}  {against}")
+        peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
+        print(f"{case:<28}{r['median_step_s'] * 1e3:>10.1f}{per:>12}{mfu:>8}{peak:>10}{ratio_text:>9}  {against}")
         lines.append(f"| {result['date']} | {card} | {torch.__version__} | {case} | {r['median_step_s'] * 1e3:.1f} | "
-                     f"{per} | {mfu} | {ratio_text} | {against or '-'} |")
+                     f"{per} | {mfu} | {peak} | {ratio_text} | {against or '-'} |")
     return lines
 
 

@@ -42,8 +42,8 @@ from dtensor_mimo.models.protocol import decoder_stage
 from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, parallelize
 from dtensor_mimo.schedule.config import PipelineConfig, stage_layers
 from dtensor_mimo.schedule.runtime import cached, run_schedule
-from dtensor_mimo.sequence import (ContextParallelAttention, shard_for_cp, token_loss_sum, vocab_parallel_argmax,
-                                   zigzag_shard)
+from dtensor_mimo.sequence import (ContextParallelAttention, linear_token_loss_sum, shard_for_cp, token_loss_sum,
+                                   vocab_parallel_argmax, zigzag_shard)
 
 if TYPE_CHECKING:
     from dtensor_mimo.schedule.feed import LanguageFeed
@@ -54,9 +54,13 @@ class LanguageStage(nn.Module):
     under the whole model's parameter names."""
 
     def __init__(self, llama: nn.Module, first: bool, last: bool, cp_size: int, cp_rank: int,
-                 hidden_dtype: torch.dtype | None = None) -> None:
+                 hidden_dtype: torch.dtype | None = None, chunked_loss: bool = False) -> None:
         super().__init__()
         self.llama, self.first, self.last = llama, first, last
+        # The head runs inside the loss (`linear_token_loss_sum`) when it is a plain bias-free
+        # Linear (not a float8 or user head, which keep their own forward).
+        head = getattr(llama, "output", None)
+        self.chunked_loss = chunked_loss and last and type(head) is nn.Linear and head.bias is None
         self.cp_size, self.cp_rank = cp_size, cp_rank
         self.hidden_dtype = hidden_dtype  # what a non-last stage sends on (the compute dtype)
         self.predicting = False  # the last stage returns next-token ids instead of a loss share
@@ -89,6 +93,17 @@ class LanguageStage(nn.Module):
             x = assemble(text, x, rows, ids, counts=special_counts)
             if self.cp_size > 1:
                 x = zigzag_shard(x, self.cp_size, self.cp_rank)
+        if self.chunked_loss and not self.predicting:
+            # The decoder without its head (the protocol's forward with `output` None returns
+            # the normalised hidden states); the head's weight is plain here: FSDP2 gathered it
+            # in this root module's pre-forward, and tp = 1.
+            head = self.llama.output
+            self.llama._modules["output"] = None
+            try:
+                h = self.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
+            finally:
+                self.llama._modules["output"] = head
+            return linear_token_loss_sum(h, head.weight, labels, loss_mask) / self.normalizer
         out = self.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
         if not self.last:
             return out if self.hidden_dtype is None else out.to(self.hidden_dtype)
@@ -155,7 +170,8 @@ class LanguagePipeline:
         self.stages = nn.ModuleList()
         for s in self.stage_indices:
             part = llama_stage(llama, bounds[s], s == 0, s == self.n_stages - 1)
-            module = LanguageStage(part, s == 0, s == self.n_stages - 1, par.cp, self.cp_rank, self.dtype)
+            module = LanguageStage(part, s == 0, s == self.n_stages - 1, par.cp, self.cp_rank, self.dtype,
+                                   chunked_loss=options.chunked_loss and par.tp == 1)
             self.stages.append(parallelize(module, tp_mesh, dp_mesh, options, parts=[part], name=name))
         self._schedules: OrderedDict = OrderedDict()
 

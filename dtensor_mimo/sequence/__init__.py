@@ -4,6 +4,7 @@ token loss over a rank's part of the sequence, normalised by the global batch.""
 from dtensor_mimo.sequence.context_parallel import ContextParallelAttention
 from dtensor_mimo.sequence.generate import greedy_generate
 from dtensor_mimo.sequence.loss import (
+    linear_token_loss_sum,
     loss_normalizer,
     loss_weights,
     token_loss_sum,
@@ -21,6 +22,7 @@ __all__ = [
     "CPShard",
     "ContextParallelAttention",
     "greedy_generate",
+    "linear_token_loss_sum",
     "loss_normalizer",
     "loss_weights",
     "shard_for_cp",

@@ -50,6 +50,72 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.
     return (per_token * loss_weights(labels, loss_mask).flatten()).sum()
 
 
+# Logits of `linear_token_loss_sum` that exist at once: rows per chunk = this // vocabulary size
+# (256 MB of fp32 logits; at a 32k vocabulary 2,048 rows, a matmul still large enough for a GPU).
+LOSS_CHUNK_LOGITS = 1 << 26
+
+
+def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                          loss_mask: torch.Tensor) -> torch.Tensor:
+    """`token_loss_sum` of the logits ``hidden @ weight.T`` (the output head, no bias) without
+    ever holding them: ``hidden`` ``[..., dim]``, ``weight`` ``[vocab, dim]`` (plain tensors).
+
+    The rows run in chunks of ``LOSS_CHUNK_LOGITS // vocab``: each chunk's logits are computed
+    (in the autocast dtype when autocast is on, as the head would), taken to fp32 for the cross
+    entropy, and turned into the chunk's gradients right away (``softmax - onehot`` times the loss
+    weight, then ``@ weight`` and ``.T @ hidden``), so forward keeps only the gradients of
+    `hidden` and `weight` for backward, which scales them by the incoming gradient (the
+    Liger-Kernel / torchtune form of a fused linear cross entropy, in plain torch). Memory: one
+    chunk of fp32 logits instead of ``[tokens, vocab]`` logits, their fp32 copy and their
+    gradient; the same three matmuls. Under no_grad (evaluation) it only sums the losses.
+    Numerics: those of `token_loss_sum` up to the order of the sums (the weight's gradient is
+    summed over chunks in fp32)."""
+    weights = loss_weights(labels, loss_mask).flatten()
+    return _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, labels.flatten(), weights)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        device = hidden.device.type
+        dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                 else torch.promote_types(hidden.dtype, weight.dtype))
+        h, w = hidden.to(dtype), weight.to(dtype)
+        want_h, want_w = ctx.needs_input_grad[:2]
+        grad_h = torch.empty_like(h) if want_h else None
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        rows = max(1, LOSS_CHUNK_LOGITS // max(w.shape[0], 1))
+        with torch.autocast(device, enabled=False):
+            for start in range(0, h.shape[0], rows):
+                hc, lc, wc = h[start:start + rows], labels[start:start + rows], weights[start:start + rows]
+                logits = (hc @ w.t()).float()
+                lse = logits.logsumexp(-1)
+                target = lc.clamp(0, w.shape[0] - 1).unsqueeze(-1)
+                counted = wc != 0  # ignored rows (weight 0) add exactly 0, whatever their logits
+                total += torch.where(counted, (lse - logits.gather(-1, target).squeeze(-1)) * wc, 0.0).sum()
+                if grad_h is None and grad_w is None:
+                    continue
+                grad = logits.sub_(lse.unsqueeze(-1)).exp_()  # softmax, in place of the logits
+                grad.scatter_add_(-1, target, torch.full_like(lse, -1.0).unsqueeze(-1))
+                grad = grad.mul_(torch.where(counted, wc, 0.0).unsqueeze(-1)).to(dtype)
+                if grad_h is not None:
+                    torch.mm(grad, w, out=grad_h[start:start + rows])
+                if grad_w is not None:
+                    grad_w += (grad.t() @ hc).float()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        return (None if grad_h is None else (grad_h * grad).to(hidden_dtype),
+                None if grad_w is None else (grad_w * grad).to(weight_dtype), None, None)
+
+
 def vocab_parallel_cross_entropy(logits: DTensor, labels: torch.Tensor) -> torch.Tensor:
     """Per-token cross entropy ``[N]`` (0 where the label is `IGNORE_INDEX`) of `logits`, a
     ``[..., vocab]`` DTensor sharded over its last dim on one mesh dim (replicated on the others),

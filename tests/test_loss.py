@@ -1,0 +1,100 @@
+"""The chunked head + cross entropy (`linear_token_loss_sum`) against the plain logits path
+(`token_loss_sum` of ``hidden @ weight.T``): loss and both gradients, in fp32 and under bf16
+autocast, across uneven chunks, ignored labels and fractional loss weights; and through
+`MimoModel`, `ParallelOptions(chunked_loss=True)` against ``False`` (tests/test_mimo.py's oracle
+compares the default, chunked, with a single-process run of plain logits for every tp = 1 case)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtensor_mimo.data import IGNORE_INDEX
+from dtensor_mimo.sequence import linear_token_loss_sum, loss
+from dtensor_mimo.sequence.loss import token_loss_sum
+from tests.harness import run_on_ranks
+
+VOCAB, DIM = 50, 16
+
+
+def _inputs(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 7, DIM, generator=g, dtype=dtype)
+    weight = torch.randn(VOCAB, DIM, generator=g, dtype=dtype) * 0.3
+    labels = torch.randint(0, VOCAB, (2, 7), generator=g)
+    labels[0, :2] = IGNORE_INDEX
+    mask = torch.rand(2, 7, generator=g)
+    mask[1, 3] = 0.0
+    return hidden, weight, labels, mask
+
+
+def _both(hidden, weight, labels, mask, autocast: bool, scale: float = 1.0):
+    """(loss, grad of hidden, grad of weight) of the chunked and of the plain path."""
+    out = []
+    for chunked in (True, False):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            value = (linear_token_loss_sum(h, w, labels, mask) if chunked
+                     else token_loss_sum(h @ w.t(), labels, mask))
+        (value * scale).backward()
+        out.append((value.detach(), h.grad, w.grad))
+    return out
+
+
+@pytest.mark.parametrize("rows", [3, 5, 14, 100])
+def test_chunks_give_the_plain_loss_and_gradients(rows, monkeypatch) -> None:
+    monkeypatch.setattr(loss, "LOSS_CHUNK_LOGITS", rows * VOCAB)  # 14 rows in chunks of `rows`
+    (got, gh, gw), (want, wh, ww) = _both(*_inputs(), autocast=False, scale=0.37)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gh, wh, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gw, ww, rtol=1e-5, atol=1e-7)
+    assert gh[0, :2].abs().max() == 0 and gh[1, 3].abs().max() == 0  # ignored label, mask 0: no gradient
+
+
+def test_under_bf16_autocast_it_computes_as_the_head_would(monkeypatch) -> None:
+    """The logits come from a bf16 matmul as under autocast; the gradients keep the inputs' dtypes
+    (fp32 master weight) and agree within bf16 rounding."""
+    monkeypatch.setattr(loss, "LOSS_CHUNK_LOGITS", 4 * VOCAB)
+    (got, gh, gw), (want, wh, ww) = _both(*_inputs(), autocast=True)
+    assert gh.dtype == gw.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the same bf16 logits, fp32 sums
+    torch.testing.assert_close(gh, wh, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(gw, ww, rtol=2e-2, atol=2e-3)
+    assert (got - _both(*_inputs(), autocast=False)[1][0]).abs() > 1e-4  # bf16 logits differ from fp32 ones
+
+
+def test_without_grad_it_only_sums(monkeypatch) -> None:
+    monkeypatch.setattr(loss, "LOSS_CHUNK_LOGITS", 3 * VOCAB)
+    hidden, weight, labels, mask = _inputs()
+    with torch.no_grad():
+        got = linear_token_loss_sum(hidden, weight, labels, mask)
+    torch.testing.assert_close(got, token_loss_sum(hidden @ weight.t(), labels, mask), rtol=1e-6, atol=1e-6)
+    empty = torch.zeros(0, 5, DIM)
+    assert linear_token_loss_sum(empty, weight, torch.zeros(0, 5, dtype=torch.long), torch.zeros(0, 5)) == 0
+
+
+def _model_grads(chunked: bool, chunk_rows: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """One text batch through `MimoModel` (world 1, vision colocated): loss and every gradient."""
+    from dtensor_mimo import MimoLayout, MimoModel, ParallelOptions, Parallelism
+    from tests.test_mimo import _batches, _modules
+
+    loss.LOSS_CHUNK_LOGITS = chunk_rows * 64
+    layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()}, offsets={"vision": 0, "language": 0})
+    layout.init_meshes("cpu")
+    llama, encoders = _modules(("vision",))
+    assert llama.config.vocab_size == 64
+    model = MimoModel(layout, llama, encoders, options={"language": ParallelOptions(chunked_loss=chunked)})
+    assert model.language_pipeline.stages[0].chunked_loss is chunked
+    batch = _batches(("vision",), packed=True)[0]
+    value = model(batch)
+    value.backward()
+    return float(value), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_mimo_model_chunked_loss_equals_the_plain_head() -> None:
+    (got, got_grads), (want, want_grads) = [run_on_ranks(_model_grads, 1, chunked, 7, timeout=120)[0]
+                                            for chunked in (True, False)]
+    assert got == pytest.approx(want, rel=1e-6)
+    assert got_grads.keys() == want_grads.keys() and any("output" in n for n in got_grads)
+    for name, grad in got_grads.items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=1e-5, atol=1e-7, msg=name)
