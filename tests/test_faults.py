@@ -119,22 +119,32 @@ def _in_a_world_with_timeout(timeout_s: float, body):
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 
 
-def _wait_for_a_peer_that_never_comes(timeout_s: float) -> str | None:
-    """A world with `timeout_s` where rank 1 skips an all-reduce: what rank 0's raises."""
+def _wait_for(done: str, seconds: float) -> None:
+    """Sleep until the file `done` exists (a peer got its error), at most `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _wait_for_a_peer_that_never_comes(timeout_s: float, done: str) -> str | None:
+    """A world with `timeout_s` where rank 1 skips an all-reduce (it stays in the world until
+    rank 0 has its error, file `done`): what rank 0's raises."""
     def body():
         if dist.get_rank() == 0:
             try:
                 dist.all_reduce(torch.ones(1))
             except RuntimeError as e:
                 return str(e)
+            finally:
+                open(done, "w").close()
         else:
-            time.sleep(timeout_s + 5)
+            _wait_for(done, timeout_s + 60)
         return None
 
     return _in_a_world_with_timeout(timeout_s, body)
 
 
-def _mesh_group_waits_for_a_peer(timeout_s: float) -> tuple[str | None, float]:
+def _mesh_group_waits_for_a_peer(timeout_s: float, done: str) -> tuple[str | None, float]:
     """Vision on rank 0, language dp2 on ranks 1-2: rank 2 skips an all-reduce over language's
     dp group (a mesh subgroup, not the world): what rank 1's raises, and after how long."""
     from dtensor_mimo import MimoLayout, Parallelism
@@ -148,21 +158,23 @@ def _mesh_group_waits_for_a_peer(timeout_s: float) -> tuple[str | None, float]:
                 dist.all_reduce(torch.ones(1), group=layout.mesh("language", "dp").get_group())
             except RuntimeError as e:
                 return str(e), time.monotonic() - start
+            finally:
+                open(done, "w").close()
         elif rank == 2:
-            time.sleep(timeout_s + 1)
+            _wait_for(done, timeout_s + 60)
         return None, 0.0
 
     return _in_a_world_with_timeout(timeout_s, body)
 
 
-def test_timeout_s_ends_a_wait_for_a_peer() -> None:
+def test_timeout_s_ends_a_wait_for_a_peer(tmp_path) -> None:
     # 5 s: long enough that both ranks join the new world's store within it on a loaded machine
-    message, _ = run_on_ranks(_wait_for_a_peer_that_never_comes, 2, 5.0, timeout=120)
+    message, _ = run_on_ranks(_wait_for_a_peer_that_never_comes, 2, 5.0, str(tmp_path / "done"), timeout=120)
     assert message is not None and "Timed out" in message and "5000ms" in message, message
 
 
-def test_timeout_s_reaches_the_mesh_groups() -> None:
-    _, (message, waited), _ = run_on_ranks(_mesh_group_waits_for_a_peer, 3, 5.0, timeout=120)
+def test_timeout_s_reaches_the_mesh_groups(tmp_path) -> None:
+    _, (message, waited), _ = run_on_ranks(_mesh_group_waits_for_a_peer, 3, 5.0, str(tmp_path / "done"), timeout=120)
     assert message is not None and "Timed out" in message and "5000ms" in message, message
     assert waited < 30, waited  # torch's own default for a new group is 30 minutes
 

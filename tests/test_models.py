@@ -468,6 +468,25 @@ def test_init_weights_draws_rows_in_independent_blocks(monkeypatch):
     assert abs(w.std().item() - 0.02) < 0.002 and abs(w.mean().item()) < 0.002
 
 
+def test_init_weights_is_the_same_drawn_on_one_thread_or_many(monkeypatch):
+    """The row blocks are drawn on `init_threads()` threads at once: the values do not depend on
+    how many, and block b of a parameter is the documented draw of its own generator."""
+    from dtensor_mimo.models import layers
+
+    monkeypatch.setattr(layers, "INIT_BLOCK_ELEMENTS", 64)  # 2 rows of 32 per block
+    built = {}
+    for threads in (1, 4):
+        monkeypatch.setattr(layers, "init_threads", lambda: threads)
+        built[threads] = Llama(LlamaConfig.tiny())
+        built[threads].init_weights(seed=3)
+    many = dict(built[4].named_parameters())
+    for name, p in built[1].named_parameters():
+        assert torch.equal(p, many[name]), name
+    seed = layers._parameter_seed(3, "tok_embeddings.weight")
+    block_1 = torch.randn((2, 32), generator=torch.Generator().manual_seed((seed * 1_000_003 + 1) % 2**63))
+    assert torch.equal(many["tok_embeddings.weight"][2:4], block_1 * 0.02)
+
+
 # ---------------------------------------------------------------------------------------------
 # ViT, audio, projection
 # ---------------------------------------------------------------------------------------------

@@ -6,10 +6,13 @@ Each lives here once; `llama.py`, `vit.py`, `audio.py` and `projection.py` impor
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import math
+import os
 import zlib
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -304,13 +307,16 @@ def init_weights(module: nn.Module, seed: int, std: float = 0.02) -> None:
 
     A parameter's value depends only on `seed` and its name relative to `module`, so a pipeline
     stage that deleted some layers, a tensor- or FSDP-sharded copy, a float64 copy and the whole
-    single-process model all start from the same weights. A DTensor parameter (tp, FSDP2, both,
-    built on the meta device and materialized with `to_empty`) gets its own shard only, drawing
-    the row blocks its shard touches: no rank ever materializes the full parameter, and the work
-    is that of the local rows (full rows: a shard of columns draws its rows whole). Call it on the
+    single-process model all start from the same weights, on any device. A DTensor parameter (tp,
+    FSDP2, both, built on the meta device and materialized with `to_empty`) gets its own shard
+    only, drawing the row blocks its shard touches: no rank ever materializes the full parameter,
+    and the work is that of the local rows (full rows: a shard of columns draws its rows whole).
+    The blocks are independent, so they are drawn on `init_threads()` threads at once (torch's
+    CPU generator draws on one core; a 1B model is seconds of drawing per core). Call it on the
     model the names are relative to (e.g. `vit.init_weights`, not a parent that renames it).
     """
     norm_types = (RMSNorm, nn.LayerNorm)
+    draws = []
     with torch.no_grad():
         for module_name, mod in module.named_modules():
             for param_name, param in mod.named_parameters(recurse=False):
@@ -320,8 +326,23 @@ def init_weights(module: nn.Module, seed: int, std: float = 0.02) -> None:
                     continue
                 fqn = plain_name(f"{module_name}.{param_name}" if module_name else param_name)
                 offset, shape = local_box(param)
-                value = _normal_block(_parameter_seed(seed, fqn), tuple(param.shape), offset, shape)
-                local_part(param).copy_(value * std)
+                draws += _normal_blocks(_parameter_seed(seed, fqn), tuple(param.shape), offset, shape,
+                                        local_part(param), std)
+        threads = min(init_threads(), len(draws))
+        if threads <= 1:
+            for draw in draws:
+                draw()
+        else:
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                for done in [pool.submit(draw) for draw in draws]:
+                    done.result()
+
+
+def init_threads() -> int:
+    """Threads `init_weights` draws on: this process's share of the host's cores (the cores it
+    may run on over the ranks of this host, ``LOCAL_WORLD_SIZE``)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def plain_name(name: str) -> str:
@@ -347,23 +368,27 @@ def local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(offset), tuple(shape)
 
 
-def _normal_block(seed: int, shape: tuple[int, ...], offset: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
-    """The block ``offset .. offset + size`` of the standard normal parameter value of `shape`
-    drawn from `seed`, drawing only the row blocks it touches and keeping only its part of each
-    (memory: one row block plus the result). Block 0 uses `seed` itself, so a parameter of at
-    most one block equals ``torch.randn(shape, generator=manual_seed(seed))``."""
+def _normal_blocks(seed: int, shape: tuple[int, ...], offset: tuple[int, ...], size: tuple[int, ...],
+                   out: torch.Tensor, std: float) -> list[Callable[[], None]]:
+    """Calls that together fill `out` (``size``) with `std` times the block ``offset .. offset +
+    size`` of the standard normal parameter value of `shape` drawn from `seed`: one call per row
+    block the box touches, each drawing its block and keeping only its part (memory: one row
+    block per thread). Block 0 uses `seed` itself, so a parameter of at most one block equals
+    ``std * torch.randn(shape, generator=manual_seed(seed))``."""
     if not shape:
-        return torch.randn((), generator=torch.Generator().manual_seed(seed))
+        return [torch.no_grad()(lambda: out.copy_(torch.randn((), generator=torch.Generator().manual_seed(seed)) * std))]
     rows, row_size = shape[0], math.prod(shape[1:])
     per_block = max(1, INIT_BLOCK_ELEMENTS // max(row_size, 1))
     first, last = offset[0], offset[0] + size[0]
     columns = tuple(slice(o, o + n) for o, n in zip(offset[1:], size[1:]))
-    parts = []
-    for block in range(first // per_block, -(-last // per_block)):
+
+    @torch.no_grad()  # grad mode is per thread: a pool's threads start with grad on
+    def draw(block: int) -> None:
         lo = block * per_block
         n = min(per_block, rows - lo)
         block_seed = seed if block == 0 else (seed * 1_000_003 + block) % 2**63
         drawn = torch.randn((n, *shape[1:]), generator=torch.Generator().manual_seed(block_seed))
-        parts.append(drawn[(slice(max(first - lo, 0), min(last - lo, n)), *columns)].clone())
-        del drawn
-    return torch.cat(parts) if parts else torch.empty(size)
+        start, stop = max(first - lo, 0), min(last - lo, n)
+        out[lo + start - first:lo + stop - first].copy_(drawn[(slice(start, stop), *columns)].mul_(std))
+
+    return [functools.partial(draw, block) for block in range(first // per_block, -(-last // per_block))]
