@@ -7,8 +7,8 @@ On a lent machine without network (torch and transformers there; torchao carried
 `.whl/`, which `.git/info/exclude` ignores; the device README says how to fetch it), one call:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-      && export PYTHONPATH=/tmp/site; PYTHONUNBUFFERED=1 python3 benchmarks/gpu.py --record --budget 540 \
-      --out $OUT/gpu.json 2>&1 | tee $OUT/log; cp benchmarks/RESULTS.md $OUT/
+      && export PYTHONPATH=/tmp/site; PYTHONUNBUFFERED=1 python3 benchmarks/gpu.py --record --profile --budget 540 \
+      --out $OUT/gpu.json 2>&1 | tee $OUT/log; cp benchmarks/RESULTS.md $OUT/   # + $OUT/gpu.profile.txt
 
 Each case runs in a fresh process (its own compile caches and memory) on the same batches; the
 cases run in priority order (`CASES`) until `--budget` seconds are spent, the JSON rewritten after
@@ -81,6 +81,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+# --profile: each timed case then runs two more steps under torch.profiler; its table (kernels by
+# device time on a GPU, ops by CPU time on the CPU) lands here and in the case's JSON.
+PROFILE: dict[str, str | bool] = {"on": False, "table": ""}
+
+
 def _timed(step, device: str, warmup: int, steps: int) -> list[float]:
     """Per-step seconds: warm-up, then `steps` steps between two syncs (their mean), three times."""
     for i in range(warmup):
@@ -93,6 +98,18 @@ def _timed(step, device: str, warmup: int, steps: int) -> list[float]:
             step(i)
         _sync(device)
         rounds.append((time.perf_counter() - t0) / steps)
+    if PROFILE["on"]:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device == "cuda" else [])]
+        with profile(activities=activities) as prof:
+            for i in range(2):
+                step(i)
+            _sync(device)
+        key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+        PROFILE["table"] = (prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
+                            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12,
+                                                        max_name_column_width=70))
     return rounds
 
 
@@ -395,6 +412,7 @@ def _case(args: argparse.Namespace) -> None:
         torch.cuda.set_device(0)
         torch.cuda.reset_peak_memory_stats()
     case = args.case
+    PROFILE["on"] = args.profile
     if case == "vlm same model":
         out = _vlm_same_model(VLM[size])
     elif case.startswith("lm ours"):
@@ -412,12 +430,14 @@ def _case(args: argparse.Namespace) -> None:
     else:
         raise SystemExit(f"unknown case {case!r}; one of {', '.join(CASES)}")
     out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    if PROFILE["table"]:
+        out["profile"] = PROFILE["table"]
     print(json.dumps(out))
 
 
 def _run_case(case: str, args: argparse.Namespace, seconds: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--case", case, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), *(["--tiny"] if args.tiny else [])]
+           "--warmup", str(args.warmup), *(["--tiny"] if args.tiny else []), *(["--profile"] if args.profile else [])]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=seconds)
     except subprocess.TimeoutExpired:
@@ -455,6 +475,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "gpu.json"))
     ap.add_argument("--record", action="store_true", help="append the rows to benchmarks/RESULTS.md")
+    ap.add_argument("--profile", action="store_true",
+                    help="two more steps of each case under torch.profiler; the tables go to OUT's .profile.txt")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
@@ -474,6 +496,8 @@ def main() -> None:
               "rows": {}}
     rows = result["rows"]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    if args.profile:
+        open(os.path.splitext(args.out)[0] + ".profile.txt", "w").close()
     if args.tiny:  # the check that both VLM sides run one model
         result["vlm_same_model"] = same = _run_case("vlm same model", args, 600)
         print(f"vlm same model: {same}", flush=True)
@@ -492,6 +516,9 @@ def main() -> None:
         print(f"{case}: " + (f"FAILED: {r['error']}" if "error" in r else f"{r['median_step_s'] * 1e3:.1f} ms"), flush=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+        if "profile" in r:
+            with open(os.path.splitext(args.out)[0] + ".profile.txt", "a") as f:
+                f.write(f"\n===== {case}: {r['median_step_s'] * 1e3:.1f} ms a step\n{r['profile']}\n")
     lines = _report(result, args.tiny)
     if args.record and not args.tiny:
         path = os.path.join(HERE, "RESULTS.md")

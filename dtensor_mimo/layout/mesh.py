@@ -98,6 +98,8 @@ class ModuleMeshes:
         if dims is None:
             return mesh
         dims = (dims,) if isinstance(dims, str) else tuple(dims)
+        if (name, dims) in self._slices:  # the step's path: no dispatch (get_coordinate runs tensor ops)
+            return self._slices[name, dims]
         unknown = [d for d in dims if d not in (*MESH_DIMS, "dp_cp")]
         if unknown:
             raise KeyError(f"unknown mesh dim(s) {unknown} for module {name!r}; dims are {list(MESH_DIMS)} or 'dp_cp'")
@@ -107,10 +109,9 @@ class ModuleMeshes:
                 f"rank {rank} is not in module {name!r} (ranks {ranks[0]}..{ranks[-1]}): sub-meshes "
                 f"{dims} exist only on its members; check layout.is_member({name!r}, rank) first"
             )
-        if set(dims) in ({"dp_cp"}, {"dp", "cp"}):  # flat dp·cp (FSDP), in either order
-            return self._roots[name]["dp_cp"]
-        if (name, dims) not in self._slices:  # a slice reuses the root's groups: no collective
-            self._slices[name, dims] = mesh[dims]
+        flat = set(dims) in ({"dp_cp"}, {"dp", "cp"})  # flat dp·cp (FSDP), in either order
+        # A slice reuses the root's groups: no collective.
+        self._slices[name, dims] = self._roots[name]["dp_cp"] if flat else mesh[dims]
         return self._slices[name, dims]
 
 
