@@ -18,6 +18,7 @@ each, so a short lease still leaves the most important figures:
 |---|---|---|
 | lm | ours | `Llama` through `MimoModel` (world 1) + `MimoOptimizer` + `train_step`: bf16 compute (`ParallelOptions(param_dtype="bf16")`, fp32 master weights), per-block compile, fused AdamW |
 | lm | ours fp8 tensorwise / rowwise | the same with `ParallelOptions(fp8=...)`: torchao float8 training of every Linear but the output head |
+| lm | ours packed (flex) | the same on rows packed with documents of 64-1024 tokens (document ids and positions): attention through the masked SDPA chunks, or with `ParallelOptions(flex_attention=True)` through FlexAttention over a block mask; the flex case first checks its outputs and gradients against the masked path on the GPU (fp32) |
 | lm | ours fsdp2 bf16 | the same with FSDP2's `MixedPrecisionPolicy` on its mesh of one rank instead of autocast (which mixed-precision form is faster at dp = 1; at dp > 1 the library uses FSDP2's) |
 | lm | ours unchunked loss | the same with `ParallelOptions(chunked_loss=False)`: plain `[tokens, vocab]` logits (time and peak memory of the chunked head + loss) |
 | lm | transformers (compiled) | `LlamaForCausalLM` of the same sizes (SDPA), fp32 weights under bf16 autocast, fused AdamW, clip 1.0; eager, or each decoder layer compiled (as ours) |
@@ -67,7 +68,8 @@ VLM = {"default": dict(image=224, patch=16, vdim=768, vlayers=12, vheads=12, vml
                     vocab=256, dim=64, layers=2, heads=4, kv_heads=2, ffn=128, batch=4, seq=64)}
 # Priority order: what issue 29's "Done when" needs first, so that a short lease measures it.
 CASES = ("lm ours", "lm transformers compiled", "vlm ours", "vlm transformers compiled", "tiny trainer",
-         "tiny trainer compiled", "lm ours fp8 tensorwise", "lm ours fp8 rowwise", "lm ours unchunked loss",
+         "tiny trainer compiled", "lm ours fp8 tensorwise", "lm ours fp8 rowwise", "lm ours packed",
+         "lm ours packed flex", "lm ours unchunked loss",
          "lm ours fsdp2 bf16", "tiny trainer workers=1", "vlm transformers", "lm transformers")
 TINY = {"tiny trainer": [], "tiny trainer workers=1": ["--data.workers", "1"],
         "tiny trainer compiled": [f"--options.{m}.compile=true" for m in ("image", "language")]}
@@ -141,7 +143,8 @@ def _lm_batches(s: dict, count: int = 4) -> list:
 
 
 def _lm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: str | None = None,
-             chunked_loss: bool = True, fsdp_one_rank: bool = False) -> dict:
+             chunked_loss: bool = True, fsdp_one_rank: bool = False, packed: bool = False,
+             flex: bool = False) -> dict:
     import torch
 
     from dtensor_mimo import AdamWConfig, MimoLayout, MimoModel, MimoOptimizer, ParallelOptions, Parallelism, train_step
@@ -160,7 +163,7 @@ def _lm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: s
         llama = Llama(LlamaConfig(vocab_size=s["vocab"], dim=s["dim"], n_layers=s["layers"], n_heads=s["heads"],
                                   n_kv_heads=s["kv_heads"], ffn_hidden=s["ffn"], max_seq_len=s["seq"]))
     options = ParallelOptions(compile=True, compile_backend=backend, param_dtype="bf16", fp8=fp8,
-                              chunked_loss=chunked_loss)
+                              chunked_loss=chunked_loss, flex_attention=flex)
     model = MimoModel(MimoLayout({"language": Parallelism()}), llama, {}, options={"language": options},
                       device_type=device)
     model.init_weights({"language": 0})
@@ -169,9 +172,48 @@ def _lm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: s
 
         assert all(isinstance(p, DTensor) for p in model.parameters()), "FSDP2 did not wrap the one-rank mesh"
     optimizer = MimoOptimizer(model, AdamWConfig(lr=1e-4))
-    batches = [MimoBatch(t, l, loss_mask=torch.ones_like(l, dtype=torch.bool)) for t, l in _lm_batches(s)]
+    batches = [MimoBatch(t, l, loss_mask=torch.ones_like(l, dtype=torch.bool), **(_documents(s, i) if packed else {}))
+               for i, (t, l) in enumerate(_lm_batches(s))]
+    check = _flex_check(batches[0], device) if flex else {}
     rounds = _timed(lambda i: train_step(model, optimizer, batches[i % len(batches)]), device, warmup, steps)
-    return {"step_s": rounds, "params_no_embed": _no_embed(model)}
+    return {"step_s": rounds, "params_no_embed": _no_embed(model), **check}
+
+
+def _documents(s: dict, seed: int) -> dict:
+    """Each row cut into documents of 64-1024 tokens: their ids and rotary positions."""
+    import torch
+
+    g = torch.Generator().manual_seed(100 + seed)
+    ids, positions = torch.zeros(s["batch"], s["seq"], dtype=torch.long), torch.zeros(s["batch"], s["seq"], dtype=torch.long)
+    for row in range(s["batch"]):
+        start, doc = 0, 0
+        while start < s["seq"]:
+            n = min(int(torch.randint(64, 1025, (1,), generator=g)), s["seq"] - start)
+            ids[row, start:start + n], positions[row, start:start + n] = doc, torch.arange(n)
+            start, doc = start + n, doc + 1
+    return {"document_ids": ids, "positions": positions}
+
+
+def _flex_check(batch, device: str) -> dict:
+    """FlexAttention's compiled kernel against the masked SDPA path on this device, fp32, one
+    layer's shapes at 8 heads: the largest output and gradient differences (raises above 1e-3)."""
+    import torch
+
+    from dtensor_mimo.models import FlexAttentionCore, causal_attention
+
+    g = torch.Generator(device=device).manual_seed(0)
+    shape = (batch.tokens.shape[0], 8, batch.tokens.shape[1], 64)
+    q, k, v = (torch.randn(shape, generator=g, device=device).requires_grad_() for _ in range(3))
+    doc = batch.document_ids.to(device)
+    diffs = {}
+    outs = [fn(q, k, v, q_pos=None, kv_pos=None, q_doc=doc, kv_doc=doc) for fn in (FlexAttentionCore(), causal_attention)]
+    up = torch.randn(shape, generator=g, device=device)
+    grads = [torch.autograd.grad(o, (q, k, v), up) for o in outs]
+    diffs["flex_max_abs_diff_out"] = float((outs[0] - outs[1]).abs().max())
+    diffs["flex_max_abs_diff_grad"] = max(float((a - b).abs().max()) for a, b in zip(*grads))
+    if max(diffs.values()) > 1e-3:
+        raise RuntimeError(f"FlexAttention differs from the masked SDPA path on {device}: {diffs}")
+    return diffs
 
 
 def _lm_transformers(s: dict, device: str, backend: str, warmup: int, steps: int, compiled: bool) -> dict:
@@ -416,8 +458,13 @@ def _case(args: argparse.Namespace) -> None:
     if case == "vlm same model":
         out = _vlm_same_model(VLM[size])
     elif case.startswith("lm ours"):
+        if device == "cpu" and case.endswith("flex"):  # torch's FlexAttention has no CPU backward; the CPU check
+            import torch.nn.attention.flex_attention as flex  # runs its eager path (as tests/test_flex_attention.py)
+
+            flex._validate_device = lambda *args, **kwargs: None
         out = _lm_ours(LM[size], device, backend, args.warmup, args.steps, case[len(FP8):] if case.startswith(FP8) else None,
-                       chunked_loss=case != "lm ours unchunked loss", fsdp_one_rank=case == "lm ours fsdp2 bf16")
+                       chunked_loss=case != "lm ours unchunked loss", fsdp_one_rank=case == "lm ours fsdp2 bf16",
+                       packed="packed" in case, flex=case.endswith("flex"))
     elif case.startswith("lm transformers"):
         out = _lm_transformers(LM[size], device, backend, args.warmup, args.steps, compiled=case.endswith("compiled"))
     elif case == "vlm ours":
@@ -455,7 +502,7 @@ def _summarize(case: str, r: dict, peak: float | None) -> None:
     if section == "lm":
         s = LM[size]
         r["tokens_per_s"] = s["batch"] * s["seq"] / r["median_step_s"]
-        flops = _lm_flops(s, r)
+        flops = None if "packed" in case else _lm_flops(s, r)  # documents: less attention than the formula's
     elif section == "vlm":
         s = VLM[size]
         r["samples_per_s"] = s["batch"] / r["median_step_s"]
@@ -534,6 +581,7 @@ def main() -> None:
 BASELINES = {"lm ours": ("lm transformers compiled", 1.0), "lm transformers": ("lm transformers compiled", None),
              "lm ours fp8 tensorwise": ("lm ours", 1.25), "lm ours fp8 rowwise": ("lm ours", 1.25),
              "lm ours unchunked loss": ("lm ours", None), "lm ours fsdp2 bf16": ("lm ours", None),
+             "lm ours packed flex": ("lm ours packed", None),
              "vlm ours": ("vlm transformers compiled", 1.1), "vlm transformers": ("vlm transformers compiled", None)}
 
 

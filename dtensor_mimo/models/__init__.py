@@ -8,6 +8,7 @@ checkpoints in and out.
 from dtensor_mimo.models.audio import AudioConfig, AudioEncoder
 from dtensor_mimo.models.layers import (
     AttentionFn,
+    FlexAttentionCore,
     RMSNorm,
     RopeScaling,
     apply_rope,
@@ -26,6 +27,7 @@ __all__ = [
     "AudioConfig",
     "AudioEncoder",
     "EncoderBlock",
+    "FlexAttentionCore",
     "Llama",
     "LlamaConfig",
     "ModalityEncoder",

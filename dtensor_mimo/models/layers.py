@@ -192,6 +192,68 @@ def causal_attention(
     return torch.cat(chunks, dim=2)
 
 
+class FlexAttentionCore:
+    """An attention core (`AttentionFn`) through torch's FlexAttention for rows with documents or
+    global indices (packed documents): one fused kernel over a block mask of the rule of
+    `AttentionFn` (``kv_pos <= q_pos`` and, with documents, the same document), whose 128 x 128
+    blocks outside every document are skipped, instead of `causal_attention`'s masked SDPA
+    chunks, which work through every key of every query. Plain rows go to SDPA's causal kernel
+    (flash / cuDNN) as in `causal_attention`. Set it with
+    ``decoder.set_attention_fn(FlexAttentionCore())`` (`ParallelOptions(flex_attention=True)`).
+
+    On CUDA the kernel is ``torch.compile(flex_attention)`` (FlexAttention is a compiled kernel;
+    eager is torch's reference math). The block mask is built once for a set of index tensors and
+    reused while the same tensor objects come back (every layer of a forward passes the same
+    ones; a few recent sets are kept for pipeline stages that interleave microbatches). It runs
+    outside a compiled block (as `packed_attention`): a block mask is no graph input dynamo can
+    guard cheaply. torch's FlexAttention has no backward on the CPU: training with it needs CUDA.
+    """
+
+    KEEP = 4  # recent index sets whose block masks are kept
+
+    def __init__(self) -> None:
+        self._masks: list[tuple[tuple[torch.Tensor | None, ...], object]] = []
+        self._compiled = None
+
+    @torch.compiler.disable
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch.Tensor | None,
+                 kv_pos: torch.Tensor | None, q_doc: torch.Tensor | None = None,
+                 kv_doc: torch.Tensor | None = None) -> torch.Tensor:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        if (q_doc is None) != (kv_doc is None) or (q_pos is None) != (kv_pos is None):
+            raise ValueError("FlexAttentionCore: pass both q_doc and kv_doc (q_pos and kv_pos), or neither")
+        if q_pos is None and q_doc is None:
+            return causal_attention(q, k, v, q_pos=None, kv_pos=None)
+        kernel = flex_attention
+        if q.is_cuda:
+            if self._compiled is None:
+                self._compiled = torch.compile(flex_attention, dynamic=False)
+            kernel = self._compiled
+        mask = self._block_mask((q_pos, kv_pos, q_doc, kv_doc), q.shape[0], q.shape[2], k.shape[2], q.device)
+        return kernel(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+    def _block_mask(self, key: tuple[torch.Tensor | None, ...], batch: int, rows: int, keys: int,
+                    device: torch.device):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        for known, mask in self._masks:
+            if all(a is b for a, b in zip(known, key)):
+                return mask
+        q_pos, kv_pos, q_doc, kv_doc = key
+
+        def allowed(b, h, qi, ki):
+            seen = (ki <= qi) if q_pos is None else (kv_pos[b, ki] <= q_pos[b, qi])
+            return seen if q_doc is None else seen & (kv_doc[b, ki] == q_doc[b, qi])
+
+        mask = create_block_mask(allowed, batch, None, rows, keys, device=device)
+        self._masks = [(key, mask), *self._masks[:self.KEEP - 1]]
+        return mask
+
+    def __repr__(self) -> str:
+        return "FlexAttentionCore()"
+
+
 # Query rows per chunk of the masked attention path: its transient memory is about
 # chunk x Skv (mask and, without a fused kernel, scores per head) whatever the sequence length.
 ATTENTION_QUERY_CHUNK = 1024

@@ -51,6 +51,12 @@ class ParallelOptions:
             and `model(batch)`; `predict` takes the logits' argmax and keeps the plain head. A head
             that is not a bias-free ``nn.Linear`` keeps the plain path. Numerics unchanged up to
             the order of sums.
+        flex_attention: language model with cp = 1: rows with documents (packed samples, e.g.
+            the trainer's ``data.pack``) attend through torch's FlexAttention over a block mask of
+            the documents (`dtensor_mimo.models.FlexAttentionCore`: blocks outside every document
+            skipped, one compiled kernel) instead of chunked masked SDPA; plain rows keep SDPA's
+            causal kernel. Needs CUDA to train (torch's FlexAttention has no CPU backward).
+            Numerics unchanged.
         recompute_colocated: an encoder sharing ranks with the language model (the colocated
             three phases): keep no graph while the language model runs its microbatches; each
             microbatch is encoded again right before its backward (one more encoder forward per
@@ -82,6 +88,7 @@ class ParallelOptions:
     reduce_dtype: torch.dtype | str | None = None
     loss_parallel: bool = True
     chunked_loss: bool = True
+    flex_attention: bool = False
     recompute_colocated: bool = False
     balance: bool | None = None
     fp8: FP8Recipe | None = None
@@ -95,7 +102,8 @@ class ParallelOptions:
                 raise TypeError(f"ParallelOptions: {name}={value!r} must be a floating dtype such as "
                                 f"torch.bfloat16, one of {sorted(DTYPES)}, or None")
         flags = {n: getattr(self, n) for n in ("sp", "fsdp", "compile", "reshard_after_forward",
-                                               "loss_parallel", "chunked_loss", "recompute_colocated")}
+                                               "loss_parallel", "chunked_loss", "flex_attention",
+                                               "recompute_colocated")}
         wrong = {n: v for n, v in flags.items() if not isinstance(v, bool)}
         if wrong:
             raise TypeError(f"ParallelOptions: {wrong} must be True or False")

@@ -1,0 +1,127 @@
+"""`FlexAttentionCore` (`ParallelOptions(flex_attention=True)`) against `causal_attention`: the same
+outputs and gradients for packed documents, subsets of rows with their global indices, grouped
+heads and lengths that are not multiples of the 128-row blocks; one block mask per set of index
+tensors; and through `MimoModel`, dp 2 with packed rows, the single-process oracle of
+tests/test_mimo.py. torch's FlexAttention refuses backward on the CPU (its compiled CPU kernel
+has none); its eager path, the reference math the compiled kernels are tested against in torch,
+does have one, so these tests lift that device check (`_cpu_backward`). On CUDA the library runs
+the compiled kernel (`benchmarks/gpu.py` compares it with this path's numbers there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dtensor_mimo import MimoModel, ParallelOptions, Parallelism
+from dtensor_mimo.layout import LayoutError
+from dtensor_mimo.models import FlexAttentionCore, causal_attention
+from tests.harness import run_on_ranks
+from tests.test_mimo import Case, _distributed, _modules, check_against_reference
+
+
+def _cpu_backward(monkeypatch=None) -> None:
+    """Let torch's eager FlexAttention run backward on the CPU (see the module docstring)."""
+    import torch.nn.attention.flex_attention as flex
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(flex, "_validate_device", lambda *args, **kwargs: None)
+    else:
+        flex._validate_device = lambda *args, **kwargs: None
+
+
+def _qkv(batch: int, rows: int, keys: int, heads: int = 4, kv_heads: int = 2, dim: int = 8):
+    g = torch.Generator().manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
+    return make(batch, heads, rows, dim), make(batch, kv_heads, keys, dim), make(batch, kv_heads, keys, dim)
+
+
+def _compare(q, k, v, **index) -> None:
+    got = FlexAttentionCore()(q, k, v, **index)
+    want = causal_attention(q, k, v, **index)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    upstream = torch.randn_like(want)
+    got_grads = torch.autograd.grad(got, (q, k, v), upstream)
+    want_grads = torch.autograd.grad(want, (q, k, v), upstream)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def _documents(batch: int, rows: int, lengths: list[int]) -> torch.Tensor:
+    ids = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
+    assert len(ids) == rows
+    return torch.stack([ids, ids.flip(0)])[:batch]  # another order of documents in row 1
+
+
+def test_packed_documents_and_plain_rows_give_causal_attentions_numbers(monkeypatch) -> None:
+    _cpu_backward(monkeypatch)
+    q, k, v = _qkv(2, 200, 200)  # 200 rows: a partial second block
+    doc = _documents(2, 200, [70, 3, 127])
+    _compare(q, k, v, q_pos=None, kv_pos=None, q_doc=doc, kv_doc=doc)
+    _compare(q, k, v, q_pos=None, kv_pos=None)  # plain rows: SDPA's causal kernel
+
+
+def test_a_subset_of_rows_with_global_indices(monkeypatch) -> None:
+    """A context-parallel-like chunk: 96 query rows (two zigzag pieces) against all 192 keys."""
+    _cpu_backward(monkeypatch)
+    q, k, v = _qkv(2, 96, 192)
+    q_pos = torch.cat([torch.arange(0, 48), torch.arange(144, 192)]).expand(2, -1)
+    kv_pos = torch.arange(192).expand(2, -1)
+    doc = _documents(2, 192, [100, 92])
+    _compare(q, k, v, q_pos=q_pos, kv_pos=kv_pos, q_doc=doc[:, q_pos[0]], kv_doc=doc)
+    _compare(q, k, v, q_pos=q_pos, kv_pos=kv_pos)
+
+
+def test_one_block_mask_per_set_of_index_tensors(monkeypatch) -> None:
+    import torch.nn.attention.flex_attention as flex
+
+    _cpu_backward(monkeypatch)
+    built = []
+    create = flex.create_block_mask
+    monkeypatch.setattr(flex, "create_block_mask", lambda *a, **kw: built.append(a[3:5]) or create(*a, **kw))
+    core = FlexAttentionCore()
+    q, k, v = _qkv(2, 64, 64)
+    doc = _documents(2, 64, [30, 34])
+    for _ in range(3):  # the layers of one forward: the same tensors
+        core(q, k, v, q_pos=None, kv_pos=None, q_doc=doc, kv_doc=doc)
+    assert len(built) == 1
+    other = doc.clone()  # a new batch: its own mask, even with equal values
+    core(q, k, v, q_pos=None, kv_pos=None, q_doc=other, kv_doc=other)
+    core(q, k, v, q_pos=None, kv_pos=None, q_doc=doc, kv_doc=doc)  # still kept
+    assert len(built) == 2
+    with pytest.raises(ValueError, match="pass both q_doc and kv_doc"):
+        core(q, k, v, q_pos=None, kv_pos=None, q_doc=doc)
+
+
+def _flex_distributed(case: Case) -> list[dict]:
+    _cpu_backward()
+    masks = []
+    build = FlexAttentionCore._block_mask
+    FlexAttentionCore._block_mask = lambda self, *args: masks.append(args) or build(self, *args)
+    try:
+        records = _distributed(case)
+    finally:
+        FlexAttentionCore._block_mask = build
+    on_language = torch.distributed.get_rank() in case.layout().ranks("language")
+    assert bool(masks) == on_language, len(masks)  # the language ranks' attention went through flex
+    return records
+
+
+def test_packed_rows_at_dp2_match_the_single_process_run() -> None:
+    """Vision dp 1 on rank 0, language dp 2 (FSDP2) on ranks 1-2 with flex attention over packed
+    documents: losses, every gradient and the weights after each step as one process without it."""
+    case = Case({"vision": Parallelism(), "language": Parallelism(dp=2)}, packed=True,
+                options={"language": ParallelOptions(flex_attention=True)})
+    check_against_reference(case, run=_flex_distributed)
+
+
+@pytest.mark.parametrize("options, layout, message", [
+    ({"vision": ParallelOptions(flex_attention=True)}, {"language": Parallelism()}, "given for encoders"),
+    ({"language": ParallelOptions(flex_attention=True)}, {"language": Parallelism(cp=2)}, r"needs cp = 1 \(cp=2"),
+])
+def test_refused_by_name_before_any_group(options, layout, message) -> None:
+    from dtensor_mimo import MimoLayout
+
+    llama, encoders = _modules(("vision",))
+    with pytest.raises(LayoutError, match=message):
+        MimoModel(MimoLayout({"vision": Parallelism(), **layout}), llama, encoders, options=options)
+    assert not torch.distributed.is_initialized()
