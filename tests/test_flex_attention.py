@@ -15,7 +15,6 @@ import torch
 from dtensor_mimo import MimoModel, ParallelOptions, Parallelism
 from dtensor_mimo.layout import LayoutError
 from dtensor_mimo.models import FlexAttentionCore, causal_attention
-from tests.harness import run_on_ranks
 from tests.test_mimo import Case, _distributed, _modules, check_against_reference
 
 
