@@ -64,13 +64,44 @@ def test_under_bf16_autocast_it_computes_as_the_head_would(monkeypatch) -> None:
 
 
 def test_without_grad_it_only_sums(monkeypatch) -> None:
+    """Under no_grad (evaluation) with inputs that require grad: no gradient work at all."""
     monkeypatch.setattr(loss, "LOSS_CHUNK_LOGITS", 3 * VOCAB)
+    calls = []
+    chunked = loss._chunked_cross_entropy
+    monkeypatch.setattr(loss, "_chunked_cross_entropy", lambda *a: calls.append(a[4:]) or chunked(*a))
     hidden, weight, labels, mask = _inputs()
+    hidden.requires_grad_(), weight.requires_grad_()
     with torch.no_grad():
         got = linear_token_loss_sum(hidden, weight, labels, mask)
+    assert calls == [(False, False)] and not got.requires_grad
     torch.testing.assert_close(got, token_loss_sum(hidden @ weight.t(), labels, mask), rtol=1e-6, atol=1e-6)
     empty = torch.zeros(0, 5, DIM)
     assert linear_token_loss_sum(empty, weight, torch.zeros(0, 5, dtype=torch.long), torch.zeros(0, 5)) == 0
+
+
+def test_a_label_outside_the_vocabulary_makes_the_loss_nan() -> None:
+    """Not clamped into the vocabulary (a wrong loss): NaN, which train_step reports as a
+    non-finite step; an ignored position may hold any id."""
+    hidden, weight, labels, mask = _inputs()
+    labels[1, 0] = VOCAB
+    assert torch.isnan(linear_token_loss_sum(hidden, weight, labels, mask))
+    mask[1, 0] = 0.0
+    assert torch.isfinite(linear_token_loss_sum(hidden, weight, labels, mask))
+
+
+def _user_decoder_keeps_its_head() -> bool:
+    """A user's decoder (tests/test_mimo.py's, which may change its logits) at pp = 1: the plain head."""
+    from dtensor_mimo import MimoLayout, MimoModel, Parallelism
+    from tests.test_mimo import _modules
+
+    layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()}, offsets={"vision": 0, "language": 0})
+    layout.init_meshes("cpu")
+    llama, encoders = _modules(("vision",), custom_language=True)
+    return MimoModel(layout, llama, encoders).language_pipeline.stages[0].chunked_loss
+
+
+def test_a_user_decoder_keeps_its_own_head() -> None:
+    assert run_on_ranks(_user_decoder_keeps_its_head, 1, timeout=120) == [False]
 
 
 def _model_grads(chunked: bool, chunk_rows: int) -> tuple[float, dict[str, torch.Tensor]]:

@@ -213,30 +213,35 @@ class FlexAttentionCore:
 
     def __init__(self) -> None:
         self._masks: list[tuple[tuple[torch.Tensor | None, ...], object]] = []
-        self._compiled = None
+        self._compiled: tuple[Callable, Callable] | None = None  # (flex_attention, create_block_mask) on CUDA
 
     @torch.compiler.disable
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch.Tensor | None,
                  kv_pos: torch.Tensor | None, q_doc: torch.Tensor | None = None,
                  kv_doc: torch.Tensor | None = None) -> torch.Tensor:
-        from torch.nn.attention.flex_attention import flex_attention
-
         if (q_doc is None) != (kv_doc is None) or (q_pos is None) != (kv_pos is None):
             raise ValueError("FlexAttentionCore: pass both q_doc and kv_doc (q_pos and kv_pos), or neither")
         if q_pos is None and q_doc is None:
             return causal_attention(q, k, v, q_pos=None, kv_pos=None)
-        kernel = flex_attention
-        if q.is_cuda:
-            if self._compiled is None:
-                self._compiled = torch.compile(flex_attention, dynamic=False)
-            kernel = self._compiled
-        mask = self._block_mask((q_pos, kv_pos, q_doc, kv_doc), q.shape[0], q.shape[2], k.shape[2], q.device)
+        kernel, build = self._functions(q.is_cuda)
+        mask = self._block_mask(build, (q_pos, kv_pos, q_doc, kv_doc), q.shape[0], q.shape[2], k.shape[2], q.device)
         return kernel(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
-    def _block_mask(self, key: tuple[torch.Tensor | None, ...], batch: int, rows: int, keys: int,
-                    device: torch.device):
-        from torch.nn.attention.flex_attention import create_block_mask
+    def _functions(self, cuda: bool) -> tuple[Callable, Callable]:
+        """flex_attention and create_block_mask: compiled on CUDA (the fused kernel, and a mask
+        built block by block instead of through a ``[B, S, S]`` dense one), torch's eager
+        reference elsewhere. Shapes are dynamic after a first recompilation, so length buckets do
+        not run into dynamo's recompile limit (past it torch would fall back to eager math)."""
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+        if not cuda:
+            return flex_attention, create_block_mask
+        if self._compiled is None:
+            self._compiled = torch.compile(flex_attention), torch.compile(create_block_mask)
+        return self._compiled
+
+    def _block_mask(self, build: Callable, key: tuple[torch.Tensor | None, ...], batch: int, rows: int, keys: int,
+                    device: torch.device):
         for known, mask in self._masks:
             if all(a is b for a, b in zip(known, key)):
                 return mask
@@ -246,7 +251,7 @@ class FlexAttentionCore:
             seen = (ki <= qi) if q_pos is None else (kv_pos[b, ki] <= q_pos[b, qi])
             return seen if q_doc is None else seen & (kv_doc[b, ki] == q_doc[b, qi])
 
-        mask = create_block_mask(allowed, batch, None, rows, keys, device=device)
+        mask = build(allowed, batch, None, rows, keys, device=device)
         self._masks = [(key, mask), *self._masks[:self.KEEP - 1]]
         return mask
 

@@ -43,14 +43,16 @@ class ParallelOptions:
         reduce_dtype: dtype of the data-parallel gradient reduction (FSDP2's reduce-scatter or
             the all-reduce without FSDP). None: float32 when `param_dtype` is set (fp32 gradient
             sums), else the gradients' dtype.
-        chunked_loss: language model with tp = 1 (with tp > 1 see loss_parallel): the output
-            head and the cross entropy run together over chunks of rows
+        chunked_loss: the library's `Llama` with tp = 1 (with tp > 1 see loss_parallel): the
+            output head and the cross entropy run together over chunks of rows
             (`dtensor_mimo.sequence.linear_token_loss_sum`), each chunk's gradients computed at
             once, so no ``[tokens, vocab]`` logits (nor their fp32 copy or gradient) ever exist:
-            about 10 bytes per logit less at the loss's peak, the same matmuls. Used by training
-            and `model(batch)`; `predict` takes the logits' argmax and keeps the plain head. A head
-            that is not a bias-free ``nn.Linear`` keeps the plain path. Numerics unchanged up to
-            the order of sums.
+            about 10 bytes per logit less at the loss's peak, the same matmuls; an fp32
+            ``[vocab, dim]`` weight gradient is held per microbatch in flight instead (more than
+            the logits only for microbatches of fewer tokens than ``dim``). Used by training and
+            `model(batch)`; `predict` takes the logits' argmax and keeps the plain head, and so
+            do a user's decoder (which may change its logits) and a head that is not a bias-free
+            ``nn.Linear``. Numerics unchanged up to the order of sums.
         flex_attention: language model with cp = 1: rows with documents (packed samples, e.g.
             the trainer's ``data.pack``) attend through torch's FlexAttention over a block mask of
             the documents (`dtensor_mimo.models.FlexAttentionCore`: blocks outside every document

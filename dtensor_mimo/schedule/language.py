@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from dtensor_mimo.assemble import assemble, embed_text
 from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.layout import MimoLayout
-from dtensor_mimo.models import FlexAttentionCore
+from dtensor_mimo.models import FlexAttentionCore, Llama
 from dtensor_mimo.models.protocol import decoder_stage
 from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, parallelize
 from dtensor_mimo.schedule.config import PipelineConfig, stage_layers
@@ -58,10 +58,12 @@ class LanguageStage(nn.Module):
                  hidden_dtype: torch.dtype | None = None, chunked_loss: bool = False) -> None:
         super().__init__()
         self.llama, self.first, self.last = llama, first, last
-        # The head runs inside the loss (`linear_token_loss_sum`) when it is a plain bias-free
-        # Linear (not a float8 or user head, which keep their own forward).
+        # The head runs inside the loss (`linear_token_loss_sum`) for the library's decoder, whose
+        # logits are exactly its plain bias-free Linear head of its headless forward (a user's
+        # decoder may do more to its logits; a float8 head keeps its own forward).
         head = getattr(llama, "output", None)
-        self.chunked_loss = chunked_loss and last and type(head) is nn.Linear and head.bias is None
+        self.chunked_loss = (chunked_loss and last and isinstance(llama, Llama) and type(head) is nn.Linear
+                             and head.bias is None)
         self.cp_size, self.cp_rank = cp_size, cp_rank
         self.hidden_dtype = hidden_dtype  # what a non-last stage sends on (the compute dtype)
         self.predicting = False  # the last stage returns next-token ids instead of a loss share

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -67,48 +68,66 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     `hidden` and `weight` for backward, which scales them by the incoming gradient (the
     Liger-Kernel / torchtune form of a fused linear cross entropy, in plain torch). Memory: one
     chunk of fp32 logits instead of ``[tokens, vocab]`` logits, their fp32 copy and their
-    gradient; the same three matmuls. Under no_grad (evaluation) it only sums the losses.
-    Numerics: those of `token_loss_sum` up to the order of the sums (the weight's gradient is
-    summed over chunks in fp32)."""
-    weights = loss_weights(labels, loss_mask).flatten()
-    return _LinearCrossEntropy.apply(hidden.flatten(0, -2), weight, labels.flatten(), weights)
+    gradient, plus an fp32 ``[vocab, dim]`` gradient of the weight held until backward (per
+    microbatch in flight: smaller than the logits when a microbatch has more tokens than `dim`);
+    the same three matmuls. Without grad (evaluation) it only sums the losses: one matmul. A
+    label outside ``0 .. vocab - 1`` with a nonzero loss weight makes the sum NaN (a non-finite
+    loss `train_step` reports), not an error: that would need a device sync. Numerics: those of
+    `token_loss_sum` up to the order of the sums (the weight's gradient is summed over chunks in
+    fp32). Not twice differentiable."""
+    hidden, labels = hidden.flatten(0, -2), labels.flatten()
+    weights = loss_weights(labels, loss_mask.flatten())
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(hidden, weight, labels, weights)
+    return _chunked_cross_entropy(hidden, weight, labels, weights, False, False)[0]
+
+
+def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                           want_h: bool, want_w: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The summed weighted loss and, where wanted, the gradients of `hidden` and `weight` (fp32)."""
+    device = hidden.device.type
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    if torch.is_autocast_enabled(device) and dtype != torch.float64:  # autocast leaves float64 alone
+        dtype = torch.get_autocast_dtype(device)
+    h, w = hidden.to(dtype), weight.to(dtype)
+    vocab = w.shape[0]
+    grad_h = torch.empty_like(h) if want_h else None
+    grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    rows = max(1, LOSS_CHUNK_LOGITS // max(vocab, 1))
+    with torch.autocast(device, enabled=False):
+        for start in range(0, h.shape[0], rows):
+            hc, lc, wc = h[start:start + rows], labels[start:start + rows], weights[start:start + rows]
+            logits = (hc @ w.t()).float()
+            lse = logits.logsumexp(-1)
+            target = lc.clamp(0, vocab - 1).unsqueeze(-1)
+            counted = wc != 0  # ignored rows (weight 0) add exactly 0, whatever their logits
+            bad = counted & ((lc < 0) | (lc >= vocab))
+            per_row = (lse - logits.gather(-1, target).squeeze(-1)) * wc
+            total += torch.where(bad, torch.nan, torch.where(counted, per_row, 0.0)).sum()
+            if not (want_h or want_w):
+                continue
+            grad = logits.sub_(lse.unsqueeze(-1)).exp_()  # softmax, in place of the logits
+            grad.scatter_add_(-1, target, torch.full_like(lse, -1.0).unsqueeze(-1))
+            grad = grad.mul_(torch.where(counted, wc, 0.0).unsqueeze(-1)).to(dtype)
+            if grad_h is not None:
+                torch.mm(grad, w, out=grad_h[start:start + rows])
+            if grad_w is not None:
+                grad_w += (grad.t() @ hc).float()
+    return total, grad_h, grad_w
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
-        device = hidden.device.type
-        dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
-                 else torch.promote_types(hidden.dtype, weight.dtype))
-        h, w = hidden.to(dtype), weight.to(dtype)
-        want_h, want_w = ctx.needs_input_grad[:2]
-        grad_h = torch.empty_like(h) if want_h else None
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        rows = max(1, LOSS_CHUNK_LOGITS // max(w.shape[0], 1))
-        with torch.autocast(device, enabled=False):
-            for start in range(0, h.shape[0], rows):
-                hc, lc, wc = h[start:start + rows], labels[start:start + rows], weights[start:start + rows]
-                logits = (hc @ w.t()).float()
-                lse = logits.logsumexp(-1)
-                target = lc.clamp(0, w.shape[0] - 1).unsqueeze(-1)
-                counted = wc != 0  # ignored rows (weight 0) add exactly 0, whatever their logits
-                total += torch.where(counted, (lse - logits.gather(-1, target).squeeze(-1)) * wc, 0.0).sum()
-                if grad_h is None and grad_w is None:
-                    continue
-                grad = logits.sub_(lse.unsqueeze(-1)).exp_()  # softmax, in place of the logits
-                grad.scatter_add_(-1, target, torch.full_like(lse, -1.0).unsqueeze(-1))
-                grad = grad.mul_(torch.where(counted, wc, 0.0).unsqueeze(-1)).to(dtype)
-                if grad_h is not None:
-                    torch.mm(grad, w, out=grad_h[start:start + rows])
-                if grad_w is not None:
-                    grad_w += (grad.t() @ hc).float()
+        total, grad_h, grad_w = _chunked_cross_entropy(hidden, weight, labels, weights, *ctx.needs_input_grad[:2])
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = hidden.dtype, weight.dtype
         return total
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
