@@ -74,7 +74,10 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     label outside ``0 .. vocab - 1`` with a nonzero loss weight makes the sum NaN (a non-finite
     loss `train_step` reports), not an error: that would need a device sync. Numerics: those of
     `token_loss_sum` up to the order of the sums (the weight's gradient is summed over chunks in
-    fp32). Not twice differentiable."""
+    fp32). Not twice differentiable. Logits that fit in one chunk take the plain path (the head,
+    then `token_loss_sum`): nothing to save there, and fewer host operations for small models."""
+    if hidden[..., 0].numel() * weight.shape[0] <= LOSS_CHUNK_LOGITS:
+        return token_loss_sum(F.linear(hidden, weight), labels, loss_mask)
     hidden, labels = hidden.flatten(0, -2), labels.flatten()
     weights = loss_weights(labels, loss_mask.flatten())
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
