@@ -7,7 +7,7 @@ Each case builds a small `Llama` (dim 256, 2 layers) through `MimoModel` (world 
 fresh process, and runs forward + backward of one batch of `--tokens` tokens (one row): the
 growth of the process's peak resident memory over what model and batch already took (the first
 pass), then the median time of three more passes. The vocabulary sets the logits' size: at
-32,000 and 2,048 tokens they are 65.5M values (262 MB in fp32), at Llama 3's 128,256 four times
+32,000 and 4,096 tokens they are 131M values (524 MB in fp32, two chunks), at Llama 3's 128,256 four times
 that. The plain path holds the fp32 log-softmax of all logits until backward and then their fp32
 gradient and its bf16/fp32 copy; the chunked one holds one chunk of fp32 logits at a time.
 """
@@ -56,7 +56,7 @@ print(peak, statistics.median(times))
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128256])
-    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "loss_memory.json"))
     args = ap.parse_args()
     rows = []
