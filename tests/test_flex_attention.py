@@ -1,8 +1,8 @@
 """`FlexAttentionCore` (`ParallelOptions(flex_attention=True)`) against `causal_attention`: the same
 outputs and gradients for packed documents, subsets of rows with their global indices, grouped
 heads and lengths that are not multiples of the 128-row blocks; one block mask per set of index
-tensors; and through `MimoModel`, dp 2 with packed rows, the single-process oracle of
-tests/test_mimo.py. torch's FlexAttention refuses backward on the CPU (its compiled CPU kernel
+tensors; and through `MimoModel` (dp 2 with packed rows, cp 2 with plain and packed rows) the
+single-process oracle of tests/test_mimo.py. torch's FlexAttention refuses backward on the CPU (its compiled CPU kernel
 has none); its eager path, the reference math the compiled kernels are tested against in torch,
 does have one, so these tests lift that device check (`_cpu_backward`). On CUDA the library runs
 the compiled kernel (`benchmarks/gpu.py` compares it with this path's numbers there)."""
@@ -105,22 +105,23 @@ def _flex_distributed(case: Case) -> list[dict]:
     return records
 
 
-def test_packed_rows_at_dp2_match_the_single_process_run() -> None:
-    """Vision dp 1 on rank 0, language dp 2 (FSDP2) on ranks 1-2 with flex attention over packed
-    documents: losses, every gradient and the weights after each step as one process without it."""
-    case = Case({"vision": Parallelism(), "language": Parallelism(dp=2)}, packed=True,
+@pytest.mark.parametrize("language, packed", [(Parallelism(dp=2), True), (Parallelism(cp=2), False),
+                                              (Parallelism(cp=2), True)], ids=["dp2_packed", "cp2", "cp2_packed"])
+def test_flex_attention_matches_the_single_process_run(language, packed) -> None:
+    """Vision on rank 0, the language model on ranks 1-2 with flex attention: dp 2 (FSDP2) over
+    packed documents, and cp 2 (each rank's zigzag rows against the gathered keys, by global
+    index) over plain and packed rows: losses, every gradient and the weights after each step as
+    one process without it."""
+    case = Case({"vision": Parallelism(), "language": language}, packed=packed,
                 options={"language": ParallelOptions(flex_attention=True)})
     check_against_reference(case, run=_flex_distributed)
 
 
-@pytest.mark.parametrize("options, layout, message", [
-    ({"vision": ParallelOptions(flex_attention=True)}, {"language": Parallelism()}, "given for encoders"),
-    ({"language": ParallelOptions(flex_attention=True)}, {"language": Parallelism(cp=2)}, r"needs cp = 1 \(cp=2"),
-])
-def test_refused_by_name_before_any_group(options, layout, message) -> None:
+def test_refused_for_an_encoder_before_any_group() -> None:
     from dtensor_mimo import MimoLayout
 
     llama, encoders = _modules(("vision",))
-    with pytest.raises(LayoutError, match=message):
-        MimoModel(MimoLayout({"vision": Parallelism(), **layout}), llama, encoders, options=options)
+    with pytest.raises(LayoutError, match="given for encoders"):
+        MimoModel(MimoLayout({"vision": Parallelism(), "language": Parallelism()}), llama, encoders,
+                  options={"vision": ParallelOptions(flex_attention=True)})
     assert not torch.distributed.is_initialized()

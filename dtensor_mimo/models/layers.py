@@ -199,7 +199,9 @@ class FlexAttentionCore:
     blocks outside every document are skipped, instead of `causal_attention`'s masked SDPA
     chunks, which work through every key of every query. Plain rows go to SDPA's causal kernel
     (flash / cuDNN) as in `causal_attention`. Set it with
-    ``decoder.set_attention_fn(FlexAttentionCore())`` (`ParallelOptions(flex_attention=True)`).
+    ``decoder.set_attention_fn(FlexAttentionCore())``, or under cp as
+    ``ContextParallelAttention(group, inner=FlexAttentionCore())`` (both what
+    `ParallelOptions(flex_attention=True)` does).
 
     On CUDA the kernel is ``torch.compile(flex_attention)`` (FlexAttention is a compiled kernel;
     eager is torch's reference math). The block mask is built once for a set of index tensors and

@@ -53,10 +53,11 @@ class ParallelOptions:
             `model(batch)`; `predict` takes the logits' argmax and keeps the plain head, and so
             do a user's decoder (which may change its logits) and a head that is not a bias-free
             ``nn.Linear``. Numerics unchanged up to the order of sums.
-        flex_attention: language model with cp = 1: rows with documents (packed samples, e.g.
-            the trainer's ``data.pack``) attend through torch's FlexAttention over a block mask of
-            the documents (`dtensor_mimo.models.FlexAttentionCore`: blocks outside every document
-            skipped, one compiled kernel) instead of chunked masked SDPA; plain rows keep SDPA's
+        flex_attention: language model: rows with documents (packed samples, e.g. the trainer's
+            ``data.pack``) and, under cp, every rank's queries against the gathered keys attend
+            through torch's FlexAttention over a block mask of the rule (causal by global index,
+            same document; `dtensor_mimo.models.FlexAttentionCore`: blocks outside it skipped, one
+            compiled kernel) instead of chunked masked SDPA; plain rows at cp = 1 keep SDPA's
             causal kernel. Needs CUDA to train (torch's FlexAttention has no CPU backward).
             Numerics unchanged.
         recompute_colocated: an encoder sharing ranks with the language model (the colocated

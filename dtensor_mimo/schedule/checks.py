@@ -45,10 +45,9 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
         raise LayoutError(f"ParallelOptions(flex_attention=True) was given for encoders {flex}; it is the language "
                           "model's attention over packed documents (encoders' items of their own size already "
                           "attend within themselves, packed_attention)")
-    if options.get(language_name, ParallelOptions()).flex_attention and (lang.cp > 1 or not callable(
-            getattr(language, "set_attention_fn", None))):
-        raise LayoutError(f"ParallelOptions(flex_attention=True) for {language_name!r} needs cp = 1 (cp={lang.cp}: "
-                          "context parallelism has its own core over the gathered keys) and a decoder with "
+    if options.get(language_name, ParallelOptions()).flex_attention and not callable(
+            getattr(language, "set_attention_fn", None)):
+        raise LayoutError(f"ParallelOptions(flex_attention=True) for {language_name!r} needs a decoder with "
                           "set_attention_fn(fn) (the attention core goes in through it)")
     if options.get(language_name, ParallelOptions()).balance:
         raise LayoutError(f"ParallelOptions(balance=True) was given for the language model {language_name!r}; "

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from dtensor_mimo.assemble import assemble, embed_text
 from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.layout import MimoLayout
-from dtensor_mimo.models import FlexAttentionCore, Llama
+from dtensor_mimo.models import FlexAttentionCore, Llama, causal_attention
 from dtensor_mimo.models.protocol import decoder_stage
 from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, parallelize
 from dtensor_mimo.schedule.config import PipelineConfig, stage_layers
@@ -166,10 +166,11 @@ class LanguagePipeline:
         self.dim = llama.config.dim
         self.dtype = compute_dtype(options, llama)  # of the hidden states between stages
         tp_mesh, dp_mesh = layout.mesh(name, "tp"), layout.mesh(name, ("dp", "cp"))
+        inner = FlexAttentionCore() if options.flex_attention else causal_attention
         if par.cp > 1:
-            llama.set_attention_fn(ContextParallelAttention(layout.mesh(name, "cp")))
+            llama.set_attention_fn(ContextParallelAttention(layout.mesh(name, "cp"), inner))
         elif options.flex_attention:
-            llama.set_attention_fn(FlexAttentionCore())
+            llama.set_attention_fn(inner)
         bounds = stage_layers(len(llama.layers), self.n_stages, config.split, module=name)
         self.stage_indices = config.rank_stages(coord["pp"], par.pp)
         self.stages = nn.ModuleList()

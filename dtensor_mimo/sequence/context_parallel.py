@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtensor_mimo.models.layers import causal_attention
+from dtensor_mimo.models.layers import AttentionFn, causal_attention
 
 
 class ContextParallelAttention:
@@ -52,9 +52,13 @@ class ContextParallelAttention:
     Args:
         cp_group: the context-parallel `ProcessGroup`, or a 1-D `DeviceMesh` such as
             `mesh["cp"]`.
+        inner: the core that attends this rank's queries to the gathered keys under their
+            global indices: `causal_attention` (masked SDPA chunks), or a
+            `dtensor_mimo.models.FlexAttentionCore` (one FlexAttention kernel over a block mask:
+            on GPU, the blocks above the diagonal and outside every document are skipped).
     """
 
-    def __init__(self, cp_group: dist.ProcessGroup | DeviceMesh) -> None:
+    def __init__(self, cp_group: dist.ProcessGroup | DeviceMesh, inner: AttentionFn = causal_attention) -> None:
         if isinstance(cp_group, DeviceMesh):
             if cp_group.ndim != 1:
                 raise ValueError(
@@ -64,6 +68,7 @@ class ContextParallelAttention:
             cp_group = cp_group.get_group()
         self.group = cp_group
         self.cp = dist.get_world_size(cp_group)
+        self.inner = inner
 
     def __call__(
         self,
@@ -83,7 +88,7 @@ class ContextParallelAttention:
             raise ValueError("ContextParallelAttention: a cp rank holds a subset of the columns; pass "
                              "their global indices (Llama's sequence_index, see shard_for_cp)")
         if self.cp == 1:
-            return causal_attention(q, k, v, q_pos=q_pos, kv_pos=kv_pos, q_doc=q_doc, kv_doc=kv_doc)
+            return self.inner(q, k, v, q_pos=q_pos, kv_pos=kv_pos, q_doc=q_doc, kv_doc=kv_doc)
 
         # One gather for K and V together ([2, B, Hkv, S, D], sequence on dim 3) and one for the
         # integer row metadata; the functional collective carries the reduce-scatter backward.
@@ -95,9 +100,7 @@ class ContextParallelAttention:
         else:
             ids = torch.stack((kv_pos, kv_doc.to(kv_pos.dtype)))  # [2, B, S]
             kv_pos_all, kv_doc_all = funcol.all_gather_single(ids, 2, self.group).unbind(0)
-        return causal_attention(
-            q, k_all, v_all, q_pos=q_pos, kv_pos=kv_pos_all, q_doc=q_doc, kv_doc=kv_doc_all
-        )
+        return self.inner(q, k_all, v_all, q_pos=q_pos, kv_pos=kv_pos_all, q_doc=q_doc, kv_doc=kv_doc_all)
 
     def __repr__(self) -> str:
-        return f"ContextParallelAttention(cp={self.cp})"
+        return f"ContextParallelAttention(cp={self.cp}, inner={getattr(self.inner, '__name__', self.inner)})"
