@@ -15,6 +15,7 @@ import torch
 from dtensor_mimo import MimoModel, ParallelOptions, Parallelism
 from dtensor_mimo.layout import LayoutError
 from dtensor_mimo.models import FlexAttentionCore, causal_attention
+from dtensor_mimo.models.layers import PackedItems, packed_attention
 from tests.test_mimo import Case, _distributed, _modules, check_against_reference
 
 
@@ -91,6 +92,32 @@ def test_one_block_mask_per_set_of_index_tensors(monkeypatch) -> None:
         core(q, k, v, q_pos=None, kv_pos=None, q_doc=doc)
 
 
+def test_packed_items_give_packed_attentions_numbers(monkeypatch) -> None:
+    """Encoders' items of their own size (bidirectional, each within itself): one kernel over the
+    block-diagonal mask, including empty items and items longer than a block; the mask is built
+    once per `PackedItems` object."""
+    import torch.nn.attention.flex_attention as flex
+
+    _cpu_backward(monkeypatch)
+    built = []
+    create = flex.create_block_mask
+    monkeypatch.setattr(flex, "create_block_mask", lambda *a, **kw: built.append(a[3]) or create(*a, **kw))
+    core = FlexAttentionCore()
+    items = PackedItems([16, 0, 150, 4, 30])
+    q, k, v = _qkv(1, 200, 200)
+    upstream = torch.randn(1, 4, 200, 8, dtype=torch.float64)
+    got = [core.packed(q, k, v, items) for _ in range(2)][0]
+    want = packed_attention(q, k, v, items)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), upstream), torch.autograd.grad(want, (q, k, v), upstream)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert built == [200]
+    one = _qkv(1, 40, 40)
+    torch.testing.assert_close(core.packed(*one, PackedItems([40])), packed_attention(*one, [40]))  # one item: SDPA
+    with pytest.raises(ValueError, match="do not sum to the 200 rows"):
+        core.packed(q, k, v, [16, 150])
+
+
 def _flex_distributed(case: Case) -> list[dict]:
     _cpu_backward()
     masks = []
@@ -100,28 +127,35 @@ def _flex_distributed(case: Case) -> list[dict]:
         records = _distributed(case)
     finally:
         FlexAttentionCore._block_mask = build
-    on_language = torch.distributed.get_rank() in case.layout().ranks("language")
-    assert bool(masks) == on_language, len(masks)  # the language ranks' attention went through flex
+    flexed = [n for n, o in case.options.items() if o.flex_attention]
+    on_flex = any(torch.distributed.get_rank() in case.layout().ranks(n) for n in flexed)
+    assert bool(masks) == on_flex, len(masks)  # those modules' attention went through flex
     return records
 
 
-@pytest.mark.parametrize("language, packed", [(Parallelism(dp=2), True), (Parallelism(cp=2), False),
-                                              (Parallelism(cp=2), True)], ids=["dp2_packed", "cp2", "cp2_packed"])
-def test_flex_attention_matches_the_single_process_run(language, packed) -> None:
-    """Vision on rank 0, the language model on ranks 1-2 with flex attention: dp 2 (FSDP2) over
-    packed documents, and cp 2 (each rank's zigzag rows against the gathered keys, by global
-    index) over plain and packed rows: losses, every gradient and the weights after each step as
-    one process without it."""
-    case = Case({"vision": Parallelism(), "language": language}, packed=packed,
-                options={"language": ParallelOptions(flex_attention=True)})
+FLEX = {"language": ParallelOptions(flex_attention=True)}
+
+
+@pytest.mark.parametrize("case", [
+    Case({"vision": Parallelism(), "language": Parallelism(dp=2)}, packed=True, options=FLEX),
+    Case({"vision": Parallelism(), "language": Parallelism(cp=2)}, options=FLEX),
+    Case({"vision": Parallelism(), "language": Parallelism(cp=2)}, packed=True, options=FLEX),
+    Case({"vision": Parallelism(dp=2), "language": Parallelism()}, varied=True,
+         options={"vision": ParallelOptions(flex_attention=True)}),
+], ids=["dp2_packed", "cp2", "cp2_packed", "vision_dp2_items_of_their_own_size"])
+def test_flex_attention_matches_the_single_process_run(case) -> None:
+    """Flex attention against one process without it (losses, every gradient, the weights after
+    each step): the language model at dp 2 (FSDP2) over packed documents and at cp 2 (each rank's
+    zigzag rows against the gathered keys, by global index) over plain and packed rows; the
+    vision tower at dp 2 over images of their own size packed into one sequence."""
     check_against_reference(case, run=_flex_distributed)
 
 
-def test_refused_for_an_encoder_before_any_group() -> None:
+def test_refused_for_a_users_encoder_before_any_group() -> None:
     from dtensor_mimo import MimoLayout
 
-    llama, encoders = _modules(("vision",))
-    with pytest.raises(LayoutError, match="given for encoders"):
+    llama, encoders = _modules(("vision",), custom_vision=True)
+    with pytest.raises(LayoutError, match=r"given for encoders \['vision'\], which hold no library SelfAttention"):
         MimoModel(MimoLayout({"vision": Parallelism(), "language": Parallelism()}), llama, encoders,
                   options={"vision": ParallelOptions(flex_attention=True)})
     assert not torch.distributed.is_initialized()

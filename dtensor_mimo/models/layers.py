@@ -214,7 +214,7 @@ class FlexAttentionCore:
     KEEP = 4  # recent index sets whose block masks are kept
 
     def __init__(self) -> None:
-        self._masks: list[tuple[tuple[torch.Tensor | None, ...], object]] = []
+        self._masks: list[tuple[tuple[object, ...], object]] = []
         self._compiled: tuple[Callable, Callable] | None = None  # (flex_attention, create_block_mask) on CUDA
 
     @torch.compiler.disable
@@ -226,7 +226,35 @@ class FlexAttentionCore:
         if q_pos is None and q_doc is None:
             return causal_attention(q, k, v, q_pos=None, kv_pos=None)
         kernel, build = self._functions(q.is_cuda)
-        mask = self._block_mask(build, (q_pos, kv_pos, q_doc, kv_doc), q.shape[0], q.shape[2], k.shape[2], q.device)
+
+        def allowed(b, h, qi, ki):
+            seen = (ki <= qi) if q_pos is None else (kv_pos[b, ki] <= q_pos[b, qi])
+            return seen if q_doc is None else seen & (kv_doc[b, ki] == q_doc[b, qi])
+
+        mask = self._block_mask(build, (q_pos, kv_pos, q_doc, kv_doc), allowed, q.shape[0], q.shape[2], k.shape[2],
+                                q.device)
+        return kernel(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+    @torch.compiler.disable
+    def packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               items: PackedItems | Sequence[int]) -> torch.Tensor:
+        """`packed_attention`'s contract (items packed along the sequence, each attending to
+        itself only) as one FlexAttention kernel over the block-diagonal mask of the items,
+        instead of one SDPA call per span of items; the mask is built once per `PackedItems`
+        object (every block of an encoder's forward passes the same one). One item (or none):
+        `packed_attention` (an unmasked SDPA call)."""
+        lengths = items.lengths if isinstance(items, PackedItems) else tuple(items)
+        if sum(lengths) != q.shape[2] or any(n < 0 for n in lengths):
+            raise ValueError(f"packed_attention: item lengths {list(lengths)} do not sum to the {q.shape[2]} rows")
+        if sum(1 for n in lengths if n) <= 1:
+            return packed_attention(q, k, v, items)
+        kernel, build = self._functions(q.is_cuda)
+        item = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(q.device, non_blocking=True)
+
+        def same_item(b, h, qi, ki):
+            return item[ki] == item[qi]
+
+        mask = self._block_mask(build, (items,), same_item, q.shape[0], q.shape[2], k.shape[2], q.device)
         return kernel(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
     def _functions(self, cuda: bool) -> tuple[Callable, Callable]:
@@ -242,18 +270,13 @@ class FlexAttentionCore:
             self._compiled = torch.compile(flex_attention), torch.compile(create_block_mask)
         return self._compiled
 
-    def _block_mask(self, build: Callable, key: tuple[torch.Tensor | None, ...], batch: int, rows: int, keys: int,
-                    device: torch.device):
+    def _block_mask(self, build: Callable, key: tuple[object, ...], mask_mod: Callable, batch: int, rows: int,
+                    keys: int, device: torch.device):
+        """The block mask of `mask_mod` for the objects `key` (the same objects: the same mask)."""
         for known, mask in self._masks:
-            if all(a is b for a, b in zip(known, key)):
+            if len(known) == len(key) and all(a is b for a, b in zip(known, key)):
                 return mask
-        q_pos, kv_pos, q_doc, kv_doc = key
-
-        def allowed(b, h, qi, ki):
-            seen = (ki <= qi) if q_pos is None else (kv_pos[b, ki] <= q_pos[b, qi])
-            return seen if q_doc is None else seen & (kv_doc[b, ki] == q_doc[b, qi])
-
-        mask = build(allowed, batch, None, rows, keys, device=device)
+        mask = build(mask_mod, batch, None, rows, keys, device=device)
         self._masks = [(key, mask), *self._masks[:self.KEEP - 1]]
         return mask
 

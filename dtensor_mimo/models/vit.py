@@ -160,10 +160,12 @@ class SelfAttention(nn.Module):
     """Bidirectional multi-head self-attention (every token sees every token of its item);
     `key_bias` False: no bias on `wk` (Whisper; softmax ignores it anyway). Items are the rows of
     `x [N, S, dim]`, or, with `packed`, consecutive runs of `packed.lengths` rows of a packed
-    `x [1, S, dim]` (`packed_attention`)."""
+    `x [1, S, dim]` (`packed_attention`, or what `packed_attention_fn` is set to: e.g.
+    `FlexAttentionCore().packed`)."""
 
     def __init__(self, dim: int, n_heads: int, key_bias: bool = True) -> None:
         super().__init__()
+        self.packed_attention_fn = packed_attention
         self.head_dim = dim // n_heads
         self.wq = nn.Linear(dim, dim)
         self.wk = nn.Linear(dim, dim, bias=key_bias)
@@ -176,8 +178,13 @@ class SelfAttention(nn.Module):
         q = self.wq(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         k = self.wk(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         v = self.wv(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v) if packed is None else packed_attention(q, k, v, packed)
+        out = F.scaled_dot_product_attention(q, k, v) if packed is None else self.packed_attention_fn(q, k, v, packed)
         return self.wo(out.transpose(1, 2).flatten(2))
+
+
+def self_attentions(module: nn.Module) -> list[SelfAttention]:
+    """The library `SelfAttention` layers of `module` (a ViT, an AudioEncoder, a ModalityEncoder)."""
+    return [m for m in module.modules() if isinstance(m, SelfAttention)]
 
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:

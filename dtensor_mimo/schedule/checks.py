@@ -11,6 +11,7 @@ from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.layout import LayoutError, MimoLayout
 from dtensor_mimo.models import ModalityEncoder
 from dtensor_mimo.models.protocol import ItemRule, encoder_problems, language_problems
+from dtensor_mimo.models.vit import self_attentions
 from dtensor_mimo.parallelize import ParallelOptions
 from dtensor_mimo.schedule.config import (ZERO_BUBBLE_SCHEDULES, PipelineConfig, check_pipeline_layout,
                                           stage_layers)
@@ -40,11 +41,10 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
     if problems:
         raise TypeError(f"the language model ({type(language).__name__}) does not meet the language protocol "
                         f"(dtensor_mimo.models.protocol): it needs {'; '.join(problems)}")
-    flex = [n for n, o in options.items() if o.flex_attention and n != language_name]
+    flex = [n for n, o in options.items() if o.flex_attention and n in encoders and not self_attentions(encoders[n])]
     if flex:
-        raise LayoutError(f"ParallelOptions(flex_attention=True) was given for encoders {flex}; it is the language "
-                          "model's attention over packed documents (encoders' items of their own size already "
-                          "attend within themselves, packed_attention)")
+        raise LayoutError(f"ParallelOptions(flex_attention=True) was given for encoders {flex}, which hold no library "
+                          "SelfAttention (ViT, AudioEncoder) whose packed items it would take; drop the option there")
     if options.get(language_name, ParallelOptions()).flex_attention and not callable(
             getattr(language, "set_attention_fn", None)):
         raise LayoutError(f"ParallelOptions(flex_attention=True) for {language_name!r} needs a decoder with "

@@ -40,6 +40,8 @@ from torch.distributed.pipelining.schedules import ScheduleGPipe
 
 from dtensor_mimo.bridge.hops import Delivery
 from dtensor_mimo.layout import MimoLayout
+from dtensor_mimo.models import FlexAttentionCore
+from dtensor_mimo.models.vit import self_attentions
 from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, parallelize, stacks
 from dtensor_mimo.schedule.config import stage_layers
 from dtensor_mimo.schedule.crossing import Crossing
@@ -345,6 +347,10 @@ def build_encoder_part(layout: MimoLayout, name: str, module: nn.Module, options
     was applied to, and the stage's `EncoderPipeline` (pp > 1)."""
     pp = layout.parallelism(name).pp
     tp_mesh, dp_mesh = layout.mesh(name, "tp"), layout.mesh(name, ("dp", "cp"))
+    if options.flex_attention:  # items of their own size: one FlexAttention kernel a block
+        core = FlexAttentionCore()
+        for attention in self_attentions(module):
+            attention.packed_attention_fn = core.packed
     root: nn.Module = module
     pipeline = None
     if pp > 1:  # the stage keeps only its parts of the encoder (names unchanged); FSDP2 on the stage
