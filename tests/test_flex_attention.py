@@ -119,17 +119,24 @@ def test_packed_items_give_packed_attentions_numbers(monkeypatch) -> None:
 
 
 def _flex_distributed(case: Case) -> list[dict]:
+    """`_distributed` through torch's eager FlexAttention; asserts that the flex modules' ranks
+    attended through it, and that a mask served every layer of a forward (under cp too: the
+    gathered indices are kept for the same local ones)."""
+    import torch.nn.attention.flex_attention as flex
+
     _cpu_backward()
-    masks = []
-    build = FlexAttentionCore._block_mask
-    FlexAttentionCore._block_mask = lambda self, *args: masks.append(args) or build(self, *args)
+    calls, builds = [], []
+    lookup, create = FlexAttentionCore._block_mask, flex.create_block_mask
+    FlexAttentionCore._block_mask = lambda self, *args: calls.append(1) or lookup(self, *args)
+    flex.create_block_mask = lambda *args, **kwargs: builds.append(1) or create(*args, **kwargs)
     try:
         records = _distributed(case)
     finally:
-        FlexAttentionCore._block_mask = build
+        FlexAttentionCore._block_mask, flex.create_block_mask = lookup, create
     flexed = [n for n, o in case.options.items() if o.flex_attention]
     on_flex = any(torch.distributed.get_rank() in case.layout().ranks(n) for n in flexed)
-    assert bool(masks) == on_flex, len(masks)  # those modules' attention went through flex
+    assert bool(calls) == on_flex, len(calls)  # those modules' attention went through flex
+    assert len(builds) * case.n_layers <= len(calls), (len(builds), len(calls))
     return records
 
 

@@ -79,10 +79,11 @@ def test_without_grad_it_only_sums(monkeypatch) -> None:
     assert linear_token_loss_sum(empty, weight, torch.zeros(0, 5, dtype=torch.long), torch.zeros(0, 5)) == 0
 
 
-def test_a_label_outside_the_vocabulary_makes_the_loss_nan(monkeypatch) -> None:
-    """In chunks, not clamped into the vocabulary (a wrong loss): NaN, which train_step reports as
-    a non-finite step; an ignored position may hold any id."""
-    monkeypatch.setattr(loss, "LOSS_CHUNK_LOGITS", 3 * VOCAB)
+@pytest.mark.parametrize("rows", [3, 14], ids=["chunks", "one chunk: the plain path"])
+def test_a_label_outside_the_vocabulary_makes_the_loss_nan(rows, monkeypatch) -> None:
+    """Not clamped into the vocabulary (a wrong loss), nor an error (a device-side assert on CUDA):
+    NaN, which train_step reports as a non-finite step; an uncounted position may hold any id."""
+    monkeypatch.setattr(loss, "LOSS_CHUNK_LOGITS", rows * VOCAB)
     hidden, weight, labels, mask = _inputs()
     labels[1, 0] = VOCAB
     assert torch.isnan(linear_token_loss_sum(hidden, weight, labels, mask))

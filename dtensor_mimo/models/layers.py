@@ -227,9 +227,11 @@ class FlexAttentionCore:
             return causal_attention(q, k, v, q_pos=None, kv_pos=None)
         kernel, build = self._functions(q.is_cuda)
 
-        def allowed(b, h, qi, ki):
-            seen = (ki <= qi) if q_pos is None else (kv_pos[b, ki] <= q_pos[b, qi])
-            return seen if q_doc is None else seen & (kv_doc[b, ki] == q_doc[b, qi])
+        def allowed():
+            def mask_mod(b, h, qi, ki):
+                seen = (ki <= qi) if q_pos is None else (kv_pos[b, ki] <= q_pos[b, qi])
+                return seen if q_doc is None else seen & (kv_doc[b, ki] == q_doc[b, qi])
+            return mask_mod
 
         mask = self._block_mask(build, (q_pos, kv_pos, q_doc, kv_doc), allowed, q.shape[0], q.shape[2], k.shape[2],
                                 q.device)
@@ -240,8 +242,8 @@ class FlexAttentionCore:
                items: PackedItems | Sequence[int]) -> torch.Tensor:
         """`packed_attention`'s contract (items packed along the sequence, each attending to
         itself only) as one FlexAttention kernel over the block-diagonal mask of the items,
-        instead of one SDPA call per span of items; the mask is built once per `PackedItems`
-        object (every block of an encoder's forward passes the same one). One item (or none):
+        instead of one SDPA call per span of items; the mask is built once per list of lengths
+        (every block of an encoder's forward passes the same). One item (or none):
         `packed_attention` (an unmasked SDPA call)."""
         lengths = items.lengths if isinstance(items, PackedItems) else tuple(items)
         if sum(lengths) != q.shape[2] or any(n < 0 for n in lengths):
@@ -249,12 +251,12 @@ class FlexAttentionCore:
         if sum(1 for n in lengths if n) <= 1:
             return packed_attention(q, k, v, items)
         kernel, build = self._functions(q.is_cuda)
-        item = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(q.device, non_blocking=True)
 
-        def same_item(b, h, qi, ki):
-            return item[ki] == item[qi]
+        def same_item():
+            item = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(q.device)
+            return lambda b, h, qi, ki: item[ki] == item[qi]
 
-        mask = self._block_mask(build, (items,), same_item, q.shape[0], q.shape[2], k.shape[2], q.device)
+        mask = self._block_mask(build, (lengths,), same_item, q.shape[0], q.shape[2], k.shape[2], q.device)
         return kernel(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
     def _functions(self, cuda: bool) -> tuple[Callable, Callable]:
@@ -270,13 +272,16 @@ class FlexAttentionCore:
             self._compiled = torch.compile(flex_attention), torch.compile(create_block_mask)
         return self._compiled
 
-    def _block_mask(self, build: Callable, key: tuple[object, ...], mask_mod: Callable, batch: int, rows: int,
-                    keys: int, device: torch.device):
-        """The block mask of `mask_mod` for the objects `key` (the same objects: the same mask)."""
+    def _block_mask(self, build: Callable, key: tuple[object, ...], make_mask_mod: Callable[[], Callable], batch: int,
+                    rows: int, keys: int, device: torch.device):
+        """The block mask of ``make_mask_mod()`` for `key`: tensors compared by identity (the same
+        objects, which the cache keeps alive: the same mask), anything else by value."""
+        key = (*key, batch, rows, keys, device)
         for known, mask in self._masks:
-            if len(known) == len(key) and all(a is b for a, b in zip(known, key)):
+            if len(known) == len(key) and all(a is b if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)
+                                              else a == b for a, b in zip(known, key)):
                 return mask
-        mask = build(mask_mod, batch, None, rows, keys, device=device)
+        mask = build(make_mask_mod(), batch, None, rows, keys, device=device)
         self._masks = [(key, mask), *self._masks[:self.KEEP - 1]]
         return mask
 

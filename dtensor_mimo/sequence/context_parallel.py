@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtensor_mimo.models.layers import AttentionFn, causal_attention
+from dtensor_mimo.models.layers import AttentionFn, FlexAttentionCore, causal_attention
 
 
 class ContextParallelAttention:
@@ -55,7 +55,11 @@ class ContextParallelAttention:
         inner: the core that attends this rank's queries to the gathered keys under their
             global indices: `causal_attention` (masked SDPA chunks), or a
             `dtensor_mimo.models.FlexAttentionCore` (one FlexAttention kernel over a block mask:
-            on GPU, the blocks above the diagonal and outside every document are skipped).
+            on GPU, the blocks above the diagonal and outside every document are skipped). With
+            a FlexAttentionCore the gathered indices are kept for the same local index tensors
+            (every layer of a forward passes the same ones): one index all-gather per forward,
+            and the same tensors, so its block mask is built once. The default core stays one
+            traceable function (compiled blocks trace through it).
     """
 
     def __init__(self, cp_group: dist.ProcessGroup | DeviceMesh, inner: AttentionFn = causal_attention) -> None:
@@ -69,6 +73,8 @@ class ContextParallelAttention:
         self.group = cp_group
         self.cp = dist.get_world_size(cp_group)
         self.inner = inner
+        self._keep_ids = isinstance(inner, FlexAttentionCore)  # it runs outside the graph anyway
+        self._ids: tuple[tuple[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     def __call__(
         self,
@@ -94,13 +100,27 @@ class ContextParallelAttention:
         # integer row metadata; the functional collective carries the reduce-scatter backward.
         kv = funcol.all_gather_single(torch.stack((k, v)), 3, self.group)
         k_all, v_all = kv.unbind(0)
-        if kv_doc is None:
-            kv_pos_all = funcol.all_gather_single(kv_pos.contiguous(), 1, self.group)
-            kv_doc_all = None
-        else:
-            ids = torch.stack((kv_pos, kv_doc.to(kv_pos.dtype)))  # [2, B, S]
-            kv_pos_all, kv_doc_all = funcol.all_gather_single(ids, 2, self.group).unbind(0)
+        kv_pos_all, kv_doc_all = (self._kept_ids(kv_pos, kv_doc) if self._keep_ids
+                                  else self._gather_ids(kv_pos, kv_doc))
         return self.inner(q, k_all, v_all, q_pos=q_pos, kv_pos=kv_pos_all, q_doc=q_doc, kv_doc=kv_doc_all)
+
+    def _gather_ids(self, kv_pos: torch.Tensor, kv_doc: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every cp rank's global indices (and document ids), in the gathered keys' order."""
+        if kv_doc is None:
+            return funcol.all_gather_single(kv_pos.contiguous(), 1, self.group), None
+        ids = torch.stack((kv_pos, kv_doc.to(kv_pos.dtype)))  # [2, B, S]
+        kv_pos_all, kv_doc_all = funcol.all_gather_single(ids, 2, self.group).unbind(0)
+        return kv_pos_all, kv_doc_all
+
+    @torch.compiler.disable
+    def _kept_ids(self, kv_pos: torch.Tensor, kv_doc: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_gather_ids`, once for the same local tensors (the cache holds them: no false hit).
+        Every rank of the cp group runs the same calls in the same order on local tensors of the
+        same provenance (one microbatch's indices through every layer), so all of them take the
+        gather or all skip it: the group's collectives stay in one order (NCCL)."""
+        if self._ids is None or self._ids[0][0] is not kv_pos or self._ids[0][1] is not kv_doc:
+            self._ids = (kv_pos, kv_doc), self._gather_ids(kv_pos, kv_doc)
+        return self._ids[1]
 
     def __repr__(self) -> str:
         return f"ContextParallelAttention(cp={self.cp}, inner={getattr(self.inner, '__name__', self.inner)})"

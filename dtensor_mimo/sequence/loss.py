@@ -76,10 +76,15 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     `token_loss_sum` up to the order of the sums (the weight's gradient is summed over chunks in
     fp32). Not twice differentiable. Logits that fit in one chunk take the plain path (the head,
     then `token_loss_sum`): nothing to save there, and fewer host operations for small models."""
-    if hidden[..., 0].numel() * weight.shape[0] <= LOSS_CHUNK_LOGITS:
-        return token_loss_sum(F.linear(hidden, weight), labels, loss_mask)
     hidden, labels = hidden.flatten(0, -2), labels.flatten()
     weights = loss_weights(labels, loss_mask.flatten())
+    if hidden.shape[0] * weight.shape[0] <= LOSS_CHUNK_LOGITS:
+        # The same label rule as the chunks: uncounted positions ignored, a counted id outside
+        # the vocabulary NaN (F.cross_entropy would raise, on CUDA as a device-side assert).
+        counted = weights != 0
+        bad = counted & ((labels < 0) | (labels >= weight.shape[0]))
+        total = token_loss_sum(F.linear(hidden, weight), torch.where(counted & ~bad, labels, IGNORE_INDEX), weights)
+        return torch.where(bad.any(), torch.nan, total)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, labels, weights)
     return _chunked_cross_entropy(hidden, weight, labels, weights, False, False)[0]
