@@ -58,8 +58,8 @@ class ParallelOptions:
             through torch's FlexAttention over a block mask of the rule (causal by global index,
             same document; `dtensor_mimo.models.FlexAttentionCore`: blocks outside it skipped, one
             compiled kernel) instead of chunked masked SDPA; plain rows at cp = 1 keep SDPA's
-            causal kernel. An encoder (the library's ViT / AudioEncoder): items of their own size
-            packed into one sequence attend through one FlexAttention kernel over the
+            causal kernel. An encoder (the library's ViT / AudioEncoder, pp = 1: stages carry one
+            item shape): items of their own size packed into one sequence attend through one FlexAttention kernel over the
             block-diagonal mask of the items (`FlexAttentionCore.packed`) instead of one SDPA call
             per span of items. Needs CUDA to train (torch's FlexAttention has no CPU backward).
             Numerics unchanged.
