@@ -206,9 +206,9 @@ class FlexAttentionCore:
     On CUDA the kernel is ``torch.compile(flex_attention)`` (FlexAttention is a compiled kernel;
     eager is torch's reference math). The block mask is built once for a set of index tensors and
     reused while the same tensor objects come back (every layer of a forward passes the same
-    ones; a few recent sets are kept for pipeline stages that interleave microbatches). It runs
-    outside a compiled block (as `packed_attention`): a block mask is no graph input dynamo can
-    guard cheaply. torch's FlexAttention has no backward on the CPU: training with it needs CUDA.
+    ones; a few recent sets are kept for pipeline stages that interleave microbatches). The flex
+    call runs outside a compiled block (as `packed_attention`): a block mask is no graph input
+    dynamo can guard cheaply; plain rows stay in the block's graph. torch's FlexAttention has no backward on the CPU: training with it needs CUDA.
     """
 
     KEEP = 4  # recent index sets whose block masks are kept
@@ -217,14 +217,18 @@ class FlexAttentionCore:
         self._masks: list[tuple[tuple[object, ...], object]] = []
         self._compiled: tuple[Callable, Callable] | None = None  # (flex_attention, create_block_mask) on CUDA
 
-    @torch.compiler.disable
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_pos: torch.Tensor | None,
                  kv_pos: torch.Tensor | None, q_doc: torch.Tensor | None = None,
                  kv_doc: torch.Tensor | None = None) -> torch.Tensor:
         if (q_doc is None) != (kv_doc is None) or (q_pos is None) != (kv_pos is None):
             raise ValueError("FlexAttentionCore: pass both q_doc and kv_doc (q_pos and kv_pos), or neither")
-        if q_pos is None and q_doc is None:
+        if q_pos is None and q_doc is None:  # traced with the compiled block, as in causal_attention
             return causal_attention(q, k, v, q_pos=None, kv_pos=None)
+        return self._flex(q, k, v, q_pos, kv_pos, q_doc, kv_doc)
+
+    @torch.compiler.disable
+    def _flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor | None,
+              kv_pos: torch.Tensor | None, q_doc: torch.Tensor | None, kv_doc: torch.Tensor | None) -> torch.Tensor:
         kernel, build = self._functions(q.is_cuda)
 
         def allowed():
