@@ -249,9 +249,7 @@ class FlexAttentionCore:
         instead of one SDPA call per span of items; the mask is built once per list of lengths
         (every block of an encoder's forward passes the same). One item (or none):
         `packed_attention` (an unmasked SDPA call)."""
-        lengths = items.lengths if isinstance(items, PackedItems) else tuple(items)
-        if sum(lengths) != q.shape[2] or any(n < 0 for n in lengths):
-            raise ValueError(f"packed_attention: item lengths {list(lengths)} do not sum to the {q.shape[2]} rows")
+        lengths = item_lengths(items, q.shape[2])
         if sum(1 for n in lengths if n) <= 1:
             return packed_attention(q, k, v, items)
         kernel, build = self._functions(q.is_cuda)
@@ -330,9 +328,7 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     holds several small ones, which then share one call. Work is that of the items plus at most
     ``S x PACKED_SPAN_ROWS`` for the shared spans, never ``S x S``, and no item is padded.
     """
-    lengths = items.lengths if isinstance(items, PackedItems) else tuple(items)
-    if sum(lengths) != q.shape[2] or any(n < 0 for n in lengths):
-        raise ValueError(f"packed_attention: item lengths {list(lengths)} do not sum to the {q.shape[2]} rows")
+    lengths = item_lengths(items, q.shape[2])
     spans = _spans(lengths, PACKED_SPAN_ROWS)
     if not spans:  # no rows: still through q, k and v (every weight of the block gets its zero gradient)
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
@@ -347,6 +343,14 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             mask = item.unsqueeze(0) == item.unsqueeze(1)  # [span, span]: same item
         outputs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def item_lengths(items: PackedItems | Sequence[int], rows: int) -> tuple[int, ...]:
+    """The lengths of packed `items`, checked to cover the `rows` rows of the packed sequence."""
+    lengths = items.lengths if isinstance(items, PackedItems) else tuple(items)
+    if sum(lengths) != rows or any(n < 0 for n in lengths):
+        raise ValueError(f"packed_attention: item lengths {list(lengths)} do not sum to the {rows} rows")
+    return lengths
 
 
 # Rows up to which consecutive small items share one masked SDPA call in `packed_attention`
