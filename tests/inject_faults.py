@@ -95,6 +95,6 @@ def install() -> None:
 install()
 
 if __name__ == "__main__":
-    from dtensor_mimo.train.launch import main
+    from dtensor_mimo.train.launch import command
 
-    sys.exit(main())
+    command()

@@ -107,6 +107,15 @@ def assert_batches_equal(a: MimoBatch, b: MimoBatch) -> None:
 # ------------------------------------------------------------------ determinism, split
 
 
+def test_scans_are_load_digits_own(sklearn_digits):
+    """The scans read from scikit-learn's file (without importing it) are `load_digits`' own."""
+    from dtensor_mimo.data.digits import _scans
+
+    images, targets = _scans()
+    assert torch.equal(images, sklearn_digits[0]) and images.dtype == torch.float32
+    assert torch.equal(targets, sklearn_digits[1]) and targets.dtype == torch.int64
+
+
 def test_same_seed_same_batch_other_seed_differs(train):
     again = DigitsDataset("train", VIT, AUDIO, num_samples=500, seed=3)
     assert_batches_equal(train.batch([5, 0, 17, 4]), again.batch([5, 0, 17, 4]))

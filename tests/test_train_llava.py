@@ -32,6 +32,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -290,11 +291,14 @@ def test_layouts_give_one_process_numbers(tiny: str, tmp_path) -> None:
         got[name] = _records(str(tmp_path / f"{name}.jsonl"))
     one = got["one"]
     assert sorted(one) == [1, 2, 3, 4, 5, 6]
-    # The command itself (own launcher), with loader worker processes: the same losses.
+    # The command itself (own launcher), with loader worker processes: the same losses, and no
+    # process of the run left once the command has returned (its ranks end without teardown).
+    mark = f"{os.getpid()}-{time.monotonic_ns()}"
     out = subprocess.run([sys.executable, "-m", "dtensor_mimo.train", "--config", CONFIG, *ORACLE, "--data.workers",
                           "1", "--metrics.jsonl", str(tmp_path / "w.jsonl")],
-                         capture_output=True, text=True, timeout=300, cwd=tiny)
+                         capture_output=True, text=True, timeout=300, cwd=tiny, env={**os.environ, "RUN_MARK": mark})
     assert out.returncode == 0, out.stderr[-3000:]
+    assert _processes_marked(mark) == []
     workers = _records(str(tmp_path / "w.jsonl"))
     assert all(workers[s]["loss"] == got["heterogeneous"][s]["loss"] for s in one)
     for name in ("heterogeneous", "colocated"):
@@ -318,6 +322,19 @@ def test_layouts_give_one_process_numbers(tiny: str, tmp_path) -> None:
     from dtensor_mimo.train.checkpoint import resolve_load
 
     assert resolve_load(str(resumed)) == str(resumed / "step-000006")  # a directory of them: its latest
+
+
+def _processes_marked(mark: str) -> list[int]:
+    """The live processes whose environment has ``RUN_MARK=mark`` (Linux's /proc)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"RUN_MARK={mark}".encode() in f.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:  # ended meanwhile, or not ours to read
+            pass
+    return found
 
 
 def _hf_answers(export: str, tiny: str, count: int) -> list[str]:

@@ -39,7 +39,10 @@ checkpoint.
 from __future__ import annotations
 
 import functools
+import gzip
+import importlib.util
 import math
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Sequence
 
@@ -248,16 +251,29 @@ class DigitsSample:
 # ---------------------------------------------------------------------------- scans
 
 
+DIGITS_FILE = ("datasets", "data", "digits.csv.gz")
+"""Where scikit-learn keeps the scans, under its package directory (what ``load_digits`` reads)."""
+
+
 @functools.lru_cache(maxsize=1)
 def _scans() -> tuple[torch.Tensor, torch.Tensor]:
-    """All 1,797 scans ``[N, 8, 8]`` float32 (values 0..16) and their digits ``[N]`` int64."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError:
-        raise ImportError(
-            "the digits dataset needs scikit-learn (its scans ship with it): "
-            "pip install 'dtensor_mimo[data]'"
-        ) from None
+    """All 1,797 scans ``[N, 8, 8]`` float32 (values 0..16) and their digits ``[N]`` int64.
+
+    Read from scikit-learn's file as ``sklearn.datasets.load_digits`` reads it (64 pixel values
+    and the digit per line), without importing scikit-learn: that import is a second of start-up
+    in every process that loads the digits (each rank, each loader worker); ``load_digits``
+    itself if the file is not where it has always been."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None:
+        raise ImportError("the digits dataset needs scikit-learn (its scans ship with it): "
+                          "pip install 'dtensor_mimo[data]'")
+    path = os.path.join(*spec.submodule_search_locations[:1], *DIGITS_FILE)
+    if os.path.exists(path):
+        with gzip.open(path, "rt") as f:
+            rows = torch.tensor([[float(v) for v in line.split(",")] for line in f if line.strip()])
+        return rows[:, :-1].reshape(-1, 8, 8).contiguous(), rows[:, -1].to(torch.int64)
+    from sklearn.datasets import load_digits
+
     digits = load_digits()
     return (torch.tensor(digits.images, dtype=torch.float32),
             torch.tensor(digits.target, dtype=torch.int64))

@@ -9,6 +9,6 @@ if sys.argv[1:2] == ["plan"]:
 
     sys.exit(plan(sys.argv[2:]))
 
-from dtensor_mimo.train.launch import main
+from dtensor_mimo.train.launch import command
 
-sys.exit(main())
+command()
