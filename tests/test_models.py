@@ -43,6 +43,8 @@ from dtensor_mimo.models import (
     apply_rope,
     causal_attention,
     rope_cos_sin,
+    rope_tables,
+    rotate,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -161,6 +163,32 @@ def test_rope_matches_complex_rotation():
     expected = torch.view_as_real(torch.view_as_complex(x.reshape(2, 5, 3, 4, 2)) * rotation)
     out = apply_rope(x, *rope_cos_sin(positions, 8, theta, torch.float64))
     torch.testing.assert_close(out, expected.flatten(-2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_is_the_written_out_rotation_to_the_bit(dtype):
+    """`rotate` (a model's layers) and `apply_rope` give the pairwise products and sums written
+    out, bit for bit, in the output and in the input's gradient."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3, 16, generator=g).to(dtype)
+    cos, sin = rope_cos_sin(torch.tensor([[0, 1, 2, 3, 4], [9, 3, 0, 700, 2]]), 16, 10000.0, dtype)
+    upstream = torch.randn(2, 5, 3, 16, generator=g).to(dtype)
+
+    def written_out(x):
+        xf = x.float().unflatten(-1, (-1, 2))
+        even, odd, c, s = xf[..., 0], xf[..., 1], cos.unsqueeze(2), sin.unsqueeze(2)
+        return torch.stack((even * c - odd * s, even * s + odd * c), -1).flatten(-2).to(dtype)
+
+    outputs, grads = [], []
+    for fn in (written_out, lambda x: rotate(x, rope_tables(cos, sin)), lambda x: apply_rope(x, cos, sin)):
+        leaf = x.clone().requires_grad_()
+        out = fn(leaf)
+        out.backward(upstream)
+        outputs.append(out)
+        grads.append(leaf.grad)
+    assert all(o.dtype == dtype for o in outputs)
+    for out, grad in zip(outputs[1:], grads[1:]):
+        assert torch.equal(out, outputs[0]) and torch.equal(grad, grads[0])
 
 
 def test_rope_scores_depend_only_on_relative_position():
@@ -408,7 +436,7 @@ def test_llama_attention_runs_on_a_head_shard():
     attn = model.layers["0"].attention
     x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     index = torch.arange(6).expand(2, 6)
-    rope = rope_cos_sin(index, model.config.head_dim, model.config.rope_theta, torch.float64)
+    rope = rope_tables(*rope_cos_sin(index, model.config.head_dim, model.config.rope_theta, torch.float64))
     summed = sum(shard_heads(attn, r, 2)(x, rope, index, None) for r in range(2))
     torch.testing.assert_close(summed, attn(x, rope, index, None))
 

@@ -15,6 +15,8 @@ from dtensor_mimo.models.layers import (
     causal_attention,
     init_weights,
     rope_cos_sin,
+    rope_tables,
+    rotate,
 )
 from dtensor_mimo.models.llama import Llama, LlamaConfig
 from dtensor_mimo.models.modality_encoder import ModalityEncoder
@@ -41,6 +43,8 @@ __all__ = [
     "init_weights",
     "load_hf",
     "rope_cos_sin",
+    "rope_tables",
+    "rotate",
     "save_hf",
     "save_llava_hf",
 ]

@@ -35,9 +35,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = _as(x, _at_least_fp32(x.dtype))
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return _as(normed, x.dtype) * self.weight
+
+
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """``torch.promote_types(dtype, torch.float32)`` for real dtypes, without an operator call."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` in `dtype`; no operator call when it already is (an eager step's host time is its
+    operator calls: a tiny model's step is hundreds of them)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,7 +97,7 @@ def rope_cos_sin(
     (frequencies then adjusted by `scaling`, if given). `dtype` is promoted to at least float32
     so that large positions keep their precision.
     """
-    dtype = torch.promote_types(dtype, torch.float32)
+    dtype = _at_least_fp32(dtype)
     exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=dtype) / head_dim
     inv_freq = 1.0 / (theta**exponents)
     if scaling is not None:
@@ -100,12 +111,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     Adjacent elements (2i, 2i+1) form one complex number, as in the original Llama. The number of
     heads H is whatever the tensor holds, so a tensor-parallel shard of the heads works unchanged.
+    (`rotate` with `rope_tables`, which a model computes once for all its layers.)
     """
-    xf = x.to(cos.dtype).unflatten(-1, (-1, 2))  # [B, S, H, D/2, 2]
-    x_even, x_odd = xf[..., 0], xf[..., 1]
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
-    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    return rotate(x, rope_tables(cos, sin))
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cos, sin [B, S, D // 2]` laid out for `rotate`: each angle's cos twice, and its sin as
+    (-sin, sin), per element, `[B, S, 1, D]` (broadcast over heads)."""
+    return (torch.stack((cos, cos), -1).flatten(-2).unsqueeze(2),
+            torch.stack((-sin, sin), -1).flatten(-2).unsqueeze(2))
+
+
+def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`x [B, S, H, D]` rotated by the angles of `rope_tables`: element 2i becomes
+    ``x[2i] cos - x[2i+1] sin`` and 2i+1 ``x[2i+1] cos + x[2i] sin``, the same products and sums,
+    to the bit, as the complex rotation written out (6 operators a call instead of 15)."""
+    cos, sin = tables
+    xf = _as(x, cos.dtype)
+    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x[2i+1], x[2i]) in each pair
+    return _as(xf * cos + swapped * sin, x.dtype)
 
 
 # --------------------------------------------------------------------------------------------

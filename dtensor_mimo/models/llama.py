@@ -25,10 +25,11 @@ from dtensor_mimo.models.layers import (
     AttentionFn,
     RMSNorm,
     RopeScaling,
-    apply_rope,
     causal_attention,
     init_weights,
     rope_cos_sin,
+    rope_tables,
+    rotate,
 )
 
 
@@ -152,7 +153,7 @@ class Attention(nn.Module):
         v = self.wv(x).unflatten(-1, (-1, self.head_dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = rotate(q, rope), rotate(k, rope)
         out = self.attention_fn(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -267,8 +268,8 @@ class Llama(nn.Module):
             positions = (torch.arange(s, device=h.device).expand(b, s) if sequence_index is None
                          else sequence_index)
         # One set of angles for all layers.
-        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype,
-                            self.config.rope_scaling)
+        rope = rope_tables(*rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype,
+                                         self.config.rope_scaling))
 
         for layer in self.layers.values():
             h = layer(h, rope, sequence_index, document_ids)
