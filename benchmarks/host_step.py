@@ -18,6 +18,7 @@ checkout that has them can be the baseline.
 | llava | tiny `ViT` + `Projection` + `Llama`, 2 images a sample | world 1, colocated |
 | llava, 2 ranks, M=2 | the same | vision on rank 0, language on rank 1, 2 microbatches |
 | transformers llama | `LlamaForCausalLM` of the same sizes (SDPA), `torch.optim.AdamW` (foreach, the same hyperparameters), `clip_grad_norm_`, the same batches | one process |
+| transformers llama, fused AdamW | the same with `torch.optim.AdamW(fused=True)`, the form the library uses wherever torch has it | one process |
 
 The last case is the plain single-model stack the issue-29 target compares against: "llama /
 transformers" is the library's host time per step over it (target: at most 1.1).
@@ -33,12 +34,14 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = {"llama": (1, 1), "llava": (1, 1), "llava, 2 ranks, M=2": (2, 2), "transformers llama": (1, 1)}
+CASES = {"llama": (1, 1), "llava": (1, 1), "llava, 2 ranks, M=2": (2, 2), "transformers llama": (1, 1),
+         "transformers llama, fused AdamW": (1, 1)}
 REFERENCE = "transformers llama"
-"""Runs once per repeat whatever the trees (it uses no dtensor_mimo step)."""
+REFERENCES = (REFERENCE, "transformers llama, fused AdamW")
+"""Run once per repeat whatever the trees (they use no dtensor_mimo step)."""
 
 
-def _transformers_steps(steps: int) -> list[float]:
+def _transformers_steps(steps: int, fused: bool = False) -> list[float]:
     """`LlamaForCausalLM` of `LlamaConfig.tiny`'s sizes + AdamW + clip on `llama`'s batches."""
     import time
 
@@ -61,7 +64,7 @@ def _transformers_steps(steps: int) -> list[float]:
     rest = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
                                    {"params": rest, "weight_decay": 0.0}], lr=a.lr, betas=a.betas, eps=a.eps,
-                                  foreach=True)
+                                  **({"fused": True} if fused else {"foreach": True}))
     batches = [synthetic_batch(SyntheticSpec.tiny(batch_size=8, modalities={}), seed=s) for s in range(4)]
     times = []
     for i in range(5 + steps):
@@ -83,8 +86,8 @@ def _worker(case: str, steps: int) -> None:
     """One case in this process (a rank of its world); rank 0 prints the step times as JSON."""
     import time
 
-    if case == REFERENCE:
-        print(json.dumps(_transformers_steps(steps)))
+    if case in REFERENCES:
+        print(json.dumps(_transformers_steps(steps, fused=case != REFERENCE)))
         return
 
     import torch
@@ -152,22 +155,22 @@ def main() -> None:
     samples: dict[str, dict[str, list[float]]] = {c: {t: [] for t in trees} for c in args.cases}
     for _ in range(args.repeats):  # alternate: noise hits every tree alike
         for case in args.cases:
-            for label, tree in (trees if case != REFERENCE else {"this tree": HERE}).items():
+            for label, tree in (trees if case not in REFERENCES else {"this tree": HERE}).items():
                 samples[case][label] += run(tree, case, args.steps)
     rows = []
-    print(f"{'case':<24}" + "".join(f"{t + ' ms':>16}" for t in trees) + ("   this / baseline" if args.baseline else ""))
+    print(f"{'case':<32}" + "".join(f"{t + ' ms':>16}" for t in trees) + ("   this / baseline" if args.baseline else ""))
     for case in args.cases:
         medians = {t: statistics.median(v) * 1e3 for t, v in samples[case].items() if v}
         ratio = medians["this tree"] / medians["baseline"] if "baseline" in medians else None
-        print(f"{case:<24}" + "".join(f"{m:>16.2f}" for m in medians.values())
+        print(f"{case:<32}" + "".join(f"{m:>16.2f}" for m in medians.values())
               + (f"{ratio:>18.3f}" if ratio is not None else ""))
         rows.append({"case": case, "median_ms": medians, "ratio": ratio})
-    if REFERENCE in args.cases and "llama" in args.cases:
-        over = {t: m / rows[args.cases.index(REFERENCE)]["median_ms"]["this tree"]
-                for t, m in rows[args.cases.index("llama")]["median_ms"].items()}
-        print("llama / transformers llama (host time per step): "
-              + ", ".join(f"{t} {v:.3f}" for t, v in over.items()))
-        rows.append({"case": "llama / transformers llama", "ratio_by_tree": over})
+    for reference in REFERENCES:
+        if reference in args.cases and "llama" in args.cases:
+            over = {t: m / rows[args.cases.index(reference)]["median_ms"]["this tree"]
+                    for t, m in rows[args.cases.index("llama")]["median_ms"].items()}
+            print(f"llama / {reference} (host time per step): " + ", ".join(f"{t} {v:.3f}" for t, v in over.items()))
+            rows.append({"case": f"llama / {reference}", "ratio_by_tree": over})
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"steps": args.steps, "repeats": args.repeats, "trees": trees, "rows": rows}, f, indent=1)
