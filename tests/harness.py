@@ -161,8 +161,9 @@ PRELOAD = ["torch", "torch.distributed.tensor", "torch._dynamo", "dtensor_mimo",
            "transformers.modeling_utils", "tests.harness"]
 """What the fork server imports once, so that each rank process it forks starts with it: a spawned
 rank imported torch and the library itself (2.6 s of CPU each on 2 cores, 8 of them at once for
-the first 8-rank call, and again after every failed call). The server imports nothing else and
-starts no thread, so forking it is safe."""
+the first 8-rank call, and again after every failed call). The server runs no tensor operation,
+opens no group and holds no socket of a rank; the one idle native thread that importing torch and
+transformers each start is not copied into a forked child."""
 
 
 class _RankPool:

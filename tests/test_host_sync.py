@@ -56,11 +56,10 @@ ALLOWED = {
 }
 """(innermost library file, innermost torch file or None) of each sync expected once per step, and why."""
 
-HOST_ONLY = {
-    # AdamW's foreach path (`MimoOptimizer` on CPU) reads each parameter's step counter, which torch
-    # keeps as a CPU tensor on every device: no device sync. On CUDA `MimoOptimizer` takes the fused
-    # path, which reads none (the GPU variant below checks that under the sync debug mode).
-    ("dtensor_mimo/optim/optimizer.py", "torch/optim/"): "AdamW's step counters, host tensors",
+HOST_ONLY: dict[tuple[str, str | None], str] = {
+    # None: `MimoOptimizer` takes AdamW's fused path on CPU as on CUDA, which reads no step counter
+    # (the foreach path read each parameter's, a host tensor; the GPU variant below checks the
+    # fused path under the sync debug mode).
 }
 """Sites that read host tensors whatever the device (any count, the same whatever the microbatches)."""
 

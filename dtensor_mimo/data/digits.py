@@ -267,10 +267,12 @@ def _scans() -> tuple[torch.Tensor, torch.Tensor]:
     if spec is None:
         raise ImportError("the digits dataset needs scikit-learn (its scans ship with it): "
                           "pip install 'dtensor_mimo[data]'")
-    path = os.path.join(*spec.submodule_search_locations[:1], *DIGITS_FILE)
+    places = spec.submodule_search_locations or []
+    path = os.path.join(places[0], *DIGITS_FILE) if places else ""
     if os.path.exists(path):
         with gzip.open(path, "rt") as f:
-            rows = torch.tensor([[float(v) for v in line.split(",")] for line in f if line.strip()])
+            rows = torch.tensor([[float(v) for v in line.split(",")] for line in f if line.strip()],
+                                dtype=torch.float32)
         return rows[:, :-1].reshape(-1, 8, 8).contiguous(), rows[:, -1].to(torch.int64)
     from sklearn.datasets import load_digits
 

@@ -125,7 +125,9 @@ class LlamaConfig:
 class Attention(nn.Module):
     """Grouped-query causal self-attention with rotary embeddings.
 
-    `attention_fn` is the swappable core (see `dtensor_mimo.models.layers.AttentionFn`).
+    `attention_fn` is the swappable core (see `dtensor_mimo.models.layers.AttentionFn`). Its
+    forward's `rope` is `rope_tables(*rope_cos_sin(...))` (`[B, S, 1, head_dim]` each), which
+    `Llama.forward` computes once for all layers.
     """
 
     def __init__(self, config: LlamaConfig, attention_fn: AttentionFn | None = None) -> None:

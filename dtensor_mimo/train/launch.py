@@ -122,14 +122,22 @@ def _local_rank(rank: int, world: int, port: int, config: TrainerConfig, errors)
     _exit_now(status)  # a finished run too: its logs are closed, its loader workers joined
 
 
+TEARDOWN_ENV = "DTENSOR_MIMO_TEARDOWN"
+"""Set to 1 for a rank that ends through the interpreter's normal exit, running exit handlers:
+for tools that write their results there (coverage, Nsight Systems, cProfile)."""
+
+
 def _exit_now(code: int) -> NoReturn:
     """End a rank's process at once: the interpreter's teardown of torch, transformers and a
     model takes seconds of native code (1.4-2.9 s measured on 2 cores for the tiny LLaVA run),
-    and a launcher sees the end, or a failure, only when the process ends. The logs are flushed
-    (`Trainer.run` closes its logger at the end and on any error, and joins its loader workers at
-    the end; after an error they leave on their own once their rank is gone)."""
+    and a launcher sees the end, or a failure, only when the process ends. Nothing is lost:
+    checkpoints are written synchronously, `Trainer.run` closes its logger and joins its loader
+    workers on every path, and the output streams are flushed here. `TEARDOWN_ENV` = 1 exits
+    normally instead."""
     sys.stdout.flush()
     sys.stderr.flush()
+    if os.environ.get(TEARDOWN_ENV) == "1":
+        sys.exit(code)
     os._exit(code)
 
 
@@ -206,10 +214,12 @@ def refuse_auto(config: TrainerConfig, launched: bool) -> None:
 
 def command() -> NoReturn:
     """``python -m dtensor_mimo.train``: `main` on the command line's arguments, its status the
-    process's. The process then ends at once (`_exit_now`), the launcher as its ranks do, whichever
-    launched them: nothing is left to finalize by then (logs closed, loader workers and ranks
-    joined), and the interpreter's teardown of torch and transformers is most of a second more."""
-    _exit_now(main())
+    process's. A torchrun worker then ends at once (`_exit_now`), as the own launcher's ranks do;
+    the own launcher itself exits normally (its queue's semaphores are unregistered then)."""
+    status = main()
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        _exit_now(status)
+    sys.exit(status)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,9 +24,9 @@ most for the step in flight.
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import resource
 import signal
+import sys
 import time
 from itertools import accumulate
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -55,12 +55,14 @@ from dtensor_mimo.sequence.loss import loss_weights
 COMPILE_STEPS = 2
 """Steps left out of the throughput when blocks compile (the first forward and backward compile)."""
 
-LOADER_START = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
-"""How `data.workers` loader processes start: forked from their rank where the platform can
-(Linux), under either launcher, as DataLoader does by default in a torchrun worker. A rank of the
-own launcher is itself spawned, and its children would otherwise be spawned too: each worker
-importing torch and transformers again before the first batch (4.5 s of step 1 on 2 CPU cores,
-tiny LLaVA). The workers use no accelerator and no process group, so forking is safe."""
+LOADER_START = "fork" if sys.platform.startswith("linux") else None
+"""How `data.workers` loader processes start: forked from their rank on Linux, under either
+launcher, as DataLoader does by default in a torchrun worker (elsewhere the platform's default).
+A rank of the own launcher is itself spawned, and its children would otherwise be spawned too:
+each worker importing torch and transformers again before the first batch (4.5 s of step 1 on 2
+CPU cores, tiny LLaVA). The workers use no accelerator and no process group, but they hold copies
+of their rank's sockets, so a failing rank joins them before it aborts its groups (`Trainer.run`):
+a peer then sees the connection close at once, not when the orphans notice (5 s each)."""
 
 # ---------------------------------------------------------------------------- data
 
@@ -224,6 +226,7 @@ class Trainer:
         self.stopped: signal.Signals | None = None
         """The signal the run was stopped by (every rank the same), None: it was not."""
         self.saved: str | None = None  # the last checkpoint written
+        self._training_batches: Iterator[tuple[list[int], MimoBatch, list[MediaError]]] | None = None
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layout = build_layout(config, self.world)
         if config.train.threads:
@@ -428,6 +431,15 @@ class Trainer:
         except BaseException:
             self.log.close()  # what was logged is on disk, however the process ends (the launcher exits at once)
             raise
+        finally:
+            self._close_batches()
+
+    def _close_batches(self) -> None:
+        """End the training batches' generator: its loader workers are joined (on every path, so
+        that none outlives the rank or holds its sockets open after an error: `LOADER_START`)."""
+        if self._training_batches is not None:
+            self._training_batches.close()
+            self._training_batches = None
 
     def _run(self) -> float | None:
         c = self.config
@@ -445,7 +457,7 @@ class Trainer:
         if compiled:
             self.log.print(f"compiling the blocks of {', '.join(compiled)} during the first steps; tokens/s and "
                            f"step times leave out the first {COMPILE_STEPS}")
-        batches = self._batches()
+        batches = self._training_batches = self._batches()
         tokens = c.data.batch_size * self.seq_len
         window: list[list[float]] = []
         while self.step < c.train.steps:
@@ -457,11 +469,11 @@ class Trainer:
                 e.add_note(f"in step {step}")
                 raise
             if self.stopped is not None:
-                batches.close()
+                self._close_batches()
                 self._say_stopped()
                 self.log.close()
                 return None
-        batches.close()  # the loader's workers end here: the launcher ends this process without teardown
+        self._close_batches()  # the loader's workers end here, before evaluation and export
         if c.checkpoint.export_hf:  # first: nothing in the held-out data can cost the export
             self.export(c.checkpoint.export_hf)
         accuracy = self._report_eval()
