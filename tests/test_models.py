@@ -41,10 +41,10 @@ from dtensor_mimo.models import (
     ViT,
     ViTConfig,
     apply_rope,
+    apply_rope_tables,
     causal_attention,
     rope_cos_sin,
     rope_tables,
-    rotate,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -167,8 +167,8 @@ def test_rope_matches_complex_rotation():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotate_is_the_written_out_rotation_to_the_bit(dtype):
-    """`rotate` (a model's layers) and `apply_rope` give the pairwise products and sums written
-    out, bit for bit, in the output and in the input's gradient."""
+    """`apply_rope_tables` (a model's layers) and `apply_rope` give the pairwise products and sums
+    written out, bit for bit, in the output and in the input's gradient."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, 3, 16, generator=g).to(dtype)
     cos, sin = rope_cos_sin(torch.tensor([[0, 1, 2, 3, 4], [9, 3, 0, 700, 2]]), 16, 10000.0, dtype)
@@ -180,7 +180,8 @@ def test_rotate_is_the_written_out_rotation_to_the_bit(dtype):
         return torch.stack((even * c - odd * s, even * s + odd * c), -1).flatten(-2).to(dtype)
 
     outputs, grads = [], []
-    for fn in (written_out, lambda x: rotate(x, rope_tables(cos, sin)), lambda x: apply_rope(x, cos, sin)):
+    tables = rope_tables(cos, sin)
+    for fn in (written_out, lambda x: apply_rope_tables(x, tables), lambda x: apply_rope(x, cos, sin)):
         leaf = x.clone().requires_grad_()
         out = fn(leaf)
         out.backward(upstream)

@@ -12,11 +12,11 @@ from dtensor_mimo.models.layers import (
     RMSNorm,
     RopeScaling,
     apply_rope,
+    apply_rope_tables,
     causal_attention,
     init_weights,
     rope_cos_sin,
     rope_tables,
-    rotate,
 )
 from dtensor_mimo.models.llama import Llama, LlamaConfig
 from dtensor_mimo.models.modality_encoder import ModalityEncoder
@@ -39,12 +39,12 @@ __all__ = [
     "ViT",
     "ViTConfig",
     "apply_rope",
+    "apply_rope_tables",
     "causal_attention",
     "init_weights",
     "load_hf",
     "rope_cos_sin",
     "rope_tables",
-    "rotate",
     "save_hf",
     "save_llava_hf",
 ]

@@ -111,19 +111,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     Adjacent elements (2i, 2i+1) form one complex number, as in the original Llama. The number of
     heads H is whatever the tensor holds, so a tensor-parallel shard of the heads works unchanged.
-    (`rotate` with `rope_tables`, which a model computes once for all its layers.)
+    (`apply_rope_tables` with `rope_tables`, which a model computes once for all its layers.)
     """
-    return rotate(x, rope_tables(cos, sin))
+    return apply_rope_tables(x, rope_tables(cos, sin))
 
 
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`cos, sin [B, S, D // 2]` laid out for `rotate`: each angle's cos twice, and its sin as
-    (-sin, sin), per element, `[B, S, 1, D]` (broadcast over heads)."""
+    """`cos, sin [B, S, D // 2]` laid out for `apply_rope_tables`: each angle's cos twice, and its
+    sin as (-sin, sin), per element, `[B, S, 1, D]` (broadcast over heads)."""
     return (torch.stack((cos, cos), -1).flatten(-2).unsqueeze(2),
             torch.stack((-sin, sin), -1).flatten(-2).unsqueeze(2))
 
 
-def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def apply_rope_tables(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """`x [B, S, H, D]` rotated by the angles of `rope_tables`: element 2i becomes
     ``x[2i] cos - x[2i+1] sin`` and 2i+1 ``x[2i+1] cos + x[2i] sin``, the same products and sums,
     to the bit, as the complex rotation written out (6 operators a call instead of 15)."""

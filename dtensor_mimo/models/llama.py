@@ -25,11 +25,11 @@ from dtensor_mimo.models.layers import (
     AttentionFn,
     RMSNorm,
     RopeScaling,
+    apply_rope_tables,
     causal_attention,
     init_weights,
     rope_cos_sin,
     rope_tables,
-    rotate,
 )
 
 
@@ -155,7 +155,7 @@ class Attention(nn.Module):
         v = self.wv(x).unflatten(-1, (-1, self.head_dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, rope), rotate(k, rope)
+        q, k = apply_rope_tables(q, rope), apply_rope_tables(k, rope)
         out = self.attention_fn(
             q.transpose(1, 2),
             k.transpose(1, 2),
