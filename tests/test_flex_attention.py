@@ -1,10 +1,11 @@
 """`FlexAttentionCore` (`ParallelOptions(flex_attention=True)`) against `causal_attention`: the same
 outputs and gradients for packed documents, subsets of rows with their global indices, grouped
 heads and lengths that are not multiples of the 128-row blocks; one block mask per set of index
-tensors; and through `MimoModel` (dp 2 with packed rows, cp 2 with plain and packed rows) the
-single-process oracle of tests/test_mimo.py. torch's FlexAttention refuses backward on the CPU (its compiled CPU kernel
-has none); its eager path, the reference math the compiled kernels are tested against in torch,
-does have one, so these tests lift that device check (`_cpu_backward`). On CUDA the library runs
+tensors; and through `MimoModel` (dp 2 with packed rows, cp 2 with plain and packed rows, vision
+dp 2 with images of their own size) the single-process oracle of tests/test_mimo.py. torch's
+FlexAttention refuses backward on the CPU (its compiled CPU kernel has none); its eager path, the
+reference math the compiled kernels are tested against in torch, does have one, so these tests
+lift that device check (`_cpu_backward`). On CUDA the library runs
 the compiled kernel (`benchmarks/gpu.py` compares it with this path's numbers there)."""
 
 from __future__ import annotations

@@ -233,7 +233,8 @@ class FlexAttentionCore:
     reused while the same tensor objects come back (every layer of a forward passes the same
     ones; a few recent sets are kept for pipeline stages that interleave microbatches). The flex
     call runs outside a compiled block (as `packed_attention`): a block mask is no graph input
-    dynamo can guard cheaply; plain rows stay in the block's graph. torch's FlexAttention has no backward on the CPU: training with it needs CUDA.
+    dynamo can guard cheaply; plain rows stay in the block's graph. torch's FlexAttention has no
+    backward on the CPU: training with it needs CUDA.
     """
 
     KEEP = 4  # recent index sets whose block masks are kept

@@ -41,6 +41,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtensor_mimo.models.layers import AttentionFn, FlexAttentionCore, causal_attention
 
 
+_Ids = tuple[torch.Tensor, torch.Tensor | None]
+"""Global indices and document ids (None: no documents) of key rows."""
+
+
 class ContextParallelAttention:
     """An `AttentionFn` that is exact across the ranks of `cp_group`.
 
@@ -74,7 +78,7 @@ class ContextParallelAttention:
         self.cp = dist.get_world_size(cp_group)
         self.inner = inner
         self._keep_ids = isinstance(inner, FlexAttentionCore)  # it runs outside the graph anyway
-        self._ids: tuple[tuple[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self._ids: tuple[_Ids, _Ids] | None = None  # (local, gathered) of the last `_kept_ids` call
 
     def __call__(
         self,
@@ -104,7 +108,7 @@ class ContextParallelAttention:
                                   else self._gather_ids(kv_pos, kv_doc))
         return self.inner(q, k_all, v_all, q_pos=q_pos, kv_pos=kv_pos_all, q_doc=q_doc, kv_doc=kv_doc_all)
 
-    def _gather_ids(self, kv_pos: torch.Tensor, kv_doc: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _gather_ids(self, kv_pos: torch.Tensor, kv_doc: torch.Tensor | None) -> _Ids:
         """Every cp rank's global indices (and document ids), in the gathered keys' order."""
         if kv_doc is None:
             return funcol.all_gather_single(kv_pos.contiguous(), 1, self.group), None
@@ -113,7 +117,7 @@ class ContextParallelAttention:
         return kv_pos_all, kv_doc_all
 
     @torch.compiler.disable
-    def _kept_ids(self, kv_pos: torch.Tensor, kv_doc: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _kept_ids(self, kv_pos: torch.Tensor, kv_doc: torch.Tensor | None) -> _Ids:
         """`_gather_ids`, once for the same local tensors (the cache holds them: no false hit).
         Every rank of the cp group runs the same calls in the same order on local tensors of the
         same provenance (one microbatch's indices through every layer), so all of them take the

@@ -82,12 +82,17 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         # The same label rule as the chunks: uncounted positions ignored, a counted id outside
         # the vocabulary NaN (F.cross_entropy would raise, on CUDA as a device-side assert).
         counted = weights != 0
-        bad = counted & ((labels < 0) | (labels >= weight.shape[0]))
+        bad = _outside(labels, counted, weight.shape[0])
         total = token_loss_sum(F.linear(hidden, weight), torch.where(counted & ~bad, labels, IGNORE_INDEX), weights)
         return torch.where(bad.any(), torch.nan, total)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, labels, weights)
     return _chunked_cross_entropy(hidden, weight, labels, weights, False, False)[0]
+
+
+def _outside(labels: torch.Tensor, counted: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The counted positions whose label is no id of the vocabulary (their loss is NaN)."""
+    return counted & ((labels < 0) | (labels >= vocab))
 
 
 def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
@@ -110,7 +115,7 @@ def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
             lse = logits.logsumexp(-1)
             target = lc.clamp(0, vocab - 1).unsqueeze(-1)
             counted = wc != 0  # ignored rows (weight 0) add exactly 0, whatever their logits
-            bad = counted & ((lc < 0) | (lc >= vocab))
+            bad = _outside(lc, counted, vocab)
             per_row = (lse - logits.gather(-1, target).squeeze(-1)) * wc
             total += torch.where(bad, torch.nan, torch.where(counted, per_row, 0.0)).sum()
             if not (want_h or want_w):
