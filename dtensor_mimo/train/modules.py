@@ -163,6 +163,9 @@ def variable_audio(config: TrainerConfig, name: str, audio: AudioConfig, fe: Any
 def _processor(key: str, path: str, modality: str) -> Any:
     """The transformers image processor / feature extractor saved in `path`."""
     import transformers
+    # From its module: transformers 5.17 without torchvision gives a placeholder that raises at the top
+    # level, although the class itself falls back to its PIL processors.
+    from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
     file = "preprocessor_config.json"
     if not os.path.exists(os.path.join(path, file)):
@@ -171,7 +174,7 @@ def _processor(key: str, path: str, modality: str) -> Any:
     try:
         if modality == "audio":
             return transformers.WhisperFeatureExtractor.from_pretrained(path)
-        return transformers.AutoImageProcessor.from_pretrained(path)
+        return AutoImageProcessor.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 — transformers raises many kinds
         raise ConfigError(f"{key}: cannot load the {modality} processor of {path}: {e}") from None
 
