@@ -76,6 +76,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from dtensor_mimo.layout.torch_compat import all_gather_single
 from dtensor_mimo.bridge import (MeshSpec, RankPlan, backward_specs, exchange, hop_rows, plan, plan_backward,
                                  redistribute)
 from dtensor_mimo.bridge.hops import default_hops
@@ -284,7 +285,7 @@ class Bench:
         if self.ag_padded:
             if self.ag_pad:
                 rows(self.ag_send, 0, self.src_hi - self.src_lo).copy_(self.x_local)
-            dist.all_gather_single(self.ag_gathered, self.ag_send)
+            all_gather_single(self.ag_gathered, self.ag_send)
         else:
             for lo, hi, root in self.ag_shards:
                 if root == self.rank:

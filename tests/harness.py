@@ -186,7 +186,7 @@ class _RankPool:
             return
         for r in new:
             if self.procs[r] is not None:  # died between calls: its peers' group is gone with it
-                self._kill(range(len(self.procs)))
+                self._kill()
                 return self._spawn(world_size)
             self.tasks[r] = self.ctx.Queue()
             self.procs[r] = self.ctx.Process(target=_worker, args=(r, self.tasks[r], self.results),
@@ -200,17 +200,22 @@ class _RankPool:
                     ready.add(rank)
             except queue.Empty:
                 codes = [self.procs[r].exitcode for r in new]
-                self._kill(new)
+                self._kill()
                 raise DistributedTestFailure(
                     f"rank processes {new} did not start within {STARTUP_TIMEOUT:.0f} s (exit codes {codes})") from None
 
-    def _kill(self, ranks) -> None:
-        for r in ranks:
-            if self.procs[r] is not None:
-                self.procs[r].kill()
-                self.procs[r].join(timeout=5)
+    def _kill(self) -> None:
+        """Every rank, and a new results queue: a rank killed while it writes a result larger than
+        the pipe's buffer (a state dict: it blocks until the parent reads) leaves half a message in
+        the old queue's pipe, and every later read of it would hang."""
+        for r, p in enumerate(self.procs):
+            if p is not None:
+                p.kill()
+                p.join(timeout=5)
                 self.procs[r] = self.tasks[r] = None
-        self.group = None  # every later call forms a new group, so survivors leave their old one
+        self.results.close()
+        self.results = self.ctx.Queue()
+        self.group = None
 
     def run(self, fn: Callable, world_size: int, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
         self._spawn(world_size)
@@ -244,7 +249,7 @@ class _RankPool:
                 failures[rank] = payload
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         if failures or len(done) < world_size:
-            self._kill(range(world_size))
+            self._kill()
             name = getattr(fn, "__qualname__", repr(fn))
             hung = sorted(set(range(world_size)) - set(done) - set(failures))
             parts = [f"{name} on {world_size} ranks:"]
@@ -279,7 +284,7 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEF
     except DistributedTestFailure:
         raise
     except BaseException:  # the call cut short (pytest-timeout, ^C): ranks may be mid-job
-        _pool._kill(range(min(world_size, len(_pool.procs))))
+        _pool._kill()
         raise
 
 

@@ -47,6 +47,9 @@ from dtensor_mimo.schedule.encoders import keep_encoder_stage
 from tests.harness import run_on_ranks
 
 transformers = pytest.importorskip("transformers")
+
+# From its module: transformers 5.17 without torchvision makes the top-level name a placeholder that raises.
+from transformers.models.auto.image_processing_auto import AutoImageProcessor  # noqa: E402
 safetensors_torch = pytest.importorskip("safetensors.torch")
 PIL = pytest.importorskip("PIL.Image")
 
@@ -346,7 +349,7 @@ def test_export_hf(case: str, tmp_path) -> None:
         assert config["modality"] == ("image" if name == "vision" else "audio")
         tensors = safetensors_torch.load_file(str(projector / "model.safetensors"))
         assert torch.equal(tensors["multi_modal_projector.linear_2.weight"], encoders[name].projection.fc2.weight)
-    assert type(transformers.AutoImageProcessor.from_pretrained(str(tmp_path / "vision"))).__name__.startswith("Siglip")
+    assert type(AutoImageProcessor.from_pretrained(str(tmp_path / "vision"))).__name__.startswith("Siglip")
     assert transformers.AutoFeatureExtractor.from_pretrained(str(tmp_path / "audio")).feature_size == AUDIO.n_mels
 
 

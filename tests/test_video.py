@@ -39,6 +39,9 @@ from tests.test_train_llava import QUICK, ROOT, make  # the tiny checkpoints and
 av = pytest.importorskip("av")
 transformers = pytest.importorskip("transformers")
 
+# From its module: transformers 5.17 without torchvision makes the top-level name a placeholder that raises.
+from transformers.models.auto.image_processing_auto import AutoImageProcessor  # noqa: E402
+
 CONFIG = os.path.abspath(os.path.join(ROOT, "examples", "llava_video_tiny.toml"))
 FRAMES = ["--model.encoders.video.temporal_patch", "1"]  # one frame an item (the example stacks pairs)
 
@@ -154,8 +157,7 @@ def _reference_frames(path: str, indices: list[int]) -> torch.Tensor:
     """Frames `indices` of `path`, decoded here with PyAV, through the tower's own processor."""
     with av.open(path) as container:
         frames = [f.to_image() for f in container.decode(video=0)]
-    processor = transformers.AutoImageProcessor.from_pretrained(os.path.join(os.path.dirname(path), "..", "..",
-                                                                             "ckpt", "siglip"))
+    processor = AutoImageProcessor.from_pretrained(os.path.join(os.path.dirname(path), "..", "..", "ckpt", "siglip"))
     return processor(images=[frames[i] for i in indices], return_tensors="pt")["pixel_values"].float()
 
 

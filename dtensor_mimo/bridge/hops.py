@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
+from dtensor_mimo.layout.torch_compat import all_gather_single, reduce_scatter_single
 from dtensor_mimo.bridge import exchange
 from dtensor_mimo.bridge.plan import (MeshSpec, RankPlan, _bounds, _Mesh, _static, backward_specs, plan,
                                       plan_for_rank)
@@ -295,7 +296,7 @@ def scatter(x: torch.Tensor, dim: int, lv: Sequence[Level], status: Status) -> t
             padded[j * width: j * width + b - a] = rows[a:b]
         send = _with_flags(padded, level.size, status).reshape(-1)
         out = send.new_empty(send.numel() // level.size)
-        dist.reduce_scatter_single(out, send, group=level.group)
+        reduce_scatter_single(out, send, group=level.group)
         if status is not None:
             status = out[-1].round()
             out = out[:-1]
@@ -316,7 +317,7 @@ def gather(piece: torch.Tensor, dim: int, lv: Sequence[Level], status: Status) -
         padded[: rows.shape[0]] = rows
         send = _with_flags(padded, 1, status)[0]
         out = send.new_empty(level.size * send.numel())
-        dist.all_gather_single(out, send, group=level.group)
+        all_gather_single(out, send, group=level.group)
         out = out.view(level.size, -1)
         if status is not None:
             status = out[:, -1].sum().round()

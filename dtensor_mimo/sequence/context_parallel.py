@@ -8,7 +8,7 @@ is exactly that of single-process attention over the full sequence, including pa
 
 Backward: the gathered K/V receive gradient from this rank's queries only; the gradient of a
 rank's own K/V rows is the sum over all cp ranks of their contributions to those rows. The
-gather is a functional collective (`all_gather_single`), whose registered autograd formula is a
+gather is a functional collective (`functional_all_gather`), whose registered autograd formula is a
 sum reduce-scatter: each rank gets back the summed gradient of its own slice. It runs on gloo
 (CPU) and NCCL alike.
 
@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
+from dtensor_mimo.layout.torch_compat import functional_all_gather
 from dtensor_mimo.models.layers import AttentionFn, FlexAttentionCore, causal_attention
 
 
@@ -102,7 +102,7 @@ class ContextParallelAttention:
 
         # One gather for K and V together ([2, B, Hkv, S, D], sequence on dim 3) and one for the
         # integer row metadata; the functional collective carries the reduce-scatter backward.
-        kv = funcol.all_gather_single(torch.stack((k, v)), 3, self.group)
+        kv = functional_all_gather(torch.stack((k, v)), 3, self.group)
         k_all, v_all = kv.unbind(0)
         kv_pos_all, kv_doc_all = (self._kept_ids(kv_pos, kv_doc) if self._keep_ids
                                   else self._gather_ids(kv_pos, kv_doc))
@@ -111,9 +111,9 @@ class ContextParallelAttention:
     def _gather_ids(self, kv_pos: torch.Tensor, kv_doc: torch.Tensor | None) -> _Ids:
         """Every cp rank's global indices (and document ids), in the gathered keys' order."""
         if kv_doc is None:
-            return funcol.all_gather_single(kv_pos.contiguous(), 1, self.group), None
+            return functional_all_gather(kv_pos.contiguous(), 1, self.group), None
         ids = torch.stack((kv_pos, kv_doc.to(kv_pos.dtype)))  # [2, B, S]
-        kv_pos_all, kv_doc_all = funcol.all_gather_single(ids, 2, self.group).unbind(0)
+        kv_pos_all, kv_doc_all = functional_all_gather(ids, 2, self.group).unbind(0)
         return kv_pos_all, kv_doc_all
 
     @torch.compiler.disable
