@@ -39,6 +39,7 @@ import dataclasses
 import pytest
 
 from dtensor_mimo import ParallelOptions, Parallelism, PipelineConfig
+from tests.harness import needs_torch
 from tests.test_mimo import Case, check_against_reference, check_encoded_shares, check_route
 
 P = Parallelism
@@ -88,7 +89,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+OLD_TORCH = {  # the cases that meet a bug of torch 2.11 (the GPU machines' release), fixed by 2.13
+    "two_hop_cp_pp2": needs_torch((2, 13), "DTensor's view strategy raises IndexError on the packed cp rows"),
+    "zero_bubble": needs_torch((2, 13), "pipelining's stage_backward_input reads requires_grad of a stage's "
+                                        "non-tensor inputs"),
+    **dict.fromkeys(("zbv", "dualpipev"), needs_torch(
+        (2, 13), "a V schedule's stage set-up sends fail under gloo (Pair is not connected)")),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=OLD_TORCH[n]) if n in OLD_TORCH else n for n in CASES])
 def test_pipelined_training_matches_single_process(name: str) -> None:
     per_rank = check_against_reference(CASES[name])
     check_route(CASES[name], per_rank)
