@@ -13,8 +13,9 @@ each call the ranks destroy the other groups it made (`_release_groups`). So ``f
 default group usable. A failure on any rank raises
 `DistributedTestFailure` carrying that rank's traceback; a rank that does not finish within
 ``timeout`` seconds fails the test with the list of ranks still running. After a failure or a
-timeout the call's processes are killed (ranks may be stuck in a collective, and a group with
-collectives left pending cannot be left cleanly) and the next call starts fresh ones.
+timeout every rank process is killed (ranks may be stuck in a collective, and a group with
+collectives left pending cannot be left cleanly), the results queue replaced, and the next call
+starts fresh ones.
 """
 
 from __future__ import annotations
@@ -217,9 +218,10 @@ class _RankPool:
                     f"rank processes {new} did not start within {STARTUP_TIMEOUT:.0f} s (exit codes {codes})") from None
 
     def _kill(self) -> None:
-        """Every rank, and a new results queue: a rank killed while it writes a result larger than
-        the pipe's buffer (a state dict: it blocks until the parent reads) leaves half a message in
-        the old queue's pipe, and every later read of it would hang."""
+        """Every rank, and a new results queue. Python's documentation warns that a process killed
+        while it uses a queue may corrupt it for every other process; with only the failed call's
+        ranks killed and the queue kept, a failed tp + sp call on torch 2.11 left the next calls
+        waiting out `STARTUP_TIMEOUT` for ranks that had started, for the rest of the run."""
         for r, p in enumerate(self.procs):
             if p is not None:
                 p.kill()
