@@ -49,9 +49,10 @@ def needs_torch(release: tuple[int, int], why: str) -> Any:
     import pytest
     import torch
 
-    have = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    return pytest.mark.skipif(have < release, reason=f"torch {torch.__version__}: {why} (fixed by "
-                                                     f"{release[0]}.{release[1]})")
+    from dtensor_mimo.layout.torch_compat import RELEASE
+
+    return pytest.mark.skipif(RELEASE < release, reason=f"torch {torch.__version__}: {why} (fixed by "
+                                                        f"{release[0]}.{release[1]})")
 
 
 def _free_port() -> int:

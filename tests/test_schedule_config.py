@@ -8,7 +8,7 @@ import pytest
 from dtensor_mimo import LayoutError, MimoLayout, Parallelism, PipelineConfig
 from dtensor_mimo.schedule.checks import check_model as _check_model
 from dtensor_mimo.models import Llama, LlamaConfig, ModalityEncoder, Projection, ViT, ViTConfig
-from dtensor_mimo.schedule import SCHEDULES, check_microbatching, stage_layers
+from dtensor_mimo.schedule import SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_microbatching, stage_layers
 from dtensor_mimo.schedule.config import rank_stages, stage_rank
 from tests.harness import needs_torch
 
@@ -97,6 +97,7 @@ def test_encoder_pipeline_needs_a_pipeline_config_and_layers_per_stage() -> None
 
 
 @pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+@needs_torch((2, 13), "the zero-bubble schedules are refused by name before 2.13")
 def test_zero_bubble_refuses_compiled_stages(schedule) -> None:
     from dtensor_mimo import ParallelOptions
 
@@ -107,6 +108,21 @@ def test_zero_bubble_refuses_compiled_stages(schedule) -> None:
                                           r"pass, but 'language' has compile=True: .* whole backward in both passes"):
         _check_model(layout, llama, encoders, "language", {"language": ParallelOptions(compile=True)}, zb)
     _check_model(layout, llama, encoders, "language", {"language": ParallelOptions()}, zb)
+
+
+@pytest.mark.parametrize("schedule", ZERO_BUBBLE_SCHEDULES)
+def test_zero_bubble_is_refused_by_name_before_torch_2_13(schedule, monkeypatch) -> None:
+    from dtensor_mimo.layout import torch_compat
+
+    llama, encoders = _modules(n_layers=4)
+    layout = MimoLayout({"vision": P(), "language": P(pp=2)})
+    zb = PipelineConfig(microbatches=4, schedule=schedule, virtual_stages=2)
+    monkeypatch.setattr(torch_compat, "RELEASE", (2, 11))
+    with pytest.raises(LayoutError, match=rf"schedule '{schedule}' needs torch >= 2.13 .* use "
+                                          r"schedule='Interleaved1F1B' or '1F1B', or torch 2.13"):
+        _check_model(layout, llama, encoders, "language", {}, zb)
+    monkeypatch.setattr(torch_compat, "RELEASE", (2, 13))
+    _check_model(layout, llama, encoders, "language", {}, zb)
 
 
 def test_too_few_layers_for_the_stages_is_refused_before_any_process_group() -> None:
@@ -167,6 +183,7 @@ def test_v_placement_puts_first_and_last_stage_on_pp_rank_0() -> None:
     assert looped.placement == "loop" and looped.rank_stages(0, pp=4) == [0, 4] and looped.stage_rank(7, pp=4) == 3
 
 
+@needs_torch((2, 13), "the zero-bubble schedules are refused by name before 2.13")
 def test_dualpipev_needs_as_many_microbatches_as_stages() -> None:
     llama, encoders = _modules(n_layers=4)
     layout = MimoLayout({"vision": P(), "language": P(pp=2)})

@@ -1,4 +1,4 @@
-"""The torch names that differ between the releases this library runs on (2.11 to 2.13), in one place.
+"""What differs between the torch releases this library runs on (2.11 to 2.13), in one place.
 
 torch 2.13 renamed the tensor-to-tensor collectives ``*_single`` and deprecated the old names with a
 FutureWarning; torch 2.11 (the version on many clusters, and on the GPU machines this project is
@@ -8,8 +8,13 @@ one: the same operation either way (2.13's old names call the new ones).
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+
+RELEASE: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
+"""This torch's (major, minor) release. Where 2.11 has a bug that 2.13 fixed, the library refuses the
+feature by name on older releases (the zero-bubble schedules: `schedule/checks.py`)."""
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 """``all_gather_single(out, send, group=...)``: every member's ``send`` concatenated into ``out``."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import torch
 from torch import nn
 
 from dtensor_mimo.data import MimoBatch
-from dtensor_mimo.layout import LayoutError, MimoLayout
+from dtensor_mimo.layout import LayoutError, MimoLayout, torch_compat
 from dtensor_mimo.models import ModalityEncoder
 from dtensor_mimo.models.protocol import ItemRule, encoder_problems, language_problems
 from dtensor_mimo.models.vit import self_attentions
@@ -80,6 +81,12 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
         stage_layers(len(language.layers), pipeline.num_stages(layout.parallelism(language_name).pp),
                      pipeline.split, module=language_name)
     lang_options = options.get(language_name, ParallelOptions())
+    if pipeline is not None and pipeline.schedule in ZERO_BUBBLE_SCHEDULES and torch_compat.RELEASE < (2, 13):
+        # Measured on torch 2.11 (docs/testing.md): InterleavedZeroBubble's input pass reads
+        # requires_grad of a stage's non-tensor inputs; the V schedules' stage set-up sends fail.
+        raise LayoutError(f"schedule {pipeline.schedule!r} needs torch >= 2.13 (this is {torch.__version__}, whose "
+                          "pipelining fails on this library's stages under the zero-bubble schedules): use "
+                          "schedule='Interleaved1F1B' or '1F1B', or torch 2.13")
     if pipeline is not None and pipeline.schedule in ZERO_BUBBLE_SCHEDULES and lang_options.compile:
         # torch 2.13 runs a block compiled in place (`compile_blocks`) and gets the numbers right,
         # but the block's backward is one compiled node: the input pass runs all of it, and the

@@ -56,7 +56,8 @@ class PipelineConfig:
             looped); "ZBVZeroBubble", "DualPipeV" (two stages per rank in a V; DualPipeV needs
             at least ``2 * pp`` microbatches). The zero-bubble ones ("InterleavedZeroBubble",
             "ZBVZeroBubble", "DualPipeV") need stages that are not compiled (torch would run a
-            compiled block's whole backward in both the input and the weight pass).
+            compiled block's whole backward in both the input and the weight pass) and torch
+            >= 2.13 (2.11's pipelining fails on them).
         virtual_stages: stages per pp rank (> 1 needs a multi-stage schedule, exactly 2 for the
             V schedules); the decoder is cut into ``pp * virtual_stages`` stages.
         split: decoder layers per stage (``pp * virtual_stages`` entries, each >= 1, summing to
