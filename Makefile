@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test learn fuzz bench clean
+.PHONY: demo test test-torch2.11 learn fuzz bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,18 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# The suite on the GPU machines' packages, torch 2.11 + transformers 5.17 without torchvision, on CPU
+# (docs/testing.md, "Other torch releases"): PyPI's torch 2.11 is a CUDA build, about 5 GB installed.
+VENV_211 ?= .venv-torch2.11
+$(VENV_211)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV_211)
+	$(VENV_211)/bin/python -m pip install -q torch==2.11.0 transformers==5.17.0
+	$(VENV_211)/bin/python -m pip install -q -e '.[test,data]'
+	touch $@
+
+test-torch2.11: $(VENV_211)/.installed
+	$(VENV_211)/bin/python -m pytest -q -rs
 
 # Long learning runs (held-out accuracy well above chance after hundreds of steps), outside the suite
 learn: $(VENV)/.installed
