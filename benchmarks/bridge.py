@@ -76,10 +76,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dtensor_mimo.layout.torch_compat import all_gather_single
 from dtensor_mimo.bridge import (MeshSpec, RankPlan, backward_specs, exchange, hop_rows, plan, plan_backward,
                                  redistribute)
 from dtensor_mimo.bridge.hops import default_hops
+from dtensor_mimo.layout.torch_compat import all_gather_single
 
 # The package re-exports the function `redistribute` under the submodule's name: fetch the module itself.
 redistribute_module = importlib.import_module("dtensor_mimo.bridge.redistribute")

@@ -33,10 +33,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
-from dtensor_mimo.layout.torch_compat import all_gather_single, reduce_scatter_single
 from dtensor_mimo.bridge import exchange
 from dtensor_mimo.bridge.plan import (MeshSpec, RankPlan, _bounds, _Mesh, _static, backward_specs, plan,
                                       plan_for_rank)
+from dtensor_mimo.layout.torch_compat import all_gather_single, reduce_scatter_single
 
 Groups = Callable[[int], dist.ProcessGroup]
 """A side's process group along one of its spec's mesh dims (e.g. ``DeviceMesh.get_group``); asked
