@@ -38,10 +38,12 @@ A case's step time is the mean over `--steps` steps timed between two device syn
 `--warmup` steps: compilation), three times, the median kept; work the host queues ahead counts as
 it runs. MFU is model FLOPs (the trainer's formula, `dtensor_mimo.train.metrics.transformer_flops`:
 6 x the non-embedding parameters x tokens + attention, per module) over the step time over the
-card's dense bf16 peak (`peak_tflops`). `--record` appends the rows, dated with the card and torch
-version, to `benchmarks/RESULTS.md`. Runs on torch 2.11 and 2.13 with transformers 5.x, nothing
-else; the fp8 cases need torchao (`pip install 'dtensor_mimo[fp8]'`, a 3.4 MB wheel to carry) and
-a GPU of compute capability 8.9+, else they fail alone, by name.
+card's dense bf16 peak (`peak_tflops`). `--record` appends the rows to `benchmarks/RESULTS.md`, under a
+heading with the date, the card and the versions of torch, transformers and torchao (the JSON
+has them too). Runs on torch 2.11 and 2.13 with transformers 5.x (`make test-torch2.11` checks
+the library on the GPU machines' torch 2.11 and transformers 5.17 on CPU), nothing else; the fp8
+cases need torchao (`pip install 'dtensor_mimo[fp8]'`, a 3.4 MB wheel to carry) and a GPU of
+compute capability 8.9+, else they fail alone, by name.
 """
 
 from __future__ import annotations
@@ -550,7 +552,7 @@ def main() -> None:
     device = torch.device("cpu") if args.tiny else torch.device("cuda", 0)
     card = "CPU" if args.tiny else torch.cuda.get_device_name(0)
     peak = peak_tflops(device, 0.0) or None
-    result = {"card": card, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+    result = {"card": card, "torch": torch.__version__, **_versions(), "date": datetime.date.today().isoformat(),
               "sizes": {"lm": LM["tiny" if args.tiny else "default"], "vlm": VLM["tiny" if args.tiny else "default"]},
               "rows": {}}
     rows = result["rows"]
@@ -584,9 +586,27 @@ def main() -> None:
         new = not os.path.exists(path)
         with open(path, "a") as f:
             if new:
-                f.write("# GPU results (`benchmarks/gpu.py --record`)\n\n| date | card | torch | case | step ms | "
-                        "tokens or samples/s | MFU | peak GiB | ratio | against |\n|---|---|---|---|---|---|---|---|---|---|\n")
+                f.write("# GPU results (`benchmarks/gpu.py --record`)\n")
+            f.write(f"\n## {result['date']}, {card}: {_packages(result)}\n\n| date | card | torch | case | step ms | "
+                    "tokens or samples/s | MFU | peak GiB | ratio | against |\n|---|---|---|---|---|---|---|---|---|---|\n")
             f.write("\n".join(lines) + "\n")
+
+
+def _versions() -> dict[str, str | None]:
+    """The versions of the packages besides torch that the figures depend on (None: not installed)."""
+    from importlib import metadata
+
+    found = {}
+    for name in ("transformers", "torchao"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def _packages(result: dict) -> str:
+    return ", ".join(f"{name} {result.get(name) or '(none)'}" for name in ("torch", "transformers", "torchao"))
 
 
 # What each case is compared with (same run, same card), and what issue 29 asks of the ratio.
@@ -603,7 +623,7 @@ def _report(result: dict, tiny: bool) -> list[str]:
 
     rows, card = result["rows"], result["card"]
     lm, vlm = result["sizes"]["lm"], result["sizes"]["vlm"]
-    print(f"\n{card}, torch {torch.__version__}, bf16{' (tiny sizes, CPU)' if tiny else ''}\n"
+    print(f"\n{card}, {_packages(result)}, bf16{' (tiny sizes, CPU)' if tiny else ''}\n"
           f"lm: Llama {lm['dim']} x {lm['layers']}, batch {lm['batch']} x {lm['seq']}; vlm: SigLIP {vlm['vdim']} x "
           f"{vlm['vlayers']} @ {vlm['image']} px / {vlm['patch']} + Qwen2 {vlm['dim']} x {vlm['layers']}, "
           f"{vlm['batch']} samples x {vlm['seq']}")
