@@ -51,7 +51,7 @@ def needs_torch(release: tuple[int, int], why: str) -> Any:
 
     from dtensor_mimo.layout.torch_compat import RELEASE
 
-    return pytest.mark.skipif(RELEASE < release, reason=f"torch {torch.__version__}: {why} (fixed by "
+    return pytest.mark.skipif(RELEASE < release, reason=f"torch {torch.__version__}: {why} (needs "
                                                         f"{release[0]}.{release[1]})")
 
 
