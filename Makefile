@@ -23,7 +23,7 @@ test: $(VENV)/.installed
 VENV_211 ?= .venv-torch2.11
 $(VENV_211)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_211)
-	$(VENV_211)/bin/python -m pip install -q torch==2.11.0 transformers==5.17.0
+	$(VENV_211)/bin/python -m pip install -q torch==2.11.0 transformers==5.17.0 torchao==0.18.0
 	$(VENV_211)/bin/python -m pip install -q -e '.[test,data]'
 	touch $@
 
@@ -60,4 +60,4 @@ bench: $(VENV)/.installed
 	$(BENCH_MALLOC) $(VENV)/bin/python benchmarks/train_llava.py
 
 clean:
-	rm -rf $(VENV) bench_results
+	rm -rf $(VENV) $(VENV_211) bench_results

@@ -587,8 +587,10 @@ def main() -> None:
         with open(path, "a") as f:
             if new:
                 f.write("# GPU results (`benchmarks/gpu.py --record`)\n")
-            f.write(f"\n## {result['date']}, {card}: {_packages(result)}\n\n| date | card | torch | case | step ms | "
-                    "tokens or samples/s | MFU | peak GiB | ratio | against |\n|---|---|---|---|---|---|---|---|---|---|\n")
+            f.write(f"\n## {result['date']}, {card}: {_packages(result)}\n\n"
+                    "| date | card | torch | case | step ms | tokens or samples/s | MFU | peak GiB | ratio "
+                    "| against |\n"
+                    "|---|---|---|---|---|---|---|---|---|---|\n")
             f.write("\n".join(lines) + "\n")
 
 

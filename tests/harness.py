@@ -219,16 +219,16 @@ class _RankPool:
                     f"rank processes {new} did not start within {STARTUP_TIMEOUT:.0f} s (exit codes {codes})") from None
 
     def _kill(self) -> None:
-        """Every rank, and a new results queue. Python's documentation warns that a process killed
-        while it uses a queue may corrupt it for every other process; with only the failed call's
-        ranks killed and the queue kept, a failed tp + sp call on torch 2.11 left the next calls
-        waiting out `STARTUP_TIMEOUT` for ranks that had started, for the rest of the run."""
+        """Every rank, and a new results queue (the two go together: a rank left alive would still
+        write to the old queue). Python's documentation warns that a process killed while it uses
+        a queue may corrupt it for every other process; with only the failed call's ranks killed
+        and the queue kept, a failed tp + sp call on torch 2.11 left the next calls waiting out
+        `STARTUP_TIMEOUT` for ranks that had started, for the rest of the run."""
         for r, p in enumerate(self.procs):
             if p is not None:
                 p.kill()
                 p.join(timeout=5)
                 self.procs[r] = self.tasks[r] = None
-        self.results.close()
         self.results = self.ctx.Queue()
         self.group = None
 

@@ -12,6 +12,8 @@ from dtensor_mimo.schedule import SCHEDULES, ZERO_BUBBLE_SCHEDULES, check_microb
 from dtensor_mimo.schedule.config import rank_stages, stage_rank
 from tests.harness import needs_torch
 
+REFUSED_BEFORE_2_13 = needs_torch((2, 13), "the zero-bubble schedules are refused by name before 2.13")
+
 P = Parallelism
 
 
@@ -97,7 +99,7 @@ def test_encoder_pipeline_needs_a_pipeline_config_and_layers_per_stage() -> None
 
 
 @pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
-@needs_torch((2, 13), "the zero-bubble schedules are refused by name before 2.13")
+@REFUSED_BEFORE_2_13
 def test_zero_bubble_refuses_compiled_stages(schedule) -> None:
     from dtensor_mimo import ParallelOptions
 
@@ -183,7 +185,7 @@ def test_v_placement_puts_first_and_last_stage_on_pp_rank_0() -> None:
     assert looped.placement == "loop" and looped.rank_stages(0, pp=4) == [0, 4] and looped.stage_rank(7, pp=4) == 3
 
 
-@needs_torch((2, 13), "the zero-bubble schedules are refused by name before 2.13")
+@REFUSED_BEFORE_2_13
 def test_dualpipev_needs_as_many_microbatches_as_stages() -> None:
     llama, encoders = _modules(n_layers=4)
     layout = MimoLayout({"vision": P(), "language": P(pp=2)})

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-RELEASE: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
+RELEASE: tuple[int, ...] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 """This torch's (major, minor) release. Where 2.11 has a bug that 2.13 fixed, the library refuses the
 feature by name on older releases (the zero-bubble schedules: `schedule/checks.py`)."""
 
@@ -24,4 +24,5 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 functional_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 """``functional_all_gather(x, dim, group)``: the functional all-gather along ``dim``, with its
-registered autograd formula (a sum reduce-scatter); traceable by torch.compile."""
+registered autograd formula (a sum reduce-scatter); traceable by torch.compile. ``x`` must be
+contiguous (2.11 asserts it)."""
