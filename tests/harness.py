@@ -44,7 +44,7 @@ class DistributedTestFailure(AssertionError):
 
 def needs_torch(release: tuple[int, int], why: str) -> Any:
     """A pytest mark: skip on torch releases older than `release`, whose bug `why` the test meets.
-    The suite's torch is 2.13 (`pyproject.toml`); the GPU machines lent to this project carry 2.11,
+    The suite's torch is 2.13 (what `make` installs); the GPU machines lent to this project carry 2.11,
     on which the rest of the suite passes (docs/testing.md)."""
     import pytest
     import torch

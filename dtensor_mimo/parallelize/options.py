@@ -61,8 +61,8 @@ class ParallelOptions:
             causal kernel. An encoder (the library's ViT / AudioEncoder, pp = 1: stages carry one
             item shape): items of their own size packed into one sequence attend through one
             FlexAttention kernel over the block-diagonal mask of the items
-            (`FlexAttentionCore.packed`) instead of one SDPA call per span of items. Needs CUDA to train (torch's FlexAttention has no CPU backward).
-            Numerics unchanged.
+            (`FlexAttentionCore.packed`) instead of one SDPA call per span of items. Needs CUDA to
+            train (torch's FlexAttention has no CPU backward). Numerics unchanged.
         recompute_colocated: an encoder sharing ranks with the language model (the colocated
             three phases): keep no graph while the language model runs its microbatches; each
             microbatch is encoded again right before its backward (one more encoder forward per

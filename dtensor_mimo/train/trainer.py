@@ -468,8 +468,7 @@ class Trainer:
                 # Which step, for errors that cannot say (a peer's closed connection, a timeout).
                 e.add_note(f"in step {step}")
                 raise
-            if self.stopped is not None:
-                self._close_batches()
+            if self.stopped is not None:  # `run` joins the loader's workers on the way out
                 self._say_stopped()
                 self.log.close()
                 return None
