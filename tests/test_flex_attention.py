@@ -167,3 +167,17 @@ def test_refused_for_a_users_encoder_before_any_group() -> None:
         MimoModel(MimoLayout({"vision": Parallelism(), "language": Parallelism()}), llama, encoders,
                   options={"vision": ParallelOptions(flex_attention=True)})
     assert not torch.distributed.is_initialized()
+
+
+def test_the_default_is_flex_for_the_language_model_on_cuda_at_cp_1_only() -> None:
+    """``flex_attention=None`` resolves to on where it was measured faster (the language model on
+    CUDA at cp = 1, benchmarks/RESULTS.md), off on the CPU and under cp; an explicit value wins;
+    anything else is refused by name."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    default = ParallelOptions()
+    assert default.flex_attention is None
+    assert default.language_flex(cuda, 1) and not default.language_flex(cuda, 2) and not default.language_flex(cpu, 1)
+    assert ParallelOptions(flex_attention=True).language_flex(cpu, 2)
+    assert not ParallelOptions(flex_attention=False).language_flex(cuda, 1)
+    with pytest.raises(TypeError, match=r"flex_attention='yes' must be True, False or None"):
+        ParallelOptions(flex_attention="yes")

@@ -62,7 +62,11 @@ class ParallelOptions:
             item shape): items of their own size packed into one sequence attend through one
             FlexAttention kernel over the block-diagonal mask of the items
             (`FlexAttentionCore.packed`) instead of one SDPA call per span of items. Needs CUDA to
-            train (torch's FlexAttention has no CPU backward). Numerics unchanged.
+            train (torch's FlexAttention has no CPU backward). Numerics unchanged. None (default): on for
+            the language model on CUDA at cp = 1 (on an H200 the packed 1B LM step took 234 ms
+            against 360 ms through the masked chunks, `benchmarks/RESULTS.md`), off elsewhere:
+            on the CPU, under cp (not yet measured on GPUs), for encoders, and for a user's
+            decoder without ``set_attention_fn``.
         recompute_colocated: an encoder sharing ranks with the language model (the colocated
             three phases): keep no graph while the language model runs its microbatches; each
             microbatch is encoded again right before its backward (one more encoder forward per
@@ -94,7 +98,7 @@ class ParallelOptions:
     reduce_dtype: torch.dtype | str | None = None
     loss_parallel: bool = True
     chunked_loss: bool = True
-    flex_attention: bool = False
+    flex_attention: bool | None = None
     recompute_colocated: bool = False
     balance: bool | None = None
     fp8: FP8Recipe | None = None
@@ -108,11 +112,13 @@ class ParallelOptions:
                 raise TypeError(f"ParallelOptions: {name}={value!r} must be a floating dtype such as "
                                 f"torch.bfloat16, one of {sorted(DTYPES)}, or None")
         flags = {n: getattr(self, n) for n in ("sp", "fsdp", "compile", "reshard_after_forward",
-                                               "loss_parallel", "chunked_loss", "flex_attention",
-                                               "recompute_colocated")}
+                                               "loss_parallel", "chunked_loss", "recompute_colocated")}
         wrong = {n: v for n, v in flags.items() if not isinstance(v, bool)}
         if wrong:
             raise TypeError(f"ParallelOptions: {wrong} must be True or False")
+        if self.flex_attention not in (None, True, False):
+            raise TypeError(f"ParallelOptions: flex_attention={self.flex_attention!r} must be True, False or None "
+                            "(on for the language model on CUDA at cp = 1)")
         if self.balance not in (None, True, False):
             raise TypeError(f"ParallelOptions: balance={self.balance!r} must be True, False or None (on when "
                             "a batch's items differ in size)")
@@ -126,6 +132,13 @@ class ParallelOptions:
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise TypeError(f"ParallelOptions: compile_backend={self.compile_backend!r} must be a "
                             "backend name such as 'inductor' or 'aot_eager'")
+
+    def language_flex(self, device: torch.device, cp: int) -> bool:
+        """Whether the language model's attention runs through FlexAttention on `device` at `cp`
+        (`flex_attention`, its None resolved)."""
+        if self.flex_attention is not None:
+            return self.flex_attention
+        return device.type == "cuda" and cp == 1
 
     @property
     def gradient_reduce_dtype(self) -> torch.dtype | None:

@@ -166,10 +166,11 @@ class LanguagePipeline:
         self.dim = llama.config.dim
         self.dtype = compute_dtype(options, llama)  # of the hidden states between stages
         tp_mesh, dp_mesh = layout.mesh(name, "tp"), layout.mesh(name, ("dp", "cp"))
-        inner = FlexAttentionCore() if options.flex_attention else causal_attention
+        flex = options.language_flex(device, par.cp) and callable(getattr(llama, "set_attention_fn", None))
+        inner = FlexAttentionCore() if flex else causal_attention
         if par.cp > 1:
             llama.set_attention_fn(ContextParallelAttention(layout.mesh(name, "cp"), inner))
-        elif options.flex_attention:
+        elif flex:
             llama.set_attention_fn(inner)
         bounds = stage_layers(len(llama.layers), self.n_stages, config.split, module=name)
         self.stage_indices = config.rank_stages(coord["pp"], par.pp)
