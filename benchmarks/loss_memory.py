@@ -1,7 +1,7 @@
 """Peak memory and time of the language model's loss: the head and cross entropy in chunks
 (`ParallelOptions(chunked_loss=True)`, the default) against plain ``[tokens, vocab]`` logits.
 
-    python benchmarks/loss_memory.py [--vocabs 32000 128256] [--tokens 2048] [--out bench_results/loss_memory.json]
+    python benchmarks/loss_memory.py [--vocabs 32000 128256] [--tokens 2048] [--compiled] [--out bench_results/loss_memory.json]
 
 Each case builds a small `Llama` (dim 256, 2 layers) through `MimoModel` (world 1, gloo) in a
 fresh process, and runs forward + backward of one batch of `--tokens` tokens (one row): the
@@ -10,6 +10,9 @@ pass), then the median time of three more passes. The vocabulary sets the logits
 32,000 and 4,096 tokens they are 131M values (524 MB in fp32, two chunks), at Llama 3's 128,256 four times
 that. The plain path holds the fp32 log-softmax of all logits until backward and then their fp32
 gradient and its bf16/fp32 copy; the chunked one holds one chunk of fp32 logits at a time.
+`--compiled` adds both paths with ``ParallelOptions(compile=True)`` (inductor): the blocks, and
+for the chunked one each chunk's arithmetic after its matmul fused (`linear_token_loss_sum`'s
+``compile_backend``); its memory and time are compared with the compiled plain path.
 """
 
 from __future__ import annotations
@@ -31,13 +34,14 @@ import torch
 from dtensor_mimo import MimoLayout, MimoModel, ParallelOptions, Parallelism, init_distributed
 from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.models import Llama, LlamaConfig
-vocab, tokens, chunked = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "chunked"
+vocab, tokens, case = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 init_distributed("cpu")
 torch.manual_seed(0)
 llama = Llama(LlamaConfig(vocab_size=vocab, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512,
                           max_seq_len=tokens))
 model = MimoModel(MimoLayout({"language": Parallelism()}), llama, {},
-                  options={"language": ParallelOptions(chunked_loss=chunked)})
+                  options={"language": ParallelOptions(chunked_loss=case.startswith("chunked"),
+                                                       compile=case.endswith("compiled"))})
 ids = torch.randint(0, vocab, (1, tokens + 1))
 batch = MimoBatch(ids[:, :-1], ids[:, 1:], loss_mask=torch.ones(1, tokens))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -57,21 +61,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128256])
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--compiled", action="store_true",
+                    help="also both compiled (inductor: the blocks, and the chunks' arithmetic fused)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "loss_memory.json"))
     args = ap.parse_args()
     rows = []
     env = {**os.environ, "PYTHONPATH": ROOT}
-    print(f"{'vocab':>8}{'logits MB (fp32)':>18}{'case':>10}{'peak growth MB':>16}{'fwd+bwd s':>11}{'memory vs plain':>17}")
+    print(f"{'vocab':>8}{'logits MB (fp32)':>18}{'case':>18}{'peak growth MB':>16}{'fwd+bwd s':>11}{'memory vs plain':>17}")
     for vocab in args.vocabs:
         got = {}
-        for case in ("plain", "chunked"):
+        for case in ("plain", "chunked", *(("plain compiled", "chunked compiled") if args.compiled else ())):
             out = subprocess.run([sys.executable, "-c", CHILD, str(vocab), str(args.tokens), case, "29571"],
                                  capture_output=True, text=True, env=env, check=True)
             peak, seconds = map(float, out.stdout.split())
             got[case] = peak
-            ratio = peak / got["plain"]
+            ratio = peak / got[case.replace("chunked", "plain")]
             rows.append({"vocab": vocab, "tokens": args.tokens, "case": case, "peak_growth_mb": peak, "fwd_bwd_s": seconds})
-            print(f"{vocab:>8}{vocab * args.tokens * 4 / 1e6:>18.0f}{case:>10}{peak:>16.0f}{seconds:>11.2f}{ratio:>16.2f}x",
+            print(f"{vocab:>8}{vocab * args.tokens * 4 / 1e6:>18.0f}{case:>18}{peak:>16.0f}{seconds:>11.2f}{ratio:>16.2f}x",
                   flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from dtensor_mimo.data import IGNORE_INDEX
 from dtensor_mimo.sequence import linear_token_loss_sum, loss
@@ -28,13 +29,13 @@ def _inputs(dtype=torch.float32):
     return hidden, weight, labels, mask
 
 
-def _both(hidden, weight, labels, mask, autocast: bool, scale: float = 1.0):
+def _both(hidden, weight, labels, mask, autocast: bool, scale: float = 1.0, compile_backend: str | None = None):
     """(loss, grad of hidden, grad of weight) of the chunked and of the plain path."""
     out = []
     for chunked in (True, False):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            value = (linear_token_loss_sum(h, w, labels, mask) if chunked
+            value = (linear_token_loss_sum(h, w, labels, mask, compile_backend=compile_backend) if chunked
                      else token_loss_sum(h @ w.t(), labels, mask))
         (value * scale).backward()
         out.append((value.detach(), h.grad, w.grad))
@@ -63,12 +64,34 @@ def test_under_bf16_autocast_it_computes_as_the_head_would(monkeypatch) -> None:
     assert (got - _both(*_inputs(), autocast=False)[1][0]).abs() > 1e-4  # bf16 logits differ from fp32 ones
 
 
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_compiled_chunks_give_the_plain_loss_and_gradients(backend, monkeypatch) -> None:
+    """`compile_backend`: each chunk's arithmetic through torch.compile (fused by inductor) gives the
+    plain path's numbers in fp32 and under bf16 autocast; chunks of 5 rows leave a last one of 4
+    (a second row count: one recompilation, dynamic); a label outside the vocabulary still NaN."""
+    monkeypatch.setattr(loss, "LOSS_CHUNK_LOGITS", 5 * VOCAB)
+    monkeypatch.setattr(loss, "_COMPILED_TERMS", {})
+    torch._dynamo.reset()  # no row count remembered as dynamic from an earlier compilation
+    counters.clear()
+    (got, gh, gw), (want, wh, ww) = _both(*_inputs(), autocast=False, scale=0.37, compile_backend=backend)
+    assert counters["stats"]["unique_graphs"] == 2  # 5 rows, then any count (the last chunk's 4)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gh, wh, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gw, ww, rtol=1e-5, atol=1e-7)
+    (got, gh, gw), (want, wh, ww) = _both(*_inputs(), autocast=True, compile_backend=backend)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gh, wh, rtol=2e-2, atol=2e-3)
+    hidden, weight, labels, mask = _inputs()
+    labels[1, 4] = VOCAB
+    assert torch.isnan(linear_token_loss_sum(hidden.requires_grad_(), weight, labels, mask, compile_backend=backend))
+
+
 def test_without_grad_it_only_sums(monkeypatch) -> None:
     """Under no_grad (evaluation) with inputs that require grad: no gradient work at all."""
     monkeypatch.setattr(loss, "LOSS_CHUNK_LOGITS", 3 * VOCAB)
     calls = []
     chunked = loss._chunked_cross_entropy
-    monkeypatch.setattr(loss, "_chunked_cross_entropy", lambda *a: calls.append(a[4:]) or chunked(*a))
+    monkeypatch.setattr(loss, "_chunked_cross_entropy", lambda *a: calls.append(a[4:6]) or chunked(*a))
     hidden, weight, labels, mask = _inputs()
     hidden.requires_grad_(), weight.requires_grad_()
     with torch.no_grad():
@@ -106,8 +129,10 @@ def test_a_user_decoder_keeps_its_own_head() -> None:
     assert run_on_ranks(_user_decoder_keeps_its_head, 1, timeout=120) == [False]
 
 
-def _model_grads(chunked: bool, chunk_rows: int) -> tuple[float, dict[str, torch.Tensor]]:
-    """One text batch through `MimoModel` (world 1, vision colocated): loss and every gradient."""
+def _model_grads(chunked: bool, chunk_rows: int, compile_backend: str | None = None
+                 ) -> tuple[float, dict[str, torch.Tensor]]:
+    """One text batch through `MimoModel` (world 1, vision colocated): loss and every gradient;
+    with `compile_backend`, the language model compiled (its blocks and the chunks' arithmetic)."""
     from dtensor_mimo import MimoLayout, MimoModel, ParallelOptions, Parallelism
     from tests.test_mimo import _batches, _modules
 
@@ -116,17 +141,21 @@ def _model_grads(chunked: bool, chunk_rows: int) -> tuple[float, dict[str, torch
     layout.init_meshes("cpu")
     llama, encoders = _modules(("vision",))
     assert llama.config.vocab_size == 64
-    model = MimoModel(layout, llama, encoders, options={"language": ParallelOptions(chunked_loss=chunked)})
-    assert model.language_pipeline.stages[0].chunked_loss is chunked
+    options = ParallelOptions(chunked_loss=chunked, compile=compile_backend is not None,
+                              compile_backend=compile_backend or "inductor")
+    model = MimoModel(layout, llama, encoders, options={"language": options})
+    stage = model.language_pipeline.stages[0]
+    assert stage.chunked_loss is chunked and stage.loss_compile_backend == compile_backend
     batch = _batches(("vision",), packed=True)[0]
     value = model(batch)
     value.backward()
     return float(value), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_mimo_model_chunked_loss_equals_the_plain_head() -> None:
-    (got, got_grads), (want, want_grads) = [run_on_ranks(_model_grads, 1, chunked, 7, timeout=120)[0]
-                                            for chunked in (True, False)]
+@pytest.mark.parametrize("compile_backend", [None, "aot_eager"])
+def test_mimo_model_chunked_loss_equals_the_plain_head(compile_backend) -> None:
+    (got, got_grads), (want, want_grads) = [run_on_ranks(_model_grads, 1, chunked, 7, backend, timeout=180)[0]
+                                            for chunked, backend in ((True, compile_backend), (False, None))]
     assert got == pytest.approx(want, rel=1e-6)
     assert got_grads.keys() == want_grads.keys() and any("output" in n for n in got_grads)
     for name, grad in got_grads.items():

@@ -55,7 +55,8 @@ class LanguageStage(nn.Module):
     under the whole model's parameter names."""
 
     def __init__(self, llama: nn.Module, first: bool, last: bool, cp_size: int, cp_rank: int,
-                 hidden_dtype: torch.dtype | None = None, chunked_loss: bool = False) -> None:
+                 hidden_dtype: torch.dtype | None = None, chunked_loss: bool = False,
+                 loss_compile_backend: str | None = None) -> None:
         super().__init__()
         self.llama, self.first, self.last = llama, first, last
         # The head runs inside the loss (`linear_token_loss_sum`) for the library's decoder, whose
@@ -64,6 +65,7 @@ class LanguageStage(nn.Module):
         head = getattr(llama, "output", None)
         self.chunked_loss = (chunked_loss and last and isinstance(llama, Llama) and type(head) is nn.Linear
                              and head.bias is None)
+        self.loss_compile_backend = loss_compile_backend  # the chunked loss's arithmetic compiled with it
         self.cp_size, self.cp_rank = cp_size, cp_rank
         self.hidden_dtype = hidden_dtype  # what a non-last stage sends on (the compute dtype)
         self.predicting = False  # the last stage returns next-token ids instead of a loss share
@@ -106,7 +108,8 @@ class LanguageStage(nn.Module):
                 h = self.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
             finally:
                 self.llama._modules["output"] = head
-            return linear_token_loss_sum(h, head.weight, labels, loss_mask) / self.normalizer
+            return linear_token_loss_sum(h, head.weight, labels, loss_mask,
+                                         compile_backend=self.loss_compile_backend) / self.normalizer
         out = self.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
         if not self.last:
             return out if self.hidden_dtype is None else out.to(self.hidden_dtype)
@@ -178,7 +181,8 @@ class LanguagePipeline:
         for s in self.stage_indices:
             part = llama_stage(llama, bounds[s], s == 0, s == self.n_stages - 1)
             module = LanguageStage(part, s == 0, s == self.n_stages - 1, par.cp, self.cp_rank, self.dtype,
-                                   chunked_loss=options.chunked_loss and par.tp == 1)
+                                   chunked_loss=options.chunked_loss and par.tp == 1,
+                                   loss_compile_backend=options.compile_backend if options.compile else None)
             self.stages.append(parallelize(module, tp_mesh, dp_mesh, options, parts=[part], name=name))
         self._schedules: OrderedDict = OrderedDict()
 

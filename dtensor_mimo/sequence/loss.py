@@ -19,6 +19,8 @@ re-exports these names.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -57,7 +59,7 @@ LOSS_CHUNK_LOGITS = 1 << 26
 
 
 def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          loss_mask: torch.Tensor) -> torch.Tensor:
+                          loss_mask: torch.Tensor, *, compile_backend: str | None = None) -> torch.Tensor:
     """`token_loss_sum` of the logits ``hidden @ weight.T`` (the output head, no bias) without
     ever holding them: ``hidden`` ``[..., dim]``, ``weight`` ``[vocab, dim]`` (plain tensors).
 
@@ -75,7 +77,14 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     loss `train_step` reports), not an error: that would need a device sync. Numerics: those of
     `token_loss_sum` up to the order of the sums (the weight's gradient is summed over chunks in
     fp32). Not twice differentiable. Logits that fit in one chunk take the plain path (the head,
-    then `token_loss_sum`): nothing to save there, and fewer host operations for small models."""
+    then `token_loss_sum`): nothing to save there, and fewer host operations for small models.
+
+    `compile_backend` (the language model's `ParallelOptions.compile_backend` when it compiles):
+    each chunk's arithmetic after its matmul (`_chunk_terms`: fp32 cast, log-sum-exp, target
+    logit, ``softmax - onehot`` times the weight, cast back) runs through ``torch.compile``, which
+    fuses it into one or two kernels over the chunk's logits instead of about seven eager passes
+    over its fp32 copy (on an H200 those passes were about 7 ms of the 1B LM's 249 ms step).
+    Numerics: the eager path's up to the fused kernels' order of operations."""
     hidden, labels = hidden.flatten(0, -2), labels.flatten()
     weights = loss_weights(labels, loss_mask.flatten())
     if hidden.shape[0] * weight.shape[0] <= LOSS_CHUNK_LOGITS:
@@ -86,8 +95,8 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
         total = token_loss_sum(F.linear(hidden, weight), torch.where(counted & ~bad, labels, IGNORE_INDEX), weights)
         return torch.where(bad.any(), torch.nan, total)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(hidden, weight, labels, weights)
-    return _chunked_cross_entropy(hidden, weight, labels, weights, False, False)[0]
+        return _LinearCrossEntropy.apply(hidden, weight, labels, weights, compile_backend)
+    return _chunked_cross_entropy(hidden, weight, labels, weights, False, False, compile_backend)[0]
 
 
 def _outside(labels: torch.Tensor, counted: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -96,7 +105,8 @@ def _outside(labels: torch.Tensor, counted: torch.Tensor, vocab: int) -> torch.T
 
 
 def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                           want_h: bool, want_w: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                           want_h: bool, want_w: bool, compile_backend: str | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The summed weighted loss and, where wanted, the gradients of `hidden` and `weight` (fp32)."""
     device = hidden.device.type
     dtype = torch.promote_types(hidden.dtype, weight.dtype)
@@ -108,21 +118,12 @@ def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     rows = max(1, LOSS_CHUNK_LOGITS // max(vocab, 1))
+    terms = _chunk_terms if compile_backend is None else _compiled_chunk_terms(compile_backend)
     with torch.autocast(device, enabled=False):
         for start in range(0, h.shape[0], rows):
-            hc, lc, wc = h[start:start + rows], labels[start:start + rows], weights[start:start + rows]
-            logits = (hc @ w.t()).float()
-            lse = logits.logsumexp(-1)
-            target = lc.clamp(0, vocab - 1).unsqueeze(-1)
-            counted = wc != 0  # ignored rows (weight 0) add exactly 0, whatever their logits
-            bad = _outside(lc, counted, vocab)
-            per_row = (lse - logits.gather(-1, target).squeeze(-1)) * wc
-            total += torch.where(bad, torch.nan, torch.where(counted, per_row, 0.0)).sum()
-            if not (want_h or want_w):
-                continue
-            grad = logits.sub_(lse.unsqueeze(-1)).exp_()  # softmax, in place of the logits
-            grad.scatter_add_(-1, target, torch.full_like(lse, -1.0).unsqueeze(-1))
-            grad = grad.mul_(torch.where(counted, wc, 0.0).unsqueeze(-1)).to(dtype)
+            hc = h[start:start + rows]
+            loss, grad = terms(hc @ w.t(), labels[start:start + rows], weights[start:start + rows], want_h or want_w)
+            total += loss
             if grad_h is not None:
                 torch.mm(grad, w, out=grad_h[start:start + rows])
             if grad_w is not None:
@@ -130,11 +131,43 @@ def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     return total, grad_h, grad_w
 
 
+def _chunk_terms(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                 want_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk's summed weighted cross entropy (fp32) and, if `want_grad`, its gradient by the
+    chunk's logits (``softmax - onehot`` times each row's weight, in the logits' dtype). In place
+    on the fp32 copy of the logits, so that the eager form holds one of them; the compiled form
+    (`_compiled_chunk_terms`) fuses the same code into one or two kernels."""
+    vocab = logits.shape[-1]
+    x = logits.float()
+    lse = x.logsumexp(-1, keepdim=True)
+    target = labels.clamp(0, vocab - 1).unsqueeze(-1)
+    counted = weights != 0  # ignored rows (weight 0) add exactly 0, whatever their logits
+    per_row = (lse.squeeze(-1) - x.gather(-1, target).squeeze(-1)) * weights
+    loss = torch.where(_outside(labels, counted, vocab), torch.nan, torch.where(counted, per_row, 0.0)).sum()
+    if not want_grad:
+        return loss, None
+    onehot = torch.arange(vocab, device=x.device) == target
+    grad = x.sub_(lse).exp_().add_(onehot, alpha=-1).mul_(torch.where(counted, weights, 0.0).unsqueeze(-1))
+    return loss, grad.to(logits.dtype)
+
+
+_COMPILED_TERMS: dict[str, Callable] = {}
+
+
+def _compiled_chunk_terms(backend: str) -> Callable:
+    """`_chunk_terms` through ``torch.compile`` with `backend` (one per backend; the row count
+    becomes dynamic at its second value, the last chunk's, so batches of any size reuse it)."""
+    if backend not in _COMPILED_TERMS:
+        _COMPILED_TERMS[backend] = torch.compile(_chunk_terms, backend=backend)
+    return _COMPILED_TERMS[backend]
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:
-        total, grad_h, grad_w = _chunked_cross_entropy(hidden, weight, labels, weights, *ctx.needs_input_grad[:2])
+                weights: torch.Tensor, compile_backend: str | None) -> torch.Tensor:
+        total, grad_h, grad_w = _chunked_cross_entropy(hidden, weight, labels, weights, *ctx.needs_input_grad[:2],
+                                                       compile_backend)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = hidden.dtype, weight.dtype
         return total
@@ -145,7 +178,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
         return (None if grad_h is None else (grad_h * grad).to(hidden_dtype),
-                None if grad_w is None else (grad_w * grad).to(weight_dtype), None, None)
+                None if grad_w is None else (grad_w * grad).to(weight_dtype), None, None, None)
 
 
 def vocab_parallel_cross_entropy(logits: DTensor, labels: torch.Tensor) -> torch.Tensor:
