@@ -177,6 +177,10 @@ def test_to_moves_every_tensor():
     tensors = [batch.tokens, batch.labels, batch.loss_mask, batch.document_ids, batch.positions,
                *(m.inputs for m in batch.modalities.values())]
     assert all(t.device.type == "meta" for t in tensors)
+    host = hand_batch(with_packing=True)
+    tokens_only = host.to("meta", encoder_inputs=False)  # what a language rank moves
+    assert tokens_only.tokens.device.type == tokens_only.positions.device.type == "meta"
+    assert all(tokens_only.modalities[n].inputs is m.inputs for n, m in host.modalities.items())
 
 
 def _as_is(item):

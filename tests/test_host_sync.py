@@ -238,6 +238,35 @@ def test_unpipelined_step_syncs_are_fixed(language: Parallelism, hops: int | Non
     _check(_per_rank(modules, None, 4, hops), _per_rank(modules, None, 8, hops))
 
 
+def _encoder_input_copies(pipeline: PipelineConfig) -> list[str]:
+    """The files that move a modality's inputs to the device in a colocated world-1 step."""
+    from dtensor_mimo.data.batch import ModalityInputs
+    from dtensor_mimo.layout import MimoLayout
+
+    layout = MimoLayout({"vision": P(), "language": P()}, offsets={"vision": 0, "language": 0})
+    layout.init_meshes("cpu")
+    llama, encoders = _modules(("vision",), n_layers=2)
+    model = MimoModel(layout, llama, encoders, pipeline=pipeline)
+    optimizer = MimoOptimizer(model, OPT)
+    batch = _batches(("vision",), False, batch_size=4, seq_lens=(64,))[0]
+    sites, move = [], ModalityInputs.to
+    ModalityInputs.to = lambda self, device: sites.append(sys._getframe(1).f_code.co_filename) or move(self, device)
+    try:
+        train_step(model, optimizer, batch)
+    finally:
+        ModalityInputs.to = move
+    return [s[s.rindex("dtensor_mimo/"):] for s in sites]
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_the_language_model_copies_no_encoder_inputs(microbatches: int) -> None:
+    """An image crosses to the device once, for its encoder (the language model reads only the
+    modality's metadata; it copied every microbatch's pixels again, an extra 19 MB a step for the
+    VLM of benchmarks/gpu.py)."""
+    sites = run_on_ranks(_encoder_input_copies, 1, PipelineConfig(microbatches=microbatches))[0]
+    assert sites == ["dtensor_mimo/schedule/executor.py"] * microbatches, sites
+
+
 def test_counter_sees_a_device_sync_but_not_host_metadata() -> None:
     host, device = torch.ones(3), torch.ones(3)
     mark_host(host)

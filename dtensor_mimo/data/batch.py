@@ -256,12 +256,14 @@ class MimoBatch:
             lambda t: t[rows], {n: m.select_samples(samples) for n, m in self.modalities.items()}
         )
 
-    def to(self, device: torch.device | str) -> MimoBatch:
+    def to(self, device: torch.device | str, *, encoder_inputs: bool = True) -> MimoBatch:
         """The batch with every tensor on `device`. A copy from host memory is non-blocking: the
         host queues it behind the accelerator's work instead of waiting for that work (a sync);
-        the source is staged (or, pinned, kept alive) by torch, so it may be dropped at once."""
+        the source is staged (or, pinned, kept alive) by torch, so it may be dropped at once.
+        ``encoder_inputs=False``: the modalities' inputs stay where they are (the language model
+        reads only their metadata, so its ranks copy no pixels or audio frames)."""
         non_blocking = self.tokens.is_cpu
-        modalities = {n: m.to(device) for n, m in self.modalities.items()}
+        modalities = {n: m.to(device) for n, m in self.modalities.items()} if encoder_inputs else self.modalities
         return self._derive(lambda t: t.to(device, non_blocking=non_blocking), modalities)
 
     def pin_memory(self) -> MimoBatch:

@@ -252,7 +252,7 @@ class _Run:
                 self.received = {}
             self.loss = language.run([shard(mb, par.dp, dp_rank) for mb in self.mbs], self.normalizer, self.feed)
             return
-        local = shard(self.mbs[0], par.dp, dp_rank).to(parts.device)
+        local = shard(self.mbs[0], par.dp, dp_rank)
         out = language.run_once(local, self.rows, self.normalizer, predicting=a.module == "predict")
         if a.module == "predict":
             self.ids = out

@@ -231,7 +231,7 @@ class LanguagePipeline:
             stage.set_step(feed if stage.first else None, first.special_token_ids, normalizer)
         args, kwargs = [], []
         for i, mb in enumerate(microbatches):  # keyword arguments reach every stage
-            tokens, kw = stage_inputs(mb.to(self.device), self.par.cp, self.cp_rank)
+            tokens, kw = stage_inputs(mb.to(self.device, encoder_inputs=False), self.par.cp, self.cp_rank)
             args.append((tokens,))
             kwargs.append(dict(microbatch=i, **kw))
         losses: list[torch.Tensor] = []
@@ -251,7 +251,7 @@ class LanguagePipeline:
         the caller runs backward (``model(batch).backward()``: one stage only). Blocking
         point-to-point in stage order (stage s sends to s + 1 before anyone posts s + 1's send;
         consecutive stages on one rank, as in a V, hand over locally), so NCCL cannot deadlock."""
-        tokens, kwargs = stage_inputs(mb.to(self.device), self.par.cp, self.cp_rank)
+        tokens, kwargs = stage_inputs(mb.to(self.device, encoder_inputs=False), self.par.cp, self.cp_rank)
         pp_rank, where = self.pp_group.rank(), lambda stage: self.config.stage_rank(stage, self.par.pp)
         x, out = tokens, None
         self.predicted_loss: torch.Tensor | None = None
