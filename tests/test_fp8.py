@@ -100,6 +100,24 @@ def test_encoder_layers_whose_dims_are_not_multiples_of_16_stay() -> None:
     assert all(type(vit.layers[i].mlp.fc1) is nn.Linear for i in ("0", "1"))
 
 
+@pytest.mark.parametrize("recipe, kept", [("tensorwise", {"wk", "wv"}), ("rowwise", {"wq", "wk", "wv", "wo", "w2"})])
+def test_on_cuda_layers_where_float8_does_not_pay_stay(recipe: str, kept: set[str]) -> None:
+    """Not emulated (CUDA), the 1B Llama of benchmarks/gpu.py keeps in bf16 the layers whose
+    float8 matmuls torchao measured slower on an H100 (K/V 2048 -> 512; rowwise: all but the
+    2048 -> 8192 ones); emulated, every eligible layer converts (the other tests)."""
+    import dataclasses
+
+    from dtensor_mimo.models import LlamaConfig
+    from dtensor_mimo.parallelize.fp8 import convert_to_fp8, fp8_config
+
+    with torch.device("meta"):
+        llama = Llama(LlamaConfig(vocab_size=32000, dim=2048, n_layers=2, n_heads=32, n_kv_heads=8, ffn_hidden=8192))
+    linears = _linear_names(llama) - {"output"}
+    config = dataclasses.replace(fp8_config("language", recipe, "cpu", False), emulate=False)
+    convert_to_fp8(llama, config, "language", recipe)
+    assert set(fp8_layers(llama)) == {n for n in linears if n.rsplit(".", 1)[-1] not in kept}
+
+
 # ------------------------------------------------------------------ numerics
 
 

@@ -15,7 +15,14 @@ its three matmuls in float8, keeping fp32 master weights.
 Which layers convert (`converts_to_fp8`): every ``nn.Linear`` whose in and out features are
 multiples of 16 (what the float8 matmul kernels take), except the output head (a layer named
 one of `KEPT_HEADS`, e.g. the decoder's ``output`` or a user decoder's ``lm_head``): the logits
-stay in the compute dtype, as in torchtitan and Megatron-LM. Tensor parallel keeps its own plan:
+stay in the compute dtype, as in torchtitan and Megatron-LM. On CUDA also only where float8 pays
+(`fp8_pays`): a layer whose matmuls torchao measured slower in float8 than in bf16 on an H100
+(its casts cost more than the faster matmul saves: the tables of torchao's float8 README, the
+rule of its ``_auto_filter_for_recipe``, torchtitan's ``auto_filter_small_kn``) stays in the
+compute dtype; e.g. for the 1B Llama of `benchmarks/gpu.py` (dim 2048, 8 of 32 heads for K/V,
+ffn 8192) tensorwise keeps ``wk`` and ``wv`` (2048 -> 512), rowwise converts only ``w1`` and
+``w3``. Emulated (off CUDA) every eligible layer converts, so that the tests check each layer's
+float8 numerics at their small sizes. Tensor parallel keeps its own plan:
 torch's Colwise/Rowwise styles shard ``Float8Linear`` like ``nn.Linear`` and the float8 casts
 run on each rank's shard (torchtitan's rowwise path; torchao's float8 tp styles would also send
 the tp all-gathers in float8, for tensorwise only).
@@ -97,10 +104,24 @@ def converts_to_fp8(layer: nn.Module, fqn: str) -> bool:
             and layer.in_features % FP8_DIM_MULTIPLE == 0 and layer.out_features % FP8_DIM_MULTIPLE == 0)
 
 
-def convert_to_fp8(stack: nn.Module, config: Float8LinearConfig, module: str) -> None:
-    """Swap `stack`'s Linear layers that `converts_to_fp8` selects for torchao's ``Float8Linear``
-    (in place; parameters keep their names, dtype and values)."""
-    _torchao_float8(module).convert_to_float8_training(stack, module_filter_fn=converts_to_fp8, config=config)
+def fp8_pays(layer: nn.Linear, recipe: str) -> bool:
+    """Whether `layer`'s float8 matmuls beat bf16 on an H100 under `recipe`, by torchao's
+    measured thresholds (``N`` out features, ``K`` in features): tensorwise unless ``K <= 4096``
+    and ``N <= 1024``; rowwise only if ``N > 2048``, ``K > 1024`` and not both ``N <= 4096`` and
+    ``K <= 2048``."""
+    n, k = layer.out_features, layer.in_features
+    if recipe == "tensorwise":
+        return not (k <= 4096 and n <= 1024)
+    return n > 2048 and k > 1024 and not (n <= 4096 and k <= 2048)
+
+
+def convert_to_fp8(stack: nn.Module, config: Float8LinearConfig, module: str, recipe: str) -> None:
+    """Swap `stack`'s Linear layers that `converts_to_fp8` selects (on CUDA, also `fp8_pays`) for
+    torchao's ``Float8Linear`` (in place; parameters keep their names, dtype and values)."""
+    def selected(layer: nn.Module, fqn: str) -> bool:
+        return converts_to_fp8(layer, fqn) and (config.emulate or fp8_pays(layer, recipe))
+
+    _torchao_float8(module).convert_to_float8_training(stack, module_filter_fn=selected, config=config)
 
 
 def fp8_layers(module: nn.Module) -> list[str]:

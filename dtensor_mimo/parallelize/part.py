@@ -91,7 +91,7 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
     units: list[nn.Module] = []  # FSDP2's units below the root
     for stack in parts:
         if fp8 is not None:
-            convert_to_fp8(stack, fp8, name)
+            convert_to_fp8(stack, fp8, name, options.fp8)
         if tp_size(tp_mesh) > 1 or (wrap_one_rank and tp_mesh is not None):
             tp_plan(stack)(stack, tp_mesh, options)
         layers = blocks(stack)
