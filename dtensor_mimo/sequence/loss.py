@@ -147,7 +147,11 @@ def _chunk_terms(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tens
     if not want_grad:
         return loss, None
     onehot = torch.arange(vocab, device=x.device) == target
-    grad = x.sub_(lse).exp_().add_(onehot, alpha=-1).mul_(torch.where(counted, weights, 0.0).unsqueeze(-1))
+    # Traced, the first step is out of place: torch 2.11's inductor computes the loss of the
+    # in-place form wrong when `x` is the fp32 logits themselves (an input it mutates); the fused
+    # kernel allocates nothing more either way.
+    shifted = x - lse if torch.compiler.is_compiling() else x.sub_(lse)
+    grad = shifted.exp_().add_(onehot, alpha=-1).mul_(torch.where(counted, weights, 0.0).unsqueeze(-1))
     return loss, grad.to(logits.dtype)
 
 
