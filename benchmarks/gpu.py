@@ -18,7 +18,7 @@ important figures:
 
 | section | case | what |
 |---|---|---|
-| lm | ours | `Llama` through `MimoModel` (world 1) + `MimoOptimizer` + `train_step`: bf16 compute (`ParallelOptions(param_dtype="bf16")`, fp32 master weights), per-block compile, fused AdamW |
+| lm | ours | `Llama` through `MimoModel` (world 1) + `MimoOptimizer` + `train_step`: bf16 compute (`ParallelOptions(param_dtype="bf16")`, fp32 master weights), per-block compile, fused AdamW; first checks the chunked loss's compiled arithmetic against its eager form on the GPU |
 | lm | ours fp8 tensorwise / rowwise | the same with `ParallelOptions(fp8=...)`: torchao float8 training of the Linear layers where it pays on CUDA (`fp8_pays`), not the output head |
 | lm | ours packed (flex) | the same on rows packed with documents of 64-1024 tokens (document ids and positions): attention through the masked SDPA chunks, or with `ParallelOptions(flex_attention=True)` through FlexAttention over a block mask; the flex case first checks its outputs and gradients against the masked path on the GPU (fp32) |
 | lm | ours fsdp2 bf16 | the same with FSDP2's `MixedPrecisionPolicy` on its mesh of one rank instead of autocast (which mixed-precision form is faster at dp = 1; at dp > 1 the library uses FSDP2's) |
@@ -178,6 +178,8 @@ def _lm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: s
     batches = _pinned([MimoBatch(t, l, loss_mask=torch.ones_like(l, dtype=torch.bool), **(_documents(s, i) if packed else {}))
                        for i, (t, l) in enumerate(_lm_batches(s))], device)
     check = _flex_check(batches[0], device) if flex else {}
+    if chunked_loss:
+        check.update(_loss_check(s, device, backend))
     rounds = _timed(lambda i: train_step(model, optimizer, batches[i % len(batches)]), device, warmup, steps)
     return {"step_s": rounds, "params_no_embed": _no_embed(model), **check}
 
@@ -234,6 +236,31 @@ def _flex_check(batch, device: str) -> dict:
     diffs["flex_packed_max_abs_diff_grad"] = max(float((a - b).abs().max()) for a, b in zip(*grads))
     if max(diffs.values()) > 1e-3:
         raise RuntimeError(f"FlexAttention differs from the masked SDPA path on {device}: {diffs}")
+    return diffs
+
+
+def _loss_check(s: dict, device: str, backend: str) -> dict:
+    """The chunked loss's compiled arithmetic (`linear_token_loss_sum`'s ``compile_backend``, as
+    ``compile=True`` runs it) against its eager form on this device: one chunk of bf16 logits at
+    the LM's vocabulary, a few rows ignored; the loss's relative and the
+    gradient's largest absolute difference (raises above 1e-4 and 1e-2: bf16 rounding)."""
+    import torch
+
+    from dtensor_mimo.sequence.loss import LOSS_CHUNK_LOGITS, _chunk_terms, _compiled_chunk_terms
+
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = LOSS_CHUNK_LOGITS // s["vocab"]
+    logits = (torch.randn(rows, s["vocab"], generator=g, device=device) * 3).bfloat16()
+    labels = torch.randint(0, s["vocab"], (rows,), generator=g, device=device)
+    weights = torch.rand(rows, generator=g, device=device)
+    weights[:7] = 0.0
+    labels[:3] = -100
+    (want, want_grad), (got, got_grad) = (fn(logits.clone(), labels, weights, True)
+                                          for fn in (_chunk_terms, _compiled_chunk_terms(backend)))
+    diffs = {"loss_compiled_rel_diff": float((got - want).abs() / want.abs()),
+             "loss_compiled_max_abs_diff_grad": float((got_grad.float() - want_grad.float()).abs().max())}
+    if not diffs["loss_compiled_rel_diff"] <= 1e-4 or not diffs["loss_compiled_max_abs_diff_grad"] <= 1e-2:
+        raise RuntimeError(f"the compiled chunk loss differs from its eager form on {device}: {diffs}")
     return diffs
 
 
