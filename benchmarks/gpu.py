@@ -241,8 +241,8 @@ def _flex_check(batch, device: str) -> dict:
 
 def _loss_check(s: dict, device: str, backend: str) -> dict:
     """The chunked loss's compiled arithmetic (`linear_token_loss_sum`'s ``compile_backend``, as
-    ``compile=True`` runs it) against its eager form on this device: one chunk of bf16 logits at
-    the LM's vocabulary, a few rows ignored; the loss's relative and the
+    ``compile=True`` runs it) against its eager form on this device: one chunk of bf16 and one of
+    fp32 logits at the LM's vocabulary, a few rows ignored; the loss's relative and the
     gradient's largest absolute difference (raises above 1e-4 and 1e-2: bf16 rounding)."""
     import torch
 
@@ -250,16 +250,19 @@ def _loss_check(s: dict, device: str, backend: str) -> dict:
 
     g = torch.Generator(device=device).manual_seed(0)
     rows = LOSS_CHUNK_LOGITS // s["vocab"]
-    logits = (torch.randn(rows, s["vocab"], generator=g, device=device) * 3).bfloat16()
     labels = torch.randint(0, s["vocab"], (rows,), generator=g, device=device)
     weights = torch.rand(rows, generator=g, device=device)
     weights[:7] = 0.0
     labels[:3] = -100
-    (want, want_grad), (got, got_grad) = (fn(logits.clone(), labels, weights, True)
-                                          for fn in (_chunk_terms, _compiled_chunk_terms(backend)))
-    diffs = {"loss_compiled_rel_diff": float((got - want).abs() / want.abs()),
-             "loss_compiled_max_abs_diff_grad": float((got_grad.float() - want_grad.float()).abs().max())}
-    if not diffs["loss_compiled_rel_diff"] <= 1e-4 or not diffs["loss_compiled_max_abs_diff_grad"] <= 1e-2:
+    diffs = {}
+    for dtype in (torch.bfloat16, torch.float32):  # fp32: the logits themselves are the fp32 copy
+        logits = (torch.randn(rows, s["vocab"], generator=g, device=device) * 3).to(dtype)
+        (want, want_grad), (got, got_grad) = (fn(logits.clone(), labels, weights, True)
+                                              for fn in (_chunk_terms, _compiled_chunk_terms(backend)))
+        name = str(dtype).removeprefix("torch.")
+        diffs[f"loss_compiled_rel_diff_{name}"] = float((got - want).abs() / want.abs())
+        diffs[f"loss_compiled_max_abs_diff_grad_{name}"] = float((got_grad.float() - want_grad.float()).abs().max())
+    if not all(v <= (1e-4 if "rel" in k else 1e-2) for k, v in diffs.items()):
         raise RuntimeError(f"the compiled chunk loss differs from its eager form on {device}: {diffs}")
     return diffs
 

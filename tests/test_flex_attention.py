@@ -17,6 +17,7 @@ from dtensor_mimo import MimoModel, ParallelOptions, Parallelism
 from dtensor_mimo.layout import LayoutError
 from dtensor_mimo.models import FlexAttentionCore, causal_attention
 from dtensor_mimo.models.layers import PackedItems, packed_attention
+from tests.harness import run_on_ranks
 from tests.test_mimo import Case, _distributed, _modules, check_against_reference
 
 
@@ -169,15 +170,45 @@ def test_refused_for_a_users_encoder_before_any_group() -> None:
     assert not torch.distributed.is_initialized()
 
 
-def test_the_default_is_flex_for_the_language_model_on_cuda_at_cp_1_only() -> None:
-    """``flex_attention=None`` resolves to on where it was measured faster (the language model on
-    CUDA at cp = 1, benchmarks/RESULTS.md), off on the CPU and under cp; an explicit value wins;
-    anything else is refused by name."""
+def test_the_default_is_flex_for_the_library_decoder_on_hopper_at_cp_1_only(monkeypatch) -> None:
+    """``flex_attention=None`` resolves to on where it was measured faster (the library's decoder
+    on CUDA of compute capability 9.0+ at cp = 1, benchmarks/RESULTS.md), off on the CPU, on
+    older cards, under cp and for a user's decoder; an explicit value wins; anything else is
+    refused by name."""
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     default = ParallelOptions()
     assert default.flex_attention is None
-    assert default.language_flex(cuda, 1) and not default.language_flex(cuda, 2) and not default.language_flex(cpu, 1)
-    assert ParallelOptions(flex_attention=True).language_flex(cpu, 2)
+    assert default.language_flex(cuda, 1)
+    assert not default.language_flex(cuda, 2) and not default.language_flex(cpu, 1)
+    assert not default.language_flex(cuda, 1, library_decoder=False)
+    capability[0] = (8, 6)
+    assert not default.language_flex(cuda, 1)
+    assert ParallelOptions(flex_attention=True).language_flex(cpu, 2, library_decoder=False)
     assert not ParallelOptions(flex_attention=False).language_flex(cuda, 1)
     with pytest.raises(TypeError, match=r"flex_attention='yes' must be True, False or None"):
         ParallelOptions(flex_attention="yes")
+
+
+def _attention_cores(custom: bool) -> str:
+    """The attention core the language model was given when the default resolves to on."""
+    from dtensor_mimo import MimoLayout
+
+    resolve = ParallelOptions.language_flex  # the rank process serves later tests: restored
+    ParallelOptions.language_flex = lambda self, device, cp, library_decoder=True: library_decoder
+    try:
+        layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()}, offsets={"vision": 0, "language": 0})
+        layout.init_meshes("cpu")
+        llama, encoders = _modules(("vision",), custom_language=custom)
+        given = []
+        llama.set_attention_fn = lambda fn: given.append(type(fn).__name__)
+        MimoModel(layout, llama, encoders)
+    finally:
+        ParallelOptions.language_flex = resolve
+    return given
+
+
+@pytest.mark.parametrize("custom", [False, True], ids=["library_decoder", "user_decoder"])
+def test_the_default_gives_flex_to_the_library_decoder_only(custom: bool) -> None:
+    assert run_on_ranks(_attention_cores, 1, custom, timeout=120) == [[] if custom else ["FlexAttentionCore"]]

@@ -118,6 +118,22 @@ def test_on_cuda_layers_where_float8_does_not_pay_stay(recipe: str, kept: set[st
     assert set(fp8_layers(llama)) == {n for n in linears if n.rsplit(".", 1)[-1] not in kept}
 
 
+def test_a_module_with_no_layer_worth_float8_says_so(monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Not emulated, the tiny Llama's layers are all too small for float8 to pay: fp8 asked for
+    and nothing converted is logged, by the module's name."""
+    import dataclasses
+
+    from dtensor_mimo.parallelize import fp8, part
+
+    monkeypatch.setattr(part, "fp8_config", lambda *a: dataclasses.replace(fp8.fp8_config(*a), emulate=False))
+    llama = Llama(LLAMA)
+    with caplog.at_level("WARNING", logger=part.__name__):
+        parallelize(llama, None, None, ParallelOptions(fp8="rowwise"), name="language")
+    assert fp8_layers(llama) == []
+    assert "fp8='rowwise') for language: none of its Linear layers converts" in caplog.text
+
+
 # ------------------------------------------------------------------ numerics
 
 

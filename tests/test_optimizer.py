@@ -146,9 +146,16 @@ def test_no_decay_groups() -> None:
     assert {"tok_embeddings.weight", "layers.1.ffn_norm.weight", "norm.weight"} <= exempt["language"]
 
 
-def test_matches_plain_adamw() -> None:
+@pytest.mark.parametrize("implementation", ["fused", "foreach"])
+def test_matches_plain_adamw(implementation: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both forms of the clip: fused AdamW's ``grad_scale`` (CPU and CUDA) and the foreach
+    multiply (devices without a fused kernel)."""
+    from dtensor_mimo.optim import optimizer as module
+
+    monkeypatch.setattr(module, "_implementation", lambda device: {implementation: True})
     modules, reference = _all_modules(), _Reference(_all_modules())
     optimizer = MimoOptimizer(_OneProcess(modules), BASE, per_module=PER_MODULE, schedule=SCHEDULE)
+    assert all(opt.defaults.get(implementation) for opt in optimizer.optimizers.values())
     update, clipped = 0, 0
     for seed, scale in enumerate((1e-3, 8e-3, float("nan"), 2e-3, 8e-3)):
         assert optimizer.lrs() == pytest.approx({n: reference.peaks[n] * FACTORS[update] for n in modules})
@@ -170,6 +177,7 @@ def test_matches_plain_adamw() -> None:
                 torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7,
                                            msg=lambda m: f"update {update} {name}.{n}: {m}")
     assert 0 < clipped < update, "clipping should engage on some updates and not on others"
+    assert all(getattr(opt, "grad_scale", None) is None for opt in optimizer.optimizers.values())
 
 
 def test_state_dict_resumes() -> None:

@@ -217,9 +217,12 @@ class MimoOptimizer:
             if coef < 1.0:
                 for opt in self.optimizers.values():
                     _clip(opt, coef)
-        for opt in self.optimizers.values():
-            opt.step()
-            opt.grad_scale = None
+        try:
+            for opt in self.optimizers.values():
+                opt.step()
+        finally:  # a caught failure must not leave a clip for a later step
+            for opt in self.optimizers.values():
+                opt.grad_scale = None
         self.model.refresh_fp8_scales()  # float8 all-gathers of the new weights
         self.updates += 1
         self._set_lrs()

@@ -13,6 +13,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.f
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 
 
+FLEX_MIN_CAPABILITY = (9, 0)
+"""CUDA compute capability from which `ParallelOptions.flex_attention`'s default turns FlexAttention on."""
+
+
 @dataclass(frozen=True)
 class ParallelOptions:
     """Per-module switches for `dtensor_mimo.parallelize.parallelize` (every part of the module).
@@ -63,10 +67,12 @@ class ParallelOptions:
             FlexAttention kernel over the block-diagonal mask of the items
             (`FlexAttentionCore.packed`) instead of one SDPA call per span of items. Needs CUDA to
             train (torch's FlexAttention has no CPU backward). Numerics unchanged. None (default): on for
-            the language model on CUDA at cp = 1 (on an H200 the packed 1B LM step took 234 ms
-            against 360 ms through the masked chunks, `benchmarks/RESULTS.md`), off elsewhere:
-            on the CPU, under cp (not yet measured on GPUs), for encoders, and for a user's
-            decoder without ``set_attention_fn``.
+            the library's decoder at cp = 1 on CUDA devices of compute capability 9.0+ (on an
+            H200 the packed 1B LM step took 234 ms against 360 ms through the masked chunks,
+            `benchmarks/RESULTS.md`; torch's compiled FlexAttention backward runs out of shared
+            memory on some smaller cards), off elsewhere: on the CPU, under cp (not yet
+            measured on GPUs), for encoders, and for a user's decoder (whose own attention
+            may follow another rule).
         recompute_colocated: an encoder sharing ranks with the language model (the colocated
             three phases): keep no graph while the language model runs its microbatches; each
             microbatch is encoded again right before its backward (one more encoder forward per
@@ -85,7 +91,9 @@ class ParallelOptions:
             "rowwise" (one scale per row, more accurate); None: off. Layers whose dims are not
             multiples of 16 and the output head stay in the compute dtype (`param_dtype`, e.g.
             bf16). Composes with tp/sp, compile and FSDP2; needs ``pip install 'dtensor_mimo[fp8]'``
-            and, on CUDA, compute capability 8.9+ (emulated on the CPU).
+            and, on CUDA, compute capability 8.9+ (emulated on the CPU). On CUDA also layers
+            whose float8 matmuls torchao measured slower than bf16 stay in the compute dtype
+            (`dtensor_mimo.parallelize.fp8.fp8_pays`).
     """
 
     sp: bool = False
@@ -133,12 +141,14 @@ class ParallelOptions:
             raise TypeError(f"ParallelOptions: compile_backend={self.compile_backend!r} must be a "
                             "backend name such as 'inductor' or 'aot_eager'")
 
-    def language_flex(self, device: torch.device, cp: int) -> bool:
+    def language_flex(self, device: torch.device, cp: int, library_decoder: bool = True) -> bool:
         """Whether the language model's attention runs through FlexAttention on `device` at `cp`
-        (`flex_attention`, its None resolved)."""
+        (`flex_attention`, its None resolved: the library's decoder on a CUDA device of compute
+        capability 9.0+, as measured, at cp = 1)."""
         if self.flex_attention is not None:
             return self.flex_attention
-        return device.type == "cuda" and cp == 1
+        return (library_decoder and device.type == "cuda" and cp == 1
+                and torch.cuda.get_device_capability(device) >= FLEX_MIN_CAPABILITY)
 
     @property
     def gradient_reduce_dtype(self) -> torch.dtype | None:

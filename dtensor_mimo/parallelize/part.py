@@ -20,6 +20,7 @@ keeps. The schedule layer calls this for every part; torchtitan's ``pipeline_llm
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Sequence
 
 import torch
@@ -30,11 +31,13 @@ from dtensor_mimo.models import AudioEncoder, Llama, ModalityEncoder, Projection
 from dtensor_mimo.parallelize.checkpointing import checkpoint_blocks
 from dtensor_mimo.parallelize.compile import compile_blocks
 from dtensor_mimo.parallelize.encoders import apply_encoder_tp, apply_projection_tp
-from dtensor_mimo.parallelize.fp8 import convert_to_fp8, fp8_config
+from dtensor_mimo.parallelize.fp8 import convert_to_fp8, fp8_config, fp8_layers
 from dtensor_mimo.parallelize.language import apply_llama_tp
 from dtensor_mimo.parallelize.options import ParallelOptions
 from dtensor_mimo.parallelize.precision import apply_data_parallel, uses_fsdp
 from dtensor_mimo.parallelize.tensor_parallel import tp_size
+
+log = logging.getLogger(__name__)
 
 TpPlan = Callable[[nn.Module, DeviceMesh, ParallelOptions], None]
 
@@ -107,6 +110,10 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
         if options.compile:
             compile_blocks(layers, options.compile_backend, skip=done)
         units.extend(layers.values())
+    if fp8 is not None and not fp8.emulate and not fp8_layers(root):
+        log.warning("ParallelOptions(fp8=%r) for %s: none of its Linear layers converts (on CUDA only those whose "
+                    "float8 matmuls torchao measured faster than bf16, fp8_pays); it trains in the compute dtype",
+                    options.fp8, name)
     apply_data_parallel(root, dp_mesh, units, options, wrap_one_rank)
     return root
 

@@ -169,7 +169,7 @@ class LanguagePipeline:
         self.dim = llama.config.dim
         self.dtype = compute_dtype(options, llama)  # of the hidden states between stages
         tp_mesh, dp_mesh = layout.mesh(name, "tp"), layout.mesh(name, ("dp", "cp"))
-        flex = options.language_flex(device, par.cp) and callable(getattr(llama, "set_attention_fn", None))
+        flex = options.language_flex(device, par.cp, library_decoder=isinstance(llama, Llama))
         inner = FlexAttentionCore() if flex else causal_attention
         if par.cp > 1:
             llama.set_attention_fn(ContextParallelAttention(layout.mesh(name, "cp"), inner))
