@@ -175,8 +175,9 @@ def _lm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: s
 
         assert all(isinstance(p, DTensor) for p in model.parameters()), "FSDP2 did not wrap the one-rank mesh"
     optimizer = MimoOptimizer(model, AdamWConfig(lr=1e-4))
-    batches = _pinned([MimoBatch(t, l, loss_mask=torch.ones_like(l, dtype=torch.bool), **(_documents(s, i) if packed else {}))
-                       for i, (t, l) in enumerate(_lm_batches(s))], device)
+    batches = _pinned([MimoBatch(t, l, loss_mask=torch.ones_like(l, dtype=torch.bool),
+                                 **(_documents(s, i) if packed else {})) for i, (t, l) in enumerate(_lm_batches(s))],
+                      device)
     check = _flex_check(batches[0], device) if flex else {}
     if chunked_loss:
         check.update(_loss_check(s, device, backend))

@@ -215,14 +215,15 @@ class MimoOptimizer:
         if max_norm is not None:
             coef = min(1.0, max_norm / (total_norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
             if coef < 1.0:
+                # One foreach multiply per module, not fused AdamW's ``grad_scale`` (which would save
+                # this pass over the gradients): with tp, DTensor runs the fused kernel on a
+                # redistributed copy of some gradients (the vocabulary-parallel embedding's), so the
+                # gradients read after the step would not all be the clipped ones.
                 for opt in self.optimizers.values():
-                    _clip(opt, coef)
-        try:
-            for opt in self.optimizers.values():
-                opt.step()
-        finally:  # a caught failure must not leave a clip for a later step
-            for opt in self.optimizers.values():
-                opt.grad_scale = None
+                    if grads := _local_grads(opt):
+                        torch._foreach_mul_(grads, coef)
+        for opt in self.optimizers.values():
+            opt.step()
         self.model.refresh_fp8_scales()  # float8 all-gathers of the new weights
         self.updates += 1
         self._set_lrs()
@@ -278,19 +279,6 @@ def _param_groups(params: Mapping[str, torch.nn.Parameter], config: AdamWConfig)
         groups.setdefault((config.decays(name, p), mesh), []).append(p)
     return [{"params": ps, "weight_decay": config.weight_decay if decays else 0.0}
             for (decays, _), ps in groups.items()]
-
-
-def _clip(opt: torch.optim.Optimizer, coef: float) -> None:
-    """Scale `opt`'s gradients by `coef` for its next step: fused AdamW divides them by its
-    ``grad_scale`` (``1 / coef``, GradScaler's hook) as its kernel reads them, so clipping costs
-    no pass over the gradients of its own (on an H200 that pass was 2.4 ms of the 1B LM's step);
-    the foreach form multiplies them first. `MimoOptimizer.step` clears ``grad_scale`` after the
-    step."""
-    if opt.defaults.get("fused"):
-        device = opt.param_groups[0]["params"][0].device
-        opt.grad_scale = torch.full((), 1.0 / coef, dtype=torch.float32, device=device)
-    elif grads := _local_grads(opt):
-        torch._foreach_mul_(grads, coef)
 
 
 def _local_grads(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

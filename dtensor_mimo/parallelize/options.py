@@ -126,7 +126,7 @@ class ParallelOptions:
             raise TypeError(f"ParallelOptions: {wrong} must be True or False")
         if self.flex_attention not in (None, True, False):
             raise TypeError(f"ParallelOptions: flex_attention={self.flex_attention!r} must be True, False or None "
-                            "(on for the language model on CUDA at cp = 1)")
+                            "(None: on for the library's decoder at cp = 1 on CUDA of compute capability 9.0+)")
         if self.balance not in (None, True, False):
             raise TypeError(f"ParallelOptions: balance={self.balance!r} must be True, False or None (on when "
                             "a batch's items differ in size)")
