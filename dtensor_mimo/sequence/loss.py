@@ -138,9 +138,9 @@ def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
 def _chunk_terms(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                  want_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk's summed weighted cross entropy (fp32) and, if `want_grad`, its gradient by the
-    chunk's logits (``softmax - onehot`` times each row's weight, in the logits' dtype). In place
-    on the fp32 copy of the logits, so that the eager form holds one of them; the compiled form
-    (`_compiled_chunk_terms`) fuses the same code into one or two kernels."""
+    chunk's logits (``softmax - onehot`` times each row's weight, in the logits' dtype). Eager, in
+    place on the fp32 copy of the logits, so that it holds one of them; traced
+    (`_compiled_chunk_terms`), out of place, which inductor fuses into one or two kernels."""
     vocab = logits.shape[-1]
     x = logits.float()
     lse = x.logsumexp(-1, keepdim=True)
