@@ -36,9 +36,9 @@ with 0-2 images each (`synthetic_batch`: 1 on average). Both sides build the VLM
 checks that ours, loaded from transformers' weights (`MimoModel.load_hf`), gives transformers'
 loss on the same batch, so the two run the same model.
 
-A case's step time is the mean over `--steps` steps timed between two device syncs (after
-`--warmup` steps: compilation), three times, the median kept; work the host queues ahead counts as
-it runs. MFU is model FLOPs (the trainer's formula, `dtensor_mimo.train.metrics.transformer_flops`:
+A case's step time is the mean over `--steps` steps (twice as many for the VLM, whose rounds
+varied by 11% on the H200 at 10: 143-160 ms) timed between two device syncs (after `--warmup`
+steps: compilation), three times, the median kept; work the host queues ahead counts as it runs. MFU is model FLOPs (the trainer's formula, `dtensor_mimo.train.metrics.transformer_flops`:
 6 x the non-embedding parameters x tokens + attention, per module) over the step time over the
 card's dense bf16 peak (`peak_tflops`). `--record` appends the rows to `benchmarks/RESULTS.md`, under a
 heading with the date, the card and the versions of torch, transformers and torchao (the JSON
@@ -520,9 +520,10 @@ def _case(args: argparse.Namespace) -> None:
     elif case.startswith("lm transformers"):
         out = _lm_transformers(LM[size], device, backend, args.warmup, args.steps, compiled=case.endswith("compiled"))
     elif case == "vlm ours":
-        out = _vlm_ours(VLM[size], device, backend, args.warmup, args.steps)
+        out = _vlm_ours(VLM[size], device, backend, args.warmup, 2 * args.steps)
     elif case.startswith("vlm transformers"):
-        out = _vlm_transformers(VLM[size], device, backend, args.warmup, args.steps, compiled=case.endswith("compiled"))
+        out = _vlm_transformers(VLM[size], device, backend, args.warmup, 2 * args.steps,
+                                compiled=case.endswith("compiled"))
     elif case.startswith("tiny trainer"):
         backend_args = [f"--options.{m}.compile_backend={backend}" for m in ("image", "language")]
         out = _tiny_trainer(device, 60 if args.tiny else 300, [*TINY[case], *backend_args])
