@@ -26,7 +26,8 @@ important figures:
 | lm | transformers (compiled) | `LlamaForCausalLM` of the same sizes (SDPA), fp32 weights under bf16 autocast, fused AdamW, clip 1.0; eager, or each decoder layer compiled (as ours) |
 | vlm | ours | a SigLIP tower + LLaVA projector (`ModalityEncoder(ViT, Projection)`) and a Qwen2 decoder (`Llama`) colocated on the one rank, both bf16 + per-block compile, through `MimoModel` + `train_step` |
 | vlm | transformers (compiled) | `LlavaForConditionalGeneration` of the same config (SDPA, fp32 weights under bf16 autocast, fused AdamW, clip 1.0); eager, or each tower layer, each decoder layer and the projector compiled |
-| tiny | trainer | the README's tiny LLaVA task (`examples/make_tiny_llava.py`, `examples/llava_tiny.toml`, eager) through `python -m dtensor_mimo.train` on the device, world 1: its logged step time (issue 29 asks for < 15 ms); also with per-block compile (on CPU it cuts the top-level aten ops of a step from 1,894 to 826: the host's launch work on a GPU), and with one loader worker (`data.workers = 1`) instead of the default prefetch thread |
+| lm, vlm | ours cudagraphs | the same with `ParallelOptions(compile_mode="reduce-overhead")`: each compiled block's forward and backward replay as CUDA graphs (torch's cudagraph trees); first checks its first 3 steps' losses and gradient norms against the same model in eager on the GPU (`_graphs_check`) |
+| tiny | trainer | the README's tiny LLaVA task (`examples/make_tiny_llava.py`, `examples/llava_tiny.toml`, eager) through `python -m dtensor_mimo.train` on the device, world 1: its logged step time (issue 29 asks for < 15 ms); also with per-block compile (on CPU it cuts the top-level aten ops of a step from 1,894 to 826: the host's launch work on a GPU), with per-block compile in CUDA graphs (`--options.<module>.compile_mode reduce-overhead`), and with one loader worker (`data.workers = 1`) instead of the default prefetch thread |
 
 Sizes (default, issue 29's): LM Llama 1.04B (dim 2048, 16 layers, 32 / 8 heads, ffn 8192, vocab
 32000), batch 4 x 4096 tokens. VLM: SigLIP-base tower (768 x 12, 224 px / 16: 196 rows an image)
@@ -72,10 +73,14 @@ VLM = {"default": dict(image=224, patch=16, vdim=768, vlayers=12, vheads=12, vml
                     vocab=256, dim=64, layers=2, heads=4, kv_heads=2, ffn=128, batch=4, seq=64)}
 # Priority order: what issue 29's "Done when" needs first, so that a short lease measures it.
 CASES = ("lm ours", "lm transformers compiled", "vlm ours", "vlm transformers compiled", "lm ours fp8 tensorwise",
+         "vlm ours cudagraphs", "tiny trainer cudagraphs", "lm ours cudagraphs",
          "tiny trainer", "lm ours unchunked loss", "lm ours packed", "lm ours packed flex", "lm ours fp8 rowwise",
          "tiny trainer compiled", "lm ours fsdp2 bf16", "tiny trainer workers=1", "vlm transformers", "lm transformers")
 TINY = {"tiny trainer": [], "tiny trainer workers=1": ["--data.workers", "1"],
-        "tiny trainer compiled": [f"--options.{m}.compile=true" for m in ("image", "language")]}
+        "tiny trainer compiled": [f"--options.{m}.compile=true" for m in ("image", "language")],
+        "tiny trainer cudagraphs": [f"--options.{m}.{o}" for m in ("image", "language")
+                                    for o in ("compile=true", "compile_mode=reduce-overhead")]}
+GRAPHS = " cudagraphs"  # the CUDA-graph cases' suffix: ParallelOptions(compile_mode="reduce-overhead")
 FP8 = "lm ours fp8 "  # the fp8 cases' prefix; the recipe follows
 
 
@@ -147,12 +152,11 @@ def _lm_batches(s: dict, count: int = 4) -> list:
 
 def _lm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: str | None = None,
              chunked_loss: bool = True, fsdp_one_rank: bool = False, packed: bool = False,
-             flex: bool = False) -> dict:
+             flex: bool = False, graphs: bool = False) -> dict:
     import torch
 
-    from dtensor_mimo import AdamWConfig, MimoLayout, MimoModel, MimoOptimizer, ParallelOptions, Parallelism, train_step
+    from dtensor_mimo import ParallelOptions, train_step
     from dtensor_mimo.data import MimoBatch
-    from dtensor_mimo.models import Llama, LlamaConfig
 
     _world_of_one(device)
     if fsdp_one_rank:  # a measurement only: FSDP2 (and its mixed precision) on the dp mesh of one rank
@@ -162,27 +166,69 @@ def _lm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: s
             return options.fsdp and dp_mesh is not None
 
         precision.uses_fsdp = part.uses_fsdp = replicas.uses_fsdp = always
-    with torch.device("meta"):
-        llama = Llama(LlamaConfig(vocab_size=s["vocab"], dim=s["dim"], n_layers=s["layers"], n_heads=s["heads"],
-                                  n_kv_heads=s["kv_heads"], ffn_hidden=s["ffn"], max_seq_len=s["seq"]))
     options = ParallelOptions(compile=True, compile_backend=backend, param_dtype="bf16", fp8=fp8,
-                              chunked_loss=chunked_loss, flex_attention=flex)
-    model = MimoModel(MimoLayout({"language": Parallelism()}), llama, {}, options={"language": options},
-                      device_type=device)
-    model.init_weights({"language": 0})
+                              chunked_loss=chunked_loss, flex_attention=flex, compile_mode=_graphs_mode(graphs, backend))
+    model, optimizer = _lm_ours_model(s, device, options)
     if fsdp_one_rank:
         from torch.distributed.tensor import DTensor
 
         assert all(isinstance(p, DTensor) for p in model.parameters()), "FSDP2 did not wrap the one-rank mesh"
-    optimizer = MimoOptimizer(model, AdamWConfig(lr=1e-4))
     batches = _pinned([MimoBatch(t, l, loss_mask=torch.ones_like(l, dtype=torch.bool),
                                  **(_documents(s, i) if packed else {})) for i, (t, l) in enumerate(_lm_batches(s))],
                       device)
     check = _flex_check(batches[0], device) if flex else {}
     if chunked_loss:
         check.update(_loss_check(s, device, backend))
+    if graphs:
+        eager = ParallelOptions(param_dtype="bf16", chunked_loss=chunked_loss, flex_attention=flex)
+        check.update(_graphs_check(lambda: _lm_ours_model(s, device, eager), model, optimizer, batches))
     rounds = _timed(lambda i: train_step(model, optimizer, batches[i % len(batches)]), device, warmup, steps)
     return {"step_s": rounds, "params_no_embed": _no_embed(model), **check}
+
+
+def _lm_ours_model(s: dict, device: str, options):
+    """The LM through `MimoModel` (world 1) with `options`, its weights from seed 0, and its optimizer."""
+    import torch
+
+    from dtensor_mimo import AdamWConfig, MimoLayout, MimoModel, MimoOptimizer, Parallelism
+    from dtensor_mimo.models import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        llama = Llama(LlamaConfig(vocab_size=s["vocab"], dim=s["dim"], n_layers=s["layers"], n_heads=s["heads"],
+                                  n_kv_heads=s["kv_heads"], ffn_hidden=s["ffn"], max_seq_len=s["seq"]))
+    model = MimoModel(MimoLayout({"language": Parallelism()}), llama, {}, options={"language": options},
+                      device_type=device)
+    model.init_weights({"language": 0})
+    return model, MimoOptimizer(model, AdamWConfig(lr=1e-4))
+
+
+def _graphs_mode(graphs: bool, backend: str) -> str | None:
+    """The CUDA-graph cases' `compile_mode` (inductor's; the CPU check's aot_eager takes none)."""
+    return "reduce-overhead" if graphs and backend == "inductor" else None
+
+
+def _graphs_check(reference, model, optimizer, batches, steps: int = 3) -> dict:
+    """The CUDA-graph model's first `steps` training steps against the same model in eager
+    (`reference()`: a fresh (model, optimizer) from the same seeds, freed afterwards), same
+    batches: the largest relative difference of their losses and gradient norms (raises above
+    2e-2, bf16 rounding; graphs replaying stale inputs, or gradients overwritten by a later
+    replay, differ by far more)."""
+    import torch
+
+    from dtensor_mimo import train_step
+
+    ref_model, ref_optimizer = reference()
+    want = [train_step(ref_model, ref_optimizer, batches[i]) for i in range(steps)]
+    del ref_model, ref_optimizer
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    got = [train_step(model, optimizer, batches[i]) for i in range(steps)]
+    diffs = {f"graphs_rel_diff_{k}": max(abs(getattr(g, k) - getattr(w, k)) / abs(getattr(w, k))
+                                         for g, w in zip(got, want)) for k in ("loss", "grad_norm")}
+    if max(diffs.values()) > 2e-2:
+        raise RuntimeError(f"the CUDA-graph model's steps differ from eager: {diffs}; losses "
+                           f"{[g.loss for g in got]} against {[w.loss for w in want]}")
+    return diffs
 
 
 def _pinned(batches: list, device: str) -> list:
@@ -353,7 +399,8 @@ def _vlm_batches(s: dict, count: int = 4) -> list:
     return [synthetic_batch(spec, seed) for seed in range(count)]
 
 
-def _vlm_ours_model(s: dict, device: str, backend: str, compile_: bool, weights: str | None = None):
+def _vlm_ours_model(s: dict, device: str, backend: str, compile_: bool, weights: str | None = None,
+                    mode: str | None = None):
     import torch
 
     from dtensor_mimo import MimoLayout, MimoModel, ParallelOptions, Parallelism
@@ -366,7 +413,8 @@ def _vlm_ours_model(s: dict, device: str, backend: str, compile_: bool, weights:
         llama = Llama(llama_config)
         vision = ModalityEncoder(ViT(vit_config), Projection(vit_config.dim, llama_config.dim))
     layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()}, offsets={"vision": 0, "language": 0})
-    options = ParallelOptions(compile=compile_, compile_backend=backend, param_dtype="bf16" if device == "cuda" else None)
+    options = ParallelOptions(compile=compile_, compile_backend=backend, compile_mode=mode,
+                              param_dtype="bf16" if device == "cuda" else None)
     model = MimoModel(layout, llama, {"vision": vision}, options={"vision": options, "language": options},
                       device_type=device)
     model.init_weights({"language": 0, "vision": 1})
@@ -375,15 +423,20 @@ def _vlm_ours_model(s: dict, device: str, backend: str, compile_: bool, weights:
     return model
 
 
-def _vlm_ours(s: dict, device: str, backend: str, warmup: int, steps: int) -> dict:
+def _vlm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, graphs: bool = False) -> dict:
     from dtensor_mimo import AdamWConfig, MimoOptimizer, train_step
 
     _world_of_one(device)
-    model = _vlm_ours_model(s, device, backend, compile_=True)
-    optimizer = MimoOptimizer(model, AdamWConfig(lr=1e-4))
+
+    def build(compile_: bool, mode: str | None = None):
+        model = _vlm_ours_model(s, device, backend, compile_, mode=mode)
+        return model, MimoOptimizer(model, AdamWConfig(lr=1e-4))
+
+    model, optimizer = build(True, _graphs_mode(graphs, backend))
     batches = _pinned(_vlm_batches(s), device)
+    check = _graphs_check(lambda: build(False), model, optimizer, batches) if graphs else {}
     rounds = _timed(lambda i: train_step(model, optimizer, batches[i % len(batches)]), device, warmup, steps)
-    return {"step_s": rounds, **_vlm_params(s), "images": [b.modalities["vision"].num_items for b in batches]}
+    return {"step_s": rounds, **_vlm_params(s), "images": [b.modalities["vision"].num_items for b in batches], **check}
 
 
 def _llava(s: dict, device: str):
@@ -516,17 +569,18 @@ def _case(args: argparse.Namespace) -> None:
             flex._validate_device = lambda *args, **kwargs: None
         out = _lm_ours(LM[size], device, backend, args.warmup, args.steps, case[len(FP8):] if case.startswith(FP8) else None,
                        chunked_loss=case != "lm ours unchunked loss", fsdp_one_rank=case == "lm ours fsdp2 bf16",
-                       packed="packed" in case, flex=case.endswith("flex"))
+                       packed="packed" in case, flex=case.endswith("flex"), graphs=case.endswith(GRAPHS))
     elif case.startswith("lm transformers"):
         out = _lm_transformers(LM[size], device, backend, args.warmup, args.steps, compiled=case.endswith("compiled"))
-    elif case == "vlm ours":
-        out = _vlm_ours(VLM[size], device, backend, args.warmup, 2 * args.steps)
+    elif case.startswith("vlm ours"):
+        out = _vlm_ours(VLM[size], device, backend, args.warmup, 2 * args.steps, graphs=case.endswith(GRAPHS))
     elif case.startswith("vlm transformers"):
         out = _vlm_transformers(VLM[size], device, backend, args.warmup, 2 * args.steps,
                                 compiled=case.endswith("compiled"))
     elif case.startswith("tiny trainer"):
         backend_args = [f"--options.{m}.compile_backend={backend}" for m in ("image", "language")]
-        out = _tiny_trainer(device, 60 if args.tiny else 300, [*TINY[case], *backend_args])
+        extra = [a for a in TINY[case] if backend == "inductor" or "compile_mode" not in a]  # inductor's modes only
+        out = _tiny_trainer(device, 60 if args.tiny else 300, [*extra, *backend_args])
     else:
         raise SystemExit(f"unknown case {case!r}; one of {', '.join(CASES)}")
     out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
@@ -654,7 +708,8 @@ def _packages(result: dict) -> str:
 BASELINES = {"lm ours": ("lm transformers compiled", 1.0), "lm transformers": ("lm transformers compiled", None),
              "lm ours fp8 tensorwise": ("lm ours", 1.25), "lm ours fp8 rowwise": ("lm ours", 1.25),
              "lm ours unchunked loss": ("lm ours", None), "lm ours fsdp2 bf16": ("lm ours", None),
-             "lm ours packed flex": ("lm ours packed", None),
+             "lm ours packed flex": ("lm ours packed", None), "lm ours cudagraphs": ("lm ours", None),
+             "vlm ours cudagraphs": ("vlm transformers compiled", 1.1),
              "vlm ours": ("vlm transformers compiled", 1.1), "vlm transformers": ("vlm transformers compiled", None)}
 
 

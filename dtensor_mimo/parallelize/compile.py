@@ -7,8 +7,10 @@ from typing import AbstractSet
 from torch import nn
 
 
-def compile_blocks(blocks: nn.ModuleDict, backend: str = "inductor", skip: AbstractSet[str] = frozenset()) -> None:
-    """Compile each block in place with `nn.Module.compile`, except the blocks named in `skip`.
+def compile_blocks(blocks: nn.ModuleDict, backend: str = "inductor", skip: AbstractSet[str] = frozenset(),
+                   mode: str | None = None) -> None:
+    """Compile each block in place with `nn.Module.compile`, except the blocks named in `skip`;
+    `mode`: torch.compile's (`ParallelOptions.compile_mode`), None for its default.
 
     `skip`: blocks already compiled another way — `checkpoint_blocks` compiles a checkpointed
     block's forward *inside* its checkpoint; compiling it again from outside would trace the
@@ -21,4 +23,4 @@ def compile_blocks(blocks: nn.ModuleDict, backend: str = "inductor", skip: Abstr
     """
     for name, block in blocks.items():
         if name not in skip:
-            block.compile(backend=backend)
+            block.compile(backend=backend, **({"mode": mode} if mode else {}))

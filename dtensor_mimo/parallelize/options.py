@@ -13,6 +13,11 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.f
           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""torch.compile's documented modes (`ParallelOptions.compile_mode`)."""
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+"""The modes that replay compiled code as CUDA graphs (torch's cudagraph trees)."""
+
 FLEX_MIN_CAPABILITY = (9, 0)
 """CUDA compute capability from which `ParallelOptions.flex_attention`'s default turns FlexAttention on."""
 
@@ -30,6 +35,17 @@ class ParallelOptions:
             `allreduce_gradients(module, dp_mesh)` (a no-op for size 1).
         compile: `torch.compile` each transformer block (the whole module for a projection).
         compile_backend: backend for `compile`; "inductor" (default) or e.g. "aot_eager".
+        compile_mode: torch.compile's ``mode`` for every compiled piece of the module (inductor
+            only): None (torch's default), "reduce-overhead" (CUDA graphs through torch's
+            cudagraph trees: each block's forward and backward replay as one graph each, for
+            modules whose launches outrun their kernels, e.g. small encoders' blocks; every step
+            starts a new tree generation, `cuda_graphs`), "max-autotune" (autotuned kernels and
+            CUDA graphs) or "max-autotune-no-cudagraphs". CUDA graphs need parameters that stay
+            put: refused where FSDP2 shards the module (its unsharded parameters are allocated
+            anew every step), and with activation checkpointing or `recompute_colocated` (a
+            recomputation replays forward graphs inside backward). Each distinct shape of a block's input records its own
+            graphs, so items of varying counts or sizes record several. On CPU inductor takes
+            the mode and skips the CUDA graphs.
         reshard_after_forward: FSDP2 frees the gathered parameters after forward (ZeRO-3) when
             True, keeps them until backward (ZeRO-2-like, more memory, one all-gather less);
             with False an encoder on ranks of its own keeps them gathered across the step's
@@ -100,6 +116,7 @@ class ParallelOptions:
     fsdp: bool = True
     compile: bool = False
     compile_backend: str = "inductor"
+    compile_mode: str | None = None
     reshard_after_forward: bool = True
     activation_checkpointing: int = 0
     param_dtype: torch.dtype | str | None = None
@@ -140,6 +157,31 @@ class ParallelOptions:
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise TypeError(f"ParallelOptions: compile_backend={self.compile_backend!r} must be a "
                             "backend name such as 'inductor' or 'aot_eager'")
+        if self.compile_mode is not None and self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"ParallelOptions: compile_mode={self.compile_mode!r} must be one of "
+                             f"{', '.join(map(repr, COMPILE_MODES))} (torch.compile's modes) or None")
+        if self.compile_mode is not None and self.compile_backend != "inductor":
+            # torch.compile would drop the mode without a word for any other backend
+            raise ValueError(f"ParallelOptions: compile_mode={self.compile_mode!r} is an inductor mode but "
+                             f"compile_backend={self.compile_backend!r}; use compile_backend='inductor' or "
+                             "compile_mode=None")
+        recompute = {n: v for n, v in (("activation_checkpointing", ac), ("recompute_colocated", self.recompute_colocated))
+                     if v}
+        if self.cuda_graphs and recompute:
+            raise ValueError(f"ParallelOptions: compile_mode={self.compile_mode!r} (CUDA graphs) with "
+                             f"{', '.join(f'{n}={v}' for n, v in recompute.items())}: a recomputation would replay "
+                             "forward graphs inside backward, which torch's cudagraph trees do not record; use one "
+                             "of the two")
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the module's compiled pieces replay as CUDA graphs on CUDA (`compile_mode`)."""
+        return self.compile and self.compile_mode in CUDA_GRAPH_MODES
+
+    @property
+    def compile_kwargs(self) -> dict[str, str]:
+        """``torch.compile``'s keyword arguments for this module's compiled pieces."""
+        return {"backend": self.compile_backend, **({"mode": self.compile_mode} if self.compile_mode else {})}
 
     def language_flex(self, device: torch.device, cp: int, library_decoder: bool = True) -> bool:
         """Whether the language model's attention runs through FlexAttention on `device` at `cp`

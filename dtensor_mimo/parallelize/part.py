@@ -89,6 +89,7 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
     if options.activation_checkpointing and all(blocks(stack) is None for stack in parts):
         raise ValueError(f"{name} has no `layers` ModuleDict of blocks to checkpoint; "
                          "set activation_checkpointing=0")
+    check_cuda_graphs(name, options, 1 if dp_mesh is None else dp_mesh.size())
     fp8 = None if options.fp8 is None else fp8_config(
         name, options.fp8, _device_type(root, tp_mesh, dp_mesh), uses_fsdp(options, dp_mesh, wrap_one_rank))
     units: list[nn.Module] = []  # FSDP2's units below the root
@@ -100,7 +101,7 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
         layers = blocks(stack)
         if layers is None:  # compiled whole, one FSDP2 unit (a projection: not checkpointed)
             if options.compile:
-                stack.compile(backend=options.compile_backend)
+                stack.compile(**options.compile_kwargs)
             if stack is not root:
                 units.append(stack)
             continue
@@ -108,7 +109,7 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
         done = (checkpoint_blocks(layers, options.activation_checkpointing, backend)
                 if options.activation_checkpointing else set())
         if options.compile:
-            compile_blocks(layers, options.compile_backend, skip=done)
+            compile_blocks(layers, options.compile_backend, skip=done, mode=options.compile_mode)
         units.extend(layers.values())
     if fp8 is not None and not fp8.emulate and not fp8_layers(root):
         log.warning("ParallelOptions(fp8=%r) for %s: none of its Linear layers converts (on CUDA only those whose "
@@ -116,6 +117,17 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
                     options.fp8, name)
     apply_data_parallel(root, dp_mesh, units, options, wrap_one_rank)
     return root
+
+
+def check_cuda_graphs(name: str, options: ParallelOptions, shards: int) -> None:
+    """Refuse CUDA graphs (`ParallelOptions.cuda_graphs`) for module `name` where FSDP2 shards it
+    over `shards` ranks (ValueError): a graph replays at the parameters' recorded addresses, and
+    FSDP2 allocates the unsharded parameters anew every step."""
+    if options.cuda_graphs and options.fsdp and shards > 1:
+        raise ValueError(f"{name}: ParallelOptions(compile_mode={options.compile_mode!r}) replays CUDA graphs, which "
+                         f"need parameters that stay put, but FSDP2 shards the module over its {shards} dp·cp ranks "
+                         "and allocates the unsharded parameters anew every step; set fsdp=False (parameters "
+                         "replicated over dp) or compile_mode=None")
 
 
 def _device_type(root: nn.Module, *meshes: DeviceMesh | None) -> str:

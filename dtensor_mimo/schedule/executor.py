@@ -87,6 +87,12 @@ class RankParts:
         return CrossingSetup(self.layout, self.language_name, self.dim, self.dtype, self.device, self.hops,
                              self.buffers)
 
+    @functools.cached_property
+    def cuda_graphs(self) -> bool:
+        """Whether a module this rank holds replays CUDA graphs (`ParallelOptions.cuda_graphs`)."""
+        held = [*self.encoders, *self.encoder_pipelines, *([self.language_name] if self.language else [])]
+        return any(self.options[n].cuda_graphs for n in held)
+
     @property
     def roles(self) -> RankRoles:
         """Which parts this rank holds, for `program`."""
@@ -129,6 +135,13 @@ def execute(parts: RankParts, actions: Sequence[Action], batch: MimoBatch, shape
             normalizer: float = 1.0) -> StepResult:
     """Run `actions` (this rank's `program` for `shape`) over the global `batch`; `normalizer`:
     the global batch's loss tokens (`sequence.loss_normalizer`)."""
+    if parts.cuda_graphs:
+        # One generation of torch's cudagraph trees per step: the step's graphs (every block's
+        # forward, then backward, per microbatch) chain as one path, replayed whole by the next
+        # step of the same shapes, which frees this one's outputs. torch's own guess (a new
+        # generation at each compiled call without a pending backward) would cut the chain of
+        # blocks of a forward or predict step, which has no backward.
+        torch.compiler.cudagraph_mark_step_begin()
     run = _Run(parts, batch, shape, normalizer)
     with contextlib.ExitStack() as stack:
         if shape.mode == "train" and shape.overlapped and run.local.encoders:
