@@ -26,8 +26,8 @@ important figures:
 | lm | transformers (compiled) | `LlamaForCausalLM` of the same sizes (SDPA), fp32 weights under bf16 autocast, fused AdamW, clip 1.0; eager, or each decoder layer compiled (as ours) |
 | vlm | ours | a SigLIP tower + LLaVA projector (`ModalityEncoder(ViT, Projection)`) and a Qwen2 decoder (`Llama`) colocated on the one rank, both bf16 + per-block compile, through `MimoModel` + `train_step` |
 | vlm | transformers (compiled) | `LlavaForConditionalGeneration` of the same config (SDPA, fp32 weights under bf16 autocast, fused AdamW, clip 1.0); eager, or each tower layer, each decoder layer and the projector compiled |
-| lm, vlm | ours cudagraphs | the same with `ParallelOptions(compile_mode="reduce-overhead")`: each compiled block's forward and backward replay as CUDA graphs (torch's cudagraph trees); first checks its first 3 steps' losses and gradient norms against the same model in eager on the GPU (`_graphs_check`) |
-| tiny | trainer | the README's tiny LLaVA task (`examples/make_tiny_llava.py`, `examples/llava_tiny.toml`, eager) through `python -m dtensor_mimo.train` on the device, world 1: its logged step time (issue 29 asks for < 15 ms); also with per-block compile (on CPU it cuts the top-level aten ops of a step from 1,894 to 826: the host's launch work on a GPU), with per-block compile in CUDA graphs (`--options.<module>.compile_mode reduce-overhead`), and with one loader worker (`data.workers = 1`) instead of the default prefetch thread |
+| lm, vlm | ours cudagraphs | the same with `ParallelOptions(compile_mode="reduce-overhead")`: each compiled piece's forward and backward replay as CUDA graphs (torch's cudagraph trees); the LM's pieces are its blocks, the VLM's its stacks whole (`compile_scope="module"`: the ViT, the projection, the decoder); first checks its first 3 steps' losses and gradient norms against the same model in eager on the GPU (`_graphs_check`) |
+| tiny | trainer | the README's tiny LLaVA task (`examples/make_tiny_llava.py`, `examples/llava_tiny.toml`, eager) through `python -m dtensor_mimo.train` on the device, world 1: its logged step time (issue 29 asks for < 15 ms); also with per-block compile (on CPU it cuts the top-level aten ops of a step from 1,894 to 826: the host's launch work on a GPU), with each module compiled whole in CUDA graphs (`compile_scope = "module"`, `compile_mode = "reduce-overhead"`), and with one loader worker (`data.workers = 1`) instead of the default prefetch thread |
 
 Sizes (default, issue 29's): LM Llama 1.04B (dim 2048, 16 layers, 32 / 8 heads, ffn 8192, vocab
 32000), batch 4 x 4096 tokens. VLM: SigLIP-base tower (768 x 12, 224 px / 16: 196 rows an image)
@@ -79,7 +79,7 @@ CASES = ("lm ours", "lm transformers compiled", "vlm ours", "vlm transformers co
 TINY = {"tiny trainer": [], "tiny trainer workers=1": ["--data.workers", "1"],
         "tiny trainer compiled": [f"--options.{m}.compile=true" for m in ("image", "language")],
         "tiny trainer cudagraphs": [f"--options.{m}.{o}" for m in ("image", "language")
-                                    for o in ("compile=true", "compile_mode=reduce-overhead")]}
+                                    for o in ("compile=true", "compile_scope=module", "compile_mode=reduce-overhead")]}
 GRAPHS = " cudagraphs"  # the CUDA-graph cases' suffix: ParallelOptions(compile_mode="reduce-overhead")
 FP8 = "lm ours fp8 "  # the fp8 cases' prefix; the recipe follows
 
@@ -400,7 +400,7 @@ def _vlm_batches(s: dict, count: int = 4) -> list:
 
 
 def _vlm_ours_model(s: dict, device: str, backend: str, compile_: bool, weights: str | None = None,
-                    mode: str | None = None):
+                    mode: str | None = None, scope: str = "block"):
     import torch
 
     from dtensor_mimo import MimoLayout, MimoModel, ParallelOptions, Parallelism
@@ -413,7 +413,7 @@ def _vlm_ours_model(s: dict, device: str, backend: str, compile_: bool, weights:
         llama = Llama(llama_config)
         vision = ModalityEncoder(ViT(vit_config), Projection(vit_config.dim, llama_config.dim))
     layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()}, offsets={"vision": 0, "language": 0})
-    options = ParallelOptions(compile=compile_, compile_backend=backend, compile_mode=mode,
+    options = ParallelOptions(compile=compile_, compile_backend=backend, compile_mode=mode, compile_scope=scope,
                               param_dtype="bf16" if device == "cuda" else None)
     model = MimoModel(layout, llama, {"vision": vision}, options={"vision": options, "language": options},
                       device_type=device)
@@ -428,11 +428,11 @@ def _vlm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, graph
 
     _world_of_one(device)
 
-    def build(compile_: bool, mode: str | None = None):
-        model = _vlm_ours_model(s, device, backend, compile_, mode=mode)
+    def build(compile_: bool, mode: str | None = None, scope: str = "block"):
+        model = _vlm_ours_model(s, device, backend, compile_, mode=mode, scope=scope)
         return model, MimoOptimizer(model, AdamWConfig(lr=1e-4))
 
-    model, optimizer = build(True, _graphs_mode(graphs, backend))
+    model, optimizer = build(True, _graphs_mode(graphs, backend), "module" if graphs else "block")
     batches = _pinned(_vlm_batches(s), device)
     check = _graphs_check(lambda: build(False), model, optimizer, batches) if graphs else {}
     rounds = _timed(lambda i: train_step(model, optimizer, batches[i % len(batches)]), device, warmup, steps)

@@ -291,7 +291,16 @@ class ViT(nn.Module):
             size = "H, W" if c.dynamic_resolution else f"{c.image_size}, {c.image_size}"
             detail = f" (images of {problem})" if c.dynamic_resolution and images.dim() == 4 else ""
             raise ValueError(f"ViT: expected images [N, {c.item_channels}, {size}], got {list(images.shape)}{detail}")
-        x = self.patch_embed(images)  # [N, dim, H/p, W/p]
+        if images.shape[0]:
+            x = self.patch_embed(images)  # [N, dim, H/p, W/p]
+        else:  # no image (a rank or microbatch with none): `_embed_packed`'s Linear over no patches,
+            # the same empty rows and zero gradients; torch's compiled convolution backward gives an
+            # empty batch's weight gradient other strides than its meta kernel says (inductor's
+            # assert_size_stride fails, torch 2.13 CPU), which a whole-module compile would meet.
+            weight, p = self.patch_embed.weight, self.config.patch_size
+            x = F.linear(images.new_zeros(0, weight[0].numel(), dtype=weight.dtype), weight.flatten(1),
+                         self.patch_embed.bias)
+            x = x.view(0, weight.shape[0], 1, 1).expand(-1, -1, images.shape[2] // p, images.shape[3] // p)
         grid = tuple(x.shape[2:])
         x = x.flatten(2).transpose(1, 2)  # [N, num_patches, dim], patches in row-major order
         if self.cls_token is not None:

@@ -17,6 +17,8 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 """torch.compile's documented modes (`ParallelOptions.compile_mode`)."""
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 """The modes that replay compiled code as CUDA graphs (torch's cudagraph trees)."""
+COMPILE_SCOPES = ("block", "module")
+"""What `ParallelOptions.compile` compiles: each transformer block, or each stack whole."""
 
 FLEX_MIN_CAPABILITY = (9, 0)
 """CUDA compute capability from which `ParallelOptions.flex_attention`'s default turns FlexAttention on."""
@@ -34,6 +36,12 @@ class ParallelOptions:
             dp (plain tensors, or tp DTensors) and the training loop sums gradients itself with
             `allreduce_gradients(module, dp_mesh)` (a no-op for size 1).
         compile: `torch.compile` each transformer block (the whole module for a projection).
+        compile_scope: what `compile` compiles: "block" (default: each transformer block, the
+            form torchtitan uses, which composes with FSDP2's per-block units and activation
+            checkpointing) or "module" (each stack whole, its blocks, embeddings, rotary tables
+            and final norm in one graph: one compiled call per forward and per backward instead
+            of one per block, for modules whose per-call host work outweighs their kernels;
+            refused where FSDP2 shards the module and with activation checkpointing).
         compile_backend: backend for `compile`; "inductor" (default) or e.g. "aot_eager".
         compile_mode: torch.compile's ``mode`` for every compiled piece of the module (inductor
             only): None (torch's default), "reduce-overhead" (CUDA graphs through torch's
@@ -117,6 +125,7 @@ class ParallelOptions:
     compile: bool = False
     compile_backend: str = "inductor"
     compile_mode: str | None = None
+    compile_scope: str = "block"
     reshard_after_forward: bool = True
     activation_checkpointing: int = 0
     param_dtype: torch.dtype | str | None = None
@@ -165,6 +174,13 @@ class ParallelOptions:
             raise ValueError(f"ParallelOptions: compile_mode={self.compile_mode!r} is an inductor mode but "
                              f"compile_backend={self.compile_backend!r}; use compile_backend='inductor' or "
                              "compile_mode=None")
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise ValueError(f"ParallelOptions: compile_scope={self.compile_scope!r} must be one of "
+                             f"{', '.join(map(repr, COMPILE_SCOPES))}")
+        if self.compile and self.compile_scope == "module" and ac:
+            raise ValueError(f"ParallelOptions: compile_scope='module' with activation_checkpointing={ac}: a "
+                             "checkpoint wraps each block, which a whole-module graph would trace through; use "
+                             "compile_scope='block' (each block compiled inside its checkpoint)")
         recompute = {n: v for n, v in (("activation_checkpointing", ac), ("recompute_colocated", self.recompute_colocated))
                      if v}
         if self.cuda_graphs and recompute:

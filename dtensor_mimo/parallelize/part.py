@@ -7,7 +7,8 @@ wherever it runs (a whole module at pp = 1, a pipeline stage, a planner's measur
    and projection plans, or a user module's ``parallelize(tp_mesh, options)``);
 2. activation checkpointing of each stack's blocks (``layers``; a stack without, e.g. a
    projection, is not checkpointed);
-3. per-block torch.compile (a stack without blocks compiles whole);
+3. torch.compile per block (`ParallelOptions.compile_scope`: or each stack whole; a stack
+   without blocks compiles whole);
 4. FSDP2 over dp·cp on the part's root: each block (a stack without blocks is one unit), then
    the root itself, with the mixed precision policy; without FSDP (off, or a dp·cp mesh of
    size 1: no wrapper where nothing is sharded) autocast around the root's forward.
@@ -89,7 +90,7 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
     if options.activation_checkpointing and all(blocks(stack) is None for stack in parts):
         raise ValueError(f"{name} has no `layers` ModuleDict of blocks to checkpoint; "
                          "set activation_checkpointing=0")
-    check_cuda_graphs(name, options, 1 if dp_mesh is None else dp_mesh.size())
+    check_compile_sharding(name, options, 1 if dp_mesh is None else dp_mesh.size())
     fp8 = None if options.fp8 is None else fp8_config(
         name, options.fp8, _device_type(root, tp_mesh, dp_mesh), uses_fsdp(options, dp_mesh, wrap_one_rank))
     units: list[nn.Module] = []  # FSDP2's units below the root
@@ -99,16 +100,17 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
         if tp_size(tp_mesh) > 1 or (wrap_one_rank and tp_mesh is not None):
             tp_plan(stack)(stack, tp_mesh, options)
         layers = blocks(stack)
-        if layers is None:  # compiled whole, one FSDP2 unit (a projection: not checkpointed)
-            if options.compile:
-                stack.compile(**options.compile_kwargs)
+        whole = layers is None or options.compile_scope == "module"
+        if options.compile and whole:
+            stack.compile(**options.compile_kwargs)
+        if layers is None:  # one FSDP2 unit (a projection: not checkpointed)
             if stack is not root:
                 units.append(stack)
             continue
         backend = options.compile_backend if options.compile else None
         done = (checkpoint_blocks(layers, options.activation_checkpointing, backend)
                 if options.activation_checkpointing else set())
-        if options.compile:
+        if options.compile and not whole:
             compile_blocks(layers, options.compile_backend, skip=done, mode=options.compile_mode)
         units.extend(layers.values())
     if fp8 is not None and not fp8.emulate and not fp8_layers(root):
@@ -119,11 +121,18 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
     return root
 
 
-def check_cuda_graphs(name: str, options: ParallelOptions, shards: int) -> None:
-    """Refuse CUDA graphs (`ParallelOptions.cuda_graphs`) for module `name` where FSDP2 shards it
-    over `shards` ranks (ValueError): a graph replays at the parameters' recorded addresses, and
-    FSDP2 allocates the unsharded parameters anew every step."""
-    if options.cuda_graphs and options.fsdp and shards > 1:
+def check_compile_sharding(name: str, options: ParallelOptions, shards: int) -> None:
+    """Refuse, where FSDP2 shards module `name` over `shards` ranks (ValueError): CUDA graphs
+    (`ParallelOptions.cuda_graphs`: a graph replays at the parameters' recorded addresses, and
+    FSDP2 allocates the unsharded parameters anew every step), and a whole-module compile
+    (`compile_scope="module"`: FSDP2's per-block hooks would sit inside the graph)."""
+    if not (options.fsdp and shards > 1):
+        return
+    if options.compile and options.compile_scope == "module":
+        raise ValueError(f"{name}: ParallelOptions(compile_scope='module') compiles the module whole, but FSDP2 "
+                         f"shards it over its {shards} dp·cp ranks with hooks around every block; use "
+                         "compile_scope='block' (each block compiled, FSDP2's hooks left to eager) or fsdp=False")
+    if options.cuda_graphs:
         raise ValueError(f"{name}: ParallelOptions(compile_mode={options.compile_mode!r}) replays CUDA graphs, which "
                          f"need parameters that stay put, but FSDP2 shards the module over its {shards} dp·cp ranks "
                          "and allocates the unsharded parameters anew every step; set fsdp=False (parameters "

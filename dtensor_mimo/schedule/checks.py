@@ -14,7 +14,7 @@ from dtensor_mimo.models import ModalityEncoder
 from dtensor_mimo.models.protocol import ItemRule, encoder_problems, language_problems
 from dtensor_mimo.models.vit import self_attentions
 from dtensor_mimo.parallelize import ParallelOptions
-from dtensor_mimo.parallelize.part import check_cuda_graphs
+from dtensor_mimo.parallelize.part import check_compile_sharding
 from dtensor_mimo.schedule.config import (ZERO_BUBBLE_SCHEDULES, PipelineConfig, check_pipeline_layout,
                                           stage_layers)
 
@@ -56,7 +56,7 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
                           "balancing applies to encoders (their items over their dp ranks)")
     for name in layout.names:
         par = layout.parallelism(name)
-        check_cuda_graphs(name, options.get(name, ParallelOptions()), par.dp * par.cp)
+        check_compile_sharding(name, options.get(name, ParallelOptions()), par.dp * par.cp)
         if name == language_name and par.pp > 1 and pipeline is None:
             raise LayoutError(f"{name!r} has pp={par.pp}: pass pipeline=PipelineConfig(microbatches=...) "
                               "to MimoModel (at least pp microbatches keep every stage busy)")
