@@ -542,7 +542,10 @@ def _tiny_trainer(device: str, steps: int, extra: list[str]) -> dict:
             raise RuntimeError(f"the trainer exited with {out.returncode}: " + (out.stderr or out.stdout)[-2000:])
         records = [json.loads(line) for line in open(jsonl)]
     timed = [r for r in records if "step_s" in r and r["step"] > steps // 4]  # after compile and warm-up
-    return {"step_s": [r["step_s"] for r in timed], "data_s": [r.get("data_s", 0.0) for r in timed]}
+    # The last logged loss: the cases train the same model on the same batches, so their losses
+    # agree to rounding (a CUDA-graph case that replayed stale inputs would not).
+    return {"step_s": [r["step_s"] for r in timed], "data_s": [r.get("data_s", 0.0) for r in timed],
+            "final_loss": timed[-1]["loss"]}
 
 
 # ---------------------------------------------------------------------------------------- driver
