@@ -47,6 +47,7 @@ BENCH_MALLOC := GLIBC_TUNABLES=glibc.malloc.mmap_threshold=536870912:glibc.mallo
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/bridge_plan.py
+	$(VENV)/bin/python benchmarks/step_ops.py
 	$(VENV)/bin/python benchmarks/attention_memory.py
 	$(VENV)/bin/python benchmarks/loss_memory.py
 	$(BENCH_MALLOC) $(VENV)/bin/torchrun --standalone --nproc-per-node=8 benchmarks/bridge.py
