@@ -7,8 +7,8 @@ kernel launch), every compiled region a call with its guards and wrappers (and i
 launches, or one CUDA-graph replay each with ``compile_mode="reduce-overhead"``). This counts
 both for one training step (after 8 warm-up steps: compiles and recompiles done), on CPU,
 with torch.profiler: the top-level aten ops (those not inside another aten op or a compiled
-region) and the compiled calls (forward regions and backward nodes). It is a count of host work, not a time: the time of each
-on a GPU is what `benchmarks/gpu.py` measures.
+region) and the compiled calls (forward regions and backward nodes). It is a count of host
+work, not a time: the time of each on a GPU is what `benchmarks/gpu.py` measures.
 
 | case | model | step |
 |---|---|---|
@@ -59,7 +59,8 @@ def _ours(case: str):
     """The step of one of our cases (model built, world 1)."""
     import torch.distributed as dist
 
-    from dtensor_mimo import MimoLayout, MimoModel, MimoOptimizer, ParallelOptions, Parallelism, PipelineConfig, train_step
+    from dtensor_mimo import (MimoLayout, MimoModel, MimoOptimizer, ParallelOptions, Parallelism, PipelineConfig,
+                              train_step)
     from dtensor_mimo.data import ModalitySpec, SyntheticSpec, synthetic_batch
     from dtensor_mimo.models import Llama, LlamaConfig, ModalityEncoder, Projection, ViT, ViTConfig
 

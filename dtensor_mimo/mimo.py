@@ -10,6 +10,7 @@ builds this rank's parts once (`RankParts`) and gives them one face: `run` (a tr
 
 from __future__ import annotations
 
+import weakref
 from typing import Mapping, Sequence
 
 import torch
@@ -121,6 +122,8 @@ class MimoModel(nn.Module):
         # until `init_weights` or a checkpoint load.
         self.uninitialized = {n for n, m in modules.items() if _on_meta(m)}
         self._shapes_checked: set[tuple] = set()  # (modality, item shape, tokens) seen world-wide
+        self.graph_memory = _GraphMemory() if any(o.cuda_graphs for o in self.options.values()) else None
+        """With CUDA graphs (`ParallelOptions.cuda_graphs`): what the last run left in their memory."""
         self.batches_compared = False
         """Whether a `train_step` compared the ranks' batch fingerprints before its first exchange."""
         self.buffers = exchange.BufferPool()
@@ -302,7 +305,11 @@ class MimoModel(nn.Module):
                                 self.layout.parallelism(self.language_name).dp, self.language_name)
         check = mode != "train" and self._new_item_kinds(batch)
         actions = self.parts.program(batch, mode, check)
+        if self.graph_memory is not None:
+            self.graph_memory.check()
         result = execute(self.parts, actions, batch, self.parts.shape(batch, mode, check), loss_normalizer(batch))
+        if self.graph_memory is not None:
+            self.graph_memory.ran(mode, result.loss)
         if mode != "train":
             self._shapes_checked.update(_item_kinds(batch, self.encoder_names))
         return result
@@ -412,6 +419,13 @@ class MimoModel(nn.Module):
     def _coord(self) -> dict[str, int]:
         return self.layout.coordinate(self.language_name, self.rank)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """`nn.Module.zero_grad`; with CUDA graphs, ``set_to_none`` releases the gradients for the
+        next run (see `_GraphMemory`)."""
+        super().zero_grad(set_to_none)
+        if set_to_none and self.graph_memory is not None:
+            self.graph_memory.gradients = False
+
     def reduce_gradients(self) -> None:
         """Finish this rank's gradients after backward (call on every rank): dp (dp·cp) sums for
         modules without FSDP (FSDP already did), and tp's pending partial sums reduced to their
@@ -422,6 +436,42 @@ class MimoModel(nn.Module):
             if params:
                 module = (self.language_stages if name == self.language_name else self.encoders[name])
                 finish_gradients(module, params, *self._meshes(name), self.options[name])
+
+
+class _GraphMemory:
+    """The one-run lifetime of CUDA graphs' memory (`ParallelOptions.cuda_graphs`): every run is
+    one generation of torch's cudagraph trees (`schedule.executor.execute`), whose graphs replay
+    into the memory of the run before. So a run is refused (RuntimeError) while the run before
+    still needs it: a ``model(batch)`` loss not yet backpropagated (its saved activations), or
+    gradients not yet released (autograd keeps the graphs' output as ``.grad``): after
+    `MimoOptimizer.step` or ``zero_grad()`` they are. The state follows the calls, which are the
+    same on every rank (also those that hold no CUDA-graph module), so every rank raises alike,
+    before any collective."""
+
+    def __init__(self) -> None:
+        self.gradients = False  # a backward of the graphs has run since the gradients were released
+        self.forward: weakref.ref[torch.Tensor] | None = None  # ``model(batch)``'s loss, until backpropagated
+
+    def check(self) -> None:
+        if self.forward is not None and self.forward() is not None:
+            raise RuntimeError("MimoModel with CUDA graphs (ParallelOptions compile_mode): the loss of the last "
+                               "model(batch) is still waiting for .backward(), and this run would replay the graphs "
+                               "over its saved activations; call .backward() first (or drop that loss)")
+        if self.gradients:
+            raise RuntimeError("MimoModel with CUDA graphs (ParallelOptions compile_mode): the gradients of the last "
+                               "run live in the graphs' memory, which this run would replay over; step the "
+                               "MimoOptimizer (or call zero_grad()) first, and accumulate over microbatches "
+                               "(PipelineConfig) rather than over runs")
+
+    def ran(self, mode: str, loss: torch.Tensor) -> None:
+        if mode == "train":
+            self.gradients = True
+        elif mode == "forward" and loss.requires_grad:
+            self.forward = weakref.ref(loss)
+            loss.register_hook(self._backpropagated)
+
+    def _backpropagated(self, grad: torch.Tensor) -> None:
+        self.forward, self.gradients = None, True
 
 
 def _agreement_parts(language: nn.Module, encoders: Mapping[str, nn.Module], options: Mapping[str, ParallelOptions],

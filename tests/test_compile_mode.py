@@ -2,16 +2,22 @@
 pieces (CUDA graphs), and whether those pieces are its blocks or its stacks whole.
 
 CUDA graphs themselves need a GPU (`benchmarks/gpu.py` times them and checks their losses against
-the same model without them); on CPU inductor takes the mode and skips the graphs, so these
-check what holds everywhere: the options' validation, that the mode reaches every compiled
-piece and the scope picks them, the refusals where FSDP2 shards the module (before any process
-group), one cudagraph-tree generation per executor run, and the numbers of a world-1 colocated
-model compiled by inductor in that mode, per block and whole, against the same model in eager
-(two training steps of two microbatches, then a prediction).
+the same model in eager there); on CPU inductor takes the mode and skips the graphs, so these
+check what holds everywhere:
+
+| test | what |
+|---|---|
+| options | validation of both options and their combinations |
+| every compiled piece | the mode reaches each block, or each stack whole, and checkpointed blocks |
+| refusals | from the layout alone, before any process group: FSDP2 sharding, tp / cp, encoder stages, items of their own sizes |
+| graph memory | a run is refused while the run before still needs the graphs' memory |
+| world 1 | a colocated vision + language model, 2 microbatches, compiled by inductor in that mode per block and whole, against eager: 2 training steps and a prediction (losses, weights, ids), compiled graphs made, one cudagraph-tree generation per run, and the refusal of a run while gradients are held |
+| empty batch | a ViT compiled whole on batches with no image, against eager and the convolution |
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -20,6 +26,7 @@ from torch import nn
 
 from dtensor_mimo import (AdamWConfig, LayoutError, MimoLayout, MimoModel, MimoOptimizer, ParallelOptions, Parallelism,
                           PipelineConfig, train_step)
+from dtensor_mimo.mimo import _GraphMemory
 from dtensor_mimo.models import Llama, LlamaConfig, ModalityEncoder, Projection, ViT, ViTConfig
 from dtensor_mimo.parallelize import parallelize
 from dtensor_mimo.schedule.checks import check_model
@@ -32,17 +39,16 @@ WHOLE = dataclasses.replace(GRAPHS, compile_scope="module")
 
 def test_compile_mode_is_validated() -> None:
     assert GRAPHS.cuda_graphs and GRAPHS.compile_kwargs == {"backend": "inductor", "mode": "reduce-overhead"}
+    assert ParallelOptions(compile=True, compile_mode="reduce-overhead", recompute_colocated=True).cuda_graphs
     assert not ParallelOptions(compile_mode="reduce-overhead").cuda_graphs  # compile off: nothing replays
     assert not ParallelOptions(compile=True, compile_mode="max-autotune-no-cudagraphs").cuda_graphs
-    assert ParallelOptions(compile=True).compile_kwargs == {"backend": "inductor"}
+    assert ParallelOptions(compile=True).compile_kwargs == {"backend": "inductor", "mode": None}
     with pytest.raises(ValueError, match=r"compile_mode='fast' must be one of 'default', 'reduce-overhead'"):
         ParallelOptions(compile_mode="fast")
     with pytest.raises(ValueError, match=r"inductor mode but compile_backend='aot_eager'"):
         ParallelOptions(compile=True, compile_backend="aot_eager", compile_mode="reduce-overhead")
     with pytest.raises(ValueError, match=r"\(CUDA graphs\) with activation_checkpointing=1: a recomputation"):
         ParallelOptions(compile=True, compile_mode="max-autotune", activation_checkpointing=1)
-    with pytest.raises(ValueError, match=r"\(CUDA graphs\) with recompute_colocated=True: a recomputation"):
-        ParallelOptions(compile=True, compile_mode="reduce-overhead", recompute_colocated=True)
     with pytest.raises(ValueError, match=r"compile_scope='layer' must be one of 'block', 'module'"):
         ParallelOptions(compile_scope="layer")
     with pytest.raises(ValueError, match=r"compile_scope='module' with activation_checkpointing=2: a checkpoint"):
@@ -66,25 +72,75 @@ def test_mode_reaches_every_compiled_piece(monkeypatch: pytest.MonkeyPatch, scop
     assert all(kw == want for _, kw in calls)
 
 
-def test_cuda_graphs_refused_where_fsdp_shards() -> None:
-    """Every rank refuses from the layout alone: the module's dp·cp mesh, FSDP2 on."""
-    llama, encoders = Llama(LlamaConfig.tiny()), {"vision": ModalityEncoder(ViT(ViTConfig.tiny()), Projection(16, 32))}
-    layout = MimoLayout({"vision": Parallelism(dp=2), "language": Parallelism()})
-    with pytest.raises(ValueError, match=r"vision: .*'reduce-overhead'.* FSDP2 shards the module over its 2 dp·cp "
-                                         r"ranks .* set fsdp=False"):
-        check_model(layout, llama, encoders, "language", {"vision": GRAPHS}, None)
-    check_model(layout, llama, encoders, "language", {"vision": dataclasses.replace(GRAPHS, fsdp=False)}, None)
-    whole = ParallelOptions(compile=True, compile_scope="module")
-    with pytest.raises(ValueError, match=r"vision: .*compile_scope='module'.* FSDP2 shards it over its 2 dp·cp ranks"):
-        check_model(layout, llama, encoders, "language", {"vision": whole}, None)
-    check_model(layout, llama, encoders, "language", {"vision": dataclasses.replace(whole, fsdp=False)}, None)
-    assert issubclass(LayoutError, ValueError)
+def test_mode_reaches_checkpointed_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block compiled inside its checkpoint gets the mode too (one without CUDA graphs)."""
+    modes: list[str | None] = []
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: (modes.append(kw.get("mode")), compile_(fn, **kw))[1])
+    options = ParallelOptions(compile=True, compile_mode="max-autotune-no-cudagraphs", activation_checkpointing=2)
+    parallelize(Llama(LlamaConfig.tiny(n_layers=3)), None, None, options)
+    assert modes == ["max-autotune-no-cudagraphs"] * 3  # blocks 0 and 2 inside their checkpoints, then block 1
+
+
+def test_refused_from_the_layout() -> None:
+    """Every rank refuses from the layout alone (LayoutError, before any process group)."""
+    vit = ViTConfig.tiny()
+    llama, encoders = Llama(LlamaConfig.tiny()), {"vision": ModalityEncoder(ViT(vit), Projection(vit.dim, 32))}
+
+    def check(modules: dict, options: dict, pipeline: PipelineConfig | None = None, enc=encoders) -> None:
+        check_model(MimoLayout(modules), llama, enc, "language", options, pipeline)
+
+    whole, unsharded = ParallelOptions(compile=True, compile_scope="module"), dataclasses.replace(GRAPHS, fsdp=False)
+    dp2, one = {"vision": Parallelism(dp=2), "language": Parallelism()}, {"vision": Parallelism(), "language": Parallelism()}
+    with pytest.raises(LayoutError, match=r"vision: .*'reduce-overhead'.* FSDP2 shards the module over its 2 dp·cp "
+                                          r"ranks .* set fsdp=False"):
+        check(dp2, {"vision": GRAPHS})
+    check(dp2, {"vision": unsharded})  # replicas: gradients all-reduced outside the graphs
+    with pytest.raises(LayoutError, match=r"vision: .*compile_scope='module'.* FSDP2 shards it over its 2 dp·cp ranks"):
+        check(dp2, {"vision": whole})
+    check(dp2, {"vision": dataclasses.replace(whole, fsdp=False)})
+    with pytest.raises(LayoutError, match=r"language: .*'reduce-overhead'.* FSDP2 shards the module over its 2 dp·cp"):
+        check({**one, "language": Parallelism(cp=2)}, {"language": GRAPHS})
+    for par, shown in ((Parallelism(cp=2), "tp=1, cp=2"), (Parallelism(tp=2), "tp=2, cp=1")):
+        with pytest.raises(LayoutError, match=rf"language: .*'reduce-overhead'\) with {shown}: CUDA graphs would capture"):
+            check({**one, "language": par}, {"language": unsharded})
+    stages = {"vision": Parallelism(pp=2), "language": Parallelism()}
+    with pytest.raises(LayoutError, match=r"compile_scope='module' does not reach encoder stages"):
+        check(stages, {"vision": whole}, PipelineConfig(microbatches=2))
+    check(stages, {"vision": ParallelOptions(compile=True)}, PipelineConfig(microbatches=2))
+    varied = {"vision": ModalityEncoder(ViT(dataclasses.replace(vit, dynamic_resolution=True)), Projection(vit.dim, 32))}
+    with pytest.raises(LayoutError, match=r"'vision' takes items of their own sizes .* use compile_scope='block'"):
+        check(one, {"vision": whole}, enc=varied)
+    check(one, {"vision": ParallelOptions(compile=True)}, enc=varied)
+
+
+def test_graph_memory() -> None:
+    """`_GraphMemory` refuses a run while a ``model(batch)`` loss waits for its backward or
+    gradients are held; a dropped loss holds nothing."""
+    memory, x = _GraphMemory(), torch.ones(2, requires_grad=True)
+    memory.check()
+    loss = (x * 2).sum()
+    memory.ran("forward", loss)
+    with pytest.raises(RuntimeError, match=r"still waiting for .backward\(\)"):
+        memory.check()
+    loss.backward()
+    with pytest.raises(RuntimeError, match=r"gradients of the last run live in the graphs' memory"):
+        memory.check()
+    memory.gradients = False  # what MimoOptimizer.step / zero_grad do
+    memory.check()
+    memory.ran("forward", (x * 3).sum())  # dropped at once: nothing waits
+    memory.check()
+    memory.ran("forward", torch.ones(()))  # no graph (no_grad): nothing waits
+    memory.ran("predict", torch.ones(()))
+    memory.check()
 
 
 def _compiled_against_eager() -> dict:
     """World 1, vision and language colocated, 2 microbatches: the model with both modules
     compiled by inductor in "reduce-overhead" mode (per block, and whole) against the same model
     in eager."""
+    from torch._dynamo.utils import counters
+
     marks = []
     original = torch.compiler.cudagraph_mark_step_begin
     torch.compiler.cudagraph_mark_step_begin = lambda: (marks.append(1), original())[1]
@@ -92,6 +148,7 @@ def _compiled_against_eager() -> dict:
         out = {}
         for name, options in (("eager", ParallelOptions()), ("graphs", GRAPHS), ("whole", WHOLE)):
             marks.clear()
+            graphs = counters["stats"]["unique_graphs"]
             llama, encoders = _modules(("vision",), n_layers=1)
             layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()},
                                 offsets={"vision": 0, "language": 0})
@@ -102,7 +159,16 @@ def _compiled_against_eager() -> dict:
             losses = [train_step(model, optimizer, b).loss for b in batches]
             ids = model.predict(batches[0])
             out[name] = {"losses": losses, "ids": ids, "marks": len(marks),
+                         "graphs": counters["stats"]["unique_graphs"] - graphs,
                          "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+            if options.cuda_graphs:  # gradients held from one run into the next are refused
+                model.forward_backward(batches[0])
+                try:
+                    model.predict(batches[0])
+                except RuntimeError as e:
+                    out[name]["held"] = str(e)
+                optimizer.zero_grad()
+                model.predict(batches[0])
         return out
     finally:
         torch.compiler.cudagraph_mark_step_begin = original
@@ -112,9 +178,11 @@ def _compiled_against_eager() -> dict:
 def test_inductor_mode_matches_eager() -> None:
     [out] = run_on_ranks(_compiled_against_eager, 1)
     eager = out.pop("eager")
-    assert eager["marks"] == 0
+    assert eager["marks"] == 0 and eager["graphs"] == 0
     for how, got in out.items():
         assert got["marks"] == 3, how  # one generation per run: 2 steps, 1 prediction
+        assert got["graphs"] >= 3, how  # vision, projection and language pieces compiled
+        assert "gradients of the last run live in the graphs' memory" in got["held"], how
         assert got["losses"] == pytest.approx(eager["losses"], rel=1e-5), how
         assert torch.equal(got["ids"], eager["ids"]), how
         for name, want in eager["weights"].items():
@@ -125,9 +193,7 @@ def test_whole_vit_compiles_empty_batches() -> None:
     """A ViT compiled whole by inductor takes microbatches of no image between others (a rank's
     empty share), with eager's outputs and gradients (zeros for no image): its patch embedding
     then runs as a Linear over no patches, since torch's compiled convolution backward mis-strides
-    an empty batch's weight gradient."""
-    import copy
-
+    an empty batch's weight gradient; that Linear gives what the convolution gives."""
     torch.manual_seed(0)
     eager = ViT(ViTConfig.tiny())
     compiled = copy.deepcopy(eager)
@@ -142,3 +208,6 @@ def test_whole_vit_compiles_empty_batches() -> None:
         for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
             assert torch.allclose(b.grad, a.grad, rtol=1e-4, atol=1e-6), (n, name)
             assert n or not a.grad.any(), name
+    empty, vit = torch.randn(0, 3, 16, 16), ViTConfig.tiny()
+    conv = eager.patch_embed(empty).flatten(2).transpose(1, 2) + eager.positions((4, 4))
+    assert torch.equal(eager.embed(empty), conv) and conv.shape == (0, 16, vit.dim)

@@ -203,11 +203,15 @@ class MimoOptimizer:
     def zero_grad(self) -> None:
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
+        if self.model.graph_memory is not None:  # CUDA graphs: the next run may replay over them
+            self.model.graph_memory.gradients = False
 
     @torch.no_grad()
     def step(self, total_norm: float) -> bool:
         """Clip every gradient by the global `total_norm` and step; False (skipped) if it is not
-        finite. `total_norm` must be the same on every rank (it is, from `train_step`)."""
+        finite. `total_norm` must be the same on every rank (it is, from `train_step`). With CUDA
+        graphs in the model (`ParallelOptions.compile_mode`) the gradients are then released (set
+        to None): they live in the graphs' memory, which the next run replays over."""
         if not math.isfinite(total_norm):
             self.zero_grad()
             return False
@@ -224,6 +228,8 @@ class MimoOptimizer:
                         torch._foreach_mul_(grads, coef)
         for opt in self.optimizers.values():
             opt.step()
+        if self.model.graph_memory is not None:  # CUDA graphs: the gradients live in their memory
+            self.zero_grad()
         self.model.refresh_fp8_scales()  # float8 all-gathers of the new weights
         self.updates += 1
         self._set_lrs()

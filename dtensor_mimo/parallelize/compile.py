@@ -23,4 +23,4 @@ def compile_blocks(blocks: nn.ModuleDict, backend: str = "inductor", skip: Abstr
     """
     for name, block in blocks.items():
         if name not in skip:
-            block.compile(backend=backend, **({"mode": mode} if mode else {}))
+            block.compile(backend=backend, mode=mode)

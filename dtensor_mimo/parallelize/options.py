@@ -35,25 +35,33 @@ class ParallelOptions:
             over dp. False, no dp mesh, or a dp mesh of size 1: parameters stay replicated over
             dp (plain tensors, or tp DTensors) and the training loop sums gradients itself with
             `allreduce_gradients(module, dp_mesh)` (a no-op for size 1).
-        compile: `torch.compile` each transformer block (the whole module for a projection).
+        compile: `torch.compile` the module's pieces (`compile_scope`; a projection whole).
         compile_scope: what `compile` compiles: "block" (default: each transformer block, the
             form torchtitan uses, which composes with FSDP2's per-block units and activation
-            checkpointing) or "module" (each stack whole, its blocks, embeddings, rotary tables
-            and final norm in one graph: one compiled call per forward and per backward instead
-            of one per block, for modules whose per-call host work outweighs their kernels;
-            refused where FSDP2 shards the module and with activation checkpointing).
+            checkpointing) or "module" (each stack whole: a ViT's patch embedding, blocks and
+            final norm, a decoder's rotary tables, blocks and final norm, in one graph; one
+            compiled call per forward and per backward instead of one per block, for modules
+            whose per-call host work outweighs their kernels; refused where FSDP2 shards the
+            module, with activation checkpointing, and for an encoder with pp > 1, whose stages
+            run their blocks themselves).
         compile_backend: backend for `compile`; "inductor" (default) or e.g. "aot_eager".
-        compile_mode: torch.compile's ``mode`` for every compiled piece of the module (inductor
-            only): None (torch's default), "reduce-overhead" (CUDA graphs through torch's
-            cudagraph trees: each block's forward and backward replay as one graph each, for
-            modules whose launches outrun their kernels, e.g. small encoders' blocks; every step
-            starts a new tree generation, `cuda_graphs`), "max-autotune" (autotuned kernels and
-            CUDA graphs) or "max-autotune-no-cudagraphs". CUDA graphs need parameters that stay
-            put: refused where FSDP2 shards the module (its unsharded parameters are allocated
-            anew every step), and with activation checkpointing or `recompute_colocated` (a
-            recomputation replays forward graphs inside backward). Each distinct shape of a block's input records its own
-            graphs, so items of varying counts or sizes record several. On CPU inductor takes
-            the mode and skips the CUDA graphs.
+        compile_mode: torch.compile's ``mode`` for the module's compiled pieces (inductor only;
+            not the chunked loss's arithmetic): None (torch's default), "reduce-overhead" (CUDA
+            graphs through torch's cudagraph trees: each piece's forward and backward replay as
+            one graph each, for modules whose launches outrun their kernels, e.g. small
+            encoders; `cuda_graphs`), "max-autotune" (autotuned kernels and CUDA graphs) or
+            "max-autotune-no-cudagraphs". With CUDA graphs every run of the model (a step,
+            ``model(batch)``, ``predict``) is one tree generation, whose graphs' memory the next
+            run reuses: a ``model(batch)`` loss must be backpropagated before the next run, and
+            gradients live from one run to the optimizer step (`MimoOptimizer` releases them
+            after it; accumulate over microbatches, not over runs); both are refused otherwise.
+            Refused where FSDP2 shards the module (its unsharded parameters are allocated anew
+            every step), with tp or cp > 1 (collectives inside graphs: not measured) and with
+            activation checkpointing (a recomputation replays a block's forward graph inside
+            backward). Each distinct shape of a piece's input records its own graphs, so items
+            of varying counts or sizes record several (and each distinct sequence of shapes in
+            a step a path of its own); dynamo compiles at most 8 variants of a piece before it
+            falls back to eager. On CPU inductor takes the mode and skips the CUDA graphs.
         reshard_after_forward: FSDP2 frees the gathered parameters after forward (ZeRO-3) when
             True, keeps them until backward (ZeRO-2-like, more memory, one all-gather less);
             with False an encoder on ranks of its own keeps them gathered across the step's
@@ -181,13 +189,10 @@ class ParallelOptions:
             raise ValueError(f"ParallelOptions: compile_scope='module' with activation_checkpointing={ac}: a "
                              "checkpoint wraps each block, which a whole-module graph would trace through; use "
                              "compile_scope='block' (each block compiled inside its checkpoint)")
-        recompute = {n: v for n, v in (("activation_checkpointing", ac), ("recompute_colocated", self.recompute_colocated))
-                     if v}
-        if self.cuda_graphs and recompute:
+        if self.cuda_graphs and ac:
             raise ValueError(f"ParallelOptions: compile_mode={self.compile_mode!r} (CUDA graphs) with "
-                             f"{', '.join(f'{n}={v}' for n, v in recompute.items())}: a recomputation would replay "
-                             "forward graphs inside backward, which torch's cudagraph trees do not record; use one "
-                             "of the two")
+                             f"activation_checkpointing={ac}: a recomputation would replay a block's forward graph "
+                             "inside backward; use one of the two")
 
     @property
     def cuda_graphs(self) -> bool:
@@ -195,9 +200,9 @@ class ParallelOptions:
         return self.compile and self.compile_mode in CUDA_GRAPH_MODES
 
     @property
-    def compile_kwargs(self) -> dict[str, str]:
+    def compile_kwargs(self) -> dict[str, str | None]:
         """``torch.compile``'s keyword arguments for this module's compiled pieces."""
-        return {"backend": self.compile_backend, **({"mode": self.compile_mode} if self.compile_mode else {})}
+        return {"backend": self.compile_backend, "mode": self.compile_mode}
 
     def language_flex(self, device: torch.device, cp: int, library_decoder: bool = True) -> bool:
         """Whether the language model's attention runs through FlexAttention on `device` at `cp`

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dtensor_mimo.layout import LayoutError, Parallelism
 from dtensor_mimo.models import AudioEncoder, Llama, ModalityEncoder, Projection, ViT
 from dtensor_mimo.parallelize.checkpointing import checkpoint_blocks
 from dtensor_mimo.parallelize.compile import compile_blocks
@@ -90,7 +91,8 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
     if options.activation_checkpointing and all(blocks(stack) is None for stack in parts):
         raise ValueError(f"{name} has no `layers` ModuleDict of blocks to checkpoint; "
                          "set activation_checkpointing=0")
-    check_compile_sharding(name, options, 1 if dp_mesh is None else dp_mesh.size())
+    check_compile_layout(name, options, Parallelism(dp=1 if dp_mesh is None else dp_mesh.size(),
+                                                    tp=1 if tp_mesh is None else tp_mesh.size()))
     fp8 = None if options.fp8 is None else fp8_config(
         name, options.fp8, _device_type(root, tp_mesh, dp_mesh), uses_fsdp(options, dp_mesh, wrap_one_rank))
     units: list[nn.Module] = []  # FSDP2's units below the root
@@ -108,7 +110,7 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
                 units.append(stack)
             continue
         backend = options.compile_backend if options.compile else None
-        done = (checkpoint_blocks(layers, options.activation_checkpointing, backend)
+        done = (checkpoint_blocks(layers, options.activation_checkpointing, backend, options.compile_mode)
                 if options.activation_checkpointing else set())
         if options.compile and not whole:
             compile_blocks(layers, options.compile_backend, skip=done, mode=options.compile_mode)
@@ -121,22 +123,28 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
     return root
 
 
-def check_compile_sharding(name: str, options: ParallelOptions, shards: int) -> None:
-    """Refuse, where FSDP2 shards module `name` over `shards` ranks (ValueError): CUDA graphs
-    (`ParallelOptions.cuda_graphs`: a graph replays at the parameters' recorded addresses, and
-    FSDP2 allocates the unsharded parameters anew every step), and a whole-module compile
-    (`compile_scope="module"`: FSDP2's per-block hooks would sit inside the graph)."""
-    if not (options.fsdp and shards > 1):
+def check_compile_layout(name: str, options: ParallelOptions, par: Parallelism) -> None:
+    """Refuse (LayoutError) what module `name`'s compile options cannot do on its layout `par`:
+    where FSDP2 shards it (dp·cp > 1), a whole-module compile (FSDP2's per-block hooks would sit
+    inside the graph) and CUDA graphs (a graph replays at the parameters' recorded addresses;
+    FSDP2 allocates the unsharded parameters anew every step); CUDA graphs with tp or cp > 1
+    (their collectives would be captured in the graphs: not measured)."""
+    shards = par.dp * par.cp
+    if options.fsdp and shards > 1 and options.compile and options.compile_scope == "module":
+        raise LayoutError(f"{name}: ParallelOptions(compile_scope='module') compiles the module whole, but FSDP2 "
+                          f"shards it over its {shards} dp·cp ranks with hooks around every block; use "
+                          "compile_scope='block' (each block compiled, FSDP2's hooks left to eager) or fsdp=False")
+    if not options.cuda_graphs:
         return
-    if options.compile and options.compile_scope == "module":
-        raise ValueError(f"{name}: ParallelOptions(compile_scope='module') compiles the module whole, but FSDP2 "
-                         f"shards it over its {shards} dp·cp ranks with hooks around every block; use "
-                         "compile_scope='block' (each block compiled, FSDP2's hooks left to eager) or fsdp=False")
-    if options.cuda_graphs:
-        raise ValueError(f"{name}: ParallelOptions(compile_mode={options.compile_mode!r}) replays CUDA graphs, which "
-                         f"need parameters that stay put, but FSDP2 shards the module over its {shards} dp·cp ranks "
-                         "and allocates the unsharded parameters anew every step; set fsdp=False (parameters "
-                         "replicated over dp) or compile_mode=None")
+    if options.fsdp and shards > 1:
+        raise LayoutError(f"{name}: ParallelOptions(compile_mode={options.compile_mode!r}) replays CUDA graphs, which "
+                          f"need parameters that stay put, but FSDP2 shards the module over its {shards} dp·cp "
+                          "ranks and allocates the unsharded parameters anew every step; set fsdp=False "
+                          "(parameters replicated over dp) or compile_mode=None")
+    if par.tp > 1 or par.cp > 1:
+        raise LayoutError(f"{name}: ParallelOptions(compile_mode={options.compile_mode!r}) with tp={par.tp}, "
+                          f"cp={par.cp}: CUDA graphs would capture the module's tp / cp collectives, which is not "
+                          "measured here; use compile_mode=None, or tp = cp = 1 (dp replicas are fine)")
 
 
 def _device_type(root: nn.Module, *meshes: DeviceMesh | None) -> str:

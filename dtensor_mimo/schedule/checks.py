@@ -14,7 +14,7 @@ from dtensor_mimo.models import ModalityEncoder
 from dtensor_mimo.models.protocol import ItemRule, encoder_problems, language_problems
 from dtensor_mimo.models.vit import self_attentions
 from dtensor_mimo.parallelize import ParallelOptions
-from dtensor_mimo.parallelize.part import check_compile_sharding
+from dtensor_mimo.parallelize.part import check_compile_layout
 from dtensor_mimo.schedule.config import (ZERO_BUBBLE_SCHEDULES, PipelineConfig, check_pipeline_layout,
                                           stage_layers)
 
@@ -56,7 +56,7 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
                           "balancing applies to encoders (their items over their dp ranks)")
     for name in layout.names:
         par = layout.parallelism(name)
-        check_compile_sharding(name, options.get(name, ParallelOptions()), par.dp * par.cp)
+        check_compile_layout(name, options.get(name, ParallelOptions()), par)
         if name == language_name and par.pp > 1 and pipeline is None:
             raise LayoutError(f"{name!r} has pp={par.pp}: pass pipeline=PipelineConfig(microbatches=...) "
                               "to MimoModel (at least pp microbatches keep every stage busy)")
@@ -66,6 +66,14 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
     check_pipeline_layout(layout, language_name, pipeline)
     for name, module in encoders.items():
         pp = layout.parallelism(name).pp
+        whole = options.get(name, ParallelOptions())
+        config = getattr(module.encoder if isinstance(module, ModalityEncoder) else module, "config", None)
+        if (whole.compile and whole.compile_scope == "module"
+                and (getattr(config, "dynamic_resolution", False) or getattr(config, "variable_length", False))):
+            raise LayoutError(f"encoder {name!r} takes items of their own sizes (a list of them per call), and "
+                              "compile_scope='module' would compile its whole forward once per count of items "
+                              "(dynamo stops at 8 and runs the rest eager); use compile_scope='block' (the "
+                              "blocks take the items packed as one sequence)")
         if options.get(name, ParallelOptions()).recompute_colocated and not (
                 set(layout.ranks(name)) & set(layout.ranks(language_name))):
             raise LayoutError(f"encoder {name!r} has ParallelOptions(recompute_colocated=True) but shares no rank "
@@ -117,6 +125,9 @@ def encoder_pipeline_problem(layout: MimoLayout, language_name: str, encoders: M
                 "taken otherwise, has no encoder stages)")
     if options.get(name, ParallelOptions()).sp:
         return "sequence parallel is not supported on encoder stages: set sp=False"
+    if options.get(name, ParallelOptions()).compile_scope == "module":
+        return ("compile_scope='module' does not reach encoder stages (a stage runs its blocks itself): "
+                "use compile_scope='block'")
     if not isinstance(encoders[name], ModalityEncoder):
         return f"encoder stages are cut from a ModalityEncoder, not a {type(encoders[name]).__name__}"
     encoder = encoders[name].encoder

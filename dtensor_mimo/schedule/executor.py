@@ -136,11 +136,12 @@ def execute(parts: RankParts, actions: Sequence[Action], batch: MimoBatch, shape
     """Run `actions` (this rank's `program` for `shape`) over the global `batch`; `normalizer`:
     the global batch's loss tokens (`sequence.loss_normalizer`)."""
     if parts.cuda_graphs:
-        # One generation of torch's cudagraph trees per step: the step's graphs (every block's
+        # One generation of torch's cudagraph trees per run: the run's graphs (every piece's
         # forward, then backward, per microbatch) chain as one path, replayed whole by the next
-        # step of the same shapes, which frees this one's outputs. torch's own guess (a new
-        # generation at each compiled call without a pending backward) would cut the chain of
-        # blocks of a forward or predict step, which has no backward.
+        # run of the same shapes, over this one's memory (`MimoModel.graph_memory` refuses a run
+        # while that memory is still needed). torch's own guess (a new generation at each
+        # compiled call without a pending backward) would cut a prediction's chain of no-grad
+        # graphs after every piece.
         torch.compiler.cudagraph_mark_step_begin()
     run = _Run(parts, batch, shape, normalizer)
     with contextlib.ExitStack() as stack:
