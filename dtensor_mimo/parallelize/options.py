@@ -42,8 +42,9 @@ class ParallelOptions:
             final norm, a decoder's rotary tables, blocks and final norm, in one graph; one
             compiled call per forward and per backward instead of one per block, for modules
             whose per-call host work outweighs their kernels; refused where FSDP2 shards the
-            module, with activation checkpointing, and for an encoder with pp > 1, whose stages
-            run their blocks themselves).
+            module, with activation checkpointing, for an encoder with pp > 1, whose stages run
+            their blocks themselves, and for a decoder cut into pipeline stages, whose pieces
+            would each compile variants of one forward).
         compile_backend: backend for `compile`; "inductor" (default) or e.g. "aot_eager".
         compile_mode: torch.compile's ``mode`` for the module's compiled pieces (inductor only;
             not the chunked loss's arithmetic): None (torch's default), "reduce-overhead" (CUDA

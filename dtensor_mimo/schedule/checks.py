@@ -87,6 +87,12 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
             if problem:
                 raise LayoutError(f"encoder {name!r} has pp={pp}: {problem}")
             stage_layers(len(module.encoder.layers), pp, module=name)
+    lang_whole = options.get(language_name, ParallelOptions())
+    stages = pipeline.num_stages(layout.parallelism(language_name).pp) if pipeline is not None else 1
+    if lang_whole.compile and lang_whole.compile_scope == "module" and stages > 1:
+        raise LayoutError(f"{language_name!r} runs as {stages} pipeline stages, whose pieces of the decoder share one "
+                          "forward that compile_scope='module' would compile in a variant per stage, mode and shape "
+                          "(dynamo stops at 8 and runs the rest eager); use compile_scope='block'")
     if pipeline is not None:  # every rank, before any process group: layers per stage
         stage_layers(len(language.layers), pipeline.num_stages(layout.parallelism(language_name).pp),
                      pipeline.split, module=language_name)
