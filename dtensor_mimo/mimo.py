@@ -10,7 +10,6 @@ builds this rank's parts once (`RankParts`) and gives them one face: `run` (a tr
 
 from __future__ import annotations
 
-import weakref
 from typing import Mapping, Sequence
 
 import torch
@@ -122,7 +121,9 @@ class MimoModel(nn.Module):
         # until `init_weights` or a checkpoint load.
         self.uninitialized = {n for n, m in modules.items() if _on_meta(m)}
         self._shapes_checked: set[tuple] = set()  # (modality, item shape, tokens) seen world-wide
-        self.graph_memory = _GraphMemory() if any(o.cuda_graphs for o in self.options.values()) else None
+        graphs = [n for n, o in self.options.items() if o.cuda_graphs]
+        trains = any(self._trainable.values()) or any(p.requires_grad for p in language.parameters())
+        self.graph_memory = _GraphMemory(graphs, trains) if graphs else None
         """With CUDA graphs (`ParallelOptions.cuda_graphs`): what the last run left in their memory."""
         self.batches_compared = False
         """Whether a `train_step` compared the ranks' batch fingerprints before its first exchange."""
@@ -424,7 +425,7 @@ class MimoModel(nn.Module):
         next run (see `_GraphMemory`)."""
         super().zero_grad(set_to_none)
         if set_to_none and self.graph_memory is not None:
-            self.graph_memory.gradients = False
+            self.graph_memory.release()
 
     def reduce_gradients(self) -> None:
         """Finish this rank's gradients after backward (call on every rank): dp (dp·cp) sums for
@@ -442,36 +443,48 @@ class _GraphMemory:
     """The one-run lifetime of CUDA graphs' memory (`ParallelOptions.cuda_graphs`): every run is
     one generation of torch's cudagraph trees (`schedule.executor.execute`), whose graphs replay
     into the memory of the run before. So a run is refused (RuntimeError) while the run before
-    still needs it: a ``model(batch)`` loss not yet backpropagated (its saved activations), or
-    gradients not yet released (autograd keeps the graphs' output as ``.grad``): after
-    `MimoOptimizer.step` or ``zero_grad()`` they are. The state follows the calls, which are the
-    same on every rank (also those that hold no CUDA-graph module), so every rank raises alike,
-    before any collective."""
+    still needs it: a ``model(batch)`` loss with a graph, not yet backpropagated (its saved
+    activations), or gradients not yet released (autograd keeps the graphs' outputs as
+    ``.grad``; `MimoOptimizer.step` and ``zero_grad`` release them). The state follows the calls
+    and what every rank knows alike (the mode, grad mode, whether any module trains), never
+    this rank's tensors, so every rank refuses alike, before any collective, those that hold no
+    CUDA-graph module included. The same rules hold on CPU, where inductor skips the graphs: a
+    CPU run refuses what a GPU run would."""
 
-    def __init__(self) -> None:
-        self.gradients = False  # a backward of the graphs has run since the gradients were released
-        self.forward: weakref.ref[torch.Tensor] | None = None  # ``model(batch)``'s loss, until backpropagated
+    def __init__(self, modules: Sequence[str], trains: bool) -> None:
+        self.modules, self.trains = list(modules), trains
+        self.gradients = False  # a run's backward made gradients that are not yet released
+        self.pending: object | None = None  # the token of a ``model(batch)`` loss awaiting its backward
 
     def check(self) -> None:
-        if self.forward is not None and self.forward() is not None:
-            raise RuntimeError("MimoModel with CUDA graphs (ParallelOptions compile_mode): the loss of the last "
-                               "model(batch) is still waiting for .backward(), and this run would replay the graphs "
-                               "over its saved activations; call .backward() first (or drop that loss)")
+        what = f"MimoModel with CUDA graphs in {self.modules} (ParallelOptions compile_mode)"
+        if self.pending is not None:
+            raise RuntimeError(f"{what}: the loss of the last model(batch) has not been backpropagated, and this run "
+                               "would replay the graphs over its saved activations; call .backward() on it first "
+                               "(a forward that needs no gradients runs under torch.no_grad()), or model.zero_grad() "
+                               "to drop it")
         if self.gradients:
-            raise RuntimeError("MimoModel with CUDA graphs (ParallelOptions compile_mode): the gradients of the last "
-                               "run live in the graphs' memory, which this run would replay over; step the "
-                               "MimoOptimizer (or call zero_grad()) first, and accumulate over microbatches "
-                               "(PipelineConfig) rather than over runs")
+            raise RuntimeError(f"{what}: the gradients of the last run live in the graphs' memory, which this run "
+                               "would replay over; step the MimoOptimizer or call MimoOptimizer.zero_grad() or "
+                               "model.zero_grad() first (a torch optimizer's zero_grad does not tell the model), and "
+                               "accumulate over microbatches (PipelineConfig) rather than over runs")
 
     def ran(self, mode: str, loss: torch.Tensor) -> None:
         if mode == "train":
             self.gradients = True
-        elif mode == "forward" and loss.requires_grad:
-            self.forward = weakref.ref(loss)
-            loss.register_hook(self._backpropagated)
+        elif mode == "forward" and torch.is_grad_enabled() and self.trains:
+            token = self.pending = object()
+            if loss.requires_grad:
+                loss.register_hook(lambda grad: self._backpropagated(token))
 
-    def _backpropagated(self, grad: torch.Tensor) -> None:
-        self.forward, self.gradients = None, True
+    def _backpropagated(self, token: object) -> None:
+        if self.pending is token:  # not an older loss's second backward
+            self.pending = None
+        self.gradients = True
+
+    def release(self) -> None:
+        """The gradients were set to None (`zero_grad`): nothing of the last run is needed."""
+        self.gradients, self.pending = False, None
 
 
 def _agreement_parts(language: nn.Module, encoders: Mapping[str, nn.Module], options: Mapping[str, ParallelOptions],

@@ -39,7 +39,6 @@ WHOLE = dataclasses.replace(GRAPHS, compile_scope="module")
 
 def test_compile_mode_is_validated() -> None:
     assert GRAPHS.cuda_graphs and GRAPHS.compile_kwargs == {"backend": "inductor", "mode": "reduce-overhead"}
-    assert ParallelOptions(compile=True, compile_mode="reduce-overhead", recompute_colocated=True).cuda_graphs
     assert not ParallelOptions(compile_mode="reduce-overhead").cuda_graphs  # compile off: nothing replays
     assert not ParallelOptions(compile=True, compile_mode="max-autotune-no-cudagraphs").cuda_graphs
     assert ParallelOptions(compile=True).compile_kwargs == {"backend": "inductor", "mode": None}
@@ -49,6 +48,8 @@ def test_compile_mode_is_validated() -> None:
         ParallelOptions(compile=True, compile_backend="aot_eager", compile_mode="reduce-overhead")
     with pytest.raises(ValueError, match=r"\(CUDA graphs\) with activation_checkpointing=1: a recomputation"):
         ParallelOptions(compile=True, compile_mode="max-autotune", activation_checkpointing=1)
+    with pytest.raises(ValueError, match=r"\(CUDA graphs\) with recompute_colocated=True: .* no GPU run has checked"):
+        ParallelOptions(compile=True, compile_mode="reduce-overhead", recompute_colocated=True)
     with pytest.raises(ValueError, match=r"compile_scope='layer' must be one of 'block', 'module'"):
         ParallelOptions(compile_scope="layer")
     with pytest.raises(ValueError, match=r"compile_scope='module' with activation_checkpointing=2: a checkpoint"):
@@ -100,15 +101,15 @@ def test_refused_from_the_layout() -> None:
     with pytest.raises(LayoutError, match=r"vision: .*compile_scope='module'.* FSDP2 shards it over its 2 dp·cp"):
         check(dp2, {"vision": whole})
     check(dp2, {"vision": dataclasses.replace(whole, fsdp=False)})
-    with pytest.raises(LayoutError, match=r"language: .*'reduce-overhead'.* FSDP2 shards the module over its 2"):
-        check({**one, "language": Parallelism(cp=2)}, {"language": GRAPHS})
-    for par, shown in ((Parallelism(cp=2), "tp=1, cp=2"), (Parallelism(tp=2), "tp=2, cp=1")):
+    for par, graphs, shown in ((Parallelism(cp=2), GRAPHS, "tp=1, cp=2"), (Parallelism(cp=2), unsharded, "tp=1, cp=2"),
+                               (Parallelism(tp=2), unsharded, "tp=2, cp=1")):
         with pytest.raises(LayoutError, match=rf"language: .*'reduce-overhead'\) with {shown}: CUDA graphs would"):
-            check({**one, "language": par}, {"language": unsharded})
+            check({**one, "language": par}, {"language": graphs})
     stages = {"vision": Parallelism(pp=2), "language": Parallelism()}
     with pytest.raises(LayoutError, match=r"compile_scope='module' does not reach encoder stages"):
         check(stages, {"vision": whole}, PipelineConfig(microbatches=2))
-    check(stages, {"vision": ParallelOptions(compile=True)}, PipelineConfig(microbatches=2))
+    for fine in (ParallelOptions(compile=True), ParallelOptions(compile_scope="module")):  # compile off: no scope
+        check(stages, {"vision": fine}, PipelineConfig(microbatches=2))
     for modules, pipeline in (({**one, "language": Parallelism(pp=2)}, PipelineConfig(microbatches=2)),
                               (one, PipelineConfig(microbatches=2, schedule="Interleaved1F1B", virtual_stages=2))):
         with pytest.raises(LayoutError, match=r"'language' runs as 2 pipeline stages, .* use compile_scope='block'"):
@@ -122,24 +123,90 @@ def test_refused_from_the_layout() -> None:
 
 
 def test_graph_memory() -> None:
-    """`_GraphMemory` refuses a run while a ``model(batch)`` loss waits for its backward or
-    gradients are held; a dropped loss holds nothing."""
-    memory, x = _GraphMemory(), torch.ones(2, requires_grad=True)
+    """`_GraphMemory` refuses a run while a ``model(batch)`` loss with a graph waits for its
+    backward or gradients are held, from the calls alone: a loss under no_grad, or of a model
+    where nothing trains, holds nothing; a dropped loss still does until ``zero_grad``; an older
+    loss's second backward does not release a newer one."""
+    x = torch.ones(2, requires_grad=True)
+    memory = _GraphMemory(["language"], trains=True)
     memory.check()
     loss = (x * 2).sum()
     memory.ran("forward", loss)
-    with pytest.raises(RuntimeError, match=r"still waiting for .backward\(\)"):
+    with pytest.raises(RuntimeError, match=r"CUDA graphs in \['language'\] .* last model\(batch\) has not been "
+                                           r"backpropagated"):
         memory.check()
-    loss.backward()
+    (loss * 3).backward(retain_graph=True)  # through a function of it
     with pytest.raises(RuntimeError, match=r"gradients of the last run live in the graphs' memory"):
         memory.check()
-    memory.gradients = False  # what MimoOptimizer.step / zero_grad do
+    memory.release()  # MimoOptimizer.step / zero_grad, model.zero_grad()
     memory.check()
-    memory.ran("forward", (x * 3).sum())  # dropped at once: nothing waits
-    memory.check()
-    memory.ran("forward", torch.ones(()))  # no graph (no_grad): nothing waits
+    memory.ran("forward", (x * 3).sum())  # dropped without backward: refused all the same (the same on every rank)
+    with pytest.raises(RuntimeError, match=r"has not been backpropagated"):
+        memory.check()
+    memory.release()
+    newer = (x * 4).sum()
+    memory.ran("forward", newer)
+    loss.backward()  # the older loss again: the newer one still waits
+    with pytest.raises(RuntimeError, match=r"has not been backpropagated"):
+        memory.check()
+    memory.release()
+    with torch.no_grad():
+        memory.ran("forward", torch.zeros((), requires_grad=True))  # no graph to keep, whatever the tensor
     memory.ran("predict", torch.ones(()))
     memory.check()
+    frozen = _GraphMemory(["language"], trains=False)
+    frozen.ran("forward", torch.zeros((), requires_grad=True))
+    frozen.check()
+
+
+def _graph_memory_on_two_ranks() -> list:
+    """Vision alone on rank 0, language on rank 1 with CUDA graphs (its compile a no-op here: the
+    refusals do not depend on it): what each of a user's flows does on this rank."""
+    import torch.distributed as dist
+
+    compile_, nn.Module.compile = nn.Module.compile, lambda self, **kw: None  # the memory rules need no compile
+    try:
+        llama, encoders = _modules(("vision",), n_layers=1)
+        model = MimoModel(MimoLayout({"vision": Parallelism(), "language": Parallelism()}), llama, encoders,
+                          options={"language": GRAPHS})
+    finally:  # the harness's rank processes live on into other tests
+        nn.Module.compile = compile_
+    optimizer = MimoOptimizer(model, AdamWConfig(lr=1e-2, eps=1e-3))
+    batch, text = _batches(("vision",), packed=False, batch_size=4, seq_lens=(32, 32), text_only=(1,))
+    seen = []
+
+    def attempt(what, fn) -> None:
+        try:
+            fn()
+            seen.append((what, "ok"))
+        except RuntimeError as e:
+            seen.append((what, "refused: " + ("backpropagated" if "backpropagated" in str(e) else "gradients")))
+
+    with torch.no_grad():  # a validation loss kept in a variable, then another run; text only, so rank 0's
+        kept = model(text)  # loss is a stand-in that requires grad even here, rank 1's does not
+    attempt("predict after a no-grad forward", lambda: model.predict(batch))
+    attempt("train", lambda: train_step(model, optimizer, batch))
+    seen.append(("gradients after the step", all(p.grad is None for p in model.parameters())))
+    loss = model(batch)
+    attempt("predict before backward", lambda: model.predict(batch))
+    (loss * 2).backward()
+    attempt("predict with gradients held", lambda: model.predict(batch))
+    optimizer.zero_grad()
+    attempt("predict after zero_grad", lambda: model.predict(batch))
+    del kept, loss
+    dist.barrier()
+    return seen
+
+
+@pytest.mark.timeout(300)
+def test_graph_memory_on_every_rank() -> None:
+    """A rank that holds no CUDA-graph module refuses exactly where its peers do (else the
+    others would wait for it in the exchange): the flows of `_graph_memory_on_two_ranks`."""
+    per_rank = run_on_ranks(_graph_memory_on_two_ranks, 2)
+    assert per_rank[0] == per_rank[1]
+    assert per_rank[0] == [("predict after a no-grad forward", "ok"), ("train", "ok"),
+                           ("gradients after the step", True), ("predict before backward", "refused: backpropagated"),
+                           ("predict with gradients held", "refused: gradients"), ("predict after zero_grad", "ok")]
 
 
 def _compiled_against_eager() -> dict:

@@ -62,8 +62,6 @@ def _no_decay_names(module: nn.Module) -> set[str]:
 class _OneProcess:
     """What `MimoOptimizer` reads of a `MimoModel`: every module here, unsharded."""
 
-    graph_memory = None  # no CUDA graphs
-
     def __init__(self, modules: dict[str, nn.Module]) -> None:
         self.modules, self.module_names = modules, list(modules)
 

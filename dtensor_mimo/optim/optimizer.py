@@ -203,8 +203,9 @@ class MimoOptimizer:
     def zero_grad(self) -> None:
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
-        if self.model.graph_memory is not None:  # CUDA graphs: the next run may replay over them
-            self.model.graph_memory.gradients = False
+        # CUDA graphs: the next run may replay over the gradients' memory now (`MimoModel.graph_memory`)
+        if (memory := getattr(self.model, "graph_memory", None)) is not None:
+            memory.release()
 
     @torch.no_grad()
     def step(self, total_norm: float) -> bool:
@@ -228,7 +229,7 @@ class MimoOptimizer:
                         torch._foreach_mul_(grads, coef)
         for opt in self.optimizers.values():
             opt.step()
-        if self.model.graph_memory is not None:  # CUDA graphs: the gradients live in their memory
+        if getattr(self.model, "graph_memory", None) is not None:  # the gradients live in the graphs' memory
             self.zero_grad()
         self.model.refresh_fp8_scales()  # float8 all-gathers of the new weights
         self.updates += 1

@@ -43,7 +43,8 @@ class ParallelOptions:
             compiled call per forward and per backward instead of one per block, for modules
             whose per-call host work outweighs their kernels; refused where FSDP2 shards the
             module, with activation checkpointing, for an encoder with pp > 1, whose stages run
-            their blocks themselves, and for a decoder cut into pipeline stages, whose pieces
+            their blocks themselves, for an encoder with items of their own sizes (a list per
+            call: a variant per count), and for a decoder cut into pipeline stages, whose pieces
             would each compile variants of one forward).
         compile_backend: backend for `compile`; "inductor" (default) or e.g. "aot_eager".
         compile_mode: torch.compile's ``mode`` for the module's compiled pieces (inductor only;
@@ -57,9 +58,10 @@ class ParallelOptions:
             gradients live from one run to the optimizer step (`MimoOptimizer` releases them
             after it; accumulate over microbatches, not over runs); both are refused otherwise.
             Refused where FSDP2 shards the module (its unsharded parameters are allocated anew
-            every step), with tp or cp > 1 (collectives inside graphs: not measured) and with
+            every step), with tp or cp > 1 (collectives inside graphs: not measured), with
             activation checkpointing (a recomputation replays a block's forward graph inside
-            backward). Each distinct shape of a piece's input records its own graphs, so items
+            backward) and, until measured, with `recompute_colocated`. The same rules hold on
+            CPU, where inductor skips the graphs. Each distinct shape of a piece's input records its own graphs, so items
             of varying counts or sizes record several (and each distinct sequence of shapes in
             a step a path of its own); dynamo compiles at most 8 variants of a piece before it
             falls back to eager. On CPU inductor takes the mode and skips the CUDA graphs.
@@ -194,6 +196,10 @@ class ParallelOptions:
             raise ValueError(f"ParallelOptions: compile_mode={self.compile_mode!r} (CUDA graphs) with "
                              f"activation_checkpointing={ac}: a recomputation would replay a block's forward graph "
                              "inside backward; use one of the two")
+        if self.cuda_graphs and self.recompute_colocated:
+            raise ValueError(f"ParallelOptions: compile_mode={self.compile_mode!r} (CUDA graphs) with "
+                             "recompute_colocated=True: each microbatch would be encoded in no-grad graphs and again "
+                             "in training ones, which no GPU run has checked yet; use one of the two")
 
     @property
     def cuda_graphs(self) -> bool:

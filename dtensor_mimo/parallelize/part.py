@@ -136,15 +136,15 @@ def check_compile_layout(name: str, options: ParallelOptions, par: Parallelism) 
                           "compile_scope='block' (each block compiled, FSDP2's hooks left to eager) or fsdp=False")
     if not options.cuda_graphs:
         return
+    if par.tp > 1 or par.cp > 1:
+        raise LayoutError(f"{name}: ParallelOptions(compile_mode={options.compile_mode!r}) with tp={par.tp}, "
+                          f"cp={par.cp}: CUDA graphs would capture the module's tp / cp collectives, which is not "
+                          "measured here; use compile_mode=None, or tp = cp = 1 (dp replicas are fine)")
     if options.fsdp and shards > 1:
         raise LayoutError(f"{name}: ParallelOptions(compile_mode={options.compile_mode!r}) replays CUDA graphs, which "
                           f"need parameters that stay put, but FSDP2 shards the module over its {shards} dp·cp "
                           "ranks and allocates the unsharded parameters anew every step; set fsdp=False "
                           "(parameters replicated over dp) or compile_mode=None")
-    if par.tp > 1 or par.cp > 1:
-        raise LayoutError(f"{name}: ParallelOptions(compile_mode={options.compile_mode!r}) with tp={par.tp}, "
-                          f"cp={par.cp}: CUDA graphs would capture the module's tp / cp collectives, which is not "
-                          "measured here; use compile_mode=None, or tp = cp = 1 (dp replicas are fine)")
 
 
 def _device_type(root: nn.Module, *meshes: DeviceMesh | None) -> str:

@@ -131,7 +131,7 @@ def encoder_pipeline_problem(layout: MimoLayout, language_name: str, encoders: M
                 "taken otherwise, has no encoder stages)")
     if options.get(name, ParallelOptions()).sp:
         return "sequence parallel is not supported on encoder stages: set sp=False"
-    if options.get(name, ParallelOptions()).compile_scope == "module":
+    if (mine := options.get(name, ParallelOptions())).compile and mine.compile_scope == "module":
         return ("compile_scope='module' does not reach encoder stages (a stage runs its blocks itself): "
                 "use compile_scope='block'")
     if not isinstance(encoders[name], ModalityEncoder):
