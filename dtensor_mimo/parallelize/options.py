@@ -60,11 +60,11 @@ class ParallelOptions:
             Refused where FSDP2 shards the module (its unsharded parameters are allocated anew
             every step), with tp or cp > 1 (collectives inside graphs: not measured), with
             activation checkpointing (a recomputation replays a block's forward graph inside
-            backward) and, until measured, with `recompute_colocated`. The same rules hold on
-            CPU, where inductor skips the graphs. Each distinct shape of a piece's input records its own graphs, so items
-            of varying counts or sizes record several (and each distinct sequence of shapes in
-            a step a path of its own); dynamo compiles at most 8 variants of a piece before it
-            falls back to eager. On CPU inductor takes the mode and skips the CUDA graphs.
+            backward) and, until measured, with `recompute_colocated`. Each distinct shape of a
+            piece's input records its own graphs, so items of varying counts or sizes record
+            several (and each distinct sequence of shapes in a step a path of its own); dynamo
+            compiles at most 8 variants of a piece before it falls back to eager. On CPU
+            inductor takes the mode and skips the CUDA graphs; the refusals hold there too.
         reshard_after_forward: FSDP2 frees the gathered parameters after forward (ZeRO-3) when
             True, keeps them until backward (ZeRO-2-like, more memory, one all-gather less);
             with False an encoder on ranks of its own keeps them gathered across the step's

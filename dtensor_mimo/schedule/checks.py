@@ -66,9 +66,9 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
     check_pipeline_layout(layout, language_name, pipeline)
     for name, module in encoders.items():
         pp = layout.parallelism(name).pp
-        whole = options.get(name, ParallelOptions())
+        mine = options.get(name, ParallelOptions())
         config = getattr(module.encoder if isinstance(module, ModalityEncoder) else module, "config", None)
-        if (whole.compile and whole.compile_scope == "module"
+        if (mine.compile and mine.compile_scope == "module"
                 and (getattr(config, "dynamic_resolution", False) or getattr(config, "variable_length", False))):
             raise LayoutError(f"encoder {name!r} takes items of their own sizes (a list of them per call), and "
                               "compile_scope='module' would compile its whole forward once per count of items "
@@ -87,16 +87,14 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
             if problem:
                 raise LayoutError(f"encoder {name!r} has pp={pp}: {problem}")
             stage_layers(len(module.encoder.layers), pp, module=name)
-    lang_whole = options.get(language_name, ParallelOptions())
+    lang_options = options.get(language_name, ParallelOptions())
     stages = pipeline.num_stages(layout.parallelism(language_name).pp) if pipeline is not None else 1
-    if lang_whole.compile and lang_whole.compile_scope == "module" and stages > 1:
+    if lang_options.compile and lang_options.compile_scope == "module" and stages > 1:
         raise LayoutError(f"{language_name!r} runs as {stages} pipeline stages, whose pieces of the decoder share one "
                           "forward that compile_scope='module' would compile in a variant per stage, mode and shape "
                           "(dynamo stops at 8 and runs the rest eager); use compile_scope='block'")
     if pipeline is not None:  # every rank, before any process group: layers per stage
-        stage_layers(len(language.layers), pipeline.num_stages(layout.parallelism(language_name).pp),
-                     pipeline.split, module=language_name)
-    lang_options = options.get(language_name, ParallelOptions())
+        stage_layers(len(language.layers), stages, pipeline.split, module=language_name)
     if pipeline is not None and pipeline.schedule in ZERO_BUBBLE_SCHEDULES and torch_compat.RELEASE < (2, 13):
         # Measured on torch 2.11 (docs/testing.md): InterleavedZeroBubble's input pass reads
         # requires_grad of a stage's non-tensor inputs; the V schedules' stage set-up sends fail.
