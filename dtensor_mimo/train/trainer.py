@@ -455,7 +455,7 @@ class Trainer:
         compiled = [n for n in c.module_names if c.module_options(n).compile]
         warm = self.step + (COMPILE_STEPS if compiled else 0)  # steps whose time is compilation
         if compiled:
-            self.log.print(f"compiling the blocks of {', '.join(compiled)} during the first steps; tokens/s and "
+            self.log.print(f"compiling {', '.join(compiled)} during the first steps; tokens/s and "
                            f"step times leave out the first {COMPILE_STEPS}")
         batches = self._training_batches = self._batches()
         tokens = c.data.batch_size * self.seq_len
