@@ -32,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+from typing import Callable
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {"llama": (1, 1), "llava": (1, 1), "llava, 2 ranks, M=2": (2, 2), "transformers llama": (1, 1),
@@ -41,10 +42,9 @@ REFERENCES = (REFERENCE, "transformers llama, fused AdamW")
 """Run once per repeat whatever the trees (they use no dtensor_mimo step)."""
 
 
-def _transformers_steps(steps: int, fused: bool = False) -> list[float]:
-    """`LlamaForCausalLM` of `LlamaConfig.tiny`'s sizes + AdamW + clip on `llama`'s batches."""
-    import time
-
+def transformers_step(fused: bool = False) -> Callable[[int], None]:
+    """`step(i)`: `LlamaForCausalLM` of `LlamaConfig.tiny`'s sizes + AdamW (foreach, or `fused`)
+    + clip on `llama`'s batch ``i % 4``, one host read of the loss (built here, one thread)."""
     import torch
     import transformers
     from torch.nn import functional as F
@@ -66,9 +66,8 @@ def _transformers_steps(steps: int, fused: bool = False) -> list[float]:
                                    {"params": rest, "weight_decay": 0.0}], lr=a.lr, betas=a.betas, eps=a.eps,
                                   **({"fused": True} if fused else {"foreach": True}))
     batches = [synthetic_batch(SyntheticSpec.tiny(batch_size=8, modalities={}), seed=s) for s in range(4)]
-    times = []
-    for i in range(5 + steps):
-        t0 = time.perf_counter()
+
+    def step(i: int) -> None:
         b = batches[i % 4]
         logits = model(input_ids=b.tokens).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), b.labels.flatten(), ignore_index=-100)
@@ -77,9 +76,51 @@ def _transformers_steps(steps: int, fused: bool = False) -> list[float]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss.item()
+
+    return step
+
+
+def _transformers_steps(steps: int, fused: bool = False) -> list[float]:
+    """`transformers_step`'s seconds, after 5 warm-up steps."""
+    import time
+
+    step, times = transformers_step(fused), []
+    for i in range(5 + steps):
+        t0 = time.perf_counter()
+        step(i)
         if i >= 5:
             times.append(time.perf_counter() - t0)
     return times
+
+
+def ours_step(llava: bool, world: int, microbatches: int, options=None) -> Callable[[int], None]:
+    """`step(i)`: `train_step` of the tiny `Llama` (with `llava`, a tiny `ViT` + `Projection`
+    too, colocated at world 1, else vision on its own rank) on batch ``i % 4``, `microbatches`
+    a step, every module with `options` (`ParallelOptions`; default the library's); built here,
+    in the process group already initialised, one thread."""
+    import torch
+
+    from dtensor_mimo import MimoLayout, MimoModel, MimoOptimizer, Parallelism, PipelineConfig, train_step
+    from dtensor_mimo.data import ModalitySpec, SyntheticSpec, synthetic_batch
+    from dtensor_mimo.models import Llama, LlamaConfig, ModalityEncoder, Projection, ViT, ViTConfig
+
+    torch.set_num_threads(1)
+    llama = Llama(LlamaConfig.tiny())
+    vit = ViTConfig.tiny()
+    if not llava:
+        layout, encoders, modalities = MimoLayout({"language": Parallelism()}), {}, {}
+    else:
+        encoders = {"vision": ModalityEncoder(ViT(vit), Projection(vit.dim, LlamaConfig.tiny().dim))}
+        offsets = {"vision": 0, "language": 0} if world == 1 else None
+        layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()}, offsets=offsets)
+        modalities = {"vision": ModalitySpec.image(vit, special_token_id=64)}
+    pipeline = PipelineConfig(microbatches=microbatches) if microbatches > 1 else None
+    model = MimoModel(layout, llama, encoders, pipeline=pipeline,
+                      options={n: options for n in layout.names} if options is not None else None)
+    model.init_weights({"language": 0, **{n: 1 for n in encoders}})
+    optimizer = MimoOptimizer(model)
+    batches = [synthetic_batch(SyntheticSpec.tiny(batch_size=8, modalities=modalities), seed=s) for s in range(4)]
+    return lambda i: train_step(model, optimizer, batches[i % 4])
 
 
 def _worker(case: str, steps: int) -> None:
@@ -93,31 +134,13 @@ def _worker(case: str, steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from dtensor_mimo import MimoLayout, MimoModel, MimoOptimizer, Parallelism, PipelineConfig, train_step
-    from dtensor_mimo.data import ModalitySpec, SyntheticSpec, synthetic_batch
-    from dtensor_mimo.models import Llama, LlamaConfig, ModalityEncoder, Projection, ViT, ViTConfig
-
-    torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world, microbatches = CASES[case]
-    llama = Llama(LlamaConfig.tiny())
-    vit = ViTConfig.tiny()
-    if case == "llama":
-        layout, encoders, modalities = MimoLayout({"language": Parallelism()}), {}, {}
-    else:
-        encoders = {"vision": ModalityEncoder(ViT(vit), Projection(vit.dim, LlamaConfig.tiny().dim))}
-        offsets = {"vision": 0, "language": 0} if world == 1 else None
-        layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()}, offsets=offsets)
-        modalities = {"vision": ModalitySpec.image(vit, special_token_id=64)}
-    pipeline = PipelineConfig(microbatches=microbatches) if microbatches > 1 else None
-    model = MimoModel(layout, llama, encoders, pipeline=pipeline)
-    model.init_weights({"language": 0, **{n: 1 for n in encoders}})
-    optimizer = MimoOptimizer(model)
-    batches = [synthetic_batch(SyntheticSpec.tiny(batch_size=8, modalities=modalities), seed=s) for s in range(4)]
+    step = ours_step(case != "llama", world, microbatches)
     times = []
     for i in range(5 + steps):
         t0 = time.perf_counter()
-        train_step(model, optimizer, batches[i % 4])
+        step(i)
         elapsed = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if i >= 5:

@@ -16,6 +16,7 @@ work, not a time: the time of each on a GPU is what `benchmarks/gpu.py` measures
 | llama eager | `Llama` tiny, no encoder | `train_step` |
 | transformers llama | `LlamaForCausalLM` of the same sizes (SDPA) | forward, cross entropy, backward, `clip_grad_norm_`, fused AdamW, `zero_grad` (the issue's reference stack) |
 
+The models, batches and steps are `benchmarks/host_step.py`'s (`ours_step`, `transformers_step`).
 Each case runs in a fresh process (world 1, gloo, one thread).
 """
 
@@ -55,78 +56,32 @@ def _count(step) -> dict:
     return {"aten_ops": sum(ops.values()), "compiled_calls": compiled, "top": ops.most_common(8)}
 
 
-def _ours(case: str):
-    """The step of one of our cases (model built, world 1)."""
+def _step(case: str):
+    """The step callable of one case (`host_step`'s models and batches), built in this process."""
+    from host_step import ours_step, transformers_step
+
+    if case == "transformers llama":
+        return transformers_step(fused=True)
     import torch.distributed as dist
 
-    from dtensor_mimo import (MimoLayout, MimoModel, MimoOptimizer, ParallelOptions, Parallelism, PipelineConfig,
-                              train_step)
-    from dtensor_mimo.data import ModalitySpec, SyntheticSpec, synthetic_batch
-    from dtensor_mimo.models import Llama, LlamaConfig, ModalityEncoder, Projection, ViT, ViTConfig
+    from dtensor_mimo import ParallelOptions
 
     dist.init_process_group("gloo")
-    vit = ViTConfig.tiny()
     options = ParallelOptions(compile="compiled" in case, compile_scope="module" if case.endswith("whole") else "block")
-    if case.startswith("llama"):
-        layout, encoders, modalities, pipeline = MimoLayout({"language": Parallelism()}), {}, {}, None
-    else:
-        encoders = {"vision": ModalityEncoder(ViT(vit), Projection(vit.dim, LlamaConfig.tiny().dim))}
-        layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()}, offsets={"vision": 0, "language": 0})
-        modalities, pipeline = {"vision": ModalitySpec.image(vit, special_token_id=64)}, PipelineConfig(microbatches=2)
-    model = MimoModel(layout, Llama(LlamaConfig.tiny()), encoders, options={n: options for n in layout.names},
-                      pipeline=pipeline)
-    model.init_weights({"language": 0, **{n: 1 for n in encoders}})
-    optimizer = MimoOptimizer(model)
-    batches = [synthetic_batch(SyntheticSpec.tiny(batch_size=8, modalities=modalities), seed=s) for s in range(4)]
-    state = {"i": 0}
-
-    def step() -> None:
-        train_step(model, optimizer, batches[state["i"] % 4])
-        state["i"] += 1
-
-    return step
-
-
-def _transformers():
-    """transformers' `LlamaForCausalLM` step of `LlamaConfig.tiny`'s sizes on `llama eager`'s batches."""
-    import torch
-    import transformers
-    from torch.nn import functional as F
-
-    from dtensor_mimo.data import SyntheticSpec, synthetic_batch
-    from dtensor_mimo.models import LlamaConfig
-
-    c = LlamaConfig.tiny()
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_hidden, num_hidden_layers=c.n_layers,
-        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, max_position_embeddings=c.max_seq_len,
-        rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, attn_implementation="sdpa"))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    batches = [synthetic_batch(SyntheticSpec.tiny(batch_size=8, modalities={}), seed=s) for s in range(4)]
-    state = {"i": 0}
-
-    def step() -> None:
-        b = batches[state["i"] % 4]
-        state["i"] += 1
-        logits = model(input_ids=b.tokens).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), b.labels.flatten(), ignore_index=-100)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss.item()
-
-    return step
+    llava = case.startswith("llava")
+    return ours_step(llava, 1, 2 if llava else 1, options)
 
 
 def _worker(case: str) -> None:
-    import torch
+    step, state = _step(case), {"i": 0}
 
-    torch.set_num_threads(1)
-    step = _transformers() if case == "transformers llama" else _ours(case)
+    def next_step() -> None:
+        step(state["i"])
+        state["i"] += 1
+
     for _ in range(WARMUP):
-        step()
-    print(json.dumps(_count(step)))
+        next_step()
+    print(json.dumps(_count(next_step)))
 
 
 def main() -> None:

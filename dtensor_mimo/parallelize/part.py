@@ -113,7 +113,7 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
         done = (checkpoint_blocks(layers, options.activation_checkpointing, backend, options.compile_mode)
                 if options.activation_checkpointing else set())
         if options.compile and not whole:
-            compile_blocks(layers, options.compile_backend, skip=done, mode=options.compile_mode)
+            compile_blocks(layers, skip=done, **options.compile_kwargs)
         units.extend(layers.values())
     if fp8 is not None and not fp8.emulate and not fp8_layers(root):
         log.warning("ParallelOptions(fp8=%r) for %s: none of its Linear layers converts (on CUDA only those whose "
