@@ -192,6 +192,8 @@ def _nan_step() -> tuple[bool, float, list[str]]:
     model = MimoModel(layout, llama, encoders)
     optimizer = MimoOptimizer(model, BASE)
     batch = _batches(case.encoders, packed=False)[0]
+    train_step(model, optimizer, batch)
+    before = _weights(model, optimizer)
     vision = batch.modalities["vision"]
     inputs = vision.inputs.clone()
     inputs[0] = float("nan")
@@ -204,6 +206,7 @@ def _nan_step() -> tuple[bool, float, list[str]]:
         metrics = train_step(model, optimizer, batch)
     finally:
         logger.removeHandler(handler)
+    assert _unchanged(model, before, optimizer) and optimizer.updates == 1  # no weight, moment, count or lr moved
     return metrics.skipped, metrics.grad_norm, stream.getvalue().splitlines()
 
 
@@ -212,7 +215,7 @@ def test_a_skipped_non_finite_step_logs_one_warning() -> None:
     for skipped, norm, _ in results:
         assert skipped and not math.isfinite(norm)
     assert [len(lines) for _, _, lines in results] == [1, 0]  # said once, by rank 0
-    assert "step skipped after 0 update(s): the global gradient norm is nan" in results[0][2][0]
+    assert "step skipped after 1 update(s): the global gradient norm is nan" in results[0][2][0]
 
 
 def _losses(path) -> list[float]:
@@ -358,12 +361,20 @@ def _model(modules: dict, offsets: dict, frozen: tuple[str, ...] = (), microbatc
     return model, MimoOptimizer(model, BASE)
 
 
-def _weights(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+def _weights(model, optimizer=None) -> dict[str, torch.Tensor]:
+    """Every weight and, with `optimizer` (a `MimoOptimizer`), every AdamW state tensor: the
+    moments and step counts a refused step must not change either (its update is queued, on the
+    device, before the host knows it is refused)."""
+    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for module, opt in (optimizer.optimizers.items() if optimizer is not None else ()):
+        for i, state in enumerate(opt.state.values()):
+            out.update({f"{module} state {i} {k}": v.detach().clone() for k, v in state.items()})
+    return out
 
 
-def _unchanged(model, before: dict[str, torch.Tensor]) -> bool:
-    return all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+def _unchanged(model, before: dict[str, torch.Tensor], optimizer=None) -> bool:
+    now = _weights(model, optimizer)
+    return now.keys() == before.keys() and all(torch.equal(v, before[k]) for k, v in now.items())
 
 
 def _different_batches(microbatches: int | None) -> list[str]:
@@ -375,15 +386,15 @@ def _different_batches(microbatches: int | None) -> list[str]:
     model, optimizer = _model(*COLOCATED if microbatches else DISJOINT, microbatches=microbatches)
     batches = _batches(("vision",), packed=False, batch_size=4)
     rank, out = dist.get_rank(), []
-    before = _weights(model)
+    before = _weights(model, optimizer)
     out.append(_attempt(lambda: train_step(model, optimizer, batches[rank])))
-    assert _unchanged(model, before)
+    assert _unchanged(model, before, optimizer)
     train_step(model, optimizer, batches[0])
     changed = dataclasses.replace(batches[0], tokens=batches[0].tokens.clone())
     changed.tokens[0, 1] += rank  # a text token: same sizes everywhere
-    before = _weights(model)
+    before = _weights(model, optimizer)
     out.append(_attempt(lambda: train_step(model, optimizer, changed)))
-    assert _unchanged(model, before)
+    assert _unchanged(model, before, optimizer)
     assert not train_step(model, optimizer, batches[0]).skipped
     return out
 
@@ -409,13 +420,13 @@ def _trainable_changed_after_construction(frozen_at_build: bool) -> list[str]:
     assert bool(flipped) == (dist.get_rank() == 0)
     for p in flipped:
         p.requires_grad_(not p.requires_grad)
-    before = _weights(model)
+    before = _weights(model, optimizer)
     message = _attempt(lambda: train_step(model, optimizer, batch))
-    assert _unchanged(model, before)
+    assert _unchanged(model, before, optimizer)
     assert all(p.requires_grad == frozen_at_build and p.grad is None for p in flipped)  # as the user left them
     for p in flipped:  # back as built: the next step trains
         p.requires_grad_(not frozen_at_build)
-    assert not train_step(model, optimizer, batch).skipped and not _unchanged(model, before)
+    assert not train_step(model, optimizer, batch).skipped and not _unchanged(model, before, optimizer)
     return [message]
 
 

@@ -238,15 +238,21 @@ def test_unpipelined_step_syncs_are_fixed(language: Parallelism, hops: int | Non
     _check(_per_rank(modules, None, 4, hops), _per_rank(modules, None, 8, hops))
 
 
-def _encoder_input_copies(pipeline: PipelineConfig) -> list[str]:
-    """The files that move a modality's inputs to the device in a colocated world-1 step."""
-    from dtensor_mimo.data.batch import ModalityInputs
+def _colocated(pipeline: PipelineConfig) -> MimoModel:
+    """A vision encoder and the language model on one rank (world 1)."""
     from dtensor_mimo.layout import MimoLayout
 
     layout = MimoLayout({"vision": P(), "language": P()}, offsets={"vision": 0, "language": 0})
     layout.init_meshes("cpu")
     llama, encoders = _modules(("vision",), n_layers=2)
-    model = MimoModel(layout, llama, encoders, pipeline=pipeline)
+    return MimoModel(layout, llama, encoders, pipeline=pipeline)
+
+
+def _encoder_input_copies(pipeline: PipelineConfig) -> list[str]:
+    """The files that move a modality's inputs to the device in a colocated world-1 step."""
+    from dtensor_mimo.data.batch import ModalityInputs
+
+    model = _colocated(pipeline)
     optimizer = MimoOptimizer(model, OPT)
     batch = _batches(("vision",), False, batch_size=4, seq_lens=(64,))[0]
     sites, move = [], ModalityInputs.to
@@ -265,6 +271,32 @@ def test_the_language_model_copies_no_encoder_inputs(microbatches: int) -> None:
     VLM of benchmarks/gpu.py)."""
     sites = run_on_ranks(_encoder_input_copies, 1, PipelineConfig(microbatches=microbatches))[0]
     assert sites == ["dtensor_mimo/schedule/executor.py"] * microbatches, sites
+
+
+def _updated_at_the_read() -> list[bool]:
+    """Whether the weights had moved when train_step's host read began, in a world-1 step."""
+    import dtensor_mimo.optim.step as step_module
+
+    model = _colocated(PipelineConfig(microbatches=2))
+    optimizer = MimoOptimizer(model, OPT)
+    batch = _batches(("vision",), False, batch_size=4, seq_lens=(64,))[0]
+    train_step(model, optimizer, batch)
+    before = [p.detach().clone() for p in model.parameters()]
+    seen, read = [], step_module.read_totals
+    step_module.read_totals = lambda *a: seen.append(any(
+        not torch.equal(p, q) for p, q in zip(model.parameters(), before))) or read(*a)
+    try:
+        train_step(model, optimizer, batch)
+    finally:
+        step_module.read_totals = read
+    return seen
+
+
+def test_the_update_is_queued_before_the_host_read() -> None:
+    """The step's update (clip and AdamW, refused or skipped on the device) is queued before its one
+    host read, so on a GPU the device goes from backward to the update without waiting for the
+    host. On CPU queued is done: the weights have moved when the read begins."""
+    assert run_on_ranks(_updated_at_the_read, 1)[0] == [True]
 
 
 def test_counter_sees_a_device_sync_but_not_host_metadata() -> None:

@@ -64,6 +64,7 @@ class _OneProcess:
 
     def __init__(self, modules: dict[str, nn.Module]) -> None:
         self.modules, self.module_names = modules, list(modules)
+        self.device = torch.device("cpu")
 
     def module_parameters(self, name: str) -> dict[str, nn.Parameter]:
         return dict(self.modules[name].named_parameters())

@@ -55,13 +55,13 @@ def _votes_and_unusable() -> tuple[tuple[float, ...], str]:
     batch = _batches(("vision",), packed=False, batch_size=4)[0]
     rank = dist.get_rank()
     votes = train_step(model, optimizer, batch, votes=(float(rank == 1), 0.0)).votes
-    before = _weights(model)
+    before = _weights(model, optimizer)
     try:
         train_step(model, optimizer, batch, unusable=rank == 1)
         message = "no error"
     except UnusableBatch as e:
         message = str(e)
-    assert _unchanged(model, before)
+    assert _unchanged(model, before, optimizer)
     return votes, message
 
 

@@ -89,9 +89,14 @@ def agreement_terms(fp: int) -> tuple[float, float]:
     return float(fp), float(fp) * float(fp)
 
 
+def agreed_sums(fp: int, world: int) -> tuple[float, float]:
+    """The all-reduced sums of `agreement_terms` when every one of `world` ranks had `fp`."""
+    return world * float(fp), world * float(fp) * float(fp)
+
+
 def agreed(fp: int, sum_fp: float, sum_sq: float, world: int) -> bool:
     """Whether every one of `world` ranks had `fp`, from the all-reduced sums of `agreement_terms`."""
-    return sum_fp == world * float(fp) and sum_sq == world * float(fp) * float(fp)
+    return (sum_fp, sum_sq) == agreed_sums(fp, world)
 
 
 def disagreement(per_rank: Sequence[tuple[int, str]], what: str) -> str | None:

@@ -212,29 +212,62 @@ class MimoOptimizer:
         """Clip every gradient by the global `total_norm` and step; False (skipped) if it is not
         finite. `total_norm` must be the same on every rank (it is, from `train_step`). With CUDA
         graphs in the model (`ParallelOptions.compile_mode`) the gradients are then released (set
-        to None): they live in the graphs' memory, which the next run replays over."""
+        to None): they live in the graphs' memory, which the next run replays over.
+
+        `launch` + `settle` with the norm on the host; `train_step` calls those two itself, with
+        the norm and the verdict still on the device."""
         if not math.isfinite(total_norm):
             self.zero_grad()
             return False
+        device = self.model.device
+        self.launch(torch.tensor(total_norm, dtype=torch.float64, device=device), torch.zeros((), device=device))
+        return self.settle(True)
+
+    @torch.no_grad()
+    def launch(self, total_norm: torch.Tensor, skip: torch.Tensor) -> None:
+        """Queue the clipped AdamW update of every module on the device, reading nothing on the
+        host: `total_norm` (the global norm) and `skip` (nonzero: change nothing, e.g. a non-finite
+        norm or a step to refuse) are 0-dim tensors on the model's device, the same on every rank.
+        Follow with `settle` once the verdict is known on the host.
+
+        AdamW's fused kernel takes both (torch's ``grad_scale`` / ``found_inf``, as under AMP's
+        GradScaler): it divides every gradient by ``max(1, (total_norm + 1e-6) / max_grad_norm)``
+        (torch.nn.utils.clip_grad_norm_'s rule) as it reads it, and writes the clipped gradient
+        back, so clipping costs no pass of its own over the gradients; with `skip` it changes no
+        weight, moment or step count. So `train_step` can queue the update before its one host
+        read, and the device runs backward, clip and update back to back (the host's read waits
+        for the step's totals only). With tp, DTensor steps the vocabulary-parallel embedding on a
+        redistributed copy of its gradient: that gradient, read after the step, is not the
+        clipped one (its update is). Devices without a fused AdamW (foreach) read `skip` first:
+        a host sync."""
         max_norm = self.config.max_grad_norm
-        if max_norm is not None:
-            coef = min(1.0, max_norm / (total_norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
-            if coef < 1.0:
-                # One foreach multiply per module, not fused AdamW's ``grad_scale`` (which would save
-                # this pass over the gradients): with tp, DTensor runs the fused kernel on a
-                # redistributed copy of some gradients (the vocabulary-parallel embedding's), so the
-                # gradients read after the step would not all be the clipped ones.
-                for opt in self.optimizers.values():
-                    if grads := _local_grads(opt):
-                        torch._foreach_mul_(grads, coef)
+        scale = None if max_norm is None else ((total_norm + 1e-6) / max_norm).clamp(min=1.0).float()
+        found_inf = skip.float()
+        unfused = [opt for opt in self.optimizers.values() if not opt.defaults.get("fused")]
         for opt in self.optimizers.values():
-            opt.step()
-        if getattr(self.model, "graph_memory", None) is not None:  # the gradients live in the graphs' memory
+            if opt not in unfused:
+                opt.grad_scale, opt.found_inf = scale, found_inf  # read by torch.optim.AdamW.step
+                try:
+                    opt.step()
+                finally:
+                    del opt.grad_scale, opt.found_inf
+        if unfused and not found_inf.item():
+            for opt in unfused:
+                if scale is not None and (grads := _local_grads(opt)):
+                    torch._foreach_div_(grads, scale)
+                opt.step()
+
+    def settle(self, applied: bool) -> bool:
+        """The host's side of a `launch`ed step, once its verdict is read: `applied` (the launch's
+        `skip` was zero) advances the schedule; either way the gradients are released where
+        nothing else will (a skipped step's; CUDA-graph memory). Returns `applied`."""
+        if not applied or getattr(self.model, "graph_memory", None) is not None:
             self.zero_grad()
-        self.model.refresh_fp8_scales()  # float8 all-gathers of the new weights
-        self.updates += 1
-        self._set_lrs()
-        return True
+        if applied:
+            self.model.refresh_fp8_scales()  # float8 all-gathers of the new weights
+            self.updates += 1
+            self._set_lrs()
+        return applied
 
     def set_updates(self, updates: int) -> None:
         """Continue the schedule after `updates` applied steps (a resumed run)."""

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from dtensor_mimo.bridge import PlanError
 from dtensor_mimo.data import BatchError, MimoBatch
-from dtensor_mimo.layout.fingerprint import agreed, agreement_terms, batch_fingerprint
+from dtensor_mimo.layout.fingerprint import agreed, agreed_sums, agreement_terms, batch_fingerprint
 from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.optim.optimizer import MimoOptimizer, grad_sumsq_shares
 
@@ -90,10 +90,28 @@ def _between(start: float | torch.cuda.Event, end: float | torch.cuda.Event) -> 
     return Elapsed(start, end) if isinstance(start, torch.cuda.Event) else end - start
 
 
-def read_totals(totals: torch.Tensor) -> list[float]:
-    """The step's all-reduced totals on the host: its ONE device-to-host sync, which the metrics
-    and the clip / skip / raise decision need (every other count of a step comes from host metadata)."""
-    return totals.tolist()
+class _Readback:
+    """`values` on their way to the host, not waited for: on CUDA a non-blocking copy into pinned
+    memory and an event after it, so that the work queued after the copy (the step's update) runs
+    while the host waits for the copy alone (`read_totals`)."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.done: torch.cuda.Event | None = None
+        self.host = values
+        if values.is_cuda:
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+
+def read_totals(readback: _Readback) -> list[float]:
+    """The step's all-reduced totals and its verdict on the host: its ONE device-to-host sync,
+    which the metrics and the raise decision need (every other count of a step comes from host
+    metadata). It waits for the totals only: the update queued after them keeps the device busy."""
+    if readback.done is not None:
+        readback.done.synchronize()
+    return readback.host.tolist()
 
 
 def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
@@ -130,7 +148,10 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
     between CUDA events on GPUs (no sync of their own: ``float()`` them later, e.g. when logging).
 
     Host syncs: one per step (`read_totals`), whatever the number of microbatches (two on a
-    model's first step).
+    model's first step). The clipped update is queued before it, its verdict (refuse, skip)
+    computed on the device from the same totals (`MimoOptimizer.launch`): the read waits for the
+    totals, not for the update, and the device goes from backward to the update without waiting
+    for the host.
     """
     start = _mark(model.device) if timings is not None else 0.0
     optimizer.zero_grad()
@@ -149,24 +170,33 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
         loss_part = result.loss.detach().double().reshape(1) if model.holds_loss_share() else \
             torch.zeros(1, dtype=torch.float64, device=model.device)
         # The status words: ranks whose encoder rows contradicted the batch metadata (the result's
-        # error), ranks whose trainable set changed; then the batch fingerprint's agreement terms.
-        status = torch.tensor([float(result.error is not None), float(bool(changed)), float(unusable),
-                               *agreement_terms(fp), *map(float, votes)],
-                              dtype=torch.float64).to(model.device, non_blocking=True)
-        totals = torch.cat([loss_part, status, grad_sumsq_shares(model)])
+        # error), ranks whose trainable set changed; then the batch fingerprint's agreement terms,
+        # the votes; and (not all-reduced) the sums of the terms if every rank agreed.
+        world = dist.get_world_size()
+        words = torch.tensor([float(result.error is not None), float(bool(changed)), float(unusable),
+                              *agreement_terms(fp), *map(float, votes), *agreed_sums(fp, world)],
+                             dtype=torch.float64).to(model.device, non_blocking=True)
+        totals = torch.cat([loss_part, words[:-2], grad_sumsq_shares(model)])
         dist.all_reduce(totals)
     except RuntimeError as e:
         if _from_the_transport(e):  # a peer's closed connection or a timeout says nothing of why
             e.add_note(f"this rank's batch fingerprint is {fp} (different ones on other ranks: they were fed "
                        "different batches)")
         raise
-    loss, bad, frozen, unusable_ranks, sum_fp, sum_sq, *rest = read_totals(totals)
+    # The verdict on the device, from the same numbers and comparisons as the host's below: the
+    # update is queued before the host reads anything, and changes nothing where it must not.
+    norm = totals[6 + len(votes):].sum().sqrt()
+    refused, finite = (totals[1:4] != 0).any() | (totals[4:6] != words[-2:]).any(), norm.isfinite()
+    readback = _Readback(torch.cat([totals, refused.reshape(1), finite.reshape(1)]))
+    optimizer.launch(norm, refused | ~finite)
+    loss, bad, frozen, unusable_ranks, sum_fp, sum_sq, *rest, was_refused, finite = read_totals(readback)
     summed_votes, sumsq = tuple(rest[:len(votes)]), rest[len(votes):]
+    assert bool(was_refused) == bool(bad or frozen or unusable_ranks or not agreed(fp, sum_fp, sum_sq, world))
     if unusable_ranks:  # before the fingerprint: a rank's stand-ins may not hash like its peers' inputs
         optimizer.zero_grad()
         raise UnusableBatch(f"{int(unusable_ranks)} rank(s) could not build their part of this step's batch "
                             f"(this rank: {'it' if unusable else 'not it'}); the step was not applied")
-    if not agreed(fp, sum_fp, sum_sq, dist.get_world_size()):
+    if not agreed(fp, sum_fp, sum_sq, world):
         optimizer.zero_grad()
         raise RuntimeError(_different_batches(fp))
     if frozen:
@@ -182,7 +212,7 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
             f"{int(bad)} rank(s) produced encoder rows that disagree with the batch "
             "metadata (their error names the encoder and the shapes); the step was not applied"))
     grad_norm = math.sqrt(sum(sumsq))
-    skipped = not optimizer.step(grad_norm)
+    skipped = not optimizer.settle(bool(finite))
     if skipped and dist.get_rank() == 0:  # the same verdict on every rank: said once
         log.warning("step skipped after %d update(s): the global gradient norm is %s (loss %s); weights and "
                     "optimizer state are unchanged (a non-finite input or a too high lr?)",
