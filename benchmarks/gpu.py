@@ -120,8 +120,51 @@ def _timed(step, device: str, warmup: int, steps: int) -> list[float]:
         key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
         PROFILE["table"] = (prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
                             + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12,
-                                                        max_name_column_width=70))
+                                                        max_name_column_width=70)
+                            + (_device_gaps(prof.events(), 2) if device == "cuda" else ""))
     return rounds
+
+
+def _device_gaps(events, steps: int, top: int = 10) -> str:
+    """Where the device waited in `steps` profiled steps: the union of its work's intervals (kernels,
+    copies) against their span, and the gaps between them, each named by the host op that launched
+    the work after it (outermost < ... < innermost: what the host was doing while the device
+    waited). A report, not a check: any error in it is printed in its place."""
+    try:
+        from torch.autograd import DeviceType
+
+        work = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+        if not work:
+            return "\nno device work profiled\n"
+        host = {e.id: e for e in events if e.device_type == DeviceType.CPU}
+
+        def launcher(e) -> str:
+            names, op = [], host.get(e.linked_correlation_id)
+            while op is not None:
+                names.append(op.name[:40])
+                op = op.cpu_parent
+            return " < ".join([*names[:0:-1][:2], names[0]] if len(names) > 2 else names[::-1]) or "?"
+
+        gaps, end = [], work[0].time_range.end
+        for e in work[1:]:
+            if e.time_range.start > end:
+                gaps.append((e.time_range.start - end, e))
+            end = max(end, e.time_range.end)
+        span, idle = end - work[0].time_range.start, sum(g for g, _ in gaps)
+        by_launcher: dict[str, list[float]] = {}
+        for g, e in gaps:
+            by_launcher.setdefault(launcher(e), []).append(g)
+        lines = [f"\ndevice busy {100 * (1 - idle / span):.1f}% of {span / 1e3:.1f} ms ({steps} steps): idle "
+                 f"{idle / 1e3 / steps:.2f} ms a step in {len(gaps)} gaps",
+                 "largest gaps (ms, the work after it, its launcher):"]
+        largest = sorted(gaps, key=lambda x: -x[0])[:top]
+        lines += [f"{g / 1e3:9.3f}  {e.name[:45]:<45}  {launcher(e)}" for g, e in largest]
+        lines.append("idle by launcher of the work after the gap (ms over the steps, gaps):")
+        lines += [f"{sum(gs) / 1e3:9.3f}  {len(gs):5d}  {name}"
+                  for name, gs in sorted(by_launcher.items(), key=lambda x: -sum(x[1]))[:top]]
+        return "\n".join(lines) + "\n"
+    except Exception as e:  # noqa: BLE001 - a report must not cost the case its timings
+        return f"\ndevice gaps: not computed ({type(e).__name__}: {e})\n"
 
 
 def _world_of_one(device: str) -> None:

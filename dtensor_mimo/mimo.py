@@ -429,9 +429,10 @@ class MimoModel(nn.Module):
 
     def reduce_gradients(self) -> None:
         """Finish this rank's gradients after backward (call on every rank): dp (dp·cp) sums for
-        modules without FSDP (FSDP already did), and tp's pending partial sums reduced to their
-        parameters' placements (`dtensor_mimo.parallelize.finish_gradients`), so that clipping
-        and AdamW see ordinary shards."""
+        modules without FSDP (FSDP already did), and every tp gradient put on its parameter's
+        placements (pending partial sums reduced, a replicated one sharded:
+        `dtensor_mimo.parallelize.finish_gradients`), so that clipping and AdamW see ordinary
+        shards."""
         for name in self.module_names:
             params = self.module_parameters(name)
             if params:

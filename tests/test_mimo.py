@@ -382,6 +382,11 @@ def _record(loss: float, norm: float, params: dict[str, dict[str, torch.Tensor]]
     def full(t):  # a copy: a Replicate DTensor's full_tensor() is a view of the live parameter
         return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
+    for m, ps in params.items():  # a rank holds only its shard of a gradient, and AdamW steps it in place
+        for n, p in ps.items():
+            if isinstance(p.grad, DTensor):
+                assert p.grad.placements == p.placements, f"{m}.{n}: grad {p.grad.placements}, weight {p.placements}"
+
     return {
         "loss": loss,
         "grad_norm": norm,

@@ -236,10 +236,10 @@ class MimoOptimizer:
         back, so clipping costs no pass of its own over the gradients; with `skip` it changes no
         weight, moment or step count. So `train_step` can queue the update before its one host
         read, and the device runs backward, clip and update back to back (the host's read waits
-        for the step's totals only). With tp, DTensor steps the vocabulary-parallel embedding on a
-        redistributed copy of its gradient: that gradient, read after the step, is not the
-        clipped one (its update is). Devices without a fused AdamW (foreach) read `skip` first:
-        a host sync."""
+        for the step's totals only). The gradients must be on their parameters' placements
+        (`MimoModel.reduce_gradients` puts them there): DTensor would step any other on a
+        redistributed copy, and the clipped copy would not be written back. Devices without a
+        fused AdamW (foreach) read `skip` first: a host sync."""
         max_norm = self.config.max_grad_norm
         scale = None if max_norm is None else ((total_norm + 1e-6) / max_norm).clamp(min=1.0).float()
         found_inf = skip.float()

@@ -112,13 +112,17 @@ def finish_gradients(module: nn.Module, params: Mapping[str, nn.Parameter], tp_m
                      dp_mesh: DeviceMesh | None, options: ParallelOptions) -> None:
     """After backward, make `module`'s gradients (`params`: its parameters by name) what
     clipping and the optimizer expect: summed over `dp_mesh` without FSDP2 (FSDP2 already did),
-    tp-replicated ones made identical (`reduce_tp_replicated_gradients`), and gradients left
-    as pending partial sums by tp (the norm weights under sp) reduced to their parameter's
-    placements. Call on every rank of the module's meshes."""
+    tp-replicated ones made identical (`reduce_tp_replicated_gradients`), and every gradient put
+    on its parameter's placements: pending partial sums (the norm weights under sp) reduced, and
+    replicated ones sharded like their parameter (the vocabulary-parallel embedding's: DTensor's
+    embedding backward gives the whole table's gradient on every tp rank). So each rank keeps
+    only its shard of every gradient, and AdamW's fused kernel steps the gradients themselves,
+    not redistributed copies (whose clipping, `MimoOptimizer.launch`, would not be written back).
+    Call on every rank of the module's meshes."""
     if not uses_fsdp(options, dp_mesh):
         allreduce_gradients(module, dp_mesh, options.gradient_reduce_dtype)
     reduce_tp_replicated_gradients(params, tp_mesh)
     for param in params.values():
         grad = param.grad
-        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-            param.grad = grad.redistribute(grad.device_mesh, param.placements)
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
