@@ -120,7 +120,7 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
     """One optimizer step on the global `batch`; call on every rank with the same batch.
 
     One small all-reduce over the world carries the loss, every module's squared gradient norm,
-    two status words and the batch's fingerprint, so every rank reports the same loss, takes the
+    three status words and the batch's fingerprint, so every rank reports the same loss, takes the
     same clip and skip decision, and raises together, before any weight changes, when:
 
     - the ranks were fed different batches (`batch_fingerprint` of the token ids, labels, loss
@@ -170,28 +170,28 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
         loss_part = result.loss.detach().double().reshape(1) if model.holds_loss_share() else \
             torch.zeros(1, dtype=torch.float64, device=model.device)
         # The status words: ranks whose encoder rows contradicted the batch metadata (the result's
-        # error), ranks whose trainable set changed; then the batch fingerprint's agreement terms,
-        # the votes; and (not all-reduced) the sums of the terms if every rank agreed.
+        # error), ranks whose trainable set changed, ranks that could not build their part; then
+        # the batch fingerprint's agreement terms, the votes; and, not all-reduced, what the status
+        # words and the terms sum to in a step every rank may apply.
         world = dist.get_world_size()
         words = torch.tensor([float(result.error is not None), float(bool(changed)), float(unusable),
-                              *agreement_terms(fp), *map(float, votes), *agreed_sums(fp, world)],
+                              *agreement_terms(fp), *map(float, votes), 0.0, 0.0, 0.0, *agreed_sums(fp, world)],
                              dtype=torch.float64).to(model.device, non_blocking=True)
-        totals = torch.cat([loss_part, words[:-2], grad_sumsq_shares(model)])
+        totals = torch.cat([loss_part, words[:-5], grad_sumsq_shares(model)])
         dist.all_reduce(totals)
     except RuntimeError as e:
         if _from_the_transport(e):  # a peer's closed connection or a timeout says nothing of why
             e.add_note(f"this rank's batch fingerprint is {fp} (different ones on other ranks: they were fed "
                        "different batches)")
         raise
-    # The verdict on the device, from the same numbers and comparisons as the host's below: the
-    # update is queued before the host reads anything, and changes nothing where it must not.
+    # The verdict on the device, from the same totals as the host's below: the update is queued
+    # before the host reads anything, and changes nothing in a step refused or skipped.
     norm = totals[6 + len(votes):].sum().sqrt()
-    refused, finite = (totals[1:4] != 0).any() | (totals[4:6] != words[-2:]).any(), norm.isfinite()
-    readback = _Readback(torch.cat([totals, refused.reshape(1), finite.reshape(1)]))
-    optimizer.launch(norm, refused | ~finite)
-    loss, bad, frozen, unusable_ranks, sum_fp, sum_sq, *rest, was_refused, finite = read_totals(readback)
+    skip = (totals[1:6] != words[-5:]).any() | ~norm.isfinite()
+    readback = _Readback(torch.cat([totals, skip.reshape(1)]))
+    optimizer.launch(norm, skip)
+    loss, bad, frozen, unusable_ranks, sum_fp, sum_sq, *rest, skipped_on_device = read_totals(readback)
     summed_votes, sumsq = tuple(rest[:len(votes)]), rest[len(votes):]
-    assert bool(was_refused) == bool(bad or frozen or unusable_ranks or not agreed(fp, sum_fp, sum_sq, world))
     if unusable_ranks:  # before the fingerprint: a rank's stand-ins may not hash like its peers' inputs
         optimizer.zero_grad()
         raise UnusableBatch(f"{int(unusable_ranks)} rank(s) could not build their part of this step's batch "
@@ -212,7 +212,7 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
             f"{int(bad)} rank(s) produced encoder rows that disagree with the batch "
             "metadata (their error names the encoder and the shapes); the step was not applied"))
     grad_norm = math.sqrt(sum(sumsq))
-    skipped = not optimizer.settle(bool(finite))
+    skipped = not optimizer.settle(not skipped_on_device)  # the device's verdict: a non-finite norm
     if skipped and dist.get_rank() == 0:  # the same verdict on every rank: said once
         log.warning("step skipped after %d update(s): the global gradient norm is %s (loss %s); weights and "
                     "optimizer state are unchanged (a non-finite input or a too high lr?)",
