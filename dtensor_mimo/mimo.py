@@ -253,7 +253,7 @@ class MimoModel(nn.Module):
             self.uninitialized.discard(self.language_name)
 
     def refresh_fp8_scales(self) -> None:
-        """After the weights changed (`MimoOptimizer.step` calls it; a checkpoint load): modules
+        """After the weights changed (`MimoOptimizer` calls it after each applied update; a checkpoint load): modules
         with ``ParallelOptions(fp8="tensorwise")`` under FSDP2 recompute their weights' float8
         scales in one all-reduce each (`dtensor_mimo.parallelize.fp8.refresh_fp8_scales`).
         Call on every rank; modules without fp8 do nothing."""
@@ -446,7 +446,7 @@ class _GraphMemory:
     into the memory of the run before. So a run is refused (RuntimeError) while the run before
     still needs it: a ``model(batch)`` loss with a graph, not yet backpropagated (its saved
     activations), or gradients not yet released (autograd keeps the graphs' outputs as
-    ``.grad``; `MimoOptimizer.step` and ``zero_grad`` release them). The state follows the calls
+    ``.grad``; a `MimoOptimizer` step and ``zero_grad`` release them). The state follows the calls
     and what every rank knows alike (the mode, grad mode, whether any module trains), never
     this rank's tensors, so every rank refuses alike, before any collective, those that hold no
     CUDA-graph module included. The same rules hold on CPU, where inductor skips the graphs: a

@@ -179,7 +179,9 @@ def test_timeout_s_reaches_the_mesh_groups(tmp_path) -> None:
     assert waited < 30, waited  # torch's own default for a new group is 30 minutes
 
 
-def _nan_step() -> tuple[bool, float, list[str]]:
+def _nan_step() -> tuple[list[bool], float, list[str]]:
+    """A non-finite step first (AdamW's state is created, at zero), then one applied, then another
+    non-finite one: each skipped changes no weight, moment, count or lr."""
     from dtensor_mimo import MimoModel, MimoOptimizer, Parallelism
     from dtensor_mimo.optim.step import train_step
     from tests.test_mimo import Case, _batches, _modules
@@ -191,31 +193,40 @@ def _nan_step() -> tuple[bool, float, list[str]]:
     llama, encoders = _modules(case.encoders)
     model = MimoModel(layout, llama, encoders)
     optimizer = MimoOptimizer(model, BASE)
-    batch = _batches(case.encoders, packed=False)[0]
-    train_step(model, optimizer, batch)
-    before = _weights(model, optimizer)
-    vision = batch.modalities["vision"]
+    good = _batches(case.encoders, packed=False)[0]
+    vision = good.modalities["vision"]
     inputs = vision.inputs.clone()
     inputs[0] = float("nan")
-    batch = dataclasses.replace(batch, modalities={**batch.modalities, "vision": dataclasses.replace(vision, inputs=inputs)})
+    bad = dataclasses.replace(good, modalities={**good.modalities, "vision": dataclasses.replace(vision, inputs=inputs)})
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     logger = logging.getLogger("dtensor_mimo.optim.step")
     logger.addHandler(handler)
+    skipped = []
     try:
-        metrics = train_step(model, optimizer, batch)
+        before = _weights(model)
+        metrics = train_step(model, optimizer, bad)
+        skipped.append(metrics.skipped)
+        assert _unchanged(model, before) and optimizer.updates == 0
+        now = _weights(model, optimizer)
+        assert all(not now[k].any() for k in now.keys() - before.keys()), "a skipped first step's state is not zero"
+        train_step(model, optimizer, good)
+        before = _weights(model, optimizer)
+        metrics = train_step(model, optimizer, bad)
+        skipped.append(metrics.skipped)
+        assert _unchanged(model, before, optimizer) and optimizer.updates == 1
     finally:
         logger.removeHandler(handler)
-    assert _unchanged(model, before, optimizer) and optimizer.updates == 1  # no weight, moment, count or lr moved
-    return metrics.skipped, metrics.grad_norm, stream.getvalue().splitlines()
+    return skipped, metrics.grad_norm, stream.getvalue().splitlines()
 
 
 def test_a_skipped_non_finite_step_logs_one_warning() -> None:
     results = run_on_ranks(_nan_step, 2, timeout=120)
     for skipped, norm, _ in results:
-        assert skipped and not math.isfinite(norm)
-    assert [len(lines) for _, _, lines in results] == [1, 0]  # said once, by rank 0
-    assert "step skipped after 1 update(s): the global gradient norm is nan" in results[0][2][0]
+        assert skipped == [True, True] and not math.isfinite(norm)
+    assert [len(lines) for _, _, lines in results] == [2, 0]  # said once a step, by rank 0
+    for updates, line in enumerate(results[0][2]):
+        assert f"step skipped after {updates} update(s): the global gradient norm is nan" in line
 
 
 def _losses(path) -> list[float]:

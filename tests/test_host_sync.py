@@ -51,7 +51,8 @@ P = Parallelism
 
 ALLOWED = {
     # train_step: the loss, the status word and every module's squared gradient norm, read once
-    # after their one all-reduce (the step's metrics and its clip / skip / raise decision).
+    # after their one all-reduce (the step's metrics and its raise decision; the clip and the skip
+    # are taken on the device, the update queued before this read).
     ("dtensor_mimo/optim/step.py", None): "the step's one read of its all-reduced totals",
 }
 """(innermost library file, innermost torch file or None) of each sync expected once per step, and why."""

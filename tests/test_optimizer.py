@@ -209,6 +209,9 @@ def test_config_errors() -> None:
         LRSchedule(warmup_start=2.0)
     with pytest.raises(TypeError, match="tuple of name substrings"):
         AdamWConfig(no_decay="embed")
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"max_grad_norm=.* must be a positive number .* or None"):
+            AdamWConfig(max_grad_norm=bad)
 
 
 # ------------------------------------------------------------------ distributed

@@ -53,6 +53,9 @@ class AdamWConfig:
                 raise TypeError(f"AdamWConfig.no_decay={self.no_decay!r} must be a tuple of name "
                                 "substrings such as ('embed',), or None")
             object.__setattr__(self, "no_decay", tuple(self.no_decay))
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"AdamWConfig.max_grad_norm={self.max_grad_norm!r} must be a positive number "
+                             "(the largest global gradient norm kept), or None for no clipping")
 
     def decays(self, name: str, param: torch.Tensor) -> bool:
         """Whether `weight_decay` applies to the parameter `name` (see `no_decay`)."""
@@ -233,8 +236,10 @@ class MimoOptimizer:
         AdamW's fused kernel takes both (torch's ``grad_scale`` / ``found_inf``, as under AMP's
         GradScaler): it divides every gradient by ``max(1, (total_norm + 1e-6) / max_grad_norm)``
         (torch.nn.utils.clip_grad_norm_'s rule) as it reads it, and writes the clipped gradient
-        back, so clipping costs no pass of its own over the gradients; with `skip` it changes no
-        weight, moment or step count. So `train_step` can queue the update before its one host
+        back, so clipping costs no pass of its own over the gradients (a step that needs no clip
+        still writes them back, divided by 1); with `skip` it changes no weight, moment or step
+        count (a first step's moments and count are still created, at zero: what a fresh state
+        is). So `train_step` can queue the update before its one host
         read, and the device runs backward, clip and update back to back (the host's read waits
         for the step's totals only). The gradients must be on their parameters' placements
         (`MimoModel.reduce_gradients` puts them there): DTensor would step any other on a

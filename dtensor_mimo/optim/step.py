@@ -102,7 +102,7 @@ class _Readback:
             self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             self.host.copy_(values, non_blocking=True)
             self.done = torch.cuda.Event()
-            self.done.record()
+            self.done.record(torch.cuda.current_stream(values.device))  # the stream the copy went on
 
 
 def read_totals(readback: _Readback) -> list[float]:
@@ -215,7 +215,7 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
     skipped = not optimizer.settle(not skipped_on_device)  # the device's verdict: a non-finite norm
     if skipped and dist.get_rank() == 0:  # the same verdict on every rank: said once
         log.warning("step skipped after %d update(s): the global gradient norm is %s (loss %s); weights and "
-                    "optimizer state are unchanged (a non-finite input or a too high lr?)",
+                    "optimizer moments are unchanged (a non-finite input or a too high lr?)",
                     optimizer.updates, grad_norm, loss)
     if timings is not None:
         timings["optimizer"] = _between(middle, _mark(model.device))

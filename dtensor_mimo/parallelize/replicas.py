@@ -119,10 +119,10 @@ def finish_gradients(module: nn.Module, params: Mapping[str, nn.Parameter], tp_m
     only its shard of every gradient, and AdamW's fused kernel steps the gradients themselves,
     not redistributed copies (whose clipping, `MimoOptimizer.launch`, would not be written back).
     Call on every rank of the module's meshes."""
-    if not uses_fsdp(options, dp_mesh):
-        allreduce_gradients(module, dp_mesh, options.gradient_reduce_dtype)
-    reduce_tp_replicated_gradients(params, tp_mesh)
-    for param in params.values():
+    for param in params.values():  # first: a replicated gradient sharded crosses dp 1/tp as large
         grad = param.grad
         if isinstance(grad, DTensor) and grad.placements != param.placements:
             param.grad = grad.redistribute(param.device_mesh, param.placements)
+    if not uses_fsdp(options, dp_mesh):
+        allreduce_gradients(module, dp_mesh, options.gradient_reduce_dtype)
+    reduce_tp_replicated_gradients(params, tp_mesh)
