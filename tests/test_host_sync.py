@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from dtensor_mimo import MimoModel, MimoOptimizer, Parallelism, PipelineConfig, train_step
+from dtensor_mimo import MimoModel, MimoOptimizer, ParallelOptions, Parallelism, PipelineConfig, train_step
 from tests.harness import run_on_ranks
 from tests.test_mimo import OPT, Case, _batches, _modules
 
@@ -186,17 +186,19 @@ class DeviceSyncCounter(TorchFunctionMode):
         return out
 
 
-def _model(modules: dict[str, Parallelism], pipeline: PipelineConfig | None, hops: int | None) -> MimoModel:
+def _model(modules: dict[str, Parallelism], pipeline: PipelineConfig | None, hops: int | None,
+           options: dict[str, ParallelOptions] | None = None) -> MimoModel:
     case = Case(modules, pipeline=pipeline)
     layout = case.layout()
     layout.init_meshes("cpu")
     llama, encs = _modules(case.encoders, n_layers=2)
-    return MimoModel(layout, llama, encs, pipeline=pipeline, bridge_hops=hops)
+    return MimoModel(layout, llama, encs, pipeline=pipeline, bridge_hops=hops, options=options)
 
 
 def _counted_step(modules: dict[str, Parallelism], pipeline: PipelineConfig | None,
-                  batch_size: int, hops: int | None = None) -> dict[str, int]:
-    model = _model(modules, pipeline, hops)
+                  batch_size: int, hops: int | None = None,
+                  options: dict[str, ParallelOptions] | None = None) -> dict[str, int]:
+    model = _model(modules, pipeline, hops, options)
     optimizer = MimoOptimizer(model, OPT)
     warm, counted = _batches(("vision",), False, batch_size=batch_size, seq_lens=(64, 64))
     train_step(model, optimizer, warm)  # builds schedules, plans; the first-seen shape check
@@ -209,8 +211,8 @@ def _counted_step(modules: dict[str, Parallelism], pipeline: PipelineConfig | No
     return dict(counter.counts)
 
 
-def _per_rank(modules, pipeline, batch_size, hops=None) -> list[dict[str, int]]:
-    return run_on_ranks(_counted_step, 3, modules, pipeline, batch_size, hops)
+def _per_rank(modules, pipeline, batch_size, hops=None, options=None) -> list[dict[str, int]]:
+    return run_on_ranks(_counted_step, 3, modules, pipeline, batch_size, hops, options)
 
 
 def _check(small: list[dict[str, int]], large: list[dict[str, int]]) -> None:
@@ -231,12 +233,14 @@ def test_pipelined_step_syncs_do_not_grow_with_microbatches() -> None:
     assert all(any(s.startswith("dtensor_mimo/optim/step.py") for s in r) for r in four), four
 
 
-@pytest.mark.parametrize("language, hops", [(P(dp=2), None), (P(tp=2), 2)], ids=["dp2", "tp2_two_hop"])
-def test_unpipelined_step_syncs_are_fixed(language: Parallelism, hops: int | None) -> None:
+@pytest.mark.parametrize("language, hops, fsdp", [(P(dp=2), None, True), (P(dp=2), None, False), (P(tp=2), 2, True)],
+                         ids=["dp2", "dp2_allreduce", "tp2_two_hop"])
+def test_unpipelined_step_syncs_are_fixed(language: Parallelism, hops: int | None, fsdp: bool) -> None:
     """Without a pipeline (one stage, one microbatch) the step's only sync is train_step's (nor,
-    two-hop, one per scatter / gather level)."""
-    modules = {"vision": P(), "language": language}
-    _check(_per_rank(modules, None, 4, hops), _per_rank(modules, None, 8, hops))
+    two-hop, one per scatter / gather level; nor, without FSDP2, the dp all-reduce's agreement on
+    which gradients exist, which a rank holding every gradient need not read)."""
+    modules, options = {"vision": P(), "language": language}, {"language": ParallelOptions(fsdp=fsdp)}
+    _check(_per_rank(modules, None, 4, hops, options), _per_rank(modules, None, 8, hops, options))
 
 
 def _colocated(pipeline: PipelineConfig) -> MimoModel:

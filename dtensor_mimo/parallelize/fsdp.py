@@ -70,11 +70,15 @@ def allreduce_gradients(module: nn.Module, dp_mesh: DeviceMesh | None,
     params = [p for p in module.parameters() if p.requires_grad]
     # A parameter unused on one dp rank (no gradient) may be used on another: agree on which
     # gradients exist, so every rank reduces the same flat buffers; unused everywhere stays None.
-    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
-                           device=params[0].device if params else dp_mesh.device_type)
+    here = [p.grad is not None for p in params]
+    present = torch.tensor(here, dtype=torch.int32).to(params[0].device if params else dp_mesh.device_type,
+                                                         non_blocking=True)
     dist.all_reduce(present, op=dist.ReduceOp.MAX, group=group)
+    # A rank with every gradient knows them all present without reading the flags (a host sync);
+    # only a rank missing some reads which another rank has.
+    used_anywhere = [True] * len(params) if all(here) else [bool(u) for u in present.tolist()]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for param, used in zip(params, present.tolist()):
+    for param, used in zip(params, used_anywhere):
         if not used:
             continue
         if param.grad is None:
