@@ -99,7 +99,7 @@ def _sync(device: str) -> None:
 # --profile: each timed case then runs two more steps under torch.profiler; its table (kernels by
 # device time on a GPU, ops by CPU time on the CPU) and, on a GPU, where the device waited
 # (`_device_gaps`) land here and in the case's JSON.
-PROFILE: dict[str, str | bool] = {"on": False, "table": ""}
+PROFILE: dict[str, str | bool | float | None] = {"on": False, "table": "", "idle_ms": None}
 
 
 def _timed(step, device: str, warmup: int, steps: int) -> list[float]:
@@ -125,8 +125,10 @@ def _timed(step, device: str, warmup: int, steps: int) -> list[float]:
         key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
         PROFILE["table"] = (prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
                             + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12,
-                                                        max_name_column_width=70)
-                            + (_device_gaps(prof.events(), 2) if device == "cuda" else ""))
+                                                        max_name_column_width=70))
+        if device == "cuda":
+            gaps, PROFILE["idle_ms"] = _device_gaps(prof.events(), 2)
+            PROFILE["table"] += gaps
     return rounds
 
 
@@ -136,18 +138,19 @@ launch queue; CUPTI's buffers. (The tables count them in "Self CUDA": the H200's
 of the fp8 LM step has 60 ms of "Command Buffer Full" in 415.)"""
 
 
-def _device_gaps(events, steps: int, top: int = 10) -> str:
+def _device_gaps(events, steps: int, top: int = 10) -> tuple[str, float | None]:
     """Where the device waited in `steps` profiled steps: the union of its work's intervals (kernels,
     copies) against their span, and the gaps between them, each named by the host op that launched
     the work after it (outermost < ... < innermost: what the host was doing while the device
-    waited). A report, not a check: any error in it is printed in its place."""
+    waited); and the idle ms per step. A report, not a check: any error in it is printed in its
+    place."""
     try:
         from torch.autograd import DeviceType
 
         work = sorted((e for e in events if e.device_type == DeviceType.CUDA and e.name not in CUPTI_OVERHEAD),
                       key=lambda e: e.time_range.start)
         if not work:
-            return "\nno device work profiled\n"
+            return "\nno device work profiled\n", None
         host = {e.id: e for e in events if e.device_type == DeviceType.CPU}
 
         def launcher(e) -> str:
@@ -174,9 +177,9 @@ def _device_gaps(events, steps: int, top: int = 10) -> str:
         lines.append("idle by launcher of the work after the gap (ms over the steps, gaps):")
         lines += [f"{sum(gs) / 1e3:9.3f}  {len(gs):5d}  {name}"
                   for name, gs in sorted(by_launcher.items(), key=lambda x: -sum(x[1]))[:top]]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n", idle / 1e3 / steps
     except Exception as e:  # noqa: BLE001 - a report must not cost the case its timings
-        return f"\ndevice gaps: not computed ({type(e).__name__}: {e})\n"
+        return f"\ndevice gaps: not computed ({type(e).__name__}: {e})\n", None
 
 
 def _world_of_one(device: str) -> None:
@@ -649,6 +652,7 @@ def _case(args: argparse.Namespace) -> None:
     out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
     if PROFILE["table"]:
         out["profile"] = PROFILE["table"]
+        out["device_idle_ms"] = PROFILE["idle_ms"]
     print(json.dumps(out))
 
 
@@ -805,6 +809,9 @@ def _report(result: dict, tiny: bool) -> list[str]:
         print(f"{case:<36}{r['median_step_s'] * 1e3:>10.1f}{per:>12}{mfu:>8}{peak:>10}{ratio_text:>9}  {against}")
         lines.append(f"| {result['date']} | {card} | {torch.__version__} | {case} | {r['median_step_s'] * 1e3:.1f} | "
                      f"{per} | {mfu} | {peak} | {ratio_text} | {against or '-'} |")
+    idle = {case: r["device_idle_ms"] for case, r in rows.items() if r.get("device_idle_ms") is not None}
+    if idle:  # --profile: the device's idle time per step in the profiled steps (the gaps are in the profile text)
+        print("device idle a step (profiled): " + ", ".join(f"{case} {v:.1f} ms" for case, v in idle.items()))
     losses = {case: r["final_loss"] for case, r in rows.items() if "final_loss" in r}
     if losses:  # the same model on the same batches: equal to rounding, whatever the case
         print("tiny trainer, last logged loss: " + ", ".join(f"{case} {v:.4f}" for case, v in losses.items()))
