@@ -226,7 +226,8 @@ def _lm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: s
 
         precision.uses_fsdp = part.uses_fsdp = replicas.uses_fsdp = always
     options = ParallelOptions(compile=True, compile_backend=backend, param_dtype="bf16", fp8=fp8,
-                              chunked_loss=chunked_loss, flex_attention=flex, compile_mode=_graphs_mode(graphs, backend))
+                              chunked_loss=chunked_loss, flex_attention=flex,
+                              compile_mode=_graphs_mode(graphs, backend))
     model, optimizer = _lm_ours_model(s, device, options)
     if fsdp_one_rank:
         from torch.distributed.tensor import DTensor

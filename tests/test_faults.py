@@ -197,7 +197,8 @@ def _nan_step() -> tuple[list[bool], float, list[str]]:
     vision = good.modalities["vision"]
     inputs = vision.inputs.clone()
     inputs[0] = float("nan")
-    bad = dataclasses.replace(good, modalities={**good.modalities, "vision": dataclasses.replace(vision, inputs=inputs)})
+    bad = dataclasses.replace(good, modalities={**good.modalities,
+                                                "vision": dataclasses.replace(vision, inputs=inputs)})
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     logger = logging.getLogger("dtensor_mimo.optim.step")

@@ -74,7 +74,7 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
                               "compile_scope='module' would compile its whole forward once per count of items "
                               "(dynamo stops at 8 and runs the rest eager); use compile_scope='block' (the "
                               "blocks take the items packed as one sequence)")
-        if options.get(name, ParallelOptions()).recompute_colocated and not (
+        if mine.recompute_colocated and not (
                 set(layout.ranks(name)) & set(layout.ranks(language_name))):
             raise LayoutError(f"encoder {name!r} has ParallelOptions(recompute_colocated=True) but shares no rank "
                               f"with {language_name!r}: only a colocated encoder keeps its graph through the "
