@@ -1,7 +1,8 @@
 """Peak memory and time of the language model's loss: the head and cross entropy in chunks
 (`ParallelOptions(chunked_loss=True)`, the default) against plain ``[tokens, vocab]`` logits.
 
-    python benchmarks/loss_memory.py [--vocabs 32000 128256] [--tokens 2048] [--compiled] [--out bench_results/loss_memory.json]
+    python benchmarks/loss_memory.py [--vocabs 32000 128256] [--tokens 2048] [--compiled] [--loss-share 0.42]
+                                     [--out bench_results/loss_memory.json]
 
 Each case builds a small `Llama` (dim 256, 2 layers) through `MimoModel` (world 1, gloo) in a
 fresh process, and runs forward + backward of one batch of `--tokens` tokens (one row): the
@@ -13,6 +14,9 @@ gradient and its bf16/fp32 copy; the chunked one holds one chunk of fp32 logits 
 `--compiled` adds both paths with ``ParallelOptions(compile=True)`` (inductor): the blocks, and
 for the chunked one each chunk's arithmetic after its matmul fused (`linear_token_loss_sum`'s
 ``compile_backend``); its memory and time are compared with the compiled plain path.
+`--loss-share F`: only the last F of the row's positions carry a loss weight (a masked prompt
+before them, as in supervised fine-tuning); the chunked head then runs on those positions only
+(counted on the host), and a "chunked all rows" case runs it on every row as before, to compare.
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ import torch
 from dtensor_mimo import MimoLayout, MimoModel, ParallelOptions, Parallelism, init_distributed
 from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.models import Llama, LlamaConfig
-vocab, tokens, case = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+vocab, tokens, case, share = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[5])
+if "all rows" in case:  # the head on every row: the host count of loss rows not passed on
+    from dtensor_mimo.schedule.language import LanguagePipeline
+    LanguagePipeline._loss_rows = lambda self, mb: None
 init_distributed("cpu")
 torch.manual_seed(0)
 llama = Llama(LlamaConfig(vocab_size=vocab, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512,
@@ -43,7 +50,9 @@ model = MimoModel(MimoLayout({"language": Parallelism()}), llama, {},
                   options={"language": ParallelOptions(chunked_loss=case.startswith("chunked"),
                                                        compile=case.endswith("compiled"))})
 ids = torch.randint(0, vocab, (1, tokens + 1))
-batch = MimoBatch(ids[:, :-1], ids[:, 1:], loss_mask=torch.ones(1, tokens))
+mask = torch.ones(1, tokens)
+mask[:, :round(tokens * (1 - share))] = 0  # a prompt without loss
+batch = MimoBatch(ids[:, :-1], ids[:, 1:], loss_mask=mask)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 model(batch).backward()
 peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
@@ -63,6 +72,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--compiled", action="store_true",
                     help="also both compiled (inductor: the blocks, and the chunks' arithmetic fused)")
+    ap.add_argument("--loss-share", type=float, default=1.0,
+                    help="the share of positions with a loss weight (the rest a masked prompt); below 1 "
+                         "also the chunked head on every row")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench_results", "loss_memory.json"))
     args = ap.parse_args()
     rows = []
@@ -70,13 +82,17 @@ def main() -> None:
     print(f"{'vocab':>8}{'logits MB (fp32)':>18}{'case':>18}{'peak growth MB':>16}{'fwd+bwd s':>11}{'memory vs plain':>17}")
     for vocab in args.vocabs:
         got = {}
-        for case in ("plain", "chunked", *(("plain compiled", "chunked compiled") if args.compiled else ())):
-            out = subprocess.run([sys.executable, "-c", CHILD, str(vocab), str(args.tokens), case, "29571"],
+        cases = ("plain", "chunked", *(("chunked all rows",) if args.loss_share < 1 else ()),
+                 *(("plain compiled", "chunked compiled") if args.compiled else ()))
+        for case in cases:
+            out = subprocess.run([sys.executable, "-c", CHILD, str(vocab), str(args.tokens), case, "29571",
+                                  str(args.loss_share)],
                                  capture_output=True, text=True, env=env, check=True)
             peak, seconds = map(float, out.stdout.split())
             got[case] = peak
-            ratio = peak / got[case.replace("chunked", "plain")]
-            rows.append({"vocab": vocab, "tokens": args.tokens, "case": case, "peak_growth_mb": peak, "fwd_bwd_s": seconds})
+            ratio = peak / got["plain compiled" if "compiled" in case else "plain"]
+            rows.append({"vocab": vocab, "tokens": args.tokens, "loss_share": args.loss_share, "case": case,
+                         "peak_growth_mb": peak, "fwd_bwd_s": seconds})
             print(f"{vocab:>8}{vocab * args.tokens * 4 / 1e6:>18.0f}{case:>18}{peak:>16.0f}{seconds:>11.2f}{ratio:>16.2f}x",
                   flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -102,6 +102,38 @@ def test_without_grad_it_only_sums(monkeypatch) -> None:
     assert linear_token_loss_sum(empty, weight, torch.zeros(0, 5, dtype=torch.long), torch.zeros(0, 5)) == 0
 
 
+@pytest.mark.parametrize("rows", [3, 5, 14])
+def test_the_head_runs_on_the_counted_rows_only(rows, monkeypatch) -> None:
+    """`counted` (the positions with a loss weight, known from host metadata): the head sees only
+    those rows, in chunks or (few enough) on the plain path, and the loss and both gradients are
+    the plain path's over all rows; the uncounted rows get exactly zero gradient."""
+    monkeypatch.setattr(loss, "LOSS_CHUNK_LOGITS", rows * VOCAB)
+    hidden, weight, labels, mask = _inputs()
+    counted = int(torch.count_nonzero(loss.loss_weights(labels, mask)))
+    assert counted == 11  # of 14: two ignored labels, one zero mask
+    seen = []
+    monkeypatch.setattr(loss, "token_loss_sum",
+                        lambda logits, *a: seen.append(logits.shape[0]) or token_loss_sum(logits, *a))
+    chunked = loss._chunked_cross_entropy
+    monkeypatch.setattr(loss, "_chunked_cross_entropy", lambda h, *a: seen.append(h.shape[0]) or chunked(h, *a))
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    got = linear_token_loss_sum(h, w, labels, mask, counted=counted)
+    (got * 0.37).backward()
+    assert seen == [counted]
+    (want, wh, ww), = _both(hidden, weight, labels, mask, autocast=False, scale=0.37)[1:]
+    torch.testing.assert_close(got.detach(), want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(h.grad, wh, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(w.grad, ww, rtol=1e-5, atol=1e-7)
+    assert h.grad[0, :2].abs().max() == 0 and h.grad[1, 3].abs().max() == 0
+    labels[1, 4] = VOCAB  # a counted label outside the vocabulary: still NaN
+    assert torch.isnan(linear_token_loss_sum(hidden, weight, labels, mask, counted=counted))
+    none = torch.full_like(labels, IGNORE_INDEX)
+    h = hidden.clone().requires_grad_()
+    total = linear_token_loss_sum(h, weight, none, mask, counted=0)
+    total.backward()
+    assert total == 0 and h.grad.abs().max() == 0
+
+
 @pytest.mark.parametrize("rows", [3, 14], ids=["chunks", "one chunk: the plain path"])
 def test_a_label_outside_the_vocabulary_makes_the_loss_nan(rows, monkeypatch) -> None:
     """Not clamped into the vocabulary (a wrong loss), nor an error (a device-side assert on CUDA):
@@ -136,7 +168,6 @@ def _model_grads(chunked: bool, chunk_rows: int, compile_backend: str | None = N
     from dtensor_mimo import MimoLayout, MimoModel, ParallelOptions, Parallelism
     from tests.test_mimo import _batches, _modules
 
-    loss.LOSS_CHUNK_LOGITS = chunk_rows * 64
     layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()}, offsets={"vision": 0, "language": 0})
     layout.init_meshes("cpu")
     llama, encoders = _modules(("vision",))
@@ -147,8 +178,12 @@ def _model_grads(chunked: bool, chunk_rows: int, compile_backend: str | None = N
     stage = model.language_pipeline.stages[0]
     assert stage.chunked_loss is chunked and stage.loss_compile_backend == compile_backend
     batch = _batches(("vision",), packed=True)[0]
-    value = model(batch)
-    value.backward()
+    chunk, loss.LOSS_CHUNK_LOGITS = loss.LOSS_CHUNK_LOGITS, chunk_rows * 64
+    try:  # the rank's process runs later tests: the library's chunk again after this one
+        value = model(batch)
+        value.backward()
+    finally:
+        loss.LOSS_CHUNK_LOGITS = chunk
     return float(value), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 

@@ -14,11 +14,11 @@ two documents each (positions restart, attention stays inside a document).
 | case          | vision (ranks)     | audio (ranks) | language (ranks)        | world | packed | notes                        |
 |---------------|--------------------|---------------|-------------------------|-------|--------|------------------------------|
 | fan_in        | dp2 (0-1)          | -             | dp1 (2)                 | 3     | no     | vision FSDP2                 |
-| fan_out       | dp1 (0)            | -             | dp2 (1-2)               | 3     | no     | LLM without FSDP (all-reduce)|
+| fan_out       | dp1 (0)            | -             | dp2 (1-2)               | 3     | no     | LLM without FSDP (all-reduce); head on loss rows only |
 | tp_sp         | dp2 (0-1)          | -             | tp2 + sp (2-3)          | 4     | no     | meta                         |
 | coloc_fan_in  | dp4 (0-3)          | -             | tp2·dp2 (0-3)           | 4     | no     | colocated, FSDP off (all-reduce) |
 | coloc_tp      | tp2·dp2 + sp (0-3) | -             | tp4 (0-3)               | 4     | no     | colocated, tp change, meta, gathered logits |
-| cp            | dp2 (0-1)          | -             | cp2 (2-3)               | 4     | yes    | meta                         |
+| cp            | dp2 (0-1)          | -             | cp2 (2-3)               | 4     | yes    | meta; head on loss rows only |
 | two_hop_cp    | tp2 (0-1)          | -             | cp2 (2-3)               | 4     | yes    | two hops: rows all-gathered over cp, gradient reduce-scattered over cp, all-gathered over vision tp |
 | two_encoders  | dp2 (0-1)          | dp2 (0-1)     | dp2 (2-3)               | 4     | no     | shared ranks; audio all-reduce |
 | coloc_cp_sp   | dp4 (0-3)          | -             | tp2·cp2 + sp (0-3)      | 4     | yes    | colocated, meta              |
@@ -36,7 +36,8 @@ two documents each (positions restart, attention stays inside a document).
 | balanced_uniform | dp3 (0-2), balance=True | -      | dp1 (3)                 | 4     | no     | one size, items balanced over dp |
 
 With tp the language model's logits stay sharded over the vocabulary (loss_parallel) unless the
-case says "gathered logits".
+case says "gathered logits". "Head on loss rows only": the chunked head's chunks are made small
+(`Case.loss_chunk_rows`), so it runs on the positions with a loss weight only, counted on the host.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ from dtensor_mimo.models import (
     ViT,
     ViTConfig,
 )
+from dtensor_mimo.sequence import loss as token_loss
 from tests.harness import run_on_ranks
 
 FIRST_SEED = 11  # step i's global batch comes from seed FIRST_SEED + i
@@ -126,6 +128,9 @@ class Case:
     bridge_hops: int | None = None  # MimoModel's route across the bridge (None: one hop on one node)
     text_only_steps: tuple[int, ...] = ()  # steps whose batch carries no encoder item at all
     varied: bool = False  # items of different sizes (`VARIED`): dynamic-resolution ViT, variable-length audio
+    # The chunked head's chunk in rows (`LOSS_CHUNK_LOGITS` / vocabulary): small enough that it
+    # runs on the rows with a loss weight only, counted on the host (None: the library's, one chunk)
+    loss_chunk_rows: int | None = None
 
     @property
     def encoders(self) -> tuple[str, ...]:
@@ -140,7 +145,7 @@ SP = ParallelOptions(sp=True)
 CASES = {
     "fan_in": Case({"vision": P(dp=2), "language": P()}),
     "fan_out": Case({"vision": P(), "language": P(dp=2)},
-                    options={"language": ParallelOptions(fsdp=False)}),
+                    options={"language": ParallelOptions(fsdp=False)}, loss_chunk_rows=16),
     "tp_sp": Case({"vision": P(dp=2), "language": P(tp=2)}, options={"language": SP}, meta=True),
     "coloc_fan_in": Case({"vision": P(dp=4), "language": P(dp=2, tp=2)},
                          offsets={"vision": 0, "language": 0},
@@ -148,7 +153,7 @@ CASES = {
     "coloc_tp": Case({"vision": P(dp=2, tp=2), "language": P(tp=4)},
                      offsets={"vision": 0, "language": 0}, meta=True,
                      options={"vision": SP, "language": ParallelOptions(loss_parallel=False)}),
-    "cp": Case({"vision": P(dp=2), "language": P(cp=2)}, packed=True, meta=True),
+    "cp": Case({"vision": P(dp=2), "language": P(cp=2)}, packed=True, meta=True, loss_chunk_rows=16),
     "two_hop_cp": Case({"vision": P(tp=2), "language": P(cp=2)}, packed=True, bridge_hops=2),
     "two_encoders": Case({"vision": P(dp=2), "audio": P(dp=2), "language": P(dp=2)},
                          offsets={"vision": 0, "audio": 0, "language": 2},
@@ -436,10 +441,14 @@ def _count_calls(module, names: tuple[str, ...]) -> tuple[dict[str, int], Callab
 
 def _distributed(case: Case) -> list[dict] | None:
     counts, undo = _count_calls(hops, ("scatter", "gather"))  # the two-hop route's collectives
+    chunk = token_loss.LOSS_CHUNK_LOGITS
+    if case.loss_chunk_rows is not None:
+        token_loss.LOSS_CHUNK_LOGITS = case.loss_chunk_rows * LLAMA.vocab_size
     try:
         return _train(case, counts)
     finally:
         undo()
+        token_loss.LOSS_CHUNK_LOGITS = chunk
 
 
 def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
@@ -453,6 +462,11 @@ def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
         _check_meta_built(model, case)
     optimizer = MimoOptimizer(model, OPT)
     rank = dist.get_rank()
+    pipeline, counted = model.language_pipeline, []  # (rows with a loss weight, rows) a microbatch
+    if pipeline is not None:
+        rows_of = pipeline._loss_rows
+        pipeline._loss_rows = lambda mb: counted.append((rows_of(mb), mb.batch_size * mb.seq_len // pipeline.par.cp)) \
+            or counted[-1][0]
     encoded: dict[str, list[int]] = {}  # rows out of each encoder forward on this rank, this step
     for name, encoder in encs.items():
         encoder.register_forward_hook(lambda m, args, out, name=name: encoded.setdefault(name, []).append(len(out)))
@@ -474,6 +488,9 @@ def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
         record["hop_calls"] = dict(hop_calls)  # two-hop scatters and gathers so far
         record["encoded"] = {n: (layout.coordinate(n, rank)["dp"], rows) for n, rows in encoded.items()}
         records.append(record)
+    if case.loss_chunk_rows is not None and pipeline is not None and pipeline.holds_loss:
+        # the head ran on the counted rows only, fewer than the rows (prompt masks, image rows)
+        assert counted and all(n is not None for n, _ in counted) and any(n < rows for n, rows in counted), counted
     if case.predict:
         encoded.clear()
         records[-1]["predicted"] = model.predict(_batches(case.encoders, case.packed, case.batch_size,

@@ -6,7 +6,7 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 
 | case            | vision (ranks)   | language (ranks)          | world | schedule             | notes                         |
 |-----------------|------------------|---------------------------|-------|----------------------|-------------------------------|
-| pp2             | dp1 (0)          | pp2 (1-2)                 | 3     | 1F1B                 | overlapped; predict           |
+| pp2             | dp1 (0)          | pp2 (1-2)                 | 3     | 1F1B                 | overlapped; predict; head on loss rows only |
 | dp2_pp2         | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | overlapped, FSDP2 vision      |
 | varied_pp2      | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | images of own sizes, balanced per microbatch, lean window |
 | tp_sp_pp2       | dp2 (0-1)        | tp2·pp2 + sp (2-5)        | 6     | 1F1B                 | overlapped, meta              |
@@ -51,7 +51,7 @@ def _case(vision: Parallelism, language: Parallelism, pipeline: PipelineConfig =
 
 
 CASES = {
-    "pp2": _case(P(), P(pp=2), predict=True),
+    "pp2": _case(P(), P(pp=2), predict=True, loss_chunk_rows=16),
     "dp2_pp2": _case(P(dp=2), P(pp=2)),
     "varied_pp2": _case(P(dp=2), P(pp=2), varied=True),
     "tp_sp_pp2": _case(P(dp=2), P(pp=2, tp=2), options={"language": ParallelOptions(sp=True)}, meta=True),

@@ -43,8 +43,9 @@ from dtensor_mimo.models.protocol import decoder_stage
 from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, parallelize
 from dtensor_mimo.schedule.config import PipelineConfig, stage_layers
 from dtensor_mimo.schedule.runtime import cached, run_schedule
-from dtensor_mimo.sequence import (ContextParallelAttention, linear_token_loss_sum, shard_for_cp, token_loss_sum,
-                                   vocab_parallel_argmax, zigzag_shard)
+from dtensor_mimo.sequence import (ContextParallelAttention, linear_token_loss_sum, loss_weights, shard_for_cp,
+                                   token_loss_sum, vocab_parallel_argmax, zigzag_shard)
+from dtensor_mimo.sequence import loss as token_loss
 
 if TYPE_CHECKING:
     from dtensor_mimo.schedule.feed import LanguageFeed
@@ -82,12 +83,14 @@ class LanguageStage(nn.Module):
     def forward(self, x: torch.Tensor, *, microbatch: int, positions: torch.Tensor | None,
                 document_ids: torch.Tensor | None, sequence_index: torch.Tensor | None,
                 labels: torch.Tensor, loss_mask: torch.Tensor,
-                special_counts: Mapping[str, int] | None = None) -> torch.Tensor:
+                special_counts: Mapping[str, int] | None = None, loss_rows: int | None = None) -> torch.Tensor:
         """`x`: token ids ``[b, S]`` on the first stage, else the previous stage's hidden states.
         Returns hidden states, or on the last stage this microbatch's loss share (its greedy
         next-token ids ``[b, S / cp]`` while `predicting`). `special_counts`: the microbatch's
         special tokens per modality from its host metadata (`stage_inputs`), so that assembling
-        on an accelerator does not count them on the device (a host sync per microbatch)."""
+        on an accelerator does not count them on the device (a host sync per microbatch).
+        `loss_rows`: this chunk's positions with a loss weight, counted on the host
+        (`LanguagePipeline`), when the chunked head should run on those rows only."""
         if self.first:
             ids = self.special_token_ids
             text = embed_text(self.llama.tok_embeddings, x, ids)
@@ -108,8 +111,8 @@ class LanguageStage(nn.Module):
                 h = self.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
             finally:
                 self.llama._modules["output"] = head
-            return linear_token_loss_sum(h, head.weight, labels, loss_mask,
-                                         compile_backend=self.loss_compile_backend) / self.normalizer
+            return linear_token_loss_sum(h, head.weight, labels, loss_mask, compile_backend=self.loss_compile_backend,
+                                         counted=loss_rows) / self.normalizer
         out = self.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
         if not self.last:
             return out if self.hidden_dtype is None else out.to(self.hidden_dtype)
@@ -119,7 +122,8 @@ class LanguageStage(nn.Module):
         return token_loss_sum(out, labels, loss_mask) / self.normalizer
 
 
-def stage_inputs(mb: MimoBatch, cp_size: int, cp_rank: int) -> tuple[torch.Tensor, dict[str, Any]]:
+def stage_inputs(mb: MimoBatch, cp_size: int, cp_rank: int,
+                 loss_rows: int | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """A language rank's microbatch as `LanguageStage` arguments: the full token rows (the first
     stage embeds them, then cuts its cp chunk) and this cp rank's chunk of everything else.
     Without cp the rows are plain (``sequence_index`` None: a causal kernel, no mask). The
@@ -130,7 +134,7 @@ def stage_inputs(mb: MimoBatch, cp_size: int, cp_rank: int) -> tuple[torch.Tenso
     return mb.tokens, dict(positions=chunk.positions, document_ids=chunk.document_ids,
                            sequence_index=chunk.sequence_index if cp_size > 1 else None,
                            labels=chunk.labels, loss_mask=chunk.loss_mask,
-                           special_counts={n: mb.num_tokens(n) for n in mb.modalities})
+                           special_counts={n: mb.num_tokens(n) for n in mb.modalities}, loss_rows=loss_rows)
 
 
 def llama_stage(llama: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
@@ -167,6 +171,7 @@ class LanguagePipeline:
         self.n_stages = config.num_stages(par.pp)
         self.pp_group = layout.mesh(name, "pp").get_group()
         self.dim = llama.config.dim
+        self.vocab = getattr(llama.config, "vocab_size", 0)  # of the chunked head (the library's `Llama`)
         self.dtype = compute_dtype(options, llama)  # of the hidden states between stages
         tp_mesh, dp_mesh = layout.mesh(name, "tp"), layout.mesh(name, ("dp", "cp"))
         flex = options.language_flex(device, par.cp, library_decoder=isinstance(llama, Llama))
@@ -200,6 +205,21 @@ class LanguagePipeline:
         """This rank's parameters of the decoder, under the whole model's names."""
         return {n: p for stage in self.stages for n, p in stage.llama.named_parameters()}
 
+    def _loss_rows(self, mb: MimoBatch) -> int | None:
+        """The positions of this rank's cp chunk of `mb` with a loss weight, counted on the host,
+        where the last stage here runs the chunked head and its logits would take more than one
+        chunk (`LOSS_CHUNK_LOGITS`): the head then runs on those rows only (`linear_token_loss_sum`'s
+        ``counted``). None where the head is small (the selection's few host operations would
+        cost a host-bound step more than they save) or the batch is already on an accelerator
+        (counting there would sync)."""
+        stage = self.stages[-1]
+        if (not self.holds_loss or not stage.chunked_loss or mb.labels.device.type != "cpu"
+                or mb.batch_size * mb.seq_len // self.par.cp * self.vocab <= token_loss.LOSS_CHUNK_LOGITS):
+            return None
+        chunk = shard_for_cp(self.par.cp, self.cp_rank, labels=mb.labels, loss_mask=mb.loss_mask) \
+            if self.par.cp > 1 else mb
+        return int(torch.count_nonzero(loss_weights(chunk.labels, chunk.loss_mask)))
+
     def _schedule(self, rows: int, seq_len: int) -> tuple[Any, list[PipelineStage]]:
         return cached(self._schedules, (rows, seq_len), lambda: self._build(rows, seq_len))
 
@@ -231,7 +251,8 @@ class LanguagePipeline:
             stage.set_step(feed if stage.first else None, first.special_token_ids, normalizer)
         args, kwargs = [], []
         for i, mb in enumerate(microbatches):  # keyword arguments reach every stage
-            tokens, kw = stage_inputs(mb.to(self.device, encoder_inputs=False), self.par.cp, self.cp_rank)
+            tokens, kw = stage_inputs(mb.to(self.device, encoder_inputs=False), self.par.cp, self.cp_rank,
+                                      self._loss_rows(mb))
             args.append((tokens,))
             kwargs.append(dict(microbatch=i, **kw))
         losses: list[torch.Tensor] = []
@@ -251,7 +272,8 @@ class LanguagePipeline:
         the caller runs backward (``model(batch).backward()``: one stage only). Blocking
         point-to-point in stage order (stage s sends to s + 1 before anyone posts s + 1's send;
         consecutive stages on one rank, as in a V, hand over locally), so NCCL cannot deadlock."""
-        tokens, kwargs = stage_inputs(mb.to(self.device, encoder_inputs=False), self.par.cp, self.cp_rank)
+        tokens, kwargs = stage_inputs(mb.to(self.device, encoder_inputs=False), self.par.cp, self.cp_rank,
+                                      self._loss_rows(mb))
         pp_rank, where = self.pp_group.rank(), lambda stage: self.config.stage_rank(stage, self.par.pp)
         x, out = tokens, None
         self.predicted_loss: torch.Tensor | None = None

@@ -59,7 +59,8 @@ LOSS_CHUNK_LOGITS = 1 << 26
 
 
 def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          loss_mask: torch.Tensor, *, compile_backend: str | None = None) -> torch.Tensor:
+                          loss_mask: torch.Tensor, *, compile_backend: str | None = None,
+                          counted: int | None = None) -> torch.Tensor:
     """`token_loss_sum` of the logits ``hidden @ weight.T`` (the output head, no bias) without
     ever holding them: ``hidden`` ``[..., dim]``, ``weight`` ``[vocab, dim]`` (plain tensors).
 
@@ -86,9 +87,21 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     over its fp32 copy (on an H200 those passes were about 7 ms of the 1B LM's 249 ms step; on
     the CPU a chunk of 2,097 x 32,000 bf16 logits takes 93 ms against 364 ms). Training only
     (evaluation's chunks stay eager). Numerics: the eager path's up to the fused kernels' order
-    of operations."""
+    of operations.
+
+    `counted`: how many positions carry a nonzero loss weight, when the caller knows it from host
+    metadata (the language pipeline counts them on the batch before it reaches the device). The
+    head then runs on those rows only: in supervised fine-tuning the image rows and the masked
+    prompt carry no loss (54-58% of the rows of `benchmarks/gpu.py`'s VLM batches), and their logits,
+    softmax and gradients are arithmetic that adds exactly 0. The rows are picked with
+    ``torch.nonzero_static`` at that size, which needs no device sync (CUDA since torch 2.6); their
+    order is kept, so the sums are those of the full rows without the zeros. A wrong count picks
+    wrong rows: it must come from these `labels` and `loss_mask`."""
     hidden, labels = hidden.flatten(0, -2), labels.flatten()
     weights = loss_weights(labels, loss_mask.flatten())
+    if counted is not None and counted < hidden.shape[0]:
+        keep = torch.nonzero_static(weights, size=counted).squeeze(-1)
+        hidden, labels, weights = (t.index_select(0, keep) for t in (hidden, labels, weights))
     if hidden.shape[0] * weight.shape[0] <= LOSS_CHUNK_LOGITS:
         # The same label rule as the chunks: uncounted positions ignored, a counted id outside
         # the vocabulary NaN (F.cross_entropy would raise, on CUDA as a device-side assert).
