@@ -143,8 +143,8 @@ def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
             total += loss
             if grad_h is not None:
                 torch.mm(grad, w, out=grad_h[start:start + rows])
-            if grad_w is not None:
-                grad_w += (grad.t() @ hc).float()
+            if grad_w is not None:  # the bf16 product read into the fp32 sum: one pass, no fp32 copy of it
+                grad_w.add_(grad.t() @ hc)
     return total, grad_h, grad_w
 
 
