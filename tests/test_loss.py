@@ -102,15 +102,16 @@ def test_without_grad_it_only_sums(monkeypatch) -> None:
     assert linear_token_loss_sum(empty, weight, torch.zeros(0, 5, dtype=torch.long), torch.zeros(0, 5)) == 0
 
 
+@pytest.mark.parametrize("extra", [0, 2], ids=["the count", "a count too high"])
 @pytest.mark.parametrize("rows", [3, 5, 14])
-def test_the_head_runs_on_the_counted_rows_only(rows, monkeypatch) -> None:
-    """`counted` (the positions with a loss weight, known from host metadata): the head sees only
-    those rows, in chunks or (few enough) on the plain path, and the loss and both gradients are
-    the plain path's over all rows; the uncounted rows get exactly zero gradient."""
+def test_the_head_runs_on_the_counted_rows_only(rows, extra, monkeypatch) -> None:
+    """`counted` (the positions with a loss weight, known from host metadata, or more): the head
+    sees only that many rows, in chunks or (few enough) on the plain path, and the loss and both
+    gradients are the plain path's over all rows; the uncounted rows get exactly zero gradient."""
     monkeypatch.setattr(loss, "LOSS_CHUNK_LOGITS", rows * VOCAB)
     hidden, weight, labels, mask = _inputs()
-    counted = int(torch.count_nonzero(loss.loss_weights(labels, mask)))
-    assert counted == 11  # of 14: two ignored labels, one zero mask
+    counted = int(torch.count_nonzero(loss.loss_weights(labels, mask))) + extra
+    assert counted == 11 + extra  # of 14: two ignored labels, one zero mask
     seen = []
     monkeypatch.setattr(loss, "token_loss_sum",
                         lambda logits, *a: seen.append(logits.shape[0]) or token_loss_sum(logits, *a))
@@ -127,6 +128,10 @@ def test_the_head_runs_on_the_counted_rows_only(rows, monkeypatch) -> None:
     assert h.grad[0, :2].abs().max() == 0 and h.grad[1, 3].abs().max() == 0
     labels[1, 4] = VOCAB  # a counted label outside the vocabulary: still NaN
     assert torch.isnan(linear_token_loss_sum(hidden, weight, labels, mask, counted=counted))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 logits, as the head under autocast
+        got = linear_token_loss_sum(hidden, weight, labels.clamp(max=VOCAB - 1), mask, counted=counted)
+        want = linear_token_loss_sum(hidden, weight, labels.clamp(max=VOCAB - 1), mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     none = torch.full_like(labels, IGNORE_INDEX)
     h = hidden.clone().requires_grad_()
     total = linear_token_loss_sum(h, weight, none, mask, counted=0)

@@ -81,6 +81,7 @@ from dtensor_mimo.models import (
     ViT,
     ViTConfig,
 )
+from dtensor_mimo.schedule import language
 from dtensor_mimo.sequence import loss as token_loss
 from tests.harness import run_on_ranks
 
@@ -441,14 +442,26 @@ def _count_calls(module, names: tuple[str, ...]) -> tuple[dict[str, int], Callab
 
 def _distributed(case: Case) -> list[dict] | None:
     counts, undo = _count_calls(hops, ("scatter", "gather"))  # the two-hop route's collectives
-    chunk = token_loss.LOSS_CHUNK_LOGITS
+    chunk, head_loss = token_loss.LOSS_CHUNK_LOGITS, language.linear_token_loss_sum
     if case.loss_chunk_rows is not None:
         token_loss.LOSS_CHUNK_LOGITS = case.loss_chunk_rows * LLAMA.vocab_size
+    heads: list[tuple[int | None, int, int]] = []  # (count passed, positions with loss, rows) a call
+
+    def head(hidden, weight, labels, loss_mask, **kwargs):
+        weighted = int(torch.count_nonzero(token_loss.loss_weights(labels, loss_mask)))
+        heads.append((kwargs.get("counted"), weighted, labels.numel()))
+        return head_loss(hidden, weight, labels, loss_mask, **kwargs)
+
+    language.linear_token_loss_sum = head
     try:
-        return _train(case, counts)
+        records = _train(case, counts)
     finally:
         undo()
-        token_loss.LOSS_CHUNK_LOGITS = chunk
+        token_loss.LOSS_CHUNK_LOGITS, language.linear_token_loss_sum = chunk, head_loss
+    if case.loss_chunk_rows is not None and heads:
+        # the last stage's head ran on its positions with a loss weight only, counted on the host
+        assert all(n == weighted for n, weighted, _ in heads) and any(n < rows for n, _, rows in heads), heads
+    return records
 
 
 def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
@@ -462,11 +475,6 @@ def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
         _check_meta_built(model, case)
     optimizer = MimoOptimizer(model, OPT)
     rank = dist.get_rank()
-    pipeline, counted = model.language_pipeline, []  # (rows with a loss weight, rows) a microbatch
-    if pipeline is not None:
-        rows_of = pipeline._loss_rows
-        pipeline._loss_rows = lambda mb: counted.append((rows_of(mb), mb.batch_size * mb.seq_len // pipeline.par.cp)) \
-            or counted[-1][0]
     encoded: dict[str, list[int]] = {}  # rows out of each encoder forward on this rank, this step
     for name, encoder in encs.items():
         encoder.register_forward_hook(lambda m, args, out, name=name: encoded.setdefault(name, []).append(len(out)))
@@ -488,9 +496,6 @@ def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
         record["hop_calls"] = dict(hop_calls)  # two-hop scatters and gathers so far
         record["encoded"] = {n: (layout.coordinate(n, rank)["dp"], rows) for n, rows in encoded.items()}
         records.append(record)
-    if case.loss_chunk_rows is not None and pipeline is not None and pipeline.holds_loss:
-        # the head ran on the counted rows only, fewer than the rows (prompt masks, image rows)
-        assert counted and all(n is not None for n, _ in counted) and any(n < rows for n, rows in counted), counted
     if case.predict:
         encoded.clear()
         records[-1]["predicted"] = model.predict(_batches(case.encoders, case.packed, case.batch_size,

@@ -273,7 +273,7 @@ class LanguagePipeline:
         point-to-point in stage order (stage s sends to s + 1 before anyone posts s + 1's send;
         consecutive stages on one rank, as in a V, hand over locally), so NCCL cannot deadlock."""
         tokens, kwargs = stage_inputs(mb.to(self.device, encoder_inputs=False), self.par.cp, self.cp_rank,
-                                      self._loss_rows(mb))
+                                      None if predicting else self._loss_rows(mb))
         pp_rank, where = self.pp_group.rank(), lambda stage: self.config.stage_rank(stage, self.par.pp)
         x, out = tokens, None
         self.predicted_loss: torch.Tensor | None = None

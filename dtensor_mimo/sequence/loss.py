@@ -89,19 +89,23 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     (evaluation's chunks stay eager). Numerics: the eager path's up to the fused kernels' order
     of operations.
 
-    `counted`: how many positions carry a nonzero loss weight, when the caller knows it from host
-    metadata (the language pipeline counts them on the batch before it reaches the device). The
-    head then runs on those rows only: in supervised fine-tuning the image rows and the masked
-    prompt carry no loss (54-58% of the rows of `benchmarks/gpu.py`'s VLM batches), and their logits,
-    softmax and gradients are arithmetic that adds exactly 0. The rows are picked with
-    ``torch.nonzero_static`` at that size, which needs no device sync (CUDA since torch 2.6); their
-    order is kept, so the sums are those of the full rows without the zeros. A wrong count picks
-    wrong rows: it must come from these `labels` and `loss_mask`."""
+    `counted`: how many positions carry a nonzero loss weight, or more, when the caller knows it
+    from host metadata (the language pipeline counts them on the batch before it reaches the
+    device). The head then runs on that many rows only: in supervised fine-tuning the image rows
+    and the masked prompt carry no loss (54-58% of the rows of `benchmarks/gpu.py`'s VLM
+    batches), and their logits, softmax and gradients are arithmetic that adds exactly 0. The rows
+    are picked in order with ``torch.nonzero_static`` at that size, which needs no device sync
+    (CUDA since torch 2.6); rows beyond the weighted ones (a count too high) repeat the first row
+    at weight 0, adding nothing. Numerics: those of all rows up to the order of the sums. A count
+    below the weighted positions leaves the last ones out of the loss: it must come from these
+    `labels` and `loss_mask`."""
     hidden, labels = hidden.flatten(0, -2), labels.flatten()
     weights = loss_weights(labels, loss_mask.flatten())
     if counted is not None and counted < hidden.shape[0]:
-        keep = torch.nonzero_static(weights, size=counted).squeeze(-1)
+        keep = torch.nonzero_static(weights, size=counted, fill_value=0).squeeze(-1)
+        weighted = (weights != 0).sum()  # on the device: no sync
         hidden, labels, weights = (t.index_select(0, keep) for t in (hidden, labels, weights))
+        weights = torch.where(torch.arange(counted, device=weights.device) < weighted, weights, 0.0)
     if hidden.shape[0] * weight.shape[0] <= LOSS_CHUNK_LOGITS:
         # The same label rule as the chunks: uncounted positions ignored, a counted id outside
         # the vocabulary NaN (F.cross_entropy would raise, on CUDA as a device-side assert).
