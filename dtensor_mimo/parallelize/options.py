@@ -95,8 +95,7 @@ class ParallelOptions:
             positions with a loss weight only, counted on the batch while it is in host memory
             (as a loader gives it, pinned or not; no device sync): the image rows and masked
             prompts of fine-tuning data cost it nothing. A batch already on the accelerator
-            runs the head on every row.
-            Numerics unchanged up to the order of sums.
+            runs the head on every row. Numerics unchanged up to the order of sums.
         flex_attention: language model: rows with documents (packed samples, e.g. the trainer's
             ``data.pack``) and, under cp, every rank's queries against the gathered keys attend
             through torch's FlexAttention over a block mask of the rule (causal by global index,
