@@ -191,10 +191,10 @@ COMPILED_CALL = "## Call CompiledFxGraph"  # inductor's record of one call of on
 def _graph_work(events, steps: int, graphs: int = 8, kernels: int = 6) -> str:
     """What each compiled graph launched in `steps` profiled steps: per graph (the outermost
     compiled call above the launch), its calls a step, host and device ms a call, and its costliest
-    kernels (calls and device ms a graph call). The 2026-11-27 tables only had graphs' totals: the
-    VLM's vision block backward took 0.77 ms of device work a call against 0.43 ms in
-    transformers' (its forward 0.33 ms in both), from block graphs that are the same on the CPU.
-    A report, not a check: any error in it is printed in its place."""
+    kernels (calls and device ms a graph call). The 2026-11-27 tables had only the twelve graphs
+    costliest in host time, as totals, and transformers' blocks compile to several graphs each
+    (graph breaks), so a block's work could not be compared with ours from them. A report, not a
+    check: any error in it is printed in its place."""
     try:
         from torch.autograd import DeviceType
 
