@@ -30,7 +30,7 @@ def _canonical(value: Any) -> Any:
     """A JSON-able form that is the same in every process (no ids, no hash seeds)."""
     if hasattr(value, "detach") and hasattr(value, "numpy"):  # a tensor: its dtype, shape and bytes
         array = value.detach().cpu().contiguous().numpy()
-        return ["tensor", str(array.dtype), list(array.shape), zlib.crc32(array.tobytes())]
+        return ["tensor", str(array.dtype), list(array.shape), zlib.crc32(array)]  # its buffer: no copy
     if isinstance(value, dict):
         return {str(k): _canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
     if isinstance(value, (list, tuple)):
