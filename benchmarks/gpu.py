@@ -101,7 +101,8 @@ def _sync(device: str) -> None:
 
 # --profile: each timed case then runs two more steps under torch.profiler; its table (kernels by
 # device time on a GPU, ops by CPU time on the CPU) and, on a GPU, where the device waited
-# (`_device_gaps`) and what each compiled graph launched (`_graph_work`) land here and in the case's JSON.
+# (`_device_gaps`), device work by the library's phase (`_phase_work`) and what each compiled graph
+# launched (`_graph_work`) land here and in the case's JSON.
 PROFILE: dict[str, str | bool | float | None] = {"on": False, "table": "", "idle_ms": None}
 
 
@@ -131,7 +132,7 @@ def _timed(step, device: str, warmup: int, steps: int) -> list[float]:
                                                         max_name_column_width=70))
         if device == "cuda":
             gaps, PROFILE["idle_ms"] = _device_gaps(prof.events(), 2)
-            PROFILE["table"] += gaps + _graph_work(prof.events(), 2)
+            PROFILE["table"] += gaps + _phase_work(prof.events(), 2) + _graph_work(prof.events(), 2)
     return rounds
 
 
@@ -188,6 +189,37 @@ def _device_gaps(events, steps: int, top: int = 10) -> tuple[str, float | None]:
 COMPILED_CALL = "## Call CompiledFxGraph"  # inductor's record of one call of one compiled graph
 
 
+def _launch_chain(e, host: dict) -> list:
+    """The host ops above device event `e`'s launch, innermost first."""
+    ops, op = [], host.get(e.linked_correlation_id)
+    while op is not None:
+        ops.append(op)
+        op = op.cpu_parent
+    return ops
+
+
+def _phase_work(events, steps: int) -> str:
+    """Device ms a step by the library's phase that launched it (the innermost ``mimo.*`` range,
+    `dtensor_mimo.schedule.runtime.phase`: each action of the step's program, the loss, the
+    gradient reduction, the update, the read); work launched outside them (transformers' cases)
+    is "(outside)". A report, not a check: any error in it is printed in its place."""
+    try:
+        from torch.autograd import DeviceType
+
+        host = {e.id: e for e in events if e.device_type == DeviceType.CPU}
+        per: dict[str, float] = {}
+        for e in events:
+            if e.device_type == DeviceType.CUDA and e.name not in CUPTI_OVERHEAD:
+                op = next((op for op in _launch_chain(e, host) if op.name.startswith("mimo.")), None)
+                name = "(outside)" if op is None else op.name
+                per[name] = per.get(name, 0.0) + e.time_range.end - e.time_range.start
+        lines = ["device work by phase (ms a step):"]
+        lines += [f"{us / 1e3 / steps:9.3f}  {name}" for name, us in sorted(per.items(), key=lambda x: -x[1])]
+        return "\n".join(lines) + "\n"
+    except Exception as e:  # noqa: BLE001 - a report must not cost the case its timings
+        return f"device work by phase: not computed ({type(e).__name__}: {e})\n"
+
+
 def _graph_work(events, steps: int, graphs: int = 8, kernels: int = 6) -> str:
     """What each compiled graph launched in `steps` profiled steps: per graph (the outermost
     compiled call above the launch), its calls a step, host and device ms a call, and its costliest
@@ -200,18 +232,14 @@ def _graph_work(events, steps: int, graphs: int = 8, kernels: int = 6) -> str:
 
         host = {e.id: e for e in events if e.device_type == DeviceType.CPU}
 
-        def graph_of(e):
-            op, found = host.get(e.linked_correlation_id), None
-            while op is not None:
-                if op.name.startswith(COMPILED_CALL):
-                    found = op
-                op = op.cpu_parent
-            return found
-
         per: dict[str, dict] = {}
         for e in events:
-            if e.device_type != DeviceType.CUDA or e.name in CUPTI_OVERHEAD or (g := graph_of(e)) is None:
+            if e.device_type != DeviceType.CUDA or e.name in CUPTI_OVERHEAD:
                 continue
+            above = [op for op in _launch_chain(e, host) if op.name.startswith(COMPILED_CALL)]
+            if not above:
+                continue
+            g = above[-1]  # the outermost
             d = per.setdefault(g.name, {"calls": {}, "device": 0.0, "kernels": {}})
             d["calls"][g.id] = g.cpu_time_total
             us = e.time_range.end - e.time_range.start

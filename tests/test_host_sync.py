@@ -304,6 +304,34 @@ def test_the_update_is_queued_before_the_host_read() -> None:
     assert run_on_ranks(_updated_at_the_read, 1)[0] == [True]
 
 
+def _profiled_phases() -> tuple[list[str], bool]:
+    """The `phase` ranges of a profiled world-1 step (2 microbatches), and whether `phase` is the
+    do-nothing context without a profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dtensor_mimo.schedule import runtime
+
+    model = _colocated(PipelineConfig(microbatches=2))
+    optimizer = MimoOptimizer(model, OPT)
+    batch = _batches(("vision",), False, batch_size=4, seq_lens=(64,))[0]
+    train_step(model, optimizer, batch)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        train_step(model, optimizer, batch)
+    names = sorted({e.name for e in prof.events() if e.name.startswith("mimo.")})
+    return names, runtime.phase("encode") is runtime._NOTHING
+
+
+def test_a_profiled_step_names_its_phases() -> None:
+    """Under torch.profiler each action of the step's program, the loss, the gradient reduction,
+    the update and the read are named ranges (`benchmarks/gpu.py --profile` reports device time
+    and idle time by them); without a profiler `phase` does nothing."""
+    names, idle = run_on_ranks(_profiled_phases, 1)[0]
+    assert idle
+    for want in ("mimo.encode 0 vision", "mimo.encode 1 vision", "mimo.language train", "mimo.loss 0",
+                 "mimo.loss 1", "mimo.backward", "mimo.reduce gradients", "mimo.optimizer", "mimo.read totals"):
+        assert want in names, (want, names)
+
+
 def test_counter_sees_a_device_sync_but_not_host_metadata() -> None:
     host, device = torch.ones(3), torch.ones(3)
     mark_host(host)

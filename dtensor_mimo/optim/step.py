@@ -17,6 +17,7 @@ from dtensor_mimo.data import BatchError, MimoBatch
 from dtensor_mimo.layout.fingerprint import agreed, agreed_sums, agreement_terms, batch_fingerprint
 from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.optim.optimizer import MimoOptimizer, grad_sumsq_shares
+from dtensor_mimo.schedule.runtime import phase
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,8 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
             if timings is not None:
                 middle = _mark(model.device)
                 timings["forward_backward"] = _between(start, middle)
-            model.reduce_gradients()
+            with phase("reduce gradients"):
+                model.reduce_gradients()
         loss_part = result.loss.detach().double().reshape(1) if model.holds_loss_share() else \
             torch.zeros(1, dtype=torch.float64, device=model.device)
         # The status words: ranks whose encoder rows contradicted the batch metadata (the result's
@@ -189,8 +191,10 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
     norm = totals[6 + len(votes):].sum().sqrt()
     skip = (totals[1:6] != words[-5:]).any() | ~norm.isfinite()
     readback = _Readback(torch.cat([totals, skip.reshape(1)]))
-    optimizer.launch(norm, skip)
-    loss, bad, frozen, unusable_ranks, sum_fp, sum_sq, *rest, skipped_on_device = read_totals(readback)
+    with phase("optimizer"):
+        optimizer.launch(norm, skip)
+    with phase("read totals"):
+        loss, bad, frozen, unusable_ranks, sum_fp, sum_sq, *rest, skipped_on_device = read_totals(readback)
     summed_votes, sumsq = tuple(rest[:len(votes)]), rest[len(votes):]
     if unusable_ranks:  # before the fingerprint: a rank's stand-ins may not hash like its peers' inputs
         optimizer.zero_grad()

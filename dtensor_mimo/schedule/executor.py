@@ -40,6 +40,7 @@ from dtensor_mimo.schedule.feed import LanguageFeed
 from dtensor_mimo.schedule.language import LanguagePipeline
 from dtensor_mimo.schedule.order import first_stage_actions
 from dtensor_mimo.schedule.program import Action, RankRoles, StepShape, crossing_posts, program
+from dtensor_mimo.schedule.runtime import phase
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,8 @@ def execute(parts: RankParts, actions: Sequence[Action], batch: MimoBatch, shape
             keep = [n for n in run.local.encoders if not parts.options[n].reshard_after_forward]
             run.accumulation = stack.enter_context(Accumulation(run.local.encoders, keep))
         for action in actions:
-            getattr(run, "do_" + action.op.replace(" ", "_"))(action)
+            with phase(action.op, action.microbatch, action.module):
+                getattr(run, "do_" + action.op.replace(" ", "_"))(action)
     return StepResult(run.loss, run.ids, next((e for e in [*run.errors, *(c.error for c in run.crossings)] if e), None))
 
 

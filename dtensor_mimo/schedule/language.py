@@ -42,7 +42,7 @@ from dtensor_mimo.models import FlexAttentionCore, Llama, causal_attention
 from dtensor_mimo.models.protocol import decoder_stage
 from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, parallelize
 from dtensor_mimo.schedule.config import PipelineConfig, stage_layers
-from dtensor_mimo.schedule.runtime import cached, run_schedule
+from dtensor_mimo.schedule.runtime import cached, phase, run_schedule
 from dtensor_mimo.sequence import (ContextParallelAttention, linear_token_loss_sum, loss_weights, shard_for_cp,
                                    token_loss_sum, vocab_parallel_argmax, zigzag_shard)
 from dtensor_mimo.sequence import loss as token_loss
@@ -111,8 +111,10 @@ class LanguageStage(nn.Module):
                 h = self.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
             finally:
                 self.llama._modules["output"] = head
-            return linear_token_loss_sum(h, head.weight, labels, loss_mask, compile_backend=self.loss_compile_backend,
-                                         counted=loss_rows) / self.normalizer
+            with phase("loss", microbatch):
+                return linear_token_loss_sum(h, head.weight, labels, loss_mask,
+                                             compile_backend=self.loss_compile_backend,
+                                             counted=loss_rows) / self.normalizer
         out = self.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
         if not self.last:
             return out if self.hidden_dtype is None else out.to(self.hidden_dtype)

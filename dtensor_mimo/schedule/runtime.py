@@ -3,12 +3,28 @@ per-shape cache of stages and schedules (torch's stage links have static shapes)
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Sequence
+
+import torch
 
 CACHED_SHAPES = 4
 """Stages + schedule kept per module for this many shapes (sequence lengths, item buckets);
 each holds receive buffers for every microbatch, so the least recently used beyond it are dropped."""
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def phase(*words: object) -> contextlib.AbstractContextManager:
+    """A range named ``"mimo."`` + `words` (those not None, space-separated) in the trace of a
+    running torch.profiler, e.g. ``mimo.encode 0 vision``: the host ops inside it, and the device
+    work they launch, are attributed to it (`benchmarks/gpu.py --profile` reports device time and
+    idle time by these ranges). Without a profiler running, nothing: a step pays one check."""
+    if not torch._C._autograd._profiler_enabled():
+        return _NOTHING
+    return torch.profiler.record_function("mimo." + " ".join(str(w) for w in words if w is not None))
 
 
 def cached(cache: OrderedDict, key: Hashable, build: Callable[[], Any]) -> Any:
