@@ -121,7 +121,8 @@ class LanguageStage(nn.Module):
         if self.predicting:  # the ids, and the loss share of the same logits (held-out loss)
             self.predicted_loss = token_loss_sum(out, labels, loss_mask).detach() / self.normalizer
             return vocab_parallel_argmax(out) if isinstance(out, DTensor) else out.argmax(-1)
-        return token_loss_sum(out, labels, loss_mask) / self.normalizer
+        with phase("loss", microbatch):  # the head ran in the decoder (tp > 1, a user's decoder)
+            return token_loss_sum(out, labels, loss_mask) / self.normalizer
 
 
 def stage_inputs(mb: MimoBatch, cp_size: int, cp_rank: int,
