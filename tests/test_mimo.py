@@ -15,9 +15,9 @@ two documents each (positions restart, attention stays inside a document).
 |---------------|--------------------|---------------|-------------------------|-------|--------|------------------------------|
 | fan_in        | dp2 (0-1)          | -             | dp1 (2)                 | 3     | no     | vision FSDP2                 |
 | fan_out       | dp1 (0)            | -             | dp2 (1-2)               | 3     | no     | LLM without FSDP (all-reduce); head on loss rows only |
-| tp_sp         | dp2 (0-1)          | -             | tp2 + sp (2-3)          | 4     | no     | meta                         |
+| tp_sp         | dp2 (0-1)          | -             | tp2 + sp (2-3)          | 4     | no     | meta; head on loss rows only |
 | coloc_fan_in  | dp4 (0-3)          | -             | tp2·dp2 (0-3)           | 4     | no     | colocated, FSDP off (all-reduce) |
-| coloc_tp      | tp2·dp2 + sp (0-3) | -             | tp4 (0-3)               | 4     | no     | colocated, tp change, meta, gathered logits |
+| coloc_tp      | tp2·dp2 + sp (0-3) | -             | tp4 (0-3)               | 4     | no     | colocated, tp change, meta, gathered logits; head on loss rows only |
 | cp            | dp2 (0-1)          | -             | cp2 (2-3)               | 4     | yes    | meta; head on loss rows only |
 | two_hop_cp    | tp2 (0-1)          | -             | cp2 (2-3)               | 4     | yes    | two hops: rows all-gathered over cp, gradient reduce-scattered over cp, all-gathered over vision tp |
 | two_encoders  | dp2 (0-1)          | dp2 (0-1)     | dp2 (2-3)               | 4     | no     | shared ranks; audio all-reduce |
@@ -26,7 +26,7 @@ two documents each (positions restart, attention stays inside a document).
 | frozen_vision | dp4 (0-3), frozen  | -             | tp2·dp2 (0-3)           | 4     | no     | colocated; no backward bridge|
 | checkpointed  | dp2 (0-1), AC all, compiled | -    | tp2 + sp (2-3), AC 1/2  | 4     | no     | activation checkpointing     |
 | checkpointed_compiled_tp | tp2 (0-1), AC all, compiled | - | tp2 + sp (2-3), AC 1/2, compiled | 4 | no | checkpointed blocks compiled inside their checkpoint only, the others outside |
-| eight         | dp3 (0-2)          | dp1 (3)       | tp2·dp2 + sp (4-7)      | 8     | yes    | dp3 -> dp2, compiled blocks, meta |
+| eight         | dp3 (0-2)          | dp1 (3)       | tp2·dp2 + sp (4-7)      | 8     | yes    | dp3 -> dp2, compiled blocks, meta; head on loss rows only |
 | custom_encoder| dp2, FSDP2 (0-1)   | -             | dp1 (2)                 | 3     | no     | a user's encoder (`PatchMLP`), meta |
 | custom_enc_tp | tp2, compiled (0-1)| -             | tp2 + sp (2-3)          | 4     | no     | a user's encoder with its own tp plan |
 | varied_fan_in | dp2 (0-1)          | dp2 (0-1)     | dp1 (2)                 | 3     | no     | items of own sizes, balanced over dp |
@@ -81,7 +81,6 @@ from dtensor_mimo.models import (
     ViT,
     ViTConfig,
 )
-from dtensor_mimo.schedule import language
 from dtensor_mimo.sequence import loss as token_loss
 from tests.harness import run_on_ranks
 
@@ -147,13 +146,14 @@ CASES = {
     "fan_in": Case({"vision": P(dp=2), "language": P()}),
     "fan_out": Case({"vision": P(), "language": P(dp=2)},
                     options={"language": ParallelOptions(fsdp=False)}, loss_chunk_rows=16),
-    "tp_sp": Case({"vision": P(dp=2), "language": P(tp=2)}, options={"language": SP}, meta=True),
+    "tp_sp": Case({"vision": P(dp=2), "language": P(tp=2)}, options={"language": SP}, meta=True,
+                  loss_chunk_rows=16),
     "coloc_fan_in": Case({"vision": P(dp=4), "language": P(dp=2, tp=2)},
                          offsets={"vision": 0, "language": 0},
                          options={n: ParallelOptions(fsdp=False) for n in ("vision", "language")}),
     "coloc_tp": Case({"vision": P(dp=2, tp=2), "language": P(tp=4)},
                      offsets={"vision": 0, "language": 0}, meta=True,
-                     options={"vision": SP, "language": ParallelOptions(loss_parallel=False)}),
+                     options={"vision": SP, "language": ParallelOptions(loss_parallel=False)}, loss_chunk_rows=16),
     "cp": Case({"vision": P(dp=2), "language": P(cp=2)}, packed=True, meta=True, loss_chunk_rows=16),
     "two_hop_cp": Case({"vision": P(tp=2), "language": P(cp=2)}, packed=True, bridge_hops=2),
     "two_encoders": Case({"vision": P(dp=2), "audio": P(dp=2), "language": P(dp=2)},
@@ -191,7 +191,7 @@ CASES = {
                              options={"vision": ParallelOptions(balance=True)}),
     "eight": Case({"vision": P(dp=3), "audio": P(), "language": P(dp=2, tp=2)},
                   options={"language": ParallelOptions(sp=True, compile=True, compile_backend="aot_eager")},
-                  packed=True, meta=True),
+                  packed=True, meta=True, loss_chunk_rows=16),
 }
 
 
@@ -442,29 +442,24 @@ def _count_calls(module, names: tuple[str, ...]) -> tuple[dict[str, int], Callab
 
 def _distributed(case: Case) -> list[dict] | None:
     counts, undo = _count_calls(hops, ("scatter", "gather"))  # the two-hop route's collectives
-    chunk, head_loss = token_loss.LOSS_CHUNK_LOGITS, language.linear_token_loss_sum
+    chunk, pick = token_loss.LOSS_CHUNK_LOGITS, token_loss.loss_rows
     if case.loss_chunk_rows is not None:
         token_loss.LOSS_CHUNK_LOGITS = case.loss_chunk_rows * LLAMA.vocab_size
     heads: list[tuple[int | None, int, int]] = []  # (count passed, positions with loss, rows) a call
 
-    def head(hidden, weight, labels, loss_mask, **kwargs):
-        weighted = int(torch.count_nonzero(token_loss.loss_weights(labels, loss_mask)))
-        heads.append((kwargs.get("counted"), weighted, labels.numel()))
-        return head_loss(hidden, weight, labels, loss_mask, **kwargs)
+    def picked(hidden, labels, loss_mask, counted):
+        heads.append((counted, int(torch.count_nonzero(token_loss.loss_weights(labels, loss_mask))), labels.numel()))
+        return pick(hidden, labels, loss_mask, counted)
 
-    language.linear_token_loss_sum = head
+    token_loss.loss_rows = picked  # what the head's rows are picked by, chunked or under tp
     try:
-        records = _train(case, counts)
+        return _train(case, counts, heads)
     finally:
         undo()
-        token_loss.LOSS_CHUNK_LOGITS, language.linear_token_loss_sum = chunk, head_loss
-    if case.loss_chunk_rows is not None and heads:
-        # the last stage's head ran on its positions with a loss weight only, counted on the host
-        assert all(n == weighted for n, weighted, _ in heads) and any(n < rows for n, _, rows in heads), heads
-    return records
+        token_loss.LOSS_CHUNK_LOGITS, token_loss.loss_rows = chunk, pick
 
 
-def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
+def _train(case: Case, hop_calls: dict[str, int], heads: list | None = None) -> list[dict]:
     layout = case.layout()
     layout.init_meshes("cpu")
     llama, encs = _modules(case.encoders, case.frozen, case.n_layers, case.meta, case.language_hf,
@@ -496,6 +491,9 @@ def _train(case: Case, hop_calls: dict[str, int]) -> list[dict]:
         record["hop_calls"] = dict(hop_calls)  # two-hop scatters and gathers so far
         record["encoded"] = {n: (layout.coordinate(n, rank)["dp"], rows) for n, rows in encoded.items()}
         records.append(record)
+    if case.loss_chunk_rows is not None and model.language_pipeline is not None and model.language_pipeline.holds_loss:
+        # the last stage's head ran on its positions with a loss weight only, counted on the host
+        assert heads and all(n == weighted for n, weighted, _ in heads) and any(n < rows for n, _, rows in heads), heads
     if case.predict:
         encoded.clear()
         records[-1]["predicted"] = model.predict(_batches(case.encoders, case.packed, case.batch_size,

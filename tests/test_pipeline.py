@@ -9,7 +9,7 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 | pp2             | dp1 (0)          | pp2 (1-2)                 | 3     | 1F1B                 | overlapped; predict; head on loss rows only |
 | dp2_pp2         | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | overlapped, FSDP2 vision      |
 | varied_pp2      | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | images of own sizes, balanced per microbatch, lean window |
-| tp_sp_pp2       | dp2 (0-1)        | tp2·pp2 + sp (2-5)        | 6     | 1F1B                 | overlapped, meta              |
+| tp_sp_pp2       | dp2 (0-1)        | tp2·pp2 + sp (2-5)        | 6     | 1F1B                 | overlapped, meta; head on loss rows only |
 | fan_in_pp2_dp2  | dp3 (0-2)        | pp2·dp2 (3-6)             | 7     | GPipe                | dp 3 -> 2 per microbatch      |
 | interleaved     | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | Interleaved1F1B      | compiled stages, meta         |
 | coloc_pp2_dp2   | dp4 (0-3)        | pp2·dp2 (0-3)             | 4     | 1F1B                 | colocated three phases        |
@@ -54,7 +54,8 @@ CASES = {
     "pp2": _case(P(), P(pp=2), predict=True, loss_chunk_rows=16),
     "dp2_pp2": _case(P(dp=2), P(pp=2)),
     "varied_pp2": _case(P(dp=2), P(pp=2), varied=True),
-    "tp_sp_pp2": _case(P(dp=2), P(pp=2, tp=2), options={"language": ParallelOptions(sp=True)}, meta=True),
+    "tp_sp_pp2": _case(P(dp=2), P(pp=2, tp=2), options={"language": ParallelOptions(sp=True)}, meta=True,
+                       loss_chunk_rows=16),
     "fan_in_pp2_dp2": _case(P(dp=3), P(pp=2, dp=2), PipelineConfig(microbatches=4, schedule="GPipe")),
     "interleaved": _case(P(dp=2), P(pp=2), PipelineConfig(microbatches=4, schedule="Interleaved1F1B",
                                                           virtual_stages=2),

@@ -119,7 +119,9 @@ class ParallelOptions:
         loss_parallel: language model with tp > 1: the head's logits stay sharded over the
             vocabulary (a ``Shard(-1)`` DTensor) and the cross entropy combines the shards with
             two small tp all-reduces per microbatch instead of all-gathering ``[tokens, vocab]``
-            logits. False: logits all-gathered (replicated over tp). Numerics unchanged.
+            logits. False: logits all-gathered (replicated over tp). Either way, for the library's
+            decoder, the head runs on the positions with a loss weight only where its logits
+            would be large (as with `chunked_loss`). Numerics unchanged.
         balance: an encoder with dp > 1 (and pp = 1): its items are split over its dp ranks in
             the contiguous runs whose costliest is least (`dtensor_mimo.data.balance`) instead of
             by sample; the bridge plan takes the new owners directly (no extra hop). None

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from dtensor_mimo.assemble import assemble, embed_text
 from dtensor_mimo.data import MimoBatch
@@ -64,8 +64,10 @@ class LanguageStage(nn.Module):
         # logits are exactly its plain bias-free Linear head of its headless forward (a user's
         # decoder may do more to its logits; a float8 head keeps its own forward).
         head = getattr(llama, "output", None)
-        self.chunked_loss = (chunked_loss and last and isinstance(llama, Llama) and type(head) is nn.Linear
-                             and head.bias is None)
+        # The library's decoder with its plain head: its loss may run the head on the rows with
+        # a loss weight only (`loss_rows`), chunked (tp = 1) or as the decoder's own (tp > 1).
+        self.plain_head = last and isinstance(llama, Llama) and type(head) is nn.Linear and head.bias is None
+        self.chunked_loss = chunked_loss and self.plain_head
         self.loss_compile_backend = loss_compile_backend  # the chunked loss's arithmetic compiled with it
         self.cp_size, self.cp_rank = cp_size, cp_rank
         self.hidden_dtype = hidden_dtype  # what a non-last stage sends on (the compute dtype)
@@ -101,10 +103,11 @@ class LanguageStage(nn.Module):
             x = assemble(text, x, rows, ids, counts=special_counts)
             if self.cp_size > 1:
                 x = zigzag_shard(x, self.cp_size, self.cp_rank)
-        if self.chunked_loss and not self.predicting:
+        if (self.chunked_loss or loss_rows is not None) and not self.predicting:
             # The decoder without its head (the protocol's forward with `output` None returns
-            # the normalised hidden states); the head's weight is plain here: FSDP2 gathered it
-            # in this root module's pre-forward, and tp = 1.
+            # the normalised hidden states: under tp plain, full and replicated, the sequence
+            # shards gathered); the head's weight was gathered by FSDP2 in this root module's
+            # pre-forward.
             head = self.llama.output
             self.llama._modules["output"] = None
             try:
@@ -112,9 +115,18 @@ class LanguageStage(nn.Module):
             finally:
                 self.llama._modules["output"] = head
             with phase("loss", microbatch):
-                return linear_token_loss_sum(h, head.weight, labels, loss_mask,
-                                             compile_backend=self.loss_compile_backend,
-                                             counted=loss_rows) / self.normalizer
+                if self.chunked_loss:  # tp = 1: the head's weight is plain
+                    return linear_token_loss_sum(h, head.weight, labels, loss_mask,
+                                                 compile_backend=self.loss_compile_backend,
+                                                 counted=loss_rows) / self.normalizer
+                # The head on the loss rows only, as the decoder applies it: under tp its input a
+                # replicated DTensor (its colwise plan then moves nothing), its logits sharded over
+                # the vocabulary (loss_parallel) or gathered. Every tp rank picks the same rows.
+                h, labels, weights = token_loss.loss_rows(h, labels, loss_mask, loss_rows)
+                h = h.unsqueeze(0)
+                if isinstance(head.weight, DTensor):
+                    h = DTensor.from_local(h, head.weight.device_mesh, [Replicate()], run_check=False)
+                return token_loss_sum(head(h), labels, weights) / self.normalizer
         out = self.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
         if not self.last:
             return out if self.hidden_dtype is None else out.to(self.hidden_dtype)
@@ -210,13 +222,14 @@ class LanguagePipeline:
 
     def _loss_rows(self, mb: MimoBatch) -> int | None:
         """The positions of this rank's cp chunk of `mb` with a loss weight, counted on the host,
-        where the last stage here runs the chunked head and its logits would take more than one
-        chunk (`LOSS_CHUNK_LOGITS`): the head then runs on those rows only (`linear_token_loss_sum`'s
-        ``counted``). None where the head is small (the selection's few host operations would
-        cost a host-bound step more than they save) or the batch is already on an accelerator
+        where the last stage here holds the library's plain head and its logits would take more
+        than one chunk (`LOSS_CHUNK_LOGITS`): the head then runs on those rows only (chunked at
+        tp = 1, `linear_token_loss_sum`'s ``counted``; under the decoder's tp plan at tp > 1).
+        None where the head is small (the selection's few host operations would cost a
+        host-bound step more than they save) or the batch is already on an accelerator
         (counting there would sync)."""
         stage = self.stages[-1]
-        if (not self.holds_loss or not stage.chunked_loss or mb.labels.device.type != "cpu"
+        if (not self.holds_loss or not stage.plain_head or mb.labels.device.type != "cpu"
                 or mb.batch_size * mb.seq_len // self.par.cp * self.vocab <= token_loss.LOSS_CHUNK_LOGITS):
             return None
         chunk = shard_for_cp(self.par.cp, self.cp_rank, labels=mb.labels, loss_mask=mb.loss_mask) \

@@ -99,13 +99,7 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     at weight 0, adding nothing. Numerics: those of all rows up to the order of the sums. A count
     below the weighted positions leaves the last ones out of the loss: it must come from these
     `labels` and `loss_mask`."""
-    hidden, labels = hidden.flatten(0, -2), labels.flatten()
-    weights = loss_weights(labels, loss_mask.flatten())
-    if counted is not None and counted < hidden.shape[0]:
-        keep = torch.nonzero_static(weights, size=counted, fill_value=0).squeeze(-1)
-        weighted = (weights != 0).sum()  # on the device: no sync
-        hidden, labels, weights = (t.index_select(0, keep) for t in (hidden, labels, weights))
-        weights = torch.where(torch.arange(counted, device=weights.device) < weighted, weights, 0.0)
+    hidden, labels, weights = loss_rows(hidden, labels, loss_mask, counted)
     if hidden.shape[0] * weight.shape[0] <= LOSS_CHUNK_LOGITS:
         # The same label rule as the chunks: uncounted positions ignored, a counted id outside
         # the vocabulary NaN (F.cross_entropy would raise, on CUDA as a device-side assert).
@@ -116,6 +110,21 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, labels, weights, compile_backend)
     return _chunked_cross_entropy(hidden, weight, labels, weights, False, False, compile_backend)[0]
+
+
+def loss_rows(hidden: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+              counted: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(hidden [N, dim], labels [N], weights [N])`` of the positions with a loss weight: the
+    first `counted` of them in order (`linear_token_loss_sum`'s rule), or every position when
+    `counted` is None; `hidden` ``[..., dim]``, `labels` and `loss_mask` ``[...]``."""
+    hidden, labels = hidden.flatten(0, -2), labels.flatten()
+    weights = loss_weights(labels, loss_mask.flatten())
+    if counted is None or counted >= hidden.shape[0]:
+        return hidden, labels, weights
+    keep = torch.nonzero_static(weights, size=counted, fill_value=0).squeeze(-1)
+    weighted = (weights != 0).sum()  # on the device: no sync
+    hidden, labels, weights = (t.index_select(0, keep) for t in (hidden, labels, weights))
+    return hidden, labels, torch.where(torch.arange(counted, device=weights.device) < weighted, weights, 0.0)
 
 
 def _outside(labels: torch.Tensor, counted: torch.Tensor, vocab: int) -> torch.Tensor:
