@@ -234,7 +234,9 @@ class LanguagePipeline:
             return None
         chunk = shard_for_cp(self.par.cp, self.cp_rank, labels=mb.labels, loss_mask=mb.loss_mask) \
             if self.par.cp > 1 else mb
-        return int(torch.count_nonzero(loss_weights(chunk.labels, chunk.loss_mask)))
+        # None for none at all: the head then runs on every row at weight 0, not on an empty
+        # selection (whose vocabulary-parallel all-reduces would carry no elements).
+        return int(torch.count_nonzero(loss_weights(chunk.labels, chunk.loss_mask))) or None
 
     def _schedule(self, rows: int, seq_len: int) -> tuple[Any, list[PipelineStage]]:
         return cached(self._schedules, (rows, seq_len), lambda: self._build(rows, seq_len))
