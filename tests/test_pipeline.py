@@ -11,7 +11,7 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 | varied_pp2      | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | images of own sizes, balanced per microbatch, lean window |
 | tp_sp_pp2       | dp2 (0-1)        | tp2·pp2 + sp (2-5)        | 6     | 1F1B                 | overlapped, meta; head on loss rows only |
 | fan_in_pp2_dp2  | dp3 (0-2)        | pp2·dp2 (3-6)             | 7     | GPipe                | dp 3 -> 2 per microbatch      |
-| interleaved     | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | Interleaved1F1B      | compiled stages, meta         |
+| interleaved     | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | Interleaved1F1B      | compiled stages, meta; head on loss rows only |
 | coloc_pp2_dp2   | dp4 (0-3)        | pp2·dp2 (0-3)             | 4     | 1F1B                 | colocated three phases        |
 | coloc_recompute | dp4 (0-3)        | pp2·dp2 (0-3)             | 4     | 1F1B                 | colocated, vision graphs freed (`recompute_colocated`), FSDP2 |
 | coloc_pp1_recompute | dp2 (0-1)    | dp2 (0-1)                 | 2     | one stage, 4 mb      | colocated at pp = 1, graphs freed |
@@ -26,7 +26,7 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 | looped_bfs      | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | LoopedBFS            | backwards last microbatch first|
 | zero_bubble     | dp1 (0)          | pp2, 2 virtual (1-2)      | 3     | InterleavedZeroBubble| split backward, eager; 8 microbatches (crossing window 4) |
 | length_buckets  | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | sequence 64, 32, 64 per step  |
-| zbv             | dp1 (0)          | pp2, 2 virtual, V (1-2)   | 3     | ZBVZeroBubble        | stages 0,3 / 1,2: crossings and loss on pp rank 0; predict; 8 microbatches (window 4) |
+| zbv             | dp1 (0)          | pp2, 2 virtual, V (1-2)   | 3     | ZBVZeroBubble        | stages 0,3 / 1,2: crossings and loss on pp rank 0; predict; 8 microbatches (window 4); head on loss rows only |
 | dualpipev       | dp2 (0-1)        | pp2, 2 virtual, V (2-3)   | 4     | DualPipeV            | V placement, fan-in per microbatch |
 | user_decoder_pp2| dp1 (0)          | pp2 (1-2), `UserDecoder`  | 3     | 1F1B                 | a user's decoder split into its own stages, meta; predict |
 | user_decoder_tp2| dp4 (0-3)        | pp2·tp2 (0-3), `UserDecoder` | 4  | GPipe                | colocated; the user's tp plan on each stage |
@@ -60,7 +60,7 @@ CASES = {
     "interleaved": _case(P(dp=2), P(pp=2), PipelineConfig(microbatches=4, schedule="Interleaved1F1B",
                                                           virtual_stages=2),
                          options={"language": ParallelOptions(compile=True, compile_backend="aot_eager")},
-                         meta=True),
+                         meta=True, loss_chunk_rows=16),
     "coloc_pp2_dp2": _case(P(dp=4), P(pp=2, dp=2), offsets={"vision": 0, "language": 0}),
     "coloc_recompute": _case(P(dp=4), P(pp=2, dp=2), offsets={"vision": 0, "language": 0},
                              options={"vision": ParallelOptions(recompute_colocated=True)}),
@@ -82,7 +82,7 @@ CASES = {
                                                       virtual_stages=2)),
     "length_buckets": _case(P(dp=2), P(pp=2), seq_lens=(64, 32, 64)),
     "zbv": _case(P(), P(pp=2), PipelineConfig(microbatches=8, schedule="ZBVZeroBubble", virtual_stages=2),
-                 predict=True),
+                 predict=True, loss_chunk_rows=16),
     "dualpipev": _case(P(dp=2), P(pp=2), PipelineConfig(microbatches=4, schedule="DualPipeV", virtual_stages=2)),
     "user_decoder_pp2": _case(P(), P(pp=2), custom_language=True, meta=True, predict=True),
     "user_decoder_tp2": _case(P(dp=4), P(pp=2, tp=2), PipelineConfig(microbatches=4, schedule="GPipe"),

@@ -92,7 +92,7 @@ class LanguageStage(nn.Module):
         special tokens per modality from its host metadata (`stage_inputs`), so that assembling
         on an accelerator does not count them on the device (a host sync per microbatch).
         `loss_rows`: this chunk's positions with a loss weight, counted on the host
-        (`LanguagePipeline`), when the chunked head should run on those rows only."""
+        (`LanguagePipeline`), when the head should run on those rows only (the last stage)."""
         if self.first:
             ids = self.special_token_ids
             text = embed_text(self.llama.tok_embeddings, x, ids)
@@ -103,7 +103,9 @@ class LanguageStage(nn.Module):
             x = assemble(text, x, rows, ids, counts=special_counts)
             if self.cp_size > 1:
                 x = zigzag_shard(x, self.cp_size, self.cp_rank)
-        if (self.chunked_loss or loss_rows is not None) and not self.predicting:
+        # `loss_rows` reaches every stage of the microbatch (torch passes the keywords to all):
+        # only the last one, holding the head, acts on it.
+        if (self.chunked_loss or (self.plain_head and loss_rows is not None)) and not self.predicting:
             # The decoder without its head (the protocol's forward with `output` None returns
             # the normalised hidden states: under tp plain, full and replicated, the sequence
             # shards gathered); the head's weight was gathered by FSDP2 in this root module's
@@ -133,7 +135,7 @@ class LanguageStage(nn.Module):
         if self.predicting:  # the ids, and the loss share of the same logits (held-out loss)
             self.predicted_loss = token_loss_sum(out, labels, loss_mask).detach() / self.normalizer
             return vocab_parallel_argmax(out) if isinstance(out, DTensor) else out.argmax(-1)
-        with phase("loss", microbatch):  # the head ran in the decoder (tp > 1, a user's decoder)
+        with phase("loss", microbatch):  # the head ran in the decoder, on every row
             return token_loss_sum(out, labels, loss_mask) / self.normalizer
 
 
@@ -225,9 +227,10 @@ class LanguagePipeline:
         where the last stage here holds the library's plain head and its logits would take more
         than one chunk (`LOSS_CHUNK_LOGITS`): the head then runs on those rows only (chunked at
         tp = 1, `linear_token_loss_sum`'s ``counted``; under the decoder's tp plan at tp > 1).
+        The size is the whole vocabulary's, also under tp (a rank's logits are 1/tp of it).
         None where the head is small (the selection's few host operations would cost a
-        host-bound step more than they save) or the batch is already on an accelerator
-        (counting there would sync)."""
+        host-bound step more than they save), where the microbatch has no loss position, or
+        where the batch is already on an accelerator (counting there would sync)."""
         stage = self.stages[-1]
         if (not self.holds_loss or not stage.plain_head or mb.labels.device.type != "cpu"
                 or mb.batch_size * mb.seq_len // self.par.cp * self.vocab <= token_loss.LOSS_CHUNK_LOGITS):
