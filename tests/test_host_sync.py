@@ -35,6 +35,7 @@ import collections
 import gc
 import os
 import sys
+import weakref
 
 import pytest
 import torch
@@ -142,7 +143,8 @@ def mark_host_state(optimizer) -> None:
     """Tensors that live on the host on every device: each DeviceMesh's rank grid and AdamW's
     step counters (CPU tensors unless ``capturable``/``fused``)."""
     for obj in gc.get_objects():
-        if isinstance(obj, DeviceMesh):
+        # a weakref proxy answers isinstance through its referent, which may be gone (ReferenceError)
+        if type(obj) not in (weakref.ProxyType, weakref.CallableProxyType) and isinstance(obj, DeviceMesh):
             mark_host(*(t for t in vars(obj).values() if isinstance(t, torch.Tensor)))
     for opt in optimizer.optimizers.values():
         for state in opt.state.values():
