@@ -722,7 +722,7 @@ def _case(args: argparse.Namespace) -> None:
         if case.endswith("all rows"):  # the host count of loss rows not passed on: the head on every row
             from dtensor_mimo.schedule.language import LanguagePipeline
 
-            LanguagePipeline._loss_rows = lambda self, mb: None
+            LanguagePipeline._count_loss_rows = lambda self, mb: None
         out = _vlm_ours(VLM[size], device, backend, args.warmup, 2 * args.steps, graphs=case.endswith(GRAPHS),
                         whole=case.endswith("whole"))
     elif case.startswith("vlm transformers"):

@@ -41,7 +41,7 @@ from dtensor_mimo.models import Llama, LlamaConfig
 vocab, tokens, case, share = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[5])
 if "all rows" in case:  # the head on every row: the host count of loss rows not passed on
     from dtensor_mimo.schedule.language import LanguagePipeline
-    LanguagePipeline._loss_rows = lambda self, mb: None
+    LanguagePipeline._count_loss_rows = lambda self, mb: None
 init_distributed("cpu")
 torch.manual_seed(0)
 llama = Llama(LlamaConfig(vocab_size=vocab, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=512,

@@ -442,7 +442,7 @@ def _count_calls(module, names: tuple[str, ...]) -> tuple[dict[str, int], Callab
 
 def _distributed(case: Case) -> list[dict] | None:
     counts, undo = _count_calls(hops, ("scatter", "gather"))  # the two-hop route's collectives
-    chunk, pick = token_loss.LOSS_CHUNK_LOGITS, token_loss.loss_rows
+    chunk, pick = token_loss.LOSS_CHUNK_LOGITS, token_loss.pick_loss_rows
     if case.loss_chunk_rows is not None:
         token_loss.LOSS_CHUNK_LOGITS = case.loss_chunk_rows * LLAMA.vocab_size
     heads: list[tuple[int | None, int, int]] = []  # (count passed, positions with loss, rows) a call
@@ -451,12 +451,12 @@ def _distributed(case: Case) -> list[dict] | None:
         heads.append((counted, int(torch.count_nonzero(token_loss.loss_weights(labels, loss_mask))), labels.numel()))
         return pick(hidden, labels, loss_mask, counted)
 
-    token_loss.loss_rows = picked  # what the head's rows are picked by, chunked or under tp
+    token_loss.pick_loss_rows = picked  # what the head's rows are picked by, chunked or under tp
     try:
         return _train(case, counts, heads)
     finally:
         undo()
-        token_loss.LOSS_CHUNK_LOGITS, token_loss.loss_rows = chunk, pick
+        token_loss.LOSS_CHUNK_LOGITS, token_loss.pick_loss_rows = chunk, pick
 
 
 def _train(case: Case, hop_calls: dict[str, int], heads: list | None = None) -> list[dict]:

@@ -124,7 +124,7 @@ class LanguageStage(nn.Module):
                 # The head on the loss rows only, as the decoder applies it: under tp its input a
                 # replicated DTensor (its colwise plan then moves nothing), its logits sharded over
                 # the vocabulary (loss_parallel) or gathered. Every tp rank picks the same rows.
-                h, labels, weights = token_loss.loss_rows(h, labels, loss_mask, loss_rows)
+                h, labels, weights = token_loss.pick_loss_rows(h, labels, loss_mask, loss_rows)
                 h = h.unsqueeze(0)
                 if isinstance(head.weight, DTensor):
                     h = DTensor.from_local(h, head.weight.device_mesh, [Replicate()], run_check=False)
@@ -222,7 +222,7 @@ class LanguagePipeline:
         """This rank's parameters of the decoder, under the whole model's names."""
         return {n: p for stage in self.stages for n, p in stage.llama.named_parameters()}
 
-    def _loss_rows(self, mb: MimoBatch) -> int | None:
+    def _count_loss_rows(self, mb: MimoBatch) -> int | None:
         """The positions of this rank's cp chunk of `mb` with a loss weight, counted on the host,
         where the last stage here holds the library's plain head and its logits would take more
         than one chunk (`LOSS_CHUNK_LOGITS`): the head then runs on those rows only (chunked at
@@ -273,7 +273,7 @@ class LanguagePipeline:
         args, kwargs = [], []
         for i, mb in enumerate(microbatches):  # keyword arguments reach every stage
             tokens, kw = stage_inputs(mb.to(self.device, encoder_inputs=False), self.par.cp, self.cp_rank,
-                                      self._loss_rows(mb))
+                                      self._count_loss_rows(mb))
             args.append((tokens,))
             kwargs.append(dict(microbatch=i, **kw))
         losses: list[torch.Tensor] = []
@@ -294,7 +294,7 @@ class LanguagePipeline:
         point-to-point in stage order (stage s sends to s + 1 before anyone posts s + 1's send;
         consecutive stages on one rank, as in a V, hand over locally), so NCCL cannot deadlock."""
         tokens, kwargs = stage_inputs(mb.to(self.device, encoder_inputs=False), self.par.cp, self.cp_rank,
-                                      None if predicting else self._loss_rows(mb))
+                                      None if predicting else self._count_loss_rows(mb))
         pp_rank, where = self.pp_group.rank(), lambda stage: self.config.stage_rank(stage, self.par.pp)
         x, out = tokens, None
         self.predicted_loss: torch.Tensor | None = None

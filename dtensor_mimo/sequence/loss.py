@@ -99,7 +99,7 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     at weight 0, adding nothing. Numerics: those of all rows up to the order of the sums. A count
     below the weighted positions leaves the last ones out of the loss: it must come from these
     `labels` and `loss_mask`."""
-    hidden, labels, weights = loss_rows(hidden, labels, loss_mask, counted)
+    hidden, labels, weights = pick_loss_rows(hidden, labels, loss_mask, counted)
     if hidden.shape[0] * weight.shape[0] <= LOSS_CHUNK_LOGITS:
         # The same label rule as the chunks: uncounted positions ignored, a counted id outside
         # the vocabulary NaN (F.cross_entropy would raise, on CUDA as a device-side assert).
@@ -112,8 +112,8 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     return _chunked_cross_entropy(hidden, weight, labels, weights, False, False, compile_backend)[0]
 
 
-def loss_rows(hidden: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
-              counted: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pick_loss_rows(hidden: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+                   counted: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(hidden [N, dim], labels [N], weights [N])`` of the positions with a loss weight: the
     first `counted` of them in order (`linear_token_loss_sum`'s rule), or every position when
     `counted` is None; `hidden` ``[..., dim]``, `labels` and `loss_mask` ``[...]``."""
