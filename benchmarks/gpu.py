@@ -27,8 +27,9 @@ important figures:
 | vlm | ours | a SigLIP tower + LLaVA projector (`ModalityEncoder(ViT, Projection)`) and a Qwen2 decoder (`Llama`) colocated on the one rank, both bf16 + per-block compile, through `MimoModel` + `train_step` |
 | vlm | transformers (compiled) | `LlavaForConditionalGeneration` of the same config (SDPA, fp32 weights under bf16 autocast, fused AdamW, clip 1.0); eager, or each tower layer, each decoder layer and the projector compiled |
 | vlm | ours whole | each stack compiled whole (`compile_scope="module"`) without CUDA graphs: what the scope alone gives |
+| vlm | ours cpp wrapper | `vlm ours` with inductor's C++ wrapper (`ParallelOptions(compile_options={"cpp_wrapper": True})`): each compiled graph calls its kernels from C++, not Python (on one CPU thread, `benchmarks/host_step.py`'s compiled cases measure it). It builds its wrappers with the CUDA headers of a CUDA toolkit, or else of the `nvidia` wheels that torch's CUDA build installs (`_wrapper_toolkit`) |
 | vlm | ours all rows | `vlm ours` with the chunked head on every row, as before 2026-11-27 (8): what running it on the loss rows only gives |
-| lm, vlm | ours cudagraphs | the same with `ParallelOptions(compile_mode="reduce-overhead")`: each compiled piece's forward and backward replay as CUDA graphs (torch's cudagraph trees); the LM's pieces are its blocks, the VLM's its stacks whole (`compile_scope="module"`: the ViT, the projection, the decoder); first checks its first 5 steps' losses and gradient norms against the same model in eager on the GPU (`_graphs_check`); also the LM in fp8 tensorwise (its 2026-11-27 step left the device idle 40 ms of 217: float8's casts double each compiled backward's launches) |
+| lm, vlm | ours cudagraphs | the same with `ParallelOptions(compile_mode="reduce-overhead")`: each compiled piece's forward and backward replay as CUDA graphs (torch's cudagraph trees); the LM's pieces are its blocks, the VLM's its stacks whole (`compile_scope="module"`: the ViT, the projection, the decoder); first checks its first 5 steps' losses and gradient norms against the same model in eager on the GPU (`_graphs_check`), and reports inductor's reasons for any piece it ran without graphs (`cudagraph_skips`); also the LM in fp8 tensorwise (its 2026-11-27 step left the device idle 40 ms of 217: float8's casts double each compiled backward's launches) |
 | tiny | trainer | the README's tiny LLaVA task (`examples/make_tiny_llava.py`, `examples/llava_tiny.toml`, eager) through `python -m dtensor_mimo.train` on the device, world 1: its logged step time (issue 29 asks for < 15 ms); also with per-block compile (on CPU it cuts the top-level aten ops of a step from 1,894 to 826: the host's launch work on a GPU), with each module compiled whole in CUDA graphs (`compile_scope = "module"`, `compile_mode = "reduce-overhead"`), and with one loader worker (`data.workers = 1`) instead of the default prefetch thread |
 
 Sizes (default, issue 29's): LM Llama 1.04B (dim 2048, 16 layers, 32 / 8 heads, ffn 8192, vocab
@@ -80,7 +81,7 @@ CASES = ("lm ours", "lm transformers compiled", "vlm ours", "vlm transformers co
          "vlm ours cudagraphs", "tiny trainer cudagraphs", "lm ours cudagraphs", "lm ours fp8 tensorwise cudagraphs",
          "vlm ours whole", "tiny trainer cudagraphs workers=1", "tiny trainer", "lm ours unchunked loss",
          "lm ours packed", "lm ours packed flex", "lm ours fp8 rowwise", "tiny trainer compiled", "lm ours fsdp2 bf16",
-         "tiny trainer workers=1", "vlm ours all rows", "vlm transformers", "lm transformers")
+         "tiny trainer workers=1", "vlm ours all rows", "vlm ours cpp wrapper", "vlm transformers", "lm transformers")
 TINY = {"tiny trainer": [], "tiny trainer workers=1": ["--data.workers", "1"],
         "tiny trainer compiled": [f"--options.{m}.compile=true" for m in ("image", "language")],
         "tiny trainer cudagraphs": [f"--options.{m}.{o}" for m in ("image", "language")
@@ -89,6 +90,7 @@ TINY = {"tiny trainer": [], "tiny trainer workers=1": ["--data.workers", "1"],
 # CPU: tokens, decode, collate) takes the GIL from a host-bound step's main thread.
 TINY["tiny trainer cudagraphs workers=1"] = [*TINY["tiny trainer cudagraphs"], "--data.workers", "1"]
 GRAPHS = " cudagraphs"  # the CUDA-graph cases' suffix: ParallelOptions(compile_mode="reduce-overhead")
+WRAPPER = " cpp wrapper"  # ParallelOptions(compile_options={"cpp_wrapper": True}): inductor's C++ wrapper
 FP8 = "lm ours fp8 "  # the fp8 cases' prefix; the recipe follows
 
 
@@ -372,6 +374,55 @@ def _graphs_check(reference, model, optimizer, batches, steps: int = 5) -> dict:
     return diffs
 
 
+def _wrapper_toolkit() -> None:
+    """Headers and libraries for inductor's C++ wrappers of CUDA code (`WRAPPER` cases): torch's
+    own lookup (``CUDA_HOME``, ``nvcc`` on the path, /usr/local/cuda) if it finds a toolkit, else
+    the `nvidia` wheels that torch's CUDA build installed (``cuda.h`` and ``libcudart_static.a``)
+    and the driver's ``libcuda.so.1`` under the name the linker asks for (``-lcuda``)."""
+    import glob
+    import site
+
+    import torch
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is not None:
+        return
+    homes = [os.path.dirname(os.path.dirname(h)) for d in site.getsitepackages()
+             for h in glob.glob(os.path.join(d, "nvidia", "*", "include", "cuda.h"))]
+    if not homes:
+        raise RuntimeError("inductor's C++ wrapper needs CUDA's headers: no CUDA toolkit (CUDA_HOME, nvcc, "
+                           "/usr/local/cuda) and no nvidia wheel with include/cuda.h")
+    os.environ["CUDA_HOME"] = cpp_extension.CUDA_HOME = homes[0]
+    torch.cuda.init()  # the driver library is loaded now: its path, for the linker
+    with open("/proc/self/maps") as maps:
+        driver = next((line.split()[-1] for line in maps if "/libcuda.so" in line), None)
+    if driver is not None:
+        links = tempfile.mkdtemp(prefix="libcuda_")
+        os.symlink(driver, os.path.join(links, "libcuda.so"))
+        os.environ["LIBRARY_PATH"] = os.pathsep.join(filter(None, [links, os.environ.get("LIBRARY_PATH")]))
+
+
+GRAPH_SKIPS: list[str] = []
+"""Inductor's reasons for running a compiled piece without CUDA graphs, in this case's process."""
+
+
+def _record_graph_skips() -> None:
+    """Keep inductor's "skipping cudagraphs due to ..." messages (its ``cudagraphs`` log) in
+    `GRAPH_SKIPS`: a CUDA-graph case that ran without graphs says why."""
+    import logging
+
+    import torch
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if "skipping cudagraphs" in message and message not in GRAPH_SKIPS:
+                GRAPH_SKIPS.append(message[:300])
+
+    torch._logging.set_logs(cudagraphs=True)
+    logging.getLogger("torch._inductor.cudagraph_utils").addHandler(Keep())
+
+
 def _pinned(batches: list, device: str) -> list:
     """`MimoBatch`es in pinned host memory on CUDA, as the trainer's loader gives them
     (``pin_memory=True``): their copies to the device do not wait for its queue."""
@@ -541,7 +592,7 @@ def _vlm_batches(s: dict, count: int = 4) -> list:
 
 
 def _vlm_ours_model(s: dict, device: str, backend: str, compile_: bool, weights: str | None = None,
-                    mode: str | None = None, scope: str = "block"):
+                    mode: str | None = None, scope: str = "block", compile_options: dict | None = None):
     import torch
 
     from dtensor_mimo import MimoLayout, MimoModel, ParallelOptions, Parallelism
@@ -555,7 +606,7 @@ def _vlm_ours_model(s: dict, device: str, backend: str, compile_: bool, weights:
         vision = ModalityEncoder(ViT(vit_config), Projection(vit_config.dim, llama_config.dim))
     layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()}, offsets={"vision": 0, "language": 0})
     options = ParallelOptions(compile=compile_, compile_backend=backend, compile_mode=mode, compile_scope=scope,
-                              param_dtype="bf16" if device == "cuda" else None)
+                              param_dtype="bf16" if device == "cuda" else None, compile_options=compile_options)
     model = MimoModel(layout, llama, {"vision": vision}, options={"vision": options, "language": options},
                       device_type=device)
     model.init_weights({"language": 0, "vision": 1})
@@ -565,13 +616,17 @@ def _vlm_ours_model(s: dict, device: str, backend: str, compile_: bool, weights:
 
 
 def _vlm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, graphs: bool = False,
-              whole: bool = False) -> dict:
+              whole: bool = False, wrapper: bool = False) -> dict:
     from dtensor_mimo import AdamWConfig, MimoOptimizer, train_step
 
     _world_of_one(device)
+    options = {"cpp_wrapper": True} if wrapper and backend == "inductor" else None  # aot_eager takes none
+    if options and device == "cuda":
+        _wrapper_toolkit()
 
     def build(compile_: bool, mode: str | None = None, scope: str = "block"):
-        model = _vlm_ours_model(s, device, backend, compile_, mode=mode, scope=scope)
+        model = _vlm_ours_model(s, device, backend, compile_, mode=mode, scope=scope,
+                                compile_options=options if compile_ else None)
         return model, MimoOptimizer(model, AdamWConfig(lr=1e-4))
 
     model, optimizer = build(True, _graphs_mode(graphs, backend), "module" if graphs or whole else "block")
@@ -679,15 +734,19 @@ def _tiny_trainer(device: str, steps: int, extra: list[str]) -> dict:
                 "--layout.language.offset", "0", "--train.device", device, "--train.steps", str(steps),
                 "--train.generate", "0", "--checkpoint.export_hf", "none", "--data.heldout_samples", "8", "--metrics.log_every", "10", "--metrics.jsonl", jsonl,
                 "--metrics.progress", "off", *extra]
-        out = subprocess.run(argv, capture_output=True, text=True, cwd=root, env=env)
+        graphs = any("reduce-overhead" in a for a in extra)
+        out = subprocess.run(argv, capture_output=True, text=True, cwd=root,
+                             env={**env, "TORCH_LOGS": "cudagraphs"} if graphs else env)
         if out.returncode:
             raise RuntimeError(f"the trainer exited with {out.returncode}: " + (out.stderr or out.stdout)[-2000:])
         records = [json.loads(line) for line in open(jsonl)]
     timed = [r for r in records if "step_s" in r and r["step"] > steps // 4]  # after compile and warm-up
     # The last logged loss: the cases train the same model on the same batches, so their losses
     # agree to rounding (a CUDA-graph case that replayed stale inputs would not).
+    skips = sorted({line[line.index("skipping cudagraphs"):][:300] for line in out.stderr.splitlines()
+                    if "skipping cudagraphs" in line})
     return {"step_s": [r["step_s"] for r in timed], "data_s": [r.get("data_s", 0.0) for r in timed],
-            "final_loss": timed[-1]["loss"]}
+            "final_loss": timed[-1]["loss"], **({"cudagraph_skips": skips} if skips else {})}
 
 
 # ---------------------------------------------------------------------------------------- driver
@@ -705,6 +764,8 @@ def _case(args: argparse.Namespace) -> None:
         torch.cuda.reset_peak_memory_stats()
     case = args.case
     PROFILE["on"] = args.profile
+    if GRAPHS in case:
+        _record_graph_skips()
     if case == "vlm same model":
         out = _vlm_same_model(VLM[size])
     elif case.startswith("lm ours"):
@@ -724,7 +785,7 @@ def _case(args: argparse.Namespace) -> None:
 
             LanguagePipeline._count_loss_rows = lambda self, mb: None
         out = _vlm_ours(VLM[size], device, backend, args.warmup, 2 * args.steps, graphs=case.endswith(GRAPHS),
-                        whole=case.endswith("whole"))
+                        whole=case.endswith("whole"), wrapper=case.endswith(WRAPPER))
     elif case.startswith("vlm transformers"):
         out = _vlm_transformers(VLM[size], device, backend, args.warmup, 2 * args.steps,
                                 compiled=case.endswith("compiled"))
@@ -735,6 +796,8 @@ def _case(args: argparse.Namespace) -> None:
     else:
         raise SystemExit(f"unknown case {case!r}; one of {', '.join(CASES)}")
     out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    if GRAPH_SKIPS:
+        out["cudagraph_skips"] = [*out.get("cudagraph_skips", []), *GRAPH_SKIPS]
     if PROFILE["table"]:
         out["profile"] = PROFILE["table"]
         out["device_idle_ms"] = PROFILE["idle_ms"]
@@ -864,7 +927,7 @@ BASELINES = {"lm ours": ("lm transformers compiled", 1.0), "lm transformers": ("
              "lm ours unchunked loss": ("lm ours", None), "lm ours fsdp2 bf16": ("lm ours", None),
              "lm ours packed flex": ("lm ours packed", None), "lm ours cudagraphs": ("lm ours", None),
              "vlm ours cudagraphs": ("vlm transformers compiled", 1.1), "vlm ours whole": ("vlm ours", None),
-             "vlm ours all rows": ("vlm ours", None),
+             "vlm ours all rows": ("vlm ours", None), "vlm ours cpp wrapper": ("vlm ours", None),
              "vlm ours": ("vlm transformers compiled", 1.1), "vlm transformers": ("vlm transformers compiled", None)}
 
 
@@ -899,6 +962,9 @@ def _report(result: dict, tiny: bool) -> list[str]:
     idle = {case: r["device_idle_ms"] for case, r in rows.items() if r.get("device_idle_ms") is not None}
     if idle:  # --profile: the device's idle time per step in the profiled steps (the gaps are in the profile text)
         print("device idle a step (profiled): " + ", ".join(f"{case} {v:.1f} ms" for case, v in idle.items()))
+    for case, r in rows.items():  # a CUDA-graph case that ran pieces without graphs: inductor's reasons
+        for reason in r.get("cudagraph_skips", []):
+            print(f"{case}: {reason}")
     losses = {case: r["final_loss"] for case, r in rows.items() if "final_loss" in r}
     if losses:  # the same model on the same batches: equal to rounding, whatever the case
         print("tiny trainer, last logged loss: " + ", ".join(f"{case} {v:.4f}" for case, v in losses.items()))

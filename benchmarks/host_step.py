@@ -19,9 +19,13 @@ checkout that has them can be the baseline.
 | llava, 2 ranks, M=2 | the same | vision on rank 0, language on rank 1, 2 microbatches |
 | transformers llama | `LlamaForCausalLM` of the same sizes (SDPA), `torch.optim.AdamW` (foreach, the same hyperparameters), `clip_grad_norm_`, the same batches | one process |
 | transformers llama, fused AdamW | the same with `torch.optim.AdamW(fused=True)`, the form the library uses wherever torch has it | one process |
+| llama / llava, compiled | `llama` or `llava` with every module compiled per block by inductor (`ParallelOptions(compile=True)`) | world 1 |
+| llama / llava, compiled, C++ wrapper | the same with inductor's C++ wrapper (`compile_options={"cpp_wrapper": True}`): the compiled code calls its kernels from C++ | world 1 |
 
-The last case is the plain single-model stack the issue-29 target compares against: "llama /
-transformers" is the library's host time per step over it (target: at most 1.1).
+The transformers cases are the plain single-model stack the issue-29 target compares against:
+"llama / transformers" is the library's host time per step over it (target: at most 1.1). The
+compiled cases are left out of the default ``--cases`` (each compiles in each of its processes)
+and run with this tree only.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ from typing import Callable
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {"llama": (1, 1), "llava": (1, 1), "llava, 2 ranks, M=2": (2, 2), "transformers llama": (1, 1),
          "transformers llama, fused AdamW": (1, 1)}
+COMPILED = {f"{model}, compiled{wrapper}": {"compile_options": {"cpp_wrapper": True}} if wrapper else {}
+            for model in ("llama", "llava") for wrapper in ("", ", C++ wrapper")}
+"""`ParallelOptions(compile=True, **these)` for every module; world 1, one microbatch."""
 REFERENCE = "transformers llama"
 REFERENCES = (REFERENCE, "transformers llama, fused AdamW")
 """Run once per repeat whatever the trees (they use no dtensor_mimo step)."""
@@ -134,9 +141,12 @@ def _worker(case: str, steps: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from dtensor_mimo import ParallelOptions
+
     dist.init_process_group("gloo")
-    world, microbatches = CASES[case]
-    step = ours_step(case != "llama", world, microbatches)
+    world, microbatches = CASES.get(case, (1, 1))
+    options = ParallelOptions(compile=True, **COMPILED[case]) if case in COMPILED else None
+    step = ours_step(case.startswith("llava"), world, microbatches, options)
     times = []
     for i in range(5 + steps):
         t0 = time.perf_counter()
@@ -152,7 +162,7 @@ def _worker(case: str, steps: int) -> None:
 
 def run(tree: str, case: str, steps: int) -> list[float]:
     """Step seconds of one case with the library of `tree`, in fresh processes."""
-    world, _ = CASES[case]
+    world, _ = CASES.get(case, (1, 1))
     env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
     command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
                f"--nproc-per-node={world}", os.path.abspath(__file__), "--worker", case, "--steps", str(steps)]
@@ -167,7 +177,7 @@ def main() -> None:
     parser.add_argument("--baseline", help="another checkout's root, measured in the same run")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cases", nargs="+", default=list(CASES))
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=[*CASES, *COMPILED])
     parser.add_argument("--out", default="bench_results/host_step.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -178,7 +188,7 @@ def main() -> None:
     samples: dict[str, dict[str, list[float]]] = {c: {t: [] for t in trees} for c in args.cases}
     for _ in range(args.repeats):  # alternate: noise hits every tree alike
         for case in args.cases:
-            for label, tree in (trees if case not in REFERENCES else {"this tree": HERE}).items():
+            for label, tree in (trees if case not in (*REFERENCES, *COMPILED) else {"this tree": HERE}).items():
                 samples[case][label] += run(tree, case, args.steps)
     rows = []
     print(f"{'case':<32}" + "".join(f"{t + ' ms':>16}" for t in trees) + ("   this / baseline" if args.baseline else ""))

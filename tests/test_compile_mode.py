@@ -1,5 +1,6 @@
-"""`ParallelOptions.compile_mode` and `compile_scope`: torch.compile's mode for a module's compiled
-pieces (CUDA graphs), and whether those pieces are its blocks or its stacks whole.
+"""`ParallelOptions.compile_mode`, `compile_options` and `compile_scope`: torch.compile's mode (CUDA
+graphs) and inductor's options for a module's compiled pieces, and whether those pieces are its
+blocks or its stacks whole.
 
 CUDA graphs themselves need a GPU (`benchmarks/gpu.py` times them and checks their losses against
 the same model in eager there); on CPU inductor takes the mode and skips the graphs, so these
@@ -7,11 +8,11 @@ check what holds everywhere:
 
 | test | what |
 |---|---|
-| options | validation of both options and their combinations |
-| every compiled piece | the mode reaches each block, or each stack whole, and checkpointed blocks |
+| options | validation of the options and their combinations; inductor's names and value types checked when the options are made |
+| every compiled piece | the mode (or the options, with the mode's under them) reaches each block, or each stack whole, and checkpointed blocks |
 | refusals | from the layout alone, before any process group: FSDP2 sharding, tp / cp, encoder stages, items of their own sizes |
 | graph memory | a run is refused while the run before still needs the graphs' memory |
-| world 1 | a colocated vision + language model, 2 microbatches, compiled by inductor in that mode per block and whole, against eager: 2 training steps and a prediction (losses, weights, ids), compiled graphs made, one cudagraph-tree generation per run, and the refusal of a run while gradients are held |
+| world 1 | a colocated vision + language model, 2 microbatches, compiled by inductor in that mode per block and whole, and per block with the C++ wrapper (`compile_options`), against eager: 2 training steps and a prediction (losses, weights, ids), compiled graphs made (C++ wrappers where asked for), one cudagraph-tree generation per run, and the refusal of a run while gradients are held |
 | empty batch | a ViT compiled whole on batches with no image, against eager and the convolution |
 """
 
@@ -35,13 +36,15 @@ from tests.test_mimo import _batches, _modules
 
 GRAPHS = ParallelOptions(compile=True, compile_mode="reduce-overhead")
 WHOLE = dataclasses.replace(GRAPHS, compile_scope="module")
+CPP = ParallelOptions(compile=True, compile_options={"cpp_wrapper": True})
 
 
 def test_compile_mode_is_validated() -> None:
-    assert GRAPHS.cuda_graphs and GRAPHS.compile_kwargs == {"backend": "inductor", "mode": "reduce-overhead"}
+    assert GRAPHS.cuda_graphs and GRAPHS.compile_kwargs == {"backend": "inductor", "mode": "reduce-overhead",
+                                                            "options": None}
     assert not ParallelOptions(compile_mode="reduce-overhead").cuda_graphs  # compile off: nothing replays
     assert not ParallelOptions(compile=True, compile_mode="max-autotune-no-cudagraphs").cuda_graphs
-    assert ParallelOptions(compile=True).compile_kwargs == {"backend": "inductor", "mode": None}
+    assert ParallelOptions(compile=True).compile_kwargs == {"backend": "inductor", "mode": None, "options": None}
     with pytest.raises(ValueError, match=r"compile_mode='fast' must be one of 'default', 'reduce-overhead'"):
         ParallelOptions(compile_mode="fast")
     with pytest.raises(ValueError, match=r"inductor mode but compile_backend='aot_eager'"):
@@ -50,37 +53,64 @@ def test_compile_mode_is_validated() -> None:
         ParallelOptions(compile=True, compile_mode="max-autotune", activation_checkpointing=1)
     with pytest.raises(ValueError, match=r"\(CUDA graphs\) with recompute_colocated=True: .* no GPU run has checked"):
         ParallelOptions(compile=True, compile_mode="reduce-overhead", recompute_colocated=True)
+    assert not CPP.cuda_graphs and CPP.compile_kwargs == {"backend": "inductor", "mode": None,
+                                                          "options": {"cpp_wrapper": True}}
+    tuned = ParallelOptions(compile=True, compile_mode="max-autotune-no-cudagraphs", compile_options={"cpp_wrapper": True})
+    assert tuned.compile_kwargs["options"] == {"max_autotune": True, "coordinate_descent_tuning": True,
+                                               "cpp_wrapper": True}  # the mode's options, then the module's
+    hash(CPP)  # options stay hashable with a dict in them
+    with pytest.raises(ValueError, match=r"inductor skips CUDA graphs for C\+\+-wrapped code"):
+        dataclasses.replace(GRAPHS, compile_options={"cpp_wrapper": True})
+    with pytest.raises(ValueError, match=r"names 'cpp_wraper', which is not an inductor option \(did you mean "
+                                         r"'cpp_wrapper'"):
+        ParallelOptions(compile_options={"cpp_wraper": True})
+    with pytest.raises(ValueError, match=r"compile_options=\{'cpp_wrapper': 1\}: Unexpected type of attr cpp_wrapper"):
+        ParallelOptions(compile_options={"cpp_wrapper": 1})
+    with pytest.raises(ValueError, match=r"sets 'triton.cudagraphs'; ask for CUDA graphs with "
+                                         r"compile_mode='reduce-overhead'"):
+        ParallelOptions(compile_options={"triton.cudagraphs": True})
+    with pytest.raises(ValueError, match=r"are inductor's options but compile_backend='aot_eager'"):
+        ParallelOptions(compile_backend="aot_eager", compile_options={"cpp_wrapper": True})
+    with pytest.raises(TypeError, match=r"compile_options=\[\('cpp_wrapper', True\)\] must be a dict"):
+        ParallelOptions(compile_options=[("cpp_wrapper", True)])
     with pytest.raises(ValueError, match=r"compile_scope='layer' must be one of 'block', 'module'"):
         ParallelOptions(compile_scope="layer")
     with pytest.raises(ValueError, match=r"compile_scope='module' with activation_checkpointing=2: a checkpoint"):
         ParallelOptions(compile=True, compile_scope="module", activation_checkpointing=2)
 
 
-@pytest.mark.parametrize("scope", ["block", "module"])
-def test_mode_reaches_every_compiled_piece(monkeypatch: pytest.MonkeyPatch, scope: str) -> None:
+@pytest.mark.parametrize("scope, base", [("block", GRAPHS), ("module", GRAPHS), ("block", CPP)])
+def test_mode_reaches_every_compiled_piece(monkeypatch: pytest.MonkeyPatch, scope: str,
+                                           base: ParallelOptions) -> None:
     """Each block (or each stack whole) and a stack without blocks (the projection) compile with
-    the module's mode."""
+    the module's mode (or options)."""
     calls: list[tuple[str, dict]] = []
     monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: calls.append((type(self).__name__, kw)))
     vit = ViTConfig.tiny()
     encoder = ModalityEncoder(ViT(vit), Projection(vit.dim, 32))
-    options = dataclasses.replace(GRAPHS, compile_scope=scope)
+    options = dataclasses.replace(base, compile_scope=scope)
     parallelize(encoder, None, None, options)
     parallelize(Llama(LlamaConfig.tiny(n_layers=2)), None, None, options)
-    want = {"backend": "inductor", "mode": "reduce-overhead"}
+    want = ({"backend": "inductor", "mode": "reduce-overhead", "options": None} if base is GRAPHS else
+            {"backend": "inductor", "mode": None, "options": {"cpp_wrapper": True}})
     assert [name for name, _ in calls] == (["EncoderBlock"] * vit.n_layers + ["Projection"] + ["TransformerBlock"] * 2
                                            if scope == "block" else ["ViT", "Projection", "Llama"])
     assert all(kw == want for _, kw in calls)
 
 
 def test_mode_reaches_checkpointed_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A block compiled inside its checkpoint gets the mode too (one without CUDA graphs)."""
-    modes: list[str | None] = []
+    """A block compiled inside its checkpoint gets the mode (or the options) too (without CUDA graphs)."""
+    seen: list[tuple] = []
     compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: (modes.append(kw.get("mode")), compile_(fn, **kw))[1])
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: (seen.append((kw.get("mode"), kw.get("options"))),
+                                                           compile_(fn, **kw))[1])
     options = ParallelOptions(compile=True, compile_mode="max-autotune-no-cudagraphs", activation_checkpointing=2)
     parallelize(Llama(LlamaConfig.tiny(n_layers=3)), None, None, options)
-    assert modes == ["max-autotune-no-cudagraphs"] * 3  # blocks 0 and 2 inside their checkpoints, then block 1
+    assert seen == [("max-autotune-no-cudagraphs", None)] * 3  # blocks 0 and 2 inside their checkpoints, then block 1
+    seen.clear()
+    parallelize(Llama(LlamaConfig.tiny(n_layers=3)), None, None,
+                dataclasses.replace(options, compile_mode=None, compile_options={"cpp_wrapper": True}))
+    assert seen == [(None, {"cpp_wrapper": True})] * 3
 
 
 def test_refused_from_the_layout() -> None:
@@ -211,31 +241,38 @@ def test_graph_memory_on_every_rank() -> None:
 
 def _compiled_against_eager() -> dict:
     """World 1, vision and language colocated, 2 microbatches: the model with both modules
-    compiled by inductor in "reduce-overhead" mode (per block, and whole) against the same model
-    in eager."""
+    compiled by inductor in "reduce-overhead" mode (per block, whole, and per block with the C++
+    wrapper) against the same model in eager."""
     from torch._dynamo.utils import counters
+    from torch._inductor.codecache import CppWrapperCodeCache
 
-    marks = []
-    original = torch.compiler.cudagraph_mark_step_begin
+    marks, wrappers = [], []
+    original, load = torch.compiler.cudagraph_mark_step_begin, CppWrapperCodeCache.load_pybinding
     torch.compiler.cudagraph_mark_step_begin = lambda: (marks.append(1), original())[1]
+    # a compiled graph's C++ wrapper is loaded by this, whether inductor made it now or read its cache
+    CppWrapperCodeCache.load_pybinding = lambda *a, **k: (wrappers.append(1), load(*a, **k))[1]
     try:
         out = {}
-        for name, options in (("eager", ParallelOptions()), ("graphs", GRAPHS), ("whole", WHOLE)):
+        eager = ParallelOptions()
+        for name, options in (("eager", {"vision": eager, "language": eager}),
+                              ("graphs", {"vision": GRAPHS, "language": GRAPHS}),
+                              ("whole", {"vision": WHOLE, "language": WHOLE}),
+                              ("cpp", {"vision": eager, "language": CPP})):  # one module: compile time
             marks.clear()
+            wrappers.clear()
             graphs = counters["stats"]["unique_graphs"]
             llama, encoders = _modules(("vision",), n_layers=1)
             layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()},
                                 offsets={"vision": 0, "language": 0})
-            model = MimoModel(layout, llama, encoders, options={"vision": options, "language": options},
-                              pipeline=PipelineConfig(microbatches=2))
+            model = MimoModel(layout, llama, encoders, options=options, pipeline=PipelineConfig(microbatches=2))
             optimizer = MimoOptimizer(model, AdamWConfig(lr=1e-2, eps=1e-3))
             batches = _batches(("vision",), packed=False, batch_size=4, seq_lens=(32, 32))
             losses = [train_step(model, optimizer, b).loss for b in batches]
             ids = model.predict(batches[0])
-            out[name] = {"losses": losses, "ids": ids, "marks": len(marks),
+            out[name] = {"losses": losses, "ids": ids, "marks": len(marks), "cpp wrappers": len(wrappers),
                          "graphs": counters["stats"]["unique_graphs"] - graphs,
                          "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
-            if options.cuda_graphs:  # gradients held from one run into the next are refused
+            if options["language"].cuda_graphs:  # gradients held from one run into the next are refused
                 model.forward_backward(batches[0])
                 try:
                     model.predict(batches[0])
@@ -246,6 +283,7 @@ def _compiled_against_eager() -> dict:
         return out
     finally:
         torch.compiler.cudagraph_mark_step_begin = original
+        CppWrapperCodeCache.load_pybinding = load
 
 
 @pytest.mark.timeout(300)
@@ -254,9 +292,13 @@ def test_inductor_mode_matches_eager() -> None:
     eager = out.pop("eager")
     assert eager["marks"] == 0 and eager["graphs"] == 0
     for how, got in out.items():
-        assert got["marks"] == 3, how  # one generation per run: 2 steps, 1 prediction
-        assert got["graphs"] >= 3, how  # vision, projection and language pieces compiled
-        assert "gradients of the last run live in the graphs' memory" in got["held"], how
+        if how == "cpp":  # no CUDA graphs; the decoder's block compiled, its forward and backward C++-wrapped
+            assert got["marks"] == 0 and got["graphs"] >= 1 and got["cpp wrappers"] >= 2, got
+        else:
+            assert got["marks"] == 3, how  # one generation per run: 2 steps, 1 prediction
+            assert got["graphs"] >= 3, how  # vision, projection and language pieces compiled
+            assert got["cpp wrappers"] == 0, how
+            assert "gradients of the last run live in the graphs' memory" in got["held"], how
         assert got["losses"] == pytest.approx(eager["losses"], rel=1e-5), how
         assert torch.equal(got["ids"], eager["ids"]), how
         for name, want in eager["weights"].items():

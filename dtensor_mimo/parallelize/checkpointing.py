@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -14,13 +15,13 @@ def _recomputed(forward, *args, **kwargs):
 
 
 def checkpoint_blocks(blocks: nn.ModuleDict, every: int, compile_backend: str | None = None,
-                      compile_mode: str | None = None) -> set[str]:
+                      compile_mode: str | None = None, compile_options: Mapping[str, Any] | None = None) -> set[str]:
     """Recompute the activations of every `every`-th block (the first, then every n-th) in
     backward instead of keeping them; returns the names of those blocks.
 
     The block's own ``forward`` is wrapped in place (non-reentrant `torch.utils.checkpoint`),
     not the block in a wrapper module, so parameter names and checkpoints stay those of the
-    eager model. With `compile_backend` (and torch.compile's `compile_mode`), the block's
+    eager model. With `compile_backend` (and torch.compile's `compile_mode` or `compile_options`), the block's
     forward is compiled *inside* the checkpoint (torch 2.13's traced checkpoint region fails on
     DTensor activations: "expected all tensors_saved_with_vc_check to be Tensors");
     recomputation reruns the compiled code.
@@ -32,7 +33,7 @@ def checkpoint_blocks(blocks: nn.ModuleDict, every: int, compile_backend: str | 
         if i % every == 0:
             forward = block.forward
             if compile_backend is not None:
-                forward = torch.compile(forward, backend=compile_backend, mode=compile_mode)
+                forward = torch.compile(forward, backend=compile_backend, mode=compile_mode, options=compile_options)
             block.forward = functools.partial(_recomputed, forward)
             names.add(name)
     return names

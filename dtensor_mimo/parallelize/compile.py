@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import AbstractSet
+from typing import AbstractSet, Any, Mapping
 
 from torch import nn
 
 
 def compile_blocks(blocks: nn.ModuleDict, backend: str = "inductor", skip: AbstractSet[str] = frozenset(),
-                   mode: str | None = None) -> None:
+                   mode: str | None = None, options: Mapping[str, Any] | None = None) -> None:
     """Compile each block in place with `nn.Module.compile`, except the blocks named in `skip`;
-    `mode`: torch.compile's (`ParallelOptions.compile_mode`), None for its default.
+    `mode` and `options`: torch.compile's (`ParallelOptions.compile_kwargs`; one or the other),
+    None for its defaults.
 
     `skip`: blocks already compiled another way — `checkpoint_blocks` compiles a checkpointed
     block's forward *inside* its checkpoint; compiling it again from outside would trace the
@@ -23,4 +24,4 @@ def compile_blocks(blocks: nn.ModuleDict, backend: str = "inductor", skip: Abstr
     """
     for name, block in blocks.items():
         if name not in skip:
-            block.compile(backend=backend, mode=mode)
+            block.compile(backend=backend, mode=mode, options=options)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -17,11 +19,20 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 """torch.compile's documented modes (`ParallelOptions.compile_mode`)."""
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 """The modes that replay compiled code as CUDA graphs (torch's cudagraph trees)."""
+GRAPHS_OPTION = "triton.cudagraphs"
+"""The inductor option that the CUDA-graph modes set: asked for through `ParallelOptions.compile_mode` only."""
 COMPILE_SCOPES = ("block", "module")
 """What `ParallelOptions.compile` compiles: each transformer block, or each stack whole."""
 
 FLEX_MIN_CAPABILITY = (9, 0)
 """CUDA compute capability from which `ParallelOptions.flex_attention`'s default turns FlexAttention on."""
+
+
+def _inductor_default(name: str) -> Any:
+    """Inductor's current value of config option `name`."""
+    from torch._inductor import config
+
+    return getattr(config, name)
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,15 @@ class ParallelOptions:
             dp (plain tensors, or tp DTensors) and the training loop sums gradients itself with
             `allreduce_gradients(module, dp_mesh)` (a no-op for size 1).
         compile: `torch.compile` the module's pieces (`compile_scope`; a projection whole).
+        compile_options: inductor's options for the module's compiled pieces (torch.compile's
+            ``options``; e.g. ``{"cpp_wrapper": True}``, compiled code that calls its kernels from
+            C++ instead of Python, or ``{"coordinate_descent_tuning": True}``), laid over
+            `compile_mode`'s own (``torch._inductor.list_mode_options``). Names and value types
+            are checked against inductor's config when the options are made. Inductor only; CUDA
+            graphs are asked for through `compile_mode`, not ``"triton.cudagraphs"`` (and not
+            with ``cpp_wrapper``, whose partitioned code inductor runs without graphs). None:
+            inductor's defaults. (On one CPU thread the C++ wrapper left the tiny models' compiled
+            steps as fast as before, `benchmarks/host_step.py`; `benchmarks/gpu.py` measures it on CUDA.)
         compile_scope: what `compile` compiles: "block" (default: each transformer block, the
             form torchtitan uses, which composes with FSDP2's per-block units and activation
             checkpointing) or "module" (each stack whole: a ViT's patch embedding, blocks and
@@ -154,6 +174,7 @@ class ParallelOptions:
     recompute_colocated: bool = False
     balance: bool | None = None
     fp8: FP8Recipe | None = None
+    compile_options: dict[str, Any] | None = field(default=None, hash=False)  # last: positions kept
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -192,6 +213,8 @@ class ParallelOptions:
             raise ValueError(f"ParallelOptions: compile_mode={self.compile_mode!r} is an inductor mode but "
                              f"compile_backend={self.compile_backend!r}; use compile_backend='inductor' or "
                              "compile_mode=None")
+        if self.compile_options is not None:
+            self._check_compile_options()
         if self.compile_scope not in COMPILE_SCOPES:
             raise ValueError(f"ParallelOptions: compile_scope={self.compile_scope!r} must be one of "
                              f"{', '.join(map(repr, COMPILE_SCOPES))}")
@@ -203,10 +226,44 @@ class ParallelOptions:
             raise ValueError(f"ParallelOptions: compile_mode={self.compile_mode!r} (CUDA graphs) with "
                              f"activation_checkpointing={ac}: a recomputation would replay a block's forward graph "
                              "inside backward; use one of the two")
+        if self.cuda_graphs and self.compile_options and self.compile_options.get("cpp_wrapper") and \
+                self.compile_options.get("graph_partition", _inductor_default("graph_partition")):
+            raise ValueError(f"ParallelOptions: compile_mode={self.compile_mode!r} (CUDA graphs) with compile_options="
+                             f"{self.compile_options!r}: inductor skips CUDA graphs for C++-wrapped code that it "
+                             "partitions (\"cpp-wrapper does not support graph partition yet\"); use one of the two")
         if self.cuda_graphs and self.recompute_colocated:
             raise ValueError(f"ParallelOptions: compile_mode={self.compile_mode!r} (CUDA graphs) with "
                              "recompute_colocated=True: each microbatch would be encoded in no-grad graphs and again "
                              "in training ones, which no GPU run has checked yet; use one of the two")
+
+    def _check_compile_options(self) -> None:
+        """`compile_options` as torch.compile would take them (its own check, run now: before any
+        process group or model exists), or a TypeError / ValueError naming what to change."""
+        given = self.compile_options
+        if not isinstance(given, dict) or not all(isinstance(k, str) for k in given):
+            raise TypeError(f"ParallelOptions: compile_options={given!r} must be a dict of inductor option names "
+                            "to values, e.g. {'cpp_wrapper': True}, or None")
+        if self.compile_backend != "inductor":
+            raise ValueError(f"ParallelOptions: compile_options={given!r} are inductor's options but "
+                             f"compile_backend={self.compile_backend!r}; use compile_backend='inductor' or "
+                             "compile_options=None")
+        if GRAPHS_OPTION in given:
+            raise ValueError(f"ParallelOptions: compile_options={given!r} sets {GRAPHS_OPTION!r}; ask for CUDA graphs "
+                             "with compile_mode='reduce-overhead' (or 'max-autotune'), which the layout checks "
+                             "know, and leave that option out")
+        from torch._inductor import config
+
+        known = config.get_config_copy()
+        for name in given:
+            if name.replace("-", "_") not in known:
+                near = difflib.get_close_matches(name, known, n=3)
+                raise ValueError(f"ParallelOptions: compile_options names {name!r}, which is not an inductor option"
+                                 + (f" (did you mean {' or '.join(map(repr, near))}?)" if near else "")
+                                 + "; the names are torch._inductor.config's")
+        try:  # the class torch.compile builds from `options`: its check of the values' types
+            torch._TorchCompileInductorWrapper(None, given, None)
+        except RuntimeError as e:
+            raise ValueError(f"ParallelOptions: compile_options={given!r}: {e}") from None
 
     @property
     def cuda_graphs(self) -> bool:
@@ -214,9 +271,15 @@ class ParallelOptions:
         return self.compile and self.compile_mode in CUDA_GRAPH_MODES
 
     @property
-    def compile_kwargs(self) -> dict[str, str | None]:
-        """``torch.compile``'s keyword arguments for this module's compiled pieces."""
-        return {"backend": self.compile_backend, "mode": self.compile_mode}
+    def compile_kwargs(self) -> dict[str, Any]:
+        """``torch.compile``'s keyword arguments for this module's compiled pieces (it takes a
+        ``mode`` or ``options``, not both: with `compile_options` the mode's options lie under them)."""
+        if self.compile_options is None:
+            return {"backend": self.compile_backend, "mode": self.compile_mode, "options": None}
+        from torch._inductor import list_mode_options
+
+        return {"backend": self.compile_backend, "mode": None,
+                "options": {**list_mode_options(self.compile_mode or "default"), **self.compile_options}}
 
     def language_flex(self, device: torch.device, cp: int, library_decoder: bool = True) -> bool:
         """Whether the language model's attention runs through FlexAttention on `device` at `cp`

@@ -109,8 +109,9 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
             if stack is not root:
                 units.append(stack)
             continue
-        backend = options.compile_backend if options.compile else None
-        done = (checkpoint_blocks(layers, options.activation_checkpointing, backend, options.compile_mode)
+        compiled = options.compile_kwargs if options.compile else {}
+        done = (checkpoint_blocks(layers, options.activation_checkpointing, compiled.get("backend"),
+                                  compiled.get("mode"), compiled.get("options"))
                 if options.activation_checkpointing else set())
         if options.compile and not whole:
             compile_blocks(layers, skip=done, **options.compile_kwargs)
