@@ -56,11 +56,21 @@ def test_compile_mode_is_validated() -> None:
     assert not CPP.cuda_graphs and CPP.compile_kwargs == {"backend": "inductor", "mode": None,
                                                           "options": {"cpp_wrapper": True}}
     tuned = ParallelOptions(compile=True, compile_mode="max-autotune-no-cudagraphs", compile_options={"cpp_wrapper": True})
-    assert tuned.compile_kwargs["options"] == {"max_autotune": True, "coordinate_descent_tuning": True,
-                                               "cpp_wrapper": True}  # the mode's options, then the module's
+    assert tuned.compile_kwargs == {"backend": "inductor", "mode": None, "options": {
+        "max_autotune": True, "coordinate_descent_tuning": True, "cpp_wrapper": True}}  # the mode's, then the module's
+    torch.compile(nn.Linear(2, 2), **tuned.compile_kwargs)  # torch takes them (it refuses a mode with options)
     hash(CPP)  # options stay hashable with a dict in them
-    with pytest.raises(ValueError, match=r"inductor skips CUDA graphs for C\+\+-wrapped code"):
-        dataclasses.replace(GRAPHS, compile_options={"cpp_wrapper": True})
+    # one spelling, whatever the given one: "_" for "-", tables as dotted names, sorted; empty is None
+    spelled = ParallelOptions(compile_options={"triton": {"max_tiles": 2}, "cpp-wrapper": True}).compile_options
+    assert list(spelled.items()) == [("cpp_wrapper", True), ("triton.max_tiles", 2)]
+    assert ParallelOptions(compile_options={}) == ParallelOptions()
+    with pytest.raises(ValueError, match=r"inductor runs C\+\+-wrapped code without CUDA graphs"):
+        dataclasses.replace(GRAPHS, compile_options={"cpp-wrapper": True, "graph_partition": False})
+    with pytest.raises(ValueError, match=r"sets 'triton.cudagraph_trees'; ask for CUDA graphs"):
+        ParallelOptions(compile_options={"triton": {"cudagraph_trees": False}})
+    with pytest.raises(TypeError, match=r"'post_grad_custom_post_pass': <built-in function print>\}: each value must "
+                                        r"be a bool, int, float, str or a list"):
+        ParallelOptions(compile_options={"post_grad_custom_post_pass": print})
     with pytest.raises(ValueError, match=r"names 'cpp_wraper', which is not an inductor option \(did you mean "
                                          r"'cpp_wrapper'"):
         ParallelOptions(compile_options={"cpp_wraper": True})
@@ -69,6 +79,9 @@ def test_compile_mode_is_validated() -> None:
     with pytest.raises(ValueError, match=r"sets 'triton.cudagraphs'; ask for CUDA graphs with "
                                          r"compile_mode='reduce-overhead'"):
         ParallelOptions(compile_options={"triton.cudagraphs": True})
+    with pytest.raises(ValueError, match=r"'triton.max_tilez', which is not an inductor option \(did you mean "
+                                         r"'triton.max_tiles'.*\[options.<module>.compile_options.triton\]"):
+        ParallelOptions(compile_options={"triton": {"max_tilez": 2}})
     with pytest.raises(ValueError, match=r"are inductor's options but compile_backend='aot_eager'"):
         ParallelOptions(compile_backend="aot_eager", compile_options={"cpp_wrapper": True})
     with pytest.raises(TypeError, match=r"compile_options=\[\('cpp_wrapper', True\)\] must be a dict"):

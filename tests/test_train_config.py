@@ -41,6 +41,22 @@ def test_file_then_overrides_in_any_order(tmp_path) -> None:
     assert build_layout(config).ranks("language") == [2, 3]
 
 
+def test_compile_options_read_as_tables(tmp_path) -> None:
+    """`ParallelOptions.compile_options` from a file's table (a dotted inductor name as a nested
+    table or a quoted key) and from the command line (a key each, or an inline table)."""
+    path = tmp_path / "c.toml"
+    path.write_text('[options.language.compile_options]\ncpp_wrapper = true\n"triton.max_tiles" = 2\n'
+                    '[options.vision.compile_options.triton]\nmax_tiles = 3\n')
+    config = parse_args(["--config", str(path), "--options.vision.compile_options.cpp_wrapper", "true",
+                         "--options.audio.compile_options", "{coordinate_descent_tuning = true}"])
+    assert config.options["language"].compile_options == {"cpp_wrapper": True, "triton.max_tiles": 2}
+    assert config.options["vision"].compile_options == {"cpp_wrapper": True, "triton.max_tiles": 3}
+    assert config.options["audio"].compile_options == {"coordinate_descent_tuning": True}
+    with pytest.raises(ConfigError, match=r"options.language: ParallelOptions: compile_options names 'cpp_wraper', "
+                                          r"which is not an inductor option \(did you mean 'cpp_wrapper'"):
+        parse_args(["--options.language.compile_options.cpp_wraper", "true"])
+
+
 def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> None:
     from dtensor_mimo.layout import Parallelism
     from dtensor_mimo.optim import AdamWConfig, LRSchedule

@@ -19,20 +19,17 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 """torch.compile's documented modes (`ParallelOptions.compile_mode`)."""
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 """The modes that replay compiled code as CUDA graphs (torch's cudagraph trees)."""
-GRAPHS_OPTION = "triton.cudagraphs"
-"""The inductor option that the CUDA-graph modes set: asked for through `ParallelOptions.compile_mode` only."""
+GRAPHS_OPTIONS = "triton.cudagraph"
+"""The prefix of inductor's CUDA-graph options: graphs are asked for through `ParallelOptions.compile_mode`
+only (the layout checks and the graphs' memory rules assume its cudagraph trees)."""
+PLAIN = (bool, int, float, str)
+"""What a `ParallelOptions.compile_options` value may be (or a list of them): every rank can check that
+its peers were given the same (`dtensor_mimo.layout.fingerprint`), and a config file can spell it."""
 COMPILE_SCOPES = ("block", "module")
 """What `ParallelOptions.compile` compiles: each transformer block, or each stack whole."""
 
 FLEX_MIN_CAPABILITY = (9, 0)
 """CUDA compute capability from which `ParallelOptions.flex_attention`'s default turns FlexAttention on."""
-
-
-def _inductor_default(name: str) -> Any:
-    """Inductor's current value of config option `name`."""
-    from torch._inductor import config
-
-    return getattr(config, name)
 
 
 @dataclass(frozen=True)
@@ -49,13 +46,15 @@ class ParallelOptions:
         compile: `torch.compile` the module's pieces (`compile_scope`; a projection whole).
         compile_options: inductor's options for the module's compiled pieces (torch.compile's
             ``options``; e.g. ``{"cpp_wrapper": True}``, compiled code that calls its kernels from
-            C++ instead of Python, or ``{"coordinate_descent_tuning": True}``), laid over
-            `compile_mode`'s own (``torch._inductor.list_mode_options``). Names and value types
-            are checked against inductor's config when the options are made. Inductor only; CUDA
-            graphs are asked for through `compile_mode`, not ``"triton.cudagraphs"`` (and not
-            with ``cpp_wrapper``, whose partitioned code inductor runs without graphs). None:
-            inductor's defaults. (On one CPU thread the C++ wrapper left the tiny models' compiled
-            steps as fast as before, `benchmarks/host_step.py`; `benchmarks/gpu.py` measures it on CUDA.)
+            C++ instead of Python, or ``{"coordinate_descent_tuning": True}``; in a config file a
+            table, ``cpp_wrapper = true``), laid over `compile_mode`'s own
+            (``torch._inductor.list_mode_options``). Names, and value types where torch's check
+            can, are checked against inductor's config when the options are made; values are
+            plain (bool, int, float, str, or lists of them). Inductor only; CUDA graphs are asked
+            for through `compile_mode`, not ``triton.cudagraph*`` options, and not with
+            ``cpp_wrapper``, whose code inductor runs without graphs. None: inductor's defaults.
+            (On one CPU thread the C++ wrapper left the tiny models' compiled steps as fast as
+            before, `benchmarks/host_step.py`; `benchmarks/gpu.py` measures it on CUDA.)
         compile_scope: what `compile` compiles: "block" (default: each transformer block, the
             form torchtitan uses, which composes with FSDP2's per-block units and activation
             checkpointing) or "module" (each stack whole: a ViT's patch embedding, blocks and
@@ -214,7 +213,7 @@ class ParallelOptions:
                              f"compile_backend={self.compile_backend!r}; use compile_backend='inductor' or "
                              "compile_mode=None")
         if self.compile_options is not None:
-            self._check_compile_options()
+            object.__setattr__(self, "compile_options", self._checked_compile_options())
         if self.compile_scope not in COMPILE_SCOPES:
             raise ValueError(f"ParallelOptions: compile_scope={self.compile_scope!r} must be one of "
                              f"{', '.join(map(repr, COMPILE_SCOPES))}")
@@ -226,44 +225,69 @@ class ParallelOptions:
             raise ValueError(f"ParallelOptions: compile_mode={self.compile_mode!r} (CUDA graphs) with "
                              f"activation_checkpointing={ac}: a recomputation would replay a block's forward graph "
                              "inside backward; use one of the two")
-        if self.cuda_graphs and self.compile_options and self.compile_options.get("cpp_wrapper") and \
-                self.compile_options.get("graph_partition", _inductor_default("graph_partition")):
+        if self.cuda_graphs and self.compile_options and self.compile_options.get("cpp_wrapper"):
             raise ValueError(f"ParallelOptions: compile_mode={self.compile_mode!r} (CUDA graphs) with compile_options="
-                             f"{self.compile_options!r}: inductor skips CUDA graphs for C++-wrapped code that it "
-                             "partitions (\"cpp-wrapper does not support graph partition yet\"); use one of the two")
+                             f"{self.compile_options!r}: inductor runs C++-wrapped code without CUDA graphs (torch "
+                             "2.11: 'cpp wrapper enabled'; 2.13: 'cpp-wrapper does not support graph partition yet'); "
+                             "use compile_mode=None with the C++ wrapper, or drop cpp_wrapper for the graphs")
         if self.cuda_graphs and self.recompute_colocated:
             raise ValueError(f"ParallelOptions: compile_mode={self.compile_mode!r} (CUDA graphs) with "
                              "recompute_colocated=True: each microbatch would be encoded in no-grad graphs and again "
                              "in training ones, which no GPU run has checked yet; use one of the two")
 
-    def _check_compile_options(self) -> None:
+    def _checked_compile_options(self) -> dict[str, Any] | None:
         """`compile_options` as torch.compile would take them (its own check, run now: before any
-        process group or model exists), or a TypeError / ValueError naming what to change."""
+        process group or model exists), in one spelling: names with ``_`` for ``-`` (as torch
+        reads them), nested tables flattened to dotted names (``{"triton": {"max_tiles": 2}}``, as
+        a config file's ``[options.<module>.compile_options.triton]`` gives them), sorted; empty
+        as None. Else a TypeError / ValueError naming what to change."""
         given = self.compile_options
         if not isinstance(given, dict) or not all(isinstance(k, str) for k in given):
             raise TypeError(f"ParallelOptions: compile_options={given!r} must be a dict of inductor option names "
-                            "to values, e.g. {'cpp_wrapper': True}, or None")
+                            "to values, e.g. {'cpp_wrapper': True} (a config file: cpp_wrapper = true), or None")
+        flat: dict[str, Any] = {}
+
+        def walk(table: dict, prefix: str) -> None:
+            for key, value in table.items():
+                if isinstance(value, dict):
+                    walk(value, f"{prefix}{key}.")
+                else:
+                    flat[f"{prefix}{key}".replace("-", "_")] = value
+
+        walk(given, "")
+        if not flat:
+            return None
         if self.compile_backend != "inductor":
             raise ValueError(f"ParallelOptions: compile_options={given!r} are inductor's options but "
                              f"compile_backend={self.compile_backend!r}; use compile_backend='inductor' or "
                              "compile_options=None")
-        if GRAPHS_OPTION in given:
-            raise ValueError(f"ParallelOptions: compile_options={given!r} sets {GRAPHS_OPTION!r}; ask for CUDA graphs "
-                             "with compile_mode='reduce-overhead' (or 'max-autotune'), which the layout checks "
-                             "know, and leave that option out")
+        graphs = [name for name in flat if name.startswith(GRAPHS_OPTIONS)]
+        if graphs:
+            raise ValueError(f"ParallelOptions: compile_options sets {', '.join(map(repr, graphs))}; ask for CUDA "
+                             "graphs with compile_mode='reduce-overhead' (or 'max-autotune'), whose cudagraph trees "
+                             "the layout checks and the graphs' memory rules know, and leave those options out")
+        odd = {name: value for name, value in flat.items()
+               if not (isinstance(value, PLAIN) or (isinstance(value, (list, tuple))
+                                                   and all(isinstance(v, PLAIN) for v in value)))}
+        if odd:
+            raise TypeError(f"ParallelOptions: compile_options {odd!r}: each value must be a bool, int, float, str or "
+                            "a list of them, so that every rank can check its peers were given the same; set "
+                            "others (e.g. custom passes) on torch._inductor.config in the training script")
         from torch._inductor import config
 
         known = config.get_config_copy()
-        for name in given:
-            if name.replace("-", "_") not in known:
+        for name in flat:
+            if name not in known:
                 near = difflib.get_close_matches(name, known, n=3)
                 raise ValueError(f"ParallelOptions: compile_options names {name!r}, which is not an inductor option"
                                  + (f" (did you mean {' or '.join(map(repr, near))}?)" if near else "")
-                                 + "; the names are torch._inductor.config's")
-        try:  # the class torch.compile builds from `options`: its check of the values' types
-            torch._TorchCompileInductorWrapper(None, given, None)
+                                 + "; the names are torch._inductor.config's (in a config file, a dotted name "
+                                 "such as triton.max_tiles is a table: [options.<module>.compile_options.triton])")
+        try:  # the class torch.compile builds from `options`: its check of the values' types (where it can)
+            torch._TorchCompileInductorWrapper(None, flat, None)
         except RuntimeError as e:
             raise ValueError(f"ParallelOptions: compile_options={given!r}: {e}") from None
+        return dict(sorted(flat.items()))
 
     @property
     def cuda_graphs(self) -> bool:
