@@ -55,7 +55,8 @@ def test_compile_mode_is_validated() -> None:
         ParallelOptions(compile=True, compile_mode="reduce-overhead", recompute_colocated=True)
     assert not CPP.cuda_graphs and CPP.compile_kwargs == {"backend": "inductor", "mode": None,
                                                           "options": {"cpp_wrapper": True}}
-    tuned = ParallelOptions(compile=True, compile_mode="max-autotune-no-cudagraphs", compile_options={"cpp_wrapper": True})
+    tuned = ParallelOptions(compile=True, compile_mode="max-autotune-no-cudagraphs",
+                            compile_options={"cpp_wrapper": True})
     assert tuned.compile_kwargs == {"backend": "inductor", "mode": None, "options": {
         "max_autotune": True, "coordinate_descent_tuning": True, "cpp_wrapper": True}}  # the mode's, then the module's
     torch.compile(nn.Linear(2, 2), **tuned.compile_kwargs)  # torch takes them (it refuses a mode with options)
