@@ -406,6 +406,7 @@ def _wrapper_toolkit() -> None:
         os.environ["LIBRARY_PATH"] = os.pathsep.join(filter(None, [links, os.environ.get("LIBRARY_PATH")]))
 
 
+SKIP = "skipping cudagraphs"  # how inductor's message of a piece run without CUDA graphs begins
 GRAPH_SKIPS: list[str] = []
 """Inductor's reasons for running a compiled piece without CUDA graphs, in this case's process."""
 
@@ -420,7 +421,7 @@ def _record_graph_skips() -> None:
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             message = record.getMessage()
-            if "skipping cudagraphs" in message and message not in GRAPH_SKIPS:
+            if SKIP in message and message not in GRAPH_SKIPS:
                 GRAPH_SKIPS.append(message[:300])
 
     torch._logging.set_logs(cudagraphs=True)
@@ -747,8 +748,7 @@ def _tiny_trainer(device: str, steps: int, extra: list[str]) -> dict:
     timed = [r for r in records if "step_s" in r and r["step"] > steps // 4]  # after compile and warm-up
     # The last logged loss: the cases train the same model on the same batches, so their losses
     # agree to rounding (a CUDA-graph case that replayed stale inputs would not).
-    skips = sorted({line[line.index("skipping cudagraphs"):][:300] for line in out.stderr.splitlines()
-                    if "skipping cudagraphs" in line})
+    skips = sorted({line[line.index(SKIP):][:300] for line in out.stderr.splitlines() if SKIP in line})
     return {"step_s": [r["step_s"] for r in timed], "data_s": [r.get("data_s", 0.0) for r in timed],
             "final_loss": timed[-1]["loss"], **({"cudagraph_skips": skips} if skips else {})}
 
