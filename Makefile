@@ -15,8 +15,11 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) -m dtensor_mimo.train
 
+# Two pytest processes (pytest-xdist), each running whole files: a distributed test's ranks wait on
+# each other much of the time, so one test at a time kept the 2 CI cores 58% busy (docs/testing.md).
+TEST_PROCS ?= 2
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile
 
 # The suite on the GPU machines' packages, torch 2.11 + transformers 5.17 without torchvision, on CPU
 # (docs/testing.md, "Other torch releases"): PyPI's torch 2.11 is a CUDA build, about 5 GB installed.
@@ -28,7 +31,7 @@ $(VENV_211)/.installed: pyproject.toml
 	touch $@
 
 test-torch2.11: $(VENV_211)/.installed
-	$(VENV_211)/bin/python -m pytest -q -rs
+	$(VENV_211)/bin/python -m pytest -q -rs -n $(TEST_PROCS) --dist loadfile
 
 # Long learning runs (held-out accuracy well above chance after hundreds of steps), outside the suite
 learn: $(VENV)/.installed
