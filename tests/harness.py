@@ -288,12 +288,19 @@ class _RankPool:
         self.procs, self.tasks, self.group = [], [], None
 
 
-_pool = _RankPool()
+_pool: _RankPool | None = None
+"""Made at the first call, not at import: a process that only imports this module (the fork
+server, a trainer rank whose test factory lives in a test file) makes no queue, whose semaphores
+it would leave behind (the resource tracker's "leaked semaphore objects" warning)."""
 
 
 def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT,
                  **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result."""
+    global _pool
+    if _pool is None:
+        _pool = _RankPool()
+        atexit.register(_pool.close)
     try:
         return _pool.run(fn, world_size, args, kwargs, timeout)
     except DistributedTestFailure:
@@ -301,8 +308,3 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEF
     except BaseException:  # the call cut short (pytest-timeout, ^C): ranks may be mid-job
         _pool._kill()
         raise
-
-
-@atexit.register
-def _shutdown() -> None:
-    _pool.close()
