@@ -300,9 +300,12 @@ def _compiled_against_eager() -> dict:
         CppWrapperCodeCache.load_pybinding = load
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_inductor_mode_matches_eager() -> None:
-    [out] = run_on_ranks(_compiled_against_eager, 1)
+    # Inductor compiles the model three times, once C++-wrapped: with cold caches 161 s alone on
+    # 2 cores (torch 2.13; 2.11: 125 s), past the harness's 120 s with the suite's other process
+    # beside it (warm: 10 s).
+    [out] = run_on_ranks(_compiled_against_eager, 1, timeout=540)
     eager = out.pop("eager")
     assert eager["marks"] == 0 and eager["graphs"] == 0
     for how, got in out.items():
