@@ -16,7 +16,7 @@ demo: $(VENV)/.installed
 	$(PY) -m dtensor_mimo.train
 
 # Two pytest processes (pytest-xdist), each running whole files: a distributed test's ranks wait on
-# each other much of the time, so one test at a time kept the 2 CI cores 58% busy (docs/testing.md).
+# each other much of the time, so one test at a time kept 0.58 of the 2 CI cores busy (docs/testing.md).
 TEST_PROCS ?= 2
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n $(TEST_PROCS) --dist loadfile

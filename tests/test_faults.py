@@ -36,7 +36,7 @@ import torch.distributed as dist
 from dtensor_mimo.bridge.exchange import BufferPool, use_count_tracks_views
 from dtensor_mimo.train import launch
 from dtensor_mimo.train.config import parse_args
-from tests.harness import run_on_ranks
+from tests.harness import _free_port, run_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--train.steps", "3", "--data.batch_size", "8", "--pipeline.microbatches", "2",
@@ -106,7 +106,7 @@ def _in_a_world_with_timeout(timeout_s: float, body):
     harness's world again (its timeout) for the next test."""
     from dtensor_mimo.layout.world import init_distributed
 
-    ports = [[launch._free_port(), launch._free_port()] if dist.get_rank() == 0 else None]
+    ports = [[_free_port(), _free_port()] if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(ports, src=0)  # free ports for the two new worlds' stores
     dist.destroy_process_group()
     os.environ["MASTER_PORT"] = str(ports[0][0])

@@ -50,7 +50,7 @@ def init_distributed(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) 
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         backend, device_id = "nccl", torch.device("cuda", local)
-    store = restart_store(timeout)
+    store = held_store(timeout)
     if store is None:
         dist.init_process_group(backend, timeout=timeout, device_id=device_id)
     else:
@@ -58,15 +58,23 @@ def init_distributed(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) 
                                 world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout, device_id=device_id)
 
 
-def restart_store(timeout: datetime.timedelta) -> dist.Store | None:
-    """Under torchrun's shared rendezvous store: a client of it with this round's key prefix;
-    otherwise None (``env://`` is then right: a fresh store per launch)."""
+LAUNCHER_STORE = "DTENSOR_MIMO_LAUNCHER_STORE"
+"""Set to 1 by the own launcher (`dtensor_mimo.train.launch`) for its ranks: the store at
+MASTER_ADDR:MASTER_PORT is the launcher's, bound before any rank started (so no other process
+could take its port meanwhile); each rank connects to it as a client."""
+
+
+def held_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """A client of the rendezvous store that another process holds: torchrun's shared agent store
+    (with this restart round's key prefix), or the own launcher's (`LAUNCHER_STORE`); otherwise
+    None (``env://`` is then right: rank 0 makes a fresh store)."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+    agent = restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    if not agent and os.environ.get(LAUNCHER_STORE) != "1":
         return None
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                            int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"dtensor_mimo/restart_{restart}", client)
+    return dist.PrefixStore(f"dtensor_mimo/restart_{restart}", client) if agent else client
 
 
 def abort() -> None:

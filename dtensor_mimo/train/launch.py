@@ -12,10 +12,10 @@ them itself). A second signal ends the ranks at once.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 from dtensor_mimo.train.config import ConfigError, TrainerConfig, build_layout, check_config, help_text, parse_args
 from dtensor_mimo.train.preemption import REPEAT_S, STOP_SIGNALS, StopSignals, exit_status
-from dtensor_mimo.layout.world import abort, init_distributed
+from dtensor_mimo.layout.world import LAUNCHER_STORE, abort, init_distributed
 
 
 def preflight(config: TrainerConfig) -> None:
@@ -106,8 +106,8 @@ USER_ERRORS = ("ConfigError", "DataError", "BatchError", "CheckpointError", "Pla
 
 
 def _local_rank(rank: int, world: int, port: int, config: TrainerConfig, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), **{LAUNCHER_STORE: "1"})
 
     def report(e: BaseException) -> None:
         # Bounded: a put larger than the pipe's buffer would block until the launcher reads,
@@ -193,12 +193,6 @@ def _ranks(reports: list) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def refuse_auto(config: TrainerConfig, launched: bool) -> None:
     """``--layout.auto`` measures on this machine's CPU (gloo) and, under torchrun, on rank 0's host
     while every peer waits: refused (ConfigError) for a GPU run or a world spanning several nodes,
@@ -261,7 +255,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     errors = mp.get_context("spawn").SimpleQueue()
-    ranks = mp.start_processes(_local_rank, args=(world, _free_port(), config, errors), nprocs=world,
+    # The ranks' rendezvous store, bound now and held until they end: a port only chosen here and
+    # bound by rank 0 seconds later (after its imports) could be taken by another process meanwhile.
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=config.train.timeout_s))
+    ranks = mp.start_processes(_local_rank, args=(world, store.port, config, errors), nprocs=world,
                                start_method="spawn", join=False)
     forward = _Forward(ranks.processes)
     try:
