@@ -73,8 +73,9 @@ def _join(rank: int, group: tuple[int, int], current: tuple[int, int] | None) ->
     world_size, port = group
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
+    timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)  # the pool's
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _release_groups() -> None:
@@ -190,6 +191,7 @@ class _RankPool:
         self.procs: list[Any] = []  # a process, or None where one was killed
         self.tasks: list[Any] = []
         self.group: tuple[int, int] | None = None  # (world size, port) that positions 0..N-1 share
+        self.store: Any = None  # the group's rendezvous store (a TCPStore server on that port)
         self.job = 0
 
     def _spawn(self, world_size: int) -> None:
@@ -235,7 +237,13 @@ class _RankPool:
     def run(self, fn: Callable, world_size: int, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
         self._spawn(world_size)
         if self.group is None or self.group[0] != world_size:
-            self.group = (world_size, _free_port())
+            # The group's store, bound here and held while the group lives: a port only chosen here
+            # could be taken before rank 0 binds it (by the other test process's ranks, say).
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
+            self.group = (world_size, self.store.port)
         self.job += 1
         for q in self.tasks[:world_size]:
             q.put((self.job, self.group, fn, args, kwargs))
