@@ -4,7 +4,9 @@
 
 The CPU of every process under pytest is read from /proc (Linux) before and after each test: the
 harness's long-lived rank processes, torchrun and the trainer's ranks, and what they reaped. Where
-the suite's time goes on a small machine is then a sort of the JSON away (docs/testing.md).
+the suite's time goes on a small machine is then a sort of the JSON away (docs/testing.md). Under
+pytest-xdist (``-n 2``, as `make test` runs) each test process writes its own file, named with its
+worker id (``suite_cpu-gw0.json``, ...); a test's CPU is then its own process tree's.
 """
 
 from __future__ import annotations
@@ -57,6 +59,14 @@ def pytest_runtest_teardown(item, nextitem) -> None:
 
 def pytest_sessionfinish(session) -> None:
     out = os.environ.get("CPUPROF_OUT")
-    if out:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if out and worker:  # under pytest-xdist (make test): one file per test process; its controller runs none
+        root, ext = os.path.splitext(out)
+        out = f"{root}-{worker}{ext}"
+    if out and (worker or not _is_xdist_controller(session)):
         with open(out, "w") as f:
             json.dump(sorted(_rows, key=lambda r: -r["wall"]), f, indent=0)
+
+
+def _is_xdist_controller(session) -> bool:
+    return getattr(session.config.option, "numprocesses", None) not in (None, 0)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from dtensor_mimo.bridge.exchange import BufferPool, use_count_tracks_views
 from dtensor_mimo.train import launch
 from dtensor_mimo.train.config import parse_args
-from tests.harness import _free_port, run_on_ranks
+from tests.harness import run_on_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--train.steps", "3", "--data.batch_size", "8", "--pipeline.microbatches", "2",
@@ -102,21 +102,28 @@ def test_own_launcher_names_a_killed_rank(tmp_path) -> None:
 
 
 def _in_a_world_with_timeout(timeout_s: float, body):
-    """``body()`` in a new world joined by `init_distributed` with `timeout_s`, then the
-    harness's world again (its timeout) for the next test."""
-    from dtensor_mimo.layout.world import init_distributed
+    """``body()`` in a new world joined by `init_distributed` with `timeout_s` (through a store
+    rank 0 binds first and holds, as the own launcher does: `LAUNCHER_STORE`), then the harness's
+    world again (its timeout, its pool's store under a new key prefix) for the next test."""
+    from dtensor_mimo.layout.world import LAUNCHER_STORE, init_distributed
 
-    ports = [[_free_port(), _free_port()] if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(ports, src=0)  # free ports for the two new worlds' stores
+    pool_port, rank, world = os.environ["MASTER_PORT"], dist.get_rank(), dist.get_world_size()
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = [store.port if store is not None else None]
+    dist.broadcast_object_list(port, src=0)
     dist.destroy_process_group()
-    os.environ["MASTER_PORT"] = str(ports[0][0])
+    os.environ.update(MASTER_PORT=str(port[0]), **{LAUNCHER_STORE: "1"})
     init_distributed("cpu", timeout_s)
     try:
         return body()
     finally:
         dist.destroy_process_group()
-        os.environ["MASTER_PORT"] = str(ports[0][1])
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        del os.environ[LAUNCHER_STORE]
+        os.environ["MASTER_PORT"] = pool_port
+        timeout = datetime.timedelta(seconds=120)
+        pool = dist.TCPStore("127.0.0.1", int(pool_port), world, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"after-{port[0]}", pool), rank=rank,
+                                world_size=world, timeout=timeout)
 
 
 def _wait_for(done: str, seconds: float) -> None:
@@ -470,3 +477,15 @@ def test_init_distributed_binds_the_gpu_on_cuda(monkeypatch) -> None:
     calls.clear()
     distributed.init_distributed("cpu", 42.0)
     assert calls == [(("gloo",), {"timeout": datetime.timedelta(seconds=42), "device_id": None})]
+    # The own launcher's ranks: a client of the store it holds, the same rank and device binding.
+    calls.clear()
+    stores = []
+    monkeypatch.setattr(dist, "TCPStore", lambda *args, **kwargs: stores.append((args, kwargs)) or "client")
+    for name, value in {distributed.LAUNCHER_STORE: "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234",
+                        "RANK": "2", "WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    distributed.init_distributed("cuda", 42.0)
+    assert stores == [(("127.0.0.1", 1234, 4), {"is_master": False, "timeout": datetime.timedelta(seconds=42)})]
+    assert calls == [("set_device", 3), (("nccl",), {"store": "client", "rank": 2, "world_size": 4,
+                                                     "timeout": datetime.timedelta(seconds=42),
+                                                     "device_id": torch.device("cuda", 3)})]
