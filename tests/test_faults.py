@@ -105,14 +105,14 @@ def _in_a_world_with_timeout(timeout_s: float, body):
     """``body()`` in a new world joined by `init_distributed` with `timeout_s` (through a store
     rank 0 binds first and holds, as the own launcher does: `LAUNCHER_STORE`), then the harness's
     world again (its timeout, its pool's store under a new key prefix) for the next test."""
-    from dtensor_mimo.layout.world import LAUNCHER_STORE, init_distributed
+    from dtensor_mimo.layout.world import LAUNCHER_STORE, hold_store, init_distributed, local_rank_env
 
     pool_port, rank, world = os.environ["MASTER_PORT"], dist.get_rank(), dist.get_world_size()
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False) if rank == 0 else None
+    store = hold_store(world) if rank == 0 else None
     port = [store.port if store is not None else None]
     dist.broadcast_object_list(port, src=0)
     dist.destroy_process_group()
-    os.environ.update(MASTER_PORT=str(port[0]), **{LAUNCHER_STORE: "1"})
+    local_rank_env(rank, world, port[0])
     init_distributed("cpu", timeout_s)
     try:
         return body()

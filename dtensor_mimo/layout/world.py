@@ -59,18 +59,37 @@ def init_distributed(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) 
 
 
 LAUNCHER_STORE = "DTENSOR_MIMO_LAUNCHER_STORE"
-"""Set to 1 by the own launcher (`dtensor_mimo.train.launch`) for its ranks: the store at
-MASTER_ADDR:MASTER_PORT is the launcher's, bound before any rank started (so no other process
-could take its port meanwhile); each rank connects to it as a client."""
+"""Set to 1 (`local_rank_env`) for ranks that a process of this library starts on its host (the
+own launcher's, the planner's): the store at MASTER_ADDR:MASTER_PORT is that process's
+(`hold_store`), bound before any rank started; each rank connects to it as a client."""
+
+
+def hold_store(world: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
+    """The rendezvous store of `world` local ranks this process is about to start: bound now on a
+    free port (its ``.port``) and served for as long as the returned object lives, so keep it
+    until the ranks end. A port only chosen here and bound by rank 0 seconds later (after its
+    imports) could be taken by another process meanwhile. Each rank then calls `local_rank_env`
+    and `init_distributed`."""
+    return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def local_rank_env(rank: int, world: int, port: int) -> None:
+    """This process's environment as rank `rank` of `world` local ranks whose store (`hold_store`)
+    listens on `port`: what `init_distributed` reads."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), **{LAUNCHER_STORE: "1"})
 
 
 def held_store(timeout: datetime.timedelta) -> dist.Store | None:
-    """A client of the rendezvous store that another process holds: torchrun's shared agent store
-    (with this restart round's key prefix), or the own launcher's (`LAUNCHER_STORE`); otherwise
-    None (``env://`` is then right: rank 0 makes a fresh store)."""
+    """A client of the rendezvous store that another process holds: the one of the process that
+    started this rank (`LAUNCHER_STORE`; first, so that ranks a torchrun worker starts do not take
+    torchrun's), or torchrun's shared agent store (with this restart round's key prefix);
+    otherwise None (``env://`` is then right: rank 0 makes a fresh store)."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    agent = restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    if not agent and os.environ.get(LAUNCHER_STORE) != "1":
+    own = os.environ.get(LAUNCHER_STORE) == "1"
+    agent = not own and restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    if not own and not agent:
         return None
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                            int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)

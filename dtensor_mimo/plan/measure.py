@@ -243,8 +243,11 @@ def measure_optimizer(sizes: Sequence[int] = (10_000, 100_000, 1_000_000), reps:
 def _link_rank(rank: int, world: int, port: int, sizes: Sequence[int], reps: int, out) -> None:
     import torch.distributed as dist
 
+    from dtensor_mimo.layout.world import init_distributed, local_rank_env
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    local_rank_env(rank, world, port)
+    init_distributed("cpu")
     peer = rank ^ 1  # pairs (0, 1), (2, 3), ... ping-pong at the same time
     results = []
     for n in sizes:
@@ -286,13 +289,14 @@ def measure_link(world: int = 2, sizes: Sequence[int] = (4, 65_536, 1 << 20, 4 <
     """
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from dtensor_mimo.layout.world import hold_store
+
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     world = max(2, world)
-    mp.start_processes(_link_rank, args=(world, port, list(sizes), reps, queue), nprocs=world, start_method="spawn")
+    store = hold_store(world)  # served until the ranks end
+    mp.start_processes(_link_rank, args=(world, store.port, list(sizes), reps, queue), nprocs=world,
+                       start_method="spawn")
     results, allreduce = queue.get()
     points = sorted(results)
     # The smallest message is the latency; the bandwidth is the slope between the smallest and the

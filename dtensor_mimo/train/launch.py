@@ -12,7 +12,6 @@ them itself). A second signal ends the ranks at once.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import signal
@@ -27,7 +26,7 @@ import torch.multiprocessing as mp
 
 from dtensor_mimo.train.config import ConfigError, TrainerConfig, build_layout, check_config, help_text, parse_args
 from dtensor_mimo.train.preemption import REPEAT_S, STOP_SIGNALS, StopSignals, exit_status
-from dtensor_mimo.layout.world import LAUNCHER_STORE, abort, init_distributed
+from dtensor_mimo.layout.world import abort, hold_store, init_distributed, local_rank_env
 
 
 def preflight(config: TrainerConfig) -> None:
@@ -106,8 +105,7 @@ USER_ERRORS = ("ConfigError", "DataError", "BatchError", "CheckpointError", "Pla
 
 
 def _local_rank(rank: int, world: int, port: int, config: TrainerConfig, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), **{LAUNCHER_STORE: "1"})
+    local_rank_env(rank, world, port)
 
     def report(e: BaseException) -> None:
         # Bounded: a put larger than the pipe's buffer would block until the launcher reads,
@@ -255,10 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     errors = mp.get_context("spawn").SimpleQueue()
-    # The ranks' rendezvous store, bound now and held until they end: a port only chosen here and
-    # bound by rank 0 seconds later (after its imports) could be taken by another process meanwhile.
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=config.train.timeout_s))
+    store = hold_store(world, config.train.timeout_s)  # held until the ranks end
     ranks = mp.start_processes(_local_rank, args=(world, store.port, config, errors), nprocs=world,
                                start_method="spawn", join=False)
     forward = _Forward(ranks.processes)

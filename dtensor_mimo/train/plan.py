@@ -256,12 +256,12 @@ def load_profiles(config: TrainerConfig, world: int, cache: str | None = None, r
 def _calibration_rank(rank: int, world: int, port: int, config: TrainerConfig) -> None:
     import torch.distributed as dist
 
+    from dtensor_mimo.layout.world import init_distributed, local_rank_env
     from dtensor_mimo.train.trainer import Trainer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    local_rank_env(rank, world, port)
     sys.stdout = open(os.devnull, "w")  # the trainer's log lines; the step times go to metrics.jsonl
-    dist.init_process_group("gloo")
+    init_distributed("cpu")
     try:
         Trainer(config).run()
         dist.barrier()
@@ -273,11 +273,12 @@ def _train_steps(config: TrainerConfig, layout: dict[str, Any], microbatches: in
                  warmup: int = 10) -> float:
     """Median logged step time (after `warmup`) of a short real run of `config` on `layout`."""
     import json
-    import socket
     import statistics
     import tempfile
 
     import torch.multiprocessing as mp
+
+    from dtensor_mimo.layout.world import hold_store
 
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = os.path.join(tmp, "m.jsonl")
@@ -290,10 +291,8 @@ def _train_steps(config: TrainerConfig, layout: dict[str, Any], microbatches: in
             options={n: dataclasses.replace(run.module_options(n), compile=False) for n in run.module_names},
             lr_schedule=dataclasses.replace(run.lr_schedule, warmup_steps=5, total_steps=steps))
         world = build_layout(run).world_size
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        mp.start_processes(_calibration_rank, args=(world, port, run), nprocs=world, start_method="spawn")
+        store = hold_store(world)  # served until the ranks end
+        mp.start_processes(_calibration_rank, args=(world, store.port, run), nprocs=world, start_method="spawn")
         with open(jsonl) as f:
             times = [r["step_s"] for r in map(json.loads, f) if "step_s" in r and r["step"] > warmup]
     return statistics.median(times)
