@@ -9,6 +9,11 @@
   longer true since the rendezvous store is shared). gloo's full-mesh connect then reads the
   previous round's addresses and fails ("connectFullMesh failed ... Connection refused") or
   hangs. Prefixing the store with ``TORCHELASTIC_RESTART_COUNT`` gives each round its own keys.
+- **Local ranks started by a process of the library** (the own launcher, the planner's measuring
+  runs): that process binds the world's store before starting them and serves it until they end
+  (`hold_store`); they connect as clients (`local_rank_env`). A free port chosen for rank 0 to
+  bind seconds later could be taken meanwhile, and env:// under a torchrun worker would make
+  every one of them a client of torchrun's store.
 - **Timeout.** ``timeout_s`` bounds how long a rank waits for a peer in the default group (the
   bridge's exchanges and the step's all-reduce run there) and in the modules' mesh groups (FSDP,
   tp, cp, pp): ``new_group`` would take torch's own default (30 minutes), so
