@@ -21,13 +21,11 @@ starts fresh ones.
 from __future__ import annotations
 
 import atexit
-import datetime
 import functools
 import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -55,12 +53,6 @@ def needs_torch(release: tuple[int, int], why: str) -> Any:
                                                         f"{release[0]}.{release[1]})")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _join(rank: int, group: tuple[int, int], current: tuple[int, int] | None) -> None:
     """Make ``group`` (world size, port) this process's default group, leaving ``current``.
 
@@ -68,14 +60,13 @@ def _join(rank: int, group: tuple[int, int], current: tuple[int, int] | None) ->
     finished (a failed call kills its processes instead)."""
     import torch.distributed as dist
 
+    from dtensor_mimo.layout.world import init_distributed, local_rank_env
+
     if current is not None:
         dist.destroy_process_group()
     world_size, port = group
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT)
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)  # the pool's
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    local_rank_env(rank, world_size, port)  # a client of the pool's store (`_RankPool.run`)
+    init_distributed("cpu", DEFAULT_TIMEOUT)
 
 
 def _release_groups() -> None:
@@ -237,12 +228,9 @@ class _RankPool:
     def run(self, fn: Callable, world_size: int, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
         self._spawn(world_size)
         if self.group is None or self.group[0] != world_size:
-            # The group's store, bound here and held while the group lives: a port only chosen here
-            # could be taken before rank 0 binds it (by the other test process's ranks, say).
-            import torch.distributed as dist
+            from dtensor_mimo.layout.world import hold_store
 
-            self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
+            self.store = hold_store(world_size, DEFAULT_TIMEOUT)  # held while the group lives
             self.group = (world_size, self.store.port)
         self.job += 1
         for q in self.tasks[:world_size]:
