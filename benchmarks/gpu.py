@@ -136,9 +136,30 @@ def _timed(step, device: str, warmup: int, steps: int) -> list[float]:
                             + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12,
                                                         max_name_column_width=70))
         if device == "cuda":
+            _link_device_events(prof)
             gaps, PROFILE["idle_ms"] = _device_gaps(prof.events(), 2)
             PROFILE["table"] += gaps + _phase_work(prof.events(), 2) + _graph_work(prof.events(), 2)
     return rounds
+
+
+def _link_device_events(prof) -> None:
+    """Give each device event of `prof` the id of the host op that launched it
+    (``linked_correlation_id``), which torch 2.13's events carry and 2.11's lack: there, from the
+    kineto records they were made of, matched by their start and end (computed as torch 2.11
+    computes them, relative to the trace's start). Without it the reports below, which find a
+    kernel's launcher by that id, failed on the 2026-11-28 H200 run (torch 2.11)."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    device = [e for e in events if e.device_type == DeviceType.CUDA]
+    if not device or hasattr(device[0], "linked_correlation_id"):
+        return
+    records = prof.profiler.kineto_results
+    start = records.trace_start_ns()
+    links = {((k.start_ns() - start) / 1000, (k.end_ns() - start) / 1000): k.linked_correlation_id()
+             for k in records.events() if k.device_type() == DeviceType.CUDA}
+    for e in device:
+        e.linked_correlation_id = links.get((e.time_range.start, e.time_range.end), 0)
 
 
 CUPTI_OVERHEAD = ("Command Buffer Full", "Activity Buffer Request")
