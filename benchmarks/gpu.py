@@ -30,7 +30,7 @@ important figures:
 | vlm | ours cpp wrapper | `vlm ours` with inductor's C++ wrapper (`ParallelOptions(compile_options={"cpp_wrapper": True})`): each compiled graph calls its kernels from C++, not Python (on one CPU thread, `benchmarks/host_step.py`'s compiled cases measure it). It builds its wrappers with the CUDA headers of a CUDA toolkit, or else of the `nvidia` wheels that torch's CUDA build installs (`_wrapper_toolkit`) |
 | vlm | ours all rows | `vlm ours` with the chunked head on every row, as before 2026-11-27 (8): what running it on the loss rows only gives |
 | lm, vlm | ours cudagraphs | the same with `ParallelOptions(compile_mode="reduce-overhead")`: each compiled piece's forward and backward replay as CUDA graphs (torch's cudagraph trees); the LM's pieces are its blocks, the VLM's its stacks whole (`compile_scope="module"`: the ViT, the projection, the decoder); first checks its first 5 steps' losses and gradient norms against the same model in eager on the GPU (`_graphs_check`), and reports inductor's reasons for any piece it ran without graphs (`cudagraph_skips`); also the LM in fp8 tensorwise (its 2026-11-27 step left the device idle 40 ms of 217: float8's casts double each compiled backward's launches) |
-| tiny | trainer | the README's tiny LLaVA task (`examples/make_tiny_llava.py`, `examples/llava_tiny.toml`, eager) through `python -m dtensor_mimo.train` on the device, world 1: its logged step time (issue 29 asks for < 15 ms); also with per-block compile (on CPU it cuts the top-level aten ops of a step from 1,894 to 826: the host's launch work on a GPU), with each module compiled whole (`compile_scope = "module"`), the same in CUDA graphs (`compile_mode = "reduce-overhead"`), and with one loader worker (`data.workers = 1`) instead of the default prefetch thread |
+| tiny | trainer | the README's tiny LLaVA task (`examples/make_tiny_llava.py`, `examples/llava_tiny.toml`, eager) through `python -m dtensor_mimo.train` on the device, world 1: its logged step time (issue 29 asks for < 15 ms); also with per-block compile (on CPU it cuts the top-level aten ops of a step from 1,894 to 826: the host's launch work on a GPU), with each module compiled whole (`compile_scope = "module"`), the same in CUDA graphs (`compile_mode = "reduce-overhead"`), and with one loader worker (`data.workers = 1`) instead of the default prefetch thread; with `--profile`, the trainer's own record of two steps mid-run (`metrics.profile`) |
 
 Sizes (default, issue 29's): LM Llama 1.04B (dim 2048, 16 layers, 32 / 8 heads, ffn 8192, vocab
 32000), batch 4 x 4096 tokens. VLM: SigLIP-base tower (768 x 12, 224 px / 16: 196 rows an image)
@@ -748,9 +748,10 @@ def _vlm_same_model(s: dict) -> dict:
 # ---------------------------------------------------------------------------------------- tiny task
 
 
-def _tiny_trainer(device: str, steps: int, extra: list[str]) -> dict:
+def _tiny_trainer(device: str, steps: int, extra: list[str], profile: bool = False) -> dict:
     """The README's tiny LLaVA task through the trainer on `device`, world 1 (`extra` overrides
-    after its config): its logged step times."""
+    after its config): its logged step times; with `profile`, the trainer's own profile of two
+    steps in the middle of the run (``metrics.profile``, which the logged times leave out)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory() as root:
         subprocess.run([sys.executable, os.path.join(ROOT, "examples", "make_tiny_llava.py"), "--out", root,
@@ -760,18 +761,22 @@ def _tiny_trainer(device: str, steps: int, extra: list[str]) -> dict:
                 "--layout.language.offset", "0", "--train.device", device, "--train.steps", str(steps),
                 "--train.generate", "0", "--checkpoint.export_hf", "none", "--data.heldout_samples", "8", "--metrics.log_every", "10", "--metrics.jsonl", jsonl,
                 "--metrics.progress", "off", *extra]
+        if profile:
+            argv += ["--metrics.profile", os.path.join(root, "profile"), "--metrics.profile_at", str(steps // 2)]
         graphs = any("reduce-overhead" in a for a in extra)
         out = subprocess.run(argv, capture_output=True, text=True, cwd=root,
                              env={**env, "TORCH_LOGS": "cudagraphs"} if graphs else env)
         if out.returncode:
             raise RuntimeError(f"the trainer exited with {out.returncode}: " + (out.stderr or out.stdout)[-2000:])
         records = [json.loads(line) for line in open(jsonl)]
+        table = open(os.path.join(root, "profile", "rank0.txt")).read() if profile else None
     timed = [r for r in records if "step_s" in r and r["step"] > steps // 4]  # after compile and warm-up
     # The last logged loss: the cases train the same model on the same batches, so their losses
     # agree to rounding (a CUDA-graph case that replayed stale inputs would not).
     skips = sorted({line[line.index(SKIP):][:300] for line in out.stderr.splitlines() if SKIP in line})
     return {"step_s": [r["step_s"] for r in timed], "data_s": [r.get("data_s", 0.0) for r in timed],
-            "final_loss": timed[-1]["loss"], **({"cudagraph_skips": skips} if skips else {})}
+            "final_loss": timed[-1]["loss"], **({"cudagraph_skips": skips} if skips else {}),
+            **({"profile": table} if table else {})}
 
 
 # ---------------------------------------------------------------------------------------- driver
@@ -817,7 +822,7 @@ def _case(args: argparse.Namespace) -> None:
     elif case.startswith("tiny trainer"):
         backend_args = [f"--options.{m}.compile_backend={backend}" for m in ("image", "language")]
         extra = [a for a in TINY[case] if backend == "inductor" or "compile_mode" not in a]  # inductor's modes only
-        out = _tiny_trainer(device, 60 if args.tiny else 300, [*extra, *backend_args])
+        out = _tiny_trainer(device, 60 if args.tiny else 300, [*extra, *backend_args], profile=args.profile)
     else:
         raise SystemExit(f"unknown case {case!r}; one of {', '.join(CASES)}")
     out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None

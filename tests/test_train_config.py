@@ -127,6 +127,9 @@ def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> Non
     (["--config", "/nonexistent.toml"], "--config /nonexistent.toml: No such file"),
     (["--train.steps"], "--train.steps needs a value"),
     (["steps=3"], "unexpected argument 'steps=3'"),
+    (["--metrics.profile", "p", "--train.steps", "10", "--metrics.profile_at", "11"],
+     "metrics.profile_at = 11 is after the last step (train.steps = 10)"),
+    (["--metrics.profile_steps", "0"], "metrics.profile_steps = 0: must be >= 1"),
     # items at their own size (issue 20)
     (["--data.image_max_pixels", "256"], "data.image_max_pixels is a key of data.format = 'llava'"),  # digits
     (["--model.encoders.vision.max_patches", "9"], "model.encoders.vision.max_patches: not used by this config"),

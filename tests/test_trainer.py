@@ -106,11 +106,19 @@ def test_resume_equals_uninterrupted(run_a, tmp_path) -> None:
 
 
 def test_per_rank_loading_gives_the_same_batches(run_a, tmp_path) -> None:
+    """... with steps 2-3 profiled (`metrics.profile`), which changes no number: each rank writes
+    its own trace and table, in which the ranges name its own module's actions."""
     d, argv = run_a
     argv2 = [*argv, "--checkpoint.dir", str(tmp_path / "ckpt"), "--checkpoint.every", "0",
-             "--data.per_rank_loading", "false", "--metrics.jsonl", str(tmp_path / "m.jsonl")]
+             "--data.per_rank_loading", "false", "--metrics.jsonl", str(tmp_path / "m.jsonl"),
+             "--metrics.profile", str(tmp_path / "profile"), "--metrics.profile_at", "2"]
     run_on_ranks(_train, 4, argv2, timeout=300)
     assert _losses(str(tmp_path / "m.jsonl")) == _losses(str(d / "m.jsonl"))
+    assert sorted(os.listdir(tmp_path / "profile")) == sorted(f"rank{r}.{x}" for r in range(4) for x in ("json", "txt"))
+    tables = [(tmp_path / "profile" / f"rank{r}.txt").read_text() for r in range(4)]
+    for r, table in enumerate(tables):  # layout A: vision and audio on ranks 0-1, language on 2-3
+        assert table.startswith(f"rank {r}, steps 2-3"), table[:80]
+        assert ("mimo.encode" in table) == (r < 2) and ("mimo.language" in table) == (r >= 2), (r, table)
 
 
 def test_reload_under_other_layouts_continues(run_a, tmp_path) -> None:

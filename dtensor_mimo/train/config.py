@@ -403,6 +403,13 @@ class MetricsSection:
         progress: a progress bar: "auto" shows one on an interactive terminal.
         peak_tflops: the accelerator's peak dense TFLOP/s per rank for MFU; 0: a known GPU's
             (H100/H200/A100 bf16) or none on CPU (MFU then not reported).
+        profile: a directory for torch.profiler's record of steps `profile_at` to
+            ``profile_at + profile_steps - 1``: each rank writes ``rank{r}.json`` (a trace for
+            Perfetto or chrome://tracing) and ``rank{r}.txt`` (its ops by device time on a GPU,
+            by CPU time on the CPU, then by host time; the library's ``mimo.*`` ranges name each
+            action of the step). None: off. The logged step times leave the profiled steps out.
+        profile_at: the first profiled step (after compilation and warm-up by default).
+        profile_steps: how many steps are profiled.
     """
 
     jsonl: str | None = None
@@ -410,6 +417,9 @@ class MetricsSection:
     log_every: int = 50
     progress: Literal["auto", "on", "off"] = "auto"
     peak_tflops: float = 0.0
+    profile: str | None = None
+    profile_at: int = 20
+    profile_steps: int = 2
 
 
 @dataclass
@@ -877,7 +887,8 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         if value < minimum:
             raise ConfigError(f"{key} = {value!r}: must be >= {minimum}")
 
-    for key in ("data.batch_size", "train.steps", "metrics.log_every", "checkpoint.keep"):
+    for key in ("data.batch_size", "train.steps", "metrics.log_every", "metrics.profile_at", "metrics.profile_steps",
+                "checkpoint.keep"):
         section, name = key.split(".")
         positive(key, getattr(getattr(config, section), name))
     for key in ("train.eval_every", "train.threads", "train.generate", "checkpoint.every", "data.workers",
@@ -886,6 +897,10 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         section, name = key.split(".")
         if hasattr(getattr(config, section), name):  # data: the source's own keys
             positive(key, getattr(getattr(config, section), name), 0)
+    m = config.metrics
+    if m.profile and m.profile_at > config.train.steps:
+        raise ConfigError(f"metrics.profile_at = {m.profile_at} is after the last step (train.steps = "
+                          f"{config.train.steps}): nothing would be profiled; choose a step <= {config.train.steps}")
     if not config.train.timeout_s > 0:
         raise ConfigError(f"train.timeout_s = {config.train.timeout_s!r}: give a positive number of seconds (e.g. 600)")
     lang = config.model.language

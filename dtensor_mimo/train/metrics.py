@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from typing import Any, Mapping, TextIO
@@ -37,6 +38,61 @@ def transformer_flops(params: int, tokens: int, layers: int, dim: int, seq: int,
     counted dense) for forward; backward doubles both when the module trains."""
     forward = 2.0 * params * tokens + 4.0 * layers * seq * dim * tokens
     return forward * (3 if trained else 1)
+
+
+class StepProfiler:
+    """torch.profiler over steps ``first .. first + count - 1`` of a run (``metrics.profile``).
+
+    `before` starts it ahead of the first of them, `after` stops it after the last and writes
+    ``rank{rank}.json`` (the trace) and ``rank{rank}.txt`` (the tables) into `directory`: every
+    rank its own, with no collective, so ranks that run different modules each show their own
+    work. The library's ``mimo.*`` ranges (`dtensor_mimo.schedule.runtime.phase`) are recorded
+    only while a profiler runs, so the other steps pay nothing for them."""
+
+    def __init__(self, directory: str, first: int, count: int, rank: int, device: torch.device) -> None:
+        self.directory, self.first, self.last, self.rank, self.device = directory, first, first + count - 1, rank, device
+        self._prof: Any = None
+
+    def covers(self, step: int) -> bool:
+        """Whether `step` is profiled (its time is then left out of the logged step times)."""
+        return self.first <= step <= self.last
+
+    def before(self, step: int) -> None:
+        """Called before `step` runs."""
+        if step == self.first:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])]
+            self._prof = profile(activities=activities)
+            self._prof.__enter__()
+
+    def after(self, step: int) -> str | None:
+        """Called after `step` ran; after the last profiled one, writes the files and returns the
+        table's path."""
+        if step == self.last and self._prof is not None:
+            return self.close()
+        return None
+
+    def close(self) -> str | None:
+        """Stop (a run ended inside the window, too) and write what was recorded; the table's path."""
+        prof, self._prof = self._prof, None
+        if prof is None:
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the device work of the last step is in the record
+        prof.__exit__(None, None, None)
+        os.makedirs(self.directory, exist_ok=True)
+        base = os.path.join(self.directory, f"rank{self.rank}")
+        prof.export_chrome_trace(base + ".json")
+        averages = prof.key_averages()
+        key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        with open(base + ".txt", "w") as f:
+            f.write(f"rank {self.rank}, steps {self.first}-{self.last}, by {key}\n")
+            f.write(averages.table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n")
+            if self.device.type == "cuda":
+                f.write("by host time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=20,
+                                                        max_name_column_width=70) + "\n")
+        return base + ".txt"
 
 
 class MetricsLogger:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import resource
+import os
 import signal
 import sys
 import time
@@ -45,7 +46,7 @@ from dtensor_mimo.train import checkpoint
 from dtensor_mimo.train.preemption import STOP_SIGNALS, StopSignals, exit_status, ignore_stop_signals
 from dtensor_mimo.train.config import LANGUAGE, TrainerConfig, build_layout
 from dtensor_mimo.train.datasets import BatchSource, train_data
-from dtensor_mimo.train.metrics import MetricsLogger, peak_tflops, transformer_flops
+from dtensor_mimo.train.metrics import MetricsLogger, StepProfiler, peak_tflops, transformer_flops
 from dtensor_mimo.train.modules import build_modules, resolve
 from dtensor_mimo.optim.optimizer import MimoOptimizer
 from dtensor_mimo.optim.step import UnusableBatch, train_step
@@ -257,6 +258,8 @@ class Trainer:
         m = config.metrics
         self.log = MetricsLogger(self.rank == 0, config.train.steps, m.jsonl, m.tensorboard, m.progress)
         self.peak = peak_tflops(self.model.device, m.peak_tflops)
+        self.profiler = (StepProfiler(m.profile, m.profile_at, m.profile_steps, self.rank, self.model.device)
+                         if m.profile else None)
         self.step = 0
         self.heldout_scores: dict[str, float] = {}  # the last evaluation's
         self.skip_bad_media = getattr(d, "skip_bad_media", False)
@@ -433,6 +436,8 @@ class Trainer:
             raise
         finally:
             self._close_batches()
+            if self.profiler is not None:  # a run that ended inside the profiled steps: what it recorded
+                self.profiler.close()
 
     def _close_batches(self) -> None:
         """End the training batches' generator: its loader workers are joined (on every path, so
@@ -462,12 +467,17 @@ class Trainer:
         window: list[list[float]] = []
         while self.step < c.train.steps:
             step = self.step + 1
+            if self.profiler is not None:
+                self.profiler.before(step)
             try:
                 window = self._run_step(batches, window, warm, tokens)
             except BaseException as e:
                 # Which step, for errors that cannot say (a peer's closed connection, a timeout).
                 e.add_note(f"in step {step}")
                 raise
+            if self.profiler is not None and (written := self.profiler.after(self.step)):
+                self.log.print(f"step {self.step}: profiled steps {self.profiler.first}-{self.step}: "
+                               f"{os.path.dirname(written)}/rank<r>.txt and .json (each rank)")
             if self.stopped is not None:  # `run` joins the loader's workers on the way out
                 self._say_stopped()
                 self.log.close()
@@ -511,7 +521,7 @@ class Trainer:
         self.step += 1
         self._agree_on_stop(metrics.votes[:len(STOP_SIGNALS)])
         times = [data_s, timings["forward_backward"], timings["optimizer"], time.perf_counter() - t0]
-        if self.step > warm:
+        if self.step > warm and not (self.profiler is not None and self.profiler.covers(self.step)):
             window.append(times)
         self.log.tick(self.step, metrics.loss)
         if self.step % c.metrics.log_every == 0 or self.step == c.train.steps:
