@@ -774,8 +774,14 @@ def _tiny_trainer(device: str, steps: int, extra: list[str], profile: bool = Fal
     # The last logged loss: the cases train the same model on the same batches, so their losses
     # agree to rounding (a CUDA-graph case that replayed stale inputs would not).
     skips = sorted({line[line.index(SKIP):][:300] for line in out.stderr.splitlines() if SKIP in line})
+    # torch's cudagraph trees record a graph for each new input size of a piece, and again for each
+    # new sequence of pieces in a run (a path): the tiny task's items vary in count, and its
+    # 2026-11-28 H200 windows of ten steps took 24 to 195 ms in CUDA graphs. How often it recorded:
+    recorded = {f"cudagraph_{key}": sum(mark in line for line in out.stderr.splitlines())
+                for key, mark in (("recordings", "Recording function="), ("sizes", "Recording cudagraph tree for"))
+                } if graphs else {}
     return {"step_s": [r["step_s"] for r in timed], "data_s": [r.get("data_s", 0.0) for r in timed],
-            "final_loss": timed[-1]["loss"], **({"cudagraph_skips": skips} if skips else {}),
+            "final_loss": timed[-1]["loss"], **({"cudagraph_skips": skips} if skips else {}), **recorded,
             **({"profile": table} if table else {})}
 
 
@@ -995,6 +1001,10 @@ def _report(result: dict, tiny: bool) -> list[str]:
     for case, r in rows.items():  # a CUDA-graph case that ran pieces without graphs: inductor's reasons
         for reason in r.get("cudagraph_skips", []):
             print(f"{case}: {reason}")
+    for case, r in rows.items():
+        if "cudagraph_recordings" in r:
+            print(f"{case}: {r['cudagraph_recordings']} CUDA graphs recorded over the run, for "
+                  f"{r['cudagraph_sizes']} input sizes")
     losses = {case: r["final_loss"] for case, r in rows.items() if "final_loss" in r}
     if losses:  # the same model on the same batches: equal to rounding, whatever the case
         print("tiny trainer, last logged loss: " + ", ".join(f"{case} {v:.4f}" for case, v in losses.items()))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 
@@ -31,15 +30,14 @@ def _rss_mib() -> float:
 
 
 def _rank(rank: int, world: int, port: int, argv: list[str], every: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     import torch.distributed as dist
 
     from dtensor_mimo.bridge import DEFAULT_BUFFERS
+    from dtensor_mimo.layout.world import init_distributed, local_rank_env
     from dtensor_mimo.train.config import parse_args
-    from dtensor_mimo.layout.world import init_distributed
     from dtensor_mimo.train.trainer import Trainer
 
+    local_rank_env(rank, world, port)
     config = parse_args(argv)
     init_distributed("cpu", config.train.timeout_s)
     trainer = Trainer(config)
@@ -72,14 +70,15 @@ def main() -> None:
     extra = [a for a in extra if a != "--"]
     argv = ["--train.steps", str(args.steps), "--train.generate", "0", "--data.heldout_samples", "16",
             "--metrics.log_every", str(args.every), "--metrics.progress", "off", *extra]
+    from dtensor_mimo.layout.world import hold_store
     from dtensor_mimo.train.config import build_layout, parse_args
 
-    world = build_layout(parse_args(argv)).world_size
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    config = parse_args(argv)
+    world = build_layout(config).world_size
+    store = hold_store(world, config.train.timeout_s)  # served here until the ranks end
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank, args=(world, port, argv, args.every, out_dir), nprocs=world, start_method="spawn")
+        mp.start_processes(_rank, args=(world, store.port, argv, args.every, out_dir), nprocs=world,
+                           start_method="spawn")
         per_rank = []
         for r in range(world):
             with open(os.path.join(out_dir, f"rank{r}.json")) as f:

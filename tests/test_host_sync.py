@@ -356,21 +356,19 @@ def test_counter_sees_a_device_sync_but_not_host_metadata() -> None:
 def test_gpu_pipelined_step_makes_no_sync_but_the_allowed_ones() -> None:
     """The pipelined case on GPUs under ``set_sync_debug_mode("error")``: any sync but `ALLOWED`'s
     (train_step's read of its totals; torch's warm-up vote of a fresh schedule) raises."""
-    import socket
-
     import torch.multiprocessing as tmp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    tmp.spawn(_gpu_worker, args=(3, port), nprocs=3, join=True)
+    from dtensor_mimo.layout.world import hold_store
+
+    store = hold_store(3)  # served here until the ranks end
+    tmp.spawn(_gpu_worker, args=(3, store.port), nprocs=3, join=True)
 
 
 def _gpu_worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    from dtensor_mimo.layout.world import init_distributed, local_rank_env
+
+    local_rank_env(rank, world, port)
+    init_distributed("cuda")  # NCCL, this rank's device set and named as the group's device_id
     try:
         _gpu_step()
     finally:

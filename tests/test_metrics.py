@@ -50,3 +50,17 @@ def test_phase_times_between_cuda_events_are_read_once_when_used() -> None:
     assert Event.waits == 0  # recording a phase waits for nothing
     assert float(phase) == 0.25 and phase * 1e3 == 250.0 and f"{phase:.1f}" == "0.2" and sum([phase, phase]) == 0.5
     assert Event.waits == 1
+
+
+def test_logger_writes_to_the_stdout_it_was_built_under(monkeypatch) -> None:
+    """The planner's calibration ranks point sys.stdout at /dev/null before they build a trainer;
+    its log lines then go there, not to the stdout of the logger module's import."""
+    import io
+    import sys
+
+    from dtensor_mimo.train.metrics import MetricsLogger
+
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    MetricsLogger(True, 10, None, None, "off").print("held-out accuracy: 1.00")
+    assert out.getvalue() == "held-out accuracy: 1.00\n"

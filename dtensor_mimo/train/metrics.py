@@ -100,8 +100,10 @@ class MetricsLogger:
     moves the progress bar. Other ranks get a logger that does nothing."""
 
     def __init__(self, enabled: bool, total_steps: int, jsonl: str | None, tensorboard: str | None,
-                 progress: str, out: TextIO = sys.stdout) -> None:
-        self.enabled, self.out, self.total = enabled, out, total_steps
+                 progress: str, out: TextIO | None = None) -> None:
+        # sys.stdout as it is now (a default argument would keep the one at import: the planner's
+        # calibration ranks point sys.stdout at /dev/null before they build a trainer)
+        self.enabled, self.out, self.total = enabled, sys.stdout if out is None else out, total_steps
         self._jsonl = open(jsonl, "a") if enabled and jsonl else None
         self._tb = None
         if enabled and tensorboard:
