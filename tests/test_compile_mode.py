@@ -14,6 +14,7 @@ check what holds everywhere:
 | graph memory | a run is refused while the run before still needs the graphs' memory |
 | world 1 | a colocated vision + language model, 2 microbatches, compiled by inductor in that mode per block and whole, and per block with the C++ wrapper (`compile_options`), against eager: 2 training steps and a prediction (losses, weights, ids), compiled graphs made (C++ wrappers where asked for), one cudagraph-tree generation per run, and the refusal of a run while gradients are held |
 | empty batch | a ViT compiled whole on batches with no image, against eager and the convolution |
+| padded items | a CUDA-graph encoder's microbatches padded to the step's bucket of items: rows and gradients as unpadded (the world-1 run above pads its second step's microbatches of 0 and 3 images to 3) |
 """
 
 from __future__ import annotations
@@ -344,3 +345,35 @@ def test_whole_vit_compiles_empty_batches() -> None:
     empty, vit = torch.randn(0, 3, 16, 16), ViTConfig.tiny()
     conv = eager.patch_embed(empty).flatten(2).transpose(1, 2) + eager.positions((4, 4))
     assert torch.equal(eager.embed(empty), conv) and conv.shape == (0, 16, vit.dim)
+
+
+def test_graph_encoders_pad_items_to_the_step_bucket() -> None:
+    """An encoder that replays CUDA graphs at pp = 1 runs every microbatch of a step on one bucket
+    of items (`item_bucket` at `GRAPH_SIZES_PER_OCTAVE`; zero items after the real ones), so that
+    a few input sizes cover every step: the same rows and parameter gradients as on the items
+    alone, the padding's rows dropped. A user's own encoder is never padded."""
+    from dtensor_mimo.schedule.encoders import GRAPH_SIZES_PER_OCTAVE, LocalEncoders, independent_items, item_bucket
+
+    assert [item_bucket([n]) for n in (0, 1, 3, 5, 9)] == [1, 1, 4, 8, 16]  # encoder pipelines: powers of two
+    assert [item_bucket([n], 4) for n in (0, 3, 5, 9, 17, 31, 35, 65)] == [1, 3, 5, 10, 20, 32, 40, 80]
+    _, encoders = _modules(("vision", "audio"))
+    assert all(independent_items(m) for m in encoders.values())
+    assert not independent_items(_modules(("vision",), custom_vision=True)[1]["vision"])
+    [batch] = _batches(("vision", "audio"), packed=False, batch_size=1, seq_lens=(64,))
+    torch.manual_seed(0)
+    counts = (3, 0, 9)  # a step's microbatches: the bucket is 10 items each
+    inputs = [{n: torch.randn(c, *batch.modalities[n].inputs.shape[1:]) for n in encoders} for c in counts]
+
+    def run(padded: tuple[str, ...]) -> tuple[dict, list[torch.Tensor], dict[str, torch.Tensor]]:
+        modules = copy.deepcopy(encoders)
+        local = LocalEncoders(modules, inputs, torch.float32, padded=padded)
+        rows = [local.encode(k, n) for k in range(len(counts)) for n in modules]
+        sum((r * torch.linspace(-1, 1, r.numel()).view_as(r)).sum() for r in rows).backward()
+        return local.buckets, rows, {f"{n}.{p}": q.grad for n, m in modules.items() for p, q in m.named_parameters()}
+
+    plain, padded = run(()), run(("vision", "audio"))
+    assert plain[0] == {} and padded[0] == {"vision": 10, "audio": 10} and GRAPH_SIZES_PER_OCTAVE == 4
+    for a, b in zip(plain[1], padded[1]):
+        assert b.shape == a.shape and torch.allclose(b, a, rtol=1e-5, atol=1e-6)
+    for name, grad in plain[2].items():
+        assert torch.allclose(padded[2][name], grad, rtol=1e-4, atol=1e-6), name

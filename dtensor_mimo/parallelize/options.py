@@ -80,9 +80,12 @@ class ParallelOptions:
             every step), with tp or cp > 1 (collectives inside graphs: not measured), with
             activation checkpointing (a recomputation replays a block's forward graph inside
             backward) and, until measured, with `recompute_colocated`. Each distinct shape of a
-            piece's input records its own graphs, so items of varying counts or sizes record
-            several (and each distinct sequence of shapes in a step a path of its own); dynamo
-            compiles at most 8 variants of a piece before it falls back to eager. On CPU
+            piece's input records its own graphs (and each distinct sequence of shapes in a
+            step a path of its own), so the library's encoders at pp = 1 run every microbatch
+            of a step on one of four item counts per power of two (zero items after the real
+            ones, their rows dropped: `dtensor_mimo.schedule.encoders.LocalEncoders`); items of
+            their own sizes still record several; dynamo compiles at most 8 variants of a piece
+            before it falls back to eager. On CPU
             inductor takes the mode and skips the CUDA graphs; the refusals hold there too.
         reshard_after_forward: FSDP2 frees the gathered parameters after forward (ZeRO-3) when
             True, keeps them until backward (ZeRO-2-like, more memory, one all-gather less);

@@ -98,10 +98,33 @@ class EncoderStage(nn.Module):
         return x.to(self.hidden_dtype).contiguous()
 
 
-def item_bucket(counts: Sequence[int]) -> int:
-    """Items per microbatch of an encoder pipeline's stages: the largest count, rounded up to a
-    power of two (at least 1), so a handful of buckets cover every step."""
-    return 1 << (max(1, max(counts, default=1)) - 1).bit_length()
+def item_bucket(counts: Sequence[int], per_octave: int = 1) -> int:
+    """Items per microbatch of an encoder's step: the largest of `counts` (at least 1) rounded up
+    to one of `per_octave` evenly spaced sizes in its power-of-two interval, so that a few sizes
+    cover every step: powers of two for 1 (an encoder pipeline's stages, built per size), at
+    most 1 / per_octave of the items padding for more."""
+    n = max(1, max(counts, default=1))
+    granule = max(1, (1 << (n - 1).bit_length()) // (2 * per_octave))
+    return -(-n // granule) * granule
+
+
+GRAPH_SIZES_PER_OCTAVE = 4
+"""`item_bucket`'s sizes per power of two for an encoder that replays CUDA graphs at pp = 1
+(`LocalEncoders`): torch's cudagraph trees record graphs for every new input size of a piece and
+every new sequence of sizes in a run, so ragged item counts kept recording (the tiny LLaVA task
+on an H200: ten-step windows of 24 to 195 ms); padded, a step's microbatches share one of four
+sizes per octave, less than a quarter of each bucket zero items."""
+
+
+def independent_items(module: nn.Module) -> bool:
+    """Whether `module` encodes each item by itself, so that zero items beside the real ones
+    change none of their rows: the library's `ModalityEncoder` of a `ViT` or `AudioEncoder` and a
+    `Projection` (attention within an item, per-token layers). A user's own encoder may mix items
+    (batch statistics, say), and is never padded."""
+    from dtensor_mimo.models import AudioEncoder, ModalityEncoder, Projection, ViT
+
+    return (isinstance(module, ModalityEncoder) and isinstance(module.encoder, (ViT, AudioEncoder))
+            and type(module.projection) is Projection)
 
 
 class _CrossToLanguage(torch.autograd.Function):
@@ -268,17 +291,26 @@ class LocalEncoders:
     microbatch's. Costs one more encoder forward per step; what colocated encoders hold while the
     language schedule runs drops from M microbatches' activations to none.
 
+    An encoder named in `padded` (one that replays CUDA graphs and encodes items independently)
+    runs every microbatch of the step on the same number of items, `item_bucket` of their counts
+    at `GRAPH_SIZES_PER_OCTAVE`: zero items after the real ones, whose rows are dropped before
+    they leave (their gradient zero), so that a few input sizes cover every step.
+
     Args:
         encoders: this rank's pp = 1 encoders, by name.
         inputs: per microbatch, each encoder's dp-shard items on the device.
         dtype: what crosses the bridge.
         recompute: names of the encoders recomputed before their backward.
+        padded: names of the encoders whose items are padded to the step's bucket.
     """
 
     def __init__(self, encoders: Mapping[str, nn.Module], inputs: Sequence[Mapping[str, torch.Tensor]],
-                 dtype: torch.dtype, recompute: Collection[str] = ()) -> None:
+                 dtype: torch.dtype, recompute: Collection[str] = (), padded: Collection[str] = ()) -> None:
         self.encoders, self.inputs, self.dtype = encoders, inputs, dtype
         self.recompute = {n for n in recompute if any(p.requires_grad for p in encoders[n].parameters())}
+        self.buckets = {n: item_bucket([len(per[n]) for per in inputs if n in per], GRAPH_SIZES_PER_OCTAVE)
+                        for n in padded if all(isinstance(per.get(n), torch.Tensor) for per in inputs if n in per)}
+        """Items each microbatch of an encoder in `padded` runs on (items of their own size: none)."""
         self.outputs: dict[int, dict[str, torch.Tensor]] = {}
         """Rows per microbatch and encoder, until their backward."""
         self._rng: dict[tuple[int, str], tuple] = {}
@@ -289,11 +321,20 @@ class LocalEncoders:
         if name in self.recompute:
             self._rng[k, name] = _rng_state(x.device)
             with torch.no_grad():
-                rows = self.encoders[name](x).to(self.dtype)
+                rows = self._rows(name, x)
         else:
-            rows = self.encoders[name](x).to(self.dtype)
+            rows = self._rows(name, x)
         self.outputs.setdefault(k, {})[name] = rows
         return rows
+
+    def _rows(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Encoder `name`'s rows of items `x`, in the bridge's dtype; run on the step's bucket of
+        items when it pads them, the rows of the padding dropped."""
+        bucket = self.buckets.get(name)
+        if bucket is None or len(x) == bucket:
+            return self.encoders[name](x).to(self.dtype)
+        rows = self.encoders[name](torch.cat([x, x.new_zeros(bucket - len(x), *x.shape[1:])]))
+        return rows[: len(rows) // bucket * len(x)].to(self.dtype)
 
     def backward(self, grads: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
         """The backward of the microbatches in `grads` (``{k: {encoder: gradient of its rows}}``):
@@ -311,7 +352,7 @@ class LocalEncoders:
                     accumulation.last(n)
                 x = self.inputs[k][n]
                 with _replayed(self._rng.pop((k, n)), x.device):
-                    rows = self.encoders[n](x).to(self.dtype)
+                    rows = self._rows(n, x)
                 _backward([{n: rows}], [grads[k]])
 
 

@@ -35,7 +35,7 @@ from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.parallelize import ParallelOptions
 from dtensor_mimo.schedule.config import PipelineConfig
 from dtensor_mimo.schedule.crossing import Crossing, CrossingSetup
-from dtensor_mimo.schedule.encoders import EncoderPipeline, LocalEncoders, Accumulation
+from dtensor_mimo.schedule.encoders import Accumulation, EncoderPipeline, LocalEncoders, independent_items
 from dtensor_mimo.schedule.feed import LanguageFeed
 from dtensor_mimo.schedule.language import LanguagePipeline
 from dtensor_mimo.schedule.order import first_stage_actions
@@ -183,8 +183,9 @@ class _Run:
         # Host-to-device copies that do not wait for the device's queue (the inputs are host memory).
         inputs = [{n: m.to(parts.device).inputs for n, m in per.items() if n in parts.encoders} for per in self.items]
         recompute = [n for n in parts.encoders if parts.options[n].recompute_colocated and not shape.overlapped]
-        self.local = LocalEncoders({n: parts.encoders[n] for n in held if n in parts.encoders}, inputs, parts.dtype,
-                                   recompute if shape.mode == "train" else ())
+        local = {n: parts.encoders[n] for n in held if n in parts.encoders}
+        padded = [n for n, m in local.items() if parts.options[n].cuda_graphs and independent_items(m)]
+        self.local = LocalEncoders(local, inputs, parts.dtype, recompute if shape.mode == "train" else (), padded)
         self.accumulation: Accumulation | None = None
         self.received: dict[int, list[Delivery]] = {}  # forward crossings this rank receives
         self.grads: dict[int, list[Delivery]] = {}  # backward crossings this rank receives
