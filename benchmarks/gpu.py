@@ -78,8 +78,8 @@ VLM = {"default": dict(image=224, patch=16, vdim=768, vlayers=12, vheads=12, vml
                     vocab=256, dim=64, layers=2, heads=4, kv_heads=2, ffn=128, batch=4, seq=64)}
 # Priority order: what issue 29's "Done when" needs first, so that a short lease measures it.
 CASES = ("lm ours", "lm transformers compiled", "vlm ours", "vlm transformers compiled", "lm ours fp8 tensorwise",
-         "vlm ours cudagraphs", "tiny trainer cudagraphs", "lm ours cudagraphs", "lm ours fp8 tensorwise cudagraphs",
-         "vlm ours whole", "tiny trainer whole", "tiny trainer cudagraphs workers=1", "tiny trainer",
+         "vlm ours cudagraphs", "tiny trainer cudagraphs", "tiny trainer cudagraphs workers=1", "tiny trainer",
+         "vlm ours whole", "tiny trainer whole", "lm ours cudagraphs", "lm ours fp8 tensorwise cudagraphs",
          "lm ours unchunked loss",
          "lm ours packed", "lm ours packed flex", "lm ours fp8 rowwise", "tiny trainer compiled", "lm ours fsdp2 bf16",
          "tiny trainer workers=1", "vlm ours all rows", "vlm ours cpp wrapper", "vlm transformers", "lm transformers")
