@@ -485,3 +485,32 @@ def test_inductor_compiled_blocks_match_eager() -> None:
     assert torch.allclose(outs[1], outs[0], rtol=1e-4, atol=1e-5)
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_sums_in_place_in_buckets() -> None:
+    """`sum_in_place` over 2 ranks in buckets of 64 bytes (two in flight): tensors smaller than a
+    bucket share one flat copy, larger ones are reduced where they lie (no copy), and sums in
+    bf16 land back in fp32; every tensor equals the sum of the ranks' values, computed here."""
+    assert run_on_ranks(_bucketed_sums, 2, timeout=60) == [True, True]
+
+
+def _bucketed_sums() -> bool:
+    from dtensor_mimo.parallelize.fsdp import _buckets, sum_in_place
+
+    rank, group = dist.get_rank(), dist.group.WORLD
+    shapes = [(3,), (2, 5), (40,), (4,), (7, 3), (1,)]  # fp32: 12, 40, 160, 16, 84, 4 bytes
+
+    def values(r: int) -> list[torch.Tensor]:
+        return [torch.arange(n := torch.Size(s).numel(), dtype=torch.float32).view(s) * (r + 1) + i
+                for i, s in enumerate(shapes)]
+
+    assert [[tuple(t.shape) for t in b] for b in _buckets(values(0), 64)] == [
+        [(3,), (2, 5)], [(40,)], [(4,)], [(7, 3)], [(1,)]]
+    expected = [a + b for a, b in zip(values(0), values(1))]
+    mine = values(rank)
+    big = mine[2].data_ptr()
+    sum_in_place(mine, group, bucket_bytes=64)
+    in_bf16 = values(rank)
+    sum_in_place(in_bf16, group, torch.bfloat16, bucket_bytes=64)
+    return (all(torch.equal(m, e) for m, e in zip(mine, expected)) and mine[2].data_ptr() == big
+            and all(t.dtype == torch.float32 and torch.allclose(t, e, rtol=1e-2) for t, e in zip(in_bf16, expected)))

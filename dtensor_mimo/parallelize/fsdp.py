@@ -60,8 +60,8 @@ def allreduce_gradients(module: nn.Module, dp_mesh: DeviceMesh | None,
 
     Call after backward, before clipping and the optimizer step, on every rank of the mesh.
     DTensor (tensor-parallel) gradients are reduced shard by shard: each tp rank sums its own
-    shard with the same shard on the other dp replicas. One flat all-reduce per dtype (plus one
-    of presence flags), in `reduce_dtype` if given (e.g. bf16: half the bytes; the sums land back
+    shard with the same shard on the other dp replicas. Bucketed all-reduces per dtype
+    (`sum_in_place`; plus one of presence flags), in `reduce_dtype` if given (e.g. bf16: half the bytes; the sums land back
     in the gradients' dtype). A mesh of size 1 or None does nothing.
     """
     if dp_mesh is None or dp_mesh.size() == 1:
@@ -89,15 +89,57 @@ def allreduce_gradients(module: nn.Module, dp_mesh: DeviceMesh | None,
         sum_in_place(grads, group, reduce_dtype)
 
 
+BUCKET_BYTES = 32 << 20
+"""About how many bytes `sum_in_place` reduces in one all-reduce."""
+
+
 @torch.no_grad()
 def sum_in_place(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup,
-                 dtype: torch.dtype | None = None) -> None:
-    """Replace each of `tensors` (one dtype) by its sum over `group`: one flat all-reduce, in
-    `dtype` if given (the sums land back in the tensors' own dtype)."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    flat = flat.to(dtype or flat.dtype)
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    offset = 0
+                 dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Replace each of `tensors` (one dtype) by its sum over `group`, in `dtype` if given (the
+    sums land back in the tensors' own dtype).
+
+    In buckets of consecutive tensors of about `bucket_bytes`, each one all-reduce of a flat
+    copy (a tensor as large as a bucket, contiguous and already in `dtype`, is reduced in
+    place, no copy), two in flight: one bucket's copies in and out overlap the next one's
+    reduction, and the extra memory is two buckets, not a copy of every tensor. Every rank of
+    `group` must pass tensors of the same shapes in the same order (the same buckets, so the
+    same sequence of collectives: NCCL's rule), as replicas of one module do."""
+    pending: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work]] = []
+    for bucket in _buckets(tensors, bucket_bytes):
+        one = bucket[0]
+        if len(bucket) == 1 and one.is_contiguous() and one.dtype == (dtype or one.dtype):
+            flat = one.view(-1)  # reduced where it is
+        else:
+            flat = torch.cat([t.reshape(-1) for t in bucket]).to(dtype or one.dtype)
+        pending.append((bucket, flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)))
+        if len(pending) == 2:
+            _land(*pending.pop(0))
+    for args in pending:
+        _land(*args)
+
+
+def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """`tensors` in order, cut into runs of about `bucket_bytes` (a larger tensor alone)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = bucket_bytes
     for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += nbytes
+    return buckets
+
+
+def _land(bucket: list[torch.Tensor], flat: torch.Tensor, work: dist.Work) -> None:
+    """Wait for `flat`'s reduction and copy the sums back into `bucket`'s tensors (nothing to
+    copy when `flat` is the one tensor's own storage)."""
+    work.wait()
+    if flat.data_ptr() == bucket[0].data_ptr() and len(bucket) == 1:
+        return
+    offset = 0
+    for t in bucket:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()

@@ -50,7 +50,7 @@ def head_local(name: str) -> bool:
 def reduce_tp_replicated_gradients(params: Mapping[str, nn.Parameter], tp_mesh: DeviceMesh | None,
                                    summed: Callable[[str], bool] = head_local) -> None:
     """Make the gradients of the tp-replicated `params` identical over `tp_mesh`: their mean, or
-    their sum for the names `summed` picks (partial per rank). One flat all-reduce per dtype;
+    their sum for the names `summed` picks (partial per rank). Bucketed all-reduces per dtype;
     nothing for tp 1. Call on every rank of the tp mesh after backward."""
     if tp_mesh is None or tp_mesh.size() == 1:
         return
