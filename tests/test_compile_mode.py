@@ -14,7 +14,7 @@ check what holds everywhere:
 | graph memory | a run is refused while the run before still needs the graphs' memory |
 | world 1 | a colocated vision + language model, 2 microbatches, compiled by inductor in that mode per block and whole, and per block with the C++ wrapper (`compile_options`), against eager: 2 training steps and a prediction (losses, weights, ids), compiled graphs made (C++ wrappers where asked for), one cudagraph-tree generation per run, and the refusal of a run while gradients are held |
 | empty batch | a ViT compiled whole on batches with no image, against eager and the convolution |
-| padded items | a CUDA-graph encoder's microbatches padded to the step's bucket of items: rows and gradients as unpadded (the world-1 run above pads its second step's microbatches of 0 and 3 images to 3) |
+| padded items | a CUDA-graph encoder's microbatches padded to the step's bucket of items: rows and gradients as unpadded; the world-1 run above pads its second step's microbatches of 0 and 3 images to 3 (against eager) |
 """
 
 from __future__ import annotations
@@ -261,8 +261,12 @@ def _compiled_against_eager() -> dict:
     from torch._dynamo.utils import counters
     from torch._inductor.codecache import CppWrapperCodeCache
 
-    marks, wrappers = [], []
+    from dtensor_mimo.schedule.encoders import LocalEncoders
+
+    marks, wrappers, buckets = [], [], []
     original, load = torch.compiler.cudagraph_mark_step_begin, CppWrapperCodeCache.load_pybinding
+    init = LocalEncoders.__init__
+    LocalEncoders.__init__ = lambda self, *a, **k: (init(self, *a, **k), buckets.append(dict(self.buckets)))[0]
     torch.compiler.cudagraph_mark_step_begin = lambda: (marks.append(1), original())[1]
     # a compiled graph's C++ wrapper is loaded by this, whether inductor made it now or read its cache
     CppWrapperCodeCache.load_pybinding = lambda *a, **k: (wrappers.append(1), load(*a, **k))[1]
@@ -275,6 +279,7 @@ def _compiled_against_eager() -> dict:
                               ("cpp", {"vision": eager, "language": CPP})):  # one module: compile time
             marks.clear()
             wrappers.clear()
+            buckets.clear()
             graphs = counters["stats"]["unique_graphs"]
             llama, encoders = _modules(("vision",), n_layers=1)
             layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()},
@@ -285,6 +290,7 @@ def _compiled_against_eager() -> dict:
             losses = [train_step(model, optimizer, b).loss for b in batches]
             ids = model.predict(batches[0])
             out[name] = {"losses": losses, "ids": ids, "marks": len(marks), "cpp wrappers": len(wrappers),
+                         "buckets": buckets[:3],  # the items each run's encoder microbatches ran on
                          "graphs": counters["stats"]["unique_graphs"] - graphs,
                          "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
             if options["language"].cuda_graphs:  # gradients held from one run into the next are refused
@@ -299,6 +305,7 @@ def _compiled_against_eager() -> dict:
     finally:
         torch.compiler.cudagraph_mark_step_begin = original
         CppWrapperCodeCache.load_pybinding = load
+        LocalEncoders.__init__ = init
 
 
 @pytest.mark.timeout(700)
@@ -308,11 +315,14 @@ def test_inductor_mode_matches_eager() -> None:
     # beside it (warm: 10 s).
     [out] = run_on_ranks(_compiled_against_eager, 1, timeout=540)
     eager = out.pop("eager")
-    assert eager["marks"] == 0 and eager["graphs"] == 0
+    assert eager["marks"] == 0 and eager["graphs"] == 0 and eager["buckets"] == [{}, {}, {}]
     for how, got in out.items():
         if how == "cpp":  # no CUDA graphs; the decoder's block compiled, its forward and backward C++-wrapped
             assert got["marks"] == 0 and got["graphs"] >= 1 and got["cpp wrappers"] >= 2, got
+            assert got["buckets"] == [{}, {}, {}]
         else:
+            # steps of 2 + 2 and 0 + 3 images (each microbatch on 2, then 3 items), the prediction's 4 at once
+            assert got["buckets"] == [{"vision": 2}, {"vision": 3}, {"vision": 4}], (how, got["buckets"])
             assert got["marks"] == 3, how  # one generation per run: 2 steps, 1 prediction
             assert got["graphs"] >= 3, how  # vision, projection and language pieces compiled
             assert got["cpp wrappers"] == 0, how

@@ -64,3 +64,33 @@ def test_logger_writes_to_the_stdout_it_was_built_under(monkeypatch) -> None:
     monkeypatch.setattr(sys, "stdout", out)
     MetricsLogger(True, 10, None, None, "off").print("held-out accuracy: 1.00")
     assert out.getvalue() == "held-out accuracy: 1.00\n"
+
+
+def test_step_profiler_window(tmp_path) -> None:
+    """`StepProfiler` records from the first step of its window that runs (a run resumed inside it
+    starts there), to the window's end or the run's last step, whichever comes first; `abandon`
+    (a run's error) writes nothing."""
+    from dtensor_mimo.train.metrics import StepProfiler
+
+    def run(first: int, count: int, last_step: int, steps: range) -> list[str | None]:
+        profiler = StepProfiler(str(tmp_path / f"{first}-{count}-{steps.start}"), first, count, last_step, 0,
+                                torch.device("cpu"))
+        written = []
+        for step in steps:
+            profiler.before(step)
+            torch.ones(4).sum()
+            written.append(profiler.after(step))
+        return written
+
+    written = run(3, 2, 10, range(1, 7))
+    assert written[:3] == [None] * 3 and written[4:] == [None, None] and written[3].endswith("rank0.txt")
+    assert open(written[3]).read().startswith("rank 0, steps 3-4, by self_cpu_time_total")
+    last = run(6, 2, 6, range(1, 7))[-1]  # the window's end past the run's last step
+    assert open(last).read().startswith("rank 0, steps 6-6")
+    resumed = run(3, 3, 10, range(4, 7))[1]  # resumed at step 4: steps 4-5
+    assert open(resumed).read().startswith("rank 0, steps 4-5")
+    assert run(3, 2, 10, range(5, 8)) == [None] * 3  # resumed past the window
+    profiler = StepProfiler(str(tmp_path / "abandoned"), 1, 2, 10, 0, torch.device("cpu"))
+    profiler.before(1)
+    profiler.abandon()
+    assert profiler.after(1) is None and not (tmp_path / "abandoned").exists()

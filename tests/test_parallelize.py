@@ -488,9 +488,10 @@ def test_inductor_compiled_blocks_match_eager() -> None:
 
 
 def test_sums_in_place_in_buckets() -> None:
-    """`sum_in_place` over 2 ranks in buckets of 64 bytes (two in flight): tensors smaller than a
-    bucket share one flat copy, larger ones are reduced where they lie (no copy), and sums in
-    bf16 land back in fp32; every tensor equals the sum of the ranks' values, computed here."""
+    """`sum_in_place` over 2 ranks in buckets of 64 bytes (two in flight): tensors that share a
+    bucket go through one flat copy, a tensor alone in its bucket is reduced where it lies (no
+    copy), and sums in bf16 land back in fp32; every tensor equals the sum of the ranks' values,
+    computed here."""
     assert run_on_ranks(_bucketed_sums, 2, timeout=60) == [True, True]
 
 
@@ -501,16 +502,23 @@ def _bucketed_sums() -> bool:
     shapes = [(3,), (2, 5), (40,), (4,), (7, 3), (1,)]  # fp32: 12, 40, 160, 16, 84, 4 bytes
 
     def values(r: int) -> list[torch.Tensor]:
-        return [torch.arange(n := torch.Size(s).numel(), dtype=torch.float32).view(s) * (r + 1) + i
+        return [torch.arange(torch.Size(s).numel(), dtype=torch.float32).view(s) * (r + 1) + i
                 for i, s in enumerate(shapes)]
 
     assert [[tuple(t.shape) for t in b] for b in _buckets(values(0), 64)] == [
         [(3,), (2, 5)], [(40,)], [(4,)], [(7, 3)], [(1,)]]
+    assert [len(b) for b in _buckets([torch.empty(0), torch.ones(3)], 64)] == [2]  # an empty shard first
     expected = [a + b for a, b in zip(values(0), values(1))]
     mine = values(rank)
-    big = mine[2].data_ptr()
-    sum_in_place(mine, group, bucket_bytes=64)
+    reduced, all_reduce = [], dist.all_reduce
+    dist.all_reduce = lambda t, *args, **kwargs: (reduced.append(t.data_ptr()), all_reduce(t, *args, **kwargs))[1]
+    try:
+        sum_in_place(mine, group, bucket_bytes=64)
+    finally:
+        dist.all_reduce = all_reduce
     in_bf16 = values(rank)
     sum_in_place(in_bf16, group, torch.bfloat16, bucket_bytes=64)
-    return (all(torch.equal(m, e) for m, e in zip(mine, expected)) and mine[2].data_ptr() == big
+    return (all(torch.equal(m, e) for m, e in zip(mine, expected))
+            # the first bucket (two tensors) through a flat copy; each tensor alone in its bucket where it lies
+            and reduced[1:] == [t.data_ptr() for t in mine[2:]] and reduced[0] not in [t.data_ptr() for t in mine]
             and all(t.dtype == torch.float32 and torch.allclose(t, e, rtol=1e-2) for t, e in zip(in_bf16, expected)))

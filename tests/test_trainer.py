@@ -115,10 +115,14 @@ def test_per_rank_loading_gives_the_same_batches(run_a, tmp_path) -> None:
     run_on_ranks(_train, 4, argv2, timeout=300)
     assert _losses(str(tmp_path / "m.jsonl")) == _losses(str(d / "m.jsonl"))
     assert sorted(os.listdir(tmp_path / "profile")) == sorted(f"rank{r}.{x}" for r in range(4) for x in ("json", "txt"))
-    tables = [(tmp_path / "profile" / f"rank{r}.txt").read_text() for r in range(4)]
-    for r, table in enumerate(tables):  # layout A: vision and audio on ranks 0-1, language on 2-3
-        assert table.startswith(f"rank {r}, steps 2-3"), table[:80]
-        assert ("mimo.encode" in table) == (r < 2) and ("mimo.language" in table) == (r >= 2), (r, table)
+    for r in range(4):  # layout A: vision and audio on ranks 0-1, language on 2-3
+        assert (tmp_path / "profile" / f"rank{r}.txt").read_text().startswith(f"rank {r}, steps 2-3")
+        trace = json.loads((tmp_path / "profile" / f"rank{r}.json").read_text())
+        names = {e.get("name", "") for e in trace["traceEvents"]}
+        assert any(n.startswith("mimo.encode 0 vision") for n in names) == (r < 2), r
+        assert ("mimo.language train" in names) == (r >= 2), r
+    with open(tmp_path / "m.jsonl") as f:  # a line every step: steps 2 and 3 log their own, profiled, times
+        assert [r["step"] for r in map(json.loads, f) if r.get("profiled")] == [2, 3]
 
 
 def test_reload_under_other_layouts_continues(run_a, tmp_path) -> None:

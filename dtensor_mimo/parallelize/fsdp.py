@@ -122,10 +122,10 @@ def sum_in_place(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup,
 def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
     """`tensors` in order, cut into runs of about `bucket_bytes` (a larger tensor alone)."""
     buckets: list[list[torch.Tensor]] = []
-    size = bucket_bytes
+    size = 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()
-        if size + nbytes > bucket_bytes:
+        if not buckets or size + nbytes > bucket_bytes:
             buckets.append([])
             size = 0
         buckets[-1].append(t)

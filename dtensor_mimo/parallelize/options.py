@@ -81,10 +81,11 @@ class ParallelOptions:
             activation checkpointing (a recomputation replays a block's forward graph inside
             backward) and, until measured, with `recompute_colocated`. Each distinct shape of a
             piece's input records its own graphs (and each distinct sequence of shapes in a
-            step a path of its own), so the library's encoders at pp = 1 run every microbatch
-            of a step on one of four item counts per power of two (zero items after the real
-            ones, their rows dropped: `dtensor_mimo.schedule.encoders.LocalEncoders`); items of
-            their own sizes still record several; dynamo compiles at most 8 variants of a piece
+            step a path of its own), so the library's encoders at pp = 1 (not in float8) run
+            every microbatch of a step on one of at most four item counts per power of two
+            (zero items after the real ones, their rows dropped:
+            `dtensor_mimo.schedule.encoders.LocalEncoders`); items of their own sizes still
+            record several; dynamo compiles at most 8 variants of a piece
             before it falls back to eager. On CPU
             inductor takes the mode and skips the CUDA graphs; the refusals hold there too.
         reshard_after_forward: FSDP2 frees the gathered parameters after forward (ZeRO-3) when

@@ -112,8 +112,8 @@ GRAPH_SIZES_PER_OCTAVE = 4
 """`item_bucket`'s sizes per power of two for an encoder that replays CUDA graphs at pp = 1
 (`LocalEncoders`): torch's cudagraph trees record graphs for every new input size of a piece and
 every new sequence of sizes in a run, so ragged item counts kept recording (the tiny LLaVA task
-on an H200: ten-step windows of 24 to 195 ms); padded, a step's microbatches share one of four
-sizes per octave, less than a quarter of each bucket zero items."""
+on an H200: ten-step windows of 24 to 195 ms); padded, a step's microbatches share one of at
+most four sizes per octave, less than a quarter of each bucket zero items."""
 
 
 def independent_items(module: nn.Module) -> bool:
@@ -291,7 +291,8 @@ class LocalEncoders:
     microbatch's. Costs one more encoder forward per step; what colocated encoders hold while the
     language schedule runs drops from M microbatches' activations to none.
 
-    An encoder named in `padded` (one that replays CUDA graphs and encodes items independently)
+    An encoder named in `padded` (one that replays CUDA graphs, encodes items independently and
+    is not in float8)
     runs every microbatch of the step on the same number of items, `item_bucket` of their counts
     at `GRAPH_SIZES_PER_OCTAVE`: zero items after the real ones, whose rows are dropped before
     they leave (their gradient zero), so that a few input sizes cover every step.

@@ -184,7 +184,9 @@ class _Run:
         inputs = [{n: m.to(parts.device).inputs for n, m in per.items() if n in parts.encoders} for per in self.items]
         recompute = [n for n in parts.encoders if parts.options[n].recompute_colocated and not shape.overlapped]
         local = {n: parts.encoders[n] for n in held if n in parts.encoders}
-        padded = [n for n, m in local.items() if parts.options[n].cuda_graphs and independent_items(m)]
+        # float8's tensorwise scales span the whole input, padding included: those are not padded
+        padded = [n for n, m in local.items()
+                  if parts.options[n].cuda_graphs and parts.options[n].fp8 is None and independent_items(m)]
         self.local = LocalEncoders(local, inputs, parts.dtype, recompute if shape.mode == "train" else (), padded)
         self.accumulation: Accumulation | None = None
         self.received: dict[int, list[Delivery]] = {}  # forward crossings this rank receives

@@ -407,9 +407,10 @@ class MetricsSection:
             ``profile_at + profile_steps - 1``: each rank writes ``rank{r}.json`` (a trace for
             Perfetto or chrome://tracing) and ``rank{r}.txt`` (its ops by device time on a GPU,
             by CPU time on the CPU, then by host time; the library's ``mimo.*`` ranges name each
-            action of the step). None: off. The logged step times leave the profiled steps out.
+            action of the step). None: off. The logged step times leave the profiled steps out
+            (a log line whose steps were all profiled shows theirs, marked ``profiled``).
         profile_at: the first profiled step (after compilation and warm-up by default).
-        profile_steps: how many steps are profiled.
+        profile_steps: how many steps are profiled (the run's last step at most).
     """
 
     jsonl: str | None = None

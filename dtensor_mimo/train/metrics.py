@@ -41,17 +41,22 @@ def transformer_flops(params: int, tokens: int, layers: int, dim: int, seq: int,
 
 
 class StepProfiler:
-    """torch.profiler over steps ``first .. first + count - 1`` of a run (``metrics.profile``).
+    """torch.profiler over steps ``first .. first + count - 1`` of a run (``metrics.profile``),
+    the run's last step at most.
 
-    `before` starts it ahead of the first of them, `after` stops it after the last and writes
-    ``rank{rank}.json`` (the trace) and ``rank{rank}.txt`` (the tables) into `directory`: every
-    rank its own, with no collective, so ranks that run different modules each show their own
-    work. The library's ``mimo.*`` ranges (`dtensor_mimo.schedule.runtime.phase`) are recorded
-    only while a profiler runs, so the other steps pay nothing for them."""
+    `before` starts it ahead of the first of them that runs (a run resumed inside the window
+    records the rest of it), `after` stops it after the last and writes ``rank{rank}.json`` (the
+    trace) and ``rank{rank}.txt`` (the tables) into `directory`: every rank its own, with no
+    collective, so ranks that run different modules each show their own work. The library's
+    ``mimo.*`` ranges (`dtensor_mimo.schedule.runtime.phase`) are recorded only while a profiler
+    runs, so the other steps pay nothing for them."""
 
-    def __init__(self, directory: str, first: int, count: int, rank: int, device: torch.device) -> None:
-        self.directory, self.first, self.last, self.rank, self.device = directory, first, first + count - 1, rank, device
+    def __init__(self, directory: str, first: int, count: int, last_step: int, rank: int,
+                 device: torch.device) -> None:
+        self.directory, self.rank, self.device = directory, rank, device
+        self.first, self.last = first, min(first + count - 1, last_step)
         self._prof: Any = None
+        self._started = 0  # the first step recorded
 
     def covers(self, step: int) -> bool:
         """Whether `step` is profiled (its time is then left out of the logged step times)."""
@@ -59,22 +64,21 @@ class StepProfiler:
 
     def before(self, step: int) -> None:
         """Called before `step` runs."""
-        if step == self.first:
+        if self._prof is None and self.covers(step) and not self._started:
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])]
-            self._prof = profile(activities=activities)
+            self._prof, self._started = profile(activities=activities), step
             self._prof.__enter__()
 
     def after(self, step: int) -> str | None:
         """Called after `step` ran; after the last profiled one, writes the files and returns the
         table's path."""
-        if step == self.last and self._prof is not None:
-            return self.close()
-        return None
+        return self.close(step) if step == self.last and self._prof is not None else None
 
-    def close(self) -> str | None:
-        """Stop (a run ended inside the window, too) and write what was recorded; the table's path."""
+    def close(self, step: int) -> str | None:
+        """Stop after `step` (a run stopped inside the window, too) and write what was recorded;
+        the table's path (None: nothing was recorded)."""
         prof, self._prof = self._prof, None
         if prof is None:
             return None
@@ -87,12 +91,23 @@ class StepProfiler:
         averages = prof.key_averages()
         key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         with open(base + ".txt", "w") as f:
-            f.write(f"rank {self.rank}, steps {self.first}-{self.last}, by {key}\n")
+            f.write(f"rank {self.rank}, steps {self._started}-{step}, by {key}\n")
             f.write(averages.table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n")
             if self.device.type == "cuda":
                 f.write("by host time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=20,
                                                         max_name_column_width=70) + "\n")
         return base + ".txt"
+
+    def abandon(self) -> None:
+        """Stop without writing, on a run's error: no device sync (a failed device or a peer's
+        collective left pending would raise or wait there) and nothing that could raise over the
+        run's own error."""
+        prof, self._prof = self._prof, None
+        if prof is not None:
+            try:
+                prof.__exit__(None, None, None)
+            except Exception:  # noqa: BLE001 - the run's error is the one to report
+                pass
 
 
 class MetricsLogger:
@@ -111,10 +126,10 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 print("metrics.tensorboard: the tensorboard package is not installed; "
-                      "pip install tensorboard (TensorBoard logging off)", file=out)
+                      "pip install tensorboard (TensorBoard logging off)", file=self.out)
             else:
                 self._tb = SummaryWriter(tensorboard)
-        show = progress == "on" or (progress == "auto" and out.isatty())
+        show = progress == "on" or (progress == "auto" and self.out.isatty())
         self._bar = _bar(total_steps) if enabled and show else None
         self._started = time.perf_counter()
 

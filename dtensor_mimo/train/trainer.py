@@ -258,8 +258,8 @@ class Trainer:
         m = config.metrics
         self.log = MetricsLogger(self.rank == 0, config.train.steps, m.jsonl, m.tensorboard, m.progress)
         self.peak = peak_tflops(self.model.device, m.peak_tflops)
-        self.profiler = (StepProfiler(m.profile, m.profile_at, m.profile_steps, self.rank, self.model.device)
-                         if m.profile else None)
+        self.profiler = (StepProfiler(m.profile, m.profile_at, m.profile_steps, config.train.steps, self.rank,
+                                      self.model.device) if m.profile else None)
         self.step = 0
         self.heldout_scores: dict[str, float] = {}  # the last evaluation's
         self.skip_bad_media = getattr(d, "skip_bad_media", False)
@@ -433,11 +433,11 @@ class Trainer:
             return self._run()
         except BaseException:
             self.log.close()  # what was logged is on disk, however the process ends (the launcher exits at once)
+            if self.profiler is not None:
+                self.profiler.abandon()
             raise
         finally:
             self._close_batches()
-            if self.profiler is not None:  # a run that ended inside the profiled steps: what it recorded
-                self.profiler.close()
 
     def _close_batches(self) -> None:
         """End the training batches' generator: its loader workers are joined (on every path, so
@@ -457,6 +457,9 @@ class Trainer:
         if self.model.device.type == "cuda":  # the logged peak is training's, not building's or loading's
             torch.cuda.reset_peak_memory_stats(self.model.device)
         self.log.start_at(self.step)
+        if self.profiler is not None and self.step >= self.profiler.last:
+            self.log.print(f"metrics.profile: this run starts after step {self.step}, past the profiled steps "
+                           f"{self.profiler.first}-{self.profiler.last}: nothing is profiled")
         compiled = [n for n in c.module_names if c.module_options(n).compile]
         warm = self.step + (COMPILE_STEPS if compiled else 0)  # steps whose time is compilation
         if compiled:
@@ -475,10 +478,11 @@ class Trainer:
                 # Which step, for errors that cannot say (a peer's closed connection, a timeout).
                 e.add_note(f"in step {step}")
                 raise
-            if self.profiler is not None and (written := self.profiler.after(self.step)):
-                self.log.print(f"step {self.step}: profiled steps {self.profiler.first}-{self.step}: "
-                               f"{os.path.dirname(written)}/rank<r>.txt and .json (each rank)")
+            if self.profiler is not None:
+                self._profiled(self.profiler.after(self.step))
             if self.stopped is not None:  # `run` joins the loader's workers on the way out
+                if self.profiler is not None:  # stopped inside the profiled steps: what they recorded
+                    self._profiled(self.profiler.close(self.step))
                 self._say_stopped()
                 self.log.close()
                 return None
@@ -494,6 +498,12 @@ class Trainer:
         self._held_out_errors()
         self.log.close()
         return accuracy
+
+    def _profiled(self, table: str | None) -> None:
+        """Say where the profile went, once it is written (`StepProfiler`)."""
+        if table is not None:
+            self.log.print(f"step {self.step}: profile written: {os.path.dirname(table)}/rank<r>.txt and .json "
+                           "(each rank)")
 
     def _run_step(self, batches: Iterator[MimoBatch], window: list[list[float]], warm: int,
                   tokens: int) -> list[list[float]]:
@@ -525,7 +535,8 @@ class Trainer:
             window.append(times)
         self.log.tick(self.step, metrics.loss)
         if self.step % c.metrics.log_every == 0 or self.step == c.train.steps:
-            self._log(metrics, lr, window or [times], tokens, self.model.encoder_imbalance(batch))
+            profiled = not window and self.profiler is not None and self.profiler.covers(self.step)
+            self._log(metrics, lr, window or [times], tokens, self.model.encoder_imbalance(batch), profiled)
             window = []
         if c.checkpoint.dir and ((c.checkpoint.every and self.step % c.checkpoint.every == 0)
                                  or self.step == c.train.steps or self.stopped is not None):
@@ -617,9 +628,11 @@ class Trainer:
                   processors={n: e.processor for n, e in r.encoders.items() if e.processor is not None}, dtype=dtype)
         self.log.print(f"step {self.step}: exported {path}")
 
-    def _log(self, metrics, lr: float, window: list[list[float]], tokens: int, imbalance: dict[str, float]) -> None:
+    def _log(self, metrics, lr: float, window: list[list[float]], tokens: int, imbalance: dict[str, float],
+             profiled: bool = False) -> None:
         """One MAX all-reduce of this window's mean phase times and peak memory; rank 0 logs, with
-        the logged step's encoder `imbalance` (`MimoModel.encoder_imbalance`)."""
+        the logged step's encoder `imbalance` (`MimoModel.encoder_imbalance`). `profiled`: the
+        times are a profiled step's (every step since the last log line was), marked so."""
         # Phase times of GPU steps are CUDA event pairs: read here, once per log line, not per step.
         mean = torch.tensor([[float(t) for t in row] for row in window], dtype=torch.float64).mean(0)
         memory = (torch.cuda.max_memory_allocated(self.model.device) if self.model.device.type == "cuda"
@@ -635,7 +648,8 @@ class Trainer:
                   "peak_memory_gib": memory / 2**30, "tflops": tflops, "mfu": mfu,
                   "skipped": metrics.skipped, "skipped_samples": self.skipped_samples,
                   **{f"grad_norm_{n}": v for n, v in metrics.module_grad_norms.items()},
-                  **{f"encoder_imbalance_{n}": v for n, v in imbalance.items()}}
+                  **{f"encoder_imbalance_{n}": v for n, v in imbalance.items()},
+                  **({"profiled": True} if profiled else {})}
         shares = "".join(f" {n} {v:.2f}" for n, v in imbalance.items())
         self.log.log(record, f"step {self.step:>5} | loss {metrics.loss:.4f} | grad norm {metrics.grad_norm:.3f} | "
                              f"lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s | step "
@@ -643,4 +657,5 @@ class Trainer:
                              f"optim {opt_s * 1e3:.1f}) | mem {record['peak_memory_gib']:.2f} GiB | "
                              + (f"MFU {mfu:.1%}" if mfu is not None else f"{tflops * 1e3:.1f} GFLOP/s")
                              + (f" | encoder max/mean{shares}" if shares else "")
-                             + (f" | {self.skipped_samples} samples skipped" if self.skipped_samples else ""))
+                             + (f" | {self.skipped_samples} samples skipped" if self.skipped_samples else "")
+                             + (" | profiled" if profiled else ""))
