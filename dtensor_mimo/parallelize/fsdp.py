@@ -61,8 +61,8 @@ def allreduce_gradients(module: nn.Module, dp_mesh: DeviceMesh | None,
     Call after backward, before clipping and the optimizer step, on every rank of the mesh.
     DTensor (tensor-parallel) gradients are reduced shard by shard: each tp rank sums its own
     shard with the same shard on the other dp replicas. Bucketed all-reduces per dtype
-    (`sum_in_place`; plus one of presence flags), in `reduce_dtype` if given (e.g. bf16: half the bytes; the sums land back
-    in the gradients' dtype). A mesh of size 1 or None does nothing.
+    (`sum_in_place`; plus one of presence flags), in `reduce_dtype` if given (e.g. bf16: half
+    the bytes; the sums land back in the gradients' dtype). A mesh of size 1 or None does nothing.
     """
     if dp_mesh is None or dp_mesh.size() == 1:
         return
@@ -100,8 +100,8 @@ def sum_in_place(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup,
     sums land back in the tensors' own dtype).
 
     In buckets of consecutive tensors of about `bucket_bytes`, each one all-reduce of a flat
-    copy (a tensor as large as a bucket, contiguous and already in `dtype`, is reduced in
-    place, no copy), two in flight: one bucket's copies in and out overlap the next one's
+    copy (a tensor alone in its bucket, contiguous and already in `dtype`, is reduced where it
+    lies, no copy), two in flight: one bucket's copies in and out overlap the next one's
     reduction, and the extra memory is two buckets, not a copy of every tensor. Every rank of
     `group` must pass tensors of the same shapes in the same order (the same buckets, so the
     same sequence of collectives: NCCL's rule), as replicas of one module do."""

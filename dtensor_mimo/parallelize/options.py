@@ -85,9 +85,9 @@ class ParallelOptions:
             every microbatch of a step on one of at most four item counts per power of two
             (zero items after the real ones, their rows dropped:
             `dtensor_mimo.schedule.encoders.LocalEncoders`); items of their own sizes still
-            record several; dynamo compiles at most 8 variants of a piece
-            before it falls back to eager. On CPU
-            inductor takes the mode and skips the CUDA graphs; the refusals hold there too.
+            record several; dynamo compiles at most 8 variants of a piece before it falls back
+            to eager. On CPU inductor takes the mode and skips the CUDA graphs; the refusals
+            hold there too.
         reshard_after_forward: FSDP2 frees the gathered parameters after forward (ZeRO-3) when
             True, keeps them until backward (ZeRO-2-like, more memory, one all-gather less);
             with False an encoder on ranks of its own keeps them gathered across the step's

@@ -292,10 +292,10 @@ class LocalEncoders:
     language schedule runs drops from M microbatches' activations to none.
 
     An encoder named in `padded` (one that replays CUDA graphs, encodes items independently and
-    is not in float8)
-    runs every microbatch of the step on the same number of items, `item_bucket` of their counts
-    at `GRAPH_SIZES_PER_OCTAVE`: zero items after the real ones, whose rows are dropped before
-    they leave (their gradient zero), so that a few input sizes cover every step.
+    is not in float8) runs every microbatch of the step on the same number of items,
+    `item_bucket` of their counts at `GRAPH_SIZES_PER_OCTAVE`: zero items after the real ones,
+    whose rows are dropped before they leave (their gradient zero), so that a few input sizes
+    cover every step.
 
     Args:
         encoders: this rank's pp = 1 encoders, by name.

@@ -64,7 +64,7 @@ class StepProfiler:
 
     def before(self, step: int) -> None:
         """Called before `step` runs."""
-        if self._prof is None and self.covers(step) and not self._started:
+        if not self._started and self.covers(step):
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])]
