@@ -770,7 +770,8 @@ def _tiny_trainer(device: str, steps: int, extra: list[str], profile: bool = Fal
         if out.returncode:
             raise RuntimeError(f"the trainer exited with {out.returncode}: " + (out.stderr or out.stdout)[-2000:])
         records = [json.loads(line) for line in open(jsonl)]
-        table = open(os.path.join(root, "profile", "rank0.txt")).read() if profile else None
+        written = os.path.join(root, "profile", "rank0.txt")
+        table = open(written).read() if profile and os.path.exists(written) else None  # else: stderr says why
     timed = [r for r in records if "step_s" in r and r["step"] > steps // 4]  # after compile and warm-up
     # The last logged loss: the cases train the same model on the same batches, so their losses
     # agree to rounding (a CUDA-graph case that replayed stale inputs would not).

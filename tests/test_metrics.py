@@ -94,3 +94,30 @@ def test_step_profiler_window(tmp_path) -> None:
     profiler.before(1)
     profiler.abandon()
     assert profiler.after(1) is None and not (tmp_path / "abandoned").exists()
+
+
+def test_step_profiler_failing_never_costs_the_run(tmp_path, monkeypatch) -> None:
+    """A profiler that cannot start, or a profile that cannot be written, leaves `failed` saying
+    why and the steps running."""
+    import torch.profiler
+
+    from dtensor_mimo.train.metrics import StepProfiler
+
+    (tmp_path / "file").write_text("")
+    unwritable = StepProfiler(str(tmp_path / "file"), 1, 1, 5, 0, torch.device("cpu"))  # a file, not a directory
+    unwritable.before(1)
+    assert unwritable.after(1) is None and unwritable.failed.startswith("the profile of steps 1-1 was not written")
+
+    class Broken:
+        def __init__(self, **kwargs) -> None:
+            pass
+
+        def __enter__(self) -> None:
+            raise RuntimeError("CUPTI is busy")
+
+    monkeypatch.setattr(torch.profiler, "profile", Broken)
+    broken = StepProfiler(str(tmp_path / "p"), 1, 2, 5, 0, torch.device("cpu"))
+    for step in (1, 2, 3):
+        broken.before(step)
+        assert broken.after(step) is None
+    assert broken.failed == "torch.profiler did not start: RuntimeError: CUPTI is busy"

@@ -49,7 +49,8 @@ class StepProfiler:
     trace) and ``rank{rank}.txt`` (the tables) into `directory`: every rank its own, with no
     collective, so ranks that run different modules each show their own work. The library's
     ``mimo.*`` ranges (`dtensor_mimo.schedule.runtime.phase`) are recorded only while a profiler
-    runs, so the other steps pay nothing for them."""
+    runs, so the other steps pay nothing for them. The profiler failing (to start, or to write)
+    never costs the run: `failed` says why, and the run goes on unprofiled."""
 
     def __init__(self, directory: str, first: int, count: int, last_step: int, rank: int,
                  device: torch.device) -> None:
@@ -57,6 +58,8 @@ class StepProfiler:
         self.first, self.last = first, min(first + count - 1, last_step)
         self._prof: Any = None
         self._started = 0  # the first step recorded
+        self.failed: str | None = None
+        """Why the profile was not written (the profiler's own error), once it failed."""
 
     def covers(self, step: int) -> bool:
         """Whether `step` is profiled (its time is then left out of the logged step times)."""
@@ -68,8 +71,14 @@ class StepProfiler:
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])]
-            self._prof, self._started = profile(activities=activities), step
-            self._prof.__enter__()
+            self._started = step
+            try:
+                prof = profile(activities=activities)
+                prof.__enter__()
+            except Exception as e:  # noqa: BLE001 - a profile must not cost the run
+                self.failed = f"torch.profiler did not start: {type(e).__name__}: {e}"
+            else:
+                self._prof = prof
 
     def after(self, step: int) -> str | None:
         """Called after `step` ran; after the last profiled one, writes the files and returns the
@@ -84,18 +93,22 @@ class StepProfiler:
             return None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the device work of the last step is in the record
-        prof.__exit__(None, None, None)
-        os.makedirs(self.directory, exist_ok=True)
         base = os.path.join(self.directory, f"rank{self.rank}")
-        prof.export_chrome_trace(base + ".json")
-        averages = prof.key_averages()
-        key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        with open(base + ".txt", "w") as f:
-            f.write(f"rank {self.rank}, steps {self._started}-{step}, by {key}\n")
-            f.write(averages.table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n")
-            if self.device.type == "cuda":
-                f.write("by host time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=20,
-                                                        max_name_column_width=70) + "\n")
+        try:
+            prof.__exit__(None, None, None)
+            os.makedirs(self.directory, exist_ok=True)
+            prof.export_chrome_trace(base + ".json")
+            averages = prof.key_averages()
+            key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            with open(base + ".txt", "w") as f:
+                f.write(f"rank {self.rank}, steps {self._started}-{step}, by {key}\n")
+                f.write(averages.table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n")
+                if self.device.type == "cuda":
+                    f.write("by host time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=20,
+                                                            max_name_column_width=70) + "\n")
+        except Exception as e:  # noqa: BLE001 - a profile must not cost the run
+            self.failed = f"the profile of steps {self._started}-{step} was not written: {type(e).__name__}: {e}"
+            return None
         return base + ".txt"
 
     def abandon(self) -> None:

@@ -500,10 +500,14 @@ class Trainer:
         return accuracy
 
     def _profiled(self, table: str | None) -> None:
-        """Say where the profile went, once it is written (`StepProfiler`)."""
+        """Say where the profile went, once it is written, or why it was not (`StepProfiler`)."""
         if table is not None:
             self.log.print(f"step {self.step}: profile written: {os.path.dirname(table)}/rank<r>.txt and .json "
                            "(each rank)")
+        elif self.profiler is not None and self.profiler.failed:
+            print(f"rank {self.rank}: warning: metrics.profile: {self.profiler.failed}; training goes on",
+                  file=sys.stderr, flush=True)
+            self.profiler.failed = None  # said once
 
     def _run_step(self, batches: Iterator[MimoBatch], window: list[list[float]], warm: int,
                   tokens: int) -> list[list[float]]:
