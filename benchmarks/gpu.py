@@ -131,10 +131,9 @@ def _timed(step, device: str, warmup: int, steps: int) -> list[float]:
             for i in range(2):
                 step(i)
             _sync(device)
-        key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-        PROFILE["table"] = (prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
-                            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12,
-                                                        max_name_column_width=70))
+        from dtensor_mimo.train.metrics import profile_tables
+
+        PROFILE["table"] = profile_tables(prof, device == "cuda", rows=30, host_rows=12)
         if device == "cuda":
             try:
                 _link_device_events(prof)

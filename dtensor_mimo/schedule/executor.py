@@ -94,6 +94,14 @@ class RankParts:
         held = [*self.encoders, *self.encoder_pipelines, *([self.language_name] if self.language else [])]
         return any(self.options[n].cuda_graphs for n in held)
 
+    @functools.cached_property
+    def padded_encoders(self) -> frozenset[str]:
+        """This rank's pp = 1 encoders whose items `LocalEncoders` pads to the step's bucket: those
+        that replay CUDA graphs, encode items independently and are not in float8 (whose
+        tensorwise scales would span the padding). Decided once, not per step."""
+        return frozenset(n for n, m in self.encoders.items() if self.options[n].cuda_graphs
+                         and self.options[n].fp8 is None and independent_items(m))
+
     @property
     def roles(self) -> RankRoles:
         """Which parts this rank holds, for `program`."""
@@ -184,10 +192,8 @@ class _Run:
         inputs = [{n: m.to(parts.device).inputs for n, m in per.items() if n in parts.encoders} for per in self.items]
         recompute = [n for n in parts.encoders if parts.options[n].recompute_colocated and not shape.overlapped]
         local = {n: parts.encoders[n] for n in held if n in parts.encoders}
-        # float8's tensorwise scales span the whole input, padding included: those are not padded
-        padded = [n for n, m in local.items()
-                  if parts.options[n].cuda_graphs and parts.options[n].fp8 is None and independent_items(m)]
-        self.local = LocalEncoders(local, inputs, parts.dtype, recompute if shape.mode == "train" else (), padded)
+        self.local = LocalEncoders(local, inputs, parts.dtype, recompute if shape.mode == "train" else (),
+                                   parts.padded_encoders & local.keys())
         self.accumulation: Accumulation | None = None
         self.received: dict[int, list[Delivery]] = {}  # forward crossings this rank receives
         self.grads: dict[int, list[Delivery]] = {}  # backward crossings this rank receives

@@ -40,6 +40,19 @@ def transformer_flops(params: int, tokens: int, layers: int, dim: int, seq: int,
     return forward * (3 if trained else 1)
 
 
+def profile_tables(prof: Any, cuda: bool, rows: int = 40, host_rows: int = 20) -> str:
+    """torch.profiler `prof`'s ops by their own device time (`cuda`) or CPU time, `rows` of them,
+    then (`host_rows` > 0) by their own host time: what `StepProfiler` and `benchmarks/gpu.py`
+    write."""
+    averages = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    text = f"by {key}\n" + averages.table(sort_by=key, row_limit=rows, max_name_column_width=70) + "\n"
+    if host_rows:
+        text += "by host time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=host_rows,
+                                                max_name_column_width=70) + "\n"
+    return text
+
+
 class StepProfiler:
     """torch.profiler over steps ``first .. first + count - 1`` of a run (``metrics.profile``),
     the run's last step at most.
@@ -98,14 +111,10 @@ class StepProfiler:
             prof.__exit__(None, None, None)
             os.makedirs(self.directory, exist_ok=True)
             prof.export_chrome_trace(base + ".json")
-            averages = prof.key_averages()
-            key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            cuda = self.device.type == "cuda"
             with open(base + ".txt", "w") as f:
-                f.write(f"rank {self.rank}, steps {self._started}-{step}, by {key}\n")
-                f.write(averages.table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n")
-                if self.device.type == "cuda":
-                    f.write("by host time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=20,
-                                                            max_name_column_width=70) + "\n")
+                f.write(f"rank {self.rank}, steps {self._started}-{step}, "
+                        + profile_tables(prof, cuda, host_rows=20 if cuda else 0))
         except Exception as e:  # noqa: BLE001 - a profile must not cost the run
             self.failed = f"the profile of steps {self._started}-{step} was not written: {type(e).__name__}: {e}"
             return None
