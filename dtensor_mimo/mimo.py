@@ -23,7 +23,8 @@ from dtensor_mimo.layout import LANGUAGE, MimoLayout
 from dtensor_mimo.layout.mesh import check_agreement
 from dtensor_mimo.models.hf import hf_parts, plan_hf
 from dtensor_mimo.models.protocol import encoder_width, item_rule
-from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, finish_gradients, replica_problems
+from dtensor_mimo.parallelize import (GradientReducer, ParallelOptions, compute_dtype, finish_gradients,
+                                      replica_problems)
 from dtensor_mimo.parallelize.fp8 import check_fp8, refresh_fp8_scales
 from dtensor_mimo.schedule import (EncoderPipeline, LanguagePipeline, LanguageStage, PipelineConfig,
                                    check_microbatching, stage_inputs)
@@ -150,6 +151,10 @@ class MimoModel(nn.Module):
         for root in roots:
             if any(p.is_meta for p in root.parameters()):
                 root.to_empty(device=self.device)
+        trainable = {**self._trainable, language_name: any(p.requires_grad for p in language.parameters())}
+        self.gradient_reducers = self._reducers(trainable)
+        """Per module summed over dp·cp while backward runs (`ParallelOptions.overlap_grad_reduce`,
+        without FSDP2), on its members: its `GradientReducer`."""
         lean = overlapped(layout, language_name, encoders) and all(layout.parallelism(n).pp == 1 for n in encoders)
         self.parts = RankParts(
             layout, language_name, self.rank, self.device, self.dim, self.dtype,
@@ -157,13 +162,37 @@ class MimoModel(nn.Module):
             encoder_pipelines=self.encoder_pipelines, language=self.language_pipeline, trainable=self._trainable,
             widths=self._widths, options=self.options, pipeline=self.pipeline,
             window=crossing_window(self.pipeline, layout.parallelism(language_name).pp, lean),
-            overlapped=overlapped(layout, language_name, encoders), hops=bridge_hops, buffers=self.buffers)
+            overlapped=overlapped(layout, language_name, encoders), hops=bridge_hops, buffers=self.buffers,
+            reducers=self.gradient_reducers)
         """This rank's parts and what every step shares, for the executor (`schedule.executor`)."""
         self._named_parameters = dict(self.named_parameters())
         self._requires_grad = {n: p.requires_grad for n, p in self._named_parameters.items()}
         """This rank's trainable set as built: the schedule's crossings follow it (`train_step` refuses a change)."""
         self._module_parameters = {n: self._collect_parameters(n) for n in self.module_names}
         """Per module, walked once (every step reads them: gradient reduction, norms)."""
+
+    def _reducers(self, trainable: Mapping[str, bool]) -> dict[str, GradientReducer]:
+        """The `GradientReducer` of each module this rank holds that trains without FSDP2 at
+        dp·cp > 1 with `overlap_grad_reduce`, over a process group of its own (made on every
+        rank, module by module: `MimoLayout.own_dp_group` is collective). It watches the
+        module's pipeline stages (torch's schedules run their backwards: `expect`); the executor
+        arms a pp = 1 encoder itself."""
+        reducers = {}
+        for name in self.module_names:
+            opts, par = self.options[name], self.layout.parallelism(name)
+            if not (opts.overlap_grad_reduce and not opts.fsdp and par.dp * par.cp > 1 and trainable[name]):
+                continue
+            group = self.layout.own_dp_group(name)
+            params = {n: p for n, p in self._collect_parameters(name).items() if p.requires_grad}
+            if group is None or not params:
+                continue
+            reducer = reducers[name] = GradientReducer(params, group, opts.gradient_reduce_dtype,
+                                                       opts.grad_bucket_bytes)
+            stages = (self.language_stages if name == self.language_name else
+                      [self.encoder_pipelines[name].stage] if name in self.encoder_pipelines else [])
+            for stage in stages:
+                reducer.watch(stage)
+        return reducers
 
     def _to_device(self, module: nn.Module) -> nn.Module:
         """A module on this rank's device; a meta module stays on meta until parallelized."""
@@ -427,17 +456,23 @@ class MimoModel(nn.Module):
         if set_to_none and self.graph_memory is not None:
             self.graph_memory.release()
 
-    def reduce_gradients(self) -> None:
+    def reduce_gradients(self) -> str | None:
         """Finish this rank's gradients after backward (call on every rank): dp (dp·cp) sums for
-        modules without FSDP (FSDP already did), and every tp gradient put on its parameter's
+        modules without FSDP (FSDP already did; those with a `GradientReducer` had their
+        buckets launched during backward), and every tp gradient put on its parameter's
         placements (pending partial sums reduced, a replicated one sharded:
         `dtensor_mimo.parallelize.finish_gradients`), so that clipping and AdamW see ordinary
-        shards."""
+        shards. Returns what went wrong on this rank, if anything (a gradient that accumulated
+        after its bucket left, `GradientReducer.finish`): `train_step` agrees on it with the
+        other ranks and refuses the step on every one."""
+        problems = []
         for name in self.module_names:
             params = self.module_parameters(name)
             if params:
                 module = (self.language_stages if name == self.language_name else self.encoders[name])
-                finish_gradients(module, params, *self._meshes(name), self.options[name])
+                problems.append(finish_gradients(module, params, *self._meshes(name), self.options[name],
+                                                 self.gradient_reducers.get(name)))
+        return next((p for p in problems if p), None)
 
 
 class _GraphMemory:

@@ -489,6 +489,7 @@ def _train(case: Case, hop_calls: dict[str, int], heads: list | None = None) -> 
             record[kind] = {k: v for k, v in record[kind].items() if k.split(".")[0] in keep}
         record["allocations"] = model.buffers.allocations  # receive buffers allocated so far
         record["hop_calls"] = dict(hop_calls)  # two-hop scatters and gathers so far
+        record["early_buckets"] = {n: r.early for n, r in model.gradient_reducers.items()}  # dp sums during backward
         record["encoded"] = {n: (layout.coordinate(n, rank)["dp"], rows) for n, rows in encoded.items()}
         records.append(record)
     if case.loss_chunk_rows is not None and model.language_pipeline is not None and model.language_pipeline.holds_loss:

@@ -496,7 +496,7 @@ def test_sums_in_place_in_buckets() -> None:
 
 
 def _bucketed_sums() -> bool:
-    from dtensor_mimo.parallelize.fsdp import _buckets, sum_in_place
+    from dtensor_mimo.parallelize.reducer import cut, sum_in_place
 
     rank, group = dist.get_rank(), dist.group.WORLD
     shapes = [(3,), (2, 5), (40,), (4,), (7, 3), (1,)]  # fp32: 12, 40, 160, 16, 84, 4 bytes
@@ -505,9 +505,10 @@ def _bucketed_sums() -> bool:
         return [torch.arange(torch.Size(s).numel(), dtype=torch.float32).view(s) * (r + 1) + i
                 for i, s in enumerate(shapes)]
 
-    assert [[tuple(t.shape) for t in b] for b in _buckets(values(0), 64)] == [
-        [(3,), (2, 5)], [(40,)], [(4,)], [(7, 3)], [(1,)]]
-    assert [len(b) for b in _buckets([torch.empty(0), torch.ones(3)], 64)] == [2]  # an empty shard first
+    nbytes = [t.numel() * 4 for t in values(0)]
+    assert cut(nbytes, [torch.float32] * 6, 64) == [[0, 1], [2], [3], [4], [5]]
+    assert cut([0, 12], [torch.float32] * 2, 64) == [[0, 1]]  # an empty shard first
+    assert cut([4, 4, 4], [torch.float32, torch.bfloat16, torch.bfloat16], 64) == [[0], [1, 2]]  # one dtype a bucket
     expected = [a + b for a, b in zip(values(0), values(1))]
     mine = values(rank)
     reduced, all_reduce = [], dist.all_reduce

@@ -10,18 +10,19 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 | dp2_pp2         | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | overlapped, FSDP2 vision      |
 | varied_pp2      | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | images of own sizes, balanced per microbatch, lean window |
 | tp_sp_pp2       | dp2 (0-1)        | tp2·pp2 + sp (2-5)        | 6     | 1F1B                 | overlapped, meta; head on loss rows only |
-| fan_in_pp2_dp2  | dp3 (0-2)        | pp2·dp2 (3-6)             | 7     | GPipe                | dp 3 -> 2 per microbatch      |
+| fan_in_pp2_dp2  | dp3 (0-2)        | pp2·dp2 (3-6)             | 7     | GPipe                | dp 3 -> 2 per microbatch; no FSDP2: dp sums during backward |
 | interleaved     | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | Interleaved1F1B      | compiled stages, meta; head on loss rows only |
-| coloc_pp2_dp2   | dp4 (0-3)        | pp2·dp2 (0-3)             | 4     | 1F1B                 | colocated three phases        |
+| coloc_pp2_dp2   | dp4 (0-3)        | pp2·dp2 (0-3)             | 4     | 1F1B                 | colocated three phases; no FSDP2: dp sums during backward |
 | coloc_recompute | dp4 (0-3)        | pp2·dp2 (0-3)             | 4     | 1F1B                 | colocated, vision graphs freed (`recompute_colocated`), FSDP2 |
 | coloc_pp1_recompute | dp2 (0-1)    | dp2 (0-1)                 | 2     | one stage, 4 mb      | colocated at pp = 1, graphs freed |
-| coloc_two_recompute | dp2 (0-1) + audio dp2 (0-1) | dp2 (0-1)  | 2     | one stage, 4 mb      | two recomputed encoders, each reduced once (FSDP2) |
+| coloc_two_recompute | dp2 (0-1) + audio dp2 (0-1) | dp2 (0-1)  | 2     | one stage, 4 mb      | two recomputed encoders: vision reduced once (FSDP2), audio summed during its last backward |
 | cp_pp2          | dp2 (0-1)        | cp2·pp2 (2-5)             | 6     | 1F1B                 | packed rows, Partial gradient, meta |
 | two_hop_cp_pp2  | tp2 (0-1)        | cp2·pp2 (2-5)             | 6     | 1F1B                 | two hops per crossing: cp all-gather, cp reduce-scatter, vision tp all-gather |
-| overlap_pp1     | dp2 (0-1)        | dp2 (2-3)                 | 4     | 1F1B (one stage)     | pp = 1, microbatches overlap; step 1 text only |
+| overlap_pp1     | dp2 (0-1)        | dp2 (2-3)                 | 4     | 1F1B (one stage)     | pp = 1, microbatches overlap; step 1 text only; no FSDP2: dp sums during backward |
 | frozen_vision   | dp2 (0-1), frozen| pp2 (2-3)                 | 4     | 1F1B                 | three phases, no backward crossing |
 | vision_pp2      | pp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B (vision GPipe)  | encoder stages, items padded  |
 | vision_pp2_dp2  | pp2·dp2 (0-3)    | dp1 (4)                   | 5     | 1F1B (one stage)     | encoder stages + FSDP, fan-in, meta |
+| vision_pp2_dp2_summed | pp2·dp2 (0-3) | dp1 (4)                | 5     | 1F1B (one stage)     | the same without FSDP2: dp sums during the stages' backward |
 | vision_pp2_1mb  | pp2 (0-1)        | dp1 (2)                   | 3     | GPipe, 1 microbatch  | encoder stages without overlap|
 | looped_bfs      | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | LoopedBFS            | backwards last microbatch first|
 | zero_bubble     | dp1 (0)          | pp2, 2 virtual (1-2)      | 3     | InterleavedZeroBubble| split backward, eager; 8 microbatches (crossing window 4) |
@@ -44,6 +45,10 @@ from tests.test_mimo import Case, check_against_reference, check_encoded_shares,
 
 P = Parallelism
 MB4 = PipelineConfig(microbatches=4)
+# Without FSDP2: dp sums by `GradientReducer`, in buckets of about 1 KiB (a parameter or two
+# each), most of them launched while the module's last backward runs.
+NO_FSDP = dict(fsdp=False, grad_bucket_mb=1 / 1024)
+SUMMED = {n: ParallelOptions(**NO_FSDP) for n in ("vision", "language")}
 
 
 def _case(vision: Parallelism, language: Parallelism, pipeline: PipelineConfig = MB4, **kw) -> Case:
@@ -56,26 +61,28 @@ CASES = {
     "varied_pp2": _case(P(dp=2), P(pp=2), varied=True),
     "tp_sp_pp2": _case(P(dp=2), P(pp=2, tp=2), options={"language": ParallelOptions(sp=True)}, meta=True,
                        loss_chunk_rows=16),
-    "fan_in_pp2_dp2": _case(P(dp=3), P(pp=2, dp=2), PipelineConfig(microbatches=4, schedule="GPipe")),
+    "fan_in_pp2_dp2": _case(P(dp=3), P(pp=2, dp=2), PipelineConfig(microbatches=4, schedule="GPipe"),
+                            options=SUMMED),
     "interleaved": _case(P(dp=2), P(pp=2), PipelineConfig(microbatches=4, schedule="Interleaved1F1B",
                                                           virtual_stages=2),
                          options={"language": ParallelOptions(compile=True, compile_backend="aot_eager")},
                          meta=True, loss_chunk_rows=16),
-    "coloc_pp2_dp2": _case(P(dp=4), P(pp=2, dp=2), offsets={"vision": 0, "language": 0}),
+    "coloc_pp2_dp2": _case(P(dp=4), P(pp=2, dp=2), offsets={"vision": 0, "language": 0}, options=SUMMED),
     "coloc_recompute": _case(P(dp=4), P(pp=2, dp=2), offsets={"vision": 0, "language": 0},
                              options={"vision": ParallelOptions(recompute_colocated=True)}),
     "coloc_pp1_recompute": _case(P(dp=2), P(dp=2), offsets={"vision": 0, "language": 0},
                                  options={"vision": ParallelOptions(recompute_colocated=True)}),
     "coloc_two_recompute": Case({"vision": P(dp=2), "audio": P(dp=2), "language": P(dp=2)},
                                 offsets={"vision": 0, "audio": 0, "language": 0}, pipeline=MB4, batch_size=8,
-                                n_layers=4, options={n: ParallelOptions(recompute_colocated=True)
-                                                     for n in ("vision", "audio")}),
+                                n_layers=4, options={"vision": ParallelOptions(recompute_colocated=True),
+                                                     "audio": ParallelOptions(recompute_colocated=True, **NO_FSDP)}),
     "cp_pp2": _case(P(dp=2), P(pp=2, cp=2), packed=True, meta=True),
     "two_hop_cp_pp2": _case(P(tp=2), P(pp=2, cp=2), packed=True, bridge_hops=2),
-    "overlap_pp1": _case(P(dp=2), P(dp=2), text_only_steps=(1,)),
+    "overlap_pp1": _case(P(dp=2), P(dp=2), text_only_steps=(1,), options=SUMMED),
     "frozen_vision": _case(P(dp=2), P(pp=2), frozen=("vision",)),
     "vision_pp2": _case(P(pp=2), P(pp=2)),
     "vision_pp2_dp2": _case(P(pp=2, dp=2), P(), meta=True),
+    "vision_pp2_dp2_summed": _case(P(pp=2, dp=2), P(), options=SUMMED),
     "vision_pp2_1mb": _case(P(pp=2), P(), PipelineConfig(microbatches=1, schedule="GPipe")),
     "looped_bfs": _case(P(dp=2), P(pp=2), PipelineConfig(microbatches=4, schedule="LoopedBFS", virtual_stages=2)),
     "zero_bubble": _case(P(), P(pp=2), PipelineConfig(microbatches=8, schedule="InterleavedZeroBubble",
@@ -104,6 +111,23 @@ def test_pipelined_training_matches_single_process(name: str) -> None:
     per_rank = check_against_reference(CASES[name])
     check_route(CASES[name], per_rank)
     check_encoded_shares(CASES[name], per_rank)
+    check_sums_overlapped(CASES[name], per_rank)
+
+
+def check_sums_overlapped(case, per_rank: list[list[dict]]) -> None:
+    """Modules without FSDP2 at dp > 1 launched dp sums while backward ran (`GradientReducer`): the
+    language model on each of its ranks every step, an encoder on some rank in some step (a rank
+    without items in its last microbatch has nothing to send early)."""
+    early: dict[str, list[int]] = {}
+    for records in per_rank:
+        for step, r in enumerate(records):
+            for name, n in r["early_buckets"].items():
+                early.setdefault(name, []).append(n)
+                if name == "language":
+                    assert n > 0, f"rank's language reducer launched nothing early in step {step}"
+    expected = {n for n, o in case.options.items() if not o.fsdp and case.modules[n].dp > 1}
+    assert early.keys() == expected, (early, expected)
+    assert all(sum(v) > 0 for v in early.values()), early
 
 
 def test_crossings_recycle_their_receive_buffers() -> None:

@@ -262,6 +262,14 @@ class MimoLayout:
             raise RuntimeError("call layout.init_meshes(device_type) on every rank before layout.mesh()")
         return self._meshes.get(self._check_name(name), dims)
 
+    def own_dp_group(self, name: str):
+        """A process group of its own over this rank's dp·cp ranks of module `name` (None off
+        the module): `ModuleMeshes.own_dp_group`. Collective: call on every rank, for the same
+        modules in the same order."""
+        if self._meshes is None:
+            raise RuntimeError("call layout.init_meshes(device_type) on every rank before layout.own_dp_group()")
+        return self._meshes.own_dp_group(self._check_name(name))
+
     # ------------------------------------------------------------------ internals
     def _rank_of(self, name: str, coord: Mapping[str, int]) -> int:
         local = 0

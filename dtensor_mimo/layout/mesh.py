@@ -93,6 +93,24 @@ class ModuleMeshes:
                 if group.size() > 1:
                     dist.all_reduce(torch.zeros(1, device=device), group=group)
 
+    def own_dp_group(self, name: str) -> dist.ProcessGroup | None:
+        """A new process group over this rank's dp·cp ranks of module `name`, which nothing else
+        uses (None off the module). DeviceMesh shares one group among meshes of the same ranks (a
+        colocated encoder's dp and the language model's cp, say), so collectives whose order is
+        decided per rank at run time (`GradientReducer`'s buckets) get their own. Collective over
+        the world: every rank calls it for the same modules in the same order, and makes every
+        one of the module's dp·cp groups, one per (pp, tp) coordinate."""
+        par = self._layout.parallelism(name)
+        grid = torch.tensor(self._layout.ranks(name)).reshape(par.pp, par.dp * par.cp, par.tp)
+        rank, mine = dist.get_rank(), None
+        for pp in range(par.pp):
+            for tp in range(par.tp):
+                ranks = grid[pp, :, tp].tolist()
+                group = dist.new_group(ranks, timeout=default_timeout())
+                if rank in ranks:
+                    mine = group
+        return mine
+
     def get(self, name: str, dims: str | tuple[str, ...] | None = None) -> DeviceMesh:
         mesh = self._meshes[name]
         if dims is None:

@@ -128,7 +128,8 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
       mask and each modality's items and tokens per sample; `agreed`);
     - a parameter's ``requires_grad`` changed after the model was built (the step runs with the
       trainable set as built, so the crossings match on every rank, then is refused);
-    - the step found encoder rows that contradict the batch metadata (`MimoModel.run`'s result);
+    - the step found encoder rows that contradict the batch metadata (`MimoModel.run`'s result),
+      or a gradient accumulated after its dp sum had started (`MimoModel.reduce_gradients`);
     - a rank passed ``unusable``: it could not build its part of `batch` (a media file that does
       not decode) and ran the step on stand-ins of the same shapes (zeros) so that no peer waits
       for it: `UnusableBatch` on every rank.
@@ -168,7 +169,7 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
                 middle = _mark(model.device)
                 timings["forward_backward"] = _between(start, middle)
             with phase("reduce gradients"):
-                model.reduce_gradients()
+                stale = model.reduce_gradients()
         loss_part = result.loss.detach().double().reshape(1) if model.holds_loss_share() else \
             torch.zeros(1, dtype=torch.float64, device=model.device)
         # The status words: ranks whose encoder rows contradicted the batch metadata (the result's
@@ -176,7 +177,8 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
         # the batch fingerprint's agreement terms, the votes; and, not all-reduced, what the status
         # words and the terms sum to in a step every rank may apply.
         world = dist.get_world_size()
-        words = torch.tensor([float(result.error is not None), float(bool(changed)), float(unusable),
+        error = result.error or stale
+        words = torch.tensor([float(error is not None), float(bool(changed)), float(unusable),
                               *agreement_terms(fp), *map(float, votes), 0.0, 0.0, 0.0, *agreed_sums(fp, world)],
                              dtype=torch.float64).to(model.device, non_blocking=True)
         totals = torch.cat([loss_part, words[:-5], grad_sumsq_shares(model)])
@@ -212,9 +214,9 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
             "building the MimoModel (and its MimoOptimizer). The step was not applied")
     if bad:
         optimizer.zero_grad()
-        raise PlanError(result.error or (
-            f"{int(bad)} rank(s) produced encoder rows that disagree with the batch "
-            "metadata (their error names the encoder and the shapes); the step was not applied"))
+        raise PlanError(error or (
+            f"{int(bad)} rank(s) produced encoder rows that disagree with the batch metadata, or gradients "
+            "summed before their last accumulation (their error names which); the step was not applied"))
     grad_norm = math.sqrt(sum(sumsq))
     skipped = not optimizer.settle(not skipped_on_device)  # the device's verdict: a non-finite norm
     if skipped and dist.get_rank() == 0:  # the same verdict on every rank: said once

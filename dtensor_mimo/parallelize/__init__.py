@@ -8,7 +8,8 @@ dp with gradients summed, optional per-block torch.compile.
 | part.py             | `parallelize`: the one order (tp, checkpointing, compile, FSDP2) |
 | language.py         | the Llama decoder's tensor parallel plan                         |
 | encoders.py         | ViT / audio and projection tensor parallel plans                 |
-| fsdp.py             | `apply_fsdp` (sum over dp), `allreduce_gradients`                |
+| fsdp.py             | `apply_fsdp` (sum over dp)                                       |
+| reducer.py          | without FSDP2: `GradientReducer` (buckets during backward), `allreduce_gradients` |
 | precision.py        | mixed precision: FSDP2 policy or autocast, `compute_dtype`       |
 | replicas.py         | tp-replicated gradients made identical, replica comparison       |
 | checkpointing.py    | `checkpoint_blocks`: activation checkpointing per block          |
@@ -18,7 +19,7 @@ dp with gradients summed, optional per-block torch.compile.
 
 from dtensor_mimo.parallelize.checkpointing import checkpoint_blocks
 from dtensor_mimo.parallelize.compile import compile_blocks
-from dtensor_mimo.parallelize.fsdp import allreduce_gradients, apply_fsdp
+from dtensor_mimo.parallelize.fsdp import apply_fsdp
 from dtensor_mimo.parallelize.options import ParallelOptions
 from dtensor_mimo.parallelize.part import (
     parallelize,
@@ -27,6 +28,7 @@ from dtensor_mimo.parallelize.part import (
     parallelize_projection,
     stacks,
 )
+from dtensor_mimo.parallelize.reducer import GradientReducer, allreduce_gradients
 from dtensor_mimo.parallelize.precision import apply_data_parallel, autocast_forward, compute_dtype, uses_fsdp
 from dtensor_mimo.parallelize.replicas import (
     finish_gradients,
@@ -37,6 +39,7 @@ from dtensor_mimo.parallelize.replicas import (
 )
 
 __all__ = [
+    "GradientReducer",
     "ParallelOptions",
     "allreduce_gradients",
     "apply_data_parallel",

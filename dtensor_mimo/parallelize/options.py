@@ -159,6 +159,15 @@ class ParallelOptions:
             and, on CUDA, compute capability 8.9+ (emulated on the CPU). On CUDA also layers
             whose float8 matmuls torchao measured slower than bf16 stay in the compute dtype
             (`dtensor_mimo.parallelize.fp8.fp8_pays`).
+        overlap_grad_reduce: without FSDP2 at dp·cp > 1: the gradients are summed over dp·cp in
+            buckets launched while backward still runs, each as soon as the module's last
+            backward of the step has produced all of its gradients (DDP-style;
+            `dtensor_mimo.parallelize.reducer`), on a process group of the module's own. Costs
+            up to one copy of the module's gradients in the reduce dtype while the sums are in
+            flight. False: every bucket after backward, two in flight (`allreduce_gradients`).
+            Numerics unchanged.
+        grad_bucket_mb: about how many MiB one gradient all-reduce carries without FSDP2 (the
+            buckets of `overlap_grad_reduce`, and of the sums after backward).
     """
 
     sp: bool = False
@@ -177,7 +186,9 @@ class ParallelOptions:
     recompute_colocated: bool = False
     balance: bool | None = None
     fp8: FP8Recipe | None = None
-    compile_options: dict[str, Any] | None = field(default=None, hash=False)  # last: positions kept
+    compile_options: dict[str, Any] | None = field(default=None, hash=False)  # it and those after: positions kept
+    overlap_grad_reduce: bool = True
+    grad_bucket_mb: float = 32.0
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -188,10 +199,14 @@ class ParallelOptions:
                 raise TypeError(f"ParallelOptions: {name}={value!r} must be a floating dtype such as "
                                 f"torch.bfloat16, one of {sorted(DTYPES)}, or None")
         flags = {n: getattr(self, n) for n in ("sp", "fsdp", "compile", "reshard_after_forward",
-                                               "loss_parallel", "chunked_loss", "recompute_colocated")}
+                                               "loss_parallel", "chunked_loss", "recompute_colocated",
+                                               "overlap_grad_reduce")}
         wrong = {n: v for n, v in flags.items() if not isinstance(v, bool)}
         if wrong:
             raise TypeError(f"ParallelOptions: {wrong} must be True or False")
+        mb = self.grad_bucket_mb
+        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
+            raise TypeError(f"ParallelOptions: grad_bucket_mb={mb!r} must be a number of MiB > 0 (e.g. 32)")
         if self.flex_attention not in (None, True, False):
             raise TypeError(f"ParallelOptions: flex_attention={self.flex_attention!r} must be True, False or None "
                             "(None: on for the library's decoder at cp = 1 on CUDA of compute capability 9.0+)")
@@ -317,6 +332,11 @@ class ParallelOptions:
             return self.flex_attention
         return (library_decoder and device.type == "cuda" and cp == 1
                 and torch.cuda.get_device_capability(device) >= FLEX_MIN_CAPABILITY)
+
+    @property
+    def grad_bucket_bytes(self) -> int:
+        """`grad_bucket_mb` in bytes."""
+        return max(1, int(self.grad_bucket_mb * 2**20))
 
     @property
     def gradient_reduce_dtype(self) -> torch.dtype | None:

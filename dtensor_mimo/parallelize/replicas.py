@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dtensor_mimo.parallelize.fsdp import allreduce_gradients, sum_in_place
+from dtensor_mimo.parallelize.reducer import GradientReducer, allreduce_gradients, sum_in_place
 from dtensor_mimo.parallelize.options import ParallelOptions
 from dtensor_mimo.parallelize.precision import uses_fsdp
 
@@ -109,7 +109,8 @@ def replica_problems(name: str, params: Mapping[str, nn.Parameter], tp_mesh: Dev
 
 @torch.no_grad()
 def finish_gradients(module: nn.Module, params: Mapping[str, nn.Parameter], tp_mesh: DeviceMesh | None,
-                     dp_mesh: DeviceMesh | None, options: ParallelOptions) -> None:
+                     dp_mesh: DeviceMesh | None, options: ParallelOptions,
+                     reducer: GradientReducer | None = None) -> str | None:
     """After backward, make `module`'s gradients (`params`: its parameters by name) what
     clipping and the optimizer expect: summed over `dp_mesh` without FSDP2 (FSDP2 already did),
     tp-replicated ones made identical (`reduce_tp_replicated_gradients`), and every gradient put
@@ -118,11 +119,17 @@ def finish_gradients(module: nn.Module, params: Mapping[str, nn.Parameter], tp_m
     embedding backward gives the whole table's gradient on every tp rank). So each rank keeps
     only its shard of every gradient, and AdamW's fused kernel steps the gradients themselves,
     not redistributed copies (whose clipping, `MimoOptimizer.launch`, would not be written back).
-    Call on every rank of the module's meshes."""
+    `reducer`: the module's `GradientReducer`, whose buckets backward may already have launched
+    (it then does the dp sums; returns its complaint, if any). Call on every rank of the
+    module's meshes."""
     for param in params.values():  # first: a replicated gradient sharded crosses dp 1/tp as large
         grad = param.grad
         if isinstance(grad, DTensor) and grad.placements != param.placements:
             param.grad = grad.redistribute(param.device_mesh, param.placements)
-    if not uses_fsdp(options, dp_mesh):
-        allreduce_gradients(module, dp_mesh, options.gradient_reduce_dtype)
+    problem = None
+    if reducer is not None:
+        problem = reducer.finish()
+    elif not uses_fsdp(options, dp_mesh):
+        allreduce_gradients(module, dp_mesh, options.gradient_reduce_dtype, options.grad_bucket_bytes)
     reduce_tp_replicated_gradients(params, tp_mesh)
+    return problem

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Collection, Iterator, Mapping, Sequence
+from typing import Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -337,12 +337,18 @@ class LocalEncoders:
         rows = self.encoders[name](torch.cat([x, x.new_zeros(bucket - len(x), *x.shape[1:])]))
         return rows[: len(rows) // bucket * len(x)].to(self.dtype)
 
-    def backward(self, grads: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+    def backward(self, grads: Mapping[int, Mapping[str, torch.Tensor]],
+                 arm: Callable[[str], None] | None = None) -> None:
         """The backward of the microbatches in `grads` (``{k: {encoder: gradient of its rows}}``):
         the kept graphs in one call, then each recomputed microbatch's forward and backward in
         turn, each recomputed encoder reducing once, in its last one (a zero gradient for rows that
-        disagreed with the plan, so every rank of an encoder runs the same backward)."""
+        disagreed with the plan, so every rank of an encoder runs the same backward). `arm`: this
+        is the step's last backward, and `arm(name)` comes right before each encoder's last
+        backward call (its dp sums then start as its gradients come)."""
         outputs = {k: self.outputs.pop(k, {}) for k in grads}
+        if arm is not None:
+            for n in {n for out in outputs.values() for n in out if n not in self.recompute}:
+                arm(n)
         _backward([{n: o for n, o in out.items() if n not in self.recompute} for out in outputs.values()],
                   list(grads.values()))
         steps = [(k, n) for k, out in outputs.items() for n in out if n in self.recompute]
@@ -351,6 +357,8 @@ class LocalEncoders:
             for i, (k, n) in enumerate(steps):
                 if last[n] == i:
                     accumulation.last(n)
+                    if arm is not None:
+                        arm(n)
                 x = self.inputs[k][n]
                 with _replayed(self._rng.pop((k, n)), x.device):
                     rows = self._rows(n, x)

@@ -32,7 +32,7 @@ from dtensor_mimo.bridge.hops import Delivery
 from dtensor_mimo.data import MimoBatch, ModalityInputs, microbatches, shard
 from dtensor_mimo.data.balance import encoder_cuts
 from dtensor_mimo.layout import MimoLayout
-from dtensor_mimo.parallelize import ParallelOptions
+from dtensor_mimo.parallelize import GradientReducer, ParallelOptions
 from dtensor_mimo.schedule.config import PipelineConfig
 from dtensor_mimo.schedule.crossing import Crossing, CrossingSetup
 from dtensor_mimo.schedule.encoders import Accumulation, EncoderPipeline, LocalEncoders, independent_items
@@ -62,6 +62,9 @@ class RankParts:
         overlapped: every encoder trains on ranks of its own.
         hops: the crossings' route (None: per direction).
         buffers: where crossings receive (recycled across steps).
+        reducers: the `GradientReducer` of each module this rank holds whose dp sums start
+            during backward: armed before the module's last backward of a training step
+            (`expect` for torch's schedules), flushed after it.
     """
 
     layout: MimoLayout
@@ -81,6 +84,7 @@ class RankParts:
     overlapped: bool
     hops: int | None = None
     buffers: BufferPool | None = field(default=None, compare=False)
+    reducers: Mapping[str, GradientReducer] = field(default_factory=dict, compare=False)
 
     @functools.cached_property
     def crossing_setup(self) -> CrossingSetup:
@@ -213,10 +217,16 @@ class _Run:
         ks = range(len(self.crossings)) if a.microbatch is None else [a.microbatch]
         grads = {k: {n: p.wait() for n, p in zip(self.crossings[k].backward_names, self.grads.pop(k, []))}
                  for k in ks}
-        if self.accumulation is not None and a.microbatch == len(self.crossings) - 1:
+        last = a.microbatch is None or a.microbatch == len(self.crossings) - 1
+        if self.accumulation is not None and last:
             for n in self.local.encoders:  # the last backward reduces (and reshards) the accumulated state
                 self.accumulation.last(n)
-        self.local.backward(grads)
+        reducers = {n: r for n, r in self.parts.reducers.items() if n in self.local.encoders}
+        # The step's last backward of each encoder: its dp sums start as its gradients come.
+        self.local.backward(grads, arm=(lambda n: reducers[n].arm() if n in reducers else None) if last else None)
+        if last:
+            for reducer in reducers.values():
+                reducer.flush()
 
     def do_encoder_pipeline(self, a: Action) -> None:
         name, pipeline = a.module, self.parts.encoder_pipelines[a.module]
@@ -228,9 +238,14 @@ class _Run:
             if rows is not None:
                 self.local.outputs.setdefault(0, {})[name] = rows
         else:
+            reducer = self.parts.reducers.get(name)
+            if reducer is not None:
+                reducer.expect(len(self.items))  # the stage's last backward in torch's GPipe arms it
             pipeline.run([per[name].to(self.parts.device).inputs for per in self.items],
                          [per[name].num_items for per in self.items], tuple(modality.inputs.shape[1:]),
                          modality.tokens_per_item, self.parts.dim, self.crossings)
+            if reducer is not None:
+                reducer.flush()
         if pipeline.stage.error:
             self.errors.append(pipeline.stage.error)
         pipeline.stage.error = None
@@ -275,7 +290,12 @@ class _Run:
                 self.feed = LanguageFeed(self.crossings, [parts.trainable[n] for n in self.shape.encoders],
                                          self.received, crossing_posts(a.nested))
                 self.received = {}
+            reducer = parts.reducers.get(parts.language_name)
+            if reducer is not None:
+                reducer.expect(len(self.mbs))  # each stage's last backward in torch's schedule arms it
             self.loss = language.run([shard(mb, par.dp, dp_rank) for mb in self.mbs], self.normalizer, self.feed)
+            if reducer is not None:
+                reducer.flush()
             return
         local = shard(self.mbs[0], par.dp, dp_rank)
         out = language.run_once(local, self.rows, self.normalizer, predicting=a.module == "predict")

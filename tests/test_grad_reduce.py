@@ -1,0 +1,177 @@
+"""`GradientReducer` on 2 gloo ranks: dp sums launched during backward, against sums computed here.
+
+Each rank trains a small MLP on its own microbatches; the expected gradients are computed in the
+test process's rank itself by running BOTH ranks' microbatches through a plain copy of the model
+(no collective), so a wrong sum, a bucket reduced before its last accumulation or a lost
+presence flag shows as a difference. Buckets of 64 bytes put one or two parameters in each, so
+that most of them leave while backward runs. The library-wide checks (every layout and schedule
+against the single-process run) are `tests/test_mimo.py` and `tests/test_pipeline.py`, whose
+cases without FSDP2 go through the same reducer.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtensor_mimo.parallelize import GradientReducer
+from tests.harness import run_on_ranks
+
+
+class _Net(nn.Module):
+    """Three Linear layers; `only_rank0` is used on rank 0's data only, `never` by nobody."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        # Registered first, so last in launch order: the bucket holding them waits for `finish`
+        # (no gradient anywhere, or none on rank 1), the others leave during backward.
+        self.only_rank0 = nn.Parameter(torch.randn(3))
+        self.never = nn.Parameter(torch.randn(2))
+        self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        y = self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+        return y * self.only_rank0 if rank == 0 else y
+
+
+def _data(rank: int, mb: int) -> torch.Tensor:
+    return torch.randn(5, 4, generator=torch.Generator().manual_seed(100 * rank + mb))
+
+
+def _expected(net: _Net, microbatches: int) -> dict[str, torch.Tensor | None]:
+    """Both ranks' gradients summed, computed here without a collective."""
+    ref = copy.deepcopy(net)
+    for r in range(2):
+        for mb in range(microbatches):
+            ref(_data(r, mb), r).square().sum().backward()
+    return {n: None if p.grad is None else p.grad.clone() for n, p in ref.named_parameters()}
+
+
+def _matches(net: nn.Module, expected: dict) -> bool:
+    return all((p.grad is None) == (expected[n] is None) and (p.grad is None or torch.allclose(p.grad, expected[n]))
+               for n, p in net.named_parameters())
+
+
+def _armed_last_backward(dtype: str | None) -> dict:
+    """Three microbatches, `arm` before the last: buckets leave during its backward; the sums,
+    the parameter used on one rank only and the one used nowhere (None) come out right, also
+    with the sums in bf16."""
+    rank = dist.get_rank()
+    net = _Net()
+    expected = _expected(net, 3)
+    reduce_dtype = getattr(torch, dtype) if dtype else None
+    reducer = GradientReducer(dict(net.named_parameters()), dist.new_group([0, 1]), reduce_dtype, bucket_bytes=64)
+    launched = []
+    for mb in range(3):
+        if mb == 2:
+            reducer.arm()
+        net(_data(rank, mb), rank).square().sum().backward()
+        launched.append(reducer._next)
+    problem = reducer.finish()
+    if reduce_dtype is not None:  # bf16 sums: compare loosely
+        ok = all((p.grad is None) == (expected[n] is None) and
+                 (p.grad is None or torch.allclose(p.grad, expected[n], rtol=2e-2, atol=1e-2))
+                 for n, p in net.named_parameters())
+    else:
+        ok = _matches(net, expected)
+    return {"ok": ok, "problem": problem, "launched": launched, "buckets": len(reducer.buckets),
+            "early": reducer.early, "never": net.never.grad is None, "dtype": net.a.weight.grad.dtype}
+
+
+def test_buckets_leave_during_the_armed_backward() -> None:
+    for dtype in (None, "bfloat16"):
+        for r in run_on_ranks(_armed_last_backward, 2, dtype, timeout=60):
+            assert r["ok"] and r["problem"] is None and r["never"] and r["dtype"] == torch.float32, r
+            # nothing before the armed backward; during it, every bucket but the last (`never`
+            # and `only_rank0`: no gradient on one rank at least), which `finish` sends
+            assert r["launched"] == [0, 0, r["buckets"] - 1] and r["early"] == r["buckets"] - 1 > 3, r
+
+
+class _Stage(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def _pipelined(shared: bool) -> dict:
+    """Two watched stages on this rank, four microbatches in a 1F1B-like order (F0 F1 B0 F2 B1
+    F3 B2 B3, each backward through both stages as a schedule's would be): `expect(4)` arms each
+    stage at its fourth backward, and its buckets leave then. With `shared`, the two stages
+    share their weight: that parameter never leaves early, and the sums stay right."""
+    rank = dist.get_rank()
+    first, second = _Stage(1), _Stage(2)
+    if shared:
+        second.lin.weight = first.lin.weight
+    model = nn.ModuleDict({"first": first, "second": second})
+    params = {n: p for n, p in model.named_parameters()}
+    ref = copy.deepcopy(model)
+    for r in range(2):
+        for mb in range(4):
+            ref["second"](ref["first"](_data(r, mb))).sum().backward()
+    reducer = GradientReducer(params, dist.new_group([0, 1]), bucket_bytes=64)
+    reducer.watch(first)
+    reducer.watch(second)
+    reducer.expect(4)
+    outs, order = {}, ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    before_last = None
+    for action in order:
+        mb = int(action[1])
+        if action[0] == "F":
+            outs[mb] = second(first(_data(rank, mb)))
+        else:
+            if mb == 3:
+                before_last = reducer._next
+            outs.pop(mb).sum().backward()
+    after = reducer._next
+    problem = reducer.finish()
+    ok = all(torch.allclose(p.grad, dict(ref.named_parameters())[n].grad) for n, p in params.items())
+    return {"ok": ok, "problem": problem, "before_last": before_last, "after": after, "early": reducer.early,
+            "buckets": len(reducer.buckets)}
+
+
+def test_watched_stages_arm_at_their_last_backward() -> None:
+    for shared in (False, True):
+        for r in run_on_ranks(_pipelined, 2, shared, timeout=60):
+            assert r["ok"] and r["problem"] is None and r["before_last"] == 0, r
+            if shared:  # the shared weight is the last parameter in launch order: every bucket before it left
+                assert 0 < r["after"] < r["buckets"], r
+            else:
+                assert r["after"] == r["buckets"] == r["early"], r
+
+
+def _stale_and_by_hand() -> dict:
+    """A gradient accumulated after its bucket left makes `finish` say so (on both ranks, the
+    same collectives issued); gradients accumulated by hand (no hook, as torch's zero-bubble
+    weight backward does) go in `finish`, and their sums are right."""
+    rank = dist.get_rank()
+    net = _Net()
+    reducer = GradientReducer(dict(net.named_parameters()), dist.new_group([0, 1]), bucket_bytes=64)
+    reducer.arm()
+    net(_data(rank, 0), rank).square().sum().backward()
+    net(_data(rank, 1), rank).square().sum().backward()  # after the buckets left
+    stale = reducer.finish()
+    for p in net.parameters():
+        p.grad = None
+    expected = _expected(net, 1)
+    local = copy.deepcopy(net)
+    local(_data(rank, 0), rank).square().sum().backward()
+    reducer.arm()
+    for p, q in zip(net.parameters(), local.parameters()):
+        if q.grad is not None:
+            p.grad = q.grad.clone()  # by hand: no accumulation hook fires
+    by_hand = reducer.finish()
+    return {"stale": stale, "by_hand": by_hand, "early": reducer.early, "ok": _matches(net, expected)}
+
+
+def test_stale_accumulation_is_reported_and_hand_accumulation_waits() -> None:
+    for r in run_on_ranks(_stale_and_by_hand, 2, timeout=60):
+        assert r["stale"] is not None and "c.bias" in r["stale"] and "overlap_grad_reduce=False" in r["stale"], r
+        assert r["by_hand"] is None and r["early"] == 0 and r["ok"], r
