@@ -178,10 +178,13 @@ class MimoModel(nn.Module):
         module's pipeline stages (torch's schedules run their backwards: `expect`); the executor
         arms a pp = 1 encoder itself."""
         reducers = {}
+        self._overlapped = []  # the modules with reducers, known on every rank
+        self._sums_pending = False  # a training run's sums are in flight: `reduce_gradients` comes next
         for name in self.module_names:
             opts, par = self.options[name], self.layout.parallelism(name)
             if not (opts.overlap_grad_reduce and not opts.fsdp and par.dp * par.cp > 1 and trainable[name]):
                 continue
+            self._overlapped.append(name)
             group = self.layout.own_dp_group(name)
             params = {n: p for n, p in self._collect_parameters(name).items() if p.requires_grad}
             if group is None or not params:
@@ -333,6 +336,13 @@ class MimoModel(nn.Module):
         if mode == "train" and self.pipelined:
             check_microbatching(batch.batch_size, self.pipeline.microbatches,
                                 self.layout.parallelism(self.language_name).dp, self.language_name)
+        if self._sums_pending and mode != "predict" and torch.is_grad_enabled():
+            # Every rank makes the same calls, so every rank refuses here alike, before any collective.
+            raise RuntimeError(
+                f"MimoModel: the last training run's gradient sums over dp are in flight (modules {self._overlapped} "
+                "sum them during backward: ParallelOptions.overlap_grad_reduce), so this run's gradients cannot "
+                "accumulate onto them; call model.reduce_gradients() (or zero_grad()) first, accumulate over "
+                "microbatches (PipelineConfig.microbatches), or set overlap_grad_reduce=False for those modules")
         check = mode != "train" and self._new_item_kinds(batch)
         actions = self.parts.program(batch, mode, check)
         if self.graph_memory is not None:
@@ -340,6 +350,7 @@ class MimoModel(nn.Module):
         result = execute(self.parts, actions, batch, self.parts.shape(batch, mode, check), loss_normalizer(batch))
         if self.graph_memory is not None:
             self.graph_memory.ran(mode, result.loss)
+        self._sums_pending = mode == "train" and bool(self._overlapped)
         if mode != "train":
             self._shapes_checked.update(_item_kinds(batch, self.encoder_names))
         return result
@@ -455,6 +466,15 @@ class MimoModel(nn.Module):
         super().zero_grad(set_to_none)
         if set_to_none and self.graph_memory is not None:
             self.graph_memory.release()
+        self.drop_pending_sums()
+
+    def drop_pending_sums(self) -> None:
+        """Drop the dp sums a training run left in flight (`GradientReducer.discard`: every rank
+        still issues each bucket once), for gradients being dropped; ``zero_grad`` and
+        `MimoOptimizer.zero_grad` call it. Call on every rank."""
+        for reducer in self.gradient_reducers.values():
+            reducer.discard()
+        self._sums_pending = False
 
     def reduce_gradients(self) -> str | None:
         """Finish this rank's gradients after backward (call on every rank): dp (dp·cp) sums for
@@ -466,6 +486,7 @@ class MimoModel(nn.Module):
         after its bucket left, `GradientReducer.finish`): `train_step` agrees on it with the
         other ranks and refuses the step on every one."""
         problems = []
+        self._sums_pending = False
         for name in self.module_names:
             params = self.module_parameters(name)
             if params:

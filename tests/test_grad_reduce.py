@@ -148,9 +148,11 @@ def test_watched_stages_arm_at_their_last_backward() -> None:
 
 
 def _stale_and_by_hand() -> dict:
-    """A gradient accumulated after its bucket left makes `finish` say so (on both ranks, the
-    same collectives issued); gradients accumulated by hand (no hook, as torch's zero-bubble
-    weight backward does) go in `finish`, and their sums are right."""
+    """A gradient accumulated after its bucket left makes `finish` say so, through the hook or by
+    hand (its version moved; on both ranks, the same collectives issued); `discard` drops a
+    step's sums with every bucket still issued once, so the next step's sums are right; gradients
+    accumulated by hand before any launch (no hook, as torch's split weight backward does) go in
+    `finish`, and their sums are right."""
     rank = dist.get_rank()
     net = _Net()
     reducer = GradientReducer(dict(net.named_parameters()), dist.new_group([0, 1]), bucket_bytes=64)
@@ -158,8 +160,19 @@ def _stale_and_by_hand() -> dict:
     net(_data(rank, 0), rank).square().sum().backward()
     net(_data(rank, 1), rank).square().sum().backward()  # after the buckets left
     stale = reducer.finish()
-    for p in net.parameters():
-        p.grad = None
+    net.zero_grad()
+    reducer.arm()
+    net(_data(rank, 0), rank).square().sum().backward()
+    net.b.weight.grad += 1  # by hand, after its bucket left
+    by_hand_late = reducer.finish()
+    net.zero_grad()
+    reducer.arm()
+    net(_data(rank, 5), rank).square().sum().backward()
+    launched_before_discard = reducer._next
+    if rank == 0:  # one rank launches the rest itself: the other's discard must still send them
+        reducer.flush()
+    reducer.discard()
+    net.zero_grad()
     expected = _expected(net, 1)
     local = copy.deepcopy(net)
     local(_data(rank, 0), rank).square().sum().backward()
@@ -168,10 +181,52 @@ def _stale_and_by_hand() -> dict:
         if q.grad is not None:
             p.grad = q.grad.clone()  # by hand: no accumulation hook fires
     by_hand = reducer.finish()
-    return {"stale": stale, "by_hand": by_hand, "early": reducer.early, "ok": _matches(net, expected)}
+    return {"stale": stale, "by_hand_late": by_hand_late, "by_hand": by_hand, "early": reducer.early,
+            "ok": _matches(net, expected), "launched_before_discard": launched_before_discard}
 
 
 def test_stale_accumulation_is_reported_and_hand_accumulation_waits() -> None:
     for r in run_on_ranks(_stale_and_by_hand, 2, timeout=60):
         assert r["stale"] is not None and "c.bias" in r["stale"] and "overlap_grad_reduce=False" in r["stale"], r
+        assert r["by_hand_late"] is not None and "'b.weight'" in r["by_hand_late"], r
+        assert r["launched_before_discard"] > 0, r
         assert r["by_hand"] is None and r["early"] == 0 and r["ok"], r
+
+
+def _runs_before_reduce(overlap: bool) -> dict:
+    """A colocated `MimoModel` (vision and language dp2, no FSDP2, 2 microbatches): with sums
+    during backward, a second training run before `reduce_gradients` is refused on every rank
+    (its gradients would land after their buckets left), and ``zero_grad`` drops the sums in
+    flight so that the next `train_step` runs; without them the runs accumulate, as before."""
+    from dtensor_mimo import MimoLayout, MimoModel, MimoOptimizer, ParallelOptions, Parallelism, PipelineConfig, \
+        train_step
+    from tests.test_mimo import OPT, _batches, _modules
+
+    llama, encoders = _modules(("vision",))
+    layout = MimoLayout.colocated({"vision": Parallelism(dp=2), "language": Parallelism(dp=2)})
+    options = ParallelOptions(fsdp=False, overlap_grad_reduce=overlap)
+    model = MimoModel(layout, llama, encoders, options={"vision": options, "language": options},
+                      pipeline=PipelineConfig(microbatches=2))
+    optimizer = MimoOptimizer(model, OPT)
+    batch = _batches(("vision",), False, batch_size=4)[0]
+    model.forward_backward(batch)
+    refused = None
+    try:
+        model.forward_backward(batch)
+    except RuntimeError as e:
+        refused = str(e)
+    model.zero_grad()
+    metrics = train_step(model, optimizer, batch)
+    return {"refused": refused, "loss": metrics.loss, "reducers": sorted(model.gradient_reducers)}
+
+
+def test_training_runs_do_not_accumulate_onto_sums_in_flight() -> None:
+    for overlap in (True, False):
+        results = run_on_ranks(_runs_before_reduce, 2, overlap, timeout=120)
+        assert len({r["loss"] for r in results}) == 1 and results[0]["loss"] > 0, results
+        for r in results:
+            if overlap:
+                assert r["refused"] is not None and "reduce_gradients" in r["refused"], r
+                assert r["reducers"] == ["language", "vision"], r
+            else:
+                assert r["refused"] is None and r["reducers"] == [], r

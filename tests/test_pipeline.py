@@ -26,6 +26,7 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 | vision_pp2_1mb  | pp2 (0-1)        | dp1 (2)                   | 3     | GPipe, 1 microbatch  | encoder stages without overlap|
 | looped_bfs      | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | LoopedBFS            | backwards last microbatch first|
 | zero_bubble     | dp1 (0)          | pp2, 2 virtual (1-2)      | 3     | InterleavedZeroBubble| split backward, eager; 8 microbatches (crossing window 4) |
+| zero_bubble_summed | dp1 (0)       | pp2·dp2, 2 virtual (1-4)  | 5     | InterleavedZeroBubble| the same without FSDP2 at dp2: split weight backward, dp sums during or after it |
 | length_buckets  | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | sequence 64, 32, 64 per step  |
 | zbv             | dp1 (0)          | pp2, 2 virtual, V (1-2)   | 3     | ZBVZeroBubble        | stages 0,3 / 1,2: crossings and loss on pp rank 0; predict; 8 microbatches (window 4); head on loss rows only |
 | dualpipev       | dp2 (0-1)        | pp2, 2 virtual, V (2-3)   | 4     | DualPipeV            | V placement, fan-in per microbatch |
@@ -87,6 +88,8 @@ CASES = {
     "looped_bfs": _case(P(dp=2), P(pp=2), PipelineConfig(microbatches=4, schedule="LoopedBFS", virtual_stages=2)),
     "zero_bubble": _case(P(), P(pp=2), PipelineConfig(microbatches=8, schedule="InterleavedZeroBubble",
                                                       virtual_stages=2)),
+    "zero_bubble_summed": _case(P(), P(pp=2, dp=2), PipelineConfig(microbatches=4, schedule="InterleavedZeroBubble",
+                                                                   virtual_stages=2), options=SUMMED),
     "length_buckets": _case(P(dp=2), P(pp=2), seq_lens=(64, 32, 64)),
     "zbv": _case(P(), P(pp=2), PipelineConfig(microbatches=8, schedule="ZBVZeroBubble", virtual_stages=2),
                  predict=True, loss_chunk_rows=16),
@@ -99,8 +102,8 @@ CASES = {
 
 OLD_TORCH = {  # the cases that meet a bug of torch 2.11 (the GPU machines' release), fixed by 2.13
     "two_hop_cp_pp2": needs_torch((2, 13), "DTensor's view strategy raises IndexError on the packed cp rows"),
-    "zero_bubble": needs_torch((2, 13), "refused by name (2.11's stage_backward_input reads requires_grad of "
-                                        "a stage's non-tensor inputs)"),
+    **dict.fromkeys(("zero_bubble", "zero_bubble_summed"), needs_torch(
+        (2, 13), "refused by name (2.11's stage_backward_input reads requires_grad of a stage's non-tensor inputs)")),
     **dict.fromkeys(("zbv", "dualpipev"), needs_torch(
         (2, 13), "refused by name (a V schedule's stage set-up sends fail under gloo: Pair is not connected)")),
 }
@@ -116,18 +119,22 @@ def test_pipelined_training_matches_single_process(name: str) -> None:
 
 def check_sums_overlapped(case, per_rank: list[list[dict]]) -> None:
     """Modules without FSDP2 at dp > 1 launched dp sums while backward ran (`GradientReducer`): the
-    language model on each of its ranks every step, an encoder on some rank in some step (a rank
-    without items in its last microbatch has nothing to send early)."""
+    language model on each of its ranks every step (not under a zero-bubble schedule), an encoder
+    on some rank in some step (a rank without items in its last microbatch has nothing to send
+    early)."""
     early: dict[str, list[int]] = {}
+    # torch's zero-bubble schedules split a stage's backward: the weight half accumulates by hand
+    # (no hook), so those buckets, and the ones after them, leave at the flush after the schedule.
+    zero_bubble = case.pipeline is not None and "ZeroBubble" in case.pipeline.schedule
     for records in per_rank:
         for step, r in enumerate(records):
             for name, n in r["early_buckets"].items():
                 early.setdefault(name, []).append(n)
-                if name == "language":
+                if name == "language" and not zero_bubble:
                     assert n > 0, f"rank's language reducer launched nothing early in step {step}"
     expected = {n for n, o in case.options.items() if not o.fsdp and case.modules[n].dp > 1}
     assert early.keys() == expected, (early, expected)
-    assert all(sum(v) > 0 for v in early.values()), early
+    assert all(sum(v) > 0 for name, v in early.items() if not (zero_bubble and name == "language")), early
 
 
 def test_crossings_recycle_their_receive_buffers() -> None:

@@ -109,6 +109,10 @@ class ModuleMeshes:
                 group = dist.new_group(ranks, timeout=default_timeout())
                 if rank in ranks:
                     mine = group
+        if mine is not None and dist.get_backend() == "nccl":
+            # Its communicator made now, by all its members (`_first_collectives`' rule), not by
+            # the first bucket from the autograd thread in the middle of a backward.
+            dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=mine)
         return mine
 
     def get(self, name: str, dims: str | tuple[str, ...] | None = None) -> DeviceMesh:

@@ -206,6 +206,8 @@ class MimoOptimizer:
     def zero_grad(self) -> None:
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
+        if (drop := getattr(self.model, "drop_pending_sums", None)) is not None:
+            drop()  # dp sums a training run left in flight (`GradientReducer`)
         # CUDA graphs: the next run may replay over the gradients' memory now (`MimoModel.graph_memory`)
         if (memory := getattr(self.model, "graph_memory", None)) is not None:
             memory.release()

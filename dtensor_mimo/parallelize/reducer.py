@@ -16,16 +16,20 @@ bucket whose parameters are all final is launched from the accumulation hook, wh
 goes on, but only after every bucket before it: `flush` launches the rest (the executor calls
 it after the module's last backward), `finish` waits for every bucket and puts the sums back.
 Nothing armed (``model(batch)`` and a backward of the caller's, gradient accumulation over
-runs, torch's zero-bubble schedules, whose split weight backward accumulates by hand): every
-bucket goes in `finish`, as `allreduce_gradients` does.
+such runs): every bucket goes in `finish`, as `allreduce_gradients` does. Where torch's
+zero-bubble schedules split a stage's last backward, its weight half accumulates by hand (no
+hook fires): those buckets leave at the flush after the schedule. A training run's buckets are
+all in flight when it returns, so gradients may not accumulate over training runs:
+`MimoModel.run` refuses a second one before `reduce_gradients` (or ``zero_grad``, which
+`discard`s the sums).
 
 Each bucket carries one presence flag per parameter: a parameter without a gradient on this
 rank (an encoder without items here) sends zeros, and one without a gradient on every rank
 keeps None, as the single-process run leaves it (AdamW then skips it). So unused parameters
 cost no collective of their own. An accumulation into a parameter whose bucket is already in
 flight (a second use after its module's last backward, e.g. a parameter shared with another
-module) would make the sum stale: `finish` reports it, and `train_step` refuses the step on
-every rank.
+module; by the hook, or by hand: the gradient's version counter moved) would make the sum
+stale: `finish` reports it, and `train_step` refuses the step on every rank.
 
 The groups are the reducer's own (`MimoLayout.own_dp_group`), used by nothing else: the
 buckets' order on them cannot interleave with another module's collectives, even where two
@@ -77,7 +81,7 @@ class GradientReducer:
         self.bucket_of = {i: k for k, bucket in enumerate(self.buckets) for i in bucket}
         self._owners: dict[int, list[int]] = {}  # watched module id -> its parameter indices
         self._shared: set[int] = set()  # parameters of more than one watched module: never early
-        self._countdown: dict[int, int] = {}  # watched module id -> backwards until its last
+        self._countdown: dict[int, int] = {}  # watched module id -> backwards until its last (this step)
         self.early = 0
         """Buckets the last step launched from the accumulation hooks, while backward ran."""
         self._reset()
@@ -86,10 +90,12 @@ class GradientReducer:
                 p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, i))
 
     def _reset(self) -> None:
+        self._countdown = {}
         self._armed: set[int] = set()
         self._ready = [False] * len(self.params)
         self._next = 0  # the next bucket to launch
         self._pending: list[tuple[int, torch.Tensor, dist.Work]] = []
+        self._sent: dict[int, list[tuple[object, int]]] = {}  # per launched bucket: each gradient and its version
         self._stale: list[str] = []
         self._launched_early = 0
 
@@ -145,13 +151,16 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ the reductions
     @torch.no_grad()
-    def _launch(self) -> None:
-        """Bucket `_next`'s gradients (zeros where this rank has none) and presence flags, copied
-        into one flat tensor, all-reduced asynchronously."""
+    def _launch(self, dropped: bool = False) -> None:
+        """Bucket `_next`'s gradients (zeros where this rank has none; every one with `dropped`)
+        and presence flags, copied into one flat tensor, all-reduced asynchronously."""
         k = self._next
         self._next += 1
         params = [self.params[i] for i in self.buckets[k]]
-        grads = [None if p.grad is None else _local(p.grad) for p in params]
+        grads = [None if p.grad is None or dropped else _local(p.grad) for p in params]
+        # What went in, to tell in `_land` whether a gradient changed after: an accumulation by hand
+        # (torch's split weight backward adds into ``.grad``, with no hook to see it) or a new tensor.
+        self._sent[k] = [(p.grad, -1 if g is None else g._version) for p, g in zip(params, grads)]
         like = _local(params[0])
         dtype = self.reduce_dtype or like.dtype
         sizes = [_local(p).numel() for p in params]
@@ -186,6 +195,9 @@ class GradientReducer:
         gradient here gets one where another rank had it; None stays None where no rank had)."""
         work.wait()
         params = [self.params[i] for i in self.buckets[k]]
+        for i, p, (grad, version) in zip(self.buckets[k], params, self._sent.pop(k)):
+            if p.grad is not grad or (grad is not None and _local(grad)._version != version):
+                self._stale.append(self.names[i])
         sizes = [_local(p).numel() for p in params]
         views = flat[: sum(sizes)].split(sizes)
         present = None  # read (a host sync) only where this rank lacks a gradient
@@ -196,7 +208,7 @@ class GradientReducer:
             if p.grad is None:
                 if not present[j]:
                     continue
-                p.grad = _zeros_like_param(p)
+                p.grad = torch.zeros_like(p)  # a DTensor keeps the parameter's spec
             dst.append(_local(p.grad))
             src.append(view.view_as(dst[-1]))
         if dst:
@@ -213,7 +225,7 @@ class GradientReducer:
                                "placements; put them there first (finish_gradients does)")
         while self._pending:
             self._land(*self._pending.pop(0))
-        stale, self.early = self._stale, self._launched_early
+        stale, self.early = list(dict.fromkeys(self._stale)), self._launched_early
         self._reset()
         if stale:
             return (f"gradients of {stale[:3]}{' and more' if len(stale) > 3 else ''} accumulated after their "
@@ -223,17 +235,23 @@ class GradientReducer:
         return None
 
 
+    @torch.no_grad()
+    def discard(self) -> None:
+        """Drop this step's sums (the gradients are being dropped: ``zero_grad``): the buckets not
+        yet launched go out as zeros, so that every rank of the group still issues each bucket
+        once, in order; then wait for all of them and start afresh."""
+        if self._next or self._pending:
+            while self._next < len(self.buckets):
+                self._launch(dropped=True)
+            for _k, _flat, work in self._pending:
+                work.wait()
+        self._reset()
+
+
 def _unplaced(p: nn.Parameter) -> bool:
     """Whether `p`'s gradient is a DTensor on other placements than `p` (a tp partial sum, a
     replicated gradient of a sharded parameter), which a bucket cannot take yet."""
     return isinstance(p.grad, DTensor) and p.grad.placements != p.placements
-
-
-def _zeros_like_param(p: nn.Parameter) -> torch.Tensor:
-    """A zero gradient for `p`: a DTensor with the parameter's placements for a DTensor."""
-    if isinstance(p, DTensor):
-        return DTensor.from_local(torch.zeros_like(p.to_local()), p.device_mesh, p.placements, run_check=False)
-    return torch.zeros_like(p)
 
 
 def allreduce_gradients(module: nn.Module, dp_mesh, reduce_dtype: torch.dtype | None = None,
