@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--batch", type=int, default=16, help="samples per global batch")
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--bucket-mb", type=float, default=4.0)
+    ap.add_argument("--bucket-mb", type=float, default=32.0, help="ParallelOptions.grad_bucket_mb")
     ap.add_argument("--out", default=os.path.join("bench_results", "grad_reduce.json"))
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
