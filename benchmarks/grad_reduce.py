@@ -1,6 +1,6 @@
-"""Data parallel without FSDP2: gradient sums started during backward against sums after it.
+"""Data-parallel gradient reduction started during backward against after it, without FSDP2 and with.
 
-    torchrun --standalone --nproc-per-node=2 benchmarks/grad_reduce.py [--out bench_results/grad_reduce.json]
+    torchrun --standalone --nproc-per-node=2 benchmarks/grad_reduce.py [--fsdp] [--out bench_results/grad_reduce.json]
 
 A colocated MIMO model (a small ViT encoder + a `Llama` of about 12M parameters, both dp = world,
 ``ParallelOptions(fsdp=False)``) trains with `PipelineConfig(microbatches=M)` twice, built from
@@ -10,9 +10,16 @@ bucket once the module's last backward has produced it, on a group of its own) a
 every iteration on the same batches, so machine noise hits both alike.
 
 Reported per mode: the step (``forward_backward`` + ``reduce_gradients``), and the part of it
-after backward (``reduce_gradients``: what the reduction leaves exposed); medians over
+after backward (``reduce_gradients``: what the reduction leaves exposed without FSDP2; with it,
+FSDP2's reductions end inside ``forward_backward``); medians over
 ``--iters``, each the max over ranks; the ratio overlapped / after. The two modes' gradients are
 compared (they must agree to the order of float sums).
+
+With ``--fsdp`` both modules are FSDP2-sharded over dp instead, and the two models differ in
+when the language model's stage reduce-scatters: during its last backward of the step, block by
+block (the library: `reduce_in_this_backward`), or after torch's schedule (torch's own pipeline
+stages, which defer every FSDP2 reduction to ``perform_reduce_grad``; the library's hook
+switched off). The encoder (pp = 1) reduces in its last backward either way.
 
 On gloo and CPU ranks the reduction runs on gloo's threads, which share the cores with the
 backward: a lower bound of what NCCL's own stream gives on GPUs, where the reduction takes no
@@ -31,6 +38,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from dtensor_mimo import MimoLayout, MimoModel, ParallelOptions, Parallelism, PipelineConfig
 from dtensor_mimo.data import ModalitySpec, SyntheticSpec, synthetic_batch
@@ -46,6 +54,9 @@ def configs(args: argparse.Namespace) -> tuple[ViTConfig, LlamaConfig, Synthetic
     return vision, llama, spec
 
 
+MODES = {False: ("overlapped", "after backward"), True: ("during last backward", "after the schedule")}
+
+
 def build(args: argparse.Namespace, world: int, overlap: bool) -> MimoModel:
     vision, llama_cfg, _ = configs(args)
     llama = Llama(llama_cfg)
@@ -53,9 +64,16 @@ def build(args: argparse.Namespace, world: int, overlap: bool) -> MimoModel:
     encoder = ModalityEncoder(ViT(vision), Projection(vision.dim, llama_cfg.dim))
     encoder.init_weights(10)
     layout = MimoLayout.colocated({"vision": Parallelism(dp=world), "language": Parallelism(dp=world)})
-    options = ParallelOptions(fsdp=False, overlap_grad_reduce=overlap, grad_bucket_mb=args.bucket_mb)
-    return MimoModel(layout, llama, {"vision": encoder}, options={"vision": options, "language": options},
-                     pipeline=PipelineConfig(microbatches=args.microbatches))
+    options = ParallelOptions(fsdp=args.fsdp, overlap_grad_reduce=overlap, grad_bucket_mb=args.bucket_mb)
+    model = MimoModel(layout, llama, {"vision": encoder}, options={"vision": options, "language": options},
+                      pipeline=PipelineConfig(microbatches=args.microbatches))
+    if args.fsdp and not overlap:  # torch's own stages: every reduce-scatter after the schedule
+        model.language_pipeline.last_backward.on_last = lambda _stage: None
+    return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def main() -> None:
@@ -65,15 +83,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="samples per global batch")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--bucket-mb", type=float, default=32.0, help="ParallelOptions.grad_bucket_mb")
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2 over dp: reduce-scatters in the last backward or after")
     ap.add_argument("--out", default=os.path.join("bench_results", "grad_reduce.json"))
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    models = {mode: build(args, world, mode == "overlapped") for mode in ("overlapped", "after backward")}
+    early, late = MODES[args.fsdp]
+    models = {early: build(args, world, True), late: build(args, world, False)}
     spec = configs(args)[2]
     batches = [synthetic_batch(spec, seed=s) for s in range(4)]
-    params = sum(p.numel() for p in models["overlapped"].parameters())
+    params = sum(p.numel() for p in models[early].parameters())  # a DTensor counts its global size
     times: dict[str, dict[str, list[float]]] = {m: {"step": [], "exposed": []} for m in models}
     diff = 0.0
     for it in range(args.iters + 2):  # two warm-up iterations
@@ -92,21 +112,21 @@ def main() -> None:
             if it >= 2:
                 times[mode]["step"].append(spent[0].item())
                 times[mode]["exposed"].append(spent[1].item())
-            grads[mode] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+            grads[mode] = [_local(p.grad).clone() for p in model.parameters() if p.grad is not None]
         diff = max(diff, max((a - b).abs().max().item() for a, b in zip(*grads.values())))
     if rank == 0:
         med = {m: {k: statistics.median(v) for k, v in t.items()} for m, t in times.items()}
-        ratio = med["overlapped"]["step"] / med["after backward"]["step"]
-        print(f"world {world}, {params / 1e6:.1f}M parameters per rank (fp32 gradients "
-              f"{params * 4 / 2**20:.0f} MiB), {args.microbatches} microbatches, buckets {args.bucket_mb} MiB, "
-              f"gloo, {os.cpu_count()} cores")
-        print(f"{'mode':<16}{'step ms':>10}{'after backward ms':>20}")
+        ratio = med[early]["step"] / med[late]["step"]
+        print(f"world {world}, {params / 1e6:.1f}M parameters (fp32 gradients {params * 4 / 2**20:.0f} MiB), "
+              f"{'FSDP2' if args.fsdp else f'no FSDP2, buckets {args.bucket_mb} MiB'}, {args.microbatches} "
+              f"microbatches, gloo, {os.cpu_count()} cores")
+        print(f"{'mode':<22}{'step ms':>10}{'reduce_gradients ms':>22}")
         for mode, m in med.items():
-            print(f"{mode:<16}{m['step'] * 1e3:>10.1f}{m['exposed'] * 1e3:>20.1f}")
-        print(f"overlapped / after backward: {ratio:.3f}x step; largest gradient difference {diff:.2e}")
+            print(f"{mode:<22}{m['step'] * 1e3:>10.1f}{m['exposed'] * 1e3:>22.1f}")
+        print(f"{early} / {late}: {ratio:.3f}x step; largest gradient difference {diff:.2e}")
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"world": world, "parameters": params, "microbatches": args.microbatches,
+            json.dump({"world": world, "fsdp": args.fsdp, "parameters": params, "microbatches": args.microbatches,
                        "bucket_mb": args.bucket_mb, "median_s": med, "ratio": ratio, "max_grad_diff": diff,
                        "times_s": times, "host": platform.node(), "torch": torch.__version__}, f, indent=1)
     dist.destroy_process_group()

@@ -230,3 +230,46 @@ def test_training_runs_do_not_accumulate_onto_sums_in_flight() -> None:
                 assert r["reducers"] == ["language", "vision"], r
             else:
                 assert r["refused"] is None and r["reducers"] == [], r
+
+
+def _fsdp_reduced_in_last_backward(pp: int) -> list[float]:
+    """The share of each FSDP2 pipeline stage's parameters that are sharded again and hold their
+    reduced gradient when torch's schedule starts its own reduction after the step (`perform_reduce_grad`),
+    on every call of it: the language model's one stage (dp2, colocated with vision, 2
+    microbatches), or with `pp` 2 the vision encoder's stages (pp2·dp2, torch's GPipe; the
+    language model on a rank of its own, without FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining import stage as torch_stage
+    from torch.distributed.tensor import DTensor
+
+    from dtensor_mimo import MimoLayout, MimoModel, Parallelism, PipelineConfig
+    from tests.test_mimo import _batches, _modules
+
+    llama, encoders = _modules(("vision",))
+    layout = (MimoLayout.colocated({"vision": Parallelism(dp=2), "language": Parallelism(dp=2)}) if pp == 1 else
+              MimoLayout({"vision": Parallelism(pp=2, dp=2), "language": Parallelism()}))
+    model = MimoModel(layout, llama, encoders, pipeline=PipelineConfig(microbatches=2))
+    shares: list[float] = []
+    original = torch_stage._PipelineStageBase.perform_reduce_grad
+
+    def perform_reduce_grad(self, *args, **kwargs):
+        if isinstance(self.submod, FSDPModule):
+            params = [p for p in self.submod.parameters() if p.requires_grad]  # unsharded ones: not yet reduced
+            shares.append(sum(isinstance(p, DTensor) and p.grad is not None for p in params) / len(params))
+        return original(self, *args, **kwargs)
+
+    torch_stage._PipelineStageBase.perform_reduce_grad = perform_reduce_grad
+    try:
+        model.forward_backward(_batches(("vision",), False, batch_size=4)[0])
+    finally:
+        torch_stage._PipelineStageBase.perform_reduce_grad = original
+    return shares
+
+
+def test_fsdp_stages_reduce_during_their_last_backward() -> None:
+    """torch's pipeline stages defer FSDP2's reduce-scatters to after the schedule; the library's
+    stages reduce block by block during their last backward instead (`reduce_in_this_backward`):
+    every parameter's gradient is already reduced when torch's own reduction comes (the sums
+    themselves: `tests/test_pipeline.py`, `tests/test_mimo.py` against the single-process run)."""
+    assert run_on_ranks(_fsdp_reduced_in_last_backward, 2, 1, timeout=120) == [[1.0]] * 2
+    assert run_on_ranks(_fsdp_reduced_in_last_backward, 5, 2, timeout=120) == [[1.0]] * 4 + [[]]

@@ -49,3 +49,23 @@ def sum_gradients_over_dp(module: FSDPModule) -> None:
     """
     module.set_gradient_divide_factor(1.0)
     module.set_force_sum_reduction_for_comms(True)
+
+
+def reduce_in_this_backward(module: nn.Module) -> None:
+    """From now on, FSDP2 root `module` reduce-scatters each block's gradients as this backward
+    produces them, and reshards (called as a pipeline stage's last backward of the step begins:
+    `dtensor_mimo.parallelize.reducer.LastBackward`).
+
+    torch's pipeline stages keep FSDP2 from reducing in every backward of a step (each microbatch
+    accumulates unsharded gradients) and reduce all of a stage's gradients after the schedule
+    (``perform_reduce_grad``), so none of that communication overlaps compute, not even at one
+    microbatch. Turned on inside the stage's last backward (after torch turned it off for it),
+    FSDP2's own post-backward hooks reduce-scatter block by block while the blocks before them
+    compute, as FSDP2 does outside pipelines. torch's reduction after the schedule then finds
+    no gradient left to reduce (FSDP2's post-backward is idempotent) and only waits. Every rank
+    of the dp group runs the same stages, microbatches and blocks, so the reduce-scatters come in
+    the same order on each (NCCL's rule), as they did after the schedule."""
+    if isinstance(module, FSDPModule):
+        module.set_is_last_backward(True)
+        module.set_reshard_after_backward(True)
+        module.set_requires_gradient_sync(True)

@@ -41,7 +41,7 @@ buckets cost the same).
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,50 @@ BUCKET_BYTES = 32 << 20
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+class LastBackward:
+    """Calls ``on_last(module)`` at the start of the `count`-th backward through a `watch`ed
+    module's forward output in a step (`expect`): how a driver learns that a pipeline stage's
+    last backward has begun, where torch's schedules run the stage's backwards inside their step.
+
+    A hook on the forward output (the first tensor needing a gradient) counts each backward as
+    its gradient arrives, which is before that backward accumulates into any parameter behind it.
+    torch's stages run every microbatch's forward once with gradients, so the step's `count`-th
+    gradient is its last backward's; torch's split backward counts once too (its input half
+    starts from the output). Only forwards while a count is expected are hooked."""
+
+    def __init__(self, on_last: Callable[[nn.Module], None]) -> None:
+        self.on_last = on_last
+        self._modules: dict[int, nn.Module] = {}
+        self._countdown: dict[int, int] = {}
+
+    def watch(self, module: nn.Module) -> None:
+        self._modules[id(module)] = module
+        module.register_forward_hook(functools.partial(self._forward_done, id(module)))
+
+    def expect(self, count: int) -> None:
+        """Each watched module runs `count` backwards this step (a stage: one per microbatch)."""
+        self._countdown = {key: count for key in self._modules}
+
+    def reset(self) -> None:
+        self._countdown = {}
+
+    def _forward_done(self, key: int, _module: nn.Module, _args: tuple, output: object) -> None:
+        if not self._countdown.get(key) or not torch.is_grad_enabled():
+            return
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        first = next((o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad), None)
+        if first is not None:
+            first.register_hook(functools.partial(self._backward_begins, key))
+
+    def _backward_begins(self, key: int, _grad: torch.Tensor) -> None:
+        left = self._countdown.get(key)
+        if left is None:  # reset since (a step that failed)
+            return
+        self._countdown[key] = left - 1
+        if left == 1:
+            self.on_last(self._modules[key])
 
 
 class GradientReducer:
@@ -81,7 +125,7 @@ class GradientReducer:
         self.bucket_of = {i: k for k, bucket in enumerate(self.buckets) for i in bucket}
         self._owners: dict[int, list[int]] = {}  # watched module id -> its parameter indices
         self._shared: set[int] = set()  # parameters of more than one watched module: never early
-        self._countdown: dict[int, int] = {}  # watched module id -> backwards until its last (this step)
+        self._last = LastBackward(lambda module: self.arm(self._owners[id(module)]))
         self.early = 0
         """Buckets the last step launched from the accumulation hooks, while backward ran."""
         self._reset()
@@ -90,7 +134,7 @@ class GradientReducer:
                 p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, i))
 
     def _reset(self) -> None:
-        self._countdown = {}
+        self._last.reset()
         self._armed: set[int] = set()
         self._ready = [False] * len(self.params)
         self._next = 0  # the next bucket to launch
@@ -107,32 +151,19 @@ class GradientReducer:
         self._armed -= self._shared
 
     def watch(self, module: nn.Module) -> None:
-        """Count the backwards through `module`'s forward output, for `expect` (its parameters
-        among this reducer's; a parameter of two watched modules is never launched early)."""
+        """Arm `module`'s parameters at its last backward of a step (`expect`; `LastBackward`);
+        a parameter of two watched modules is never launched early."""
         index = {id(p): i for i, p in enumerate(self.params)}
         mine = [index[id(p)] for p in module.parameters() if id(p) in index]
         for other in self._owners.values():
             self._shared.update(set(mine) & set(other))
         self._owners[id(module)] = mine
-        module.register_forward_hook(functools.partial(self._forward_done, id(module)))
+        self._last.watch(module)
 
     def expect(self, count: int) -> None:
         """Each watched module runs `count` backwards this step (a pipeline stage: one per
         microbatch): the `count`-th arms its parameters."""
-        self._countdown = {key: count for key in self._owners}
-
-    def _forward_done(self, key: int, _module: nn.Module, _args: tuple, output: object) -> None:
-        if not self._countdown.get(key) or not torch.is_grad_enabled():
-            return
-        outputs = output if isinstance(output, (tuple, list)) else (output,)
-        first = next((o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad), None)
-        if first is not None:  # its gradient comes first in that backward, before any accumulation
-            first.register_hook(functools.partial(self._backward_begins, key))
-
-    def _backward_begins(self, key: int, _grad: torch.Tensor) -> None:
-        self._countdown[key] -= 1
-        if self._countdown[key] == 0:
-            self.arm(self._owners[key])
+        self._last.expect(count)
 
     def _accumulated(self, i: int, param: nn.Parameter) -> None:
         """A gradient accumulated into parameter `i` (torch's post-accumulate-grad hook)."""

@@ -17,9 +17,9 @@ schedules) as a `PipelineStage` whose module is a `LanguageStage`:
   never become a stage output), which torch's schedule takes as the microbatch loss; the
   microbatch losses add up to the single-process loss and gradients are sums (``scale_grads=False``).
 
-Each stage module is its own FSDP2 root over dp·cp (torch's stage defers the gradient
-reduce-scatter to the last microbatch), composed with the decoder's tp/sp plan and per-block
-compile exactly as at pp = 1. torch's stages have static shapes: the `PipelineStage`s and
+Each stage module is its own FSDP2 root over dp·cp (its earlier microbatches accumulate, its
+last backward reduce-scatters as it goes: `reduce_in_this_backward`), composed with the decoder's
+tp/sp plan and per-block compile exactly as at pp = 1. torch's stages have static shapes: the `PipelineStage`s and
 schedule are built per (microbatch rows, sequence length) and cached, so a new length bucket
 gets its own stages instead of a gloo abort or a stale buffer.
 """
@@ -41,6 +41,8 @@ from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.models import FlexAttentionCore, Llama, causal_attention
 from dtensor_mimo.models.protocol import decoder_stage
 from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, parallelize
+from dtensor_mimo.parallelize.fsdp import reduce_in_this_backward
+from dtensor_mimo.parallelize.reducer import LastBackward
 from dtensor_mimo.schedule.config import PipelineConfig, stage_layers
 from dtensor_mimo.schedule.runtime import cached, phase, run_schedule
 from dtensor_mimo.sequence import (ContextParallelAttention, linear_token_loss_sum, loss_weights, shard_for_cp,
@@ -206,6 +208,10 @@ class LanguagePipeline:
                                    chunked_loss=options.chunked_loss and par.tp == 1,
                                    loss_compile_backend=options.compile_backend if options.compile else None)
             self.stages.append(parallelize(module, tp_mesh, dp_mesh, options, parts=[part], name=name))
+        # Each FSDP2 stage reduce-scatters during its last backward of a step, not after torch's schedule.
+        self.last_backward = LastBackward(reduce_in_this_backward)
+        for stage in self.stages:
+            self.last_backward.watch(stage)
         self._schedules: OrderedDict = OrderedDict()
 
     @property
@@ -277,7 +283,11 @@ class LanguagePipeline:
             args.append((tokens,))
             kwargs.append(dict(microbatch=i, **kw))
         losses: list[torch.Tensor] = []
-        run_schedule(schedule, stages, args, kwargs, [None] * len(args), losses)
+        self.last_backward.expect(len(microbatches))
+        try:
+            run_schedule(schedule, stages, args, kwargs, [None] * len(args), losses)
+        finally:
+            self.last_backward.reset()
         if self.first is not None:
             self.first.set_step(None, {}, 1.0)
         if not self.holds_loss:
