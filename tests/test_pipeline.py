@@ -12,6 +12,7 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 | tp_sp_pp2       | dp2 (0-1)        | tp2·pp2 + sp (2-5)        | 6     | 1F1B                 | overlapped, meta; head on loss rows only |
 | fan_in_pp2_dp2  | dp3 (0-2)        | pp2·dp2 (3-6)             | 7     | GPipe                | dp 3 -> 2 per microbatch; no FSDP2: dp sums during backward |
 | interleaved     | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | Interleaved1F1B      | compiled stages, meta; head on loss rows only |
+| interleaved_dp2 | dp1 (0)          | pp2·dp2, 2 virtual (1-4)  | 5     | Interleaved1F1B      | two FSDP2 stages a rank, each reduce-scattering in its last backward |
 | coloc_pp2_dp2   | dp4 (0-3)        | pp2·dp2 (0-3)             | 4     | 1F1B                 | colocated three phases; no FSDP2: dp sums during backward |
 | coloc_recompute | dp4 (0-3)        | pp2·dp2 (0-3)             | 4     | 1F1B                 | colocated, vision graphs freed (`recompute_colocated`), FSDP2 |
 | coloc_pp1_recompute | dp2 (0-1)    | dp2 (0-1)                 | 2     | one stage, 4 mb      | colocated at pp = 1, graphs freed |
@@ -26,7 +27,7 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 | vision_pp2_1mb  | pp2 (0-1)        | dp1 (2)                   | 3     | GPipe, 1 microbatch  | encoder stages without overlap|
 | looped_bfs      | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | LoopedBFS            | backwards last microbatch first|
 | zero_bubble     | dp1 (0)          | pp2, 2 virtual (1-2)      | 3     | InterleavedZeroBubble| split backward, eager; 8 microbatches (crossing window 4) |
-| zero_bubble_summed | dp1 (0)       | pp2·dp2, 2 virtual (1-4)  | 5     | InterleavedZeroBubble| the same without FSDP2 at dp2: split weight backward, dp sums during or after it |
+| zero_bubble_summed | dp1 (0)       | pp2·dp2, 2 virtual (1-4)  | 5     | InterleavedZeroBubble| the same at dp2, without FSDP2 (refused with it): split weight backward, dp sums after it |
 | length_buckets  | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | sequence 64, 32, 64 per step  |
 | zbv             | dp1 (0)          | pp2, 2 virtual, V (1-2)   | 3     | ZBVZeroBubble        | stages 0,3 / 1,2: crossings and loss on pp rank 0; predict; 8 microbatches (window 4); head on loss rows only |
 | dualpipev       | dp2 (0-1)        | pp2, 2 virtual, V (2-3)   | 4     | DualPipeV            | V placement, fan-in per microbatch |
@@ -68,6 +69,8 @@ CASES = {
                                                           virtual_stages=2),
                          options={"language": ParallelOptions(compile=True, compile_backend="aot_eager")},
                          meta=True, loss_chunk_rows=16),
+    "interleaved_dp2": _case(P(), P(pp=2, dp=2), PipelineConfig(microbatches=4, schedule="Interleaved1F1B",
+                                                                virtual_stages=2)),
     "coloc_pp2_dp2": _case(P(dp=4), P(pp=2, dp=2), offsets={"vision": 0, "language": 0}, options=SUMMED),
     "coloc_recompute": _case(P(dp=4), P(pp=2, dp=2), offsets={"vision": 0, "language": 0},
                              options={"vision": ParallelOptions(recompute_colocated=True)}),

@@ -112,6 +112,25 @@ def test_zero_bubble_refuses_compiled_stages(schedule) -> None:
     _check_model(layout, llama, encoders, "language", {"language": ParallelOptions()}, zb)
 
 
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+@REFUSED_BEFORE_2_13
+def test_zero_bubble_refuses_fsdp_over_more_than_one_rank(schedule) -> None:
+    """FSDP2 under a split backward at dp·cp 2 gave wrong gradients against the single-process run
+    (InterleavedZeroBubble) or a KeyError in torch's weight pass (the V schedules); the sums
+    without FSDP2 are right (tests/test_pipeline.py's zero_bubble_summed): refused by name."""
+    from dtensor_mimo import ParallelOptions
+
+    llama, encoders = _modules(n_layers=4)
+    zb = PipelineConfig(microbatches=4, schedule=schedule, virtual_stages=2)
+    for language in (P(pp=2, dp=2), P(pp=2, cp=2)):
+        layout = MimoLayout({"vision": P(), "language": language})
+        with pytest.raises(LayoutError, match=rf"schedule '{schedule}' splits backward .* fails with FSDP2 "
+                                              r"over 'language'.s dp·cp = 2 .* ParallelOptions\(fsdp=False\)"):
+            _check_model(layout, llama, encoders, "language", {}, zb)
+        _check_model(layout, llama, encoders, "language", {"language": ParallelOptions(fsdp=False)}, zb)
+    _check_model(MimoLayout({"vision": P(), "language": P(pp=2)}), llama, encoders, "language", {}, zb)
+
+
 @pytest.mark.parametrize("schedule", ZERO_BUBBLE_SCHEDULES)
 def test_zero_bubble_is_refused_by_name_before_torch_2_13(schedule, monkeypatch) -> None:
     from dtensor_mimo.layout import torch_compat
@@ -319,3 +338,4 @@ def test_first_stage_actions_follow_torch_zero_bubble_order():
     assert [a for a in actions if a[0] == "F"] == [("F", k) for k in range(4)]
     assert sorted(j for kind, j in actions if kind == "W") == [0, 1, 2, 3]
     assert in_flight(config, 2) == 4
+

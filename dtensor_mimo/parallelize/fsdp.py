@@ -54,7 +54,10 @@ def sum_gradients_over_dp(module: FSDPModule) -> None:
 def reduce_in_this_backward(module: nn.Module) -> None:
     """From now on, FSDP2 root `module` reduce-scatters each block's gradients as this backward
     produces them, and reshards (called as a pipeline stage's last backward of the step begins:
-    `dtensor_mimo.parallelize.reducer.LastBackward`).
+    `dtensor_mimo.parallelize.reducer.LastBackward`). Not FSDP2's "last backward": its end-of-
+    backward callback would make the compute stream wait for every reduce-scatter, and the
+    stage's gradient send to the stage before it with it (the pipeline's drain); torch's
+    reduction after the schedule waits for them instead.
 
     torch's pipeline stages keep FSDP2 from reducing in every backward of a step (each microbatch
     accumulates unsharded gradients) and reduce all of a stage's gradients after the schedule
@@ -66,6 +69,5 @@ def reduce_in_this_backward(module: nn.Module) -> None:
     of the dp group runs the same stages, microbatches and blocks, so the reduce-scatters come in
     the same order on each (NCCL's rule), as they did after the schedule."""
     if isinstance(module, FSDPModule):
-        module.set_is_last_backward(True)
         module.set_reshard_after_backward(True)
         module.set_requires_gradient_sync(True)

@@ -64,8 +64,10 @@ class LastBackward:
     A hook on the forward output (the first tensor needing a gradient) counts each backward as
     its gradient arrives, which is before that backward accumulates into any parameter behind it.
     torch's stages run every microbatch's forward once with gradients, so the step's `count`-th
-    gradient is its last backward's; torch's split backward counts once too (its input half
-    starts from the output). Only forwards while a count is expected are hooked."""
+    gradient is its last backward's. Where torch splits a backward (the zero-bubble schedules),
+    the input half is the one counted and the weight half comes after it: the parameters'
+    gradients are not final then (the `GradientReducer`'s version check catches a bucket sent
+    too early; FSDP2 stages do not count there). Only forwards while a count is expected are hooked."""
 
     def __init__(self, on_last: Callable[[nn.Module], None]) -> None:
         self.on_last = on_last

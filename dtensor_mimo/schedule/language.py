@@ -43,7 +43,7 @@ from dtensor_mimo.models.protocol import decoder_stage
 from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, parallelize
 from dtensor_mimo.parallelize.fsdp import reduce_in_this_backward
 from dtensor_mimo.parallelize.reducer import LastBackward
-from dtensor_mimo.schedule.config import PipelineConfig, stage_layers
+from dtensor_mimo.schedule.config import ZERO_BUBBLE_SCHEDULES, PipelineConfig, stage_layers
 from dtensor_mimo.schedule.runtime import cached, phase, run_schedule
 from dtensor_mimo.sequence import (ContextParallelAttention, linear_token_loss_sum, loss_weights, shard_for_cp,
                                    token_loss_sum, vocab_parallel_argmax, zigzag_shard)
@@ -208,8 +208,11 @@ class LanguagePipeline:
                                    chunked_loss=options.chunked_loss and par.tp == 1,
                                    loss_compile_backend=options.compile_backend if options.compile else None)
             self.stages.append(parallelize(module, tp_mesh, dp_mesh, options, parts=[part], name=name))
-        # Each FSDP2 stage reduce-scatters during its last backward of a step, not after torch's schedule.
+        # Each FSDP2 stage reduce-scatters during its last backward of a step, not after torch's
+        # schedule; not under a split backward, whose weight half comes after the counted one (and
+        # which runs without FSDP2 at dp·cp > 1 anyway: `check_model`).
         self.last_backward = LastBackward(reduce_in_this_backward)
+        self.reduce_in_last_backward = config.schedule not in ZERO_BUBBLE_SCHEDULES
         for stage in self.stages:
             self.last_backward.watch(stage)
         self._schedules: OrderedDict = OrderedDict()
@@ -283,7 +286,8 @@ class LanguagePipeline:
             args.append((tokens,))
             kwargs.append(dict(microbatch=i, **kw))
         losses: list[torch.Tensor] = []
-        self.last_backward.expect(len(microbatches))
+        if self.reduce_in_last_backward:
+            self.last_backward.expect(len(microbatches))
         try:
             run_schedule(schedule, stages, args, kwargs, [None] * len(args), losses)
         finally:
