@@ -152,9 +152,12 @@ class MimoModel(nn.Module):
             if any(p.is_meta for p in root.parameters()):
                 root.to_empty(device=self.device)
         trainable = {**self._trainable, language_name: any(p.requires_grad for p in language.parameters())}
-        self.gradient_reducers = self._reducers(trainable)
-        """Per module summed over dp·cp while backward runs (`ParallelOptions.overlap_grad_reduce`,
-        without FSDP2), on its members: its `GradientReducer`."""
+        self._overlapped = [n for n in self.module_names if trainable[n] and self._sums_during_backward(n)]
+        """The modules whose dp sums start during backward, known on every rank."""
+        self._sums_pending = False
+        """A training run's sums are in flight: `reduce_gradients` (or ``zero_grad``) comes next."""
+        self.gradient_reducers = self._reducers(self._overlapped)
+        """Per module of `_overlapped`, on its members: its `GradientReducer`."""
         lean = overlapped(layout, language_name, encoders) and all(layout.parallelism(n).pp == 1 for n in encoders)
         self.parts = RankParts(
             layout, language_name, self.rank, self.device, self.dim, self.dtype,
@@ -171,24 +174,24 @@ class MimoModel(nn.Module):
         self._module_parameters = {n: self._collect_parameters(n) for n in self.module_names}
         """Per module, walked once (every step reads them: gradient reduction, norms)."""
 
-    def _reducers(self, trainable: Mapping[str, bool]) -> dict[str, GradientReducer]:
-        """The `GradientReducer` of each module this rank holds that trains without FSDP2 at
-        dp·cp > 1 with `overlap_grad_reduce`, over a process group of its own (made on every
-        rank, module by module: `MimoLayout.own_dp_group` is collective). It watches the
-        module's pipeline stages (torch's schedules run their backwards: `expect`); the executor
-        arms a pp = 1 encoder itself."""
+    def _sums_during_backward(self, name: str) -> bool:
+        """Whether module `name` sums its gradients over dp·cp while backward runs: without FSDP2,
+        at dp·cp > 1, with `overlap_grad_reduce` (from the options and layout: alike on every rank)."""
+        opts, par = self.options[name], self.layout.parallelism(name)
+        return opts.overlap_grad_reduce and not opts.fsdp and par.dp * par.cp > 1
+
+    def _reducers(self, names: Sequence[str]) -> dict[str, GradientReducer]:
+        """The `GradientReducer` of each of modules `names` this rank holds, over a process group
+        of its own (made on every rank, module by module: `MimoLayout.own_dp_group` is
+        collective). It watches the module's pipeline stages (torch's schedules run their
+        backwards: `expect`); the executor arms a pp = 1 encoder itself."""
         reducers = {}
-        self._overlapped = []  # the modules with reducers, known on every rank
-        self._sums_pending = False  # a training run's sums are in flight: `reduce_gradients` comes next
-        for name in self.module_names:
-            opts, par = self.options[name], self.layout.parallelism(name)
-            if not (opts.overlap_grad_reduce and not opts.fsdp and par.dp * par.cp > 1 and trainable[name]):
-                continue
-            self._overlapped.append(name)
+        for name in names:
             group = self.layout.own_dp_group(name)
             params = {n: p for n, p in self._collect_parameters(name).items() if p.requires_grad}
             if group is None or not params:
                 continue
+            opts = self.options[name]
             reducer = reducers[name] = GradientReducer(params, group, opts.gradient_reduce_dtype,
                                                        opts.grad_bucket_bytes)
             stages = (self.language_stages if name == self.language_name else

@@ -164,8 +164,10 @@ class ParallelOptions:
             backward of the step has produced all of its gradients (DDP-style;
             `dtensor_mimo.parallelize.reducer`), on a process group of the module's own. Costs
             up to one copy of the module's gradients in the reduce dtype while the sums are in
-            flight. False: every bucket after backward, two in flight (`allreduce_gradients`).
-            Numerics unchanged.
+            flight, and gradients do not accumulate over training runs (a second
+            ``forward_backward`` before ``reduce_gradients`` is refused; accumulate over
+            microbatches). False: every bucket after backward, two in flight
+            (`allreduce_gradients`). Numerics unchanged.
         grad_bucket_mb: about how many MiB one gradient all-reduce carries without FSDP2 (the
             buckets of `overlap_grad_reduce`, and of the sums after backward).
     """

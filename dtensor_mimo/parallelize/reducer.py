@@ -267,7 +267,6 @@ class GradientReducer:
                     "overlap_grad_reduce=False) for the module")
         return None
 
-
     @torch.no_grad()
     def discard(self) -> None:
         """Drop this step's sums (the gradients are being dropped: ``zero_grad``): the buckets not
