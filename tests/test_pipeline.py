@@ -27,7 +27,8 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 | vision_pp2_1mb  | pp2 (0-1)        | dp1 (2)                   | 3     | GPipe, 1 microbatch  | encoder stages without overlap|
 | looped_bfs      | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | LoopedBFS            | backwards last microbatch first|
 | zero_bubble     | dp1 (0)          | pp2, 2 virtual (1-2)      | 3     | InterleavedZeroBubble| split backward, eager; 8 microbatches (crossing window 4) |
-| zero_bubble_summed | dp1 (0)       | pp2·dp2, 2 virtual (1-4)  | 5     | InterleavedZeroBubble| the same at dp2, without FSDP2 (refused with it): split weight backward, dp sums after it |
+| zero_bubble_fsdp | dp1 (0)         | pp2·dp2, 2 virtual (1-4)  | 5     | InterleavedZeroBubble| the same at dp2 with FSDP2, parameters kept gathered from forward to backward (resharded after forward: refused) |
+| zero_bubble_summed | dp1 (0)       | pp2·dp2, 2 virtual (1-4)  | 5     | InterleavedZeroBubble| the same at dp2 without FSDP2: split weight backward, dp sums after it |
 | length_buckets  | dp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | sequence 64, 32, 64 per step  |
 | zbv             | dp1 (0)          | pp2, 2 virtual, V (1-2)   | 3     | ZBVZeroBubble        | stages 0,3 / 1,2: crossings and loss on pp rank 0; predict; 8 microbatches (window 4); head on loss rows only |
 | dualpipev       | dp2 (0-1)        | pp2, 2 virtual, V (2-3)   | 4     | DualPipeV            | V placement, fan-in per microbatch |
@@ -91,6 +92,9 @@ CASES = {
     "looped_bfs": _case(P(dp=2), P(pp=2), PipelineConfig(microbatches=4, schedule="LoopedBFS", virtual_stages=2)),
     "zero_bubble": _case(P(), P(pp=2), PipelineConfig(microbatches=8, schedule="InterleavedZeroBubble",
                                                       virtual_stages=2)),
+    "zero_bubble_fsdp": _case(P(), P(pp=2, dp=2), PipelineConfig(microbatches=4, schedule="InterleavedZeroBubble",
+                                                                 virtual_stages=2),
+                              options={"language": ParallelOptions(reshard_after_forward=False)}),
     "zero_bubble_summed": _case(P(), P(pp=2, dp=2), PipelineConfig(microbatches=4, schedule="InterleavedZeroBubble",
                                                                    virtual_stages=2), options=SUMMED),
     "length_buckets": _case(P(dp=2), P(pp=2), seq_lens=(64, 32, 64)),
@@ -105,7 +109,7 @@ CASES = {
 
 OLD_TORCH = {  # the cases that meet a bug of torch 2.11 (the GPU machines' release), fixed by 2.13
     "two_hop_cp_pp2": needs_torch((2, 13), "DTensor's view strategy raises IndexError on the packed cp rows"),
-    **dict.fromkeys(("zero_bubble", "zero_bubble_summed"), needs_torch(
+    **dict.fromkeys(("zero_bubble", "zero_bubble_fsdp", "zero_bubble_summed"), needs_torch(
         (2, 13), "refused by name (2.11's stage_backward_input reads requires_grad of a stage's non-tensor inputs)")),
     **dict.fromkeys(("zbv", "dualpipev"), needs_torch(
         (2, 13), "refused by name (a V schedule's stage set-up sends fail under gloo: Pair is not connected)")),

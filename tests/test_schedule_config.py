@@ -114,20 +114,23 @@ def test_zero_bubble_refuses_compiled_stages(schedule) -> None:
 
 @pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
 @REFUSED_BEFORE_2_13
-def test_zero_bubble_refuses_fsdp_over_more_than_one_rank(schedule) -> None:
-    """FSDP2 under a split backward at dp·cp 2 gave wrong gradients against the single-process run
-    (InterleavedZeroBubble) or a KeyError in torch's weight pass (the V schedules); the sums
-    without FSDP2 are right (tests/test_pipeline.py's zero_bubble_summed): refused by name."""
+def test_zero_bubble_refuses_fsdp_resharding_after_forward(schedule) -> None:
+    """FSDP2 resharding after each forward, under a split backward at dp·cp 2, gave wrong
+    gradients against the single-process run (InterleavedZeroBubble) or a KeyError in torch's
+    weight pass (the V schedules): refused by name. Kept gathered (tests/test_pipeline.py's
+    zero_bubble_fsdp) or without FSDP2 (zero_bubble_summed) the gradients are right."""
     from dtensor_mimo import ParallelOptions
 
     llama, encoders = _modules(n_layers=4)
     zb = PipelineConfig(microbatches=4, schedule=schedule, virtual_stages=2)
     for language in (P(pp=2, dp=2), P(pp=2, cp=2)):
         layout = MimoLayout({"vision": P(), "language": language})
-        with pytest.raises(LayoutError, match=rf"schedule '{schedule}' splits backward .* fails with FSDP2 "
-                                              r"over 'language'.s dp·cp = 2 .* ParallelOptions\(fsdp=False\)"):
+        with pytest.raises(LayoutError, match=rf"schedule '{schedule}' splits backward .* fails with FSDP2 resharding "
+                                              r"'language'.s parameters after each forward over dp·cp = 2 .* "
+                                              r"ParallelOptions\(reshard_after_forward=False\)"):
             _check_model(layout, llama, encoders, "language", {}, zb)
-        _check_model(layout, llama, encoders, "language", {"language": ParallelOptions(fsdp=False)}, zb)
+        for fine in (ParallelOptions(reshard_after_forward=False), ParallelOptions(fsdp=False)):
+            _check_model(layout, llama, encoders, "language", {"language": fine}, zb)
     _check_model(MimoLayout({"vision": P(), "language": P(pp=2)}), llama, encoders, "language", {}, zb)
 
 

@@ -103,17 +103,18 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
                           "schedule='Interleaved1F1B' or '1F1B', or torch 2.13")
     lang = layout.parallelism(language_name)
     if (pipeline is not None and pipeline.schedule in ZERO_BUBBLE_SCHEDULES and lang_options.fsdp
-            and lang.dp * lang.cp > 1):
-        # Measured on torch 2.13 at pp2·dp2 against the single-process run (2026-11-28): FSDP2's
-        # gradients under InterleavedZeroBubble came out wrong, and the V schedules' weight pass
-        # raised KeyError (an AccumulateGrad node) in torch's parameter grouping; the dp sums
-        # without FSDP2 (`GradientReducer`: tests/test_pipeline.py's zero_bubble_summed) are right.
+            and lang_options.reshard_after_forward and lang.dp * lang.cp > 1):
+        # Measured on torch 2.13 at pp2·dp2 against the single-process run (2026-11-28): with the
+        # parameters resharded after each forward, FSDP2's gradients under InterleavedZeroBubble came
+        # out wrong and the V schedules' weight pass raised KeyError (an AccumulateGrad node): torch's
+        # input pass groups the stage's parameters as they are then, sharded, which are not the ones
+        # in the graph. Kept unsharded from forward to backward, all three are right.
         raise LayoutError(f"schedule {pipeline.schedule!r} splits backward into an input pass and a weight pass, "
-                          f"which fails with FSDP2 over {language_name!r}'s dp·cp = {lang.dp * lang.cp} (wrong "
-                          "gradients against a single process under InterleavedZeroBubble, a KeyError in torch's "
-                          "weight pass under the V schedules): use "
-                          "ParallelOptions(fsdp=False) for it (replicated parameters, gradients summed over dp·cp), "
-                          "or schedule='Interleaved1F1B' or '1F1B' with FSDP2")
+                          f"which fails with FSDP2 resharding {language_name!r}'s parameters after each forward "
+                          f"over dp·cp = {lang.dp * lang.cp} (wrong gradients against a single process under "
+                          "InterleavedZeroBubble, a KeyError in torch's weight pass under the V schedules): use "
+                          "ParallelOptions(reshard_after_forward=False) (the parameters stay gathered from forward "
+                          "to backward), or fsdp=False, or schedule='Interleaved1F1B' or '1F1B'")
     if pipeline is not None and pipeline.schedule in ZERO_BUBBLE_SCHEDULES and lang_options.compile:
         # torch 2.13 runs a block compiled in place (`compile_blocks`) and gets the numbers right,
         # but the block's backward is one compiled node: the input pass runs all of it, and the

@@ -209,8 +209,8 @@ class LanguagePipeline:
                                    loss_compile_backend=options.compile_backend if options.compile else None)
             self.stages.append(parallelize(module, tp_mesh, dp_mesh, options, parts=[part], name=name))
         # Each FSDP2 stage reduce-scatters during its last backward of a step, not after torch's
-        # schedule; not under a split backward, whose weight half comes after the counted one (and
-        # which runs without FSDP2 at dp·cp > 1 anyway: `check_model`).
+        # schedule; not under a split backward, whose weight half comes after the counted one
+        # (torch's reduction after the schedule does it there).
         self.last_backward = LastBackward(reduce_in_this_backward)
         self.reduce_in_last_backward = config.schedule not in ZERO_BUBBLE_SCHEDULES
         for stage in self.stages:
