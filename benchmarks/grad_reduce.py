@@ -38,11 +38,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from dtensor_mimo import MimoLayout, MimoModel, ParallelOptions, Parallelism, PipelineConfig
 from dtensor_mimo.data import ModalitySpec, SyntheticSpec, synthetic_batch
 from dtensor_mimo.models import Llama, LlamaConfig, ModalityEncoder, Projection, ViT, ViTConfig
+from dtensor_mimo.parallelize.reducer import local_part
 
 
 def configs(args: argparse.Namespace) -> tuple[ViTConfig, LlamaConfig, SyntheticSpec]:
@@ -70,10 +70,6 @@ def build(args: argparse.Namespace, world: int, overlap: bool) -> MimoModel:
     if args.fsdp and not overlap:  # torch's own stages: every reduce-scatter after the schedule
         model.language_pipeline.last_backward.on_last = lambda _stage: None
     return model
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def main() -> None:
@@ -112,7 +108,7 @@ def main() -> None:
             if it >= 2:
                 times[mode]["step"].append(spent[0].item())
                 times[mode]["exposed"].append(spent[1].item())
-            grads[mode] = [_local(p.grad).clone() for p in model.parameters() if p.grad is not None]
+            grads[mode] = [local_part(p.grad).clone() for p in model.parameters() if p.grad is not None]
         diff = max(diff, max((a - b).abs().max().item() for a, b in zip(*grads.values())))
     if rank == 0:
         med = {m: {k: statistics.median(v) for k, v in t.items()} for m, t in times.items()}

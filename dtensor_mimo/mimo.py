@@ -70,7 +70,7 @@ class MimoModel(nn.Module):
         model = MimoModel(layout, llama, {"vision": ModalityEncoder(vit, Projection(32, 48))},
                           options={"language": ParallelOptions(sp=True)})
         loss_share = model.forward_backward(global_batch)   # every rank, same global batch
-        model.reduce_gradients()                            # dp sums for modules without FSDP
+        model.reduce_gradients()                            # dp sums without FSDP (returns a problem, if any)
         # or: model(global_batch).backward() at pp = 1 with one microbatch; or use train_step
 
     The language shares (one per dp·cp coordinate of the last stage; tp ranks hold copies) sum
@@ -353,7 +353,8 @@ class MimoModel(nn.Module):
         result = execute(self.parts, actions, batch, self.parts.shape(batch, mode, check), loss_normalizer(batch))
         if self.graph_memory is not None:
             self.graph_memory.ran(mode, result.loss)
-        self._sums_pending = mode == "train" and bool(self._overlapped)
+        if mode == "train" and self._overlapped:  # a forward or a prediction since does not change it
+            self._sums_pending = True
         if mode != "train":
             self._shapes_checked.update(_item_kinds(batch, self.encoder_names))
         return result
@@ -476,7 +477,7 @@ class MimoModel(nn.Module):
         still issues each bucket once), for gradients being dropped; ``zero_grad`` and
         `MimoOptimizer.zero_grad` call it. Call on every rank."""
         for reducer in self.gradient_reducers.values():
-            reducer.discard()
+            reducer.discard(self._sums_pending)
         self._sums_pending = False
 
     def reduce_gradients(self) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -171,7 +172,7 @@ def _stale_and_by_hand() -> dict:
     launched_before_discard = reducer._next
     if rank == 0:  # one rank launches the rest itself: the other's discard must still send them
         reducer.flush()
-    reducer.discard()
+    reducer.discard(in_flight=True)
     net.zero_grad()
     expected = _expected(net, 1)
     local = copy.deepcopy(net)
@@ -215,21 +216,36 @@ def _runs_before_reduce(overlap: bool) -> dict:
         model.forward_backward(batch)
     except RuntimeError as e:
         refused = str(e)
+    model.predict(batch)  # a prediction in between leaves the sums in flight, and the refusal
+    try:
+        model.forward_backward(batch)
+    except RuntimeError:
+        refused_after_predict = True
+    else:
+        refused_after_predict = False
     model.zero_grad()
     metrics = train_step(model, optimizer, batch)
-    return {"refused": refused, "loss": metrics.loss, "reducers": sorted(model.gradient_reducers)}
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"refused": refused, "after_predict": refused_after_predict, "loss": metrics.loss,
+            "reducers": sorted(model.gradient_reducers), "weights": weights}
 
 
 def test_training_runs_do_not_accumulate_onto_sums_in_flight() -> None:
-    for overlap in (True, False):
-        results = run_on_ranks(_runs_before_reduce, 2, overlap, timeout=120)
-        assert len({r["loss"] for r in results}) == 1 and results[0]["loss"] > 0, results
+    """With sums in flight the second run is refused (also after a prediction) and ``zero_grad``
+    drops them; the next step's weights then equal those of the same calls without overlap
+    (where the runs accumulate, and ``zero_grad`` drops them as well)."""
+    runs = {overlap: run_on_ranks(_runs_before_reduce, 2, overlap, timeout=120) for overlap in (True, False)}
+    for overlap, results in runs.items():
         for r in results:
             if overlap:
-                assert r["refused"] is not None and "reduce_gradients" in r["refused"], r
+                assert r["refused"] is not None and "reduce_gradients" in r["refused"] and r["after_predict"], r
                 assert r["reducers"] == ["language", "vision"], r
             else:
-                assert r["refused"] is None and r["reducers"] == [], r
+                assert r["refused"] is None and not r["after_predict"] and r["reducers"] == [], r
+    for overlapped, plain in zip(runs[True], runs[False]):
+        assert overlapped["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+        for name, w in overlapped["weights"].items():
+            torch.testing.assert_close(w, plain["weights"][name], rtol=1e-6, atol=1e-7, msg=name)
 
 
 def _fsdp_reduced_in_last_backward(pp: int) -> list[float]:

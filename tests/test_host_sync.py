@@ -239,8 +239,8 @@ def test_pipelined_step_syncs_do_not_grow_with_microbatches() -> None:
                          ids=["dp2", "dp2_allreduce", "tp2_two_hop"])
 def test_unpipelined_step_syncs_are_fixed(language: Parallelism, hops: int | None, fsdp: bool) -> None:
     """Without a pipeline (one stage, one microbatch) the step's only sync is train_step's (nor,
-    two-hop, one per scatter / gather level; nor, without FSDP2, the dp all-reduce's agreement on
-    which gradients exist, which a rank holding every gradient need not read)."""
+    two-hop, one per scatter / gather level; nor, without FSDP2, the dp sums' presence flags, which
+    ride in each bucket and which a rank holding every gradient need not read)."""
     modules, options = {"vision": P(), "language": language}, {"language": ParallelOptions(fsdp=fsdp)}
     _check(_per_rank(modules, None, 4, hops, options), _per_rank(modules, None, 8, hops, options))
 

@@ -341,4 +341,3 @@ def test_first_stage_actions_follow_torch_zero_bubble_order():
     assert [a for a in actions if a[0] == "F"] == [("F", k) for k in range(4)]
     assert sorted(j for kind, j in actions if kind == "W") == [0, 1, 2, 3]
     assert in_flight(config, 2) == 4
-

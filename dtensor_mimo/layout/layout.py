@@ -13,10 +13,13 @@ and tested in one process. `dtensor_mimo.layout.mesh` turns a layout into Device
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from dtensor_mimo.layout.mesh import build_meshes
 from dtensor_mimo.layout.parallelism import MESH_DIMS, Parallelism
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 LANGUAGE = "language"
 """Default name of the language module in a MIMO layout."""
@@ -262,7 +265,7 @@ class MimoLayout:
             raise RuntimeError("call layout.init_meshes(device_type) on every rank before layout.mesh()")
         return self._meshes.get(self._check_name(name), dims)
 
-    def own_dp_group(self, name: str):
+    def own_dp_group(self, name: str) -> dist.ProcessGroup | None:
         """A process group of its own over this rank's dp·cp ranks of module `name` (None off
         the module): `ModuleMeshes.own_dp_group`. Collective: call on every rank, for the same
         modules in the same order."""

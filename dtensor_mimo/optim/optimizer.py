@@ -162,7 +162,7 @@ class MimoOptimizer:
         config = AdamWConfig(lr=3e-4)
         optimizer = MimoOptimizer(model, config, per_module={"vision": replace(config, lr=1e-5)},
                                   schedule=LRSchedule(warmup_steps=100, decay="cosine", total_steps=10_000))
-        ...backward on every rank, model.reduce_gradients()...
+        ...backward on every rank, model.reduce_gradients() (agree on what it returns)...
         total_norm = world sum of grad_sumsq_shares(model), sqrt   (see `train_step`)
         optimizer.step(total_norm)
     """

@@ -8,7 +8,7 @@ dp with gradients summed, optional per-block torch.compile.
 | part.py             | `parallelize`: the one order (tp, checkpointing, compile, FSDP2) |
 | language.py         | the Llama decoder's tensor parallel plan                         |
 | encoders.py         | ViT / audio and projection tensor parallel plans                 |
-| fsdp.py             | `apply_fsdp` (sum over dp)                                       |
+| fsdp.py             | `apply_fsdp` (sum over dp), `reduce_in_this_backward` (pipeline stages) |
 | reducer.py          | without FSDP2: `GradientReducer` (buckets during backward), `allreduce_gradients` |
 | precision.py        | mixed precision: FSDP2 policy or autocast, `compute_dtype`       |
 | replicas.py         | tp-replicated gradients made identical, replica comparison       |

@@ -41,8 +41,9 @@ class ParallelOptions:
             sequence shard (dim 1) of the activations. Ignored without a tp mesh of size > 1.
         fsdp: shard parameters over the dp mesh with FSDP2 (`fully_shard`), gradients *summed*
             over dp. False, no dp mesh, or a dp mesh of size 1: parameters stay replicated over
-            dp (plain tensors, or tp DTensors) and the training loop sums gradients itself with
-            `allreduce_gradients(module, dp_mesh)` (a no-op for size 1).
+            dp (plain tensors, or tp DTensors) and their gradients are summed over dp by a
+            `GradientReducer` (during backward with `overlap_grad_reduce`; a loop of one's own
+            can call `allreduce_gradients(module, dp_mesh)` after it; nothing for size 1).
         compile: `torch.compile` the module's pieces (`compile_scope`; a projection whole).
         compile_options: inductor's options for the module's compiled pieces (torch.compile's
             ``options``; e.g. ``{"cpp_wrapper": True}``, compiled code that calls its kernels from

@@ -46,14 +46,17 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 BUCKET_BYTES = 32 << 20
 """About how many bytes one bucket reduces (`ParallelOptions.grad_bucket_mb`'s default)."""
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s local tensor: its shard for a DTensor, else `t`."""
     return t.to_local() if isinstance(t, DTensor) else t
+
 
 
 class LastBackward:
@@ -120,7 +123,7 @@ class GradientReducer:
         self.names, self.params = list(params), list(params.values())
         self.group, self.reduce_dtype = group, reduce_dtype
         order = list(reversed(range(len(self.params))))
-        locals_ = [_local(self.params[i]) for i in order]
+        locals_ = [local_part(self.params[i]) for i in order]
         self.buckets = [[order[j] for j in run] for run in
                         cut([t.numel() * t.element_size() for t in locals_], [t.dtype for t in locals_], bucket_bytes)]
         """Parameter indices per bucket, in launch order (reverse registration order)."""
@@ -190,13 +193,13 @@ class GradientReducer:
         k = self._next
         self._next += 1
         params = [self.params[i] for i in self.buckets[k]]
-        grads = [None if p.grad is None or dropped else _local(p.grad) for p in params]
+        grads = [None if p.grad is None or dropped else local_part(p.grad) for p in params]
         # What went in, to tell in `_land` whether a gradient changed after: an accumulation by hand
         # (torch's split weight backward adds into ``.grad``, with no hook to see it) or a new tensor.
         self._sent[k] = [(p.grad, -1 if g is None else g._version) for p, g in zip(params, grads)]
-        like = _local(params[0])
+        like = local_part(params[0])
         dtype = self.reduce_dtype or like.dtype
-        sizes = [_local(p).numel() for p in params]
+        sizes = [local_part(p).numel() for p in params]
         flat = torch.empty(sum(sizes) + len(params), dtype=dtype, device=like.device)
         if all(g is not None for g in grads):
             torch.cat([g.reshape(-1) for g in grads], out=flat[: sum(sizes)])
@@ -229,9 +232,9 @@ class GradientReducer:
         work.wait()
         params = [self.params[i] for i in self.buckets[k]]
         for i, p, (grad, version) in zip(self.buckets[k], params, self._sent.pop(k)):
-            if p.grad is not grad or (grad is not None and _local(grad)._version != version):
+            if p.grad is not grad or (grad is not None and local_part(grad)._version != version):
                 self._stale.append(self.names[i])
-        sizes = [_local(p).numel() for p in params]
+        sizes = [local_part(p).numel() for p in params]
         views = flat[: sum(sizes)].split(sizes)
         present = None  # read (a host sync) only where this rank lacks a gradient
         if any(p.grad is None for p in params):
@@ -242,7 +245,7 @@ class GradientReducer:
                 if not present[j]:
                     continue
                 p.grad = torch.zeros_like(p)  # a DTensor keeps the parameter's spec
-            dst.append(_local(p.grad))
+            dst.append(local_part(p.grad))
             src.append(view.view_as(dst[-1]))
         if dst:
             torch._foreach_copy_(dst, src)
@@ -268,15 +271,18 @@ class GradientReducer:
         return None
 
     @torch.no_grad()
-    def discard(self) -> None:
-        """Drop this step's sums (the gradients are being dropped: ``zero_grad``): the buckets not
-        yet launched go out as zeros, so that every rank of the group still issues each bucket
-        once, in order; then wait for all of them and start afresh."""
-        if self._next or self._pending:
+    def discard(self, in_flight: bool) -> None:
+        """Drop this step's sums (the gradients are being dropped: ``zero_grad``). `in_flight`: a
+        training run launched buckets and `finish` has not run, as every rank of the group knows
+        alike (`MimoModel` follows the calls; a rank's own count may differ, e.g. one that stopped
+        at a tp partial sum): then the buckets not yet launched here go out as zeros, so that every
+        rank still issues each bucket once, in order, and all are waited for. Then start afresh."""
+        if in_flight:
             while self._next < len(self.buckets):
                 self._launch(dropped=True)
             for _k, _flat, work in self._pending:
                 work.wait()
+        self.early = 0
         self._reset()
 
 
@@ -286,17 +292,28 @@ def _unplaced(p: nn.Parameter) -> bool:
     return isinstance(p.grad, DTensor) and p.grad.placements != p.placements
 
 
-def allreduce_gradients(module: nn.Module, dp_mesh, reduce_dtype: torch.dtype | None = None,
+def place_gradients(params: Iterable[nn.Parameter]) -> None:
+    """Put each DTensor gradient on its parameter's placements (a tp partial sum reduced, a
+    replicated gradient of a sharded parameter sharded), so that it crosses dp 1/tp as large and
+    the optimizer steps it in place. Collective over each parameter's mesh where one moves."""
+    for param in params:
+        if _unplaced(param):
+            param.grad = param.grad.redistribute(param.device_mesh, param.placements)
+
+
+def allreduce_gradients(module: nn.Module, dp_mesh: DeviceMesh | None, reduce_dtype: torch.dtype | None = None,
                         bucket_bytes: int = BUCKET_BYTES) -> None:
     """Sum the gradients of `module`'s parameters over `dp_mesh` after backward (the non-FSDP data
     parallel path, nothing overlapped): a `GradientReducer` without hooks, every bucket in
     `finish`, two in flight. Call on every rank of the mesh, before clipping and the optimizer.
-    DTensor (tensor-parallel) gradients are reduced shard by shard: each tp rank sums its own
-    shard with the same shard on the other dp replicas. A mesh of size 1 or None does nothing."""
+    DTensor (tensor-parallel) gradients are put on their parameters' placements first
+    (`place_gradients`), then reduced shard by shard: each tp rank sums its own shard with the
+    same shard on the other dp replicas. A mesh of size 1 or None does nothing."""
     if dp_mesh is None or dp_mesh.size() == 1:
         return
     params = {n: p for n, p in module.named_parameters() if p.requires_grad}
     if params:
+        place_gradients(params.values())
         GradientReducer(params, dp_mesh.get_group(), reduce_dtype, bucket_bytes, hooks=False).finish()
 
 

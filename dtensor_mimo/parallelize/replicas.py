@@ -22,13 +22,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dtensor_mimo.parallelize.reducer import GradientReducer, allreduce_gradients, sum_in_place
+from dtensor_mimo.parallelize.reducer import (GradientReducer, allreduce_gradients, local_part, place_gradients,
+                                              sum_in_place)
 from dtensor_mimo.parallelize.options import ParallelOptions
 from dtensor_mimo.parallelize.precision import uses_fsdp
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def tp_replicated(param: torch.Tensor) -> bool:
@@ -57,7 +54,7 @@ def reduce_tp_replicated_gradients(params: Mapping[str, nn.Parameter], tp_mesh: 
     by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = defaultdict(list)
     for name, p in params.items():
         if p.grad is not None and tp_replicated(p):
-            by_dtype[p.grad.dtype].append((name, _local(p.grad)))
+            by_dtype[p.grad.dtype].append((name, local_part(p.grad)))
     for grads in by_dtype.values():
         sum_in_place([g for _, g in grads], tp_mesh.get_group())  # a sum: gloo has no AVG
         for name, g in grads:
@@ -77,10 +74,10 @@ def first_differing_replica(params: Mapping[str, nn.Parameter], mesh: DeviceMesh
     groups: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
     for name, p in params.items():
-        if groups[-1] and size + _local(p).numel() > chunk_elements:
+        if groups[-1] and size + local_part(p).numel() > chunk_elements:
             groups.append([])
             size = 0
-        groups[-1].append((name, _local(p).detach()))
+        groups[-1].append((name, local_part(p).detach()))
         size += groups[-1][-1][1].numel()
     for group in groups:
         dtype = torch.float64 if any(t.dtype == torch.float64 for _, t in group) else torch.float32
@@ -122,10 +119,7 @@ def finish_gradients(module: nn.Module, params: Mapping[str, nn.Parameter], tp_m
     `reducer`: the module's `GradientReducer`, whose buckets backward may already have launched
     (it then does the dp sums; returns its complaint, if any). Call on every rank of the
     module's meshes."""
-    for param in params.values():  # first: a replicated gradient sharded crosses dp 1/tp as large
-        grad = param.grad
-        if isinstance(grad, DTensor) and grad.placements != param.placements:
-            param.grad = grad.redistribute(param.device_mesh, param.placements)
+    place_gradients(params.values())  # first: a replicated gradient sharded crosses dp 1/tp as large
     problem = None
     if reducer is not None:
         problem = reducer.finish()

@@ -18,7 +18,8 @@ schedules) as a `PipelineStage` whose module is a `LanguageStage`:
   microbatch losses add up to the single-process loss and gradients are sums (``scale_grads=False``).
 
 Each stage module is its own FSDP2 root over dp·cp (its earlier microbatches accumulate, its
-last backward reduce-scatters as it goes: `reduce_in_this_backward`), composed with the decoder's
+last backward reduce-scatters as it goes: `reduce_in_this_backward`; under the zero-bubble
+schedules after torch's schedule, as torch does), composed with the decoder's
 tp/sp plan and per-block compile exactly as at pp = 1. torch's stages have static shapes: the `PipelineStage`s and
 schedule are built per (microbatch rows, sequence length) and cached, so a new length bucket
 gets its own stages instead of a gloo abort or a stale buffer.
