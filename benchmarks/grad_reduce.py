@@ -68,7 +68,7 @@ def build(args: argparse.Namespace, world: int, overlap: bool) -> MimoModel:
     model = MimoModel(layout, llama, {"vision": encoder}, options={"vision": options, "language": options},
                       pipeline=PipelineConfig(microbatches=args.microbatches))
     if args.fsdp and not overlap:  # torch's own stages: every reduce-scatter after the schedule
-        model.language_pipeline.last_backward.on_last = lambda _stage: None
+        model.language_pipeline.reductions.fsdp_in_backward = False
     return model
 
 

@@ -183,8 +183,8 @@ class MimoModel(nn.Module):
     def _reducers(self, names: Sequence[str]) -> dict[str, GradientReducer]:
         """The `GradientReducer` of each of modules `names` this rank holds, over a process group
         of its own (made on every rank, module by module: `MimoLayout.own_dp_group` is
-        collective). It watches the module's pipeline stages (torch's schedules run their
-        backwards: `expect`); the executor arms a pp = 1 encoder itself."""
+        collective). A pipeline's stages arm it at their last backward (`StageReductions.attach`:
+        torch's schedules run their backwards); the executor arms a pp = 1 encoder itself."""
         reducers = {}
         for name in names:
             group = self.layout.own_dp_group(name)
@@ -194,10 +194,9 @@ class MimoModel(nn.Module):
             opts = self.options[name]
             reducer = reducers[name] = GradientReducer(params, group, opts.gradient_reduce_dtype,
                                                        opts.grad_bucket_bytes)
-            stages = (self.language_stages if name == self.language_name else
-                      [self.encoder_pipelines[name].stage] if name in self.encoder_pipelines else [])
-            for stage in stages:
-                reducer.watch(stage)
+            pipeline = (self.language_pipeline if name == self.language_name else self.encoder_pipelines.get(name))
+            if pipeline is not None:
+                pipeline.reductions.attach(reducer)
         return reducers
 
     def _to_device(self, module: nn.Module) -> nn.Module:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtensor_mimo.parallelize import GradientReducer
+from dtensor_mimo.parallelize.reducer import StageReductions
 from tests.harness import run_on_ranks
 
 
@@ -103,9 +104,9 @@ class _Stage(nn.Module):
 
 
 def _pipelined(shared: bool) -> dict:
-    """Two watched stages on this rank, four microbatches in a 1F1B-like order (F0 F1 B0 F2 B1
-    F3 B2 B3, each backward through both stages as a schedule's would be): `expect(4)` arms each
-    stage at its fourth backward, and its buckets leave then. With `shared`, the two stages
+    """Two stages on this rank, four microbatches in a 1F1B-like order (F0 F1 B0 F2 B1 F3 B2 B3,
+    each backward through both stages as a schedule's would be): `StageReductions.step(4)` arms
+    each stage at its fourth backward, and its buckets leave then. With `shared`, the two stages
     share their weight: that parameter never leaves early, and the sums stay right."""
     rank = dist.get_rank()
     first, second = _Stage(1), _Stage(2)
@@ -118,20 +119,20 @@ def _pipelined(shared: bool) -> dict:
         for mb in range(4):
             ref["second"](ref["first"](_data(r, mb))).sum().backward()
     reducer = GradientReducer(params, dist.new_group([0, 1]), bucket_bytes=64)
-    reducer.watch(first)
-    reducer.watch(second)
-    reducer.expect(4)
+    reductions = StageReductions([first, second])
+    reductions.attach(reducer)
     outs, order = {}, ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
     before_last = None
-    for action in order:
-        mb = int(action[1])
-        if action[0] == "F":
-            outs[mb] = second(first(_data(rank, mb)))
-        else:
-            if mb == 3:
-                before_last = reducer._next
-            outs.pop(mb).sum().backward()
-    after = reducer._next
+    with reductions.step(4):
+        for action in order:
+            mb = int(action[1])
+            if action[0] == "F":
+                outs[mb] = second(first(_data(rank, mb)))
+            else:
+                if mb == 3:
+                    before_last = reducer._next
+                outs.pop(mb).sum().backward()
+        after = reducer._next  # before the flush after the schedule
     problem = reducer.finish()
     ok = all(torch.allclose(p.grad, dict(ref.named_parameters())[n].grad) for n, p in params.items())
     return {"ok": ok, "problem": problem, "before_last": before_last, "after": after, "early": reducer.early,

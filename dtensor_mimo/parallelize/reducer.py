@@ -10,8 +10,8 @@ in order, once per step: the same collectives in the same order on every rank wh
 When: a parameter's gradient is final once its module's last backward of the step has
 accumulated into it. The step's driver says which backward is the last: `arm` (now: the next
 accumulation of these parameters is their last; the executor calls it before an encoder's last
-backward) or `expect` (the `count`-th backward through a `watch`ed module, counted by a hook on
-its forward output: torch's pipeline schedules run a stage's backwards inside their step). A
+backward) or `arm_module` (a pipeline stage's parameters, from `StageReductions` at the stage's
+last backward, which torch's schedules run inside their step). A
 bucket whose parameters are all final is launched from the accumulation hook, while backward
 goes on, but only after every bucket before it: `flush` launches the rest (the executor calls
 it after the module's last backward), `finish` waits for every bucket and puts the sums back.
@@ -40,14 +40,17 @@ buckets cost the same).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+
+from dtensor_mimo.parallelize.fsdp import reduce_in_this_backward
 
 BUCKET_BYTES = 32 << 20
 """About how many bytes one bucket reduces (`ParallelOptions.grad_bucket_mb`'s default)."""
@@ -110,7 +113,7 @@ class GradientReducer:
     in fixed buckets, in `reduce_dtype` if given (the sums land in the gradients' own dtype).
 
     `hooks`: launch buckets from the parameters' accumulation hooks once armed (`arm`,
-    `expect`); False: every bucket in `finish` (`allreduce_gradients`). Every rank of `group`
+    `arm_module`); False: every bucket in `finish` (`allreduce_gradients`). Every rank of `group`
     builds its reducer from parameters of the same shapes, dtypes and order (replicas of one
     module). DTensor parameters are reduced shard by shard; a gradient whose placements are not
     yet its parameter's (a tp partial sum, put right by `finish_gradients` before `finish`) is
@@ -130,7 +133,6 @@ class GradientReducer:
         self.bucket_of = {i: k for k, bucket in enumerate(self.buckets) for i in bucket}
         self._owners: dict[int, list[int]] = {}  # watched module id -> its parameter indices
         self._shared: set[int] = set()  # parameters of more than one watched module: never early
-        self._last = LastBackward(lambda module: self.arm(self._owners[id(module)]))
         self.early = 0
         """Buckets the last step launched from the accumulation hooks, while backward ran."""
         self._reset()
@@ -139,7 +141,6 @@ class GradientReducer:
                 p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, i))
 
     def _reset(self) -> None:
-        self._last.reset()
         self._armed: set[int] = set()
         self._ready = [False] * len(self.params)
         self._next = 0  # the next bucket to launch
@@ -156,19 +157,17 @@ class GradientReducer:
         self._armed -= self._shared
 
     def watch(self, module: nn.Module) -> None:
-        """Arm `module`'s parameters at its last backward of a step (`expect`; `LastBackward`);
-        a parameter of two watched modules is never launched early."""
+        """Know `module`'s parameters, for `arm_module` (a pipeline stage); a parameter of two
+        watched modules is never launched early."""
         index = {id(p): i for i, p in enumerate(self.params)}
         mine = [index[id(p)] for p in module.parameters() if id(p) in index]
         for other in self._owners.values():
             self._shared.update(set(mine) & set(other))
         self._owners[id(module)] = mine
-        self._last.watch(module)
 
-    def expect(self, count: int) -> None:
-        """Each watched module runs `count` backwards this step (a pipeline stage: one per
-        microbatch): the `count`-th arms its parameters."""
-        self._last.expect(count)
+    def arm_module(self, module: nn.Module) -> None:
+        """`arm` the parameters of watched `module` (its last backward of the step begins)."""
+        self.arm(self._owners[id(module)])
 
     def _accumulated(self, i: int, param: nn.Parameter) -> None:
         """A gradient accumulated into parameter `i` (torch's post-accumulate-grad hook)."""
@@ -284,6 +283,46 @@ class GradientReducer:
                 work.wait()
         self.early = 0
         self._reset()
+
+
+class StageReductions:
+    """How a pipeline's stages (torch's `PipelineStage` modules on this rank) reduce their
+    gradients over dp in a training step, decided at each stage's last backward (`LastBackward`):
+    an FSDP2 stage reduce-scatters from there on (`reduce_in_this_backward`; not where
+    `fsdp_in_backward` is False: a split backward, whose weight half comes after the counted
+    one), and the stages' `GradientReducer`, if `attach`ed, is armed there and flushed after the
+    schedule. The language model's and a pp > 1 encoder's pipelines each hold one."""
+
+    def __init__(self, stages: Sequence[nn.Module], fsdp_in_backward: bool = True) -> None:
+        self.stages, self.fsdp_in_backward = list(stages), fsdp_in_backward
+        self.reducer: GradientReducer | None = None
+        self.last = LastBackward(self._last_backward)
+        for stage in self.stages:
+            self.last.watch(stage)
+
+    def attach(self, reducer: GradientReducer) -> None:
+        """The stages' dp sums without FSDP2 start during their last backward."""
+        self.reducer = reducer
+        for stage in self.stages:
+            reducer.watch(stage)
+
+    def _last_backward(self, stage: nn.Module) -> None:
+        if self.fsdp_in_backward:
+            reduce_in_this_backward(stage)
+        if self.reducer is not None:
+            self.reducer.arm_module(stage)
+
+    @contextlib.contextmanager
+    def step(self, count: int) -> Iterator[None]:
+        """Around torch's schedule of `count` microbatches: each stage's `count`-th backward is
+        its last; afterwards the reducer's remaining buckets leave at once (`flush`)."""
+        self.last.expect(count)
+        try:
+            yield
+        finally:
+            self.last.reset()
+        if self.reducer is not None:
+            self.reducer.flush()
 
 
 def _unplaced(p: nn.Parameter) -> bool:

@@ -43,8 +43,7 @@ from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.models import FlexAttentionCore
 from dtensor_mimo.models.vit import self_attentions
 from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, parallelize, stacks
-from dtensor_mimo.parallelize.fsdp import reduce_in_this_backward
-from dtensor_mimo.parallelize.reducer import LastBackward
+from dtensor_mimo.parallelize.reducer import StageReductions
 from dtensor_mimo.schedule.config import stage_layers
 from dtensor_mimo.schedule.crossing import Crossing
 from dtensor_mimo.schedule.runtime import cached, run_schedule
@@ -231,8 +230,7 @@ class EncoderPipeline:
         self.name, self.stage, self.index, self.n_stages = name, stage, stage_index, n_stages
         self.pp_group, self.hidden, self.device = pp_group, hidden, device
         self._cache: OrderedDict = OrderedDict()
-        self.last_backward = LastBackward(reduce_in_this_backward)  # FSDP2: reduce during the last backward
-        self.last_backward.watch(stage)
+        self.reductions = StageReductions([stage])  # dp: reduce during the stage's last backward
 
     def _build(self, bucket: int, tokens_per_item: int, item_shape: tuple[int, ...], item_dtype: torch.dtype,
                out_dim: int) -> tuple[ScheduleGPipe, PipelineStage, EncoderSender]:
@@ -261,11 +259,8 @@ class EncoderPipeline:
         padded = [(torch.cat([x, x.new_zeros(bucket - x.shape[0], *x.shape[1:])]),) if self.index == 0 else ()
                   for x in items]
         sender.start(crossings, items=list(counts))
-        self.last_backward.expect(len(counts))
-        try:
+        with self.reductions.step(len(counts)):
             run_schedule(schedule, [torch_stage], padded, None, list(range(len(counts))))
-        finally:
-            self.last_backward.reset()
         sender.finish()
 
     def run_once(self, items: torch.Tensor | None, count: int, tokens_per_item: int) -> torch.Tensor | None:

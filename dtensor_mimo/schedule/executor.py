@@ -63,8 +63,8 @@ class RankParts:
         hops: the crossings' route (None: per direction).
         buffers: where crossings receive (recycled across steps).
         reducers: the `GradientReducer` of each module this rank holds whose dp sums start
-            during backward: armed before the module's last backward of a training step
-            (`expect` for torch's schedules), flushed after it.
+            during backward: a pp = 1 encoder's armed before its last backward of a training
+            step and flushed after it (pipeline stages: their `StageReductions`).
     """
 
     layout: MimoLayout
@@ -221,12 +221,13 @@ class _Run:
         if self.accumulation is not None and last:
             for n in self.local.encoders:  # the last backward reduces (and reshards) the accumulated state
                 self.accumulation.last(n)
-        reducers = {n: r for n, r in self.parts.reducers.items() if n in self.local.encoders}
+        reducers = self.parts.reducers
         # The step's last backward of each encoder: its dp sums start as its gradients come.
         self.local.backward(grads, arm=(lambda n: reducers[n].arm() if n in reducers else None) if last else None)
         if last:
-            for reducer in reducers.values():
-                reducer.flush()
+            for n in self.local.encoders:
+                if n in reducers:
+                    reducers[n].flush()
 
     def do_encoder_pipeline(self, a: Action) -> None:
         name, pipeline = a.module, self.parts.encoder_pipelines[a.module]
@@ -238,14 +239,9 @@ class _Run:
             if rows is not None:
                 self.local.outputs.setdefault(0, {})[name] = rows
         else:
-            reducer = self.parts.reducers.get(name)
-            if reducer is not None:
-                reducer.expect(len(self.items))  # the stage's last backward in torch's GPipe arms it
             pipeline.run([per[name].to(self.parts.device).inputs for per in self.items],
                          [per[name].num_items for per in self.items], tuple(modality.inputs.shape[1:]),
                          modality.tokens_per_item, self.parts.dim, self.crossings)
-            if reducer is not None:
-                reducer.flush()
         if pipeline.stage.error:
             self.errors.append(pipeline.stage.error)
         pipeline.stage.error = None
@@ -290,12 +286,7 @@ class _Run:
                 self.feed = LanguageFeed(self.crossings, [parts.trainable[n] for n in self.shape.encoders],
                                          self.received, crossing_posts(a.nested))
                 self.received = {}
-            reducer = parts.reducers.get(parts.language_name)
-            if reducer is not None:
-                reducer.expect(len(self.mbs))  # each stage's last backward in torch's schedule arms it
             self.loss = language.run([shard(mb, par.dp, dp_rank) for mb in self.mbs], self.normalizer, self.feed)
-            if reducer is not None:
-                reducer.flush()
             return
         local = shard(self.mbs[0], par.dp, dp_rank)
         out = language.run_once(local, self.rows, self.normalizer, predicting=a.module == "predict")

@@ -42,8 +42,7 @@ from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.models import FlexAttentionCore, Llama, causal_attention
 from dtensor_mimo.models.protocol import decoder_stage
 from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, parallelize
-from dtensor_mimo.parallelize.fsdp import reduce_in_this_backward
-from dtensor_mimo.parallelize.reducer import LastBackward
+from dtensor_mimo.parallelize.reducer import StageReductions
 from dtensor_mimo.schedule.config import ZERO_BUBBLE_SCHEDULES, PipelineConfig, stage_layers
 from dtensor_mimo.schedule.runtime import cached, phase, run_schedule
 from dtensor_mimo.sequence import (ContextParallelAttention, linear_token_loss_sum, loss_weights, shard_for_cp,
@@ -212,10 +211,7 @@ class LanguagePipeline:
         # Each FSDP2 stage reduce-scatters during its last backward of a step, not after torch's
         # schedule; not under a split backward, whose weight half comes after the counted one
         # (torch's reduction after the schedule does it there).
-        self.last_backward = LastBackward(reduce_in_this_backward)
-        self.reduce_in_last_backward = config.schedule not in ZERO_BUBBLE_SCHEDULES
-        for stage in self.stages:
-            self.last_backward.watch(stage)
+        self.reductions = StageReductions(self.stages, config.schedule not in ZERO_BUBBLE_SCHEDULES)
         self._schedules: OrderedDict = OrderedDict()
 
     @property
@@ -287,12 +283,8 @@ class LanguagePipeline:
             args.append((tokens,))
             kwargs.append(dict(microbatch=i, **kw))
         losses: list[torch.Tensor] = []
-        if self.reduce_in_last_backward:
-            self.last_backward.expect(len(microbatches))
-        try:
+        with self.reductions.step(len(microbatches)):
             run_schedule(schedule, stages, args, kwargs, [None] * len(args), losses)
-        finally:
-            self.last_backward.reset()
         if self.first is not None:
             self.first.set_step(None, {}, 1.0)
         if not self.holds_loss:
