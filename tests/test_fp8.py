@@ -48,7 +48,7 @@ float8 = pytest.importorskip("torchao.float8")
 P = Parallelism
 FP8_TOL = 1e-2  # relative, fp8 against fp32 (see the module docstring)
 DP_TOL = 2e-3  # relative, dp2 fp8 against one-process fp8
-RECIPES = {"vision": "rowwise", "language": "tensorwise"}  # of both distributed cases
+RECIPES = {"vision": "rowwise", "language": "tensorwise"}  # of the fsdp and tp cases
 STEPS = (64, 64)  # the distributed cases' steps (sequence lengths): the second all-gathers with refreshed scales
 DISTRIBUTED = {
     "fsdp": Case({"vision": P(dp=2), "language": P(dp=2)}, offsets={"vision": 0, "language": 0}, seq_lens=STEPS,
@@ -57,6 +57,12 @@ DISTRIBUTED = {
                options={"vision": ParallelOptions(fp8="rowwise"),
                         "language": ParallelOptions(fp8="tensorwise", sp=True, compile=True,
                                                     compile_backend="aot_eager")}),
+    # HSDP: float8 all-gathers within each replica group, the scales refreshed over all four
+    # ranks; the recipes swapped, and vision ranks without items (5 samples over 4 dp ranks) run
+    # their float8 layers on no rows (tensorwise: no input amax; rowwise: no gradient amax)
+    "hsdp": Case({"vision": P(dp=4, dp_replicate=2), "language": P(dp=4, dp_replicate=2)},
+                 offsets={"vision": 0, "language": 0}, seq_lens=STEPS,
+                 options={"vision": ParallelOptions(fp8="tensorwise"), "language": ParallelOptions(fp8="rowwise")}),
 }
 
 
@@ -81,6 +87,24 @@ def _linear_names(module: nn.Module) -> set[str]:
 
 
 # ------------------------------------------------------------------ which layers convert
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_float8_layer_takes_an_input_without_rows(recipe: str) -> None:
+    """An encoder's dp rank without items runs its layers on no rows (FSDP2 and the dp sums need
+    its forward and backward): torchao's scales take an amax that an empty tensor has not
+    (tensorwise: of the input, rowwise: of the output gradient); the layer gives the plain
+    product, empty, and a zero weight gradient. With rows it still runs in float8."""
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(32, 16))
+    plain = nn.Linear(32, 16).requires_grad_(False)
+    plain.load_state_dict(layer[0].state_dict())
+    parallelize(layer, None, None, ParallelOptions(fp8=recipe), name="vision")
+    out = layer(torch.randn(0, 32, requires_grad=True))
+    out.sum().backward()
+    assert out.shape == (0, 16) and torch.equal(layer[0].weight.grad, torch.zeros(16, 32))
+    x = torch.randn(8, 32)
+    assert fp8_layers(layer) == ["0"] and not torch.equal(layer(x), plain(x))  # float8 rounding
 
 
 def test_language_model_linears_convert_except_the_head() -> None:
@@ -152,9 +176,9 @@ def test_fp8_losses_follow_fp32(recipes: dict[str, str], fp32: list[float]) -> N
     assert max(errors) > 0, "the losses are fp32's bit for bit: no layer ran in float8"
 
 
-@pytest.fixture(scope="module")
-def one_process_fp8() -> list[float]:
-    return _losses(_reference(("vision",), False, (), seq_lens=STEPS, prepare=_fp8(RECIPES)))
+@functools.cache
+def _one_process_fp8(recipes: tuple[tuple[str, str], ...]) -> list[float]:
+    return _losses(_reference(("vision",), False, (), seq_lens=STEPS, prepare=_fp8(dict(recipes))))
 
 
 def _distributed_recording_fp8(case: Case) -> tuple[list[dict], list[torch.dtype], int]:
@@ -187,17 +211,19 @@ def _distributed_recording_fp8(case: Case) -> tuple[list[dict], list[torch.dtype
 
 
 @pytest.mark.parametrize("name", list(DISTRIBUTED))
-def test_distributed_fp8_matches_one_process_fp8(name: str, one_process_fp8: list[float]) -> None:
+def test_distributed_fp8_matches_one_process_fp8(name: str) -> None:
     case = DISTRIBUTED[name]
-    per_rank = run_on_ranks(_distributed_recording_fp8, 2, case, timeout=180)
+    one_process_fp8 = _one_process_fp8(tuple((n, o.fp8) for n, o in sorted(case.options.items())))
+    per_rank = run_on_ranks(_distributed_recording_fp8, case.layout().world_size, case, timeout=180)
     for records, gathered, refreshed in per_rank:
         losses = _losses(records)
         errors = _relative(losses, one_process_fp8)
         print(f"{name} fp8 vs one-process fp8: {losses} vs {one_process_fp8}, relative {errors}")
         assert max(errors) < DP_TOL, (losses, one_process_fp8)
         steps = len(records)
-        assert refreshed == steps  # the tensorwise language model, once after each optimizer step
-        if case.layout().parallelism("language").dp == 2:  # FSDP2: tensorwise weights gathered in float8
+        assert refreshed == steps  # the tensorwise module, once after each optimizer step
+        (tensorwise,) = [n for n, o in case.options.items() if o.fp8 == "tensorwise"]
+        if case.layout().parallelism(tensorwise).dp > 1:  # FSDP2: tensorwise weights gathered in float8
             assert gathered and set(gathered) == {torch.float8_e4m3fn}, gathered
         else:
             assert not gathered

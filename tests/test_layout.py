@@ -92,10 +92,22 @@ def test_explicit_offsets_and_describe():
     ({"tp": 0}, "Parallelism.tp must be an integer >= 1, got 0"),
     ({"dp": -2}, "Parallelism.dp must be an integer >= 1, got -2"),
     ({"pp": 1.5}, "Parallelism.pp must be an integer >= 1, got 1.5"),
+    ({"dp": 4, "dp_replicate": 0}, "Parallelism.dp_replicate must be an integer >= 1, got 0"),
+    ({"dp": 4, "dp_replicate": 3}, "Parallelism.dp_replicate=3 must divide dp=4"),
 ])
 def test_sizes_below_one(kwargs, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         Parallelism(**kwargs)
+
+
+def test_hsdp_keeps_the_grid_and_names_itself():
+    """dp_replicate only groups the dp ranks for FSDP2: ranks, size and coordinates are dp's."""
+    hsdp, plain = Parallelism(dp=4, tp=2, dp_replicate=2), Parallelism(dp=4, tp=2)
+    assert (hsdp.shape, hsdp.size, hsdp.hsdp, plain.hsdp) == (plain.shape, 8, True, False)
+    assert (str(hsdp), str(plain)) == ("tp2·dp4r2", "tp2·dp4")
+    layout = MimoLayout({"vision": {"dp": 2}, "language": {"dp": 4, "tp": 2, "dp_replicate": 2}})
+    assert layout.ranks("language") == MimoLayout({"vision": {"dp": 2}, "language": plain}).ranks("language")
+    assert "4 (2 replica groups)" in layout.describe()
 
 
 def test_unknown_dim_names_module():

@@ -14,6 +14,7 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 | interleaved     | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | Interleaved1F1B      | compiled stages, meta; head on loss rows only |
 | interleaved_dp2 | dp1 (0)          | pp2·dp2, 2 virtual (1-4)  | 5     | Interleaved1F1B      | two FSDP2 stages a rank, each reduce-scattering in its last backward |
 | coloc_pp2_dp2   | dp4 (0-3)        | pp2·dp2 (0-3)             | 4     | 1F1B                 | colocated three phases; no FSDP2: dp sums during backward |
+| coloc_hsdp      | dp4 HSDP 2x2 (0-3) | pp2·dp2 HSDP 2x1 (0-3)  | 4     | 1F1B                 | colocated; FSDP2 shards within replica groups, all-reduces across them in each stage's last backward |
 | coloc_recompute | dp4 (0-3)        | pp2·dp2 (0-3)             | 4     | 1F1B                 | colocated, vision graphs freed (`recompute_colocated`), FSDP2 |
 | coloc_pp1_recompute | dp2 (0-1)    | dp2 (0-1)                 | 2     | one stage, 4 mb      | colocated at pp = 1, graphs freed |
 | coloc_two_recompute | dp2 (0-1) + audio dp2 (0-1) | dp2 (0-1)  | 2     | one stage, 4 mb      | two recomputed encoders: vision reduced once (FSDP2), audio summed during its last backward |
@@ -45,7 +46,7 @@ import pytest
 from dtensor_mimo import ParallelOptions, Parallelism, PipelineConfig
 from dtensor_mimo.schedule.config import ZERO_BUBBLE_SCHEDULES
 from tests.harness import needs_torch
-from tests.test_mimo import Case, check_against_reference, check_encoded_shares, check_route
+from tests.test_mimo import Case, check_against_reference, check_encoded_shares, check_hsdp_meshes, check_route
 
 P = Parallelism
 MB4 = PipelineConfig(microbatches=4)
@@ -74,6 +75,7 @@ CASES = {
     "interleaved_dp2": _case(P(), P(pp=2, dp=2), PipelineConfig(microbatches=4, schedule="Interleaved1F1B",
                                                                 virtual_stages=2)),
     "coloc_pp2_dp2": _case(P(dp=4), P(pp=2, dp=2), offsets={"vision": 0, "language": 0}, options=SUMMED),
+    "coloc_hsdp": _case(P(dp=4, dp_replicate=2), P(pp=2, dp=2, dp_replicate=2), offsets={"vision": 0, "language": 0}),
     "coloc_recompute": _case(P(dp=4), P(pp=2, dp=2), offsets={"vision": 0, "language": 0},
                              options={"vision": ParallelOptions(recompute_colocated=True)}),
     "coloc_pp1_recompute": _case(P(dp=2), P(dp=2), offsets={"vision": 0, "language": 0},
@@ -123,6 +125,7 @@ def test_pipelined_training_matches_single_process(name: str) -> None:
     check_route(CASES[name], per_rank)
     check_encoded_shares(CASES[name], per_rank)
     check_sums_overlapped(CASES[name], per_rank)
+    check_hsdp_meshes(CASES[name], per_rank)
 
 
 def check_sums_overlapped(case, per_rank: list[list[dict]]) -> None:

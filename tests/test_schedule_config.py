@@ -134,6 +134,17 @@ def test_zero_bubble_refuses_fsdp_resharding_after_forward(schedule) -> None:
     _check_model(MimoLayout({"vision": P(), "language": P(pp=2)}), llama, encoders, "language", {}, zb)
 
 
+def test_hsdp_needs_fsdp() -> None:
+    """dp_replicate > 1 groups the ranks FSDP2 shards over: without FSDP2 it is refused by name."""
+    from dtensor_mimo import ParallelOptions
+
+    llama, encoders = _modules(n_layers=4)
+    layout = MimoLayout({"vision": P(dp=2, dp_replicate=2), "language": P()})
+    with pytest.raises(LayoutError, match=r"'vision' has dp_replicate=2 \(HSDP.*ParallelOptions\(fsdp=False\)"):
+        _check_model(layout, llama, encoders, "language", {"vision": ParallelOptions(fsdp=False)}, None)
+    _check_model(layout, llama, encoders, "language", {}, None)
+
+
 @pytest.mark.parametrize("schedule", ZERO_BUBBLE_SCHEDULES)
 def test_zero_bubble_is_refused_by_name_before_torch_2_13(schedule, monkeypatch) -> None:
     from dtensor_mimo.layout import torch_compat

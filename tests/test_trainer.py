@@ -5,8 +5,8 @@
 | A: vision dp2 + audio dp2 @0, language tp2 @2 [4]        | 6 steps; checkpoints at 3 and 6; JSONL fields      |
 | A resumed from step 3 (a stale partial save beside it)   | steps 4-6 losses == uninterrupted A               |
 | A with every rank loading the whole batch [4]            | losses == A's (per-rank loading loads the same)   |
-| B: colocated vision dp4, audio dp4, language dp2·tp2 [4] | loads A's step 3, steps 4-6 == A's                |
-| C: everything on one rank [1]                            | loads B's step 5, step 6 == A's                   |
+| B: colocated vision dp4, audio dp4, language dp2·tp2 [4], vision and language HSDP (2 replica groups) | loads A's step 3, steps 4-6 == A's |
+| C: everything on one rank [1]                            | loads B's step 5 (saved from HSDP), step 6 == A's |
 | A, cp2 language, pp2 language (1F1B)                     | `MimoModel.predict` == argmax of a one-process model |
 | D: vision + audio @0, language @1 [2], items at their own size | losses and grad norms == C's on the same data   |
 
@@ -38,7 +38,8 @@ if importlib.util.find_spec("sklearn") is None:  # looked up, not imported: ever
 LAYOUT_A = ["--layout.vision.dp", "2", "--layout.audio.dp", "2", "--layout.audio.offset", "0",
             "--layout.language.tp", "2"]
 LAYOUT_B = ["--layout.vision.dp", "4", "--layout.audio.dp", "4", "--layout.audio.offset", "0",
-            "--layout.language.dp", "2", "--layout.language.tp", "2", "--layout.language.offset", "0"]
+            "--layout.language.dp", "2", "--layout.language.tp", "2", "--layout.language.offset", "0",
+            "--layout.vision.dp_replicate", "2", "--layout.language.dp_replicate", "2"]
 LAYOUT_C = ["--layout.audio.offset", "0", "--layout.language.offset", "0"]
 SHORT = ["--train.steps", "6", "--data.batch_size", "8", "--pipeline.microbatches", "2",
          "--data.heldout_samples", "8", "--train.generate", "0", "--metrics.log_every", "1",

@@ -228,7 +228,9 @@ class MimoLayout:
         for name in self._par:
             par, (lo, hi) = self._par[name], self._span(name)
             shared = [o for o in self._par if o != name and self.shares_ranks(name, o)]
-            rows.append((name, *map(str, par.shape), f"{lo}..{hi - 1}",
+            sizes = [str(n) + (f" ({par.dp_replicate} replica groups)" if d == "dp" and par.hsdp else "")
+                     for d, n in zip(MESH_DIMS, par.shape)]
+            rows.append((name, *sizes, f"{lo}..{hi - 1}",
                          f"colocated with {', '.join(shared)}" if shared else "own ranks"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -264,6 +266,14 @@ class MimoLayout:
         if self._meshes is None:
             raise RuntimeError("call layout.init_meshes(device_type) on every rank before layout.mesh()")
         return self._meshes.get(self._check_name(name), dims)
+
+    def fsdp_mesh(self, name: str):
+        """The mesh FSDP2 shards module `name` over (members only): its flat dp·cp mesh, or with
+        HSDP (``Parallelism.dp_replicate > 1``) the 2-D ``("dp_replicate", "dp_shard_cp")`` mesh,
+        built by `init_meshes` on the same root as the module's tp mesh."""
+        if self._meshes is None:
+            raise RuntimeError("call layout.init_meshes(device_type) on every rank before layout.fsdp_mesh()")
+        return self._meshes.fsdp(self._check_name(name))
 
     def own_dp_group(self, name: str) -> dist.ProcessGroup | None:
         """A process group of its own over this rank's dp·cp ranks of module `name` (None off

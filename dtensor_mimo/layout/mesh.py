@@ -8,7 +8,9 @@ sliced locally on members.
 Each module is built as a 3-D root mesh ``("pp", "dp_cp", "tp")`` unflattened to
 ``("pp", "dp", "cp", "tp")``. Building the flattened dp·cp dim up front (instead of
 ``mesh["dp", "cp"]._flatten()`` later) matters twice: ``_flatten`` on members only
-hangs, and FSDP over dp·cp with TP requires both meshes to share one root.
+hangs, and FSDP over dp·cp with TP requires both meshes to share one root. A module with HSDP
+(``Parallelism.dp_replicate > 1``) also gets the same dim unflattened to ``("dp_replicate",
+"dp_shard_cp")``: FSDP2's 2-D mesh, on the same root.
 
 Two guards come first. The layout must be the same on every rank: a rank with another layout
 would sit in another ``new_group`` than its peers, forever, so one all-gather of its fingerprint
@@ -27,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtensor_mimo.layout.fingerprint import disagreement, fingerprint, summary
-from dtensor_mimo.layout.parallelism import MESH_DIMS, Parallelism
+from dtensor_mimo.layout.parallelism import HSDP_DIMS, MESH_DIMS, Parallelism
 
 
 class Layout(Protocol):
@@ -60,6 +62,7 @@ class ModuleMeshes:
         self._roots: dict[str, DeviceMesh] = {}
         self._meshes: dict[str, DeviceMesh] = {}
         self._slices: dict[tuple[str, tuple[str, ...]], DeviceMesh] = {}  # torch builds a new one per slicing
+        self._hsdp: dict[str, DeviceMesh] = {}
         timeout = default_timeout()
         for name in layout.names:  # same order on every rank
             par = layout.parallelism(name)
@@ -72,6 +75,11 @@ class ModuleMeshes:
                 1, (par.dp, par.cp), ("dp", "cp"),
                 backend_override={d: o for d, n in (("dp", par.dp), ("cp", par.cp))
                                   if (o := _with_timeout(n, world, timeout)) != (None, None)})
+            if par.hsdp:  # same order on every rank, like every group above
+                sizes = (par.dp_replicate, par.dp * par.cp // par.dp_replicate)
+                self._hsdp[name] = root._unflatten(
+                    1, sizes, HSDP_DIMS, backend_override={d: o for d, n in zip(HSDP_DIMS, sizes)
+                                                           if (o := _with_timeout(n, world, timeout)) != (None, None)})
         if dist.get_backend() == "nccl":
             self._first_collectives()
 
@@ -88,7 +96,7 @@ class ModuleMeshes:
         for name in self._layout.names:
             if self._meshes[name].get_coordinate() is None:
                 continue
-            for dims in ("pp", "dp_cp", "dp", "cp", "tp"):
+            for dims in ("pp", "dp_cp", "dp", "cp", "tp", *(HSDP_DIMS if name in self._hsdp else ())):
                 group = self.get(name, dims).get_group()
                 if group.size() > 1:
                     dist.all_reduce(torch.zeros(1, device=device), group=group)
@@ -115,6 +123,11 @@ class ModuleMeshes:
             dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=mine)
         return mine
 
+    def fsdp(self, name: str) -> DeviceMesh:
+        """The mesh FSDP2 shards module `name` over: its flat dp·cp mesh, or with HSDP
+        (``dp_replicate > 1``) the 2-D ``("dp_replicate", "dp_shard_cp")`` one (members only)."""
+        return self.get(name, HSDP_DIMS if name in self._hsdp else ("dp", "cp"))
+
     def get(self, name: str, dims: str | tuple[str, ...] | None = None) -> DeviceMesh:
         mesh = self._meshes[name]
         if dims is None:
@@ -122,9 +135,11 @@ class ModuleMeshes:
         dims = (dims,) if isinstance(dims, str) else tuple(dims)
         if (name, dims) in self._slices:  # the step's path: no dispatch (get_coordinate runs tensor ops)
             return self._slices[name, dims]
-        unknown = [d for d in dims if d not in (*MESH_DIMS, "dp_cp")]
+        hsdp = name in self._hsdp and set(dims) <= set(HSDP_DIMS)
+        unknown = [d for d in dims if d not in (*MESH_DIMS, "dp_cp") and not hsdp]
         if unknown:
-            raise KeyError(f"unknown mesh dim(s) {unknown} for module {name!r}; dims are {list(MESH_DIMS)} or 'dp_cp'")
+            raise KeyError(f"unknown mesh dim(s) {unknown} for module {name!r}; dims are {list(MESH_DIMS)} or 'dp_cp'"
+                           + (f" or {HSDP_DIMS} (it has dp_replicate > 1)" if name in self._hsdp else ""))
         if mesh.get_coordinate() is None:
             rank, ranks = dist.get_rank(), self._layout.ranks(name)
             raise RuntimeError(
@@ -133,7 +148,8 @@ class ModuleMeshes:
             )
         flat = set(dims) in ({"dp_cp"}, {"dp", "cp"})  # flat dp·cp (FSDP), in either order
         # A slice reuses the root's groups: no collective.
-        self._slices[name, dims] = self._roots[name]["dp_cp"] if flat else mesh[dims]
+        self._slices[name, dims] = (self._hsdp[name][dims] if hsdp else self._roots[name]["dp_cp"] if flat
+                                    else mesh[dims])
         return self._slices[name, dims]
 
 

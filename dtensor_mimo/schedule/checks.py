@@ -57,6 +57,10 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
     for name in layout.names:
         par = layout.parallelism(name)
         check_compile_layout(name, options.get(name, ParallelOptions()), par)
+        if par.hsdp and not options.get(name, ParallelOptions()).fsdp:
+            raise LayoutError(f"{name!r} has dp_replicate={par.dp_replicate} (HSDP: FSDP2 shards within replica "
+                              "groups) but ParallelOptions(fsdp=False) keeps its parameters whole on every dp rank; "
+                              "set fsdp=True, or dp_replicate=1")
         if name == language_name and par.pp > 1 and pipeline is None:
             raise LayoutError(f"{name!r} has pp={par.pp}: pass pipeline=PipelineConfig(microbatches=...) "
                               "to MimoModel (at least pp microbatches keep every stage busy)")

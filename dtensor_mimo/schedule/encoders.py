@@ -398,7 +398,7 @@ def build_encoder_part(layout: MimoLayout, name: str, module: nn.Module, options
     stage of it at pp > 1). `dtype`: what crosses the bridge. Returns the module, the root FSDP2
     was applied to, and the stage's `EncoderPipeline` (pp > 1)."""
     pp = layout.parallelism(name).pp
-    tp_mesh, dp_mesh = layout.mesh(name, "tp"), layout.mesh(name, ("dp", "cp"))
+    tp_mesh, dp_mesh = layout.mesh(name, "tp"), layout.fsdp_mesh(name)  # 2-D with HSDP
     if options.flex_attention:  # items of their own size: one FlexAttention kernel a block
         core = FlexAttentionCore()
         for attention in self_attentions(module):

@@ -192,7 +192,7 @@ class LanguagePipeline:
         self.dim = llama.config.dim
         self.vocab = getattr(llama.config, "vocab_size", 0)  # of the chunked head (the library's `Llama`)
         self.dtype = compute_dtype(options, llama)  # of the hidden states between stages
-        tp_mesh, dp_mesh = layout.mesh(name, "tp"), layout.mesh(name, ("dp", "cp"))
+        tp_mesh, dp_mesh = layout.mesh(name, "tp"), layout.fsdp_mesh(name)  # 2-D with HSDP
         flex = options.language_flex(device, par.cp, library_decoder=isinstance(llama, Llama))
         inner = FlexAttentionCore() if flex else causal_attention
         if par.cp > 1:

@@ -29,7 +29,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
-from dtensor_mimo.layout.parallelism import MESH_DIMS, Parallelism
+from dtensor_mimo.layout.parallelism import FIELDS, Parallelism
 from dtensor_mimo.optim.optimizer import AdamWConfig, LRSchedule
 from dtensor_mimo.parallelize.options import ParallelOptions
 from dtensor_mimo.schedule.config import PipelineConfig
@@ -69,7 +69,7 @@ class ModuleLayout(Parallelism):
     @property
     def parallelism(self) -> Parallelism:
         """The sizes alone (what `MimoLayout` takes)."""
-        return Parallelism(**{d: getattr(self, d) for d in MESH_DIMS})
+        return Parallelism(**{d: getattr(self, d) for d in FIELDS})
 
 
 @dataclass
@@ -997,6 +997,9 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         if name != LANGUAGE and par.cp > 1:
             raise ConfigError(f"layout.{name}: cp={par.cp}: encoders take cp = 1 (context parallelism is the "
                               "language model's)")
+        if par.hsdp and not config.options.get(name, ParallelOptions()).fsdp:
+            raise ConfigError(f"layout.{name}.dp_replicate = {par.dp_replicate} (HSDP) needs FSDP2, but "
+                              f"options.{name}.fsdp = false; set it true, or dp_replicate = 1")
     pipe, lang_par = config.pipeline, layout.parallelism(LANGUAGE)
     if lang_par.pp > 1 and pipe.microbatches < lang_par.pp:
         raise ConfigError(f"pipeline.microbatches = {pipe.microbatches} is below layout.{LANGUAGE}.pp = "
