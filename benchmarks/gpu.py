@@ -19,7 +19,7 @@ important figures:
 | section | case | what |
 |---|---|---|
 | lm | ours | `Llama` through `MimoModel` (world 1) + `MimoOptimizer` + `train_step`: bf16 compute (`ParallelOptions(param_dtype="bf16")`, fp32 master weights), per-block compile, fused AdamW; first checks the chunked loss's compiled arithmetic against its eager form on the GPU |
-| lm | ours fp8 tensorwise / rowwise | the same with `ParallelOptions(fp8=...)`: torchao float8 training of the Linear layers where it pays on CUDA (`fp8_pays`), not the output head |
+| lm | ours fp8 tensorwise / rowwise | the same with `ParallelOptions(fp8=...)`: torchao float8 training of the Linear layers where it pays on CUDA (`fp8_pays`), not the output head; `tuned`: with inductor's coordinate-descent tuning of its kernels' launch configs (`compile_options={"coordinate_descent_tuning": True}`): the float8 casts' amax reductions and transposing casts took 34 of the 2026-11-28 tensorwise step's 197 ms of device work, two of them several times slower than their bytes take at the card's bandwidth (an estimate) |
 | lm | ours packed (flex) | the same on rows packed with documents of 64-1024 tokens (document ids and positions): attention through the masked SDPA chunks, or with `ParallelOptions(flex_attention=True)` through FlexAttention over a block mask; the flex case first checks its outputs and gradients against the masked path on the GPU (fp32) |
 | lm | ours fsdp2 bf16 | the same with FSDP2's `MixedPrecisionPolicy` on its mesh of one rank instead of autocast (which mixed-precision form is faster at dp = 1; at dp > 1 the library uses FSDP2's) |
 | lm | ours unchunked loss | the same with `ParallelOptions(chunked_loss=False)`: plain `[tokens, vocab]` logits (time and peak memory of the chunked head + loss) |
@@ -82,7 +82,8 @@ VLM = {"default": dict(image=224, patch=16, vdim=768, vlayers=12, vheads=12, vml
 # the VLM per block with the C++ wrapper (its per-block step was host-bound: 99 ms of device work
 # in 134) and each stack whole without graphs.
 CASES = ("lm ours", "lm transformers compiled", "vlm ours", "vlm transformers compiled", "lm ours fp8 tensorwise",
-         "tiny trainer cudagraphs", "tiny trainer cudagraphs workers=1", "vlm ours cpp wrapper", "vlm ours whole",
+         "tiny trainer cudagraphs", "tiny trainer cudagraphs workers=1", "lm ours fp8 tensorwise tuned",
+         "vlm ours cpp wrapper", "vlm ours whole",
          "vlm ours cudagraphs", "tiny trainer", "tiny trainer whole", "lm ours cudagraphs",
          "lm ours fp8 tensorwise cudagraphs", "lm ours unchunked loss",
          "lm ours packed", "lm ours packed flex", "lm ours fp8 rowwise", "tiny trainer compiled", "lm ours fsdp2 bf16",
@@ -99,6 +100,7 @@ TINY["tiny trainer cudagraphs workers=1"] = [*TINY["tiny trainer cudagraphs"], "
 GRAPHS = " cudagraphs"  # the CUDA-graph cases' suffix: ParallelOptions(compile_mode="reduce-overhead")
 WRAPPER = " cpp wrapper"  # ParallelOptions(compile_options={"cpp_wrapper": True}): inductor's C++ wrapper
 FP8 = "lm ours fp8 "  # the fp8 cases' prefix; the recipe follows
+TUNED = " tuned"  # ParallelOptions(compile_options={"coordinate_descent_tuning": True})
 
 
 def _sync(device: str) -> None:
@@ -320,7 +322,7 @@ def _lm_batches(s: dict, count: int = 4) -> list:
 
 def _lm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: str | None = None,
              chunked_loss: bool = True, fsdp_one_rank: bool = False, packed: bool = False,
-             flex: bool = False, graphs: bool = False) -> dict:
+             flex: bool = False, graphs: bool = False, tuned: bool = False) -> dict:
     import torch
 
     from dtensor_mimo import ParallelOptions, train_step
@@ -336,7 +338,8 @@ def _lm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: s
         precision.uses_fsdp = part.uses_fsdp = replicas.uses_fsdp = always
     options = ParallelOptions(compile=True, compile_backend=backend, param_dtype="bf16", fp8=fp8,
                               chunked_loss=chunked_loss, flex_attention=flex,
-                              compile_mode=_graphs_mode(graphs, backend))
+                              compile_mode=_graphs_mode(graphs, backend),
+                              compile_options={"coordinate_descent_tuning": True} if tuned else None)
     model, optimizer = _lm_ours_model(s, device, options)
     if fsdp_one_rank:
         from torch.distributed.tensor import DTensor
@@ -814,10 +817,11 @@ def _case(args: argparse.Namespace) -> None:
             import torch.nn.attention.flex_attention as flex  # runs its eager path (as tests/test_flex_attention.py)
 
             flex._validate_device = lambda *args, **kwargs: None
-        fp8 = case[len(FP8):].removesuffix(GRAPHS) if case.startswith(FP8) else None
+        fp8 = case[len(FP8):].removesuffix(GRAPHS).removesuffix(TUNED) if case.startswith(FP8) else None
         out = _lm_ours(LM[size], device, backend, args.warmup, args.steps, fp8,
                        chunked_loss=case != "lm ours unchunked loss", fsdp_one_rank=case == "lm ours fsdp2 bf16",
-                       packed="packed" in case, flex=case.endswith("flex"), graphs=case.endswith(GRAPHS))
+                       packed="packed" in case, flex=case.endswith("flex"), graphs=case.endswith(GRAPHS),
+                       tuned=case.endswith(TUNED) and backend == "inductor")
     elif case.startswith("lm transformers"):
         out = _lm_transformers(LM[size], device, backend, args.warmup, args.steps, compiled=case.endswith("compiled"))
     elif case.startswith("vlm ours"):
@@ -965,6 +969,7 @@ def _packages(result: dict) -> str:
 BASELINES = {"lm ours": ("lm transformers compiled", 1.0), "lm transformers": ("lm transformers compiled", None),
              "lm ours fp8 tensorwise": ("lm ours", 1.25), "lm ours fp8 rowwise": ("lm ours", 1.25),
              "lm ours fp8 tensorwise cudagraphs": ("lm ours cudagraphs", 1.25),  # its own bf16: graphs too
+             "lm ours fp8 tensorwise tuned": ("lm ours", 1.25),
              "lm ours unchunked loss": ("lm ours", None), "lm ours fsdp2 bf16": ("lm ours", None),
              "lm ours packed flex": ("lm ours packed", None), "lm ours cudagraphs": ("lm transformers compiled", 1.0),
              "vlm ours cudagraphs": ("vlm transformers compiled", 1.1), "vlm ours whole": ("vlm ours", None),
