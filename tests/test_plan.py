@@ -139,6 +139,47 @@ def test_module_cost_tp_and_fsdp_by_hand() -> None:
     assert f.memory == pytest.approx(params * 16 / 2 + (1000 + 500) * 4 + 100 * 40 * 2)
 
 
+def test_module_cost_hsdp_by_hand() -> None:
+    """HSDP over two nodes of two ranks: FSDP2's gathers and reduce-scatters over one node's two
+    ranks (the fast link), one all-reduce of a gradient shard between the nodes (the slow one),
+    and the state sharded over two ranks instead of four."""
+    slow = Link(latency_s=1e-4, bandwidth=1e4)
+    nodes = DeviceProfile("two nodes", intra=LINK, inter=slow, ranks_per_node=2, optimizer=Affine(1e-4, 1e-8))
+    p = profile("language", fsdp=True)
+    full, hybrid = (module_cost(p, P(dp=4, dp_replicate=r), 8, 1, nodes, range(4)) for r in (1, 2))
+    params, tokens = 2 * 1000 + 500, 2 * 10
+    assert full.forward == pytest.approx(2 * (1e-3 + 1e-6 * tokens + allgather_time(1000 * 4, 4, slow))
+                                         + allgather_time(500 * 4, 4, slow))
+    assert hybrid.forward == pytest.approx(2 * (1e-3 + 1e-6 * tokens + allgather_time(1000 * 4, 2, LINK))
+                                           + allgather_time(500 * 4, 2, LINK))
+    assert full.reduce == pytest.approx(allgather_time(params * 4, 4, slow))
+    assert hybrid.reduce == pytest.approx(allgather_time(params * 4, 2, LINK) + allreduce_time(params * 4 / 2, 2, slow))
+    assert hybrid.memory - full.memory == pytest.approx(params * 16 / 2 - params * 16 / 4)
+    assert hybrid.optimizer == pytest.approx(1e-4 + 1e-8 * params / 2)
+
+
+def test_search_offers_hsdp_where_fsdp_spans_nodes() -> None:
+    """With four ranks a node, an FSDP2 module on eight dp ranks is also offered as HSDP with two
+    replica groups (one a node); a module within a node, or without FSDP2, is not. Under a slow
+    link between the nodes the HSDP layout is predicted faster than the same layout unreplicated."""
+    slow = Link(latency_s=1e-3, bandwidth=1e3)
+    nodes = DeviceProfile("two nodes", intra=LINK, inter=slow, ranks_per_node=4, optimizer=Affine(1e-4, 1e-8))
+    job = Job((profile("vision", tokens=6, divides=(4, 96, 64)),
+               profile("language", tokens=33, divides=(4, 2, 128, len(TEXT_VOCAB)), fsdp=True)), batch_size=16)
+    ranked = search(job, 8, nodes).ranked
+    by_layout = {c.candidate.describe(): c for c in ranked}
+    colocated = {c.candidate.describe() for c in ranked if c.candidate.offset_of["language"] == 0
+                 and c.candidate.parallelisms["language"].dp == 8}
+    assert "vision dp8 @0 | language dp8r2 @0" in colocated and "vision dp8 @0 | language dp8 @0" in colocated
+    assert by_layout["vision dp8 @0 | language dp8r2 @0"].step_s < by_layout["vision dp8 @0 | language dp8 @0"].step_s
+    assert not any(c.candidate.parallelisms["vision"].hsdp for c in ranked)  # no FSDP2 there
+    assert not any(p.hsdp for c in ranked for p in c.candidate.parallelisms.values() if p.dp * p.cp * p.tp <= 4)
+    entries = [entry(c) for c in ranked if c.candidate.parallelisms["language"].hsdp][:1]
+    audio = ["--layout.audio.dp", "8", "--layout.audio.offset", "0"]  # the trainer's digits job has one more
+    config = parse_args([*overrides_of(json.loads(json.dumps(entries[0]))), *audio])
+    assert build_layout(config, 8).parallelism("language").dp_replicate == 2
+
+
 def test_wrapper_costs_apply_only_where_the_wrapper_runs() -> None:
     p = dataclasses.replace(profile("language", fsdp=True), fsdp_forward_s=1e-3, fsdp_backward_s=2e-3,
                             tp_forward_s=3e-3, tp_backward_s=4e-3)
@@ -302,14 +343,14 @@ def test_json_entries_are_trainer_overrides(tmp_path) -> None:
     assert set(entries[0]) == {"layout", "microbatches", "predicted_step_s", "predicted_peak_gib"}
     for e, pred in zip(entries, ranked):
         assert set(e["layout"]) == {"vision", "audio", "language"}
-        assert all(set(v) == {"pp", "dp", "cp", "tp", "offset"} for v in e["layout"].values())
+        assert all(set(v) == {"pp", "dp", "cp", "tp", "dp_replicate", "offset"} for v in e["layout"].values())
         config = parse_args(overrides_of(e))
         check_config(config, 4)
         layout = build_layout(config, 4)
         for name, keys in e["layout"].items():
             par = layout.parallelism(name)
-            assert (par.pp, par.dp, par.cp, par.tp, layout.offset(name)) == \
-                (keys["pp"], keys["dp"], keys["cp"], keys["tp"], keys["offset"])
+            assert (par.pp, par.dp, par.cp, par.tp, par.dp_replicate, layout.offset(name)) == \
+                (keys["pp"], keys["dp"], keys["cp"], keys["tp"], keys["dp_replicate"], keys["offset"])
         assert config.pipeline.microbatches == e["microbatches"] == pred.candidate.microbatches
         assert e == json.loads(json.dumps(entry(pred)))
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from dtensor_mimo.layout import MimoLayout, Parallelism
-from dtensor_mimo.layout.parallelism import MESH_DIMS
+from dtensor_mimo.layout.parallelism import FIELDS
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Candidate:
 
     def as_json(self) -> dict[str, Any]:
         """The ``--json`` entry's layout and microbatches (trainer keys)."""
-        layout = {n: {**{d: getattr(p, d) for d in MESH_DIMS}, "offset": o}
+        layout = {n: {**{d: getattr(p, d) for d in FIELDS}, "offset": o}
                   for (n, p), (_, o) in zip(self.modules, self.offsets)}
         return {"layout": layout, "microbatches": self.microbatches}
 
@@ -68,6 +68,7 @@ def overrides_of(entry: Mapping[str, Any]) -> list[str]:
     """``--layout.<module>.<key> VALUE ... --pipeline.microbatches M`` from a ``--json`` entry."""
     out: list[str] = []
     for name, keys in entry["layout"].items():
-        for key in (*MESH_DIMS, "offset"):
-            out += [f"--layout.{name}.{key}", str(keys[key])]
+        for key in (*FIELDS, "offset"):
+            if key in keys:  # dp_replicate: absent from entries written before HSDP
+                out += [f"--layout.{name}.{key}", str(keys[key])]
     return out + ["--pipeline.microbatches", str(entry["microbatches"])]

@@ -203,6 +203,11 @@ def module_cost(profile: ModuleProfile, par: Parallelism, batch_size: int, micro
         return affine.fixed + affine.per_token * tokens / tp
 
     fsdp = profile.fsdp and dpcp > 1
+    # FSDP2's shards span dp·cp ranks, or with HSDP one replica group's (`shard_link`), whose
+    # gradient shards are all-reduced across the groups (`replica_link`)
+    shards = dpcp // par.dp_replicate if fsdp else 1
+    shard_link = device.link(ranks[0:shards * par.tp:par.tp]) if shards > 1 else device.intra
+    replica_link = device.link(ranks[0:dpcp * par.tp:shards * par.tp]) if par.hsdp else device.intra
     tp_comm = 2 * allreduce_time(act, tp, tp_link) if tp > 1 else 0.0
     cp_comm = allgather_time(2 * act * par.cp, par.cp, dp_link) if par.cp > 1 else 0.0
     # the wrappers' own per-call cost: DTensor dispatch under tp, FSDP2's hooks under dp·cp
@@ -211,8 +216,8 @@ def module_cost(profile: ModuleProfile, par: Parallelism, batch_size: int, micro
     block_f = block(profile.block_forward) + tp_comm + cp_comm + wrap_f
     trains_blocks = profile.block_backward.fixed > 0 or profile.block_backward.per_token > 0
     block_b = (block(profile.block_backward) + tp_comm + cp_comm + wrap_b) if trains_blocks else 0.0
-    gather_block = allgather_time(profile.block_params * profile.param_bytes / tp, dpcp, dp_link) if fsdp else 0.0
-    gather_rest = allgather_time(profile.rest_params * profile.param_bytes / tp, dpcp, dp_link) if fsdp else 0.0
+    gather_block = allgather_time(profile.block_params * profile.param_bytes / tp, shards, shard_link)
+    gather_rest = allgather_time(profile.rest_params * profile.param_bytes / tp, shards, shard_link)
     regather = profile.reshard_after_forward and trains_blocks
 
     per_rank = rank_layers(profile.n_layers, par.pp, schedule, virtual_stages) if par.pp > 1 else \
@@ -240,17 +245,21 @@ def module_cost(profile: ModuleProfile, par: Parallelism, batch_size: int, micro
     busiest_layers = max(layers for layers, _ in per_rank)
     params = (profile.block_params * busiest_layers + profile.rest_params) / tp
     share = profile.trainable_params / max(1, profile.params)
-    shard = dpcp if fsdp else 1
     state = params * profile.param_bytes + params * share * (profile.param_bytes + ADAM_STATE_BYTES)
     gathered = (profile.block_params + profile.rest_params) / tp * profile.param_bytes if fsdp else 0.0
     in_flight = held if held is not None else order.in_flight(
         PipelineConfig(microbatches=m, schedule=schedule, virtual_stages=virtual_stages), par.pp)
     activations = profile.activation_bytes_per_token * tokens / tp * busiest_layers * in_flight
-    memory = state / shard + gathered + activations
+    memory = state / shards + gathered + activations
     grad_bytes = params * share * profile.param_bytes
-    reduce = (allgather_time(grad_bytes, dpcp, dp_link) if profile.fsdp else allreduce_time(grad_bytes, dpcp, dp_link)) \
-        if profile.trainable else 0.0
-    optimizer = device.optimizer(params * share / shard) if profile.trainable else 0.0
+    if not profile.trainable:
+        reduce = 0.0
+    elif profile.fsdp:  # a reduce-scatter over the shards (+ with HSDP an all-reduce of one shard across groups)
+        reduce = (allgather_time(grad_bytes, shards, shard_link)
+                  + allreduce_time(grad_bytes / shards, par.dp_replicate, replica_link))
+    else:
+        reduce = allreduce_time(grad_bytes, dpcp, dp_link)
+    optimizer = device.optimizer(params * share / shards) if profile.trainable else 0.0
     load = profile.load(math.ceil(batch_size / par.dp)) if profile.load.fixed or profile.load.per_token else 0.0
     return ModuleCost(fwd, bwd, trip, reduce, optimizer, load, memory)
 

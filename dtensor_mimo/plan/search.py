@@ -23,6 +23,7 @@ seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -158,14 +159,29 @@ def microbatch_counts(job: Job, space: SearchSpace) -> list[int]:
 
 
 def module_options(job: Job, profile: ModuleProfile, size: int, microbatches: int,
-                   max_tp: int | None) -> list[Parallelism]:
-    """Every `Parallelism` of `size` ranks the module accepts with `microbatches`."""
+                   max_tp: int | None, ranks_per_node: int | None = None) -> list[Parallelism]:
+    """Every `Parallelism` of `size` ranks the module accepts with `microbatches`; with
+    `ranks_per_node`, also each FSDP2 one whose dp·cp·tp ranks span nodes as HSDP (`hsdp`)."""
     out = []
     for pp, dp, cp, tp in _factorizations(size, 4):
         par = Parallelism(pp=pp, dp=dp, cp=cp, tp=tp)
         if module_problem(job, profile, par, microbatches, max_tp) is None:
             out.append(par)
+            if profile.fsdp and ranks_per_node is not None and (replicated := hsdp(par, ranks_per_node)):
+                out.append(replicated)
     return out
+
+
+def hsdp(par: Parallelism, ranks_per_node: int) -> Parallelism | None:
+    """`par` as HSDP whose shards stay on one node: the fewest replica groups R (dividing dp)
+    whose ``dp / R · cp · tp`` ranks fit in `ranks_per_node`; None where the dp·cp·tp ranks fit
+    in a node already, or no R does (cp·tp alone spans nodes)."""
+    if par.dp * par.cp * par.tp <= ranks_per_node:
+        return None
+    for r in range(2, par.dp + 1):
+        if par.dp % r == 0 and par.dp // r * par.cp * par.tp <= ranks_per_node:
+            return dataclasses.replace(par, dp_replicate=r)
+    return None
 
 
 def _spaces(job: Job, space: SearchSpace) -> list[list[list[str]]]:
@@ -183,11 +199,12 @@ def enumerate_layouts(job: Job, world_size: int, space: SearchSpace = SearchSpac
                       device: DeviceProfile | None = None) -> Iterator[Candidate]:
     """Every valid candidate of the space for `world_size` ranks (no pruning; each passes `validate`)."""
     max_tp = space.max_tp if space.max_tp is not None else (device.ranks_per_node if device else None)
+    rpn = device.ranks_per_node if device else None
     for groups in _spaces(job, space):
         for sizes in _compositions(world_size, len(groups)):
             offsets, size_of = _placed(groups, sizes)
             for m in microbatch_counts(job, space):
-                options = [module_options(job, job.module(n), size_of[n], m, max_tp) for n in job.names]
+                options = [module_options(job, job.module(n), size_of[n], m, max_tp, rpn) for n in job.names]
                 yield from _valid(job, options, offsets, m, world_size, max_tp)
 
 
@@ -255,7 +272,7 @@ def _pruned(job: Job, world_size: int, device: DeviceProfile, space: SearchSpace
         for profile in job.modules:
             for size in range(1, world_size + 1):
                 scored = []
-                for par in module_options(job, profile, size, m, max_tp):
+                for par in module_options(job, profile, size, m, max_tp, device.ranks_per_node):
                     c = module_cost(profile, par, job.batch_size, m, device, range(size), job.schedule,
                                     job.virtual_stages, held=m if profile.name != job.language else None)
                     if device.memory_bytes is not None and c.memory > device.memory_bytes:
