@@ -57,12 +57,14 @@ DISTRIBUTED = {
                options={"vision": ParallelOptions(fp8="rowwise"),
                         "language": ParallelOptions(fp8="tensorwise", sp=True, compile=True,
                                                     compile_backend="aot_eager")}),
-    # HSDP: float8 all-gathers within each replica group, the scales refreshed over all four
-    # ranks; the recipes swapped, and vision ranks without items (5 samples over 4 dp ranks) run
-    # their float8 layers on no rows (tensorwise: no input amax; rowwise: no gradient amax)
+    # HSDP with tp: float8 all-gathers within each replica group (each weight's scale from an
+    # all-reduce over its shards), the recipes swapped, the encoder compiled; its dp ranks without
+    # items (5 samples over 4) run their float8 layers on no rows, the tensorwise weights gathered
+    # in float8 inside tp DTensors
     "hsdp": Case({"vision": P(dp=4, dp_replicate=2), "language": P(dp=4, dp_replicate=2)},
                  offsets={"vision": 0, "language": 0}, seq_lens=STEPS,
-                 options={"vision": ParallelOptions(fp8="tensorwise"), "language": ParallelOptions(fp8="rowwise")}),
+                 options={"vision": ParallelOptions(fp8="tensorwise", compile=True, compile_backend="aot_eager"),
+                          "language": ParallelOptions(fp8="rowwise")}),
 }
 
 
@@ -227,6 +229,49 @@ def test_distributed_fp8_matches_one_process_fp8(name: str) -> None:
             assert gathered and set(gathered) == {torch.float8_e4m3fn}, gathered
         else:
             assert not gathered
+
+
+class ColwiseLinear(nn.Module):
+    """One Linear layer with its own tp plan (column-parallel), as a user's module gives one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+    def parallelize(self, tp_mesh, options: ParallelOptions) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        parallelize_module(self, tp_mesh, {"proj": ColwiseParallel()})
+
+
+def _fp8_rank_without_rows() -> tuple[list[int], float]:
+    """A tensorwise float8 layer, tp2 (column-parallel) under FSDP2 over dp2: its weight is
+    all-gathered in float8 inside a tp DTensor. Run once with dp rank 1 given no rows, once with
+    both dp ranks given dp rank 0's: the first run's output shape on this rank, and the relative
+    distance of its summed weight gradient from half the second's (what dp rank 0 adds)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x, grads, shapes = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)), [], []
+    for without in (True, False):
+        torch.manual_seed(0)
+        layer = parallelize(ColwiseLinear(), mesh["tp"], mesh["dp"], ParallelOptions(fp8="tensorwise"))
+        out = layer(x[:0] if without and mesh.get_coordinate()[0] == 1 else x)  # this tp rank's columns
+        out.square().sum().backward()
+        grads.append(layer.proj.weight.grad.full_tensor())
+        shapes.append(list(out.shape))
+    return shapes[0], float((grads[0] - grads[1] / 2).norm() / grads[0].norm())
+
+
+def test_a_float8_rank_without_rows_under_tp_and_fsdp() -> None:
+    """The weight FSDP2 gathers in float8 comes inside a tp DTensor: a rank without rows takes it
+    back to high precision there too, and its gradient adds nothing to dp rank 0's."""
+    per_rank = run_on_ranks(_fp8_rank_without_rows, 4, timeout=120)
+    assert [shape for shape, _ in per_rank] == [[8, 8], [8, 8], [0, 8], [0, 8]], per_rank
+    assert all(distance < 1e-6 for _, distance in per_rank), per_rank
 
 
 # ------------------------------------------------------------------ errors

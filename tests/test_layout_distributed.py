@@ -4,9 +4,12 @@
 |-----------------------------------------------------|-------|
 | disjoint: vision tp2·pp2 @0 + language tp2·cp2 @4   | 8     |
 | colocated: vision tp2·dp4 + language tp4·dp2        | 8     |
+| hsdp: vision tp2·dp4 (4 replica groups) + language cp2·dp4 (2 replica groups), colocated | 8 |
 
 Membership is proven by communication, not by reading mesh metadata: an all-reduce of
-``2**rank`` over every group must equal the bitmask of the group the layout names.
+``2**rank`` over every group must equal the bitmask of the group the layout names. With HSDP
+(``dp_replicate``) also FSDP2's two dims: a replica group's run of consecutive dp·cp ranks
+(``dp_shard_cp``) and the ranks at the same place in each run (``dp_replicate``).
 """
 
 import pytest
@@ -23,6 +26,8 @@ def _layouts():
     return {
         "disjoint": MimoLayout({"vision": Parallelism(tp=2, pp=2), "language": Parallelism(tp=2, cp=2)}),
         "colocated": MimoLayout.colocated({"vision": Parallelism(tp=2, dp=4), "language": Parallelism(tp=4, dp=2)}),
+        "hsdp": MimoLayout.colocated({"vision": Parallelism(tp=2, dp=4, dp_replicate=4),
+                                      "language": Parallelism(dp=4, cp=2, dp_replicate=2)}),
     }
 
 
@@ -32,13 +37,22 @@ def _check_groups(kind):
     rank = dist.get_rank()
     mismatches = []
     for name in layout.names:
-        for dims in DIMS:
-            expected = next((g for g in layout.groups(name, dims) if rank in g), None)
+        groups = {dims: (layout.mesh, next((g for g in layout.groups(name, dims) if rank in g), None)) for dims in DIMS}
+        replicas = layout.parallelism(name).dp_replicate
+        if replicas > 1 and groups[("dp", "cp")][1] is not None:
+            flat = groups[("dp", "cp")][1]
+            shard = len(flat) // replicas
+            runs = [flat[i:i + shard] for i in range(0, len(flat), shard)]
+            hsdp = lambda n, dims: layout.fsdp_mesh(n)[dims]  # noqa: E731
+            groups["dp_shard_cp"] = (hsdp, next(r for r in runs if rank in r))
+            groups["dp_replicate"] = (hsdp, [run[runs[flat.index(rank) // shard].index(rank)] for run in runs])
+            assert layout.fsdp_mesh(name).shape == (replicas, shard)
+        for dims, (mesh, expected) in groups.items():
             if expected is None:
                 assert layout.mesh(name).get_coordinate() is None
                 continue
             t = torch.tensor([2 ** rank], dtype=torch.int64)
-            dist.all_reduce(t, group=layout.mesh(name, dims).get_group())
+            dist.all_reduce(t, group=mesh(name, dims).get_group())
             if t.item() != sum(2 ** r for r in expected):
                 got = [r for r in range(64) if t.item() >> r & 1]
                 mismatches.append((name, dims, expected, got))
@@ -67,7 +81,7 @@ def _world_mismatch_error():
     return "raised"
 
 
-@pytest.mark.parametrize("kind", ["disjoint", "colocated"])
+@pytest.mark.parametrize("kind", ["disjoint", "colocated", "hsdp"])
 def test_mesh_groups_match_layout(kind):
     assert run_on_ranks(_check_groups, 8, kind, timeout=90) == [[]] * 8
 

@@ -190,10 +190,11 @@ CASES = {
     "balanced_uniform": Case({"vision": P(dp=3), "language": P()}, batch_size=7,
                              options={"vision": ParallelOptions(balance=True)}),
     # HSDP (dp_replicate > 1): FSDP2 shards within replica groups (the language model's: its cp
-    # pair; the encoder's: dp pairs) and all-reduces across them; with tp, groups of one dp rank.
+    # pair; the encoder's: dp pairs) and all-reduces across them; with tp and sp, dp pairs of tp
+    # pairs in two replica groups beside an encoder whose four groups of two shard each.
     "hsdp_cp": Case({"vision": P(dp=4, dp_replicate=2), "language": P(dp=2, cp=2, dp_replicate=2)},
                     offsets={"vision": 0, "language": 0}, packed=True),
-    "hsdp_tp": Case({"vision": P(dp=4, dp_replicate=4), "language": P(dp=2, tp=2, dp_replicate=2)},
+    "hsdp_tp": Case({"vision": P(dp=8, dp_replicate=4), "language": P(dp=4, tp=2, dp_replicate=2)},
                     offsets={"vision": 0, "language": 0}, options={"language": SP}),
     "eight": Case({"vision": P(dp=3), "audio": P(), "language": P(dp=2, tp=2)},
                   options={"language": ParallelOptions(sp=True, compile=True, compile_backend="aot_eager")},
@@ -497,8 +498,9 @@ def _train(case: Case, hop_calls: dict[str, int], heads: list | None = None) -> 
         record["hop_calls"] = dict(hop_calls)  # two-hop scatters and gathers so far
         record["early_buckets"] = {n: r.early for n, r in model.gradient_reducers.items()}  # dp sums during backward
         record["encoded"] = {n: (layout.coordinate(n, rank)["dp"], rows) for n, rows in encoded.items()}
-        record["meshes"] = {m: sorted({p.device_mesh.mesh_dim_names for p in ps.values() if isinstance(p, DTensor)})
-                            for m, ps in params.items()}  # the dims each module's parameters are laid over
+        # the dims and sizes of the meshes each module's parameters are laid over, on this rank
+        record["meshes"] = {m: sorted({tuple(zip(p.device_mesh.mesh_dim_names, p.device_mesh.shape))
+                                       for p in ps.values() if isinstance(p, DTensor)}) for m, ps in params.items()}
         records.append(record)
     if case.loss_chunk_rows is not None and model.language_pipeline is not None and model.language_pipeline.holds_loss:
         # the last stage's head ran on its positions with a loss weight only, counted on the host
@@ -520,13 +522,14 @@ def test_training_matches_single_process(name: str) -> None:
 
 
 def check_hsdp_meshes(case: Case, per_rank: list[list[dict]]) -> None:
-    """A module with HSDP (``dp_replicate > 1``) has its parameters on FSDP2's 2-D mesh (replica
-    groups x shards, under tp's dim if any) on every rank it runs on."""
+    """A module with HSDP (``dp_replicate > 1``) has every parameter on FSDP2's 2-D mesh, replica
+    groups x shards of the sizes its layout names (under tp's dim, where tp shards it), on every
+    rank it runs on."""
     for module, par in case.modules.items():
         if par.hsdp:
-            want = [("dp_replicate", "dp_shard_cp", *(("tp",) if par.tp > 1 else ()))]
-            meshes = [r[-1]["meshes"][module] for r in per_rank if module in r[-1]["meshes"]]
-            assert meshes and all(m == want for m in meshes), (module, meshes)
+            want = (("dp_replicate", par.dp_replicate), ("dp_shard_cp", par.dp * par.cp // par.dp_replicate))
+            meshes = [m for r in per_rank for m in r[-1]["meshes"].get(module, [])]
+            assert meshes and all(m[:2] == want for m in meshes), (module, meshes)
 
 
 def check_encoded_shares(case: Case, per_rank: list[list[dict]]) -> None:

@@ -451,6 +451,33 @@ def test_tp_replicated_gradients_are_averaged_and_drift_is_named() -> None:
         assert error == "replicas differ: module 'language': parameter 'layers.1.ffn_norm.weight' differs over tp"
 
 
+def _hsdp_replicas(drift: bool) -> str | None:
+    layout = MimoLayout({"vision": Parallelism(dp=4), "language": Parallelism(dp=4, dp_replicate=2)},
+                        offsets={"vision": 0, "language": 0})
+    layout.init_meshes("cpu")
+    llama = Llama(LlamaConfig.tiny())
+    llama.init_weights(1)
+    vision = ModalityEncoder(ViT(ViTConfig.tiny()), Projection(32, 32))
+    vision.init_weights(2)
+    model = MimoModel(layout, llama, {"vision": vision})
+    if drift and layout.coordinate("language", dist.get_rank())["dp"] == 3:  # replica group 1's second shard
+        with torch.no_grad():
+            model.module_parameters("language")["layers.0.attention.wq.weight"].to_local()[0, 0] += 1e-6
+    try:
+        model.check_replicas()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_hsdp_replicas_drift_is_named() -> None:
+    """With HSDP each shard lives in every replica group: `check_replicas` compares them."""
+    assert run_on_ranks(_hsdp_replicas, 4, False, timeout=60) == [None] * 4
+    errors = run_on_ranks(_hsdp_replicas, 4, True, timeout=60)
+    named = "replicas differ: module 'language': parameter 'layers.0.attention.wq.weight' differs over dp_replicate"
+    assert errors == ["replicas differ: on 2 other rank(s)", named, "replicas differ: on 2 other rank(s)", named]
+
+
 def test_checkpointed_blocks_are_compiled_once_inside_their_checkpoint() -> None:
     """`compile_blocks` skips the blocks `checkpoint_blocks` compiled inside their checkpoint:
     compiled again from outside, dynamo would trace the checkpoint itself, which fails on DTensor

@@ -178,6 +178,9 @@ def test_search_offers_hsdp_where_fsdp_spans_nodes() -> None:
     audio = ["--layout.audio.dp", "8", "--layout.audio.offset", "0"]  # the trainer's digits job has one more
     config = parse_args([*overrides_of(json.loads(json.dumps(entries[0]))), *audio])
     assert build_layout(config, 8).parallelism("language").dp_replicate == 2
+    from dtensor_mimo.train.plan import with_candidate  # layout.auto takes the entry's HSDP too
+
+    assert with_candidate(parse_args([]), entries[0]).module_layout("language").dp_replicate == 2
 
 
 def test_wrapper_costs_apply_only_where_the_wrapper_runs() -> None:

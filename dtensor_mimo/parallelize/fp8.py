@@ -36,13 +36,11 @@ rounding, the products in high precision). torchao is an optional extra
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import sys
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
@@ -120,37 +118,16 @@ def fp8_pays(layer: nn.Linear, recipe: str) -> bool:
 def convert_to_fp8(stack: nn.Module, config: Float8LinearConfig, module: str, recipe: str) -> None:
     """Swap `stack`'s Linear layers that `converts_to_fp8` selects (on CUDA, also `fp8_pays`) for
     torchao's ``Float8Linear`` (in place; parameters keep their names, dtype and values), each
-    taking inputs without rows too (`_float8_linear_or_empty`)."""
+    taking inputs without rows too (`Float8LinearOrEmpty`)."""
     def selected(layer: nn.Module, fqn: str) -> bool:
         return converts_to_fp8(layer, fqn) and (config.emulate or fp8_pays(layer, recipe))
 
     _torchao_float8(module).convert_to_float8_training(stack, module_filter_fn=selected, config=config)
-    or_empty = _float8_linear_or_empty()
+    from dtensor_mimo.parallelize.fp8_layer import Float8LinearOrEmpty
+
     for layer in stack.modules():
-        if type(layer) is or_empty.__base__:
-            layer.__class__ = or_empty  # as fully_shard swaps a module's class
-
-
-@functools.cache
-def _float8_linear_or_empty() -> type:
-    """torchao's ``Float8Linear``, but an input without rows runs the plain matmul: an encoder's
-    dp rank without items in a microbatch still runs forward and backward (FSDP2's collectives
-    and the dp sums need every rank), and torchao's dynamic scales take the amax of the input
-    (tensorwise: in forward) or of the output gradient (rowwise: in backward), which an empty
-    tensor has not. The product is empty either way and the weight's gradient zero."""
-    base = importlib.import_module("torchao.float8.float8_linear").Float8Linear
-
-    class Float8LinearOrEmpty(base):
-        def forward(self, input: torch.Tensor) -> torch.Tensor:
-            if input.numel():
-                return super().forward(input)
-            weight = self.weight  # FSDP2's float8 all-gather gives a float8 tensor: back to its dtype
-            weight = weight.to_original_precision() if hasattr(weight, "to_original_precision") else weight
-            bias = None if self.bias is None else self.bias.to(input.dtype)
-            return F.linear(input, weight.to(input.dtype), bias)
-
-    Float8LinearOrEmpty.__name__ = Float8LinearOrEmpty.__qualname__ = "Float8Linear"  # in repr, as before
-    return Float8LinearOrEmpty
+        if type(layer) is Float8LinearOrEmpty.__base__:
+            layer.__class__ = Float8LinearOrEmpty  # as fully_shard swaps a module's class
 
 
 def fp8_layers(module: nn.Module) -> list[str]:

@@ -96,10 +96,14 @@ def first_differing_replica(params: Mapping[str, nn.Parameter], mesh: DeviceMesh
 def replica_problems(name: str, params: Mapping[str, nn.Parameter], tp_mesh: DeviceMesh | None,
                      dp_mesh: DeviceMesh | None, options: ParallelOptions) -> list[str]:
     """What differs among module `name`'s replicas: the parameters tp leaves whole over
-    `tp_mesh`, and every parameter over `dp_mesh` when the module does not use FSDP2."""
+    `tp_mesh`; every parameter over `dp_mesh` when the module does not use FSDP2, and with HSDP
+    each shard over its replica groups (the parameters' "dp_replicate" dim)."""
     checks = [("tp", tp_mesh, {n: p for n, p in params.items() if tp_replicated(p)})]
     if not uses_fsdp(options, dp_mesh):
         checks.append(("dp·cp", dp_mesh, params))
+    elif hsdp := {n: p for n, p in params.items() if isinstance(p, DTensor)
+                  and "dp_replicate" in (p.device_mesh.mesh_dim_names or ())}:
+        checks.append(("dp_replicate", next(iter(hsdp.values())).device_mesh["dp_replicate"], hsdp))
     return [f"module {name!r}: parameter {bad!r} differs over {dim}" for dim, mesh, group in checks
             if mesh is not None and (bad := first_differing_replica(group, mesh)) is not None]
 

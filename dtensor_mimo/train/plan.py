@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from dtensor_mimo.layout import Parallelism
+from dtensor_mimo.layout.parallelism import FIELDS
 from dtensor_mimo.plan import (Affine, DeviceProfile, Job, Link, ModuleProfile, Prediction,
                                entry, homogeneous, predict, search, table, validate, write_json)
 from dtensor_mimo.plan.candidate import Candidate
@@ -367,7 +368,7 @@ def configured_candidate(config: TrainerConfig, world: int) -> Candidate | None:
 
 def with_candidate(config: TrainerConfig, chosen: dict[str, Any]) -> TrainerConfig:
     """`config` with the layout and microbatches of a ``--json`` entry (auto off)."""
-    modules = {n: ModuleLayout(**{k: v[k] for k in ("pp", "dp", "cp", "tp", "offset")})
+    modules = {n: ModuleLayout(**{k: v[k] for k in (*FIELDS, "offset") if k in v})  # entries before HSDP: no dp_replicate
                for n, v in chosen["layout"].items()}
     layout = dataclasses.replace(config.layout, modules=modules, auto=False)
     pipeline = dataclasses.replace(config.pipeline, microbatches=chosen["microbatches"])
