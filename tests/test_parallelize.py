@@ -416,14 +416,19 @@ def test_vocab_parallel_cross_entropy_and_argmax_match_full_vocabulary(tp: int) 
 # --------------------------------------------------------------------------------------------
 
 
-def _replicas(drift: bool) -> str | None:
-    layout = MimoLayout({"vision": Parallelism(), "language": Parallelism(tp=2)})
+def _tiny_model(layout: MimoLayout) -> MimoModel:
+    """The tiny Llama and ViT on `layout` (its meshes built here), default options."""
     layout.init_meshes("cpu")
     llama = Llama(LlamaConfig.tiny())
     llama.init_weights(1)
     vision = ModalityEncoder(ViT(ViTConfig.tiny()), Projection(32, 32))
     vision.init_weights(2)
-    model = MimoModel(layout, llama, {"vision": vision})  # no sp: the norms stay plain tensors
+    return MimoModel(layout, llama, {"vision": vision})
+
+
+def _replicas(drift: bool) -> str | None:
+    layout = MimoLayout({"vision": Parallelism(), "language": Parallelism(tp=2)})
+    model = _tiny_model(layout)  # no sp: the norms stay plain tensors
     params = model.module_parameters("language")
     norm = "layers.1.ffn_norm.weight"
     if norm in params:  # the tp ranks: gradients that differ (as GPU kernels may make them)
@@ -454,12 +459,7 @@ def test_tp_replicated_gradients_are_averaged_and_drift_is_named() -> None:
 def _hsdp_replicas(drift: bool) -> str | None:
     layout = MimoLayout({"vision": Parallelism(dp=4), "language": Parallelism(dp=4, dp_replicate=2)},
                         offsets={"vision": 0, "language": 0})
-    layout.init_meshes("cpu")
-    llama = Llama(LlamaConfig.tiny())
-    llama.init_weights(1)
-    vision = ModalityEncoder(ViT(ViTConfig.tiny()), Projection(32, 32))
-    vision.init_weights(2)
-    model = MimoModel(layout, llama, {"vision": vision})
+    model = _tiny_model(layout)
     if drift and layout.coordinate("language", dist.get_rank())["dp"] == 3:  # replica group 1's second shard
         with torch.no_grad():
             model.module_parameters("language")["layers.0.attention.wq.weight"].to_local()[0, 0] += 1e-6
