@@ -300,8 +300,9 @@ class MimoModel(nn.Module):
     def check_replicas(self) -> None:
         """Debug check (call on every rank): every parameter copy that should be identical — over
         tp for the parameters tp leaves whole, over dp·cp for modules without FSDP2, each shard
-        over the replica groups of a module with HSDP — is bitwise equal; raises on every rank, naming the module and the first parameter that differs.
-        Costs two all-reduces of the parameters per mesh, and one world all-reduce."""
+        over the replica groups of a module with HSDP — is bitwise equal; raises on every rank,
+        naming the module and the first parameter that differs. Costs two all-reduces of the
+        parameters per mesh, and one world all-reduce."""
         problems = [p for name in self.module_names if (params := self.module_parameters(name))
                     for p in replica_problems(name, params, *self._meshes(name), self.options[name])]
         self._agree(RuntimeError("replicas differ: " + "; ".join(problems)) if problems else None,

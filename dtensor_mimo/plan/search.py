@@ -23,10 +23,9 @@ seconds.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, Sequence
 
 from dtensor_mimo.layout import Parallelism
@@ -180,7 +179,7 @@ def hsdp(par: Parallelism, ranks_per_node: int) -> Parallelism | None:
         return None
     for r in range(2, par.dp + 1):
         if par.dp % r == 0 and par.dp // r * par.cp * par.tp <= ranks_per_node:
-            return dataclasses.replace(par, dp_replicate=r)
+            return replace(par, dp_replicate=r)
     return None
 
 

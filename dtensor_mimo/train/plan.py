@@ -368,7 +368,8 @@ def configured_candidate(config: TrainerConfig, world: int) -> Candidate | None:
 
 def with_candidate(config: TrainerConfig, chosen: dict[str, Any]) -> TrainerConfig:
     """`config` with the layout and microbatches of a ``--json`` entry (auto off)."""
-    modules = {n: ModuleLayout(**{k: v[k] for k in (*FIELDS, "offset") if k in v})  # entries before HSDP: no dp_replicate
+    # (an entry written before HSDP has no dp_replicate)
+    modules = {n: ModuleLayout(**{k: v[k] for k in (*FIELDS, "offset") if k in v})
                for n, v in chosen["layout"].items()}
     layout = dataclasses.replace(config.layout, modules=modules, auto=False)
     pipeline = dataclasses.replace(config.pipeline, microbatches=chosen["microbatches"])
