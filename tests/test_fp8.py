@@ -57,10 +57,10 @@ DISTRIBUTED = {
                options={"vision": ParallelOptions(fp8="rowwise"),
                         "language": ParallelOptions(fp8="tensorwise", sp=True, compile=True,
                                                     compile_backend="aot_eager")}),
-    # HSDP with tp: float8 all-gathers within each replica group (each weight's scale from an
-    # all-reduce over its shards), the recipes swapped, the encoder compiled; its dp ranks without
-    # items (5 samples over 4) run their float8 layers on no rows, the tensorwise weights gathered
-    # in float8 inside tp DTensors
+    # HSDP: float8 all-gathers within each replica group (each weight's scale from an all-reduce
+    # over its shards), the recipes swapped, the encoder compiled; its dp ranks without items (5
+    # samples over 4) run their float8 layers on no rows (under tp:
+    # test_a_float8_rank_without_rows_under_tp_and_fsdp)
     "hsdp": Case({"vision": P(dp=4, dp_replicate=2), "language": P(dp=4, dp_replicate=2)},
                  offsets={"vision": 0, "language": 0}, seq_lens=STEPS,
                  options={"vision": ParallelOptions(fp8="tensorwise", compile=True, compile_backend="aot_eager"),

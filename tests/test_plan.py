@@ -156,6 +156,25 @@ def test_module_cost_hsdp_by_hand() -> None:
     assert hybrid.reduce == pytest.approx(allgather_time(params * 4, 2, LINK) + allreduce_time(params * 4 / 2, 2, slow))
     assert hybrid.memory - full.memory == pytest.approx(params * 16 / 2 - params * 16 / 4)
     assert hybrid.optimizer == pytest.approx(1e-4 + 1e-8 * params / 2)
+    # tp2·dp6 in two replica groups of six ranks on nodes of eight: ranks 6-11 straddle two nodes,
+    # so its gathers are costed on the slow link (the search never offers it: `hsdp` below)
+    wide = DeviceProfile("two nodes", intra=LINK, inter=slow, ranks_per_node=8)
+    straddling = module_cost(p, P(dp=6, tp=2, dp_replicate=2), 12, 1, wide, range(12))
+    assert straddling.forward == pytest.approx(
+        2 * (1e-3 + 1e-6 * 2 * 10 / 2 + 2 * allreduce_time(2 * 10 * 8 * 4, 2, LINK) + allgather_time(1000 * 2, 3, slow))
+        + allgather_time(500 * 2, 3, slow))
+
+
+@pytest.mark.parametrize("par, per_node, replicas", [
+    (P(dp=12), 8, 3),  # groups of 4 (of 6, two would straddle nodes)
+    (P(dp=8, tp=2), 8, 2), (P(dp=4, cp=2, tp=2), 4, 4), (P(dp=16), 8, 2),
+    (P(dp=4, tp=2), 8, 1), (P(dp=2, cp=4, tp=4), 8, 1),  # within one node; cp·tp alone spans nodes
+])
+def test_hsdp_groups_fill_part_of_one_node(par, per_node: int, replicas: int) -> None:
+    from dtensor_mimo.plan.search import hsdp
+
+    got = hsdp(par, per_node)
+    assert (got.dp_replicate if got else 1) == replicas
 
 
 def test_search_offers_hsdp_where_fsdp_spans_nodes() -> None:
@@ -167,11 +186,10 @@ def test_search_offers_hsdp_where_fsdp_spans_nodes() -> None:
     job = Job((profile("vision", tokens=6, divides=(4, 96, 64)),
                profile("language", tokens=33, divides=(4, 2, 128, len(TEXT_VOCAB)), fsdp=True)), batch_size=16)
     ranked = search(job, 8, nodes).ranked
-    by_layout = {c.candidate.describe(): c for c in ranked}
-    colocated = {c.candidate.describe() for c in ranked if c.candidate.offset_of["language"] == 0
-                 and c.candidate.parallelisms["language"].dp == 8}
-    assert "vision dp8 @0 | language dp8r2 @0" in colocated and "vision dp8 @0 | language dp8 @0" in colocated
-    assert by_layout["vision dp8 @0 | language dp8r2 @0"].step_s < by_layout["vision dp8 @0 | language dp8 @0"].step_s
+    by_layout = {(c.candidate.describe(), c.candidate.microbatches): c for c in ranked}
+    for m in (1, 2):
+        hybrid, full = (by_layout[f"vision dp8 @0 | language dp8{r} @0", m] for r in ("r2", ""))
+        assert hybrid.step_s < full.step_s
     assert not any(c.candidate.parallelisms["vision"].hsdp for c in ranked)  # no FSDP2 there
     assert not any(p.hsdp for c in ranked for p in c.candidate.parallelisms.values() if p.dp * p.cp * p.tp <= 4)
     entries = [entry(c) for c in ranked if c.candidate.parallelisms["language"].hsdp][:1]
@@ -418,3 +436,19 @@ def test_planner_command_both_ways(command: list[str]) -> None:
     out = subprocess.run([sys.executable, "-m", *command, "--world", "0"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and "--world and --top take integers >= 1, got '0'" in out.stderr, out.stderr
+
+
+def test_paper_cluster_homogeneous_layouts_include_hsdp() -> None:
+    """On the paper's 64 H100s (8 a node) the homogeneous layouts include each one's HSDP form,
+    and the fastest is one: FSDP2 within a node, one all-reduce of a shard between nodes, ahead of
+    every homogeneous layout sharding across all 64 (README's "At cluster scale" table)."""
+    from dtensor_mimo.plan.paper import H100, best_uniform, paper_job, uniform_layouts
+
+    job, device = paper_job(), H100.device()
+    best = best_uniform(job, 64, device)
+    plain = min((p for p in (predict(job, c, device) for c in uniform_layouts(job, 64)) if p.fits),
+                key=lambda p: p.step_s)
+    pars = best.candidate.parallelisms
+    assert pars["language"].hsdp and pars["language"].dp // pars["language"].dp_replicate * pars["language"].tp == 8
+    assert not any(p.hsdp for p in plain.candidate.parallelisms.values())
+    assert best.step_s < 0.9 * plain.step_s

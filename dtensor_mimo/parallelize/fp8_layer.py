@@ -26,7 +26,8 @@ class Float8LinearOrEmpty(Float8Linear):
         local = weight.to_local() if isinstance(weight, DTensor) else weight
         if isinstance(local, Float8TrainingTensor):
             local = local.to_original_precision()
-            weight = (DTensor.from_local(local, weight.device_mesh, weight.placements, run_check=False)
+            weight = (DTensor.from_local(local, weight.device_mesh, weight.placements, run_check=False,
+                                         shape=weight.shape, stride=weight.stride())
                       if isinstance(weight, DTensor) else local)
         bias = None if self.bias is None else self.bias.to(input.dtype)
         return F.linear(input, weight.to(input.dtype), bias)

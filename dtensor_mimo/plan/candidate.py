@@ -68,7 +68,6 @@ def overrides_of(entry: Mapping[str, Any]) -> list[str]:
     """``--layout.<module>.<key> VALUE ... --pipeline.microbatches M`` from a ``--json`` entry."""
     out: list[str] = []
     for name, keys in entry["layout"].items():
-        for key in (*FIELDS, "offset"):
-            if key in keys:  # dp_replicate: absent from entries written before HSDP
-                out += [f"--layout.{name}.{key}", str(keys[key])]
+        for key in (*FIELDS, "offset"):  # (an entry written before HSDP has no dp_replicate: 1)
+            out += [f"--layout.{name}.{key}", str(keys.get(key, 1) if key == "dp_replicate" else keys[key])]
     return out + ["--pipeline.microbatches", str(entry["microbatches"])]

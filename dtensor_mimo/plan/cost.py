@@ -203,11 +203,15 @@ def module_cost(profile: ModuleProfile, par: Parallelism, batch_size: int, micro
         return affine.fixed + affine.per_token * tokens / tp
 
     fsdp = profile.fsdp and dpcp > 1
-    # FSDP2's shards span dp·cp ranks, or with HSDP one replica group's (`shard_link`), whose
-    # gradient shards are all-reduced across the groups (`replica_link`)
+    # FSDP2's shards span dp·cp ranks, or with HSDP one replica group's: the slowest link of any
+    # group (`shard_link`; a group straddling two nodes is costed across them); the gradient
+    # shards are all-reduced across the groups (`replica_link`: across nodes unless every group
+    # of the stage shares one)
     shards = dpcp // par.dp_replicate if fsdp else 1
-    shard_link = device.link(ranks[0:shards * par.tp:par.tp]) if shards > 1 else device.intra
-    replica_link = device.link(ranks[0:dpcp * par.tp:shards * par.tp]) if par.hsdp else device.intra
+    group = shards * par.tp  # consecutive ranks of one replica group (tp fastest)
+    shard_link = (max((device.link(ranks[g:g + group]) for g in range(0, dpcp * par.tp, group)),
+                      key=lambda link: link is device.inter) if shards > 1 else device.intra)
+    replica_link = device.link(ranks[:dpcp * par.tp]) if par.hsdp else device.intra
     tp_comm = 2 * allreduce_time(act, tp, tp_link) if tp > 1 else 0.0
     cp_comm = allgather_time(2 * act * par.cp, par.cp, dp_link) if par.cp > 1 else 0.0
     # the wrappers' own per-call cost: DTensor dispatch under tp, FSDP2's hooks under dp·cp

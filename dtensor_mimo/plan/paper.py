@@ -17,6 +17,7 @@ image) and an 8B decoder (Llama 3 8B: width 4096, 32 blocks, GQA 32/8, SwiGLU 14
 from __future__ import annotations
 
 import argparse
+import itertools
 from dataclasses import dataclass
 
 from dtensor_mimo.layout import Parallelism
@@ -24,7 +25,7 @@ from dtensor_mimo.plan.candidate import Candidate
 from dtensor_mimo.plan.cost import Prediction, predict
 from dtensor_mimo.plan.profile import Affine, DeviceProfile, Job, Link, ModuleProfile
 from dtensor_mimo.plan.report import table
-from dtensor_mimo.plan.search import InvalidCandidate, SearchSpace, microbatch_counts, search, validate
+from dtensor_mimo.plan.search import InvalidCandidate, SearchSpace, hsdp, microbatch_counts, search, validate
 
 
 @dataclass(frozen=True)
@@ -126,14 +127,17 @@ def paper_job(gpu: GpuSpec = H100, batch_size: int = 512, seq_len: int = 2048, i
     return Job((*modules, language), batch_size=batch_size)
 
 
-def uniform_layouts(job: Job, world: int, space: SearchSpace = SearchSpace()) -> list[Candidate]:
-    """The homogeneous layouts: every module on every rank with one and the same (dp, tp), pp = cp = 1."""
+def uniform_layouts(job: Job, world: int, space: SearchSpace = SearchSpace(),
+                    ranks_per_node: int | None = None) -> list[Candidate]:
+    """The homogeneous layouts: every module on every rank with one and the same (dp, tp), pp = cp = 1;
+    with `ranks_per_node`, each also as HSDP (`hsdp`) where every module shards with FSDP2."""
     out = []
     for tp in range(1, world + 1):
         if world % tp:
             continue
         par = Parallelism(dp=world // tp, tp=tp)
-        for m in microbatch_counts(job, space):
+        hybrid = hsdp(par, ranks_per_node) if ranks_per_node and all(p.fsdp for p in job.modules) else None
+        for par, m in itertools.product([par, *([hybrid] if hybrid else [])], microbatch_counts(job, space)):
             cand = Candidate.of({n: par for n in job.names}, {n: 0 for n in job.names}, m)
             try:
                 validate(job, cand, world)
@@ -145,7 +149,8 @@ def uniform_layouts(job: Job, world: int, space: SearchSpace = SearchSpace()) ->
 
 def best_uniform(job: Job, world: int, device: DeviceProfile) -> Prediction | None:
     """The fastest homogeneous layout that fits memory (the baseline a planner is compared with)."""
-    preds = [p for p in (predict(job, c, device) for c in uniform_layouts(job, world)) if p.fits]
+    preds = [p for p in (predict(job, c, device) for c in uniform_layouts(job, world, ranks_per_node=device.ranks_per_node))
+             if p.fits]
     return min(preds, key=lambda p: p.step_s, default=None)
 
 

@@ -172,13 +172,14 @@ def module_options(job: Job, profile: ModuleProfile, size: int, microbatches: in
 
 
 def hsdp(par: Parallelism, ranks_per_node: int) -> Parallelism | None:
-    """`par` as HSDP whose shards stay on one node: the fewest replica groups R (dividing dp)
-    whose ``dp / R · cp · tp`` ranks fit in `ranks_per_node`; None where the dp·cp·tp ranks fit
-    in a node already, or no R does (cp·tp alone spans nodes)."""
+    """`par` as HSDP whose replica groups each fill part of one node: the fewest replica groups R
+    (dividing dp) whose ``dp / R · cp · tp`` ranks divide `ranks_per_node` (so no group straddles
+    two nodes of a node-aligned module); None where the dp·cp·tp ranks fit in a node already, or
+    no R does (cp·tp alone spans nodes)."""
     if par.dp * par.cp * par.tp <= ranks_per_node:
         return None
     for r in range(2, par.dp + 1):
-        if par.dp % r == 0 and par.dp // r * par.cp * par.tp <= ranks_per_node:
+        if par.dp % r == 0 and ranks_per_node % (par.dp // r * par.cp * par.tp) == 0:
             return replace(par, dp_replicate=r)
     return None
 
