@@ -34,6 +34,8 @@ two documents each (positions restart, attention stays inside a document).
 | varied_coloc  | dp4 (0-3)          | -             | tp2·dp2 (0-3)           | 4     | no     | colocated, own sizes, balanced, meta |
 | varied_cp     | dp2 (0-1)          | -             | cp2 (2-3)               | 4     | yes    | own sizes, by sample (balance=False) |
 | balanced_uniform | dp3 (0-2), balance=True | -      | dp1 (3)                 | 4     | no     | one size, items balanced over dp |
+| hsdp_cp       | dp4, HSDP 2x2 (0-3)| -             | cp2·dp2, HSDP 2x2 (0-3) | 4     | yes    | colocated; FSDP2's 2-D mesh and its sizes asserted |
+| hsdp_tp       | dp8, HSDP 4x2 (0-7)| -             | tp2·dp4 + sp, HSDP 2x2 (0-7) | 8 | no     | colocated; shards, replicas and tp together |
 
 With tp the language model's logits stay sharded over the vocabulary (loss_parallel) unless the
 case says "gathered logits". "Head on loss rows only": the chunked head's chunks are made small
