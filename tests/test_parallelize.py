@@ -426,6 +426,15 @@ def _tiny_model(layout: MimoLayout) -> MimoModel:
     return MimoModel(layout, llama, {"vision": vision})
 
 
+def _replica_error(model: MimoModel) -> str | None:
+    """What `check_replicas` raises on this rank, or None."""
+    try:
+        model.check_replicas()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
 def _replicas(drift: bool) -> str | None:
     layout = MimoLayout({"vision": Parallelism(), "language": Parallelism(tp=2)})
     model = _tiny_model(layout)  # no sp: the norms stay plain tensors
@@ -441,11 +450,7 @@ def _replicas(drift: bool) -> str | None:
         if drift and tp_rank == 1:
             with torch.no_grad():
                 params[norm][3] += 1e-6
-    try:
-        model.check_replicas()
-    except RuntimeError as error:
-        return str(error)
-    return None
+    return _replica_error(model)
 
 
 def test_tp_replicated_gradients_are_averaged_and_drift_is_named() -> None:
@@ -463,11 +468,7 @@ def _hsdp_replicas(drift: bool) -> str | None:
     if drift and layout.coordinate("language", dist.get_rank())["dp"] == 3:  # replica group 1's second shard
         with torch.no_grad():
             model.module_parameters("language")["layers.0.attention.wq.weight"].to_local()[0, 0] += 1e-6
-    try:
-        model.check_replicas()
-    except RuntimeError as error:
-        return str(error)
-    return None
+    return _replica_error(model)
 
 
 def test_hsdp_replicas_drift_is_named() -> None:
