@@ -62,6 +62,7 @@ bench: $(VENV)/.installed
 	$(BENCH_MALLOC) $(VENV)/bin/torchrun --standalone --nproc-per-node=2 benchmarks/balance.py
 	$(BENCH_MALLOC) $(VENV)/bin/python benchmarks/trainer.py
 	$(BENCH_MALLOC) $(VENV)/bin/python benchmarks/train_llava.py
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 benchmarks/checkpoint_stall.py
 
 clean:
 	rm -rf $(VENV) $(VENV_211) bench_results

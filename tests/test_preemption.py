@@ -8,8 +8,8 @@
 |                                                                       | second exits at once with 143              |
 | own launcher [2], SIGTERM to the launcher after a logged step           | exit 143; "stopped by SIGTERM at step N:    |
 |                                                                       | checkpoint written to ckpt/step-N"; verifies |
-| torchrun [2], a loader worker per rank, resuming it; SIGTERM to torchrun | "resumed from ... at step N"; workers exit |
-|                                                                       | 143; the line; the checkpoint verifies     |
+| torchrun [2], a loader worker per rank, background saves every 3      | "resumed from ... at step N"; workers exit |
+| steps, resuming it; SIGTERM to torchrun after a periodic save         | 143; the line; the checkpoint verifies     |
 | resumed to the end [2]                                                | every step's loss == the uninterrupted     |
 |                                                                       | run's, exactly                              |
 | `checkpoint.dir` holding no checkpoint                                | "no checkpoint in DIR: starting at step 0" |
@@ -165,10 +165,11 @@ def test_sigterm_under_both_launchers_loses_nothing(tmp_path) -> None:
 
     # torchrun: it gets SIGTERM and forwards it to its workers, which stop together. Each rank
     # loads through a loader worker process (running ahead of the step: the checkpoint's data
-    # position must still be the step's).
+    # position must still be the step's), and saves every 3 steps in the background (the stop's
+    # save waits for one still written, then for its own).
     tr = _stop_when_logged([TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "dtensor_mimo.train", *args,
-                            "--data.workers", "1", "--metrics.jsonl", "b.jsonl"], tmp_path, tmp_path / "b.jsonl",
-                           first)
+                            "--data.workers", "1", "--checkpoint.async_mode", "async", "--checkpoint.every", "3",
+                            "--metrics.jsonl", "b.jsonl"], tmp_path, tmp_path / "b.jsonl", first + 3)
     assert f"resumed from {os.path.join(ckpt, f'step-{first:06d}')} at step {first}" in tr.stdout
     second = _stopped_line(tr, ckpt)
     assert second > first and verify(str(tmp_path / ckpt / f"step-{second:06d}")) == []

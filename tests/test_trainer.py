@@ -2,7 +2,8 @@
 
 | layout (ranks)                                          | what is checked                                   |
 |---------------------------------------------------------|---------------------------------------------------|
-| A: vision dp2 + audio dp2 @0, language tp2 @2 [4]        | 6 steps; checkpoints at 3 and 6; JSONL fields      |
+| A: vision dp2 + audio dp2 @0, language tp2 @2 [4],      | 6 steps; checkpoints at 3 and 6 (3 complete at   |
+| checkpoints written in the background                   | step 4 or later, 6 at 6); JSONL fields            |
 | A resumed from step 3 (a stale partial save beside it)   | steps 4-6 losses == uninterrupted A               |
 | A with every rank loading the whole batch [4]            | losses == A's (per-rank loading loads the same)   |
 | B: colocated vision dp4, audio dp4, language dp2·tp2 [4], vision and language HSDP (2 replica groups) | loads A's step 3, steps 4-6 == A's |
@@ -60,10 +61,10 @@ def _losses(path: str) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory):
-    """Layout A, 6 steps, checkpoints at steps 3 and 6."""
+    """Layout A, 6 steps, checkpoints at steps 3 and 6, written in the background."""
     d = tmp_path_factory.mktemp("a")
     argv = [*SHORT, *LAYOUT_A, "--checkpoint.dir", str(d / "ckpt"), "--checkpoint.every", "3",
-            "--metrics.jsonl", str(d / "m.jsonl")]
+            "--checkpoint.async_mode", "async", "--metrics.jsonl", str(d / "m.jsonl")]
     run_on_ranks(_train, 4, argv, timeout=300)
     return d, argv
 
@@ -88,6 +89,12 @@ def test_checkpoints_kept_and_complete(run_a) -> None:
     d, _ = run_a
     assert sorted(os.listdir(d / "ckpt")) == ["step-000003", "step-000006"]
     assert latest_checkpoint(str(d / "ckpt")).endswith("step-000006")
+    with open(d / "m.jsonl") as f:
+        saved = [r for r in map(json.loads, f) if "checkpoint" in r]
+    # step 3's is written while steps 4.. run and counts from a later step; the run's last is waited for
+    assert [(r["checkpoint_step"], r["checkpoint"]) for r in saved] == [
+        (3, str(d / "ckpt" / "step-000003")), (6, str(d / "ckpt" / "step-000006"))]
+    assert 3 < saved[0]["step"] <= 6 and saved[1]["step"] == 6
 
 
 def test_resume_equals_uninterrupted(run_a, tmp_path) -> None:

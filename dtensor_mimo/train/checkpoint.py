@@ -20,6 +20,10 @@ Saves are verified: before the rename, ``manifest.json`` records every file's si
 checkpoint that still matches its manifest (each rank checks the sizes and checksums of its share)
 and says which file made it skip a newer one (`choose_checkpoint`); a checkpoint named by
 ``checkpoint.load`` is verified the same way and refused when it does not match.
+
+Saves can be written in the background (`BackgroundSaves`, the trainer's
+``checkpoint.async_mode = "async"``): the step waits for a copy of the state in host memory; a
+thread writes the same files, manifest and rename on a gloo group of its own.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import json
 import os
 import re
 import shutil
+import threading
 import zlib
+from concurrent.futures import Future
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -202,15 +208,28 @@ def _state(model: MimoModel, optimizer: MimoOptimizer, trainer: dict[str, Any]) 
 def save(directory: str, step: int, model: MimoModel, optimizer: MimoOptimizer,
          trainer: dict[str, Any], keep: int) -> str:
     """Write the checkpoint of `step` (every rank), atomically; keep the last `keep`."""
-    final = checkpoint_path(directory, step)
+    tmp = _prepare(directory, step)
+    return _write(_state(model, optimizer, trainer), directory, step, tmp, keep)
+
+
+def _prepare(directory: str, step: int) -> str:
+    """The temporary directory of `step`'s checkpoint, emptied by rank 0 (every rank returns after it)."""
     tmp = os.path.join(directory, f".step-{step:06d}.tmp")
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
-    dcp.save(_state(model, optimizer, trainer), checkpoint_id=tmp)
-    dist.barrier()  # every rank's files and the metadata are written
-    write_manifest(tmp)
+    return tmp
+
+
+def _write(state: dict[str, Any], directory: str, step: int, tmp: str, keep: int,
+           group: dist.ProcessGroup | None = None) -> str:
+    """DCP's save of `state` into `tmp`, its manifest, the rename to ``step-N`` and the pruning
+    of older checkpoints; every collective on `group` (None: the default group)."""
+    final = checkpoint_path(directory, step)
+    dcp.save(state, checkpoint_id=tmp, process_group=group)
+    dist.barrier(group=group)  # every rank's files and the metadata are written
+    write_manifest(tmp, group)
     error = None
     if dist.get_rank() == 0:
         try:
@@ -223,23 +242,98 @@ def save(directory: str, step: int, model: MimoModel, optimizer: MimoOptimizer,
                     shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
         except OSError as e:
             error = f"rank 0 could not rename {tmp} to {final}: {e}"
-    _every_rank_raises([error], f"saving {final}")  # in place of a barrier: rank 0's verdict too
+    _every_rank_raises([error], f"saving {final}", group)  # in place of a barrier: rank 0's verdict too
     return final
 
 
-def _every_rank_raises(errors: list[str | None], what: str) -> None:
-    """One all-gather of each rank's `errors` (its verdicts, None: fine); raises CheckpointError
-    on every rank when any rank's is not None, so no rank waits for one that gave up."""
+class BackgroundSaves:
+    """Checkpoints written while training goes on (``checkpoint.async_mode = "async"``).
+
+    `start` copies this rank's shards of the model and optimizer state to host memory (DCP's
+    stager; the only part the training step waits for, with one barrier) and hands the copy to a
+    thread of its own, which writes it as `save` does: DCP's files, the manifest, the rename to
+    ``step-N``, the pruning. The checkpoint is as atomic and as verified as a synchronous one: a
+    process killed while it is written leaves only the ``.tmp`` directory.
+
+    Every collective of the writing thread runs on a gloo group of the whole world created here
+    (once, on every rank, at the same point), never on a group training uses: two threads never
+    interleave collectives on one group, and NCCL's groups carry only training's (torchtitan's
+    asynchronous checkpoints do the same). DCP stages a CUDA tensor into pageable host memory,
+    so with NCCL the writing thread touches no device.
+
+    `writing` is this rank's answer only; the caller finishes a save at a step every rank agrees
+    on (the trainer sums every rank's `writing` in the step's own all-reduce), and `finish` waits
+    for the writer, if it has not ended, and raises `CheckpointError` on every rank when any
+    rank's writer failed (one all-gather). The writing thread is a daemon: a process ending on
+    an error does not wait for it, and its half-written ``.tmp`` directory is never loaded.
+    Host memory: one copy of this rank's shards while a save is written.
+    """
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo")
+        self._pending: tuple[Future, str] | None = None
+
+    def start(self, directory: str, step: int, model: MimoModel, optimizer: MimoOptimizer,
+              trainer: dict[str, Any], keep: int) -> str:
+        """Copy the state of `step` and start writing it (every rank); the checkpoint's path.
+        The previous save must be finished first (`finish`)."""
+        if self._pending is not None:
+            raise RuntimeError("BackgroundSaves.start: the previous save is not finished; call finish() first")
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        tmp = _prepare(directory, step)
+        stager = DefaultStager(StagingOptions(False, False, False, False))  # a copy in host memory, now
+        try:
+            staged = stager.stage(_state(model, optimizer, trainer))
+        finally:
+            stager.close()
+        future: Future = Future()
+
+        def write() -> None:
+            try:
+                future.set_result(_write(staged, directory, step, tmp, keep, self.group))
+            except BaseException as e:  # noqa: BLE001 - `finish` raises it on the caller's thread
+                future.set_exception(e)
+
+        threading.Thread(target=write, name=f"checkpoint step {step}", daemon=True).start()
+        self._pending = (future, checkpoint_path(directory, step))
+        return self._pending[1]
+
+    def writing(self) -> bool:
+        """Whether this rank's writer of the pending save is still running."""
+        return self._pending is not None and not self._pending[0].done()
+
+    def finish(self) -> str | None:
+        """Wait for the pending save and return its path (None: none was pending). Call on every
+        rank at the same step: a writer's error raises `CheckpointError` on every rank."""
+        if self._pending is None:
+            return None
+        (future, final), self._pending = self._pending, None
+        error = None
+        try:
+            future.result()
+        except Exception as e:  # noqa: BLE001 - every rank raises below, with each rank's reason
+            # A CheckpointError names its ranks and is the same on each (raised on all of them)
+            error = str(e) if isinstance(e, CheckpointError) else f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
+        _every_rank_raises([error], f"writing {final} in the background")
+        return final
+
+
+def _every_rank_raises(errors: list[str | None], what: str, group: dist.ProcessGroup | None = None) -> None:
+    """One all-gather of each rank's `errors` (its verdicts, None: fine) over `group` (None: the
+    default group); raises CheckpointError on every rank when any rank's is not None, so no rank
+    waits for one that gave up."""
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, errors)
+    dist.all_gather_object(everyone, errors, group=group)
     found = list(dict.fromkeys(e for part in everyone for e in part if e is not None))
     if found:
         raise CheckpointError(f"{what}: {'; '.join(found)}")
 
 
-def write_manifest(directory: str) -> None:
-    """Write `MANIFEST` for the saved files in `directory` (collective: each rank checksums its
-    share of them; rank 0 writes the file, flushed to disk before the checkpoint is renamed).
+def write_manifest(directory: str, group: dist.ProcessGroup | None = None) -> None:
+    """Write `MANIFEST` for the saved files in `directory` (collective over the whole world, on
+    `group` or the default group: each rank checksums its share of them; rank 0 writes the file,
+    flushed to disk before the checkpoint is renamed).
     A rank that cannot read its share, or rank 0 failing to list or write, makes every rank raise
     CheckpointError naming the rank and the file (all-gathers, not a gather to rank 0 alone)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -250,9 +344,9 @@ def write_manifest(directory: str) -> None:
             parts: list[Any] = [names[r::world] for r in range(world)]
         except OSError as e:
             parts = [f"rank 0 could not list {directory}: {e}"] * world
-        dist.scatter_object_list(shares, parts, src=0)
+        dist.scatter_object_list(shares, parts, src=0, group=group)
     else:
-        dist.scatter_object_list(shares, None, src=0)
+        dist.scatter_object_list(shares, None, src=0, group=group)
     mine, error = {}, None
     if isinstance(shares[0], str):  # rank 0's listing failed: every rank knows it now
         error = shares[0]
@@ -262,7 +356,7 @@ def write_manifest(directory: str) -> None:
         except OSError as e:
             error = f"rank {rank} could not checksum {e.filename or directory}: {e.strerror or e}"
     everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, (mine, error))
+    dist.all_gather_object(everyone, (mine, error), group=group)
     errors = list(dict.fromkeys(e for _, e in everyone if e is not None))
     if errors:
         raise CheckpointError(f"writing the manifest of {directory}: {'; '.join(errors)}")
@@ -276,7 +370,7 @@ def write_manifest(directory: str) -> None:
                 os.fsync(f.fileno())
         except OSError as e:
             error = f"rank 0 could not write {os.path.join(directory, MANIFEST)}: {e}"
-    _every_rank_raises([error], f"writing the manifest of {directory}")
+    _every_rank_raises([error], f"writing the manifest of {directory}", group)
 
 
 def _newest(directory: str, keep: int) -> set[str]:

@@ -383,6 +383,11 @@ class CheckpointSection:
         export_hf: after the last step, a Hugging Face directory (LLaVA-shaped models) or one per
             module under it.
         export_dtype: the exported weights' dtype.
+        async_mode: "async": each save copies the state to host memory and writes it while
+            training goes on (`checkpoint.BackgroundSaves`: the step waits for the copy, not the
+            files; the checkpoint counts once every rank has written it, a step or more later;
+            the run's last save and a save on a stop signal are waited for); "disabled": the
+            step waits for the files (torchtitan's names).
     """
 
     dir: str | None = None
@@ -391,6 +396,7 @@ class CheckpointSection:
     load: str | None = None
     export_hf: str | None = None
     export_dtype: Literal["float32", "bfloat16"] = "float32"
+    async_mode: Literal["disabled", "async"] = "disabled"
 
 
 @dataclass

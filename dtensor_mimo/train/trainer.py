@@ -11,7 +11,9 @@ group. What a step does on a rank:
 2. `train_step`: forward + backward through encoders, bridge and language model, the global
    norm, clip and AdamW.
 3. every `metrics.log_every` steps: one MAX all-reduce of the per-phase times, a log line and a
-   JSONL record on rank 0 (with each dp > 1 encoder's `encoder_imbalance`); checkpoints every `checkpoint.every` steps; held-out evaluation every
+   JSONL record on rank 0 (with each dp > 1 encoder's `encoder_imbalance`); checkpoints every
+   `checkpoint.every` steps (with ``checkpoint.async_mode = "async"`` written by a thread while the
+   next steps run, finished at the step whose all-reduce says every rank's writer ended); held-out evaluation every
    `train.eval_every` steps and at the end, which prints ``held-out accuracy: 0.xx``.
 
 SIGTERM / SIGINT (`dtensor_mimo.train.preemption`): a rank that got one says so in the step's
@@ -255,6 +257,10 @@ class Trainer:
             self.model.load_hf(self.resolved.hf_paths)
         self.optimizer = MimoOptimizer(self.model, config.optimizer.adamw, config.optimizer.per_module(),
                                        config.lr_schedule)
+        # Checkpoints written in the background: its gloo group, created here on every rank.
+        c = config.checkpoint
+        self.background = checkpoint.BackgroundSaves() if c.dir and c.async_mode == "async" else None
+        self._writing: tuple[int, float] | None = None  # the step being written, what it waited
         m = config.metrics
         self.log = MetricsLogger(self.rank == 0, config.train.steps, m.jsonl, m.tensorboard, m.progress)
         self.peak = peak_tflops(self.model.device, m.peak_tflops)
@@ -336,11 +342,36 @@ class Trainer:
         return {"step": self.step, "updates": self.optimizer.updates, "sampler": self.sampler.state_dict()}
 
     def save(self) -> None:
-        """A checkpoint of this step in `checkpoint.dir` (every rank)."""
+        """A checkpoint of this step in `checkpoint.dir` (every rank): written now, or, with
+        ``checkpoint.async_mode = "async"``, copied now and written in the background (the previous
+        one finished first); the run's last save and a stop's are waited for."""
         c = self.config.checkpoint
-        path = checkpoint.save(c.dir, self.step, self.model, self.optimizer, self.trainer_state(), c.keep)
+        t0 = time.perf_counter()
+        if self.background is None:
+            path = checkpoint.save(c.dir, self.step, self.model, self.optimizer, self.trainer_state(), c.keep)
+            self._saved(path, self.step, time.perf_counter() - t0)
+            return
+        self._finish_save()
+        self.background.start(c.dir, self.step, self.model, self.optimizer, self.trainer_state(), c.keep)
+        self._writing = (self.step, time.perf_counter() - t0)
+        if self.step >= self.config.train.steps or self.stopped is not None:
+            self._finish_save()
+
+    def _finish_save(self) -> None:
+        """Wait for the checkpoint being written in the background, if one is (every rank, at the
+        same step: when the step's all-reduce says no rank's writer is still running, or before
+        the next save)."""
+        if self._writing is not None:
+            (step, stall), self._writing = self._writing, None
+            self._saved(self.background.finish(), step, stall)
+
+    def _saved(self, path: str, step: int, stall: float) -> None:
+        """Log the checkpoint of `step` at `path`, complete now; `stall`: the seconds its step
+        waited for it (the files, or only the copy to host memory when written in the background)."""
         self.saved = path
-        self.log.print(f"step {self.step}: saved {path}")
+        background = f" (written in the background since step {step})" if step != self.step else ""
+        self.log.log({"step": self.step, "checkpoint": path, "checkpoint_step": step, "checkpoint_stall_s": stall},
+                     f"step {self.step}: saved {path}{background}; the step waited {stall * 1e3:.0f} ms for it")
 
     def restore(self) -> None:
         """Resume from `checkpoint.dir`'s newest checkpoint that verifies (newer damaged ones are
@@ -524,7 +555,7 @@ class Trainer:
             failed = [e for e in failed if indices[e.row] not in self.left_out]  # new ones
             try:
                 metrics = train_step(self.model, self.optimizer, _without_labels(batch, rows), timings,
-                                     votes=self._stop_votes(), unusable=bool(failed))
+                                     votes=self._votes(), unusable=bool(failed))
                 break
             except UnusableBatch:
                 # Some rank could not decode a file: all learn which (raises here unless skipping),
@@ -534,6 +565,8 @@ class Trainer:
         self.skipped_samples += len(rows)
         self.step += 1
         self._agree_on_stop(metrics.votes[:len(STOP_SIGNALS)])
+        if self._writing is not None and not metrics.votes[len(STOP_SIGNALS)]:
+            self._finish_save()  # no rank's writer is running: every rank finishes it here
         times = [data_s, timings["forward_backward"], timings["optimizer"], time.perf_counter() - t0]
         if self.step > warm and not (self.profiler is not None and self.profiler.covers(self.step)):
             window.append(times)
@@ -582,6 +615,13 @@ class Trainer:
                              "left out of the scores; the export was written)")
 
     # ------------------------------------------------------------------ stopping
+    def _votes(self) -> tuple[float, ...]:
+        """What this rank says in the step's all-reduce (`train_step`'s votes): its votes to stop,
+        then, when checkpoints are written in the background, 1.0 while its writer is running
+        (the sum is 0 once every rank's has ended: all finish the save at that step)."""
+        writing = (float(self.background.writing()),) if self.background is not None else ()
+        return (*self._stop_votes(), *writing)
+
     def _stop_votes(self) -> tuple[float, ...]:
         """This rank's votes to stop, one per `STOP_SIGNALS` (1.0: it got that signal).
 
