@@ -16,8 +16,8 @@
 |                                                           | without .metadata: "is damaged", names the parent |
 | rank 1 cannot read its share while the manifest is written | CheckpointError naming rank 1 and the file on     |
 | [2]                                                       | every rank, nothing renamed into place            |
-| background save, the parameters changed while it is      | reads back the values of its step, == a           |
-| written [2]                                               | synchronous save's; verifies                      |
+| two background saves, the parameters changed while each  | each reads back the values of its step (the       |
+| is written [2]                                            | first == a synchronous save's); both verify       |
 | background save whose rank 1 cannot checksum its share [2] | `finish` raises CheckpointError naming rank 1 on  |
 |                                                           | every rank; the previous checkpoint stays newest  |
 """
@@ -351,46 +351,57 @@ def _read(path: str, model: _Model) -> dict[str, torch.Tensor]:
 
 
 def _background(directory: str) -> tuple:
-    """Step 1 saved in the background while the parameters change, and synchronously beside it;
-    then step 2 in the background with rank 1 unable to read a file of its manifest share."""
+    """Steps 1 and 2 saved in the background, each while the parameters change (step 1 also
+    synchronously beside it); then step 3 with rank 1 unable to read a file of its manifest share."""
     import errno
 
     model = _Model(4096)
     optimizer = _Optimizer(model)
-    before = {f"model.{m}.{n}": p.detach().clone() for m, ps in model.params.items() for n, p in ps.items()}
+
+    def values() -> dict[str, torch.Tensor]:
+        return {f"model.{m}.{n}": p.detach().clone() for m, ps in model.params.items() for n, p in ps.items()}
+
+    def change() -> None:
+        with torch.no_grad():
+            for ps in model.params.values():
+                for p in ps.values():
+                    p.add_(1.0)
+
     sync = checkpoint.save(os.path.join(directory, "sync"), 1, model, optimizer, {"step": 1}, keep=2)
     saves = checkpoint.BackgroundSaves()
-    started = saves.start(os.path.join(directory, "async"), 1, model, optimizer, {"step": 1}, keep=2)
-    with torch.no_grad():
-        for ps in model.params.values():
-            for p in ps.values():
-                p.add_(1.0)
-    path = saves.finish()
-    got, reference = _read(path, model), _read(sync, model)
-    same = all(torch.equal(got[k], before[k]) and torch.equal(reference[k], before[k]) for k in before)
+    paths, same, first = [], [], values()
+    for step in (1, 2):  # the second reuses the first's host buffers
+        before = values()
+        started = saves.start(os.path.join(directory, "async"), step, model, optimizer, {"step": step}, keep=2)
+        change()
+        paths.append(saves.finish())
+        got = _read(paths[-1], model)
+        same.append(started == paths[-1] and all(torch.equal(got[k], before[k]) for k in before))
+    reference = _read(sync, model)
+    same.append(all(torch.equal(reference[k], first[k]) for k in reference))
     real = checkpoint._entries
     if dist.get_rank() == 1:
         def failing(directory_, names):
             raise OSError(errno.EIO, "Input/output error", os.path.join(directory_, names[0]))
         checkpoint._entries = failing
     try:
-        saves.start(os.path.join(directory, "async"), 2, model, optimizer, {"step": 2}, keep=2)
+        saves.start(os.path.join(directory, "async"), 3, model, optimizer, {"step": 3}, keep=2)
         error = None
         saves.finish()
     except CheckpointError as e:
         error = str(e)
     finally:
         checkpoint._entries = real
-    return started == path, same, checkpoint.verify(path), error, saves.writing()
+    return same, [checkpoint.verify(p) for p in paths], error, saves.writing()
 
 
 def test_background_save_writes_its_step_while_training_changes_it(tmp_path) -> None:
     results = run_on_ranks(_background, 2, str(tmp_path), timeout=120)
     directory = tmp_path / "async"
-    tmp = str(directory / ".step-000002.tmp")
-    for started_is_path, same, problems, error, writing in results:
-        assert started_is_path and same and problems == [] and not writing
+    tmp = str(directory / ".step-000003.tmp")
+    for same, problems, error, writing in results:
+        assert same == [True, True, True] and problems == [[], []] and not writing
         assert error is not None and error.startswith(
-            f"writing {directory / 'step-000002'} in the background: writing the manifest of {tmp}: "
+            f"writing {directory / 'step-000003'} in the background: writing the manifest of {tmp}: "
             f"rank 1 could not checksum {tmp}{os.sep}"), error
-    assert checkpoint.step_checkpoints(str(directory)) == [str(directory / "step-000001")]
+    assert checkpoint.step_checkpoints(str(directory)) == [str(directory / f"step-00000{s}") for s in (2, 1)]

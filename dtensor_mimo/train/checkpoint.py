@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.optim.optimizer import MimoOptimizer
@@ -246,11 +247,16 @@ def _write(state: dict[str, Any], directory: str, step: int, tmp: str, keep: int
     return final
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself otherwise)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 class BackgroundSaves:
     """Checkpoints written while training goes on (``checkpoint.async_mode = "async"``).
 
-    `start` copies this rank's shards of the model and optimizer state to host memory (DCP's
-    stager; the only part the training step waits for, with one barrier) and hands the copy to a
+    `start` copies this rank's shards of the model and optimizer state to host memory (`_stage`:
+    the only part the training step waits for, with one barrier) and hands the copy to a
     thread of its own, which writes it as `save` does: DCP's files, the manifest, the rename to
     ``step-N``, the pruning. The checkpoint is as atomic and as verified as a synchronous one: a
     process killed while it is written leaves only the ``.tmp`` directory.
@@ -258,20 +264,21 @@ class BackgroundSaves:
     Every collective of the writing thread runs on a gloo group of the whole world created here
     (once, on every rank, at the same point), never on a group training uses: two threads never
     interleave collectives on one group, and NCCL's groups carry only training's (torchtitan's
-    asynchronous checkpoints do the same). DCP stages a CUDA tensor into pageable host memory,
-    so with NCCL the writing thread touches no device.
+    asynchronous checkpoints do the same). The copy of a CUDA tensor is in host memory, so with
+    NCCL the writing thread touches no device.
 
     `writing` is this rank's answer only; the caller finishes a save at a step every rank agrees
     on (the trainer sums every rank's `writing` in the step's own all-reduce), and `finish` waits
     for the writer, if it has not ended, and raises `CheckpointError` on every rank when any
     rank's writer failed (one all-gather). The writing thread is a daemon: a process ending on
     an error does not wait for it, and its half-written ``.tmp`` directory is never loaded.
-    Host memory: one copy of this rank's shards while a save is written.
+    Host memory: one copy of this rank's shards, kept from the first save on.
     """
 
     def __init__(self) -> None:
         self.group = dist.new_group(backend="gloo")
         self._pending: tuple[Future, str] | None = None
+        self._host: dict[str, Any] | None = None  # the staged copy's buffers (`_stage`)
 
     def start(self, directory: str, step: int, model: MimoModel, optimizer: MimoOptimizer,
               trainer: dict[str, Any], keep: int) -> str:
@@ -279,14 +286,8 @@ class BackgroundSaves:
         The previous save must be finished first (`finish`)."""
         if self._pending is not None:
             raise RuntimeError("BackgroundSaves.start: the previous save is not finished; call finish() first")
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
         tmp = _prepare(directory, step)
-        stager = DefaultStager(StagingOptions(False, False, False, False))  # a copy in host memory, now
-        try:
-            staged = stager.stage(_state(model, optimizer, trainer))
-        finally:
-            stager.close()
+        staged = self._stage(_state(model, optimizer, trainer))
         future: Future = Future()
 
         def write() -> None:
@@ -298,6 +299,22 @@ class BackgroundSaves:
         threading.Thread(target=write, name=f"checkpoint step {step}", daemon=True).start()
         self._pending = (future, checkpoint_path(directory, step))
         return self._pending[1]
+
+    def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """`state` copied into host buffers kept from one save to the next: the first save
+        allocates them (each tensor's ``to("cpu", copy=True)``, a DTensor's local shard with its
+        placements), later ones copy into them (a staged copy is never written twice at once:
+        `start` refuses while a save is pending). Values that are not tensors are taken as they are."""
+        if self._host is None or self._host.keys() != state.keys():
+            self._host = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                          for k, v in state.items()}
+            return dict(self._host)
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                _local(self._host[k]).copy_(_local(v.detach()))
+            else:
+                self._host[k] = v
+        return dict(self._host)
 
     def writing(self) -> bool:
         """Whether this rank's writer of the pending save is still running."""
