@@ -17,9 +17,12 @@
 | rank 1 cannot read its share while the manifest is written | CheckpointError naming rank 1 and the file on     |
 | [2]                                                       | every rank, nothing renamed into place            |
 | two background saves, the parameters changed while each  | each reads back the values of its step (the       |
-| is written [2]                                            | first == a synchronous save's); both verify       |
+| is written, its writer held back [2]                      | first == a synchronous save's); both verify;      |
+|                                                           | `writing()` while held                            |
 | background save whose rank 1 cannot checksum its share [2] | `finish` raises CheckpointError naming rank 1 on  |
 |                                                           | every rank; the previous checkpoint stays newest  |
+| trainer, rank 1's writer 2 s behind rank 0's [2]          | every save finished at one step on both (no hang) |
+| trainer raising in step 5, step 3's save still written [2] | step-000003 complete and verified after the error |
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import zlib
 
@@ -369,12 +373,25 @@ def _background(directory: str) -> tuple:
 
     sync = checkpoint.save(os.path.join(directory, "sync"), 1, model, optimizer, {"step": 1}, keep=2)
     saves = checkpoint.BackgroundSaves()
-    paths, same, first = [], [], values()
+    paths, same, first, running = [], [], values(), []
+    gate, real_write = threading.Event(), checkpoint._write
+
+    def gated(*args, **kwargs):
+        gate.wait(60)
+        return real_write(*args, **kwargs)
+
     for step in (1, 2):  # the second reuses the first's host buffers
         before = values()
-        started = saves.start(os.path.join(directory, "async"), step, model, optimizer, {"step": step}, keep=2)
-        change()
-        paths.append(saves.finish())
+        checkpoint._write = gated
+        try:
+            started = saves.start(os.path.join(directory, "async"), step, model, optimizer, {"step": step}, keep=2)
+            change()
+            running.append(saves.writing())  # the writer waits for the gate: start returned before it
+            gate.set()
+            paths.append(saves.finish())
+        finally:
+            checkpoint._write = real_write
+            gate.clear()
         got = _read(paths[-1], model)
         same.append(started == paths[-1] and all(torch.equal(got[k], before[k]) for k in before))
     reference = _read(sync, model)
@@ -392,7 +409,7 @@ def _background(directory: str) -> tuple:
         error = str(e)
     finally:
         checkpoint._entries = real
-    return same, [checkpoint.verify(p) for p in paths], error, saves.writing()
+    return same + running, [checkpoint.verify(p) for p in paths], error, saves.writing()
 
 
 def test_background_save_writes_its_step_while_training_changes_it(tmp_path) -> None:
@@ -400,8 +417,61 @@ def test_background_save_writes_its_step_while_training_changes_it(tmp_path) -> 
     directory = tmp_path / "async"
     tmp = str(directory / ".step-000003.tmp")
     for same, problems, error, writing in results:
-        assert same == [True, True, True] and problems == [[], []] and not writing
+        assert same == [True] * 5 and problems == [[], []] and not writing
         assert error is not None and error.startswith(
             f"writing {directory / 'step-000003'} in the background: writing the manifest of {tmp}: "
             f"rank 1 could not checksum {tmp}{os.sep}"), error
     assert checkpoint.step_checkpoints(str(directory)) == [str(directory / f"step-00000{s}") for s in (2, 1)]
+
+
+def _slow_writer(argv: list[str], where: str, fail_at: int) -> tuple:
+    """The trainer with rank 1's background writer 2 s late, `where` = "after" its last
+    collective (the ranks' own `writing()` then disagree for steps) or "before" its first (every
+    rank's save is still pending); with `fail_at`, every rank raises as that step starts."""
+    from dtensor_mimo.train.trainer import Trainer
+
+    real_write, real_step = checkpoint._write, Trainer._run_step
+
+    def late(*args, **kwargs):
+        if where == "before" and dist.get_rank() == 1:
+            time.sleep(2)
+        out = real_write(*args, **kwargs)
+        if where == "after" and dist.get_rank() == 1:
+            time.sleep(2)
+        return out
+
+    def failing(self, *args, **kwargs):
+        if self.step + 1 == fail_at:
+            raise RuntimeError(f"injected in step {fail_at}")
+        return real_step(self, *args, **kwargs)
+
+    checkpoint._write, Trainer._run_step = late, failing
+    try:
+        Trainer(parse_args(argv)).run()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    finally:
+        checkpoint._write, Trainer._run_step = real_write, real_step
+    return error
+
+
+def test_background_saves_finish_at_one_step_on_every_rank_and_complete_on_an_error(tmp_path) -> None:
+    """Rank 1's writer ends 2 s after rank 0's: both finish each save at the step whose
+    all-reduce says no writer runs (a rank finishing on its own verdict would wait in `finish`'s
+    all-gather for a peer still training: the run would hang). Then a run that raises in step 5
+    with step 3's save not yet written on any rank: the save completes before the ranks end."""
+    pytest.importorskip("sklearn")
+    argv = [*TINY, "--train.steps", "9", "--checkpoint.every", "3", "--checkpoint.async_mode", "async"]
+    ckpt, jsonl = tmp_path / "a", tmp_path / "a.jsonl"
+    errors = run_on_ranks(_slow_writer, 2, [*argv, "--checkpoint.dir", str(ckpt), "--metrics.jsonl", str(jsonl)],
+                          "after", 0, timeout=240)
+    assert errors == [None, None]
+    with open(jsonl) as f:
+        saved = [(r["checkpoint_step"], r["step"]) for r in map(json.loads, f) if "checkpoint" in r]
+    assert [s for s, _ in saved] == [3, 6, 9] and all(s < at for s, at in saved[:2]) and saved[2] == (9, 9)
+    ckpt = tmp_path / "b"
+    errors = run_on_ranks(_slow_writer, 2, [*argv, "--checkpoint.dir", str(ckpt)], "before", 5, timeout=240)
+    assert errors == ["injected in step 5"] * 2
+    assert checkpoint.step_checkpoints(str(ckpt)) == [str(ckpt / "step-000003")]
+    assert checkpoint.verify(str(ckpt / "step-000003")) == []

@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -226,9 +226,12 @@ def _prepare(directory: str, step: int) -> str:
 def _write(state: dict[str, Any], directory: str, step: int, tmp: str, keep: int,
            group: dist.ProcessGroup | None = None) -> str:
     """DCP's save of `state` into `tmp`, its manifest, the rename to ``step-N`` and the pruning
-    of older checkpoints; every collective on `group` (None: the default group)."""
+    of older checkpoints; every collective on `group` (None: the default group, and `state`
+    where training holds it; a group of its own: `state` in host memory, written without
+    DCP's copy-ahead of device tensors, which would use the thread's current CUDA stream)."""
     final = checkpoint_path(directory, step)
-    dcp.save(state, checkpoint_id=tmp, process_group=group)
+    writer = None if group is None else FileSystemWriter(tmp, per_thread_copy_ahead=0)
+    dcp.save(state, checkpoint_id=tmp, storage_writer=writer, process_group=group)
     dist.barrier(group=group)  # every rank's files and the metadata are written
     write_manifest(tmp, group)
     error = None
@@ -264,19 +267,25 @@ class BackgroundSaves:
     Every collective of the writing thread runs on a gloo group of the whole world created here
     (once, on every rank, at the same point), never on a group training uses: two threads never
     interleave collectives on one group, and NCCL's groups carry only training's (torchtitan's
-    asynchronous checkpoints do the same). The copy of a CUDA tensor is in host memory, so with
-    NCCL the writing thread touches no device.
+    asynchronous checkpoints do the same), with the default group's timeout. The copy of a CUDA
+    tensor is in host memory, and DCP writes it without its copy-ahead of device tensors (which
+    would synchronize the thread's current CUDA stream): the writing thread touches no device.
 
     `writing` is this rank's answer only; the caller finishes a save at a step every rank agrees
     on (the trainer sums every rank's `writing` in the step's own all-reduce), and `finish` waits
     for the writer, if it has not ended, and raises `CheckpointError` on every rank when any
-    rank's writer failed (one all-gather). The writing thread is a daemon: a process ending on
-    an error does not wait for it, and its half-written ``.tmp`` directory is never loaded.
+    rank's writer failed (one all-gather). A run that ends on an error first waits, for at most
+    a given time, for its own writer (`settle`: no collective of the caller's): the peers' writers
+    go on while their training waits, so the save in flight completes. The writing thread is a
+    daemon: a process that ends anyway does not wait for it, and its half-written ``.tmp``
+    directory is never loaded.
     Host memory: one copy of this rank's shards, kept from the first save on.
     """
 
     def __init__(self) -> None:
-        self.group = dist.new_group(backend="gloo")
+        from dtensor_mimo.layout.mesh import default_timeout
+
+        self.group = dist.new_group(backend="gloo", timeout=default_timeout())
         self._pending: tuple[Future, str] | None = None
         self._host: dict[str, Any] | None = None  # the staged copy's buffers (`_stage`)
 
@@ -319,6 +328,20 @@ class BackgroundSaves:
     def writing(self) -> bool:
         """Whether this rank's writer of the pending save is still running."""
         return self._pending is not None and not self._pending[0].done()
+
+    def settle(self, timeout_s: float) -> str | None:
+        """On a run's error: wait up to `timeout_s` for this rank's writer of the pending save,
+        with no collective of the caller's (the peers' writers go on while their training waits,
+        or fail at once if a peer died); the checkpoint's path if it was written (complete and
+        renamed), else None. Nothing is pending afterwards."""
+        if self._pending is None:
+            return None
+        (future, final), self._pending = self._pending, None
+        try:
+            future.result(timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - the run's own error is the one to report
+            return None
+        return final
 
     def finish(self) -> str | None:
         """Wait for the pending save and return its path (None: none was pending). Call on every

@@ -403,9 +403,9 @@ class CheckpointSection:
 class MetricsSection:
     """Attributes:
         jsonl: a file getting one JSON object per logged step (step, loss, grad_norm,
-            tokens_per_s, lr, ...). None: no file.
+            tokens_per_s, lr, ...), held-out evaluation and checkpoint. None: no file.
         tensorboard: a TensorBoard log directory (needs the tensorboard package). None: off.
-        log_every: steps between log lines (and JSONL records).
+        log_every: steps between log lines (and JSONL records of steps).
         progress: a progress bar: "auto" shows one on an interactive terminal.
         peak_tflops: the accelerator's peak dense TFLOP/s per rank for MFU; 0: a known GPU's
             (H100/H200/A100 bf16) or none on CPU (MFU then not reported).

@@ -129,9 +129,9 @@ def _exit_now(code: int) -> NoReturn:
     """End a rank's process at once: the interpreter's teardown of torch, transformers and a
     model takes seconds of native code (1.4-2.9 s measured on 2 cores for the tiny LLaVA run),
     and a launcher sees the end, or a failure, only when the process ends. Nothing is lost:
-    checkpoints are written synchronously, `Trainer.run` closes its logger and joins its loader
-    workers on every path, and the output streams are flushed here. `TEARDOWN_ENV` = 1 exits
-    normally instead."""
+    checkpoints are written synchronously, or (``checkpoint.async_mode``) waited for by
+    `Trainer.run` on every path, which also closes its logger and joins its loader workers, and
+    the output streams are flushed here. `TEARDOWN_ENV` = 1 exits normally instead."""
     sys.stdout.flush()
     sys.stderr.flush()
     if os.environ.get(TEARDOWN_ENV) == "1":

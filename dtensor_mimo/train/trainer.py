@@ -352,10 +352,12 @@ class Trainer:
             self._saved(path, self.step, time.perf_counter() - t0)
             return
         self._finish_save()
-        self.background.start(c.dir, self.step, self.model, self.optimizer, self.trainer_state(), c.keep)
-        self._writing = (self.step, time.perf_counter() - t0)
-        if self.step >= self.config.train.steps or self.stopped is not None:
-            self._finish_save()
+        path = self.background.start(c.dir, self.step, self.model, self.optimizer, self.trainer_state(), c.keep)
+        if self.step >= self.config.train.steps or self.stopped is not None:  # the run ends here: written now
+            self.background.finish()
+            self._saved(path, self.step, time.perf_counter() - t0)
+        else:
+            self._writing = (self.step, time.perf_counter() - t0)
 
     def _finish_save(self) -> None:
         """Wait for the checkpoint being written in the background, if one is (every rank, at the
@@ -463,6 +465,11 @@ class Trainer:
         try:
             return self._run()
         except BaseException:
+            if self._writing is not None:  # a checkpoint still written: let it complete (no collective)
+                (step, _), self._writing = self._writing, None
+                path = self.background.settle(self.config.train.timeout_s)
+                if path is not None:
+                    self.log.print(f"saved {path} (written in the background since step {step}, before the error)")
             self.log.close()  # what was logged is on disk, however the process ends (the launcher exits at once)
             if self.profiler is not None:
                 self.profiler.abandon()
