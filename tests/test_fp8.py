@@ -22,6 +22,11 @@ so it is not bitwise the one-process fp8 run: its losses are held to 0.2% of the
 at most 0.01%); tp casts the same replicated activations and whole-tensor weight scales as one
 process (measured: equal in fp32).
 
+Checkpoints: the fsdp and tp cases saved after their first step, synchronously and in the
+background (`checkpoint.BackgroundSaves`, while the run goes on), each loaded into a model built
+anew: its next two steps' losses are the uninterrupted run's, exactly (float8 weights under FSDP2
+are torchao's weight subclass inside the DTensor shards; their scales are recomputed on load).
+
 Errors: a misspelt recipe (options and trainer config), fp8 without torchao, fp8 on a GPU older
 than compute capability 8.9: each names the module and the fix, before any process group.
 """
@@ -229,6 +234,49 @@ def test_distributed_fp8_matches_one_process_fp8(name: str) -> None:
             assert gathered and set(gathered) == {torch.float8_e4m3fn}, gathered
         else:
             assert not gathered
+
+
+def _fp8_checkpoints(root: str, name: str) -> list[list[float]]:
+    """Case `name`'s model after one step saved both ways; the next two steps' losses of the run
+    and of a model built anew from each checkpoint."""
+    import os
+
+    from dtensor_mimo import MimoOptimizer, train_step
+    from dtensor_mimo.train import checkpoint
+    from tests.test_mimo import OPT, _batches
+
+    case = DISTRIBUTED[name]
+
+    def build() -> tuple[MimoModel, MimoOptimizer]:
+        layout = case.layout()
+        layout.init_meshes("cpu")
+        llama, encoders = _modules(case.encoders, case.frozen, case.n_layers)
+        model = MimoModel(layout, llama, encoders, options=case.options)
+        model.init_weights({"language": 0, "vision": 1})
+        return model, MimoOptimizer(model, OPT)
+
+    batches = _batches(case.encoders, case.packed, case.batch_size, (64, 64, 64))
+    model, optimizer = build()
+    train_step(model, optimizer, batches[0])
+    trainer = {"step": 1, "updates": 1}
+    synchronous = checkpoint.save(os.path.join(root, "sync"), 1, model, optimizer, trainer, keep=2)
+    saves = checkpoint.BackgroundSaves()
+    saves.start(os.path.join(root, "async"), 1, model, optimizer, trainer, keep=2)
+    losses = [[train_step(model, optimizer, b).loss for b in batches[1:]]]
+    background = saves.finish()
+    shapes = {f"model.{m}.{n}": tuple(p.shape) for m in model.module_names
+              for n, p in model.module_parameters(m).items()}
+    for path in (synchronous, background):
+        model, optimizer = build()
+        checkpoint.load(path, model, optimizer, shapes)
+        losses.append([train_step(model, optimizer, b).loss for b in batches[1:]])
+    return losses
+
+
+@pytest.mark.parametrize("name", ["fsdp", "tp"])
+def test_fp8_checkpoints_resume_the_run_exactly(tmp_path, name: str) -> None:
+    for run, synchronous, background in run_on_ranks(_fp8_checkpoints, 2, str(tmp_path), name, timeout=180):
+        assert synchronous == run and background == run, (run, synchronous, background)
 
 
 class ColwiseLinear(nn.Module):
