@@ -21,8 +21,10 @@
 |                                                           | `writing()` while held                            |
 | background save whose rank 1 cannot checksum its share [2] | `finish` raises CheckpointError naming rank 1 on  |
 |                                                           | every rank; the previous checkpoint stays newest  |
-| trainer, rank 1's writer 2 s behind rank 0's [2]          | every save finished at one step on both (no hang) |
-| trainer raising in step 5, step 3's save still written [2] | step-000003 complete and verified after the error |
+| trainer, rank 1's writer of step 3 held until step 4 ran  | both finish it at step 5 (the vote), no hang      |
+| [2]                                                       |                                                   |
+| trainer raising in step 5, step 3's save held on every    | step-000003 complete, verified and logged after   |
+| rank [2]                                                  | the error (`Trainer.saved` on both)               |
 """
 
 from __future__ import annotations
@@ -424,54 +426,79 @@ def test_background_save_writes_its_step_while_training_changes_it(tmp_path) -> 
     assert checkpoint.step_checkpoints(str(directory)) == [str(directory / f"step-00000{s}") for s in (2, 1)]
 
 
-def _slow_writer(argv: list[str], where: str, fail_at: int) -> tuple:
-    """The trainer with rank 1's background writer 2 s late, `where` = "after" its last
-    collective (the ranks' own `writing()` then disagree for steps) or "before" its first (every
-    rank's save is still pending); with `fail_at`, every rank raises as that step starts."""
+def _held_writer(argv: list[str], fail_at: int) -> tuple:
+    """The trainer with rank 1's writer of step 3's save held back. ``fail_at`` 0: held after its
+    last collective until step 4 has run (rank 0's writer has ended by then: the ranks' own
+    verdicts differ in step 4), then released and waited for, so step 5's all-reduce says no
+    writer runs. ``fail_at`` 5: held before its first collective (every rank's save pending)
+    until every rank raises as step 5 starts. Returns (the error, `Trainer.saved`)."""
     from dtensor_mimo.train.trainer import Trainer
 
     real_write, real_step = checkpoint._write, Trainer._run_step
+    held, release, first = threading.Event(), threading.Event(), [dist.get_rank() == 1]
 
     def late(*args, **kwargs):
-        if where == "before" and dist.get_rank() == 1:
-            time.sleep(2)
+        hold, first[0] = first[0], False
+        if hold and fail_at:
+            release.wait(60)
         out = real_write(*args, **kwargs)
-        if where == "after" and dist.get_rank() == 1:
-            time.sleep(2)
+        if hold and not fail_at:
+            held.set()
+            release.wait(60)
         return out
 
-    def failing(self, *args, **kwargs):
-        if self.step + 1 == fail_at:
-            raise RuntimeError(f"injected in step {fail_at}")
-        return real_step(self, *args, **kwargs)
+    def stepped(self, *args, **kwargs):
+        step = self.step + 1
+        if step == fail_at:
+            release.set()
+            raise RuntimeError(f"injected in step {step}")
+        if step == 4 and not fail_at:
+            if dist.get_rank() == 1:
+                held.wait(60)
+            else:
+                self.background._pending[0].result(60)
+        out = real_step(self, *args, **kwargs)
+        if step == 4 and not fail_at and dist.get_rank() == 1:
+            release.set()
+            self.background._pending[0].result(60)
+        return out
 
-    checkpoint._write, Trainer._run_step = late, failing
+    checkpoint._write, Trainer._run_step = late, stepped
+    trainer = None
     try:
-        Trainer(parse_args(argv)).run()
+        trainer = Trainer(parse_args(argv))
+        trainer.run()
         error = None
     except RuntimeError as e:
         error = str(e)
     finally:
         checkpoint._write, Trainer._run_step = real_write, real_step
-    return error
+        release.set()
+    return error, trainer.saved if trainer is not None else None
+
+
+def _saved_records(path) -> list[tuple[int, int]]:
+    with open(path) as f:
+        return [(r["checkpoint_step"], r["step"]) for r in map(json.loads, f) if "checkpoint" in r]
 
 
 def test_background_saves_finish_at_one_step_on_every_rank_and_complete_on_an_error(tmp_path) -> None:
-    """Rank 1's writer ends 2 s after rank 0's: both finish each save at the step whose
-    all-reduce says no writer runs (a rank finishing on its own verdict would wait in `finish`'s
-    all-gather for a peer still training: the run would hang). Then a run that raises in step 5
-    with step 3's save not yet written on any rank: the save completes before the ranks end."""
+    """Rank 1's writer of step 3's save ends after rank 0's: both finish the save at step 5,
+    whose all-reduce says no writer runs (a rank finishing on its own verdict would all-gather
+    in step 4 while its peer trains: a hang). Then a run raising in step 5 with step 3's save
+    pending on every rank: it completes before the ranks end, logged as any save."""
     pytest.importorskip("sklearn")
     argv = [*TINY, "--train.steps", "9", "--checkpoint.every", "3", "--checkpoint.async_mode", "async"]
-    ckpt, jsonl = tmp_path / "a", tmp_path / "a.jsonl"
-    errors = run_on_ranks(_slow_writer, 2, [*argv, "--checkpoint.dir", str(ckpt), "--metrics.jsonl", str(jsonl)],
-                          "after", 0, timeout=240)
-    assert errors == [None, None]
-    with open(jsonl) as f:
-        saved = [(r["checkpoint_step"], r["step"]) for r in map(json.loads, f) if "checkpoint" in r]
-    assert [s for s, _ in saved] == [3, 6, 9] and all(s < at for s, at in saved[:2]) and saved[2] == (9, 9)
+    ckpt = tmp_path / "a"
+    results = run_on_ranks(_held_writer, 2, [*argv, "--checkpoint.dir", str(ckpt), "--metrics.jsonl",
+                                             str(tmp_path / "a.jsonl")], 0, timeout=240)
+    assert results == [(None, str(ckpt / "step-000009"))] * 2
+    saved = _saved_records(tmp_path / "a.jsonl")
+    assert saved[0] == (3, 5) and [s for s, _ in saved] == [3, 6, 9] and saved[-1] == (9, 9), saved
     ckpt = tmp_path / "b"
-    errors = run_on_ranks(_slow_writer, 2, [*argv, "--checkpoint.dir", str(ckpt)], "before", 5, timeout=240)
-    assert errors == ["injected in step 5"] * 2
+    results = run_on_ranks(_held_writer, 2, [*argv, "--checkpoint.dir", str(ckpt), "--metrics.jsonl",
+                                             str(tmp_path / "b.jsonl")], 5, timeout=240)
+    assert results == [("injected in step 5", str(ckpt / "step-000003"))] * 2
+    assert _saved_records(tmp_path / "b.jsonl") == [(3, 4)]
     assert checkpoint.step_checkpoints(str(ckpt)) == [str(ckpt / "step-000003")]
     assert checkpoint.verify(str(ckpt / "step-000003")) == []

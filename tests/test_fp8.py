@@ -23,9 +23,10 @@ at most 0.01%); tp casts the same replicated activations and whole-tensor weight
 process (measured: equal in fp32).
 
 Checkpoints: the fsdp and tp cases saved after their first step, synchronously and in the
-background (`checkpoint.BackgroundSaves`, while the run goes on), each loaded into a model built
-anew: its next two steps' losses are the uninterrupted run's, exactly (float8 weights under FSDP2
-are torchao's weight subclass inside the DTensor shards; their scales are recomputed on load).
+background (`checkpoint.BackgroundSaves`, while the run goes on), and after their second in the
+background again, each loaded into a model built anew: the losses of the steps after it are the
+uninterrupted run's, exactly. Float8 weights under FSDP2 are torchao's weight subclass inside the
+DTensor shards; a checkpoint stores their plain tensors (DCP's converter reads it without torchao).
 
 Errors: a misspelt recipe (options and trainer config), fp8 without torchao, fp8 on a GPU older
 than compute capability 8.9: each names the module and the fix, before any process group.
@@ -236,9 +237,10 @@ def test_distributed_fp8_matches_one_process_fp8(name: str) -> None:
             assert not gathered
 
 
-def _fp8_checkpoints(root: str, name: str) -> list[list[float]]:
-    """Case `name`'s model after one step saved both ways; the next two steps' losses of the run
-    and of a model built anew from each checkpoint."""
+def _fp8_checkpoints(root: str, name: str) -> tuple[list[list[float]], list[str]]:
+    """Case `name`'s model saved after step 1 both ways and after step 2 in the background (into
+    the first background save's host buffers); the losses of the steps after each save, in the
+    run and in a model built anew from each checkpoint; the checkpoints' paths."""
     import os
 
     from dtensor_mimo import MimoOptimizer, train_step
@@ -257,26 +259,44 @@ def _fp8_checkpoints(root: str, name: str) -> list[list[float]]:
 
     batches = _batches(case.encoders, case.packed, case.batch_size, (64, 64, 64))
     model, optimizer = build()
-    train_step(model, optimizer, batches[0])
-    trainer = {"step": 1, "updates": 1}
-    synchronous = checkpoint.save(os.path.join(root, "sync"), 1, model, optimizer, trainer, keep=2)
     saves = checkpoint.BackgroundSaves()
-    saves.start(os.path.join(root, "async"), 1, model, optimizer, trainer, keep=2)
-    losses = [[train_step(model, optimizer, b).loss for b in batches[1:]]]
-    background = saves.finish()
+    train_step(model, optimizer, batches[0])
+    synchronous = checkpoint.save(os.path.join(root, "sync"), 1, model, optimizer, {"step": 1, "updates": 1}, keep=2)
+    saves.start(os.path.join(root, "async"), 1, model, optimizer, {"step": 1, "updates": 1}, keep=2)
+    run = [train_step(model, optimizer, batches[1]).loss]
+    first = saves.finish()
+    saves.start(os.path.join(root, "async"), 2, model, optimizer, {"step": 2, "updates": 2}, keep=2)
+    run.append(train_step(model, optimizer, batches[2]).loss)
+    second = saves.finish()
     shapes = {f"model.{m}.{n}": tuple(p.shape) for m in model.module_names
               for n, p in model.module_parameters(m).items()}
-    for path in (synchronous, background):
+    losses = [run]
+    for path, after in ((synchronous, 1), (first, 1), (second, 2)):
         model, optimizer = build()
         checkpoint.load(path, model, optimizer, shapes)
-        losses.append([train_step(model, optimizer, b).loss for b in batches[1:]])
-    return losses
+        losses.append([train_step(model, optimizer, b).loss for b in batches[after:]])
+    return losses, [synchronous, second]
+
+
+# Reads every tensor of a checkpoint into one file without torchao imported (DCP's own converter).
+READ_WITHOUT_TORCHAO = """import sys
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+dcp_to_torch_save(sys.argv[1], sys.argv[2])
+assert not [m for m in sys.modules if m.startswith("torchao")]
+"""
 
 
 @pytest.mark.parametrize("name", ["fsdp", "tp"])
 def test_fp8_checkpoints_resume_the_run_exactly(tmp_path, name: str) -> None:
-    for run, synchronous, background in run_on_ranks(_fp8_checkpoints, 2, str(tmp_path), name, timeout=180):
-        assert synchronous == run and background == run, (run, synchronous, background)
+    import subprocess
+
+    for (run, synchronous, first, second), paths in run_on_ranks(_fp8_checkpoints, 2, str(tmp_path), name,
+                                                                 timeout=180):
+        assert synchronous == run and first == run and second == run[1:], (run, synchronous, first, second)
+    for path in paths:  # float8 weights are stored as their plain tensors
+        out = subprocess.run([sys.executable, "-c", READ_WITHOUT_TORCHAO, path, str(tmp_path / "all.pt")],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
 
 
 class ColwiseLinear(nn.Module):

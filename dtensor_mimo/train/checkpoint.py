@@ -3,7 +3,8 @@
 What a checkpoint holds, under layout-independent keys:
 
 - ``model.<module>.<param>``: every parameter under the name it has in the user's module (a
-  DTensor shard on FSDP/tp ranks, a plain tensor elsewhere). DCP writes each distinct element once
+  DTensor shard on FSDP/tp ranks, a plain tensor elsewhere; a float8 weight's plain tensor,
+  not torchao's wrapper, `_plain`). DCP writes each distinct element once
   (replicas deduplicated) and reads any slice back, so a checkpoint saved under one layout loads
   under another (other dp/tp/pp sizes, colocated or not, another world size);
 - ``optim.<module>.<param>.<exp_avg|exp_avg_sq|step>``: AdamW's state, sharded like the parameter;
@@ -35,11 +36,13 @@ import shutil
 import threading
 import zlib
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
@@ -197,8 +200,26 @@ def _optimizer_keys(model: MimoModel, optimizer: MimoOptimizer, init: bool) -> d
     return out
 
 
+def _plain(param: torch.Tensor) -> torch.Tensor:
+    """`param` as the checkpoint stores it: a weight whose (local) tensor is a wrapper subclass
+    holding one tensor of its own shape and dtype (torchao's float8 weight under FSDP2) is stored
+    as that inner tensor, in the same DTensor placement, so that reading a checkpoint never needs
+    the wrapper's class (DCP loads it into the wrapper in place)."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if type(local) in (torch.Tensor, nn.Parameter) or not hasattr(local, "__tensor_flatten__"):
+        return param
+    names, _ = local.__tensor_flatten__()
+    inner = getattr(local, names[0]) if len(names) == 1 else None
+    if inner is None or inner.shape != local.shape or inner.dtype != local.dtype:
+        return param
+    if not isinstance(param, DTensor):
+        return inner
+    return DTensor.from_local(inner, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
 def _state(model: MimoModel, optimizer: MimoOptimizer, trainer: dict[str, Any]) -> dict[str, Any]:
-    state: dict[str, Any] = {f"model.{m}.{n}": p for m in model.module_names
+    state: dict[str, Any] = {f"model.{m}.{n}": _plain(p) for m in model.module_names
                              for n, p in model.module_parameters(m).items()}
     state.update(_optimizer_keys(model, optimizer, init=True))
     state["trainer"] = json.dumps(trainer)  # one leaf: DCP stores it once (equal on every rank)
@@ -255,6 +276,17 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def _same_layout(buffer: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether `value` copies into `buffer` element for element: the same tensor type, global
+    and local shape, dtype, and (DTensors) mesh and placements."""
+    if type(buffer) is not type(value) or buffer.shape != value.shape or buffer.dtype != value.dtype:
+        return False
+    if isinstance(value, DTensor):
+        return (buffer.placements == value.placements and buffer.device_mesh == value.device_mesh
+                and _local(buffer).shape == _local(value).shape)
+    return True
+
+
 class BackgroundSaves:
     """Checkpoints written while training goes on (``checkpoint.async_mode = "async"``).
 
@@ -276,10 +308,10 @@ class BackgroundSaves:
     for the writer, if it has not ended, and raises `CheckpointError` on every rank when any
     rank's writer failed (one all-gather). A run that ends on an error first waits, for at most
     a given time, for its own writer (`settle`: no collective of the caller's): the peers' writers
-    go on while their training waits, so the save in flight completes. The writing thread is a
-    daemon: a process that ends anyway does not wait for it, and its half-written ``.tmp``
-    directory is never loaded.
-    Host memory: one copy of this rank's shards, kept from the first save on.
+    go on while their training waits, so the save in flight completes (or `settle` says why
+    not). The writing thread is a daemon: a process that ends anyway does not wait for it, and
+    its half-written ``.tmp`` directory is never loaded. Host memory: one copy of this rank's
+    shards, kept from the first save until `release`.
     """
 
     def __init__(self) -> None:
@@ -288,6 +320,7 @@ class BackgroundSaves:
         self.group = dist.new_group(backend="gloo", timeout=default_timeout())
         self._pending: tuple[Future, str] | None = None
         self._host: dict[str, Any] | None = None  # the staged copy's buffers (`_stage`)
+        self._abandoned: Future | None = None  # a writer `settle` stopped waiting for
 
     def start(self, directory: str, step: int, model: MimoModel, optimizer: MimoOptimizer,
               trainer: dict[str, Any], keep: int) -> str:
@@ -295,6 +328,8 @@ class BackgroundSaves:
         The previous save must be finished first (`finish`)."""
         if self._pending is not None:
             raise RuntimeError("BackgroundSaves.start: the previous save is not finished; call finish() first")
+        if self._abandoned is not None and not self._abandoned.done():
+            raise RuntimeError("BackgroundSaves.start: a save abandoned by settle() is still being written")
         tmp = _prepare(directory, step)
         staged = self._stage(_state(model, optimizer, trainer))
         future: Future = Future()
@@ -312,36 +347,45 @@ class BackgroundSaves:
     def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
         """`state` copied into host buffers kept from one save to the next: the first save
         allocates them (each tensor's ``to("cpu", copy=True)``, a DTensor's local shard with its
-        placements), later ones copy into them (a staged copy is never written twice at once:
-        `start` refuses while a save is pending). Values that are not tensors are taken as they are."""
-        if self._host is None or self._host.keys() != state.keys():
-            self._host = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
-                          for k, v in state.items()}
-            return dict(self._host)
+        placements), later ones copy into them; a tensor whose type, shape, dtype or placement
+        changed gets a new buffer (a staged copy is never written twice at once: `start` refuses
+        while a save is pending). Values that are not tensors are taken as they are."""
+        host = self._host if self._host is not None and self._host.keys() == state.keys() else {}
         for k, v in state.items():
-            if isinstance(v, torch.Tensor):
-                _local(self._host[k]).copy_(_local(v.detach()))
+            if not isinstance(v, torch.Tensor):
+                host[k] = v
+            elif k in host and _same_layout(host[k], v):
+                _local(host[k]).copy_(_local(v.detach()))
             else:
-                self._host[k] = v
-        return dict(self._host)
+                host[k] = v.detach().to("cpu", copy=True)
+        self._host = host
+        return dict(host)
 
     def writing(self) -> bool:
         """Whether this rank's writer of the pending save is still running."""
         return self._pending is not None and not self._pending[0].done()
 
-    def settle(self, timeout_s: float) -> str | None:
+    def settle(self, timeout_s: float) -> tuple[str | None, str | None]:
         """On a run's error: wait up to `timeout_s` for this rank's writer of the pending save,
         with no collective of the caller's (the peers' writers go on while their training waits,
-        or fail at once if a peer died); the checkpoint's path if it was written (complete and
-        renamed), else None. Nothing is pending afterwards."""
+        or fail at once if a peer died). Returns (the checkpoint's path, None) if it was written
+        (complete and renamed), else (None, why not); (None, None) when none was pending. A
+        writer still running after `timeout_s` is abandoned: `start` refuses while it runs."""
         if self._pending is None:
-            return None
+            return None, None
         (future, final), self._pending = self._pending, None
         try:
             future.result(timeout=timeout_s)
-        except Exception:  # noqa: BLE001 - the run's own error is the one to report
-            return None
-        return final
+        except FutureTimeout:  # (not the builtin TimeoutError before Python 3.11)
+            self._abandoned, self._host = future, None  # it may still read the buffers
+            return None, f"{final} was still being written after {timeout_s:g} s; abandoned"
+        except BaseException as e:  # noqa: BLE001 - the run's own error is the one raised
+            return None, f"{final} was not written: {type(e).__name__}: {e}"
+        return final, None
+
+    def release(self) -> None:
+        """Drop the host buffers (after the run's last save; the next save allocates them anew)."""
+        self._host = None
 
     def finish(self) -> str | None:
         """Wait for the pending save and return its path (None: none was pending). Call on every

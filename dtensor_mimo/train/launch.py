@@ -130,8 +130,9 @@ def _exit_now(code: int) -> NoReturn:
     model takes seconds of native code (1.4-2.9 s measured on 2 cores for the tiny LLaVA run),
     and a launcher sees the end, or a failure, only when the process ends. Nothing is lost:
     checkpoints are written synchronously, or (``checkpoint.async_mode``) waited for by
-    `Trainer.run` on every path, which also closes its logger and joins its loader workers, and
-    the output streams are flushed here. `TEARDOWN_ENV` = 1 exits normally instead."""
+    `Trainer.run` (on an error for at most ``train.timeout_s``, a failed write said on stderr),
+    which also closes its logger and joins its loader workers on every path, and the output
+    streams are flushed here. `TEARDOWN_ENV` = 1 exits normally instead."""
     sys.stdout.flush()
     sys.stderr.flush()
     if os.environ.get(TEARDOWN_ENV) == "1":

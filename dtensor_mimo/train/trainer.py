@@ -355,6 +355,7 @@ class Trainer:
         path = self.background.start(c.dir, self.step, self.model, self.optimizer, self.trainer_state(), c.keep)
         if self.step >= self.config.train.steps or self.stopped is not None:  # the run ends here: written now
             self.background.finish()
+            self.background.release()
             self._saved(path, self.step, time.perf_counter() - t0)
         else:
             self._writing = (self.step, time.perf_counter() - t0)
@@ -366,6 +367,18 @@ class Trainer:
         if self._writing is not None:
             (step, stall), self._writing = self._writing, None
             self._saved(self.background.finish(), step, stall)
+
+    def _settle_save(self) -> None:
+        """On the run's error: let a checkpoint still being written complete, with no collective
+        (`BackgroundSaves.settle`, at most `train.timeout_s`), and say what became of it."""
+        if self._writing is None:
+            return
+        (step, stall), self._writing = self._writing, None
+        path, why = self.background.settle(self.config.train.timeout_s)
+        if path is not None:
+            self._saved(path, step, stall)
+        else:
+            print(f"rank {self.rank}: warning: the checkpoint of step {step}: {why}", file=sys.stderr, flush=True)
 
     def _saved(self, path: str, step: int, stall: float) -> None:
         """Log the checkpoint of `step` at `path`, complete now; `stall`: the seconds its step
@@ -465,12 +478,10 @@ class Trainer:
         try:
             return self._run()
         except BaseException:
-            if self._writing is not None:  # a checkpoint still written: let it complete (no collective)
-                (step, _), self._writing = self._writing, None
-                path = self.background.settle(self.config.train.timeout_s)
-                if path is not None:
-                    self.log.print(f"saved {path} (written in the background since step {step}, before the error)")
-            self.log.close()  # what was logged is on disk, however the process ends (the launcher exits at once)
+            try:
+                self._settle_save()
+            finally:
+                self.log.close()  # what was logged is on disk, however the process ends (the launcher exits at once)
             if self.profiler is not None:
                 self.profiler.abandon()
             raise
