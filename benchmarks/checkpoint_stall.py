@@ -8,20 +8,23 @@ shards of the parameters and of AdamW's two moments) trains `--steps` steps on s
 three ways in the same processes, alternating `--repeats` times so that machine noise hits each
 alike:
 
-| mode  | saves                                                                          |
-|-------|--------------------------------------------------------------------------------|
-| none  | no checkpoint: the baseline                                                    |
-| sync  | `checkpoint.save` every `--every` steps (the step waits for DCP's files, the manifest, the rename) |
-| async | `checkpoint.BackgroundSaves` (``checkpoint.async_mode = "async"``): the step waits for a copy to host memory; the files are written by a thread while the next steps run; finished when the next step's all-reduce says every rank's writer ended (here: an all-reduce of its own) or at the next save; the last one is waited for |
+- none: no checkpoint, the baseline;
+- sync: `checkpoint.save` every `--every` steps (the step waits for DCP's files, the manifest,
+  the rename);
+- async: `checkpoint.BackgroundSaves` (``checkpoint.async_mode = "async"``): the step waits for a
+  copy to host memory; a thread writes the files while the next steps run; the save is finished
+  at the first step after which no rank's writer runs, or before the next save.
 
 Saves are periodic only (none at the last step, which a trainer waits for in both modes). Reported
 (medians over the repeats, max over ranks): the run's wall time, its excess over `none` per save,
 and the time the step that saved waited for its save (the stall). Unlike the trainer, which sums
 the ranks' "still writing" in the step's own all-reduce, the loop here adds a one-float all-reduce
 per step while a save is written (a small cost counted against async).
-The ratio that matters: async's excess over sync's. On a GPU host the copy is a device-to-host
-transfer and the writer has CPU cores of its own; on a 2-core CPU the writer competes with the
-training ranks for the cores, so this machine understates what the background write saves.
+
+The stall is the robust figure; the excess is within this 2-core machine's noise (and here the
+writer competes with the training ranks for the cores). On a GPU host the copy is a
+device-to-host transfer, and the writer's Python (DCP's planning, pickling) competes for the GIL
+with the Python that launches the step.
 """
 
 from __future__ import annotations

@@ -382,7 +382,8 @@ def _background(directory: str) -> tuple:
         gate.wait(60)
         return real_write(*args, **kwargs)
 
-    for step in (1, 2):  # the second reuses the first's host buffers
+    buffers = []
+    for step in (1, 2):  # the second copies into the first's host buffers
         before = values()
         checkpoint._write = gated
         try:
@@ -394,6 +395,7 @@ def _background(directory: str) -> tuple:
         finally:
             checkpoint._write = real_write
             gate.clear()
+        buffers.append({k: v.data_ptr() for k, v in saves._host.items() if isinstance(v, torch.Tensor)})
         got = _read(paths[-1], model)
         same.append(started == paths[-1] and all(torch.equal(got[k], before[k]) for k in before))
     reference = _read(sync, model)
@@ -411,7 +413,7 @@ def _background(directory: str) -> tuple:
         error = str(e)
     finally:
         checkpoint._entries = real
-    return same + running, [checkpoint.verify(p) for p in paths], error, saves.writing()
+    return same + running + [buffers[0] == buffers[1]], [checkpoint.verify(p) for p in paths], error, saves.writing()
 
 
 def test_background_save_writes_its_step_while_training_changes_it(tmp_path) -> None:
@@ -419,7 +421,7 @@ def test_background_save_writes_its_step_while_training_changes_it(tmp_path) -> 
     directory = tmp_path / "async"
     tmp = str(directory / ".step-000003.tmp")
     for same, problems, error, writing in results:
-        assert same == [True] * 5 and problems == [[], []] and not writing
+        assert same == [True] * 6 and problems == [[], []] and not writing
         assert error is not None and error.startswith(
             f"writing {directory / 'step-000003'} in the background: writing the manifest of {tmp}: "
             f"rank 1 could not checksum {tmp}{os.sep}"), error

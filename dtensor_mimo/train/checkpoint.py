@@ -354,10 +354,12 @@ class BackgroundSaves:
         for k, v in state.items():
             if not isinstance(v, torch.Tensor):
                 host[k] = v
-            elif k in host and _same_layout(host[k], v):
-                _local(host[k]).copy_(_local(v.detach()))
+                continue
+            v = v.detach()  # a Parameter: its plain tensor (a DTensor stays one)
+            if k in host and _same_layout(host[k], v):
+                _local(host[k]).copy_(_local(v))
             else:
-                host[k] = v.detach().to("cpu", copy=True)
+                host[k] = v.to("cpu", copy=True)
         self._host = host
         return dict(host)
 
