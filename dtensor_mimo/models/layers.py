@@ -488,6 +488,15 @@ def local_part(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
+def with_local(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` in `like`'s place: a DTensor of `like`'s mesh, placements, shape and stride whose
+    local shard is `local` (differentiably, no communication), else `local` itself."""
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
 def local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Global offset and shape of the block of `param` this rank holds (all of it if plain)."""
     if not isinstance(param, DTensor):

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+from dtensor_mimo.models.layers import local_part, with_local
 
 
 class Float8LinearOrEmpty(Float8Linear):
@@ -23,11 +24,8 @@ class Float8LinearOrEmpty(Float8Linear):
         # FSDP2's float8 all-gather (tensorwise) gives a float8 weight, under tp inside a DTensor:
         # back to its own dtype, differentiably (the gradient reaches the sharded parameter)
         weight = self.weight
-        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        local = local_part(weight)
         if isinstance(local, Float8TrainingTensor):
-            local = local.to_original_precision()
-            weight = (DTensor.from_local(local, weight.device_mesh, weight.placements, run_check=False,
-                                         shape=weight.shape, stride=weight.stride())
-                      if isinstance(weight, DTensor) else local)
+            weight = with_local(weight, local.to_original_precision())
         bias = None if self.bias is None else self.bias.to(input.dtype)
         return F.linear(input, weight.to(input.dtype), bias)

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from dtensor_mimo.mimo import MimoModel
+from dtensor_mimo.models.layers import local_part, with_local
 from dtensor_mimo.optim.optimizer import MimoOptimizer
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -205,17 +206,14 @@ def _plain(param: torch.Tensor) -> torch.Tensor:
     holding one tensor of its own shape and dtype (torchao's float8 weight under FSDP2) is stored
     as that inner tensor, in the same DTensor placement, so that reading a checkpoint never needs
     the wrapper's class (DCP loads it into the wrapper in place)."""
-    local = param.to_local() if isinstance(param, DTensor) else param
+    local = local_part(param)
     if type(local) in (torch.Tensor, nn.Parameter) or not hasattr(local, "__tensor_flatten__"):
         return param
     names, _ = local.__tensor_flatten__()
     inner = getattr(local, names[0]) if len(names) == 1 else None
     if inner is None or inner.shape != local.shape or inner.dtype != local.dtype:
         return param
-    if not isinstance(param, DTensor):
-        return inner
-    return DTensor.from_local(inner, param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
+    return with_local(param, inner)
 
 
 def _state(model: MimoModel, optimizer: MimoOptimizer, trainer: dict[str, Any]) -> dict[str, Any]:
@@ -271,11 +269,6 @@ def _write(state: dict[str, Any], directory: str, step: int, tmp: str, keep: int
     return final
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the tensor itself otherwise)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _same_layout(buffer: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether `value` copies into `buffer` element for element: the same tensor type, global
     and local shape, dtype, and (DTensors) mesh and placements."""
@@ -283,7 +276,7 @@ def _same_layout(buffer: torch.Tensor, value: torch.Tensor) -> bool:
         return False
     if isinstance(value, DTensor):
         return (buffer.placements == value.placements and buffer.device_mesh == value.device_mesh
-                and _local(buffer).shape == _local(value).shape)
+                and local_part(buffer).shape == local_part(value).shape)
     return True
 
 
@@ -320,7 +313,7 @@ class BackgroundSaves:
         self.group = dist.new_group(backend="gloo", timeout=default_timeout())
         self._pending: tuple[Future, str] | None = None
         self._host: dict[str, Any] | None = None  # the staged copy's buffers (`_stage`)
-        self._abandoned: Future | None = None  # a writer `settle` stopped waiting for
+        self._settled = False  # `settle` ran: a writer it stopped waiting for may still read `_host`
 
     def start(self, directory: str, step: int, model: MimoModel, optimizer: MimoOptimizer,
               trainer: dict[str, Any], keep: int) -> str:
@@ -328,8 +321,9 @@ class BackgroundSaves:
         The previous save must be finished first (`finish`)."""
         if self._pending is not None:
             raise RuntimeError("BackgroundSaves.start: the previous save is not finished; call finish() first")
-        if self._abandoned is not None and not self._abandoned.done():
-            raise RuntimeError("BackgroundSaves.start: a save abandoned by settle() is still being written")
+        if self._settled:  # the same on every rank that settled: no rank-local verdict before the barrier
+            raise RuntimeError("BackgroundSaves.start: settle() ended this object (a run's error path); "
+                               "make a new BackgroundSaves")
         tmp = _prepare(directory, step)
         staged = self._stage(_state(model, optimizer, trainer))
         future: Future = Future()
@@ -357,7 +351,7 @@ class BackgroundSaves:
                 continue
             v = v.detach()  # a Parameter: its plain tensor (a DTensor stays one)
             if k in host and _same_layout(host[k], v):
-                _local(host[k]).copy_(_local(v))
+                local_part(host[k]).copy_(local_part(v))
             else:
                 host[k] = v.to("cpu", copy=True)
         self._host = host
@@ -372,14 +366,15 @@ class BackgroundSaves:
         with no collective of the caller's (the peers' writers go on while their training waits,
         or fail at once if a peer died). Returns (the checkpoint's path, None) if it was written
         (complete and renamed), else (None, why not); (None, None) when none was pending. A
-        writer still running after `timeout_s` is abandoned: `start` refuses while it runs."""
+        writer still running after `timeout_s` is abandoned; `start` refuses from now on."""
+        self._settled = True
         if self._pending is None:
             return None, None
         (future, final), self._pending = self._pending, None
         try:
             future.result(timeout=timeout_s)
         except FutureTimeout:  # (not the builtin TimeoutError before Python 3.11)
-            self._abandoned, self._host = future, None  # it may still read the buffers
+            self._host = None  # the abandoned writer may still read the buffers
             return None, f"{final} was still being written after {timeout_s:g} s; abandoned"
         except BaseException as e:  # noqa: BLE001 - the run's own error is the one raised
             return None, f"{final} was not written: {type(e).__name__}: {e}"
