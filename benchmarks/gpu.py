@@ -23,6 +23,7 @@ important figures:
 | lm | ours packed (flex) | the same on rows packed with documents of 64-1024 tokens (document ids and positions): attention through the masked SDPA chunks, or with `ParallelOptions(flex_attention=True)` through FlexAttention over a block mask; the flex case first checks its outputs and gradients against the masked path on the GPU (fp32) |
 | lm | ours fsdp2 bf16 | the same with FSDP2's `MixedPrecisionPolicy` on its mesh of one rank instead of autocast (which mixed-precision form is faster at dp = 1; at dp > 1 the library uses FSDP2's) |
 | lm | ours unchunked loss | the same with `ParallelOptions(chunked_loss=False)`: plain `[tokens, vocab]` logits (time and peak memory of the chunked head + loss) |
+| lm | ours checkpoint | `lm ours` saving its parameters and AdamW state (12 GiB at 1B) into a temporary directory (under `$CHECKPOINT_DIR` if set): what the step that saves waits for synchronously (`checkpoint.save`) and in the background (`BackgroundSaves`) into pageable and into pinned host buffers (`checkpoint.async_mode = "async"` / `"async_with_pinned_mem"`), each twice (the first save allocates); how long each write takes, the steps timed while the second is written, and that the copy holds the device's values |
 | lm | transformers (compiled) | `LlamaForCausalLM` of the same sizes (SDPA), fp32 weights under bf16 autocast, fused AdamW, clip 1.0; eager, or each decoder layer compiled (as ours) |
 | vlm | ours | a SigLIP tower + LLaVA projector (`ModalityEncoder(ViT, Projection)`) and a Qwen2 decoder (`Llama`) colocated on the one rank, both bf16 + per-block compile, through `MimoModel` + `train_step` |
 | vlm | transformers (compiled) | `LlavaForConditionalGeneration` of the same config (SDPA, fp32 weights under bf16 autocast, fused AdamW, clip 1.0); eager, or each tower layer, each decoder layer and the projector compiled |
@@ -84,7 +85,7 @@ VLM = {"default": dict(image=224, patch=16, vdim=768, vlayers=12, vheads=12, vml
 CASES = ("lm ours", "lm transformers compiled", "vlm ours", "vlm transformers compiled", "lm ours fp8 tensorwise",
          "tiny trainer cudagraphs", "tiny trainer cudagraphs workers=1", "lm ours fp8 tensorwise tuned",
          "vlm ours cpp wrapper", "vlm ours whole",
-         "vlm ours cudagraphs", "tiny trainer", "tiny trainer whole", "lm ours cudagraphs",
+         "vlm ours cudagraphs", "lm ours checkpoint", "tiny trainer", "tiny trainer whole", "lm ours cudagraphs",
          "lm ours fp8 tensorwise cudagraphs", "lm ours unchunked loss",
          "lm ours packed", "lm ours packed flex", "lm ours fp8 rowwise", "tiny trainer compiled", "lm ours fsdp2 bf16",
          "tiny trainer workers=1", "vlm ours all rows", "vlm transformers", "lm transformers")
@@ -101,6 +102,7 @@ GRAPHS = " cudagraphs"  # the CUDA-graph cases' suffix: ParallelOptions(compile_
 WRAPPER = " cpp wrapper"  # ParallelOptions(compile_options={"cpp_wrapper": True}): inductor's C++ wrapper
 FP8 = "lm ours fp8 "  # the fp8 cases' prefix; the recipe follows
 TUNED = " tuned"  # ParallelOptions(compile_options={"coordinate_descent_tuning": True})
+CHECKPOINT = "lm ours checkpoint"  # `lm ours` saving its state: the step's stall per checkpoint mode
 
 
 def _sync(device: str) -> None:
@@ -356,6 +358,66 @@ def _lm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: s
         check.update(_graphs_check(lambda: _lm_ours_model(s, device, eager), model, optimizer, batches))
     rounds = _timed(lambda i: train_step(model, optimizer, batches[i % len(batches)]), device, warmup, steps)
     return {"step_s": rounds, "params_no_embed": _no_embed(model), **check}
+
+
+def _lm_checkpoint(s: dict, device: str, backend: str, warmup: int, steps: int) -> dict:
+    """`lm ours` saving its parameters and AdamW state (12 GiB at 1B, into a temporary
+    directory): how long the step that saves waits, synchronously (`checkpoint.save`) and in the
+    background (`BackgroundSaves.start`) into pageable and into pinned host buffers, each
+    background mode twice (the first save allocates its buffers, the second reuses them); the
+    training steps timed while the second one is written, against those without a save; and
+    that the pinned copy holds the device's values when `start` returns."""
+    import torch
+
+    from dtensor_mimo import ParallelOptions, train_step
+    from dtensor_mimo.data import MimoBatch
+    from dtensor_mimo.models.layers import local_part
+    from dtensor_mimo.train import checkpoint
+
+    _world_of_one(device)
+    options = ParallelOptions(compile=True, compile_backend=backend, param_dtype="bf16")
+    model, optimizer = _lm_ours_model(s, device, options)
+    batches = _pinned([MimoBatch(t, l, loss_mask=torch.ones_like(l, dtype=torch.bool)) for t, l in _lm_batches(s)],
+                      device)
+
+    def step(i: int) -> None:
+        train_step(model, optimizer, batches[i % len(batches)])
+
+    rounds = _timed(step, device, warmup, steps)
+    out: dict = {"step_s": rounds, "params_no_embed": _no_embed(model)}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("CHECKPOINT_DIR")) as root:
+        _sync(device)
+        t0 = time.perf_counter()
+        checkpoint.save(root, 1, model, optimizer, {"step": 1}, keep=1)
+        out["sync_save_s"] = time.perf_counter() - t0
+        for mode, pin in (("async", False), ("async_with_pinned_mem", True)):
+            saves = checkpoint.BackgroundSaves(pin=pin)
+            stalls, writes, during = [], [], []
+            for n in (2, 3):
+                _sync(device)
+                t0 = time.perf_counter()
+                saves.start(root, n, model, optimizer, {"step": n}, keep=1)
+                stalls.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                if n == 3:  # the copy holds the values of when it was made; then the steps the writer overlaps
+                    staged, live = saves._host, checkpoint._state(model, optimizer, {})
+                    tensors = [k for k, v in staged.items() if isinstance(v, torch.Tensor)]
+                    out[f"{mode}_copy_equal"] = all(torch.equal(local_part(staged[k]), local_part(live[k]).cpu())
+                                                    for k in tensors[:8])
+                    out[f"{mode}_pinned"] = [local_part(staged[k]).is_pinned() for k in tensors].count(True)
+                    while saves.writing():
+                        t1 = time.perf_counter()
+                        step(len(during))
+                        _sync(device)
+                        during.append(time.perf_counter() - t1)
+                saves.finish()
+                writes.append(time.perf_counter() - t0)
+            saves.release()
+            out.update({f"{mode}_stall_s": stalls, f"{mode}_write_s": writes, f"{mode}_steps_while_writing_s": during})
+    out["checkpoint_gib"] = sum(local_part(v).numel() * local_part(v).element_size()
+                                for v in checkpoint._state(model, optimizer, {}).values()
+                                if isinstance(v, torch.Tensor)) / 2**30
+    return out
 
 
 def _lm_ours_model(s: dict, device: str, options):
@@ -812,6 +874,8 @@ def _case(args: argparse.Namespace) -> None:
         _record_graph_skips()
     if case == "vlm same model":
         out = _vlm_same_model(VLM[size])
+    elif case == CHECKPOINT:
+        out = _lm_checkpoint(LM[size], device, backend, args.warmup, args.steps)
     elif case.startswith("lm ours"):
         if device == "cpu" and case.endswith("flex"):  # torch's FlexAttention has no CPU backward; the CPU check
             import torch.nn.attention.flex_attention as flex  # runs its eager path (as tests/test_flex_attention.py)
@@ -1015,6 +1079,15 @@ def _report(result: dict, tiny: bool) -> list[str]:
         if "cudagraph_recordings" in r:
             print(f"{case}: {r['cudagraph_recordings']} CUDA graphs recorded over the run, in "
                   f"{r['cudagraph_trees']} cudagraph trees (one per compiled function and input size)")
+    r = rows.get(CHECKPOINT, {})
+    if "sync_save_s" in r:  # the step that saves: what it waits for, per mode
+        ms = lambda xs: "/".join(f"{x * 1e3:,.0f}" for x in xs)  # noqa: E731
+        print(f"{CHECKPOINT} ({r['checkpoint_gib']:.1f} GiB a save): the step waits, in ms: synchronous "
+              f"{r['sync_save_s'] * 1e3:,.0f}; " + "; ".join(
+                  f"{mode} {ms(r[f'{mode}_stall_s'])} (first/second save; written in {ms(r[f'{mode}_write_s'])}, "
+                  f"{len(r[f'{mode}_steps_while_writing_s'])} steps meanwhile, median "
+                  f"{statistics.median(r[f'{mode}_steps_while_writing_s'] or [0]) * 1e3:,.1f}; copy equal {r[f'{mode}_copy_equal']}, "
+                  f"{r[f'{mode}_pinned']} buffers pinned)" for mode in ("async", "async_with_pinned_mem")))
     losses = {case: r["final_loss"] for case, r in rows.items() if "final_loss" in r}
     if losses:  # the same model on the same batches: equal to rounding, whatever the case
         print("tiny trainer, last logged loss: " + ", ".join(f"{case} {v:.4f}" for case, v in losses.items()))

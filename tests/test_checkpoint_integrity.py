@@ -488,7 +488,8 @@ def test_background_saves_finish_at_one_step_on_every_rank_and_complete_on_an_er
     """Rank 1's writer of step 3's save ends after rank 0's: both finish the save at step 5,
     whose all-reduce says no writer runs (a rank finishing on its own verdict would all-gather
     in step 4 while its peer trains: a hang). Then a run raising in step 5 with step 3's save
-    pending on every rank: it completes before the ranks end, logged as any save."""
+    pending on every rank: it completes before the ranks end, logged as any save (that run in
+    ``async_with_pinned_mem``, which on CPU pins nothing: the mode reaches `BackgroundSaves`)."""
     pytest.importorskip("sklearn")
     argv = [*TINY, "--train.steps", "9", "--checkpoint.every", "3", "--checkpoint.async_mode", "async"]
     ckpt = tmp_path / "a"
@@ -498,7 +499,8 @@ def test_background_saves_finish_at_one_step_on_every_rank_and_complete_on_an_er
     saved = _saved_records(tmp_path / "a.jsonl")
     assert saved[0] == (3, 5) and [s for s, _ in saved] == [3, 6, 9] and saved[-1] == (9, 9), saved
     ckpt = tmp_path / "b"
-    results = run_on_ranks(_held_writer, 2, [*argv, "--checkpoint.dir", str(ckpt), "--metrics.jsonl",
+    pinned = [a if a != "async" else "async_with_pinned_mem" for a in argv]
+    results = run_on_ranks(_held_writer, 2, [*pinned, "--checkpoint.dir", str(ckpt), "--metrics.jsonl",
                                              str(tmp_path / "b.jsonl")], 5, timeout=240)
     assert results == [("injected in step 5", str(ckpt / "step-000003"))] * 2
     assert _saved_records(tmp_path / "b.jsonl") == [(3, 4)]

@@ -50,15 +50,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from dtensor_mimo.models.layers import local_part
 from dtensor_mimo.parallelize.fsdp import reduce_in_this_backward
 
 BUCKET_BYTES = 32 << 20
 """About how many bytes one bucket reduces (`ParallelOptions.grad_bucket_mb`'s default)."""
-
-
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s local tensor: its shard for a DTensor, else `t`."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 

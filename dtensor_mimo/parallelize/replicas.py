@@ -22,8 +22,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dtensor_mimo.parallelize.reducer import (GradientReducer, allreduce_gradients, local_part, place_gradients,
-                                              sum_in_place)
+from dtensor_mimo.models.layers import local_part
+from dtensor_mimo.parallelize.reducer import GradientReducer, allreduce_gradients, place_gradients, sum_in_place
 from dtensor_mimo.parallelize.options import ParallelOptions
 from dtensor_mimo.parallelize.precision import uses_fsdp
 

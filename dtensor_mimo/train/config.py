@@ -386,8 +386,10 @@ class CheckpointSection:
         async_mode: "async": each save copies the state to host memory and writes it while
             training goes on (`checkpoint.BackgroundSaves`: the step waits for the copy, not the
             files; the checkpoint counts once every rank has written it, a step or more later;
-            the run's last save and a save on a stop signal are waited for); "disabled": the
-            step waits for the files (torchtitan's names).
+            the run's last save and a save on a stop signal are waited for);
+            "async_with_pinned_mem": the same into page-locked host memory where the model is on
+            GPUs (a faster, asynchronous copy; the buffers stay allocated from the first save to
+            the last); "disabled": the step waits for the files (torchtitan's names).
     """
 
     dir: str | None = None
@@ -396,7 +398,7 @@ class CheckpointSection:
     load: str | None = None
     export_hf: str | None = None
     export_dtype: Literal["float32", "bfloat16"] = "float32"
-    async_mode: Literal["disabled", "async"] = "disabled"
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
 
 
 @dataclass

@@ -259,7 +259,8 @@ class Trainer:
                                        config.lr_schedule)
         # Checkpoints written in the background: its gloo group, created here on every rank.
         c = config.checkpoint
-        self.background = checkpoint.BackgroundSaves() if c.dir and c.async_mode == "async" else None
+        self.background = (checkpoint.BackgroundSaves(pin=c.async_mode == "async_with_pinned_mem")
+                           if c.dir and c.async_mode != "disabled" else None)
         self._writing: tuple[int, float] | None = None  # the step being written, what it waited
         m = config.metrics
         self.log = MetricsLogger(self.rank == 0, config.train.steps, m.jsonl, m.tensorboard, m.progress)
