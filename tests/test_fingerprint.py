@@ -4,7 +4,7 @@
 |----------------------------------------------------------------|-----------------------------------------|
 | equal values in another process (hash seed differs)            | the same fingerprint                    |
 | a token id, an item count, a requires_grad flag changed         | another fingerprint                     |
-| sums of (fp, fp²) over 8,192 ranks, all equal / one different   | agreed / not agreed (each sum exact)    |
+| sums of (fp, fp²) over 2 to 2**20 ranks, all equal / one differs | agreed / not agreed (each sum exact)    |
 | gathered (fp, summary), rank 2 differs                          | a message naming rank 2 and both states  |
 | `summary` of options / configs                                  | only the fields that differ from default |
 """
@@ -15,11 +15,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from dtensor_mimo.layout import MimoLayout, Parallelism
 from dtensor_mimo.layout.fingerprint import (STEP_BITS, agreed, agreement_terms, batch_fingerprint, disagreement,
-                                             fingerprint, summary, trainable_fingerprint)
+                                             fingerprint, step_bits, summary, trainable_fingerprint)
 
 TOKENS = torch.arange(24).reshape(2, 12)
 ITEMS = {"vision": ((1, 0), (16, 0)), "audio": ((2, 1), (16, 8))}
@@ -52,17 +53,30 @@ def test_a_changed_detail_changes_the_fingerprint() -> None:
     assert trainable_fingerprint(names) == trainable_fingerprint(names[::-1])
 
 
-def test_sums_of_terms_tell_agreement_exactly() -> None:
-    world, fp = 8192, 2 ** STEP_BITS - 1
-    terms = [agreement_terms(fp)] * world
-    sums = [sum(t[0] for t in terms), sum(t[1] for t in terms)]
-    assert agreed(fp, *sums, world)
-    terms[17] = agreement_terms(fp - 1)
-    sums = [sum(t[0] for t in terms), sum(t[1] for t in terms)]
-    assert not agreed(fp, *sums, world) and not agreed(fp - 1, *sums, world)
+def _ring_sums(terms: list[tuple[float, float]]) -> tuple[float, float]:
+    """The terms summed one by one, in float64, as a ring all-reduce adds them."""
+    one = square = 0.0
+    for a, b in terms:
+        one, square = one + a, square + b
+    return one, square
+
+
+@pytest.mark.parametrize("world, bits", [(2, 20), (8192, 20), (8193, 19), (16384, 19), (32768, 19), (32769, 18), (1 << 20, 16)])
+def test_sums_of_terms_tell_agreement_exactly(world, bits) -> None:
+    """Summed in a ring's order, the terms of `world` equal fingerprints say agreed, and one
+    rank's fingerprint one less says not (20-bit squares summed over 16,384 ranks or more round
+    in float64: with `STEP_BITS` bits at every world size, those worlds fail here)."""
+    assert step_bits(world) == bits
+    for fp in (2 ** STEP_BITS - 1, 0b1010_1100_0111_0101_0011):
+        low = fp & ((1 << bits) - 1)
+        terms = [agreement_terms(fp, world)] * world
+        assert agreed(fp, *_ring_sums(terms), world)
+        terms[17 % world] = agreement_terms(low - 1, world)
+        sums = _ring_sums(terms)
+        assert not agreed(fp, *sums, world) and not agreed(low - 1, *sums, world)
     # Values that keep the plain sum: only the squares tell.
-    pair = [agreement_terms(10), agreement_terms(30)]
-    assert not agreed(20, pair[0][0] + pair[1][0], pair[0][1] + pair[1][1], 2)
+    pair = [agreement_terms(10, 2), agreement_terms(30, 2)]
+    assert not agreed(20, *_ring_sums(pair), 2)
 
 
 def test_disagreement_names_the_ranks() -> None:

@@ -26,7 +26,7 @@ from typing import Sequence
 
 from dtensor_mimo.data.batch import BatchError, ModalityInputs, sample_range
 
-__all__ = ["balanced_cuts", "encoder_cuts", "item_cost", "item_cuts", "max_over_mean", "row_bounds", "sample_cuts"]
+__all__ = ["SampleCuts", "balanced_cuts", "encoder_cuts", "item_cost", "item_cuts", "max_over_mean", "row_bounds", "sample_cuts"]
 
 
 def item_cost(tokens: int, width: int | None) -> int:
@@ -88,14 +88,45 @@ def _least_largest_run(prefix: Sequence[int], parts: int) -> int:
     return lo
 
 
-def sample_cuts(items_per_sample: Sequence[int], parts: int) -> tuple[int, ...]:
+class SampleCuts(Sequence[int]):
+    """`sample_cuts`: ``parts + 1`` item indices, each computed when it is read (O(1)), so that
+    a rank reading its own two cuts each step does no work per encoder dp rank (thousands at
+    cluster scale); equal to the tuple of them."""
+
+    def __init__(self, items_per_sample: Sequence[int], parts: int) -> None:
+        sample_range(len(items_per_sample), parts, 0)  # the rule's own checks
+        self._offsets = [0, *accumulate(items_per_sample)]
+        self._parts = parts
+
+    def __len__(self) -> int:
+        return self._parts + 1
+
+    def __getitem__(self, k):  # an int, or a slice (a tuple)
+        if isinstance(k, slice):
+            return tuple(self[i] for i in range(*k.indices(len(self))))
+        if not -len(self) <= k < len(self):
+            raise IndexError(f"cut {k} of {len(self)}")
+        k %= len(self)
+        samples = len(self._offsets) - 1
+        return self._offsets[samples if k == self._parts else sample_range(samples, self._parts, k).start]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
+def sample_cuts(items_per_sample: Sequence[int], parts: int) -> SampleCuts:
     """The data layer's rule in item indices: part k holds the items of its samples
-    (`sample_range`)."""
-    offsets = [0, *accumulate(items_per_sample)]
-    return (*(offsets[sample_range(len(items_per_sample), parts, k).start] for k in range(parts)), offsets[-1])
+    (`sample_range`); ``parts + 1`` cuts from 0 to the item count, each computed when read."""
+    return SampleCuts(items_per_sample, parts)
 
 
-def item_cuts(m: ModalityInputs, parts: int, balance: bool, width: int | None = None) -> tuple[int, ...]:
+def item_cuts(m: ModalityInputs, parts: int, balance: bool, width: int | None = None) -> Sequence[int]:
     """Item indices where each of `parts` encoder dp ranks starts, then the item count:
     `balanced_cuts` of the items' `item_cost` when `balance`, else `sample_cuts`."""
     if not balance:
@@ -111,7 +142,7 @@ def row_bounds(m: ModalityInputs, cuts: Sequence[int]) -> tuple[int, ...]:
 
 
 def encoder_cuts(m: ModalityInputs, parts: int, balance: bool | None,
-                 width: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+                 width: int | None = None) -> tuple[Sequence[int], tuple[int, ...] | None]:
     """Where each of an encoder's `parts` dp ranks starts in `m`'s items, and (balanced only) in
     its rows: ``(item cuts, row bounds or None)``. Balanced by cost when `balance` (an encoder's
     `ParallelOptions.balance`; None: when the items differ in size), the row bounds then being

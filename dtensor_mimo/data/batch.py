@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -269,8 +269,22 @@ class MimoBatch:
     def pin_memory(self) -> MimoBatch:
         """The batch in pinned (page-locked) host memory, so that `to` a GPU copies it
         asynchronously, overlapping the work already queued (a loader's ``pin_memory=True`` calls
-        this). Needs an accelerator."""
-        return self._derive(torch.Tensor.pin_memory, {n: m.pin_memory() for n, m in self.modalities.items()})
+        this). Needs an accelerator. What `memo` holds carries over (the same values)."""
+        pinned = self._derive(torch.Tensor.pin_memory, {n: m.pin_memory() for n, m in self.modalities.items()})
+        if "_memo" in self.__dict__:
+            pinned.__dict__["_memo"] = dict(self.__dict__["_memo"])
+        return pinned
+
+    def memo(self, key: str, compute: Callable[[], Any]) -> Any:
+        """`compute()` the first time `key` is asked of this batch, its result after: what a step
+        derives from the whole global batch (its fingerprint, its loss weight: host work of
+        O(B·S)) is computed once, and before the step where a loader thread prepares batches
+        (the trainer's prefetch). A batch is never changed in place: a changed one is a new batch
+        (``dataclasses.replace``), which computes anew."""
+        memo = self.__dict__.setdefault("_memo", {})
+        if key not in memo:
+            memo[key] = compute()
+        return memo[key]
 
     def _derive(self, per_token, modalities: dict[str, ModalityInputs]) -> MimoBatch:
         """A batch of `per_token` applied to every [B, S] field, and `modalities`.

@@ -10,9 +10,11 @@ a collective they already make:
   every rank then knows — of each part's `summary` (`disagreement` names the ranks that differ
   and shows what each has; `dtensor_mimo.layout.mesh.check_agreement` runs both);
 - at a step, two more float64 terms of a SUM all-reduce the step already makes:
-  ``agreement_terms(fp)`` = (fp, fp²); every rank agrees iff the sums are (n·fp, n·fp²) for its own
-  fp (`agreed`). The variance of the ranks' fingerprints is zero exactly then, and with
-  `STEP_BITS`-bit fingerprints the sums stay exact in float64 up to 2**(53 - 2·STEP_BITS) ranks.
+  ``agreement_terms(fp, n)`` = (fp, fp²) of the fingerprint's low `step_bits` (n) bits; every rank
+  agrees iff the sums are (n·fp, n·fp²) for its own fp (`agreed`). The variance of the ranks'
+  fingerprints is zero exactly then. Every partial sum of n such terms, in any order a reduction
+  takes (a ring adds them one by one), is an integer below 2**53, so exact in float64: `STEP_BITS`
+  bits up to 8,192 ranks, one bit fewer for each doubling beyond (16 bits at 2**21 ranks).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import zlib
 from typing import Any, Iterable, Mapping, Sequence
 
 STEP_BITS = 20
-"""Bits of a per-step fingerprint: sums of squares over 8,192 ranks stay exact in float64."""
+"""Bits of a per-step fingerprint; the ranks compare the low `step_bits` of them."""
 
 
 def _canonical(value: Any) -> Any:
@@ -84,14 +86,23 @@ def trainable_fingerprint(names: Iterable[tuple[str, bool]]) -> int:
     return fingerprint(sorted(names), bits=STEP_BITS)
 
 
-def agreement_terms(fp: int) -> tuple[float, float]:
-    """This rank's two terms for a SUM all-reduce: (fp, fp²)."""
+def step_bits(world: int) -> int:
+    """How many low bits of a step fingerprint `world` ranks compare: the most (up to
+    `STEP_BITS`) whose squares, summed over `world` ranks, stay below 2**53 (exact in float64)."""
+    return min(STEP_BITS, (53 - (world - 1).bit_length()) // 2)
+
+
+def agreement_terms(fp: int, world: int) -> tuple[float, float]:
+    """This rank's two terms for a SUM all-reduce over `world` ranks: (fp, fp²) of `fp`'s low
+    `step_bits`."""
+    fp &= (1 << step_bits(world)) - 1
     return float(fp), float(fp) * float(fp)
 
 
 def agreed_sums(fp: int, world: int) -> tuple[float, float]:
     """The all-reduced sums of `agreement_terms` when every one of `world` ranks had `fp`."""
-    return world * float(fp), world * float(fp) * float(fp)
+    one, square = agreement_terms(fp, world)
+    return world * one, world * square
 
 
 def agreed(fp: int, sum_fp: float, sum_sq: float, world: int) -> bool:

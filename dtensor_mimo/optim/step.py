@@ -144,6 +144,9 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
     same message. Later batches whose exchange sizes differ between ranks cannot be told before
     the exchange: gloo then aborts the receiving process ("Received data size doesn't match
     expected size") and its peers fail at once, their errors noting their batch fingerprints.
+    NCCL checks no sizes: such an exchange waits until the process group's timeout (NCCL's
+    watchdog then ends the ranks), or completes with rows misplaced, which the fingerprint in
+    this step's all-reduce then refuses on every rank.
 
     `timings`, if given, receives this rank's seconds in "forward_backward" (bridge included) and
     "optimizer" (gradient reduction, the norm's all-reduce, clip, AdamW): floats on CPU, `Elapsed`
@@ -179,7 +182,7 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
         world = dist.get_world_size()
         error = result.error or stale
         words = torch.tensor([float(error is not None), float(bool(changed)), float(unusable),
-                              *agreement_terms(fp), *map(float, votes), 0.0, 0.0, 0.0, *agreed_sums(fp, world)],
+                              *agreement_terms(fp, world), *map(float, votes), 0.0, 0.0, 0.0, *agreed_sums(fp, world)],
                              dtype=torch.float64).to(model.device, non_blocking=True)
         totals = torch.cat([loss_part, words[:-5], grad_sumsq_shares(model)])
         dist.all_reduce(totals)
@@ -231,7 +234,7 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
 
 def _check_same_batch(fp: int, device: torch.device) -> None:
     """One all-reduce of `fp`'s agreement terms; raises on every rank if any rank's differs."""
-    terms = torch.tensor(agreement_terms(fp), dtype=torch.float64).to(device)
+    terms = torch.tensor(agreement_terms(fp, dist.get_world_size()), dtype=torch.float64).to(device)
     dist.all_reduce(terms)
     if not agreed(fp, *terms.tolist(), dist.get_world_size()):
         raise RuntimeError(_different_batches(fp))
@@ -255,10 +258,11 @@ def _from_the_transport(e: BaseException | None) -> bool:
 
 def step_fingerprint(batch: MimoBatch) -> int:
     """`batch_fingerprint` of a global batch: its per-token tensors (when on the host: hashing
-    device memory would sync) and each modality's items and tokens per sample."""
+    device memory would sync) and each modality's items and tokens per sample; once per batch
+    (`MimoBatch.memo`)."""
     tensors = (batch.tokens, batch.labels, batch.loss_mask) if batch.tokens.is_cpu else ()
-    return batch_fingerprint(tensors, {n: (m.items_per_sample, m.tokens_per_sample())
-                                       for n, m in batch.modalities.items()})
+    return batch.memo("step fingerprint", lambda: batch_fingerprint(
+        tensors, {n: (m.items_per_sample, m.tokens_per_sample()) for n, m in batch.modalities.items()}))
 
 
 def trainable_changes(model: MimoModel) -> dict[str, bool]:

@@ -37,8 +37,9 @@ def loss_weights(labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def loss_normalizer(batch: MimoBatch) -> float:
-    """Total loss weight of the global `batch` (at least 1, so a batch without targets has loss 0)."""
-    return max(float(loss_weights(batch.labels, batch.loss_mask).sum()), 1.0)
+    """Total loss weight of the global `batch` (at least 1, so a batch without targets has loss
+    0); once per batch (`MimoBatch.memo`)."""
+    return batch.memo("loss normalizer", lambda: max(float(loss_weights(batch.labels, batch.loss_mask).sum()), 1.0))
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

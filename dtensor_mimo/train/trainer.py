@@ -51,8 +51,8 @@ from dtensor_mimo.train.datasets import BatchSource, train_data
 from dtensor_mimo.train.metrics import MetricsLogger, StepProfiler, peak_tflops, transformer_flops
 from dtensor_mimo.train.modules import build_modules, resolve
 from dtensor_mimo.optim.optimizer import MimoOptimizer
-from dtensor_mimo.optim.step import UnusableBatch, train_step
-from dtensor_mimo.sequence.loss import loss_weights
+from dtensor_mimo.optim.step import UnusableBatch, step_fingerprint, train_step
+from dtensor_mimo.sequence.loss import loss_normalizer, loss_weights
 
 
 COMPILE_STEPS = 2
@@ -180,7 +180,9 @@ class _Forever:
 def _prefetched(batches: Iterator[tuple], depth: int, pin: bool) -> Iterator[tuple]:
     """`batches` (tuples whose first element is a `MimoBatch`), prepared up to `depth` ahead by a
     background thread (decoding and tensor work release the GIL), pinned when `pin`; an error
-    preparing one is raised where it is consumed."""
+    preparing one is raised where it is consumed. The thread also computes what the step derives
+    from the whole global batch (its fingerprint and loss weight, `MimoBatch.memo`): host work
+    that grows with the global batch, off the step's thread."""
     import queue
     import threading
 
@@ -190,6 +192,7 @@ def _prefetched(batches: Iterator[tuple], depth: int, pin: bool) -> Iterator[tup
     def produce() -> None:
         try:
             for batch in batches:
+                step_fingerprint(batch[0]), loss_normalizer(batch[0])
                 item = (batch[0].pin_memory(), *batch[1:]) if pin else batch
                 while not stop.is_set():
                     try:
