@@ -325,6 +325,15 @@ class MimoModel(nn.Module):
         (`dtensor_mimo.schedule.program`; ``format_program`` prints it). Pure: no message."""
         return self.parts.program(batch, mode, mode != "train" and self._new_item_kinds(batch))
 
+    def prepare(self, batch: MimoBatch, mode: str = "train") -> None:
+        """Derive now, on any thread, what a `mode` step over the global `batch` derives from all
+        of it: its loss weight and each encoder's item cuts per microbatch (host work that grows
+        with the batch, and with an encoder's dp size where its items are balanced), kept with
+        the batch (`MimoBatch.memo`). Optional: the step derives what is missing. The trainer's
+        prefetch thread prepares the next batch while the step runs. Pure: no message, no device."""
+        loss_normalizer(batch)
+        self.parts.cuts(batch, self.parts.shape(batch, mode))
+
     def run(self, batch: MimoBatch, mode: str = "train") -> StepResult:
         """One `mode` step over the global `batch` on this rank (call on every rank): its program
         (`program`) run by the executor. Returns the `StepResult`: the loss share (train: after

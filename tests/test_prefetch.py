@@ -51,10 +51,18 @@ def test_the_thread_stops_when_the_consumer_does() -> None:
 
 
 def test_the_thread_derives_what_the_step_needs_from_the_global_batch() -> None:
-    """The fingerprint and the loss weight come with the batch (computed on the thread, once),
-    equal to those of the same batch built anew; a changed batch computes its own."""
-    batch, _ = next(_prefetched(((_batch(i), i) for i in range(3)), depth=2, pin=False))
-    assert set(batch.__dict__["_memo"]) == {"step fingerprint", "loss normalizer"}
+    """`prepare` runs on the thread, once per batch, before the consumer gets it; what it derives
+    stays with the batch, equal to what the same batch built anew derives; a changed batch
+    derives its own."""
+    threads = []
+
+    def prepare(batch: MimoBatch) -> None:
+        threads.append(threading.current_thread().name)
+        step_fingerprint(batch), loss_normalizer(batch)
+
+    batch, _ = next(_prefetched(((_batch(i), i) for i in range(3)), depth=2, pin=False, prepare=prepare))
+    assert threads[0] == "dtensor_mimo-prefetch" and set(batch.__dict__["_memo"]) == {"step fingerprint",
+                                                                                        "loss normalizer"}
     fresh = _batch(0)
     assert step_fingerprint(batch) == step_fingerprint(fresh) and loss_normalizer(batch) == loss_normalizer(fresh) == 8
     fewer = dataclasses.replace(batch, loss_mask=torch.zeros_like(batch.loss_mask))

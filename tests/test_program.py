@@ -151,7 +151,8 @@ def test_forward_and_predict_are_one_microbatch_of_the_same_program(mode):
 def _programs_run_by_the_executor():
     """On 2 ranks (vision on rank 0, the language model on rank 1): the actions the executor ran
     for a training step, ``model(batch)`` (then backward) and ``predict`` are the model's programs
-    for the three modes; the forward's loss and gradients equal the training step's."""
+    for the three modes; the forward's loss and gradients equal the training step's, which ran on
+    what `MimoModel.prepare` derived ahead."""
     import torch
 
     from dtensor_mimo import MimoLayout, MimoModel, Parallelism
@@ -181,8 +182,15 @@ def _programs_run_by_the_executor():
         for mode in ("train", "forward", "predict"):
             shown[mode] = format_program(model.program(batch, mode))
             ran.clear()
-            if mode == "train":
-                loss = model.forward_backward(batch)
+            if mode == "train":  # prepared ahead (`MimoModel.prepare`): the step derives no cuts itself
+                model.prepare(batch)
+                memo = batch.__dict__["_memo"]
+                assert "loss normalizer" in memo and [k[0] for k in memo if isinstance(k, tuple)] == ["encoder cuts"]
+                derive, executor.encoder_cuts = executor.encoder_cuts, None
+                try:
+                    loss = model.forward_backward(batch)
+                finally:
+                    executor.encoder_cuts = derive
             elif mode == "forward":
                 model.zero_grad()
                 loss_f = model(batch)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -275,11 +275,12 @@ class MimoBatch:
             pinned.__dict__["_memo"] = dict(self.__dict__["_memo"])
         return pinned
 
-    def memo(self, key: str, compute: Callable[[], Any]) -> Any:
+    def memo(self, key: Hashable, compute: Callable[[], Any]) -> Any:
         """`compute()` the first time `key` is asked of this batch, its result after: what a step
-        derives from the whole global batch (its fingerprint, its loss weight: host work of
-        O(B·S)) is computed once, and before the step where a loader thread prepares batches
-        (the trainer's prefetch). A batch is never changed in place: a changed one is a new batch
+        derives from the whole global batch (its fingerprint, its loss weight, the encoders' item
+        cuts: host work that grows with the batch) is computed once, and before the step where a
+        loader thread prepares batches (the trainer's prefetch, `MimoModel.prepare`). `key` names
+        the result and everything besides the batch it depends on. A batch is never changed in place: a changed one is a new batch
         (``dataclasses.replace``), which computes anew."""
         memo = self.__dict__.setdefault("_memo", {})
         if key not in memo:

@@ -120,6 +120,22 @@ class RankParts:
         return StepShape(mode, names, tuple(n for n in names if self.trainable[n]), m,
                          self.window if mode == "train" else 1, self.overlapped, check_rows and mode != "train")
 
+    def cuts(self, batch: MimoBatch, shape: StepShape) -> list[dict[str, tuple[Sequence[int], tuple[int, ...] | None]]]:
+        """Per microbatch of a `shape` step over `batch`, each crossing encoder's `encoder_cuts`
+        (which items each of its dp ranks encodes: by sample, or balanced by cost). Pure, from
+        the batch metadata alone; once per batch and rule (`MimoBatch.memo`), so that a loader
+        thread can derive it ahead of the step (`MimoModel.prepare`): the balanced rule's work
+        grows with the encoder's dp size."""
+        rules = tuple((n, self.layout.parallelism(n).dp, self.options[n].balance, self.widths[n])
+                      for n in shape.encoders)
+
+        def derive() -> list[dict[str, tuple[Sequence[int], tuple[int, ...] | None]]]:
+            mbs = microbatches(batch, shape.microbatches) if shape.microbatches > 1 else [batch]
+            return [{n: encoder_cuts(mb.modalities[n], dp, balance, width) for n, dp, balance, width in rules}
+                    for mb in mbs]
+
+        return batch.memo(("encoder cuts", shape.microbatches, rules), derive)
+
     def program(self, batch: MimoBatch, mode: str = "train", check_rows: bool = False) -> list[Action]:
         """This rank's actions for a `mode` step over `batch` (cached per step shape: a steady
         training loop derives it once)."""
@@ -177,9 +193,7 @@ class _Run:
         self.batch = batch
         self.mbs = microbatches(batch, shape.microbatches) if shape.microbatches > 1 else [batch]
         names = shape.encoders
-        # Which items each encoder dp rank encodes, per microbatch: by sample, or balanced by cost.
-        cuts = [{n: encoder_cuts(mb.modalities[n], layout.parallelism(n).dp, parts.options[n].balance,
-                                 parts.widths[n]) for n in names} for mb in self.mbs]
+        cuts = parts.cuts(batch, shape)  # which items each encoder dp rank encodes, per microbatch
         self.crossings = [
             Crossing(parts.crossing_setup, mb, names, [parts.trainable[n] for n in names], index=i,
                      bounds={n: b for n, (_, b) in c.items() if b is not None})

@@ -52,7 +52,7 @@ from dtensor_mimo.train.metrics import MetricsLogger, StepProfiler, peak_tflops,
 from dtensor_mimo.train.modules import build_modules, resolve
 from dtensor_mimo.optim.optimizer import MimoOptimizer
 from dtensor_mimo.optim.step import UnusableBatch, step_fingerprint, train_step
-from dtensor_mimo.sequence.loss import loss_normalizer, loss_weights
+from dtensor_mimo.sequence.loss import loss_weights
 
 
 COMPILE_STEPS = 2
@@ -177,12 +177,12 @@ class _Forever:
             yield from self.sampler
 
 
-def _prefetched(batches: Iterator[tuple], depth: int, pin: bool) -> Iterator[tuple]:
+def _prefetched(batches: Iterator[tuple], depth: int, pin: bool,
+                prepare: Callable[[MimoBatch], Any] | None = None) -> Iterator[tuple]:
     """`batches` (tuples whose first element is a `MimoBatch`), prepared up to `depth` ahead by a
-    background thread (decoding and tensor work release the GIL), pinned when `pin`; an error
-    preparing one is raised where it is consumed. The thread also computes what the step derives
-    from the whole global batch (its fingerprint and loss weight, `MimoBatch.memo`): host work
-    that grows with the global batch, off the step's thread."""
+    background thread (decoding and tensor work release the GIL), each passed to `prepare` (what
+    the step derives from the whole global batch, `MimoBatch.memo`), then pinned when `pin`; an
+    error preparing one is raised where it is consumed."""
     import queue
     import threading
 
@@ -192,7 +192,8 @@ def _prefetched(batches: Iterator[tuple], depth: int, pin: bool) -> Iterator[tup
     def produce() -> None:
         try:
             for batch in batches:
-                step_fingerprint(batch[0]), loss_normalizer(batch[0])
+                if prepare is not None:
+                    prepare(batch[0])
                 item = (batch[0].pin_memory(), *batch[1:]) if pin else batch
                 while not stop.is_set():
                     try:
@@ -331,7 +332,7 @@ class Trainer:
         pin = self.model.device.type == "cuda"  # host-to-device copies then overlap the step
         if d.workers == 0:  # one thread prepares the next batches while the step runs
             batches: Iterator[tuple] = _prefetched((plan.tolerant(self.data.train.batch, i) for i in _Forever(ahead)),
-                                                   depth=2, pin=pin)
+                                                   depth=2, pin=pin, prepare=self._prepare)
         else:
             loader = DataLoader(_Batches(self.data.train, plan), sampler=_Forever(ahead), batch_size=None,
                                 num_workers=d.workers, collate_fn=_as_is, persistent_workers=True,
@@ -340,6 +341,13 @@ class Trainer:
             batches = (flat.unpack() for flat in loader)
         for (batch, failed), indices in zip(batches, _Forever(self.sampler)):
             yield list(indices), batch, list(failed)
+
+    def _prepare(self, batch: MimoBatch) -> None:
+        """What the step derives from the whole global `batch`, derived ahead (the prefetch
+        thread): its fingerprint (`train_step`), its loss weight and the encoders' item cuts
+        (`MimoModel.prepare`)."""
+        step_fingerprint(batch)
+        self.model.prepare(batch)
 
     def trainer_state(self) -> dict[str, Any]:
         """The loop's position for checkpoints: step, optimizer updates, the sampler's place."""
