@@ -15,6 +15,8 @@ text-only samples) is written as the reference JSON list and again as:
 | test_every_format_trains_to_the_same_losses | 4 trainer steps from each format: losses bit-identical to JSONL's |
 | test_format_errors_name_the_input           | a glob matching nothing, a tar sample without .json, an hf dataset without conversations: the launcher's config error names what was written and the fix, before any rank |
 | test_sources_read_lazily                    | a source indexes only the files its first samples need; blank lines and a last line without newline in JSONL |
+| test_tar_headers_read_as_tarfile_reads_them | the tar index's header walk == tarfile's members (ustar, GNU, pax names); gzip / truncated refused |
+| test_parquet_rows_are_found_in_their_row_groups | rows of a file of many small and empty row groups, read in any order |
 """
 
 from __future__ import annotations
@@ -222,3 +224,59 @@ def test_sources_read_lazily(corpus) -> None:
             assert ref.startswith(os.path.abspath(os.path.join("data", "train-0.tar")) + "[")
     finally:
         os.chdir(cwd)
+
+
+def _tar(path, format_: int, members: list[tuple[str, bytes]]) -> None:
+    with tarfile.open(path, "w", format=format_) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for name, kind in (("a-directory", tarfile.DIRTYPE), ("a-link.json", tarfile.SYMTYPE)):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, "a.json"
+            tar.addfile(info)
+
+
+@pytest.mark.parametrize("format_", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_tar_headers_read_as_tarfile_reads_them(tmp_path, format_) -> None:
+    """The shard index's own header walk (`_tar_members`) lists what `tarfile` lists: names in
+    the ustar prefix, GNU long names, pax paths (non-ASCII, long), empty and block-sized
+    members; directories and links left out. A compressed or truncated file is refused."""
+    from dtensor_mimo.data.sources import _tar_members
+
+    members = [("a.json", b"{}"), ("a.png", b"x" * 513), ("empty.json", b""), ("b/c.json", b"1" * 512),
+               ("p" * 90 + "/" + "q" * 90 + ".json", b"q")]
+    if format_ != tarfile.USTAR_FORMAT:  # names ustar cannot hold
+        members += [("d" * 150 + "/long.json", b"abc"), ("é-ünï.json", b"u"), ("x" * 120 + ".json", b"z" * 1000)]
+    path = str(tmp_path / "shard.tar")
+    _tar(path, format_, members)
+    with tarfile.open(path, "r:") as tar:
+        expected = [(i.name, i.offset_data, i.size) for i in tar if i.isfile()]
+    assert _tar_members(path) == expected and [m[0] for m in expected] == [n for n, _ in members]
+    data = open(path, "rb").read()
+    for name, broken in (("gz.tar", __import__("gzip").compress(data)), ("cut.tar", data[:1100])):
+        (tmp_path / name).write_bytes(broken)
+        with pytest.raises(tarfile.ReadError):
+            _tar_members(str(tmp_path / name))
+
+
+def test_parquet_rows_are_found_in_their_row_groups(tmp_path) -> None:
+    """Rows read from a Parquet file of many small (and empty) row groups, in any order: each
+    the row written (the groups' first rows come from the metadata once)."""
+    import pyarrow as pa
+
+    from dtensor_mimo.data.sources import _Table
+
+    path = str(tmp_path / "t.parquet")
+    schema = pa.schema([("conversations", pa.string()), ("n", pa.int64())])
+    with pq.ParquetWriter(path, schema) as writer:
+        start = 0
+        for size in (3, 0, 1, 5, 2):
+            writer.write_table(pa.table({"conversations": [f"row {start + i}" for i in range(size)],
+                                         "n": list(range(start, start + size))}, schema=schema))
+            start += size
+    table = _Table(path, "data.path")
+    assert table.rows == 11
+    for j in (10, 0, 3, 4, 2, 9, 8, 5):
+        assert table.row(j) == {"conversations": f"row {j}", "n": j}

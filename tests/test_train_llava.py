@@ -9,7 +9,7 @@ by `examples/make_tiny_llava.py` (no download).
 | test_rows_label_the_assistant_tokens_only   | placeholders expanded to the tower's tokens; labels decode to each answer + end of turn |
 | test_prompts_stop_at_the_first_answer_with_their_items | generation prompts: cut at the first answer, only earlier items; a truncated answer is not prompted |
 | test_long_samples_refused_or_truncated      | a sample over seq_len names its id; truncation drops a cut item whole |
-| test_packed_rows_equal_their_samples_alone  | data.pack: every sample once; a packed row's logits and labels == each sample's alone |
+| test_packed_rows_equal_their_samples_alone  | data.pack: every sample once; a packed row's logits and labels == each sample's alone; the launcher's checks pack nothing |
 | test_bad_input_fails_before_any_process     | missing dirs/files, unsupported architecture, placeholder count, tokenizer without template, processor size, checkpoint.load without checkpoints |
 | test_an_error_inside_the_ranks_is_printed_once | a factory raising on every rank: one traceback, the ranks named |
 | test_layouts_give_one_process_numbers       | image dp1 / language dp1 [2], colocated dp2 [2]: losses and grad norms == one process [1]; loader workers; resume == uninterrupted; load under another layout |
@@ -94,7 +94,7 @@ def _records(path: str) -> dict[int, dict]:
 # ---------------------------------------------------------------------------- rows
 
 
-def _dataset(tiny: str, *argv: str, config: str = CONFIG):
+def _dataset(tiny: str, *argv: str, config: str = CONFIG, ahead: bool = False):
     from dtensor_mimo.train.datasets import train_data
     from dtensor_mimo.train.modules import resolve
 
@@ -103,7 +103,7 @@ def _dataset(tiny: str, *argv: str, config: str = CONFIG):
     try:
         config = parse_args(["--config", config, *argv])
         resolved = resolve(config)
-        return train_data(config, resolved), resolved.tokenizer
+        return train_data(config, resolved, ahead), resolved.tokenizer
     finally:
         os.chdir(cwd)
 
@@ -185,6 +185,9 @@ def test_packed_rows_equal_their_samples_alone(tiny: str) -> None:
     packed, _ = _dataset(tiny, "--data.pack", "true")
     alone, _ = _dataset(tiny)
     assert len(packed.train) < len(alone.train) and sorted(sum(packed.train.rows, [])) == list(range(512))
+    # The launcher's checks before the ranks start tokenize only the checked samples, not the corpus.
+    launcher, _ = _dataset(tiny, "--data.pack", "true", ahead=True)
+    assert launcher.train.rows is None and len(launcher.train._cache) <= 256
     config = parse_args(["--config", CONFIG])
     cwd = os.getcwd()
     os.chdir(tiny)

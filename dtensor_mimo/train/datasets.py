@@ -238,12 +238,15 @@ def _probe_processors(media: dict[str, MediaSpec], source: SampleSource, head: l
         media[name] = MediaSpec(spec.modality, spec.special_token_id, spec.tokens_per_item, shape, spec.prepare)
 
 
-def conversation_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainData:
+def conversation_data(config: TrainerConfig, resolved: ResolvedModel, ahead: bool = False) -> TrainData:
     """Conversation data of `data.format` (and its held-out data) for the config's encoders.
 
     Lazy: the sources index their files when a rank first needs them (`len` for the sampler);
     samples are tokenized and media probed when a batch wants them. What the whole corpus would
-    give (items per sample, rows per item) is estimated from its first `CHECKED_SAMPLES`."""
+    give (items per sample, rows per item) is estimated from its first `CHECKED_SAMPLES`.
+    `ahead`: for the launcher's checks before the ranks start, which never tokenize the whole
+    corpus: ``data.pack`` packs only a corpus its checked samples are all of (each rank packs
+    the rest, a pass over every sample)."""
     d = config.data
     media = media_specs(config, resolved)
     train_source, head = open_checked(config, d.path, "data.path", d.batch_size)
@@ -262,7 +265,7 @@ def conversation_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainDa
                                         samples=train_source)
             seq_len = round_seq_len(config, probe.seq_len)
         train = ConversationDataset(d.path, resolved.tokenizer, media, seq_len, truncate=d.truncate,
-                                    samples=train_source, pack=d.pack, seed=d.seed)
+                                    samples=train_source, pack=d.pack and (whole or not ahead), seed=d.seed)
         heldout = None
         if d.heldout:
             held_source, _ = open_checked(config, d.heldout, "data.heldout")
@@ -306,8 +309,9 @@ def conversation_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainDa
                      len(head) if train.rows is None else len(train), checked)
 
 
-def train_data(config: TrainerConfig, resolved: ResolvedModel) -> TrainData:
-    """The run's data for `config.data.format`."""
+def train_data(config: TrainerConfig, resolved: ResolvedModel, ahead: bool = False) -> TrainData:
+    """The run's data for `config.data.format` (`ahead`: for the launcher's checks,
+    `conversation_data`)."""
     if config.data.format == "digits":
         return digits_data(config, resolved)
-    return conversation_data(config, resolved)
+    return conversation_data(config, resolved, ahead)

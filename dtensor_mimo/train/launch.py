@@ -40,7 +40,7 @@ def preflight(config: TrainerConfig) -> None:
     from dtensor_mimo.train.datasets import CHECKED_SAMPLES, train_data
     from dtensor_mimo.train.modules import resolve
 
-    data = train_data(config, resolve(config))
+    data = train_data(config, resolve(config), ahead=True)
     for dataset in (data.train, data.heldout):  # the checked samples' lengths against seq_len, now
         check = getattr(dataset, "check_lengths", None)
         if check is not None:
