@@ -9,7 +9,7 @@ Three formats hold the same LLaVA-style samples (``conversations``, ``id``, ``im
   ``KEY.png``, ...) are one sample, its ``.json`` the LLaVA sample, whose ``image`` / ``audio``
   values name members of the same sample (``"png"`` or ``"KEY.png"``). A shard's member offsets
   are indexed on first use (its tar headers only, memory-mapped, into arrays: a million samples
-  of 1.75 members took 12 s and 90 MiB on a 2-core CPU, against 49 s and 550 MiB through
+  of 1.75 members took 11 s and 63 MiB on a 2-core CPU, against 49 s and 550 MiB through
   `tarfile`'s objects); a member is then one read at its offset. (The `webdataset` package streams shards in order,
   which gives no sample by index and so no exact resume.)
 - ``"hf"``: a Hugging Face `datasets` directory written by ``save_to_disk`` (memory-mapped by
