@@ -506,3 +506,35 @@ def test_background_saves_finish_at_one_step_on_every_rank_and_complete_on_an_er
     assert _saved_records(tmp_path / "b.jsonl") == [(3, 4)]
     assert checkpoint.step_checkpoints(str(ckpt)) == [str(ckpt / "step-000003")]
     assert checkpoint.verify(str(ckpt / "step-000003")) == []
+
+
+def _staged_from_a_gpu_mesh() -> tuple:
+    """`BackgroundSaves._stage` of a DTensor whose mesh is a GPU's (the mesh's device type
+    patched: this machine has none): the staged shard must be a host tensor, first save and
+    reused, holding the values."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    value = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    saves = checkpoint.BackgroundSaves(pin=True)
+    real = DeviceMesh.device_type
+    DeviceMesh.device_type = property(lambda self: "cuda")
+    try:
+        out = []
+        for _ in range(2):  # allocated, then reused
+            staged = saves._stage({"w": value})["w"]
+            local = staged.to_local()
+            out.append((type(staged) is DTensor, local.device.type, torch.equal(local, value.to_local()),
+                        staged.placements == value.placements))
+            value.to_local().add_(1.0)
+    finally:
+        DeviceMesh.device_type = real
+    return out
+
+
+def test_a_gpu_mesh_shard_is_staged_in_host_memory() -> None:
+    """A DTensor built by `from_local` on a GPU mesh would move the host buffer to the GPU (a
+    second copy of the state in device memory, read by the writing thread): staging keeps it on
+    the host."""
+    assert run_on_ranks(_staged_from_a_gpu_mesh, 1, timeout=60) == [[(True, "cpu", True, True)] * 2]

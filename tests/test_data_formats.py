@@ -280,3 +280,29 @@ def test_parquet_rows_are_found_in_their_row_groups(tmp_path) -> None:
     assert table.rows == 11
     for j in (10, 0, 3, 4, 2, 9, 8, 5):
         assert table.row(j) == {"conversations": f"row {j}", "n": j}
+
+
+def test_tar_sparse_members_and_malformed_pax_records_are_refused(tmp_path) -> None:
+    """A GNU sparse member (old GNU headers or pax's GNU.sparse records: its data is not at one
+    offset) and a pax record of length 0 (which never advances) raise, never index silently
+    short or loop."""
+    import shutil
+    import subprocess
+
+    from dtensor_mimo.data.sources import _pax, _tar_members
+
+    with pytest.raises(tarfile.ReadError, match="malformed pax record"):
+        _pax(b"0 path=abc\n")
+    assert _pax(b"12 path=abc\n13 size=1234\n") == {"path": "abc", "size": 1234}
+    if shutil.which("tar") is None or b"GNU" not in subprocess.run(["tar", "--version"], capture_output=True).stdout:
+        pytest.skip("GNU tar writes the sparse shards")
+    with open(tmp_path / "s.bin", "wb") as f:
+        for i in range(8):
+            f.seek(i * 1_000_000)
+            f.write(b"x" * 10)
+    (tmp_path / "s.json").write_text("{}")
+    for format_ in ("gnu", "pax"):
+        subprocess.run(["tar", "--sparse", f"--format={format_}", "-cf", f"{format_}.tar", "s.bin", "s.json"],
+                       cwd=tmp_path, check=True)
+        with pytest.raises(tarfile.ReadError, match="GNU sparse file"):
+            _tar_members(str(tmp_path / f"{format_}.tar"))

@@ -188,6 +188,13 @@ def test_packed_rows_equal_their_samples_alone(tiny: str) -> None:
     # The launcher's checks before the ranks start tokenize only the checked samples, not the corpus.
     launcher, _ = _dataset(tiny, "--data.pack", "true", ahead=True)
     assert launcher.train.rows is None and len(launcher.train._cache) <= 256
+    # So a batch of more rows than packing makes is refused by the ranks, each naming the count.
+    from tests.harness import DistributedTestFailure
+
+    with pytest.raises(DistributedTestFailure) as refused:
+        _run(tiny, ["--data.pack", "true", "--data.batch_size", str(len(packed.train) + 1)])
+    message = f"data.batch_size = {len(packed.train) + 1} is more than the {len(packed.train)} training rows"
+    assert str(refused.value).count(message) == 2, str(refused.value)[-2000:]
     config = parse_args(["--config", CONFIG])
     cwd = os.getcwd()
     os.chdir(tiny)

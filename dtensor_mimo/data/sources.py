@@ -312,7 +312,8 @@ def _tar_members(path: str) -> list[tuple[str, int, int]]:
     """(name, data offset, size) of each regular file of an uncompressed tar, from its headers
     alone (memory-mapped: no syscall per member; a few µs a member where `tarfile` takes about
     15): ustar and GNU headers, GNU long names and pax ``path`` / ``size`` records. A header
-    whose checksum does not match raises `tarfile.ReadError` (a compressed file, say)."""
+    whose checksum does not match (a compressed file, say), a file that ends inside a header or
+    a member, a malformed pax record or a sparse member raises `tarfile.ReadError`."""
     members, pending = [], {}
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
@@ -338,6 +339,9 @@ def _tar_members(path: str) -> list[tuple[str, int, int]]:
                         pending["path"] = body.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
                     elif kind == b"x":
                         pending.update(_pax(body))
+                elif kind == b"S" or "sparse" in pending:
+                    raise tarfile.ReadError(f"the member at byte {pos} is a GNU sparse file, which is not read "
+                                            "by seeking; write the shard without --sparse")
                 elif kind in (b"0", b"\0", b"7"):  # a regular file
                     name = pending.pop("path", None)
                     if name is None:
@@ -368,20 +372,25 @@ def _pax(body: bytes) -> dict[str, Any]:
     """The ``path`` and ``size`` of pax extended-header records (``LEN key=value\\n``)."""
     out: dict[str, Any] = {}
     pos = 0
-    while pos < len(body):
-        length = int(body[pos:body.index(b" ", pos)])
-        key, _, value = body[body.index(b" ", pos) + 1:pos + length - 1].partition(b"=")
+    while pos < len(body) and body[pos] != 0:
+        space = body.find(b" ", pos)
+        length = int(body[pos:space]) if space > pos and body[pos:space].isdigit() else 0
+        if length < 5 or pos + length > len(body) or body[pos + length - 1] != 10:
+            raise tarfile.ReadError(f"a malformed pax record at byte {pos} of an extended header")
+        key, _, value = body[space + 1:pos + length - 1].partition(b"=")
         if key == b"path":
             out["path"] = value.decode("utf-8", "surrogateescape")
         elif key == b"size":
             out["size"] = int(value)
+        elif key.startswith(b"GNU.sparse."):
+            out["sparse"] = True
         pos += length
     return out
 
 
 class _TarIndex:
-    """One shard's samples in arrays, not Python objects (18 bytes a member, 12 and the key's
-    length a sample, against 570 bytes a sample as dicts and tuples; arrays also stay shared
+    """One shard's samples in arrays, not Python objects (18 bytes a member, 12 and the shard's
+    longest key's length a sample, against 570 bytes a sample as dicts and tuples; arrays also stay shared
     with forked loader workers, whose reference counts would copy objects' pages): each
     sample's key (in shard order), its members' suffixes, offsets and sizes."""
 

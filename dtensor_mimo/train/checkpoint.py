@@ -306,7 +306,8 @@ class BackgroundSaves:
     not). The writing thread is a daemon: a process that ends anyway does not wait for it, and
     its half-written ``.tmp`` directory is never loaded. Host memory: one copy of this rank's
     shards, kept from the first save until `release`, page-locked with `pin` for the shards on an
-    accelerator (``"async_with_pinned_mem"``, as torchtitan names it).
+    accelerator (``"async_with_pinned_mem"``, as torchtitan names it; torch's caching host
+    allocator rounds each buffer up to a power of two: up to twice the shards' bytes locked).
     """
 
     def __init__(self, pin: bool = False) -> None:
@@ -375,7 +376,21 @@ class BackgroundSaves:
         asynchronously (pageable memory: a staged, blocking copy at a fraction of it)."""
         local = local_part(value)
         pin = self.pin and local.device.type != "cpu"
-        return with_local(value, torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin))
+        buffer = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+        if not isinstance(value, DTensor):
+            return buffer
+        # What ``DTensor.to("cpu")`` makes: the spec of `value` around a host shard (`from_local`
+        # would move the shard to its mesh's device, a second copy of the state on the GPU).
+        return DTensor(buffer, value._spec, requires_grad=False)
+
+    def release(self) -> None:
+        """Drop the host buffers (after the run's last save; the next save allocates them anew),
+        and with `pin` return their page-locked memory (torch's host cache keeps freed blocks)."""
+        pinned = self._host is not None and any(isinstance(v, torch.Tensor) and local_part(v).is_pinned()
+                                                for v in self._host.values())
+        self._host = None
+        if pinned:
+            torch._C._host_emptyCache()
 
     def writing(self) -> bool:
         """Whether this rank's writer of the pending save is still running."""
@@ -399,10 +414,6 @@ class BackgroundSaves:
         except BaseException as e:  # noqa: BLE001 - the run's own error is the one raised
             return None, f"{final} was not written: {type(e).__name__}: {e}"
         return final, None
-
-    def release(self) -> None:
-        """Drop the host buffers (after the run's last save; the next save allocates them anew)."""
-        self._host = None
 
     def finish(self) -> str | None:
         """Wait for the pending save and return its path (None: none was pending). Call on every

@@ -46,7 +46,7 @@ from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.models import ModalityEncoder
 from dtensor_mimo.train import checkpoint
 from dtensor_mimo.train.preemption import STOP_SIGNALS, StopSignals, exit_status, ignore_stop_signals
-from dtensor_mimo.train.config import LANGUAGE, TrainerConfig, build_layout
+from dtensor_mimo.train.config import LANGUAGE, ConfigError, TrainerConfig, build_layout
 from dtensor_mimo.train.datasets import BatchSource, train_data
 from dtensor_mimo.train.metrics import MetricsLogger, StepProfiler, peak_tflops, transformer_flops
 from dtensor_mimo.train.modules import build_modules, resolve
@@ -247,7 +247,11 @@ class Trainer:
         # The exact sample count (the sampler's shuffle and the checkpoint's data position need it):
         # conversation files are indexed here (JSONL line starts, tar headers, table row counts),
         # no sample parsed or tokenized.
-        self.sampler = ResumableBatchSampler(len(self.data.train), d.batch_size, seed=d.seed)
+        rows = len(self.data.train)
+        if rows < d.batch_size:  # the launcher checked the samples it read; packed rows are known here
+            raise ConfigError(f"data.batch_size = {d.batch_size} is more than the {rows} training rows of "
+                              f"{d.path}{' (packed with data.pack)' if d.pack else ''}; lower data.batch_size")
+        self.sampler = ResumableBatchSampler(rows, d.batch_size, seed=d.seed)
         self.expected_keys = checkpoint.expected_shapes(self.modules)
         self.flops_per_step = self._flops()
 
