@@ -67,3 +67,14 @@ def test_the_thread_derives_what_the_step_needs_from_the_global_batch() -> None:
     assert step_fingerprint(batch) == step_fingerprint(fresh) and loss_normalizer(batch) == loss_normalizer(fresh) == 8
     fewer = dataclasses.replace(batch, loss_mask=torch.zeros_like(batch.loss_mask))
     assert loss_normalizer(fewer) == 1.0 and step_fingerprint(fewer) != step_fingerprint(batch)
+
+
+def test_what_a_loader_worker_derives_crosses_with_the_batch() -> None:
+    """A batch from a loader process (`Flat`, pickled) keeps what the worker derived from it."""
+    from dtensor_mimo.data.transfer import Flat
+
+    batch = _batch(1)
+    derived = step_fingerprint(batch), loss_normalizer(batch)
+    crossed = Flat.pack((batch, [])).unpack()[0]
+    assert crossed.__dict__["_memo"] == {"step fingerprint": derived[0], "loss normalizer": derived[1]}
+    assert torch.equal(crossed.tokens, batch.tokens)

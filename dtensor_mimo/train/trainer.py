@@ -52,7 +52,7 @@ from dtensor_mimo.train.metrics import MetricsLogger, StepProfiler, peak_tflops,
 from dtensor_mimo.train.modules import build_modules, resolve
 from dtensor_mimo.optim.optimizer import MimoOptimizer
 from dtensor_mimo.optim.step import UnusableBatch, step_fingerprint, train_step
-from dtensor_mimo.sequence.loss import loss_weights
+from dtensor_mimo.sequence.loss import loss_normalizer, loss_weights
 
 
 COMPILE_STEPS = 2
@@ -132,14 +132,17 @@ class _LoadPlan:
 
 
 class _Batches(Dataset):
-    """A dataset whose item at a list of indices is this rank's view of that global batch, packed
-    into one buffer for the trip from a loader worker (`Flat`)."""
+    """A dataset whose item at a list of indices is this rank's view of that global batch, with
+    its fingerprint and loss weight derived in the worker (`MimoBatch.memo`, pickled with it),
+    packed into one buffer for the trip from a loader worker (`Flat`)."""
 
     def __init__(self, dataset: BatchSource, plan: _LoadPlan) -> None:
         self.dataset, self.plan = dataset, plan
 
     def __getitem__(self, indices: list[int]) -> Flat:
-        return Flat.pack(self.plan.tolerant(self.dataset.batch, indices))
+        batch, failed = self.plan.tolerant(self.dataset.batch, indices)
+        step_fingerprint(batch), loss_normalizer(batch)
+        return Flat.pack((batch, failed))
 
     def __len__(self) -> int:
         return len(self.dataset)
