@@ -40,6 +40,20 @@ def test_balanced_runs_are_the_best_contiguous_split(seed: int) -> None:
     assert max(runs) == _best_max(costs, parts)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_cuts_do_not_depend_on_the_cost_unit_or_on_int64(seed: int) -> None:
+    """Costs scaled by a constant cut alike: also where prefix * parts overflows int64 (the cuts
+    then compare Python ints), and with thousands of parts for a few hundred items."""
+    rng = random.Random(seed)
+    costs = [item_cost(rng.choice([0, 16, 64, 196, 576, 1024]), 768) for _ in range(rng.randint(1, 300))]
+    parts = rng.choice([1, 2, 7, 64, 1000, 5000])
+    cuts = balanced_cuts(costs, parts)
+    assert balanced_cuts([c * 3 for c in costs], parts) == cuts
+    assert balanced_cuts([c * 10**12 for c in costs], parts) == cuts  # beyond int64 once times parts
+    runs = [sum(costs[a:b]) for a, b in zip(cuts, cuts[1:])]
+    assert max(runs) <= sum(costs) / parts + max(costs)
+
+
 def test_large_items_get_runs_of_their_own() -> None:
     # Cutting at the prefix nearest k/3 of the total (7.3 and 14.7) gives runs [1+1+10, -, 10]:
     # one rank idle, one with 12; the best split gives each large item a run of its own.

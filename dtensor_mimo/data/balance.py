@@ -20,9 +20,11 @@ max/mean over the parts of a batch is within 0.13 of the measured encoder times'
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from itertools import accumulate
 from typing import Sequence
+
+import numpy as np
 
 from dtensor_mimo.data.batch import BatchError, ModalityInputs, sample_range
 
@@ -41,25 +43,36 @@ def balanced_cuts(costs: Sequence[int], parts: int) -> tuple[int, ...]:
     slowest rank sets the step's pace); within that bound, each cut in turn, given the ones
     before it, sits as near as it can to the item boundary whose cost prefix is ``k / parts`` of
     the total, which keeps the other runs near even (not always the most even: a large item can
-    leave a run short or empty). O((n + parts log n) log total) for n items; exact integers."""
+    leave a run short or empty). O(n log n log total + parts) for n items (a part costs a lookup:
+    encoders may have thousands of dp ranks); exact integers."""
     if parts < 1:
         raise BatchError(f"cannot split items into {parts} parts; need at least 1")
     prefix = [0, *accumulate(costs)]
     n, total = len(costs), prefix[-1]
     bound = _least_largest_run(prefix, parts)
+    # Every item boundary's answers at once (numpy; Python ints where int64 could overflow), so
+    # that the loops over the parts below are a lookup a part: `parts` may be thousands.
+    p = np.array(prefix, dtype=np.int64 if (total + bound) * parts < 1 << 62 else object)
+    fit = np.searchsorted(p, p - bound, side="left").tolist()  # the earliest start of a run ending here
+    last = (np.searchsorted(p, p + bound, side="right") - 1).tolist()  # the latest end of a run from here
     # first[j]: the first item from which the rest fits in j runs of at most `bound` (packed
     # greedily from the end); a cut k must leave the rest a fit in parts - k runs.
     first = [n] * (parts + 1)
     for j in range(1, parts + 1):
-        first[j] = bisect_left(prefix, prefix[first[j - 1]] - bound)
+        first[j] = fit[first[j - 1]]
+        if first[j] == 0:  # and so every later one
+            first[j:] = [0] * (parts + 1 - j)
+            break
+    # The item boundary whose cost prefix is nearest k / parts of the total (compared as prefix
+    # * parts against total * k: no rounding), the earlier one on a tie.
+    scaled, targets = p * parts, total * np.arange(1, parts, dtype=p.dtype)
+    i = np.searchsorted(scaled, targets, side="left")
+    below, at = np.clip(i - 1, 0, n), np.clip(i, 0, n)
+    near = (i - ((i > 0) & ((i > n) | (targets - scaled[below] <= scaled[at] - targets)))).tolist()
     cuts = [0]
     for k in range(1, parts):
-        target = total * k  # compared with prefix * parts: no rounding
-        i = bisect_left(prefix, target, key=lambda p: p * parts)
-        if i > 0 and (i > n or target - prefix[i - 1] * parts <= prefix[i] * parts - target):
-            i -= 1
-        last = bisect_right(prefix, prefix[cuts[-1]] + bound) - 1  # this run within the bound
-        cuts.append(min(max(i, first[parts - k], cuts[-1]), last))
+        c = cuts[-1]
+        cuts.append(min(max(near[k - 1], first[parts - k], c), last[c]))  # this run within the bound
     return (*cuts, n)
 
 
