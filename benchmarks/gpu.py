@@ -1086,7 +1086,8 @@ def _report(result: dict, tiny: bool) -> list[str]:
               f"{r['sync_save_s'] * 1e3:,.0f}; " + "; ".join(
                   f"{mode} {ms(r[f'{mode}_stall_s'])} (first/second save; written in {ms(r[f'{mode}_write_s'])}, "
                   f"{len(r[f'{mode}_steps_while_writing_s'])} steps meanwhile, median "
-                  f"{statistics.median(r[f'{mode}_steps_while_writing_s'] or [0]) * 1e3:,.1f}; copy equal {r[f'{mode}_copy_equal']}, "
+                  f"{statistics.median(r[f'{mode}_steps_while_writing_s'] or [0]) * 1e3:,.1f}; "
+                  f"copy equal {r[f'{mode}_copy_equal']}, "
                   f"{r[f'{mode}_pinned']} buffers pinned)" for mode in ("async", "async_with_pinned_mem")))
     losses = {case: r["final_loss"] for case, r in rows.items() if "final_loss" in r}
     if losses:  # the same model on the same batches: equal to rounding, whatever the case

@@ -61,7 +61,8 @@ def _ring_sums(terms: list[tuple[float, float]]) -> tuple[float, float]:
     return one, square
 
 
-@pytest.mark.parametrize("world, bits", [(2, 20), (8192, 20), (8193, 19), (16384, 19), (32768, 19), (32769, 18), (1 << 20, 16)])
+@pytest.mark.parametrize("world, bits", [(2, 20), (8192, 20), (8193, 19), (16384, 19), (32768, 19), (32769, 18),
+                                         (1 << 20, 16)])
 def test_sums_of_terms_tell_agreement_exactly(world, bits) -> None:
     """Summed in a ring's order, the terms of `world` equal fingerprints say agreed, and one
     rank's fingerprint one less says not (20-bit squares summed over 16,384 ranks or more round

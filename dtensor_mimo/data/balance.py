@@ -28,7 +28,8 @@ import numpy as np
 
 from dtensor_mimo.data.batch import BatchError, ModalityInputs, sample_range
 
-__all__ = ["SampleCuts", "balanced_cuts", "encoder_cuts", "item_cost", "item_cuts", "max_over_mean", "row_bounds", "sample_cuts"]
+__all__ = ["SampleCuts", "balanced_cuts", "encoder_cuts", "item_cost", "item_cuts", "max_over_mean", "row_bounds",
+           "sample_cuts"]
 
 
 def item_cost(tokens: int, width: int | None) -> int:

@@ -280,8 +280,8 @@ class MimoBatch:
         derives from the whole global batch (its fingerprint, its loss weight, the encoders' item
         cuts: host work that grows with the batch) is computed once, and before the step where a
         loader thread prepares batches (the trainer's prefetch, `MimoModel.prepare`). `key` names
-        the result and everything besides the batch it depends on. A batch is never changed in place: a changed one is a new batch
-        (``dataclasses.replace``), which computes anew."""
+        the result and everything besides the batch it depends on. A batch is never changed in
+        place: a changed one is a new batch (``dataclasses.replace``), which computes anew."""
         memo = self.__dict__.setdefault("_memo", {})
         if key not in memo:
             memo[key] = compute()

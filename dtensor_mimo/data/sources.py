@@ -10,8 +10,8 @@ Three formats hold the same LLaVA-style samples (``conversations``, ``id``, ``im
   values name members of the same sample (``"png"`` or ``"KEY.png"``). A shard's member offsets
   are indexed on first use (its tar headers only, memory-mapped, into arrays: a million samples
   of 1.75 members took 11 s and 63 MiB on a 2-core CPU, against 49 s and 550 MiB through
-  `tarfile`'s objects); a member is then one read at its offset. (The `webdataset` package streams shards in order,
-  which gives no sample by index and so no exact resume.)
+  `tarfile`'s objects); a member is then one read at its offset. (The `webdataset` package
+  streams shards in order, which gives no sample by index and so no exact resume.)
 - ``"hf"``: a Hugging Face `datasets` directory written by ``save_to_disk`` (memory-mapped by
   ``datasets.load_from_disk``), or Parquet / Arrow files (pyarrow), with the samples' keys as
   columns; media as paths or bytes (an ``Image()`` column's ``{"bytes", "path"}``). Arrow is
@@ -306,6 +306,7 @@ def _split_member(name: str) -> tuple[str, str] | None:
 
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
+_EXTENDED = (b"L", b"K", b"x", b"g")  # headers describing the next member, not members
 
 
 def _tar_members(path: str) -> list[tuple[str, int, int]]:
@@ -326,27 +327,29 @@ def _tar_members(path: str) -> list[tuple[str, int, int]]:
                     raise tarfile.ReadError(f"it ends inside the header at byte {pos}")
                 if header == _ZERO_BLOCK:
                     break
-                if sum(header) - sum(header[148:156]) + 8 * 32 != _number(header[148:156], pos, path):
+                if sum(header) - sum(header[148:156]) + 8 * 32 != _number(header[148:156], pos):
                     raise tarfile.ReadError(f"bad checksum in the header at byte {pos}")
-                size, kind = pending.pop("size", None), header[156:157]
-                size = _number(header[124:136], pos, path) if size is None else size
+                kind, size = header[156:157], _number(header[124:136], pos)
+                if kind not in _EXTENDED:  # a pax size applies to the member, not to another extension
+                    size = pending.pop("size", size)
                 data = pos + _BLOCK
                 if data + size > end:
                     raise tarfile.ReadError(f"it ends inside the member at byte {data}")
-                if kind in (b"L", b"x", b"g"):  # a long name / pax records for the next member
+                if kind in _EXTENDED:  # a long name / pax records for the next member
                     body = m[data:data + size]
                     if kind == b"L":
                         pending["path"] = body.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
                     elif kind == b"x":
                         pending.update(_pax(body))
+                    # (K, a GNU long link name, and g, global pax records, change no member's name)
                 elif kind == b"S" or "sparse" in pending:
                     raise tarfile.ReadError(f"the member at byte {pos} is a GNU sparse file, which is not read "
                                             "by seeking; write the shard without --sparse")
                 elif kind in (b"0", b"\0", b"7"):  # a regular file
                     name = pending.pop("path", None)
-                    if name is None:
+                    if name is None:  # ustar's prefix, as `tarfile` reads it
                         name = header[:100].split(b"\0", 1)[0]
-                        if header[257:262] == b"ustar" and header[345] != 0:
+                        if header[345] != 0:
                             name = header[345:500].split(b"\0", 1)[0] + b"/" + name
                         name = name.decode("utf-8", "surrogateescape")
                     members.append((name, data, size))
@@ -357,7 +360,7 @@ def _tar_members(path: str) -> list[tuple[str, int, int]]:
     return members
 
 
-def _number(field: bytes, pos: int, path: str) -> int:
+def _number(field: bytes, pos: int) -> int:
     """A tar header's numeric field: octal digits, or GNU's base-256 (first byte 0x80)."""
     if field[0] & 0x80:
         return int.from_bytes(field[1:], "big")
@@ -390,16 +393,17 @@ def _pax(body: bytes) -> dict[str, Any]:
 
 class _TarIndex:
     """One shard's samples in arrays, not Python objects (18 bytes a member, 12 and the shard's
-    longest key's length a sample, against 570 bytes a sample as dicts and tuples; arrays also stay shared
-    with forked loader workers, whose reference counts would copy objects' pages): each
-    sample's key (in shard order), its members' suffixes, offsets and sizes."""
+    longest key's length a sample, against 570 bytes a sample as dicts and tuples; arrays also
+    stay shared with forked loader workers, whose reference counts would copy objects' pages):
+    each sample's key (in shard order), its members' suffixes, offsets and sizes."""
 
     def __init__(self, members: dict[str, dict[str, tuple[int, int]]]) -> None:
         self.keys = np.array([k.encode("utf-8", "surrogateescape") for k in members], dtype=bytes)
         self.order = np.argsort(self.keys, kind="stable").astype(np.int32)  # for `find`
         self.suffixes = sorted({suffix for found in members.values() for suffix in found})
         code = {suffix: i for i, suffix in enumerate(self.suffixes)}
-        rows = [(code[suffix], offset, size) for found in members.values() for suffix, (offset, size) in found.items()]
+        rows = [(code[suffix], offset, size) for found in members.values()
+                for suffix, (offset, size) in found.items()]
         self.first = np.cumsum([0] + [len(found) for found in members.values()], dtype=np.int64)
         self.suffix = np.array([r[0] for r in rows], dtype=np.int16)
         self.offset = np.array([r[1] for r in rows], dtype=np.int64)
