@@ -81,7 +81,8 @@ VLM = {"default": dict(image=224, patch=16, vdim=768, vlayers=12, vheads=12, vml
 # After the pairs the ratios need, the cases no lease has measured yet: the tiny task in
 # CUDA graphs with its items padded (the recordings that made its 2026-11-28 windows 24-195 ms),
 # the VLM per block with the C++ wrapper (its per-block step was host-bound: 99 ms of device work
-# in 134) and each stack whole without graphs.
+# in 134), each stack whole without graphs, and what a save of the 1B LM's state costs its step
+# in each checkpoint mode (pinned host buffers: `checkpoint.async_mode = "async_with_pinned_mem"`).
 CASES = ("lm ours", "lm transformers compiled", "vlm ours", "vlm transformers compiled", "lm ours fp8 tensorwise",
          "tiny trainer cudagraphs", "tiny trainer cudagraphs workers=1", "lm ours fp8 tensorwise tuned",
          "vlm ours cpp wrapper", "vlm ours whole",
