@@ -31,7 +31,7 @@ important figures:
 | vlm | ours cpp wrapper | `vlm ours` with inductor's C++ wrapper (`ParallelOptions(compile_options={"cpp_wrapper": True})`): each compiled graph calls its kernels from C++, not Python (on one CPU thread, `benchmarks/host_step.py`'s compiled cases measure it). It builds its wrappers with the CUDA headers of a CUDA toolkit, or else of the `nvidia` wheels that torch's CUDA build installs (`_wrapper_toolkit`) |
 | vlm | ours all rows | `vlm ours` with the chunked head on every row, as before 2026-11-27 (8): what running it on the loss rows only gives |
 | lm, vlm | ours cudagraphs | the same with `ParallelOptions(compile_mode="reduce-overhead")`: each compiled piece's forward and backward replay as CUDA graphs (torch's cudagraph trees); the LM's pieces are its blocks, the VLM's its stacks whole (`compile_scope="module"`: the ViT, the projection, the decoder); first checks its first 5 steps' losses and gradient norms against the same model in eager on the GPU (`_graphs_check`), and reports inductor's reasons for any piece it ran without graphs (`cudagraph_skips`); also the LM in fp8 tensorwise (its 2026-11-27 step left the device idle 40 ms of 217: float8's casts double each compiled backward's launches) |
-| tiny | trainer | the README's tiny LLaVA task (`examples/make_tiny_llava.py`, `examples/llava_tiny.toml`, eager) through `python -m dtensor_mimo.train` on the device, world 1: its logged step time (issue 29 asks for < 15 ms); also with per-block compile (on CPU it cuts the top-level aten ops of a step from 1,894 to 826: the host's launch work on a GPU), with each module compiled whole (`compile_scope = "module"`), the same in CUDA graphs (`compile_mode = "reduce-overhead"`), and with one loader worker (`data.workers = 1`) instead of the default prefetch thread; with `--profile`, the trainer's own record of two steps mid-run (`metrics.profile`) |
+| tiny | trainer | the README's tiny LLaVA task (`examples/make_tiny_llava.py`, `examples/llava_tiny.toml`, eager) through `python -m dtensor_mimo.train` on the device, world 1: its logged step time (issue 29 asks for < 15 ms); also with per-block compile (on CPU it cuts the top-level aten ops of a step from 1,894 to 826: the host's launch work on a GPU), with each module compiled whole (`compile_scope = "module"`), the same in CUDA graphs (`compile_mode = "reduce-overhead"`), and with the prefetch thread (`data.workers = 0`, `thread`) instead of the default loader process on GPUs; with `--profile`, the trainer's own record of two steps mid-run (`metrics.profile`) |
 
 Sizes (default, issue 29's): LM Llama 1.04B (dim 2048, 16 layers, 32 / 8 heads, ffn 8192, vocab
 32000), batch 4 x 4096 tokens. VLM: SigLIP-base tower (768 x 12, 224 px / 16: 196 rows an image)
@@ -84,21 +84,22 @@ VLM = {"default": dict(image=224, patch=16, vdim=768, vlayers=12, vheads=12, vml
 # in 134), each stack whole without graphs, and what a save of the 1B LM's state costs its step
 # in each checkpoint mode (pinned host buffers: `checkpoint.async_mode = "async_with_pinned_mem"`).
 CASES = ("lm ours", "lm transformers compiled", "vlm ours", "vlm transformers compiled", "lm ours fp8 tensorwise",
-         "tiny trainer cudagraphs", "tiny trainer cudagraphs workers=1", "lm ours fp8 tensorwise tuned",
+         "tiny trainer cudagraphs", "tiny trainer cudagraphs thread", "lm ours fp8 tensorwise tuned",
          "vlm ours cpp wrapper", "vlm ours whole",
          "vlm ours cudagraphs", "lm ours checkpoint", "tiny trainer", "tiny trainer whole", "lm ours cudagraphs",
          "lm ours fp8 tensorwise cudagraphs", "lm ours unchunked loss",
          "lm ours packed", "lm ours packed flex", "lm ours fp8 rowwise", "tiny trainer compiled", "lm ours fsdp2 bf16",
-         "tiny trainer workers=1", "vlm ours all rows", "vlm transformers", "lm transformers")
-TINY = {"tiny trainer": [], "tiny trainer workers=1": ["--data.workers", "1"],
+         "tiny trainer thread", "vlm ours all rows", "vlm transformers", "lm transformers")
+TINY = {"tiny trainer": [], "tiny trainer thread": ["--data.workers", "0"],
         "tiny trainer compiled": [f"--options.{m}.compile=true" for m in ("image", "language")],
         "tiny trainer whole": [f"--options.{m}.{o}" for m in ("image", "language")
                                for o in ("compile=true", "compile_scope=module")],
         "tiny trainer cudagraphs": [f"--options.{m}.{o}" for m in ("image", "language")
                                     for o in ("compile=true", "compile_scope=module", "compile_mode=reduce-overhead")]}
-# The loader in a process of its own: the default prefetch thread's Python (about 5 ms a batch on
-# CPU: tokens, decode, collate) takes the GIL from a host-bound step's main thread.
-TINY["tiny trainer cudagraphs workers=1"] = [*TINY["tiny trainer cudagraphs"], "--data.workers", "1"]
+# The loader on a thread of the rank (`data.workers = 0`) instead of the default loader process on
+# GPUs: its Python (about 5 ms a batch on CPU: tokens, decode, collate) takes the GIL from a
+# host-bound step's main thread (the H200's tiny step in CUDA graphs: 26.0 ms against 20.6).
+TINY["tiny trainer cudagraphs thread"] = [*TINY["tiny trainer cudagraphs"], "--data.workers", "0"]
 GRAPHS = " cudagraphs"  # the CUDA-graph cases' suffix: ParallelOptions(compile_mode="reduce-overhead")
 WRAPPER = " cpp wrapper"  # ParallelOptions(compile_options={"cpp_wrapper": True}): inductor's C++ wrapper
 FP8 = "lm ours fp8 "  # the fp8 cases' prefix; the recipe follows

@@ -329,20 +329,22 @@ class Trainer:
         advances as batches are consumed (its state is the checkpoint's data position)."""
         d = self.config.data
         plan = self.train_plan = self._load_plan(d.batch_size, self.config.pipeline.microbatches)
-        prefetch = d.prefetch if d.prefetch is not None else self.model.device.type == "cuda"
-        if d.workers == 0 and not prefetch:
+        gpu = self.model.device.type == "cuda"
+        workers = d.workers if d.workers is not None else int(gpu)  # a loader process frees a GPU step's thread
+        prefetch = d.prefetch if d.prefetch is not None else gpu
+        if workers == 0 and not prefetch:
             for indices in _Forever(self.sampler):
                 yield (list(indices), *plan.tolerant(self.data.train.batch, indices, self._left_out(indices)))
             return
         ahead = ResumableBatchSampler(len(self.data.train), d.batch_size, seed=d.seed)
         ahead.load_state_dict(self.sampler.state_dict())  # the loader's own copy runs ahead
-        pin = self.model.device.type == "cuda"  # host-to-device copies then overlap the step
-        if d.workers == 0:  # one thread prepares the next batches while the step runs
+        pin = gpu  # host-to-device copies then overlap the step
+        if workers == 0:  # one thread prepares the next batches while the step runs
             batches: Iterator[tuple] = _prefetched((plan.tolerant(self.data.train.batch, i) for i in _Forever(ahead)),
                                                    depth=2, pin=pin, prepare=self._prepare)
         else:
             loader = DataLoader(_Batches(self.data.train, plan), sampler=_Forever(ahead), batch_size=None,
-                                num_workers=d.workers, collate_fn=_as_is, persistent_workers=True,
+                                num_workers=workers, collate_fn=_as_is, persistent_workers=True,
                                 pin_memory=pin, worker_init_fn=ignore_stop_signals,
                                 multiprocessing_context=LOADER_START)
             batches = (flat.unpack() for flat in loader)
