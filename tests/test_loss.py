@@ -202,3 +202,19 @@ def test_mimo_model_chunked_loss_equals_the_plain_head(compile_backend) -> None:
     assert got_grads.keys() == want_grads.keys() and any("output" in n for n in got_grads)
     for name, grad in got_grads.items():
         torch.testing.assert_close(grad, want_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_first_true_is_nonzero_static_without_a_sync() -> None:
+    """`first_true` (the loss rows' pick, elementwise: no device sync) gives what
+    ``torch.nonzero_static(mask, size=count, fill_value=0)`` gives: fewer, as many and more
+    True entries than `count`, none, an empty mask."""
+    import random
+
+    from dtensor_mimo.sequence.loss import first_true
+
+    rng = random.Random(0)
+    for _ in range(500):
+        n, p = rng.randint(0, 40), rng.random()
+        mask = torch.tensor([rng.random() < p for _ in range(n)], dtype=torch.bool)
+        count = rng.randint(1, 50)
+        assert torch.equal(first_true(mask, count), torch.nonzero_static(mask, size=count, fill_value=0).squeeze(-1))

@@ -95,8 +95,7 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     device). The head then runs on that many rows only: in supervised fine-tuning the image rows
     and the masked prompt carry no loss (54-58% of the rows of `benchmarks/gpu.py`'s VLM
     batches), and their logits, softmax and gradients are arithmetic that adds exactly 0. The rows
-    are picked in order with ``torch.nonzero_static`` at that size, which needs no device sync
-    (CUDA since torch 2.6); rows beyond the weighted ones (a count too high) repeat the first row
+    are picked in order at that size without a device sync (`first_true`); rows beyond the weighted ones (a count too high) repeat the first row
     at weight 0, adding nothing. Numerics: those of all rows up to the order of the sums. A count
     below the weighted positions leaves the last ones out of the loss: it must come from these
     `labels` and `loss_mask`."""
@@ -122,10 +121,21 @@ def pick_loss_rows(hidden: torch.Tensor, labels: torch.Tensor, loss_mask: torch.
     weights = loss_weights(labels, loss_mask.flatten())
     if counted is None or counted >= hidden.shape[0]:
         return hidden, labels, weights
-    keep = torch.nonzero_static(weights, size=counted, fill_value=0).squeeze(-1)
+    keep = first_true(weights != 0, counted)
     weighted = (weights != 0).sum()  # on the device: no sync
     hidden, labels, weights = (t.index_select(0, keep) for t in (hidden, labels, weights))
     return hidden, labels, torch.where(torch.arange(counted, device=weights.device) < weighted, weights, 0.0)
+
+
+def first_true(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices of the first `count` True entries of the 1-D `mask`, in order, then 0s
+    (``torch.nonzero_static(mask, size=count, fill_value=0)``) without a device sync: the k-th
+    True is where the running count first reaches k. (With ``nonzero_static`` the H200 profile
+    of the tiny task, torch 2.11, showed an ``aten::nonzero``, a sync, per microbatch: the
+    training step's only one.)"""
+    running = torch.cumsum(mask, 0)
+    at = torch.searchsorted(running, torch.arange(1, count + 1, device=mask.device))
+    return torch.where(at < mask.numel(), at, 0)
 
 
 def _outside(labels: torch.Tensor, counted: torch.Tensor, vocab: int) -> torch.Tensor:
