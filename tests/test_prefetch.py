@@ -73,8 +73,11 @@ def test_what_a_loader_worker_derives_crosses_with_the_batch() -> None:
     """A batch from a loader process (`Flat`, pickled) keeps what the worker derived from it."""
     from dtensor_mimo.data.transfer import Flat
 
+    from dtensor_mimo.data.balance import microbatch_cuts
+
     batch = _batch(1)
-    derived = step_fingerprint(batch), loss_normalizer(batch)
+    derived = step_fingerprint(batch), loss_normalizer(batch), microbatch_cuts(batch, 2, (("vision", 4, None, 64),))
     crossed = Flat.pack((batch, [])).unpack()[0]
-    assert crossed.__dict__["_memo"] == {"step fingerprint": derived[0], "loss normalizer": derived[1]}
+    assert crossed.__dict__["_memo"] == {"step fingerprint": derived[0], "loss normalizer": derived[1],
+                                         ("encoder cuts", 2, ()): derived[2]} and derived[2] == [{}, {}]
     assert torch.equal(crossed.tokens, batch.tokens)

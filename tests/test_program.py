@@ -186,11 +186,13 @@ def _programs_run_by_the_executor():
                 model.prepare(batch)
                 memo = batch.__dict__["_memo"]
                 assert "loss normalizer" in memo and [k[0] for k in memo if isinstance(k, tuple)] == ["encoder cuts"]
-                derive, executor.encoder_cuts = executor.encoder_cuts, None
+                from dtensor_mimo.data import balance
+
+                derive, balance.encoder_cuts = balance.encoder_cuts, None
                 try:
                     loss = model.forward_backward(batch)
                 finally:
-                    executor.encoder_cuts = derive
+                    balance.encoder_cuts = derive
             elif mode == "forward":
                 model.zero_grad()
                 loss_f = model(batch)

@@ -26,10 +26,10 @@ from typing import Sequence
 
 import numpy as np
 
-from dtensor_mimo.data.batch import BatchError, ModalityInputs, sample_range
+from dtensor_mimo.data.batch import BatchError, MimoBatch, ModalityInputs, microbatches, sample_range
 
-__all__ = ["SampleCuts", "balanced_cuts", "encoder_cuts", "item_cost", "item_cuts", "max_over_mean", "row_bounds",
-           "sample_cuts"]
+__all__ = ["SampleCuts", "balanced_cuts", "encoder_cuts", "item_cost", "item_cuts", "max_over_mean",
+           "microbatch_cuts", "row_bounds", "sample_cuts"]
 
 
 def item_cost(tokens: int, width: int | None) -> int:
@@ -175,3 +175,24 @@ def max_over_mean(m: ModalityInputs, cuts: Sequence[int], width: int | None = No
     if prefix[-1] == 0:
         return None
     return max(prefix[b] - prefix[a] for a, b in zip(cuts, cuts[1:])) * parts / prefix[-1]
+
+
+CutRule = tuple[str, int, "bool | None", "int | None"]
+"""An encoder's cut rule: ``(name, dp, balance, width)`` (`encoder_cuts`' arguments)."""
+
+
+def microbatch_cuts(batch: MimoBatch, count: int, rules: Sequence[CutRule]
+                    ) -> list[dict[str, tuple[Sequence[int], tuple[int, ...] | None]]]:
+    """Per microbatch of `batch` cut in `count`, the `encoder_cuts` of each encoder of `rules`
+    whose modality the batch has (which items each of its dp ranks encodes). Pure, from the
+    batch metadata alone; once per batch, count and rules (`MimoBatch.memo`, which pickles with
+    the batch), so that a loader thread or process can derive it ahead of the step: the
+    balanced rule's work grows with the encoder's dp size."""
+    rules = tuple(r for r in rules if r[0] in batch.modalities)
+
+    def derive() -> list[dict[str, tuple[Sequence[int], tuple[int, ...] | None]]]:
+        mbs = microbatches(batch, count) if count > 1 else [batch]
+        return [{n: encoder_cuts(mb.modalities[n], dp, balance, width) for n, dp, balance, width in rules}
+                for mb in mbs]
+
+    return batch.memo(("encoder cuts", count, rules), derive)

@@ -30,7 +30,7 @@ from torch import nn
 from dtensor_mimo.bridge.exchange import BufferPool
 from dtensor_mimo.bridge.hops import Delivery
 from dtensor_mimo.data import MimoBatch, ModalityInputs, microbatches, shard
-from dtensor_mimo.data.balance import encoder_cuts
+from dtensor_mimo.data.balance import CutRule, microbatch_cuts
 from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.parallelize import GradientReducer, ParallelOptions
 from dtensor_mimo.schedule.config import PipelineConfig
@@ -120,21 +120,17 @@ class RankParts:
         return StepShape(mode, names, tuple(n for n in names if self.trainable[n]), m,
                          self.window if mode == "train" else 1, self.overlapped, check_rows and mode != "train")
 
+    @functools.cached_property
+    def cut_rules(self) -> tuple[CutRule, ...]:
+        """Every encoder's ``(name, dp, balance, width)``, in `shape`'s order (`microbatch_cuts`)."""
+        return tuple((n, self.layout.parallelism(n).dp, self.options[n].balance, self.widths[n])
+                     for n in self.trainable)
+
     def cuts(self, batch: MimoBatch, shape: StepShape) -> list[dict[str, tuple[Sequence[int], tuple[int, ...] | None]]]:
         """Per microbatch of a `shape` step over `batch`, each crossing encoder's `encoder_cuts`
-        (which items each of its dp ranks encodes: by sample, or balanced by cost). Pure, from
-        the batch metadata alone; once per batch and rule (`MimoBatch.memo`), so that a loader
-        thread can derive it ahead of the step (`MimoModel.prepare`): the balanced rule's work
-        grows with the encoder's dp size."""
-        rules = tuple((n, self.layout.parallelism(n).dp, self.options[n].balance, self.widths[n])
-                      for n in shape.encoders)
-
-        def derive() -> list[dict[str, tuple[Sequence[int], tuple[int, ...] | None]]]:
-            mbs = microbatches(batch, shape.microbatches) if shape.microbatches > 1 else [batch]
-            return [{n: encoder_cuts(mb.modalities[n], dp, balance, width) for n, dp, balance, width in rules}
-                    for mb in mbs]
-
-        return batch.memo(("encoder cuts", shape.microbatches, rules), derive)
+        (`microbatch_cuts`: derived once per batch, possibly ahead, by `MimoModel.prepare` or
+        the trainer's loader)."""
+        return microbatch_cuts(batch, shape.microbatches, self.cut_rules)
 
     def program(self, batch: MimoBatch, mode: str = "train", check_rows: bool = False) -> list[Action]:
         """This rank's actions for a `mode` step over `batch` (cached per step shape: a steady

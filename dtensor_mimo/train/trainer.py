@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from dtensor_mimo.data import IGNORE_INDEX, BatchError, MimoBatch, ResumableBatchSampler, microbatches, samples_to_load
-from dtensor_mimo.data.balance import encoder_cuts
+from dtensor_mimo.data.balance import CutRule, encoder_cuts, microbatch_cuts
 from dtensor_mimo.data.conversation import MediaError
 from dtensor_mimo.data.transfer import Flat
 from dtensor_mimo.mimo import MimoModel
@@ -133,15 +133,16 @@ class _LoadPlan:
 
 class _Batches(Dataset):
     """A dataset whose item at a list of indices is this rank's view of that global batch, with
-    its fingerprint and loss weight derived in the worker (`MimoBatch.memo`, pickled with it),
-    packed into one buffer for the trip from a loader worker (`Flat`)."""
+    what the step derives from all of it derived in the worker (its fingerprint, loss weight and
+    encoder cuts for `cuts`: the microbatch count and `RankParts.cut_rules`; `MimoBatch.memo`,
+    pickled with it), packed into one buffer for the trip from a loader worker (`Flat`)."""
 
-    def __init__(self, dataset: BatchSource, plan: _LoadPlan) -> None:
-        self.dataset, self.plan = dataset, plan
+    def __init__(self, dataset: BatchSource, plan: _LoadPlan, cuts: tuple[int, tuple[CutRule, ...]]) -> None:
+        self.dataset, self.plan, self.cuts = dataset, plan, cuts
 
     def __getitem__(self, indices: list[int]) -> Flat:
         batch, failed = self.plan.tolerant(self.dataset.batch, indices)
-        step_fingerprint(batch), loss_normalizer(batch)
+        step_fingerprint(batch), loss_normalizer(batch), microbatch_cuts(batch, *self.cuts)
         return Flat.pack((batch, failed))
 
     def __len__(self) -> int:
@@ -343,7 +344,9 @@ class Trainer:
             batches: Iterator[tuple] = _prefetched((plan.tolerant(self.data.train.batch, i) for i in _Forever(ahead)),
                                                    depth=2, pin=pin, prepare=self._prepare)
         else:
-            loader = DataLoader(_Batches(self.data.train, plan), sampler=_Forever(ahead), batch_size=None,
+            parts = self.model.parts
+            loader = DataLoader(_Batches(self.data.train, plan, (parts.pipeline.microbatches, parts.cut_rules)),
+                                sampler=_Forever(ahead), batch_size=None,
                                 num_workers=workers, collate_fn=_as_is, persistent_workers=True,
                                 pin_memory=pin, worker_init_fn=ignore_stop_signals,
                                 multiprocessing_context=LOADER_START)
