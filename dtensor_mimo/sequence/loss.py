@@ -96,9 +96,9 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     and the masked prompt carry no loss (54-58% of the rows of `benchmarks/gpu.py`'s VLM
     batches), and their logits, softmax and gradients are arithmetic that adds exactly 0. The rows
     are picked in order at that size without a device sync (`first_true`); rows beyond the
-    weighted ones (a count too high) repeat the first row at weight 0, adding nothing. Numerics: those of all rows up to the order of the sums. A count
-    below the weighted positions leaves the last ones out of the loss: it must come from these
-    `labels` and `loss_mask`."""
+    weighted ones (a count too high) repeat the first row at weight 0, adding nothing. Numerics:
+    those of all rows up to the order of the sums. A count below the weighted positions leaves the
+    last ones out of the loss: it must come from these `labels` and `loss_mask`."""
     hidden, labels, weights = pick_loss_rows(hidden, labels, loss_mask, counted)
     if hidden.shape[0] * weight.shape[0] <= LOSS_CHUNK_LOGITS:
         # The same label rule as the chunks: uncounted positions ignored, a counted id outside
