@@ -327,12 +327,14 @@ class MimoModel(nn.Module):
 
     def prepare(self, batch: MimoBatch, mode: str = "train") -> None:
         """Derive now, on any thread, what a `mode` step over the global `batch` derives from all
-        of it: its loss weight and each encoder's item cuts per microbatch (host work that grows
-        with the batch, and with an encoder's dp size where its items are balanced), kept with
-        the batch (`MimoBatch.memo`). Optional: the step derives what is missing. The trainer's
-        prefetch thread prepares the next batch while the step runs. Pure: no message, no device."""
-        loss_normalizer(batch)
-        self.parts.cuts(batch, self.parts.shape(batch, mode))
+        of it: its fingerprint, its loss weight and each encoder's item cuts per microbatch (host
+        work that grows with the batch, and with an encoder's dp size where its items are
+        balanced), kept with the batch (`optim.step.prepare_batch`). Optional: the step derives
+        what is missing. The trainer's prefetch thread prepares the next batch while the step
+        runs. Pure: no message, no device."""
+        from dtensor_mimo.optim.step import prepare_batch  # (the step's module imports this one)
+
+        prepare_batch(batch, self.parts.shape(batch, mode).microbatches, self.parts.cut_rules)
 
     def run(self, batch: MimoBatch, mode: str = "train") -> StepResult:
         """One `mode` step over the global `batch` on this rank (call on every rank): its program

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from dtensor_mimo.data import IGNORE_INDEX, BatchError, MimoBatch, ResumableBatchSampler, microbatches, samples_to_load
-from dtensor_mimo.data.balance import CutRule, encoder_cuts, microbatch_cuts
+from dtensor_mimo.data.balance import CutRule, encoder_cuts
 from dtensor_mimo.data.conversation import MediaError
 from dtensor_mimo.data.transfer import Flat
 from dtensor_mimo.mimo import MimoModel
@@ -51,8 +51,8 @@ from dtensor_mimo.train.datasets import BatchSource, train_data
 from dtensor_mimo.train.metrics import MetricsLogger, StepProfiler, peak_tflops, transformer_flops
 from dtensor_mimo.train.modules import build_modules, resolve
 from dtensor_mimo.optim.optimizer import MimoOptimizer
-from dtensor_mimo.optim.step import UnusableBatch, step_fingerprint, train_step
-from dtensor_mimo.sequence.loss import loss_normalizer, loss_weights
+from dtensor_mimo.optim.step import UnusableBatch, prepare_batch, train_step
+from dtensor_mimo.sequence.loss import loss_weights
 
 
 COMPILE_STEPS = 2
@@ -133,16 +133,16 @@ class _LoadPlan:
 
 class _Batches(Dataset):
     """A dataset whose item at a list of indices is this rank's view of that global batch, with
-    what the step derives from all of it derived in the worker (its fingerprint, loss weight and
-    encoder cuts for `cuts`: the microbatch count and `RankParts.cut_rules`; `MimoBatch.memo`,
-    pickled with it), packed into one buffer for the trip from a loader worker (`Flat`)."""
+    what the step derives from all of it derived in the worker (`prepare_batch` for `cuts`: the
+    microbatch count and `RankParts.cut_rules`; pickled with it), packed into one buffer for the
+    trip from a loader worker (`Flat`)."""
 
     def __init__(self, dataset: BatchSource, plan: _LoadPlan, cuts: tuple[int, tuple[CutRule, ...]]) -> None:
         self.dataset, self.plan, self.cuts = dataset, plan, cuts
 
     def __getitem__(self, indices: list[int]) -> Flat:
         batch, failed = self.plan.tolerant(self.dataset.batch, indices)
-        step_fingerprint(batch), loss_normalizer(batch), microbatch_cuts(batch, *self.cuts)
+        prepare_batch(batch, *self.cuts)
         return Flat.pack((batch, failed))
 
     def __len__(self) -> int:
@@ -342,7 +342,7 @@ class Trainer:
         pin = gpu  # host-to-device copies then overlap the step
         if workers == 0:  # one thread prepares the next batches while the step runs
             batches: Iterator[tuple] = _prefetched((plan.tolerant(self.data.train.batch, i) for i in _Forever(ahead)),
-                                                   depth=2, pin=pin, prepare=self._prepare)
+                                                   depth=2, pin=pin, prepare=self.model.prepare)
         else:
             parts = self.model.parts
             loader = DataLoader(_Batches(self.data.train, plan, (parts.pipeline.microbatches, parts.cut_rules)),
@@ -353,13 +353,6 @@ class Trainer:
             batches = (flat.unpack() for flat in loader)
         for (batch, failed), indices in zip(batches, _Forever(self.sampler)):
             yield list(indices), batch, list(failed)
-
-    def _prepare(self, batch: MimoBatch) -> None:
-        """What the step derives from the whole global `batch`, derived ahead (the prefetch
-        thread): its fingerprint (`train_step`), its loss weight and the encoders' item cuts
-        (`MimoModel.prepare`)."""
-        step_fingerprint(batch)
-        self.model.prepare(batch)
 
     def trainer_state(self) -> dict[str, Any]:
         """The loop's position for checkpoints: step, optimizer updates, the sampler's place."""
