@@ -18,7 +18,8 @@ from torch import nn
 from dtensor_mimo.bridge import PlanError, exchange
 from dtensor_mimo.bridge.hops import check_hops
 from dtensor_mimo.data import MimoBatch, microbatches, sample_range, shard
-from dtensor_mimo.data.balance import encoder_cuts, max_over_mean
+from dtensor_mimo.data.batch import step_fingerprint
+from dtensor_mimo.data.balance import CutRule, encoder_cuts, max_over_mean, microbatch_cuts
 from dtensor_mimo.layout import LANGUAGE, MimoLayout
 from dtensor_mimo.layout.mesh import check_agreement
 from dtensor_mimo.models.hf import hf_parts, plan_hf
@@ -36,6 +37,17 @@ from dtensor_mimo.schedule.program import Action
 from dtensor_mimo.sequence import greedy_generate, loss_normalizer
 
 __all__ = ["MimoModel", "StepResult", "check_batch"]
+
+
+def prepare_batch(batch: MimoBatch, count: int, rules: Sequence[CutRule]) -> None:
+    """Derive now, kept with `batch` (`MimoBatch.memo`), what a training step over it derives
+    from the whole global batch: its fingerprint, its loss weight and, for `count` microbatches
+    and the encoders' cut `rules` (`RankParts.cut_rules`), their item cuts per microbatch. Pure (no
+    message, no device), so any thread or loader process can do it ahead of the step
+    (`MimoModel.prepare` for a model's own rules)."""
+    step_fingerprint(batch)
+    loss_normalizer(batch)
+    microbatch_cuts(batch, count, rules)
 
 
 class MimoModel(nn.Module):
@@ -329,11 +341,9 @@ class MimoModel(nn.Module):
         """Derive now, on any thread, what a `mode` step over the global `batch` derives from all
         of it: its fingerprint, its loss weight and each encoder's item cuts per microbatch (host
         work that grows with the batch, and with an encoder's dp size where its items are
-        balanced), kept with the batch (`optim.step.prepare_batch`). Optional: the step derives
+        balanced), kept with the batch (`prepare_batch`). Optional: the step derives
         what is missing. The trainer's prefetch thread prepares the next batch while the step
         runs. Pure: no message, no device."""
-        from dtensor_mimo.optim.step import prepare_batch  # (the step's module imports this one)
-
         prepare_batch(batch, self.parts.shape(batch, mode).microbatches, self.parts.cut_rules)
 
     def run(self, batch: MimoBatch, mode: str = "train") -> StepResult:

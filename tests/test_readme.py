@@ -34,8 +34,11 @@ def test_library_example_runs_on_three_ranks(tmp_path) -> None:
     script = tmp_path / "example.py"
     script.write_text(code)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    # Each rank's stdout block-buffered, so that its one line reaches the shared pipe in one write
+    # (unbuffered, the three ranks' prints interleaved piece by piece).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     out = subprocess.run([torchrun, "--standalone", "--nproc-per-node=3", str(script)], capture_output=True,
-                         text=True, timeout=300, cwd=tmp_path)
+                         text=True, timeout=300, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.strip()]
     assert len(lines) == 3 and len(set(lines)) == 1  # loss and grad norm, the same on every rank

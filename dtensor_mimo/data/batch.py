@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, Sequence
 
 import torch
 
+from dtensor_mimo.layout.fingerprint import batch_fingerprint
+
 if TYPE_CHECKING:  # annotations only: the data layer reads these configs' fields, never imports models
     from dtensor_mimo.models.audio import AudioConfig
     from dtensor_mimo.models.vit import ViTConfig
@@ -646,3 +648,12 @@ def synthetic_batch(spec: SyntheticSpec, seed: int) -> MimoBatch:
         document_ids=document_ids if packed else None,
         positions=positions if packed else None,
     )
+
+
+def step_fingerprint(batch: MimoBatch) -> int:
+    """`batch_fingerprint` of a global batch: its per-token tensors (when on the host: hashing
+    device memory would sync) and each modality's items and tokens per sample; once per batch
+    (`MimoBatch.memo`)."""
+    tensors = (batch.tokens, batch.labels, batch.loss_mask) if batch.tokens.is_cpu else ()
+    return batch.memo("step fingerprint", lambda: batch_fingerprint(
+        tensors, {n: (m.items_per_sample, m.tokens_per_sample()) for n, m in batch.modalities.items()}))

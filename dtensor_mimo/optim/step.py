@@ -14,12 +14,11 @@ import torch.distributed as dist
 
 from dtensor_mimo.bridge import PlanError
 from dtensor_mimo.data import BatchError, MimoBatch
-from dtensor_mimo.data.balance import CutRule, microbatch_cuts
-from dtensor_mimo.layout.fingerprint import agreed, agreed_sums, agreement_terms, batch_fingerprint
+from dtensor_mimo.data.batch import step_fingerprint
+from dtensor_mimo.layout.fingerprint import agreed, agreed_sums, agreement_terms
 from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.optim.optimizer import MimoOptimizer, grad_sumsq_shares
 from dtensor_mimo.schedule.runtime import phase
-from dtensor_mimo.sequence.loss import loss_normalizer
 
 log = logging.getLogger(__name__)
 
@@ -256,26 +255,6 @@ def _from_the_transport(e: BaseException | None) -> bool:
             return True
         e = e.__cause__
     return False
-
-
-def step_fingerprint(batch: MimoBatch) -> int:
-    """`batch_fingerprint` of a global batch: its per-token tensors (when on the host: hashing
-    device memory would sync) and each modality's items and tokens per sample; once per batch
-    (`MimoBatch.memo`)."""
-    tensors = (batch.tokens, batch.labels, batch.loss_mask) if batch.tokens.is_cpu else ()
-    return batch.memo("step fingerprint", lambda: batch_fingerprint(
-        tensors, {n: (m.items_per_sample, m.tokens_per_sample()) for n, m in batch.modalities.items()}))
-
-
-def prepare_batch(batch: MimoBatch, microbatches: int, rules: Sequence[CutRule]) -> None:
-    """Derive now, kept with `batch` (`MimoBatch.memo`), what a training step over it derives
-    from the whole global batch: its fingerprint, its loss weight and, for `microbatches` and
-    the encoders' cut `rules` (`RankParts.cut_rules`), their item cuts per microbatch. Pure (no
-    message, no device), so any thread or loader process can do it ahead of the step
-    (`MimoModel.prepare` for a model's own rules)."""
-    step_fingerprint(batch)
-    loss_normalizer(batch)
-    microbatch_cuts(batch, microbatches, rules)
 
 
 def trainable_changes(model: MimoModel) -> dict[str, bool]:

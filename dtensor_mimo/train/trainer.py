@@ -42,7 +42,7 @@ from dtensor_mimo.data import IGNORE_INDEX, BatchError, MimoBatch, ResumableBatc
 from dtensor_mimo.data.balance import CutRule, encoder_cuts
 from dtensor_mimo.data.conversation import MediaError
 from dtensor_mimo.data.transfer import Flat
-from dtensor_mimo.mimo import MimoModel
+from dtensor_mimo.mimo import MimoModel, prepare_batch
 from dtensor_mimo.models import ModalityEncoder
 from dtensor_mimo.train import checkpoint
 from dtensor_mimo.train.preemption import STOP_SIGNALS, StopSignals, exit_status, ignore_stop_signals
@@ -51,7 +51,7 @@ from dtensor_mimo.train.datasets import BatchSource, train_data
 from dtensor_mimo.train.metrics import MetricsLogger, StepProfiler, peak_tflops, transformer_flops
 from dtensor_mimo.train.modules import build_modules, resolve
 from dtensor_mimo.optim.optimizer import MimoOptimizer
-from dtensor_mimo.optim.step import UnusableBatch, prepare_batch, train_step
+from dtensor_mimo.optim.step import UnusableBatch, train_step
 from dtensor_mimo.sequence.loss import loss_weights
 
 
