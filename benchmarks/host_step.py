@@ -21,6 +21,7 @@ checkout that has them can be the baseline.
 | transformers llama, fused AdamW | the same with `torch.optim.AdamW(fused=True)`, the form the library uses wherever torch has it | one process |
 | llama / llava, compiled | `llama` or `llava` with every module compiled per block by inductor (`ParallelOptions(compile=True)`) | world 1 |
 | llama / llava, compiled, C++ wrapper | the same with inductor's C++ wrapper (`compile_options={"cpp_wrapper": True}`): the compiled code calls its kernels from C++ | world 1 |
+| llama / llava, compiled whole | each module compiled whole (`compile_scope="module"`): the encoder with its projection, the decoder with its head and loss, one graph each | world 1 |
 
 The transformers cases are the plain single-model stack the issue-29 target compares against:
 "llama / transformers" is the library's host time per step over it (target: at most 1.1). The
@@ -43,6 +44,7 @@ CASES = {"llama": (1, 1), "llava": (1, 1), "llava, 2 ranks, M=2": (2, 2), "trans
          "transformers llama, fused AdamW": (1, 1)}
 COMPILED = {f"{model}, compiled{wrapper}": {"compile_options": {"cpp_wrapper": True}} if wrapper else {}
             for model in ("llama", "llava") for wrapper in ("", ", C++ wrapper")}
+COMPILED.update({f"{model}, compiled whole": {"compile_scope": "module"} for model in ("llama", "llava")})
 """`ParallelOptions(compile=True, **these)` for every module; world 1, one microbatch."""
 REFERENCE = "transformers llama"
 REFERENCES = (REFERENCE, "transformers llama, fused AdamW")

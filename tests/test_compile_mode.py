@@ -9,10 +9,10 @@ check what holds everywhere:
 | test | what |
 |---|---|
 | options | validation of the options and their combinations; inductor's names and value types checked when the options are made |
-| every compiled piece | the mode (or the options, with the mode's under them) reaches each block, or each stack whole, and checkpointed blocks |
+| every compiled piece | the mode (or the options, with the mode's under them) reaches each block, or each stack whole (an encoder with its projection as one), and checkpointed blocks |
 | refusals | from the layout alone, before any process group: FSDP2 sharding, tp / cp, encoder stages, items of their own sizes |
 | graph memory | a run is refused while the run before still needs the graphs' memory |
-| world 1 | a colocated vision + language model, 2 microbatches, compiled by inductor in that mode per block and whole, and per block with the C++ wrapper (`compile_options`), against eager: 2 training steps and a prediction (losses, weights, ids), compiled graphs made (C++ wrappers where asked for), one cudagraph-tree generation per run, and the refusal of a run while gradients are held |
+| world 1 | a colocated vision + language model, 2 microbatches, compiled by inductor in that mode per block and whole, and per block with the C++ wrapper (`compile_options`), against eager: 2 training steps and a prediction (losses, weights, ids), compiled graphs made (C++ wrappers where asked for), the loss traced into the decoder's graph where it compiles whole (eager per block), one cudagraph-tree generation per run, and the refusal of a run while gradients are held |
 | empty batch | a ViT compiled whole on batches with no image, against eager and the convolution |
 | padded items | a CUDA-graph encoder's microbatches padded to the step's bucket of items: rows and gradients as unpadded; the world-1 run above pads its second step's microbatches of 0 and 3 images to 3 (against eager) |
 """
@@ -97,8 +97,8 @@ def test_compile_mode_is_validated() -> None:
 @pytest.mark.parametrize("scope, base", [("block", GRAPHS), ("module", GRAPHS), ("block", CPP)])
 def test_mode_reaches_every_compiled_piece(monkeypatch: pytest.MonkeyPatch, scope: str,
                                            base: ParallelOptions) -> None:
-    """Each block (or each stack whole) and a stack without blocks (the projection) compile with
-    the module's mode (or options)."""
+    """Each block (or each stack whole, an encoder and its projection as one module) and a stack
+    without blocks (the projection) compile with the module's mode (or options)."""
     calls: list[tuple[str, dict]] = []
     monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: calls.append((type(self).__name__, kw)))
     vit = ViTConfig.tiny()
@@ -109,7 +109,7 @@ def test_mode_reaches_every_compiled_piece(monkeypatch: pytest.MonkeyPatch, scop
     want = ({"backend": "inductor", "mode": "reduce-overhead", "options": None} if base is GRAPHS else
             {"backend": "inductor", "mode": None, "options": {"cpp_wrapper": True}})
     assert [name for name, _ in calls] == (["EncoderBlock"] * vit.n_layers + ["Projection"] + ["TransformerBlock"] * 2
-                                           if scope == "block" else ["ViT", "Projection", "Llama"])
+                                           if scope == "block" else ["ModalityEncoder", "Llama"])
     assert all(kw == want for _, kw in calls)
 
 
@@ -262,9 +262,12 @@ def _compiled_against_eager() -> dict:
     from torch._inductor.codecache import CppWrapperCodeCache
 
     from dtensor_mimo.schedule.encoders import LocalEncoders
+    from dtensor_mimo.sequence import loss as token_loss
 
-    marks, wrappers, buckets = [], [], []
+    marks, wrappers, buckets, traced = [], [], [], []
     original, load = torch.compiler.cudagraph_mark_step_begin, CppWrapperCodeCache.load_pybinding
+    checked = token_loss.checked_token_loss_sum  # the small head's loss: traced, or run eagerly
+    token_loss.checked_token_loss_sum = lambda *a: (traced.append(torch.compiler.is_compiling()), checked(*a))[1]
     init = LocalEncoders.__init__
     LocalEncoders.__init__ = lambda self, *a, **k: (init(self, *a, **k), buckets.append(dict(self.buckets)))[0]
     torch.compiler.cudagraph_mark_step_begin = lambda: (marks.append(1), original())[1]
@@ -280,6 +283,7 @@ def _compiled_against_eager() -> dict:
             marks.clear()
             wrappers.clear()
             buckets.clear()
+            traced.clear()
             graphs = counters["stats"]["unique_graphs"]
             llama, encoders = _modules(("vision",), n_layers=1)
             layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()},
@@ -290,6 +294,7 @@ def _compiled_against_eager() -> dict:
             losses = [train_step(model, optimizer, b).loss for b in batches]
             ids = model.predict(batches[0])
             out[name] = {"losses": losses, "ids": ids, "marks": len(marks), "cpp wrappers": len(wrappers),
+                         "loss traced": sorted(set(traced)),
                          "buckets": buckets[:3],  # the items each run's encoder microbatches ran on
                          "graphs": counters["stats"]["unique_graphs"] - graphs,
                          "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
@@ -305,6 +310,7 @@ def _compiled_against_eager() -> dict:
     finally:
         torch.compiler.cudagraph_mark_step_begin = original
         CppWrapperCodeCache.load_pybinding = load
+        token_loss.checked_token_loss_sum = checked
         LocalEncoders.__init__ = init
 
 
@@ -316,7 +322,10 @@ def test_inductor_mode_matches_eager() -> None:
     [out] = run_on_ranks(_compiled_against_eager, 1, timeout=540)
     eager = out.pop("eager")
     assert eager["marks"] == 0 and eager["graphs"] == 0 and eager["buckets"] == [{}, {}, {}]
+    assert eager["loss traced"] == [False]
     for how, got in out.items():
+        # compiled whole, the decoder's graph holds its head and loss (traced once, then replayed)
+        assert got["loss traced"] == ([True] if how == "whole" else [False]), (how, got["loss traced"])
         if how == "cpp":  # no CUDA graphs; the decoder's block compiled, its forward and backward C++-wrapped
             assert got["marks"] == 0 and got["graphs"] >= 1 and got["cpp wrappers"] >= 2, got
             assert got["buckets"] == [{}, {}, {}]

@@ -25,12 +25,13 @@ def _blocks(text: str, language: str) -> list[str]:
 def test_library_example_runs_on_three_ranks(tmp_path) -> None:
     blocks = _blocks(_read("README.md"), "python")
     code = next(b for b in blocks if "train_step(model, optimizer, batch)" in b)
-    # The programs the README prints for that model, each rank's written to a file.
+    # Its process groups torn down before the interpreter exits (a rank once aborted at exit under
+    # load with them alive: "terminate called without an active exception"), after the programs
+    # the README prints for that model, each rank's written to a file.
+    code, teardown = code.split("dist.destroy_process_group()")
     shown = next(b for b in blocks if "format_program(model.program(batch" in b)
     code += shown.replace("print(format_program(", "open(f'program.{dist.get_rank()}', 'w').write(format_program(")
-    # Torn down before the interpreter exits: a rank once aborted at exit under load with its
-    # process groups alive ("terminate called without an active exception").
-    code += "\ndist.destroy_process_group()\n"
+    code += "\ndist.destroy_process_group()" + teardown
     script = tmp_path / "example.py"
     script.write_text(code)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")

@@ -59,8 +59,10 @@ class ParallelOptions:
         compile_scope: what `compile` compiles: "block" (default: each transformer block, the
             form torchtitan uses, which composes with FSDP2's per-block units and activation
             checkpointing) or "module" (each stack whole: a ViT's patch embedding, blocks and
-            final norm, a decoder's rotary tables, blocks and final norm, in one graph; one
-            compiled call per forward and per backward instead of one per block, for modules
+            final norm, a decoder's rotary tables, blocks and final norm, in one graph; an
+            encoder's tower and projection in one graph; the library's decoder with its head and
+            loss where its logits fit in one loss chunk; one compiled call per forward and per
+            backward instead of one per block, for modules
             whose per-call host work outweighs their kernels; refused where FSDP2 shards the
             module, with activation checkpointing, for an encoder with pp > 1, whose stages run
             their blocks themselves, for an encoder with items of their own sizes (a list per

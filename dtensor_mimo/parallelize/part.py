@@ -7,8 +7,8 @@ wherever it runs (a whole module at pp = 1, a pipeline stage, a planner's measur
    and projection plans, or a user module's ``parallelize(tp_mesh, options)``);
 2. activation checkpointing of each stack's blocks (``layers``; a stack without, e.g. a
    projection, is not checkpointed);
-3. torch.compile per block (`ParallelOptions.compile_scope`: or each stack whole; a stack
-   without blocks compiles whole);
+3. torch.compile per block (`ParallelOptions.compile_scope`: or each stack whole, a
+   `ModalityEncoder` without FSDP2 units as one graph; a stack without blocks compiles whole);
 4. FSDP2 over dp·cp on the part's root: each block (a stack without blocks is one unit), then
    the root itself, with the mixed precision policy; without FSDP (off, or a dp·cp mesh of
    size 1: no wrapper where nothing is sharded) autocast around the root's forward.
@@ -96,6 +96,11 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
     fp8 = None if options.fp8 is None else fp8_config(
         name, options.fp8, _device_type(root, tp_mesh, dp_mesh), uses_fsdp(options, dp_mesh, wrap_one_rank))
     units: list[nn.Module] = []  # FSDP2's units below the root
+    # A ModalityEncoder that no FSDP2 unit cuts compiles whole under compile_scope="module": tower
+    # and projection in one graph, one compiled call (a CUDA graph replay) per forward and per
+    # backward instead of two.
+    one_graph = (options.compile and options.compile_scope == "module" and isinstance(root, ModalityEncoder)
+                 and not uses_fsdp(options, dp_mesh, wrap_one_rank))
     for stack in parts:
         if fp8 is not None:
             convert_to_fp8(stack, fp8, name, options.fp8)
@@ -103,7 +108,7 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
             tp_plan(stack)(stack, tp_mesh, options)
         layers = blocks(stack)
         whole = layers is None or options.compile_scope == "module"
-        if options.compile and whole:
+        if options.compile and whole and not one_graph:
             stack.compile(**options.compile_kwargs)
         if layers is None:  # one FSDP2 unit (a projection: not checkpointed)
             if stack is not root:
@@ -120,6 +125,8 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
         log.warning("ParallelOptions(fp8=%r) for %s: none of its Linear layers converts (on CUDA only those whose "
                     "float8 matmuls torchao measured faster than bf16, fp8_pays); it trains in the compute dtype",
                     options.fp8, name)
+    if one_graph:
+        root.compile(**options.compile_kwargs)
     apply_data_parallel(root, dp_mesh, units, options, wrap_one_rank)
     return root
 

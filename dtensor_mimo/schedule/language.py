@@ -59,7 +59,7 @@ class LanguageStage(nn.Module):
 
     def __init__(self, llama: nn.Module, first: bool, last: bool, cp_size: int, cp_rank: int,
                  hidden_dtype: torch.dtype | None = None, chunked_loss: bool = False,
-                 loss_compile_backend: str | None = None) -> None:
+                 loss_compile_backend: str | None = None, whole_compile: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.llama, self.first, self.last = llama, first, last
         # The head runs inside the loss (`linear_token_loss_sum`) for the library's decoder, whose
@@ -71,6 +71,11 @@ class LanguageStage(nn.Module):
         self.plain_head = last and isinstance(llama, Llama) and type(head) is nn.Linear and head.bias is None
         self.chunked_loss = chunked_loss and self.plain_head
         self.loss_compile_backend = loss_compile_backend  # the chunked loss's arithmetic compiled with it
+        # The decoder compiled whole (`whole_compile`: its torch.compile keywords): where its logits
+        # fit in one chunk, the head and the loss join its graph (`_decoder_loss`), one compiled
+        # call per forward and backward instead of a dozen eager operations each, on a host-bound step.
+        self.small_loss = (torch.compile(self._decoder_loss, **whole_compile)
+                           if whole_compile is not None and self.chunked_loss else None)
         self.cp_size, self.cp_rank = cp_size, cp_rank
         self.hidden_dtype = hidden_dtype  # what a non-last stage sends on (the compute dtype)
         self.predicting = False  # the last stage returns next-token ids instead of a loss share
@@ -108,6 +113,9 @@ class LanguageStage(nn.Module):
         # `loss_rows` reaches every stage of the microbatch (torch passes the keywords to all):
         # only the last one, holding the head, acts on it.
         if (self.chunked_loss or (self.plain_head and loss_rows is not None)) and not self.predicting:
+            if self.small_loss is not None and loss_rows is None and (
+                    x.shape[:-1].numel() * self.llama.output.out_features <= token_loss.LOSS_CHUNK_LOGITS):
+                return self.small_loss(x, positions, document_ids, sequence_index, labels, loss_mask) / self.normalizer
             # The decoder without its head (the protocol's forward with `output` None returns
             # the normalised hidden states: under tp plain, full and replicated, the sequence
             # shards gathered); the head's weight was gathered by FSDP2 in this root module's
@@ -139,6 +147,15 @@ class LanguageStage(nn.Module):
             return vocab_parallel_argmax(out) if isinstance(out, DTensor) else out.argmax(-1)
         with phase("loss", microbatch):  # the head ran in the decoder, on every row
             return token_loss_sum(out, labels, loss_mask) / self.normalizer
+
+
+    def _decoder_loss(self, x: torch.Tensor, positions: torch.Tensor | None, document_ids: torch.Tensor | None,
+                      sequence_index: torch.Tensor | None, labels: torch.Tensor, loss_mask: torch.Tensor
+                      ) -> torch.Tensor:
+        """The summed token losses of the decoder's logits on every row (`self.small_loss`
+        compiles it with the decoder, whose own compiled forward it inlines)."""
+        logits = self.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
+        return token_loss.checked_token_loss_sum(logits, labels, loss_mask)
 
 
 def stage_inputs(mb: MimoBatch, cp_size: int, cp_rank: int,
@@ -206,7 +223,9 @@ class LanguagePipeline:
             part = llama_stage(llama, bounds[s], s == 0, s == self.n_stages - 1)
             module = LanguageStage(part, s == 0, s == self.n_stages - 1, par.cp, self.cp_rank, self.dtype,
                                    chunked_loss=options.chunked_loss and par.tp == 1,
-                                   loss_compile_backend=options.compile_backend if options.compile else None)
+                                   loss_compile_backend=options.compile_backend if options.compile else None,
+                                   whole_compile=options.compile_kwargs
+                                   if options.compile and options.compile_scope == "module" else None)
             self.stages.append(parallelize(module, tp_mesh, dp_mesh, options, parts=[part], name=name))
         # Each FSDP2 stage reduce-scatters during its last backward of a step, not after torch's
         # schedule; not under a split backward, whose weight half comes after the counted one

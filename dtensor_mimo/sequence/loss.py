@@ -101,15 +101,22 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     last ones out of the loss: it must come from these `labels` and `loss_mask`."""
     hidden, labels, weights = pick_loss_rows(hidden, labels, loss_mask, counted)
     if hidden.shape[0] * weight.shape[0] <= LOSS_CHUNK_LOGITS:
-        # The same label rule as the chunks: uncounted positions ignored, a counted id outside
-        # the vocabulary NaN (F.cross_entropy would raise, on CUDA as a device-side assert).
-        counted = weights != 0
-        bad = _outside(labels, counted, weight.shape[0])
-        total = token_loss_sum(F.linear(hidden, weight), torch.where(counted & ~bad, labels, IGNORE_INDEX), weights)
-        return torch.where(bad.any(), torch.nan, total)
+        return checked_token_loss_sum(F.linear(hidden, weight), labels, weights)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, labels, weights, compile_backend)
     return _chunked_cross_entropy(hidden, weight, labels, weights, False, False, compile_backend)[0]
+
+
+def checked_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """`token_loss_sum` of plain `logits` ``[..., vocab]`` under the chunked loss's label rule:
+    positions without a loss weight ignored, a weighted label outside the vocabulary NaN
+    (``F.cross_entropy`` would raise, on CUDA as a device-side assert: a sync to check)."""
+    labels = labels.flatten()
+    weights = loss_weights(labels, loss_mask.flatten())
+    counted = weights != 0
+    bad = _outside(labels, counted, logits.shape[-1])
+    total = token_loss_sum(logits.flatten(0, -2), torch.where(counted & ~bad, labels, IGNORE_INDEX), weights)
+    return torch.where(bad.any(), torch.nan, total)
 
 
 def pick_loss_rows(hidden: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
