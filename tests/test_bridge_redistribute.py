@@ -278,13 +278,13 @@ def _bad_sample_sizes():
     return True
 
 
-def _bad_local_shape_on_one_rank(check, name="fan_in", n_hops=None):
+def _bad_local_shape_on_one_rank(check, name="fan_in", n_hops=None, bad=(2,)):
     case = CASES[name]
     src_mesh, dst_mesh = _mesh(case.src), _mesh(case.dst)
     sc = _coord(src_mesh)
     rows = 0 if sc is None else len(_expected_rows(case.src, sc, 21, RAGGED))
-    if dist.get_rank() == 2:
-        rows += 1  # only rank 2 is wrong: nobody may hang
+    if dist.get_rank() in bad:
+        rows += 1  # only these ranks are wrong: nobody may hang
     local = torch.zeros(rows, H) if sc is not None else torch.empty(0)
     x = DTensor.from_local(local, src_mesh, case.src.placements, run_check=False, shape=(21, H), stride=(H, 1))
     try:
@@ -301,6 +301,10 @@ def test_bad_metadata_raises_before_communication():
 def test_wrong_local_shape_fails_on_every_rank_with_a_world_check():
     messages = run_on_ranks(_bad_local_shape_on_one_rank, WORLD, "world", timeout=60)
     assert all(re.search(r"rank\(s\) \[2\] hold a local shard whose shape disagrees with the plan", m or "")
+               for m in messages), messages
+    # three wrong ranks: one all-reduce of three words a spec names the lowest and the highest
+    messages = run_on_ranks(_bad_local_shape_on_one_rank, WORLD, "world", "fan_in", None, (1, 2, 3), timeout=60)
+    assert all(re.search(r"rank\(s\) \[1, \.\.\., 3\] \(the lowest and the highest\) hold a local shard", m or "")
                for m in messages), messages
 
 

@@ -120,7 +120,7 @@ def _encoder_disagrees_with_metadata():
     wrong = ModalitySpec(64, (ViTConfig.tiny().in_channels, 16, 16), tokens_per_item=8,
                          max_items=2)  # the ViT makes 16 tokens per image
     batch = synthetic_batch(SyntheticSpec.tiny(modalities={"vision": wrong}), seed=0)
-    with pytest.raises(PlanError, match=r"hold a local shard whose shape disagrees with the plan for "
+    with pytest.raises(PlanError, match=r"rank\(s\) \[0\] hold a local shard whose shape disagrees with the plan for "
                                         r"MeshSpec\('vision'"):
         model(batch)
     dist.barrier()  # every rank raised; none is left inside the exchange

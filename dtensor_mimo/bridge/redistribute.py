@@ -71,16 +71,20 @@ def check_local_shapes(locals_: Sequence[torch.Tensor | None], expected: Sequenc
     """Agree over the whole world that every rank's local shards have the planned shapes.
 
     A wrong shard is visible on its own rank only; raising there alone would leave the
-    others waiting in the exchange. One small all-reduce lets every rank raise the same error.
+    others waiting in the exchange. One small all-reduce (MAX of three words per spec, whatever
+    the world's size) lets every rank raise the same error, naming the lowest and the highest
+    rank with a wrong shard.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     bad = [e is not None and tuple(x.shape) != e for x, e in zip(locals_, expected)]
-    flags = torch.zeros(len(specs), world, dtype=torch.int64, device=device)
-    flags[:, rank] = torch.tensor(bad, dtype=torch.int64)
-    dist.all_reduce(flags)
-    for i, row in enumerate(flags.tolist()):  # one device-to-host copy
-        if any(row):
-            spec, ranks = specs[i], [r for r, bad_r in enumerate(row) if bad_r]
+    # per spec: any wrong shard, the highest such rank, and world - 1 - the lowest (MAX of each)
+    words = torch.tensor([[1, rank, world - 1 - rank] if b else [0, -1, -1] for b in bad], dtype=torch.int64)
+    words = words.to(device)
+    dist.all_reduce(words, op=dist.ReduceOp.MAX)
+    for i, (any_bad, high, low) in enumerate(words.tolist()):  # one device-to-host copy
+        if any_bad:
+            spec, low = specs[i], world - 1 - low
+            ranks = f"[{low}]" if low == high else f"[{low}, ..., {high}] (the lowest and the highest)"
             mine = (f" (this rank holds {tuple(locals_[i].shape)}, the plan expects {expected[i]})"
                     if bad[i] else "")
             raise PlanError(
