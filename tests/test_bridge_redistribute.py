@@ -302,9 +302,9 @@ def test_wrong_local_shape_fails_on_every_rank_with_a_world_check():
     messages = run_on_ranks(_bad_local_shape_on_one_rank, WORLD, "world", timeout=60)
     assert all(re.search(r"rank\(s\) \[2\] hold a local shard whose shape disagrees with the plan", m or "")
                for m in messages), messages
-    # three wrong ranks: one all-reduce of three words a spec names the lowest and the highest
-    messages = run_on_ranks(_bad_local_shape_on_one_rank, WORLD, "world", "fan_in", None, (1, 2, 3), timeout=60)
-    assert all(re.search(r"rank\(s\) \[1, \.\.\., 3\] \(the lowest and the highest\) hold a local shard", m or "")
+    # the source's first and last ranks wrong: one all-reduce of three words a spec names both
+    messages = run_on_ranks(_bad_local_shape_on_one_rank, WORLD, "world", "fan_in", None, (0, 3), timeout=60)
+    assert all(re.search(r"rank\(s\) \[0, \.\.\., 3\] \(the lowest and the highest\) hold a local shard", m or "")
                for m in messages), messages
 
 

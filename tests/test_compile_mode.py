@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -285,6 +286,7 @@ def _compiled_against_eager() -> dict:
             buckets.clear()
             traced.clear()
             graphs = counters["stats"]["unique_graphs"]
+            breaks = sum(counters["graph_break"].values())
             llama, encoders = _modules(("vision",), n_layers=1)
             layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()},
                                 offsets={"vision": 0, "language": 0})
@@ -297,6 +299,7 @@ def _compiled_against_eager() -> dict:
                          "loss traced": sorted(set(traced)),
                          "buckets": buckets[:3],  # the items each run's encoder microbatches ran on
                          "graphs": counters["stats"]["unique_graphs"] - graphs,
+                         "graph breaks": sum(counters["graph_break"].values()) - breaks,
                          "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
             if options["language"].cuda_graphs:  # gradients held from one run into the next are refused
                 model.forward_backward(batches[0])
@@ -326,6 +329,7 @@ def test_inductor_mode_matches_eager() -> None:
     for how, got in out.items():
         # compiled whole, the decoder's graph holds its head and loss (traced once, then replayed)
         assert got["loss traced"] == ([True] if how == "whole" else [False]), (how, got["loss traced"])
+        assert got["graph breaks"] == 0, (how, got["graph breaks"])  # whole: one graph with the decoder
         if how == "cpp":  # no CUDA graphs; the decoder's block compiled, its forward and backward C++-wrapped
             assert got["marks"] == 0 and got["graphs"] >= 1 and got["cpp wrappers"] >= 2, got
             assert got["buckets"] == [{}, {}, {}]
@@ -364,6 +368,64 @@ def test_whole_vit_compiles_empty_batches() -> None:
     empty, vit = torch.randn(0, 3, 16, 16), ViTConfig.tiny()
     conv = eager.patch_embed(empty).flatten(2).transpose(1, 2) + eager.positions((4, 4))
     assert torch.equal(eager.embed(empty), conv) and conv.shape == (0, 16, vit.dim)
+
+
+def test_encoder_compiled_whole_keeps_its_autocast() -> None:
+    """A `ModalityEncoder` compiled whole (tower and projection in one compiled module) in bf16
+    without FSDP2: its autocast hooks still wrap each forward (bf16 rows, autocast off after it,
+    with and without grad), with eager's rows and gradients, in one graph a grad mode."""
+    from torch._dynamo.utils import counters
+
+    vit = ViTConfig.tiny()
+
+    def built(options: ParallelOptions) -> ModalityEncoder:
+        encoder = ModalityEncoder(ViT(vit), Projection(vit.dim, 32))
+        encoder.init_weights(3)
+        return parallelize(encoder, None, None, options)
+
+    bf16 = ParallelOptions(param_dtype="bf16")
+    eager = built(bf16)
+    graphs = counters["stats"]["unique_graphs"]
+    whole = built(dataclasses.replace(bf16, compile=True, compile_scope="module", compile_backend="aot_eager"))
+    images = torch.randn(3, vit.in_channels, vit.image_size, vit.image_size)
+    rows = [encoder(images) for encoder in (eager, whole)]
+    assert rows[1].dtype == torch.bfloat16 and torch.equal(rows[1], rows[0])
+    assert not torch.is_autocast_enabled("cpu")
+    for encoder, out in zip((eager, whole), rows):
+        (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    for (name, a), b in zip(eager.named_parameters(), whole.parameters()):
+        assert torch.equal(b.grad, a.grad), name
+    with torch.no_grad():
+        assert torch.equal(whole(images), eager(images)) and not torch.is_autocast_enabled("cpu")
+    assert counters["stats"]["unique_graphs"] - graphs == 2  # training and no-grad
+
+
+def test_a_copied_stage_computes_its_loss_with_its_own_modules() -> None:
+    """The last language stage compiled whole takes head and loss into a compiled function of
+    the stage: a copy of the stage (its own parameters) computes its loss from its own head."""
+    from dtensor_mimo.schedule.language import LanguageStage
+
+    llama = Llama(LlamaConfig.tiny(n_layers=1))
+    llama.init_weights(0)
+    whole = ParallelOptions(compile=True, compile_scope="module", compile_backend="aot_eager")
+    stage = LanguageStage(llama, True, True, 1, 0, chunked_loss=True, whole_compile=whole.compile_kwargs)
+    copied = copy.deepcopy(stage)
+    with torch.no_grad():
+        copied.llama.output.weight.zero_()  # uniform logits: the loss of each position is ln(vocab)
+    tokens = torch.randint(0, llama.config.vocab_size, (2, 8))
+    kwargs = dict(microbatch=0, positions=None, document_ids=None, sequence_index=None, labels=tokens,
+                  loss_mask=torch.ones_like(tokens, dtype=torch.bool))
+    mine, its = stage(tokens, **kwargs), copied(tokens, **kwargs)
+    assert its.item() == pytest.approx(16 * math.log(llama.config.vocab_size), rel=1e-5)
+    assert mine.item() != pytest.approx(its.item(), rel=1e-3)
+
+    class Capped(Llama):  # a subclass that transforms its logits keeps the headless path's loss
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    assert stage.small_loss is not None
+    capped = Capped(LlamaConfig.tiny(n_layers=1))
+    assert LanguageStage(capped, True, True, 1, 0, chunked_loss=True, whole_compile=whole.compile_kwargs).small_loss is None
 
 
 def test_graph_encoders_pad_items_to_the_step_bucket() -> None:

@@ -73,9 +73,13 @@ class LanguageStage(nn.Module):
         self.loss_compile_backend = loss_compile_backend  # the chunked loss's arithmetic compiled with it
         # The decoder compiled whole (`whole_compile`: its torch.compile keywords): where its logits
         # fit in one chunk, the head and the loss join its graph (`_decoder_loss`), one compiled
-        # call per forward and backward instead of a dozen eager operations each, on a host-bound step.
-        self.small_loss = (torch.compile(self._decoder_loss, **whole_compile)
-                           if whole_compile is not None and self.chunked_loss else None)
+        # call per forward and backward instead of a dozen eager operations each, on a host-bound
+        # step. Only for the library's own forward, whose logits are the plain head's (a subclass
+        # may transform them, which the headless path below would not). The function is compiled
+        # unbound and takes the stage, so that a copy of the stage runs its own modules.
+        self.small_loss = (torch.compile(_decoder_loss, **whole_compile)
+                           if whole_compile is not None and self.chunked_loss and type(llama).forward is Llama.forward
+                           else None)
         self.cp_size, self.cp_rank = cp_size, cp_rank
         self.hidden_dtype = hidden_dtype  # what a non-last stage sends on (the compute dtype)
         self.predicting = False  # the last stage returns next-token ids instead of a loss share
@@ -115,7 +119,8 @@ class LanguageStage(nn.Module):
         if (self.chunked_loss or (self.plain_head and loss_rows is not None)) and not self.predicting:
             if self.small_loss is not None and loss_rows is None and (
                     x.shape[:-1].numel() * self.llama.output.out_features <= token_loss.LOSS_CHUNK_LOGITS):
-                return self.small_loss(x, positions, document_ids, sequence_index, labels, loss_mask) / self.normalizer
+                return self.small_loss(self, x, positions, document_ids, sequence_index, labels, loss_mask) \
+                    / self.normalizer
             # The decoder without its head (the protocol's forward with `output` None returns
             # the normalised hidden states: under tp plain, full and replicated, the sequence
             # shards gathered); the head's weight was gathered by FSDP2 in this root module's
@@ -149,13 +154,13 @@ class LanguageStage(nn.Module):
             return token_loss_sum(out, labels, loss_mask) / self.normalizer
 
 
-    def _decoder_loss(self, x: torch.Tensor, positions: torch.Tensor | None, document_ids: torch.Tensor | None,
-                      sequence_index: torch.Tensor | None, labels: torch.Tensor, loss_mask: torch.Tensor
-                      ) -> torch.Tensor:
-        """The summed token losses of the decoder's logits on every row (`self.small_loss`
-        compiles it with the decoder, whose own compiled forward it inlines)."""
-        logits = self.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
-        return token_loss.checked_token_loss_sum(logits, labels, loss_mask)
+def _decoder_loss(stage: LanguageStage, x: torch.Tensor, positions: torch.Tensor | None,
+                  document_ids: torch.Tensor | None, sequence_index: torch.Tensor | None, labels: torch.Tensor,
+                  loss_mask: torch.Tensor) -> torch.Tensor:
+    """The summed token losses of the last `stage`'s logits on every row (`LanguageStage.small_loss`
+    compiles it with the decoder, whose own compiled forward it inlines)."""
+    logits = stage.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
+    return token_loss.checked_token_loss_sum(logits, labels, loss_mask)
 
 
 def stage_inputs(mb: MimoBatch, cp_size: int, cp_rank: int,
