@@ -270,7 +270,7 @@ def _compiled_against_eager() -> dict:
     checked = token_loss.checked_token_loss_sum  # the small head's loss: traced, or run eagerly
     token_loss.checked_token_loss_sum = lambda *a: (traced.append(torch.compiler.is_compiling()), checked(*a))[1]
     init = LocalEncoders.__init__
-    LocalEncoders.__init__ = lambda self, *a, **k: (init(self, *a, **k), buckets.append(dict(self.buckets)))[0]
+    LocalEncoders.__init__ = lambda self, *a, **k: (init(self, *a, **k), buckets.append(self.buckets))[0]
     torch.compiler.cudagraph_mark_step_begin = lambda: (marks.append(1), original())[1]
     # a compiled graph's C++ wrapper is loaded by this, whether inductor made it now or read its cache
     CppWrapperCodeCache.load_pybinding = lambda *a, **k: (wrappers.append(1), load(*a, **k))[1]
@@ -334,8 +334,8 @@ def test_inductor_mode_matches_eager() -> None:
             assert got["marks"] == 0 and got["graphs"] >= 1 and got["cpp wrappers"] >= 2, got
             assert got["buckets"] == [{}, {}, {}]
         else:
-            # steps of 2 + 2 and 0 + 3 images (each microbatch on 2, then 3 items), the prediction's 4 at once
-            assert got["buckets"] == [{"vision": 2}, {"vision": 3}, {"vision": 4}], (how, got["buckets"])
+            # steps of 2 + 2 and 0 + 3 images, each encoded in one call, and the prediction's 4
+            assert got["buckets"] == [{"vision": 4}, {"vision": 3}, {"vision": 4}], (how, got["buckets"])
             assert got["marks"] == 3, how  # one generation per run: 2 steps, 1 prediction
             assert got["graphs"] >= 3, how  # vision, projection and language pieces compiled
             assert got["cpp wrappers"] == 0, how
@@ -432,7 +432,9 @@ def test_graph_encoders_pad_items_to_the_step_bucket() -> None:
     """An encoder that replays CUDA graphs at pp = 1 runs every microbatch of a step on one bucket
     of items (`item_bucket` at `GRAPH_SIZES_PER_OCTAVE`; zero items after the real ones), so that
     a few input sizes cover every step: the same rows and parameter gradients as on the items
-    alone, the padding's rows dropped. A user's own encoder is never padded."""
+    alone, the padding's rows dropped. Encoding every microbatch at once (the colocated phase 1)
+    runs one call on all the step's items (padded to their bucket) with the same rows and
+    gradients. A user's own encoder is never padded."""
     from dtensor_mimo.schedule.encoders import GRAPH_SIZES_PER_OCTAVE, LocalEncoders, independent_items, item_bucket
 
     assert [item_bucket([n]) for n in (0, 1, 3, 5, 9)] == [1, 1, 4, 8, 16]  # encoder pipelines: powers of two
@@ -445,16 +447,23 @@ def test_graph_encoders_pad_items_to_the_step_bucket() -> None:
     counts = (3, 0, 9)  # a step's microbatches: the bucket is 10 items each
     inputs = [{n: torch.randn(c, *batch.modalities[n].inputs.shape[1:]) for n in encoders} for c in counts]
 
-    def run(padded: tuple[str, ...]) -> tuple[dict, list[torch.Tensor], dict[str, torch.Tensor]]:
+    def run(padded: tuple[str, ...], at_once: bool = False) -> tuple[dict, list[torch.Tensor], dict[str, torch.Tensor]]:
         modules = copy.deepcopy(encoders)
         local = LocalEncoders(modules, inputs, torch.float32, padded=padded)
-        rows = [local.encode(k, n) for k in range(len(counts)) for n in modules]
+        for n in modules:  # microbatch by microbatch, or all at once (the colocated phase 1)
+            for k in [None] if at_once else range(len(counts)):
+                local.encode(k, n)
+        rows = [local.outputs[k][n] for k in range(len(counts)) for n in modules]
         sum((r * torch.linspace(-1, 1, r.numel()).view_as(r)).sum() for r in rows).backward()
         return local.buckets, rows, {f"{n}.{p}": q.grad for n, m in modules.items() for p, q in m.named_parameters()}
 
     plain, padded = run(()), run(("vision", "audio"))
+    together, both = run((), at_once=True), run(("vision", "audio"), at_once=True)
     assert plain[0] == {} and padded[0] == {"vision": 10, "audio": 10} and GRAPH_SIZES_PER_OCTAVE == 4
-    for a, b in zip(plain[1], padded[1]):
-        assert b.shape == a.shape and torch.allclose(b, a, rtol=1e-5, atol=1e-6)
-    for name, grad in plain[2].items():
-        assert torch.allclose(padded[2][name], grad, rtol=1e-4, atol=1e-6), name
+    assert together[0] == {} and both[0] == {"vision": 12, "audio": 12}  # one call on the 3 + 0 + 9 items
+    assert together[1][0]._base is together[1][4]._base  # each encoder's microbatches: cuts of one output
+    for other in (padded, together, both):
+        for a, b in zip(plain[1], other[1]):
+            assert b.shape == a.shape and torch.allclose(b, a, rtol=1e-5, atol=1e-6)
+        for name, grad in plain[2].items():
+            assert torch.allclose(other[2][name], grad, rtol=1e-4, atol=1e-6), name

@@ -539,8 +539,10 @@ def check_encoded_shares(case: Case, per_rank: list[list[dict]]) -> None:
     gives it: balanced by cost where its `ParallelOptions.balance` (None: items of different
     sizes) says so, else by sample; and a balanced case does move items somewhere (its cuts
     differ from by sample). Every rank of an encoder's mesh runs exactly one forward per
-    microbatch (recomputed encoders: then each again, in backward); encoders with pp > 1 (their
-    stages run, not the module) are not looked at. The plan comes from `data.balance`, checked
+    microbatch (recomputed encoders: then each again, in backward), or in the colocated three
+    phases one forward on every microbatch's items at once (the library's encoders, items of one
+    size, not recomputed); encoders with pp > 1 (their stages run, not the module) are not
+    looked at. The plan comes from `data.balance`, checked
     against every contiguous split in tests/test_balance.py; this checks the run follows it."""
     widths, layout = {"vision": VISION.dim, "audio": AUDIO.dim}, case.layout()
     batches = _batches(case.encoders, case.packed, case.batch_size, case.seq_lens, case.distinct_batches,
@@ -551,6 +553,8 @@ def check_encoded_shares(case: Case, per_rank: list[list[dict]]) -> None:
         first = _batches(case.encoders, case.packed, case.batch_size, case.seq_lens[:1], varied=case.varied)[0]
         runs.append((first, [first], len(batches) - 1, "predict_encoded"))
     moved = False
+    language = set(layout.ranks("language"))  # three phases: an encoder frozen whole, or on language ranks
+    three_phases = any(n in case.frozen or language & set(layout.ranks(n)) for n in case.encoders)
     for batch, mbs, step, key in runs:
         for name in batch.modalities:
             dp, option = case.modules[name].dp, case.options.get(name, ParallelOptions()).balance
@@ -563,13 +567,15 @@ def check_encoded_shares(case: Case, per_rank: list[list[dict]]) -> None:
             if case.modules[name].pp > 1:
                 continue
             again = key == "encoded" and case.options.get(name, ParallelOptions()).recompute_colocated
+            together = (three_phases and key == "encoded" and len(mbs) > 1 and not again and not case.varied
+                        and not (name == "vision" and case.custom_vision))
             for rank, records in enumerate(per_rank):
                 if layout.coordinate(name, rank) is None:
                     continue
                 assert name in records[step][key], f"step {step}: rank {rank} recorded no {name} forward"
                 k, rows = records[step][key][name]
                 want = [b[k + 1] - b[k] for b in planned]
-                assert rows == want * (2 if again else 1), (step, name, k, rows, planned)
+                assert rows == ([sum(want)] if together else want * (2 if again else 1)), (step, name, k, rows, planned)
     balanced = [n for n in case.encoders if case.options.get(n, ParallelOptions()).balance
                 or (case.varied and case.options.get(n, ParallelOptions()).balance is None)]
     assert moved or not balanced or all(case.modules[n].dp == 1 for n in balanced), \

@@ -175,7 +175,9 @@ def test_recomputed_colocated_encoder_replays_its_dropout() -> None:
         encoder.zero_grad()
         torch.manual_seed(1)
         local = LocalEncoders({"vision": encoder}, inputs, torch.float32, recompute)
-        rows = [local.encode(k, "vision") for k in range(len(inputs))]
+        for k in range(len(inputs)):
+            local.encode(k, "vision")
+        rows = [local.outputs[k]["vision"] for k in range(len(inputs))]
         assert all(r.requires_grad == (not recompute) for r in rows)  # no graph kept
         after = torch.rand(1)  # the step's RNG stream goes on as without recompute
         local.backward(dict(enumerate(grads)))

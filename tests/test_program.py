@@ -113,15 +113,16 @@ def test_encoder_pipeline_posts_gpipe_order_on_its_last_stage(m):
 
 @pytest.mark.parametrize("trainable", [("vision",), ()])
 def test_colocated_three_phases(trainable):
-    """Colocated: every microbatch encoded and its rows posted (sends and receives in one batch)
-    before the language schedule; then the gradients, then one encoder backward. A frozen encoder
-    gets no gradient crossing."""
+    """Colocated: every microbatch encoded (one encode action per encoder) and its rows posted
+    (sends and receives in one batch) before the language schedule; then the gradients, then one
+    encoder backward. A frozen encoder gets no gradient crossing."""
     m = 3
     shape = StepShape("train", ("vision",), trainable, m, m, overlapped=False)
     both = program(COLOCATED, shape)
     ops = [a.op for a in both]
     assert ops.index("language") > max(i for i, op in enumerate(ops) if op in ("encode", "rows"))
     assert ops[-1] == "backward" and both[-1].microbatch is None
+    assert [str(a) for a in both if a.op == "encode"] == ["encode vision"]  # every microbatch in one call
     assert [str(a) for a in both if a.op == "rows"] == [f"send+recv rows mb{k}" for k in range(m)]
     grads = [str(a) for a in both if a.op == "grads"]
     assert grads == ([f"send+recv grads mb{k}" for k in range(m)] if trainable else [])

@@ -118,14 +118,15 @@ most four sizes per octave, less than a quarter of each bucket zero items."""
 
 
 def independent_items(module: nn.Module) -> bool:
-    """Whether `module` encodes each item by itself, so that zero items beside the real ones
-    change none of their rows: the library's `ModalityEncoder` of a `ViT` or `AudioEncoder` and a
-    `Projection` (attention within an item, per-token layers). A user's own encoder may mix items
-    (batch statistics, say), and is never padded."""
+    """Whether `module` encodes each item by itself, so that zero items beside the real ones,
+    or other microbatches' items, change none of their rows: the library's `ModalityEncoder` of a
+    `ViT` or `AudioEncoder` and a `Projection` (attention within an item, per-token layers; FSDP2's
+    wrapper classes included, a subclass with a forward of its own not). A user's own encoder may
+    mix items (batch statistics, say): never padded, and its microbatches run one by one."""
     from dtensor_mimo.models import AudioEncoder, ModalityEncoder, Projection, ViT
 
     return (isinstance(module, ModalityEncoder) and isinstance(module.encoder, (ViT, AudioEncoder))
-            and type(module.projection) is Projection)
+            and isinstance(module.projection, Projection) and type(module.projection).forward is Projection.forward)
 
 
 class _CrossToLanguage(torch.autograd.Function):
@@ -293,11 +294,20 @@ class LocalEncoders:
     microbatch's. Costs one more encoder forward per step; what colocated encoders hold while the
     language schedule runs drops from M microbatches' activations to none.
 
+    ``encode`` of every microbatch at once (the colocated phase 1) runs an encoder that encodes
+    items independently (`independent_items`) once on all the step's items, microbatch after
+    microbatch, and cuts its rows per microbatch (views of one output, so the backward is one
+    call too): one encoder call a step, not one a microbatch (fewer launches, CUDA-graph
+    replays and FSDP2 all-gathers; larger matmuls; the same rows up to the matmuls' order of
+    sums). Others run microbatch by microbatch: a user's own encoder (which may mix items), one
+    in `recompute` (recomputed microbatch by microbatch), and one with items of their own sizes
+    (a list per microbatch).
+
     An encoder named in `padded` (one that replays CUDA graphs, encodes items independently and
-    is not in float8) runs every microbatch of the step on the same number of items,
-    `item_bucket` of their counts at `GRAPH_SIZES_PER_OCTAVE`: zero items after the real ones,
-    whose rows are dropped before they leave (their gradient zero), so that a few input sizes
-    cover every step.
+    is not in float8) runs each of its calls on a bucket of items, `item_bucket` of the step's
+    largest call at `GRAPH_SIZES_PER_OCTAVE`: zero items after the real ones, whose rows are
+    dropped before they leave (their gradient zero), so that a few input sizes cover every
+    step.
 
     Args:
         encoders: this rank's pp = 1 encoders, by name.
@@ -311,15 +321,35 @@ class LocalEncoders:
                  dtype: torch.dtype, recompute: Collection[str] = (), padded: Collection[str] = ()) -> None:
         self.encoders, self.inputs, self.dtype = encoders, inputs, dtype
         self.recompute = {n for n in recompute if any(p.requires_grad for p in encoders[n].parameters())}
-        self.buckets = {n: item_bucket([len(per[n]) for per in inputs if n in per], GRAPH_SIZES_PER_OCTAVE)
-                        for n in padded if all(isinstance(per.get(n), torch.Tensor) for per in inputs if n in per)}
-        """Items each microbatch of an encoder in `padded` runs on (items of their own size: none)."""
+        self.padded = set(padded)
+        self.independent = {n for n, m in encoders.items() if independent_items(m)}  # may run microbatches at once
+        self.buckets: dict[str, int] = {}
+        """Items each call of an encoder in `padded` runs on (items of their own size: none), set
+        by the step's first ``encode``: for each microbatch, or for all of them at once."""
         self.outputs: dict[int, dict[str, torch.Tensor]] = {}
         """Rows per microbatch and encoder, until their backward."""
         self._rng: dict[tuple[int, str], tuple] = {}
 
-    def encode(self, k: int, name: str) -> torch.Tensor:
-        """Microbatch `k`'s rows of encoder `name` (without a graph if it is recomputed)."""
+    def encode(self, k: int | None, name: str) -> None:
+        """Encode microbatch `k`'s items with encoder `name` (without a graph if it is
+        recomputed), or every microbatch's (`k` None), into `outputs`."""
+        every = [j for j, per in enumerate(self.inputs) if name in per]
+        xs = [self.inputs[j][name] for j in every]
+        tensors = all(isinstance(x, torch.Tensor) for x in xs)
+        at_once = k is None and len(xs) > 1 and tensors and name in self.independent and name not in self.recompute
+        if name in self.padded and tensors and name not in self.buckets:
+            self.buckets[name] = item_bucket([sum(map(len, xs))] if at_once else list(map(len, xs)),
+                                             GRAPH_SIZES_PER_OCTAVE)
+        if not at_once:
+            for j in every if k is None else [k]:
+                self._encode_one(j, name)
+            return
+        rows = self._rows(name, torch.cat(xs))
+        per_item = len(rows) // max(1, sum(map(len, xs)))  # the same for every item (`independent_items`)
+        for j, part in zip(every, rows.split([len(x) * per_item for x in xs])):
+            self.outputs.setdefault(j, {})[name] = part
+
+    def _encode_one(self, k: int, name: str) -> None:
         x = self.inputs[k][name]
         if name in self.recompute:
             self._rng[k, name] = _rng_state(x.device)
@@ -328,7 +358,6 @@ class LocalEncoders:
         else:
             rows = self._rows(name, x)
         self.outputs.setdefault(k, {})[name] = rows
-        return rows
 
     def _rows(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """Encoder `name`'s rows of items `x`, in the bridge's dtype; run on the step's bucket of

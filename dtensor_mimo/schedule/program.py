@@ -39,7 +39,9 @@ microbatch without autograd, next-token ids (`MimoModel.predict`)."""
 class Action:
     """One thing this rank does. `op`:
 
-    - ``encode``: this rank's share of microbatch `microbatch`'s items through encoder `module`.
+    - ``encode``: this rank's share of microbatch `microbatch`'s items through encoder `module`
+      (`microbatch` None: every microbatch's, in one call where the encoder allows, the colocated
+      phase 1).
     - ``rows`` / ``grads``: post this rank's part of the microbatch's forward (rows) or backward
       (gradients) crossing, its sends (`send`) and receives (`recv`) in one batch.
     - ``cross``: the microbatch's rows across as one autograd node, the gradients coming back when
@@ -174,10 +176,11 @@ def program(roles: RankRoles, shape: StepShape,
 
 
 def _colocated(roles: RankRoles, shape: StepShape, local: list[str]) -> list[Action]:
-    """Three phases on every rank: encode every microbatch and post its rows (sends and receives
-    in one batch), the language schedule, then every gradient crossing and one encoder backward."""
+    """Three phases on every rank: encode every microbatch (each encoder over all of them at once)
+    and post each one's rows (sends and receives in one batch), the language schedule, then every
+    gradient crossing and one encoder backward."""
     m, first = shape.microbatches, roles.first_stage and bool(shape.encoders)
-    actions = [Action("encode", i, n) for i in range(m) for n in local]
+    actions = [Action("encode", module=n) for n in local]
     if local or first:
         actions += [Action("rows", i, send=bool(local), recv=first) for i in range(m)]
     if roles.language:
