@@ -439,9 +439,24 @@ def test_graph_encoders_pad_items_to_the_step_bucket() -> None:
 
     assert [item_bucket([n]) for n in (0, 1, 3, 5, 9)] == [1, 1, 4, 8, 16]  # encoder pipelines: powers of two
     assert [item_bucket([n], 4) for n in (0, 3, 5, 9, 17, 31, 35, 65)] == [1, 3, 5, 10, 20, 32, 40, 80]
+    from types import SimpleNamespace
+
+    from dtensor_mimo.schedule.executor import RankParts
+
     _, encoders = _modules(("vision", "audio"))
     assert all(independent_items(m) for m in encoders.values())
     assert not independent_items(_modules(("vision",), custom_vision=True)[1]["vision"])
+
+    class Centered(ViT):  # a subclass that mixes items: each row less the call's mean
+        def forward(self, images: torch.Tensor) -> torch.Tensor:
+            rows = super().forward(images)
+            return rows - rows.mean(0)
+
+    assert not independent_items(ModalityEncoder(Centered(ViTConfig.tiny()), Projection(ViTConfig.tiny().dim, 32)))
+    # float8's tensorwise scales span a call's items: neither padded nor run on microbatches at once
+    held = SimpleNamespace(encoders=encoders, options={"vision": ParallelOptions(fp8="tensorwise"),
+                                                       "audio": ParallelOptions()})
+    assert RankParts.independent_encoders.func(held) == {"audio"}
     [batch] = _batches(("vision", "audio"), packed=False, batch_size=1, seq_lens=(64,))
     torch.manual_seed(0)
     counts = (3, 0, 9)  # a step's microbatches: the bucket is 10 items each
@@ -449,7 +464,7 @@ def test_graph_encoders_pad_items_to_the_step_bucket() -> None:
 
     def run(padded: tuple[str, ...], at_once: bool = False) -> tuple[dict, list[torch.Tensor], dict[str, torch.Tensor]]:
         modules = copy.deepcopy(encoders)
-        local = LocalEncoders(modules, inputs, torch.float32, padded=padded)
+        local = LocalEncoders(modules, inputs, torch.float32, padded=padded, independent=modules.keys())
         for n in modules:  # microbatch by microbatch, or all at once (the colocated phase 1)
             for k in [None] if at_once else range(len(counts)):
                 local.encode(k, n)

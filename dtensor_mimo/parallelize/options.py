@@ -85,7 +85,8 @@ class ParallelOptions:
             backward) and, until measured, with `recompute_colocated`. Each distinct shape of a
             piece's input records its own graphs (and each distinct sequence of shapes in a
             step a path of its own), so the library's encoders at pp = 1 (not in float8) run
-            every microbatch of a step on one of at most four item counts per power of two
+            each call of a step (every microbatch, or in the colocated three phases all of them
+            at once) on one of at most four item counts per power of two
             (zero items after the real ones, their rows dropped:
             `dtensor_mimo.schedule.encoders.LocalEncoders`); items of their own sizes still
             record several; dynamo compiles at most 8 variants of a piece before it falls back

@@ -125,8 +125,11 @@ def independent_items(module: nn.Module) -> bool:
     mix items (batch statistics, say): never padded, and its microbatches run one by one."""
     from dtensor_mimo.models import AudioEncoder, ModalityEncoder, Projection, ViT
 
-    return (isinstance(module, ModalityEncoder) and isinstance(module.encoder, (ViT, AudioEncoder))
-            and isinstance(module.projection, Projection) and type(module.projection).forward is Projection.forward)
+    def plain(part: nn.Module, *kinds: type) -> bool:
+        return any(isinstance(part, kind) and type(part).forward is kind.forward for kind in kinds)
+
+    return (plain(module, ModalityEncoder) and plain(module.encoder, ViT, AudioEncoder)
+            and plain(module.projection, Projection))
 
 
 class _CrossToLanguage(torch.autograd.Function):
@@ -294,20 +297,22 @@ class LocalEncoders:
     microbatch's. Costs one more encoder forward per step; what colocated encoders hold while the
     language schedule runs drops from M microbatches' activations to none.
 
-    ``encode`` of every microbatch at once (the colocated phase 1) runs an encoder that encodes
-    items independently (`independent_items`) once on all the step's items, microbatch after
-    microbatch, and cuts its rows per microbatch (views of one output, so the backward is one
-    call too): one encoder call a step, not one a microbatch (fewer launches, CUDA-graph
-    replays and FSDP2 all-gathers; larger matmuls; the same rows up to the matmuls' order of
-    sums). Others run microbatch by microbatch: a user's own encoder (which may mix items), one
-    in `recompute` (recomputed microbatch by microbatch), and one with items of their own sizes
-    (a list per microbatch).
+    ``encode`` of every microbatch at once (the colocated phase 1) runs an encoder named in
+    `independent` (each item's rows depend on that item alone) once on all the step's items,
+    microbatch after microbatch, and cuts its rows per microbatch (views of one output, so the
+    backward is one call too): one encoder call a step, not one a microbatch (fewer launches,
+    CUDA-graph replays and FSDP2 all-gathers; larger matmuls; the same rows up to the matmuls'
+    order of sums). Its transient memory in forward, and in a checkpointed block's
+    recomputation, is then that of the step's items at once; what it keeps for backward is
+    what the microbatches kept together before. Others run microbatch by microbatch: a user's
+    own encoder (which may mix items), one in float8 (whose scales span a call's items), one in
+    `recompute` (recomputed microbatch by microbatch: the colocated phases' memory saver), and
+    one with items of their own sizes (a list per microbatch).
 
-    An encoder named in `padded` (one that replays CUDA graphs, encodes items independently and
-    is not in float8) runs each of its calls on a bucket of items, `item_bucket` of the step's
-    largest call at `GRAPH_SIZES_PER_OCTAVE`: zero items after the real ones, whose rows are
-    dropped before they leave (their gradient zero), so that a few input sizes cover every
-    step.
+    An encoder named in `padded` (one of `independent` that replays CUDA graphs) runs each of
+    its calls on a bucket of items, `item_bucket` of the step's largest call at
+    `GRAPH_SIZES_PER_OCTAVE`: zero items after the real ones, whose rows are dropped before they
+    leave (their gradient zero), so that a few input sizes cover every step.
 
     Args:
         encoders: this rank's pp = 1 encoders, by name.
@@ -315,14 +320,16 @@ class LocalEncoders:
         dtype: what crosses the bridge.
         recompute: names of the encoders recomputed before their backward.
         padded: names of the encoders whose items are padded to the step's bucket.
+        independent: names of the encoders whose rows of an item depend on that item alone (the
+            same on every rank of an encoder: the calls, and so FSDP2's collectives, match).
     """
 
     def __init__(self, encoders: Mapping[str, nn.Module], inputs: Sequence[Mapping[str, torch.Tensor]],
-                 dtype: torch.dtype, recompute: Collection[str] = (), padded: Collection[str] = ()) -> None:
+                 dtype: torch.dtype, recompute: Collection[str] = (), padded: Collection[str] = (),
+                 independent: Collection[str] = ()) -> None:
         self.encoders, self.inputs, self.dtype = encoders, inputs, dtype
         self.recompute = {n for n in recompute if any(p.requires_grad for p in encoders[n].parameters())}
-        self.padded = set(padded)
-        self.independent = {n for n, m in encoders.items() if independent_items(m)}  # may run microbatches at once
+        self.padded, self.independent = set(padded), set(independent)
         self.buckets: dict[str, int] = {}
         """Items each call of an encoder in `padded` runs on (items of their own size: none), set
         by the step's first ``encode``: for each microbatch, or for all of them at once."""

@@ -7,7 +7,7 @@ attributes. What each action does:
 
 | action             | what runs                                                                  |
 |--------------------|----------------------------------------------------------------------------|
-| encode             | this rank's cut of the microbatch's items through a pp = 1 encoder (`LocalEncoders`) |
+| encode             | this rank's cut of the microbatch's items (or of every microbatch's, at once) through a pp = 1 encoder (`LocalEncoders`) |
 | rows / grads       | this rank's part of a crossing, one batch of sends and receives (`Crossing`) |
 | cross              | both directions as one autograd node (`Crossing.across`)                  |
 | check rows         | one world all-reduce: every rank raises before rows of a wrong shape cross |
@@ -99,12 +99,19 @@ class RankParts:
         return any(self.options[n].cuda_graphs for n in held)
 
     @functools.cached_property
+    def independent_encoders(self) -> frozenset[str]:
+        """This rank's pp = 1 encoders whose rows of an item depend on that item alone: those that
+        encode items independently (`independent_items`) and are not in float8 (whose tensorwise
+        scales span every item of a call). `LocalEncoders` may pad their calls with zero items
+        and run a step's microbatches in one call. Decided once, not per step, the same on every
+        rank of an encoder."""
+        return frozenset(n for n, m in self.encoders.items() if self.options[n].fp8 is None and independent_items(m))
+
+    @functools.cached_property
     def padded_encoders(self) -> frozenset[str]:
-        """This rank's pp = 1 encoders whose items `LocalEncoders` pads to the step's bucket: those
-        that replay CUDA graphs, encode items independently and are not in float8 (whose
-        tensorwise scales would span the padding). Decided once, not per step."""
-        return frozenset(n for n, m in self.encoders.items() if self.options[n].cuda_graphs
-                         and self.options[n].fp8 is None and independent_items(m))
+        """Those of `independent_encoders` whose items `LocalEncoders` pads to the step's bucket:
+        the ones that replay CUDA graphs."""
+        return frozenset(n for n in self.independent_encoders if self.options[n].cuda_graphs)
 
     @property
     def roles(self) -> RankRoles:
@@ -207,7 +214,7 @@ class _Run:
         recompute = [n for n in parts.encoders if parts.options[n].recompute_colocated and not shape.overlapped]
         local = {n: parts.encoders[n] for n in held if n in parts.encoders}
         self.local = LocalEncoders(local, inputs, parts.dtype, recompute if shape.mode == "train" else (),
-                                   parts.padded_encoders & local.keys())
+                                   parts.padded_encoders & local.keys(), parts.independent_encoders & local.keys())
         self.accumulation: Accumulation | None = None
         self.received: dict[int, list[Delivery]] = {}  # forward crossings this rank receives
         self.grads: dict[int, list[Delivery]] = {}  # backward crossings this rank receives
