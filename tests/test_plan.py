@@ -260,6 +260,27 @@ def test_predict_is_consistent() -> None:
     assert pred.idle["vision"] == pred.idle["language"]  # colocated: the same ranks
 
 
+def test_a_colocated_one_call_encoder_pays_its_call_once_a_step() -> None:
+    """In the colocated three phases an encoder that runs every microbatch's items in one call
+    (`ModuleProfile.one_call`: the library's) pays its per-call work once a step: the step is
+    M - 1 times its blocks' fixed forward and backward work shorter, the per-token work the same.
+    An encoder on ranks of its own runs microbatch by microbatch either way."""
+    from dtensor_mimo.plan.candidate import Candidate
+
+    vision, language = profile("vision", tokens=4), profile("language", tokens=32, cp=True)
+    m = 4
+
+    def step(one_call: bool, candidate: Candidate) -> float:
+        job = Job((dataclasses.replace(vision, one_call=one_call), language), batch_size=8)
+        return predict(job, candidate, FAST).step_s
+
+    colocated = homogeneous(Job((vision, language), batch_size=8), 2, m)
+    fixed = vision.n_layers * (vision.block_forward.fixed + vision.block_backward.fixed)
+    assert step(False, colocated) - step(True, colocated) == pytest.approx((m - 1) * fixed)
+    disjoint = Candidate.of({"vision": P(dp=2), "language": P(dp=2)}, {"vision": 0, "language": 2}, m)
+    assert step(True, disjoint) == step(False, disjoint)
+
+
 # ---------------------------------------------------------------------------- the search space
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from dtensor_mimo.bridge.hops import hop_rows, wants_two_hops
@@ -389,6 +389,15 @@ def predict(job: Job, candidate: Candidate, device: DeviceProfile) -> Prediction
     held = encoder_held(job, lang_par.pp, m, lean)
     costs = {e.name: module_cost(e, pars[e.name], job.batch_size, m, device, ranks(e.name), held=held)
              for e in encoders}
+    if not overlapped and m > 1:
+        # The colocated three phases: an encoder that runs every microbatch's items in one call
+        # pays that call's fixed work (launches, FSDP2's gathers, the runtime's) once a step; its
+        # one call's time is spread over the M microbatches the step counts.
+        for e in encoders:
+            if e.one_call and pars[e.name].pp == 1:
+                once = module_cost(e, pars[e.name], job.batch_size, 1, device, ranks(e.name), held=1)
+                costs[e.name] = replace(costs[e.name], forward=once.forward / m, backward=once.backward / m,
+                                        stage_trip=once.stage_trip / m)
     lang = job.lang
     costs[lang_name] = module_cost(lang, lang_par, job.batch_size, m, device, ranks(lang_name), job.schedule,
                                    job.virtual_stages)

@@ -97,7 +97,7 @@ def transformer_profile(name: str, gpu: GpuSpec, *, dim: int, n_layers: int, n_h
         rest_backward=Affine(gpu.launch_s, 2 * rest), block_params=block_params, rest_params=rest_params,
         trainable_params=block_params * n_layers + rest_params if trainable else rest_params,
         activation_bytes_per_token=act if trainable else 0.0, width=width, hidden=dim, tp_divides=tp_divides, cp=cp,
-        fsdp=True, param_bytes=4, act_bytes=2)
+        fsdp=True, param_bytes=4, act_bytes=2, one_call=not cp)  # an encoder: the library's, one call a colocated step
 
 
 def paper_job(gpu: GpuSpec = H100, batch_size: int = 512, seq_len: int = 2048, images_per_sample: float = 1.0,

@@ -99,6 +99,9 @@ class ModuleProfile:
             beyond its collectives.
         tp_forward_s, tp_backward_s: DTensor tensor parallel's own cost per block call (dispatch),
             beyond its collectives.
+        one_call: an encoder that, in the colocated three phases, runs every microbatch's items
+            in one call (`dtensor_mimo.schedule.encoders.LocalEncoders`: the library's encoders
+            not in float8): its per-call work is paid once a step, not once a microbatch.
     """
 
     name: str
@@ -125,6 +128,7 @@ class ModuleProfile:
     fsdp_backward_s: float = 0.0
     tp_forward_s: float = 0.0
     tp_backward_s: float = 0.0
+    one_call: bool = False
 
     @property
     def params(self) -> int:

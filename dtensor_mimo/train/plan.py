@@ -60,7 +60,9 @@ def _description(config: TrainerConfig) -> dict[str, Any]:
                                                      "max_tones", "truncate")},
             "options": {n: {k: str(v) for k, v in dataclasses.asdict(config.module_options(n)).items()}
                         for n in config.module_names},
-            "pipeline": {"schedule": config.pipeline.schedule, "virtual_stages": config.pipeline.virtual_stages}}
+            "pipeline": {"schedule": config.pipeline.schedule, "virtual_stages": config.pipeline.virtual_stages},
+            # a profile of fewer fields (an older library's) is measured again, not read with defaults
+            "profile_fields": sorted(f.name for f in dataclasses.fields(ModuleProfile))}
 
 
 def measure_profiles(config: TrainerConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -130,8 +132,10 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
 
     from dtensor_mimo.parallelize import parallelize
     from dtensor_mimo.plan import measure
+    from dtensor_mimo.schedule.encoders import independent_items
 
     module, options = modules[name], config.module_options(name)
+    one_call = name != LANGUAGE and options.fp8 is None and independent_items(module)  # before any wrapper
     log(f"measuring {name} ...")
     params = sum(p.numel() for p in module.parameters())
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
@@ -196,7 +200,7 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
         block_params=block_params, rest_params=params - block_params * n_layers, trainable_params=trainable,
         activation_bytes_per_token=0.0 if frozen_tower else act, width=width, hidden=hidden,
         tp_divides=divides, cp=name == LANGUAGE, fsdp=options.fsdp,
-        reshard_after_forward=options.reshard_after_forward, load=load, **times, **wrappers)
+        reshard_after_forward=options.reshard_after_forward, load=load, one_call=one_call, **times, **wrappers)
 
 
 def load_profiles(config: TrainerConfig, world: int, cache: str | None = None, remeasure: bool = False,
