@@ -100,8 +100,9 @@ class ModuleProfile:
         tp_forward_s, tp_backward_s: DTensor tensor parallel's own cost per block call (dispatch),
             beyond its collectives.
         one_call: an encoder that, in the colocated three phases, runs every microbatch's items
-            in one call (`dtensor_mimo.schedule.encoders.LocalEncoders`: the library's encoders
-            not in float8): its per-call work is paid once a step, not once a microbatch.
+            in one call (`dtensor_mimo.schedule.encoders.LocalEncoders`: the library's encoders,
+            not in float8 nor recomputed): its per-call work is paid once a step, not once a
+            microbatch.
     """
 
     name: str

@@ -135,7 +135,9 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
     from dtensor_mimo.schedule.encoders import independent_items
 
     module, options = modules[name], config.module_options(name)
-    one_call = name != LANGUAGE and options.fp8 is None and independent_items(module)  # before any wrapper
+    # as `LocalEncoders` decides (`RankParts.independent_encoders`, not recomputed), before any wrapper
+    one_call = (name != LANGUAGE and options.fp8 is None and not options.recompute_colocated
+                and independent_items(module))
     log(f"measuring {name} ...")
     params = sum(p.numel() for p in module.parameters())
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
