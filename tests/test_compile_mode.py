@@ -14,7 +14,7 @@ check what holds everywhere:
 | graph memory | a run is refused while the run before still needs the graphs' memory |
 | world 1 | a colocated vision + language model, 2 microbatches, compiled by inductor in that mode per block and whole, and per block with the C++ wrapper (`compile_options`), against eager: 2 training steps and a prediction (losses, weights, ids), compiled graphs made (C++ wrappers where asked for), the loss traced into the decoder's graph where it compiles whole (eager per block), one cudagraph-tree generation per run, and the refusal of a run while gradients are held |
 | empty batch | a ViT compiled whole on batches with no image, against eager and the convolution |
-| padded items | a CUDA-graph encoder's microbatches padded to the step's bucket of items: rows and gradients as unpadded; the world-1 run above pads its second step's microbatches of 0 and 3 images to 3 (against eager) |
+| padded items | a CUDA-graph encoder's calls padded to the step's bucket of items, microbatch by microbatch or all microbatches in one call: rows and gradients as unpadded; the world-1 run above encodes each step's microbatches in one call (2 + 2 images: 4; 0 + 3: 3), against eager |
 """
 
 from __future__ import annotations

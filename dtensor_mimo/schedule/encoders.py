@@ -22,7 +22,8 @@ padded rows before the bridge, so their gradient is zero. Stages and schedule ar
 
 Encoders that share ranks with the language model cannot overlap with it (one process runs
 both): their program takes the colocated three phases instead (encode, the language schedule,
-backward), optionally recomputing each microbatch before its backward.
+backward), the library's encoders in one call on every microbatch's items, or optionally
+recomputing each microbatch before its backward.
 """
 
 from __future__ import annotations
