@@ -170,8 +170,8 @@ def stage_inputs(mb: MimoBatch, cp_size: int, cp_rank: int,
     Without cp the rows are plain (``sequence_index`` None: a causal kernel, no mask). The
     special-token counts come from the batch metadata (items x tokens per item, which a
     `MimoBatch` checked against its tokens on the host when it was built): no device sync."""
-    chunk = shard_for_cp(cp_size, cp_rank, labels=mb.labels, loss_mask=mb.loss_mask,
-                         positions=mb.positions, document_ids=mb.document_ids)
+    chunk = mb if cp_size == 1 else shard_for_cp(cp_size, cp_rank, labels=mb.labels, loss_mask=mb.loss_mask,
+                                                 positions=mb.positions, document_ids=mb.document_ids)
     return mb.tokens, dict(positions=chunk.positions, document_ids=chunk.document_ids,
                            sequence_index=chunk.sequence_index if cp_size > 1 else None,
                            labels=chunk.labels, loss_mask=chunk.loss_mask,
