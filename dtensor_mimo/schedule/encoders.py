@@ -133,6 +133,15 @@ def independent_items(module: nn.Module) -> bool:
             and plain(module.projection, Projection))
 
 
+def independent_rows(module: nn.Module, options: ParallelOptions) -> bool:
+    """Whether each item's rows of encoder `module` under `options` depend on that item alone:
+    it encodes items independently (`independent_items`) and is not in float8 (whose tensorwise
+    scales span every item of a call). Such an encoder may be padded with zero items and run a
+    colocated step's microbatches in one call (`LocalEncoders`; the planner's
+    `ModuleProfile.one_call`)."""
+    return options.fp8 is None and independent_items(module)
+
+
 class _CrossToLanguage(torch.autograd.Function):
     """The encoder stage's "loss": forward posts the rows' crossing and returns a zero;
     backward receives the rows' gradient from the language side."""

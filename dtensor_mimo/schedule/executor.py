@@ -35,7 +35,7 @@ from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.parallelize import GradientReducer, ParallelOptions
 from dtensor_mimo.schedule.config import PipelineConfig
 from dtensor_mimo.schedule.crossing import Crossing, CrossingSetup
-from dtensor_mimo.schedule.encoders import Accumulation, EncoderPipeline, LocalEncoders, independent_items
+from dtensor_mimo.schedule.encoders import Accumulation, EncoderPipeline, LocalEncoders, independent_rows
 from dtensor_mimo.schedule.feed import LanguageFeed
 from dtensor_mimo.schedule.language import LanguagePipeline
 from dtensor_mimo.schedule.order import first_stage_actions
@@ -100,12 +100,11 @@ class RankParts:
 
     @functools.cached_property
     def independent_encoders(self) -> frozenset[str]:
-        """This rank's pp = 1 encoders whose rows of an item depend on that item alone: those that
-        encode items independently (`independent_items`) and are not in float8 (whose tensorwise
-        scales span every item of a call). `LocalEncoders` may pad their calls with zero items
-        and run a step's microbatches in one call. Decided once, not per step, the same on every
-        rank of an encoder."""
-        return frozenset(n for n, m in self.encoders.items() if self.options[n].fp8 is None and independent_items(m))
+        """This rank's pp = 1 encoders whose rows of an item depend on that item alone
+        (`independent_rows`): `LocalEncoders` may pad their calls with zero items and run a
+        step's microbatches in one call. Decided once, not per step, the same on every rank of
+        an encoder."""
+        return frozenset(n for n, m in self.encoders.items() if independent_rows(m, self.options[n]))
 
     @functools.cached_property
     def padded_encoders(self) -> frozenset[str]:

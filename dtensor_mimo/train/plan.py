@@ -132,12 +132,11 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
 
     from dtensor_mimo.parallelize import parallelize
     from dtensor_mimo.plan import measure
-    from dtensor_mimo.schedule.encoders import independent_items
+    from dtensor_mimo.schedule.encoders import independent_rows
 
     module, options = modules[name], config.module_options(name)
     # as `LocalEncoders` decides (`RankParts.independent_encoders`, not recomputed), before any wrapper
-    one_call = (name != LANGUAGE and options.fp8 is None and not options.recompute_colocated
-                and independent_items(module))
+    one_call = name != LANGUAGE and not options.recompute_colocated and independent_rows(module, options)
     log(f"measuring {name} ...")
     params = sum(p.numel() for p in module.parameters())
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
