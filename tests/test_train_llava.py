@@ -282,6 +282,33 @@ def test_an_error_inside_the_ranks_is_printed_once(tiny: str) -> None:
     assert out.stderr.count("Traceback") == 1
 
 
+_SEMAPHORE_CHILD = """
+import multiprocessing as mp, sys
+from dtensor_mimo.train.launch import _exit_now
+
+def rank():
+    held = mp.RLock()  # as tqdm's lock, which inductor's compile progress creates in a rank
+    _exit_now(0)
+
+if __name__ == "__main__":
+    child = mp.get_context("spawn").Process(target=rank)
+    child.start()
+    child.join()
+    sys.exit(child.exitcode)
+"""
+
+
+def test_a_rank_ending_at_once_leaves_no_semaphore_behind(tmp_path) -> None:
+    # A rank ends with os._exit; the launcher's resource tracker then warned, at the end of every
+    # compiled run, of "leaked semaphore objects" until `_exit_now` ran the rank's finalizers.
+    script = tmp_path / "child.py"
+    script.write_text(_SEMAPHORE_CHILD)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.path.abspath(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "leaked semaphore" not in out.stderr, out.stderr[-2000:]
+
+
 # ---------------------------------------------------------------------------- training
 
 

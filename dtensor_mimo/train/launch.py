@@ -132,7 +132,15 @@ def _exit_now(code: int) -> NoReturn:
     checkpoints are written synchronously, or (``checkpoint.async_mode``) waited for by
     `Trainer.run` (on an error for at most ``train.timeout_s``, a failed write said on stderr),
     which also closes its logger and joins its loader workers on every path, and the output
-    streams are flushed here. `TEARDOWN_ENV` = 1 exits normally instead."""
+    streams are flushed here. `TEARDOWN_ENV` = 1 exits normally instead.
+
+    The process's multiprocessing finalizers run first (those a normal exit runs): they unlink
+    its named semaphores and tell the launcher's resource tracker, which otherwise warns at the
+    end of every run of "leaked semaphore objects" (tqdm's lock, which inductor's compile
+    progress creates in each rank)."""
+    from multiprocessing import util
+
+    util._run_finalizers(0)
     sys.stdout.flush()
     sys.stderr.flush()
     if os.environ.get(TEARDOWN_ENV) == "1":
