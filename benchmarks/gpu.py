@@ -18,7 +18,7 @@ important figures:
 
 | section | case | what |
 |---|---|---|
-| lm | ours | `Llama` through `MimoModel` (world 1) + `MimoOptimizer` + `train_step`: bf16 compute (`ParallelOptions(param_dtype="bf16")`, fp32 master weights), per-block compile, fused AdamW; first checks the chunked loss's compiled arithmetic against its eager form on the GPU |
+| lm | ours | `Llama` through `MimoModel` (world 1) + `MimoOptimizer` + `train_step`: bf16 compute (`ParallelOptions(param_dtype="bf16")`, fp32 master weights), per-block compile, fused AdamW; first checks the chunked loss's compiled arithmetic against its eager form on the GPU, and its head's weight gradient summed inside the matmul (`loss_sums_in_matmul`: CUDA's `baddbmm` with `out_dtype`) against the separate add of each chunk's bf16 product, both against fp32 sums |
 | lm | ours fp8 tensorwise / rowwise | the same with `ParallelOptions(fp8=...)`: torchao float8 training of the Linear layers where it pays on CUDA (`fp8_pays`), not the output head; `tuned`: with inductor's coordinate-descent tuning of its kernels' launch configs (`compile_options={"coordinate_descent_tuning": True}`): the float8 casts' amax reductions and transposing casts took 34 of the 2026-11-28 tensorwise step's 197 ms of device work, two of them several times slower than their bytes take at the card's bandwidth (an estimate) |
 | lm | ours packed (flex) | the same on rows packed with documents of 64-1024 tokens (document ids and positions): attention through the masked SDPA chunks, or with `ParallelOptions(flex_attention=True)` through FlexAttention over a block mask; the flex case first checks its outputs and gradients against the masked path on the GPU (fp32) |
 | lm | ours fsdp2 bf16 | the same with FSDP2's `MixedPrecisionPolicy` on its mesh of one rank instead of autocast (which mixed-precision form is faster at dp = 1; at dp > 1 the library uses FSDP2's) |
@@ -601,7 +601,40 @@ def _loss_check(s: dict, device: str, backend: str) -> dict:
         diffs[f"loss_compiled_max_abs_diff_grad_{name}"] = float((got_grad.float() - want_grad.float()).abs().max())
     if not all(v <= (1e-4 if "rel" in k else 1e-2) for k, v in diffs.items()):
         raise RuntimeError(f"the compiled chunk loss differs from its eager form on {device}: {diffs}")
-    return diffs
+    return {**diffs, **_weight_sum_check(s, device)}
+
+
+def _weight_sum_check(s: dict, device: str) -> dict:
+    """The chunked loss's weight gradient over two chunks of the LM's sizes (bf16 rows and head),
+    summed inside the matmul where `_add_product`'s probe allows it (`loss_sums_in_matmul`) and by
+    the separate add of each bf16 product, each against the fp32 sum of fp32 products: the largest
+    absolute error of each (raises if the matmul's sum is the worse: it should skip a rounding)."""
+    import torch
+
+    from dtensor_mimo.sequence import loss
+
+    g = torch.Generator(device=device).manual_seed(1)
+    rows = 2 * (loss.LOSS_CHUNK_LOGITS // s["vocab"])
+    hidden = torch.randn(rows, s["dim"], generator=g, device=device).bfloat16()
+    weight = (torch.randn(s["vocab"], s["dim"], generator=g, device=device) * 0.02).bfloat16()
+    labels = torch.randint(0, s["vocab"], (rows,), generator=g, device=device)
+    weights = torch.ones(rows, device=device)
+    sums = loss._sums_in_matmul(torch.device(device))
+    grads = {}
+    for fused in (True, False):
+        saved, loss._SUMS_IN_MATMUL = loss._SUMS_IN_MATMUL, {torch.device(device).type: sums and fused}
+        try:
+            grads[fused] = loss._chunked_cross_entropy(hidden, weight, labels, weights, False, True)[2]
+        finally:
+            loss._SUMS_IN_MATMUL = saved
+    step = loss.LOSS_CHUNK_LOGITS // s["vocab"]
+    want = sum(loss._chunk_terms(hidden[i:i + step] @ weight.t(), labels[i:i + step], weights[i:i + step],
+                                 True)[1].float().t() @ hidden[i:i + step].float() for i in range(0, rows, step))
+    out = {"loss_sums_in_matmul": sums, "loss_weight_grad_err_matmul_sum": float((grads[True] - want).abs().max()),
+           "loss_weight_grad_err_separate_add": float((grads[False] - want).abs().max())}
+    if out["loss_weight_grad_err_matmul_sum"] > out["loss_weight_grad_err_separate_add"] + 1e-6:
+        raise RuntimeError(f"the weight gradient summed in the matmul is less exact than the separate add: {out}")
+    return out
 
 
 def _lm_transformers(s: dict, device: str, backend: str, warmup: int, steps: int, compiled: bool) -> dict:

@@ -64,6 +64,72 @@ def test_under_bf16_autocast_it_computes_as_the_head_would(monkeypatch) -> None:
     assert (got - _both(*_inputs(), autocast=False)[1][0]).abs() > 1e-4  # bf16 logits differ from fp32 ones
 
 
+def _sums(self, batch1, batch2, out_dtype, *, beta=1, alpha=1, out):
+    """CUDA's ``baddbmm(..., out_dtype=, out=)`` (torch 2.11's Blas.cpp), which the CPU lacks: the
+    product of the half-precision batches computed in fp32 and added to `out` (``beta = 1``)."""
+    return out.copy_(beta * out + alpha * (batch1.to(out_dtype) @ batch2.to(out_dtype)))
+
+
+def _overwrites(self, batch1, batch2, out_dtype, *, beta=1, alpha=1, out):
+    """A kernel that ignores what `out` held."""
+    return out.copy_(batch1.to(out_dtype) @ batch2.to(out_dtype))
+
+
+@pytest.fixture
+def cpu_baddbmm(request, monkeypatch):
+    """`request.param` as the CPU kernel of ``baddbmm(..., out_dtype=, out=)`` for the test, with
+    `_add_product`'s probe afresh; yields the (input, out) dtypes of its calls."""
+    calls = []
+
+    def kernel(*args, **kwargs):
+        calls.append((args[1].dtype, kwargs["out"].dtype))
+        return request.param(*args, **kwargs)
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("baddbmm.dtype_out", kernel, "CPU")
+    monkeypatch.setattr(loss, "_SUMS_IN_MATMUL", {})
+    try:
+        yield calls
+    finally:
+        lib._destroy()
+
+
+@pytest.mark.parametrize("cpu_baddbmm", [_sums], indirect=True)
+def test_the_weight_gradient_sums_in_the_matmul_where_the_device_can(cpu_baddbmm, monkeypatch) -> None:
+    """Under bf16 autocast each chunk's weight gradient is added to the fp32 sum inside the matmul
+    (one probe, then one call a chunk): the sum of the chunks' products computed in fp32, no
+    longer rounded to bf16 first; the loss and the hidden gradient as before."""
+    monkeypatch.setattr(loss, "LOSS_CHUNK_LOGITS", 4 * VOCAB)  # 14 rows: 4 chunks
+    monkeypatch.setattr(loss, "_SUMS_IN_MATMUL", {"cpu": False})
+    separate = _both(*_inputs(), autocast=True)[0]
+    monkeypatch.setattr(loss, "_SUMS_IN_MATMUL", {})
+    (got, gh, gw), (want, wh, ww) = _both(*_inputs(), autocast=True)
+    assert loss._SUMS_IN_MATMUL == {"cpu": True} and cpu_baddbmm == [(torch.bfloat16, torch.float32)] * (1 + 4)
+    assert torch.equal(got, separate[0]) and torch.equal(gh, separate[1])
+    torch.testing.assert_close(gw, ww, rtol=2e-2, atol=2e-3)
+    # What it sums: each chunk's bf16 softmax gradient times its bf16 rows, in fp32.
+    hidden, weight, labels, mask = _inputs()
+    h, w, labels = hidden.flatten(0, 1).bfloat16(), weight.bfloat16(), labels.flatten()
+    weights = loss.loss_weights(labels, mask.flatten())
+    expected = sum(loss._chunk_terms(h[i:i + 4] @ w.t(), labels[i:i + 4], weights[i:i + 4], True)[1].float().t()
+                   @ h[i:i + 4].float() for i in range(0, 14, 4))
+    torch.testing.assert_close(gw, expected, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(gw, separate[2])  # the separate add summed bf16-rounded products
+
+
+@pytest.mark.parametrize("cpu_baddbmm", [_overwrites], indirect=True)
+def test_a_matmul_that_does_not_sum_as_probed_keeps_the_separate_add(cpu_baddbmm, monkeypatch) -> None:
+    monkeypatch.setattr(loss, "LOSS_CHUNK_LOGITS", 4 * VOCAB)
+    (got, gh, gw), (want, wh, ww) = _both(*_inputs(), autocast=True)
+    assert loss._SUMS_IN_MATMUL == {"cpu": False} and len(cpu_baddbmm) == 1  # the probe only
+    torch.testing.assert_close(gw, ww, rtol=2e-2, atol=2e-3)
+
+
+def test_cpu_has_no_summing_matmul() -> None:
+    """The CPU path is the separate add: torch's CPU has no ``baddbmm`` with ``out_dtype``."""
+    assert not loss._sums_in_matmul(torch.device("cpu"))
+
+
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
 def test_compiled_chunks_give_the_plain_loss_and_gradients(backend, monkeypatch) -> None:
     """`compile_backend`: each chunk's arithmetic through torch.compile (fused by inductor) gives the
