@@ -21,6 +21,7 @@ important figures:
 | lm | ours | `Llama` through `MimoModel` (world 1) + `MimoOptimizer` + `train_step`: bf16 compute (`ParallelOptions(param_dtype="bf16")`, fp32 master weights), per-block compile, fused AdamW; first checks the chunked loss's compiled arithmetic against its eager form on the GPU, and its head's weight gradient summed inside the matmul (`loss_sums_in_matmul`: CUDA's `baddbmm` with `out_dtype`) against the separate add of each chunk's bf16 product, both against fp32 sums |
 | lm | ours fp8 tensorwise / rowwise | the same with `ParallelOptions(fp8=...)`: torchao float8 training of the Linear layers where it pays on CUDA (`fp8_pays`), not the output head; `tuned`: with inductor's coordinate-descent tuning of its kernels' launch configs (`compile_options={"coordinate_descent_tuning": True}`): the float8 casts' amax reductions and transposing casts took 34 of the 2026-11-28 tensorwise step's 197 ms of device work, two of them several times slower than their bytes take at the card's bandwidth (an estimate) |
 | lm | ours packed (flex) | the same on rows packed with documents of 64-1024 tokens (document ids and positions): attention through the masked SDPA chunks, or with `ParallelOptions(flex_attention=True)` through FlexAttention over a block mask; the flex case first checks its outputs and gradients against the masked path on the GPU (fp32) |
+| lm | ours 8b blocks / ours fp8 tensorwise 8b blocks | `lm ours` and its fp8 tensorwise form on four blocks of Llama 3 8B's shape (dim 4096, 32 / 8 heads, ffn 14,336; vocab 32,000), batch 2 x 4096: float8 where its matmuls are large (at 1B, 4 x 4096, torchao's casts hold fp8 to about 1.16x) |
 | lm | ours fsdp2 bf16 | the same with FSDP2's `MixedPrecisionPolicy` on its mesh of one rank instead of autocast (which mixed-precision form is faster at dp = 1; at dp > 1 the library uses FSDP2's) |
 | lm | ours unchunked loss | the same with `ParallelOptions(chunked_loss=False)`: plain `[tokens, vocab]` logits (time and peak memory of the chunked head + loss) |
 | lm | ours checkpoint | `lm ours` saving its parameters and AdamW state (12 GiB at 1B) into a temporary directory (under `$CHECKPOINT_DIR` if set): what the step that saves waits for synchronously (`checkpoint.save`) and in the background (`BackgroundSaves`) into pageable and into pinned host buffers (`checkpoint.async_mode = "async"` / `"async_with_pinned_mem"`), each twice (the first save allocates); how long each write takes, the steps timed while the second is written, and that the copy holds the device's values |
@@ -72,6 +73,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 LM = {"default": dict(vocab=32000, dim=2048, layers=16, heads=32, kv_heads=8, ffn=8192, batch=4, seq=4096),
+      "wide": dict(vocab=32000, dim=4096, layers=4, heads=32, kv_heads=8, ffn=14336, batch=2, seq=4096),
       "tiny": dict(vocab=256, dim=64, layers=2, heads=4, kv_heads=2, ffn=128, batch=2, seq=64)}
 VLM = {"default": dict(image=224, patch=16, vdim=768, vlayers=12, vheads=12, vmlp=3072,
                        vocab=32000, dim=896, layers=24, heads=14, kv_heads=2, ffn=4864, batch=32, seq=512),
@@ -90,7 +92,8 @@ CASES = ("tiny trainer cudagraphs", "lm ours", "lm transformers compiled", "vlm 
          "vlm ours cudagraphs", "lm ours checkpoint", "tiny trainer", "tiny trainer whole", "lm ours cudagraphs",
          "lm ours fp8 tensorwise cudagraphs", "lm ours unchunked loss",
          "lm ours packed", "lm ours packed flex", "lm ours fp8 rowwise", "tiny trainer compiled", "lm ours fsdp2 bf16",
-         "tiny trainer thread", "vlm ours all rows", "vlm transformers", "lm transformers")
+         "tiny trainer thread", "vlm ours all rows", "vlm transformers", "lm transformers", "lm ours 8b blocks",
+         "lm ours fp8 tensorwise 8b blocks")
 TINY = {"tiny trainer": [], "tiny trainer thread": ["--data.workers", "0"],
         "tiny trainer compiled": [f"--options.{m}.compile=true" for m in ("image", "language")],
         "tiny trainer whole": [f"--options.{m}.{o}" for m in ("image", "language")
@@ -105,6 +108,7 @@ GRAPHS = " cudagraphs"  # the CUDA-graph cases' suffix: ParallelOptions(compile_
 WRAPPER = " cpp wrapper"  # ParallelOptions(compile_options={"cpp_wrapper": True}): inductor's C++ wrapper
 FP8 = "lm ours fp8 "  # the fp8 cases' prefix; the recipe follows
 TUNED = " tuned"  # ParallelOptions(compile_options={"coordinate_descent_tuning": True})
+WIDE = " 8b blocks"  # LM["wide"]: blocks of Llama 3 8B's shape
 CHECKPOINT = "lm ours checkpoint"  # `lm ours` saving its state: the step's stall per checkpoint mode
 
 
@@ -917,8 +921,9 @@ def _case(args: argparse.Namespace) -> None:
             import torch.nn.attention.flex_attention as flex  # runs its eager path (as tests/test_flex_attention.py)
 
             flex._validate_device = lambda *args, **kwargs: None
-        fp8 = case[len(FP8):].removesuffix(GRAPHS).removesuffix(TUNED) if case.startswith(FP8) else None
-        out = _lm_ours(LM[size], device, backend, args.warmup, args.steps, fp8,
+        fp8 = (case[len(FP8):].removesuffix(WIDE).removesuffix(GRAPHS).removesuffix(TUNED) if case.startswith(FP8)
+               else None)
+        out = _lm_ours(LM[_lm_size(case, args.tiny)], device, backend, args.warmup, args.steps, fp8,
                        chunked_loss=case != "lm ours unchunked loss", fsdp_one_rank=case == "lm ours fsdp2 bf16",
                        packed="packed" in case, flex=case.endswith("flex"), graphs=case.endswith(GRAPHS),
                        tuned=case.endswith(TUNED) and backend == "inductor")
@@ -949,6 +954,10 @@ def _case(args: argparse.Namespace) -> None:
     print(json.dumps(out))
 
 
+def _lm_size(case: str, tiny: bool) -> str:
+    return "tiny" if tiny else "wide" if case.endswith(WIDE) else "default"
+
+
 def _run_case(case: str, args: argparse.Namespace, seconds: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--case", case, "--steps", str(args.steps),
            "--warmup", str(args.warmup), *(["--tiny"] if args.tiny else []), *(["--profile"] if args.profile else [])]
@@ -967,7 +976,7 @@ def _summarize(case: str, r: dict, peak: float | None) -> None:
     size = "tiny" if r.get("tiny") else "default"
     r["median_step_s"] = statistics.median(r["step_s"])
     if section == "lm":
-        s = LM[size]
+        s = LM[_lm_size(case, r.get("tiny"))]
         r["tokens_per_s"] = s["batch"] * s["seq"] / r["median_step_s"]
         flops = None if "packed" in case else _lm_flops(s, r)  # documents: less attention than the formula's
     elif section == "vlm":
@@ -1070,6 +1079,7 @@ BASELINES = {"lm ours": ("lm transformers compiled", 1.0), "lm transformers": ("
              "lm ours fp8 tensorwise": ("lm ours", 1.25), "lm ours fp8 rowwise": ("lm ours", 1.25),
              "lm ours fp8 tensorwise cudagraphs": ("lm ours cudagraphs", 1.25),  # its own bf16: graphs too
              "lm ours fp8 tensorwise tuned": ("lm ours", 1.25),
+             "lm ours fp8 tensorwise 8b blocks": ("lm ours 8b blocks", None),
              "lm ours unchunked loss": ("lm ours", None), "lm ours fsdp2 bf16": ("lm ours", None),
              "lm ours packed flex": ("lm ours packed", None), "lm ours cudagraphs": ("lm transformers compiled", 1.0),
              "vlm ours cudagraphs": ("vlm transformers compiled", 1.1), "vlm ours whole": ("vlm ours", None),
