@@ -19,7 +19,7 @@ important figures:
 | section | case | what |
 |---|---|---|
 | lm | ours | `Llama` through `MimoModel` (world 1) + `MimoOptimizer` + `train_step`: bf16 compute (`ParallelOptions(param_dtype="bf16")`, fp32 master weights), per-block compile, fused AdamW; first checks the chunked loss's compiled arithmetic against its eager form on the GPU, and its head's weight gradient summed inside the matmul (`loss_sums_in_matmul`: CUDA's `baddbmm` with `out_dtype`) against the separate add of each chunk's bf16 product, both against fp32 sums |
-| lm | ours fp8 tensorwise / rowwise | the same with `ParallelOptions(fp8=...)`: torchao float8 training of the Linear layers where it pays on CUDA (`fp8_pays`), not the output head; `tuned`: with inductor's coordinate-descent tuning of its kernels' launch configs (`compile_options={"coordinate_descent_tuning": True}`): the float8 casts' amax reductions and transposing casts took 34 of the 2026-11-28 tensorwise step's 197 ms of device work, two of them several times slower than their bytes take at the card's bandwidth (an estimate) |
+| lm | ours fp8 tensorwise / rowwise | the same with `ParallelOptions(fp8=...)`: torchao float8 training of the Linear layers where it pays on CUDA (`fp8_pays`), not the output head; `tuned`: with inductor's coordinate-descent tuning of its kernels' launch configs (`compile_options={"coordinate_descent_tuning": True}`): the float8 casts' amax reductions and transposing casts took 34 of the 2026-11-28 tensorwise step's 197 ms of device work, two of them several times slower than their bytes take at the card's bandwidth (an estimate); `tuned nd`: also inductor's n-d tilings of pointwise and reduction kernels (`triton.prefer_nd_tiling`, `triton.tile_reductions`), for the casts that write a tensor and its transpose (pytorch/pytorch#130015) |
 | lm | ours packed (flex) | the same on rows packed with documents of 64-1024 tokens (document ids and positions): attention through the masked SDPA chunks, or with `ParallelOptions(flex_attention=True)` through FlexAttention over a block mask; the flex case first checks its outputs and gradients against the masked path on the GPU (fp32) |
 | lm | ours 8b blocks / ours fp8 tensorwise 8b blocks | `lm ours` and its fp8 tensorwise form on four blocks of Llama 3 8B's shape (dim 4096, 32 / 8 heads, ffn 14,336; vocab 32,000), batch 2 x 4096: float8 where its matmuls are large (at 1B, 4 x 4096, torchao's casts hold fp8 to about 1.16x) |
 | lm | ours fsdp2 bf16 | the same with FSDP2's `MixedPrecisionPolicy` on its mesh of one rank instead of autocast (which mixed-precision form is faster at dp = 1; at dp > 1 the library uses FSDP2's) |
@@ -93,7 +93,7 @@ CASES = ("tiny trainer cudagraphs", "lm ours", "lm transformers compiled", "vlm 
          "lm ours fp8 tensorwise cudagraphs", "lm ours unchunked loss",
          "lm ours packed", "lm ours packed flex", "lm ours fp8 rowwise", "tiny trainer compiled", "lm ours fsdp2 bf16",
          "tiny trainer thread", "vlm ours all rows", "vlm transformers", "lm transformers", "lm ours 8b blocks",
-         "lm ours fp8 tensorwise 8b blocks")
+         "lm ours fp8 tensorwise 8b blocks", "lm ours fp8 tensorwise tuned nd")
 TINY = {"tiny trainer": [], "tiny trainer thread": ["--data.workers", "0"],
         "tiny trainer compiled": [f"--options.{m}.compile=true" for m in ("image", "language")],
         "tiny trainer whole": [f"--options.{m}.{o}" for m in ("image", "language")
@@ -108,6 +108,7 @@ GRAPHS = " cudagraphs"  # the CUDA-graph cases' suffix: ParallelOptions(compile_
 WRAPPER = " cpp wrapper"  # ParallelOptions(compile_options={"cpp_wrapper": True}): inductor's C++ wrapper
 FP8 = "lm ours fp8 "  # the fp8 cases' prefix; the recipe follows
 TUNED = " tuned"  # ParallelOptions(compile_options={"coordinate_descent_tuning": True})
+ND = " nd"  # and {"triton.prefer_nd_tiling": True, "triton.tile_reductions": True}
 WIDE = " 8b blocks"  # LM["wide"]: blocks of Llama 3 8B's shape
 CHECKPOINT = "lm ours checkpoint"  # `lm ours` saving its state: the step's stall per checkpoint mode
 
@@ -331,7 +332,7 @@ def _lm_batches(s: dict, count: int = 4) -> list:
 
 def _lm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: str | None = None,
              chunked_loss: bool = True, fsdp_one_rank: bool = False, packed: bool = False,
-             flex: bool = False, graphs: bool = False, tuned: bool = False) -> dict:
+             flex: bool = False, graphs: bool = False, tuned: bool = False, nd: bool = False) -> dict:
     import torch
 
     from dtensor_mimo import ParallelOptions, train_step
@@ -348,7 +349,9 @@ def _lm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, fp8: s
     options = ParallelOptions(compile=True, compile_backend=backend, param_dtype="bf16", fp8=fp8,
                               chunked_loss=chunked_loss, flex_attention=flex,
                               compile_mode=_graphs_mode(graphs, backend),
-                              compile_options={"coordinate_descent_tuning": True} if tuned else None)
+                              compile_options={"coordinate_descent_tuning": True, **(
+                                  {"triton.prefer_nd_tiling": True, "triton.tile_reductions": True} if nd else {})}
+                              if tuned else None)
     model, optimizer = _lm_ours_model(s, device, options)
     if fsdp_one_rank:
         from torch.distributed.tensor import DTensor
@@ -921,12 +924,12 @@ def _case(args: argparse.Namespace) -> None:
             import torch.nn.attention.flex_attention as flex  # runs its eager path (as tests/test_flex_attention.py)
 
             flex._validate_device = lambda *args, **kwargs: None
-        fp8 = (case[len(FP8):].removesuffix(WIDE).removesuffix(GRAPHS).removesuffix(TUNED) if case.startswith(FP8)
-               else None)
+        fp8 = (case[len(FP8):].removesuffix(WIDE).removesuffix(ND).removesuffix(GRAPHS).removesuffix(TUNED)
+               if case.startswith(FP8) else None)
         out = _lm_ours(LM[_lm_size(case, args.tiny)], device, backend, args.warmup, args.steps, fp8,
                        chunked_loss=case != "lm ours unchunked loss", fsdp_one_rank=case == "lm ours fsdp2 bf16",
                        packed="packed" in case, flex=case.endswith("flex"), graphs=case.endswith(GRAPHS),
-                       tuned=case.endswith(TUNED) and backend == "inductor")
+                       tuned=TUNED in case and backend == "inductor", nd=case.endswith(ND))
     elif case.startswith("lm transformers"):
         out = _lm_transformers(LM[size], device, backend, args.warmup, args.steps, compiled=case.endswith("compiled"))
     elif case.startswith("vlm ours"):
@@ -1078,7 +1081,7 @@ def _packages(result: dict) -> str:
 BASELINES = {"lm ours": ("lm transformers compiled", 1.0), "lm transformers": ("lm transformers compiled", None),
              "lm ours fp8 tensorwise": ("lm ours", 1.25), "lm ours fp8 rowwise": ("lm ours", 1.25),
              "lm ours fp8 tensorwise cudagraphs": ("lm ours cudagraphs", 1.25),  # its own bf16: graphs too
-             "lm ours fp8 tensorwise tuned": ("lm ours", 1.25),
+             "lm ours fp8 tensorwise tuned": ("lm ours", 1.25), "lm ours fp8 tensorwise tuned nd": ("lm ours", 1.25),
              "lm ours fp8 tensorwise 8b blocks": ("lm ours 8b blocks", None),
              "lm ours unchunked loss": ("lm ours", None), "lm ours fsdp2 bf16": ("lm ours", None),
              "lm ours packed flex": ("lm ours packed", None), "lm ours cudagraphs": ("lm transformers compiled", 1.0),
