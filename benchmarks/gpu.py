@@ -82,18 +82,19 @@ VLM = {"default": dict(image=224, patch=16, vdim=768, vlayers=12, vheads=12, vml
 # Priority order: what issue 29's "Done when" needs first, so that a short lease measures it.
 # First the tiny task in CUDA graphs (the target still open that changed most since its last
 # lease: 6 graph replays a step instead of 12, the loss in the decoder's graph), then the pairs
-# the issue's ratios need, then the cases no lease has measured yet: the VLM per block with the
-# C++ wrapper (its per-block step was host-bound: 99 ms of device work in 134), each stack whole
-# without graphs, and what a save of the 1B LM's state costs its step in each checkpoint mode
-# (pinned host buffers: `checkpoint.async_mode = "async_with_pinned_mem"`).
+# the issue's ratios need, then fp8 where its casts may cost less (inductor's n-d tilings) or
+# weigh less (blocks of Llama 3 8B's shape), then the cases no lease has measured yet: the VLM
+# per block with the C++ wrapper (its per-block step was host-bound: 99 ms of device work in
+# 134), each stack whole without graphs, and what a save of the 1B LM's state costs its step in
+# each checkpoint mode (pinned host buffers: `checkpoint.async_mode = "async_with_pinned_mem"`).
 CASES = ("tiny trainer cudagraphs", "lm ours", "lm transformers compiled", "vlm ours", "vlm transformers compiled",
-         "lm ours fp8 tensorwise", "tiny trainer cudagraphs thread", "lm ours fp8 tensorwise tuned",
+         "lm ours fp8 tensorwise", "lm ours fp8 tensorwise tuned nd", "lm ours 8b blocks",
+         "lm ours fp8 tensorwise 8b blocks", "tiny trainer cudagraphs thread", "lm ours fp8 tensorwise tuned",
          "vlm ours cpp wrapper", "vlm ours whole",
          "vlm ours cudagraphs", "lm ours checkpoint", "tiny trainer", "tiny trainer whole", "lm ours cudagraphs",
          "lm ours fp8 tensorwise cudagraphs", "lm ours unchunked loss",
          "lm ours packed", "lm ours packed flex", "lm ours fp8 rowwise", "tiny trainer compiled", "lm ours fsdp2 bf16",
-         "tiny trainer thread", "vlm ours all rows", "vlm transformers", "lm transformers", "lm ours 8b blocks",
-         "lm ours fp8 tensorwise 8b blocks", "lm ours fp8 tensorwise tuned nd")
+         "tiny trainer thread", "vlm ours all rows", "vlm transformers", "lm transformers")
 TINY = {"tiny trainer": [], "tiny trainer thread": ["--data.workers", "0"],
         "tiny trainer compiled": [f"--options.{m}.compile=true" for m in ("image", "language")],
         "tiny trainer whole": [f"--options.{m}.{o}" for m in ("image", "language")
