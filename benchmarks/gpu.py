@@ -1020,7 +1020,8 @@ def main() -> None:
     card = "CPU" if args.tiny else torch.cuda.get_device_name(0)
     peak = peak_tflops(device, 0.0) or None
     result = {"card": card, "torch": torch.__version__, **_versions(), "date": datetime.date.today().isoformat(),
-              "sizes": {"lm": LM["tiny" if args.tiny else "default"], "vlm": VLM["tiny" if args.tiny else "default"]},
+              "sizes": {"lm": LM["tiny" if args.tiny else "default"], "vlm": VLM["tiny" if args.tiny else "default"],
+                        "lm 8b blocks": LM["tiny" if args.tiny else "wide"]},
               "rows": {}}
     rows = result["rows"]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -1126,6 +1127,11 @@ def _report(result: dict, tiny: bool) -> list[str]:
         for reason in r.get("cudagraph_skips", []):
             print(f"{case}: {reason}")
     for case, r in rows.items():
+        if "loss_sums_in_matmul" in r:  # the chunked loss's weight-gradient sums (`_weight_sum_check`)
+            print(f"{case}: the head's weight gradient summed "
+                  f"{'inside the matmul' if r['loss_sums_in_matmul'] else 'by a separate add (no summing matmul here)'}"
+                  f"; largest error against fp32 sums {r['loss_weight_grad_err_matmul_sum']:.2e}, "
+                  f"separate add {r['loss_weight_grad_err_separate_add']:.2e}")
         if "cudagraph_recordings" in r:
             print(f"{case}: {r['cudagraph_recordings']} CUDA graphs recorded over the run, in "
                   f"{r['cudagraph_trees']} cudagraph trees (one per compiled function and input size)")

@@ -66,7 +66,11 @@ def test_under_bf16_autocast_it_computes_as_the_head_would(monkeypatch) -> None:
 
 def _sums(self, batch1, batch2, out_dtype, *, beta=1, alpha=1, out):
     """CUDA's ``baddbmm(..., out_dtype=, out=)`` (torch 2.11's Blas.cpp), which the CPU lacks: the
-    product of the half-precision batches computed in fp32 and added to `out` (``beta = 1``)."""
+    product of the half-precision batches computed in fp32 and added to `out` (``beta = 1``);
+    other input dtypes refused, as its checks do."""
+    if not (out_dtype == batch1.dtype or (out_dtype == torch.float32 and batch1.dtype in (torch.float16,
+                                                                                          torch.bfloat16))):
+        raise RuntimeError("out_dtype must be the same as input dtype or fp32 for fp16/bf16 inputs")
     return out.copy_(beta * out + alpha * (batch1.to(out_dtype) @ batch2.to(out_dtype)))
 
 
@@ -115,6 +119,31 @@ def test_the_weight_gradient_sums_in_the_matmul_where_the_device_can(cpu_baddbmm
                    @ h[i:i + 4].float() for i in range(0, 14, 4))
     torch.testing.assert_close(gw, expected, rtol=1e-6, atol=1e-6)
     assert not torch.equal(gw, separate[2])  # the separate add summed bf16-rounded products
+
+
+@pytest.mark.parametrize("cpu_baddbmm", [_sums], indirect=True)
+def test_other_dtypes_and_compiled_callers_keep_the_separate_add(cpu_baddbmm, monkeypatch) -> None:
+    """float64 rows and head (which that matmul refuses), and a caller under torch.compile (no
+    fake kernel for it): the separate add, where the probe said yes."""
+    monkeypatch.setattr(loss, "LOSS_CHUNK_LOGITS", 4 * VOCAB)
+    hidden, weight, labels, mask = _inputs(torch.float64)
+    (got, gh, gw), (want, wh, ww) = _both(hidden, weight, labels, mask, autocast=False)
+    torch.testing.assert_close(gw, ww, rtol=1e-5, atol=1e-6)  # the cross entropy in fp32, as the plain path
+    assert cpu_baddbmm == []  # not even probed
+    monkeypatch.setattr(loss, "_SUMS_IN_MATMUL", {"cpu": True})
+    g = torch.Generator().manual_seed(0)
+    out, a, b = torch.randn(5, 3, generator=g), torch.randn(5, 4, generator=g).bfloat16(), \
+        torch.randn(4, 3, generator=g).bfloat16()
+
+    def add(out, a, b):
+        loss._add_product(out, a, b)
+        return out
+
+    want = out + (a @ b).float()
+    torch.testing.assert_close(torch.compile(add, backend="aot_eager", fullgraph=True)(out.clone(), a, b), want)
+    assert cpu_baddbmm == []
+    assert torch.equal(add(out.clone(), a, b), out + (a.float() @ b.float()))  # eager: in the matmul
+    assert len(cpu_baddbmm) == 1
 
 
 @pytest.mark.parametrize("cpu_baddbmm", [_overwrites], indirect=True)

@@ -153,7 +153,8 @@ def _outside(labels: torch.Tensor, counted: torch.Tensor, vocab: int) -> torch.T
 def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                            want_h: bool, want_w: bool, compile_backend: str | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The summed weighted loss and, where wanted, the gradients of `hidden` and `weight` (fp32)."""
+    """The summed weighted loss and, where wanted, the gradients of `hidden` (in the compute dtype) and
+    `weight` (fp32, float64 for a float64 head)."""
     device = hidden.device.type
     dtype = torch.promote_types(hidden.dtype, weight.dtype)
     if torch.is_autocast_enabled(device) and dtype != torch.float64:  # autocast leaves float64 alone
@@ -161,7 +162,8 @@ def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     h, w = hidden.to(dtype), weight.to(dtype)
     vocab = w.shape[0]
     grad_h = torch.empty_like(h) if want_h else None
-    grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
+    # fp32 sums (float64 ones for a float64 head)
+    grad_w = torch.zeros(w.shape, dtype=torch.promote_types(dtype, torch.float32), device=w.device) if want_w else None
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     rows = max(1, LOSS_CHUNK_LOGITS // max(vocab, 1))
     # Compiled for training only: evaluation's loss-only chunks would add graphs to the same cache.
@@ -184,15 +186,17 @@ _SUMS_IN_MATMUL: dict[str, bool] = {}
 
 
 def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out += a @ b`` for an fp32 `out` and `a`, `b` in a lower precision: where the device has
-    a matmul that reads and writes an fp32 result from half-precision inputs (CUDA's
+    """``out += a @ b`` for an fp32 `out` and `a`, `b` in fp16 or bf16: where the device has a
+    matmul that reads and writes an fp32 result from half-precision inputs (CUDA's
     ``baddbmm(..., out_dtype=torch.float32, out=...)``, ``beta = 1``), the sum happens in the
     matmul's epilogue, in fp32: no bf16 product written and read back by a separate add (on an
     H200 that pass took 2 ms of the 1B LM's 237 ms step, eight chunks over a 32,000 x 2,048
     weight), and the product is not rounded to bf16 before it is summed. Elsewhere (CPU: no such
-    kernel) the product in `a`'s dtype is added to `out`. Which one is probed once per device type
-    (`_sums_in_matmul`)."""
-    if a.dtype != out.dtype and _sums_in_matmul(out.device):
+    kernel; other dtypes, which that matmul refuses; under ``torch.compile``, which has no fake
+    kernel for it) the product in `a`'s dtype is added to `out`. Which one is probed once per
+    device type (`_sums_in_matmul`)."""
+    if (out.dtype == torch.float32 and a.dtype in (torch.float16, torch.bfloat16)
+            and not torch.compiler.is_compiling() and _sums_in_matmul(out.device)):
         torch.baddbmm(out.unsqueeze(0), a.unsqueeze(0), b.unsqueeze(0), out_dtype=out.dtype, out=out.unsqueeze(0))
     else:  # the product read into the fp32 sum: one pass, no fp32 copy of it
         out.add_(a @ b)
@@ -200,19 +204,23 @@ def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def _sums_in_matmul(device: torch.device) -> bool:
     """Whether ``baddbmm`` with ``out_dtype`` adds a bf16 product into an fp32 `out` on `device`
-    (CUDA since torch 2.8), checked on a small product against the plain sum: a release that
-    lacks the kernel (CPU) or computes it otherwise keeps the separate add. One device sync, the
-    first time a device type asks."""
+    (CUDA since torch 2.8), checked on a small product against the plain sum: a device or release
+    that lacks the kernel (CPU, meta) or computes it otherwise keeps the separate add, and so does
+    one where the check fails (e.g. under ``torch.cuda.set_sync_debug_mode("error")``). One device
+    sync, the first time a device type asks; asked during a CUDA graph's capture (no sync
+    allowed), the answer is the separate add, not kept."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _SUMS_IN_MATMUL.get(device.type, False)
     if device.type not in _SUMS_IN_MATMUL:
-        g = torch.Generator(device=device).manual_seed(0)
-        out = torch.randn(1, 16, 24, generator=g, device=device)
-        a, b = (torch.randn(shape, generator=g, device=device).to(torch.bfloat16)
-                for shape in ((1, 16, 32), (1, 32, 24)))
-        want = out + a.float() @ b.float()
         try:
+            g = torch.Generator(device=device).manual_seed(0)
+            out = torch.randn(1, 16, 24, generator=g, device=device)
+            a, b = (torch.randn(shape, generator=g, device=device).to(torch.bfloat16)
+                    for shape in ((1, 16, 32), (1, 32, 24)))
+            want = out + a.float() @ b.float()
             torch.baddbmm(out, a, b, out_dtype=torch.float32, out=out)
             _SUMS_IN_MATMUL[device.type] = bool(torch.allclose(out, want, rtol=1e-4, atol=1e-4))
-        except (RuntimeError, NotImplementedError, TypeError):  # no kernel for the device, or no out_dtype
+        except (RuntimeError, NotImplementedError, TypeError):  # no kernel, no out_dtype, no sync allowed
             _SUMS_IN_MATMUL[device.type] = False
     return _SUMS_IN_MATMUL[device.type]
 

@@ -134,18 +134,27 @@ def _exit_now(code: int) -> NoReturn:
     which also closes its logger and joins its loader workers on every path, and the output
     streams are flushed here. `TEARDOWN_ENV` = 1 exits normally instead.
 
-    The process's multiprocessing finalizers run first (those a normal exit runs): they unlink
-    its named semaphores and tell the launcher's resource tracker, which otherwise warns at the
-    end of every run of "leaked semaphore objects" (tqdm's lock, which inductor's compile
-    progress creates in each rank)."""
-    from multiprocessing import util
-
-    util._run_finalizers(0)
+    The process's named semaphores are unlinked first, as a normal exit would (their
+    multiprocessing finalizers): else, under a spawn or forkserver start, the launcher's resource
+    tracker warns at the end of every compiled run of "leaked semaphore objects" (tqdm's lock,
+    which inductor's compile progress creates in each rank). Only those: the other finalizers
+    include the shutdown of inductor's compile workers, about a second of waiting."""
+    _unlink_semaphores()
     sys.stdout.flush()
     sys.stderr.flush()
     if os.environ.get(TEARDOWN_ENV) == "1":
         sys.exit(code)
     os._exit(code)
+
+
+def _unlink_semaphores() -> None:
+    """Run this process's pending `multiprocessing` semaphore finalizers (``SemLock._cleanup``:
+    unlink, and unregister from the resource tracker), none of its others."""
+    from multiprocessing import synchronize, util
+
+    for finalizer in list(util._finalizer_registry.values()):
+        if getattr(finalizer, "_callback", None) is synchronize.SemLock._cleanup:
+            finalizer()
 
 
 def describe(e: BaseException) -> str:
