@@ -131,8 +131,8 @@ def _local_grad(param: torch.Tensor) -> tuple[torch.Tensor, int]:
 def grad_sumsq_shares(model: "MimoModel") -> torch.Tensor:
     """Per module (in `model.module_names` order), this rank's share of the squared gradient
     norm (float64); summed over the world it is each module's squared norm."""
-    shares = torch.zeros(len(model.module_names), dtype=torch.float64, device=model.device)
-    for i, name in enumerate(model.module_names):
+    shares = []
+    for name in model.module_names:
         par = model.layout.parallelism(name)
         ranks = par.dp * par.cp * par.tp  # ranks holding one pp stage of the module
         # One foreach kernel per (shards, dtype, device) group, not one reduction per parameter.
@@ -141,10 +141,12 @@ def grad_sumsq_shares(model: "MimoModel") -> torch.Tensor:
             if param.grad is not None:
                 grad, shards = _local_grad(param)
                 groups[shards, grad.dtype, grad.device].append(grad)
-        for (shards, _, _), grads in groups.items():
-            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
-            shares[i] += torch.stack(norms).square().sum() * shards / ranks
-    return shares
+        share = None
+        for (shards, _, _), grads in groups.items():  # each tensor's sum of squares, in float64
+            part = torch.stack(torch._foreach_powsum(grads, 2, dtype=torch.float64)).sum() * (shards / ranks)
+            share = part if share is None else share + part
+        shares.append(torch.zeros((), dtype=torch.float64, device=model.device) if share is None else share)
+    return torch.stack(shares)
 
 
 class MimoOptimizer:
