@@ -300,7 +300,7 @@ if __name__ == "__main__":
 
 def test_a_rank_ending_at_once_leaves_no_semaphore_behind(tmp_path) -> None:
     # A rank ends with os._exit; the launcher's resource tracker then warned, at the end of every
-    # compiled run, of "leaked semaphore objects" until `_exit_now` ran the rank's finalizers.
+    # compiled run, of "leaked semaphore objects" until `_exit_now` ran its semaphore finalizers.
     script = tmp_path / "child.py"
     script.write_text(_SEMAPHORE_CHILD)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
