@@ -61,6 +61,7 @@ class _Model:
                        "language": {"w": torch.nn.Parameter(torch.randn(numel // 2)),
                                     "b": torch.nn.Parameter(torch.randn(7))}}
         self.module_names = list(self.params)
+        self.device = torch.device("cpu")
 
     def module_parameters(self, name: str) -> dict[str, torch.nn.Parameter]:
         return self.params[name]
@@ -538,3 +539,46 @@ def test_a_gpu_mesh_shard_is_staged_in_host_memory() -> None:
     second copy of the state in device memory, read by the writing thread): staging keeps it on
     the host."""
     assert run_on_ranks(_staged_from_a_gpu_mesh, 1, timeout=60) == [[(True, "cpu", True, True)] * 2]
+
+
+# ---------------------------------------------------------------------------- fresh state, device RNG
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_fresh_adamw_step_count_is_the_one_adamw_creates(fused: bool) -> None:
+    """The state a resume creates before DCP fills it (`_fresh_step`): AdamW's own first step's
+    count, dtype and device, and for a fused group on the parameter's device (a meta parameter
+    here; on a GPU, where the fused kernel reads it), not on the host."""
+    param = torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.AdamW([param], fused=fused)
+    param.grad = torch.ones(3)
+    opt.step()
+    want, got = opt.state[param]["step"], checkpoint._fresh_step(param, fused)
+    assert (got.dtype, got.device, got.shape, float(got)) == (want.dtype, want.device, want.shape, 0.0)
+    meta = torch.nn.Parameter(torch.empty(3, device="meta"))
+    assert checkpoint._fresh_step(meta, fused).device.type == ("meta" if fused else "cpu")
+
+
+def test_an_accelerator_random_state_is_saved_and_put_back(monkeypatch) -> None:
+    """On an accelerator the device generator's state is saved beside the host's (dropout on the
+    device would otherwise draw other numbers after a resume), and put back."""
+    states = {"cuda": torch.tensor([1, 2, 3], dtype=torch.uint8)}
+
+    class Device:  # what `torch.get_device_module` gives for the device's type
+        @staticmethod
+        def get_rng_state(device):
+            return states["cuda"].clone()
+
+        @staticmethod
+        def set_rng_state(state, device):
+            states["cuda"] = state.clone()
+
+    monkeypatch.setattr(checkpoint.dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(torch, "get_device_module", lambda device: Device)
+    saved = checkpoint._rng_states(torch.device("cuda", 0))
+    assert sorted(saved) == ["rng.3", "rng.cuda.3"] and saved["rng.cuda.3"].tolist() == [1, 2, 3]
+    assert sorted(checkpoint._rng_states(torch.device("cpu"))) == ["rng.3"]
+    states["cuda"] = torch.tensor([9, 9, 9], dtype=torch.uint8)
+    torch.manual_seed(123)
+    checkpoint._set_rng_states(saved, torch.device("cuda", 0))
+    assert states["cuda"].tolist() == [1, 2, 3] and torch.equal(torch.get_rng_state(), saved["rng.3"])

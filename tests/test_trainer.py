@@ -152,6 +152,25 @@ def test_reload_under_other_layouts_continues(run_a, tmp_path) -> None:
     assert got_c[6] == pytest.approx(expected[6], rel=1e-5)
 
 
+def _refusal(argv: list[str]) -> str | None:
+    from dtensor_mimo.train.trainer import Trainer
+
+    try:
+        Trainer(parse_args(argv)).run()
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_a_checkpoint_of_other_data_settings_is_refused_naming_them(run_a) -> None:
+    """The data position of a run with another batch size cannot continue: a CheckpointError (no
+    traceback from the launcher) naming the setting, on every rank, not the sampler's ValueError."""
+    d, _ = run_a
+    argv = [*SHORT, *LAYOUT_C, "--data.batch_size", "4", "--checkpoint.load", str(d / "ckpt" / "step-000003")]
+    (message,) = run_on_ranks(_refusal, 1, argv, timeout=300)
+    assert "saved with data.batch_size 8 (this run: 4)" in message and "data.seed" in message, message
+
+
 def _shapes(config) -> dict:
     from dtensor_mimo.train.modules import build_modules, resolve
 

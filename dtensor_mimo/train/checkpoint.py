@@ -9,7 +9,8 @@ What a checkpoint holds, under layout-independent keys:
   under another (other dp/tp/pp sizes, colocated or not, another world size);
 - ``optim.<module>.<param>.<exp_avg|exp_avg_sq|step>``: AdamW's state, sharded like the parameter;
 - ``trainer``: step, optimizer updates, data position (the same on every rank);
-- ``rng.<rank>``: each rank's torch RNG state (restored when the world size is unchanged).
+- ``rng.<rank>``, ``rng.<device type>.<rank>``: each rank's torch RNG states, the host's and on an
+  accelerator its device's (restored when the world size is unchanged).
 
 Saves are atomic: every rank writes into ``DIR/.step-000020.tmp``, and after a barrier rank 0
 renames it to ``DIR/step-000020`` (one rename, atomic on a POSIX file system). A save killed
@@ -187,18 +188,29 @@ def _optimizer_keys(model: MimoModel, optimizer: MimoOptimizer, init: bool) -> d
     (a parameter that never had a gradient) is created as AdamW would: zeros, step 0."""
     out: dict[str, Any] = {}
     for module, opt in optimizer.optimizers.items():
+        on_device = {id(p) for g in opt.param_groups if g.get("fused") or g.get("capturable") for p in g["params"]}
         for name, param in model.module_parameters(module).items():
             if not param.requires_grad:
                 continue
             state = opt.state[param]
             if not state and init:
-                state["step"] = torch.tensor(0.0)
+                state["step"] = _fresh_step(param, id(param) in on_device)
                 for key in _ADAM_KEYS:
                     state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
             for key in ("step", *_ADAM_KEYS):
                 if key in state:
                     out[f"optim.{module}.{name}.{key}"] = state[key]
     return out
+
+
+def _fresh_step(param: torch.Tensor, on_device: bool) -> torch.Tensor:
+    """A step count of 0 as AdamW's first step creates it for `param`: `on_device` (a fused or
+    capturable group, whose kernel reads it there) on the parameter's device in float32, else a
+    float32 (or the default float64) host scalar. A host count under a fused CUDA AdamW would
+    reach its kernel on the wrong device after a resume (DCP loads into the tensor it is given)."""
+    if on_device:
+        return torch.zeros((), dtype=torch.float32, device=param.device)
+    return torch.tensor(0.0, dtype=torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32)
 
 
 def _plain(param: torch.Tensor) -> torch.Tensor:
@@ -221,8 +233,27 @@ def _state(model: MimoModel, optimizer: MimoOptimizer, trainer: dict[str, Any]) 
                              for n, p in model.module_parameters(m).items()}
     state.update(_optimizer_keys(model, optimizer, init=True))
     state["trainer"] = json.dumps(trainer)  # one leaf: DCP stores it once (equal on every rank)
-    state[f"rng.{dist.get_rank()}"] = torch.get_rng_state()
+    state.update(_rng_states(model.device))
     return state
+
+
+def _rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's random states under checkpoint keys: the host generator's, and on an
+    accelerator its device's (``rng.<type>.<rank>``: dropout and other draws on the device)."""
+    rank = dist.get_rank()
+    out = {f"rng.{rank}": torch.get_rng_state()}
+    if device.type != "cpu":
+        out[f"rng.{device.type}.{rank}"] = torch.get_device_module(device).get_rng_state(device)
+    return out
+
+
+def _set_rng_states(states: Mapping[str, torch.Tensor], device: torch.device) -> None:
+    """Put back the states of `_rng_states` that `states` holds."""
+    rank = dist.get_rank()
+    if f"rng.{rank}" in states:
+        torch.set_rng_state(states[f"rng.{rank}"])
+    if f"rng.{device.type}.{rank}" in states:
+        torch.get_device_module(device).set_rng_state(states[f"rng.{device.type}.{rank}"], device)
 
 
 def save(directory: str, step: int, model: MimoModel, optimizer: MimoOptimizer,
@@ -550,17 +581,17 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
                               "checkpoint.dir on a file system every rank sees")
     meta = FileSystemReader(path).read_metadata().state_dict_metadata
     state = _state(model, optimizer, {})
-    rng, world = f"rng.{dist.get_rank()}", dist.get_world_size()
-    if f"rng.{world - 1}" not in meta or f"rng.{world}" in meta:
-        del state[rng]  # saved under another world size: keep this rank's own
+    world = dist.get_world_size()
+    for rng in _rng_states(model.device):
+        if rng not in meta or f"rng.{world - 1}" not in meta or f"rng.{world}" in meta:
+            del state[rng]  # saved under another world size or on another device: keep this rank's own
     missing_optim = [k for k in state if k.startswith("optim.") and k not in meta]
     for k in missing_optim:  # saved before that parameter trained (e.g. frozen then): fresh state
         del state[k]
     dcp.load(state, checkpoint_id=path)  # in place: parameters, AdamW state; the rest replaced
     model.uninitialized.clear()  # every parameter came from the checkpoint
     model.refresh_fp8_scales()
-    if rng in state:
-        torch.set_rng_state(state[rng])
+    _set_rng_states(state, model.device)
     trainer = json.loads(state["trainer"])
     optimizer.set_updates(trainer["updates"])
     return trainer
