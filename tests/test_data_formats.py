@@ -226,6 +226,23 @@ def test_sources_read_lazily(corpus) -> None:
         os.chdir(cwd)
 
 
+def test_files_starting_with_a_byte_order_mark_read_as_without(tmp_path) -> None:
+    """A UTF-8 byte-order mark (what Windows tools write first) before a JSON list, indented or on
+    one line, or before a JSONL file: the same samples (a list was taken for JSONL)."""
+    from dtensor_mimo.data.sources import open_source
+
+    conv = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]
+    samples = [{"id": f"s{k}", "conversations": conv} for k in range(3)]
+    texts = {"list.json": json.dumps(samples), "indented.json": json.dumps(samples, indent=1),
+             "lines.jsonl": "\n".join(map(json.dumps, samples))}
+    for name, text in texts.items():
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
+        for fresh in (True, False):  # the head before any index; then the indexed file
+            source = open_source("llava", str(tmp_path / name), None)
+            got = [s["id"] for s in source.head(5)] if fresh else [source[i]["id"] for i in range(len(source))]
+            assert got == ["s0", "s1", "s2"], (name, fresh, got)
+
+
 def _tar(path, format_: int, members: list[tuple[str, bytes]]) -> None:
     with tarfile.open(path, "w", format=format_) as tar:
         for name, data in members:

@@ -145,6 +145,44 @@ def test_long_samples_refused_or_truncated(tiny: str) -> None:
     assert batch.modalities["image"].items_per_sample == (1,)
 
 
+def test_a_malformed_turn_past_the_checked_samples_names_its_sample(tiny: str) -> None:
+    """The launcher checks the first 256 samples; a bad turn further on is a DataError naming the
+    file and the sample when a rank reads it (it was a bare KeyError or TypeError)."""
+    from dtensor_mimo.data.conversation import DataError
+
+    good = {"conversations": [{"from": "human", "value": "repeat : red"}, {"from": "gpt", "value": "red"}]}
+    bad = {"t-300": [{"from": "bot", "value": "hi"}, {"from": "gpt", "value": "red"}],
+           "t-301": [{"from": "human", "text": "hi"}, {"from": "gpt", "value": "red"}],
+           "t-302": ["hi", {"from": "gpt", "value": "red"}],
+           "t-303": [{"from": "human", "value": "hi"}]}
+    path = os.path.join(tiny, "data", "late_bad.jsonl")
+    with open(path, "w") as f:
+        for k in range(300):
+            f.write(json.dumps({"id": f"t-{k}", **good}) + "\n")
+        for sid, turns in bad.items():
+            f.write(json.dumps({"id": sid, "conversations": turns}) + "\n")
+    data, _ = _dataset(tiny, "--data.path", "data/late_bad.jsonl", "--data.heldout", "none")
+    assert len(data.train.batch(range(8)).tokens) == 8
+    for index, sid in enumerate(bad, start=300):
+        with pytest.raises(DataError, match=f"late_bad.jsonl: sample '{sid}'"):
+            data.train.batch([index])
+
+
+@pytest.mark.parametrize("samples", [256, 257])
+def test_seq_len_zero_takes_the_longest_of_a_corpus_of_the_checked_size(tiny: str, samples: int) -> None:
+    """data.seq_len = 0 needs the whole corpus tokenized: taken for one of exactly the checked
+    samples (256), refused past them."""
+    conv = {"conversations": [{"from": "human", "value": "repeat : red"}, {"from": "gpt", "value": "red"}]}
+    with open(os.path.join(tiny, "data", f"n{samples}.jsonl"), "w") as f:
+        f.writelines(json.dumps({"id": f"t-{k}", **conv}) + "\n" for k in range(samples))
+    argv = ["--data.path", f"data/n{samples}.jsonl", "--data.heldout", "none", "--data.seq_len", "0"]
+    if samples == 256:
+        assert len(_dataset(tiny, *argv)[0].train) == 256
+    else:
+        with pytest.raises(ConfigError, match="data.seq_len = 0 takes the longest sample's length"):
+            _dataset(tiny, *argv)
+
+
 def test_prompts_stop_at_the_first_answer_with_their_items(tiny: str, tmp_path) -> None:
     """Generation starts from the prompt alone: a later turn's image goes with its tokens, and a
     sample whose answer was truncated away is not prompted."""
@@ -669,3 +707,29 @@ def test_variable_length_clips_keep_their_own_length(varied: str, tmp_path) -> N
     with pytest.raises(ConfigError, match=r"model.encoders.image.max_patches = 16: images of up to "
                                           r"data.image_max_pixels = 512 pixels give up to 32 patches of 4x4"):
         _dataset(varied, *DYNAMIC, "--model.encoders.image.max_patches", "16")
+
+
+def test_a_truncated_clip_is_a_media_error_naming_the_sample(varied: str, tmp_path) -> None:
+    """A WAV cut short (its header's frame count intact, from which the token row was counted):
+    a MediaError naming the sample and the file, which data.skip_bad_media skips and the ranks
+    agree on; it was a DataError telling the user to fix the processor config."""
+    from dtensor_mimo.data.conversation import MediaError
+
+    config = tmp_path / "audio.toml"
+    config.write_text(AUDIO_CONFIG)
+    data, _ = _dataset(varied, "--data.path", "data/varied_audio.jsonl", "--data.heldout", "none", "--data.root",
+                       "data", "--model.encoders.audio.variable_length", "true", config=str(config))
+    path = os.path.join(varied, "data", "varied", "clip-0.wav")
+    with open(path, "rb") as f:
+        whole = f.read()
+    try:
+        with open(path, "wb") as f:
+            f.write(whole[:len(whole) // 2])
+        with pytest.raises(MediaError, match=r"sample 'clip-0': cannot decode its audio file .*clip-0\.wav "
+                                             r"\(DataError: .*truncated: its header gives 16000 frames, the file "
+                                             r"holds \d+\)") as e:
+            data.train.batch(range(len(CLIPS)))
+        assert e.value.sample_id == "clip-0" and e.value.row == 0
+    finally:
+        with open(path, "wb") as f:
+            f.write(whole)

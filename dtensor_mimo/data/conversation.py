@@ -210,12 +210,7 @@ def check_samples(source: SampleSource, samples: Sequence[Mapping[str, Any]], mo
     modalities = set(modalities)
     for index, sample in enumerate(samples):
         sid = sample["id"]
-        for turn in sample["conversations"]:
-            if not isinstance(turn, dict) or turn.get("from") not in ROLES or not isinstance(turn.get("value"), str):
-                raise DataError(f"{where}: sample {sid!r}: a turn {str(turn)[:80]} needs 'from' (one of "
-                                f"{sorted(ROLES)}) and a 'value' string")
-        if not any(ROLES[t["from"]] == "assistant" for t in sample["conversations"]):
-            raise DataError(f"{where}: sample {sid!r} has no 'gpt' turn: nothing to learn from it")
+        check_turns(sample, where)
         text = "".join(t["value"] for t in sample["conversations"])
         for modality, placeholder in PLACEHOLDERS.items():
             refs = source.media(index, sample, modality)
@@ -229,6 +224,19 @@ def check_samples(source: SampleSource, samples: Sequence[Mapping[str, Any]], mo
             for ref in refs:
                 if not source.exists(ref):
                     raise DataError(f"{where}: sample {sid!r}: {modality} file {ref} does not exist")
+
+
+def check_turns(sample: Mapping[str, Any], where: str) -> None:
+    """DataError naming `where` and the sample id unless each turn has a known role and a text,
+    and one is the assistant's (`check_samples` on a corpus's first samples; tokenizing, on
+    every other as it is read)."""
+    sid = sample["id"]
+    for turn in sample["conversations"]:
+        if not isinstance(turn, dict) or turn.get("from") not in ROLES or not isinstance(turn.get("value"), str):
+            raise DataError(f"{where}: sample {sid!r}: a turn {str(turn)[:80]} needs 'from' (one of "
+                            f"{sorted(ROLES)}) and a 'value' string")
+    if not any(ROLES[t["from"]] == "assistant" for t in sample["conversations"]):
+        raise DataError(f"{where}: sample {sid!r} has no 'gpt' turn: nothing to learn from it")
 
 
 # ---------------------------------------------------------------------------- media
@@ -440,6 +448,9 @@ def _read_wav(path: str) -> tuple[torch.Tensor, int]:
             raw = f.readframes(frames)
     except (wave.Error, EOFError) as e:
         raise DataError(f"{path}: not a PCM WAV file ({e})") from None
+    if len(raw) < frames * width * channels:  # the token rows were counted from the header's length
+        raise DataError(f"{path}: truncated: its header gives {frames} frames, the file holds "
+                        f"{len(raw) // (width * channels)}")
     dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(width)
     if dtype is None:
         raise DataError(f"{path}: {8 * width}-bit samples; use 8, 16 or 32-bit PCM")
@@ -615,6 +626,7 @@ class ConversationDataset(Dataset):
         """Token ids with each placeholder expanded, labels on the assistant tokens."""
         sample = self.samples[index]
         sid = str(sample["id"])
+        check_turns(sample, self.path)  # checked ahead for the first samples only (`check_samples`)
         messages = [{"role": ROLES[t["from"]], "content": t["value"]} for t in sample["conversations"]]
         ids = self._render(messages, False)
         assistant = [False] * len(ids)
@@ -820,10 +832,11 @@ class ConversationDataset(Dataset):
                     out.append(torch.zeros(()).expand(*shape))
                     continue
                 item = next(loaded)
-                if tuple(item.shape) != tuple(shape):
-                    raise DataError(f"{name!r}: the processor turns {path} into {list(item.shape)} but its header "
-                                    f"gave {list(shape)} (and the token row counts its rows from that); fix the "
-                                    "processor config")
+                if tuple(item.shape) != tuple(shape):  # the file (data.skip_bad_media applies), or the config
+                    reason = (f"the processor turns it into {list(item.shape)} but its header gave {list(shape)}, "
+                              "which the token row counts its rows from: a truncated or inconsistent file (or, "
+                              "if every file does this, the processor config)")
+                    raise MediaError(f"{name!r}: {path}: {reason}", path=path, reason=reason)
                 out.append(item)
         return out
 

@@ -49,6 +49,7 @@ __all__ = ["FORMATS", "SampleSource", "JsonSource", "TarSource", "ArrowSource", 
 FORMATS = ("llava", "webdataset", "hf")
 LARGE_JSON_LIST = 100_000
 """Samples of a JSON list above which reading it warns (JSONL is indexed, not parsed whole)."""
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which Windows tools put before a file's JSON
 
 
 def expand_paths(path: str | Sequence[str], key: str) -> list[str]:
@@ -224,10 +225,10 @@ class JsonSource(SampleSource):
         if size == 0:
             return np.zeros((2, 0), dtype=np.int64)
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            first = re.search(rb"\S", mm[:4096])
-            if first is not None and mm[first.start():first.start() + 1] == b"[":
+            first = re.search(rb"\S", mm[:4096].removeprefix(BOM))
+            if first is not None and mm[:4096].removeprefix(BOM)[first.start():first.start() + 1] == b"[":
                 try:
-                    samples = json.loads(mm[:].decode("utf-8"))
+                    samples = json.loads(mm[:].decode("utf-8-sig"))
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
                     raise DataError(f"{path}: not valid JSON: {e}") from None
                 if not isinstance(samples, list):
@@ -255,7 +256,7 @@ class JsonSource(SampleSource):
 
     def _parse(self, k: int, j: int, raw: bytes, start: int) -> dict[str, Any]:
         try:
-            sample = json.loads(raw)
+            sample = json.loads(raw.removeprefix(BOM) if start == 0 else raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"{self.files[k]}: the line at byte {start} (sample {j} of the file): "
                             f"not valid JSON: {e}") from None
@@ -278,7 +279,7 @@ class JsonSource(SampleSource):
         if not os.path.isfile(path):
             raise DataError(f"{self.describe()}: {path}: no such data file")
         with open(path, "rb") as f:
-            start = f.read(4096).lstrip()
+            start = f.read(4096).removeprefix(BOM).lstrip()
             if start.startswith(b"["):
                 return super()._head(k, n)  # a JSON list: parsed whole
             f.seek(0)
