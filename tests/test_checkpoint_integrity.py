@@ -582,3 +582,26 @@ def test_an_accelerator_random_state_is_saved_and_put_back(monkeypatch) -> None:
     torch.manual_seed(123)
     checkpoint._set_rng_states(saved, torch.device("cuda", 0))
     assert states["cuda"].tolist() == [1, 2, 3] and torch.equal(torch.get_rng_state(), saved["rng.3"])
+
+
+def test_verify_returns_what_it_cannot_read_instead_of_raising(tmp_path, monkeypatch) -> None:
+    """`verify` runs on each rank before the verdicts are pooled in a collective: a malformed
+    manifest or a file that cannot be read is a problem it returns (every rank then skips the
+    checkpoint together), not an error one rank raises while its peers wait."""
+    run_on_ranks(_save, 1, str(tmp_path), [1], timeout=120)
+    path = checkpoint.checkpoint_path(str(tmp_path), 1)
+
+    def unreadable(file):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(checkpoint, "file_crc32", unreadable)
+    problems = checkpoint.verify(path)
+    assert problems and all("cannot be read ([Errno 5] Input/output error)" in p for p in problems), problems
+    monkeypatch.undo()
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    manifest["files"] = {name: "big" for name in manifest["files"]}
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    (problem,) = checkpoint.verify(path)
+    assert problem.startswith(f"{os.path.join(path, MANIFEST)} is malformed (ValueError"), problem

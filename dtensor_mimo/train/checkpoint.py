@@ -120,18 +120,27 @@ def verify(path: str, share: tuple[int, int] = (0, 1), checksums: bool = True) -
             files = json.load(f)["files"]
     except (OSError, ValueError, KeyError) as e:
         return [f"{manifest} is unreadable ({e})"]
+    try:
+        entries = [(name, int(size), int(crc)) for name, (size, crc) in sorted(files.items())]
+    except (AttributeError, TypeError, ValueError) as e:
+        return [f"{manifest} is malformed ({type(e).__name__}: {e})"]
+    # Every problem is returned, not raised: the callers pool the ranks' verdicts in a collective,
+    # which a rank raising on its own would leave its peers waiting in.
     problems = []
     rank, world = share
-    for i, (name, (size, crc)) in enumerate(sorted(files.items())):
+    for i, (name, size, crc) in enumerate(entries):
         if i % world != rank:  # each file is looked at by one rank: O(files / world) per rank
             continue
         file = os.path.join(path, name)
-        if not os.path.exists(file):
-            problems.append(f"{file} is missing")
-        elif (actual := os.path.getsize(file)) != size:
-            problems.append(f"{file} has {actual} bytes, the manifest says {size}")
-        elif checksums and file_crc32(file) != crc:
-            problems.append(f"{file} has another checksum than the manifest's (corrupt)")
+        try:
+            if not os.path.exists(file):
+                problems.append(f"{file} is missing")
+            elif (actual := os.path.getsize(file)) != size:
+                problems.append(f"{file} has {actual} bytes, the manifest says {size}")
+            elif checksums and file_crc32(file) != crc:
+                problems.append(f"{file} has another checksum than the manifest's (corrupt)")
+        except OSError as e:
+            problems.append(f"{file} cannot be read ({e})")
     return problems
 
 

@@ -416,8 +416,9 @@ class Trainer:
                 self.log.print(f"warning: {warning}")
             verified = path is not None
             if path is None:  # a mistyped dir would otherwise start over in silence
-                self.log.print(f"no checkpoint in {c.dir}: " + ("starting from checkpoint.load" if c.load
-                                                                   else "starting at step 0"))
+                what = f"no checkpoint in {c.dir} verifies (each skipped above)" if warnings else \
+                    f"no checkpoint in {c.dir}"
+                self.log.print(f"{what}: " + ("starting from checkpoint.load" if c.load else "starting at step 0"))
         if path is None and c.load:
             # Rank 0 picks; every rank then loads the same path or raises together.
             chosen: list[Any] = [None, None]
