@@ -225,8 +225,8 @@ class JsonSource(SampleSource):
         if size == 0:
             return np.zeros((2, 0), dtype=np.int64)
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            first = re.search(rb"\S", mm[:4096].removeprefix(BOM))
-            if first is not None and mm[:4096].removeprefix(BOM)[first.start():first.start() + 1] == b"[":
+            start = mm[:4096].removeprefix(BOM).lstrip()
+            if start.startswith(b"["):
                 try:
                     samples = json.loads(mm[:].decode("utf-8-sig"))
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
