@@ -183,6 +183,20 @@ def test_seq_len_zero_takes_the_longest_of_a_corpus_of_the_checked_size(tiny: st
             _dataset(tiny, *argv)
 
 
+def test_images_none_of_which_decode_are_a_config_error(tiny: str, tmp_path) -> None:
+    """The launcher probes each encoder's processor on a file that decodes; when none of the first
+    8 does, a ConfigError naming the encoder and the first file (was the decoder's traceback)."""
+    shutil.copytree(tiny, tmp_path / "t")
+    for root, _, files in os.walk(tmp_path / "t" / "data"):
+        for name in files:
+            if name.endswith(".png"):
+                with open(os.path.join(root, name), "wb") as f:
+                    f.write(b"not a png")
+    with pytest.raises(ConfigError, match=r"model.encoders.image: none of the first 8 image files decodes through its "
+                                          r"processor \(.*\.png: UnidentifiedImageError"):
+        _dataset(str(tmp_path / "t"))
+
+
 def test_prompts_stop_at_the_first_answer_with_their_items(tiny: str, tmp_path) -> None:
     """Generation starts from the prompt alone: a later turn's image goes with its tokens, and a
     sample whose answer was truncated away is not prompted."""

@@ -215,7 +215,15 @@ def _probe_processors(media: dict[str, MediaSpec], source: SampleSource, head: l
         if not firsts:
             continue
         # A file that does not decode is the step's to name (or skip), not the config's: probe another.
-        ref = next((r for r in firsts[:8] if _decodes(spec, source, r)), firsts[0])
+        ref = next((r for r in firsts[:8] if _decodes(spec, source, r)), None)
+        if ref is None:  # none of them: the files, or this processor's reading of them
+            try:
+                spec.prepare([source.open(firsts[0])])
+            except Exception as e:  # noqa: BLE001 - what the decoder raises
+                raise ConfigError(f"model.encoders.{name}: none of the first {len(firsts[:8])} {spec.modality} files "
+                                  f"decodes through its processor ({firsts[0]}: {type(e).__name__}: {e}); check "
+                                  "the files and the processor") from None
+            ref = firsts[0]  # it decoded this time
         if spec.varied:  # the processor's output against the header's prediction, and the encoder takes it
             try:
                 shape, predicted = tuple(spec.prepare([source.open(ref)])[0].shape), spec.shape_of(source.open(ref))
