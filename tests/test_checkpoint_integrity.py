@@ -605,3 +605,8 @@ def test_verify_returns_what_it_cannot_read_instead_of_raising(tmp_path, monkeyp
         json.dump(manifest, f)
     (problem,) = checkpoint.verify(path)
     assert problem.startswith(f"{os.path.join(path, MANIFEST)} is malformed (ValueError"), problem
+    for content in ([], None, "files"):  # not an object at all
+        with open(os.path.join(path, MANIFEST), "w") as f:
+            json.dump(content, f)
+        (problem,) = checkpoint.verify(path)
+        assert problem.startswith(f"{os.path.join(path, MANIFEST)} is malformed (TypeError"), (content, problem)

@@ -164,7 +164,7 @@ def test_a_malformed_turn_past_the_checked_samples_names_its_sample(tiny: str) -
     data, _ = _dataset(tiny, "--data.path", "data/late_bad.jsonl", "--data.heldout", "none")
     assert len(data.train.batch(range(8)).tokens) == 8
     for index, sid in enumerate(bad, start=300):
-        with pytest.raises(DataError, match=f"late_bad.jsonl: sample '{sid}'"):
+        with pytest.raises(DataError, match=f"data.path = 'data/late_bad.jsonl': sample '{sid}'"):
             data.train.batch([index])
 
 
@@ -181,6 +181,17 @@ def test_seq_len_zero_takes_the_longest_of_a_corpus_of_the_checked_size(tiny: st
     else:
         with pytest.raises(ConfigError, match="data.seq_len = 0 takes the longest sample's length"):
             _dataset(tiny, *argv)
+
+
+def test_a_malformed_sample_right_after_the_checked_ones_is_a_config_error(tiny: str) -> None:
+    """Whether the checked head is the whole corpus reads one sample more: one that is no JSON is
+    the launcher's ConfigError naming it, not a DataError traceback."""
+    conv = {"conversations": [{"from": "human", "value": "repeat : red"}, {"from": "gpt", "value": "red"}]}
+    with open(os.path.join(tiny, "data", "n256bad.jsonl"), "w") as f:
+        f.writelines(json.dumps({"id": f"t-{k}", **conv}) + "\n" for k in range(256))
+        f.write("{not json\n")
+    with pytest.raises(ConfigError, match=r"n256bad.jsonl: the line at byte \d+ \(sample 256 of the file\)"):
+        _dataset(tiny, "--data.path", "data/n256bad.jsonl", "--data.heldout", "none")
 
 
 def test_images_none_of_which_decode_are_a_config_error(tiny: str, tmp_path) -> None:
@@ -740,8 +751,8 @@ def test_a_truncated_clip_is_a_media_error_naming_the_sample(varied: str, tmp_pa
         with open(path, "wb") as f:
             f.write(whole[:len(whole) // 2])
         with pytest.raises(MediaError, match=r"sample 'clip-0': cannot decode its audio file .*clip-0\.wav "
-                                             r"\(DataError: .*truncated: its header gives 16000 frames, the file "
-                                             r"holds \d+\)") as e:
+                                             r"\(the processor turns it into \[16, 15\] but its header gave "
+                                             r"\[16, 32\], which the token row counts its rows from: a truncated") as e:
             data.train.batch(range(len(CLIPS)))
         assert e.value.sample_id == "clip-0" and e.value.row == 0
     finally:

@@ -448,9 +448,6 @@ def _read_wav(path: str) -> tuple[torch.Tensor, int]:
             raw = f.readframes(frames)
     except (wave.Error, EOFError) as e:
         raise DataError(f"{path}: not a PCM WAV file ({e})") from None
-    if len(raw) < frames * width * channels:  # the token rows were counted from the header's length
-        raise DataError(f"{path}: truncated: its header gives {frames} frames, the file holds "
-                        f"{len(raw) // (width * channels)}")
     dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(width)
     if dtype is None:
         raise DataError(f"{path}: {8 * width}-bit samples; use 8, 16 or 32-bit PCM")
@@ -626,7 +623,7 @@ class ConversationDataset(Dataset):
         """Token ids with each placeholder expanded, labels on the assistant tokens."""
         sample = self.samples[index]
         sid = str(sample["id"])
-        check_turns(sample, self.path)  # checked ahead for the first samples only (`check_samples`)
+        check_turns(sample, self.source.describe())  # checked ahead for the first samples only (`check_samples`)
         messages = [{"role": ROLES[t["from"]], "content": t["value"]} for t in sample["conversations"]]
         ids = self._render(messages, False)
         assistant = [False] * len(ids)

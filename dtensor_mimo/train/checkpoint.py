@@ -117,12 +117,12 @@ def verify(path: str, share: tuple[int, int] = (0, 1), checksums: bool = True) -
         return []
     try:
         with open(manifest) as f:
-            files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError) as e:
+            files = json.load(f)
+    except (OSError, ValueError) as e:
         return [f"{manifest} is unreadable ({e})"]
     try:
-        entries = [(name, int(size), int(crc)) for name, (size, crc) in sorted(files.items())]
-    except (AttributeError, TypeError, ValueError) as e:
+        entries = [(name, int(size), int(crc)) for name, (size, crc) in sorted(files["files"].items())]
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
         return [f"{manifest} is malformed ({type(e).__name__}: {e})"]
     # Every problem is returned, not raised: the callers pool the ranks' verdicts in a collective,
     # which a rank raising on its own would leave its peers waiting in.

@@ -260,7 +260,10 @@ def conversation_data(config: TrainerConfig, resolved: ResolvedModel, ahead: boo
     train_source, head = open_checked(config, d.path, "data.path", d.batch_size)
     _probe_processors(media, train_source, head)
     # Whether the head is the whole corpus (one sample more read where it holds just as many as asked).
-    whole = len(head) < max(CHECKED_SAMPLES, d.batch_size) or len(train_source.head(len(head) + 1)) == len(head)
+    try:
+        whole = len(head) < max(CHECKED_SAMPLES, d.batch_size) or len(train_source.head(len(head) + 1)) == len(head)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
     try:
         seq_len = round_seq_len(config, d.seq_len) if d.seq_len else 0
         if not seq_len:  # the longest sample's, rounded for cp / sp: only where that is cheap

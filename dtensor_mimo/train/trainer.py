@@ -437,12 +437,13 @@ class Trainer:
         self.step = state["step"]
         saved, here = state["sampler"], self.sampler.state_dict()
         differ = [f"{name} {saved[k]} (this run: {here[k]})" for k, name in
-                  (("batch_size", "data.batch_size"), ("seed", "data.seed"), ("num_samples", "training samples"))
+                  (("batch_size", "data.batch_size"), ("seed", "data.seed"), ("num_samples", "training rows"))
                   if k in saved and saved[k] != here[k]]
         if differ:  # the same verdict on every rank: the same checkpoint, the same config
             raise checkpoint.CheckpointError(
                 f"{path} holds the data position of a run with other data: it was saved with {', '.join(differ)}; "
-                "resume it with the data.batch_size, data.seed and training data it was saved with")
+                "resume it with the data.batch_size, data.seed and training data it was saved with (with "
+                "data.pack, the rows depend on data.seq_len and data.truncate too)")
         self.sampler.load_state_dict(saved)
         self.log.print(f"resumed from {path} at step {self.step}")
 
