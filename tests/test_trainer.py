@@ -152,23 +152,36 @@ def test_reload_under_other_layouts_continues(run_a, tmp_path) -> None:
     assert got_c[6] == pytest.approx(expected[6], rel=1e-5)
 
 
-def _refusal(argv: list[str]) -> str | None:
+def _refusal(argv: list[str]) -> tuple[str | None, list[list[str]]]:
+    """The run's CheckpointError, and the keys of each DCP load it made."""
+    from dtensor_mimo.train import checkpoint
     from dtensor_mimo.train.trainer import Trainer
 
+    loads, load = [], checkpoint.dcp.load
+
+    def recorded(state, **kwargs):
+        loads.append(sorted(state))
+        return load(state, **kwargs)
+
+    checkpoint.dcp.load = recorded
     try:
         Trainer(parse_args(argv)).run()
     except CheckpointError as e:
-        return str(e)
-    return None
+        return str(e), loads
+    finally:
+        checkpoint.dcp.load = load
+    return None, loads
 
 
 def test_a_checkpoint_of_other_data_settings_is_refused_naming_them(run_a) -> None:
     """The data position of a run with another batch size cannot continue: a CheckpointError (no
-    traceback from the launcher) naming the setting, on every rank, not the sampler's ValueError."""
+    traceback from the launcher) naming the setting, on every rank, not the sampler's ValueError;
+    before the weights and optimizer state are read (the trainer state alone was)."""
     d, _ = run_a
     argv = [*SHORT, *LAYOUT_C, "--data.batch_size", "4", "--checkpoint.load", str(d / "ckpt" / "step-000003")]
-    (message,) = run_on_ranks(_refusal, 1, argv, timeout=300)
+    ((message, loads),) = run_on_ranks(_refusal, 1, argv, timeout=300)
     assert "it was saved with data.batch_size 8 (this run: 4);" in message, message
+    assert loads == [["trainer"]]
 
 
 def _shapes(config) -> dict:

@@ -562,14 +562,17 @@ def _short(items: list[str], limit: int = 8) -> str:
 
 
 def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
-         expected: Mapping[str, tuple[int, ...]], verified: bool = False) -> dict[str, Any]:
+         expected: Mapping[str, tuple[int, ...]], verified: bool = False,
+         check: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Load the checkpoint at `path` into this rank's shards of `model` and `optimizer`, whatever
     layout it was saved under; returns the trainer state. Call on every rank.
 
     Before DCP's collectives, one small all-gather makes every rank agree: if any rank cannot
     read the checkpoint, finds it mismatched or corrupt (`verify`, skipped when `verified`), or
     chose another path (e.g. a file system that is not shared), all of them raise instead of
-    leaving the others waiting in `dcp.load`."""
+    leaving the others waiting in `dcp.load`. `check`: called with the saved trainer state,
+    read alone before the weights and optimizer state are, to refuse it early (it must reach the
+    same verdict on every rank)."""
     problem = None
     try:
         problems = [] if verified else verify(path, (dist.get_rank(), dist.get_world_size()))
@@ -588,6 +591,10 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
     if len({p for p, _ in verdicts}) > 1:
         raise CheckpointError(f"loading {path}: the ranks chose different checkpoint paths; put "
                               "checkpoint.dir on a file system every rank sees")
+    if check is not None:
+        saved = {"trainer": ""}
+        dcp.load(saved, checkpoint_id=path)  # one small object, before the state
+        check(json.loads(saved["trainer"]))
     meta = FileSystemReader(path).read_metadata().state_dict_metadata
     state = _state(model, optimizer, {})
     world = dist.get_world_size()

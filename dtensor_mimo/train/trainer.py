@@ -433,18 +433,20 @@ class Trainer:
             path = chosen[0]
         if path is None:
             return
-        state = checkpoint.load(path, self.model, self.optimizer, self.expected_keys, verified=verified)
+        def fits(saved: dict[str, Any]) -> None:  # the same verdict on every rank: one checkpoint, one config
+            ours, here = saved["sampler"], self.sampler.state_dict()
+            differ = [f"{name} {ours[k]} (this run: {here[k]})" for k, name in
+                      (("batch_size", "data.batch_size"), ("seed", "data.seed"), ("num_samples", "training rows"))
+                      if k in ours and ours[k] != here[k]]
+            if differ:
+                raise checkpoint.CheckpointError(
+                    f"{path} holds the data position of a run with other data: it was saved with {', '.join(differ)}; "
+                    "resume it with the data.batch_size, data.seed and training data it was saved with (with "
+                    "data.pack, the rows depend on data.seq_len and data.truncate too)")
+
+        state = checkpoint.load(path, self.model, self.optimizer, self.expected_keys, verified=verified, check=fits)
         self.step = state["step"]
-        saved, here = state["sampler"], self.sampler.state_dict()
-        differ = [f"{name} {saved[k]} (this run: {here[k]})" for k, name in
-                  (("batch_size", "data.batch_size"), ("seed", "data.seed"), ("num_samples", "training rows"))
-                  if k in saved and saved[k] != here[k]]
-        if differ:  # the same verdict on every rank: the same checkpoint, the same config
-            raise checkpoint.CheckpointError(
-                f"{path} holds the data position of a run with other data: it was saved with {', '.join(differ)}; "
-                "resume it with the data.batch_size, data.seed and training data it was saved with (with "
-                "data.pack, the rows depend on data.seq_len and data.truncate too)")
-        self.sampler.load_state_dict(saved)
+        self.sampler.load_state_dict(state["sampler"])
         self.log.print(f"resumed from {path} at step {self.step}")
 
     # ------------------------------------------------------------------ evaluation
