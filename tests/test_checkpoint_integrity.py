@@ -610,3 +610,19 @@ def test_verify_returns_what_it_cannot_read_instead_of_raising(tmp_path, monkeyp
             json.dump(content, f)
         (problem,) = checkpoint.verify(path)
         assert problem.startswith(f"{os.path.join(path, MANIFEST)} is malformed (TypeError"), (content, problem)
+
+
+def _save_past_a_newer_one(directory: str) -> list[str]:
+    _save(directory, [1, 2])
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.join(directory, "step-000009"))  # newer, damaged: resumed past
+    dist.barrier()
+    _save(directory, [3])
+    return sorted(os.listdir(directory))
+
+
+def test_keep_counts_the_checkpoints_up_to_the_step_saved(tmp_path) -> None:
+    """keep = 2 after resuming past a newer damaged checkpoint: saving step 3 keeps steps 2 and 3
+    (the damaged step 9 neither counts as one of the two nor is deleted)."""
+    (names,) = run_on_ranks(_save_past_a_newer_one, 1, str(tmp_path), timeout=120)
+    assert names == ["step-000002", "step-000003", "step-000009"]

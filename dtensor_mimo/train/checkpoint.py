@@ -298,9 +298,10 @@ def _write(state: dict[str, Any], directory: str, step: int, tmp: str, keep: int
         try:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
+            kept = _newest(directory, keep, step)
             for name in os.listdir(directory):  # older checkpoints beyond `keep`, stale partial saves
                 m = _STEP_DIR.match(name)
-                if (m and int(m.group(1)) < step and name not in _newest(directory, keep)) or \
+                if (m and int(m.group(1)) < step and name not in kept) or \
                         (name.startswith(".step-") and name.endswith(".tmp")):
                     shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
         except OSError as e:
@@ -525,8 +526,11 @@ def write_manifest(directory: str, group: dist.ProcessGroup | None = None) -> No
     _every_rank_raises([error], f"writing the manifest of {directory}", group)
 
 
-def _newest(directory: str, keep: int) -> set[str]:
-    steps = sorted((int(m.group(1)), n) for n in os.listdir(directory) if (m := _STEP_DIR.match(n)))
+def _newest(directory: str, keep: int, upto: int) -> set[str]:
+    """The `keep` newest checkpoints of `directory` up to step `upto`: one newer than the step just
+    saved (a damaged one the run resumed past) neither counts nor goes."""
+    steps = sorted((int(m.group(1)), n) for n in os.listdir(directory) if (m := _STEP_DIR.match(n))
+                   and int(m.group(1)) <= upto)
     return {n for _, n in steps[-keep:]}
 
 
