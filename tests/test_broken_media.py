@@ -10,6 +10,8 @@ on ranks 0 / 1 (the image is decoded on rank 0 only), 4 steps of 8: every traini
 | the same, data.skip_bad_media = true, a held-out PNG too,  | one warning line per sample; trains to step 4;  |
 | export_hf set                                              | skipped_samples counted; the export written     |
 | a held-out PNG truncated (no skipping), export_hf set      | the export written; then exit 1 naming it       |
+| skipping, 4 steps saved, then resumed to step 8 (the       | the resumed run names the sample no more and    |
+| broken sample's second epoch)                              | counts it twice, as one run of 8 steps does     |
 """
 
 from __future__ import annotations
@@ -104,3 +106,17 @@ def test_a_truncated_heldout_image_does_not_cost_the_export(tiny: str, tmp_path)
     assert out.returncode == 1
     assert f"sample {sid!r}: cannot decode its image file {path}" in out.stderr
     assert "the export was written" in out.stderr
+
+
+def test_a_resumed_run_keeps_the_samples_it_skipped(tiny: str, tmp_path) -> None:
+    (sid, path), = _copy_with_a_truncated_image(tiny, tmp_path / "run", ("train",)).values()
+    skip = ["--data.skip_bad_media", "true", "--checkpoint.dir", "ckpt", "--checkpoint.export_hf", "none"]
+    first = _train(tmp_path / "run", *skip)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"sample {sid!r}: cannot decode its image file {path}" in first.stdout
+    resumed = _train(tmp_path / "run", *skip, "--train.steps", "8")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and repr(sid) not in resumed.stdout, resumed.stdout[-3000:]
+    with open(tmp_path / "run" / "m.jsonl") as f:
+        records = [r for r in map(json.loads, f) if "loss" in r]
+    assert [(r["step"], r["skipped_samples"]) for r in records][-1] == (8, 2)

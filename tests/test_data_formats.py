@@ -228,13 +228,16 @@ def test_sources_read_lazily(corpus) -> None:
 
 def test_files_starting_with_a_byte_order_mark_read_as_without(tmp_path) -> None:
     """A UTF-8 byte-order mark (what Windows tools write first) before a JSON list, indented or on
-    one line, or before a JSONL file: the same samples (a list was taken for JSONL)."""
+    one line, or before a JSONL file (on the first sample's line, or alone on a line of its own):
+    the same samples (a list was taken for JSONL)."""
     from dtensor_mimo.data.sources import open_source
 
     conv = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]
     samples = [{"id": f"s{k}", "conversations": conv} for k in range(3)]
     texts = {"list.json": json.dumps(samples), "indented.json": json.dumps(samples, indent=1),
-             "lines.jsonl": "\n".join(map(json.dumps, samples))}
+             "lines.jsonl": "\n".join(map(json.dumps, samples)),
+             "alone.jsonl": "\n" + "\n".join(map(json.dumps, samples)), "blank.jsonl": " \n\n" + json.dumps(samples[0])
+             + "\n" + "\n".join(map(json.dumps, samples[1:]))}
     for name, text in texts.items():
         (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
         for fresh in (True, False):  # the head before any index; then the indexed file
@@ -323,3 +326,18 @@ def test_tar_sparse_members_and_malformed_pax_records_are_refused(tmp_path) -> N
                        cwd=tmp_path, check=True)
         with pytest.raises(tarfile.ReadError, match="GNU sparse file"):
             _tar_members(str(tmp_path / f"{format_}.tar"))
+
+
+def test_tar_media_found_when_names_hold_brackets(tmp_path) -> None:
+    """A media reference is "{shard}[{member}]": a shard path and a sample key that hold brackets
+    themselves still open the member written."""
+    from dtensor_mimo.data.sources import open_source
+
+    conv = [{"from": "human", "value": "<image>\nhi"}, {"from": "gpt", "value": "yo"}]
+    (tmp_path / "set[1]").mkdir()
+    path = str(tmp_path / "set[1]" / "shard[0].tar")
+    _tar(path, tarfile.PAX_FORMAT, [("a[2]/b[3].json", json.dumps({"conversations": conv, "image": "png"}).encode()),
+                                    ("a[2]/b[3].png", b"the image")])
+    source = open_source("webdataset", path, None)
+    ref, = source.media(0, source[0], "image")
+    assert source[0]["id"] == "a[2]/b[3]" and source.open(ref).read() == b"the image"

@@ -60,7 +60,7 @@ def expand_paths(path: str | Sequence[str], key: str) -> list[str]:
         raise DataError(f"{key} = []: give a file, a list of files or a glob such as 'data/train-*.jsonl'")
     files: list[str] = []
     for pattern in patterns:
-        if any(c in pattern for c in "*?["):
+        if any(c in pattern for c in "*?[") and not os.path.exists(pattern):  # else a file whose name has them
             found = sorted(glob.glob(pattern, recursive=True))
             if not found:
                 raise DataError(f"{key} = {path!r}: {pattern!r} matches no file (relative to {os.getcwd()}); "
@@ -143,12 +143,12 @@ class SampleSource:
         return os.path.isfile(ref)
 
     # -- the sequence
-    def _file(self, path: str) -> int:
-        """The index of file `path` (a media reference's file; a dict, built once per process)."""
+    def _files(self) -> dict[str, int]:
+        """Each file's index, by path (for media references; a dict built once per process)."""
         where = self.__dict__.get("_h_where")
         if where is None:
             where = self._h_where = {f: k for k, f in enumerate(self.files)}
-        return where[path]
+        return where
 
     def _bounds(self, upto: int | None = None) -> list[int]:
         """Each file's first global index, then the total, for the files up to the one holding
@@ -242,7 +242,8 @@ class JsonSource(SampleSource):
             data = np.frombuffer(mm, dtype=np.uint8)
             newlines = [np.flatnonzero(data[s:s + _SCAN] == 10) + s for s in range(0, size, _SCAN)]
             ends = np.concatenate(newlines + [np.array([size], dtype=np.int64)]).astype(np.int64)
-            starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+            first = len(BOM) if mm[:len(BOM)] == BOM else 0  # the first line starts after a BOM
+            starts = np.concatenate([[first], ends[:-1] + 1]).astype(np.int64)
             keep = ends > starts
             # a line starting with whitespace may be blank (skipped, as a JSONL reader does)
             for i in np.flatnonzero(keep & (data[np.minimum(starts, size - 1)] <= 32)):
@@ -256,7 +257,7 @@ class JsonSource(SampleSource):
 
     def _parse(self, k: int, j: int, raw: bytes, start: int) -> dict[str, Any]:
         try:
-            sample = json.loads(raw.removeprefix(BOM) if start == 0 else raw)
+            sample = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"{self.files[k]}: the line at byte {start} (sample {j} of the file): "
                             f"not valid JSON: {e}") from None
@@ -285,8 +286,9 @@ class JsonSource(SampleSource):
             f.seek(0)
             out, offset = [], 0
             for line in f:
-                if line.strip():
-                    out.append(self._parse(k, len(out), line, offset))
+                text = line.removeprefix(BOM) if offset == 0 else line
+                if text.strip():
+                    out.append(self._parse(k, len(out), text, offset + len(line) - len(text)))
                     if len(out) >= n:
                         break
                 offset += len(line)
@@ -500,10 +502,13 @@ class TarSource(SampleSource):
         return refs
 
     def open(self, ref: str) -> BinaryIO:
-        path, _, member = ref[:-1].rpartition("[")
-        k = self._file(path)
+        # `media` wrote "{file}[{key}.{suffix}]": file names and keys may both hold brackets, so the
+        # file is the first prefix before a "[" that is one of the shards
+        files = self._files()
+        cut = next(i for i, c in enumerate(ref) if c == "[" and ref[:i] in files)
+        k = files[ref[:cut]]
         shard = self._index(k)
-        key, suffix = _split_member(member)
+        key, suffix = _split_member(ref[cut + 1:-1])
         return MediaBytes(self._bytes(k, *shard.members(shard.find(key))[suffix]), ref)
 
     def exists(self, ref: str) -> bool:
@@ -638,10 +643,10 @@ class ArrowSource(SampleSource):
 
     def open(self, ref: str) -> str | BinaryIO:
         match = re.fullmatch(r"(.*)\[row (\d+) (\w+) (\d+)\]", ref)
-        if match is None or match.group(1) not in self.files:
+        if match is None or match.group(1) not in self._files():
             return ref
         path, j, modality, n = match.group(1), int(match.group(2)), match.group(3), int(match.group(4))
-        value = self._table(self._file(path)).row(j)[modality]
+        value = self._table(self._files()[path]).row(j)[modality]
         value = value[n] if isinstance(value, list) else value
         return MediaBytes(value["bytes"] if isinstance(value, dict) else value, ref)
 

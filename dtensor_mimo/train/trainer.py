@@ -284,7 +284,7 @@ class Trainer:
         self.skip_bad_media = getattr(d, "skip_bad_media", False)
         self.left_out: dict[int, str] = {}  # training rows whose media fail to decode: why (every rank)
         self.heldout_left_out: dict[int, str] = {}  # held-out rows, likewise
-        self.skipped_samples = 0  # rows left out of steps (data.skip_bad_media), this process
+        self.skipped_samples = 0  # rows left out of steps (data.skip_bad_media), since step 0
 
     # ------------------------------------------------------------------ pieces
     def _flops(self) -> float:
@@ -355,8 +355,11 @@ class Trainer:
             yield list(indices), batch, list(failed)
 
     def trainer_state(self) -> dict[str, Any]:
-        """The loop's position for checkpoints: step, optimizer updates, the sampler's place."""
-        return {"step": self.step, "updates": self.optimizer.updates, "sampler": self.sampler.state_dict()}
+        """The loop's position for checkpoints: step, optimizer updates, the sampler's place, and
+        the training rows known to be unusable (equal on every rank: agreed when found), so a
+        resumed run neither decodes them again nor restarts their count."""
+        return {"step": self.step, "updates": self.optimizer.updates, "sampler": self.sampler.state_dict(),
+                "skipped_samples": self.skipped_samples, "left_out": self.left_out}
 
     def save(self) -> None:
         """A checkpoint of this step in `checkpoint.dir` (every rank): written now, or, with
@@ -447,6 +450,9 @@ class Trainer:
         state = checkpoint.load(path, self.model, self.optimizer, self.expected_keys, verified=verified, check=fits)
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
+        # absent from checkpoints of earlier versions; JSON made the row numbers strings
+        self.skipped_samples = state.get("skipped_samples", 0)
+        self.left_out = {int(row): why for row, why in state.get("left_out", {}).items()}
         self.log.print(f"resumed from {path} at step {self.step}")
 
     # ------------------------------------------------------------------ evaluation
