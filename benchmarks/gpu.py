@@ -944,7 +944,8 @@ def _case(args: argparse.Namespace) -> None:
         out = _vlm_transformers(VLM[size], device, backend, args.warmup, 2 * args.steps,
                                 compiled=case.endswith("compiled"))
     elif case.startswith("tiny trainer"):
-        backend_args = [f"--options.{m}.compile_backend={backend}" for m in ("image", "language")]
+        backend_args = [f"--options.{m}.compile_backend={backend}" for m in ("image", "language")
+                        if "--options.image.compile=true" in TINY[case]]  # unused, and refused, when eager
         extra = [a for a in TINY[case] if backend == "inductor" or "compile_mode" not in a]  # inductor's modes only
         out = _tiny_trainer(device, 60 if args.tiny else 300, [*extra, *backend_args], profile=args.profile)
     else:

@@ -14,6 +14,10 @@ each test writes with ``save_pretrained``; no download; skipped without transfor
 | test_llava_from_pretrained_example_learns | the example on 3 ranks: SigLIP tower (frozen) + Qwen2 on tp2 |
 | test_llava_variants_the_modules_...   | a ReLU projector, a SigLIP tower whose first patch LLaVA drops |
 | test_mimo_load_hf_refuses_on_every_rank | a mismatched checkpoint: every rank raises, none reads       |
+| test_fields_left_at_transformers_defaults_read_as_those | a LLaVA directory whose nested configs leave out what equals transformers' defaults (as v4 wrote them: llava-1.5, siglip-so400m): features and logits as transformers reads them |
+| test_clip_tower_without_layer_norm_eps_takes_clips_default | CLIP's 1e-5, not SigLIP's 1e-6 |
+| test_a_sliding_window_left_at_mistrals_default_is_refused | Mistral's default 4096-token window, refused by name |
+| test_default_table_is_transformers_own | `config_json.DEFAULTS` against transformers' config classes |
 | test_mimo_load_hf_trains_like_one_process | `MimoModel.load_hf` on language tp2·dp2 + FSDP2 (colocated with vision dp4, meta-built): oracle numbers of a one-process model loaded the same way; each rank reads under 60% of the checkpoint |
 """
 
@@ -236,19 +240,25 @@ def test_llava_checkpoint_fills_tower_projector_and_language_model(tmp_path) -> 
     hf = randomized(transformers.LlavaForConditionalGeneration(config))
     hf.save_pretrained(tmp_path / "llava")
     path = str(tmp_path / "llava")
-    vit_config, llama_config = ViTConfig.from_hf(path), LlamaConfig.from_hf(path)
+    vit_config = ViTConfig.from_hf(path)
     assert vit_config.n_layers == 2 and not vit_config.final_norm  # 3 layers, features after the second
-    encoder = ModalityEncoder(ViT(vit_config), Projection(32, 32))
+    _assert_llava_matches(hf, path, 32, 64)
+
+
+def _assert_llava_matches(hf, path: str, dim: int, tokens: int) -> None:
+    """The library's tower + projection and decoder loaded from LLaVA directory `path` (language
+    width `dim`): the image features and the logits of `tokens` tokens of transformers' `hf`."""
+    encoder = ModalityEncoder(ViT(ViTConfig.from_hf(path)), Projection(32, dim))
     load_hf(encoder.encoder, path)
     load_hf(encoder.projection, path)
-    llama = Llama(llama_config)
+    llama = Llama(LlamaConfig.from_hf(path))
     load_hf(llama, path)
     with torch.no_grad():
         features = hf.model.get_image_features(pixel_values=_images(16))
         features = features if isinstance(features, torch.Tensor) else getattr(features, "pooler_output", features)
         features = torch.cat(list(features)) if isinstance(features, (list, tuple)) else features.flatten(0, 1)
         torch.testing.assert_close(encoder(_images(16)), features, rtol=0, atol=1e-5)
-        tokens = TOKENS[:, :64]
+        tokens = TOKENS[:, :tokens]
         torch.testing.assert_close(llama(tokens), hf(input_ids=tokens).logits, rtol=0, atol=1e-5)
 
 
@@ -336,3 +346,66 @@ def test_mimo_load_hf_refuses_on_every_rank(tmp_path) -> None:
     vision_rank, language_rank = run_on_ranks(_load_mismatched, 2, str(tmp_path / "hf"), timeout=60)
     assert "config differs from the checkpoint's" in language_rank and "qkv_bias" in language_rank
     assert vision_rank.startswith("MimoModel.load_hf: 1 rank(s) found the checkpoints")
+
+
+def _without_class_defaults(config: dict) -> dict:
+    """`config` as transformers v4 wrote a nested config (a LLaVA's text_config / vision_config, a
+    SigLIP model's vision_config): without the fields equal to its class's defaults."""
+    default = transformers.AutoConfig.for_model(config["model_type"]).to_dict()
+    return {k: v for k, v in config.items() if k == "model_type" or k not in default or default[k] != v}
+
+
+def test_fields_left_at_transformers_defaults_read_as_those(tmp_path) -> None:
+    """A LLaVA directory whose nested configs leave out what equals transformers' defaults (as
+    llava-1.5's: its CLIP tower has no hidden_act or layer_norm_eps, its Llama no hidden_size):
+    the same features and logits as transformers reading the same directory."""
+    config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**VISION, image_size=16),
+        text_config=transformers.LlamaConfig(**(SMALL | dict(vocab_size=80, hidden_size=4096, head_dim=2))),
+        image_token_index=70)
+    randomized(transformers.LlavaForConditionalGeneration(config)).save_pretrained(tmp_path / "llava")
+    file = tmp_path / "llava" / "config.json"
+    written = json.loads(file.read_text())
+    stripped = {**written, "vision_config": _without_class_defaults(written["vision_config"]),
+                "text_config": _without_class_defaults(written["text_config"])}
+    assert not {"hidden_act", "layer_norm_eps"} & set(stripped["vision_config"])
+    assert not {"hidden_size", "rms_norm_eps"} & set(stripped["text_config"])
+    file.write_text(json.dumps(stripped))
+    path = str(tmp_path / "llava")
+    hf = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    _assert_llava_matches(hf, path, 4096, 16)
+
+
+def test_a_sliding_window_left_at_mistrals_default_is_refused(tmp_path) -> None:
+    """A Mistral config without sliding_window has transformers' 4096-token window (a v4 nested
+    config leaves it out): refused like a written one, not read as full attention."""
+    _write(str(tmp_path / "hf"), "mistral", sliding_window=4096)
+    file = tmp_path / "hf" / "config.json"
+    file.write_text(json.dumps(_without_class_defaults(json.loads(file.read_text()))))
+    assert transformers.AutoConfig.from_pretrained(str(tmp_path / "hf")).sliding_window == 4096
+    with pytest.raises(ValueError, match="the library's Llama cannot express sliding_window=4096"):
+        LlamaConfig.from_hf(str(tmp_path / "hf"))
+
+
+def test_default_table_is_transformers_own() -> None:
+    from dtensor_mimo.models.config_json import DEFAULTS
+
+    for model_type, fields in DEFAULTS.items():
+        default = transformers.AutoConfig.for_model(model_type).to_dict()
+        default.setdefault("rope_theta", (default.get("rope_parameters") or {}).get("rope_theta"))
+        assert {k: default[k] for k in fields} == fields, model_type
+
+
+def test_clip_tower_without_layer_norm_eps_takes_clips_default(tmp_path) -> None:
+    """A CLIP tower whose config.json leaves out layer_norm_eps has CLIP's 1e-5 (not SigLIP's 1e-6):
+    the features of transformers reading the same directory."""
+    randomized(transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**VISION, image_size=16))) \
+        .save_pretrained(tmp_path / "hf")
+    file = tmp_path / "hf" / "config.json"
+    file.write_text(json.dumps({k: v for k, v in json.loads(file.read_text()).items() if k != "layer_norm_eps"}))
+    hf = transformers.CLIPVisionModel.from_pretrained(str(tmp_path / "hf")).eval()
+    vit = ViT(ViTConfig.from_hf(str(tmp_path / "hf")))
+    load_hf(vit, str(tmp_path / "hf"))
+    with torch.no_grad():
+        torch.testing.assert_close(vit(_images(16)), hf(pixel_values=_images(16)).last_hidden_state[:, 1:],
+                                   rtol=0, atol=1e-5)

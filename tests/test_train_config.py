@@ -83,6 +83,10 @@ def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> Non
     (["--options.language.sp", "1"], "options.language.sp = 1: expected true or false"),
     (["--train.steps", "2.5"], "train.steps = 2.5: expected an integer"),
     (["--optimizer.lr", "fast"], "optimizer.lr = 'fast': expected a number"),
+    (["--optimizer.lr", "-1e-3"], "optimizer: AdamWConfig.lr=-0.001: lr, eps and weight_decay must be numbers >= 0"),
+    (["--optimizer.lr", "nan"], "optimizer: AdamWConfig.lr=nan"),
+    (["--optimizer.weight_decay", "-0.1"], "optimizer: AdamWConfig.weight_decay=-0.1"),
+    (["--optimizer.module_lr", "{vision = -1e-4}"], "optimizer.module_lr = {'vision': -0.0001}: a learning rate is"),
     (["--options.language.compile", "yes"], "options.language.compile = 'yes': expected true or false"),
     (["--pipeline.schedule", "1f1b"], "pipeline: PipelineConfig.schedule='1f1b' is not one of ['1F1B', 'GPipe'"),
     (["--layout", "3"], "layout is a section (bridge_hops, auto, <module>), got 3"),
@@ -95,6 +99,8 @@ def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> Non
     (["--data.pack", "true"], "data.pack is a key of data.format = 'llava'; this config has data.format = "
      "'digits': remove it"),
     (["--model.encoders.vision.feature_layer", "-1"], "model.encoders.vision.feature_layer: not used"),
+    (["--options.vision.compile", "false", "--options.vision.compile_mode", "max-autotune-no-cudagraphs"],
+     "options.vision.compile_mode: not used by this config"),
     (["--model.language.hf", "lm", "--model.language.dim", "32", "--data.format", "llava", "--data.path", "x",
       *IMAGE], "model.language.dim: not used by this config"),
     (["--data.format", "llava", "--data.path", "x", "--data.tokenizer", "t", *IMAGE, "--data.max_images", "2"],
@@ -226,3 +232,16 @@ def test_a_directory_without_tokenizer_files_is_named_as_such(tmp_path) -> None:
     config = parse_args(["--data.format", "llava", "--data.path", "x", "--data.tokenizer", str(tmp_path), *IMAGE])
     with pytest.raises(ConfigError, match="no tokenizer files there .*tokenizer.json.*point data.tokenizer"):
         load_tokenizer(config)
+
+
+def test_an_export_the_model_cannot_take_is_refused_before_any_process(tmp_path) -> None:
+    """The digits model's audio encoder (convolution strides 2, 2) has no Whisper form: a run that
+    would end with `checkpoint.export_hf` is refused by the launcher's checks, not after its last
+    step."""
+    from dtensor_mimo.train.launch import preflight
+
+    with pytest.raises(ConfigError, match=r"checkpoint.export_hf = '.*out': the trained model cannot be written as "
+                                          r"Hugging Face directories: .*conv_strides=\(2, 2\).*remove "
+                                          r"checkpoint.export_hf"):
+        preflight(parse_args(["--checkpoint.export_hf", str(tmp_path / "out")]))
+    preflight(parse_args([]))  # no export: nothing refused

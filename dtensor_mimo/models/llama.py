@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtensor_mimo.models.config_json import read_config
+from dtensor_mimo.models.config_json import read_config, with_defaults
 from dtensor_mimo.models.layers import (
     AttentionFn,
     RMSNorm,
@@ -92,7 +92,7 @@ class LlamaConfig:
         model cannot express (sliding windows, other rope types, MLP or output biases, ...) is
         refused by name."""
         c = read_config(path)
-        c = c.get("text_config", c)  # a LLaVA checkpoint's language model
+        c = with_defaults(c.get("text_config", c))  # a LLaVA checkpoint's language model
         family = c.get("model_type")
         if family not in FAMILIES:
             raise ValueError(f"{path}: model_type {family!r} is not a Llama-family decoder ({', '.join(FAMILIES)})")

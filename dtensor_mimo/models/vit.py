@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtensor_mimo.models.config_json import read_config
+from dtensor_mimo.models.config_json import read_config, with_defaults
 from dtensor_mimo.models.layers import PackedItems, init_weights, packed_attention
 
 
@@ -126,7 +126,7 @@ class ViTConfig:
         """The config of a Hugging Face SigLIP or CLIP vision tower directory (a vision model,
         or a full SigLIP / CLIP / LLaVA checkpoint: its ``vision_config``)."""
         top = read_config(path)
-        c = top.get("vision_config", top)
+        c = with_defaults(top.get("vision_config", top))
         tower = c.get("model_type")
         if tower not in TOWERS:
             raise ValueError(f"{path}: model_type {tower!r} is not a vision tower the ViT loads ({', '.join(TOWERS)})")

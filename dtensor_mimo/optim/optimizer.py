@@ -53,6 +53,12 @@ class AdamWConfig:
                 raise TypeError(f"AdamWConfig.no_decay={self.no_decay!r} must be a tuple of name "
                                 "substrings such as ('embed',), or None")
             object.__setattr__(self, "no_decay", tuple(self.no_decay))
+        # What torch.optim.AdamW refuses (NaN included), refused when the config is made: its own
+        # error would come only once every rank has built and loaded its modules.
+        wrong = [f"{name}={getattr(self, name)!r}" for name in ("lr", "eps", "weight_decay")
+                 if not getattr(self, name) >= 0]
+        if wrong:
+            raise ValueError(f"AdamWConfig.{', '.join(wrong)}: lr, eps and weight_decay must be numbers >= 0")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"AdamWConfig.max_grad_norm={self.max_grad_norm!r} must be a positive number "
                              "(the largest global gradient norm kept), or None for no clipping")

@@ -966,6 +966,9 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         unknown = [n for n in given if n not in names]
         if unknown:
             raise ConfigError(f"{key} names {unknown}: the modules are {names}")
+    wrong_lr = {n: lr for n, lr in config.optimizer.module_lr.items() if not lr >= 0}
+    if wrong_lr:
+        raise ConfigError(f"optimizer.module_lr = {wrong_lr}: a learning rate is a number >= 0")
     if len(config.optimizer.betas) != 2 or not all(0 <= b < 1 for b in config.optimizer.betas):
         raise ConfigError(f"optimizer.betas = {config.optimizer.betas}: expected two numbers in [0, 1)")
     data = config.data
@@ -1055,6 +1058,10 @@ def _refuse_unused(config: TrainerConfig) -> None:
             unused += [f"{key}.{n}" for n in _changed(enc, ("feature_layer",))]
         if digits:
             unused += [f"{key}.{n}" for n in _changed(enc, ("processor",))]
+    for name, options in config.options.items():  # compile's own settings do nothing without it
+        if not options.compile:
+            unused += [f"options.{name}.{n}" for n in _changed(options, ("compile_mode", "compile_options",
+                                                                         "compile_scope", "compile_backend"))]
     lang = config.model.language
     if lang.hf or lang.factory:
         unused += [f"model.{LANGUAGE}.{n}" for n in _changed(lang, ("dim", "n_layers", "n_heads", "n_kv_heads",
@@ -1067,7 +1074,8 @@ def _refuse_unused(config: TrainerConfig) -> None:
                           "image tower's hf; max_patches with dynamic_resolution; data.image_max_pixels, image_min_pixels "
                           "(audio_max_seconds) with an encoder's dynamic_resolution (variable_length); data.video_fps, video_max_frames, "
                           "video_frame_text with a video encoder; data.root with files, not "
-                          "webdataset shards); remove them")
+                          "webdataset shards; options.<module>.compile_mode, compile_options, compile_scope, "
+                          "compile_backend with options.<module>.compile = true); remove them")
 
 
 def _check_source(key: str, hf: str | None, factory: str | None) -> None:

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtensor_mimo.models import AudioEncoder, Llama, ModalityEncoder, Projection, ViT
+from dtensor_mimo.models import (AudioConfig, AudioEncoder, Llama, LlamaConfig, ModalityEncoder, Projection, ViT,
+                                 ViTConfig)
 from dtensor_mimo.models.hf.directory import DEFAULT_SHARD_BYTES, Holder, Part, write_directory
 from dtensor_mimo.models.hf.export import (
     ModuleSpec,
@@ -51,6 +52,7 @@ from dtensor_mimo.models.hf.llava import (
     llava_directory,
     write_processors,
 )
+from dtensor_mimo.models.hf.vision import ProjectionShape
 from dtensor_mimo.schedule.config import stage_layers
 
 if TYPE_CHECKING:
@@ -136,7 +138,7 @@ def export_hf(model: MimoModel, path: str, *, modalities: Mapping[str, str], spe
     bad = [f"{n!r}: {problem}" for n, p in processors.items() if (problem := processor_problem(p, merged[n].main))]
     if bad:
         raise ValueError("export_hf: processors " + "; ".join(bad))
-    shaped = _llava_shape_problem(model, modalities, merged)
+    shaped = _llava_shape_problem(model.encoder_names, modalities, merged)
     if llava and shaped:
         raise ValueError(f"export_hf(llava=True): the model is not LLaVA-shaped: {shaped}")
     if llava is False or shaped:
@@ -158,6 +160,29 @@ def export_hf(model: MimoModel, path: str, *, modalities: Mapping[str, str], spe
     if verdict.item():
         raise RuntimeError(f"export_hf: {int(verdict.item())} rank(s) failed writing {path!r} (their errors name "
                            "the problem); the directory is incomplete")
+
+
+def config_problem(language: LlamaConfig, towers: Mapping[str, ViTConfig | AudioConfig],
+                   modalities: Mapping[str, str]) -> str | None:
+    """Why `export_hf` would refuse a model of a `Llama` of config `language` and an encoder per
+    `towers` entry (its tower's config, then a `Projection` to the language width, as the
+    trainer builds them), or None. Pure, from the configs alone: a run that ends with an export
+    learns before its first step, not after its last, that the export cannot be written."""
+    dtype = torch.float32  # what a family cannot express does not depend on it
+    language_spec = ModuleSpec(Llama, language, dtype)
+    merged = {name: _Described(ModuleSpec(ViT if isinstance(c, ViTConfig) else AudioEncoder, c, dtype),
+                               ModuleSpec(Projection, ProjectionShape(c.dim, language.dim, language.dim), dtype))
+              for name, c in towers.items()}
+    try:
+        if _llava_shape_problem(list(towers), modalities, merged) is None:
+            (vision,) = merged.values()
+            llava_directory(vision.main, vision.projection, language_spec, image_token_id=language.vocab_size)
+        else:
+            for spec in (language_spec, *(s for d in merged.values() for s in (d.main, d.projection))):
+                config_to_hf(spec)
+    except (TypeError, ValueError) as error:
+        return str(error)
+    return None
 
 
 def _check_arguments(model: MimoModel, modalities: Mapping[str, str], special_token_ids: Mapping[str, int],
@@ -250,12 +275,12 @@ def _merge(names: list[str], described: list[dict[str, _Described]]) -> dict[str
     return merged
 
 
-def _llava_shape_problem(model: MimoModel, modalities: Mapping[str, str],
+def _llava_shape_problem(encoder_names: list[str], modalities: Mapping[str, str],
                          merged: Mapping[str, _Described]) -> str | None:
-    """Why the model is not LLaVA-shaped, or None."""
-    if len(model.encoder_names) != 1:
-        return f"it has {len(model.encoder_names)} encoders ({model.encoder_names}), LLaVA one image encoder"
-    name = model.encoder_names[0]
+    """Why the model of these encoders is not LLaVA-shaped, or None."""
+    if len(encoder_names) != 1:
+        return f"it has {len(encoder_names)} encoders ({encoder_names}), LLaVA one image encoder"
+    name = encoder_names[0]
     if modalities[name] != "image":
         return f"its encoder {name!r} is {modalities[name]!r}, LLaVA's is an image encoder"
     if merged[name].projection is None:

@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 import traceback
-from typing import Callable, NoReturn, Sequence
+from typing import TYPE_CHECKING, Callable, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,19 +28,24 @@ from dtensor_mimo.train.config import ConfigError, TrainerConfig, build_layout, 
 from dtensor_mimo.train.preemption import REPEAT_S, STOP_SIGNALS, StopSignals, exit_status
 from dtensor_mimo.layout.world import abort, hold_store, init_distributed, local_rank_env
 
+if TYPE_CHECKING:
+    from dtensor_mimo.train.modules import ResolvedModel
+
 
 def preflight(config: TrainerConfig) -> None:
     """What can be checked from files before any process starts: Hugging Face directories and
     their architectures, the tokenizer and its chat template, processors, the data files (they
     exist; the first `CHECKED_SAMPLES` samples' JSON shape, placeholders against items, media
     files, token lengths: a bounded sample, never a pass over the whole corpus), the batch
-    against the data, and `checkpoint.load`. Prints one line saying what of the data it did not
-    check. Raises ConfigError."""
+    against the data, `checkpoint.load`, and that `checkpoint.export_hf` can write the model.
+    Prints one line saying what of the data it did not check. Raises ConfigError."""
     from dtensor_mimo.train import checkpoint
     from dtensor_mimo.train.datasets import CHECKED_SAMPLES, train_data
     from dtensor_mimo.train.modules import resolve
 
-    data = train_data(config, resolve(config), ahead=True)
+    resolved = resolve(config)
+    _check_export(config, resolved)
+    data = train_data(config, resolved, ahead=True)
     for dataset in (data.train, data.heldout):  # the checked samples' lengths against seq_len, now
         check = getattr(dataset, "check_lengths", None)
         if check is not None:
@@ -58,6 +63,23 @@ def preflight(config: TrainerConfig) -> None:
             checkpoint.resolve_load(config.checkpoint.load, checksums=False)  # sizes: the ranks checksum
         except checkpoint.CheckpointError as e:
             raise ConfigError(f"checkpoint.load: {e}") from None
+
+
+def _check_export(config: TrainerConfig, resolved: ResolvedModel) -> None:
+    """Refuse a `checkpoint.export_hf` whose model no Hugging Face directory can hold now, not
+    after the run's last step (a factory's module is judged by `export_hf` itself: its kind is
+    known only once built)."""
+    towers = {n: e.config for n, e in resolved.encoders.items()}
+    if not config.checkpoint.export_hf or resolved.language is None or None in towers.values():
+        return
+    from dtensor_mimo.train.export import config_problem
+
+    modalities = {n: e.section.modality for n, e in resolved.encoders.items()}
+    problem = config_problem(resolved.language, towers, modalities)
+    if problem:
+        raise ConfigError(f"checkpoint.export_hf = {config.checkpoint.export_hf!r}: the trained model cannot be "
+                          f"written as Hugging Face directories: {problem}; remove checkpoint.export_hf (and save "
+                          "with checkpoint.dir) or change that module")
 
 
 def _quiet_known_logs() -> None:
