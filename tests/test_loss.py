@@ -246,6 +246,71 @@ def test_a_label_outside_the_vocabulary_makes_the_loss_nan(rows, monkeypatch) ->
     assert torch.isfinite(linear_token_loss_sum(hidden, weight, labels, mask))
 
 
+def test_the_plain_logits_path_keeps_the_label_rule() -> None:
+    """`token_loss_sum` (the head under tp, a user's decoder, ``chunked_loss=False``, `predict`'s
+    loss) follows the chunked loss's rule: a weighted label outside the vocabulary makes the sum
+    NaN (``F.cross_entropy`` raised IndexError); one at a position without a loss weight changes
+    nothing."""
+    hidden, weight, labels, mask = _inputs()
+    logits = hidden @ weight.t()
+    clean = token_loss_sum(logits, labels, mask)
+    unweighted = labels.clone()
+    unweighted[1, 3] = VOCAB  # mask 0 there
+    assert token_loss_sum(logits, unweighted, mask) == clean
+    weighted = labels.clone()
+    weighted[1, 0] = VOCAB
+    assert torch.isnan(token_loss_sum(logits, weighted, mask))
+
+
+def _steps_with_a_label_outside_the_vocabulary(language: dict) -> list[tuple[float, float, bool]]:
+    """Predictions and training steps of batches holding label 64 (the vocabulary is 0..63) at a
+    position with a loss weight, then at one without: (predicted loss, step loss, step skipped)
+    of each."""
+    import dataclasses
+
+    from dtensor_mimo import MimoLayout, MimoModel, MimoOptimizer, ParallelOptions, Parallelism, train_step
+    from tests.test_mimo import OPT, _batches, _modules
+
+    layout = MimoLayout({"vision": Parallelism(), "language": Parallelism(tp=language.get("tp", 1))})
+    llama, encoders = _modules(("vision",), custom_language=language.get("custom", False))
+    model = MimoModel(layout, llama, encoders, options={"language": ParallelOptions(**language.get("options", {}))})
+    optimizer = MimoOptimizer(model, OPT)
+    out = []
+    for weighted in (True, False):
+        batch = _batches(("vision",), packed=False)[0]
+        row, col = torch.nonzero(batch.loss_mask > 0 if weighted else batch.loss_mask == 0)[0].tolist()
+        labels = batch.labels.clone()
+        labels[row, col] = 64
+        batch = dataclasses.replace(batch, labels=labels)
+        _, predicted = model.predict(batch, with_loss=True)
+        metrics = train_step(model, optimizer, batch)
+        out.append((predicted, metrics.loss, metrics.skipped))
+    return out
+
+
+LANGUAGE_HEADS = {
+    "tp2_loss_parallel": dict(tp=2),  # vocabulary-parallel cross entropy: was a finite, wrong loss
+    "tp2_gathered": dict(tp=2, options=dict(loss_parallel=False)),  # was IndexError on the language ranks
+    "unchunked": dict(options=dict(chunked_loss=False)),
+    "user_decoder": dict(custom=True),
+}
+
+
+@pytest.mark.parametrize("name", list(LANGUAGE_HEADS))
+def test_a_label_outside_the_vocabulary_is_the_same_verdict_on_every_rank(name) -> None:
+    """Through `MimoModel` (vision on rank 0, the language model on the others), for every head
+    but the chunked one (tests above): a weighted label outside the vocabulary gives a NaN loss
+    in `predict` and in the step on every rank, as the chunked head does, and the step is skipped;
+    before, the language ranks raised alone and the others waited for them (a hang), or tp's
+    vocabulary-parallel loss summed a finite one. Unweighted, the label is ignored."""
+    language = LANGUAGE_HEADS[name]
+    results = run_on_ranks(_steps_with_a_label_outside_the_vocabulary, 1 + language.get("tp", 1), language,
+                           timeout=120)
+    for (predicted, step_loss, skipped), (clean, clean_step_loss, clean_skipped) in results:
+        assert predicted != predicted and step_loss != step_loss and skipped, results  # NaN
+        assert clean == pytest.approx(clean_step_loss, rel=1e-5) and not clean_skipped, results
+
+
 def _user_decoder_keeps_its_head() -> bool:
     """A user's decoder (tests/test_mimo.py's, which may change its logits) at pp = 1: the plain head."""
     from dtensor_mimo import MimoLayout, MimoModel, Parallelism

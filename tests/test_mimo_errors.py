@@ -133,6 +133,40 @@ def test_encoder_output_length_disagreeing_with_batch_fails_on_every_rank():
     assert run_on_ranks(_encoder_disagrees_with_metadata, 3, timeout=60) == [True] * 3
 
 
+def _items_of_another_dtype(dtype, varied):
+    """A training step (vision on rank 0, the language model on rank 1) on images in `dtype`, one
+    tensor of them or a list (`varied`), and the same step on them in float32: the two losses."""
+    import dataclasses
+
+    from dtensor_mimo import MimoOptimizer, train_step
+    from tests.test_mimo import OPT, _batches, _modules
+
+    def step(to):
+        llama, encoders = _modules(("vision",), varied=varied)
+        model = MimoModel(MimoLayout({"vision": P(), "language": P()}), llama, encoders)
+        batch = _batches(("vision",), packed=False, varied=varied)[0]
+        m = batch.modalities["vision"]
+        pixels = lambda x: x.mul(50).round().abs().to(to)  # noqa: E731 — whole numbers: exact in every dtype
+        inputs = [pixels(x) for x in m.inputs] if varied else pixels(m.inputs)
+        batch = dataclasses.replace(batch, modalities={"vision": dataclasses.replace(m, inputs=inputs)})
+        return train_step(model, MimoOptimizer(model, OPT), batch).loss
+
+    return step(dtype), step(torch.float32)
+
+
+@pytest.mark.parametrize("varied", [False, True], ids=["one tensor", "a list"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.uint8])
+def test_items_of_another_dtype_train_on_every_rank(dtype, varied):
+    """The library's encoders take items in another dtype than their weights (float64 from numpy,
+    uint8 pixels) as the float32 items they equal, whether the batch holds one tensor of them or a
+    list: the list path cast them, the one-tensor path raised on the vision rank alone while the
+    language rank waited for its rows (a hang)."""
+    from tests.harness import run_on_ranks
+
+    for got, want in run_on_ranks(_items_of_another_dtype, 2, dtype, varied, timeout=60):
+        assert got == pytest.approx(want, rel=1e-6)
+
+
 def _batch_disagrees_with_encoder_config(spec):
     import torch.distributed as dist
 
@@ -273,3 +307,31 @@ def test_unpipelined_encoder_output_disagreeing_with_batch_fails_the_step_on_eve
     messages = run_on_ranks(_unpipelined_rows_disagree, world, language, hops, timeout=60)
     assert sum(bool(re.search(OWN_ERROR, m)) for m in messages) == 2, messages  # the vision ranks
     assert all(re.search(f"{OWN_ERROR}|{OTHERS_ERROR}", m) for m in messages), messages
+
+
+def test_generate_refuses_prompts_whose_new_tokens_would_overwrite_items():
+    """`generate` writes each new id into the row after its prompt: an item's special tokens there
+    (an image after the prompt) are refused up front, naming the samples and their prompt lengths,
+    not by the batch check on the first rewritten row ("sample 0 has 12 'vision' tokens ...")."""
+    from dtensor_mimo.sequence import greedy_generate
+
+    batch = synthetic_batch(SyntheticSpec.tiny(batch_size=3, text_only_samples=1, modalities={
+        "vision": SyntheticSpec.tiny().modalities["vision"]}), seed=0)
+    special = batch.tokens == 64
+    calls = []
+
+    def predict(b):
+        calls.append(b)
+        return torch.zeros(b.batch_size, b.seq_len, dtype=torch.int64)
+
+    has = [r for r in range(3) if special[r].any()]
+    first = {r: int(torch.nonzero(special[r])[0]) for r in has}  # where each row's first item starts
+    past = [int(special[i].nonzero().max()) + 1 if special[i].any() else 1 for i in range(3)]  # every item in
+    r, lengths = has[0], list(past)
+    lengths[r] = max(1, first[r] - 2)  # this prompt ends two tokens before the row's first item
+    with pytest.raises(ValueError, match=rf"generate: samples \[{r}\] hold 'vision' tokens \(id 64\) within the 4 "
+                                         rf"positions after their prompts \(prompt lengths \[{lengths[r]}\]\)"):
+        greedy_generate(predict, batch, lengths, 4)
+    assert not calls  # refused before any prediction
+    room = batch.seq_len - max(past)  # prompts past every item: generated as before
+    assert room >= 1 and greedy_generate(predict, batch, past, room) == [[0] * room] * 3 and len(calls) == room

@@ -591,6 +591,18 @@ def test_audio_clips_are_independent():
     assert model(mels[:0]).shape == (0, 10, 32)
 
 
+@pytest.mark.parametrize("make, items", [(vit64, lambda: random_images(3)),
+                                         (audio64, lambda: torch.randn(3, 8, 20, dtype=torch.float64))],
+                         ids=["vit", "audio"])
+def test_items_of_another_dtype_are_taken_in_the_weights_dtype(make, items):
+    """One tensor of items in another dtype than the weights (float32 items, float64 weights here;
+    float64 from numpy or uint8 pixels for a float32 model) gives the rows of the items cast, as a
+    list of them (the packed path) always did; it raised before, on the ranks holding items only."""
+    model, x = make(), items().float()
+    torch.testing.assert_close(model(x), model(x.double()))
+    torch.testing.assert_close(model(x).flatten(0, 1), model(list(x)))
+
+
 def test_projection_is_linear_gelu_linear():
     proj = randomize(Projection(16, 32, hidden_dim=24).double(), 0)
     x = torch.randn(5, 16, dtype=torch.float64)

@@ -147,7 +147,7 @@ class AudioEncoder(nn.Module):
                 f"AudioEncoder: expected mels [N, n_mels={c.n_mels}, T <= "
                 f"max_frames={c.max_frames}], got {list(mels.shape)}"
             )
-        x = F.gelu(self.conv1(mels))
+        x = F.gelu(self.conv1(mels.to(self.conv1.weight.dtype)))  # the packed path's dtype rule (ViT.embed)
         x = F.gelu(self.conv2(x))  # [N, dim, T_out]
         x = x.transpose(1, 2)  # [N, T_out, dim]
         return x + self.pos_embed[: x.shape[1]]

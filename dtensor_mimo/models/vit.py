@@ -292,7 +292,10 @@ class ViT(nn.Module):
             detail = f" (images of {problem})" if c.dynamic_resolution and images.dim() == 4 else ""
             raise ValueError(f"ViT: expected images [N, {c.item_channels}, {size}], got {list(images.shape)}{detail}")
         if images.shape[0]:
-            x = self.patch_embed(images)  # [N, dim, H/p, W/p]
+            # In the weight's dtype, as the packed path takes a list: items of another dtype (float64
+            # from numpy, uint8 pixels) must not fail on the ranks that hold images only, while
+            # their peers wait for the rows.
+            x = self.patch_embed(images.to(self.patch_embed.weight.dtype))  # [N, dim, H/p, W/p]
         else:  # no image (a rank or microbatch with none): `_embed_packed`'s Linear over no patches,
             # the same empty rows and zero gradients; torch's compiled convolution backward gives an
             # empty batch's weight gradient other strides than its meta kernel says (inductor's

@@ -194,8 +194,10 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
         raise
     # The verdict on the device, from the same totals as the host's below: the update is queued
     # before the host reads anything, and changes nothing in a step refused or skipped.
+    # A non-finite loss with a finite norm: a weighted label outside the vocabulary (the loss's
+    # NaN, whose microbatch then has no gradient), skipped like a non-finite norm.
     norm = totals[6 + len(votes):].sum().sqrt()
-    skip = (totals[1:6] != words[-5:]).any() | ~norm.isfinite()
+    skip = (totals[1:6] != words[-5:]).any() | ~norm.isfinite() | ~totals[0].isfinite()
     readback = _Readback(torch.cat([totals, skip.reshape(1)]))
     with phase("optimizer"):
         optimizer.launch(norm, skip)
@@ -222,10 +224,11 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
             f"{int(bad)} rank(s) produced encoder rows that disagree with the batch metadata, or gradients "
             "summed before their last accumulation (their error names which); the step was not applied"))
     grad_norm = math.sqrt(sum(sumsq))
-    skipped = not optimizer.settle(not skipped_on_device)  # the device's verdict: a non-finite norm
+    skipped = not optimizer.settle(not skipped_on_device)  # the device's verdict: a non-finite norm or loss
     if skipped and dist.get_rank() == 0:  # the same verdict on every rank: said once
-        log.warning("step skipped after %d update(s): the global gradient norm is %s (loss %s); weights and "
-                    "optimizer moments are unchanged (a non-finite input or a too high lr?)",
+        log.warning("step skipped after %d update(s): the global gradient norm is %s, the loss %s; weights and "
+                    "optimizer moments are unchanged (a non-finite input, a too high lr, or a label outside "
+                    "the vocabulary?)",
                     optimizer.updates, grad_norm, loss)
     if timings is not None:
         timings["optimizer"] = _between(middle, _mark(model.device))

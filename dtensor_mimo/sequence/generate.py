@@ -22,8 +22,20 @@ def greedy_generate(predict: Callable[[MimoBatch], torch.Tensor], batch: MimoBat
     if bad:
         raise ValueError(f"generate: prompt lengths {bad} leave no room for {max_new_tokens} new "
                          f"tokens in rows of {batch.seq_len}; shorten them or lower max_new_tokens")
-    tokens = batch.tokens.clone()
     ends = torch.as_tensor(list(prompt_lengths))
+    # The new ids overwrite the row after each prompt: an item's special tokens there (an image
+    # after the prompt) would no longer match its items, and the batch check on the first rewritten
+    # row would name the batch's counts, not these prompt lengths.
+    columns = torch.arange(batch.seq_len)
+    rewritten = (columns >= ends[:, None]) & (columns < ends[:, None] + max_new_tokens)
+    for name, token_id in batch.special_token_ids.items():
+        hit = torch.nonzero(((batch.tokens.cpu() == token_id) & rewritten).any(1)).flatten().tolist()
+        if hit:
+            raise ValueError(
+                f"generate: samples {hit} hold {name!r} tokens (id {token_id}) within the {max_new_tokens} "
+                f"positions after their prompts (prompt lengths {[prompt_lengths[i] for i in hit]}), which the new "
+                "tokens would overwrite; give each row only its prompt's items, or lower max_new_tokens")
+    tokens = batch.tokens.clone()
     rows = torch.arange(batch.batch_size)
     done = torch.zeros(batch.batch_size, dtype=torch.bool)
     generated: list[list[int]] = [[] for _ in prompt_lengths]

@@ -45,13 +45,25 @@ def loss_normalizer(batch: MimoBatch) -> float:
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Sum over positions of cross entropy (in fp32) times the loss weight; `logits` are
     ``[..., vocab]``: a plain tensor, or a DTensor sharded over the vocabulary on one mesh dim
-    (loss_parallel), whose shards are combined by `vocab_parallel_cross_entropy`."""
+    (loss_parallel), whose shards are combined by `vocab_parallel_cross_entropy`.
+
+    The chunked loss's label rule (`linear_token_loss_sum`) on every path: positions without a
+    loss weight are ignored whatever their id, and a weighted label outside ``0 .. vocab - 1``
+    makes the sum NaN (a non-finite loss: `train_step` skips the step on every rank). Plain
+    ``F.cross_entropy`` would raise on the ranks holding the head alone, leaving their peers
+    waiting for gradients or ids (on CUDA a device-side assert), and the vocab-parallel one
+    would sum a finite, wrong loss (no shard owns the label)."""
+    labels = labels.flatten()
+    weights = loss_weights(labels, loss_mask.flatten())
+    counted = weights != 0
+    bad = _outside(labels, counted, logits.shape[-1])  # the whole vocabulary's size, also under tp
+    labels = torch.where(counted & ~bad, labels, IGNORE_INDEX)
     if isinstance(logits, DTensor):
-        per_token = vocab_parallel_cross_entropy(logits, labels.flatten())
+        per_token = vocab_parallel_cross_entropy(logits, labels)
     else:
-        per_token = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(),
-                                    ignore_index=IGNORE_INDEX, reduction="none")
-    return (per_token * loss_weights(labels, loss_mask).flatten()).sum()
+        per_token = F.cross_entropy(logits.flatten(0, -2).float(), labels, ignore_index=IGNORE_INDEX,
+                                    reduction="none")
+    return torch.where(bad.any(), torch.nan, (per_token * weights).sum())
 
 
 # Logits of `linear_token_loss_sum` that exist at once: rows per chunk = this // vocabulary size
@@ -76,7 +88,7 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     microbatch in flight: smaller than the logits when a microbatch has more tokens than `dim`);
     the same three matmuls. Without grad (evaluation) it only sums the losses: one matmul. A
     label outside ``0 .. vocab - 1`` with a nonzero loss weight makes the sum NaN (a non-finite
-    loss `train_step` reports), not an error: that would need a device sync. Numerics: those of
+    loss: `train_step` skips the step), not an error: that would need a device sync. Numerics: those of
     `token_loss_sum` up to the order of the sums (the weight's gradient is summed over chunks in
     fp32). Not twice differentiable. Logits that fit in one chunk take the plain path (the head,
     then `token_loss_sum`): nothing to save there, and fewer host operations for small models.
@@ -108,15 +120,9 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
 
 
 def checked_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """`token_loss_sum` of plain `logits` ``[..., vocab]`` under the chunked loss's label rule:
-    positions without a loss weight ignored, a weighted label outside the vocabulary NaN
-    (``F.cross_entropy`` would raise, on CUDA as a device-side assert: a sync to check)."""
-    labels = labels.flatten()
-    weights = loss_weights(labels, loss_mask.flatten())
-    counted = weights != 0
-    bad = _outside(labels, counted, logits.shape[-1])
-    total = token_loss_sum(logits.flatten(0, -2), torch.where(counted & ~bad, labels, IGNORE_INDEX), weights)
-    return torch.where(bad.any(), torch.nan, total)
+    """`token_loss_sum` of plain `logits` ``[..., vocab]`` (the small head's loss, also traced
+    with a decoder compiled whole: `schedule.language`), under the same label rule."""
+    return token_loss_sum(logits, labels, loss_mask)
 
 
 def pick_loss_rows(hidden: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
