@@ -82,19 +82,20 @@ VLM = {"default": dict(image=224, patch=16, vdim=768, vlayers=12, vheads=12, vml
 # Priority order: what issue 29's "Done when" needs first, so that a short lease measures it.
 # First the tiny task in CUDA graphs (the target still open that changed most since its last
 # lease: 6 graph replays a step instead of 12, the loss in the decoder's graph), then the pairs
-# the issue's ratios need, then fp8 where its casts may cost less (inductor's n-d tilings) or
-# weigh less (blocks of Llama 3 8B's shape), with the cases no lease has measured yet between:
-# each VLM stack compiled whole without graphs and the VLM per block with the C++ wrapper (its
+# the issue's ratios need, then fp8 where its casts weigh less (blocks of Llama 3 8B's shape) or
+# may cost less (inductor's n-d tilings), then the cases no lease has measured yet: FSDP2's
+# mixed precision against autocast at dp = 1 (the issue's "which form is fastest"), each VLM
+# stack compiled whole without graphs and the VLM per block with the C++ wrapper (its
 # per-block step was host-bound: idle 32 of 140 ms, mostly around the ViT's blocks, each 0.3-0.8
 # ms of device work after 1.3-1.8 ms of host), then what a save of the 1B LM's state costs its
 # step in each checkpoint mode (pinned host buffers: `checkpoint.async_mode = "async_with_pinned_mem"`).
 CASES = ("tiny trainer cudagraphs", "lm ours", "lm transformers compiled", "vlm ours", "vlm transformers compiled",
-         "lm ours fp8 tensorwise", "lm ours fp8 tensorwise tuned nd", "vlm ours whole", "lm ours 8b blocks",
-         "lm ours fp8 tensorwise 8b blocks", "vlm ours cpp wrapper", "tiny trainer cudagraphs thread",
-         "lm ours fp8 tensorwise tuned", "vlm ours cudagraphs", "lm ours checkpoint", "tiny trainer",
-         "tiny trainer whole", "lm ours cudagraphs", "lm ours fp8 tensorwise cudagraphs", "lm ours unchunked loss",
-         "lm ours packed", "lm ours packed flex", "lm ours fp8 rowwise", "tiny trainer compiled", "lm ours fsdp2 bf16",
-         "tiny trainer thread", "vlm ours all rows", "vlm transformers", "lm transformers")
+         "lm ours fp8 tensorwise", "lm ours 8b blocks", "lm ours fp8 tensorwise 8b blocks",
+         "lm ours fp8 tensorwise tuned nd", "lm ours fsdp2 bf16", "vlm ours whole", "vlm ours cpp wrapper",
+         "tiny trainer cudagraphs thread", "lm ours fp8 tensorwise tuned", "vlm ours cudagraphs", "lm ours checkpoint",
+         "tiny trainer", "tiny trainer whole", "lm ours cudagraphs", "lm ours fp8 tensorwise cudagraphs",
+         "lm ours unchunked loss", "lm ours packed", "lm ours packed flex", "lm ours fp8 rowwise",
+         "tiny trainer compiled", "tiny trainer thread", "vlm ours all rows", "vlm transformers", "lm transformers")
 TINY = {"tiny trainer": [], "tiny trainer thread": ["--data.workers", "0"],
         "tiny trainer compiled": [f"--options.{m}.compile=true" for m in ("image", "language")],
         "tiny trainer whole": [f"--options.{m}.{o}" for m in ("image", "language")
