@@ -94,6 +94,40 @@ def test_projection_width_must_match_language_model():
         MimoModel(MimoLayout({"vision": P(), "language": P()}), llama, encoders)
 
 
+TP_SPLITS = [  # (layout, language config, encoder configs, what the error names)
+    ({"vision": P(), "language": P(tp=2)}, dict(vocab_size=67), {},
+     r"module 'language' \(Llama\): tensor parallel over tp=2 needs these sizes divisible by 2: vocab_size=67"),
+    ({"vision": P(tp=2), "language": P()}, {}, dict(n_heads=3),
+     r"module 'vision' \(ViT\): tensor parallel over tp=2 needs these sizes divisible by 2: n_heads=3"),
+]
+
+
+def _tp_split_error(modules, language, vision, match) -> str:
+    """Build the model with `modules`; the error every rank raises."""
+    vit = ViT(ViTConfig.tiny(dim=48, **vision)) if vision else ViT(ViTConfig.tiny())
+    encoders = {"vision": ModalityEncoder(vit, Projection(vit.config.dim, 32))}
+    try:
+        MimoModel(MimoLayout(modules), Llama(LlamaConfig.tiny(**language)), encoders)
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+@pytest.mark.parametrize("modules, language, vision, match", TP_SPLITS, ids=["language_vocab", "vision_heads"])
+def test_sizes_tp_cannot_split_fail_every_rank_before_any_process_group(modules, language, vision, match):
+    """A module's tp plan that cannot split its sizes is refused by name in pure Python, before any
+    process group: raised only on that module's ranks (inside its plan) it left the other modules'
+    ranks building their parts and waiting for them in the first collective."""
+    import re
+
+    from tests.harness import run_on_ranks
+
+    assert re.search(match, _tp_split_error(modules, language, vision, match))  # no process group here
+    errors = run_on_ranks(_tp_split_error, MimoLayout(modules).world_size, modules, language, vision, match,
+                          timeout=60)
+    assert all(re.search(match, e) for e in errors), errors
+
+
 def test_batch_with_a_modality_the_model_lacks():
     batch = synthetic_batch(SyntheticSpec.tiny(), seed=0)  # vision and audio
     layout = MimoLayout({"vision": P(), "language": P()})

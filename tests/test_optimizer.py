@@ -212,6 +212,12 @@ def test_config_errors() -> None:
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match=r"max_grad_norm=.* must be a positive number .* or None"):
             AdamWConfig(max_grad_norm=bad)
+    # What torch.optim.AdamW refuses, refused when the config is made (a module's own config in
+    # per_module would otherwise fail on that module's ranks only, the others waiting in the step)
+    for bad in ((1.0, 0.95), (0.9, -0.1), (0.9, float("nan")), (0.9,), "ab"):
+        with pytest.raises(ValueError, match=r"AdamWConfig.betas=.* must be two numbers in \[0, 1\)"):
+            AdamWConfig(betas=bad)
+    assert AdamWConfig(betas=[0.8, 0.9]).betas == (0.8, 0.9)  # a config file's list
 
 
 # ------------------------------------------------------------------ distributed

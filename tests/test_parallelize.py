@@ -479,6 +479,33 @@ def test_hsdp_replicas_drift_is_named() -> None:
     assert errors == ["replicas differ: on 2 other rank(s)", named, "replicas differ: on 2 other rank(s)", named]
 
 
+def _gathered_after_forward(reshard_after_forward: bool) -> tuple[bool, list[bool]]:
+    """Whether the FSDP2 root's parameters, and each block's, are gathered right after forward."""
+    layout = MimoLayout({"language": Parallelism(dp=2)})
+    layout.init_meshes("cpu")
+    llama = Llama(LlamaConfig.tiny())
+    llama.init_weights(seed=0)
+    parallelize_llama(llama, None, layout.mesh("language", ("dp", "cp")),
+                      ParallelOptions(reshard_after_forward=reshard_after_forward))
+    out = llama(torch.randint(0, 64, (1, 8)))
+    root = llama._get_fsdp_state()._fsdp_param_group.is_unsharded
+    blocks = [block._get_fsdp_state()._fsdp_param_group.is_unsharded for block in llama.layers.values()]
+    out.sum().backward()
+    return root, blocks
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp_root_stays_gathered_from_forward_to_backward(reshard: bool) -> None:
+    """`ParallelOptions.reshard_after_forward` frees the blocks' gathered parameters after forward
+    (ZeRO-3) or keeps them; the root's (the decoder's embeddings, final norm and output head) are
+    never freed there, FSDP2's own default for a root: its backward starts at once and would only
+    all-gather them again (torch >= 2.11 keeps that default only where `fully_shard` is not told
+    `reshard_after_forward` explicitly)."""
+    for root, blocks in run_on_ranks(_gathered_after_forward, 2, reshard, timeout=60):
+        assert root, "the FSDP2 root was resharded after forward: its backward all-gathers it again"
+        assert blocks == [not reshard] * 2
+
+
 def test_checkpointed_blocks_are_compiled_once_inside_their_checkpoint() -> None:
     """`compile_blocks` skips the blocks `checkpoint_blocks` compiled inside their checkpoint:
     compiled again from outside, dynamo would trace the checkpoint itself, which fails on DTensor

@@ -27,6 +27,7 @@ import pytest
 
 from dtensor_mimo.data import TEXT_VOCAB
 from dtensor_mimo.layout import LayoutError, MimoLayout, Parallelism
+from dtensor_mimo.parallelize import ParallelOptions
 from dtensor_mimo.plan import (Affine, DeviceProfile, Job, Link, ModuleProfile, SearchSpace, entry,
                                enumerate_layouts, homogeneous, overrides_of, predict, search, write_json)
 from dtensor_mimo.plan.cost import (allgather_time, allreduce_time, bubble_units, crossing_time, module_cost,
@@ -408,6 +409,53 @@ def test_layout_auto_config() -> None:
     assert not planned.layout.auto
     check_config(planned, 4)
     assert build_layout(planned, 4).world_size == 4
+
+
+OPTION_LIMITS = {  # (options per module, the language pipeline's schedule): what each refuses on some layouts
+    "language_compiled_whole": ({"language": ParallelOptions(compile=True, compile_scope="module")}, "1F1B"),
+    # two stages on every pp rank: no layout compiles the decoder whole
+    "language_compiled_whole_looped": ({"language": ParallelOptions(compile=True, compile_scope="module")},
+                                       "Interleaved1F1B"),
+    "vision_cuda_graphs": ({"vision": ParallelOptions(compile=True, compile_mode="reduce-overhead")}, "1F1B"),
+    "vision_recomputed": ({"vision": ParallelOptions(recompute_colocated=True)}, "1F1B"),
+    "zero_bubble_fsdp": ({}, "InterleavedZeroBubble"),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTION_LIMITS))
+def test_every_candidate_is_a_layout_the_library_builds_with_the_modules_options(name: str, monkeypatch) -> None:
+    """The planner's profiles carry what the modules' options refuse on a layout (a whole-module
+    compile or CUDA graphs where FSDP2 shards, CUDA graphs with tp, an encoder recomputed in the
+    colocated phases off the language ranks, a zero-bubble schedule with FSDP2 resharding after
+    forward): every candidate it ranks passes the library's own `check_model` with those options,
+    for the real modules the profiles describe; without them it proposed layouts the trainer
+    then refused."""
+    from dtensor_mimo.layout import torch_compat
+    from dtensor_mimo.models import Llama, LlamaConfig, ModalityEncoder, Projection, ViT, ViTConfig
+    from dtensor_mimo.schedule.checks import check_model
+
+    monkeypatch.setattr(torch_compat, "RELEASE", (2, 13))  # the layout rules alone (torch 2.11 refuses zero bubble)
+    from dtensor_mimo.schedule.config import PipelineConfig
+    from dtensor_mimo.train.plan import option_limits
+
+    options, schedule = OPTION_LIMITS[name]
+    llama = Llama(LlamaConfig.tiny(n_layers=4))
+    encoders = {"vision": ModalityEncoder(ViT(ViTConfig.tiny()), Projection(32, 32))}
+    limits = {n: option_limits(options.get(n, ParallelOptions())) for n in ("vision", "language")}
+    job = Job((dataclasses.replace(profile("vision", divides=(4, 64, 32)), **limits["vision"]),
+               dataclasses.replace(profile("language", layers=4, tokens=32, cp=True, divides=(4, 2, 64, 64)),
+                                   **limits["language"])),
+              batch_size=8, schedule=schedule, virtual_stages=2 if schedule != "1F1B" else 1)
+    ranked = search(job, 4, FAST).ranked
+    assert bool(ranked) == (name != "language_compiled_whole_looped")
+    for pred in ranked:
+        cand = pred.candidate
+        config = PipelineConfig(microbatches=cand.microbatches, schedule=schedule, virtual_stages=job.virtual_stages)
+        try:
+            check_model(cand.layout(4), llama, encoders, "language", options, config)
+        except (LayoutError, ValueError) as e:
+            pytest.fail(f"the planner proposed {cand.describe()} (M={cand.microbatches}), which the library "
+                        f"refuses: {e}")
 
 
 @pytest.mark.parametrize("env, argv, match", [

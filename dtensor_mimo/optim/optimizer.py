@@ -59,6 +59,13 @@ class AdamWConfig:
                  if not getattr(self, name) >= 0]
         if wrong:
             raise ValueError(f"AdamWConfig.{', '.join(wrong)}: lr, eps and weight_decay must be numbers >= 0")
+        betas = self.betas
+        if (isinstance(betas, str) or not hasattr(betas, "__len__") or len(betas) != 2
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
+            # torch.optim.AdamW's own refusal would come only on the ranks holding the module, once
+            # they have built it: with `per_module`, the other ranks would wait for them in the first step
+            raise ValueError(f"AdamWConfig.betas={betas!r} must be two numbers in [0, 1), e.g. (0.9, 0.95)")
+        object.__setattr__(self, "betas", tuple(betas))
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"AdamWConfig.max_grad_norm={self.max_grad_norm!r} must be a positive number "
                              "(the largest global gradient norm kept), or None for no clipping")

@@ -34,12 +34,20 @@ from dtensor_mimo.parallelize.tensor_parallel import (
 )
 
 
+def encoder_tp_sizes(model: ViT | AudioEncoder) -> dict[str, int]:
+    """The sizes the encoder's tp plan splits over the tp ranks (each must divide by tp)."""
+    return {"n_heads": model.config.n_heads, "mlp_hidden": model.config.mlp_hidden}
+
+
+def projection_tp_sizes(model: Projection) -> dict[str, int]:
+    """The size the projection's tp plan splits over the tp ranks (it must divide by tp)."""
+    return {"hidden_dim": model.fc1.out_features}
+
+
 def apply_encoder_tp(model: ViT | AudioEncoder, tp_mesh: DeviceMesh, options: ParallelOptions) -> None:
     """Tensor parallel plan of the encoder blocks (in place); output replicated and plain."""
-    c, sp = model.config, options.sp
-    check_divisible(
-        type(model).__name__, {"n_heads": c.n_heads, "mlp_hidden": c.mlp_hidden}, tp_mesh.size()
-    )
+    sp = options.sp
+    check_divisible(type(model).__name__, encoder_tp_sizes(model), tp_mesh.size())
     layer_plan = block_plan(
         sp=sp,
         attention="attn",
@@ -61,5 +69,5 @@ def apply_encoder_tp(model: ViT | AudioEncoder, tp_mesh: DeviceMesh, options: Pa
 def apply_projection_tp(model: Projection, tp_mesh: DeviceMesh, options: ParallelOptions) -> None:
     """fc1 colwise, fc2 rowwise (output replicated, plain); `options.sp` does not apply (no norm,
     and the output must be replicated anyway)."""
-    check_divisible("Projection", {"hidden_dim": model.fc1.out_features}, tp_mesh.size())
+    check_divisible("Projection", projection_tp_sizes(model), tp_mesh.size())
     parallelize_module(model, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})

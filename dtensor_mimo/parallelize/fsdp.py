@@ -25,15 +25,19 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> None:
     """`fully_shard` each of `blocks`, then `model` (the rest of its parameters); sum over dp.
+    `reshard_after_forward` applies to `blocks`; the root `model` is never resharded after forward.
 
     Parameters that are already DTensors on a tp mesh become 2-D (dp x tp) DTensors; `dp_mesh` and
     that tp mesh must share one root mesh. `mp_policy`: FSDP2's mixed precision (default: none).
     """
-    kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                  mp_policy=mp_policy or MixedPrecisionPolicy())
+    kwargs = dict(mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
     for block in blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root keeps its parameters gathered from forward to backward (FSDP2's own default for a
+    # root: its backward starts at once). torch keeps that default only for `None`: an explicit
+    # True reshards the root too, and its backward all-gathers them again (a decoder's embeddings
+    # and output head, its largest tensors).
+    fully_shard(model, reshard_after_forward=None if reshard_after_forward else False, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             sum_gradients_over_dp(module)

@@ -53,15 +53,16 @@ from dtensor_mimo.parallelize.tensor_parallel import (
 )
 
 
+def llama_tp_sizes(model: Llama) -> dict[str, int]:
+    """The sizes the decoder's tp plan splits over the tp ranks (each must divide by tp)."""
+    c = model.config
+    return {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "ffn_hidden": c.ffn_hidden, "vocab_size": c.vocab_size}
+
+
 def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh, options: ParallelOptions) -> None:
     """Tensor parallel plan of the decoder (in place); see the module docstring for the contract."""
-    c, tp, sp = model.config, tp_mesh.size(), options.sp
-    check_divisible(
-        "Llama",
-        {"n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "ffn_hidden": c.ffn_hidden,
-         "vocab_size": c.vocab_size},
-        tp,
-    )
+    tp, sp = tp_mesh.size(), options.sp
+    check_divisible("Llama", llama_tp_sizes(model), tp)
     activation = Shard(SEQUENCE_DIM) if sp else Replicate()
     plan = {}
     if model.tok_embeddings is not None:

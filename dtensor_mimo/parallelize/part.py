@@ -32,12 +32,13 @@ from dtensor_mimo.layout import LayoutError, Parallelism
 from dtensor_mimo.models import AudioEncoder, Llama, ModalityEncoder, Projection, ViT
 from dtensor_mimo.parallelize.checkpointing import checkpoint_blocks
 from dtensor_mimo.parallelize.compile import compile_blocks
-from dtensor_mimo.parallelize.encoders import apply_encoder_tp, apply_projection_tp
+from dtensor_mimo.parallelize.encoders import (apply_encoder_tp, apply_projection_tp, encoder_tp_sizes,
+                                               projection_tp_sizes)
 from dtensor_mimo.parallelize.fp8 import convert_to_fp8, fp8_config, fp8_layers
-from dtensor_mimo.parallelize.language import apply_llama_tp
+from dtensor_mimo.parallelize.language import apply_llama_tp, llama_tp_sizes
 from dtensor_mimo.parallelize.options import ParallelOptions
 from dtensor_mimo.parallelize.precision import apply_data_parallel, uses_fsdp
-from dtensor_mimo.parallelize.tensor_parallel import tp_size
+from dtensor_mimo.parallelize.tensor_parallel import check_divisible, tp_size
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,29 @@ def tp_plan(module: nn.Module) -> TpPlan:
     if isinstance(module, Projection):
         return apply_projection_tp
     return user_tp_plan
+
+
+def tp_sizes(module: nn.Module) -> dict[str, int]:
+    """The sizes the library's tp plan of one stack splits over the tp ranks (`tp_plan`); {} for a
+    user module, whose own ``parallelize`` checks what it splits."""
+    if isinstance(module, Llama):
+        return llama_tp_sizes(module)
+    if isinstance(module, (ViT, AudioEncoder)):
+        return encoder_tp_sizes(module)
+    if isinstance(module, Projection):
+        return projection_tp_sizes(module)
+    return {}
+
+
+def check_tp_sizes(name: str, module: nn.Module, tp: int) -> None:
+    """Refuse (ValueError naming module `name`, the stack and the sizes) a `tp` that the library's
+    plan of a stack of `module` cannot split evenly. Pure (configs only): `check_model` runs it on
+    every rank before any process group, so that a module's ranks do not fail alone in its tp plan
+    while the other modules' ranks go on to wait for them in the first collective."""
+    if tp <= 1:
+        return
+    for stack in stacks(module):
+        check_divisible(f"module {name!r} ({type(stack).__name__})", tp_sizes(stack), tp)
 
 
 def stacks(module: nn.Module) -> list[nn.Module]:
@@ -88,6 +112,8 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
     per-call cost so). `name`: the module's name in errors (default: its class name)."""
     parts = stacks(root) if parts is None else list(parts)
     name = name or type(root).__name__
+    for stack in parts:
+        check_divisible(f"module {name!r} ({type(stack).__name__})", tp_sizes(stack), tp_size(tp_mesh))
     if options.activation_checkpointing and all(blocks(stack) is None for stack in parts):
         raise ValueError(f"{name} has no `layers` ModuleDict of blocks to checkpoint; "
                          "set activation_checkpointing=0")

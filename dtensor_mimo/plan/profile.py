@@ -103,6 +103,12 @@ class ModuleProfile:
             in one call (`dtensor_mimo.schedule.encoders.LocalEncoders`: the library's encoders,
             not in float8 nor recomputed): its per-call work is paid once a step, not once a
             microbatch.
+        compiled_whole: compiled whole (``compile_scope="module"``): the library refuses FSDP2
+            sharding it (dp·cp > 1 with `fsdp`) and cutting it into pipeline stages.
+        cuda_graphs: replays CUDA graphs (`ParallelOptions.compile_mode`): the library refuses
+            FSDP2 sharding it and tp or cp > 1.
+        colocated_only: an encoder recomputed in the colocated three phases
+            (`ParallelOptions.recompute_colocated`): it must share ranks with the language model.
     """
 
     name: str
@@ -130,6 +136,9 @@ class ModuleProfile:
     tp_forward_s: float = 0.0
     tp_backward_s: float = 0.0
     one_call: bool = False
+    compiled_whole: bool = False
+    cuda_graphs: bool = False
+    colocated_only: bool = False
 
     @property
     def params(self) -> int:

@@ -12,8 +12,9 @@ enumerated).
 Every candidate passes the real validators (`validate`): `MimoLayout` itself, the pipeline's
 `check_pipeline_layout` and `check_microbatching`, layers per stage (`stage_layers`), and the
 trainer's rules (encoders at pp = 1, the search's own limit, and cp = 1; tp divides the heads and widths the module
-cuts; every dp rank of a module gets at least one sample per microbatch). So every printed
-candidate trains.
+cuts; every dp rank of a module gets at least one sample per microbatch), and what the modules'
+options refuse on a layout (`ModuleProfile.compiled_whole`, `cuda_graphs`, `colocated_only`; a
+zero-bubble schedule with FSDP2 resharding after forward). So every printed candidate trains.
 
 `search` ranks them by `predict`. Small worlds are searched exhaustively; larger ones are pruned
 per module first (for each size and M, the few fastest factorisations, and only the sizes at
@@ -32,7 +33,8 @@ from dtensor_mimo.layout import Parallelism
 from dtensor_mimo.plan.candidate import Candidate
 from dtensor_mimo.plan.cost import Prediction, module_cost, predict
 from dtensor_mimo.plan.profile import DeviceProfile, Job, ModuleProfile
-from dtensor_mimo.schedule.config import PipelineConfig, check_microbatching, check_pipeline_layout, stage_layers
+from dtensor_mimo.schedule.config import (ZERO_BUBBLE_SCHEDULES, PipelineConfig, check_microbatching,
+                                          check_pipeline_layout, stage_layers)
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,20 @@ def module_problem(job: Job, profile: ModuleProfile, par: Parallelism, microbatc
         return "the search keeps encoders at pp = 1 and cp = 1 (encoder pipelines are not in its cost model)"
     if par.cp > 1 and not profile.cp:
         return "context parallel applies to the language model only"
+    # What the module's options refuse on a layout (`dtensor_mimo.schedule.checks.check_model`)
+    shards = par.dp * par.cp
+    if profile.fsdp and shards > 1 and (profile.compiled_whole or profile.cuda_graphs):
+        return (f"compiled whole or in CUDA graphs, which FSDP2 sharding over dp·cp = {shards} is refused with "
+                "(options: fsdp = false, or compile_scope = 'block' without CUDA graphs)")
+    if profile.cuda_graphs and (par.tp > 1 or par.cp > 1):
+        return f"CUDA graphs are refused with tp={par.tp}, cp={par.cp} (their collectives would be captured)"
+    stages = par.pp * (job.virtual_stages if is_lang else 1)
+    if profile.compiled_whole and stages > 1:
+        return f"compiled whole (compile_scope = 'module'), it cannot be cut into {stages} pipeline stages"
+    if (is_lang and profile.fsdp and profile.reshard_after_forward and shards > 1
+            and job.schedule in ZERO_BUBBLE_SCHEDULES):
+        return (f"schedule {job.schedule!r} with FSDP2 resharding after forward over dp·cp = {shards} is refused "
+                "(options: reshard_after_forward = false, or fsdp = false)")
     samples, rem = divmod(job.batch_size, microbatches)
     if rem:
         return f"batch {job.batch_size} does not split into {microbatches} microbatches"
@@ -112,6 +128,8 @@ def validate(job: Job, candidate: Candidate, world_size: int, max_tp: int | None
         raise InvalidCandidate(f"{candidate.describe()}: modules {layout.names}, the job has {job.names}")
     for profile in job.modules:
         problem = module_problem(job, profile, layout.parallelism(profile.name), candidate.microbatches, max_tp)
+        if problem is None and profile.colocated_only and not candidate.shares_ranks(profile.name, job.language):
+            problem = f"recomputed in the colocated three phases, it must share the ranks of {job.language!r}"
         if problem:
             raise InvalidCandidate(f"{candidate.describe()}: {profile.name}: {problem}")
     try:

@@ -14,7 +14,7 @@ from dtensor_mimo.models import ModalityEncoder
 from dtensor_mimo.models.protocol import ItemRule, encoder_problems, language_problems
 from dtensor_mimo.models.vit import self_attentions
 from dtensor_mimo.parallelize import ParallelOptions
-from dtensor_mimo.parallelize.part import check_compile_layout
+from dtensor_mimo.parallelize.part import check_compile_layout, check_tp_sizes
 from dtensor_mimo.schedule.config import (ZERO_BUBBLE_SCHEDULES, PipelineConfig, check_pipeline_layout,
                                           stage_layers)
 
@@ -56,6 +56,7 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
                           "balancing applies to encoders (their items over their dp ranks)")
     for name in layout.names:
         par = layout.parallelism(name)
+        check_tp_sizes(name, language if name == language_name else encoders[name], par.tp)
         check_compile_layout(name, options.get(name, ParallelOptions()), par)
         if par.hsdp and not options.get(name, ParallelOptions()).fsdp:
             raise LayoutError(f"{name!r} has dp_replicate={par.dp_replicate} (HSDP: FSDP2 shards within replica "

@@ -200,8 +200,17 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
         name=name, n_layers=n_layers, tokens_per_sample=tokens_per_sample,
         block_params=block_params, rest_params=params - block_params * n_layers, trainable_params=trainable,
         activation_bytes_per_token=0.0 if frozen_tower else act, width=width, hidden=hidden,
-        tp_divides=divides, cp=name == LANGUAGE, fsdp=options.fsdp,
-        reshard_after_forward=options.reshard_after_forward, load=load, one_call=one_call, **times, **wrappers)
+        tp_divides=divides, cp=name == LANGUAGE, load=load, one_call=one_call, **option_limits(options), **times,
+        **wrappers)
+
+
+def option_limits(options: Any) -> dict[str, bool]:
+    """The `ModuleProfile` fields that say which layouts a module's `ParallelOptions` allow (the
+    library refuses the others: `dtensor_mimo.schedule.checks.check_model`), so that the planner
+    proposes only layouts the trainer can build."""
+    return {"fsdp": options.fsdp, "reshard_after_forward": options.reshard_after_forward,
+            "compiled_whole": options.compile and options.compile_scope == "module",
+            "cuda_graphs": options.cuda_graphs, "colocated_only": options.recompute_colocated}
 
 
 def load_profiles(config: TrainerConfig, world: int, cache: str | None = None, remeasure: bool = False,
