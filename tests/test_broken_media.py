@@ -8,10 +8,9 @@ on ranks 0 / 1 (the image is decoded on rank 0 only), 4 steps of 8: every traini
 | a training sample's PNG truncated                          | exit 1, within the timeout; every rank's error: |
 |                                                            | BatchError naming the sample id and the file    |
 | the same, data.skip_bad_media = true, a held-out PNG too,  | one warning line per sample; trains to step 4;  |
-| export_hf set                                              | skipped_samples counted; the export written     |
+| export_hf set; then resumed to step 8 (the broken          | skipped_samples counted; the export written;    |
+| sample's second epoch)                                     | resumed: the sample named no more, counted 2x   |
 | a held-out PNG truncated (no skipping), export_hf set      | the export written; then exit 1 naming it       |
-| skipping, 4 steps saved, then resumed to step 8 (the       | the resumed run names the sample no more and    |
-| broken sample's second epoch)                              | counts it twice, as one run of 8 steps does     |
 """
 
 from __future__ import annotations
@@ -84,7 +83,7 @@ def test_a_truncated_training_image_is_named_on_every_rank(tiny: str, tmp_path) 
 
 def test_skip_bad_media_trains_to_the_end_and_exports(tiny: str, tmp_path) -> None:
     broken = _copy_with_a_truncated_image(tiny, tmp_path / "run", ("train", "val"))
-    out = _train(tmp_path / "run", "--data.skip_bad_media", "true")
+    out = _train(tmp_path / "run", "--data.skip_bad_media", "true", "--checkpoint.dir", "ckpt")
     assert out.returncode == 0, out.stderr[-3000:]
     for split, (sid, path) in broken.items():
         lines = [line for line in out.stdout.splitlines() if f"sample {sid!r}: cannot decode its image file {path}"
@@ -97,6 +96,16 @@ def test_skip_bad_media_trains_to_the_end_and_exports(tiny: str, tmp_path) -> No
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[-1]["skipped_samples"] == 1
     assert os.path.exists(tmp_path / "run" / "out" / "hf" / "config.json")
+    # resumed to step 8, the broken sample's second epoch: named no more, counted twice
+    (sid, path) = broken["train"]
+    resumed = _train(tmp_path / "run", "--data.skip_bad_media", "true", "--checkpoint.dir", "ckpt",
+                     "--checkpoint.export_hf", "none", "--train.steps", "8")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and f"{path}" not in resumed.stdout.replace(broken["val"][1], ""), \
+        resumed.stdout[-3000:]
+    with open(tmp_path / "run" / "m.jsonl") as f:
+        records = [r for r in map(json.loads, f) if "loss" in r]
+    assert (records[-1]["step"], records[-1]["skipped_samples"]) == (8, 2)
 
 
 def test_a_truncated_heldout_image_does_not_cost_the_export(tiny: str, tmp_path) -> None:
@@ -107,16 +116,3 @@ def test_a_truncated_heldout_image_does_not_cost_the_export(tiny: str, tmp_path)
     assert f"sample {sid!r}: cannot decode its image file {path}" in out.stderr
     assert "the export was written" in out.stderr
 
-
-def test_a_resumed_run_keeps_the_samples_it_skipped(tiny: str, tmp_path) -> None:
-    (sid, path), = _copy_with_a_truncated_image(tiny, tmp_path / "run", ("train",)).values()
-    skip = ["--data.skip_bad_media", "true", "--checkpoint.dir", "ckpt", "--checkpoint.export_hf", "none"]
-    first = _train(tmp_path / "run", *skip)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert f"sample {sid!r}: cannot decode its image file {path}" in first.stdout
-    resumed = _train(tmp_path / "run", *skip, "--train.steps", "8")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout and repr(sid) not in resumed.stdout, resumed.stdout[-3000:]
-    with open(tmp_path / "run" / "m.jsonl") as f:
-        records = [r for r in map(json.loads, f) if "loss" in r]
-    assert [(r["step"], r["skipped_samples"]) for r in records][-1] == (8, 2)
