@@ -1,4 +1,4 @@
-"""The package's imports point down the layers of DESIGN.md (pure: reads the source with `ast`).
+"""The package's imports point down the layers (README.md, "Layers"; pure: reads the source with `ast`).
 
 | layer (bottom to top) | modules                                          |
 |-----------------------|--------------------------------------------------|
@@ -53,7 +53,7 @@ def _layer(module: str) -> str | None:
         return None
     if parts[1] not in LAYERS:
         raise AssertionError(f"{module}: no layer for {parts[1]!r}; add it to LAYERS in {__file__} "
-                             "(and to DESIGN.md's layers)")
+                             "(and to README.md's layers table)")
     return parts[1]
 
 

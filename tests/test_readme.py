@@ -64,3 +64,8 @@ def test_trainer_docs_list_every_key() -> None:
     assert len(keys) > 60
     missing = [k for k in keys if k not in docs]
     assert not missing, f"docs/trainer.md lacks {missing}: regenerate its key list from --help"
+    # Each line as --help prints it ("`python -m dtensor_mimo.train --help` prints this list").
+    listed = {" ".join(line.split()) for line in _blocks(docs, "text")[0].splitlines()}
+    differ = [k for k, line in zip(keys, re.findall(r"^  (--.*)$", help_text(), re.M))
+              if " ".join(line.split()) not in listed]
+    assert not differ, f"docs/trainer.md's lines for {differ} differ from --help's: regenerate them"

@@ -168,6 +168,50 @@ def test_a_malformed_turn_past_the_checked_samples_names_its_sample(tiny: str) -
             data.train.batch([index])
 
 
+def test_items_no_encoder_takes_past_the_checked_samples_are_refused(tiny: str) -> None:
+    """The launcher refuses a sample with items (or a placeholder) of a modality no encoder takes
+    among the first 256; one further on is a DataError naming the sample when a rank reads it
+    (its clip was silently left out and its "<audio>" trained on as text)."""
+    from dtensor_mimo.data.conversation import DataError
+
+    good = {"conversations": [{"from": "human", "value": "repeat : red"}, {"from": "gpt", "value": "red"}]}
+    tone = next(os.path.join("audio", f) for f in sorted(os.listdir(os.path.join(tiny, "data", "audio"))))
+    bad = {"t-300": {"audio": tone, "conversations": [{"from": "human", "value": "<audio>\nhow does it sound ?"},
+                                                      {"from": "gpt", "value": "low"}]},
+           "t-301": {"conversations": [{"from": "human", "value": "<audio>\nhow does it sound ?"},
+                                       {"from": "gpt", "value": "low"}]}}
+    with open(os.path.join(tiny, "data", "late_audio.jsonl"), "w") as f:
+        for k in range(300):
+            f.write(json.dumps({"id": f"t-{k}", **good}) + "\n")
+        for sid, sample in bad.items():
+            f.write(json.dumps({"id": sid, **sample}) + "\n")
+    data, _ = _dataset(tiny, "--data.path", "data/late_audio.jsonl", "--data.heldout", "none")  # image encoder only
+    assert len(data.train.batch(range(8)).tokens) == 8
+    for index, sid in enumerate(bad, start=300):
+        with pytest.raises(DataError, match=f"data.path = 'data/late_audio.jsonl': sample '{sid}' has audio items "
+                                            r"but no encoder takes 'audio' \(model.encoders.<name>.modality\)"):
+            data.train.batch([index])
+
+
+def test_answers_end_at_the_end_of_turn_token_when_eos_is_another(tiny: str, tmp_path) -> None:
+    """A base tokenizer whose eos is not the template's end of turn (Qwen2 / Qwen2.5 / Qwen3 base:
+    eos <|endoftext|>, ChatML turns ending "<|im_end|>\\n"): labels stop at <|im_end|> as with the
+    instruct tokenizer, not at the "\\n" after it, and generation stops at <|im_end|> (it stopped
+    at the first "\\n", cutting a multi-line answer)."""
+    base = transformers.AutoTokenizer.from_pretrained(os.path.join(tiny, "ckpt", "lm"))
+    base.eos_token = "<|endoftext|>"
+    base.save_pretrained(str(tmp_path / "base"))
+    data, tokenizer = _dataset(tiny, "--data.tokenizer", str(tmp_path / "base"))
+    assert tokenizer.eos_token == "<|endoftext|>"
+    samples = [json.loads(line) for line in open(os.path.join(tiny, "data", "train.jsonl"))]
+    for index in range(8):
+        row = data.train[index]
+        answer_ids = [t for t in row.labels if t != -100]
+        assert tokenizer.decode(answer_ids) == samples[index]["conversations"][1]["value"] + "<|im_end|>"
+    _, _, stop = data.prompt(0)
+    assert stop == tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
 @pytest.mark.parametrize("samples", [256, 257])
 def test_seq_len_zero_takes_the_longest_of_a_corpus_of_the_checked_size(tiny: str, samples: int) -> None:
     """data.seq_len = 0 needs the whole corpus tokenized: taken for one of exactly the checked
@@ -687,6 +731,37 @@ def test_dynamic_resolution_expands_each_image_to_its_own_rows(varied: str) -> N
     assert data.tokens_per_item["image"] == pytest.approx(sum(m.item_tokens) / m.num_items)
 
 
+def test_an_image_over_pillows_pixel_limit_names_its_sample(varied: str) -> None:
+    """Images of their own size have their headers read when a sample is tokenized (and by the
+    launcher's estimate): one Pillow refuses as a decompression bomb (over 179M pixels) is a
+    DataError naming the sample, the file and the fix (it was Pillow's bare DecompressionBombError
+    at launch, naming neither)."""
+    import io
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    from dtensor_mimo.data.conversation import DataError
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buffer, "PNG")
+    png = bytearray(buffer.getvalue())
+    header = struct.pack(">II", 20000, 20000) + bytes(png[24:29])  # IHDR: a 20000 x 20000 image, no pixels
+    png[16:33] = header + struct.pack(">I", zlib.crc32(b"IHDR" + header))
+    with open(os.path.join(varied, "data", "varied", "huge.png"), "wb") as f:
+        f.write(bytes(png))
+    with open(os.path.join(varied, "data", "huge.jsonl"), "w") as f:
+        for sid, path in [("square", "varied/square-0.png"), ("huge", "varied/huge.png")]:
+            f.write(json.dumps({"id": sid, "image": path, "conversations": [
+                {"from": "human", "value": "<image>\nwhat is in the image ?"}, {"from": "gpt", "value": "red"}]}) + "\n")
+    data, _ = _dataset(varied, *DYNAMIC, "--data.path", "data/huge.jsonl", "--data.seq_len", "96")
+    assert data.train.batch([0]).modalities["image"].item_tokens == (16,)
+    with pytest.raises(DataError, match=r"sample 'huge': .*varied/huge\.png: Pillow refuses to open it \(Image size "
+                                        r"\(400000000 pixels\) exceeds limit .*raise PIL\.Image\.MAX_IMAGE_PIXELS"):
+        data.train[1]
+
+
 def test_truncation_cuts_at_item_boundaries_of_their_own_sizes(varied: str) -> None:
     whole, tokenizer = _dataset(varied, *DYNAMIC)
     image_id = tokenizer.convert_tokens_to_ids("<image>")
@@ -758,3 +833,55 @@ def test_a_truncated_clip_is_a_media_error_naming_the_sample(varied: str, tmp_pa
     finally:
         with open(path, "wb") as f:
             f.write(whole)
+
+
+
+
+def test_a_missing_clip_past_the_checked_samples_names_its_sample(varied: str, tmp_path) -> None:
+    """Clips of their own length have their headers read when a sample is tokenized; a missing
+    file past the launcher's checked samples is a DataError naming the sample and the file (it was
+    a bare FileNotFoundError, where a missing image is named)."""
+    from dtensor_mimo.data.conversation import DataError
+
+    conv = [{"from": "human", "value": "<audio>\nhow does it sound ?"}, {"from": "gpt", "value": "low"}]
+    with open(os.path.join(varied, "data", "late_missing_audio.jsonl"), "w") as f:
+        for k in range(300):
+            f.write(json.dumps({"id": f"a-{k}", "audio": "varied/clip-1.wav", "conversations": conv}) + "\n")
+        f.write(json.dumps({"id": "a-300", "audio": "varied/gone.wav", "conversations": conv}) + "\n")
+    config = tmp_path / "audio.toml"
+    config.write_text(AUDIO_CONFIG)
+    data, _ = _dataset(varied, "--data.path", "data/late_missing_audio.jsonl", "--data.heldout", "none",
+                       "--data.root", "data", "--data.seq_len", "64", "--model.encoders.audio.variable_length", "true",
+                       config=str(config))
+    assert data.train.batch([0, 1]).modalities["audio"].item_tokens == (8, 8)
+    with pytest.raises(DataError, match=r"sample 'a-300': .*varied/gone\.wav: not a PCM WAV file \(\[Errno 2\]"):
+        data.train.batch([300])
+def test_an_empty_clip_is_silence(varied: str, tmp_path) -> None:
+    """A WAV of no samples (a valid file): one window of silence under variable_length (its header
+    gives [16, 1]: 1 row), the extractor's chunk of silence otherwise; it was a MediaError
+    ("both buffer length (0) and count (-1) must not be 0"), or, skipped, a sample lost."""
+    import wave
+
+    import numpy as np
+
+    with wave.open(os.path.join(varied, "data", "varied", "empty.wav"), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+    with open(os.path.join(varied, "data", "empty_audio.jsonl"), "w") as f:
+        for k, path in enumerate(["varied/clip-1.wav", "varied/empty.wav"]):
+            f.write(json.dumps({"id": f"e-{k}", "audio": path, "conversations": [
+                {"from": "human", "value": "<audio>\nhow does it sound ?"}, {"from": "gpt", "value": "low"}]}) + "\n")
+    config = tmp_path / "audio.toml"
+    config.write_text(AUDIO_CONFIG)
+    argv = ["--data.path", "data/empty_audio.jsonl", "--data.heldout", "none", "--data.root", "data"]
+    fe = transformers.WhisperFeatureExtractor.from_pretrained(os.path.join(varied, "ckpt", "whisper"))
+    data, _ = _dataset(varied, *argv, "--model.encoders.audio.variable_length", "true", config=str(config))
+    m = data.train.batch([0, 1]).modalities["audio"]
+    assert m.item_tokens == (8, 1) and [x.shape[1] for x in m.inputs] == [16, 1]
+    silence = fe(np.zeros(513, dtype=np.float32), sampling_rate=16000, padding="longest", return_tensors="pt")
+    torch.testing.assert_close(m.inputs[1], silence["input_features"][0])
+    data, _ = _dataset(varied, *argv, config=str(config))
+    m = data.train.batch([0, 1]).modalities["audio"]
+    chunk = fe(np.zeros(0, dtype=np.float32), sampling_rate=16000, return_tensors="pt")["input_features"][0]
+    torch.testing.assert_close(m.inputs[1], chunk)

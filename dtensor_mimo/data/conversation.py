@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from dtensor_mimo.data.sources import SampleSource
 
 __all__ = ["Conversation", "ConversationDataset", "DataError", "MediaError", "MediaSpec", "read_samples", "check_samples",
-           "image_inputs", "audio_inputs", "video_inputs", "item_paths", "fit_image_size", "sample_frames"]
+           "check_modalities", "image_inputs", "audio_inputs", "video_inputs", "item_paths", "fit_image_size",
+           "sample_frames"]
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 PLACEHOLDERS = {"image": "<image>", "audio": "<audio>", "video": "<video>"}
@@ -212,11 +213,9 @@ def check_samples(source: SampleSource, samples: Sequence[Mapping[str, Any]], mo
         sid = sample["id"]
         check_turns(sample, where)
         text = "".join(t["value"] for t in sample["conversations"])
+        check_modalities(source, index, sample, modalities, where)
         for modality, placeholder in PLACEHOLDERS.items():
             refs = source.media(index, sample, modality)
-            if (refs or placeholder in text) and modality not in modalities:
-                raise DataError(f"{where}: sample {sid!r} has {modality} items but no encoder takes "
-                                f"{modality!r} (model.encoders.<name>.modality)")
             if text.count(placeholder) != len(refs):
                 raise DataError(f"{where}: sample {sid!r} has {text.count(placeholder)} {placeholder} "
                                 f"placeholder(s) but {len(refs)} {modality} item(s); put one {placeholder} "
@@ -224,6 +223,18 @@ def check_samples(source: SampleSource, samples: Sequence[Mapping[str, Any]], mo
             for ref in refs:
                 if not source.exists(ref):
                     raise DataError(f"{where}: sample {sid!r}: {modality} file {ref} does not exist")
+
+
+def check_modalities(source: SampleSource, index: int, sample: Mapping[str, Any], modalities: Iterable[str],
+                     where: str) -> None:
+    """DataError naming `where` and the sample id if sample `index` of `source` has items or a
+    placeholder of a modality none of `modalities` is (no encoder would take them: its items would
+    be left out and its placeholder trained on as text)."""
+    text = "".join(t["value"] for t in sample["conversations"])
+    for modality, placeholder in PLACEHOLDERS.items():
+        if modality not in modalities and (placeholder in text or source.media(index, sample, modality)):
+            raise DataError(f"{where}: sample {sample['id']!r} has {modality} items but no encoder takes "
+                            f"{modality!r} (model.encoders.<name>.modality)")
 
 
 def check_turns(sample: Mapping[str, Any], where: str) -> None:
@@ -291,6 +302,9 @@ class image_inputs:  # noqa: N801 - used as a function; a class so that loader w
                 width, height = image.size
         except OSError as e:
             raise DataError(f"{path}: not an image Pillow reads ({e})") from None
+        except Image.DecompressionBombError as e:  # not an OSError: it would name neither sample nor file
+            raise DataError(f"{path}: Pillow refuses to open it ({e}); downscale the image, or raise "
+                            "PIL.Image.MAX_IMAGE_PIXELS (None: no limit) in the process that reads the data") from None
         return (3, *fit_image_size(height, width, *self.fit))
 
     def __call__(self, paths: list[str]) -> torch.Tensor | list[torch.Tensor]:
@@ -451,7 +465,8 @@ def _read_wav(path: str) -> tuple[torch.Tensor, int]:
     dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(width)
     if dtype is None:
         raise DataError(f"{path}: {8 * width}-bit samples; use 8, 16 or 32-bit PCM")
-    samples = torch.frombuffer(bytearray(raw), dtype=dtype).float()
+    # A WAV of no samples is a valid (empty) clip, which torch.frombuffer refuses as a buffer.
+    samples = torch.frombuffer(bytearray(raw), dtype=dtype).float() if raw else torch.zeros(0)
     if width == 1:
         samples = samples - 128.0
     samples = samples / float(2 ** (8 * width - 1))
@@ -489,7 +504,7 @@ class audio_inputs:  # noqa: N801 - used as a function; a class so that loader w
         try:
             with wave.open(path, "rb") as f:
                 rate, frames = f.getframerate(), f.getnframes()
-        except (wave.Error, EOFError) as e:
+        except (wave.Error, EOFError, OSError) as e:  # OSError: a file missing (past the checked samples)
             raise DataError(f"{path}: not a PCM WAV file ({e})") from None
         self._check_rate(path, rate)
         fe = self.feature_extractor
@@ -569,6 +584,10 @@ class ConversationDataset(Dataset):
         self.cache_samples = cache_samples
         self._cache: dict[int, _Tokenized] = {}
         self._frame_texts: dict[tuple[str, int], list[int]] = {}
+        # The special tokens a template may end a turn with (`_answer_end`): not the placeholders.
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        special = {i for i, t in added.items() if getattr(t, "special", False)} | set(tokenizer.all_special_ids)
+        self._turn_ends = special - {spec.special_token_id for spec in self.media.values()}
         self.seq_len = seq_len or max(len(self._record(i).tokens) for i in range(len(self.samples)))
         self.pack = pack
         self.rows = self._pack(seed) if pack else None
@@ -623,7 +642,9 @@ class ConversationDataset(Dataset):
         """Token ids with each placeholder expanded, labels on the assistant tokens."""
         sample = self.samples[index]
         sid = str(sample["id"])
-        check_turns(sample, self.source.describe())  # checked ahead for the first samples only (`check_samples`)
+        # Checked ahead for the first samples only (`check_samples`); an encoder's own items are counted below.
+        check_turns(sample, self.source.describe())
+        check_modalities(self.source, index, sample, self.by_modality, self.source.describe())
         messages = [{"role": ROLES[t["from"]], "content": t["value"]} for t in sample["conversations"]]
         ids = self._render(messages, False)
         assistant = [False] * len(ids)
@@ -636,10 +657,7 @@ class ConversationDataset(Dataset):
                                 "turns one after another (a prefix renders otherwise, e.g. a template that "
                                 "renders the last assistant turn unlike earlier ones), so the assistant "
                                 "tokens cannot be found")
-            end = len(upto)  # the answer through its end-of-turn token, not the separator after it
-            eos = self.tokenizer.eos_token_id
-            if eos is not None and eos in upto[len(prompt):]:
-                end = len(upto) - upto[::-1].index(eos)
+            end = self._answer_end(upto, len(prompt))
             for t in range(len(prompt), end):
                 assistant[t] = True
         items = {name: self.source.media(index, sample, self.media[name].modality) for name in self.media}
@@ -699,6 +717,20 @@ class ConversationDataset(Dataset):
                 t += 1
         return _Tokenized(sid, np.asarray(tokens, dtype=np.int32), tuple(answers),
                           {n: tuple(ps) for n, ps in items.items()}, shapes, sizes)
+
+    def _answer_end(self, upto: list[int], start: int) -> int:
+        """Where the answer rendered as ``upto[start:]`` ends: through its end-of-turn token, not the
+        separator the template puts after it. That token is the eos where the answer holds it;
+        else a special token the whitespace at the end follows (a base tokenizer's eos is not the
+        template's: Qwen's <|endoftext|> against ChatML's "<|im_end|>\\n"); else the whole of it."""
+        eos = self.tokenizer.eos_token_id
+        if eos is not None and eos in upto[start:]:
+            return len(upto) - upto[::-1].index(eos)
+        end = len(upto)
+        while (end > start and upto[end - 1] not in self._turn_ends
+               and not self.tokenizer.decode(upto[end - 1:end]).strip()):
+            end -= 1  # whitespace after the answer's last special token
+        return end if end > start and upto[end - 1] in self._turn_ends else len(upto)
 
     def _frame_text(self, name: str, frame: int) -> list[int]:
         """The token ids of encoder `name`'s frame_text for frame `frame` (from 0), cached."""
