@@ -521,3 +521,46 @@ SPEC_ERRORS = [
 def test_spec_errors(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         SyntheticSpec.tiny(**overrides)
+
+
+def _extensible_wav(samples, rate: int, subformat: int = 1) -> bytes:
+    """`samples` (int16 [frames, channels]) as a WAVE_FORMAT_EXTENSIBLE file (ffmpeg's and sox's
+    form for more than two channels), with a chunk before `fmt ` and one of odd size between it
+    and `data`, as other writers leave them."""
+    import struct
+
+    frames, channels = samples.shape
+    guid = struct.pack("<H", subformat) + bytes.fromhex("0000000010008000" "00aa00389b71")
+    fmt = struct.pack("<HHIIHHHHI", 0xFFFE, channels, rate, rate * channels * 2, channels * 2, 16, 22, 16, 0) + guid
+    data = samples.astype("<i2").tobytes()
+    chunks = b"".join(kind + struct.pack("<I", len(body)) + body + b"\0" * (len(body) % 2)
+                      for kind, body in ((b"JUNK", b"\0" * 4), (b"fmt ", fmt), (b"LIST", b"abc"), (b"data", data)))
+    return b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WAVE" + chunks
+
+
+def test_extensible_wav_files_read_as_plain_pcm(tmp_path) -> None:
+    """A WAVE_FORMAT_EXTENSIBLE file of PCM samples (which Python's `wave` refuses before 3.12)
+    reads as the same samples written as plain PCM, from a path or a file object; a float
+    subformat is refused as not PCM."""
+    import io
+    import wave
+
+    import numpy as np
+
+    from dtensor_mimo.data.conversation import DataError, _read_wav, _wav
+
+    samples = (np.arange(30).reshape(10, 3) * 1000 - 15000).astype(np.int16)
+    with wave.open(str(tmp_path / "plain.wav"), "wb") as w:
+        w.setnchannels(3)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(samples.tobytes())
+    (tmp_path / "ext.wav").write_bytes(_extensible_wav(samples, 16000))
+    plain, rate = _read_wav(str(tmp_path / "plain.wav"))
+    for source in (str(tmp_path / "ext.wav"), io.BytesIO((tmp_path / "ext.wav").read_bytes())):
+        got, got_rate = _read_wav(source)
+        assert got_rate == rate == 16000 and torch.equal(got, plain)
+    assert _wav(str(tmp_path / "ext.wav"), read=False)[:4] == (16000, 2, 3, 10)
+    (tmp_path / "float.wav").write_bytes(_extensible_wav(samples, 16000, subformat=3))
+    with pytest.raises(DataError, match=r"float.wav: not a PCM WAV file \(unknown format: 65534 with subformat 0300"):
+        _read_wav(str(tmp_path / "float.wav"))

@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 import wave
 from dataclasses import dataclass, field
 from fractions import Fraction
 from itertools import accumulate
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -454,14 +455,62 @@ class video_inputs:  # noqa: N801 - used as a function; a class so that loader w
         return out
 
 
-def _read_wav(path: str) -> tuple[torch.Tensor, int]:
-    """A PCM WAV file as mono float samples in [-1, 1] and its sample rate."""
+_PCM_SUBFORMAT = bytes.fromhex("0100" "0000000010008000" "00aa00389b71")  # KSDATAFORMAT_SUBTYPE_PCM
+
+
+def _wav(path: str | BinaryIO, read: bool) -> tuple[int, int, int, int, bytes]:
+    """A PCM WAV file's (sample rate, bytes a sample, channels, frames, and, when `read`, the
+    sample bytes). DataError when it is none (or missing). Python's `wave` reads it, but before
+    Python 3.12 it refuses WAVE_FORMAT_EXTENSIBLE, which ffmpeg and sox write for more than two
+    channels or more than 16 bits even when the samples are plain PCM: those `_extensible_wav` reads."""
     try:
-        with wave.open(path, "rb") as f:
-            rate, width, channels, frames = f.getframerate(), f.getsampwidth(), f.getnchannels(), f.getnframes()
-            raw = f.readframes(frames)
-    except (wave.Error, EOFError) as e:
+        try:
+            with wave.open(path, "rb") as f:
+                frames = f.getnframes()
+                return (f.getframerate(), f.getsampwidth(), f.getnchannels(), frames,
+                        f.readframes(frames) if read else b"")
+        except wave.Error as e:
+            if "65534" not in str(e):  # WAVE_FORMAT_EXTENSIBLE's tag
+                raise
+            return _extensible_wav(path, read)
+    except (wave.Error, EOFError, OSError, struct.error) as e:  # OSError: a file missing
         raise DataError(f"{path}: not a PCM WAV file ({e})") from None
+
+
+def _extensible_wav(path: str | BinaryIO, read: bool) -> tuple[int, int, int, int, bytes]:
+    """`_wav` of a WAVE_FORMAT_EXTENSIBLE file, from its RIFF chunks: its subformat must be PCM."""
+    f = open(path, "rb") if isinstance(path, (str, os.PathLike)) else path
+    try:
+        f.seek(0)
+        head = f.read(12)
+        if head[:4] != b"RIFF" or head[8:] != b"WAVE":
+            raise wave.Error("no RIFF WAVE header")
+        fmt = None
+        while True:
+            chunk = f.read(8)
+            if len(chunk) < 8:
+                raise wave.Error("no data chunk")
+            kind, size = chunk[:4], int.from_bytes(chunk[4:], "little")
+            if kind == b"data" and fmt is not None:
+                break
+            if kind == b"fmt ":
+                fmt = f.read(size)
+            else:
+                f.seek(size, os.SEEK_CUR)
+            f.seek(size % 2, os.SEEK_CUR)  # chunks are padded to an even size
+        channels, rate, _, align, bits = struct.unpack("<HIIHH", fmt[2:16])
+        if len(fmt) < 40 or fmt[24:40] != _PCM_SUBFORMAT:
+            raise wave.Error(f"unknown format: 65534 with subformat {fmt[24:26].hex()} (not PCM)")
+        frames = size // align
+        return rate, (bits + 7) // 8, channels, frames, f.read(frames * align) if read else b""
+    finally:
+        if f is not path:
+            f.close()
+
+
+def _read_wav(path: str | BinaryIO) -> tuple[torch.Tensor, int]:
+    """A PCM WAV file as mono float samples in [-1, 1] and its sample rate."""
+    rate, width, channels, frames, raw = _wav(path, read=True)
     dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(width)
     if dtype is None:
         raise DataError(f"{path}: {8 * width}-bit samples; use 8, 16 or 32-bit PCM")
@@ -501,11 +550,7 @@ class audio_inputs:  # noqa: N801 - used as a function; a class so that loader w
 
     def shape(self, path: str) -> tuple[int, int]:
         """The input shape of clip `path` under `max_samples`, from its header (no samples read)."""
-        try:
-            with wave.open(path, "rb") as f:
-                rate, frames = f.getframerate(), f.getnframes()
-        except (wave.Error, EOFError, OSError) as e:  # OSError: a file missing (past the checked samples)
-            raise DataError(f"{path}: not a PCM WAV file ({e})") from None
+        rate, _, _, frames, _ = _wav(path, read=False)
         self._check_rate(path, rate)
         fe = self.feature_extractor
         return (fe.feature_size, self._span(frames) // fe.hop_length)
