@@ -194,10 +194,10 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
         raise
     # The verdict on the device, from the same totals as the host's below: the update is queued
     # before the host reads anything, and changes nothing in a step refused or skipped.
-    # A non-finite loss with a finite norm: a weighted label outside the vocabulary (the loss's
-    # NaN, whose microbatch then has no gradient), skipped like a non-finite norm.
+    # A non-finite norm, or loss (a weighted label outside the vocabulary: the loss's NaN, whose
+    # microbatch then has no gradient), skips the step: their sum is finite only if both are.
     norm = totals[6 + len(votes):].sum().sqrt()
-    skip = (totals[1:6] != words[-5:]).any() | ~norm.isfinite() | ~totals[0].isfinite()
+    skip = (totals[1:6] != words[-5:]).any() | ~(norm + totals[0]).isfinite()
     readback = _Readback(torch.cat([totals, skip.reshape(1)]))
     with phase("optimizer"):
         optimizer.launch(norm, skip)
