@@ -25,7 +25,7 @@ from dtensor_mimo.layout.mesh import check_agreement
 from dtensor_mimo.models.hf import hf_parts, plan_hf
 from dtensor_mimo.models.protocol import encoder_width, item_rule
 from dtensor_mimo.parallelize import (GradientReducer, ParallelOptions, compute_dtype, finish_gradients,
-                                      replica_problems)
+                                      replica_problems, reshard_fsdp_modules)
 from dtensor_mimo.parallelize.fp8 import check_fp8, refresh_fp8_scales
 from dtensor_mimo.schedule import (EncoderPipeline, LanguagePipeline, LanguageStage, PipelineConfig,
                                    check_microbatching, stage_inputs)
@@ -264,10 +264,12 @@ class MimoModel(nn.Module):
         if self._no_init:  # the same list on every rank: every rank raises
             raise TypeError(f"MimoModel.init_weights: modules {self._no_init} have no init_weights(seed) "
                             "method; initialize them yourself before building the model")
+        self.reshard()  # fill the shards, not what a predict left gathered
         for name in self.encoders:
             self.encoders[name].init_weights(seeds[name])
         for stage in self.language_stages:
             stage.llama.init_weights(seeds[self.language_name])
+        self.refresh_fp8_scales()  # float8 scales a step precomputed are of the former weights
         self.uninitialized.clear()
 
     def load_hf(self, paths: Mapping[str, str]) -> None:
@@ -283,6 +285,7 @@ class MimoModel(nn.Module):
         unknown = [n for n in paths if n not in self.module_names]
         if unknown:
             raise ValueError(f"MimoModel.load_hf: {unknown} are not modules of the model {self.module_names}")
+        self.reshard()  # plan the reads into the shards, not into what a predict left gathered
         fills, error = [], None
         try:
             for name, path in paths.items():
@@ -295,14 +298,24 @@ class MimoModel(nn.Module):
                            "(their errors name the problem); nothing was loaded")
         for fill in fills:
             fill()
+        self.refresh_fp8_scales()  # float8 scales a step precomputed are of the former weights
         if self.language_name in paths:
             self.uninitialized.discard(self.language_name)
 
+    def reshard(self) -> None:
+        """Put this rank's FSDP2 modules back on their parameter shards (no communication). A
+        forward without backward (`predict`, `generate`) leaves a root module's parameters
+        gathered, and the next forward would use that copy, not the shards: `init_weights`,
+        `load_hf` and `dtensor_mimo.train.checkpoint.load` call it before writing weights; call
+        it before writing this rank's parameters yourself."""
+        reshard_fsdp_modules(self)
+
     def refresh_fp8_scales(self) -> None:
-        """After the weights changed (`MimoOptimizer` calls it after each applied update; a checkpoint load): modules
-        with ``ParallelOptions(fp8="tensorwise")`` under FSDP2 recompute their weights' float8
-        scales in one all-reduce each (`dtensor_mimo.parallelize.fp8.refresh_fp8_scales`).
-        Call on every rank; modules without fp8 do nothing."""
+        """After the weights changed (`MimoOptimizer` calls it after each applied update; a checkpoint
+        load, `load_hf` and `init_weights` too): modules with ``ParallelOptions(fp8="tensorwise")``
+        under FSDP2 recompute their weights' float8 scales in one all-reduce each
+        (`dtensor_mimo.parallelize.fp8.refresh_fp8_scales`). Call on every rank; modules without
+        fp8 do nothing."""
         for name in self.module_names:
             if self.options[name].fp8 == "tensorwise":
                 for root in ([self.encoders[name]] if name in self.encoders else

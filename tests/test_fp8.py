@@ -27,6 +27,8 @@ background (`checkpoint.BackgroundSaves`, while the run goes on), and after thei
 background again, each loaded into a model built anew: the losses of the steps after it are the
 uninterrupted run's, exactly. Float8 weights under FSDP2 are torchao's weight subclass inside the
 DTensor shards; a checkpoint stores their plain tensors (DCP's converter reads it without torchao).
+Weights rewritten after a step (`load_hf`, `init_weights`) are cast with their own scales, not the
+step's: the model computes what one given those weights anew does, exactly.
 
 Errors: a misspelt recipe (options and trainer config), fp8 without torchao, fp8 on a GPU older
 than compute capability 8.9: each names the module and the fix, before any process group.
@@ -34,6 +36,7 @@ than compute capability 8.9: each names the module and the fix, before any proce
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 
@@ -297,6 +300,57 @@ def test_fp8_checkpoints_resume_the_run_exactly(tmp_path, name: str) -> None:
         out = subprocess.run([sys.executable, "-c", READ_WITHOUT_TORCHAO, path, str(tmp_path / "all.pt")],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
+
+
+def _fp8_weights_rewritten(root: str) -> list[tuple[str, float, float]]:
+    """The fsdp case's language model (tensorwise, float8 all-gathers), vision frozen: after a
+    step (which precomputes every float8 weight's scale), its weights rewritten by `load_hf` (a
+    Llama at 5x the init's scale) and then by `init_weights`; the `predict` loss after each,
+    and that of a model built anew and given the same weights without a step before."""
+    import os
+
+    import torch.distributed as dist
+
+    from dtensor_mimo import MimoOptimizer, train_step
+    from dtensor_mimo.models import save_hf
+    from tests.test_mimo import OPT, _batches, _seeds
+
+    case = dataclasses.replace(DISTRIBUTED["fsdp"], frozen=("vision",),
+                               options={"language": ParallelOptions(fp8="tensorwise")})
+    batches = _batches(case.encoders, case.packed, case.batch_size, case.seq_lens)
+    hf = Llama(LLAMA)
+    hf.init_weights(7)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(5.0)
+    if dist.get_rank() == 0:
+        save_hf(hf, os.path.join(root, "hf"))
+    dist.barrier()
+
+    def build() -> MimoModel:
+        layout = case.layout()
+        layout.init_meshes("cpu")
+        return MimoModel(layout, *_modules(case.encoders, case.frozen), options=case.options)
+
+    model = build()
+    train_step(model, MimoOptimizer(model, OPT), batches[0])
+    out = []
+    for what, write in (("load_hf", lambda m: m.load_hf({"language": os.path.join(root, "hf")})),
+                        ("init_weights", lambda m: m.init_weights(_seeds(case.encoders)))):
+        write(model)
+        fresh = build()
+        write(fresh)
+        out.append((what, model.predict(batches[1], with_loss=True)[1], fresh.predict(batches[1], with_loss=True)[1]))
+    return out
+
+
+def test_weights_rewritten_after_a_step_get_their_own_float8_scales(tmp_path) -> None:
+    """A step leaves each float8 weight's precomputed scale (`refresh_fp8_scales`), which the next
+    all-gather casts with: `load_hf` and `init_weights` compute the new weights' scales, as
+    `checkpoint.load` does, so the model computes what one given those weights anew does."""
+    for per_rank in run_on_ranks(_fp8_weights_rewritten, 2, str(tmp_path), timeout=180):
+        for what, got, fresh in per_rank:
+            assert got == fresh, (what, got, fresh)
 
 
 class ColwiseLinear(nn.Module):

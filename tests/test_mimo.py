@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -633,3 +634,67 @@ def _check_predicted(per_rank: list[torch.Tensor], logits: torch.Tensor) -> None
     for predicted in per_rank:
         assert torch.equal(predicted, per_rank[0]), "ranks disagree on the predicted ids"
         assert torch.equal(predicted[clear], logits.argmax(-1)[clear]), "predict differs from the reference"
+
+
+# ------------------------------------------------------------------ weights written after predict
+
+
+def _full_weights(model: MimoModel) -> dict[str, torch.Tensor]:
+    """Every parameter of `model` this rank holds, gathered whole (its shards, as the optimizer steps them)."""
+    return {f"{m}.{n}": (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for m in model.module_names for n, p in model.module_parameters(m).items()}
+
+
+def _writes_after_predict(root: str) -> dict[str, object]:
+    """vision dp2 and language dp2, both FSDP2 on ranks 0-1. Each weight write follows a
+    `predict`, which leaves the FSDP2 roots' parameters gathered; a model that never predicted
+    is the reference."""
+    from dtensor_mimo.models import save_hf
+    from dtensor_mimo.train import checkpoint
+
+    case = Case({"vision": P(dp=2), "language": P(dp=2)}, offsets={"vision": 0, "language": 0}, batch_size=4)
+    batches = _batches(case.encoders, case.packed, case.batch_size, case.seq_lens)
+
+    def build() -> tuple[MimoModel, MimoOptimizer]:
+        layout = case.layout()
+        layout.init_meshes("cpu")
+        model = MimoModel(layout, *_modules(case.encoders))
+        return model, MimoOptimizer(model, OPT)
+
+    model, optimizer = build()
+    train_step(model, optimizer, batches[0])
+    shapes = {f"model.{k}": tuple(v.shape) for k, v in _full_weights(model).items()}
+    path = checkpoint.save(os.path.join(root, "ckpt"), 1, model, optimizer, {"step": 1, "updates": 1}, keep=1)
+    hf = Llama(LLAMA)
+    hf.init_weights(7)
+    if dist.get_rank() == 0:
+        save_hf(hf, os.path.join(root, "hf"))
+    dist.barrier()
+    out: dict[str, object] = {}
+    train_step(model, optimizer, batches[1])
+    model.predict(batches[2])
+    model.load_hf({"language": os.path.join(root, "hf")})
+    out["load_hf"] = [n for n, p in hf.named_parameters()
+                      if not torch.equal(_full_weights(model)[f"language.{n}"], p.detach())]
+    model.predict(batches[2])
+    model.init_weights(_seeds(case.encoders))
+    fresh, fresh_optimizer = build()
+    reference = _full_weights(fresh)
+    out["init_weights"] = [k for k, v in _full_weights(model).items() if not torch.equal(v, reference[k])]
+    model.predict(batches[2])
+    checkpoint.load(path, model, optimizer, shapes)
+    checkpoint.load(path, fresh, fresh_optimizer, shapes)
+    out["checkpoint.load"] = [[train_step(m, o, b).loss for b in batches[1:]]
+                              for m, o in ((model, optimizer), (fresh, fresh_optimizer))]
+    return out
+
+
+def test_weights_written_after_predict_reach_the_next_forward(tmp_path) -> None:
+    """`load_hf`, `init_weights` and `checkpoint.load` after a `predict`: every parameter takes
+    the written value (not only the blocks FSDP2 resharded after forward), and the steps after a
+    checkpoint load are those of a model that never predicted."""
+    for out in run_on_ranks(_writes_after_predict, 2, str(tmp_path), timeout=180):
+        assert out["load_hf"] == [], f"left at their former values: {out['load_hf']}"
+        assert out["init_weights"] == [], f"left at their former values: {out['init_weights']}"
+        after_predict, never_predicted = out["checkpoint.load"]
+        assert after_predict == never_predicted

@@ -55,6 +55,21 @@ def sum_gradients_over_dp(module: FSDPModule) -> None:
     module.set_force_sum_reduction_for_comms(True)
 
 
+def reshard_fsdp_modules(module: nn.Module) -> None:
+    """Put every FSDP2 module in `module` back on its parameter shards, freeing gathered copies
+    (no communication; a module already sharded stays as it is).
+
+    Why: FSDP2 never reshards a root after forward (`apply_fsdp`) but in its backward, so a
+    forward without one (``MimoModel.predict``) leaves the root's parameters gathered, and the
+    next forward uses that copy without gathering again. Weights written into the shards
+    meanwhile (a checkpoint load) would go unseen by that forward and its gradients, and weights
+    written through the module's registered parameters (the gathered copy then) would be dropped
+    by the next reshard: call this before writing weights."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def reduce_in_this_backward(module: nn.Module) -> None:
     """From now on, FSDP2 root `module` reduce-scatters each block's gradients as this backward
     produces them, and reshards (called as a pipeline stage's last backward of the step begins:

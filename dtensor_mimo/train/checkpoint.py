@@ -600,6 +600,7 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
         dcp.load(saved, checkpoint_id=path)  # one small object, before the state
         check(json.loads(saved["trainer"]))
     meta = FileSystemReader(path).read_metadata().state_dict_metadata
+    model.reshard()  # the next forward gathers the loaded shards, not what a predict left gathered
     state = _state(model, optimizer, {})
     world = dist.get_world_size()
     for rng in _rng_states(model.device):
