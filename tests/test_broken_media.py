@@ -9,7 +9,8 @@ on ranks 0 / 1 (the image is decoded on rank 0 only), 4 steps of 8: every traini
 |                                                            | BatchError naming the sample id and the file    |
 | the same, data.skip_bad_media = true, a held-out PNG too,  | one warning line per sample; trains to step 4;  |
 | export_hf set; then resumed to step 8 (the broken          | skipped_samples counted; the export written;    |
-| sample's second epoch)                                     | resumed: the sample named no more, counted 2x   |
+| sample's second epoch); then without skipping to step 12  | resumed: the sample named no more, counted 2x;  |
+|                                                            | without skipping: exit 1 naming it again        |
 | a held-out PNG truncated (no skipping), export_hf set      | the export written; then exit 1 naming it       |
 """
 
@@ -106,6 +107,11 @@ def test_skip_bad_media_trains_to_the_end_and_exports(tiny: str, tmp_path) -> No
     with open(tmp_path / "run" / "m.jsonl") as f:
         records = [r for r in map(json.loads, f) if "loss" in r]
     assert (records[-1]["step"], records[-1]["skipped_samples"]) == (8, 2)
+    # resumed again without skipping: the known sample is named again in its third epoch, not left out
+    strict = _train(tmp_path / "run", "--checkpoint.dir", "ckpt", "--checkpoint.export_hf", "none",
+                    "--train.steps", "12")
+    assert strict.returncode == 1 and f"sample {sid!r}: cannot decode its image file {path}" in strict.stderr, \
+        strict.stderr[-3000:]
 
 
 def test_a_truncated_heldout_image_does_not_cost_the_export(tiny: str, tmp_path) -> None:

@@ -564,3 +564,39 @@ def test_extensible_wav_files_read_as_plain_pcm(tmp_path) -> None:
     (tmp_path / "float.wav").write_bytes(_extensible_wav(samples, 16000, subformat=3))
     with pytest.raises(DataError, match=r"float.wav: not a PCM WAV file \(unknown format: 65534 with subformat 0300"):
         _read_wav(str(tmp_path / "float.wav"))
+
+
+def test_non_pcm_extensible_wav_is_named_alike_on_every_python(tmp_path, monkeypatch) -> None:
+    """From Python 3.12 on, `wave` reads WAVE_FORMAT_EXTENSIBLE itself and refuses a non-PCM
+    subformat with its own words ("unknown extended format: <uuid>"), not the "unknown format:
+    65534" of 3.10/3.11: the file is still named with its subformat, as on those. A header of
+    zero channels or block align is a DataError too, not a ZeroDivisionError."""
+    import struct
+    import wave
+
+    import numpy as np
+
+    from dtensor_mimo.data import conversation
+    from dtensor_mimo.data.conversation import DataError, _read_wav
+
+    samples = np.zeros((4, 3), dtype=np.int16)
+    (tmp_path / "float.wav").write_bytes(_extensible_wav(samples, 16000, subformat=3))
+    opened = wave.open
+
+    def wave_of_python_312(path, mode=None):  # what 3.12's wave raises for that file
+        with open(path, "rb") as f:
+            if b"\xfe\xff" in f.read(64):
+                raise wave.Error("unknown extended format: 00000003-0000-0010-8000-00aa00389b71")
+        return opened(path, mode)
+
+    monkeypatch.setattr(conversation.wave, "open", wave_of_python_312)
+    with pytest.raises(DataError, match=r"float.wav: not a PCM WAV file \(unknown format: 65534 with subformat 0300"):
+        _read_wav(str(tmp_path / "float.wav"))
+    monkeypatch.undo()
+    broken = bytearray(_extensible_wav(samples, 16000))
+    at = broken.index(b"fmt ") + 8
+    broken[at + 2:at + 4] = struct.pack("<H", 0)  # channels
+    broken[at + 12:at + 14] = struct.pack("<H", 0)  # block align
+    (tmp_path / "zero.wav").write_bytes(bytes(broken))
+    with pytest.raises(DataError, match=r"zero.wav: not a PCM WAV file"):
+        _read_wav(str(tmp_path / "zero.wav"))

@@ -835,8 +835,6 @@ def test_a_truncated_clip_is_a_media_error_naming_the_sample(varied: str, tmp_pa
             f.write(whole)
 
 
-
-
 def test_a_missing_clip_past_the_checked_samples_names_its_sample(varied: str, tmp_path) -> None:
     """Clips of their own length have their headers read when a sample is tokenized; a missing
     file past the launcher's checked samples is a DataError naming the sample and the file (it was
@@ -856,6 +854,8 @@ def test_a_missing_clip_past_the_checked_samples_names_its_sample(varied: str, t
     assert data.train.batch([0, 1]).modalities["audio"].item_tokens == (8, 8)
     with pytest.raises(DataError, match=r"sample 'a-300': .*varied/gone\.wav: not a PCM WAV file \(\[Errno 2\]"):
         data.train.batch([300])
+
+
 def test_an_empty_clip_is_silence(varied: str, tmp_path) -> None:
     """A WAV of no samples (a valid file): one window of silence under variable_length (its header
     gives [16, 1]: 1 row), the extractor's chunk of silence otherwise; it was a MediaError

@@ -470,7 +470,9 @@ def _wav(path: str | BinaryIO, read: bool) -> tuple[int, int, int, int, bytes]:
                 return (f.getframerate(), f.getsampwidth(), f.getnchannels(), frames,
                         f.readframes(frames) if read else b"")
         except wave.Error as e:
-            if "65534" not in str(e):  # WAVE_FORMAT_EXTENSIBLE's tag
+            # WAVE_FORMAT_EXTENSIBLE: its tag before Python 3.12; from 3.12 on, the PCM ones read and
+            # the others raise "unknown extended format", read here too so that every Python names them alike
+            if "65534" not in str(e) and "extended format" not in str(e):
                 raise
             return _extensible_wav(path, read)
     except (wave.Error, EOFError, OSError, struct.error) as e:  # OSError: a file missing
@@ -501,6 +503,8 @@ def _extensible_wav(path: str | BinaryIO, read: bool) -> tuple[int, int, int, in
         channels, rate, _, align, bits = struct.unpack("<HIIHH", fmt[2:16])
         if len(fmt) < 40 or fmt[24:40] != _PCM_SUBFORMAT:
             raise wave.Error(f"unknown format: 65534 with subformat {fmt[24:26].hex()} (not PCM)")
+        if not channels or not align:  # `wave`'s own check: no frames to count
+            raise wave.Error(f"bad # of channels ({channels}) or block align ({align})")
         frames = size // align
         return rate, (bits + 7) // 8, channels, frames, f.read(frames * align) if read else b""
     finally:

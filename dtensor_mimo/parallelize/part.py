@@ -22,7 +22,7 @@ keeps. The schedule layer calls this for every part; torchtitan's ``pipeline_llm
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -75,14 +75,15 @@ def tp_sizes(module: nn.Module) -> dict[str, int]:
     return {}
 
 
-def check_tp_sizes(name: str, module: nn.Module, tp: int) -> None:
+def check_tp_sizes(name: str, module: nn.Module, tp: int, parts: Iterable[nn.Module] | None = None) -> None:
     """Refuse (ValueError naming module `name`, the stack and the sizes) a `tp` that the library's
-    plan of a stack of `module` cannot split evenly. Pure (configs only): `check_model` runs it on
-    every rank before any process group, so that a module's ranks do not fail alone in its tp plan
-    while the other modules' ranks go on to wait for them in the first collective."""
+    plan of a stack of `module` (`parts`, default: its `stacks`) cannot split evenly. Pure (configs
+    only): `check_model` runs it on every rank before any process group, so that a module's ranks
+    do not fail alone in its tp plan while the other modules' ranks go on to wait for them in the
+    first collective."""
     if tp <= 1:
         return
-    for stack in stacks(module):
+    for stack in stacks(module) if parts is None else parts:
         check_divisible(f"module {name!r} ({type(stack).__name__})", tp_sizes(stack), tp)
 
 
@@ -112,8 +113,7 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
     per-call cost so). `name`: the module's name in errors (default: its class name)."""
     parts = stacks(root) if parts is None else list(parts)
     name = name or type(root).__name__
-    for stack in parts:
-        check_divisible(f"module {name!r} ({type(stack).__name__})", tp_sizes(stack), tp_size(tp_mesh))
+    check_tp_sizes(name, root, tp_size(tp_mesh), parts)
     if options.activation_checkpointing and all(blocks(stack) is None for stack in parts):
         raise ValueError(f"{name} has no `layers` ModuleDict of blocks to checkpoint; "
                          "set activation_checkpointing=0")

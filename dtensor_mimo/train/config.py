@@ -969,8 +969,6 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
     wrong_lr = {n: lr for n, lr in config.optimizer.module_lr.items() if not lr >= 0}
     if wrong_lr:
         raise ConfigError(f"optimizer.module_lr = {wrong_lr}: a learning rate is a number >= 0")
-    if len(config.optimizer.betas) != 2 or not all(0 <= b < 1 for b in config.optimizer.betas):
-        raise ConfigError(f"optimizer.betas = {config.optimizer.betas}: expected two numbers in [0, 1)")
     data = config.data
     _refuse_unused(config)
     if data.format == "digits":

@@ -452,7 +452,8 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         # absent from checkpoints of earlier versions; JSON made the row numbers strings
         self.skipped_samples = state.get("skipped_samples", 0)
-        self.left_out = {int(row): why for row, why in state.get("left_out", {}).items()}
+        if self.skip_bad_media:  # without it, a known row is named again (its file may have been mended), not dropped
+            self.left_out = {int(row): why for row, why in state.get("left_out", {}).items()}
         self.log.print(f"resumed from {path} at step {self.step}")
 
     # ------------------------------------------------------------------ evaluation
