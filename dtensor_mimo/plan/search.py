@@ -29,7 +29,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, Sequence
 
-from dtensor_mimo.layout import Parallelism
+from dtensor_mimo.layout import LayoutError, Parallelism
+from dtensor_mimo.parallelize import ParallelOptions
+from dtensor_mimo.parallelize.part import check_compile_layout
 from dtensor_mimo.plan.candidate import Candidate
 from dtensor_mimo.plan.cost import Prediction, module_cost, predict
 from dtensor_mimo.plan.profile import DeviceProfile, Job, ModuleProfile
@@ -74,6 +76,14 @@ def _factorizations(size: int, dims: int) -> Iterator[tuple[int, ...]]:
                 yield (d, *rest)
 
 
+def _compile_options(profile: ModuleProfile) -> ParallelOptions:
+    """The compile options a profile's limits stand for (`ModuleProfile.compiled_whole`,
+    `cuda_graphs`, `fsdp`), as `check_compile_layout` reads them."""
+    return ParallelOptions(fsdp=profile.fsdp, compile=profile.compiled_whole or profile.cuda_graphs,
+                           compile_scope="module" if profile.compiled_whole else "block",
+                           compile_mode="reduce-overhead" if profile.cuda_graphs else None)
+
+
 def module_problem(job: Job, profile: ModuleProfile, par: Parallelism, microbatches: int,
                    max_tp: int | None = None) -> str | None:
     """Why `profile` cannot take `par` with `microbatches` (None: it can). Module-level rules only."""
@@ -87,13 +97,13 @@ def module_problem(job: Job, profile: ModuleProfile, par: Parallelism, microbatc
         return "the search keeps encoders at pp = 1 and cp = 1 (encoder pipelines are not in its cost model)"
     if par.cp > 1 and not profile.cp:
         return "context parallel applies to the language model only"
-    # What the module's options refuse on a layout (`dtensor_mimo.schedule.checks.check_model`)
+    # What the module's options refuse on a layout (`dtensor_mimo.schedule.checks.check_model`):
+    # the compile rules are the library's own check, of the options the profile stands for
+    try:
+        check_compile_layout(profile.name, _compile_options(profile), par)
+    except LayoutError as e:
+        return str(e)
     shards = par.dp * par.cp
-    if profile.fsdp and shards > 1 and (profile.compiled_whole or profile.cuda_graphs):
-        return (f"compiled whole or in CUDA graphs, which FSDP2 sharding over dp·cp = {shards} is refused with "
-                "(options: fsdp = false, or compile_scope = 'block' without CUDA graphs)")
-    if profile.cuda_graphs and (par.tp > 1 or par.cp > 1):
-        return f"CUDA graphs are refused with tp={par.tp}, cp={par.cp} (their collectives would be captured)"
     stages = par.pp * (job.virtual_stages if is_lang else 1)
     if profile.compiled_whole and stages > 1:
         return f"compiled whole (compile_scope = 'module'), it cannot be cut into {stages} pipeline stages"
