@@ -74,6 +74,26 @@ def test_affine_fit() -> None:
     assert through.fixed == 0.0 and through.per_token == pytest.approx((10 * 0.05 + 20 * 0.2) / (100 + 400))
 
 
+def test_a_hand_written_profile_is_refused_where_it_cannot_describe_a_machine() -> None:
+    # profiles are JSON a user may write by hand: a negative time, a zero bandwidth or a language
+    # model that costs nothing would make every prediction meaningless (or divide by a zero step)
+    with pytest.raises(ValueError, match="per_token=-1e-06 must be a finite number"):
+        Affine(0.0, -1e-6)
+    with pytest.raises(ValueError, match="fixed=nan"):
+        Affine(float("nan"))
+    with pytest.raises(ValueError, match="bandwidth=0 must be"):
+        Link(latency_s=1e-5, bandwidth=0)
+    free = dataclasses.replace(profile("language"), block_forward=Affine(), block_backward=Affine())
+    with pytest.raises(ValueError, match="'language' costs nothing"):
+        Job((profile("vision"), free), batch_size=4)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        Job((profile("language"),), batch_size=0)
+    data = Job((profile("vision"), profile("language")), batch_size=4).to_dict()
+    data["modules"][1]["block_forward"] = {"fixed": 0.0, "per_token": 0.0}
+    with pytest.raises(ValueError, match="costs nothing"):
+        Job.from_dict(data)
+
+
 def test_bubble_and_pipeline_by_hand() -> None:
     assert bubble_units("1F1B", 1) == 0
     assert bubble_units("1F1B", 4) == 3

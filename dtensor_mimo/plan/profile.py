@@ -18,6 +18,7 @@ in a file and can be written by hand for a machine the planner cannot measure.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -35,6 +36,12 @@ class Affine:
 
     fixed: float = 0.0
     per_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        for key in ("fixed", "per_token"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"Affine: {key}={value!r} must be a finite number of seconds >= 0")
 
     def __call__(self, tokens: float) -> float:
         return self.fixed + self.per_token * tokens
@@ -172,6 +179,14 @@ class Link:
     """bytes per second, one direction"""
     collective_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        if not (isinstance(self.bandwidth, (int, float)) and math.isfinite(self.bandwidth) and self.bandwidth > 0):
+            raise ValueError(f"Link: bandwidth={self.bandwidth!r} must be a finite number of bytes per second > 0")
+        for key in ("latency_s", "collective_s"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"Link: {key}={value!r} must be a finite number of seconds >= 0")
+
     def time(self, nbytes: float, messages: int = 1) -> float:
         return messages * self.latency_s + nbytes / self.bandwidth
 
@@ -251,6 +266,12 @@ class Job:
             raise ValueError(f"Job: no module named {self.language!r} among {names}")
         if len(set(names)) != len(names):
             raise ValueError(f"Job: module names repeat: {names}")
+        if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
+            raise ValueError(f"Job: batch_size={self.batch_size!r} must be an integer >= 1")
+        lang = self.lang
+        if not any((lang.block_forward(1), lang.rest_forward(1))):
+            raise ValueError(f"Job: the language module {self.language!r} costs nothing (its block_forward and "
+                             "rest_forward are both 0): a hand-written profile needs its forward times in seconds")
 
     @property
     def names(self) -> list[str]:
