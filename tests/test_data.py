@@ -37,6 +37,9 @@ Other cases:
 | generator -> real encoders            | ViT / AudioEncoder rows == tokens_per_sample sums         |
 | `SyntheticSpec.tiny`                  | `ModalitySpec.image/audio` of the tiny ViT / audio config |
 | validation errors                     | every BatchError / ValueError message                     |
+| a sample the chat template refuses    | DataError naming the file and sample id, not TemplateError |
+| an image its processor sizes unlike   | the file's MediaError on the loading ranks (tolerated and |
+|   the others (alone, or batched)      |   agreed), not a DataError / ValueError there alone      |
 """
 
 from __future__ import annotations
@@ -600,3 +603,77 @@ def test_non_pcm_extensible_wav_is_named_alike_on_every_python(tmp_path, monkeyp
     (tmp_path / "zero.wav").write_bytes(bytes(broken))
     with pytest.raises(DataError, match=r"zero.wav: not a PCM WAV file"):
         _read_wav(str(tmp_path / "zero.wav"))
+
+
+def test_a_sample_the_chat_template_refuses_is_named(tmp_path) -> None:
+    """A chat template may refuse a conversation (Gemma's has no system role, Llama 2's and
+    Mistral's want user and assistant turns to alternate: jinja's `raise_exception`, a
+    TemplateError). Tokenizing such a sample is a DataError naming the data, the sample id and the
+    template's words, as the launcher's checks and a rank's errors expect of bad data; not a bare
+    TemplateError that names no sample of a corpus of millions."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dtensor_mimo.data.conversation import ConversationDataset, DataError
+
+    vocab = {f"t{i}": i for i in range(60)} | {"<unk>": 60}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                               "{{ raise_exception('System role not supported') }}{% endif %}"
+                               "{{ m['content'] }} {% endfor %}")
+    turns = [{"from": "human", "value": "t1"}, {"from": "gpt", "value": "t2"}]
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"id": "fine", "conversations": turns}) + "\n"
+                    + json.dumps({"id": "s-7", "conversations": [{"from": "system", "value": "t3"}, *turns]}) + "\n")
+    data = ConversationDataset(str(path), tokenizer, {}, seq_len=8)
+    assert data.batch([0]).tokens[0, :2].tolist() == [1, 2]
+    with pytest.raises(DataError, match=r"train.jsonl.*sample 's-7'.*System role not supported"):
+        data.batch([1])
+
+
+def test_an_image_its_processor_sizes_unlike_the_others_is_a_media_error(tmp_path) -> None:
+    """An image processor that keeps the aspect ratio (CLIP's shortest edge, no crop) passes the
+    launcher's probe of a square first image, then turns a wide one into another shape than the
+    encoder takes, and fails to batch two images of different shapes. Only the ranks that encode the
+    images meet either; a rank that loads no item builds its batch. Each must be the MediaError of
+    the file and its sample (`_LoadPlan.tolerant` then builds the row as zeros and the step's
+    all-reduce tells every rank, which names or skips it alike), not a DataError or a bare
+    ValueError raised on the encoder's ranks alone while the others wait in the step."""
+    import json
+    import os
+
+    transformers = pytest.importorskip("transformers")
+    from PIL import Image
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dtensor_mimo.data.conversation import ConversationDataset, MediaSpec, image_inputs
+    from dtensor_mimo.train.trainer import _LoadPlan
+
+    vocab = {f"t{i}": i for i in range(60)} | {"<unk>": 60, "<image>": 61}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                                     additional_special_tokens=["<image>"])
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(tmp_path / "square.png")
+    Image.new("RGB", (32, 16), (10, 200, 10)).save(tmp_path / "wide.png")
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for i, image in enumerate(["square.png", "wide.png"]):
+            turns = [{"from": "human", "value": "<image> t1"}, {"from": "gpt", "value": "t2"}]
+            f.write(json.dumps({"id": f"s{i}", "image": image, "conversations": turns}) + "\n")
+    processor = transformers.CLIPImageProcessor(size={"shortest_edge": 16}, do_center_crop=False)
+    spec = MediaSpec("image", 61, 4, (3, 16, 16), image_inputs(processor))
+    data = ConversationDataset(str(tmp_path / "train.jsonl"), tokenizer, {"vision": spec}, seq_len=16)
+    square = image_inputs(processor)([str(tmp_path / "square.png")])[0]
+    assert data.batch([0, 1], load={}).modalities["vision"].inputs.shape == (2, 3, 16, 16)  # a language rank
+    for rows in ([1], [0, 1]):  # the encoder's rank(s): the wide image alone, both together
+        batch, failed = _LoadPlan({"vision": rows}, 1, {}).tolerant(data.batch, [0, 1])
+        assert [(e.row, e.sample_id, os.path.basename(e.path)) for e in failed] == [(1, "s1", "wide.png")]
+        assert "[3, 16, 32]" in str(failed[0]) and "s1" in str(failed[0])
+        inputs = batch.modalities["vision"].inputs
+        assert inputs.shape == (2, 3, 16, 16) and not inputs[1].any()
+        assert torch.equal(inputs[0], square if 0 in rows else torch.zeros_like(square))

@@ -50,6 +50,21 @@ def test_the_thread_stops_when_the_consumer_does() -> None:
     assert len(made) <= 4  # at most depth ahead (+ one in hand) was prepared
 
 
+def test_batches_that_run_out_end_the_stream_and_a_late_error_does_not_keep_the_thread() -> None:
+    got = _prefetched(((_batch(i), i) for i in range(3)), depth=2, pin=False)
+    assert [i for _, i in got] == [0, 1, 2]  # it ends (before: the consumer waited forever)
+
+    def failing_late():
+        yield from ((_batch(i), i) for i in range(4))
+        raise ValueError("sample 4: truncated image")
+
+    got = _prefetched(failing_late(), depth=1, pin=False)
+    assert next(got)[1] == 0
+    got.close()  # the consumer stops while the thread holds batches and then the error: it must not block
+    time.sleep(0.5)
+    assert not any(t.name == "dtensor_mimo-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
 def test_the_thread_derives_what_the_step_needs_from_the_global_batch() -> None:
     """`prepare` runs on the thread, once per batch, before the consumer gets it; what it derives
     stays with the batch, equal to what the same batch built anew derives; a changed batch
@@ -81,3 +96,54 @@ def test_what_a_loader_worker_derives_crosses_with_the_batch() -> None:
     assert crossed.__dict__["_memo"] == {"step fingerprint": derived[0], "loss normalizer": derived[1],
                                          ("encoder cuts", 2, ()): derived[2]} and derived[2] == [{}, {}]
     assert torch.equal(crossed.tokens, batch.tokens)
+
+
+def _pin_as_aten(self: torch.Tensor) -> torch.Tensor:
+    """`Tensor.pin_memory` as ATen's `_pin_memory` makes it (aten/src/ATen/native/Memory.cpp), on the
+    CPU (a CPU build cannot pin): a new storage of the tensor's extent (`computeStorageNbytes`), set
+    with the tensor's own sizes and strides, then ``copy_`` from the tensor."""
+    extent = 0 if self.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride()))
+    storage = torch.UntypedStorage(extent * self.element_size())
+    out = torch.empty(0, dtype=self.dtype).set_(storage, 0, self.shape, self.stride())
+    out.copy_(self)
+    return out
+
+
+@pytest.mark.parametrize("pin", ["as ATen pins", "cuda"])
+def test_a_rank_that_loads_only_some_items_gets_its_batches_pinned(pin, monkeypatch) -> None:
+    """With per-rank loading the items a rank does not encode are stand-ins: zeros expanded from one
+    element (stride 0, no memory). Pinning copies a tensor into a storage of its own strides, and
+    ``copy_`` refuses a stride-0 destination; the prefetch thread pins every batch on GPUs
+    (``data.workers = 0``), so a rank holding a stand-in must still get its batch, pinned where
+    it holds memory, each tensor equal to the one it was made from. Digits batches of a language
+    rank (no item loaded), an encoder rank loading rows 0 and 2, and one of images of their own
+    sizes (one stand-in tensor per item)."""
+    from dtensor_mimo.data import DigitsDataset
+    from dtensor_mimo.models import AudioConfig, ViTConfig
+
+    pytest.importorskip("sklearn")
+    if pin == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU to pin host memory")
+    if pin != "cuda":
+        monkeypatch.setattr(torch.Tensor, "pin_memory", _pin_as_aten)
+    vit = ViTConfig(image_size=8, patch_size=4, in_channels=1, dim=16, n_layers=1, n_heads=2)
+    audio = AudioConfig(n_mels=16, max_frames=16, conv_strides=(2, 2), dim=16, n_layers=1, n_heads=2)
+    data = DigitsDataset("train", vit, audio, num_samples=50, seed=3)
+    varied = DigitsDataset("train", dataclasses.replace(vit, dynamic_resolution=True, max_patches=16), audio,
+                           num_samples=50, seed=3)
+    indices = list(range(4))
+    batches = [data.batch(indices, load={}), data.batch(indices, load={"vision": [0, 2], "audio": [0, 2]}),
+               varied.batch(indices, load={"vision": [1]})]
+    assert any(0 in m.inputs.stride() for b in batches[:2] for m in b.modalities.values())
+    stream = _prefetched(((b, i) for i, b in enumerate(batches)), depth=2, pin=True)
+    got = [next(stream)[0] for _ in batches]
+    for made, pinned in zip(batches, got):
+        for name in ("tokens", "labels", "loss_mask"):
+            assert torch.equal(getattr(pinned, name), getattr(made, name))
+        for name, m in made.modalities.items():
+            inputs, theirs = m.inputs, pinned.modalities[name].inputs
+            pairs = zip(inputs, theirs) if isinstance(inputs, list) else [(inputs, theirs)]
+            for x, y in pairs:
+                assert torch.equal(x, y) and x.shape == y.shape
+                if 0 not in x.stride():  # memory of its own: pinned (a copy)
+                    assert y.data_ptr() != x.data_ptr() and (pin != "cuda" or y.is_pinned())

@@ -185,9 +185,17 @@ class ModalityInputs:
 
     def pin_memory(self) -> ModalityInputs:
         """These inputs in pinned host memory (see `MimoBatch.pin_memory`)."""
-        pin = torch.Tensor.pin_memory
-        inputs = [pin(x) for x in self.inputs] if isinstance(self.inputs, list) else pin(self.inputs)
+        inputs = [_pinned(x) for x in self.inputs] if isinstance(self.inputs, list) else _pinned(self.inputs)
         return dataclasses.replace(self, inputs=inputs)
+
+
+def _pinned(x: torch.Tensor) -> torch.Tensor:
+    """`x` in pinned host memory; a stand-in (zeros expanded from one element: the items a rank does
+    not load) as it is: pinning copies into a storage of the tensor's own strides, which ``copy_``
+    refuses where elements share memory (a stride 0 over more than one), and it holds no memory."""
+    if any(stride == 0 and size > 1 for size, stride in zip(x.shape, x.stride())):
+        return x
+    return x.pin_memory()
 
 
 def _is_int(n: object) -> bool:
@@ -271,8 +279,9 @@ class MimoBatch:
     def pin_memory(self) -> MimoBatch:
         """The batch in pinned (page-locked) host memory, so that `to` a GPU copies it
         asynchronously, overlapping the work already queued (a loader's ``pin_memory=True`` calls
-        this). Needs an accelerator. What `memo` holds carries over (the same values)."""
-        pinned = self._derive(torch.Tensor.pin_memory, {n: m.pin_memory() for n, m in self.modalities.items()})
+        this). Needs an accelerator. Stand-ins for items another rank loads (zeros expanded from one
+        element) stay as they are. What `memo` holds carries over (the same values)."""
+        pinned = self._derive(_pinned, {n: m.pin_memory() for n, m in self.modalities.items()})
         if "_memo" in self.__dict__:
             pinned.__dict__["_memo"] = dict(self.__dict__["_memo"])
         return pinned

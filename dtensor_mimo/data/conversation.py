@@ -682,9 +682,14 @@ class ConversationDataset(Dataset):
         return self._record(index).conversation()
 
     # -------------------------------------------------------------- tokenization
-    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool, sid: str) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=generation_prompt)
+        except Exception as e:  # noqa: BLE001 - a template's refusal (jinja's raise_exception: a TemplateError)
+            raise DataError(f"{self.source.describe()}: sample {sid!r}: the tokenizer's chat template refuses it "
+                            f"({type(e).__name__}: {e}); give the sample turns the template takes (roles, their "
+                            "order) or use another template") from None
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _tokenize(self, index: int) -> _Tokenized:
@@ -695,12 +700,12 @@ class ConversationDataset(Dataset):
         check_turns(sample, self.source.describe())
         check_modalities(self.source, index, sample, self.by_modality, self.source.describe())
         messages = [{"role": ROLES[t["from"]], "content": t["value"]} for t in sample["conversations"]]
-        ids = self._render(messages, False)
+        ids = self._render(messages, False, sid)
         assistant = [False] * len(ids)
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt, upto = self._render(messages[:i], True), self._render(messages[:i + 1], False)
+            prompt, upto = self._render(messages[:i], True, sid), self._render(messages[:i + 1], False, sid)
             if upto[:len(prompt)] != prompt or ids[:len(upto)] != upto:
                 raise DataError(f"sample {sid!r}: the chat template does not render a conversation as its "
                                 "turns one after another (a prefix renders otherwise, e.g. a template that "
@@ -920,17 +925,20 @@ class ConversationDataset(Dataset):
 
     def _prepare(self, spec: MediaSpec, paths: list[str]) -> torch.Tensor | list[torch.Tensor]:
         """``spec.prepare`` of the files at `paths`; when it fails, each path alone finds the file it
-        failed on: MediaError with its path and the reason (`_batch` adds the sample)."""
+        failed on: MediaError with its path and the reason (`_batch` adds the sample). Where each
+        decodes alone (a processor whose outputs differ in shape cannot batch them), one input per
+        path, a list: the caller judges each item's shape."""
         try:
             return spec.prepare([self.source.open(p) for p in paths])
-        except Exception as error:  # noqa: BLE001 - a decoder raises what it likes (OSError, SyntaxError, ...)
+        except Exception:  # noqa: BLE001 - a decoder raises what it likes (OSError, SyntaxError, ...)
+            alone = []
             for path in paths:
                 try:
-                    spec.prepare([self.source.open(path)])
+                    alone.append(spec.prepare([self.source.open(path)])[0])
                 except Exception as e:  # noqa: BLE001
                     raise MediaError(f"cannot decode {path} ({e})", path=path,
                                      reason=f"{type(e).__name__}: {e}") from e
-            raise error
+            return alone
 
     def _inputs(self, name: str, rows: list[dict[str, list[str]]], counts: list[int], wanted: set[int]) -> torch.Tensor:
         spec = self.media[name]
@@ -939,10 +947,14 @@ class ConversationDataset(Dataset):
         if not paths:
             return torch.zeros(()).expand(total, *spec.item_shape)
         loaded = self._prepare(spec, paths)
-        if tuple(loaded.shape[1:]) != spec.item_shape:
-            raise DataError(f"{name!r}: the processor gives items of shape {list(loaded.shape[1:])} but the "
-                            f"encoder takes {list(spec.item_shape)}; fix the processor config (size) or the "
-                            "encoder's")
+        for path, item in zip(paths, loaded):  # a file's (data.skip_bad_media applies, every rank learns of it)
+            if tuple(item.shape) != spec.item_shape:
+                reason = (f"the processor turns it into {list(item.shape)} but the encoder takes "
+                          f"{list(spec.item_shape)}: a file unlike the others (or, if every file does this, the "
+                          "processor config: give it the encoder's input size)")
+                raise MediaError(f"{name!r}: {path}: {reason}", path=path, reason=reason)
+        if isinstance(loaded, list):
+            loaded = torch.stack(loaded)
         if len(paths) == total:
             return loaded
         out = torch.zeros(total, *spec.item_shape)

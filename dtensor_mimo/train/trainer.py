@@ -192,28 +192,32 @@ def _prefetched(batches: Iterator[tuple], depth: int, pin: bool,
 
     ready: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
+    end = object()  # the batches ran out
+
+    def hand(item: Any) -> bool:
+        """Queue `item` unless the consumer stopped first (then False: a full queue would block)."""
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def produce() -> None:
         try:
             for batch in batches:
                 if prepare is not None:
                     prepare(batch[0])
-                item = (batch[0].pin_memory(), *batch[1:]) if pin else batch
-                while not stop.is_set():
-                    try:
-                        ready.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not hand((batch[0].pin_memory(), *batch[1:]) if pin else batch):
                     return
+            hand(end)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
-            ready.put(e)
+            hand(e)
 
     threading.Thread(target=produce, name="dtensor_mimo-prefetch", daemon=True).start()
     try:
-        while True:
-            item = ready.get()
+        while (item := ready.get()) is not end:
             if isinstance(item, BaseException):
                 raise item
             yield item
