@@ -102,17 +102,35 @@ class MimoModel(nn.Module):
         bridge_hops: int | None = None,
     ) -> None:
         super().__init__()
-        check_model(layout, language, encoders, language_name, options or {}, pipeline)
-        check_hops(bridge_hops, "MimoModel bridge_hops")
-        for name, opts in (options or {}).items():  # torchao and the GPU, before any group is made
-            check_fp8(name, opts.fp8, device_type)
+        refused: Exception | None = None
+        try:
+            check_model(layout, language, encoders, language_name, options or {}, pipeline)
+            check_hops(bridge_hops, "MimoModel bridge_hops")
+            for name, opts in (options or {}).items():  # torchao and the GPU, before any group is made
+                check_fp8(name, opts.fp8, device_type)
+        except Exception as e:  # noqa: BLE001 — raised below, on every rank alike
+            refused = e
         if not dist.is_initialized():
+            if refused is not None:
+                raise refused
             raise RuntimeError("MimoModel needs torch.distributed initialised (torchrun + init_process_group)")
         # What every rank must build alike, compared in one all-gather before the first group is
-        # made: a rank that differs would wait in another new_group or exchange than its peers.
-        agree = _agreement_parts(language, encoders, options or {}, language_name, device_type, pipeline, bridge_hops)
-        if layout.meshes_ready:
+        # made: a rank that differs would wait in another new_group or exchange than its peers. The
+        # checks' verdict is one of them: a check that refuses on some ranks only (options that
+        # differ, torchao or a GPU's capability on one machine) then fails on every rank, naming
+        # them, instead of leaving the others in a collective it never joins.
+        try:
+            agree = _agreement_parts(language, encoders, options or {}, language_name, device_type, pipeline,
+                                     bridge_hops)
+        except Exception:  # noqa: BLE001 — arguments the checks refused: their verdict is compared
+            if refused is None:
+                raise
+            agree = {}
+        agree["model check"] = None if refused is None else f"{type(refused).__name__}: {refused}"
+        if refused is not None or layout.meshes_ready:
             check_agreement({"layout": layout, **agree})
+            if refused is not None:
+                raise refused
         else:
             layout.init_meshes(device_type, agree)
         self.layout, self.language_name, self.encoder_names = layout, language_name, list(encoders)

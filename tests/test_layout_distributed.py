@@ -92,3 +92,52 @@ def test_submesh_on_non_member_raises_clearly():
 
 def test_world_size_mismatch_raises_on_every_rank():
     assert run_on_ranks(_world_mismatch_error, 8, timeout=60) == ["raised"] * 8
+
+
+
+def _refused_on_one_rank():
+    from dtensor_mimo import MimoModel, ParallelOptions, mimo
+    from tests.test_mimo import _modules
+
+    layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()})
+    llama, encs = _modules(("vision",))
+    rank = dist.get_rank()
+
+    def attempt(options):
+        try:
+            MimoModel(layout, llama, encs, options=options)
+        except (RuntimeError, ValueError) as e:
+            return str(e)
+        return "built"
+
+    out = {}
+    # rank 0 was given options the model checks refuse, rank 1 valid ones (another config file, say)
+    out["options"] = attempt({"language": ParallelOptions(balance=True)} if rank == 0 else {})
+    # the same options everywhere, refused by rank 0's machine only (here: torchao missing there)
+    check_fp8 = mimo.check_fp8
+
+    def no_torchao(module, recipe, device_type):
+        raise ImportError(f"ParallelOptions(fp8={recipe!r}) for module {module!r} needs torchao")
+
+    mimo.check_fp8 = no_torchao if rank == 0 else check_fp8
+    try:
+        out["machine"] = attempt({"vision": ParallelOptions(fp8="tensorwise")})
+    finally:
+        mimo.check_fp8 = check_fp8
+    dist.barrier()  # the world is still usable: no rank waits in a collective its peers left
+    return out
+
+
+def test_a_model_check_that_refuses_on_one_rank_fails_on_every_rank():
+    """A model check that refuses on some ranks only (options that differ, or a check that depends
+    on the rank's machine: torchao, a GPU's compute capability) fails on every rank, naming the
+    refusal and the ranks, instead of leaving the others in the agreement's all-gather (where NCCL
+    waits until the timeout) or building meshes without the refusing ranks."""
+    results = run_on_ranks(_refused_on_one_rank, 2, timeout=60)
+    assert results[0] == results[1], results  # every rank, the same message
+    got = results[0]
+    assert ("the model check differs between ranks: rank 0: \"LayoutError: ParallelOptions(balance=True) was given "
+            "for the language model 'language'; balancing applies to encoders") in got["options"], got
+    assert "; rank 1: None." in got["options"] and "the ParallelOptions mapping differs" in got["options"], got
+    assert got["machine"].startswith("the model check differs between ranks: rank 0: \"ImportError: ParallelOptions("
+                                     "fp8='tensorwise') for module 'vision' needs torchao\"; rank 1: None."), got

@@ -41,6 +41,25 @@ def test_file_then_overrides_in_any_order(tmp_path) -> None:
     assert build_layout(config).ranks("language") == [2, 3]
 
 
+def test_a_string_key_on_the_command_line_keeps_the_word_as_written() -> None:
+    """A value on the command line is read as TOML, but a key that takes a string gets the word the
+    user wrote: numbers are not respelled (``1e3`` was the directory "1000.0", ``1.10`` the tokenizer
+    "1.1", ``0x10`` "16") and dates or times are names like any other word (``2024-06-01`` was
+    refused as a date); keys that take numbers still read them as numbers."""
+    for word in ("1e3", "1.10", "0x10", "1_000", "+5", "2024-06-01", "2024-06-01T12:00:00", "12:30:00"):
+        assert parse_args(["--checkpoint.dir", word]).checkpoint.dir == word
+        assert parse_args(["--data.format", "llava", "--data.path", word, "--data.tokenizer", word,
+                           *IMAGE]).data.tokenizer == word
+    config = parse_args(["--train.steps", "1_000", "--optimizer.lr", "1e-3", "--layout.bridge_hops", "2",
+                         "--model.language.factory_args.n", "0x10", "--model.language.factory", "m:f",
+                         "--data.format", "llava", "--data.path", "x", "--data.tokenizer", "t", *IMAGE])
+    assert (config.train.steps, config.optimizer.lr, config.layout.bridge_hops) == (1000, 1e-3, 2)
+    assert type(config.train.steps) is int and type(config.optimizer.lr) is float
+    assert config.model.language.factory_args == {"n": 16} and type(config.model.language.factory_args["n"]) is int
+    with pytest.raises(ConfigError, match=r"train.steps = '2024-06-01': expected an integer"):
+        parse_args(["--train.steps", "2024-06-01"])
+
+
 def test_compile_options_read_as_tables(tmp_path) -> None:
     """`ParallelOptions.compile_options` from a file's table (a dotted inductor name as a nested
     table or a quoted key) and from the command line (a key each, or an inline table)."""
@@ -113,6 +132,12 @@ def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> Non
     (["--model.language.frozen", "true"], "unknown key 'model.language.frozen'"),
     (["--model.language.hf", "a", "--model.language.factory", "b:c"], "model.language: give hf or factory, not both"),
     (["--model.encoders.vision.factory", "nodots"], "expected 'package.module:function'"),
+    # a module named like a key of [layout] could not be laid out (its table read as that key's value)
+    (["--data.format", "llava", "--data.path", "x", "--data.tokenizer", "t", "--model.encoders.auto.image_size", "16"],
+     "model.encoders.auto: 'auto' is a key of [layout] (layout.auto), so the encoder could not be given a layout"),
+    (["--data.format", "llava", "--data.path", "x", "--data.tokenizer", "t", "--model.encoders.auto.image_size", "16",
+      "--layout.auto.dp", "2"], "layout.auto = {'dp': 2}: 'auto' is a key of layout itself (true or false), so it "
+     "cannot name a module's table there; give the module another name"),
     (["--data.format", "llava"], "model.encoders is empty: declare at least one"),
     (["--data.format", "llava", *IMAGE], "data.format = 'llava' needs data.path"),
     (["--data.format", "llava", "--data.path", "x.jsonl", *IMAGE], "needs a tokenizer"),
@@ -127,7 +152,15 @@ def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> Non
     (["--layout.vision.dp", "2", "--layout.vision.dp_replicate", "2", "--options.vision.fsdp", "false"],
      "layout.vision.dp_replicate = 2 (HSDP) needs FSDP2, but options.vision.fsdp = false"),
     (["--layout.language.pp", "2", "--pipeline.microbatches", "1", "--data.batch_size", "8"],
-     "pipeline.microbatches = 1 is below layout.language.pp = 2"),
+     "pipeline.microbatches = 1, pipeline.schedule = '1F1B', layout.language.pp = 2: schedule '1F1B' needs at least "
+     "as many microbatches as 'language' has stages (pp=2), got microbatches=1: use >= 2, or schedule='GPipe'"),
+    # the library's rules of each schedule (accepted here before, refused by MimoModel on every rank after start)
+    (["--layout.language.pp", "2", "--pipeline.schedule", "Interleaved1F1B", "--pipeline.virtual_stages", "2",
+      "--pipeline.microbatches", "3", "--data.batch_size", "6"], "pipeline.microbatches = 3, pipeline.schedule = "
+     "'Interleaved1F1B', layout.language.pp = 2: schedule 'Interleaved1F1B' runs microbatches in rounds of pp=2"),
+    (["--layout.language.pp", "2", "--pipeline.schedule", "DualPipeV", "--pipeline.virtual_stages", "2",
+      "--pipeline.microbatches", "2", "--data.batch_size", "8"], "schedule 'DualPipeV' needs at least as many "
+     "microbatches as 'language' has stages (pp=2 x 2 = 4), got microbatches=2"),
     (["--layout.language.offset", "0", "--layout.language.dp", "2"], "partially overlap"),
     (["--layout.audio.offset", "5"], "belong to no module"),
     (["--pipeline.schedule", "GPipe", "--pipeline.virtual_stages", "2"], "pipeline: PipelineConfig: schedule='GPipe'"),
@@ -160,6 +193,14 @@ def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> Non
       "m:f", "--model.encoders.image.processor", "p", "--model.encoders.image.tokens_per_item", "4",
       "--model.encoders.image.dynamic_resolution", "true"],
      "model.encoders.image.dynamic_resolution: items of their own size need an encoder the library configures"),
+    # accepted before, then failing later: torch.compile looks a backend up on the module's ranks
+    # only (the others waited for them in a collective); timedelta and the bucket size overflow
+    (["--options.vision.compile_backend", "inductr"], "options.vision: ParallelOptions: "
+     "compile_backend='inductr' is not a torch.compile backend (did you mean 'inductor'"),
+    (["--options.language.grad_bucket_mb", "inf"], "options.language: ParallelOptions: grad_bucket_mb=inf must be "
+     "a finite number of MiB > 0"),
+    (["--train.timeout_s", "inf"], "train.timeout_s = inf: give a positive, finite number of seconds"),
+    (["--metrics.peak_tflops", "-989"], "metrics.peak_tflops = -989.0: give the accelerator\'s peak dense TFLOP/s"),
 ])
 def test_bad_input_names_the_key(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as e:
@@ -205,6 +246,16 @@ def test_layout_must_fit_the_launched_world() -> None:
         check_config(config, 8)
     with pytest.raises(ConfigError, match="needs ranks 2..3, but the world has 3 ranks"):
         check_config(config, 3)
+
+
+def test_pipeline_rules_are_the_librarys() -> None:
+    """Fewer microbatches than stages is 1F1B's (and DualPipeV's) limit, not every schedule's: GPipe
+    runs one microbatch through two language stages (the library accepts it, and its run matches a
+    single process'), which the trainer refused by a rule of its own."""
+    config = parse_args(["--layout.language.pp", "2", "--pipeline.schedule", "GPipe", "--pipeline.microbatches", "1",
+                         "--data.batch_size", "8"])
+    assert (config.pipeline.schedule, config.pipeline.microbatches) == ("GPipe", 1)
+    assert build_layout(config).parallelism("language").pp == 2
 
 
 def test_help_lists_every_key_with_its_default() -> None:

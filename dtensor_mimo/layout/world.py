@@ -31,6 +31,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 
 import torch
@@ -47,8 +48,8 @@ def init_distributed(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) 
     Under ``torchrun --max-restarts=N`` each round of workers gets its own keys in the shared
     rendezvous store, so a restarted world connects instead of finding the dead round's ranks.
     """
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s = {timeout_s}: give a positive number of seconds (e.g. 600)")
+    if not 0 < timeout_s < math.inf:
+        raise ValueError(f"timeout_s = {timeout_s}: give a positive, finite number of seconds (e.g. 600)")
     timeout = datetime.timedelta(seconds=timeout_s)
     backend, device_id = "gloo", None
     if device == "cuda":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,8 +212,8 @@ class ParallelOptions:
         if wrong:
             raise TypeError(f"ParallelOptions: {wrong} must be True or False")
         mb = self.grad_bucket_mb
-        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
-            raise TypeError(f"ParallelOptions: grad_bucket_mb={mb!r} must be a number of MiB > 0 (e.g. 32)")
+        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0 < mb < math.inf:
+            raise TypeError(f"ParallelOptions: grad_bucket_mb={mb!r} must be a finite number of MiB > 0 (e.g. 32)")
         if self.flex_attention not in (None, True, False):
             raise TypeError(f"ParallelOptions: flex_attention={self.flex_attention!r} must be True, False or None "
                             "(None: on for the library's decoder at cp = 1 on CUDA of compute capability 9.0+)")
@@ -229,6 +230,20 @@ class ParallelOptions:
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             raise TypeError(f"ParallelOptions: compile_backend={self.compile_backend!r} must be a "
                             "backend name such as 'inductor' or 'aot_eager'")
+        if self.compile_backend != "inductor":
+            # torch.compile looks the name up only when it compiles, on the module's ranks alone:
+            # an unknown one would raise there while the other ranks wait for them in a collective.
+            from torch._dynamo.backends.registry import list_backends, lookup_backend
+
+            try:
+                lookup_backend(self.compile_backend)
+            except RuntimeError:
+                known = list_backends(exclude_tags=())
+                near = difflib.get_close_matches(self.compile_backend, known, n=3)
+                raise ValueError(f"ParallelOptions: compile_backend={self.compile_backend!r} is not a torch.compile "
+                                 "backend" + (f" (did you mean {' or '.join(map(repr, near))}?)" if near else "")
+                                 + f"; the backends are {', '.join(known)} (torch._dynamo.list_backends) and any "
+                                 "registered with torch._dynamo.register_backend before the options are made") from None
         if self.compile_mode is not None and self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"ParallelOptions: compile_mode={self.compile_mode!r} must be one of "
                              f"{', '.join(map(repr, COMPILE_MODES))} (torch.compile's modes) or None")

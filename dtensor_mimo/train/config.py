@@ -20,6 +20,8 @@ under whatever the file and the command line set.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import math
 import os
 import re
 import sys
@@ -32,7 +34,7 @@ from typing import Any, Literal, Mapping, Sequence
 from dtensor_mimo.layout.parallelism import FIELDS, Parallelism
 from dtensor_mimo.optim.optimizer import AdamWConfig, LRSchedule
 from dtensor_mimo.parallelize.options import ParallelOptions
-from dtensor_mimo.schedule.config import PipelineConfig
+from dtensor_mimo.schedule.config import PipelineConfig, check_pipeline_layout
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -542,6 +544,11 @@ def _coerce(key: str, value: Any, tp: Any, current: Any = None) -> Any:
     """`value` as the field type `tp` (`current`: the field's value, merged into for tables),
     or a ConfigError naming `key` and what it accepts."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if isinstance(value, (_WrittenInt, _WrittenFloat)):  # a number from the command line
+        if tp is str:
+            return value.text  # the word as written
+        if origin not in (typing.Union, types.UnionType):  # (each type of a union decides)
+            value = int(value) if isinstance(value, int) else float(value)
     bad = ConfigError(f"{key} = {value!r}: expected {_describe(tp)}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
@@ -631,6 +638,13 @@ def _fields(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if not f.metadata.get("open")}
 
 
+def _takes_table(tp: Any) -> bool:
+    """Whether a field of type `tp` may be given a table (a section, a dict, a union with one)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_takes_table(a) for a in typing.get_args(tp))
+    return dataclasses.is_dataclass(tp) or typing.get_origin(tp) is dict or tp is Any
+
+
 def _open_field(cls: type) -> dataclasses.Field | None:
     """The field that takes a section's other keys by name (``[layout.<module>]``), if any."""
     return next((f for f in dataclasses.fields(cls) if f.metadata.get("open")), None)
@@ -645,6 +659,10 @@ def _merge(obj: Any, data: Mapping[str, Any], prefix: str) -> Any:
     for key, value in data.items():
         path = f"{prefix}{key}"
         if key in known:
+            if rest is not None and isinstance(value, Mapping) and not _takes_table(known[key]):
+                raise ConfigError(f"{path} = {value!r}: {key!r} is a key of {prefix.rstrip('.')} itself "
+                                  f"({_describe(known[key])}), so it cannot name a module's table there; give the "
+                                  "module another name")
             current = changes.get(key, getattr(obj, key))
             changes[key] = _coerce(path, value, known[key], current)
         elif rest is not None:
@@ -660,15 +678,35 @@ def _merge(obj: Any, data: Mapping[str, Any], prefix: str) -> Any:
         raise ConfigError(f"{prefix.rstrip('.')}: {e}") from None
 
 
+class _WrittenInt(int):
+    """An integer from the command line that keeps its spelling (`_toml_value`)."""
+
+    text: str
+
+
+class _WrittenFloat(float):
+    """A number from the command line that keeps its spelling (`_toml_value`)."""
+
+    text: str
+
+
 def _toml_value(text: str) -> Any:
     """A command-line value read as TOML (``40``, ``true``, ``[1, 2]``), else the bare string;
-    ``none`` unsets a key that may be none."""
+    ``none`` unsets a key that may be none. A number keeps the word as written for a key that
+    takes a string (``--checkpoint.dir 1e3`` is "1e3", not "1000.0"), and a TOML date or time is
+    that word (no key takes a date: ``--checkpoint.dir 2024-06-01``)."""
     if text == "none":
         return None
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    if isinstance(value, (datetime.date, datetime.time)):  # (a datetime is a date)
+        return text
+    if type(value) in (int, float):
+        value = (_WrittenInt if type(value) is int else _WrittenFloat)(value)
+        value.text = text
+    return value
 
 
 def _nest(dotted: str, value: Any) -> dict[str, Any]:
@@ -912,8 +950,12 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
     if m.profile and m.profile_at > config.train.steps:
         raise ConfigError(f"metrics.profile_at = {m.profile_at} is after the last step (train.steps = "
                           f"{config.train.steps}): nothing would be profiled; choose a step <= {config.train.steps}")
-    if not config.train.timeout_s > 0:
-        raise ConfigError(f"train.timeout_s = {config.train.timeout_s!r}: give a positive number of seconds (e.g. 600)")
+    if not 0 <= m.peak_tflops < math.inf:
+        raise ConfigError(f"metrics.peak_tflops = {m.peak_tflops!r}: give the accelerator's peak dense TFLOP/s per "
+                          "rank (e.g. 989 for an H100 SXM in bf16), or 0 for a known GPU's")
+    if not 0 < config.train.timeout_s < math.inf:
+        raise ConfigError(f"train.timeout_s = {config.train.timeout_s!r}: give a positive, finite number of seconds "
+                          "(e.g. 600)")
     lang = config.model.language
     _check_source(f"model.{LANGUAGE}", lang.hf, lang.factory)
     if not lang.hf and not lang.factory:
@@ -932,6 +974,9 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         key = f"model.encoders.{name}"
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise ConfigError(f"{key}: an encoder's name is a plain identifier (letters, digits, _)")
+        if name in _fields(LayoutConfig):  # [layout.<module>] would be that key
+            raise ConfigError(f"{key}: {name!r} is a key of [layout] (layout.{name}), so the encoder could not be "
+                              "given a layout; name it otherwise")
         _check_source(key, enc.hf, enc.factory)
         if not enc.hf and not enc.factory:
             for field_name in ("dim", "n_layers", "n_heads", "mlp_hidden", "patch_size"):
@@ -1012,9 +1057,11 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
             raise ConfigError(f"layout.{name}.dp_replicate = {par.dp_replicate} (HSDP) needs FSDP2, but "
                               f"options.{name}.fsdp = false; set it true, or dp_replicate = 1")
     pipe, lang_par = config.pipeline, layout.parallelism(LANGUAGE)
-    if lang_par.pp > 1 and pipe.microbatches < lang_par.pp:
-        raise ConfigError(f"pipeline.microbatches = {pipe.microbatches} is below layout.{LANGUAGE}.pp = "
-                          f"{lang_par.pp}; give at least as many microbatches as stages")
+    try:  # the library's own rules of a schedule's microbatches (MimoModel checks them again)
+        check_pipeline_layout(layout, LANGUAGE, pipe)
+    except ValueError as e:
+        raise ConfigError(f"pipeline.microbatches = {pipe.microbatches}, pipeline.schedule = {pipe.schedule!r}, "
+                          f"layout.{LANGUAGE}.pp = {lang_par.pp}: {e}") from None
     per_mb, rem = divmod(data.batch_size, pipe.microbatches)
     if rem or per_mb % lang_par.dp:
         raise ConfigError(f"data.batch_size = {data.batch_size} must split into pipeline.microbatches "
