@@ -29,7 +29,7 @@ from dtensor_mimo.parallelize import (GradientReducer, ParallelOptions, compute_
 from dtensor_mimo.parallelize.fp8 import check_fp8, refresh_fp8_scales
 from dtensor_mimo.schedule import (EncoderPipeline, LanguagePipeline, LanguageStage, PipelineConfig,
                                    check_microbatching, stage_inputs)
-from dtensor_mimo.schedule.checks import check_batch, check_model, overlapped
+from dtensor_mimo.schedule.checks import check_batch, check_model, ids_outside, overlapped
 from dtensor_mimo.schedule.encoders import build_encoder_part
 from dtensor_mimo.schedule.executor import RankParts, StepResult, execute
 from dtensor_mimo.schedule.order import crossing_window
@@ -136,6 +136,10 @@ class MimoModel(nn.Module):
         self.layout, self.language_name, self.encoder_names = layout, language_name, list(encoders)
         self.options = {name: (options or {}).get(name, ParallelOptions()) for name in self.module_names}
         self.dim = language.config.dim
+        embedding = getattr(language, "tok_embeddings", None)
+        self.vocab_size: int | None = getattr(embedding, "num_embeddings", None) or getattr(
+            language.config, "vocab_size", None)
+        """The rows of the language model's token embedding: every batch's text ids index them."""
         self.device = (torch.device(device_type) if device_type == "cpu"
                        else torch.device(device_type, torch.accelerator.current_device_index()))
         self.rank, self.bridge_hops = dist.get_rank(), bridge_hops
@@ -376,6 +380,8 @@ class MimoModel(nn.Module):
         what is missing. The trainer's prefetch thread prepares the next batch while the step
         runs. Pure: no message, no device."""
         prepare_batch(batch, self.parts.shape(batch, mode).microbatches, self.parts.cut_rules)
+        if self.vocab_size is not None and batch.tokens.is_cpu:  # (read on the host only: no sync)
+            ids_outside(batch, self.vocab_size)
 
     def run(self, batch: MimoBatch, mode: str = "train") -> StepResult:
         """One `mode` step over the global `batch` on this rank (call on every rank): its program
@@ -387,7 +393,7 @@ class MimoModel(nn.Module):
             raise RuntimeError("a pipelined MimoModel runs forward and backward together: call "
                                "model.forward_backward(batch) (or train_step) instead of model(batch)")
         self._check_initialized()
-        check_batch(self.layout, self.language_name, self.encoder_names, batch, self.item_rules)
+        check_batch(self.layout, self.language_name, self.encoder_names, batch, self.item_rules, self.vocab_size)
         if mode == "train" and self.pipelined:
             check_microbatching(batch.batch_size, self.pipeline.microbatches,
                                 self.layout.parallelism(self.language_name).dp, self.language_name)

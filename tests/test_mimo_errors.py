@@ -142,6 +142,49 @@ def test_cp_needs_sequence_multiple_of_two_cp():
         check_batch(layout, "language", ["vision"], batch)
 
 
+def _token_outside_vocabulary(mode: str, token: int) -> str | None:
+    """vision dp2 on ranks 0-1, the language model (vocabulary 64) on rank 2; a batch whose
+    sample 1 holds text id `token` at position 2: what a `mode` step raises on this rank."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from dtensor_mimo import MimoOptimizer, train_step
+    from tests.test_mimo import _batches, _modules
+
+    model = MimoModel(MimoLayout({"vision": P(dp=2), "language": P()}), *_modules(("vision",)))
+    optimizer = MimoOptimizer(model)
+    good = _batches(("vision",), packed=False, batch_size=4)[0]
+    tokens = good.tokens.clone()
+    tokens[1, 2] = token
+    bad = dataclasses.replace(good, tokens=tokens)
+    run = {"train": lambda b: train_step(model, optimizer, b), "predict": model.predict, "forward": model}[mode]
+    try:
+        run(bad)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    dist.barrier()  # every rank raised before any exchange: none is left waiting inside one
+    train_step(model, optimizer, good)  # and the model still trains (ids 64, vision's special id, are fine)
+    return error
+
+
+@pytest.mark.parametrize("token", [70, -1])
+@pytest.mark.parametrize("mode", ["train", "predict", "forward"])
+def test_token_ids_outside_the_vocabulary_fail_every_rank_by_name(mode, token):
+    """A text id the language model's embedding cannot look up (past its vocabulary, or a negative
+    pad id) raised an IndexError on the language ranks alone, in their embedding, while the
+    encoder ranks waited for their rows' gradients (or the ids' all-reduce): a hang. Refused on
+    every rank before any exchange, naming the sample, the position, the id and the vocabulary."""
+    from tests.harness import run_on_ranks
+
+    errors = run_on_ranks(_token_outside_vocabulary, 3, mode, token, timeout=90)
+    assert all(e is not None and e == errors[0] for e in errors), errors
+    assert (f"the batch's token ids must index the vocabulary of 'language' (vocab_size=64) or be the special "
+            f"token id of one of its modalities {{'vision': 64}}: sample 1 holds id {token} at position 2 "
+            f"(1 such token in the batch)") in errors[0]
+
+
 def _encoder_disagrees_with_metadata():
     import torch.distributed as dist
 

@@ -186,3 +186,131 @@ def test_recomputed_colocated_encoder_replays_its_dropout() -> None:
     assert all(torch.equal(a, b) for a, b in zip(rows_kept, rows_re))
     assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(grads_kept, grads_re))
     assert torch.equal(after_kept, after_re)
+
+
+# ---------------------------------------------------------------- schedules new on some ranks only
+def _reference_gradients(batch) -> tuple[float, dict]:
+    """The single-process loss and every parameter's gradient (`tests/test_mimo.py`'s modules and
+    seeds) of one forward and backward over `batch`."""
+    import torch
+    import torch.nn.functional as F
+
+    from dtensor_mimo.assemble import assemble, embed_text
+    from dtensor_mimo.data import IGNORE_INDEX
+    from tests.test_mimo import _modules
+
+    llama, encoders = _modules(("vision",))
+    ids = batch.special_token_ids
+    rows = {n: encoders[n](m.inputs) for n, m in batch.modalities.items()}
+    h = assemble(embed_text(llama.tok_embeddings, batch.tokens, ids), batch.tokens, rows, ids)
+    logits = llama(h=h, positions=batch.positions, document_ids=batch.document_ids).float()
+    weight = torch.where(batch.labels == IGNORE_INDEX, 0.0, batch.loss_mask).flatten()
+    ce = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    loss = (ce * weight).sum() / weight.sum()
+    loss.backward()
+    modules = {"language": llama, **encoders}
+    return loss.item(), {f"{m}.{n}": p.grad for m, module in modules.items() for n, p in module.named_parameters()}
+
+
+def _gathered_gradients(model) -> dict:
+    """Every gradient this rank's parameters hold, gathered whole (those of dp rank 0 of each module)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name in model.module_names:
+        coord = model.layout.coordinate(name, dist.get_rank())
+        for n, p in model.module_parameters(name).items():
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            if coord["dp"] == 0 and coord["tp"] == 0:
+                out[f"{name}.{n}"] = None if g is None else g.clone()
+    return out
+
+
+NEW_ON_SOME_RANKS = {
+    # vision pp2·dp2: each dp rank pads its microbatches' items to its own bucket (step 2: 1 item on dp
+    # rank 0, 2 on dp rank 1), so only dp rank 0's stages build a new schedule
+    "encoder_buckets": (dict(vision=P(pp=2, dp=2), language=P()), PipelineConfig(microbatches=2), (4, 4)),
+    # language dp2 at pp = 1: 6 samples give each dp rank 3 rows, 5 give dp rank 1 two (a new schedule there)
+    "language_rows": (dict(vision=P(), language=P(dp=2)), None, (6, 5)),
+}
+
+
+def _steps_after_predicts(modules, pipeline, sizes):
+    """A `predict` before each of two training steps (lr 0: the weights stay those of the
+    reference), the second step's batch building a new torch schedule on some ranks only: each
+    step's loss and gradients."""
+    from dtensor_mimo import AdamWConfig, MimoLayout, MimoModel, MimoOptimizer, train_step
+    from tests.test_mimo import _batches, _modules
+
+    model = MimoModel(MimoLayout(modules), *_modules(("vision",)), pipeline=pipeline)
+    optimizer = MimoOptimizer(model, AdamWConfig(lr=0.0, max_grad_norm=None))
+    out = []
+    for i, size in enumerate(sizes):
+        batch = _batches(("vision",), False, size, (64, 64))[i]
+        model.predict(batch)  # leaves the FSDP2 roots' parameters gathered
+        loss = train_step(model, optimizer, batch).loss
+        out.append((loss, _gathered_gradients(model)))
+    return out
+
+
+@pytest.mark.parametrize("name", list(NEW_ON_SOME_RANKS))
+def test_training_after_predict_when_some_ranks_build_a_new_schedule(name):
+    """torch reshards a stage's FSDP2 modules when it first runs a schedule, on the ranks that
+    build one; a `predict` before left the roots gathered everywhere, so the ranks that reused
+    their schedule skipped the root's all-gather their dp peers made: gloo aborted ("Received data
+    size doesn't match expected size"; NCCL would hang or mix the tensors). Each step's loss and
+    gradients are the single-process ones."""
+    import torch
+
+    from dtensor_mimo import MimoLayout
+    from dtensor_mimo.schedule.encoders import item_bucket
+    from tests.harness import run_on_ranks
+    from tests.test_mimo import _batches
+
+    modules, pipeline, sizes = NEW_ON_SOME_RANKS[name]
+    batches = [_batches(("vision",), False, size, (64, 64))[i] for i, size in enumerate(sizes)]
+    if name == "encoder_buckets":  # what makes the second step new on dp rank 0 only
+        buckets = [[item_bucket([b.modalities["vision"].items_per_sample[j] for j in (k, k + 2)]) for k in (0, 1)]
+                   for b in batches]
+        assert buckets[0][0] == buckets[0][1] == buckets[1][1] != buckets[1][0], buckets
+    per_rank = run_on_ranks(_steps_after_predicts, MimoLayout(modules).world_size, modules, pipeline, sizes,
+                            timeout=120)
+    for step, batch in enumerate(batches):
+        loss, want = _reference_gradients(batch)
+        got = {k: v for records in per_rank for k, v in records[step][1].items()}
+        assert all(records[step][0] == pytest.approx(loss, rel=1e-5) for records in per_rank), step
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=2e-5, atol=2e-6, msg=lambda m: f"step {step} {k}: {m}")
+
+
+def _two_runs(seq_lens):
+    """Two `forward_backward` runs accumulating (vision dp2 and language dp2, FSDP2, on ranks 0-1),
+    the second of another sequence length (a new torch schedule for the language stage)."""
+    from dtensor_mimo import MimoLayout, MimoModel
+    from tests.test_mimo import _batches, _modules
+
+    layout = MimoLayout(dict(vision=P(dp=2), language=P(dp=2)), offsets={"vision": 0, "language": 0})
+    model = MimoModel(layout, *_modules(("vision",)))
+    for batch in _batches(("vision",), False, 4, seq_lens)[:2]:
+        model.forward_backward(batch)
+    assert model.reduce_gradients() is None
+    return _gathered_gradients(model)
+
+
+@pytest.mark.parametrize("seq_lens", [(64, 64), (64, 32)], ids=["same_length", "new_length"])
+def test_runs_accumulate_when_a_run_builds_a_new_schedule(seq_lens):
+    """Runs may accumulate (docs/library.md): two `forward_backward` calls sum their gradients.
+    torch drops a stage's FSDP2 gradients when it first runs a schedule, so a second run of a new
+    sequence length lost the first run's language gradients."""
+    import torch
+
+    from tests.harness import run_on_ranks
+    from tests.test_mimo import _batches
+
+    first, second = (_reference_gradients(b)[1] for b in _batches(("vision",), False, 4, seq_lens)[:2])
+    for got in run_on_ranks(_two_runs, 2, seq_lens, timeout=120)[:1]:
+        assert got.keys() == first.keys()
+        for k in first:
+            torch.testing.assert_close(got[k], first[k] + second[k], rtol=2e-5, atol=2e-6, msg=lambda m: f"{k}: {m}")

@@ -172,9 +172,11 @@ def overlapped(layout: MimoLayout, language_name: str, encoders: Mapping[str, nn
 
 
 def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str], batch: MimoBatch,
-                item_rules: Mapping[str, ItemRule | None] | None = None) -> None:
+                item_rules: Mapping[str, ItemRule | None] | None = None, vocab_size: int | None = None) -> None:
     """Pure checks of a global batch against the model: the same verdict on every rank, raised
-    before any collective. `item_rules`: each encoder's `item_rule`."""
+    before any collective. `item_rules`: each encoder's `item_rule`. `vocab_size`: the language
+    model's embedding rows, which every token id that is not a modality's special id must index
+    (checked once per batch, in host memory: a batch already on an accelerator is not read)."""
     unknown = [n for n in batch.modalities if n not in encoder_names]
     if unknown:
         raise ValueError(
@@ -192,9 +194,36 @@ def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str]
             raise ValueError(f"the batch's {name!r} items differ in size, but encoder {name!r} has pp="
                              f"{layout.parallelism(name).pp}: an encoder pipeline's stage links have one "
                              "shape per item; give it pp = 1 (dp or tp instead), or items of one size")
+    if vocab_size is not None and batch.tokens.is_cpu:
+        problem = ids_outside(batch, vocab_size)
+        if problem:
+            raise ValueError(f"the batch's token ids must index the vocabulary of {language_name!r} (vocab_size="
+                             f"{vocab_size}) or be the special token id of one of its modalities "
+                             f"{batch.special_token_ids}: {problem}; fix the tokenizer / pad id, or the "
+                             "modalities' special token ids")
     cp = layout.parallelism(language_name).cp
     if cp > 1 and batch.seq_len % (2 * cp):
         raise ValueError(
             f"{language_name!r} has cp={cp}: the sequence length {batch.seq_len} must be a "
             f"multiple of 2*cp={2 * cp} (load-balanced sharding); pad the rows"
         )
+
+
+def ids_outside(batch: MimoBatch, vocab_size: int) -> str | None:
+    """Where `batch`'s token ids fall outside ``0 .. vocab_size - 1`` and are no special id of its
+    modalities (the embedding lookup of the language model's first stage would raise there, on
+    its ranks alone, leaving the encoder ranks waiting for gradients), or None. Once per batch
+    (`MimoBatch.memo`: `MimoModel.prepare` finds it ahead of the step)."""
+    return batch.memo(("token ids outside", vocab_size), lambda: _ids_outside(batch.tokens, batch, vocab_size))
+
+
+def _ids_outside(tokens: torch.Tensor, batch: MimoBatch, vocab_size: int) -> str | None:
+    outside = (tokens < 0) | (tokens >= vocab_size)
+    for token_id in batch.special_token_ids.values():
+        outside &= tokens != token_id
+    count = int(outside.sum())
+    if not count:
+        return None
+    row, column = (int(i) for i in outside.nonzero()[0])
+    return (f"sample {row} holds id {int(tokens[row, column])} at position {column} ({count} such token"
+            f"{'s' if count > 1 else ''} in the batch)")

@@ -8,6 +8,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 CACHED_SHAPES = 4
 """Stages + schedule kept per module for this many shapes (sequence lengths, item buckets);
@@ -53,7 +54,33 @@ def run_schedule(schedule: Any, stages: Sequence[Any], args: list[tuple], kwargs
     entry point for that: ``_step_microbatches`` is private, pinned by
     tests/test_schedule_config.py::test_private_torch_pipelining_api_we_rely_on.
     """
+    # torch reshards every FSDP2 module of a stage, and drops its gradients, when it first runs a
+    # schedule (`_post_metadata_inference_cleanup`): on the ranks that built a new one only (an
+    # encoder pipeline's item bucket, a dp shard's rows at pp = 1 differ between dp ranks). So the
+    # stages start resharded on every rank (a forward without backward, `predict`, leaves a root
+    # gathered: a rank that kept it would skip the all-gather its dp peers make), and the
+    # gradients of runs before this one (``forward_backward`` twice, accumulating) are kept.
+    held = [_fsdp_held(stage) for stage in stages]
+    for modules, _ in held:
+        for m in modules:
+            m.reshard()
+    kept = {p: p.grad for _, params in held for p in params if p.grad is not None}
     for stage in stages:  # what step() does to each stage before running the microbatches
         stage.has_backward = True
         stage.clear_runtime_states()
     schedule._step_microbatches(args, kwargs, targets, losses, return_outputs=False)
+    for p, grad in kept.items():  # FSDP2 accumulates into the gradient it finds, in place
+        if p.grad is None:
+            p.grad = grad
+        elif p.grad is not grad:
+            p.grad += grad
+
+
+def _fsdp_held(stage: Any) -> tuple[list[FSDPModule], list[torch.nn.Parameter]]:
+    """`stage`'s FSDP2 modules and their parameters, found once per stage (the step's host path)."""
+    found = stage.__dict__.get("_mimo_fsdp_held")
+    if found is None:
+        modules = [m for m in stage.submod.modules() if isinstance(m, FSDPModule)]
+        params = list(dict.fromkeys(p for m in modules for p in m.parameters()))
+        found = stage.__dict__["_mimo_fsdp_held"] = (modules, params)
+    return found
