@@ -11,9 +11,12 @@
 |                                                           | last one announced, and reads back its own step   |
 | trainer, newest shard truncated [2]                       | warning line; resumes from the previous; losses   |
 |                                                           | of the steps after == the uninterrupted run's     |
+| trainer, `checkpoint.load DIR` [2]                        | each file checksummed once, by one rank (its      |
+|                                                           | share), not every file by rank 0 while peers wait |
 | `resolve_load` of a directory, newest byte-flipped [2]    | the previous one, warning naming the file; the    |
 |                                                           | newest named itself: kept (load refuses it); it   |
 |                                                           | without .metadata: "is damaged", names the parent |
+| `checkpoint.dir` rank 0 cannot create (under a file) [2]  | CheckpointError naming it on every rank, no wait  |
 | rank 1 cannot read its share while the manifest is written | CheckpointError naming rank 1 and the file on     |
 | [2]                                                       | every rank, nothing renamed into place            |
 | two background saves, the parameters changed while each  | each reads back the values of its step (the       |
@@ -351,6 +354,27 @@ def test_a_rank_failing_while_the_manifest_is_written_fails_every_rank(tmp_path)
     assert checkpoint.step_checkpoints(str(tmp_path)) == []  # nothing renamed into place
 
 
+def _save_where_rank_0_cannot(directory: str) -> tuple[str, float]:
+    start = time.monotonic()
+    try:
+        _save(directory, [1])
+        return "saved", time.monotonic() - start
+    except Exception as e:  # noqa: BLE001 - what each rank got
+        return f"{type(e).__name__}: {e}", time.monotonic() - start
+
+
+def test_a_directory_rank_0_cannot_create_fails_every_rank(tmp_path) -> None:
+    """Rank 0 creates the checkpoint's directories; its failure used to be its own (the others
+    waited in the barrier after it until the group's timeout): now every rank raises, naming it."""
+    (tmp_path / "afile").write_text("")
+    directory = str(tmp_path / "afile" / "ckpt")
+    results = run_on_ranks(_save_where_rank_0_cannot, 2, directory, timeout=60)
+    for message, seconds in results:
+        assert message.startswith(f"CheckpointError: saving the checkpoint of step 1 in {directory}: rank 0 could "
+                                  f"not create {os.path.join(directory, '.step-000001.tmp')}: "), message
+        assert "Not a directory" in message and seconds < 30, message
+
+
 def _read(path: str, model: _Model) -> dict[str, torch.Tensor]:
     state = {f"model.{m}.{n}": torch.zeros_like(p) for m, ps in model.params.items() for n, p in ps.items()}
     dcp.load(state, checkpoint_id=path)
@@ -626,3 +650,53 @@ def test_keep_counts_the_checkpoints_up_to_the_step_saved(tmp_path) -> None:
     (the damaged step 9 neither counts as one of the two nor is deleted)."""
     (names,) = run_on_ranks(_save_past_a_newer_one, 1, str(tmp_path), timeout=120)
     assert names == ["step-000002", "step-000003", "step-000009"]
+
+
+def _save_past_an_older_damaged_one(directory: str) -> tuple[list[str], list[str]]:
+    _save(directory, [1, 2])
+    if dist.get_rank() == 0:
+        _truncate(checkpoint.checkpoint_path(directory, 2))  # the run resumes from step 1, past it
+    dist.barrier()
+    _save(directory, [3])
+    names = sorted(os.listdir(directory))
+    return names, [n for n in names if checkpoint.verify(os.path.join(directory, n))]
+
+
+def test_keep_counts_only_complete_checkpoints(tmp_path) -> None:
+    """keep = 2, step 2's checkpoint damaged (a shard cut short) and the run resumed from step 1:
+    saving step 3 keeps steps 1 and 3, the two newest good ones; the damaged step 2 is not one of
+    the two (counting it deleted step 1, the only good one but the new save)."""
+    ((names, damaged),) = run_on_ranks(_save_past_an_older_damaged_one, 1, str(tmp_path), timeout=120)
+    assert damaged == []
+    assert names == ["step-000001", "step-000003"]
+
+
+def _restore_counting_checksums(argv: list[str]) -> tuple[int, int]:
+    """A trainer's `restore` of ``checkpoint.load``: the files this rank checksummed, the step it
+    resumed at."""
+    from dtensor_mimo.train.trainer import Trainer
+
+    trainer = Trainer(parse_args(argv))
+    real, reads = checkpoint.file_crc32, []
+    checkpoint.file_crc32 = lambda path: reads.append(path) or real(path)
+    try:
+        trainer.restore()
+    finally:
+        checkpoint.file_crc32 = real
+    return len(reads), trainer.step
+
+
+def test_load_of_a_directory_checksums_each_file_once_over_the_ranks(tmp_path) -> None:
+    """`checkpoint.load DIR` chooses as a resume from `checkpoint.dir` does, each rank checksumming
+    its share of the files (`choose_checkpoint`): rank 0 reading every byte of the checkpoint alone
+    (then its share again in `load`) kept every peer waiting in a broadcast bounded by
+    `train.timeout_s`, a wait that grows with the checkpoint, not with a rank's share of it."""
+    pytest.importorskip("sklearn")
+    saved = tmp_path / "saved"
+    run_on_ranks(_train, 2, [*TINY, "--train.steps", "2", "--checkpoint.dir", str(saved)], timeout=300)
+    with open(saved / "step-000002" / MANIFEST) as f:
+        files = len(json.load(f)["files"])
+    results = run_on_ranks(_restore_counting_checksums, 2, [*TINY, "--checkpoint.load", str(saved)], timeout=300)
+    reads = [r[0] for r in results]
+    assert [r[1] for r in results] == [2, 2]  # both resumed from step 2
+    assert sum(reads) == files and max(reads) == -(-files // 2), (reads, files)

@@ -13,6 +13,8 @@
 | same seed twice                                                  | tests/test_trainer.py::test_resume_equals_uninterrupted and test_per_rank_loading_gives_the_same_batches compare losses with ``==`` across runs; here: two runs bit-identical |
 | torch's storage use count (what `BufferPool` frees blocks by)    | still counts views and saved tensors       |
 | `init_distributed("cuda")` (recorded, no GPU)                     | nccl, ``device_id=cuda:LOCAL_RANK``         |
+| preflight: checkpoint.dir / export_hf / metrics.jsonl that cannot  | ConfigError naming the option, before any  |
+| be written (under a file, a directory for a file)                 | process starts (not rank 0 at the 1st save) |
 | state that must agree across ranks: see the table further down     |                                            |
 """
 
@@ -92,6 +94,37 @@ def test_own_launcher_shows_the_failing_ranks_error_first(tmp_path) -> None:
     assert first in err, err[-3000:]
     assert err.index('trainer.py", line') < err.index(first)  # rank 0's own traceback, before its error
     assert "then, on rank 1" in err.split(first)[1]  # the peer's error, after it
+
+
+@pytest.mark.parametrize("option, where, message", [
+    ("--checkpoint.dir", "afile/ckpt", "checkpoint.dir = '{d}/afile/ckpt' cannot be created: '{d}/afile' is a file"),
+    ("--checkpoint.dir", "afile", "checkpoint.dir = '{d}/afile' is a file; name a directory"),
+    ("--checkpoint.export_hf", "afile/hf", "checkpoint.export_hf = '{d}/afile/hf' cannot be created"),
+    ("--metrics.jsonl", "afile/m.jsonl", "metrics.jsonl = '{d}/afile/m.jsonl' cannot be created: '{d}/afile' is"),
+    ("--metrics.jsonl", "adir", "metrics.jsonl = '{d}/adir' is a directory; name a file"),
+])
+def test_outputs_that_cannot_be_written_are_refused_before_the_run(tmp_path, option, where, message) -> None:
+    """Rank 0 alone writes the run's outputs, after the world has formed: `checkpoint.dir` at the
+    first save (with `checkpoint.every = 0` after the last step, the whole run lost), the JSONL
+    when the trainer is built. Refused by the preflight, naming the option, before any process."""
+    pytest.importorskip("sklearn")
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(launch.ConfigError) as e:
+        launch.preflight(parse_args([*TINY, option, str(tmp_path / where)]))
+    assert message.format(d=tmp_path) in str(e.value)
+
+
+def test_a_jsonl_in_a_new_directory_is_written(tmp_path) -> None:
+    """A JSONL path whose directories do not exist yet (the preflight lets it pass, as it lets
+    `checkpoint.dir`'s): the logger makes them, as the checkpoints' and TensorBoard's are made."""
+    from dtensor_mimo.train.metrics import MetricsLogger
+
+    path = tmp_path / "runs" / "one" / "m.jsonl"
+    logger = MetricsLogger(True, 1, str(path), None, "off", out=io.StringIO())
+    logger.log({"step": 1, "loss": 1.0}, "step 1")
+    logger.close()
+    assert json.loads(path.read_text()) == {"step": 1, "loss": 1.0}
 
 
 def test_own_launcher_names_a_killed_rank(tmp_path) -> None:

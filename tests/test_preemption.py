@@ -13,6 +13,7 @@
 | resumed to the end [2]                                                | every step's loss == the uninterrupted     |
 |                                                                       | run's, exactly                              |
 | `checkpoint.dir` holding no checkpoint                                | "no checkpoint in DIR: starting at step 0" |
+| own launcher [2], SIGTERM while its ranks still import (no handlers)  | exit 143 after step 1, its checkpoint       |
 | no `checkpoint.dir`, SIGTERM                                          | "nothing saved", exit 143                   |
 """
 
@@ -181,6 +182,49 @@ def test_sigterm_under_both_launchers_loses_nothing(tmp_path) -> None:
     got = [*_records(tmp_path / "a.jsonl"), *_records(tmp_path / "b.jsonl"), *_records(tmp_path / "c.jsonl")]
     assert [s for s, _ in got] == list(range(1, STEPS + 1))
     assert [loss for _, loss in got] == [reference[s] for s, _ in got]
+
+
+def _spawned_ranks(launcher: int) -> list[int]:
+    """The own launcher's rank processes (its spawned children), by /proc."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline") as f:
+                spawned = "spawn_main" in f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == launcher and spawned:
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the ranks through /proc")
+def test_sigterm_while_the_ranks_still_import_stops_after_step_one(tmp_path) -> None:
+    """A rank installs its handlers only once it has imported torch and the library (seconds after
+    the launcher starts it): a SIGTERM forwarded before then waits for them (the launcher starts
+    its ranks with the stop signals blocked) and stops the run after step 1, with its checkpoint
+    and exit status 143, instead of killing the ranks (exit 1, "rank 0 was killed by SIGTERM")."""
+    pytest.importorskip("sklearn")
+    cmd = [sys.executable, "-m", "dtensor_mimo.train", *TINY, "--checkpoint.dir", "ckpt"]
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _spawned_ranks(p.pid):
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < deadline, "no rank started"
+            time.sleep(0.01)
+        time.sleep(0.1)  # forwarded by the launcher (its handler is in place), long before a rank imports torch
+        p.send_signal(signal.SIGTERM)
+        stdout, stderr = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 143, stderr[-3000:]
+    out = subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr)
+    assert _stopped_line(out, "ckpt") == 1
+    assert verify(str(tmp_path / "ckpt" / "step-000001")) == []
 
 
 def test_sigterm_without_a_checkpoint_dir_says_nothing_was_saved(tmp_path) -> None:

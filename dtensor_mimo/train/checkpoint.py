@@ -168,21 +168,59 @@ def resolve_load(path: str, warn: Callable[[str], None] | None = None, checksums
     directory of them it is that verifies (`latest_checkpoint` with `checksums`, as a resume from
     ``checkpoint.dir`` chooses; newer damaged ones reported to `warn`); CheckpointError says what
     is there otherwise. A checkpoint named itself is never swapped for another: `load` refuses it
-    when damaged, and one that lost its ``.metadata`` is named as damaged here."""
-    if os.path.exists(os.path.join(path, ".metadata")):
+    when damaged, and one that lost its ``.metadata`` is named as damaged here. One process reads
+    every file it checksums: a world chooses with `choose_load`."""
+    if _names_one(path):
         return path
+    latest = latest_checkpoint(path, warn, checksums)
+    if latest is None:
+        raise CheckpointError(_none_in(path))
+    return latest
+
+
+def _names_one(path: str) -> bool:
+    """Whether `path` names a checkpoint itself (True) or a directory of them (False); raises
+    CheckpointError for neither: no such directory, or a checkpoint that lost its ``.metadata``."""
+    if os.path.exists(os.path.join(path, ".metadata")):
+        return True
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path!r}: no such directory")
     if _STEP_DIR.match(os.path.basename(os.path.normpath(path))) or os.path.exists(os.path.join(path, MANIFEST)):
         raise CheckpointError(f"checkpoint {path!r} is damaged: {'; '.join(verify(path, checksums=False))}; name "
                               f"the directory that holds it ({os.path.dirname(os.path.normpath(path)) or '.'!r}) "
                               "to load the newest complete checkpoint instead")
-    latest = latest_checkpoint(path, warn, checksums)
-    if latest is None:
-        entries = sorted(os.listdir(path))[:8]
-        raise CheckpointError(f"checkpoint {path!r} is neither a checkpoint (no .metadata) nor a directory of "
-                              f"complete step-N checkpoints (it holds {entries or 'nothing'})")
-    return latest
+    return False
+
+
+def _none_in(path: str) -> str:
+    entries = sorted(os.listdir(path))[:8]
+    return (f"checkpoint {path!r} is neither a checkpoint (no .metadata) nor a directory of "
+            f"complete step-N checkpoints (it holds {entries or 'nothing'})")
+
+
+def choose_load(path: str) -> tuple[str, list[str], bool]:
+    """`resolve_load` for a world (collective: call on every rank): rank 0 says what `path`
+    names (no file read), and a directory of checkpoints is chosen from as a resume from
+    ``checkpoint.dir`` is (`choose_checkpoint`: each rank checksums its share of the files, not
+    rank 0 all of them while its peers wait). Returns (the checkpoint, a warning for each newer
+    one skipped, whether it was verified); CheckpointError on every rank alike."""
+    said: list[Any] = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            said[0] = _names_one(path)
+        except CheckpointError as e:
+            said[1] = str(e)
+    dist.broadcast_object_list(said, src=0)
+    if said[1] is not None:
+        raise CheckpointError(said[1])
+    if said[0]:
+        return path, [], False
+    chosen, warnings = choose_checkpoint(path)
+    if chosen is None:
+        message: list[Any] = [_none_in(path) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(message, src=0)
+        raise CheckpointError("; ".join([message[0], *warnings]))
+    return chosen, warnings, True
 
 
 def expected_shapes(modules: Mapping[str, torch.nn.Module]) -> dict[str, tuple[int, ...]]:
@@ -273,12 +311,19 @@ def save(directory: str, step: int, model: MimoModel, optimizer: MimoOptimizer,
 
 
 def _prepare(directory: str, step: int) -> str:
-    """The temporary directory of `step`'s checkpoint, emptied by rank 0 (every rank returns after it)."""
+    """The temporary directory of `step`'s checkpoint, emptied and created by rank 0 (every rank
+    returns after it, or raises CheckpointError with rank 0's reason: an all-gather in place of
+    a barrier, so that no rank waits for one that gave up)."""
     tmp = os.path.join(directory, f".step-{step:06d}.tmp")
+    error = None
     if dist.get_rank() == 0:
-        os.makedirs(directory, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
+        try:
+            os.makedirs(directory, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = f"rank 0 could not create {tmp}: {e.strerror or e}"
+    _every_rank_raises([error], f"saving the checkpoint of step {step} in {directory}")
     return tmp
 
 
@@ -527,11 +572,19 @@ def write_manifest(directory: str, group: dist.ProcessGroup | None = None) -> No
 
 
 def _newest(directory: str, keep: int, upto: int) -> set[str]:
-    """The `keep` newest checkpoints of `directory` up to step `upto`: one newer than the step just
-    saved (a damaged one the run resumed past) neither counts nor goes."""
-    steps = sorted((int(m.group(1)), n) for n in os.listdir(directory) if (m := _STEP_DIR.match(n))
-                   and int(m.group(1)) <= upto)
-    return {n for _, n in steps[-keep:]}
+    """The `keep` newest complete checkpoints of `directory` up to step `upto`: one newer than the
+    step just saved (a damaged one the run resumed past) neither counts nor goes, and a damaged one
+    older than it (a file missing or cut short: `verify` without checksums, a stat per file) does
+    not count as one of the `keep`, so it never costs a good one its place."""
+    steps = sorted(((int(m.group(1)), n) for n in os.listdir(directory) if (m := _STEP_DIR.match(n))
+                    and int(m.group(1)) <= upto), reverse=True)
+    kept: set[str] = set()
+    for _, name in steps:
+        if len(kept) == keep:
+            break
+        if not verify(os.path.join(directory, name), checksums=False):
+            kept.add(name)
+    return kept
 
 
 def check_checkpoint(path: str, expected: Mapping[str, tuple[int, ...]]) -> None:

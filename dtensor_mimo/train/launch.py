@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dtensor_mimo.train.config import ConfigError, TrainerConfig, build_layout, check_config, help_text, parse_args
-from dtensor_mimo.train.preemption import REPEAT_S, STOP_SIGNALS, StopSignals, exit_status
+from dtensor_mimo.train.preemption import REPEAT_S, STOP_SIGNALS, StopSignals, exit_status, held_stop_signals
 from dtensor_mimo.layout.world import abort, hold_store, init_distributed, local_rank_env
 
 if TYPE_CHECKING:
@@ -37,12 +37,19 @@ def preflight(config: TrainerConfig) -> None:
     their architectures, the tokenizer and its chat template, processors, the data files (they
     exist; the first `CHECKED_SAMPLES` samples' JSON shape, placeholders against items, media
     files, token lengths: a bounded sample, never a pass over the whole corpus), the batch
-    against the data, `checkpoint.load`, and that `checkpoint.export_hf` can write the model.
+    against the data, `checkpoint.load`, that `checkpoint.export_hf` can write the model, and
+    that the run's outputs (`checkpoint.dir`, `checkpoint.export_hf`, `metrics.jsonl`,
+    `metrics.tensorboard`) can be written where they are named (`_check_writable`).
     Prints one line saying what of the data it did not check. Raises ConfigError."""
     from dtensor_mimo.train import checkpoint
     from dtensor_mimo.train.datasets import CHECKED_SAMPLES, train_data
     from dtensor_mimo.train.modules import resolve
 
+    c, m = config.checkpoint, config.metrics
+    for option, path, directory in (("checkpoint.dir", c.dir, True), ("checkpoint.export_hf", c.export_hf, True),
+                                    ("metrics.jsonl", m.jsonl, False), ("metrics.tensorboard", m.tensorboard, True)):
+        if path:
+            _check_writable(option, path, directory)
     resolved = resolve(config)
     _check_export(config, resolved)
     data = train_data(config, resolved, ahead=True)
@@ -63,6 +70,29 @@ def preflight(config: TrainerConfig) -> None:
             checkpoint.resolve_load(config.checkpoint.load, checksums=False)  # sizes: the ranks checksum
         except checkpoint.CheckpointError as e:
             raise ConfigError(f"checkpoint.load: {e}") from None
+
+
+def _check_writable(option: str, path: str, directory: bool) -> None:
+    """Refuse (ConfigError) an output path the run could not write: rank 0 first writes there
+    alone, after the world has formed, and `checkpoint.dir` only at the first save (with
+    `checkpoint.every = 0`, after the last step: the whole run lost to a mistyped path). A
+    `directory` (or, for a file, its parent) that does not exist yet must be creatable: its
+    nearest existing parent a writable directory."""
+    full = os.path.abspath(path)
+    kind = "a directory" if directory else "a file"
+    if os.path.exists(full):
+        if os.path.isdir(full) != directory:
+            raise ConfigError(f"{option} = {path!r} is {'a file' if directory else 'a directory'}; name {kind}")
+        if not os.access(full, os.W_OK):
+            raise ConfigError(f"{option} = {path!r} is not writable; name {kind} this user can write")
+        return
+    parent = os.path.dirname(full)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        why = "is a file" if not os.path.isdir(parent) else "is not writable"
+        raise ConfigError(f"{option} = {path!r} cannot be created: {parent!r} {why}; name {kind} under a "
+                          "writable directory")
 
 
 def _check_export(config: TrainerConfig, resolved: ResolvedModel) -> None:
@@ -97,10 +127,10 @@ def _run_rank(config: TrainerConfig, on_error: Callable[[BaseException], None] |
     an error, `on_error` hears it first (while the peers still wait), then this rank's groups are
     aborted so the peers fail at once instead of waiting for `train.timeout_s`; the error
     propagates."""
+    signals = StopSignals().install()  # first: a signal while building is a stop after step 1
     from dtensor_mimo.train.trainer import Trainer
 
     _quiet_known_logs()
-    signals = StopSignals().install()  # first: a signal while building is a stop after step 1
     try:
         if not dist.is_initialized():
             init_distributed(config.train.device, config.train.timeout_s)
@@ -294,9 +324,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     errors = mp.get_context("spawn").SimpleQueue()
     store = hold_store(world, config.train.timeout_s)  # held until the ranks end
-    ranks = mp.start_processes(_local_rank, args=(world, store.port, config, errors), nprocs=world,
-                               start_method="spawn", join=False)
-    forward = _Forward(ranks.processes)
+    # A signal from here on is forwarded; one that reaches a rank before its handlers exist (while it
+    # imports) waits for them there: the ranks start with the stop signals blocked.
+    with held_stop_signals():
+        ranks = mp.start_processes(_local_rank, args=(world, store.port, config, errors), nprocs=world,
+                                   start_method="spawn", join=False)
+        forward = _Forward(ranks.processes)
     try:
         return _join(ranks)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:

@@ -141,6 +141,8 @@ class MetricsLogger:
         # sys.stdout as it is now (a default argument would keep the one at import: the planner's
         # calibration ranks point sys.stdout at /dev/null before they build a trainer)
         self.enabled, self.out, self.total = enabled, sys.stdout if out is None else out, total_steps
+        if enabled and jsonl:  # its directory created as checkpoint.dir's and TensorBoard's are
+            os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
         self._jsonl = open(jsonl, "a") if enabled and jsonl else None
         self._tb = None
         if enabled and tensorboard:

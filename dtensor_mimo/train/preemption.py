@@ -16,13 +16,14 @@ hears one request twice within milliseconds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
 from types import FrameType
-from typing import Callable
+from typing import Callable, Iterator
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REPEAT_S = 2.0
@@ -38,6 +39,23 @@ def ignore_stop_signals(_worker_id: int = 0) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+@contextlib.contextmanager
+def held_stop_signals() -> Iterator[None]:
+    """`STOP_SIGNALS` blocked in this thread for the duration (delivered, if they came, when it
+    ends), and in every process started meanwhile until it installs `StopSignals`: a launcher
+    starts its ranks inside it, so a signal that reaches a rank while it is still importing (seconds
+    before its handlers exist) waits for them and stops the run after step 1, as one a moment later
+    does, instead of killing the rank with no checkpoint and no stop status."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def exit_status(sig: int) -> int:
     """The exit status of a run stopped by `sig`: 128 + its number (143 SIGTERM, 130 SIGINT)."""
     return 128 + int(sig)
@@ -47,7 +65,9 @@ class StopSignals:
     """Handlers of `STOP_SIGNALS` in this process (install from the main thread).
 
     `requested` is the first signal received (None: none); a second one, `REPEAT_S` or more
-    later, exits at once with its `exit_status`. `uninstall` restores the previous handlers."""
+    later, exits at once with its `exit_status`. `uninstall` restores the previous handlers.
+    `install` also unblocks the signals a launcher held for its ranks (`held_stop_signals`): one
+    that arrived before is delivered to the handlers then."""
 
     def __init__(self, on_second: Callable[[int], None] | None = None) -> None:
         self.requested: signal.Signals | None = None
@@ -59,6 +79,8 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            if hasattr(signal, "pthread_sigmask"):
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         return self
 
     def uninstall(self) -> None:

@@ -427,17 +427,11 @@ class Trainer:
                     f"no checkpoint in {c.dir}"
                 self.log.print(f"{what}: " + ("starting from checkpoint.load" if c.load else "starting at step 0"))
         if path is None and c.load:
-            # Rank 0 picks; every rank then loads the same path or raises together.
-            chosen: list[Any] = [None, None]
-            if self.rank == 0:
-                try:
-                    chosen[0] = checkpoint.resolve_load(c.load, lambda w: self.log.print(f"warning: {w}"))
-                except checkpoint.CheckpointError as e:
-                    chosen[1] = str(e)
-            dist.broadcast_object_list(chosen, src=0)
-            if chosen[1] is not None:
-                raise checkpoint.CheckpointError(chosen[1])
-            path = chosen[0]
+            # Every rank loads the same path or raises together; a directory of checkpoints is
+            # chosen from as checkpoint.dir is, each rank checksumming its share.
+            path, warnings, verified = checkpoint.choose_load(c.load)
+            for warning in warnings:
+                self.log.print(f"warning: {warning}")
         if path is None:
             return
         def fits(saved: dict[str, Any]) -> None:  # the same verdict on every rank: one checkpoint, one config
