@@ -375,6 +375,24 @@ def test_a_directory_rank_0_cannot_create_fails_every_rank(tmp_path) -> None:
         assert "Not a directory" in message and seconds < 30, message
 
 
+def _choose_where_rank_0_cannot_list(directory: str) -> str:
+    def unreadable(_directory: str) -> list[str]:
+        raise PermissionError(13, "Permission denied")
+
+    if dist.get_rank() == 0:
+        checkpoint.step_checkpoints = unreadable  # (this rank's process only)
+    try:
+        checkpoint.choose_checkpoint(directory)
+        return "chosen"
+    except CheckpointError as e:
+        return str(e)
+
+
+def test_a_checkpoint_directory_rank_0_cannot_list_fails_every_rank(tmp_path) -> None:
+    results = run_on_ranks(_choose_where_rank_0_cannot_list, 2, str(tmp_path), timeout=60)
+    assert results == [f"cannot list the checkpoints of {tmp_path}: Permission denied"] * 2
+
+
 def _read(path: str, model: _Model) -> dict[str, torch.Tensor]:
     state = {f"model.{m}.{n}": torch.zeros_like(p) for m, ps in model.params.items() for n, p in ps.items()}
     dcp.load(state, checkpoint_id=path)

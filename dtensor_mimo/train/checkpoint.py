@@ -149,8 +149,15 @@ def choose_checkpoint(directory: str) -> tuple[str | None, list[str]]:
     newer one skipped (naming the file). Collective: call on every rank; each checksums its share
     of a candidate's files and one all-gather pools the verdicts, so every rank returns the same."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    candidates: list[Any] = [step_checkpoints(directory) if rank == 0 else None]
-    dist.broadcast_object_list(candidates, src=0)  # rank 0 lists: one view of a shared directory
+    candidates: list[Any] = [None, None]
+    if rank == 0:  # rank 0 lists: one view of a shared directory
+        try:
+            candidates[0] = step_checkpoints(directory)
+        except OSError as e:  # (an unreadable directory: every rank raises it, none waits)
+            candidates[1] = f"cannot list the checkpoints of {directory}: {e.strerror or e}"
+    dist.broadcast_object_list(candidates, src=0)
+    if candidates[1] is not None:
+        raise CheckpointError(candidates[1])
     warnings = []
     for path in candidates[0]:
         problems = verify(path, (rank, world))
