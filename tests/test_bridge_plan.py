@@ -151,6 +151,18 @@ def execute(p, src_ref: dict[int, Held], dst_ref: dict[int, Held], world: int):
         for lo, hi in v.zero_fill:
             for k in range(lo, hi):
                 count[k] += 1
+        if v.reduce:  # every row's contributions are added in the source's Partial order, copied or received
+            pieces = [(c.dst_lo, c.dst_hi, src_ref[d].part) for c in v.copies]
+            pieces += [(m.lo, m.hi, src_ref[m.peer].part) for m in v.recvs]
+            assert sorted(v.sum_order) == list(range(len(pieces))), f"rank {d}: sum_order {v.sum_order}"
+            parts: dict[int, list[int]] = {}
+            for i in v.sum_order:
+                lo, hi, part = pieces[i]
+                for k in range(lo, hi):
+                    parts.setdefault(k, []).append(part)
+            assert all(p == sorted(p) for p in parts.values()), f"rank {d} sums out of Partial order: {parts}"
+        else:
+            assert v.sum_order == ()
         if d not in dst_ref:
             assert not (v.recvs or v.copies or v.zero_fill)
             continue

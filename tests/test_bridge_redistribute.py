@@ -35,7 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from dtensor_mimo.bridge import Bridge, BufferPool, MeshSpec, PlanError, plan, redistribute, redistribute_many
 from tests.harness import run_on_ranks
@@ -449,3 +449,87 @@ def _run_bridge(name, n_hops=None):
                                          ("colocated_fan_in", None), ("tp_dp_to_tp4", 2), ("cp_partial_grad", 2)])
 def test_bridge_split_phase(name, n_hops):
     assert run_on_ranks(_run_bridge, WORLD, name, n_hops, timeout=120) == [True] * WORLD
+
+
+# ---------------------------------------------------------------- summed Partial pieces: replicas agree
+
+def _partial_sums_agree_on_every_replica(n_hops):
+    """A Partial source of 4 contributors summed onto replicas that hold some of the pieces themselves
+    (colocated): every replica must hold the same bits, as DTensor's all-reduce gives; forward (a
+    Partial source) and backward (a gradient declared Partial) alike. float32 sums depend on their
+    order, so a replica adding its own piece first and the others after would hold other bits."""
+    parts_mesh = DeviceMesh("cpu", torch.arange(4), mesh_dim_names=("cp",))
+    rep_mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("dp", "tp"))
+    gen = torch.Generator().manual_seed(3)
+    scale = 10.0 ** torch.randint(-3, 4, (4, 256, 1), generator=gen)
+    parts, grads = torch.randn(4, 256, 2, generator=gen) * scale, torch.randn(4, 256, 2, generator=gen) * scale
+    rank = dist.get_rank()
+    x_local = parts[rank].clone().requires_grad_()
+    x = DTensor.from_local(x_local, parts_mesh, (Partial(),), run_check=False, shape=(256, 2), stride=(2, 1))
+    y = redistribute(x, rep_mesh, (Replicate(), Replicate()), grad_placements=(Partial(), Partial()), hops=n_hops)
+    y_local = y.to_local(grad_placements=(Partial(), Partial()))
+    torch.autograd.backward([y_local], [grads[rank]])
+    values = [torch.empty(256, 2) for _ in range(4)]
+    dist.all_gather(values, y_local.detach().contiguous())
+    gathered = [torch.empty(256, 2) for _ in range(4)]
+    dist.all_gather(gathered, x_local.grad.contiguous())
+    torch.testing.assert_close(values[0], parts.double().sum(0).float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gathered[0], grads.double().sum(0).float(), rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(values[0], v) for v in values), "replicas of a Replicate output differ"
+    assert all(torch.equal(gathered[0], g) for g in gathered), "replicas of a Replicate gradient differ"
+    return True
+
+
+@pytest.mark.parametrize("n_hops", [1, 2])
+def test_partial_sums_agree_on_every_replica(n_hops):
+    assert run_on_ranks(_partial_sums_agree_on_every_replica, 4, n_hops, timeout=60) == [True] * 4
+
+
+# ---------------------------------------------------------------- a 0-d tensor (a loss, a scale)
+
+def _scalar_crosses(n_hops):
+    """A 0-d DTensor crosses to another mesh, as DTensor's own redistribute allows on one mesh: the
+    value arrives on every rank of the destination, the gradient comes back to every source replica.
+    (`distribute_tensor`: `from_local` on a rank off the mesh ignores ``shape=()``.)"""
+    src = DeviceMesh("cpu", torch.arange(0, 2), mesh_dim_names=("tp",))
+    dst = DeviceMesh("cpu", torch.arange(2, 6).reshape(2, 2), mesh_dim_names=("dp", "tp"))
+    x = distribute_tensor(torch.tensor(1.25, dtype=torch.float64, requires_grad=True), src, (Replicate(),))
+    y = redistribute(x, dst, (Replicate(), Replicate()), hops=n_hops)
+    assert y.shape == () and tuple(y.placements) == (Replicate(), Replicate())
+    if dist.get_rank() < 2:
+        torch.autograd.backward([y], [torch.zeros_like(y)])
+        assert x.grad.shape == () and x.grad.to_local().item() == 3.0, x.grad
+    else:
+        assert y.to_local().shape == () and y.to_local().item() == 1.25, y.to_local()
+        torch.autograd.backward([y.to_local()], [torch.tensor(3.0, dtype=torch.float64)])
+    return True
+
+
+@pytest.mark.parametrize("n_hops", [1, 2])
+def test_scalar_crosses_meshes(n_hops):
+    assert run_on_ranks(_scalar_crosses, 6, n_hops, timeout=60) == [True] * 6
+
+
+# ---------------------------------------------------------------- a Shard dim counted from the end
+
+def _negative_shard_dim():
+    """``Shard(-1)`` names the last dim, as in `DTensor.redistribute`: rows of dim 1 of a [3, 8] tensor."""
+    src = DeviceMesh("cpu", torch.arange(0, 2), mesh_dim_names=("dp",))
+    dst = DeviceMesh("cpu", torch.arange(2, 6), mesh_dim_names=("dp",))
+    X = torch.arange(24, dtype=torch.float64).reshape(3, 8)
+    x = distribute_tensor(X.clone().requires_grad_(), src, (Shard(1),))
+    y = redistribute(x, dst, (Shard(-1),), grad_placements=(Shard(-1),))
+    assert tuple(y.placements) == (Shard(1),), y.placements
+    rank = dist.get_rank()
+    if rank < 2:
+        torch.autograd.backward([y], [torch.zeros_like(y)])
+        torch.testing.assert_close(x.grad.to_local(), 2 * X[:, 4 * rank:4 * rank + 4], rtol=0, atol=0)
+    else:
+        k = rank - 2
+        torch.testing.assert_close(y.to_local(), X[:, 2 * k:2 * k + 2], rtol=0, atol=0)
+        torch.autograd.backward([y.to_local()], [2 * X[:, 2 * k:2 * k + 2]])
+    return True
+
+
+def test_negative_shard_dim():
+    assert run_on_ranks(_negative_shard_dim, 6, timeout=60) == [True] * 6

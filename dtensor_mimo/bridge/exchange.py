@@ -3,9 +3,10 @@
 Receive buffers are sized from the plan, never from a shape message. When the bridged
 dim is 0 and pieces are written once, each receive lands directly in its rows of the
 output (no staging copy); otherwise (another dim, or summing Partial contributions)
-pieces land in staging buffers and are added in the plan's fixed order, so a sum is
-bitwise the same on every run. The exchange talks to global ranks on the default
-process group, so the two meshes need not share any group.
+pieces land in staging buffers and are added in the plan's fixed order (`RankPlan.sum_order`,
+local copies included), so a sum is bitwise the same on every run and on every replica. The
+exchange talks to global ranks on the default process group, so the two meshes need not share
+any group.
 """
 
 from __future__ import annotations
@@ -176,6 +177,8 @@ class Pending:
     batch: _Batch = field(default_factory=lambda: _Batch([]))
     out: torch.Tensor | None = None
     staged: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (lo, hi, buffer)
+    """Pieces added or copied into the output rows [lo, hi) in `wait`: the receives not received in
+    place and, when summing, first the local copies (the plan's `copies`, then `recvs`)."""
     _done: bool = False
 
     def peer_status(self) -> dict[int, int]:
@@ -197,9 +200,13 @@ class Pending:
         if not self._done:
             self.batch.wait()
             if self.out is not None:
-                for lo, hi, buf in self.staged:  # ascending peer order: deterministic sums
+                rp = self.rank_plan
+                # Summing: copies and receives staged alike, added in the plan's order (every row's
+                # contributions in Partial-coordinate order): the same bits on every replica and run.
+                for i in (rp.sum_order if rp.reduce else range(len(self.staged))):
+                    lo, hi, buf = self.staged[i]
                     target = _rows(self.out, self.dim, lo, hi)
-                    target.add_(buf) if self.rank_plan.reduce else target.copy_(buf)
+                    target.add_(buf) if rp.reduce else target.copy_(buf)
             self.staged.clear()
             self._done = True
         return self.out
@@ -277,7 +284,11 @@ def start(transfers: Sequence[Transfer], *, send: bool = True, recv: bool = True
         if recv and t.out_shape is not None:
             # The plan covers every output row except zero_fill ones; sums start from zero.
             out = alloc(t.out_shape, t.dtype, t.device, zero=rp.reduce or bool(rp.zero_fill))
-            copies.extend((out, t, c) for c in rp.copies)
+            if rp.reduce:  # summed in `wait`, in the plan's order
+                pending.staged.extend((c.dst_lo, c.dst_hi, _rows(t.src_local, t.dim, c.src_lo, c.src_hi))
+                                      for c in rp.copies)
+            else:
+                copies.extend((out, t, c) for c in rp.copies)
             direct = dim == 0 and not rp.reduce  # receive straight into the output rows
             for r in rp.recvs:
                 if direct:
@@ -291,9 +302,7 @@ def start(transfers: Sequence[Transfer], *, send: bool = True, recv: bool = True
             pending.out = out
     batch = _Batch(dist.batch_isend_irecv(ops) if ops else [], recv_peers, words)
     for out, t, c in copies:  # rows that no message touches
-        target = _rows(out, t.dim, c.dst_lo, c.dst_hi)
-        piece = _rows(t.src_local, t.dim, c.src_lo, c.src_hi)
-        target.add_(piece) if t.rank_plan.reduce else target.copy_(piece)
+        _rows(out, t.dim, c.dst_lo, c.dst_hi).copy_(_rows(t.src_local, t.dim, c.src_lo, c.src_hi))
     for pending in pendings:
         pending.batch = batch
     return pendings

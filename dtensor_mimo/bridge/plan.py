@@ -525,10 +525,14 @@ class RankPlan:
         recvs: from each peer at most one message, sorted by peer.
         copies: colocated pieces (this rank on both sides), in output-row order.
         reduce: received pieces are summed (the source has Partial contributors), not
-            written once. The output starts at zero; add copies first, then recvs in list
-            order (ascending peer), so the sum is the same on every run.
+            written once. The output starts at zero; add the pieces in `sum_order`.
         zero_fill: output row ranges that receive nothing and must be zeros (a destination
             `Partial` group delivers the value to its coordinate-0 member only).
+        sum_order: when reducing, the order to add the pieces in: index i < len(copies) is
+            ``copies[i]``, the others ``recvs[i - len(copies)]``. Each row's contributions come in
+            the source's Partial-coordinate order, whichever of them this rank copies or from
+            which replica it receives them, so every replica of the destination holds the same
+            bits, on every run. Empty when not reducing.
     """
 
     rank: int
@@ -541,6 +545,7 @@ class RankPlan:
     copies: tuple[Copy, ...]
     reduce: bool
     zero_fill: tuple[tuple[int, int], ...]
+    sum_order: tuple[int, ...] = ()
 
 
 def _csr(owner: Sequence[int], world: int) -> list[int]:
@@ -603,6 +608,8 @@ class Plan:
         cr: list[int] = []  # local copies: rank, global rows [lo, hi)
         clo: list[int] = []
         chi: list[int] = []
+        pseq: list[int] = []  # when each message / copy was made: a receiver's pieces in sum order
+        cseq: list[int] = []
         src_ne = [s for s, (lo, hi) in enumerate(src_bounds) if hi > lo]
         dst_ne = [t for t, (lo, hi) in enumerate(dst_bounds) if hi > lo]
         P = S.n_parts
@@ -621,11 +628,13 @@ class Plan:
                             cr.append(d)
                             clo.append(lo)
                             chi.append(hi)
+                            cseq.append(len(pseq) + len(cseq))
                         else:
                             ps.append(replicas[(first + slot) % len(replicas)])
                             pd.append(d)
                             plo.append(lo)
                             phi.append(hi)
+                            pseq.append(len(pseq) + len(cseq))
             if s_hi <= t_hi:
                 i += 1
             if t_hi <= s_hi:
@@ -644,12 +653,14 @@ class Plan:
         self._recv_peer = [ps[k] for k in order]
         self._recv_lo = [plo[k] - dst_off[pd[k]] for k in order]
         self._recv_hi = [phi[k] - dst_off[pd[k]] for k in order]
+        self._recv_seq = [pseq[k] for k in order]
         order = sorted(range(len(cr)), key=cr.__getitem__)  # stable: row order within a rank
         self._copy_start = _csr([cr[k] for k in order], W)
         self._copy = [
             Copy(clo[k] - src_off[cr[k]], chi[k] - src_off[cr[k]], clo[k] - dst_off[cr[k]], chi[k] - dst_off[cr[k]])
             for k in order
         ]
+        self._copy_seq = [cseq[k] for k in order]
         self._src_rows, self._dst_rows, self._needs = src_rows, dst_rows, needs
         for r in S.index:  # DTensor's offset of an empty shard; 0 off the mesh
             src_off[r] = _offset(src, src_off[r], src_off[r] + src_rows[r])
@@ -673,11 +684,16 @@ class Plan:
         sends = tuple(map(Send, self._send_peer[a:b], self._send_lo[a:b], self._send_hi[a:b]))
         a, b = self._recv_start[rank], self._recv_start[rank + 1]
         recvs = tuple(map(Recv, self._recv_peer[a:b], self._recv_lo[a:b], self._recv_hi[a:b]))
+        seq = self._recv_seq[a:b]
         a, b = self._copy_start[rank], self._copy_start[rank + 1]
         rows, needs = self._dst_rows[rank], self._needs[rank]
+        order: tuple[int, ...] = ()
+        if self.reduce and needs:
+            seq = self._copy_seq[a:b] + seq
+            order = tuple(sorted(range(len(seq)), key=seq.__getitem__))
         view = RankPlan(rank, self._src_rows[rank], rows, self._src_off[rank], self._dst_off[rank],
                         sends, recvs, tuple(self._copy[a:b]), self.reduce and needs,
-                        ((0, rows),) if rows and not needs else ())
+                        ((0, rows),) if rows and not needs else (), order)
         self._views[rank] = view
         return view
 
@@ -711,6 +727,7 @@ def _rank_plan(src: MeshSpec, dst: MeshSpec, rank: int) -> RankPlan:
     copies: list[Copy] = []
     src_rows = src_off = dst_rows = dst_off = 0
     needs = False
+    order: tuple[int, ...] = ()
     mine = S.group(rank)
     if mine >= 0:  # as a sender: every receiver dealt to this replica, on each shard it meets
         i = S.index[rank]
@@ -730,18 +747,24 @@ def _rank_plan(src: MeshSpec, dst: MeshSpec, rank: int) -> RankPlan:
         a, b = _bounds(dst, t)
         dst_rows, dst_off, needs = b - a, _offset(dst, a, b), D.part[j] == 0
         if needs:
+            made: list[int] = []  # the pieces in the order made (rows, then Partial coordinate): -1 - copy, or peer
             for s, lo, hi in _overlaps(src, a, b):
                 s_lo, s_hi = _bounds(src, s)
                 for gid in range(s * P, s * P + P):
                     if gid == mine:
+                        made.append(-1 - len(copies))
                         copies.append(Copy(lo - s_lo, hi - s_lo, lo - a, hi - a))
                     else:
                         replicas = S.groups[gid]
                         first = _first_replica(len(replicas), s_lo, s_hi, lo, hi)
                         recvs.append(Recv(replicas[(first + D.member[j]) % len(replicas)], lo - a, hi - a))
+                        made.append(recvs[-1].peer)
             recvs.sort()
+            if P > 1:  # at most one message per peer: a peer names its piece
+                at = {r.peer: len(copies) + i for i, r in enumerate(recvs)}
+                order = tuple(-1 - m if m < 0 else at[m] for m in made)
     return RankPlan(rank, src_rows, dst_rows, src_off, dst_off, tuple(sends), tuple(recvs), tuple(copies),
-                    P > 1 and needs, ((0, dst_rows),) if dst_rows and not needs else ())
+                    P > 1 and needs, ((0, dst_rows),) if dst_rows and not needs else (), order)
 
 
 def _check_pair(src: MeshSpec, dst: MeshSpec, world_size: int | None) -> int:

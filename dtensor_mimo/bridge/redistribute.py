@@ -49,9 +49,20 @@ def _bridged_dim(*placement_lists: Sequence[Placement]) -> int:
 
 
 def _local_shape(global_shape: Sequence[int], dim: int, rows: int) -> tuple[int, ...]:
-    shape = list(global_shape)
+    """The local shape holding `rows` rows along `dim`; a 0-d tensor travels as its one row, shape [1]."""
+    shape = list(global_shape) or [1]
     shape[dim] = rows
     return tuple(shape)
+
+
+def _normalized(placements: Sequence[Placement], ndim: int) -> tuple[Placement, ...]:
+    """`placements` with a negative `Shard` dim counted from the end of an `ndim`-d tensor, as DTensor does."""
+    return tuple(Shard(p.dim + ndim) if type(p) is Shard and p.dim < 0 else p for p in placements)
+
+
+def _as_rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A 0-d local as the one row it travels as (`_local_shape`); other tensors as they are."""
+    return t.reshape(1) if t is not None and t.dim() == 0 else t
 
 
 @functools.lru_cache(maxsize=64)
@@ -164,7 +175,8 @@ class _Trip:
         """The outputs as DTensors; a rank off the receiving mesh holds DTensor's empty local shard.
         Each gets its own copy of the spec, as DTensor's own wrappers do (sharding propagation
         may update a spec in place)."""
-        return tuple(DTensor(torch.empty(0, dtype=spec.tensor_meta.dtype, device=device) if o is None else o,
+        return tuple(DTensor(torch.empty(0, dtype=spec.tensor_meta.dtype, device=device) if o is None
+                             else o.reshape(()) if not spec.tensor_meta.shape else o,  # a 0-d tensor's one row
                              copy.copy(spec), requires_grad=False)
                      for o, spec, device in zip(outs, self.specs, self.devices))
 
@@ -246,7 +258,7 @@ class _RedistributeFunction(torch.autograd.Function):
         ctx.call, ctx.pool = call, pool
         if trip.idle and check != "world":
             return trip.wrap([None] * len(legs))
-        x_locals = [None if e is None else x.to_local() for x, e in zip(xs, trip.in_shapes)]
+        x_locals = [None if e is None else _as_rows(x.to_local()) for x, e in zip(xs, trip.in_shapes)]
         if check == "world":
             check_local_shapes(x_locals, trip.in_shapes, [leg.src for leg in legs], trip.devices[0])
         mine = None  # this rank's wrong shard: its planned rows go out as zeros, flagged
@@ -279,7 +291,7 @@ class _RedistributeFunction(torch.autograd.Function):
                     if tuple(grad.placements) != leg.grad_placements:  # same-mesh, members only
                         grad = grad.redistribute(leg.dst_mesh, leg.grad_placements)
                     grad = grad.to_local()
-                g_local = grad
+                g_local = _as_rows(grad)
             elif shape is not None:  # output unused: a zero gradient
                 g_local = torch.zeros(shape, dtype=leg.dtype, device=device)
             g_locals.append(g_local)
@@ -332,10 +344,10 @@ def _signature(x: DTensor, device_mesh: DeviceMesh, placements: Sequence[Placeme
     if not isinstance(x, DTensor):
         raise TypeError(f"redistribute expects a DTensor, got {type(x).__name__}; wrap it with "
                         "DTensor.from_local or distribute_tensor first")
-    return (x.device_mesh, tuple(x.placements), x.shape, x.dtype, device_mesh, tuple(placements),
+    return (x.device_mesh, tuple(x.placements), x.shape, x.dtype, device_mesh, _normalized(placements, x.ndim),
             None if sample_sizes is None else tuple(sample_sizes),
             None if shard_bounds is None else tuple(shard_bounds),
-            None if grad_placements is None else tuple(grad_placements), tuple(names), n_hops)
+            None if grad_placements is None else _normalized(grad_placements, x.ndim), tuple(names), n_hops)
 
 
 def redistribute(
@@ -511,6 +523,9 @@ class Bridge:
         hops: int | None = None,
     ) -> None:
         _hops.check_hops(hops, "Bridge")
+        ndim = len(global_shape)
+        src_placements, dst_placements = _normalized(src_placements, ndim), _normalized(dst_placements, ndim)
+        grad_placements = None if grad_placements is None else _normalized(grad_placements, ndim)
         dim = _bridged_dim(src_placements, dst_placements)
         extent = tuple(global_shape)[dim]
         src = Side(_spec(src_mesh, src_placements, extent, sample_sizes, "source"), src_mesh.get_group,
