@@ -379,13 +379,16 @@ def _choose_where_rank_0_cannot_list(directory: str) -> str:
     def unreadable(_directory: str) -> list[str]:
         raise PermissionError(13, "Permission denied")
 
+    listed = checkpoint.step_checkpoints
     if dist.get_rank() == 0:
-        checkpoint.step_checkpoints = unreadable  # (this rank's process only)
+        checkpoint.step_checkpoints = unreadable  # (this rank's process only, while this test runs)
     try:
         checkpoint.choose_checkpoint(directory)
         return "chosen"
     except CheckpointError as e:
         return str(e)
+    finally:
+        checkpoint.step_checkpoints = listed
 
 
 def test_a_checkpoint_directory_rank_0_cannot_list_fails_every_rank(tmp_path) -> None:
