@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -121,3 +123,22 @@ def test_step_profiler_failing_never_costs_the_run(tmp_path, monkeypatch) -> Non
         broken.before(step)
         assert broken.after(step) is None
     assert broken.failed == "torch.profiler did not start: RuntimeError: CUPTI is busy"
+
+
+def test_a_resumed_run_replaces_the_tensorboard_steps_it_logs_again(tmp_path) -> None:
+    """A run stopped after logging steps 1-5 from a checkpoint of step 3 resumes at step 4: its
+    records of steps 4 and 5 replace the first run's, not stand beside them."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = metrics.MetricsLogger(True, 5, None, str(tmp_path), "off", out=open(os.devnull, "w"))
+    for step in range(1, 6):
+        first.log({"step": step, "loss": float(step)}, "")
+    first.close()
+    resumed = metrics.MetricsLogger(True, 5, None, str(tmp_path), "off", out=open(os.devnull, "w"))
+    for step in (4, 5):
+        resumed.log({"step": step, "loss": 10.0 * step}, "")
+    resumed.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]

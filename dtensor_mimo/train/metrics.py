@@ -144,15 +144,15 @@ class MetricsLogger:
         if enabled and jsonl:  # its directory created as checkpoint.dir's and TensorBoard's are
             os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
         self._jsonl = open(jsonl, "a") if enabled and jsonl else None
-        self._tb = None
+        self._tb, self._tb_dir = None, None
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 print("metrics.tensorboard: the tensorboard package is not installed; "
                       "pip install tensorboard (TensorBoard logging off)", file=self.out)
-            else:
-                self._tb = SummaryWriter(tensorboard)
+            else:  # opened at the first record
+                self._tb_dir, self._tb_writer = tensorboard, SummaryWriter
         show = progress == "on" or (progress == "auto" and self.out.isatty())
         self._bar = _bar(total_steps) if enabled and show else None
         self._started = time.perf_counter()
@@ -172,6 +172,11 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
+        if self._tb is None and self._tb_dir is not None:
+            # A resumed run logs again the steps after its checkpoint that the stopped run had
+            # logged: TensorBoard drops those earlier events (from this step on) instead of
+            # drawing both.
+            self._tb = self._tb_writer(self._tb_dir, purge_step=record["step"])
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
