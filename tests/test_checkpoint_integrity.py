@@ -721,3 +721,26 @@ def test_load_of_a_directory_checksums_each_file_once_over_the_ranks(tmp_path) -
     reads = [r[0] for r in results]
     assert [r[1] for r in results] == [2, 2]  # both resumed from step 2
     assert sum(reads) == files and max(reads) == -(-files // 2), (reads, files)
+
+
+def test_a_pruned_checkpoint_cut_short_is_never_chosen(tmp_path, monkeypatch) -> None:
+    """Pruning that stops part way (here: after the manifest went, as a kill could leave it)
+    leaves no ``step-N`` that has lost its manifest but kept DCP's metadata: such a directory
+    would pass for a complete checkpoint of an old, manifest-less kind."""
+    old = tmp_path / "step-000001"
+    old.mkdir()
+    (old / ".metadata").write_text("")
+    (old / MANIFEST).write_text("{}")
+    (old / "__0_0.distcp").write_text("x")
+
+    def cut_short(path, ignore_errors=False):
+        manifest = os.path.join(path, MANIFEST)
+        if os.path.exists(manifest):
+            os.remove(manifest)
+        raise OSError("killed")
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", cut_short)
+    with pytest.raises(OSError, match="killed"):
+        checkpoint._discard(str(old))
+    assert checkpoint.step_checkpoints(str(tmp_path)) == []
+    assert checkpoint.latest_checkpoint(str(tmp_path)) is None

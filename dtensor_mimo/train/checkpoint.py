@@ -348,18 +348,34 @@ def _write(state: dict[str, Any], directory: str, step: int, tmp: str, keep: int
     error = None
     if dist.get_rank() == 0:
         try:
-            shutil.rmtree(final, ignore_errors=True)
+            _discard(final)
             os.replace(tmp, final)
             kept = _newest(directory, keep, step)
             for name in os.listdir(directory):  # older checkpoints beyond `keep`, stale partial saves
                 m = _STEP_DIR.match(name)
                 if (m and int(m.group(1)) < step and name not in kept) or \
                         (name.startswith(".step-") and name.endswith(".tmp")):
-                    shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+                    _discard(os.path.join(directory, name))
         except OSError as e:
             error = f"rank 0 could not rename {tmp} to {final}: {e}"
     _every_rank_raises([error], f"saving {final}", group)  # in place of a barrier: rank 0's verdict too
     return final
+
+
+def _discard(path: str) -> None:
+    """Remove the checkpoint directory `path`: first renamed out of the ``step-N`` names (one
+    atomic step), then deleted, so that a removal cut short (a kill, a full quota) never leaves a
+    ``step-N`` missing some files but not its metadata, which a later run could choose."""
+    if not os.path.exists(path):
+        return
+    name = os.path.basename(os.path.normpath(path))
+    trash = os.path.join(os.path.dirname(os.path.normpath(path)), f".{name}.removed.tmp" if not
+                         name.startswith(".") else name)
+    if trash != path:
+        if os.path.exists(trash):  # an earlier removal's, cut short
+            shutil.rmtree(trash, ignore_errors=True)
+        os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _same_layout(buffer: torch.Tensor, value: torch.Tensor) -> bool:
