@@ -20,6 +20,7 @@ files), learning rates set before each update from the closed-form schedule belo
 | test_no_decay_groups                  | 1     | -                                                       |
 | test_matches_plain_adamw              | 1     | every module on one process; a skipped step in between  |
 | test_state_dict_resumes               | 1     | -                                                       |
+| test_state_dict_resumes_with_this_runs_config | 1 | another weight decay, betas and eps after the resume |
 | test_config_errors                    | 1     | -                                                       |
 | test_distributed_matches_reference    | 4     | vision dp2 FSDP (0-1), audio dp2 all-reduce (0-1), language dp2 FSDP (2-3) |
 |                                       | 4     | vision tp2·dp2 + sp (0-3), language tp4 (0-3), colocated |
@@ -195,6 +196,44 @@ def test_state_dict_resumes() -> None:
     for name in modules:
         for p, q in zip(modules[name].parameters(), saved_modules[name].parameters()):
             assert torch.equal(p, q), name
+
+
+def test_state_dict_resumes_with_this_runs_config() -> None:
+    """A run resumed from `state_dict()` under a config of other hyperparameters (weight decay,
+    betas, eps of a module) steps with them, as it does with its new lr and as a resume from a
+    DCP checkpoint (which holds the moments only) does: the saved moments and step counts, the
+    resumed run's config. Reference: plain AdamW per module built from the new config, its
+    moments copied from the first run's."""
+    modules = _all_modules()
+    optimizer = MimoOptimizer(_OneProcess(modules), BASE, per_module=PER_MODULE)
+    for seed in range(2):
+        _set_grads(modules, seed, 1e-3)
+        optimizer.step(0.1)
+    new_base = dataclasses.replace(BASE, betas=(0.5, 0.6), eps=1e-4, weight_decay=0.7)
+    new_vision = dataclasses.replace(PER_MODULE["vision"], weight_decay=0.0, betas=(0.7, 0.8))
+    resumed_modules = copy.deepcopy(modules)
+    resumed = MimoOptimizer(_OneProcess(resumed_modules), new_base,
+                            per_module={"vision": new_vision, "audio": PER_MODULE["audio"]})
+    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    reference_modules = copy.deepcopy(modules)
+    _set_grads(reference_modules, 2, 1e-3)
+    for name, module in reference_modules.items():
+        config = {"vision": new_vision, "audio": PER_MODULE["audio"]}.get(name, new_base)
+        exempt = set() if config.no_decay is None else _no_decay_names(module)
+        named = dict(module.named_parameters())
+        reference = torch.optim.AdamW(
+            [{"params": [p for n, p in named.items() if n not in exempt], "weight_decay": config.weight_decay},
+             {"params": [p for n, p in named.items() if n in exempt], "weight_decay": 0.0}],
+            lr=config.lr, betas=config.betas, eps=config.eps)
+        saved = optimizer.optimizers[name].state
+        for (n, p), q in zip(named.items(), modules[name].parameters()):
+            reference.state[p] = {k: v.clone() for k, v in saved[q].items()}
+        reference.step()
+    _set_grads(resumed_modules, 2, 1e-3)
+    resumed.step(0.1)
+    for name in modules:
+        for (n, p), q in zip(resumed_modules[name].named_parameters(), reference_modules[name].parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}.{n}: {m}")
 
 
 def test_config_errors() -> None:

@@ -302,13 +302,20 @@ class MimoOptimizer:
                 "optimizers": {name: opt.state_dict() for name, opt in self.optimizers.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore `state_dict()` saved by the same rank under the same layout."""
+        """Restore `state_dict()` saved by the same rank under the same layout: the moments, step
+        counts and the schedule's position. The hyperparameters stay this optimizer's own (its
+        configs' weight decay, betas and eps, as its lr), as a resume from a DCP checkpoint
+        (`dtensor_mimo.train.checkpoint`, which stores the moments only) takes them."""
         if set(state["optimizers"]) != set(self.optimizers):
             raise ValueError(f"MimoOptimizer.load_state_dict: the state holds modules "
                              f"{sorted(state['optimizers'])}, this rank's optimizer "
                              f"{sorted(self.optimizers)}")
         for name, opt in self.optimizers.items():
+            # torch's load_state_dict takes the saved groups' hyperparameters too
+            own = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
             opt.load_state_dict(state["optimizers"][name])
+            for group, hyper in zip(opt.param_groups, own):
+                group.update(hyper)
         self.updates = state["updates"]
         self._set_lrs()
 
