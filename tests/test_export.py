@@ -10,6 +10,7 @@ images in 4x4 patches) with every weight, bias and norm perturbed, so a misplace
 | test_whisper_encoder_matches_transformers   | `AudioEncoder` (with a key bias, which softmax ignores) -> `WhisperEncoder.from_pretrained`: features |
 | test_projection_matches_transformers        | `Projection` -> LLaVA's projector names + config.json; transformers' LlavaMultiModalProjector gives its outputs |
 | test_pipeline_stages_and_bf16               | two pipeline stages of a Llama (and of a ViT), saved one by one (`layer_split`), make one directory; bf16 export equals the bf16 cast |
+| test_writing_over_an_earlier_export_...     | rewritten (sharded <-> one file): both readers get the new weights |
 | test_refusals_are_named                     | a ViT with a final norm in LLaVA, a projector LLaVA cannot express, a tokenizer without the image token, an image processor of another size, Whisper strides, a stage without its split |
 | test_export_hf[colocated_tp_fsdp]           | `export_hf` of a MimoModel, 4 ranks: vision dp4 (FSDP2) and language dp2·tp2 (FSDP2) on the same ranks -> one LLaVA directory |
 | test_export_hf[disjoint_pp2]                | vision dp2 (FSDP2, frozen tower, ranks 0-1), language pp2 (ranks 2-3, one file per stage) -> one LLaVA directory |
@@ -253,6 +254,32 @@ def test_refusals_are_named(tmp_path) -> None:
         save_hf(decoder_stage(llama, [0], first=True, last=False), str(tmp_path / "e"))
     assert not any((tmp_path / d).exists() for d in "abcdef")  # refused before anything was written
 
+
+@pytest.mark.parametrize("first_shard_bytes, second_shard_bytes", [(4096, None), (None, 4096)])
+def test_writing_over_an_earlier_export_leaves_no_stale_weights(first_shard_bytes, second_shard_bytes,
+                                                                tmp_path) -> None:
+    """A directory written again (more training, another dtype or shard size) holds the new
+    weights only: from sharded to one file, the earlier index and shards would be read by
+    `load_hf` (it reads an index first); from one file to sharded, the earlier
+    ``model.safetensors`` by transformers (it reads that first). Both read the new model."""
+    path = str(tmp_path / "out")
+    old, new = _perturbed(Llama(LLAMA), 11), _perturbed(Llama(LLAMA), 12)
+    for module, shard in ((old, first_shard_bytes), (new, second_shard_bytes)):
+        save_hf(module, path, **({} if shard is None else dict(max_shard_bytes=shard)))
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(13))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    again = Llama(LlamaConfig.from_hf(path))
+    load_hf(again, path)
+    with torch.no_grad():
+        want = new(tokens)
+        torch.testing.assert_close(hf(tokens).logits, want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(again(tokens), want, rtol=0, atol=0)
+    files = sorted(f for f in os.listdir(path) if f.startswith("model"))
+    if second_shard_bytes is None:
+        assert files == ["model.safetensors"]
+    else:
+        index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+        assert files == sorted({*index.values(), "model.safetensors.index.json"})
 
 # ------------------------------------------------------------------ export_hf on 4 ranks
 

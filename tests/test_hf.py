@@ -7,6 +7,7 @@ each test writes with ``save_pretrained``; no download; skipped without transfor
 | test_sharded_checkpoint_and_bf16       | `save_hf` in several files with an index; bf16 weights read back exactly |
 | test_refused_configs_are_named         | what the model cannot express                                 |
 | test_load_hf_names_a_config_mismatch   | a module built from another config                            |
+| test_a_directory_transformers_rewrote_... | a stale index beside model.safetensors: that file, as transformers |
 | test_siglip_tower_matches_transformers | SigLIP tower (tanh GELU, 30 px images in 4 px patches): features within 1e-5, `save_hf` round trip |
 | test_clip_tower_matches_transformers   | CLIP tower (class token, pre-norm, quick GELU, no patch bias) |
 | test_llava_checkpoint_fills_...        | one LLaVA directory: tower at vision_feature_layer -2, projector, Llama; image features and logits |
@@ -116,6 +117,21 @@ def test_sharded_checkpoint_and_bf16(tmp_path) -> None:
     assert back.model.embed_tokens.weight.dtype == torch.bfloat16
     torch.testing.assert_close(back.model.layers[0].mlp.down_proj.weight, llama.layers["0"].feed_forward.w2.weight,
                                rtol=0, atol=0)
+
+
+def test_a_directory_transformers_rewrote_as_one_file_loads_that_file(tmp_path) -> None:
+    """transformers' `save_pretrained` into a directory it had written sharded removes the old
+    shards but leaves their index, and reads ``model.safetensors`` first: `load_hf` reads the
+    same file (not the index, whose shards are gone) and gives transformers' logits."""
+    path = str(tmp_path / "hf")
+    _write(path, "qwen2", seed=1).save_pretrained(path, max_shard_size="20KB")
+    assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+    hf = _write(path, "qwen2", seed=2)
+    assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))  # left behind
+    llama = Llama(LlamaConfig.from_hf(path))
+    load_hf(llama, path)
+    with torch.no_grad():
+        torch.testing.assert_close(llama(TOKENS), hf(TOKENS).logits, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("family, overrides, message", [

@@ -18,6 +18,7 @@ Each property is compared with an independent reference, never with the code und
 | ViT patch order, per-item independence     | unfold + matmul by hand; each item alone           |
 | audio T_out function                       | the real encoder output length                     |
 | gradients                                  | every parameter receives a nonzero gradient        |
+| greedy generate on packed rows             | a greedy loop over the prompt's document alone     |
 """
 
 from __future__ import annotations
@@ -629,3 +630,39 @@ def test_gradients_reach_every_parameter(name, model, inputs):
     (out * weights).sum().backward()
     for pname, p in module.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, f"{name}: no gradient for {pname}"
+
+
+def test_greedy_generate_on_packed_rows_continues_the_prompts_document():
+    """`greedy_generate` on a packed batch (document ids and per-document positions, the
+    padding a document of its own, as the conversation packer lays rows out): each new token
+    continues its prompt's document at the next position, so the ids equal a greedy loop over
+    the prompt's own document alone (the model fed the growing document, nothing packed)."""
+    from dtensor_mimo.data import MimoBatch
+    from dtensor_mimo.sequence import greedy_generate
+
+    model = llama64()
+    seq, new = 16, 4
+    # row 0: one prompt of 5 tokens, then padding; row 1: a 4-token document, then a 6-token prompt
+    layouts, prompts = [[5], [4, 6]], [5, 10]
+    tokens = tokens_for(2, seq, seed=3)
+    documents, positions = torch.zeros(2, seq, dtype=torch.int64), torch.zeros(2, seq, dtype=torch.int64)
+    for row, lengths in enumerate(layouts):
+        pos, doc = packed_positions(lengths + [seq - sum(lengths)])  # the padding: a document of its own
+        positions[row], documents[row] = pos, doc
+    batch = MimoBatch(tokens, torch.full((2, seq), -100), torch.zeros(2, seq), document_ids=documents,
+                      positions=positions)
+
+    def predict(b: MimoBatch) -> torch.Tensor:
+        with torch.no_grad():
+            return model(b.tokens, positions=b.positions, document_ids=b.document_ids).argmax(-1)
+
+    want = []
+    for row, lengths in enumerate(layouts):
+        doc = tokens[row:row + 1, prompts[row] - lengths[-1]:prompts[row]]  # the prompt's own document
+        ids = []
+        for _ in range(new):
+            with torch.no_grad():
+                ids.append(int(model(doc)[0, -1].argmax()))
+            doc = torch.cat([doc, torch.tensor([[ids[-1]]])], dim=1)
+        want.append(ids)
+    assert greedy_generate(predict, batch, prompts, new) == want

@@ -15,7 +15,9 @@ def greedy_generate(predict: Callable[[MimoBatch], torch.Tensor], batch: MimoBat
     """Each sample's `batch` row up to ``prompt_lengths[i]`` tokens is its prompt (its encoder
     items included); returns the ids `predict` (next-token ids ``[B, S]`` at every position)
     generates per sample, up to `max_new_tokens` or through `stop_token`, writing each new id
-    into the row after the prompt before the next call."""
+    into the row after the prompt before the next call. On packed rows (``document_ids`` /
+    ``positions``) each new id continues its prompt's document at the next position (the
+    columns after a prompt belong to another document: the padding, or the next one packed)."""
     if len(prompt_lengths) != batch.batch_size:
         raise ValueError(f"generate: {len(prompt_lengths)} prompt lengths for {batch.batch_size} samples")
     bad = [n for n in prompt_lengths if not 1 <= n <= batch.seq_len - max_new_tokens]
@@ -36,18 +38,32 @@ def greedy_generate(predict: Callable[[MimoBatch], torch.Tensor], batch: MimoBat
                 f"positions after their prompts (prompt lengths {[prompt_lengths[i] for i in hit]}), which the new "
                 "tokens would overwrite; give each row only its prompt's items, or lower max_new_tokens")
     tokens = batch.tokens.clone()
+    documents = None if batch.document_ids is None else batch.document_ids.clone()
+    positions = None if batch.positions is None else batch.positions.clone()
     rows = torch.arange(batch.batch_size)
     done = torch.zeros(batch.batch_size, dtype=torch.bool)
     generated: list[list[int]] = [[] for _ in prompt_lengths]
     for _ in range(max_new_tokens):
-        ids = predict(dataclasses.replace(batch, tokens=tokens)).cpu()
+        # fresh tensors every call: an attention core may key what it derives from them (its
+        # block mask) by the tensor objects, which the updates below would change in place
+        ids = predict(dataclasses.replace(batch, tokens=tokens, document_ids=_copy(documents),
+                                          positions=_copy(positions))).cpu()
         new = ids[rows, ends - 1]
         for i in torch.nonzero(~done).flatten().tolist():
             generated[i].append(int(new[i]))
-        tokens[rows[~done], ends[~done]] = new[~done]
+        live, at = rows[~done], ends[~done]
+        tokens[live, at] = new[~done]
+        if documents is not None:  # the new token continues its prompt's document ...
+            documents[live, at] = documents[live, at - 1]
+        if positions is not None:  # ... at the position after the prompt's last token
+            positions[live, at] = positions[live, at - 1] + 1
         ends = ends + (~done).long()
         if stop_token is not None:
             done |= new == stop_token
         if done.all():
             break
     return generated
+
+
+def _copy(value: torch.Tensor | None) -> torch.Tensor | None:
+    return None if value is None else value.clone()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -179,6 +180,8 @@ def write_directory(path: str, parts: list[Part], holders: Mapping[str, Holder],
 
     if metadata_writer or any(h.writer for h in holders.values()):
         attempt(lambda: os.makedirs(path, exist_ok=True))
+    if metadata_writer:  # an earlier write's weights must not outlive it (see `_remove_stale`)
+        attempt(lambda: _remove_stale(path, plan.files))
     for file, (key, stage), entries in zip(plan.files, plan.groups, plan.entries):
         holder = holders.get(key)
         if holder is None or stage not in holder.stages:
@@ -208,6 +211,21 @@ def write_directory(path: str, parts: list[Part], holders: Mapping[str, Holder],
     if errors:
         raise errors[0]
     return plan
+
+
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _remove_stale(path: str, files: list[str]) -> None:
+    """Remove the weight files of an earlier write into `path` that this one does not write
+    (``files``, and the index when there are several): left there, a reader would take them for
+    the model's — transformers and `SafetensorsDir` read a ``model.safetensors`` before an index,
+    so a directory rewritten from one file to sharded would give both the earlier weights. Only
+    files of this naming are touched; the plan's own are not."""
+    keep = {*files, *([INDEX] if len(files) > 1 else [])}
+    for name in os.listdir(path):
+        if name not in keep and (name in (SINGLE, INDEX) or _SHARD.fullmatch(name)):
+            os.remove(os.path.join(path, name))
 
 
 def _write_json(path: str, value: Any) -> None:

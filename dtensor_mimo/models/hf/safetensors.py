@@ -4,8 +4,9 @@ The format is an 8-byte little-endian header length, a JSON header (per tensor: 
 byte offsets) and the raw little-endian data. Files are memory-mapped, so reading rows of a
 tensor touches only the pages of those rows: a rank that owns a shard reads its shard, not the
 checkpoint. A directory holds ``model.safetensors`` or several files listed by
-``model.safetensors.index.json``. Files are written as a stream (`SafetensorsWriter`): the
-header from names, dtypes and shapes alone, then one tensor's bytes at a time.
+``model.safetensors.index.json`` (read only without a ``model.safetensors``, as transformers
+does). Files are written as a stream (`SafetensorsWriter`): the header from names, dtypes and
+shapes alone, then one tensor's bytes at a time.
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ class SafetensorsDir:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        if os.path.exists(os.path.join(path, INDEX)):
+        # transformers' order: model.safetensors before an index (its save_pretrained rewriting a
+        # sharded directory as one file leaves the index behind, its shards removed)
+        if os.path.exists(os.path.join(path, SINGLE)):
+            files = [SINGLE]
+        elif os.path.exists(os.path.join(path, INDEX)):
             with open(os.path.join(path, INDEX)) as f:
                 files = sorted(set(json.load(f)["weight_map"].values()))
-        elif os.path.exists(os.path.join(path, SINGLE)):
-            files = [SINGLE]
         else:
             raise FileNotFoundError(f"{path}: no {SINGLE} or {INDEX}; point at a Hugging Face model directory")
         self._entries: dict[str, tuple[mmap.mmap, int, dict]] = {}
