@@ -17,6 +17,10 @@ text-only samples) is written as the reference JSON list and again as:
 | test_sources_read_lazily                    | a source indexes only the files its first samples need; blank lines and a last line without newline in JSONL |
 | test_tar_headers_read_as_tarfile_reads_them | the tar index's header walk == tarfile's members (ustar, GNU, pax names); gzip / truncated refused |
 | test_parquet_rows_are_found_in_their_row_groups | rows of a file of many small and empty row groups, read in any order |
+| test_sixteen_bit_grey_images_keep_their_shades | 16-bit grey PNG / TIFF: value x 255 / 65535, not clipped |
+| test_images_are_read_as_their_exif_orientation_shows_them | EXIF orientation 6: pixels, header shape turned |
+| test_a_dataset_directory_with_a_trailing_slash_finds_the_same_media | 'data/hf/' and 'data/hf': media under data/ |
+| test_a_corrupt_parquet_row_group_names_the_file_and_row | a damaged row group: DataError naming the file and row |
 """
 
 from __future__ import annotations
@@ -341,3 +345,98 @@ def test_tar_media_found_when_names_hold_brackets(tmp_path) -> None:
     source = open_source("webdataset", path, None)
     ref, = source.media(0, source[0], "image")
     assert source[0]["id"] == "a[2]/b[3]" and source.open(ref).read() == b"the image"
+
+
+class _Pixels:
+    """An image processor that keeps an image's pixels as they are (``[N, 3, H, W]``); with a
+    size, resized to it (nearest) as a fitting processor does."""
+
+    def __call__(self, images, return_tensors: str, size: dict | None = None, **_) -> dict[str, torch.Tensor]:
+        import numpy as np
+
+        if size is not None:
+            images = [im.resize((size["width"], size["height"]), 0) for im in images]
+        return {"pixel_values": torch.tensor(np.stack([np.asarray(im) for im in images])).permute(0, 3, 1, 2)}
+
+
+def test_sixteen_bit_grey_images_keep_their_shades(tmp_path) -> None:
+    """A 16-bit greyscale PNG or TIFF (Pillow's mode I;16: scans, depth maps, medical images)
+    goes to the processor as the 8-bit image it shows: each value scaled by 255 / 65535, not
+    clipped at 255 (which turns every pixel above 255 of 65535 white)."""
+    import numpy as np
+    from PIL import Image
+
+    from dtensor_mimo.data.conversation import image_inputs
+
+    grey = (np.arange(32, dtype=np.uint16).reshape(4, 8) * 2113).astype(np.uint16)  # 0 .. 65503
+    expected = torch.tensor(np.rint(grey / 257.0).astype(np.uint8))[None].expand(3, 4, 8).float()
+    for name in ("g16.png", "g16.tif"):
+        Image.fromarray(grey).save(tmp_path / name)
+        with Image.open(tmp_path / name) as image:
+            assert image.mode.startswith("I;16")
+        pixels = image_inputs(_Pixels())([str(tmp_path / name)])
+        assert torch.equal(pixels[0], expected), name
+
+
+def test_images_are_read_as_their_exif_orientation_shows_them(tmp_path) -> None:
+    """A photo whose camera was turned (EXIF Orientation 6: stored on its side, shown turned 90
+    degrees clockwise) is the image shown, as every viewer and the annotator saw it: its
+    pixels, and with items of their own size its header's shape, height and width swapped."""
+    import numpy as np
+    from PIL import Image
+
+    from dtensor_mimo.data.conversation import image_inputs
+
+    stored = np.zeros((16, 32, 3), dtype=np.uint8)  # 16 high, 32 wide: left half red, right half blue
+    stored[:, :16, 0] = stored[:, 16:, 2] = 255
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    for name in ("turned.png", "turned.jpg", "turned.webp"):
+        Image.fromarray(stored).save(tmp_path / name, exif=exif, quality=95)
+        with Image.open(tmp_path / name) as image:  # the stored pixels (a JPEG's as decoded), turned here
+            decoded = np.asarray(image.convert("RGB"))
+        shown = torch.tensor(np.rot90(decoded, k=-1).copy()).permute(2, 0, 1).float()  # 32 high, 16 wide: red on top
+        assert torch.equal(image_inputs(_Pixels())([str(tmp_path / name)])[0], shown), name
+        fitted = image_inputs(_Pixels(), fit=(16, 0, 32 * 32))
+        assert fitted.shape(str(tmp_path / name)) == (3, 32, 16), name
+        assert torch.equal(fitted([str(tmp_path / name)])[0], shown), name
+
+
+def test_a_dataset_directory_with_a_trailing_slash_finds_the_same_media(corpus) -> None:
+    """data.path = 'data/hf/' (as a shell completes a directory) is 'data/hf': media paths are
+    relative to the directory that holds it, not to the dataset directory itself."""
+    from dtensor_mimo.data.sources import open_source
+
+    data = os.path.join(corpus["dir"], "data")
+    plain = open_source("hf", os.path.join(data, "part-0.parquet"), None)
+    index = next(i for i in range(len(plain)) if plain[i]["image"])
+    expected = [os.path.join(data, p) for p in plain[index]["image"]]
+    assert plain.media(index, plain[index], "image") == expected
+    datasets.Dataset.from_parquet(os.path.join(data, "part-0.parquet")).save_to_disk(os.path.join(data, "hf_paths"))
+    for written in ("hf_paths", "hf_paths/", "hf_paths//"):
+        source = open_source("hf", os.path.join(data, written), None)
+        assert source.media(index, source[index], "image") == expected, written
+
+
+def test_a_corrupt_parquet_row_group_names_the_file_and_row(tmp_path) -> None:
+    """A Parquet file whose third row group is damaged (a bad disk, a copy cut and mended): its
+    other rows read; a row of the damaged group raises DataError naming the file and the row,
+    not pyarrow's bare OSError ("corrupt data page?"), which names neither among many files."""
+    import pyarrow as pa
+
+    from dtensor_mimo.data.conversation import DataError
+    from dtensor_mimo.data.sources import open_source
+
+    conv = [{"from": "human", "value": "hi " * 50}, {"from": "gpt", "value": "yo"}]
+    good = str(tmp_path / "part-0.parquet")
+    pq.write_table(pa.table({"conversations": [conv] * 40, "id": [f"s{i}" for i in range(40)]}), good,
+                   row_group_size=10)
+    column = pq.ParquetFile(good).metadata.row_group(2).column(0)
+    data = bytearray(open(good, "rb").read())
+    data[column.data_page_offset + 40:column.data_page_offset + 240] = b"\xff" * 200
+    bad = str(tmp_path / "part-1.parquet")
+    open(bad, "wb").write(bytes(data))
+    source = open_source("hf", str(tmp_path / "part-*.parquet"), None)
+    assert len(source) == 80 and source[45]["id"] == "s5" and source[79]["id"] == "s39"
+    with pytest.raises(DataError, match=r"part-1\.parquet.*row 25\b"):
+        source[65]

@@ -17,6 +17,7 @@ Clips are MP4s (H.264, 16x16 px, 4 frames a second) of a moving coloured shape w
 | test_temporal_patch_embeds_a_still_pair_as_its_frame | a SigLIP tower loaded with temporal_patch = 2: kernel [w/2, w/2]; a pair of one frame |
 |                                                   | twice == the frame through the plain tower; a shape naming both factors |
 | test_broken_clips_name_the_sample_and_file        | a clip that opens but does not decode: MediaError (sample id, path); not a video: DataError (sample id, path) |
+| test_a_clip_cut_without_reencoding_keeps_its_shown_frames | edit list hides 3 of 10 frames: 4 of 7 taken, == PyAV |
 | test_dp2_frames_give_one_process_numbers          | video dp2 + language dp2 colocated [2], frames (or pairs) balanced: losses == one process [1] (1e-5); |
 |                                                   | encoder max/mean logged, 1.0 (clips of 1 or 3 frames, 2 a microbatch: every total even) |
 | test_the_example_learns_motion (`make learn`)     | the example's 3,000 steps on 1,024 clips: held-out exact match >= 0.85 |
@@ -259,6 +260,45 @@ def test_broken_clips_name_the_sample_and_file(tiny: str) -> None:
     assert "sample 'broken-1'" in str(cut.value) and "cut.mp4" in str(cut.value)
     with pytest.raises(DataError, match=r"sample 'broken-2'.*text\.mp4.*not a video PyAV reads"):
         data.train.batch([2])
+
+
+class _Pixels:
+    """An image processor that keeps a frame's pixels as they are: ``[N, 3, H, W]``."""
+
+    def __call__(self, images, return_tensors: str) -> dict[str, torch.Tensor]:
+        import numpy as np
+
+        return {"pixel_values": torch.tensor(np.stack([np.asarray(im) for im in images])).permute(0, 3, 1, 2)}
+
+
+def test_a_clip_cut_without_reencoding_keeps_its_shown_frames(tmp_path) -> None:
+    """A clip cut from a longer one without re-encoding (``ffmpeg -ss 1 -i in.mp4 -c copy``) keeps the
+    frames before the cut its first shown frame needs, hidden by an edit list: the header's frame
+    count holds them, the demuxer drops them. Here 3 of 10 (written at negative times): 7 shown."""
+    import fractions
+
+    import numpy as np
+
+    from dtensor_mimo.data.conversation import image_inputs, video_inputs
+
+    path = str(tmp_path / "cut_copy.mp4")
+    with av.open(path, "w") as container:
+        stream = container.add_stream("libx264", rate=4)
+        stream.width = stream.height = 16
+        stream.pix_fmt = "yuv444p"
+        for i in range(10):
+            frame = av.VideoFrame.from_ndarray(np.full((16, 16, 3), 20 * i, np.uint8), format="rgb24")
+            frame.pts, frame.time_base = i - 3, fractions.Fraction(1, 4)
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    with av.open(path) as container:  # the reference: what PyAV decodes, alone
+        shown = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(shown) == 7
+    # 1.75 s at 2 fps: frames 0, 2, 4, 6 of the 7 shown
+    expected = torch.tensor(np.stack([shown[i] for i in (0, 2, 4, 6)])).permute(0, 3, 1, 2)
+    clips = video_inputs(image_inputs(_Pixels()), fps=2.0, max_frames=16, frame_shape=(3, 16, 16))
+    assert clips.shape(path) == (4, 3, 16, 16)
+    assert torch.equal(clips([path])[0], expected)
 
 
 # ---------------------------------------------------------------------------- layouts

@@ -281,8 +281,41 @@ def fit_image_size(height: int, width: int, patch: int, min_pixels: int, max_pix
     return h, w
 
 
+_TRANSPOSE = {2: 0, 3: 3, 4: 1, 5: 5, 6: 4, 7: 6, 8: 2}
+"""EXIF orientation -> the `PIL.Image.Transpose` that shows the image (as `ImageOps.exif_transpose`)."""
+
+
+def _orientation(image: Any) -> int:
+    """An opened image's EXIF orientation (1: as stored), read from its header: a PNG whose EXIF
+    comes after its pixels (where Pillow decodes them to find it) counts as 1, read or not; a TIFF
+    is turned by Pillow itself as it opens it."""
+    if image.format == "TIFF" or image.format == "PNG" and "exif" not in image.info:
+        return 1
+    try:
+        orientation = image.getexif().get(0x0112, 1)
+    except Exception:  # noqa: BLE001 - a malformed EXIF block: the image as stored
+        return 1
+    return orientation if orientation in _TRANSPOSE else 1
+
+
+def _shown_rgb(image: Any) -> Any:
+    """An opened image as RGB, as a viewer shows it: turned by its EXIF orientation, and 16-bit
+    grey (mode I;16, which Pillow's RGB conversion clips at 255: white above 255 / 65535) scaled
+    to 8 bits."""
+    orientation = _orientation(image)  # before the pixels are loaded (as `image_inputs.shape` reads it)
+    if image.mode.startswith("I;16"):
+        from PIL import Image
+
+        grey = np.asarray(image).astype(np.float64) / 257.0
+        image = Image.fromarray(np.rint(grey).astype(np.uint8))
+    if orientation != 1:
+        image = image.transpose(_TRANSPOSE[orientation])
+    return image.convert("RGB")
+
+
 class image_inputs:  # noqa: N801 - used as a function; a class so that loader workers can pickle it
-    """Image files -> ``pixel_values`` with a transformers image processor (RGB).
+    """Image files -> ``pixel_values`` with a transformers image processor (RGB, as a viewer shows
+    the file: turned by its EXIF orientation, 16-bit grey scaled to 8 bits).
 
     Args:
         processor: the encoder's image processor: it resizes, rescales and normalizes.
@@ -301,6 +334,8 @@ class image_inputs:  # noqa: N801 - used as a function; a class so that loader w
         try:
             with Image.open(path) as image:
                 width, height = image.size
+                if _orientation(image) >= 5:  # shown turned a quarter: its sides swap
+                    width, height = height, width
         except OSError as e:
             raise DataError(f"{path}: not an image Pillow reads ({e})") from None
         except Image.DecompressionBombError as e:  # not an OSError: it would name neither sample nor file
@@ -314,7 +349,7 @@ class image_inputs:  # noqa: N801 - used as a function; a class so that loader w
         images = []
         for path in paths:
             with Image.open(path) as image:
-                images.append(image.convert("RGB"))
+                images.append(_shown_rgb(image))
         return self.pixels(images)
 
     def pixels(self, images: list[Any]) -> torch.Tensor | list[torch.Tensor]:
@@ -349,9 +384,11 @@ class video_inputs:  # noqa: N801 - used as a function; a class so that loader w
     """Video files -> each clip's sampled frames ``[F, 3, H, W]`` through an image processor, with
     PyAV: frames at `fps` up to `max_frames` (`sample_frames`), their count from the container's
     header (the video stream's frame count and average rate; a container that records no frame
-    count: its duration times the rate), so `shape` decodes nothing. With `temporal_patch` k > 1,
-    every k consecutive frames are stacked along channels into one item: ``[ceil(F / k), 3k, H,
-    W]``, the clip's last frame repeated to fill its last stack (as Qwen2-VL pads).
+    count, or fewer frames in its duration than it counts, as an edit list hiding the frames
+    before a cut does: its duration times the rate), so `shape` decodes nothing. With
+    `temporal_patch` k > 1, every k consecutive frames are stacked along channels into one item:
+    ``[ceil(F / k), 3k, H, W]``, the clip's last frame repeated to fill its last stack (as
+    Qwen2-VL pads).
 
     Args:
         images: how a frame becomes pixels (`image_inputs`: the tower's image processor, with its
@@ -385,6 +422,13 @@ class video_inputs:  # noqa: N801 - used as a function; a class so that loader w
         if not rate:
             raise DataError(f"{path}: its video stream records no frame rate")
         if stream.frames:
+            # A clip cut without re-encoding (ffmpeg -ss ... -c copy) holds the frames before the cut its
+            # first frame is decoded from, hidden by an edit list: the frame count holds them, the
+            # duration (and the decoder's output) does not. Fewer frames in the duration: those are shown.
+            if stream.duration is not None and stream.time_base:
+                shown = round(float(stream.duration * stream.time_base) * float(rate))
+                if 0 < shown < stream.frames:
+                    return stream, shown, float(rate), False
             return stream, int(stream.frames), float(rate), True
         if stream.duration is not None and stream.time_base:
             seconds = float(stream.duration * stream.time_base)

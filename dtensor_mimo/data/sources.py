@@ -577,7 +577,15 @@ class _Table:
         return h
 
     def row(self, j: int) -> dict[str, Any]:
+        """Row `j` as a dict; DataError naming the file and the row where pyarrow cannot read it."""
         h = self.handle()
+        try:
+            return self._row(h, j)
+        except Exception as e:  # noqa: BLE001 - pyarrow's (OSError, ArrowInvalid, ...) name neither file nor row
+            raise DataError(f"{self.describe}: {self.path}: row {j} cannot be read ({type(e).__name__}: {e}); "
+                            "the file is damaged: write it again, or leave it out of the path") from None
+
+    def _row(self, h: Any, j: int) -> dict[str, Any]:
         if self.kind() == "dir":
             return h[j].to_pylist()[0]
         if self.kind() == "parquet":  # one row group at a time, the last one kept
@@ -658,6 +666,7 @@ def open_source(format: str, path: str | Sequence[str], root: str | None, key: s
     """The source of `format` for `path` (a file, list of files or glob); media under `root`
     (default: the first file's directory). Nothing is indexed yet. DataError names `key`."""
     files = expand_paths(path, key)
-    base = root if root is not None else os.path.dirname(files[0])
+    # the directory holding the first file (a dataset directory's parent, a trailing '/' or not)
+    base = root if root is not None else os.path.dirname(os.path.abspath(files[0]))
     cls = {"llava": JsonSource, "webdataset": TarSource, "hf": ArrowSource}[format]
     return cls(files, base, key, path)
