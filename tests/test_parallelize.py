@@ -578,3 +578,118 @@ def _bucketed_sums() -> bool:
             # the first bucket (two tensors) through a flat copy; each tensor alone in its bucket where it lies
             and reduced[1:] == [t.data_ptr() for t in mine[2:]] and reduced[0] not in [t.data_ptr() for t in mine]
             and all(t.dtype == torch.float32 and torch.allclose(t, e, rtol=1e-2) for t, e in zip(in_bf16, expected)))
+
+
+def _frozen_stay_frozen(sp: bool, fsdp: bool) -> dict[str, list[str]]:
+    """A decoder with its first block and final norm frozen and a ViT frozen whole, tp2 (and sp)
+    on 2 ranks (dp2 of the ViT with FSDP2 on 4): which parameters require a gradient after
+    `parallelize`, and which got one from a backward, against the user's own choice."""
+    from dtensor_mimo.layout import MimoLayout
+
+    layout = MimoLayout({"m": Parallelism(dp=dist.get_world_size() // 2, tp=2)})
+    layout.init_meshes("cpu")
+    tp_mesh, dp_mesh = layout.mesh("m", "tp"), layout.mesh("m", ("dp", "cp"))
+    llama, vit = Llama(LlamaConfig.tiny()), ViT(ViTConfig.tiny())
+    llama.init_weights(0)
+    vit.init_weights(1)
+    for name, p in llama.named_parameters():
+        if name.startswith(("layers.0.", "norm.")):
+            p.requires_grad_(False)
+    vit.requires_grad_(False)
+    wanted = {f"{k}.{n}" for k, m in (("llama", llama), ("vit", vit)) for n, p in m.named_parameters()
+              if p.requires_grad}
+    options = ParallelOptions(sp=sp, fsdp=fsdp)
+    parallelize_llama(llama, tp_mesh, dp_mesh, options)
+    parallelize_encoder(vit, tp_mesh, dp_mesh, options)
+    trainable = {f"{k}.{n}" for k, m in (("llama", llama), ("vit", vit)) for n, p in m.named_parameters()
+                 if p.requires_grad}
+    images = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    h = vit(images)[:, :7]  # [2, 7, 32]: the frozen tower's rows as the decoder's input
+    logits = llama(h=h)
+    (logits.full_tensor() if isinstance(logits, DTensor) else logits).square().sum().backward()
+    graded = {f"{k}.{n}" for k, m in (("llama", llama), ("vit", vit)) for n, p in m.named_parameters()
+              if p.grad is not None}
+    return {"unfrozen": sorted(trainable - wanted), "refrozen": sorted(wanted - trainable),
+            "frozen_with_grad": sorted(graded - wanted)}
+
+
+@pytest.mark.parametrize("sp,fsdp,world", [(True, False, 2), (False, False, 2), (True, True, 4)])
+def test_parallelize_keeps_frozen_parameters_frozen(sp: bool, fsdp: bool, world: int) -> None:
+    """Parameters the user froze (``requires_grad_(False)``) stay frozen through the tp plan:
+    torch's `SequenceParallel` registers each norm weight anew as a Parameter that requires a
+    gradient, which (under sp) would train a frozen block's and a frozen tower's norms."""
+    for r in run_on_ranks(_frozen_stay_frozen, world, sp, fsdp, timeout=120):
+        assert r == {"unfrozen": [], "refrozen": [], "frozen_with_grad": []}, r
+
+
+def _tied_under_tp() -> dict[str, str]:
+    """A decoder whose output head is tied to its token embedding, on tp2 or pp2 (rank 0-1) beside
+    a ViT (rank 2): what `MimoModel` and `parallelize_llama` raise on each rank."""
+    from dtensor_mimo import PipelineConfig
+
+    out = {}
+    llama = Llama(LlamaConfig.tiny())
+    llama.output.weight = llama.tok_embeddings.weight
+    vision = ModalityEncoder(ViT(ViTConfig.tiny()), Projection(32, 32))
+    for dim in ("tp", "pp"):
+        layout = MimoLayout({"vision": Parallelism(), "language": Parallelism(**{dim: 2})})
+        try:
+            MimoModel(layout, llama, {"vision": vision}, pipeline=PipelineConfig(microbatches=2))
+        except ValueError as error:
+            out[dim] = str(error)
+    layout = MimoLayout({"vision": Parallelism(), "language": Parallelism(tp=2)})
+    layout.init_meshes("cpu")
+    if layout.is_member("language", dist.get_rank()):
+        try:
+            parallelize_llama(llama, layout.mesh("language", "tp"), None, ParallelOptions())
+        except ValueError as error:
+            out["parallelize"] = str(error)
+    return out
+
+
+def test_tied_parameters_under_tp_or_pp_are_refused_by_name() -> None:
+    """Tensor parallel registers each layer's own shards, and the pipeline split gives each stage
+    its own pieces, so two names of one tensor (an output head tied to the token embedding) would
+    become two parameters training apart, against the single-process run's one (whose gradient is
+    their sum): refused by name, on every rank, before any collective, and by `parallelize` itself."""
+    want = "module 'language': tied parameters (tok_embeddings.weight = output.weight: one tensor under several names)"
+    results = run_on_ranks(_tied_under_tp, 3, timeout=60)
+    for r in results:
+        assert r["tp"].startswith(f"{want} with tp=2"), r
+        assert r["pp"].startswith(f"{want} with pp=2"), r
+    for r in results[1:]:
+        assert r["parallelize"].startswith(f"{want.replace('language', 'Llama')} with tp=2"), r
+
+
+def _tower_shared_by_two_encoders() -> dict[str, str | None]:
+    """One ViT given to two encoders ("vision", "frames"), each with its own projection: what
+    `MimoModel` raises on each rank, trainable on disjoint ranks (0, 1; language 2), frozen on
+    shared ranks (0-1), and frozen on disjoint ranks (accepted: None)."""
+    out: dict[str, str | None] = {}
+    cases = {"trainable": (True, None), "frozen_colocated": (False, {"vision": 0, "frames": 0, "language": 2}),
+             "frozen_disjoint": (False, None)}
+    for what, (trains, offsets) in cases.items():
+        dp = 2 if offsets else 1
+        layout = MimoLayout({"vision": Parallelism(dp=dp), "frames": Parallelism(dp=dp), "language": Parallelism()},
+                            offsets=offsets)
+        vit = ViT(ViTConfig.tiny()).requires_grad_(trains)
+        encoders = {n: ModalityEncoder(vit, Projection(32, 32)) for n in ("vision", "frames")}
+        try:
+            MimoModel(layout, Llama(LlamaConfig.tiny()), encoders)
+            out[what] = None
+        except ValueError as error:
+            out[what] = str(error)
+    return out
+
+
+def test_parameters_shared_by_two_modules_are_refused_by_name() -> None:
+    """Each module is parallelized and trained on its own ranks with its own optimizer: a tower
+    two encoders share would train as two copies apart (the single process sums both encoders'
+    gradients into one), and a rank holding both would parallelize it twice (FSDP2 raised there
+    alone, the language rank left waiting). Refused on every rank before any collective; a frozen
+    tower on disjoint ranks stays one tensor everywhere and is accepted."""
+    share = "modules 'vision' and 'frames' share parameters (vision.encoder.pos_embed is frames.encoder.pos_embed): "
+    for r in run_on_ranks(_tower_shared_by_two_encoders, 3, timeout=60):
+        assert r["trainable"].startswith(share + "each module trains on its own ranks"), r
+        assert r["frozen_colocated"].startswith(share + "they share ranks"), r
+        assert r["frozen_disjoint"] is None, r

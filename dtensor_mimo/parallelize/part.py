@@ -85,6 +85,26 @@ def check_tp_sizes(name: str, module: nn.Module, tp: int, parts: Iterable[nn.Mod
         return
     for stack in stacks(module) if parts is None else parts:
         check_divisible(f"module {name!r} ({type(stack).__name__})", tp_sizes(stack), tp)
+    check_untied(name, module, f"tp={tp}: the tensor parallel plan registers each layer's own shards")
+
+
+def check_untied(name: str, module: nn.Module, why: str) -> None:
+    """Refuse (ValueError naming module `name` and the names) parameters of `module` registered
+    under several names (tied weights), which `why` (a tp plan, a pipeline split) would untie:
+    each copy would then train on its own, where the single process sums their gradients. Pure."""
+    if tied := tied_parameters(module):
+        detail = "; ".join(" = ".join(names) for names in tied)
+        raise ValueError(f"module {name!r}: tied parameters ({detail}: one tensor under several names) with "
+                         f"{why}, which would untie them and train each on its own; give each name its own copy "
+                         "(untie them), or leave that parallelism at 1")
+
+
+def tied_parameters(module: nn.Module) -> list[list[str]]:
+    """The names of each parameter of `module` registered under more than one name (tied weights)."""
+    names: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def stacks(module: nn.Module) -> list[nn.Module]:
@@ -131,7 +151,13 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
         if fp8 is not None:
             convert_to_fp8(stack, fp8, name, options.fp8)
         if tp_size(tp_mesh) > 1 or (wrap_one_rank and tp_mesh is not None):
+            frozen = {n for n, p in stack.named_parameters() if not p.requires_grad}
             tp_plan(stack)(stack, tp_mesh, options)
+            # torch's SequenceParallel registers each norm parameter anew, requiring a gradient:
+            # what the user froze stays frozen (else a frozen block's norms would train under sp)
+            for n, p in stack.named_parameters():
+                if n in frozen:
+                    p.requires_grad_(False)
         layers = blocks(stack)
         whole = layers is None or options.compile_scope == "module"
         if options.compile and whole and not one_graph:

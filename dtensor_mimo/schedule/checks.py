@@ -14,9 +14,33 @@ from dtensor_mimo.models import ModalityEncoder
 from dtensor_mimo.models.protocol import ItemRule, encoder_problems, language_problems
 from dtensor_mimo.models.vit import self_attentions
 from dtensor_mimo.parallelize import ParallelOptions
-from dtensor_mimo.parallelize.part import check_compile_layout, check_tp_sizes
+from dtensor_mimo.parallelize.part import check_compile_layout, check_tp_sizes, check_untied
 from dtensor_mimo.schedule.config import (ZERO_BUBBLE_SCHEDULES, PipelineConfig, check_pipeline_layout,
                                           stage_layers)
+
+
+def check_unshared(layout: MimoLayout, modules: Mapping[str, nn.Module]) -> None:
+    """Refuse (ValueError naming both modules and a parameter) a parameter held by two of `modules`
+    (an image tower given to two encoders, say) where it trains, or where the two modules share
+    ranks. Each module is parallelized and trained on its own ranks with its own optimizer, so the
+    one tensor of the single-process model would become copies that train apart (or one tensor
+    stepped by two optimizers); and a rank holding both would parallelize it twice (FSDP2 refuses
+    that on those ranks only). Frozen, on disjoint ranks, each copy stays the tensor it was. Pure."""
+    owner: dict[int, tuple[str, str]] = {}
+    for name, module in modules.items():
+        for pname, p in module.named_parameters():
+            first = owner.setdefault(id(p), (name, pname))
+            other = first[0]
+            if other == name:
+                continue
+            if p.requires_grad:
+                why = "each module trains on its own ranks with its own optimizer, so the copies would train apart"
+            elif set(layout.ranks(other)) & set(layout.ranks(name)):
+                why = "they share ranks, which would parallelize the shared part twice"
+            else:
+                continue
+            raise ValueError(f"modules {other!r} and {name!r} share parameters ({other}.{first[1]} is "
+                             f"{name}.{pname}): {why}; give each module its own copy of the shared part")
 
 
 def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, nn.Module],
@@ -38,6 +62,7 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
         if problems:
             raise TypeError(f"encoder {name!r} ({type(module).__name__}) does not meet the encoder protocol "
                             f"(dtensor_mimo.models.protocol): it needs {'; '.join(problems)}")
+    check_unshared(layout, {language_name: language, **encoders})
     lang = layout.parallelism(language_name)
     problems = language_problems(language, tp=lang.tp, cp=lang.cp, pp=lang.pp)
     if problems:
@@ -57,6 +82,9 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
     for name in layout.names:
         par = layout.parallelism(name)
         check_tp_sizes(name, language if name == language_name else encoders[name], par.tp)
+        if par.pp > 1:
+            check_untied(name, language if name == language_name else encoders[name],
+                         f"pp={par.pp}: the pipeline split gives each stage its own pieces")
         check_compile_layout(name, options.get(name, ParallelOptions()), par)
         if par.hsdp and not options.get(name, ParallelOptions()).fsdp:
             raise LayoutError(f"{name!r} has dp_replicate={par.dp_replicate} (HSDP: FSDP2 shards within replica "
