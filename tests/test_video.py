@@ -262,6 +262,40 @@ def test_broken_clips_name_the_sample_and_file(tiny: str) -> None:
         data.train.batch([2])
 
 
+def test_a_clip_whose_header_cannot_be_read_is_left_out_as_an_empty_row(tiny: str) -> None:
+    """A clip's header gives its row length, so a sample whose header cannot be read (a text
+    file, a zero-byte download) has no shapes to stand in for: left out (``data.skip_bad_media``),
+    it is built as an empty row, on every rank alike (every rank tokenizes every sample)."""
+    from dtensor_mimo.data.batch import IGNORE_INDEX
+    from dtensor_mimo.train.trainer import _LoadPlan
+
+    data, _ = _dataset(tiny, "--data.path", "data/broken.jsonl")
+    with pytest.raises(MediaError) as unreadable:
+        data.train.batch([0, 2])
+    assert (unreadable.value.row, unreadable.value.sample_id) == (1, "broken-2")
+    assert unreadable.value.path.endswith("videos/text.mp4")
+    batch, failed = _LoadPlan(None, 1, {}).tolerant(data.train.batch, [0, 2])
+    assert [(e.row, e.sample_id) for e in failed] == [(1, "broken-2")]
+    alone = data.train.batch([0])  # the reference: the readable sample by itself
+    assert torch.equal(batch.tokens[:1], alone.tokens) and torch.equal(batch.labels[:1], alone.labels)
+    assert (batch.tokens[1] == data.train.pad_id).all() and (batch.labels[1] == IGNORE_INDEX).all()
+    video = batch.modalities["video"]
+    assert video.items_per_sample == (alone.modalities["video"].items_per_sample[0], 0)
+    assert torch.equal(video.inputs, alone.modalities["video"].inputs)
+
+
+def test_skip_bad_media_trains_past_a_clip_whose_header_cannot_be_read(tiny: str, tmp_path) -> None:
+    path = str(tmp_path / "m.jsonl")
+    argv = [*QUICK, *FRAMES, "--layout.language.offset", "0", "--data.path", "data/broken.jsonl",
+            "--data.heldout", "none", "--data.batch_size", "3", "--pipeline.microbatches", "1", "--train.steps", "2",
+            "--data.skip_bad_media", "true", "--metrics.jsonl", path]
+    run_on_ranks(_train, 1, tiny, argv, timeout=300)
+    records = [r for r in map(json.loads, open(path)) if "loss" in r]
+    # two of the three samples a step left out: the clip cut short (decoded) and the text file (its header)
+    assert [(r["step"], r["skipped_samples"]) for r in records] == [(1, 2), (2, 4)]
+    assert all(r["loss"] > 0 for r in records)
+
+
 class _Pixels:
     """An image processor that keeps a frame's pixels as they are: ``[N, 3, H, W]``."""
 

@@ -40,7 +40,7 @@ import wave
 from dataclasses import dataclass, field
 from fractions import Fraction
 from itertools import accumulate
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -712,12 +712,21 @@ class ConversationDataset(Dataset):
             used += n
         return rows
 
-    def _record(self, index: int) -> _Tokenized:
+    def _record(self, index: int, blank: bool = False) -> _Tokenized:
         """Sample `index` tokenized: from the cache (the first `cache_samples` met are kept, int32
-        tokens, labels rebuilt from the answer spans), else tokenized now."""
+        tokens, labels rebuilt from the answer spans), else tokenized now. `blank`: a sample a
+        media header of which cannot be read (MediaError otherwise) as no tokens and no items: a
+        row left out (``data.skip_bad_media``) whose items have no shape to stand in for."""
         record = self._cache.get(index)
         if record is None:
-            record = self._tokenize(index)
+            try:
+                record = self._tokenize(index)
+            except MediaError:
+                if not blank:
+                    raise
+                return _Tokenized(str(self.samples[index]["id"]), np.zeros(0, dtype=np.int32), (),
+                                  {name: () for name in self.media}, {name: [] for name in self.media},
+                                  {name: [] for name in self.media})
             if len(self._cache) < self.cache_samples:
                 self._cache[index] = record
         return record
@@ -759,10 +768,13 @@ class ConversationDataset(Dataset):
             for t in range(len(prompt), end):
                 assistant[t] = True
         items = {name: self.source.media(index, sample, self.media[name].modality) for name in self.media}
-        try:
-            shapes = {name: [self._item_shape(name, p) for p in paths] for name, paths in items.items()}
-        except DataError as e:  # a header that cannot be read (every rank tokenizes: every rank raises)
-            raise DataError(f"sample {sid!r}: {e}") from None
+        shapes: dict[str, list[tuple[int, ...]]] = {name: [] for name in items}
+        for name, paths in items.items():
+            for path in paths:
+                try:
+                    shapes[name].append(self._item_shape(name, path))
+                except DataError as e:  # a header that cannot be read: every rank tokenizes, every rank meets it
+                    raise MediaError(f"sample {sid!r}: {e}", sample_id=sid, path=path, reason=str(e)) from None
         sizes = {name: [self._item_tokens(sid, name, shape) for shape in found] for name, found in shapes.items()}
         # Expand placeholders: item k's token -> as many copies of the encoder's id as it gives rows
         # (a clip's: each frame's rows after its frame_text).
@@ -852,23 +864,38 @@ class ConversationDataset(Dataset):
             raise DataError(f"sample {sid!r}: {name!r}: {e}") from None
 
     # -------------------------------------------------------------- batches
-    def batch(self, indices: Sequence[int], load: Mapping[str, Iterable[int]] | None = None) -> MimoBatch:
+    def batch(self, indices: Sequence[int], load: Mapping[str, Iterable[int]] | None = None,
+              left_out: Collection[int] = ()) -> MimoBatch:
         """The global batch of samples `indices`, rows padded to `seq_len`.
 
         Args:
             load: ``{encoder name: positions in the batch}`` whose media to read and preprocess;
                 every other item's input is zeros (a stride-0 view, no memory, when none is
                 read). None: everything. ``{}``: token rows and item counts only.
+            left_out: positions in the batch left out of the step (``data.skip_bad_media``): a
+                sample there whose media header cannot be read is built as no tokens, no items
+                (elsewhere MediaError names it, with its position as ``row``).
         """
         members = [[i] for i in indices] if self.rows is None else [self.rows[i] for i in indices]
-        return self._batch([[self._record(i) for i in row] for row in members], load, packed=self.rows is not None)
+        return self._batch(self._records(members, left_out), load, packed=self.rows is not None)
 
-    def prompts(self, indices: Sequence[int], load: Mapping[str, Iterable[int]] | None = None) -> MimoBatch:
+    def _records(self, members: list[list[int]], left_out: Collection[int]) -> list[list[_Tokenized]]:
+        """Each row's samples tokenized (`_record`); MediaError of a row not `left_out` carries its position."""
+        rows = []
+        for row, indices in enumerate(members):
+            try:
+                rows.append([self._record(i, blank=row in left_out) for i in indices])
+            except MediaError as e:
+                raise MediaError(str(e), row, e.sample_id, e.path, e.reason) from None
+        return rows
+
+    def prompts(self, indices: Sequence[int], load: Mapping[str, Iterable[int]] | None = None,
+                left_out: Collection[int] = ()) -> MimoBatch:
         """Samples `indices` cut where their first answer starts, with only the items before it:
-        what greedy generation starts from (a later turn's items go with its tokens)."""
+        what greedy generation starts from (a later turn's items go with its tokens). `left_out`:
+        as for `batch`."""
         cut = []
-        for i in indices:
-            s = self[i]
+        for [s] in self._records([[i] for i in indices], left_out):
             stop = s.answers[0][0] if s.answers else len(s.tokens)
             kept = {}
             for name, spec in self.media.items():  # whole items only: an answer never starts inside one

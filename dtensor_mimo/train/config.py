@@ -309,9 +309,9 @@ class ConversationData(DataSection):
         image_min_pixels: and to at least this many where image_max_pixels allows (0: one patch).
         audio_max_seconds: clips of a variable_length encoder keep their own length up to this
             (longer ones are cut; 0: the longest the encoder takes).
-        skip_bad_media: a sample whose media file fails to decode is left out (on every rank, one
-            warning line, counted as skipped_samples in the log) instead of stopping the run with an
-            error naming the sample and the file.
+        skip_bad_media: a sample whose media file fails to decode (or whose header cannot be
+            read) is left out (on every rank, one warning line, counted as skipped_samples in the
+            log) instead of stopping the run with an error naming the sample and the file.
         video_fps: frames taken per second of a video clip (a video encoder's items; PyAV).
         video_max_frames: the most frames taken from one clip; a longer clip's are spread
             uniformly over it.

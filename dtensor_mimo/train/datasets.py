@@ -41,6 +41,9 @@ TRAIN_SAMPLES = 1_000_000
 
 
 class BatchSource(Protocol):
+    """What the trainer draws global batches from. A source that raises `MediaError` for a row
+    is asked again with ``left_out=`` those rows (``data.skip_bad_media``), a keyword it then takes."""
+
     seq_len: int
 
     def __len__(self) -> int: ...

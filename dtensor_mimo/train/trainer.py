@@ -26,6 +26,7 @@ most for the step in flight.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import resource
 import os
 import signal
@@ -88,7 +89,11 @@ class _LoadPlan:
     def __call__(self, make: Callable[..., MimoBatch], indices: Sequence[int],
                  skip: Sequence[int] = ()) -> MimoBatch:
         """``make(indices, load=...)`` with this rank's load, less the rows (positions in the
-        batch) in `skip`: their items are zeros of their shapes, as those another rank encodes."""
+        batch) in `skip`: their items are zeros of their shapes, as those another rank encodes
+        (a row whose media header cannot be read has no shapes: the source builds it empty,
+        ``make(..., left_out=skip)``; a source without media never fails so)."""
+        if skip:
+            make = functools.partial(make, left_out=tuple(skip))
         load = self._load(make, indices)
         if skip:
             if load is None:
