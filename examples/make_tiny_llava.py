@@ -271,7 +271,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     write_checkpoints(args.out, args.seed)
-    write_data(args.out, args.train, args.val, args.audio, args.audio // 4, args.seed, args.video, args.video // 4)
+    write_data(args.out, args.train, args.val, args.audio, args.audio // 4, args.seed,
+               video_train=args.video, video_val=args.video // 4)
     print(f"wrote {args.out}/ckpt/{{lm,siglip,whisper}} and {args.out}/data")
 
 

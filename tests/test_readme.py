@@ -3,10 +3,13 @@ trainer's docs list every key `--help` lists."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 from dtensor_mimo.train.config import help_text, tomllib
 
@@ -71,3 +74,23 @@ def test_trainer_docs_list_every_key() -> None:
     differ = [k for k, line in zip(keys, re.findall(r"^  (--.*)$", help_text(), re.M))
               if " ".join(line.split()) not in listed]
     assert not differ, f"docs/trainer.md's lines for {differ} differ from --help's: regenerate them"
+
+
+def test_tiny_data_command_writes_the_video_files(tmp_path) -> None:
+    """docs/trainer.md's and examples/llava_video_tiny.toml's command, `make_tiny_llava.py --out DIR
+    --video N` (here with few samples): it writes N training clips and N // 4 held-out ones beside
+    the image files, whose images stay 16x16."""
+    pytest.importorskip("av")
+    pytest.importorskip("transformers")
+    image = pytest.importorskip("PIL.Image")
+    out = tmp_path / "tiny"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "make_tiny_llava.py"), "--out", str(out),
+                          "--train", "4", "--val", "2", "--audio", "0", "--video", "8"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for name, count in (("video_train", 8), ("video_val", 2), ("train", 4), ("val", 2)):
+        lines = (out / "data" / f"{name}.jsonl").read_text().splitlines()
+        assert len(lines) == count, name
+    sample = json.loads((out / "data" / "train.jsonl").read_text().splitlines()[0])
+    for path in [sample["image"]] if isinstance(sample.get("image"), str) else sample.get("image", []):
+        assert image.open(out / "data" / path).size == (16, 16)

@@ -41,6 +41,18 @@ def test_file_then_overrides_in_any_order(tmp_path) -> None:
     assert build_layout(config).ranks("language") == [2, 3]
 
 
+def test_total_steps_none_is_the_runs_steps(tmp_path) -> None:
+    """--help: "lr_schedule.total_steps: where the decay ends (none: train.steps)", and `none` on the
+    command line unsets a key: a file's total_steps unset there decays over the run's steps (the
+    digits job's cosine decay needs one), warmup cut to half a run it does not fit, as unset."""
+    path = tmp_path / "c.toml"
+    path.write_text("[lr_schedule]\ntotal_steps = 1000\n")
+    config = parse_args(["--config", str(path), "--lr_schedule.total_steps", "none", "--train.steps", "40"])
+    assert config.lr_schedule.total_steps == 40
+    short = parse_args(["--lr_schedule.total_steps", "none", "--train.steps", "30"])  # warmup 50 of the digits job
+    assert (short.lr_schedule.total_steps, short.lr_schedule.warmup_steps) == (30, 15)
+
+
 def test_a_string_key_on_the_command_line_keeps_the_word_as_written() -> None:
     """A value on the command line is read as TOML, but a key that takes a string gets the word the
     user wrote: numbers are not respelled (``1e3`` was the directory "1000.0", ``1.10`` the tokenizer

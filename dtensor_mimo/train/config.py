@@ -229,7 +229,8 @@ class OptimizerSection(AdamWConfig):
 
 SCHEDULE_HELP = {
     "warmup_steps": "linear warmup; a run shorter than that warms up for half its steps",
-    "warmup_start": "the first warmup step's learning rate over the peak",
+    "warmup_start": ("where the linear warmup starts, over the peak: update n of warmup_steps takes "
+                     "warmup_start + (1 - warmup_start) * n / warmup_steps"),
     "decay": "the schedule's shape after warmup, down to min_lr_ratio * lr at total_steps",
     "total_steps": "where the decay ends (none: train.steps)",
     "min_lr_ratio": "the last step's learning rate over the peak",
@@ -799,7 +800,8 @@ def _with_schedule_steps(raw: dict[str, Any]) -> dict[str, Any]:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         return {k: v for k, v in raw.items() if k != "lr_schedule"}  # train.steps is refused by name first
     schedule = dict(schedule)
-    schedule.setdefault("total_steps", steps)
+    if schedule.get("total_steps") is None:  # unset, or `none` on the command line: the run's steps
+        schedule["total_steps"] = steps
     warmup = schedule.get("warmup_steps", LRSchedule.warmup_steps)
     if isinstance(warmup, int) and isinstance(schedule["total_steps"], int) and warmup >= schedule["total_steps"]:
         schedule["warmup_steps"] = schedule["total_steps"] // 2
