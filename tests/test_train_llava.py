@@ -274,6 +274,17 @@ def test_prompts_stop_at_the_first_answer_with_their_items(tiny: str, tmp_path) 
     assert not short.heldout[0].answers and short.prompt(0) is None
 
 
+def test_a_heldout_sample_longer_than_the_training_ones_at_seq_len_0_is_named_as_such(tiny: str, tmp_path) -> None:
+    """data.seq_len = 0 takes the training samples' longest length: a longer held-out sample is
+    refused naming data.heldout and where the length came from, not a data.seq_len nobody wrote."""
+    small, long = tmp_path / "small.jsonl", tmp_path / "long.jsonl"
+    small.write_text("".join(open(os.path.join(tiny, "data", "train.jsonl")).readlines()[:4]))
+    long.write_text(json.dumps({"id": "long", "conversations": [
+        {"from": "human", "value": "what is this ? " * 40}, {"from": "gpt", "value": "a red bar"}]}) + "\n")
+    _preflight(tiny, ["--data.path", str(small), "--data.heldout", str(long), "--data.root", "data",
+                      "--data.seq_len", "0"], " (data.seq_len = 0 took the longest training sample's length, ")
+
+
 def _logits(modules: dict, batch) -> torch.Tensor:
     """A one-process forward of the trainer's modules on a fully loaded batch."""
     from dtensor_mimo.assemble import assemble, embed_text

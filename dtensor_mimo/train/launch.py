@@ -59,7 +59,10 @@ def preflight(config: TrainerConfig) -> None:
             try:
                 check(CHECKED_SAMPLES)
             except ValueError as e:
-                raise ConfigError(str(e)) from None
+                if dataset is data.train or config.data.seq_len:
+                    raise ConfigError(str(e)) from None
+                raise ConfigError(f"data.heldout: {e} (data.seq_len = 0 took the longest training sample's length, "
+                                  f"{data.train.seq_len}; give data.seq_len room for the held-out samples too)") from None
     if data.checked:
         print(f"data: {data.checked}", flush=True)
     if data.known_rows < config.data.batch_size:
