@@ -61,8 +61,9 @@ def preflight(config: TrainerConfig) -> None:
             except ValueError as e:
                 if dataset is data.train or config.data.seq_len:
                     raise ConfigError(str(e)) from None
-                raise ConfigError(f"data.heldout: {e} (data.seq_len = 0 took the longest training sample's length, "
-                                  f"{data.train.seq_len}; give data.seq_len room for the held-out samples too)") from None
+                raise ConfigError(f"data.heldout: {e} (data.seq_len = 0 took the longest training sample's "
+                                  f"length, {data.train.seq_len}; give data.seq_len room for the held-out samples "
+                                  "too)") from None
     if data.checked:
         print(f"data: {data.checked}", flush=True)
     if data.known_rows < config.data.batch_size:
