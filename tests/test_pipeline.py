@@ -314,3 +314,44 @@ def test_runs_accumulate_when_a_run_builds_a_new_schedule(seq_lens):
         assert got.keys() == first.keys()
         for k in first:
             torch.testing.assert_close(got[k], first[k] + second[k], rtol=2e-5, atol=2e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_run_schedule_reads_the_gradients_only_when_torch_may_drop_them(monkeypatch):
+    """torch drops a stage's FSDP2 gradients only on the first run of a schedule (its cleanup after
+    the stages' first initialization), so `run_schedule` keeps them then only: a later step of the
+    same schedule does no work per parameter (the step's host time)."""
+    import torch
+
+    from dtensor_mimo.schedule import runtime
+
+    class Counted(list):
+        walks = 0
+
+        def __iter__(self):
+            Counted.walks += 1
+            return super().__iter__()
+
+    params = Counted(torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
+    grad = torch.ones(2)
+    params[0].grad = grad
+
+    class Stage:
+        has_backward = False
+
+        def clear_runtime_states(self):
+            pass
+
+    class Schedule:
+        def _step_microbatches(self, *args, **kwargs):
+            params[0].grad = None  # what torch's `_post_metadata_inference_cleanup` does on a first run
+
+    monkeypatch.setattr(runtime, "_fsdp_held", lambda stage: ([], params))
+    schedule, stages = Schedule(), [Stage()]
+    runtime.run_schedule(schedule, stages, [()], None, [None])
+    assert params[0].grad is grad  # kept across the first run
+    walks = Counted.walks
+    schedule._step_microbatches = lambda *a, **k: None  # later runs: torch keeps what it finds
+    for _ in range(3):
+        runtime.run_schedule(schedule, stages, [()], None, [None])
+    assert Counted.walks == walks, "a later run walked every parameter"
+    assert params[0].grad is grad

@@ -59,16 +59,20 @@ def run_schedule(schedule: Any, stages: Sequence[Any], args: list[tuple], kwargs
     # encoder pipeline's item bucket, a dp shard's rows at pp = 1 differ between dp ranks). So the
     # stages start resharded on every rank (a forward without backward, `predict`, leaves a root
     # gathered: a rank that kept it would skip the all-gather its dp peers make), and the
-    # gradients of runs before this one (``forward_backward`` twice, accumulating) are kept.
+    # gradients of runs before this one (``forward_backward`` twice, accumulating) are kept, read
+    # on this schedule's first run only (torch initializes its stages once): a later step does no
+    # work per parameter.
     held = [_fsdp_held(stage) for stage in stages]
     for modules, _ in held:
         for m in modules:
             m.reshard()
-    kept = {p: p.grad for _, params in held for p in params if p.grad is not None}
+    kept = {} if schedule.__dict__.get("_mimo_ran") else {
+        p: p.grad for _, params in held for p in params if p.grad is not None}
     for stage in stages:  # what step() does to each stage before running the microbatches
         stage.has_backward = True
         stage.clear_runtime_states()
     schedule._step_microbatches(args, kwargs, targets, losses, return_outputs=False)
+    schedule.__dict__["_mimo_ran"] = True
     for p, grad in kept.items():  # FSDP2 accumulates into the gradient it finds, in place
         if p.grad is None:
             p.grad = grad
