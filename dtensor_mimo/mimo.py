@@ -393,7 +393,8 @@ class MimoModel(nn.Module):
             raise RuntimeError("a pipelined MimoModel runs forward and backward together: call "
                                "model.forward_backward(batch) (or train_step) instead of model(batch)")
         self._check_initialized()
-        check_batch(self.layout, self.language_name, self.encoder_names, batch, self.item_rules, self.vocab_size)
+        check_batch(self.layout, self.language_name, self.encoder_names, batch, self.item_rules, self.vocab_size,
+                    self.options[self.language_name].sp)
         if mode == "train" and self.pipelined:
             check_microbatching(batch.batch_size, self.pipeline.microbatches,
                                 self.layout.parallelism(self.language_name).dp, self.language_name)

@@ -142,6 +142,24 @@ def test_cp_needs_sequence_multiple_of_two_cp():
         check_batch(layout, "language", ["vision"], batch)
 
 
+def test_sequence_parallel_rows_that_tp_does_not_divide_on_torch_before_2_13(monkeypatch):
+    """torch 2.11's DTensor backward fails on a sequence sharded unevenly over tp (2.13 trains it:
+    test_mimo's tp_sp_odd): there the batch is refused by name, on every rank before any collective."""
+    from dtensor_mimo.layout import torch_compat
+
+    odd = synthetic_batch(SyntheticSpec.tiny(seq_len=63, modalities={}), seed=0)
+    even = synthetic_batch(SyntheticSpec.tiny(seq_len=64, modalities={}), seed=0)
+    layout = MimoLayout({"vision": P(), "language": P(tp=2)})
+    monkeypatch.setattr(torch_compat, "RELEASE", (2, 11))
+    with pytest.raises(ValueError, match=r"'language' has tp=2 with sequence parallel \(sp\): on torch .* a rank "
+                                         r"holds 63 rows of the sequence length 63; pad the rows to a multiple of 2"):
+        check_batch(layout, "language", ["vision"], odd, sequence_parallel=True)
+    check_batch(layout, "language", ["vision"], even, sequence_parallel=True)
+    check_batch(layout, "language", ["vision"], odd)  # without sp: nothing to split
+    monkeypatch.setattr(torch_compat, "RELEASE", (2, 13))
+    check_batch(layout, "language", ["vision"], odd, sequence_parallel=True)
+
+
 def _token_outside_vocabulary(mode: str, token: int) -> str | None:
     """vision dp2 on ranks 0-1, the language model (vocabulary 64) on rank 2; a batch whose
     sample 1 holds text id `token` at position 2: what a `mode` step raises on this rank."""

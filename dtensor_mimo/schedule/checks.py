@@ -200,11 +200,13 @@ def overlapped(layout: MimoLayout, language_name: str, encoders: Mapping[str, nn
 
 
 def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str], batch: MimoBatch,
-                item_rules: Mapping[str, ItemRule | None] | None = None, vocab_size: int | None = None) -> None:
+                item_rules: Mapping[str, ItemRule | None] | None = None, vocab_size: int | None = None,
+                sequence_parallel: bool = False) -> None:
     """Pure checks of a global batch against the model: the same verdict on every rank, raised
     before any collective. `item_rules`: each encoder's `item_rule`. `vocab_size`: the language
     model's embedding rows, which every token id that is not a modality's special id must index
-    (checked once per batch, in host memory: a batch already on an accelerator is not read)."""
+    (checked once per batch, in host memory: a batch already on an accelerator is not read).
+    `sequence_parallel`: the language model's `ParallelOptions.sp`."""
     unknown = [n for n in batch.modalities if n not in encoder_names]
     if unknown:
         raise ValueError(
@@ -234,6 +236,15 @@ def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str]
         raise ValueError(
             f"{language_name!r} has cp={cp}: the sequence length {batch.seq_len} must be a "
             f"multiple of 2*cp={2 * cp} (load-balanced sharding); pad the rows"
+        )
+    tp, rows = layout.parallelism(language_name).tp, batch.seq_len // cp
+    if sequence_parallel and tp > 1 and rows % tp and torch_compat.RELEASE < (2, 13):
+        raise ValueError(
+            f"{language_name!r} has tp={tp} with sequence parallel (sp): on torch {torch.__version__} its rows "
+            f"must split evenly over tp (a sequence tp does not divide fails in DTensor's backward before torch "
+            f"2.13), but a rank holds {rows} rows of the sequence length {batch.seq_len}"
+            + (f" over cp={cp}" if cp > 1 else "") + f"; pad the rows to a multiple of {tp * cp} (the trainer "
+            "does), or use torch 2.13"
         )
 
 
