@@ -396,6 +396,29 @@ def test_a_float8_rank_without_rows_under_tp_and_fsdp() -> None:
     assert all(distance < 1e-6 for _, distance in per_rank), per_rank
 
 
+def _pad_inner_dims() -> dict[str, set[bool]]:
+    """Each module's float8 layers' ``pad_inner_dim``, as `MimoModel` builds them (one rank)."""
+    llama, encoders = _modules(("vision",))
+    fp8 = ParallelOptions(fp8="tensorwise")
+    model = MimoModel(MimoLayout({"vision": Parallelism(), "language": Parallelism()},
+                                 offsets={"vision": 0, "language": 0}),
+                      llama, encoders, options={"vision": fp8, "language": fp8})
+    pads: dict[str, set[bool]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, float8.float8_linear.Float8Linear):
+            pads.setdefault("vision" if "vision" in name else "language", set()).add(m.config.pad_inner_dim)
+    return pads
+
+
+def test_an_encoders_float8_matmuls_take_any_number_of_rows() -> None:
+    """An encoder's rows per call vary with its items; its weight gradient's float8 matmul has
+    them as inner dim, which CUDA's ``torch._scaled_mm`` takes only in multiples of 16 (980 rows
+    of 5 images of 196 patches would fail on the ranks holding them, their dp peers waiting): the
+    encoder pads them (torchao's ``pad_inner_dim``); the language model's rows keep no padding
+    copy. (The shape rule itself needs a GPU: `benchmarks/gpu.py`.)"""
+    assert run_on_ranks(_pad_inner_dims, 1, timeout=120) == [{"vision": {True}, "language": {False}}]
+
+
 # ------------------------------------------------------------------ errors
 
 

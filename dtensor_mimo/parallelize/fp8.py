@@ -87,12 +87,17 @@ def check_fp8(module: str, recipe: str | None, device_type: str) -> None:
                 "or newer (H100, H200, L4, L40S, B200); set fp8 off for this module (and param_dtype='bf16')")
 
 
-def fp8_config(module: str, recipe: str, device_type: str, fsdp: bool) -> Float8LinearConfig:
+def fp8_config(module: str, recipe: str, device_type: str, fsdp: bool,
+               ragged_rows: bool = False) -> Float8LinearConfig:
     """torchao's `Float8LinearConfig` for `recipe` on `device_type` (emulated off CUDA), with
-    float8 all-gathers where the module is FSDP2-sharded (`fsdp`) and the recipe is tensorwise."""
+    float8 all-gathers where the module is FSDP2-sharded (`fsdp`) and the recipe is tensorwise.
+    `ragged_rows`: the rows of a call vary (an encoder's items): the weight gradient's float8
+    matmul has them as its inner dim, which ``torch._scaled_mm`` takes only in multiples of 16 on
+    CUDA, so they are padded with zeros (``pad_inner_dim``; a copy where they are not aligned).
+    The language model's rows (samples x sequence) keep torchao's default: no padding copies."""
     check_fp8(module, recipe, device_type)
     config = _torchao_float8(module).Float8LinearConfig.from_recipe_name(recipe)
-    return dataclasses.replace(config, emulate=device_type != "cuda",
+    return dataclasses.replace(config, emulate=device_type != "cuda", pad_inner_dim=ragged_rows,
                                enable_fsdp_float8_all_gather=fsdp and recipe == "tensorwise")
 
 

@@ -123,14 +123,15 @@ def blocks(module: nn.Module) -> nn.ModuleDict | None:
 
 def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh | None,
                 options: ParallelOptions = ParallelOptions(), parts: Sequence[nn.Module] | None = None, *,
-                wrap_one_rank: bool = False, name: str | None = None) -> nn.Module:
+                wrap_one_rank: bool = False, name: str | None = None, ragged_rows: bool = False) -> nn.Module:
     """Parallelize the stacks `parts` held by `root` (default: `stacks(root)`; steps 1-3 each),
     then FSDP2 or autocast on `root` (step 4), in place; returns `root`. `tp_mesh`: the module's
     "tp" sub-mesh (None or size 1: no tensor parallel); `dp_mesh`: its flattened dp·cp sub-mesh,
     sharing one root mesh with `tp_mesh` (as `MimoLayout` builds them). A part without any
     blocks cannot take activation checkpointing (refused by name). `wrap_one_rank`: apply tensor
     parallel and FSDP2 on meshes of one rank too (nothing is sharded; the planner times their
-    per-call cost so). `name`: the module's name in errors (default: its class name)."""
+    per-call cost so). `name`: the module's name in errors (default: its class name).
+    `ragged_rows`: its rows per call vary (an encoder's items; `fp8_config`)."""
     parts = stacks(root) if parts is None else list(parts)
     name = name or type(root).__name__
     check_tp_sizes(name, root, tp_size(tp_mesh), parts)
@@ -140,7 +141,8 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
     check_compile_layout(name, options, Parallelism(dp=1 if dp_mesh is None else dp_mesh.size(),
                                                     tp=1 if tp_mesh is None else tp_mesh.size()))
     fp8 = None if options.fp8 is None else fp8_config(
-        name, options.fp8, _device_type(root, tp_mesh, dp_mesh), uses_fsdp(options, dp_mesh, wrap_one_rank))
+        name, options.fp8, _device_type(root, tp_mesh, dp_mesh), uses_fsdp(options, dp_mesh, wrap_one_rank),
+        ragged_rows)
     units: list[nn.Module] = []  # FSDP2's units below the root
     # A ModalityEncoder that no FSDP2 unit cuts compiles whole under compile_scope="module": tower
     # and projection in one graph, one compiled call (a CUDA graph replay) per forward and per

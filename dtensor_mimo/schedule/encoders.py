@@ -457,5 +457,5 @@ def build_encoder_part(layout: MimoLayout, name: str, module: nn.Module, options
         root = EncoderStage(module, s == 0, s == pp - 1, dtype, compute_dtype(options, module))
         pipeline = EncoderPipeline(name, root, s, pp, layout.mesh(name, "pp").get_group(),
                                    module.encoder.config.dim, device)
-    parallelize(root, tp_mesh, dp_mesh, options, parts=stacks(module), name=name)
+    parallelize(root, tp_mesh, dp_mesh, options, parts=stacks(module), name=name, ragged_rows=True)
     return module, root, pipeline
