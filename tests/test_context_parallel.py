@@ -15,9 +15,13 @@ independent one-line rule (column c is kept by rank r when its chunk c // (S / 2
 | tiny Llama, packed, cp2  | 2     | [0,1]             | ProcessGroup   | embeddings, packed rows (*)       |
 | tiny Llama, packed, cp4  | 4     | [0,1,2,3]         | ProcessGroup   | same                              |
 
+| MimoModel, items by hand | 4     | cp2, cp4, tp2·cp2 + sp | the layout     | item spans across cp chunks (**)  |
+
 Attention core cases check the output and dq, dk, dv; Llama cases the local logits, the loss sum
 and every parameter gradient. (*) 2-3 documents per row, rotary positions restarting at each,
-document_ids, a loss mask on each document's last token.
+document_ids, a loss mask on each document's last token. (**) `test_mimo_items_across_cp_chunks`:
+the loss and every gradient of a `MimoModel` step against one process (fp32), two modalities of
+a user's encoder, packed rows, an item of no tokens and a row of items only.
 
 In the Llama cases each rank's loss is the token sum of cross-entropy over its own rows; the
 parameter gradients are all-reduced over the cp group (as FSDP/DDP over dp·cp would) and must
@@ -198,3 +202,137 @@ def test_llama_cp2(packed):
 
 def test_llama_packed_cp4():
     run_on_ranks(_llama_case, 4, [[0, 1, 2, 3]], True, timeout=TIMEOUT)
+
+
+# --------------------------------------------------------------------------------------------
+# (d) the whole MimoModel at cp > 1 with items placed by hand against one process
+# --------------------------------------------------------------------------------------------
+# Rows of 16 (cp2: chunks of 4, rank 0 keeps 0-3 and 12-15; cp4: chunks of 2): per sample its
+# items ``(start, length[, modality])`` in row order (length 0: an item with no tokens) and where
+# its documents start. Item spans cross chunk boundaries (2-5 over 3|4, 10-13 over 11|12), a row
+# is all items, tokens per item differ per sample and per microbatch, audio interleaves vision.
+MIMO_IDS = {"vision": 64, "audio": 65}
+MIMO_ROWS = [
+    ([(2, 4), (None, 0), (10, 4, "audio"), (14, 1)], [8]),
+    ([(0, 9), (9, 7, "audio")], []),
+    ([(None, 0), (5, 3, "audio"), (8, 1)], [4, 12]),
+    ([], [6]),
+]
+
+
+class _RowEncoder(torch.nn.Module):
+    """A user's encoder: item ``[tokens_i, 6]`` -> its rows ``[tokens_i, dim]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out_dim = LlamaConfig.tiny().dim
+        self.proj = torch.nn.Linear(6, self.out_dim)
+
+    def forward(self, items):
+        return torch.cat([self.proj(x) for x in items]) if items else self.proj(self.proj.weight.new_zeros(0, 6))
+
+    def tokens_per_item(self, shape):
+        return shape[0]
+
+    def init_weights(self, seed: int) -> None:
+        from dtensor_mimo.models import init_weights
+        init_weights(self, seed)
+
+
+def _mimo_modules():
+    llama = Llama(LlamaConfig.tiny())
+    llama.init_weights(1)
+    encoders = {n: _RowEncoder() for n in MIMO_IDS}
+    for i, e in enumerate(encoders.values()):
+        e.init_weights(5 + i)
+    return llama, encoders
+
+
+def _mimo_batch(seq_len: int = 16):
+    from dtensor_mimo.data import IGNORE_INDEX, MimoBatch, ModalityInputs
+    g = torch.Generator().manual_seed(3)
+    b = len(MIMO_ROWS)
+    tokens = torch.randint(0, 64, (b, seq_len), generator=g)
+    docs = torch.zeros(b, seq_len, dtype=torch.int64)
+    inputs, counts, per_item = ({n: [] for n in MIMO_IDS} for _ in range(3))
+    for r, (items, starts) in enumerate(MIMO_ROWS):
+        for n in MIMO_IDS:
+            counts[n].append(0)
+        for start, length, *name in items:
+            name = name[0] if name else "vision"
+            if length:
+                tokens[r, start:start + length] = MIMO_IDS[name]
+            inputs[name].append(torch.randn(length, 6, generator=g))
+            per_item[name].append(length)
+            counts[name][-1] += 1
+        for s in starts:
+            docs[r, s:] += 1
+    column = torch.arange(seq_len).expand(b, seq_len)
+    first = torch.where(torch.cat([torch.ones(b, 1, dtype=torch.bool), docs[:, 1:] != docs[:, :-1]], 1), column, 0)
+    positions = column - first.cummax(1).values
+    labels = torch.full((b, seq_len), IGNORE_INDEX, dtype=torch.int64)  # targets at item positions too
+    labels[:, :-1] = torch.where(docs[:, 1:] == docs[:, :-1], torch.randint(0, 64, (b, seq_len - 1), generator=g),
+                                 IGNORE_INDEX)
+    modalities = {n: ModalityInputs(inputs[n], tuple(counts[n]), tuple(per_item[n]), MIMO_IDS[n]) for n in MIMO_IDS}
+    return MimoBatch(tokens, labels, (labels != IGNORE_INDEX).float(), modalities, docs, positions)
+
+
+def _mimo_reference(batch):
+    from dtensor_mimo.assemble import assemble, embed_text
+    from dtensor_mimo.data import IGNORE_INDEX
+    llama, encoders = _mimo_modules()
+    ids = batch.special_token_ids
+    rows = {n: encoders[n](m.inputs) for n, m in batch.modalities.items()}
+    h = assemble(embed_text(llama.tok_embeddings, batch.tokens, ids), batch.tokens, rows, ids)
+    logits = llama(h=h, positions=batch.positions, document_ids=batch.document_ids)
+    loss = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    loss = loss / (batch.labels != IGNORE_INDEX).sum()
+    loss.backward()
+    grads = {f"language.{n}": p.grad for n, p in llama.named_parameters()}
+    grads.update({f"{m}.{n}": p.grad for m, e in encoders.items() for n, p in e.named_parameters()})
+    return loss.item(), grads
+
+
+def _mimo_case(modules, offsets, options, microbatches, batch):
+    from torch.distributed.tensor import DTensor
+
+    from dtensor_mimo import MimoLayout, MimoModel, PipelineConfig
+    layout = MimoLayout(modules, offsets=offsets)
+    layout.init_meshes("cpu")
+    llama, encoders = _mimo_modules()
+    model = MimoModel(layout, llama, encoders, options=options, pipeline=PipelineConfig(microbatches=microbatches))
+    share = model.forward_backward(batch)
+    model.reduce_gradients()
+    loss = share.double().reshape(1) if model.holds_loss_share() else torch.zeros(1, dtype=torch.float64)
+    dist.all_reduce(loss)
+    return loss.item(), {f"{m}.{n}": None if p.grad is None else
+                         (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                         for m in model.module_names for n, p in model.module_parameters(m).items()}
+
+
+@pytest.mark.parametrize("case", ["cp2_microbatches_balanced", "cp4_colocated", "cp2_tp2_sp"])
+def test_mimo_items_across_cp_chunks(case):
+    """Loss and every gradient of a MimoModel step = one process, with item spans across the cp
+    chunks (zigzag pairs chunk 0 and 2cp-1 on one rank), packed documents, an item of no tokens,
+    a row of items only, tokens per item differing per sample and microbatch, two modalities."""
+    from dtensor_mimo import ParallelOptions, Parallelism as P
+    modules, offsets, options, microbatches = {
+        "cp2_microbatches_balanced": ({"vision": P(dp=2), "audio": P(dp=2), "language": P(cp=2)},
+                                      {"vision": 0, "audio": 0, "language": 2},
+                                      {"vision": ParallelOptions(balance=True)}, 2),
+        "cp4_colocated": ({"vision": P(dp=4), "audio": P(dp=4), "language": P(cp=4)},
+                          {"vision": 0, "audio": 0, "language": 0}, {}, 1),
+        "cp2_tp2_sp": ({"vision": P(dp=4), "audio": P(dp=4), "language": P(cp=2, tp=2)},
+                       {"vision": 0, "audio": 0, "language": 0}, {"language": ParallelOptions(sp=True)}, 2),
+    }[case]
+    batch = _mimo_batch()
+    want_loss, want = _mimo_reference(batch)
+    world = max(offsets[n] + modules[n].size for n in modules)
+    seen = set()
+    for loss, grads in run_on_ranks(_mimo_case, world, modules, offsets, options, microbatches, batch,
+                                    timeout=TIMEOUT):
+        assert loss == pytest.approx(want_loss, rel=1e-5)
+        seen |= grads.keys()  # a rank holds the modules whose mesh it is on
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, want[name], rtol=2e-5, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert seen == want.keys()

@@ -12,6 +12,7 @@ clips at their own length, a list of items encoded as one packed sequence with p
 | test_compiled_blocks_do_not_recompile_for_new_sizes | per-block `torch.compile`: new mixes of sizes and counts after the warm-up recompile nothing |
 | test_whisper_unpadded_clip_matches_transformers     | clips of 7, 20, 32 frames = transformers' WhisperEncoder submodules on the unpadded clip (its positions sliced) |
 | test_tokens_for_and_item_rule                       | `tokens_for` on configs, towers, `ModalityEncoder` = the rows a forward gives; `item_rule` per item |
+| test_numpy_item_counts_are_integers                 | NumPy integer counts in `ModalityInputs` = Python ints |
 | test_bad_inputs_are_named                           | over max_patches, wrong channels, another size without dynamic_resolution, a non-tensor, clips of different lengths without variable_length, max_patches without dynamic_resolution |
 """
 
@@ -23,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dtensor_mimo.data import BatchError, ModalityInputs
 from dtensor_mimo.models import AudioConfig, AudioEncoder, ModalityEncoder, Projection, ViT, ViTConfig, load_hf
 from dtensor_mimo.models import layers
 from dtensor_mimo.models.layers import packed_attention
@@ -308,3 +310,25 @@ def test_bad_inputs_are_named():
         _audio()([torch.randn(8, 5).double(), torch.randn(8, 33).double()])
     with pytest.raises(ValueError, match=r"AudioEncoder: a clip of shape \[4, 10\], but the audio encoder takes"):
         _audio().tokens_for((4, 10))
+
+
+def test_numpy_item_counts_are_integers():
+    """Per-item token counts and items per sample computed with NumPy (``np.int64``: a shape
+    product, a ``bincount``, an array of counts) are integers like Python's: the same
+    `ModalityInputs` as with plain ints (they were refused as "must be integers")."""
+    np = pytest.importorskip("numpy")
+    images = [_image(8, 16, 0), _image(12, 8, 1), _image(16, 16, 2)]  # 8, 6, 16 tokens (4 px patches)
+    plain = ModalityInputs(inputs=images, items_per_sample=(1, 0, 2), tokens_per_item=(8, 6, 16), special_token_id=9)
+    products = tuple(np.int64(h // 4) * np.int64(w // 4) for h, w in ((8, 16), (12, 8), (16, 16)))
+    for counts, tokens in (((np.int64(1), 0, np.int64(2)), (8, 6, 16)),
+                           (np.array([1, 0, 2]), np.array([8, 6, 16])),
+                           ((1, 0, 2), products)):
+        m = ModalityInputs(inputs=images, items_per_sample=counts, tokens_per_item=tokens, special_token_id=9)
+        assert m.items_per_sample == plain.items_per_sample and m.tokens_per_item == plain.tokens_per_item
+        assert all(type(n) is int for n in (*m.items_per_sample, *m.tokens_per_item))
+        assert m.tokens_per_sample() == [8, 0, 22]
+    one = ModalityInputs(inputs=torch.zeros(3, 3, 16, 16), items_per_sample=(1, 2), tokens_per_item=np.int64(16),
+                         special_token_id=9)
+    assert one.tokens_per_item == 16 and type(one.tokens_per_item) is int and not one.varied
+    with pytest.raises(BatchError, match="must be integers"):
+        ModalityInputs(inputs=images, items_per_sample=(1, 2), tokens_per_item=(8.0, 6, 16), special_token_id=9)

@@ -21,6 +21,7 @@ ids carry exactly that many special tokens per row, so bridge sizes and the late
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, Sequence
@@ -199,8 +200,9 @@ def _pinned(x: torch.Tensor) -> torch.Tensor:
 
 
 def _is_int(n: object) -> bool:
-    return (isinstance(n, int) and not isinstance(n, bool)) or (torch.is_tensor(n) and n.dim() == 0
-                                                                  and not n.is_floating_point())
+    """A count: a Python or NumPy integer (`numbers.Integral`, not a bool), or a 0-dim integer tensor."""
+    return (isinstance(n, numbers.Integral) and not isinstance(n, bool)) or (
+        torch.is_tensor(n) and n.dim() == 0 and not n.is_floating_point())
 
 
 @dataclass(frozen=True, eq=False)  # tensors: compare fields explicitly
