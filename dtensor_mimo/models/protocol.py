@@ -6,7 +6,11 @@ model and its parallelize function", as a small structural contract).
 - ``forward(items) -> rows``: a modality's items ``[N, ...]`` (this rank's dp shard) to rows
   ``[N * tokens_per_item, out_dim]``, items in order, each item's tokens consecutive. The
   batch's metadata declares the tokens per item (`ModalitySpec`); the first step checks the
-  rows against it on every rank.
+  rows against it on every rank. A dp rank without items in a microbatch calls it on ``N = 0``
+  items (FSDP2's and the dp reductions' collectives need every rank's forward and backward):
+  its rows ``[0, out_dim]`` must still come from every trainable parameter, as with items
+  (plain ``nn.Linear`` / convolution layers do; a branch that skips a layer on empty input would
+  leave that rank's gradient set unlike its peers', and their reductions would not match).
 - ``out_dim: int``: the width of the rows; it must equal the language model's ``dim``.
 - optional ``init_weights(seed)``: for `MimoModel.init_weights` (meta-device construction).
 - optional ``parallelize(tp_mesh, options)``: its tensor (and sequence) parallel plan, applied
