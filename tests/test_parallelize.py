@@ -604,7 +604,7 @@ def _frozen_stay_frozen(sp: bool, fsdp: bool) -> dict[str, list[str]]:
     trainable = {f"{k}.{n}" for k, m in (("llama", llama), ("vit", vit)) for n, p in m.named_parameters()
                  if p.requires_grad}
     images = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
-    h = vit(images)[:, :7].contiguous()  # [2, 7, 32]: the frozen tower's rows as the decoder's input
+    h = vit(images)[:, :8]  # [2, 8, 32]: the frozen tower's rows as the decoder's input (tp divides 8)
     logits = llama(h=h)
     (logits.full_tensor() if isinstance(logits, DTensor) else logits).square().sum().backward()
     graded = {f"{k}.{n}" for k, m in (("llama", llama), ("vit", vit)) for n, p in m.named_parameters()
