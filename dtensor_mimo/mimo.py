@@ -165,6 +165,9 @@ class MimoModel(nn.Module):
         self.buffers = exchange.BufferPool()
         """The receive buffers of every crossing (recycled on CPU: a steady training loop allocates none)."""
 
+        # Read before the encoders are built: a pp > 1 encoder's stage keeps only its own parts of
+        # the module (in place), so a stage of frozen blocks alone would read as frozen on its rank only.
+        overlaps = overlapped(layout, language_name, encoders)
         roots: list[nn.Module] = []  # this rank's FSDP roots (what `to_empty` needs)
         self.encoders = nn.ModuleDict()
         self.encoder_pipelines: dict[str, EncoderPipeline] = {}  # this rank's stage of pp > 1 encoders
@@ -192,14 +195,14 @@ class MimoModel(nn.Module):
         """A training run's sums are in flight: `reduce_gradients` (or ``zero_grad``) comes next."""
         self.gradient_reducers = self._reducers(self._overlapped)
         """Per module of `_overlapped`, on its members: its `GradientReducer`."""
-        lean = overlapped(layout, language_name, encoders) and all(layout.parallelism(n).pp == 1 for n in encoders)
+        lean = overlaps and all(layout.parallelism(n).pp == 1 for n in encoders)
         self.parts = RankParts(
             layout, language_name, self.rank, self.device, self.dim, self.dtype,
             encoders={n: e for n, e in self.encoders.items() if n not in self.encoder_pipelines},
             encoder_pipelines=self.encoder_pipelines, language=self.language_pipeline, trainable=self._trainable,
             widths=self._widths, options=self.options, pipeline=self.pipeline,
             window=crossing_window(self.pipeline, layout.parallelism(language_name).pp, lean),
-            overlapped=overlapped(layout, language_name, encoders), hops=bridge_hops, buffers=self.buffers,
+            overlapped=overlaps, hops=bridge_hops, buffers=self.buffers,
             reducers=self.gradient_reducers)
         """This rank's parts and what every step shares, for the executor (`schedule.executor`)."""
         self._named_parameters = dict(self.named_parameters())

@@ -26,6 +26,7 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 | vision_pp2_dp2  | pp2·dp2 (0-3)    | dp1 (4)                   | 5     | 1F1B (one stage)     | encoder stages + FSDP, fan-in, meta |
 | vision_pp2_dp2_summed | pp2·dp2 (0-3) | dp1 (4)                | 5     | 1F1B (one stage)     | the same without FSDP2: dp sums during the stages' backward |
 | vision_pp2_1mb  | pp2 (0-1)        | dp1 (2)                   | 3     | GPipe, 1 microbatch  | encoder stages without overlap|
+| vision_pp2_frozen_vit | pp2 (0-1), ViT frozen | pp2 (2-3)      | 4     | 1F1B (vision GPipe)  | stage 0: frozen blocks only |
 | looped_bfs      | dp2 (0-1)        | pp2, 2 virtual (2-3)      | 4     | LoopedBFS            | backwards last microbatch first|
 | zero_bubble     | dp1 (0)          | pp2, 2 virtual (1-2)      | 3     | InterleavedZeroBubble| split backward, eager; 8 microbatches (crossing window 4) |
 | zero_bubble_fsdp | dp1 (0)         | pp2·dp2, 2 virtual (1-4)  | 5     | InterleavedZeroBubble| the same at dp2 with FSDP2, parameters kept gathered from forward to backward (resharded after forward: refused) |
@@ -92,6 +93,9 @@ CASES = {
     "vision_pp2_dp2": _case(P(pp=2, dp=2), P(), meta=True),
     "vision_pp2_dp2_summed": _case(P(pp=2, dp=2), P(), options=SUMMED),
     "vision_pp2_1mb": _case(P(pp=2), P(), PipelineConfig(microbatches=1, schedule="GPipe")),
+    # the LLaVA recipe on encoder stages: stage 0 holds frozen blocks alone (its rank once read the
+    # encoder as frozen after its stage was cut, took the three phases and left its pp peer waiting)
+    "vision_pp2_frozen_vit": _case(P(pp=2), P(pp=2), frozen=("vision.encoder",)),
     "looped_bfs": _case(P(dp=2), P(pp=2), PipelineConfig(microbatches=4, schedule="LoopedBFS", virtual_stages=2)),
     "zero_bubble": _case(P(), P(pp=2), PipelineConfig(microbatches=8, schedule="InterleavedZeroBubble",
                                                       virtual_stages=2)),
@@ -355,3 +359,38 @@ def test_run_schedule_reads_the_gradients_only_when_torch_may_drop_them(monkeypa
         runtime.run_schedule(schedule, stages, [()], None, [None])
     assert Counted.walks == walks, "a later run walked every parameter"
     assert params[0].grad is grad
+
+
+def _item_copies() -> tuple[int, list[float]]:
+    """vision pp2 (ranks 0-1) and the language model (rank 2): how many times this rank copied a
+    modality's items to its device in two training steps (and the steps' losses)."""
+    from dtensor_mimo import AdamWConfig, MimoLayout, MimoModel, MimoOptimizer, train_step
+    from dtensor_mimo.data import ModalityInputs
+    from tests.test_mimo import _batches, _modules
+
+    model = MimoModel(MimoLayout(dict(vision=P(pp=2), language=P())), *_modules(("vision",)), pipeline=MB4)
+    optimizer = MimoOptimizer(model, AdamWConfig(lr=0.0, max_grad_norm=None))
+    copies, to = [0], ModalityInputs.to
+
+    def counted(self, device):
+        copies[0] += 1
+        return to(self, device)
+
+    ModalityInputs.to = counted
+    try:
+        losses = [train_step(model, optimizer, batch).loss for batch in _batches(("vision",), False, 8, (64, 64))]
+    finally:
+        ModalityInputs.to = to
+    return copies[0], losses
+
+
+def test_later_encoder_stages_copy_no_items():
+    """Only an encoder pipeline's first stage reads the items; a later stage takes their counts from
+    the batch metadata, so it copies none of them to its device (on a GPU a later stage copied its
+    dp rank's every image, each step, and never read them; `run_once` already copied on the first
+    stage only)."""
+    from tests.harness import run_on_ranks
+
+    (first, losses), (later, _), _ = run_on_ranks(_item_copies, 3, timeout=120)
+    assert first > 0 and later == 0, (first, later)
+    assert all(loss > 0 for loss in losses)

@@ -246,7 +246,7 @@ class EncoderPipeline:
         self._cache: OrderedDict = OrderedDict()
         self.reductions = StageReductions([stage])  # dp: reduce during the stage's last backward
 
-    def _build(self, bucket: int, tokens_per_item: int, item_shape: tuple[int, ...], item_dtype: torch.dtype,
+    def _build(self, bucket: int, tokens_per_item: int, item_shape: tuple[int, ...], item_dtype: torch.dtype | None,
                out_dim: int) -> tuple[ScheduleGPipe, PipelineStage, EncoderSender]:
         first, last = self.index == 0, self.index == self.n_stages - 1
         dtype, hidden_dtype = self.stage.dtype, self.stage.hidden_dtype
@@ -260,15 +260,16 @@ class EncoderPipeline:
         sender = EncoderSender([self.name], bucket)
         return ScheduleGPipe(stage, self.microbatches, loss_fn=sender.loss, scale_grads=False), stage, sender
 
-    def run(self, items: list[torch.Tensor], counts: list[int], item_shape: tuple[int, ...],
+    def run(self, items: list[torch.Tensor | None], counts: list[int], item_shape: tuple[int, ...],
             tokens_per_item: int, out_dim: int, crossings: Sequence[Crossing]) -> None:
-        """`items`: this rank's dp shard of every microbatch's items (the first stage uses them);
+        """`items`: this rank's dp shard of every microbatch's items on the first stage (None on
+        the others, which copy no item to their device);
         `counts`, `item_shape`, `tokens_per_item`: from the batch metadata, the same on every
         stage, which therefore all pick the same bucket and cached stages."""
         bucket, self.microbatches = item_bucket(counts), len(counts)
         key = (bucket, len(counts), tokens_per_item, tuple(item_shape), out_dim)
         schedule, torch_stage, sender = cached(self._cache, key, lambda: self._build(
-            bucket, tokens_per_item, tuple(item_shape), items[0].dtype, out_dim))
+            bucket, tokens_per_item, tuple(item_shape), items[0].dtype if self.index == 0 else None, out_dim))
         self.stage.expected_tokens = tokens_per_item
         padded = [(torch.cat([x, x.new_zeros(bucket - x.shape[0], *x.shape[1:])]),) if self.index == 0 else ()
                   for x in items]

@@ -255,7 +255,9 @@ class _Run:
             if rows is not None:
                 self.local.outputs.setdefault(0, {})[name] = rows
         else:
-            pipeline.run([per[name].to(self.parts.device).inputs for per in self.items],
+            # only the first stage reads the items: later stages copy none to their device
+            first = pipeline.index == 0
+            pipeline.run([per[name].to(self.parts.device).inputs if first else None for per in self.items],
                          [per[name].num_items for per in self.items], tuple(modality.inputs.shape[1:]),
                          modality.tokens_per_item, self.parts.dim, self.crossings)
         if pipeline.stage.error:
