@@ -35,7 +35,6 @@ from typing import Callable, Collection, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import ScheduleGPipe
 
@@ -47,7 +46,7 @@ from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, parallelize
 from dtensor_mimo.parallelize.reducer import StageReductions
 from dtensor_mimo.schedule.config import stage_layers
 from dtensor_mimo.schedule.crossing import Crossing
-from dtensor_mimo.schedule.runtime import cached, run_schedule
+from dtensor_mimo.schedule.runtime import cached, fsdp_units, run_schedule
 
 
 def keep_encoder_stage(module: nn.Module, layers: range, first: bool, last: bool) -> None:
@@ -212,7 +211,7 @@ class Accumulation:
     exit (an exception too) every module gets FSDP2's defaults back."""
 
     def __init__(self, encoders: Mapping[str, nn.Module], keep_gathered: Collection[str] = ()) -> None:
-        self.modules = {n: [m for m in e.modules() if isinstance(m, FSDPModule)] for n, e in encoders.items()}
+        self.modules = {n: fsdp_units(e) for n, e in encoders.items()}
         self.keep_gathered = set(keep_gathered)
 
     def _set(self, name: str, accumulate: bool) -> None:
@@ -329,7 +328,7 @@ class LocalEncoders:
         encoders: this rank's pp = 1 encoders, by name.
         inputs: per microbatch, each encoder's dp-shard items on the device.
         dtype: what crosses the bridge.
-        recompute: names of the encoders recomputed before their backward.
+        recompute: names of the encoders recomputed before their backward (trainable ones).
         padded: names of the encoders whose items are padded to the step's bucket.
         independent: names of the encoders whose rows of an item depend on that item alone (the
             same on every rank of an encoder: the calls, and so FSDP2's collectives, match).
@@ -339,7 +338,7 @@ class LocalEncoders:
                  dtype: torch.dtype, recompute: Collection[str] = (), padded: Collection[str] = (),
                  independent: Collection[str] = ()) -> None:
         self.encoders, self.inputs, self.dtype = encoders, inputs, dtype
-        self.recompute = {n for n in recompute if any(p.requires_grad for p in encoders[n].parameters())}
+        self.recompute = set(recompute)
         self.padded, self.independent = set(padded), set(independent)
         self.buckets: dict[str, int] = {}
         """Items each call of an encoder in `padded` runs on (items of their own size: none), set

@@ -210,7 +210,8 @@ class _Run:
             self.items.append(per)
         # Host-to-device copies that do not wait for the device's queue (the inputs are host memory).
         inputs = [{n: m.to(parts.device).inputs for n, m in per.items() if n in parts.encoders} for per in self.items]
-        recompute = [n for n in parts.encoders if parts.options[n].recompute_colocated and not shape.overlapped]
+        recompute = [n for n in parts.encoders  # (a frozen one has no backward to recompute for)
+                     if parts.options[n].recompute_colocated and not shape.overlapped and parts.trainable[n]]
         local = {n: parts.encoders[n] for n in held if n in parts.encoders}
         self.local = LocalEncoders(local, inputs, parts.dtype, recompute if shape.mode == "train" else (),
                                    parts.padded_encoders & local.keys(), parts.independent_encoders & local.keys())

@@ -80,11 +80,20 @@ def run_schedule(schedule: Any, stages: Sequence[Any], args: list[tuple], kwargs
             p.grad += grad
 
 
+def fsdp_units(module: torch.nn.Module) -> list[FSDPModule]:
+    """`module`'s FSDP2 modules (itself included), found once per module: a walk of every
+    submodule each step would be host work that grows with the model."""
+    found = module.__dict__.get("_mimo_fsdp_units")
+    if found is None:
+        found = module.__dict__["_mimo_fsdp_units"] = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    return found
+
+
 def _fsdp_held(stage: Any) -> tuple[list[FSDPModule], list[torch.nn.Parameter]]:
     """`stage`'s FSDP2 modules and their parameters, found once per stage (the step's host path)."""
     found = stage.__dict__.get("_mimo_fsdp_held")
     if found is None:
-        modules = [m for m in stage.submod.modules() if isinstance(m, FSDPModule)]
+        modules = fsdp_units(stage.submod)
         params = list(dict.fromkeys(p for m in modules for p in m.parameters()))
         found = stage.__dict__["_mimo_fsdp_held"] = (modules, params)
     return found
