@@ -253,10 +253,11 @@ def ids_outside(batch: MimoBatch, vocab_size: int) -> str | None:
     modalities (the embedding lookup of the language model's first stage would raise there, on
     its ranks alone, leaving the encoder ranks waiting for gradients), or None. Once per batch
     (`MimoBatch.memo`: `MimoModel.prepare` finds it ahead of the step)."""
-    return batch.memo(("token ids outside", vocab_size), lambda: _ids_outside(batch.tokens, batch, vocab_size))
+    return batch.memo(("token ids outside", vocab_size), lambda: _ids_outside(batch, vocab_size))
 
 
-def _ids_outside(tokens: torch.Tensor, batch: MimoBatch, vocab_size: int) -> str | None:
+def _ids_outside(batch: MimoBatch, vocab_size: int) -> str | None:
+    tokens = batch.tokens
     outside = (tokens < 0) | (tokens >= vocab_size)
     for token_id in batch.special_token_ids.values():
         outside &= tokens != token_id
