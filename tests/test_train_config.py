@@ -308,3 +308,16 @@ def test_an_export_the_model_cannot_take_is_refused_before_any_process(tmp_path)
                                           r"checkpoint.export_hf"):
         preflight(parse_args(["--checkpoint.export_hf", str(tmp_path / "out")]))
     preflight(parse_args([]))  # no export: nothing refused
+
+
+@pytest.mark.parametrize("cp, tp, minimum, rounded", [(1, 1, 9, 9), (1, 2, 9, 10), (2, 1, 9, 12), (2, 4, 9, 16),
+                                                      (3, 2, 7, 12), (2, 2, 9, 12)])
+def test_seq_len_is_rounded_for_cp_chunks_and_each_cp_ranks_sp_shards(cp: int, tp: int, minimum: int,
+                                                                        rounded: int) -> None:
+    """2·cp load-balanced chunks divide the row, and tp divides each cp rank's rows (sequence
+    parallel's shards, even: torch before 2.13 refuses uneven ones) -- at cp 2, tp 4: a multiple of 8."""
+    from dtensor_mimo.train.datasets import round_seq_len
+
+    config = parse_args(["--layout.language.cp", str(cp), "--layout.language.tp", str(tp)])
+    got = round_seq_len(config, minimum)
+    assert got == rounded and got % (2 * cp if cp > 1 else 1) == 0 and (got // cp) % tp == 0

@@ -87,9 +87,10 @@ class TrainData:
 
 
 def round_seq_len(config: TrainerConfig, minimum: int) -> int:
-    """`minimum` rounded up so the language model's cp (2·cp chunks) and sp (tp shards) divide it."""
+    """`minimum` rounded up so the language model's cp (2·cp chunks) divides it, and tp each cp
+    rank's rows (sequence parallel shards them: evenly, as torch before 2.13 needs)."""
     lang = config.module_layout(LANGUAGE)
-    multiple = math.lcm(2 * lang.cp if lang.cp > 1 else 1, lang.tp)
+    multiple = math.lcm(2 * lang.cp if lang.cp > 1 else 1, lang.cp * lang.tp)
     return -(-minimum // multiple) * multiple
 
 
