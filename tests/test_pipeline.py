@@ -340,7 +340,7 @@ def test_run_schedule_reads_the_gradients_only_when_torch_may_drop_them(monkeypa
     params[0].grad = grad
 
     class Stage:
-        has_backward = False
+        has_backward, submod = False, None
 
         def clear_runtime_states(self):
             pass
@@ -349,7 +349,8 @@ def test_run_schedule_reads_the_gradients_only_when_torch_may_drop_them(monkeypa
         def _step_microbatches(self, *args, **kwargs):
             params[0].grad = None  # what torch's `_post_metadata_inference_cleanup` does on a first run
 
-    monkeypatch.setattr(runtime, "_fsdp_held", lambda stage: ([], params))
+    monkeypatch.setattr(runtime, "_fsdp_params", lambda stage: params)
+    monkeypatch.setattr(runtime, "reshard_fsdp_modules", lambda module: None)
     schedule, stages = Schedule(), [Stage()]
     runtime.run_schedule(schedule, stages, [()], None, [None])
     assert params[0].grad is grad  # kept across the first run

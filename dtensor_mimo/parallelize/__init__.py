@@ -8,7 +8,7 @@ dp with gradients summed, optional per-block torch.compile.
 | part.py             | `parallelize`: the one order (tp, checkpointing, compile, FSDP2) |
 | language.py         | the Llama decoder's tensor parallel plan                         |
 | encoders.py         | ViT / audio and projection tensor parallel plans                 |
-| fsdp.py             | `apply_fsdp` (sum over dp), `reduce_in_this_backward` (pipeline stages), `reshard_fsdp_modules` |
+| fsdp.py             | `apply_fsdp` (sum over dp), `reduce_in_this_backward` (pipeline stages), `reshard_fsdp_modules`, `fsdp_units` |
 | reducer.py          | without FSDP2: `GradientReducer` (buckets during backward), `allreduce_gradients` |
 | precision.py        | mixed precision: FSDP2 policy or autocast, `compute_dtype`       |
 | replicas.py         | tp-replicated gradients made identical, replica comparison       |
@@ -19,7 +19,7 @@ dp with gradients summed, optional per-block torch.compile.
 
 from dtensor_mimo.parallelize.checkpointing import checkpoint_blocks
 from dtensor_mimo.parallelize.compile import compile_blocks
-from dtensor_mimo.parallelize.fsdp import apply_fsdp, reshard_fsdp_modules
+from dtensor_mimo.parallelize.fsdp import apply_fsdp, fsdp_units, reshard_fsdp_modules
 from dtensor_mimo.parallelize.options import ParallelOptions
 from dtensor_mimo.parallelize.part import (
     parallelize,
@@ -50,6 +50,7 @@ __all__ = [
     "compute_dtype",
     "finish_gradients",
     "first_differing_replica",
+    "fsdp_units",
     "parallelize",
     "parallelize_encoder",
     "parallelize_llama",

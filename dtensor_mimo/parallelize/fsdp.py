@@ -55,6 +55,15 @@ def sum_gradients_over_dp(module: FSDPModule) -> None:
     module.set_force_sum_reduction_for_comms(True)
 
 
+def fsdp_units(module: nn.Module) -> list[FSDPModule]:
+    """`module`'s FSDP2 modules (itself included), found on the first call after `apply_fsdp` and
+    kept: a walk of every submodule on each step would be host work that grows with the model."""
+    found = module.__dict__.get("_mimo_fsdp_units")
+    if found is None:
+        found = module.__dict__["_mimo_fsdp_units"] = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    return found
+
+
 def reshard_fsdp_modules(module: nn.Module) -> None:
     """Put every FSDP2 module in `module` back on its parameter shards, freeing gathered copies
     (no communication; a module already sharded stays as it is).
@@ -65,9 +74,8 @@ def reshard_fsdp_modules(module: nn.Module) -> None:
     meanwhile (a checkpoint load) would go unseen by that forward and its gradients, and weights
     written through the module's registered parameters (the gathered copy then) would be dropped
     by the next reshard: call this before writing weights."""
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
+    for m in fsdp_units(module):
+        m.reshard()
 
 
 def reduce_in_this_backward(module: nn.Module) -> None:

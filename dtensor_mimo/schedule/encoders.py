@@ -42,11 +42,11 @@ from dtensor_mimo.bridge.hops import Delivery
 from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.models import FlexAttentionCore
 from dtensor_mimo.models.vit import self_attentions
-from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, parallelize, stacks
+from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, fsdp_units, parallelize, stacks
 from dtensor_mimo.parallelize.reducer import StageReductions
 from dtensor_mimo.schedule.config import stage_layers
 from dtensor_mimo.schedule.crossing import Crossing
-from dtensor_mimo.schedule.runtime import cached, fsdp_units, run_schedule
+from dtensor_mimo.schedule.runtime import cached, run_schedule
 
 
 def keep_encoder_stage(module: nn.Module, layers: range, first: bool, last: bool) -> None:

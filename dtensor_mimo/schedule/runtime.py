@@ -8,7 +8,8 @@ from collections import OrderedDict
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
-from torch.distributed.fsdp import FSDPModule
+
+from dtensor_mimo.parallelize import fsdp_units, reshard_fsdp_modules
 
 CACHED_SHAPES = 4
 """Stages + schedule kept per module for this many shapes (sequence lengths, item buckets);
@@ -62,12 +63,10 @@ def run_schedule(schedule: Any, stages: Sequence[Any], args: list[tuple], kwargs
     # gradients of runs before this one (``forward_backward`` twice, accumulating) are kept, read
     # on this schedule's first run only (torch initializes its stages once): a later step does no
     # work per parameter.
-    held = [_fsdp_held(stage) for stage in stages]
-    for modules, _ in held:
-        for m in modules:
-            m.reshard()
+    for stage in stages:
+        reshard_fsdp_modules(stage.submod)
     kept = {} if schedule.__dict__.get("_mimo_ran") else {
-        p: p.grad for _, params in held for p in params if p.grad is not None}
+        p: p.grad for stage in stages for p in _fsdp_params(stage) if p.grad is not None}
     for stage in stages:  # what step() does to each stage before running the microbatches
         stage.has_backward = True
         stage.clear_runtime_states()
@@ -80,20 +79,6 @@ def run_schedule(schedule: Any, stages: Sequence[Any], args: list[tuple], kwargs
             p.grad += grad
 
 
-def fsdp_units(module: torch.nn.Module) -> list[FSDPModule]:
-    """`module`'s FSDP2 modules (itself included), found once per module: a walk of every
-    submodule each step would be host work that grows with the model."""
-    found = module.__dict__.get("_mimo_fsdp_units")
-    if found is None:
-        found = module.__dict__["_mimo_fsdp_units"] = [m for m in module.modules() if isinstance(m, FSDPModule)]
-    return found
-
-
-def _fsdp_held(stage: Any) -> tuple[list[FSDPModule], list[torch.nn.Parameter]]:
-    """`stage`'s FSDP2 modules and their parameters, found once per stage (the step's host path)."""
-    found = stage.__dict__.get("_mimo_fsdp_held")
-    if found is None:
-        modules = fsdp_units(stage.submod)
-        params = list(dict.fromkeys(p for m in modules for p in m.parameters()))
-        found = stage.__dict__["_mimo_fsdp_held"] = (modules, params)
-    return found
+def _fsdp_params(stage: Any) -> list[torch.nn.Parameter]:
+    """The parameters of `stage`'s FSDP2 modules (those torch may drop the gradients of)."""
+    return list(dict.fromkeys(p for m in fsdp_units(stage.submod) for p in m.parameters()))

@@ -149,17 +149,10 @@ def choose_checkpoint(directory: str) -> tuple[str | None, list[str]]:
     newer one skipped (naming the file). Collective: call on every rank; each checksums its share
     of a candidate's files and one all-gather pools the verdicts, so every rank returns the same."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    candidates: list[Any] = [None, None]
-    if rank == 0:  # rank 0 lists: one view of a shared directory
-        try:
-            candidates[0] = step_checkpoints(directory)
-        except OSError as e:  # (an unreadable directory: every rank raises it, none waits)
-            candidates[1] = f"cannot list the checkpoints of {directory}: {e.strerror or e}"
-    dist.broadcast_object_list(candidates, src=0)
-    if candidates[1] is not None:
-        raise CheckpointError(candidates[1])
+    # rank 0 lists: one view of a shared directory
+    candidates = _from_rank_0(lambda: step_checkpoints(directory), f"cannot list the checkpoints of {directory}")
     warnings = []
-    for path in candidates[0]:
+    for path in candidates:
         problems = verify(path, (rank, world))
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, problems)
@@ -211,23 +204,30 @@ def choose_load(path: str) -> tuple[str, list[str], bool]:
     ``checkpoint.dir`` is (`choose_checkpoint`: each rank checksums its share of the files, not
     rank 0 all of them while its peers wait). Returns (the checkpoint, a warning for each newer
     one skipped, whether it was verified); CheckpointError on every rank alike."""
-    said: list[Any] = [None, None]
-    if dist.get_rank() == 0:
-        try:
-            said[0] = _names_one(path)
-        except CheckpointError as e:
-            said[1] = str(e)
-    dist.broadcast_object_list(said, src=0)
-    if said[1] is not None:
-        raise CheckpointError(said[1])
-    if said[0]:
+    if _from_rank_0(lambda: _names_one(path)):
         return path, [], False
     chosen, warnings = choose_checkpoint(path)
     if chosen is None:
-        message: list[Any] = [_none_in(path) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(message, src=0)
-        raise CheckpointError("; ".join([message[0], *warnings]))
+        raise CheckpointError("; ".join([_from_rank_0(lambda: _none_in(path), f"cannot list {path}"), *warnings]))
     return chosen, warnings, True
+
+
+def _from_rank_0(compute: Callable[[], Any], what: str = "") -> Any:
+    """`compute()` on rank 0, its result on every rank (collective: one broadcast); its failure
+    (CheckpointError, or an OSError named after `what`) raised on every rank alike, none left
+    waiting for rank 0."""
+    said: list[Any] = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            said[0] = compute()
+        except CheckpointError as e:
+            said[1] = str(e)
+        except OSError as e:
+            said[1] = f"{what}: {e.strerror or e}"
+    dist.broadcast_object_list(said, src=0)
+    if said[1] is not None:
+        raise CheckpointError(said[1])
+    return said[0]
 
 
 def expected_shapes(modules: Mapping[str, torch.nn.Module]) -> dict[str, tuple[int, ...]]:
