@@ -135,22 +135,52 @@ def test_encoder_layers_whose_dims_are_not_multiples_of_16_stay() -> None:
     assert all(type(vit.layers[i].mlp.fc1) is nn.Linear for i in ("0", "1"))
 
 
-@pytest.mark.parametrize("recipe, kept", [("tensorwise", {"wk", "wv"}), ("rowwise", {"wq", "wk", "wv", "wo", "w2"})])
-def test_on_cuda_layers_where_float8_does_not_pay_stay(recipe: str, kept: set[str]) -> None:
+@pytest.mark.parametrize("recipe, tp, kept", [
+    # the 1B Llama's shards at tp 8: wq 2048 -> 256, wk/wv 2048 -> 64, w1/w3 2048 -> 1024 do not pay
+    # tensorwise (K <= 4096 and N <= 1024); wo 256 -> 2048 and w2 1024 -> 2048 do
+    ("tensorwise", 8, {"wq", "wk", "wv", "w1", "w3"}),
+    # rowwise at tp 2: only w1/w3 (2048 -> 4096 a rank: N > 4096 fails, so not even they)
+    ("rowwise", 2, {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}),
+    # whole (tp 1): tensorwise keeps K/V (2048 -> 512), rowwise all but the 2048 -> 8192 ones
+    ("tensorwise", 1, {"wk", "wv"}),
+    ("rowwise", 1, {"wq", "wk", "wv", "wo", "w2"}),
+])
+def test_on_cuda_tensor_parallel_layers_are_judged_by_their_shards(recipe: str, tp: int, kept: set[str]) -> None:
     """Not emulated (CUDA), the 1B Llama of benchmarks/gpu.py keeps in bf16 the layers whose
-    float8 matmuls torchao measured slower on an H100 (K/V 2048 -> 512; rowwise: all but the
-    2048 -> 8192 ones); emulated, every eligible layer converts (the other tests)."""
+    float8 matmuls torchao measured slower on an H100, read from each rank's shard of the tp plan
+    (what its matmuls run; thresholds applied here by hand). Emulated, every eligible layer
+    converts (the other tests)."""
     import dataclasses
 
     from dtensor_mimo.models import LlamaConfig
     from dtensor_mimo.parallelize.fp8 import convert_to_fp8, fp8_config
+    from dtensor_mimo.parallelize.part import tp_weight_splits
 
     with torch.device("meta"):
         llama = Llama(LlamaConfig(vocab_size=32000, dim=2048, n_layers=2, n_heads=32, n_kv_heads=8, ffn_hidden=8192))
     linears = _linear_names(llama) - {"output"}
     config = dataclasses.replace(fp8_config("language", recipe, "cpu", False), emulate=False)
-    convert_to_fp8(llama, config, "language", recipe)
+    convert_to_fp8(llama, config, "language", recipe, tp, tp_weight_splits(llama))
     assert set(fp8_layers(llama)) == {n for n in linears if n.rsplit(".", 1)[-1] not in kept}
+
+
+def test_on_cuda_a_shard_whose_width_is_not_a_multiple_of_16_stays() -> None:
+    """A SigLIP so400m tower (1152 wide, MLP 4304 = 16 x 269) at tp 2: fc1's shard has 2152
+    columns and fc2's 2152 in features, which ``torch._scaled_mm`` refuses on CUDA: both stay,
+    though tensorwise float8 would pay at their shapes (N > 1024); of the attention, wo's shard
+    (576 -> 1152) converts, wq/wk/wv's (1152 -> 576) do not pay. At tp 1 every layer converts."""
+    import dataclasses
+
+    from dtensor_mimo.parallelize.fp8 import convert_to_fp8, fp8_config
+    from dtensor_mimo.parallelize.part import tp_weight_splits
+
+    every = {f"layers.0.attn.{w}" for w in ("wq", "wk", "wv", "wo")} | {"layers.0.mlp.fc1", "layers.0.mlp.fc2"}
+    for tp, expected in ((2, {"layers.0.attn.wo"}), (1, every)):
+        with torch.device("meta"):
+            vit = ViT(ViTConfig(image_size=384, patch_size=14, dim=1152, n_layers=1, n_heads=16, mlp_hidden=4304))
+        config = dataclasses.replace(fp8_config("vision", "tensorwise", "cpu", False), emulate=False)
+        convert_to_fp8(vit, config, "vision", "tensorwise", tp, tp_weight_splits(vit))
+        assert set(fp8_layers(vit)) == expected, tp
 
 
 def test_a_module_with_no_layer_worth_float8_says_so(monkeypatch: pytest.MonkeyPatch,

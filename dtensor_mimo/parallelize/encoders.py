@@ -18,6 +18,7 @@ from __future__ import annotations
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -34,6 +35,17 @@ from dtensor_mimo.parallelize.tensor_parallel import (
 )
 
 
+ENCODER_BLOCK = dict(attention="attn", attention_colwise=("wq", "wk", "wv"), attention_rowwise="wo",
+                     attention_extra_args=0, mlp="mlp", mlp_colwise=("fc1",), mlp_rowwise="fc2",
+                     norms=("norm1", "norm2"))
+"""The names `block_plan` shards in a ViT or audio encoder block."""
+
+
+def projection_plan() -> dict[str, ParallelStyle]:
+    """The projection's tp plan: fc1 column-parallel, fc2 row-parallel (output replicated)."""
+    return {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+
+
 def encoder_tp_sizes(model: ViT | AudioEncoder) -> dict[str, int]:
     """The sizes the encoder's tp plan splits over the tp ranks (each must divide by tp)."""
     return {"n_heads": model.config.n_heads, "mlp_hidden": model.config.mlp_hidden}
@@ -48,17 +60,7 @@ def apply_encoder_tp(model: ViT | AudioEncoder, tp_mesh: DeviceMesh, options: Pa
     """Tensor parallel plan of the encoder blocks (in place); output replicated and plain."""
     sp = options.sp
     check_divisible(type(model).__name__, encoder_tp_sizes(model), tp_mesh.size())
-    layer_plan = block_plan(
-        sp=sp,
-        attention="attn",
-        attention_colwise=("wq", "wk", "wv"),
-        attention_rowwise="wo",
-        attention_extra_args=0,
-        mlp="mlp",
-        mlp_colwise=("fc1",),
-        mlp_rowwise="fc2",
-        norms=("norm1", "norm2"),
-    )
+    layer_plan = block_plan(sp=sp, **ENCODER_BLOCK)
     parallelize_blocks(model.layers.values(), tp_mesh, layer_plan, sp=sp)
     if sp:
         if model.norm is not None:
@@ -70,4 +72,4 @@ def apply_projection_tp(model: Projection, tp_mesh: DeviceMesh, options: Paralle
     """fc1 colwise, fc2 rowwise (output replicated, plain); `options.sp` does not apply (no norm,
     and the output must be replicated anyway)."""
     check_divisible("Projection", projection_tp_sizes(model), tp_mesh.size())
-    parallelize_module(model, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    parallelize_module(model, tp_mesh, projection_plan())

@@ -21,7 +21,10 @@ stay in the compute dtype, as in torchtitan and Megatron-LM. On CUDA also only w
 rule of its ``_auto_filter_for_recipe``, torchtitan's ``auto_filter_small_kn``) stays in the
 compute dtype; e.g. for the 1B Llama of `benchmarks/gpu.py` (dim 2048, 8 of 32 heads for K/V,
 ffn 8192) tensorwise keeps ``wk`` and ``wv`` (2048 -> 512), rowwise converts only ``w1`` and
-``w3``. Emulated (off CUDA) every eligible layer converts, so that the tests check each layer's
+``w3``. Under tensor parallel both rules read the shape of each rank's shard (`shard_features`:
+a column-parallel layer's out features, a row-parallel one's in features divided by tp), which
+is what its matmuls run: at tp 2 the 4,304-wide MLP of a SigLIP so400m tower has 2,152 columns a
+rank, which ``torch._scaled_mm`` refuses, so it stays in the compute dtype. Emulated (off CUDA) every eligible layer converts, so that the tests check each layer's
 float8 numerics at their small sizes. Tensor parallel keeps its own plan:
 torch's Colwise/Rowwise styles shard ``Float8Linear`` like ``nn.Linear`` and the float8 casts
 run on each rank's shard (torchtitan's rowwise path; torchao's float8 tp styles would also send
@@ -38,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, Mapping, get_args
 
 import torch
 from torch import nn
@@ -109,23 +112,42 @@ def converts_to_fp8(layer: nn.Module, fqn: str) -> bool:
             and layer.in_features % FP8_DIM_MULTIPLE == 0 and layer.out_features % FP8_DIM_MULTIPLE == 0)
 
 
-def fp8_pays(layer: nn.Linear, recipe: str) -> bool:
-    """Whether `layer`'s float8 matmuls beat bf16 on an H100 under `recipe`, by torchao's
-    measured thresholds (``N`` out features, ``K`` in features): tensorwise unless ``K <= 4096``
-    and ``N <= 1024``; rowwise only if ``N > 2048``, ``K > 1024`` and not both ``N <= 4096`` and
-    ``K <= 2048``."""
-    n, k = layer.out_features, layer.in_features
+def fp8_pays(out_features: int, in_features: int, recipe: str) -> bool:
+    """Whether a Linear matmul of `out_features` x `in_features` (``N`` x ``K``) runs faster in
+    float8 than in bf16 on an H100 under `recipe`, by torchao's measured thresholds: tensorwise
+    unless ``K <= 4096`` and ``N <= 1024``; rowwise only if ``N > 2048``, ``K > 1024`` and not both
+    ``N <= 4096`` and ``K <= 2048``."""
+    n, k = out_features, in_features
     if recipe == "tensorwise":
         return not (k <= 4096 and n <= 1024)
     return n > 2048 and k > 1024 and not (n <= 4096 and k <= 2048)
 
 
-def convert_to_fp8(stack: nn.Module, config: Float8LinearConfig, module: str, recipe: str) -> None:
-    """Swap `stack`'s Linear layers that `converts_to_fp8` selects (on CUDA, also `fp8_pays`) for
-    torchao's ``Float8Linear`` (in place; parameters keep their names, dtype and values), each
-    taking inputs without rows too (`Float8LinearOrEmpty`)."""
+def shard_features(layer: nn.Linear, fqn: str, tp: int, splits: Mapping[str, int]) -> tuple[int, int]:
+    """(out, in) features of the shard of `layer` (named `fqn`) that one of `tp` ranks holds:
+    `splits` maps a layer name (the end of `fqn`, e.g. ``attention.wq``) to the weight dim its tp
+    plan shards (0: column-parallel, the out features; 1: row-parallel, the in features); a layer
+    it does not name is whole on every rank."""
+    dim = next((d for name, d in splits.items() if fqn == name or fqn.endswith("." + name)), None)
+    out_features, in_features = layer.out_features, layer.in_features
+    return (out_features // tp if dim == 0 else out_features, in_features // tp if dim == 1 else in_features)
+
+
+def convert_to_fp8(stack: nn.Module, config: Float8LinearConfig, module: str, recipe: str,
+                   tp: int = 1, splits: Mapping[str, int] | None = None) -> None:
+    """Swap `stack`'s Linear layers that `converts_to_fp8` selects for torchao's ``Float8Linear``
+    (in place; parameters keep their names, dtype and values), each taking inputs without rows
+    too (`Float8LinearOrEmpty`). On CUDA (not `config.emulate`) only those whose shard on one of
+    `tp` ranks (`shard_features` by `splits`, the stack's tp plan; default: nothing sharded) has
+    both dims multiples of `FP8_DIM_MULTIPLE` and `fp8_pays`."""
     def selected(layer: nn.Module, fqn: str) -> bool:
-        return converts_to_fp8(layer, fqn) and (config.emulate or fp8_pays(layer, recipe))
+        if not converts_to_fp8(layer, fqn):
+            return False
+        if config.emulate:
+            return True
+        out_features, in_features = shard_features(layer, fqn, tp, splits or {})
+        return (out_features % FP8_DIM_MULTIPLE == 0 and in_features % FP8_DIM_MULTIPLE == 0
+                and fp8_pays(out_features, in_features, recipe))
 
     _torchao_float8(module).convert_to_float8_training(stack, module_filter_fn=selected, config=config)
     from dtensor_mimo.parallelize.fp8_layer import Float8LinearOrEmpty

@@ -53,6 +53,13 @@ from dtensor_mimo.parallelize.tensor_parallel import (
 )
 
 
+LLAMA_BLOCK = dict(attention="attention", attention_colwise=("wq", "wk", "wv"), attention_rowwise="wo",
+                   attention_extra_args=3,  # rope, sequence_index, document_ids
+                   mlp="feed_forward", mlp_colwise=("w1", "w3"), mlp_rowwise="w2",
+                   norms=("attention_norm", "ffn_norm"))
+"""The names `block_plan` shards in a decoder block."""
+
+
 def llama_tp_sizes(model: Llama) -> dict[str, int]:
     """The sizes the decoder's tp plan splits over the tp ranks (each must divide by tp)."""
     c = model.config
@@ -81,17 +88,7 @@ def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh, options: ParallelOptions) 
         )
     parallelize_module(model, tp_mesh, plan)
 
-    layer_plan = block_plan(
-        sp=sp,
-        attention="attention",
-        attention_colwise=("wq", "wk", "wv"),
-        attention_rowwise="wo",
-        attention_extra_args=3,  # rope, sequence_index, document_ids
-        mlp="feed_forward",
-        mlp_colwise=("w1", "w3"),
-        mlp_rowwise="w2",
-        norms=("attention_norm", "ffn_norm"),
-    )
+    layer_plan = block_plan(sp=sp, **LLAMA_BLOCK)
     parallelize_blocks(model.layers.values(), tp_mesh, layer_plan, sp=sp)
     if sp:
         replicated_local_output(model, keep_vocab_shards=options.loss_parallel)

@@ -163,7 +163,7 @@ class ParallelOptions:
             bf16). Composes with tp/sp, compile and FSDP2; needs ``pip install 'dtensor_mimo[fp8]'``
             and, on CUDA, compute capability 8.9+ (emulated on the CPU). On CUDA also layers
             whose float8 matmuls torchao measured slower than bf16 stay in the compute dtype
-            (`dtensor_mimo.parallelize.fp8.fp8_pays`).
+            (`dtensor_mimo.parallelize.fp8.fp8_pays`), both rules read on each rank's tp shard.
         overlap_grad_reduce: without FSDP2 at dp·cp > 1: the gradients are summed over dp·cp in
             buckets launched while backward still runs, each as soon as the module's last
             backward of the step has produced all of its gradients (DDP-style;

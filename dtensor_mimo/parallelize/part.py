@@ -32,13 +32,13 @@ from dtensor_mimo.layout import LayoutError, Parallelism
 from dtensor_mimo.models import AudioEncoder, Llama, ModalityEncoder, Projection, ViT
 from dtensor_mimo.parallelize.checkpointing import checkpoint_blocks
 from dtensor_mimo.parallelize.compile import compile_blocks
-from dtensor_mimo.parallelize.encoders import (apply_encoder_tp, apply_projection_tp, encoder_tp_sizes,
-                                               projection_tp_sizes)
+from dtensor_mimo.parallelize.encoders import (ENCODER_BLOCK, apply_encoder_tp, apply_projection_tp,
+                                               encoder_tp_sizes, projection_plan, projection_tp_sizes)
 from dtensor_mimo.parallelize.fp8 import convert_to_fp8, fp8_config, fp8_layers
-from dtensor_mimo.parallelize.language import apply_llama_tp, llama_tp_sizes
+from dtensor_mimo.parallelize.language import LLAMA_BLOCK, apply_llama_tp, llama_tp_sizes
 from dtensor_mimo.parallelize.options import ParallelOptions
 from dtensor_mimo.parallelize.precision import apply_data_parallel, uses_fsdp
-from dtensor_mimo.parallelize.tensor_parallel import check_divisible, tp_size
+from dtensor_mimo.parallelize.tensor_parallel import block_plan, check_divisible, tp_size, weight_splits
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,19 @@ def tp_plan(module: nn.Module) -> TpPlan:
     if isinstance(module, Projection):
         return apply_projection_tp
     return user_tp_plan
+
+
+def tp_weight_splits(module: nn.Module) -> dict[str, int]:
+    """The weight dim the library's tp plan of one stack shards in each Linear layer it splits, by
+    the layer's name inside a block or the stack (`weight_splits`); {} for a user module (its own
+    ``parallelize`` is not read: fp8 on CUDA then judges its layers whole, `convert_to_fp8`)."""
+    if isinstance(module, Llama):
+        return weight_splits(block_plan(sp=False, **LLAMA_BLOCK))
+    if isinstance(module, (ViT, AudioEncoder)):
+        return weight_splits(block_plan(sp=False, **ENCODER_BLOCK))
+    if isinstance(module, Projection):
+        return weight_splits(projection_plan())
+    return {}
 
 
 def tp_sizes(module: nn.Module) -> dict[str, int]:
@@ -151,7 +164,7 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
                  and not uses_fsdp(options, dp_mesh, wrap_one_rank))
     for stack in parts:
         if fp8 is not None:
-            convert_to_fp8(stack, fp8, name, options.fp8)
+            convert_to_fp8(stack, fp8, name, options.fp8, tp_size(tp_mesh), tp_weight_splits(stack))
         if tp_size(tp_mesh) > 1 or (wrap_one_rank and tp_mesh is not None):
             frozen = {n for n, p in stack.named_parameters() if not p.requires_grad}
             tp_plan(stack)(stack, tp_mesh, options)

@@ -89,6 +89,13 @@ def block_plan(
     return plan
 
 
+def weight_splits(plan: dict[str, ParallelStyle]) -> dict[str, int]:
+    """The weight dim `plan` shards in each layer it names column- or row-parallel: 0 (the out
+    features) for ``ColwiseParallel``, 1 (the in features) for ``RowwiseParallel``."""
+    return {name: 0 if isinstance(style, ColwiseParallel) else 1 for name, style in plan.items()
+            if isinstance(style, (ColwiseParallel, RowwiseParallel))}
+
+
 def parallelize_blocks(blocks: Iterable[nn.Module], tp_mesh: DeviceMesh, layer_plan: dict[str, ParallelStyle],
                        *, sp: bool) -> None:
     """Apply `layer_plan` to every block; under sp each block also accepts a replicated input."""
