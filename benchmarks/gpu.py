@@ -30,6 +30,7 @@ important figures:
 | vlm | transformers (compiled) | `LlavaForConditionalGeneration` of the same config (SDPA, fp32 weights under bf16 autocast, fused AdamW, clip 1.0); eager, or each tower layer, each decoder layer and the projector compiled |
 | vlm | ours whole | each stack compiled whole (`compile_scope="module"`) without CUDA graphs: what the scope alone gives |
 | vlm | ours cpp wrapper | `vlm ours` with inductor's C++ wrapper (`ParallelOptions(compile_options={"cpp_wrapper": True})`): each compiled graph calls its kernels from C++, not Python (on one CPU thread, `benchmarks/host_step.py`'s compiled cases measure it). It builds its wrappers with the CUDA headers of a CUDA toolkit, or else of the `nvidia` wheels that torch's CUDA build installs (`_wrapper_toolkit`) |
+| vlm | ours fp8 | `vlm ours` with `ParallelOptions(fp8="tensorwise")` on both modules: the encoder's float8 layers take any number of image rows (196 an image; torchao's `pad_inner_dim` for the weight gradient's matmul, which takes multiples of 16 on CUDA); compared with `vlm ours` (no target: the tower's and decoder's layers at these widths are mostly where float8 does not pay) |
 | vlm | ours all rows | `vlm ours` with the chunked head on every row, as before 2026-11-27 (8): what running it on the loss rows only gives |
 | lm, vlm | ours cudagraphs | the same with `ParallelOptions(compile_mode="reduce-overhead")`: each compiled piece's forward and backward replay as CUDA graphs (torch's cudagraph trees); the LM's pieces are its blocks, the VLM's its modules whole (`compile_scope="module"`: the ViT with its projection, the decoder with its head and loss); first checks its first 5 steps' losses and gradient norms against the same model in eager on the GPU (`_graphs_check`), and reports inductor's reasons for any piece it ran without graphs (`cudagraph_skips`); also the LM in fp8 tensorwise (its 2026-11-27 step left the device idle 40 ms of 217: float8's casts double each compiled backward's launches) |
 | tiny | trainer | the README's tiny LLaVA task (`examples/make_tiny_llava.py`, `examples/llava_tiny.toml`, eager) through `python -m dtensor_mimo.train` on the device, world 1: its logged step time (issue 29 asks for < 15 ms); also with per-block compile (on CPU it cuts the top-level aten ops of a step from 1,894 to 826: the host's launch work on a GPU), with each module compiled whole (`compile_scope = "module"`), the same in CUDA graphs (`compile_mode = "reduce-overhead"`), and with the prefetch thread (`data.workers = 0`, `thread`) instead of the default loader process on GPUs; with `--profile`, the trainer's own record of two steps mid-run (`metrics.profile`) |
@@ -87,11 +88,13 @@ VLM = {"default": dict(image=224, patch=16, vdim=768, vlayers=12, vheads=12, vml
 # mixed precision against autocast at dp = 1 (the issue's "which form is fastest"), each VLM
 # stack compiled whole without graphs and the VLM per block with the C++ wrapper (its
 # per-block step was host-bound: idle 32 of 140 ms, mostly around the ViT's blocks, each 0.3-0.8
-# ms of device work after 1.3-1.8 ms of host), then what a save of the 1B LM's state costs its
+# ms of device work after 1.3-1.8 ms of host), the VLM in fp8 (the encoder's ragged rows in float8
+# on CUDA: never run on a GPU yet), then what a save of the 1B LM's state costs its
 # step in each checkpoint mode (pinned host buffers: `checkpoint.async_mode = "async_with_pinned_mem"`).
 CASES = ("tiny trainer cudagraphs", "lm ours", "lm transformers compiled", "vlm ours", "vlm transformers compiled",
          "lm ours fp8 tensorwise", "lm ours 8b blocks", "lm ours fp8 tensorwise 8b blocks",
          "lm ours fp8 tensorwise tuned nd", "lm ours fsdp2 bf16", "vlm ours whole", "vlm ours cpp wrapper",
+         "vlm ours fp8",
          "tiny trainer cudagraphs thread", "lm ours fp8 tensorwise tuned", "vlm ours cudagraphs", "lm ours checkpoint",
          "tiny trainer", "tiny trainer whole", "lm ours cudagraphs", "lm ours fp8 tensorwise cudagraphs",
          "lm ours unchunked loss", "lm ours packed", "lm ours packed flex", "lm ours fp8 rowwise",
@@ -732,7 +735,8 @@ def _vlm_batches(s: dict, count: int = 4) -> list:
 
 
 def _vlm_ours_model(s: dict, device: str, backend: str, compile_: bool, weights: str | None = None,
-                    mode: str | None = None, scope: str = "block", compile_options: dict | None = None):
+                    mode: str | None = None, scope: str = "block", compile_options: dict | None = None,
+                    fp8: str | None = None):
     import torch
 
     from dtensor_mimo import MimoLayout, MimoModel, ParallelOptions, Parallelism
@@ -746,7 +750,8 @@ def _vlm_ours_model(s: dict, device: str, backend: str, compile_: bool, weights:
         vision = ModalityEncoder(ViT(vit_config), Projection(vit_config.dim, llama_config.dim))
     layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()}, offsets={"vision": 0, "language": 0})
     options = ParallelOptions(compile=compile_, compile_backend=backend, compile_mode=mode, compile_scope=scope,
-                              param_dtype="bf16" if device == "cuda" else None, compile_options=compile_options)
+                              param_dtype="bf16" if device == "cuda" else None, compile_options=compile_options,
+                              fp8=fp8)
     model = MimoModel(layout, llama, {"vision": vision}, options={"vision": options, "language": options},
                       device_type=device)
     model.init_weights({"language": 0, "vision": 1})
@@ -756,7 +761,7 @@ def _vlm_ours_model(s: dict, device: str, backend: str, compile_: bool, weights:
 
 
 def _vlm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, graphs: bool = False,
-              whole: bool = False, wrapper: bool = False) -> dict:
+              whole: bool = False, wrapper: bool = False, fp8: str | None = None) -> dict:
     from dtensor_mimo import AdamWConfig, MimoOptimizer, train_step
 
     _world_of_one(device)
@@ -766,7 +771,7 @@ def _vlm_ours(s: dict, device: str, backend: str, warmup: int, steps: int, graph
 
     def build(compile_: bool, mode: str | None = None, scope: str = "block"):
         model = _vlm_ours_model(s, device, backend, compile_, mode=mode, scope=scope,
-                                compile_options=options if compile_ else None)
+                                compile_options=options if compile_ else None, fp8=fp8)
         return model, MimoOptimizer(model, AdamWConfig(lr=1e-4))
 
     model, optimizer = build(True, _graphs_mode(graphs, backend), "module" if graphs or whole else "block")
@@ -940,7 +945,8 @@ def _case(args: argparse.Namespace) -> None:
 
             LanguagePipeline._count_loss_rows = lambda self, mb: None
         out = _vlm_ours(VLM[size], device, backend, args.warmup, 2 * args.steps, graphs=case.endswith(GRAPHS),
-                        whole=case.endswith("whole"), wrapper=case.endswith(WRAPPER))
+                        whole=case.endswith("whole"), wrapper=case.endswith(WRAPPER),
+                        fp8="tensorwise" if case.endswith(" fp8") else None)
     elif case.startswith("vlm transformers"):
         out = _vlm_transformers(VLM[size], device, backend, args.warmup, 2 * args.steps,
                                 compiled=case.endswith("compiled"))
@@ -1091,6 +1097,7 @@ BASELINES = {"lm ours": ("lm transformers compiled", 1.0), "lm transformers": ("
              "lm ours packed flex": ("lm ours packed", None), "lm ours cudagraphs": ("lm transformers compiled", 1.0),
              "vlm ours cudagraphs": ("vlm transformers compiled", 1.1), "vlm ours whole": ("vlm ours", None),
              "vlm ours all rows": ("vlm ours", None), "vlm ours cpp wrapper": ("vlm ours", None),
+             "vlm ours fp8": ("vlm ours", None),
              "vlm ours": ("vlm transformers compiled", 1.1), "vlm transformers": ("vlm transformers compiled", None)}
 
 
