@@ -17,6 +17,9 @@ Clips are MP4s (H.264, 16x16 px, 4 frames a second) of a moving coloured shape w
 | test_temporal_patch_embeds_a_still_pair_as_its_frame | a SigLIP tower loaded with temporal_patch = 2: kernel [w/2, w/2]; a pair of one frame |
 |                                                   | twice == the frame through the plain tower; a shape naming both factors |
 | test_broken_clips_name_the_sample_and_file        | a clip that opens but does not decode: MediaError (sample id, path); not a video: DataError (sample id, path) |
+| test_a_packed_corpus_leaves_out_a_clip_whose_header_cannot_be_read | data.pack, data.seq_len = 0 with  |
+|                                                   | skip_bad_media: the unreadable sample a row of its own, left out; |
+|                                                   | no ConfigError at the start                           |
 | test_a_clip_cut_without_reencoding_keeps_its_shown_frames | edit list hides 3 of 10 frames: 4 of 7 taken, == PyAV |
 | test_dp2_frames_give_one_process_numbers          | video dp2 + language dp2 colocated [2], frames (or pairs) balanced: losses == one process [1] (1e-5); |
 |                                                   | encoder max/mean logged, 1.0 (clips of 1 or 3 frames, 2 a microbatch: every total even) |
@@ -294,6 +297,30 @@ def test_skip_bad_media_trains_past_a_clip_whose_header_cannot_be_read(tiny: str
     # two of the three samples a step left out: the clip cut short (decoded) and the text file (its header)
     assert [(r["step"], r["skipped_samples"]) for r in records] == [(1, 2), (2, 4)]
     assert all(r["loss"] > 0 for r in records)
+
+
+def test_a_packed_corpus_leaves_out_a_clip_whose_header_cannot_be_read(tiny: str) -> None:
+    """data.pack measures every sample at the start: a sample whose header cannot be read (no
+    length) gets a row of its own, left out when a batch meets it (``data.skip_bad_media``), as
+    unpacked; it does not end the run before its first step, nor cost the other samples their row."""
+    from dtensor_mimo.data.batch import IGNORE_INDEX
+    from dtensor_mimo.train.trainer import _LoadPlan
+
+    data, _ = _dataset(tiny, "--data.path", "data/broken.jsonl", "--data.pack", "true", "--data.skip_bad_media",
+                       "true", "--data.seq_len", "256", "--data.batch_size", "2")
+    rows = data.train.rows
+    # broken-0 (3 frames) and broken-1 (its header: 5 frames) fit one row of 256; broken-2 alone
+    assert sorted(map(sorted, rows)) == [[0, 1], [2]]
+    batch, failed = _LoadPlan(None, 1, {}).tolerant(data.train.batch, list(range(len(rows))))
+    alone = rows.index([2])
+    assert sorted(e.sample_id for e in failed) == ["broken-1", "broken-2"]
+    assert [e.row for e in failed if e.sample_id == "broken-2"] == [alone]
+    assert (batch.tokens[alone] == data.train.pad_id).all() and (batch.labels[alone] == IGNORE_INDEX).all()
+    assert batch.modalities["video"].items_per_sample[alone] == 0
+    # data.seq_len = 0 (the longest sample's) measures every sample too: the readable ones'
+    longest, _ = _dataset(tiny, "--data.path", "data/broken.jsonl", "--data.skip_bad_media", "true",
+                          "--data.seq_len", "0", "--data.batch_size", "2")
+    assert longest.seq_len == max(len(longest.train[i].tokens) for i in (0, 1))
 
 
 class _Pixels:

@@ -681,7 +681,9 @@ class ConversationDataset(Dataset):
         added = getattr(tokenizer, "added_tokens_decoder", {})
         special = {i for i, t in added.items() if getattr(t, "special", False)} | set(tokenizer.all_special_ids)
         self._turn_ends = special - {spec.special_token_id for spec in self.media.values()}
-        self.seq_len = seq_len or max(len(self._record(i).tokens) for i in range(len(self.samples)))
+        # (a sample whose media header cannot be read has no length: a batch names or leaves it out)
+        self.seq_len = seq_len or max((n for i in range(len(self.samples)) if (n := self._length(i)) is not None),
+                                      default=0)
         self.pack = pack
         self.rows = self._pack(seed) if pack else None
 
@@ -699,18 +701,32 @@ class ConversationDataset(Dataset):
     def _pack(self, seed: int) -> list[list[int]]:
         """Samples in an order drawn from `seed`, each appended to the current row while it fits.
         Every sample's length is needed up front: this tokenizes the whole corpus (in each rank,
-        lengths kept as int32), the one whole-corpus pass left (windowed packing would remove it)."""
+        lengths kept as int32), the one whole-corpus pass left (windowed packing would remove it).
+        A sample a media header of which cannot be read has no length: it gets a row of its own
+        (after the others), which a batch then names or leaves out (``data.skip_bad_media``) as
+        it would unpacked, costing no other sample its row."""
         order = torch.randperm(len(self.samples), generator=torch.Generator().manual_seed(seed)).tolist()
         rows: list[list[int]] = []
+        alone: list[list[int]] = []
         used = self.seq_len
         for index in order:
-            n = len(self._record(index).tokens)
+            n = self._length(index)
+            if n is None:
+                alone.append([index])
+                continue
             if used + n > self.seq_len:
                 rows.append([])
                 used = 0
             rows[-1].append(index)
             used += n
-        return rows
+        return rows + alone
+
+    def _length(self, index: int) -> int | None:
+        """Sample `index`'s token count; None where a media header of it cannot be read (MediaError)."""
+        try:
+            return len(self._record(index).tokens)
+        except MediaError:
+            return None
 
     def _record(self, index: int, blank: bool = False) -> _Tokenized:
         """Sample `index` tokenized: from the cache (the first `cache_samples` met are kept, int32
