@@ -147,3 +147,32 @@ def test_a_rank_that_loads_only_some_items_gets_its_batches_pinned(pin, monkeypa
                 assert torch.equal(x, y) and x.shape == y.shape
                 if 0 not in x.stride():  # memory of its own: pinned (a copy)
                     assert y.data_ptr() != x.data_ptr() and (pin != "cuda" or y.is_pinned())
+
+
+def test_a_loader_process_does_not_decode_rows_known_unusable_again() -> None:
+    """A resumed run that skips bad media (``data.skip_bad_media``) knows its unusable rows from
+    the checkpoint: the loader processes (`data.workers`) build them left out without decoding
+    their media again, as the step's own path does; a row not known is still tried (and fails)."""
+    from dtensor_mimo.data.conversation import MediaError
+    from dtensor_mimo.train.trainer import _Batches, _LoadPlan
+
+    decoded: list[int] = []
+
+    class Source:
+        def __len__(self) -> int:
+            return 10
+
+        def batch(self, indices, load=None, left_out=()):
+            for row, i in enumerate(indices):  # (a source decodes every row not left out)
+                if row not in left_out:
+                    decoded.append(i)
+                    if i in (7, 8):
+                        raise MediaError(f"sample {i}: cannot decode", row=row)
+            return _batch(0)
+
+    loader = _Batches(Source(), _LoadPlan(None, 1, {}), (1, ()), known=frozenset({7}))
+    batch, failed = loader[[3, 7]].unpack()
+    assert set(decoded) == {3} and failed == []
+    decoded.clear()
+    batch, failed = loader[[8, 7]].unpack()
+    assert [(e.row, str(e)) for e in failed] == [(0, "sample 8: cannot decode")] and 7 not in decoded

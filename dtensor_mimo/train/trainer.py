@@ -140,13 +140,16 @@ class _Batches(Dataset):
     """A dataset whose item at a list of indices is this rank's view of that global batch, with
     what the step derives from all of it derived in the worker (`prepare_batch` for `cuts`: the
     microbatch count and `RankParts.cut_rules`; pickled with it), packed into one buffer for the
-    trip from a loader worker (`Flat`)."""
+    trip from a loader worker (`Flat`). `known`: rows known unusable when the loader starts (a
+    resumed run's), built left out without decoding their media again."""
 
-    def __init__(self, dataset: BatchSource, plan: _LoadPlan, cuts: tuple[int, tuple[CutRule, ...]]) -> None:
-        self.dataset, self.plan, self.cuts = dataset, plan, cuts
+    def __init__(self, dataset: BatchSource, plan: _LoadPlan, cuts: tuple[int, tuple[CutRule, ...]],
+                 known: frozenset[int] = frozenset()) -> None:
+        self.dataset, self.plan, self.cuts, self.known = dataset, plan, cuts, known
 
     def __getitem__(self, indices: list[int]) -> Flat:
-        batch, failed = self.plan.tolerant(self.dataset.batch, indices)
+        skip = [r for r, i in enumerate(indices) if i in self.known]
+        batch, failed = self.plan.tolerant(self.dataset.batch, indices, skip)
         prepare_batch(batch, *self.cuts)
         return Flat.pack((batch, failed))
 
@@ -350,11 +353,14 @@ class Trainer:
         ahead.load_state_dict(self.sampler.state_dict())  # the loader's own copy runs ahead
         pin = gpu  # host-to-device copies then overlap the step
         if workers == 0:  # one thread prepares the next batches while the step runs
-            batches: Iterator[tuple] = _prefetched((plan.tolerant(self.data.train.batch, i) for i in _Forever(ahead)),
-                                                   depth=2, pin=pin, prepare=self.model.prepare)
+            # (rows known unusable, read as they are learnt, are built left out: their media not decoded again)
+            batches: Iterator[tuple] = _prefetched((plan.tolerant(self.data.train.batch, i, self._left_out(i))
+                                                    for i in _Forever(ahead)), depth=2, pin=pin,
+                                                   prepare=self.model.prepare)
         else:
             parts = self.model.parts
-            loader = DataLoader(_Batches(self.data.train, plan, (parts.pipeline.microbatches, parts.cut_rules)),
+            loader = DataLoader(_Batches(self.data.train, plan, (parts.pipeline.microbatches, parts.cut_rules),
+                                         frozenset(self.left_out)),
                                 sampler=_Forever(ahead), batch_size=None,
                                 num_workers=workers, collate_fn=_as_is, persistent_workers=True,
                                 pin_memory=pin, worker_init_fn=ignore_stop_signals,
