@@ -281,6 +281,25 @@ def test_predict_is_consistent() -> None:
     assert pred.idle["vision"] == pred.idle["language"]  # colocated: the same ranks
 
 
+def test_colocated_crossings_are_costed_once_per_direction() -> None:
+    """In the colocated three phases the rows cross before the language schedule and the
+    gradients after it (`dtensor_mimo.schedule.program._colocated`): each crossing is one exchange
+    on the shared ranks, in the step once. Vision dp2 and the language model tp2 on the same two
+    ranks, batch 8 in 2 microbatches of 4 samples x 10 rows: each rank holds 20 rows and needs
+    the other rank's 20 (the language ranks replicate them over tp), forward and backward. Only
+    the crossings depend on the rows' width: 8 fp32 features add 20 x 8 x 4 bytes at 1 MB/s per
+    direction and microbatch, 2 x 2 x 0.64 ms in the step."""
+    from dtensor_mimo.plan.candidate import Candidate
+
+    def step(width: int) -> float:
+        vision = dataclasses.replace(profile("vision", tokens=10), width=width)
+        job = Job((vision, profile("language", tokens=32)), batch_size=8)
+        cand = Candidate.of({"vision": P(dp=2), "language": P(tp=2)}, {"vision": 0, "language": 0}, 2)
+        return predict(job, cand, FAST).step_s
+
+    assert step(8) - step(0) == pytest.approx(2 * 2 * 20 * 8 * 4 / 1e6)
+
+
 def test_a_colocated_one_call_encoder_pays_its_call_once_a_step() -> None:
     """In the colocated three phases an encoder that runs every microbatch's items in one call
     (`ModuleProfile.one_call`: the library's) pays its per-call work once a step: the step is
@@ -418,6 +437,25 @@ def test_json_entries_are_trainer_overrides(tmp_path) -> None:
         assert e == json.loads(json.dumps(entry(pred)))
 
 
+def test_the_configured_layout_is_found_in_the_ranking_whatever_ranks_its_modules_take(monkeypatch) -> None:
+    """The command prints the configured layout's rank among the ranked ones. A config that puts
+    the language model first (ranks 0-1) and the encoders after it is the same layout as the
+    enumerated one with the encoders first (the search leaves out which group takes which
+    ranks): it has that one's rank."""
+    from dtensor_mimo.train import plan as trainer_plan
+
+    job = digits_job(batch_size=32)
+    monkeypatch.setattr(trainer_plan, "load_profiles", lambda *args, **kwargs: (job, FAST, "cache"))
+    config = parse_args(["--layout.language.offset", "0", "--layout.language.dp", "2",
+                         "--layout.vision.offset", "2", "--layout.audio.offset", "3"])
+    lines: list[str] = []
+    ranked = trainer_plan.plan(config, 4, top=1, log=lines.append)
+    rank = next(i for i, p in enumerate(ranked, 1) if p.candidate.describe() ==
+                "vision 1 @0 | audio 1 @1 | language dp2 @2" and p.candidate.microbatches == 4)
+    assert lines[-1].startswith("the configured layout (vision 1 @2 | audio 1 @3 | language dp2 @0, M=4)")
+    assert lines[-1].endswith(f", rank {rank}"), lines[-1]
+
+
 def test_layout_auto_config() -> None:
     from dtensor_mimo.train.plan import with_candidate
 
@@ -492,6 +530,27 @@ def test_layout_auto_refused_where_its_measurements_do_not_describe_the_run(monk
     assert launch.main(["--layout.auto", "true", *argv]) == 2
     err = capsys.readouterr().err
     assert match in err and "python -m dtensor_mimo.plan" in err, err
+
+
+def test_mixed_precision_moves_half_the_bytes() -> None:
+    """Under ``param_dtype = 'bf16'`` a module's activations (tp all-reduces, cp gathers, pp sends,
+    the rows crossing) are bf16 and FSDP2 all-gathers its parameters in bf16
+    (`dtensor_mimo.parallelize.precision`): the measured profile says 2 bytes for both, and an
+    FSDP2 block's gather over dp = 2 moves its 1000 parameters x 2 bytes. A module left in fp32
+    keeps 4 bytes."""
+    pytest.importorskip("sklearn")
+    from dtensor_mimo.train.plan import measure_profiles
+
+    config = parse_args(["--options.language.param_dtype", "bf16"])
+    profiles = {m["name"]: m for m in measure_profiles(config, log=lambda _: None)["job"]["modules"]}
+    assert (profiles["language"]["act_bytes"], profiles["language"]["gather_bytes"]) == (2, 2)
+    assert (profiles["vision"]["act_bytes"], profiles["vision"]["gather_bytes"]) == (4, None)
+    p = dataclasses.replace(profile("language", fsdp=True), gather_bytes=2)
+    f = module_cost(p, P(dp=2), 8, 1, FAST, range(2))
+    gather = 2 * allgather_time(1000 * 2, 2, LINK) + allgather_time(500 * 2, 2, LINK)
+    assert f.forward == pytest.approx(2 * (1e-3 + 40e-6) + gather)
+    params = 2 * 1000 + 500  # fp32 state sharded over dp; one bf16 block and the bf16 rest gathered
+    assert f.memory == pytest.approx(params * 16 / 2 + (1000 + 500) * 2 + 100 * 40 * 2)
 
 
 def test_measured_job_of_items_of_their_own_size_parallelized_as_trained() -> None:

@@ -220,8 +220,9 @@ def module_cost(profile: ModuleProfile, par: Parallelism, batch_size: int, micro
     block_f = block(profile.block_forward) + tp_comm + cp_comm + wrap_f
     trains_blocks = profile.block_backward.fixed > 0 or profile.block_backward.per_token > 0
     block_b = (block(profile.block_backward) + tp_comm + cp_comm + wrap_b) if trains_blocks else 0.0
-    gather_block = allgather_time(profile.block_params * profile.param_bytes / tp, shards, shard_link)
-    gather_rest = allgather_time(profile.rest_params * profile.param_bytes / tp, shards, shard_link)
+    gather_bytes = profile.gather_bytes or profile.param_bytes  # FSDP2 gathers in param_dtype
+    gather_block = allgather_time(profile.block_params * gather_bytes / tp, shards, shard_link)
+    gather_rest = allgather_time(profile.rest_params * gather_bytes / tp, shards, shard_link)
     regather = profile.reshard_after_forward and trains_blocks
 
     per_rank = rank_layers(profile.n_layers, par.pp, schedule, virtual_stages) if par.pp > 1 else \
@@ -250,7 +251,7 @@ def module_cost(profile: ModuleProfile, par: Parallelism, batch_size: int, micro
     params = (profile.block_params * busiest_layers + profile.rest_params) / tp
     share = profile.trainable_params / max(1, profile.params)
     state = params * profile.param_bytes + params * share * (profile.param_bytes + ADAM_STATE_BYTES)
-    gathered = (profile.block_params + profile.rest_params) / tp * profile.param_bytes if fsdp else 0.0
+    gathered = (profile.block_params + profile.rest_params) / tp * gather_bytes if fsdp else 0.0
     in_flight = held if held is not None else order.in_flight(
         PipelineConfig(microbatches=m, schedule=schedule, virtual_stages=virtual_stages), par.pp)
     activations = profile.activation_bytes_per_token * tokens / tp * busiest_layers * in_flight
@@ -414,9 +415,13 @@ def predict(job: Job, candidate: Candidate, device: DeviceProfile) -> Prediction
     lang_span = (offsets[lang_name], lang_par.size)
     lc = costs[lang_name]
     cross_in = sum(cross_f.values()) + sum(cross_b.values())
-    lang_mb = lc.forward + lc.backward + cross_in
+    # Overlapped, the first language stage posts each microbatch's crossings inside its schedule;
+    # in the three phases they come before and after it (`schedule.program._colocated`), costed
+    # once there, with the encoders' phases (on shared ranks they are one exchange, not two).
+    lang_cross = cross_in if overlapped else 0.0
+    lang_mb = lc.forward + lc.backward + lang_cross
     lang_step = pipeline_time(lang_mb, m, lang_par.pp, job.schedule, job.virtual_stages)
-    lang_trip = lc.stage_trip + cross_in
+    lang_trip = lc.stage_trip + lang_cross
 
     enc_spans = [span for span in groups if span != lang_span]
     enc_f = {span: sum(costs[n].forward + cross_f[n] for n in groups[span]) for span in enc_spans}

@@ -97,9 +97,12 @@ class ModuleProfile:
             `reshard_after_forward`).
         reshard_after_forward: FSDP2 gathers again for the backward.
         param_bytes: bytes of one parameter (and of its gradient).
+        gather_bytes: bytes of one parameter as FSDP2 all-gathers it: its ``param_dtype`` under
+            mixed precision (`MixedPrecisionPolicy`); None: `param_bytes`.
         hidden: the block's hidden size: tp all-reduces tokens x hidden activations twice per block
             forward and twice backward (Megatron-style), cp gathers keys and values of that width.
-        act_bytes: bytes of one activation element (what crosses and what tp moves).
+        act_bytes: bytes of one activation element (what crosses and what tp moves): the module's
+            compute dtype (`ParallelOptions.param_dtype` under mixed precision).
         load: preparing the module's inputs on a rank (decoding, feature extraction), seconds vs
             samples whose items the rank prepares.
         fsdp_forward_s, fsdp_backward_s: FSDP2's own cost per block call (hooks, bookkeeping),
@@ -137,6 +140,7 @@ class ModuleProfile:
     reshard_after_forward: bool = True
     param_bytes: int = 4
     act_bytes: int = 4
+    gather_bytes: int | None = None
     load: Affine = field(default_factory=Affine)
     fsdp_forward_s: float = 0.0
     fsdp_backward_s: float = 0.0

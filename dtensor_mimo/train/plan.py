@@ -41,7 +41,7 @@ from dtensor_mimo.layout.parallelism import FIELDS
 from dtensor_mimo.plan import (Affine, DeviceProfile, Job, Link, ModuleProfile, Prediction,
                                entry, homogeneous, predict, search, table, validate, write_json)
 from dtensor_mimo.plan.candidate import Candidate
-from dtensor_mimo.plan.search import InvalidCandidate
+from dtensor_mimo.plan.search import InvalidCandidate, canonical
 from dtensor_mimo.train.config import (LANGUAGE, ConfigError, ModuleLayout, TrainerConfig, build_layout,
                                        parse_args)
 
@@ -131,6 +131,7 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
     import torch
 
     from dtensor_mimo.parallelize import parallelize
+    from dtensor_mimo.parallelize.precision import compute_dtype
     from dtensor_mimo.plan import measure
     from dtensor_mimo.schedule.encoders import independent_rows
 
@@ -175,6 +176,10 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
         divides = tuple(x for x in (getattr(cfg, "n_heads", None), getattr(cfg, "mlp_hidden", None),
                                     getattr(proj, "out_features", None)) if x)
         load = fit_load(lambda idx, name=name: {name: idx})
+    # What moves: activations (tp, cp, pp sends, the rows crossing) in the compute dtype, FSDP2's
+    # gathers in param_dtype (`dtensor_mimo.parallelize.precision`)
+    act_bytes = compute_dtype(options, module).itemsize
+    gather_bytes = options.param_dtype.itemsize if options.param_dtype is not None else None
     pristine = copy.deepcopy(module)  # what the wrappers' cost is measured on, below
     # As the trainer runs it (activation checkpointing, mixed precision), on no mesh and uncompiled
     parallelize(module, None, None, dataclasses.replace(options, compile=False))
@@ -200,7 +205,8 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
         name=name, n_layers=n_layers, tokens_per_sample=tokens_per_sample,
         block_params=block_params, rest_params=params - block_params * n_layers, trainable_params=trainable,
         activation_bytes_per_token=0.0 if frozen_tower else act, width=width, hidden=hidden,
-        tp_divides=divides, cp=name == LANGUAGE, load=load, one_call=one_call, **option_limits(options), **times,
+        tp_divides=divides, cp=name == LANGUAGE, act_bytes=act_bytes, gather_bytes=gather_bytes, load=load,
+        one_call=one_call, **option_limits(options), **times,
         **wrappers)
 
 
@@ -413,7 +419,8 @@ def plan(config: TrainerConfig, world: int, top: int = 10, cache: str | None = N
         try:
             validate(job, own, world)
             p = predict(job, own, device)
-            rank = next((i for i, q in enumerate(result.ranked, 1) if q.candidate == own), None)
+            same = canonical(job, own)  # the search's form: which group takes which ranks left out
+            rank = next((i for i, q in enumerate(result.ranked, 1) if q.candidate == same), None)
             log(f"the configured layout ({own.describe()}, M={own.microbatches}): {p.step_s * 1e3:.1f} ms predicted"
                 + (f", rank {rank}" if rank else ""))
         except InvalidCandidate:
