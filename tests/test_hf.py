@@ -19,6 +19,9 @@ each test writes with ``save_pretrained``; no download; skipped without transfor
 | test_clip_tower_without_layer_norm_eps_takes_clips_default | CLIP's 1e-5, not SigLIP's 1e-6 |
 | test_a_sliding_window_left_at_mistrals_default_is_refused | Mistral's default 4096-token window, refused by name |
 | test_default_table_is_transformers_own | `config_json.DEFAULTS` against transformers' config classes |
+| test_llava_kin_take_their_feature_layer | LLaVA-NeXT / -OneVision towers: up to their vision_feature_layer |
+| test_quantized_checkpoints_are_refused_... | FP8 / int8 weights: named while checking, nothing read |
+| test_mimo_load_hf_refuses_a_quantized_... | an FP8 checkpoint: every rank raises, none reads |
 | test_mimo_load_hf_trains_like_one_process | `MimoModel.load_hf` on language tp2·dp2 + FSDP2 (colocated with vision dp4, meta-built): oracle numbers of a one-process model loaded the same way; each rank reads under 60% of the checkpoint |
 """
 
@@ -117,6 +120,21 @@ def test_sharded_checkpoint_and_bf16(tmp_path) -> None:
     assert back.model.embed_tokens.weight.dtype == torch.bfloat16
     torch.testing.assert_close(back.model.layers[0].mlp.down_proj.weight, llama.layers["0"].feed_forward.w2.weight,
                                rtol=0, atol=0)
+
+
+def test_a_truncated_shard_is_refused_before_any_read(tmp_path) -> None:
+    """A shard cut short (an interrupted download) is named when the directory is opened (every
+    rank opens every file, before the ranks agree to read), not met mid-read on the ranks whose
+    rows lie past the cut."""
+    _write(str(tmp_path / "hf"), "qwen2")
+    llama = Llama(LlamaConfig.from_hf(str(tmp_path / "hf")))
+    save_hf(llama, str(tmp_path / "out"), max_shard_bytes=4096)
+    last = sorted((tmp_path / "out").glob("*.safetensors"))[-1]
+    size = last.stat().st_size
+    with open(last, "r+b") as f:
+        f.truncate(size - 100)
+    with pytest.raises(ValueError, match=rf"{last.name}: truncated: .* up to byte {size}, the file has {size - 100}"):
+        load_hf(Llama(LlamaConfig.from_hf(str(tmp_path / "out"))), str(tmp_path / "out"))
 
 
 def test_a_directory_transformers_rewrote_as_one_file_loads_that_file(tmp_path) -> None:
@@ -425,3 +443,120 @@ def test_clip_tower_without_layer_norm_eps_takes_clips_default(tmp_path) -> None
     with torch.no_grad():
         torch.testing.assert_close(vit(_images(16)), hf(pixel_values=_images(16)).last_hidden_state[:, 1:],
                                    rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind, tower, layer", [
+    ("LlavaNext", "CLIP", -2),  # llava-v1.6: features after all but the last block, class token dropped
+    ("LlavaOnevision", "Siglip", -1),  # every block, before post_layernorm, every token
+])
+@pytest.mark.parametrize("written", [True, False])
+def test_llava_kin_take_their_feature_layer(kind: str, tower: str, layer: int, written: bool, tmp_path) -> None:
+    """LLaVA-NeXT / -OneVision directories (LLaVA's tower, projector and decoder names): the ViT
+    is the tower up to their vision_feature_layer, as the model's own, also when config.json leaves
+    it out at the model type's default (as transformers v4 wrote it) — not the whole tower."""
+    text = transformers.Qwen2Config(**(SMALL | dict(vocab_size=80)))
+    config = getattr(transformers, kind + "Config")(
+        vision_config=getattr(transformers, tower + "VisionConfig")(**VISION, image_size=16), text_config=text,
+        image_token_index=70, image_grid_pinpoints=[[16, 16]])
+    hf = randomized(getattr(transformers, kind + "ForConditionalGeneration")(config))
+    hf.save_pretrained(tmp_path / "hf")
+    file = tmp_path / "hf" / "config.json"
+    written_config = json.loads(file.read_text())
+    assert written_config["vision_feature_layer"] == layer
+    if not written:
+        file.write_text(json.dumps({k: v for k, v in written_config.items()
+                                    if k not in ("vision_feature_layer", "vision_feature_select_strategy")}))
+    vit = ViT(ViTConfig.from_hf(str(tmp_path / "hf")))
+    load_hf(vit, str(tmp_path / "hf"))
+    with torch.no_grad():
+        hidden = hf.model.vision_tower(_images(16), output_hidden_states=True).hidden_states[layer]
+        want = hidden[:, 1:] if tower == "CLIP" else hidden
+        torch.testing.assert_close(vit(_images(16)), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("layer", [-5, 4])
+def test_a_feature_layer_outside_the_tower_is_refused(layer: int, tmp_path) -> None:
+    """A vision_feature_layer beyond the tower's hidden states (3 blocks: -4..3) names itself, not
+    a ViT of no blocks."""
+    config = transformers.LlavaConfig(vision_config=transformers.CLIPVisionConfig(**VISION),
+                                      text_config=transformers.Qwen2Config(**SMALL), vision_feature_layer=layer)
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"vision_feature_layer={layer} is outside the tower's 3 blocks"):
+        ViTConfig.from_hf(str(tmp_path))
+    config.vision_feature_layer = -4  # the embeddings: in range
+    config.save_pretrained(tmp_path)
+    assert ViTConfig.from_hf(str(tmp_path)).n_layers == 0
+
+
+def _quantize(path: str, dtype: torch.dtype, quantization_config: dict | None) -> None:
+    """Rewrite the Llama-family checkpoint at `path` as a quantized one stores its weights (as
+    Qwen3-8B-FP8 or a compressed-tensors int8 model): every projection in `dtype` with a scale
+    beside it, and `quantization_config` in config.json."""
+    tensors = safetensors_torch.load_file(os.path.join(path, "model.safetensors"))
+    out = {}
+    for name, value in tensors.items():
+        if name.endswith("_proj.weight"):
+            out[name] = (value * 100).to(dtype)
+            out[name + "_scale"] = torch.full((value.shape[0], 1), 0.01)
+        else:
+            out[name] = value
+    safetensors_torch.save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    if quantization_config is not None:
+        file = os.path.join(path, "config.json")
+        with open(file) as f:
+            config = json.load(f)
+        with open(file, "w") as f:
+            json.dump(config | {"quantization_config": quantization_config}, f)
+
+
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+@pytest.mark.parametrize("dtype, quantization_config, message", [
+    (torch.float8_e4m3fn, FP8_CONFIG, r"quantization_config \(quant_method 'fp8'\)"),
+    (torch.int8, {"quant_method": "compressed-tensors", "format": "int-quantized"},
+     r"quantization_config \(quant_method 'compressed-tensors'\)"),
+    (torch.int8, None, r"model.layers.0.self_attn.q_proj.weight: I8"),  # no config says so: the dtype does
+    (torch.float8_e4m3fn, None, r"model.layers.0.self_attn.q_proj.weight: F8_E4M3"),
+])
+def test_quantized_checkpoints_are_refused_before_any_read(dtype, quantization_config, message, tmp_path) -> None:
+    """A quantized checkpoint's integer / float8 weights mean something only with their scales:
+    refused by name while checking (plan_hf), never read as plain numbers or failing mid-read."""
+    path = str(tmp_path / "hf")
+    _write(path, "qwen2")
+    _quantize(path, dtype, quantization_config)
+    llama = Llama(LlamaConfig.from_hf(path))
+    read = []
+    original = SafetensorsDir.read
+    SafetensorsDir.read = lambda self, *a, **k: read.append(a) or original(self, *a, **k)
+    try:
+        with pytest.raises(ValueError, match=message):
+            load_hf(llama, path)
+    finally:
+        SafetensorsDir.read = original
+    assert not read
+
+
+def _load_quantized(path: str) -> str:
+    layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()})
+    layout.init_meshes("cpu")
+    llama = Llama(LlamaConfig.from_hf(path))
+    vision = ModalityEncoder(ViT(ViTConfig.tiny()), Projection(32, 32))
+    model = MimoModel(layout, llama, {"vision": vision})
+    try:
+        model.load_hf({"language": path})
+    except (ValueError, RuntimeError, KeyError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "loaded"
+
+
+def test_mimo_load_hf_refuses_a_quantized_checkpoint_on_every_rank(tmp_path) -> None:
+    """An FP8 checkpoint (Qwen3-8B-FP8's layout): the language rank names it while checking, and
+    the vision rank raises too, rather than the language rank failing alone mid-read while the
+    other goes on into training collectives."""
+    path = str(tmp_path / "hf")
+    _write(path, "qwen2")
+    _quantize(path, torch.float8_e4m3fn, FP8_CONFIG)
+    vision_rank, language_rank = run_on_ranks(_load_quantized, 2, path, timeout=60)
+    assert "quantization_config" in language_rank, language_rank
+    assert vision_rank.startswith("RuntimeError: MimoModel.load_hf: 1 rank(s) found the checkpoints"), vision_rank

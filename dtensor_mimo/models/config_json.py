@@ -20,6 +20,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(_QWEN, head_dim=128),
     "siglip_vision_model": dict(_TOWER, patch_size=16, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6),
     "clip_vision_model": dict(_TOWER, patch_size=32, hidden_act="quick_gelu", layer_norm_eps=1e-5),
+    # the vision-language models whose image features are an inner block's hidden states
+    "llava": dict(vision_feature_layer=-2, vision_feature_select_strategy="default"),
+    "llava_next": dict(vision_feature_layer=-2, vision_feature_select_strategy="default"),
+    "llava_next_video": dict(vision_feature_layer=-2, vision_feature_select_strategy="default"),
+    "video_llava": dict(vision_feature_layer=-2, vision_feature_select_strategy="default"),
+    "llava_onevision": dict(vision_feature_layer=-1, vision_feature_select_strategy="full"),
 }
 """transformers' config class defaults, by ``model_type``, of the fields the library reads.
 transformers v4 wrote a nested config (a LLaVA's ``text_config`` / ``vision_config``, a SigLIP or

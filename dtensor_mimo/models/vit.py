@@ -124,7 +124,8 @@ class ViTConfig:
     @classmethod
     def from_hf(cls, path: str) -> ViTConfig:
         """The config of a Hugging Face SigLIP or CLIP vision tower directory (a vision model,
-        or a full SigLIP / CLIP / LLaVA checkpoint: its ``vision_config``)."""
+        or a full SigLIP / CLIP / LLaVA checkpoint: its ``vision_config``; the tower up to the
+        ``vision_feature_layer`` of a checkpoint that has one: LLaVA, LLaVA-NeXT, -OneVision, ...)."""
         top = read_config(path)
         c = with_defaults(top.get("vision_config", top))
         tower = c.get("model_type")
@@ -134,14 +135,21 @@ class ViTConfig:
         if c.get("hidden_act") not in HF_ACTIVATIONS:
             raise ValueError(f"{path}: hidden_act={c.get('hidden_act')!r} is not one of {sorted(HF_ACTIVATIONS)}")
         layers, final_norm = c["num_hidden_layers"], not clip  # CLIP's post_layernorm only norms its pooled output
-        if "vision_config" in top and top.get("model_type") == "llava":
-            layer, strategy = top.get("vision_feature_layer", -2), top.get("vision_feature_select_strategy", "default")
+        # LLaVA and its kin (LLaVA-NeXT, -OneVision, Aya Vision, ...) take the hidden states of an
+        # inner block (a field left out: the model type's default, as transformers v4 wrote it).
+        top = with_defaults(top)
+        if "vision_config" in top and ("vision_feature_layer" in top or "vision_feature_layers" in top):
+            layer = top.get("vision_feature_layer", top.get("vision_feature_layers"))
+            strategy = top.get("vision_feature_select_strategy", "default")
             if not isinstance(layer, int):
                 raise ValueError(f"{path}: vision_feature_layer={layer!r}: features from several layers are not supported")
             if strategy != ("default" if clip else "full"):
                 # "default" drops the first token: CLIP's class token, but a patch of a SigLIP tower.
                 raise ValueError(f"{path}: vision_feature_select_strategy={strategy!r} with a {tower}: the ViT keeps "
                                  f"exactly the patch tokens ({'default' if clip else 'full'})")
+            if not -layers - 1 <= layer <= layers:  # hidden_states: the embeddings, then each block's output
+                raise ValueError(f"{path}: vision_feature_layer={layer} is outside the tower's {layers} blocks "
+                                 f"(hidden states {-layers - 1}..{layers}: the embeddings, then each block's output)")
             layers, final_norm = (layers + 1 + layer if layer < 0 else layer), False
         return cls(image_size=c["image_size"], patch_size=c["patch_size"], in_channels=c.get("num_channels", 3),
                          dim=c["hidden_size"], n_layers=layers, n_heads=c["num_attention_heads"],

@@ -27,13 +27,14 @@ import torch
 from torch import nn
 
 from dtensor_mimo.models.audio import AudioEncoder
+from dtensor_mimo.models.config_json import read_config
 from dtensor_mimo.models.hf.audio import AUDIO_ANCHOR, audio_config_from_hf, audio_source
 from dtensor_mimo.models.hf.convert import Source
 from dtensor_mimo.models.hf.llama import llama_config_from_hf, llama_source
 from dtensor_mimo.models.hf.directory import DEFAULT_SHARD_BYTES, write_directory
 from dtensor_mimo.models.hf.export import config_to_hf, holder, module_part, module_spec
 from dtensor_mimo.models.hf.llava import save_llava_hf
-from dtensor_mimo.models.hf.safetensors import SafetensorsDir
+from dtensor_mimo.models.hf.safetensors import FLOATS, SafetensorsDir
 from dtensor_mimo.models.hf.vision import (
     PROJECTOR_ANCHOR,
     VIT_ANCHOR,
@@ -140,6 +141,12 @@ def plan_hf(module: nn.Module, path: str) -> Callable[[], None]:
         if differ:
             raise ValueError(f"load_hf({path!r}): the {type(module).__name__} config differs from the checkpoint's "
                              f"({'; '.join(differ)}); build the module from {type(expected).__name__}.from_hf(path)")
+    quantization = read_config(path).get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"load_hf({path!r}): a quantized checkpoint (quantization_config (quant_method {method!r}) "
+                         "in config.json): its weights mean something only with their scales; load the "
+                         "unquantized model's checkpoint, or dequantize it first")
     files = SafetensorsDir(path)
     prefix = _prefix(files, family.anchor, path)
     params = {plain_name(n): p for n, p in module.named_parameters()}
@@ -148,9 +155,13 @@ def plan_hf(module: nn.Module, path: str) -> Callable[[], None]:
     missing = sorted(s.name for s in sources.values() if s.name not in files)
     shapes = [f"{s.name}: checkpoint {files.shape(s.name)}, module {tuple(params[n].shape)}"
               for n, s in sources.items() if s.name in files and s.module_shape(files.shape(s.name)) != tuple(params[n].shape)]
-    if missing or shapes:
+    dtypes = [f"{s.name}: {files.dtype_name(s.name)}" for s in sources.values()
+              if s.name in files and files.dtype_name(s.name) not in FLOATS]
+    if missing or shapes or dtypes:
         raise ValueError(f"load_hf({path!r}): " + "; ".join(
-            ([f"missing tensors {missing}"] if missing else []) + ([f"shapes differ: {shapes}"] if shapes else [])))
+            ([f"missing tensors {missing}"] if missing else []) + ([f"shapes differ: {shapes}"] if shapes else [])
+            + ([f"tensors not stored as floating-point values ({', '.join(FLOATS)}), as a quantized "
+                f"checkpoint's: {dtypes[:4]}"] if dtypes else [])))
 
     @torch.no_grad()
     def fill() -> None:

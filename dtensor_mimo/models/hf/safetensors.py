@@ -25,6 +25,8 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
+FLOATS = ("F64", "F32", "F16", "BF16")
+"""The dtypes of weights that are their values (not quantized codes that need scales)."""
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
@@ -49,6 +51,10 @@ class SafetensorsDir:
                 header = json.loads(f.read(size))
                 data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # writable view, no copy
             header.pop("__metadata__", None)
+            end = 8 + size + max((entry["data_offsets"][1] for entry in header.values()), default=0)
+            if len(data) < end:  # every rank opens every file: all refuse it alike, before any read
+                raise ValueError(f"{os.path.join(path, name)}: truncated: its header places tensors up to byte "
+                                 f"{end}, the file has {len(data)} (an interrupted download or copy?); fetch it again")
             for key, entry in header.items():
                 self._entries[key] = (data, 8 + size, entry)
 
@@ -60,6 +66,10 @@ class SafetensorsDir:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._entries[name][2]["shape"])
+
+    def dtype_name(self, name: str) -> str:
+        """The safetensors dtype of tensor `name` as its header spells it ("BF16", "F8_E4M3", ...)."""
+        return self._entries[name][2]["dtype"]
 
     def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
         """Tensor `name` (rows `rows` of dim 0 only, if given) as a fresh tensor."""
