@@ -21,6 +21,7 @@ from dtensor_mimo.data import MimoBatch, microbatches, sample_range, shard
 from dtensor_mimo.data.batch import step_fingerprint
 from dtensor_mimo.data.balance import CutRule, encoder_cuts, max_over_mean, microbatch_cuts
 from dtensor_mimo.layout import LANGUAGE, MimoLayout
+from dtensor_mimo.layout.world import check_device_type
 from dtensor_mimo.layout.mesh import check_agreement
 from dtensor_mimo.models.hf import hf_parts, plan_hf
 from dtensor_mimo.models.protocol import encoder_width, item_rule
@@ -106,6 +107,7 @@ class MimoModel(nn.Module):
         try:
             check_model(layout, language, encoders, language_name, options or {}, pipeline)
             check_hops(bridge_hops, "MimoModel bridge_hops")
+            check_device_type(device_type, "MimoModel device_type")
             for name, opts in (options or {}).items():  # torchao and the GPU, before any group is made
                 check_fp8(name, opts.fp8, device_type)
         except Exception as e:  # noqa: BLE001 — raised below, on every rank alike

@@ -494,6 +494,22 @@ def test_requires_grad_changed_after_construction_is_refused_on_every_rank(froze
     assert peer == f"requires_grad changed after the MimoModel was built, on 1 rank(s): {tail}"
 
 
+@pytest.mark.parametrize("device", ["nccl", "gpu", "cuda:0", "CPU"])
+def test_init_distributed_refuses_a_device_it_does_not_know(monkeypatch, device: str) -> None:
+    """Its device is "cpu" (gloo) or "cuda" (NCCL, docstring and README): another word (a backend's
+    name, an indexed device) is refused naming it, before any process group, not joined on gloo."""
+    from dtensor_mimo.layout import world as distributed
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    with pytest.raises(ValueError, match=rf"init_distributed: device={device!r} is not 'cpu' \(gloo\) or "
+                                         r"'cuda' \(NCCL"):
+        distributed.init_distributed(device, 42.0)
+    assert calls == []
+
+
 def test_init_distributed_binds_the_gpu_on_cuda(monkeypatch) -> None:
     """NCCL safety: the default group's communicator is created eagerly for this rank's GPU
     (``device_id``), so DeviceMesh splits its groups from it; checked on CPU by recording the call."""

@@ -94,6 +94,13 @@ def test_projection_width_must_match_language_model():
         MimoModel(MimoLayout({"vision": P(), "language": P()}), llama, encoders)
 
 
+@pytest.mark.parametrize("device", ["nccl", "cuda:0", "gpu"])
+def test_a_device_word_other_than_cpu_or_cuda_is_refused_by_name(device):
+    llama, encoders = _model_args()
+    with pytest.raises(ValueError, match=rf"MimoModel device_type={device!r} is not 'cpu' \(gloo\) or 'cuda'"):
+        MimoModel(MimoLayout({"vision": P(), "language": P()}), llama, encoders, device_type=device)
+
+
 TP_SPLITS = [  # (layout, language config, encoder configs, what the error names)
     ({"vision": P(), "language": P(tp=2)}, dict(vocab_size=67), {},
      r"module 'language' \(Llama\): tensor parallel over tp=2 needs these sizes divisible by 2: vocab_size=67"),

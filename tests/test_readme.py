@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from dtensor_mimo.train.config import help_text, tomllib
+from dtensor_mimo.train.config import help_text, parse_args, tomllib
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -94,3 +94,68 @@ def test_tiny_data_command_writes_the_video_files(tmp_path) -> None:
     sample = json.loads((out / "data" / "train.jsonl").read_text().splitlines()[0])
     for path in [sample["image"]] if isinstance(sample.get("image"), str) else sample.get("image", []):
         assert image.open(out / "data" / path).size == (16, 16)
+
+
+def _help_line(key: str) -> str:
+    return next(" ".join(line.split()) for line in help_text().splitlines() if line.strip().startswith(key + " "))
+
+
+def test_documented_default_of_image_max_pixels_is_the_trainers() -> None:
+    """`data.image_max_pixels = 0` resizes images into `max_patches` patches when the encoder sets
+    max_patches (`dynamic_vit`), the tower's image_size squared only otherwise: --help (and so
+    docs/trainer.md) and the README's key table say both."""
+    from dtensor_mimo.models import ViTConfig
+    from dtensor_mimo.train.modules import dynamic_vit
+
+    argv = ["--data.format", "llava", "--data.path", "train.jsonl", "--data.tokenizer", "tok",
+            "--model.encoders.image.image_size", "16", "--model.encoders.image.dynamic_resolution", "true"]
+    tower = ViTConfig(image_size=16, patch_size=4, dim=32, n_layers=1, n_heads=2)
+    assert dynamic_vit(parse_args(argv), "image", tower)[1] == (16, 16 * 16)  # the tower's image_size squared
+    capped = parse_args([*argv, "--model.encoders.image.max_patches", "36"])
+    assert dynamic_vit(capped, "image", tower)[1] == (16, 36 * 4 * 4)  # max_patches patches of 4x4
+    line = _help_line("--data.image_max_pixels")
+    assert "max_patches" in line, line
+    table = next(row for row in _read("README.md").splitlines() if row.startswith("| `data.image_max_pixels`"))
+    assert "max_patches" in table, table
+
+
+def test_documented_digits_seq_len_is_a_minimum() -> None:
+    """The digits job's rows hold its longest sample whatever `data.seq_len` says (a shorter one is
+    raised to it, not refused): --help says so, and the README's example of it is that."""
+    from dtensor_mimo.train.datasets import digits_data
+    from dtensor_mimo.train.modules import resolve
+
+    longest = digits_data(parse_args([]), resolve(parse_args([]))).seq_len
+    short = parse_args(["--data.seq_len", str(longest - 5)])
+    assert digits_data(short, resolve(short)).seq_len == longest
+    varied = ["--model.encoders.vision.dynamic_resolution", "true", "--model.encoders.audio.variable_length", "true"]
+    given = parse_args([*varied, "--data.seq_len", "40"])
+    rows = digits_data(given, resolve(given)).seq_len
+    assert rows > 40
+    line = _help_line("--data.seq_len")
+    assert "digits: at least the longest sample's" in line, line
+    assert f"`data.seq_len = 40` gives rows of {rows}" in " ".join(_read("README.md").split()), rows
+
+
+def test_testing_doc_counts_the_oracle_layouts() -> None:
+    """docs/testing.md's count of tests/test_mimo.py's layouts and of those built on the meta device."""
+    from tests.test_mimo import CASES
+
+    text = " ".join(_read("docs", "testing.md").split())
+    said = re.search(r"`tests/test_mimo.py` is the oracle: (\d+) layouts", text)
+    assert said and int(said.group(1)) == len(CASES), (said and said.group(1), len(CASES))
+    meta = re.search(r"; (\w+) of them built on the meta device", text)
+    words = {"five": 5, "six": 6, "seven": 7, "eight": 8, "nine": 9}
+    assert meta and words.get(meta.group(1)) == sum(1 for c in CASES.values() if c.meta)
+
+
+def test_documented_warmup_cut_follows_the_schedules_length() -> None:
+    """A warmup not shorter than the schedule (`lr_schedule.total_steps`, train.steps unless given) is
+    cut to half of it; a short run on a longer schedule keeps its warmup: --help says which."""
+    assert parse_args(["--train.steps", "20"]).lr_schedule.warmup_steps == 10  # the digits job's 50, cut
+    longer = parse_args(["--train.steps", "20", "--lr_schedule.total_steps", "1000"]).lr_schedule
+    assert longer.warmup_steps == 50 and longer.total_steps == 1000
+    shorter = parse_args(["--train.steps", "100", "--lr_schedule.total_steps", "40"]).lr_schedule
+    assert shorter.warmup_steps == 20
+    line = _help_line("--lr_schedule.warmup_steps")
+    assert "a schedule (total_steps) not longer than that warms up for half of it" in line, line

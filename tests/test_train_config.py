@@ -251,6 +251,16 @@ def test_bad_toml_file_names_the_file(tmp_path) -> None:
         parse_args(["--config", str(path)])
 
 
+def test_prefetch_with_loader_processes_is_refused() -> None:
+    """data.prefetch's thread runs with workers = 0 only: both asked for is named, not one ignored."""
+    args = ["--config", os.path.join(EXAMPLES, "llava_tiny.toml")]
+    check_config(parse_args([*args, "--data.prefetch", "true", "--data.workers", "0"]), 2)
+    check_config(parse_args([*args, "--data.workers", "2"]), 2)
+    with pytest.raises(ConfigError, match="data.prefetch = true with data.workers = 2: the prefetch thread runs with "
+                                          "workers = 0 only"):
+        check_config(parse_args([*args, "--data.prefetch", "true", "--data.workers", "2"]), 2)
+
+
 def test_layout_must_fit_the_launched_world() -> None:
     config = parse_args(["--layout.language.tp", "2"])
     check_config(config, 4)

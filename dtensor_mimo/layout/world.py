@@ -40,6 +40,14 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT_S = 600.0
 
 
+def check_device_type(device: str, where: str) -> None:
+    """Refuse (ValueError naming `where`) a device word other than "cpu" (gloo) or "cuda" (NCCL):
+    a typo ("nccl", "cuda:0", "gpu") would otherwise run on gloo, or fail inside torch."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"{where}={device!r} is not 'cpu' (gloo) or 'cuda' (NCCL; each rank's GPU is its "
+                         "LOCAL_RANK, set as the current device)")
+
+
 def init_distributed(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Initialise the default process group from torchrun's (or the own launcher's) environment.
 
@@ -48,6 +56,7 @@ def init_distributed(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) 
     Under ``torchrun --max-restarts=N`` each round of workers gets its own keys in the shared
     rendezvous store, so a restarted world connects instead of finding the dead round's ranks.
     """
+    check_device_type(device, "init_distributed: device")
     if not 0 < timeout_s < math.inf:
         raise ValueError(f"timeout_s = {timeout_s}: give a positive, finite number of seconds (e.g. 600)")
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -228,7 +228,7 @@ class OptimizerSection(AdamWConfig):
 
 
 SCHEDULE_HELP = {
-    "warmup_steps": "linear warmup; a run shorter than that warms up for half its steps",
+    "warmup_steps": "linear warmup; a schedule (total_steps) not longer than that warms up for half of it",
     "warmup_start": ("where the linear warmup starts, over the peak: update n of warmup_steps takes "
                      "warmup_start + (1 - warmup_start) * n / warmup_steps"),
     "decay": "the schedule's shape after warmup, down to min_lr_ratio * lr at total_steps",
@@ -248,7 +248,8 @@ class DataSection:
             "webdataset" (tar shards of LLaVA samples and their media) or "hf" (a Hugging Face
             datasets directory, Parquet or Arrow files).
         seq_len: token row length (0: the longest sample's, for conversations only when the corpus
-            has at most 256 samples; rounded up for cp / sp).
+            has at most 256 samples; digits: at least the longest sample's, a shorter one is raised
+            to it; rounded up for cp / sp).
         batch_size: rows per global batch (every module takes its dp shard of it).
         heldout_samples: held-out samples scored at each evaluation (conversations: 0 is all;
             digits: >= 1).
@@ -305,8 +306,8 @@ class ConversationData(DataSection):
         pack: pack several samples into one row (document masks, per-document positions); needs
             every sample's length, so each rank tokenizes the whole corpus once at the start.
         image_max_pixels: images of a dynamic_resolution encoder are resized, aspect ratio kept and
-            each side a multiple of the patch, to at most this many pixels (0: the tower's
-            image_size squared).
+            each side a multiple of the patch, to at most this many pixels (0: the encoder's
+            max_patches patches when it sets max_patches, else the tower's image_size squared).
         image_min_pixels: and to at least this many where image_max_pixels allows (0: one patch).
         audio_max_seconds: clips of a variable_length encoder keep their own length up to this
             (longer ones are cut; 0: the longest the encoder takes).
@@ -792,7 +793,7 @@ def _tell(message: str, category: type[Warning]) -> None:
 
 def _with_schedule_steps(raw: dict[str, Any]) -> dict[str, Any]:
     """`raw` with lr_schedule.total_steps (unless given) at train.steps, and a warmup not shorter
-    than the run cut to half of it (the library's `LRSchedule` takes neither)."""
+    than the schedule (total_steps) cut to half of it (the library's `LRSchedule` takes neither)."""
     train, schedule = raw.get("train", {}), raw.get("lr_schedule", {})
     if not isinstance(train, Mapping) or not isinstance(schedule, Mapping):
         return raw  # the merge names the bad section
@@ -948,6 +949,9 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         section, name = key.split(".")
         if getattr(getattr(config, section), name, None) is not None:  # data: the source's own keys
             positive(key, getattr(getattr(config, section), name), 0)
+    if getattr(config.data, "prefetch", None) and getattr(config.data, "workers", None):
+        raise ConfigError(f"data.prefetch = true with data.workers = {config.data.workers}: the prefetch thread runs "
+                          "with workers = 0 only (loader processes already prepare batches ahead); drop one of them")
     m = config.metrics
     if m.profile and m.profile_at > config.train.steps:
         raise ConfigError(f"metrics.profile_at = {m.profile_at} is after the last step (train.steps = "
