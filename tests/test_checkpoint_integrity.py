@@ -28,6 +28,9 @@
 | [2]                                                       |                                                   |
 | trainer raising in step 5, step 3's save held on every    | step-000003 complete, verified and logged after   |
 | rank [2]                                                  | the error (`Trainer.saved` on both)               |
+| `load` into an optimizer that trained the vision tower,   | the tower's AdamW state is fresh (step 0, zero    |
+| of a checkpoint saved with it frozen (a rollback) [1]     | moments) and the next step's weights those of an  |
+|                                                           | optimizer built anew                              |
 """
 
 from __future__ import annotations
@@ -75,6 +78,10 @@ class _Optimizer:
 
     def __init__(self, model: _Model) -> None:
         self.optimizers = {n: torch.optim.AdamW(ps.values()) for n, ps in model.params.items()}
+        self.updates = 0
+
+    def set_updates(self, updates: int) -> None:
+        self.updates = updates
 
 
 def _save(directory: str, steps: list[int], numel: int = 4096) -> None:
@@ -237,7 +244,7 @@ def test_kill_during_save_never_loses_the_previous_checkpoint(tmp_path) -> None:
             assert step >= announced, (trial, step, announced)
             state = {"trainer": ""}
             dcp.load(state, checkpoint_id=latest)  # no process group here: DCP reads it alone
-            assert json.loads(state["trainer"]) == {"step": step}
+            assert json.loads(state["trainer"]) == {"step": step, "updates": 0}
     finally:
         if child is not None:  # a failed trial: its saver may still be saving
             try:
@@ -744,3 +751,58 @@ def test_a_pruned_checkpoint_cut_short_is_never_chosen(tmp_path, monkeypatch) ->
         checkpoint._discard(str(old))
     assert checkpoint.step_checkpoints(str(tmp_path)) == []
     assert checkpoint.latest_checkpoint(str(tmp_path)) is None
+
+
+# ---------------------------------------------------------------------------- a load into a used optimizer
+
+
+def _rollback_to_a_frozen_tower(root: str) -> dict[str, object]:
+    """A checkpoint saved while the vision tower was frozen (no AdamW state of its own), loaded
+    into a model and optimizer that trained it for two steps since (a rollback), and into ones
+    built anew: the tower's AdamW state after each load, and the weights after one more step."""
+    from dtensor_mimo import MimoModel, MimoOptimizer, train_step
+    from tests.test_mimo import OPT, P, _batches, _modules
+
+    batches = _batches(("vision",), False, 4, (64, 64, 64, 64))
+
+    def build(frozen: tuple[str, ...]) -> tuple[MimoModel, MimoOptimizer]:
+        from dtensor_mimo import MimoLayout
+
+        layout = MimoLayout({"vision": P(), "language": P()}, offsets={"vision": 0, "language": 0})
+        layout.init_meshes("cpu")
+        model = MimoModel(layout, *_modules(("vision",), frozen))
+        return model, MimoOptimizer(model, OPT)
+
+    model, optimizer = build(("vision.encoder",))
+    train_step(model, optimizer, batches[0])
+    # (no "updates" given: the checkpoint records the optimizer's own count)
+    path = checkpoint.save(os.path.join(root, "ckpt"), 1, model, optimizer, {"step": 1}, keep=1)
+    language, encoders = _modules(("vision",))
+    shapes = checkpoint.expected_shapes({**encoders, "language": language})
+    used, used_optimizer = build(())
+    for batch in batches[1:3]:
+        train_step(used, used_optimizer, batch)
+    fresh, fresh_optimizer = build(())
+    out: dict[str, object] = {}
+    for name, (m, o) in {"used": (used, used_optimizer), "fresh": (fresh, fresh_optimizer)}.items():
+        out[f"{name} trainer"] = checkpoint.load(path, m, o, shapes)
+        out[f"{name} updates"] = o.updates
+        tower = {n: p for n, p in m.module_parameters("vision").items() if n.startswith("encoder.")}
+        states = [o.optimizers["vision"].state[p] for p in tower.values()]
+        out[f"{name} state"] = sorted({(float(s["step"]), float(s["exp_avg"].abs().max()),
+                                        float(s["exp_avg_sq"].abs().max())) for s in states})
+        train_step(m, o, batches[3])
+        out[f"{name} weights"] = {n: p.detach().clone() for n, p in tower.items()}
+    return out
+
+
+def test_a_load_gives_the_parameters_the_checkpoint_has_no_adamw_state_for_a_fresh_one(tmp_path) -> None:
+    """`load` into an optimizer that already stepped (rolling back a run): a parameter the
+    checkpoint holds no AdamW state for (it was frozen when saved) starts from AdamW's fresh state
+    (step 0, zero moments), as in an optimizer built anew, not from the abandoned run's state."""
+    (out,) = run_on_ranks(_rollback_to_a_frozen_tower, 1, str(tmp_path), timeout=180)
+    assert out["fresh trainer"] == {"step": 1, "updates": 1} and out["fresh updates"] == out["used updates"] == 1
+    assert out["fresh state"] == [(0.0, 0.0, 0.0)]
+    assert out["used state"] == [(0.0, 0.0, 0.0)], out["used state"]
+    for n, w in out["fresh weights"].items():
+        assert torch.equal(out["used weights"][n], w), n

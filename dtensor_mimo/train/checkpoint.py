@@ -286,7 +286,9 @@ def _state(model: MimoModel, optimizer: MimoOptimizer, trainer: dict[str, Any]) 
     state: dict[str, Any] = {f"model.{m}.{n}": _plain(p) for m in model.module_names
                              for n, p in model.module_parameters(m).items()}
     state.update(_optimizer_keys(model, optimizer, init=True))
-    state["trainer"] = json.dumps(trainer)  # one leaf: DCP stores it once (equal on every rank)
+    # one leaf: DCP stores it once (equal on every rank); with the optimizer's update count (the
+    # learning-rate schedule's position), whatever the caller's trainer state holds
+    state["trainer"] = json.dumps(trainer | {"updates": optimizer.updates})
     state.update(_rng_states(model.device))
     return state
 
@@ -683,13 +685,18 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
         if rng not in meta or f"rng.{world - 1}" not in meta or f"rng.{world}" in meta:
             del state[rng]  # saved under another world size or on another device: keep this rank's own
     missing_optim = [k for k in state if k.startswith("optim.") and k not in meta]
-    for k in missing_optim:  # saved before that parameter trained (e.g. frozen then): fresh state
-        del state[k]
+    for k in missing_optim:  # saved before that parameter trained (e.g. frozen then): fresh state,
+        state.pop(k).zero_()  # also where this optimizer already stepped it (step 0, zero moments)
     dcp.load(state, checkpoint_id=path)  # in place: parameters, AdamW state; the rest replaced
     model.uninitialized.clear()  # every parameter came from the checkpoint
     model.refresh_fp8_scales()
     _set_rng_states(state, model.device)
     trainer = json.loads(state["trainer"])
+    if "updates" not in trainer:  # read alike on every rank: all raise
+        raise CheckpointError(f"checkpoint {path} holds no optimizer update count (written by an earlier release "
+                              "through checkpoint.save without trainer['updates']): the learning-rate schedule's "
+                              "position is unknown; call optimizer.set_updates(n) with the updates applied before it "
+                              "was saved")
     optimizer.set_updates(trainer["updates"])
     return trainer
 
