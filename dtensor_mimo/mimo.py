@@ -333,8 +333,9 @@ class MimoModel(nn.Module):
         """Put this rank's FSDP2 modules back on their parameter shards (no communication). A
         forward without backward (`predict`, `generate`) leaves a root module's parameters
         gathered, and the next forward would use that copy, not the shards: `init_weights`,
-        `load_hf` and `dtensor_mimo.train.checkpoint.load` call it before writing weights; call
-        it before writing this rank's parameters yourself."""
+        `load_hf` and `dtensor_mimo.train.checkpoint.load` call it before writing weights, and
+        `run` after a forward without backward; call it before writing this rank's parameters
+        yourself."""
         reshard_fsdp_modules(self)
 
     def refresh_fp8_scales(self) -> None:
@@ -394,6 +395,13 @@ class MimoModel(nn.Module):
         forward and backward, detached; forward: with its graph), the ids (predict) and the error
         its encoder rows met, if any (they crossed as zeros; `train_step` agrees on it in its one
         all-reduce and raises on every rank)."""
+        if mode != "train" and torch.is_inference_mode_enabled():
+            # What a run makes under inference mode stays an inference tensor for good: FSDP2's
+            # gathered parameters (its gather buffers are made once), the bridge's pooled receive
+            # buffers. A later training run that met them would fail on the ranks holding them
+            # ("Inference tensors cannot be saved for backward") while their peers wait for them.
+            with torch.inference_mode(False), torch.no_grad():
+                return self.run(batch, mode)
         if mode == "forward" and self.pipelined:
             raise RuntimeError("a pipelined MimoModel runs forward and backward together: call "
                                "model.forward_backward(batch) (or train_step) instead of model(batch)")
@@ -421,6 +429,11 @@ class MimoModel(nn.Module):
             self._sums_pending = True
         if mode != "train":
             self._shapes_checked.update(_item_kinds(batch, self.encoder_names))
+        if mode == "predict" or not torch.is_grad_enabled():
+            # A forward without backward leaves FSDP2 roots gathered: an update written to the
+            # shards since (a predict between backward and the optimizer step) would be missed by
+            # the next forward, which would find them gathered and use the stale copy.
+            self.reshard()
         return result
 
     def forward_backward(self, batch: MimoBatch) -> torch.Tensor:

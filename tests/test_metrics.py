@@ -142,3 +142,27 @@ def test_a_resumed_run_replaces_the_tensorboard_steps_it_logs_again(tmp_path) ->
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+
+
+def test_step_flops_count_attention_at_the_heads_width() -> None:
+    """A decoder whose heads are not dim wide in all (Qwen3, Mistral-Nemo: head_dim != dim /
+    n_heads): attention's scores and weighted sums run over n_heads * head_dim per token (PaLM's
+    12 * layers * heads * head_dim * seq per trained token), not over dim."""
+    from types import SimpleNamespace
+
+    from dtensor_mimo.models.llama import Llama, LlamaConfig
+    from dtensor_mimo.train.trainer import Trainer
+
+    vocab, dim, layers, heads, kv_heads, head_dim, ffn, batch, seq = 100, 32, 2, 4, 2, 16, 64, 2, 8
+    with torch.device("meta"):
+        llama = Llama(LlamaConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads,
+                                  head_dim=head_dim, ffn_hidden=ffn))
+    per_layer = (dim * heads * head_dim * 2 + 2 * dim * kv_heads * head_dim  # wq, wo, wk, wv
+                 + 3 * dim * ffn + 2 * dim)  # w1, w2, w3, two norms
+    params = layers * per_layer + dim + vocab * dim  # the final norm, the output head (embeddings: no FLOPs)
+    tokens = batch * seq
+    expected = 3 * (2 * params * tokens + 4 * layers * seq * heads * head_dim * tokens)
+    trainer = SimpleNamespace(config=SimpleNamespace(data=SimpleNamespace(batch_size=batch)),
+                              modules={"language": llama}, seq_len=seq, resolved=SimpleNamespace(encoders={}),
+                              data=SimpleNamespace(tokens_per_item={}, items_per_sample={}))
+    assert Trainer._flops(trainer) == expected

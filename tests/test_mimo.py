@@ -703,3 +703,48 @@ def test_weights_written_after_predict_reach_the_next_forward(tmp_path) -> None:
         assert out["init_weights"] == [], f"left at their former values: {out['init_weights']}"
         after_predict, never_predicted = out["checkpoint.load"]
         assert after_predict == never_predicted
+
+
+# ------------------------------------------------------------------ predict under torch.inference_mode
+
+
+def _train_after_inference_mode_predict(case: Case) -> list:
+    """`predict` (an evaluation) under ``torch.inference_mode()`` before every training step."""
+    layout = case.layout()
+    layout.init_meshes("cpu")
+    model = MimoModel(layout, *_modules(case.encoders), options=case.options)
+    optimizer = MimoOptimizer(model, OPT)
+    batches = _batches(case.encoders, case.packed)
+    out = []
+    for batch in batches:
+        with torch.inference_mode():
+            predicted = model.predict(batch)
+        out.append((predicted, train_step(model, optimizer, batch).loss))
+    return out
+
+
+@pytest.mark.parametrize("name", ["fan_in", "coloc"])
+def test_training_after_a_predict_under_inference_mode(name: str) -> None:
+    """A `predict` under ``torch.inference_mode()`` (how evaluation loops run) made FSDP2's
+    gathered parameters and the bridge's pooled receive buffers inference tensors for good: the
+    next training step raised "Inference tensors cannot be saved for backward" on the encoder's
+    ranks, and the language model's rank (fan_in) waited for their rows. Each prediction is the
+    single-process argmax and each step's loss the single-process one."""
+    case = {"fan_in": Case({"vision": P(dp=2), "language": P()}),
+            "coloc": Case({"vision": P(dp=2), "language": P(dp=2)}, offsets={"vision": 0, "language": 0})}[name]
+    expected = _reference(case.encoders, case.packed, case.frozen)
+    llama, encoders = _modules(case.encoders)  # the reference's weights before each step: replayed here
+    per_rank = run_on_ranks(_train_after_inference_mode_predict, case.layout().world_size, case, timeout=180)
+    for step, batch in enumerate(_batches(case.encoders, case.packed)):
+        with torch.no_grad():
+            ids = batch.special_token_ids
+            rows = {n: encoders[n](m.inputs) for n, m in batch.modalities.items()}
+            h = assemble(embed_text(llama.tok_embeddings, batch.tokens, ids), batch.tokens, rows, ids)
+            logits = llama(h=h)
+        _check_predicted([records[step][0] for records in per_rank], logits)
+        for records in per_rank:
+            assert records[step][1] == pytest.approx(expected[step]["loss"], rel=1e-5), f"step {step}: loss"
+        weights = expected[step]["weights"]  # after this step: the next step's prediction
+        for module_name, module in (("language", llama), *encoders.items()):
+            module.load_state_dict({n[len(module_name) + 1:]: w for n, w in weights.items()
+                                    if n.startswith(module_name + ".")})

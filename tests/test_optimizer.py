@@ -43,7 +43,7 @@ from dtensor_mimo import (AdamWConfig, LRSchedule, MimoModel, MimoOptimizer, Par
 from dtensor_mimo.assemble import assemble, embed_text
 from dtensor_mimo.data import IGNORE_INDEX
 from tests.harness import run_on_ranks
-from tests.test_mimo import TOL, Case, _batches, _modules, _record
+from tests.test_mimo import OPT, TOL, Case, _batches, _modules, _record, _reference
 
 BASE = AdamWConfig(lr=1e-2, eps=1e-3, weight_decay=0.1, max_grad_norm=0.5)
 PER_MODULE = {"vision": dataclasses.replace(BASE, lr=3e-3, betas=(0.8, 0.9), weight_decay=0.3),
@@ -336,3 +336,46 @@ def test_distributed_matches_reference(name: str) -> None:
         for param, value in want["weights"].items():
             torch.testing.assert_close(weights[param], value, **TOL,
                                        msg=lambda m: f"step {step} {param}: {m}")
+
+
+# ------------------------------------------------------------------ a hand-written loop
+
+
+def _predict_between_backward_and_step() -> list[tuple[float, float]]:
+    """vision dp2 and language dp2, both FSDP2 on ranks 0-1, trained by hand (docs/library.md):
+    ``forward_backward``, ``reduce_gradients``, the global norm, ``optimizer.step(norm)``, with a
+    `predict` (an evaluation) between each backward and its step. Each step's (loss, norm)."""
+    from dtensor_mimo.optim.optimizer import grad_sumsq_shares
+
+    case = Case({"vision": Parallelism(dp=2), "language": Parallelism(dp=2)}, offsets={"vision": 0, "language": 0})
+    layout = case.layout()
+    layout.init_meshes("cpu")
+    model = MimoModel(layout, *_modules(case.encoders))
+    optimizer = MimoOptimizer(model, OPT)
+    batches = _batches(case.encoders, packed=False)
+    out = []
+    for batch in batches:
+        optimizer.zero_grad()
+        share = model.forward_backward(batch).double().reshape(1)
+        if not model.holds_loss_share():
+            share.zero_()
+        model.reduce_gradients()
+        totals = torch.cat([share, grad_sumsq_shares(model)])
+        dist.all_reduce(totals)
+        model.predict(batches[-1])  # leaves the FSDP2 roots' parameters gathered
+        norm = totals[1:].sum().sqrt().item()
+        assert optimizer.step(norm)
+        out.append((totals[0].item(), norm))
+    return out
+
+
+def test_predict_between_backward_and_step() -> None:
+    """The step after an update that followed a `predict` forwards the updated weights: the
+    update writes the FSDP2 shards, and a forward that found the roots still gathered by the
+    `predict` used the copy from before the update (the second step's loss and gradients were
+    those of stale embeddings, norms and head). Reference: the single-process run."""
+    expected = _reference(("vision",), False, ())
+    for records in run_on_ranks(_predict_between_backward_and_step, 2, timeout=180):
+        for step, (want, (loss, norm)) in enumerate(zip(expected, records)):
+            assert loss == pytest.approx(want["loss"], rel=1e-5), f"step {step}: loss"
+            assert norm == pytest.approx(want["grad_norm"], rel=1e-5), f"step {step}: norm"

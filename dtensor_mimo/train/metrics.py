@@ -35,7 +35,8 @@ def peak_tflops(device: torch.device, configured: float) -> float | None:
 def transformer_flops(params: int, tokens: int, layers: int, dim: int, seq: int, trained: bool) -> float:
     """FLOPs of one pass of a transformer over `tokens` tokens in sequences of `seq`: 2 per
     parameter per token plus attention's ``4 * layers * seq * dim`` per token (causal or not,
-    counted dense) for forward; backward doubles both when the module trains."""
+    counted dense; `dim`: the width attention runs over, ``n_heads * head_dim``) for forward;
+    backward doubles both when the module trains."""
     forward = 2.0 * params * tokens + 4.0 * layers * seq * dim * tokens
     return forward * (3 if trained else 1)
 

@@ -233,6 +233,14 @@ def _prefetched(batches: Iterator[tuple], depth: int, pin: bool,
         stop.set()
 
 
+def _attention_width(config: Any) -> int:
+    """The width attention's scores and weighted sums run over per token: ``n_heads * head_dim``
+    where the config has both (Qwen3's and Mistral-Nemo's heads are not ``dim / n_heads`` wide),
+    else ``dim`` (0: no config, no attention counted)."""
+    heads, head_dim = getattr(config, "n_heads", None), getattr(config, "head_dim", None)
+    return heads * head_dim if heads and head_dim else getattr(config, "dim", 0)
+
+
 # ---------------------------------------------------------------------------- the trainer
 
 
@@ -309,14 +317,14 @@ class Trainer:
         llama = self.modules[LANGUAGE]
         lc = llama.config
         total = transformer_flops(sum(p.numel() for n, p in llama.named_parameters() if "embed" not in n),
-                                  b * self.seq_len, lc.n_layers, lc.dim, self.seq_len, True)
+                                  b * self.seq_len, lc.n_layers, _attention_width(lc), self.seq_len, True)
         for name, e in self.resolved.encoders.items():
             enc = self.modules[name]
             per_item = self.data.tokens_per_item.get(name, e.tokens_per_item)
             tokens = int(b * self.data.items_per_sample.get(name, 0) * per_item)
             tower, projection = (enc.encoder, enc.projection) if isinstance(enc, ModalityEncoder) else (enc, None)
             tc = getattr(tower, "config", None)
-            layers, dim = getattr(tc, "n_layers", 0), getattr(tc, "dim", 0)
+            layers, dim = getattr(tc, "n_layers", 0), _attention_width(tc)
             total += transformer_flops(sum(p.numel() for p in tower.parameters()), tokens, layers, dim,
                                        round(per_item), not e.section.frozen)
             if projection is not None:
