@@ -402,6 +402,10 @@ class MimoModel(nn.Module):
             # ("Inference tensors cannot be saved for backward") while their peers wait for them.
             with torch.inference_mode(False), torch.no_grad():
                 return self.run(batch, mode)
+        if mode == "train" and not torch.is_grad_enabled():  # every rank in the same context: all refuse
+            raise RuntimeError("MimoModel: a training run (train_step, forward_backward) under torch.no_grad() or "
+                               "torch.inference_mode() has no backward to run; call it outside them (model.predict "
+                               "is the forward without backward)")
         if mode == "forward" and self.pipelined:
             raise RuntimeError("a pipelined MimoModel runs forward and backward together: call "
                                "model.forward_backward(batch) (or train_step) instead of model(batch)")

@@ -1,5 +1,7 @@
 """`MimoModel` refuses what it cannot run, in pure Python, naming the module and the numbers."""
 
+import math
+
 import pytest
 import torch
 
@@ -208,6 +210,38 @@ def test_token_ids_outside_the_vocabulary_fail_every_rank_by_name(mode, token):
     assert (f"the batch's token ids must index the vocabulary of 'language' (vocab_size=64) or be the special "
             f"token id of one of its modalities {{'vision': 64}}: sample 1 holds id {token} at position 2 "
             f"(1 such token in the batch)") in errors[0]
+
+
+def _train_without_grad(context: str) -> list[str | float]:
+    """vision on rank 0, language on rank 1: a train_step under `context` (refused on every rank),
+    then one outside it (trains: the refusal left nothing half done)."""
+    from dtensor_mimo import MimoOptimizer, train_step
+    from tests.test_mimo import _batches, _modules
+
+    model = MimoModel(MimoLayout({"vision": P(), "language": P()}), *_modules(("vision",)))
+    optimizer = MimoOptimizer(model)
+    batch = _batches(("vision",), packed=False, batch_size=4)[0]
+    out: list[str | float] = []
+    with {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[context]():
+        try:
+            train_step(model, optimizer, batch)
+        except RuntimeError as e:
+            out.append(str(e))
+    out.append(float(train_step(model, optimizer, batch).loss))
+    return out
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
+def test_a_training_step_without_grad_is_refused_on_every_rank(context):
+    """A train_step under no_grad / inference_mode has no backward: refused by name on every rank
+    before any exchange (the language ranks' backward would have failed alone, the encoder ranks
+    waiting for their rows' gradients)."""
+    from tests.harness import run_on_ranks
+
+    outs = run_on_ranks(_train_without_grad, 2, context, timeout=90)
+    assert all(len(o) == 2 and "under torch.no_grad() or torch.inference_mode() has no backward" in o[0]
+               for o in outs), outs
+    assert outs[0][1] == outs[1][1] and math.isfinite(outs[0][1])
 
 
 def _encoder_disagrees_with_metadata():

@@ -54,7 +54,7 @@ def test_batch_not_divisible_by_microbatches_times_dp() -> None:
     check_microbatching(8, 4, 2)
     with pytest.raises(ValueError, match=r"12 samples cannot be cut into 4 microbatches x 'language' "
                                          r"dp=2: .* multiple of 4x2=8 \(e.g. 8 or 16\); with 12 samples, "
-                                         r"microbatches in \[1, 2, 3, 6\] work"):
+                                         r"these microbatch counts work: 1, 2, 3, 6"):
         check_microbatching(12, 4, 2)
 
 

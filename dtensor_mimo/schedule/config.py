@@ -148,7 +148,7 @@ def check_microbatching(batch_size: int, microbatches: int, language_dp: int, la
             f"a global batch of {batch_size} samples cannot be cut into {microbatches} microbatches "
             f"x {language!r} dp={language_dp}: the batch size must be a multiple of "
             f"{microbatches}x{language_dp}={unit} (e.g. {lo or unit} or {hi}); with {batch_size} "
-            f"samples, microbatches in {ok} work"
+            f"samples, these microbatch counts work: {', '.join(map(str, ok))}"
         )
 
 
