@@ -24,8 +24,9 @@ ffn 8192) tensorwise keeps ``wk`` and ``wv`` (2048 -> 512), rowwise converts onl
 ``w3``. Under tensor parallel both rules read the shape of each rank's shard (`shard_features`:
 a column-parallel layer's out features, a row-parallel one's in features divided by tp), which
 is what its matmuls run: at tp 2 the 4,304-wide MLP of a SigLIP so400m tower has 2,152 columns a
-rank, which ``torch._scaled_mm`` refuses, so it stays in the compute dtype. Emulated (off CUDA) every eligible layer converts, so that the tests check each layer's
-float8 numerics at their small sizes. Tensor parallel keeps its own plan:
+rank, which ``torch._scaled_mm`` refuses, so it stays in the compute dtype. Emulated (off CUDA)
+every eligible layer converts, so that the tests check each layer's float8 numerics at their
+small sizes. Tensor parallel keeps its own plan:
 torch's Colwise/Rowwise styles shard ``Float8Linear`` like ``nn.Linear`` and the float8 casts
 run on each rank's shard (torchtitan's rowwise path; torchao's float8 tp styles would also send
 the tp all-gathers in float8, for tensorwise only).
