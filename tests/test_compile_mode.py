@@ -14,6 +14,8 @@ check what holds everywhere:
 | graph memory | a run is refused while the run before still needs the graphs' memory |
 | world 1 | a colocated vision + language model, 2 microbatches, compiled by inductor in that mode per block and whole, and per block with the C++ wrapper (`compile_options`), against eager: 2 training steps and a prediction (losses, weights, ids), compiled graphs made (C++ wrappers where asked for), the loss traced into the decoder's graph where it compiles whole (eager per block), one cudagraph-tree generation per run, and the refusal of a run while gradients are held |
 | empty batch | a ViT compiled whole on batches with no image, against eager and the convolution |
+| shared blocks | a ViT and an audio encoder (one block class: one dynamo cache), per block, varied items: |
+| | every variant of training and prediction compiled (none past dynamo's limit), none after warm-up |
 | padded items | a CUDA-graph encoder's calls padded to the step's bucket of items, microbatch by microbatch or all microbatches in one call: rows and gradients as unpadded; the world-1 run above encodes each step's microbatches in one call (2 + 2 images: 4; 0 + 3: 3), against eager |
 """
 
@@ -482,3 +484,41 @@ def test_graph_encoders_pad_items_to_the_step_bucket() -> None:
             assert b.shape == a.shape and torch.allclose(b, a, rtol=1e-5, atol=1e-6)
         for name, grad in plain[2].items():
             assert torch.allclose(other[2][name], grad, rtol=1e-4, atol=1e-6), name
+
+
+def _encoders_sharing_a_block_class() -> dict:
+    """World 1, vision and audio colocated with the language model, each compiled per block
+    (aot_eager): their images and clips at their own sizes, a list per microbatch, so each
+    microbatch's call has its own count of items and rows. 4 training steps, a prediction of each
+    batch (no grad), the 4 steps again; dynamo refuses to fall back to eager at its limit."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # the blocks' code is shared with every earlier test's compiled blocks
+    llama, encoders = _modules(("vision", "audio"), n_layers=1, varied=True)
+    layout = MimoLayout({"vision": Parallelism(), "audio": Parallelism(), "language": Parallelism()},
+                        offsets={"vision": 0, "audio": 0, "language": 0})
+    compiled = ParallelOptions(compile=True, compile_backend="aot_eager")
+    model = MimoModel(layout, llama, encoders, options=dict.fromkeys(("vision", "audio", "language"), compiled),
+                      pipeline=PipelineConfig(microbatches=2))
+    optimizer = MimoOptimizer(model, AdamWConfig(lr=1e-2, eps=1e-3))
+    batches = _batches(("vision", "audio"), packed=False, batch_size=4, seq_lens=(64,) * 4, varied=True)
+    graphs = []
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):  # else: eager past the limit, no error
+        for run in ([lambda b: train_step(model, optimizer, b)] * 2 + [model.predict]) * 2:
+            before = counters["stats"]["unique_graphs"]
+            for batch in batches:
+                run(batch)
+            graphs.append(counters["stats"]["unique_graphs"] - before)
+    return {"graphs": graphs, "limit": torch._dynamo.config.recompile_limit}
+
+
+def test_encoders_sharing_a_block_class_stay_compiled() -> None:
+    """A ViT and an audio encoder share the block class `EncoderBlock`, so their compiled blocks
+    share one dynamo cache (one code object): each encoder's variants (its norm's eps; a first
+    count of rows, then any count; calls of no item or of one; training and no-grad) add up past
+    dynamo's default limit of 8 variants, after which it would run new ones eager without a word.
+    `parallelize` raises the limit by 8 for each stack whose compiled pieces share code: every
+    variant compiles, and after the first round of training and prediction nothing recompiles."""
+    [out] = run_on_ranks(_encoders_sharing_a_block_class, 1, timeout=300)
+    assert out["limit"] >= 16
+    assert out["graphs"][0] > 0 and out["graphs"][3:] == [0, 0, 0]  # warmed up: the same batches again

@@ -8,7 +8,8 @@ wherever it runs (a whole module at pp = 1, a pipeline stage, a planner's measur
 2. activation checkpointing of each stack's blocks (``layers``; a stack without, e.g. a
    projection, is not checkpointed);
 3. torch.compile per block (`ParallelOptions.compile_scope`: or each stack whole, a
-   `ModalityEncoder` without FSDP2 units as one graph; a stack without blocks compiles whole);
+   `ModalityEncoder` without FSDP2 units as one graph; a stack without blocks compiles whole;
+   dynamo's recompile limit raised for stacks whose compiled pieces share code, `share_variants`);
 4. FSDP2 over dp·cp on the part's root: each block (a stack without blocks is one unit), then
    the root itself, with the mixed precision policy; without FSDP (off, or a dp·cp mesh of
    size 1: no wrapper where nothing is sharded) autocast around the root's forward.
@@ -31,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtensor_mimo.layout import LayoutError, Parallelism
 from dtensor_mimo.models import AudioEncoder, Llama, ModalityEncoder, Projection, ViT
 from dtensor_mimo.parallelize.checkpointing import checkpoint_blocks
-from dtensor_mimo.parallelize.compile import compile_blocks
+from dtensor_mimo.parallelize.compile import compile_blocks, share_variants
 from dtensor_mimo.parallelize.encoders import (ENCODER_BLOCK, apply_encoder_tp, apply_projection_tp,
                                                encoder_tp_sizes, projection_plan, projection_tp_sizes)
 from dtensor_mimo.parallelize.fp8 import convert_to_fp8, fp8_config, fp8_layers
@@ -177,6 +178,7 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
         whole = layers is None or options.compile_scope == "module"
         if options.compile and whole and not one_graph:
             stack.compile(**options.compile_kwargs)
+            share_variants(stack, stack)
         if layers is None:  # one FSDP2 unit (a projection: not checkpointed)
             if stack is not root:
                 units.append(stack)
@@ -187,6 +189,7 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
                 if options.activation_checkpointing else set())
         if options.compile and not whole:
             compile_blocks(layers, skip=done, **options.compile_kwargs)
+            share_variants(stack, *layers.values())
         units.extend(layers.values())
     if fp8 is not None and not fp8.emulate and not fp8_layers(root):
         log.warning("ParallelOptions(fp8=%r) for %s: none of its Linear layers converts (on CUDA only those whose "
@@ -194,6 +197,7 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
                     options.fp8, name)
     if one_graph:
         root.compile(**options.compile_kwargs)
+        share_variants(root, root)
     apply_data_parallel(root, dp_mesh, units, options, wrap_one_rank)
     return root
 
