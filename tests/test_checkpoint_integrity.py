@@ -210,32 +210,58 @@ for trial in map(str.strip, sys.stdin):
 """
 
 
+SAVER_LINE_S = 120.0
+"""How long the test waits for each line of the saver server (a save of a 4 MiB model takes well
+under a second): a saver stuck before its next line fails the trial with what it said so far
+instead of blocking the test until pytest's 600 s timeout."""
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_kill_during_save_never_loses_the_previous_checkpoint(tmp_path) -> None:
+    import queue
+
     script = tmp_path / "saver.py"
     script.write_text(SAVER.format(repo=REPO))
     directory = tmp_path / "ckpt"
     directory.mkdir()
     rng = random.Random(21)
     announced = 0
+    # its own session: the finally below kills the server and any child it forked at once
     server = subprocess.Popen([sys.executable, str(script), str(directory)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    child = None
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    said: queue.Queue[str] = queue.Queue()
+
+    def listen() -> None:  # every line the server says, then "" at its end
+        for line in iter(server.stdout.readline, ""):
+            said.put(line)
+        said.put("")
+
+    threading.Thread(target=listen, daemon=True).start()
+    heard: list[str] = []
+
+    def readline(trial: int) -> str:
+        try:
+            heard.append(said.get(timeout=SAVER_LINE_S))
+        except queue.Empty:
+            raise AssertionError(f"trial {trial}: the saver said nothing for {SAVER_LINE_S:.0f} s after "
+                                 f"{heard[-5:]}") from None
+        return heard[-1]
+
+    trial: int | None = 0
     try:
         for trial in range(10):
             server.stdin.write(f"{trial}\n")
             server.stdin.flush()
-            child = int(server.stdout.readline().split()[1])
-            first = server.stdout.readline()  # warm: one save behind it
+            child = int(readline(trial).split()[1])
+            first = readline(trial)  # warm: one save behind it
             assert first.startswith("saved"), f"trial {trial}: the saver said {first!r} (its error is above)"
             time.sleep(rng.uniform(0.0, 0.6))
             os.kill(child, signal.SIGKILL)
             lines = [first]
-            while not (line := server.stdout.readline()).startswith("ended"):
+            while not (line := readline(trial)).startswith("ended"):
                 assert line, "the saver server exited"
                 lines.append(line)
             assert line.split() == ["ended", str(int(signal.SIGKILL))], f"trial {trial}: the saver {line!r}"
-            child = None
             announced = max([announced, *(int(line.split()[1]) for line in lines)])
             latest = checkpoint.latest_checkpoint(str(directory))
             assert latest is not None, f"trial {trial}: no checkpoint left ({sorted(os.listdir(directory))})"
@@ -245,17 +271,20 @@ def test_kill_during_save_never_loses_the_previous_checkpoint(tmp_path) -> None:
             state = {"trainer": ""}
             dcp.load(state, checkpoint_id=latest)  # no process group here: DCP reads it alone
             assert json.loads(state["trainer"]) == {"step": step, "updates": 0}
+        trial = None
     finally:
-        if child is not None:  # a failed trial: its saver may still be saving
-            try:
-                os.kill(child, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         server.stdin.close()
         try:
-            server.wait(timeout=60)
+            if trial is None:  # every trial ended: the server ends at the end of its input
+                server.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            server.kill()
+            pass
+        finally:
+            try:  # a failed trial: the server and its saver, which may still be saving or stuck
+                os.killpg(server.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            server.wait()
 
 
 TINY = ["--train.steps", "8", "--data.batch_size", "8", "--pipeline.microbatches", "2",

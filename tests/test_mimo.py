@@ -581,7 +581,10 @@ def check_encoded_shares(case: Case, per_rank: list[list[dict]]) -> None:
                 assert name in records[step][key], f"step {step}: rank {rank} recorded no {name} forward"
                 k, rows = records[step][key][name]
                 want = [b[k + 1] - b[k] for b in planned]
-                assert rows == ([sum(want)] if together else want * (2 if again else 1)), (step, name, k, rows, planned)
+                want = [sum(want)] if together else want * (2 if again else 1)
+                if torch_compat.RELEASE < (2, 13):  # there an empty call runs one zero item (`LocalEncoders._rows`)
+                    rows = [0 if w == 0 else r for r, w in zip(rows, want)] + rows[len(want):]
+                assert rows == want, (step, name, k, rows, planned)
     balanced = [n for n in case.encoders if case.options.get(n, ParallelOptions()).balance
                 or (case.varied and case.options.get(n, ParallelOptions()).balance is None)]
     assert moved or not balanced or all(case.modules[n].dp == 1 for n in balanced), \

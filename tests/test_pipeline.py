@@ -20,6 +20,7 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 | coloc_two_recompute | dp2 (0-1) + audio dp2 (0-1) | dp2 (0-1)  | 2     | one stage, 4 mb      | two recomputed encoders: vision reduced once (FSDP2), audio summed during its last backward |
 | cp_pp2          | dp2 (0-1)        | cp2·pp2 (2-5)             | 6     | 1F1B                 | packed rows, Partial gradient, meta |
 | two_hop_cp_pp2  | tp2 (0-1)        | cp2·pp2 (2-5)             | 6     | 1F1B                 | two hops per crossing: cp all-gather, cp reduce-scatter, vision tp all-gather |
+| tp_enc_pp2      | tp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B                 | the tp encoder per microbatch, some of them without images (zero items) |
 | overlap_pp1     | dp2 (0-1)        | dp2 (2-3)                 | 4     | 1F1B (one stage)     | pp = 1, microbatches overlap; step 1 text only; no FSDP2: dp sums during backward |
 | frozen_vision   | dp2 (0-1), frozen| pp2 (2-3)                 | 4     | 1F1B                 | three phases, no backward crossing |
 | vision_pp2      | pp2 (0-1)        | pp2 (2-3)                 | 4     | 1F1B (vision GPipe)  | encoder stages, items padded  |
@@ -87,6 +88,7 @@ CASES = {
                                                      "audio": ParallelOptions(recompute_colocated=True, **NO_FSDP)}),
     "cp_pp2": _case(P(dp=2), P(pp=2, cp=2), packed=True, meta=True),
     "two_hop_cp_pp2": _case(P(tp=2), P(pp=2, cp=2), packed=True, bridge_hops=2),
+    "tp_enc_pp2": _case(P(tp=2), P(pp=2)),
     "overlap_pp1": _case(P(dp=2), P(dp=2), text_only_steps=(1,), options=SUMMED),
     "frozen_vision": _case(P(dp=2), P(pp=2), frozen=("vision",)),
     "vision_pp2": _case(P(pp=2), P(pp=2)),
@@ -115,7 +117,6 @@ CASES = {
 
 
 OLD_TORCH = {  # the cases that meet a bug of torch 2.11 (the GPU machines' release), fixed by 2.13
-    "two_hop_cp_pp2": needs_torch((2, 13), "DTensor's view strategy raises IndexError on the packed cp rows"),
     **dict.fromkeys(("zero_bubble", "zero_bubble_fsdp", "zero_bubble_summed"), needs_torch(
         (2, 13), "refused by name (2.11's stage_backward_input reads requires_grad of a stage's non-tensor inputs)")),
     **dict.fromkeys(("zbv", "dualpipev"), needs_torch(

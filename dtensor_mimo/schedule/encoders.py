@@ -39,7 +39,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import ScheduleGPipe
 
 from dtensor_mimo.bridge.hops import Delivery
-from dtensor_mimo.layout import MimoLayout
+from dtensor_mimo.layout import MimoLayout, torch_compat
 from dtensor_mimo.models import FlexAttentionCore
 from dtensor_mimo.models.vit import self_attentions
 from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, fsdp_units, parallelize, stacks
@@ -380,6 +380,11 @@ class LocalEncoders:
         """Encoder `name`'s rows of items `x`, in the bridge's dtype; run on the step's bucket of
         items when it pads them, the rows of the padding dropped."""
         bucket = self.buckets.get(name)
+        if bucket is None and isinstance(x, torch.Tensor) and len(x) == 0 and torch_compat.RELEASE < (2, 13):
+            # torch 2.11's DTensor cannot view an empty batch [0, tokens, dim] (its view rule
+            # raises IndexError), which a tp encoder meets on a microbatch without items: one
+            # zero item instead, its rows dropped (no rows, every parameter a zero gradient).
+            bucket = 1
         if bucket is None or len(x) == bucket:
             return self.encoders[name](x).to(self.dtype)
         rows = self.encoders[name](torch.cat([x, x.new_zeros(bucket - len(x), *x.shape[1:])]))
