@@ -460,3 +460,21 @@ def test_varied_sizes_give_each_item_its_own_rows(train, sklearn_digits):
     assert isinstance(stretched.batch(indices).modalities["audio"].inputs, torch.Tensor)  # clips of one length
     with pytest.raises(ValueError, match="not whole 4x4 patches"):
         DigitsDataset("train", DYNAMIC_VIT, AUDIO, 10, task=DigitsTask(image_scales=((1.0, 1.25),)))
+
+
+@pytest.mark.parametrize("n_fft", [256, 512, 1024])
+def test_variable_clips_are_long_enough_for_the_stft(sklearn_digits, n_fft):
+    """Variable-length tone clips of a task whose window is wide for its hop (n_fft = 1024, hop 64): every
+    clip drawn has more samples than half a window (the centred STFT's reflection), so the ranks that
+    synthesize tones build the batch like the ranks that only read its metadata. The shortest clip was
+    8 frames (448 samples): a bare RuntimeError from torch.stft on the loading ranks alone."""
+    task = DigitsTask(n_fft=n_fft, hop_length=64)
+    data = DigitsDataset("train", VIT, VARIABLE_AUDIO, num_samples=64, seed=3, task=task)
+    shortest = min(data.clip_frames)
+    assert task.hop_length * (shortest - 1) > n_fft // 2  # the centred STFT's reflection needs more than this
+    assert shortest == max(4, math.ceil(task.min_clip_fraction * VARIABLE_AUDIO.max_frames), n_fft // 128 + 2)
+    batch = data.batch(range(64))
+    tones = batch.modalities["audio"]
+    assert [x.shape[1] for x in tones.inputs] == [f for i in range(64) for f in data[i].tone_frames]
+    assert min(x.shape[1] for x in tones.inputs) >= shortest
+    assert AudioEncoder(VARIABLE_AUDIO)(tones.inputs).shape[0] == sum(tones.item_tokens)

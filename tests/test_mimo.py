@@ -32,6 +32,7 @@ two documents each (positions restart, attention stays inside a document).
 | custom_enc_tp | tp2, compiled (0-1)| -             | tp2 + sp (2-3)          | 4     | no     | a user's encoder with its own tp plan |
 | varied_fan_in | dp2 (0-1)          | dp2 (0-1)     | dp1 (2)                 | 3     | no     | items of own sizes, balanced over dp |
 | varied_fan_out| dp1 (0)            | -             | dp2 (1-2)               | 3     | no     | items of own sizes           |
+| varied_tp_sp  | tp2·dp2 + sp (0-3) | tp2·dp2 + sp  | tp2·dp2 (0-3)  | 4     | no     | empty dp shares |
 | varied_coloc  | dp4 (0-3)          | -             | tp2·dp2 (0-3)           | 4     | no     | colocated, own sizes, balanced, meta |
 | varied_cp     | dp2 (0-1)          | -             | cp2 (2-3)               | 4     | yes    | own sizes, by sample (balance=False) |
 | balanced_uniform | dp3 (0-2), balance=True | -      | dp1 (3)                 | 4     | no     | one size, items balanced over dp |
@@ -189,6 +190,11 @@ CASES = {
                           offsets={"vision": 0, "audio": 0, "language": 2}, varied=True, batch_size=8,
                           predict=True),
     "varied_fan_out": Case({"vision": P(), "language": P(dp=2)}, varied=True),
+    # Items of their own size under tp + sp and FSDP: a dp rank whose share holds no clip (or no
+    # image) runs an empty packed sequence, and step 1 carries no item at all.
+    "varied_tp_sp": Case({"vision": P(dp=2, tp=2), "audio": P(dp=2, tp=2), "language": P(dp=2, tp=2)},
+                         offsets={"vision": 0, "audio": 0, "language": 0}, options={"vision": SP, "audio": SP},
+                         varied=True, text_only_steps=(1,)),
     "varied_coloc": Case({"vision": P(dp=4), "language": P(dp=2, tp=2)}, offsets={"vision": 0, "language": 0},
                          varied=True, meta=True, predict=True),
     "varied_cp": Case({"vision": P(dp=2), "language": P(cp=2)}, packed=True, varied=True,

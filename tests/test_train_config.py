@@ -331,3 +331,50 @@ def test_seq_len_is_rounded_for_cp_chunks_and_each_cp_ranks_sp_shards(cp: int, t
     config = parse_args(["--layout.language.cp", str(cp), "--layout.language.tp", str(tp)])
     got = round_seq_len(config, minimum)
     assert got == rounded and got % (2 * cp if cp > 1 else 1) == 0 and (got // cp) % tp == 0
+
+
+@pytest.mark.parametrize("seconds", [1.0, 2.01, 4.06, 8.03, 16.06, 29.99])
+def test_audio_max_seconds_keeps_a_clip_of_exactly_that_length_whole(seconds: float) -> None:
+    """data.audio_max_seconds = 8.03 at Whisper's 16 kHz is 128480 samples (803 frames of 160): a clip
+    of exactly 8.03 s keeps every sample and frame. The float product 8.03 * 16000 = 128479.99999999999
+    was cut to 128479 samples, 802 frames: the clip's last sample and frame lost."""
+    from fractions import Fraction
+
+    from dtensor_mimo.models import AudioConfig
+    from dtensor_mimo.train.config import ConversationData
+    from dtensor_mimo.train.modules import variable_audio
+
+    transformers = pytest.importorskip("transformers")
+    fe = transformers.WhisperFeatureExtractor()  # 16 kHz, hop 160, 3000 frames (30 s)
+    config = TrainerConfig(data=ConversationData(audio_max_seconds=seconds))
+    audio, samples = variable_audio(config, "audio", AudioConfig(n_layers=1), fe)
+    exact = Fraction(str(seconds)) * 16000  # whole samples: 16000 * a number of hundredths
+    assert exact.denominator == 1 and samples == exact and audio.variable_length
+    assert samples // fe.hop_length == exact // 160
+
+
+@pytest.mark.parametrize("variable_length", [False, True])
+def test_a_feature_extractor_of_other_mel_bins_than_the_whisper_encoder_is_refused(tmp_path, variable_length) -> None:
+    """model.encoders.audio.hf = a Whisper directory of 8 mel bins with processor = a directory whose
+    feature extractor makes 16: refused when the config resolves, naming both counts (as a frame
+    count other than the encoder's is). It was accepted, and then every clip failed at its batch
+    ([16, T] features for an encoder of [8, T]): a MediaError per file, or, with
+    data.skip_bad_media, every audio sample skipped."""
+    from dtensor_mimo.train.config import ConversationData, EncoderSection
+    from dtensor_mimo.train.modules import resolve_encoder
+    from tests.test_hf import tiny_whisper
+
+    transformers = pytest.importorskip("transformers")
+    whisper, other = str(tmp_path / "whisper"), str(tmp_path / "other")
+    tiny_whisper().save_pretrained(whisper)  # 8 mel bins, 16 positions: 32 frames
+    for path, mels in ((whisper, 8), (other, 16)):  # 1 s chunks of hop 500: 32 frames
+        transformers.WhisperFeatureExtractor(feature_size=mels, chunk_length=1, hop_length=500,
+                                             n_fft=1024).save_pretrained(path)
+    config = TrainerConfig(data=ConversationData())
+    section = EncoderSection(hf=whisper, modality="audio", variable_length=variable_length)
+    same = resolve_encoder(config, "audio", section)
+    assert same.config.n_mels == same.processor.feature_size == 8
+    section = EncoderSection(hf=whisper, modality="audio", processor=other, variable_length=variable_length)
+    with pytest.raises(ConfigError, match=r"model.encoders.audio: the feature extractor makes 16 mel bins but the "
+                                          r"encoder takes 8"):
+        resolve_encoder(config, "audio", section)

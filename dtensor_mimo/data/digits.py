@@ -155,7 +155,8 @@ class DigitsTask:
         image_fit: how a scan fills an image of another size: "pad" (at the ViT's image size, on
             blank paper, at a random patch-aligned place; scales >= 1) or "stretch" (bilinearly).
         min_clip_fraction: with a variable-length audio encoder, a clip's frames are drawn
-            uniformly from this fraction of ``max_frames`` (at least 4 frames) up to all of them.
+            uniformly from this fraction of ``max_frames`` (at least 4 frames, and more than half a
+            window of samples, `clip_frames`) up to all of them.
     """
 
     max_images: int = 3
@@ -213,8 +214,10 @@ class DigitsTask:
         return sizes
 
     def clip_frames(self, max_frames: int) -> range:
-        """The frames a variable-length clip is drawn with (the centred STFT needs 4 or more)."""
-        return range(min(max_frames, max(4, math.ceil(self.min_clip_fraction * max_frames))), max_frames + 1)
+        """The frames a variable-length clip is drawn with: 4 or more, and enough that a clip of
+        ``hop_length * (F - 1)`` samples is longer than half a window (the centred STFT's reflection)."""
+        stft = self.n_fft // 2 // self.hop_length + 2
+        return range(min(max_frames, max(4, stft, math.ceil(self.min_clip_fraction * max_frames))), max_frames + 1)
 
 
 @dataclass(frozen=True)

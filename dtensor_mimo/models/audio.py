@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtensor_mimo.models.config_json import read_config
-from dtensor_mimo.models.layers import PackedItems, init_weights
+from dtensor_mimo.models.layers import PackedItems, init_weights, pad_empty_packed
 from dtensor_mimo.models.vit import EncoderBlock
 
 _KERNEL = 3  # both convolutions: kernel 3, padding 1, as in Whisper
@@ -180,9 +180,11 @@ class AudioEncoder(nn.Module):
     def forward(self, mels: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         x = self.embed(mels)  # checks the clips
         packed = None if isinstance(mels, torch.Tensor) else self.packed_items([m.shape for m in mels])
+        x, packed, empty = pad_empty_packed(x, packed)
         for layer in self.layers.values():
             x = layer(x, packed=packed)
-        return self.finish(x, packed)
+        x = self.finish(x, packed)
+        return x[:0] if empty else x
 
 
 def _packed_conv(x: torch.Tensor, frames: Sequence[int], conv: nn.Conv1d) -> tuple[torch.Tensor, list[int]]:

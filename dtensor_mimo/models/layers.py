@@ -337,6 +337,18 @@ class PackedItems:
         return f"PackedItems({list(self.lengths)})"
 
 
+def pad_empty_packed(x: torch.Tensor, packed: PackedItems | None) -> tuple[torch.Tensor, PackedItems | None, bool]:
+    """``(x, packed, empty)`` for the blocks of an encoder: a packed sequence of no rows
+    (``x [1, 0, dim]``, a list of no items: a dp rank whose share is empty) gets one zero row, an
+    item of its own, which the caller drops after the blocks (``empty``). Under sequence
+    parallelism a sequence of length 0 sharded over tp cannot pass the blocks (DTensor refuses to
+    view it, in FSDP's hooks), while the other dp ranks wait in the blocks' collectives; the row
+    keeps every parameter in the graph (zero gradients), as the empty sequence did."""
+    if packed is None or sum(packed.lengths) or x.shape[1]:
+        return x, packed, False
+    return torch.cat([x, x.new_zeros(x.shape[0], 1, x.shape[2])], dim=1), PackedItems([1]), True
+
+
 @torch.compiler.disable  # see PackedItems; the spans are planned from Python ints anyway
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      items: PackedItems | Sequence[int]) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtensor_mimo.models.config_json import read_config, with_defaults
-from dtensor_mimo.models.layers import PackedItems, init_weights, packed_attention
+from dtensor_mimo.models.layers import PackedItems, init_weights, packed_attention, pad_empty_packed
 
 
 TOWERS = ("siglip_vision_model", "clip_vision_model")
@@ -362,6 +362,8 @@ class ViT(nn.Module):
     def forward(self, images: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         x = self.embed(images)  # checks the images
         packed = None if isinstance(images, torch.Tensor) else self.packed_items([i.shape for i in images])
+        x, packed, empty = pad_empty_packed(x, packed)
         for layer in self.layers.values():
             x = layer(x, packed=packed)
-        return self.finish(x, packed)
+        x = self.finish(x, packed)
+        return x[:0] if empty else x

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -149,7 +150,9 @@ def variable_audio(config: TrainerConfig, name: str, audio: AudioConfig, fe: Any
     key, rate, hop = f"model.encoders.{name}", fe.sampling_rate, fe.hop_length
     longest = audio.max_frames * hop / rate
     seconds = config.data.audio_max_seconds or longest
-    samples = int(seconds * rate)
+    # whole samples, the float product's rounding error dropped first: 8.03 s * 16000 Hz gives
+    # 128479.99999999999, which int() would cut to a sample (and a frame) short of the clip's
+    samples = math.floor(round(seconds * rate, 6))
     shortest = max(hop, fe.n_fft // 2 + 1)
     if samples // hop > audio.max_frames:
         raise ConfigError(f"data.audio_max_seconds = {seconds:g}: {samples // hop} frames of {hop} samples at "
@@ -198,6 +201,10 @@ def resolve_encoder(config: TrainerConfig, name: str, section: EncoderSection) -
             except (ValueError, KeyError) as e:
                 raise ConfigError(f"{key}: {e}") from None
             proc = _processor(key, section.processor or path, "audio")
+            if proc.feature_size != audio.n_mels:
+                raise ConfigError(f"{key}: the feature extractor makes {proc.feature_size} mel bins but the encoder "
+                                  f"takes {audio.n_mels}; point {key}.processor at a feature extractor of "
+                                  f"{audio.n_mels}")
             if section.variable_length:
                 audio, samples = variable_audio(config, name, audio, proc)
                 longest = audio.output_length(samples // proc.hop_length)
