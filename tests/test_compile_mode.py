@@ -16,6 +16,8 @@ check what holds everywhere:
 | empty batch | a ViT compiled whole on batches with no image, against eager and the convolution |
 | shared blocks | a ViT and an audio encoder (one block class: one dynamo cache), per block, varied items: |
 | | every variant of training and prediction compiled (none past dynamo's limit), none after warm-up |
+| sp's first block | tp2 + sp, per block, a plain activation in: the conversion to the sequence shard is the one |
+| | graph break (outside the graph), nothing dynamo fails to trace; the output equals eager's |
 | padded items | a CUDA-graph encoder's calls padded to the step's bucket of items, microbatch by microbatch or all microbatches in one call: rows and gradients as unpadded; the world-1 run above encodes each step's microbatches in one call (2 + 2 images: 4; 0 + 3: 3), against eager |
 """
 
@@ -522,3 +524,34 @@ def test_encoders_sharing_a_block_class_stay_compiled() -> None:
     [out] = run_on_ranks(_encoders_sharing_a_block_class, 1, timeout=300)
     assert out["limit"] >= 16
     assert out["graphs"][0] > 0 and out["graphs"][3:] == [0, 0, 0]  # warmed up: the same batches again
+
+
+def _first_block_breaks() -> tuple[list[str], float]:
+    """A tiny Llama, tp2 + sp, each block compiled (aot_eager), called on plain activations `h`
+    (as the bridge hands them): dynamo's graph-break reasons over 3 calls, and the largest
+    difference of its output from the same model's in eager."""
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    eager = Llama(LlamaConfig.tiny())
+    compiled = copy.deepcopy(eager)
+    parallelize(eager, mesh["tp"], None, ParallelOptions(sp=True))
+    parallelize(compiled, mesh["tp"], None, ParallelOptions(sp=True, compile=True, compile_backend="aot_eager"))
+    h = torch.randn(2, 16, 32)
+    torch._dynamo.reset()
+    counters.clear()
+    for _ in range(3):
+        out = compiled(h=h)
+    diff = (out.full_tensor() - eager(h=h).full_tensor()).abs().max().item()
+    return [reason.splitlines()[0] for reason in counters["graph_break"]], diff
+
+
+def test_sequence_parallel_first_block_breaks_once_outside_the_graph() -> None:
+    """Under sp the first block converts a plain activation to its sequence shard
+    (``DTensor.from_local``, ``redistribute``), which dynamo cannot trace: that conversion runs
+    outside the graph, the one graph break; before, its two untraceable calls split the block."""
+    for reasons, diff in run_on_ranks(_first_block_breaks, 2, timeout=180):
+        assert set(reasons) <= {"Skip calling `torch.compiler.disable()`d function"}, reasons
+        assert diff < 1e-5

@@ -119,8 +119,21 @@ def shard_sequence_on_entry(block: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 
 def to_sequence_shard(x: torch.Tensor, tp_mesh: DeviceMesh) -> DTensor:
-    """A plain tensor (replicated over tp) or a DTensor on `tp_mesh` -> DTensor `Shard(1)`."""
-    if not isinstance(x, DTensor):  # shape and stride given: nothing for dynamo to graph-break on
+    """A plain tensor (replicated over tp) or a DTensor on `tp_mesh` -> DTensor `Shard(1)`.
+
+    Every block but a stage's first receives its sequence shard already: that test is all a
+    compiled block traces. The conversion itself runs outside the graph (`_to_sequence_shard`):
+    dynamo cannot trace ``DTensor.from_local`` or ``redistribute`` here (torch 2.13: a
+    ``DTensorSpec`` argument it cannot proxy, a debug-mode lookup it skips), and the graph
+    breaks they caused split the first block into three graphs; now one clean break before it."""
+    if isinstance(x, DTensor) and x.device_mesh == tp_mesh and tuple(x.placements) == (Shard(SEQUENCE_DIM),):
+        return x
+    return _to_sequence_shard(x, tp_mesh)
+
+
+@torch.compiler.disable
+def _to_sequence_shard(x: torch.Tensor, tp_mesh: DeviceMesh) -> DTensor:
+    if not isinstance(x, DTensor):
         x = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False, shape=x.shape, stride=x.stride())
     elif x.device_mesh != tp_mesh:
         raise ValueError(
