@@ -55,21 +55,29 @@ class _Decoder(torch.nn.Module):
         return self.output(self.norm(h))
 
 
+@pytest.mark.parametrize("language, virtual_stages, cut", [
+    (P(pp=2), 1, "the layout gives it pp=2"),
+    # two stages on one rank: cut just the same (before, accepted: the first stage's forward raised on
+    # the language rank alone, in the schedule, and the encoder rank waited for its gradients)
+    (P(), 2, r"the pipeline cuts it into 2 stages, pp=1 x virtual_stages=2"),
+], ids=["pp2", "pp1_two_stages"])
 @pytest.mark.parametrize("decoder, match", [
-    (_Decoder(scale=True), r"it needs no parameters outside tok_embeddings, layers, norm, output \(the layout gives "
-                           r"it pp=2; .* \['scale'\] are in none of them\)"),
+    (_Decoder(scale=True), r"it needs no parameters outside tok_embeddings, layers, norm, output \({cut}; "
+                           r".* \['scale'\] are in none of them\)"),
     (_Decoder(skips_missing_parts=False),
      r"it needs a forward that runs the parts a pipeline stage holds \(its layers, then norm and output only when "
      r"they are not None\): as a middle stage .* raised TypeError: 'NoneType' object is not callable"),
 ], ids=["parameter_outside_the_parts", "forward_needs_every_part"])
-def test_user_decoder_that_cannot_be_split_into_stages_is_named(decoder, match):
+def test_user_decoder_that_cannot_be_split_into_stages_is_named(decoder, match, language, virtual_stages, cut):
     from dtensor_mimo import PipelineConfig
 
     _, encoders = _model_args()
-    layout = MimoLayout({"vision": P(), "language": P(pp=2)})
+    layout = MimoLayout({"vision": P(), "language": language})
+    schedule = "1F1B" if virtual_stages == 1 else "Interleaved1F1B"
     with pytest.raises(TypeError, match=r"the language model \(_Decoder\) does not meet the language protocol .*"
-                                        + match):
-        MimoModel(layout, decoder, encoders, pipeline=PipelineConfig(microbatches=2))
+                                        + match.replace("{cut}", cut)):
+        MimoModel(layout, decoder, encoders,
+                  pipeline=PipelineConfig(microbatches=2, schedule=schedule, virtual_stages=virtual_stages))
     from dtensor_mimo.schedule.checks import check_model as _check_model
 
     _check_model(  # at pp = 1 the same decoder is fine: nothing is split

@@ -129,8 +129,10 @@ def encoder_problems(module: object, *, tp: int, activation_checkpointing: int) 
     return problems
 
 
-def language_problems(module: object, *, tp: int, cp: int, pp: int = 1) -> list[str]:
-    """What `module` lacks to serve as the language model with tp, cp and pp sizes (empty: fine)."""
+def language_problems(module: object, *, tp: int, cp: int, pp: int = 1, stages: int | None = None) -> list[str]:
+    """What `module` lacks to serve as the language model with tp, cp and pp sizes (empty: fine).
+    `stages`: the pipeline stages it is cut into (``pp * virtual_stages``; None: pp), also on one
+    pp rank (pp = 1 with virtual stages), where a stage holds only its parts of it as well."""
     if not isinstance(module, nn.Module):
         return [f"to be an nn.Module (it is a {type(module).__name__})"]
     config = getattr(module, "config", None)
@@ -142,8 +144,9 @@ def language_problems(module: object, *, tp: int, cp: int, pp: int = 1) -> list[
         problems.append(f"parallelize(tp_mesh, options) (its tensor parallel plan: the layout gives it tp={tp})")
     if cp > 1 and not callable(getattr(module, "set_attention_fn", None)):
         problems.append(f"set_attention_fn(fn) (the layout gives it cp={cp})")
-    if pp > 1 and not problems:
-        problems += split_problems(module, pp)
+    stages = pp if stages is None else stages
+    if stages > 1 and not problems:
+        problems += split_problems(module, pp, stages)
     return problems
 
 
@@ -151,16 +154,20 @@ STAGE_PARTS = ("tok_embeddings", "layers", "norm", "output")
 """The parts of a decoder that pipeline stages divide among themselves."""
 
 
-def split_problems(decoder: nn.Module, pp: int) -> list[str]:
+def split_problems(decoder: nn.Module, pp: int, stages: int | None = None) -> list[str]:
     """What `decoder` (meeting the rest of the language protocol) lacks to be cut into pipeline
-    stages by `decoder_stage` (pure: its forward runs once on the meta device)."""
+    stages by `decoder_stage` (pure: its forward runs once on the meta device); `stages`: how
+    many (None: pp)."""
+    stages = pp if stages is None else stages
+    cut = (f"the layout gives it pp={pp}" if stages == pp else
+           f"the pipeline cuts it into {stages} stages, pp={pp} x virtual_stages={stages // pp}")
     parts = [p for p in ("tok_embeddings", "norm", "output") if not isinstance(getattr(decoder, p), nn.Module)]
     if parts:
-        return [f"{', '.join(parts)} as submodules (the layout gives it pp={pp}: each stage holds some "
+        return [f"{', '.join(parts)} as submodules ({cut}: each stage holds some "
                 "parts and sets the others to None)"]
     outside = [n for n, _ in decoder.named_parameters() if n.split(".")[0] not in STAGE_PARTS]
     if outside:
-        return [f"no parameters outside {', '.join(STAGE_PARTS)} (the layout gives it pp={pp}; a stage holds "
+        return [f"no parameters outside {', '.join(STAGE_PARTS)} ({cut}; a stage holds "
                 f"only those parts, and {outside[:4]}{' ...' if len(outside) > 4 else ''} are in none of them)"]
     if len(decoder.layers) < 1 or type(decoder) is Llama:
         return []  # `stage_layers` names the layer count; the library's Llama is known to split

@@ -64,7 +64,10 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
                             f"(dtensor_mimo.models.protocol): it needs {'; '.join(problems)}")
     check_unshared(layout, {language_name: language, **encoders})
     lang = layout.parallelism(language_name)
-    problems = language_problems(language, tp=lang.tp, cp=lang.cp, pp=lang.pp)
+    # The language model's pipeline stages: pp x virtual_stages, more than one also at pp = 1 (two
+    # stages on one rank), where each stage holds only its parts of the decoder just the same.
+    lang_stages = pipeline.num_stages(lang.pp) if pipeline is not None else lang.pp
+    problems = language_problems(language, tp=lang.tp, cp=lang.cp, pp=lang.pp, stages=lang_stages)
     if problems:
         raise TypeError(f"the language model ({type(language).__name__}) does not meet the language protocol "
                         f"(dtensor_mimo.models.protocol): it needs {'; '.join(problems)}")
@@ -82,9 +85,12 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
     for name in layout.names:
         par = layout.parallelism(name)
         check_tp_sizes(name, language if name == language_name else encoders[name], par.tp)
-        if par.pp > 1:
+        stages = lang_stages if name == language_name else par.pp
+        if stages > 1:
+            cut = f"pp={par.pp}" if stages == par.pp else \
+                f"pp={par.pp} x virtual_stages={stages // par.pp} = {stages} pipeline stages"
             check_untied(name, language if name == language_name else encoders[name],
-                         f"pp={par.pp}: the pipeline split gives each stage its own pieces")
+                         f"{cut}: the pipeline split gives each stage its own pieces")
         check_compile_layout(name, options.get(name, ParallelOptions()), par)
         if par.hsdp and not options.get(name, ParallelOptions()).fsdp:
             raise LayoutError(f"{name!r} has dp_replicate={par.dp_replicate} (HSDP: FSDP2 shards within replica "
