@@ -17,6 +17,7 @@ The language model has 4 layers (so 2 x 2 virtual stages fit).
 | coloc_hsdp      | dp4 HSDP 2x2 (0-3) | pp2·dp2 HSDP 2x1 (0-3)  | 4     | 1F1B                 | colocated; FSDP2 shards within replica groups, all-reduces across them in each stage's last backward |
 | coloc_recompute | dp4 (0-3)        | pp2·dp2 (0-3)             | 4     | 1F1B                 | colocated, vision graphs freed (`recompute_colocated`), FSDP2 |
 | coloc_pp1_recompute | dp2 (0-1)    | dp2 (0-1)                 | 2     | one stage, 4 mb      | colocated at pp = 1, graphs freed |
+| coloc_recompute_varied | dp2 (0-1) | dp2 (0-1)                 | 2     | one stage, 4 mb      | colocated at pp = 1, graphs freed, images of own sizes (a list per microbatch) |
 | coloc_two_recompute | dp2 (0-1) + audio dp2 (0-1) | dp2 (0-1)  | 2     | one stage, 4 mb      | two recomputed encoders: vision reduced once (FSDP2), audio summed during its last backward |
 | cp_pp2          | dp2 (0-1)        | cp2·pp2 (2-5)             | 6     | 1F1B                 | packed rows, Partial gradient, meta |
 | two_hop_cp_pp2  | tp2 (0-1)        | cp2·pp2 (2-5)             | 6     | 1F1B                 | two hops per crossing: cp all-gather, cp reduce-scatter, vision tp all-gather |
@@ -82,6 +83,10 @@ CASES = {
                              options={"vision": ParallelOptions(recompute_colocated=True)}),
     "coloc_pp1_recompute": _case(P(dp=2), P(dp=2), offsets={"vision": 0, "language": 0},
                                  options={"vision": ParallelOptions(recompute_colocated=True)}),
+    # items of their own sizes come as a list per microbatch: the recomputation once read the RNG
+    # state of `list.device` (AttributeError on every rank)
+    "coloc_recompute_varied": _case(P(dp=2), P(dp=2), offsets={"vision": 0, "language": 0}, varied=True,
+                                    options={"vision": ParallelOptions(recompute_colocated=True)}),
     "coloc_two_recompute": Case({"vision": P(dp=2), "audio": P(dp=2), "language": P(dp=2)},
                                 offsets={"vision": 0, "audio": 0, "language": 0}, pipeline=MB4, batch_size=8,
                                 n_layers=4, options={"vision": ParallelOptions(recompute_colocated=True),

@@ -332,12 +332,14 @@ class LocalEncoders:
         padded: names of the encoders whose items are padded to the step's bucket.
         independent: names of the encoders whose rows of an item depend on that item alone (the
             same on every rank of an encoder: the calls, and so FSDP2's collectives, match).
+        device: the device the encoders and their items are on: whose random state a
+            recomputation replays (items of their own sizes come as a list, possibly empty).
     """
 
     def __init__(self, encoders: Mapping[str, nn.Module], inputs: Sequence[Mapping[str, torch.Tensor]],
                  dtype: torch.dtype, recompute: Collection[str] = (), padded: Collection[str] = (),
-                 independent: Collection[str] = ()) -> None:
-        self.encoders, self.inputs, self.dtype = encoders, inputs, dtype
+                 independent: Collection[str] = (), device: torch.device = torch.device("cpu")) -> None:
+        self.encoders, self.inputs, self.dtype, self.device = encoders, inputs, dtype, device
         self.recompute = set(recompute)
         self.padded, self.independent = set(padded), set(independent)
         self.buckets: dict[str, int] = {}
@@ -369,7 +371,7 @@ class LocalEncoders:
     def _encode_one(self, k: int, name: str) -> None:
         x = self.inputs[k][name]
         if name in self.recompute:
-            self._rng[k, name] = _rng_state(x.device)
+            self._rng[k, name] = _rng_state(self.device)
             with torch.no_grad():
                 rows = self._rows(name, x)
         else:
@@ -413,7 +415,7 @@ class LocalEncoders:
                     if arm is not None:
                         arm(n)
                 x = self.inputs[k][n]
-                with _replayed(self._rng.pop((k, n)), x.device):
+                with _replayed(self._rng.pop((k, n)), self.device):
                     rows = self._rows(n, x)
                 _backward([{n: rows}], [grads[k]])
 

@@ -214,7 +214,8 @@ class _Run:
                      if parts.options[n].recompute_colocated and not shape.overlapped and parts.trainable[n]]
         local = {n: parts.encoders[n] for n in held if n in parts.encoders}
         self.local = LocalEncoders(local, inputs, parts.dtype, recompute if shape.mode == "train" else (),
-                                   parts.padded_encoders & local.keys(), parts.independent_encoders & local.keys())
+                                   parts.padded_encoders & local.keys(), parts.independent_encoders & local.keys(),
+                                   parts.device)
         self.accumulation: Accumulation | None = None
         self.received: dict[int, list[Delivery]] = {}  # forward crossings this rank receives
         self.grads: dict[int, list[Delivery]] = {}  # backward crossings this rank receives
