@@ -38,6 +38,8 @@ Other cases:
 | `SyntheticSpec.tiny`                  | `ModalitySpec.image/audio` of the tiny ViT / audio config |
 | validation errors                     | every BatchError / ValueError message                     |
 | a sample the chat template refuses    | DataError naming the file and sample id, not TemplateError |
+| an answer starting with a newline     | transformers' assistant mask (Qwen's pre-tokenizer merges |
+|   (ChatML, Qwen's pre-tokenizer)      |   it with the prompt's "\\n"); the prompt stops before it  |
 | an image its processor sizes unlike   | the file's MediaError on the loading ranks (tolerated and |
 |   the others (alone, or batched)      |   agreed), not a DataError / ValueError there alone      |
 """
@@ -677,3 +679,61 @@ def test_an_image_its_processor_sizes_unlike_the_others_is_a_media_error(tmp_pat
         inputs = batch.modalities["vision"].inputs
         assert inputs.shape == (2, 3, 16, 16) and not inputs[1].any()
         assert torch.equal(inputs[0], square if 0 in rows else torch.zeros_like(square))
+
+
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+              r"|\s+(?!\S)|\s+")
+"""Qwen2's pre-tokenizer: a run of whitespace ending in newlines is one piece ("\\n\\n" one token)."""
+
+CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+          "{{ '<|im_start|>' + message['role'] + '\\n' }}{% if message['role'] == 'assistant' %}"
+          "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+          "{% else %}{{ message['content'] + '<|im_end|>' + '\\n' }}{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+"""Qwen2's ChatML template, each answer in transformers' {% generation %} block (its assistant mask)."""
+
+
+def test_an_answer_starting_with_a_newline_is_labelled_as_transformers_masks_it(tmp_path) -> None:
+    """Qwen's pre-tokenizer makes one token of ChatML's generation prompt's last "\\n" and the
+    newline an answer starts with. Such a sample (valid: transformers renders and masks it) was
+    refused as a template that "does not render a conversation as its turns one after another".
+    Its labels are now transformers' own: `apply_chat_template(return_assistant_tokens_mask=True)`
+    marks the answer from the token that reaches into it (the merged "\\n\\n") through <|im_end|>,
+    and the held-out prompt stops right before that token."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from dtensor_mimo.data.conversation import ConversationDataset
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    corpus = ["system user assistant You are a helpful assistant.\nWhat is it ?\n\nA red cat .\n \n\n\n"] * 8
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
+                                                     pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHATML
+    assert tokenizer.tokenize("\n\n") == ["ĊĊ"]
+    conversations = [[("human", "What is it ?"), ("gpt", "\nA red cat .")],
+                     [("human", "What is it ?"), ("gpt", "A red cat ."), ("human", "What ?"), ("gpt", "\n\nA cat .\n")],
+                     [("system", "You are a cat ."), ("human", "What ?"), ("gpt", " \nA cat .")]]
+    samples = [{"id": f"s{k}", "conversations": [{"from": f, "value": v} for f, v in turns]}
+               for k, turns in enumerate(conversations)]
+    data = ConversationDataset(str(tmp_path / "train.jsonl"), tokenizer, {}, seq_len=64, samples=samples)
+    roles = {"human": "user", "gpt": "assistant", "system": "system"}
+    for k, turns in enumerate(conversations):
+        reference = tokenizer.apply_chat_template([{"role": roles[f], "content": v} for f, v in turns],
+                                                  return_dict=True, return_assistant_tokens_mask=True)
+        ids, mask = reference["input_ids"], reference["assistant_masks"]
+        assert sum(mask) > 0
+        expected = [ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
+        batch = data.batch([k])
+        assert batch.tokens[0, :len(ids)].tolist() == ids
+        assert batch.labels[0].tolist() == expected + [IGNORE_INDEX] * (64 - len(ids))
+        first = mask.index(1)
+        assert data[k].answers[0][0] == first
+        assert (data.prompts([k]).tokens[0, first:] == tokenizer.pad_token_id).all()

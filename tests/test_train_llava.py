@@ -8,6 +8,7 @@ by `examples/make_tiny_llava.py` (no download).
 |---------------------------------------------|-------------------------------------------------------------|
 | test_rows_label_the_assistant_tokens_only   | placeholders expanded to the tower's tokens; labels decode to each answer + end of turn |
 | test_prompts_stop_at_the_first_answer_with_their_items | generation prompts: cut at the first answer, only earlier items; a truncated answer is not prompted |
+| test_a_heldout_answer_cut_by_truncation_is_not_prompted | nor is one cut short (a fragment, no end of turn) |
 | test_long_samples_refused_or_truncated      | a sample over seq_len names its id; truncation drops a cut item whole |
 | test_packed_rows_equal_their_samples_alone  | data.pack: every sample once; a packed row's logits and labels == each sample's alone; the launcher's checks pack nothing |
 | test_bad_input_fails_before_any_process     | missing dirs/files, unsupported architecture, placeholder count, tokenizer without template, processor size, checkpoint.load without checkpoints |
@@ -896,3 +897,21 @@ def test_an_empty_clip_is_silence(varied: str, tmp_path) -> None:
     m = data.train.batch([0, 1]).modalities["audio"]
     chunk = fe(np.zeros(0, dtype=np.float32), sampling_rate=16000, return_tensors="pt")["input_features"][0]
     torch.testing.assert_close(m.inputs[1], chunk)
+
+
+def test_a_heldout_answer_cut_by_truncation_is_not_prompted(tiny: str, tmp_path) -> None:
+    """A held-out sample truncated inside its first answer has lost that answer's end of turn:
+    its expected text is a fragment and its last kept token an ordinary word. It is not prompted
+    (as one truncated away is not): before, its stop token was that word, which also made the
+    stop tokens of the prompts differ, so every prompt generated to the end of the row."""
+    turns = [{"from": "human", "value": "what is in the image ?"},
+             {"from": "gpt", "value": "a red bar and a blue ring"}]
+    path = tmp_path / "cut.jsonl"
+    path.write_text(json.dumps({"id": "cut", "conversations": turns}) + "\n")
+    whole, tokenizer = _dataset(tiny, "--data.heldout", str(path), "--data.root", "data")
+    start, stop = whole.heldout[0].answers[0]
+    assert whole.prompt(0) == (start, "a red bar and a blue ring", tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    cut, _ = _dataset(tiny, "--data.heldout", str(path), "--data.root", "data", "--data.seq_len", str(start + 3),
+                      "--data.truncate", "true")
+    assert cut.heldout[0].answers == [(start, start + 3)]  # trained on, as far as it goes
+    assert cut.prompt(0) is None

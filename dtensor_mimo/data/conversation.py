@@ -140,8 +140,9 @@ class MediaSpec:
 @dataclass(frozen=True)
 class Conversation:
     """One tokenized sample: the row before padding, its labels, its items per modality (paths),
-    where each assistant answer starts and ends (``answers``: ``(start, stop)`` token spans), and
-    each item's encoder input shape and rows (``item_shapes``, ``item_tokens``, per modality)."""
+    where each assistant answer starts and ends (``answers``: ``(start, stop)`` token spans), each
+    item's encoder input shape and rows (``item_shapes``, ``item_tokens``, per modality), and
+    whether truncation cut the last answer short (``answer_cut``: it lost its end of turn)."""
 
     id: str
     tokens: list[int]
@@ -150,6 +151,7 @@ class Conversation:
     answers: list[tuple[int, int]]
     item_shapes: dict[str, list[tuple[int, ...]]] = field(default_factory=dict)
     item_tokens: dict[str, list[int]] = field(default_factory=dict)
+    answer_cut: bool = False
 
 
 CACHE_SAMPLES = 65_536
@@ -160,7 +162,7 @@ one's memory stays bounded (each later epoch tokenizes again what did not fit)."
 @dataclass(frozen=True)
 class _Tokenized:
     """A sample as the cache keeps it: int32 tokens, the answer spans (the labels follow from
-    them), its items' references, shapes and rows."""
+    them), its items' references, shapes and rows, whether truncation cut the last answer short."""
 
     id: str
     tokens: np.ndarray
@@ -168,6 +170,7 @@ class _Tokenized:
     items: dict[str, tuple[str, ...]]
     item_shapes: dict[str, list[tuple[int, ...]]]
     item_tokens: dict[str, list[int]]
+    answer_cut: bool = False
 
     @property
     def labels(self) -> np.ndarray:
@@ -181,7 +184,7 @@ class _Tokenized:
     def conversation(self) -> Conversation:
         return Conversation(self.id, self.tokens.tolist(), self.labels.tolist(),
                             {n: list(p) for n, p in self.items.items()}, list(self.answers),
-                            self.item_shapes, self.item_tokens)
+                            self.item_shapes, self.item_tokens, self.answer_cut)
 
 
 # ---------------------------------------------------------------------------- reading
@@ -751,7 +754,7 @@ class ConversationDataset(Dataset):
         return self._record(index).conversation()
 
     # -------------------------------------------------------------- tokenization
-    def _render(self, messages: list[dict[str, str]], generation_prompt: bool, sid: str) -> list[int]:
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool, sid: str) -> str:
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=generation_prompt)
@@ -759,7 +762,23 @@ class ConversationDataset(Dataset):
             raise DataError(f"{self.source.describe()}: sample {sid!r}: the tokenizer's chat template refuses it "
                             f"({type(e).__name__}: {e}); give the sample turns the template takes (roles, their "
                             "order) or use another template") from None
+        return text
+
+    def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _answer_start(self, prompt: list[int], upto: list[int]) -> int:
+        """Where the answer begins in `upto`, the tokens of the conversation through it, whose text
+        continues `prompt`'s (the generation prompt's): at `prompt`'s end, unless the tokenizer
+        merges the prompt's last characters with the answer's first (Qwen's pre-tokenizer makes one
+        token of ChatML's "\\n" and an answer's leading "\\n"): then at the first token that
+        reaches into the answer, as transformers' assistant mask has it."""
+        start = next((j for j, (a, b) in enumerate(zip(prompt, upto)) if a != b), len(prompt))
+        if start < len(prompt):
+            shown = self.tokenizer.decode(prompt)
+            while start < len(upto) and shown.startswith(self.tokenizer.decode(upto[:start + 1])):
+                start += 1
+        return start
 
     def _tokenize(self, index: int) -> _Tokenized:
         """Token ids with each placeholder expanded, labels on the assistant tokens."""
@@ -769,19 +788,22 @@ class ConversationDataset(Dataset):
         check_turns(sample, self.source.describe())
         check_modalities(self.source, index, sample, self.by_modality, self.source.describe())
         messages = [{"role": ROLES[t["from"]], "content": t["value"]} for t in sample["conversations"]]
-        ids = self._render(messages, False, sid)
+        text = self._render(messages, False, sid)
+        ids = self._ids(text)
         assistant = [False] * len(ids)
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt, upto = self._render(messages[:i], True, sid), self._render(messages[:i + 1], False, sid)
-            if upto[:len(prompt)] != prompt or ids[:len(upto)] != upto:
-                raise DataError(f"sample {sid!r}: the chat template does not render a conversation as its "
-                                "turns one after another (a prefix renders otherwise, e.g. a template that "
-                                "renders the last assistant turn unlike earlier ones), so the assistant "
-                                "tokens cannot be found")
-            end = self._answer_end(upto, len(prompt))
-            for t in range(len(prompt), end):
+            before, through = self._render(messages[:i], True, sid), self._render(messages[:i + 1], False, sid)
+            prompt, upto = self._ids(before), self._ids(through)
+            if not through.startswith(before) or not text.startswith(through) or ids[:len(upto)] != upto:
+                raise DataError(f"{self.source.describe()}: sample {sid!r}: the chat template does not render a "
+                                "conversation as its turns one after another (a prefix renders otherwise, e.g. a "
+                                "template that renders the last assistant turn unlike earlier ones), so the "
+                                "assistant tokens cannot be found")
+            start = self._answer_start(prompt, upto)
+            end = self._answer_end(upto, start)
+            for t in range(start, end):
                 assistant[t] = True
         items = {name: self.source.media(index, sample, self.media[name].modality) for name in self.media}
         shapes: dict[str, list[tuple[int, ...]]] = {name: [] for name in items}
@@ -821,6 +843,7 @@ class ConversationDataset(Dataset):
                 raise DataError(f"sample {sid!r}: {len(found)} {PLACEHOLDERS[self.media[name].modality]} "
                                 f"token(s) after tokenization but {len(items[name])} item(s)")
         limit = getattr(self, "seq_len", 0)
+        answer_cut = False
         if limit and len(tokens) > limit:
             if not self.truncate:
                 raise DataError(f"sample {sid!r} has {len(tokens)} tokens, more than data.seq_len = {limit}; "
@@ -831,6 +854,7 @@ class ConversationDataset(Dataset):
             for name, found in starts.items():
                 kept = sum(1 for s, n in zip(found, spans[name]) if s + n <= cut)
                 items[name], shapes[name], sizes[name] = items[name][:kept], shapes[name][:kept], sizes[name][:kept]
+            answer_cut = cut > 0 and is_answer[cut - 1] and is_answer[cut]  # its end of turn is gone
             tokens, is_answer = tokens[:cut], is_answer[:cut]
         answers, t = [], 0
         while t < len(is_answer):
@@ -842,7 +866,7 @@ class ConversationDataset(Dataset):
             else:
                 t += 1
         return _Tokenized(sid, np.asarray(tokens, dtype=np.int32), tuple(answers),
-                          {n: tuple(ps) for n, ps in items.items()}, shapes, sizes)
+                          {n: tuple(ps) for n, ps in items.items()}, shapes, sizes, answer_cut)
 
     def _answer_end(self, upto: list[int], start: int) -> int:
         """Where the answer rendered as ``upto[start:]`` ends: through its end-of-turn token, not the

@@ -62,7 +62,7 @@ class TrainData:
         score: ``(batch, predicted ids) -> {name: (right, counted)}``: exact match of every
             answer ("answer") and of any parts the task reports.
         prompt: held-out index -> (prompt length, expected answer text, stop token id), or None
-            for a sample with no answer to generate.
+            for a sample with no whole answer to generate (truncation cut the first one).
         decode: generated ids -> text.
         items_per_sample: each encoder's expected items per row (for FLOPs and the planner;
             conversations: estimated from the first `CHECKED_SAMPLES` training samples).
@@ -295,8 +295,8 @@ def conversation_data(config: TrainerConfig, resolved: ResolvedModel, ahead: boo
 
     def prompt(index: int) -> tuple[int, str, int | None] | None:
         sample = heldout[index]
-        if not sample.answers:  # truncated away
-            return None
+        if not sample.answers or sample.answer_cut and len(sample.answers) == 1:  # truncated away, or cut short
+            return None  # (a cut answer's text is a fragment, and its last token no end of turn to stop at)
         start, stop = sample.answers[0]
         eos = tokenizer.eos_token_id
         return start, heldout.answer_text(index), eos if eos in sample.tokens[start:stop] else sample.tokens[stop - 1]
