@@ -25,9 +25,9 @@ important figures:
 | lm | ours fsdp2 bf16 | the same with FSDP2's `MixedPrecisionPolicy` on its mesh of one rank instead of autocast (which mixed-precision form is faster at dp = 1; at dp > 1 the library uses FSDP2's) |
 | lm | ours unchunked loss | the same with `ParallelOptions(chunked_loss=False)`: plain `[tokens, vocab]` logits (time and peak memory of the chunked head + loss) |
 | lm | ours checkpoint | `lm ours` saving its parameters and AdamW state (12 GiB at 1B) into a temporary directory (under `$CHECKPOINT_DIR` if set): what the step that saves waits for synchronously (`checkpoint.save`) and in the background (`BackgroundSaves`) into pageable and into pinned host buffers (`checkpoint.async_mode = "async"` / `"async_with_pinned_mem"`), each twice (the first save allocates); how long each write takes, the steps timed while the second is written, and that the copy holds the device's values |
-| lm | transformers (compiled) | `LlamaForCausalLM` of the same sizes (SDPA), fp32 weights under bf16 autocast, fused AdamW, clip 1.0; eager, or each decoder layer compiled (as ours) |
+| lm | transformers (compiled) | `LlamaForCausalLM` of the same sizes (SDPA), fp32 weights under bf16 autocast, fused AdamW with ours' hyperparameters and weight-decay groups (`_adamw`), clip 1.0; eager, or each decoder layer compiled (as ours) |
 | vlm | ours | a SigLIP tower + LLaVA projector (`ModalityEncoder(ViT, Projection)`) and a Qwen2 decoder (`Llama`) colocated on the one rank, both bf16 + per-block compile, through `MimoModel` + `train_step` |
-| vlm | transformers (compiled) | `LlavaForConditionalGeneration` of the same config (SDPA, fp32 weights under bf16 autocast, fused AdamW, clip 1.0); eager, or each tower layer, each decoder layer and the projector compiled |
+| vlm | transformers (compiled) | `LlavaForConditionalGeneration` of the same config (SDPA, fp32 weights under bf16 autocast, fused AdamW as ours, clip 1.0); eager, or each tower layer, each decoder layer and the projector compiled |
 | vlm | ours whole | each stack compiled whole (`compile_scope="module"`) without CUDA graphs: what the scope alone gives |
 | vlm | ours cpp wrapper | `vlm ours` with inductor's C++ wrapper (`ParallelOptions(compile_options={"cpp_wrapper": True})`): each compiled graph calls its kernels from C++, not Python (on one CPU thread, `benchmarks/host_step.py`'s compiled cases measure it). It builds its wrappers with the CUDA headers of a CUDA toolkit, or else of the `nvidia` wheels that torch's CUDA build installs (`_wrapper_toolkit`) |
 | vlm | ours fp8 | `vlm ours` with `ParallelOptions(fp8="tensorwise")` on both modules: the encoder's float8 layers take any number of image rows (196 an image; torchao's `pad_inner_dim` for the weight gradient's matmul, which takes multiples of 16 on CUDA); compared with `vlm ours` (no target: the tower's and decoder's layers at these widths are mostly where float8 does not pay) |
@@ -678,10 +678,23 @@ def _lm_transformers(s: dict, device: str, backend: str, warmup: int, steps: int
 
 
 def _adamw(model, device: str):
+    """transformers' AdamW, as `MimoOptimizer(model, AdamWConfig(lr=1e-4))` steps ours: its
+    hyperparameters (betas (0.9, 0.95)), its weight-decay groups (`AdamWConfig.decays`: none on
+    norms, biases and embeddings; transformers' names say "embed" where ours do) and its form on
+    `device` (fused where torch has the kernel); parameters that require no gradient left out."""
     import torch
 
-    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
-                             **({"fused": True} if device == "cuda" else {"foreach": True}))
+    from dtensor_mimo import AdamWConfig
+    from dtensor_mimo.optim.optimizer import _implementation
+
+    a = AdamWConfig(lr=1e-4)
+    groups: dict[bool, list] = {True: [], False: []}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups[a.decays(name, p)].append(p)
+    return torch.optim.AdamW([{"params": groups[True], "weight_decay": a.weight_decay},
+                              {"params": groups[False], "weight_decay": 0.0}], lr=a.lr, betas=a.betas, eps=a.eps,
+                             **_implementation(torch.device(device)))
 
 
 def _finish(model, optimizer, loss) -> None:

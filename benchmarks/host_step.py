@@ -17,8 +17,8 @@ checkout that has them can be the baseline.
 | llama | `Llama` tiny (dim 32, 2 layers), no encoder | world 1 |
 | llava | tiny `ViT` + `Projection` + `Llama`, 2 images a sample | world 1, colocated |
 | llava, 2 ranks, M=2 | the same | vision on rank 0, language on rank 1, 2 microbatches |
-| transformers llama | `LlamaForCausalLM` of the same sizes (SDPA), `torch.optim.AdamW` (foreach, the same hyperparameters), `clip_grad_norm_`, the same batches | one process |
-| transformers llama, fused AdamW | the same with `torch.optim.AdamW(fused=True)`, the form the library uses wherever torch has it | one process |
+| transformers llama | `LlamaForCausalLM` of the same sizes (SDPA, no KV cache), `torch.optim.AdamW` in the library's form on the CPU (fused) with its hyperparameters and weight-decay groups, `clip_grad_norm_`, the same batches, the loss over the same tokens | one process |
+| transformers llama, foreach AdamW | the same with `torch.optim.AdamW(foreach=True)` (the reference before 2026-11-29, while the library had already gone fused on CPU) | one process |
 | llama / llava, compiled | `llama` or `llava` with every module compiled per block by inductor (`ParallelOptions(compile=True)`) | world 1 |
 | llama / llava, compiled, C++ wrapper | the same with inductor's C++ wrapper (`compile_options={"cpp_wrapper": True}`): the compiled code calls its kernels from C++ | world 1 |
 | llama / llava, compiled whole | each module compiled whole (`compile_scope="module"`): the encoder with its projection, the decoder with its head and loss, one graph each | world 1 |
@@ -41,19 +41,26 @@ from typing import Callable
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {"llama": (1, 1), "llava": (1, 1), "llava, 2 ranks, M=2": (2, 2), "transformers llama": (1, 1),
-         "transformers llama, fused AdamW": (1, 1)}
+         "transformers llama, foreach AdamW": (1, 1)}
 COMPILED = {f"{model}, compiled{wrapper}": {"compile_options": {"cpp_wrapper": True}} if wrapper else {}
             for model in ("llama", "llava") for wrapper in ("", ", C++ wrapper")}
 COMPILED.update({f"{model}, compiled whole": {"compile_scope": "module"} for model in ("llama", "llava")})
 """`ParallelOptions(compile=True, **these)` for every module; world 1, one microbatch."""
 REFERENCE = "transformers llama"
-REFERENCES = (REFERENCE, "transformers llama, fused AdamW")
-"""Run once per repeat whatever the trees (they use no dtensor_mimo step)."""
+REFERENCES = {REFERENCE: None, "transformers llama, foreach AdamW": False}
+"""The transformers cases and their AdamW form (`transformers_step`'s ``fused``); run once per
+repeat whatever the trees (they use no dtensor_mimo step)."""
 
 
-def transformers_step(fused: bool = False) -> Callable[[int], None]:
-    """`step(i)`: `LlamaForCausalLM` of `LlamaConfig.tiny`'s sizes + AdamW (foreach, or `fused`)
-    + clip on `llama`'s batch ``i % 4``, one host read of the loss (built here, one thread)."""
+def transformers_step(fused: bool | None = None) -> Callable[[int], None]:
+    """`step(i)`: `LlamaForCausalLM` of `LlamaConfig.tiny`'s sizes + AdamW + clip on `llama`'s
+    batch ``i % 4``, one host read of the loss (built here, one thread). The library's step's work:
+    AdamW with `AdamWConfig`'s hyperparameters and weight-decay groups (`AdamWConfig.decays`: no
+    decay on norms and embeddings) in the form `MimoOptimizer` takes on the CPU (`fused` None:
+    fused where torch has the kernel; True / False: fused / foreach), the mean cross entropy
+    over the tokens with a label and a loss weight (`synthetic_batch` masks each document's
+    prompt: labels set to -100 there, beforehand), no KV cache (transformers builds one in every
+    forward unless told ``use_cache=False``: work a training step does not need)."""
     import torch
     import transformers
     from torch.nn import functional as F
@@ -61,6 +68,7 @@ def transformers_step(fused: bool = False) -> Callable[[int], None]:
     from dtensor_mimo.data import SyntheticSpec, synthetic_batch
     from dtensor_mimo.models import LlamaConfig
     from dtensor_mimo.optim import AdamWConfig
+    from dtensor_mimo.optim.optimizer import _implementation
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -69,17 +77,22 @@ def transformers_step(fused: bool = False) -> Callable[[int], None]:
         vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_hidden, num_hidden_layers=c.n_layers,
         num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, max_position_embeddings=c.max_seq_len,
         rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, attn_implementation="sdpa"))
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
-                                   {"params": rest, "weight_decay": 0.0}], lr=a.lr, betas=a.betas, eps=a.eps,
-                                  **({"fused": True} if fused else {"foreach": True}))
-    batches = [synthetic_batch(SyntheticSpec.tiny(batch_size=8, modalities={}), seed=s) for s in range(4)]
+    groups: dict[bool, list] = {True: [], False: []}
+    for name, p in model.named_parameters():
+        groups[a.decays(name, p)].append(p)
+    form = _implementation(torch.device("cpu")) if fused is None else {"fused": True} if fused else {"foreach": True}
+    optimizer = torch.optim.AdamW([{"params": groups[True], "weight_decay": a.weight_decay},
+                                   {"params": groups[False], "weight_decay": 0.0}], lr=a.lr, betas=a.betas, eps=a.eps,
+                                  **form)
+    batches = []
+    for s in range(4):
+        b = synthetic_batch(SyntheticSpec.tiny(batch_size=8, modalities={}), seed=s)
+        batches.append((b.tokens, b.labels.masked_fill(b.loss_mask == 0, -100)))
 
     def step(i: int) -> None:
-        b = batches[i % 4]
-        logits = model(input_ids=b.tokens).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), b.labels.flatten(), ignore_index=-100)
+        tokens, labels = batches[i % 4]
+        logits = model(input_ids=tokens, use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_grad_norm)
         optimizer.step()
@@ -89,7 +102,7 @@ def transformers_step(fused: bool = False) -> Callable[[int], None]:
     return step
 
 
-def _transformers_steps(steps: int, fused: bool = False) -> list[float]:
+def _transformers_steps(steps: int, fused: bool | None = None) -> list[float]:
     """`transformers_step`'s seconds, after 5 warm-up steps."""
     import time
 
@@ -137,7 +150,7 @@ def _worker(case: str, steps: int) -> None:
     import time
 
     if case in REFERENCES:
-        print(json.dumps(_transformers_steps(steps, fused=case != REFERENCE)))
+        print(json.dumps(_transformers_steps(steps, fused=REFERENCES[case])))
         return
 
     import torch

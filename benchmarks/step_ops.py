@@ -14,7 +14,7 @@ work, not a time: the time of each on a GPU is what `benchmarks/gpu.py` measures
 |---|---|---|
 | llava eager / compiled per block / compiled whole | tiny `ViT` + `Projection` + `Llama` (`ViTConfig.tiny`, `LlamaConfig.tiny`), colocated on one rank, 2 images a sample | `train_step`, 2 microbatches; `ParallelOptions(compile=True)` (inductor) per block, or with ``compile_scope="module"`` |
 | llama eager | `Llama` tiny, no encoder | `train_step` |
-| transformers llama | `LlamaForCausalLM` of the same sizes (SDPA) | forward, cross entropy, backward, `clip_grad_norm_`, fused AdamW, `zero_grad` (the issue's reference stack) |
+| transformers llama | `LlamaForCausalLM` of the same sizes (SDPA, no KV cache) | forward, cross entropy, backward, `clip_grad_norm_`, AdamW in the library's form (fused), `zero_grad` (the issue's reference stack) |
 
 The models, batches and steps are `benchmarks/host_step.py`'s (`ours_step`, `transformers_step`).
 Each case runs in a fresh process (world 1, gloo, one thread).
@@ -61,7 +61,7 @@ def _step(case: str):
     from host_step import ours_step, transformers_step
 
     if case == "transformers llama":
-        return transformers_step(fused=True)
+        return transformers_step()
     import torch.distributed as dist
 
     from dtensor_mimo import ParallelOptions
