@@ -36,6 +36,7 @@ two documents each (positions restart, attention stays inside a document).
 | varied_coloc  | dp4 (0-3)          | -             | tp2·dp2 (0-3)           | 4     | no     | colocated, own sizes, balanced, meta |
 | varied_cp     | dp2 (0-1)          | -             | cp2 (2-3)               | 4     | yes    | own sizes, by sample (balance=False) |
 | balanced_uniform | dp3 (0-2), balance=True | -      | dp1 (3)                 | 4     | no     | one size, items balanced over dp |
+| empty_dp_tp   | dp4 (0-3)          | -             | tp2·dp2 + sp (0-3)      | 4     | no     | colocated; one sample: language dp rank 1 holds none (tp: a stand-in row); predict |
 | hsdp_cp       | dp4, HSDP 2x2 (0-3)| -             | cp2·dp2, HSDP 2x2 (0-3) | 4     | yes    | colocated; FSDP2's 2-D mesh and its sizes asserted |
 | hsdp_tp       | dp8, HSDP 4x2 (0-7)| -             | tp2·dp4 + sp, HSDP 2x2 (0-7) | 8 | no     | colocated; shards, replicas and tp together |
 
@@ -201,6 +202,10 @@ CASES = {
                       options={"vision": ParallelOptions(balance=False)}),
     "balanced_uniform": Case({"vision": P(dp=3), "language": P()}, batch_size=7,
                              options={"vision": ParallelOptions(balance=True)}),
+    # A global batch of one sample: language dp rank 1's tp pair holds none (DTensor loops forever
+    # viewing an empty batch: the pair runs a stand-in sample without loss weight), in training and predict.
+    "empty_dp_tp": Case({"vision": P(dp=4), "language": P(dp=2, tp=2)}, offsets={"vision": 0, "language": 0},
+                        options={"language": SP}, batch_size=1, predict=True),
     # HSDP (dp_replicate > 1): FSDP2 shards within replica groups (the language model's: its cp
     # pair; the encoder's: dp pairs) and all-reduces across them; with tp and sp, dp pairs of tp
     # pairs in two replica groups beside an encoder whose four groups of two shard each.
@@ -432,7 +437,8 @@ def _check_meta_built(model: MimoModel, case: Case) -> None:
         par, fsdp = case.modules[name], case.options.get(name, ParallelOptions()).fsdp
         for pname, p in model.module_parameters(name).items():
             assert not p.is_meta, f"{name}.{pname} was left on the meta device"
-            if fsdp and par.dp * par.cp > 1 and p.numel() >= par.dp * par.cp:
+            shards = par.dp * par.cp // par.dp_replicate  # HSDP: within a replica group
+            if fsdp and shards > 1 and p.numel() >= shards:
                 assert isinstance(p, DTensor) and p.to_local().numel() < p.numel(), \
                     f"{name}.{pname}: a full copy on an FSDP rank"
     with pytest.raises(RuntimeError, match="meta device"):
@@ -516,7 +522,10 @@ def _train(case: Case, hop_calls: dict[str, int], heads: list | None = None) -> 
         records.append(record)
     if case.loss_chunk_rows is not None and model.language_pipeline is not None and model.language_pipeline.holds_loss:
         # the last stage's head ran on its positions with a loss weight only, counted on the host
-        assert heads and all(n == weighted for n, weighted, _ in heads) and any(n < rows for n, _, rows in heads), heads
+        # (none counted for a microbatch without such positions, or whose logits fit in one chunk)
+        assert all(n == weighted if n is not None else weighted == 0 or rows <= case.loss_chunk_rows
+                   for n, weighted, rows in heads), heads
+        records[-1]["head_left_rows_out"] = any(n is not None and n < rows for n, _, rows in heads)
     if case.predict:
         encoded.clear()
         records[-1]["predicted"] = model.predict(_batches(case.encoders, case.packed, case.batch_size,
@@ -546,16 +555,18 @@ def check_hsdp_meshes(case: Case, per_rank: list[list[dict]]) -> None:
             assert meshes and all(m[:2] == want for m in meshes), (module, meshes)
 
 
-def check_encoded_shares(case: Case, per_rank: list[list[dict]]) -> None:
+def check_encoded_shares(case: Case, per_rank: list[list[dict]], chosen: bool = True) -> None:
     """Each encoder dp rank encoded, microbatch by microbatch and in `predict`, the rows its cut
     gives it: balanced by cost where its `ParallelOptions.balance` (None: items of different
     sizes) says so, else by sample; and a balanced case does move items somewhere (its cuts
     differ from by sample). Every rank of an encoder's mesh runs exactly one forward per
-    microbatch (recomputed encoders: then each again, in backward), or in the colocated three
-    phases one forward on every microbatch's items at once (the library's encoders, items of one
-    size, not recomputed); encoders with pp > 1 (their stages run, not the module) are not
-    looked at. The plan comes from `data.balance`, checked
-    against every contiguous split in tests/test_balance.py; this checks the run follows it."""
+    microbatch (recomputed encoders, which train: then each again, in backward), or in the
+    colocated three phases one forward on every microbatch's items at once (the library's
+    encoders, items of one size, not recomputed); encoders with pp > 1 (their stages run, not
+    the module) are not looked at. The plan comes from `data.balance`, checked
+    against every contiguous split in tests/test_balance.py; this checks the run follows it.
+    `chosen`: a case chosen by hand, whose balancing must move items somewhere (a drawn one may
+    hold items that balance as they lie)."""
     widths, layout = {"vision": VISION.dim, "audio": AUDIO.dim}, case.layout()
     batches = _batches(case.encoders, case.packed, case.batch_size, case.seq_lens, case.distinct_batches,
                        case.text_only_steps, case.varied)
@@ -578,7 +589,9 @@ def check_encoded_shares(case: Case, per_rank: list[list[dict]]) -> None:
                 moved |= balance and planned[-1] != row_bounds(m, item_cuts(m, dp, False))
             if case.modules[name].pp > 1:
                 continue
-            again = key == "encoded" and case.options.get(name, ParallelOptions()).recompute_colocated
+            # recomputed before its backward: an encoder that trains (one frozen whole keeps no graph)
+            again = (key == "encoded" and case.options.get(name, ParallelOptions()).recompute_colocated
+                     and name not in case.frozen)
             together = (three_phases and key == "encoded" and len(mbs) > 1 and not again and not case.varied
                         and not (name == "vision" and case.custom_vision))
             for rank, records in enumerate(per_rank):
@@ -593,7 +606,7 @@ def check_encoded_shares(case: Case, per_rank: list[list[dict]]) -> None:
                 assert rows == want, (step, name, k, rows, planned)
     balanced = [n for n in case.encoders if case.options.get(n, ParallelOptions()).balance
                 or (case.varied and case.options.get(n, ParallelOptions()).balance is None)]
-    assert moved or not balanced or all(case.modules[n].dp == 1 for n in balanced), \
+    assert moved or not chosen or not balanced or all(case.modules[n].dp == 1 for n in balanced), \
         "a balanced case whose cuts never differ from by sample tests nothing"
 
 
@@ -609,16 +622,20 @@ def check_route(case: Case, per_rank: list[list[dict]]) -> None:
 
 
 def check_against_reference(case: Case, run: Callable[[Case], list[dict]] = _distributed,
-                            clipping: bool = True) -> list[list[dict]]:
+                            chosen: bool = True) -> list[list[dict]]:
     """Train `case` on its ranks with `run` and compare with the single-process run; returns
-    every rank's records. `clipping`: the case must engage gradient clipping in some step (so
-    the global norm's reduction is tested); False where a case is drawn, not chosen."""
+    every rank's records. `chosen`: a case chosen by hand, which must engage gradient clipping in
+    some step (so the global norm's reduction is tested) and, with `Case.loss_chunk_rows`, run
+    each last stage's head on fewer rows than it holds somewhere; False where a case is drawn."""
     expected = _reference(case.encoders, case.packed, case.frozen, case.batch_size, case.n_layers,
                           case.seq_lens, distinct=case.distinct_batches, language_hf=case.language_hf,
                           custom_vision=case.custom_vision, custom_language=case.custom_language,
                           text_only=case.text_only_steps, varied=case.varied)
-    assert not clipping or any(r["grad_norm"] > OPT.max_grad_norm for r in expected), "clipping never engaged"
+    assert not chosen or any(r["grad_norm"] > OPT.max_grad_norm for r in expected), "clipping never engaged"
     per_rank = run_on_ranks(run, case.layout().world_size, case, timeout=300)
+    left_out = [records[-1]["head_left_rows_out"] for records in per_rank
+                if records and "head_left_rows_out" in records[-1]]
+    assert not chosen or all(left_out), f"a last stage's head ran on every row it holds: {left_out}"
     for step, want in enumerate(expected):
         got = {"grads": {}, "weights": {}}
         for records in per_rank:

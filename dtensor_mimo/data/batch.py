@@ -410,6 +410,21 @@ def shard(batch: MimoBatch, dp_size: int, dp_rank: int) -> MimoBatch:
     return batch.select_samples(sample_range(batch.batch_size, dp_size, dp_rank))
 
 
+def stand_in_sample(batch: MimoBatch) -> MimoBatch:
+    """One sample standing in for a dp shard of `batch` that holds none, where a module cannot run
+    on an empty batch: `batch`'s first row with no item (its modality positions made a text id no
+    modality uses), no label and no loss weight, so it adds nothing to any loss or gradient."""
+    one = batch.select_samples(range(1))
+    special = set(batch.special_token_ids.values())
+    text = next(i for i in range(len(special) + 1) if i not in special)
+    tokens = one.tokens.clone()
+    for token_id in special:
+        tokens[tokens == token_id] = text
+    return MimoBatch(tokens, torch.full_like(one.labels, IGNORE_INDEX), torch.zeros_like(one.loss_mask),
+                     {n: m.select_items(range(0)) for n, m in one.modalities.items()}, one.document_ids,
+                     one.positions)
+
+
 def microbatches(batch: MimoBatch, num_microbatches: int) -> list[MimoBatch]:
     """`batch` cut into `num_microbatches` consecutive slices by the same rule as `shard`."""
     if num_microbatches < 1:

@@ -30,6 +30,7 @@ from torch import nn
 from dtensor_mimo.bridge.exchange import BufferPool
 from dtensor_mimo.bridge.hops import Delivery
 from dtensor_mimo.data import MimoBatch, ModalityInputs, microbatches, shard
+from dtensor_mimo.data.batch import stand_in_sample
 from dtensor_mimo.data.balance import CutRule, microbatch_cuts
 from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.parallelize import GradientReducer, ParallelOptions
@@ -297,21 +298,31 @@ class _Run:
             self.feed.finish()
 
     # ------------------------------------------------------------------ language
+    def _language_shard(self, mb: MimoBatch) -> tuple[MimoBatch, bool]:
+        """This rank's language dp shard of microbatch `mb`, and whether it is a stand-in: under
+        tp, a shard of no sample (fewer samples than dp ranks, unpipelined) is `stand_in_sample`
+        instead: DTensor cannot run the decoder on an empty batch (torch 2.13's sharding rule for
+        the view of ``[0, S, dim]`` in a tp Linear never returns) while the other dp ranks wait in
+        FSDP's or the dp sums' collectives. The stand-in adds nothing to the loss or a gradient."""
+        par = self.parts.layout.parallelism(self.parts.language_name)
+        local = shard(mb, par.dp, self.parts.layout.coordinate(self.parts.language_name, self.parts.rank)["dp"])
+        if par.tp > 1 and local.batch_size == 0 < mb.batch_size:
+            return stand_in_sample(mb), True
+        return local, False
+
     def do_language(self, a: Action) -> None:
         parts, language = self.parts, self.parts.language
-        par = parts.layout.parallelism(parts.language_name)
-        dp_rank = parts.layout.coordinate(parts.language_name, parts.rank)["dp"]
         if a.module == "train":
             if language.first is not None and self.shape.encoders:
                 self.feed = LanguageFeed(self.crossings, [parts.trainable[n] for n in self.shape.encoders],
                                          self.received, crossing_posts(a.nested))
                 self.received = {}
-            self.loss = language.run([shard(mb, par.dp, dp_rank) for mb in self.mbs], self.normalizer, self.feed)
+            self.loss = language.run([self._language_shard(mb)[0] for mb in self.mbs], self.normalizer, self.feed)
             return
-        local = shard(self.mbs[0], par.dp, dp_rank)
+        local, stand_in = self._language_shard(self.mbs[0])
         out = language.run_once(local, self.rows, self.normalizer, predicting=a.module == "predict")
         if a.module == "predict":
-            self.ids = out
+            self.ids = out[:0] if stand_in and out is not None else out  # a stand-in's ids: none of the batch's
             if language.predicted_loss is not None:
                 self.loss = language.predicted_loss
         elif out is not None:
