@@ -195,6 +195,8 @@ class MimoModel(nn.Module):
         """The modules whose dp sums start during backward, known on every rank."""
         self._sums_pending = False
         """A training run's sums are in flight: `reduce_gradients` (or ``zero_grad``) comes next."""
+        self._generating = False
+        """Inside `generate`: its predictions keep the FSDP2 roots gathered, resharded once at its end."""
         self.gradient_reducers = self._reducers(self._overlapped)
         """Per module of `_overlapped`, on its members: its `GradientReducer`."""
         lean = overlaps and all(layout.parallelism(n).pp == 1 for n in encoders)
@@ -433,7 +435,7 @@ class MimoModel(nn.Module):
             self._sums_pending = True
         if mode != "train":
             self._shapes_checked.update(_item_kinds(batch, self.encoder_names))
-        if mode == "predict" or not torch.is_grad_enabled():
+        if (mode == "predict" or not torch.is_grad_enabled()) and not self._generating:
             # A forward without backward leaves FSDP2 roots gathered: an update written to the
             # shards since (a predict between backward and the optimizer step) would be missed by
             # the next forward, which would find them gathered and use the stale copy.
@@ -503,8 +505,15 @@ class MimoModel(nn.Module):
         """Greedy decoding (`dtensor_mimo.sequence.greedy_generate` over `predict`): each
         sample's `batch` row up to ``prompt_lengths[i]`` tokens is its prompt (its encoder items
         included); returns the generated ids per sample, up to `max_new_tokens` or through
-        `stop_token`. Call on every rank with the same arguments; every rank returns the same."""
-        return greedy_generate(self.predict, batch, prompt_lengths, max_new_tokens, stop_token)
+        `stop_token`. Call on every rank with the same arguments; every rank returns the same.
+        Its predictions keep the FSDP2 roots gathered (no weight changes between them), resharded
+        once at the end."""
+        self._generating = True
+        try:
+            return greedy_generate(self.predict, batch, prompt_lengths, max_new_tokens, stop_token)
+        finally:
+            self._generating = False
+            self.reshard()
 
     def _new_item_kinds(self, batch: MimoBatch) -> bool:
         """Whether `batch` holds an item size not yet seen by a forward or a prediction (the

@@ -258,6 +258,20 @@ def test_buffer_pool_reuses_a_block_once_no_tensor_holds_it():
     assert pool.nbytes == 0
 
 
+def test_buffer_pool_keeps_no_block_made_under_inference_mode():
+    """A tensor made under ``torch.inference_mode()`` stays an inference tensor: a pooled block
+    made by a `redistribute` there would be handed to a later training exchange, which fails on
+    the ranks that reuse it (in-place updates of an inference tensor) while their peers wait.
+    Under inference mode the pool hands out fresh tensors and keeps none."""
+    pool = BufferPool()
+    with torch.inference_mode():
+        a = pool.take((3, 5), torch.float32, "cpu")
+    assert a.is_inference() and pool.allocations == 0
+    del a
+    b = pool.take((3, 5), torch.float32, "cpu")
+    assert not b.is_inference() and pool.allocations == 1
+
+
 # ---------------------------------------------------------------- errors before communication
 
 def _bad_sample_sizes():

@@ -252,10 +252,10 @@ def test_crossing_from_the_bridge_plan() -> None:
     enc = profile("vision", tokens=3)
     # fan-in: vision dp2 (ranks 0-1) -> language dp1 (rank 2); 4 samples x 3 rows; the language
     # rank receives 12 rows of 8 fp32 features in 2 messages
-    t = crossing_time(enc, P(dp=2), P(), False, 4, FAST, range(0, 2), range(2, 3))
+    t = crossing_time(enc, P(dp=2), P(), False, 4, FAST, range(0, 2), range(2, 3), 4)
     assert t == pytest.approx(LINK.time(12 * 8 * 4, messages=2))
     # colocated with the same dp: every row is a local copy
-    assert crossing_time(enc, P(dp=2), P(dp=2), True, 4, FAST, range(2), range(2)) == 0.0
+    assert crossing_time(enc, P(dp=2), P(dp=2), True, 4, FAST, range(2), range(2), 4) == 0.0
 
 
 def test_encoders_hold_the_crossing_window_plus_one_when_lean() -> None:
@@ -298,6 +298,21 @@ def test_colocated_crossings_are_costed_once_per_direction() -> None:
         return predict(job, cand, FAST).step_s
 
     assert step(8) - step(0) == pytest.approx(2 * 2 * 20 * 8 * 4 / 1e6)
+
+
+def test_rows_cross_in_the_language_models_compute_dtype() -> None:
+    """The bridge carries rows in the language model's compute dtype (`MimoModel.dtype`), whatever
+    the encoder's: an fp32 tower (4-byte activations) into a bf16 decoder moves 2-byte rows. The
+    layout of the test above: 2 x 2 x 20 rows x 8 features x 2 bytes at 1 MB/s in the step."""
+    from dtensor_mimo.plan.candidate import Candidate
+
+    def step(width: int) -> float:
+        vision = dataclasses.replace(profile("vision", tokens=10), width=width, act_bytes=4)
+        language = dataclasses.replace(profile("language", tokens=32), act_bytes=2)
+        cand = Candidate.of({"vision": P(dp=2), "language": P(tp=2)}, {"vision": 0, "language": 0}, 2)
+        return predict(Job((vision, language), batch_size=8), cand, FAST).step_s
+
+    assert step(8) - step(0) == pytest.approx(2 * 2 * 20 * 8 * 2 / 1e6)
 
 
 def test_a_colocated_one_call_encoder_pays_its_call_once_a_step() -> None:

@@ -101,7 +101,9 @@ class BufferPool:
         """A contiguous tensor of `shape` (zeros if `zero`, else uninitialised) from a free block."""
         device = torch.device(device)
         numel = math.prod(shape)
-        if numel == 0 or device.type != "cpu" or not self.reuse:
+        # (a block made under inference mode would stay an inference tensor: a later training
+        # exchange that reused it would fail on this rank alone)
+        if numel == 0 or device.type != "cpu" or not self.reuse or torch.is_inference_mode_enabled():
             return _fresh(shape, dtype, device, zero=zero)
         with self._lock:
             blocks = self._blocks.setdefault((dtype, device), [])  # ascending capacity

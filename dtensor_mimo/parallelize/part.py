@@ -23,11 +23,13 @@ keeps. The schedule layer calls this for every part; torchtitan's ``pipeline_llm
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from dtensor_mimo.layout import LayoutError, Parallelism
 from dtensor_mimo.models import AudioEncoder, Llama, ModalityEncoder, Projection, ViT
@@ -52,41 +54,50 @@ def user_tp_plan(model: nn.Module, tp_mesh: DeviceMesh, options: ParallelOptions
     model.parallelize(tp_mesh, options)
 
 
+@dataclass(frozen=True)
+class LibraryTp:
+    """The library's tensor parallel plan of one kind of stack: how it is applied (`plan`), the
+    sizes it splits over the tp ranks (`sizes`), and its Linear layers' sharded weight dims (the
+    names `block_plan` or the plan shards: `weight_splits`)."""
+
+    plan: TpPlan
+    sizes: Callable[[nn.Module], dict[str, int]]
+    shards: Callable[[], dict[str, ParallelStyle]]
+
+
+LIBRARY_TP: tuple[tuple[tuple[type, ...], LibraryTp], ...] = (
+    ((Llama,), LibraryTp(apply_llama_tp, llama_tp_sizes, lambda: block_plan(sp=False, **LLAMA_BLOCK))),
+    ((ViT, AudioEncoder), LibraryTp(apply_encoder_tp, encoder_tp_sizes, lambda: block_plan(sp=False, **ENCODER_BLOCK))),
+    ((Projection,), LibraryTp(apply_projection_tp, projection_tp_sizes, projection_plan)),
+)
+"""The stacks the library has its own tp plan for; any other is a user module (`user_tp_plan`)."""
+
+
+def library_tp(module: nn.Module) -> LibraryTp | None:
+    """The library's tp plan of `module`'s kind (`LIBRARY_TP`), or None for a user module."""
+    return next((tp for kinds, tp in LIBRARY_TP if isinstance(module, kinds)), None)
+
+
 def tp_plan(module: nn.Module) -> TpPlan:
     """The tensor parallel plan of one stack: the library's for its own modules, else the
     module's own ``parallelize`` (`user_tp_plan`)."""
-    if isinstance(module, Llama):
-        return apply_llama_tp
-    if isinstance(module, (ViT, AudioEncoder)):
-        return apply_encoder_tp
-    if isinstance(module, Projection):
-        return apply_projection_tp
-    return user_tp_plan
+    tp = library_tp(module)
+    return user_tp_plan if tp is None else tp.plan
 
 
 def tp_weight_splits(module: nn.Module) -> dict[str, int]:
     """The weight dim the library's tp plan of one stack shards in each Linear layer it splits, by
     the layer's name inside a block or the stack (`weight_splits`); {} for a user module (its own
     ``parallelize`` is not read: fp8 on CUDA then judges its layers whole, `convert_to_fp8`)."""
-    if isinstance(module, Llama):
-        return weight_splits(block_plan(sp=False, **LLAMA_BLOCK))
-    if isinstance(module, (ViT, AudioEncoder)):
-        return weight_splits(block_plan(sp=False, **ENCODER_BLOCK))
-    if isinstance(module, Projection):
-        return weight_splits(projection_plan())
-    return {}
+    tp = library_tp(module)
+    return {} if tp is None else weight_splits(tp.shards())
 
 
 def tp_sizes(module: nn.Module) -> dict[str, int]:
     """The sizes the library's tp plan of one stack splits over the tp ranks (`tp_plan`); {} for a
     user module, whose own ``parallelize`` checks what it splits."""
-    if isinstance(module, Llama):
-        return llama_tp_sizes(module)
-    if isinstance(module, (ViT, AudioEncoder)):
-        return encoder_tp_sizes(module)
-    if isinstance(module, Projection):
-        return projection_tp_sizes(module)
-    return {}
+    tp = library_tp(module)
+    return {} if tp is None else tp.sizes(module)
 
 
 def check_tp_sizes(name: str, module: nn.Module, tp: int, parts: Iterable[nn.Module] | None = None) -> None:

@@ -309,9 +309,12 @@ def _grid(par: Parallelism, offset: int) -> list:
 
 
 def crossing_time(enc: ModuleProfile, enc_par: Parallelism, lang_par: Parallelism, colocated: bool,
-                  samples: int, device: DeviceProfile, enc_ranks: Sequence[int], lang_ranks: Sequence[int]) -> float:
+                  samples: int, device: DeviceProfile, enc_ranks: Sequence[int], lang_ranks: Sequence[int],
+                  act_bytes: int) -> float:
     """One direction of one microbatch's crossing: the busiest rank's messages and bytes over the
-    link between the modules (and, two hops across nodes, the all-gather inside the language mesh)."""
+    link between the modules (and, two hops across nodes, the all-gather inside the language mesh).
+    `act_bytes`: bytes of one element as rows cross, the language model's compute dtype (the
+    bridge's: `MimoModel.dtype`), whatever the encoder computes in."""
     if enc.tokens_per_sample <= 0 or samples == 0:
         return 0.0
     link = device.link([enc_ranks[0], lang_ranks[0]]) if not colocated else device.intra
@@ -323,7 +326,7 @@ def crossing_time(enc: ModuleProfile, enc_par: Parallelism, lang_par: Parallelis
     rows, messages, inside = _crossing_rows(enc_par, lang_par, colocated, unit, 1, two)
     scale = samples / unit * enc.tokens_per_sample
     rows, inside = rows * scale, inside * scale
-    row_bytes = enc.width * enc.act_bytes
+    row_bytes = enc.width * act_bytes
     t = link.time(rows * row_bytes, messages) if messages else 0.0
     if inside:
         t += allgather_time(inside * row_bytes * lang_par.tp * lang_par.cp, lang_par.tp * lang_par.cp,
@@ -403,7 +406,7 @@ def predict(job: Job, candidate: Candidate, device: DeviceProfile) -> Prediction
     costs[lang_name] = module_cost(lang, lang_par, job.batch_size, m, device, ranks(lang_name), job.schedule,
                                    job.virtual_stages)
     cross_f = {e.name: crossing_time(e, pars[e.name], lang_par, colocated[e.name], samples, device,
-                                     ranks(e.name), ranks(lang_name)) for e in encoders}
+                                     ranks(e.name), ranks(lang_name), lang.act_bytes) for e in encoders}
     cross_b = {e.name: cross_f[e.name] if e.trainable else 0.0 for e in encoders}
 
     # Rank groups: modules sharing a span run one after the other on the same ranks.

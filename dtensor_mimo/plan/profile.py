@@ -101,8 +101,9 @@ class ModuleProfile:
             mixed precision (`MixedPrecisionPolicy`); None: `param_bytes`.
         hidden: the block's hidden size: tp all-reduces tokens x hidden activations twice per block
             forward and twice backward (Megatron-style), cp gathers keys and values of that width.
-        act_bytes: bytes of one activation element (what crosses and what tp moves): the module's
-            compute dtype (`ParallelOptions.param_dtype` under mixed precision).
+        act_bytes: bytes of one activation element (what tp, cp and pp move): the module's
+            compute dtype (`ParallelOptions.param_dtype` under mixed precision); the language
+            model's is also what crosses the bridge, for every encoder.
         load: preparing the module's inputs on a rank (decoding, feature extraction), seconds vs
             samples whose items the rank prepares.
         fsdp_forward_s, fsdp_backward_s: FSDP2's own cost per block call (hooks, bookkeeping),

@@ -382,10 +382,12 @@ class LocalEncoders:
         """Encoder `name`'s rows of items `x`, in the bridge's dtype; run on the step's bucket of
         items when it pads them, the rows of the padding dropped."""
         bucket = self.buckets.get(name)
-        if bucket is None and isinstance(x, torch.Tensor) and len(x) == 0 and torch_compat.RELEASE < (2, 13):
+        if (bucket is None and isinstance(x, torch.Tensor) and len(x) == 0 and torch_compat.RELEASE < (2, 13)
+                and name in self.independent):
             # torch 2.11's DTensor cannot view an empty batch [0, tokens, dim] (its view rule
             # raises IndexError), which a tp encoder meets on a microbatch without items: one
-            # zero item instead, its rows dropped (no rows, every parameter a zero gradient).
+            # zero item instead, its rows dropped (no rows, every parameter a zero gradient);
+            # only where an item's rows depend on that item alone (no batch statistics to shift).
             bucket = 1
         if bucket is None or len(x) == bucket:
             return self.encoders[name](x).to(self.dtype)

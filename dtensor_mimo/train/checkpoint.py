@@ -673,10 +673,16 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
     if len({p for p, _ in verdicts}) > 1:
         raise CheckpointError(f"loading {path}: the ranks chose different checkpoint paths; put "
                               "checkpoint.dir on a file system every rank sees")
+    saved = {"trainer": ""}
+    dcp.load(saved, checkpoint_id=path)  # one small object, read alike on every rank before the state
+    trainer = json.loads(saved["trainer"])
+    if "updates" not in trainer:
+        raise CheckpointError(f"checkpoint {path} holds no optimizer update count (written by an earlier release "
+                              "through checkpoint.save without trainer['updates']): the learning-rate schedule's "
+                              "position is unknown; save it with trainer={'updates': n, ...}, n the updates "
+                              "applied before it")
     if check is not None:
-        saved = {"trainer": ""}
-        dcp.load(saved, checkpoint_id=path)  # one small object, before the state
-        check(json.loads(saved["trainer"]))
+        check(trainer)
     meta = FileSystemReader(path).read_metadata().state_dict_metadata
     model.reshard()  # the next forward gathers the loaded shards, not what a predict left gathered
     state = _state(model, optimizer, {})
@@ -691,12 +697,6 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
     model.uninitialized.clear()  # every parameter came from the checkpoint
     model.refresh_fp8_scales()
     _set_rng_states(state, model.device)
-    trainer = json.loads(state["trainer"])
-    if "updates" not in trainer:  # read alike on every rank: all raise
-        raise CheckpointError(f"checkpoint {path} holds no optimizer update count (written by an earlier release "
-                              "through checkpoint.save without trainer['updates']): the learning-rate schedule's "
-                              "position is unknown; call optimizer.set_updates(n) with the updates applied before it "
-                              "was saved")
     optimizer.set_updates(trainer["updates"])
     return trainer
 

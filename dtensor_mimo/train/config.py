@@ -257,7 +257,8 @@ class DataSection:
         workers: loader processes per rank preparing this rank's batches (0: in the training
             process; none: 1 on GPUs, whose step's thread launches the kernels: the tiny LLaVA
             task in CUDA graphs took 20.6 ms a step against 26.0 with the prefetch thread's
-            Python beside it, H200; 0 on CPU, where the ranks already share the cores).
+            Python beside it, H200; 0 on CPU, where the ranks already share the cores, and
+            wherever prefetch = true asks for the thread).
         per_rank_loading: a rank prepares only the encoder inputs it encodes (false: every rank
             loads the whole global batch; the same batches, for checking).
         prefetch: with workers = 0, a thread prepares the next two batches while the step runs

@@ -351,7 +351,8 @@ class Trainer:
         d = self.config.data
         plan = self.train_plan = self._load_plan(d.batch_size, self.config.pipeline.microbatches)
         gpu = self.model.device.type == "cuda"
-        workers = d.workers if d.workers is not None else int(gpu)  # a loader process frees a GPU step's thread
+        # a loader process frees a GPU step's thread, unless data.prefetch asks for the thread
+        workers = d.workers if d.workers is not None else 0 if d.prefetch else int(gpu)
         prefetch = d.prefetch if d.prefetch is not None else gpu
         if workers == 0 and not prefetch:
             for indices in _Forever(self.sampler):
