@@ -686,6 +686,7 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
     meta = FileSystemReader(path).read_metadata().state_dict_metadata
     model.reshard()  # the next forward gathers the loaded shards, not what a predict left gathered
     state = _state(model, optimizer, {})
+    del state["trainer"]  # read above
     world = dist.get_world_size()
     for rng in _rng_states(model.device):
         if rng not in meta or f"rng.{world - 1}" not in meta or f"rng.{world}" in meta:
