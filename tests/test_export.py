@@ -15,6 +15,7 @@ images in 4x4 patches) with every weight, bias and norm perturbed, so a misplace
 | test_export_hf[colocated_tp_fsdp]           | `export_hf` of a MimoModel, 4 ranks: vision dp4 (FSDP2) and language dp2·tp2 (FSDP2) on the same ranks -> one LLaVA directory |
 | test_export_hf[disjoint_pp2]                | vision dp2 (FSDP2, frozen tower, ranks 0-1), language pp2 (ranks 2-3, one file per stage) -> one LLaVA directory |
 | test_export_hf[per_module]                  | vision + audio (dp2, colocated, 0-1; FSDP2 with uneven shards), language tp2 (2-3): SigLIP, Whisper, Qwen2 directories, projectors, tokenizer and processors; `save_hf` of the tp2 module itself writes the same bytes; `llava=True` and a wrong modality refused on every rank |
+| test_export_after_a_forward_without_...    | 2 ranks, vision + language dp2 (FSDP2, bf16 compute) colocated: a forward with gradients on and no backward leaves the FSDP2 roots gathered (bf16 copies); `export_hf` (own dtype, and dtype=fp32) still writes the single-process fp32 tensors exactly |
 """
 
 from __future__ import annotations
@@ -408,3 +409,61 @@ def test_a_failing_write_fails_every_rank_without_a_hang(tmp_path) -> None:
     errors = run_on_ranks(_export_with_a_failing_disk, 4, str(tmp_path), timeout=120)
     assert "No space left on device" in errors[2]
     assert all("failed writing" in e for i, e in enumerate(errors) if i != 2), errors
+
+
+def _export_after_a_forward_without_backward(path: str) -> None:
+    """vision dp2 and language dp2 on the same two ranks, FSDP2 computing in bf16: a forward that
+    keeps its graph and never runs backward (an evaluation loss with gradients on) leaves the FSDP2
+    roots gathered, their parameters the bf16 copies; then export_hf, in the parameters' dtype and
+    in fp32, and a checkpoint."""
+    import dataclasses
+
+    from dtensor_mimo import ParallelOptions
+    from dtensor_mimo.data import SyntheticSpec, synthetic_batch
+    from dtensor_mimo.train.export import export_hf
+
+    layout = MimoLayout(dict(vision=P(dp=2), language=P(dp=2)), offsets=dict(vision=0, language=0))
+    layout.init_meshes("cpu")
+    llama, encoders = _mimo_modules("colocated_tp_fsdp")
+    bf16 = ParallelOptions(param_dtype="bfloat16")
+    model = MimoModel(layout, llama, encoders, options={"vision": bf16, "language": bf16})
+    spec = SyntheticSpec.tiny()
+    spec = dataclasses.replace(spec, modalities={"vision": spec.modalities["vision"]}, batch_size=4, seq_len=32)
+    model(synthetic_batch(spec, 0))  # no backward
+    export = dict(modalities={"vision": "image"}, special_token_ids={"vision": IMAGE_ID})
+    export_hf(model, os.path.join(path, "own"), **export)
+    export_hf(model, os.path.join(path, "fp32"), dtype=torch.float32, **export)
+    from dtensor_mimo import MimoOptimizer
+    from dtensor_mimo.train import checkpoint
+
+    model(synthetic_batch(spec, 0))  # gathered again
+    checkpoint.save(os.path.join(path, "ckpt"), 1, model, MimoOptimizer(model), {"step": 1}, keep=1)
+
+
+def test_export_after_a_forward_without_backward_writes_the_fp32_weights(tmp_path) -> None:
+    """The directory holds the fp32 weights, exactly those of the single-process modules; so does
+    the checkpoint saved after another such forward (its shards, not the gathered bf16 copies)."""
+    run_on_ranks(_export_after_a_forward_without_backward, 2, str(tmp_path), timeout=120)
+    llama, encoders = _mimo_modules("colocated_tp_fsdp")
+    vision = encoders["vision"]
+    save_llava_hf(vision.encoder, vision.projection, llama, str(tmp_path / "reference"), image_token_id=IMAGE_ID)
+
+    def tensors(directory: str) -> dict[str, torch.Tensor]:  # a file per part (tower, projector, language)
+        files = sorted((tmp_path / directory).glob("*.safetensors"))
+        return {k: v for f in files for k, v in safetensors_torch.load_file(str(f)).items()}
+
+    want = tensors("reference")
+    for directory in ("own", "fp32"):
+        got = tensors(directory)
+        assert sorted(got) == sorted(want)
+        for name, value in want.items():
+            assert got[name].dtype == torch.float32 and torch.equal(got[name], value), (directory, name)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(tmp_path / "ckpt" / "step-000001"), str(tmp_path / "ckpt.pt"))
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    modules = {"language": llama, "vision": vision}
+    for module, m in modules.items():
+        for name, value in m.named_parameters():
+            got = saved[f"model.{module}.{name}"]
+            assert got.dtype == torch.float32 and torch.equal(got, value.detach()), (module, name)

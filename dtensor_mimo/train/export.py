@@ -116,6 +116,9 @@ def export_hf(model: MimoModel, path: str, *, modalities: Mapping[str, str], spe
     if model.uninitialized:  # the same set on every rank
         raise RuntimeError(f"export_hf: modules {sorted(model.uninitialized)} were built on the meta device and never "
                            "initialized; call model.init_weights / model.load_hf (or train) before exporting")
+    # A forward without backward leaves FSDP2 roots gathered: their registered parameters are then
+    # the gathered copies, in the compute dtype (param_dtype), not the fp32 shards (no communication).
+    model.reshard()
     try:
         local, problem = _describe(model, rank, dtype), None
     except Exception as error:  # noqa: BLE001 - reported on every rank below
