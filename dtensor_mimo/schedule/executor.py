@@ -32,7 +32,7 @@ from dtensor_mimo.bridge.hops import Delivery
 from dtensor_mimo.data import MimoBatch, ModalityInputs, microbatches, shard
 from dtensor_mimo.data.batch import stand_in_sample
 from dtensor_mimo.data.balance import CutRule, microbatch_cuts
-from dtensor_mimo.layout import MimoLayout
+from dtensor_mimo.layout import MimoLayout, Parallelism
 from dtensor_mimo.parallelize import GradientReducer, ParallelOptions
 from dtensor_mimo.schedule.config import PipelineConfig
 from dtensor_mimo.schedule.crossing import Crossing, CrossingSetup
@@ -298,28 +298,32 @@ class _Run:
             self.feed.finish()
 
     # ------------------------------------------------------------------ language
-    def _language_shard(self, mb: MimoBatch) -> tuple[MimoBatch, bool]:
-        """This rank's language dp shard of microbatch `mb`, and whether it is a stand-in: under
-        tp, a shard of no sample (fewer samples than dp ranks, unpipelined) is `stand_in_sample`
-        instead: DTensor cannot run the decoder on an empty batch (torch 2.13's sharding rule for
-        the view of ``[0, S, dim]`` in a tp Linear never returns) while the other dp ranks wait in
-        FSDP's or the dp sums' collectives. The stand-in adds nothing to the loss or a gradient."""
-        par = self.parts.layout.parallelism(self.parts.language_name)
-        local = shard(mb, par.dp, self.parts.layout.coordinate(self.parts.language_name, self.parts.rank)["dp"])
+    @staticmethod
+    def _language_shard(mb: MimoBatch, par: Parallelism, dp_rank: int) -> tuple[MimoBatch, bool]:
+        """This rank's language dp shard (`par`, `dp_rank`) of microbatch `mb`, and whether it is a
+        stand-in: under tp, a shard of no sample (fewer samples than dp ranks, unpipelined) is
+        `stand_in_sample` instead: DTensor cannot run the decoder on an empty batch (torch 2.13's
+        sharding rule for the view of ``[0, S, dim]`` in a tp Linear never returns) while the other
+        dp ranks wait in FSDP's or the dp sums' collectives. The stand-in adds nothing to the loss
+        or a gradient."""
+        local = shard(mb, par.dp, dp_rank)
         if par.tp > 1 and local.batch_size == 0 < mb.batch_size:
             return stand_in_sample(mb), True
         return local, False
 
     def do_language(self, a: Action) -> None:
         parts, language = self.parts, self.parts.language
+        par = parts.layout.parallelism(parts.language_name)
+        dp_rank = parts.layout.coordinate(parts.language_name, parts.rank)["dp"]
         if a.module == "train":
             if language.first is not None and self.shape.encoders:
                 self.feed = LanguageFeed(self.crossings, [parts.trainable[n] for n in self.shape.encoders],
                                          self.received, crossing_posts(a.nested))
                 self.received = {}
-            self.loss = language.run([self._language_shard(mb)[0] for mb in self.mbs], self.normalizer, self.feed)
+            self.loss = language.run([self._language_shard(mb, par, dp_rank)[0] for mb in self.mbs],
+                                     self.normalizer, self.feed)
             return
-        local, stand_in = self._language_shard(self.mbs[0])
+        local, stand_in = self._language_shard(self.mbs[0], par, dp_rank)
         out = language.run_once(local, self.rows, self.normalizer, predicting=a.module == "predict")
         if a.module == "predict":
             self.ids = out[:0] if stand_in and out is not None else out  # a stand-in's ids: none of the batch's

@@ -33,7 +33,7 @@ import signal
 import sys
 import time
 from itertools import accumulate
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -148,13 +148,17 @@ class _Batches(Dataset):
         self.dataset, self.plan, self.cuts, self.known = dataset, plan, cuts, known
 
     def __getitem__(self, indices: list[int]) -> Flat:
-        skip = [r for r, i in enumerate(indices) if i in self.known]
-        batch, failed = self.plan.tolerant(self.dataset.batch, indices, skip)
+        batch, failed = self.plan.tolerant(self.dataset.batch, indices, _rows_of(indices, self.known))
         prepare_batch(batch, *self.cuts)
         return Flat.pack((batch, failed))
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+
+def _rows_of(indices: Sequence[int], known: Collection[int]) -> list[int]:
+    """Positions in a batch of `indices` whose rows are among `known` (left out: their media fail)."""
+    return [r for r, i in enumerate(indices) if i in known]
 
 
 def _as_is(batch: Any) -> Any:
@@ -658,8 +662,7 @@ class Trainer:
     # ------------------------------------------------------------------ media that fail to decode
     def _left_out(self, indices: Sequence[int], left_out: dict[int, str] | None = None) -> list[int]:
         """Positions in a batch of `indices` whose rows are left out (their media fail to decode)."""
-        known = self.left_out if left_out is None else left_out
-        return [r for r, i in enumerate(indices) if i in known]
+        return _rows_of(indices, self.left_out if left_out is None else left_out)
 
     def _agree_on_media(self, failed: Sequence[MediaError], indices: Sequence[int], known: dict[int, str],
                         heldout: bool) -> None:
