@@ -42,11 +42,16 @@ Other cases:
 |   (ChatML, Qwen's pre-tokenizer)      |   it with the prompt's "\\n"); the prompt stops before it  |
 | an image its processor sizes unlike   | the file's MediaError on the loading ranks (tolerated and |
 |   the others (alone, or batched)      |   agreed), not a DataError / ValueError there alone      |
+| a loader worker's batches (`Flat`,    | the tensors put in, by value, dtype and shape; batches    |
+|   `Handover`)                         |   the rank holds keep their values; segments come back    |
 """
 
 from __future__ import annotations
 
+import gc
+import pickle
 import re
+import sys
 
 import pytest
 import torch
@@ -227,6 +232,87 @@ def test_a_batch_crosses_from_a_loader_worker_as_one_buffer():
     assert half.dtype == torch.bfloat16 and half.tolist() == [1.5, -2.0]
     # Each tensor is a view of the one buffer, at an aligned offset.
     assert b.tokens.untyped_storage().data_ptr() == half.untyped_storage().data_ptr()
+
+
+class _Numbered(torch.utils.data.Dataset):
+    """Batch i: int32 values i of a size that varies with i, and a list of i + 1 int64s."""
+
+    def __init__(self, handover) -> None:
+        self.handover = handover
+
+    def __getitem__(self, i):
+        return self.handover.pack((torch.full((1000 + 700 * (i % 4),), i, dtype=torch.int32), [torch.arange(i + 1)]))
+
+    def __len__(self) -> int:
+        return 10_000
+
+
+def _numbered_right(got, i) -> bool:
+    values, (counted,) = got
+    return values.shape == (1000 + 700 * (i % 4),) and bool((values == i).all()) and counted.tolist() == list(range(i + 1))
+
+
+def test_a_loader_worker_reuses_its_segments_and_never_overwrites_a_batch_the_rank_holds():
+    """`Handover`: a worker's batches cross in a few shared segments that the rank frees as it
+    drops each batch (the same addresses come back); batches the rank keeps hold their own
+    values while the worker goes on (it takes other segments, then new buffers, never a held
+    one); once dropped, their segments are reused again."""
+    from dtensor_mimo.data.transfer import Handover
+
+    context = "fork" if sys.platform.startswith("linux") else None
+    loader = torch.utils.data.DataLoader(_Numbered(Handover(segments=4)), batch_size=None, num_workers=1,
+                                         collate_fn=_as_is, multiprocessing_context=context, prefetch_factor=2,
+                                         persistent_workers=True)
+    stream = iter(loader)
+    addresses = []
+    for i in range(16):  # each batch dropped before the next: segments come back
+        got = next(stream).unpack()
+        assert _numbered_right(got, i), i
+        addresses.append(got[0].untyped_storage().data_ptr())
+        del got
+    assert len(set(addresses[8:])) <= 4, addresses  # segments grow for the larger batches, then all fit
+    held = [(i, next(stream).unpack()) for i in range(16, 32)]  # kept: 4 segments, then buffers of their own
+    assert all(_numbered_right(got, i) for i, got in held)
+    assert len({got[0].untyped_storage().data_ptr() for _, got in held}) == len(held)
+    del held
+    gc.collect()
+    later = []
+    for i in range(32, 44):
+        got = next(stream).unpack()
+        assert _numbered_right(got, i), i
+        later.append(got[0].untyped_storage().data_ptr())
+        del got
+    assert len(set(later[4:])) <= 4, later  # (the first few were made while the rank held every segment)
+
+
+def test_a_handover_pickled_into_a_worker_hands_its_batches_back_by_name():
+    """A `Handover` travels into spawned workers pickled: it packs there into a pool of its own
+    (fork copies share nothing either), and its batches are read back by the process that made
+    it, from the segment it names; in the making process, `pack` is `Flat.pack`."""
+    import torch.multiprocessing  # noqa: F401 - registers the tensor reductions on ForkingPickler
+    from multiprocessing.reduction import ForkingPickler
+
+    from dtensor_mimo.data.transfer import Flat, Handover
+
+    handover = Handover()
+    obj = (torch.arange(6).view(2, 3), ["x"])
+    assert handover.pack(obj).claim is None
+    copy = pickle.loads(pickle.dumps(handover))  # as a spawned worker gets it
+    flat = copy.pack(obj)
+    assert flat.claim is not None and flat.claim.segment is not None  # a segment that crosses once
+    got = pickle.loads(ForkingPickler.dumps(flat))
+    assert isinstance(got, Flat) and got.claim is None
+    (t, note), = [got.unpack()]
+    assert torch.equal(t, obj[0]) and note == ["x"]
+    del got, t
+    again = copy.pack((torch.arange(6).view(2, 3) * 2, ["y"]))
+    assert again.claim.segment is None and again.claim.index == flat.claim.index  # the freed one, by name
+    t, note = pickle.loads(ForkingPickler.dumps(again)).unpack()
+    assert torch.equal(t, obj[0] * 2) and note == ["y"]
+    del handover
+    gc.collect()
+    with pytest.raises(RuntimeError, match="without its Handover"):
+        pickle.loads(ForkingPickler.dumps(copy.pack(obj)))
 
 
 def test_sample_range_is_tensor_split():

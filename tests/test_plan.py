@@ -615,3 +615,95 @@ def test_paper_cluster_homogeneous_layouts_include_hsdp() -> None:
     assert pars["language"].hsdp and pars["language"].dp // pars["language"].dp_replicate * pars["language"].tp == 8
     assert not any(p.hsdp for p in plain.candidate.parallelisms.values())
     assert best.step_s < 0.9 * plain.step_s
+
+
+def test_gradients_are_reduced_in_the_reduce_dtype() -> None:
+    """dp sums gradients in `ParallelOptions.gradient_reduce_dtype` (FSDP2's reduce-scatter, or the
+    all-reduce without FSDP2): ``reduce_dtype = 'bf16'`` moves 2 bytes a gradient, ``param_dtype =
+    'bf16'`` alone still 4 (fp32 sums). The measured profile says so, and the reduction is costed
+    on it: 2500 parameters x 2 bytes over dp = 2."""
+    pytest.importorskip("sklearn")
+    from dtensor_mimo.train.plan import measure_profiles
+
+    config = parse_args(["--options.vision.reduce_dtype", "bf16", "--options.language.param_dtype", "bf16"])
+    profiles = {m["name"]: m for m in measure_profiles(config, log=lambda _: None)["job"]["modules"]}
+    assert profiles["vision"]["reduce_bytes"] == 2
+    assert profiles["language"]["reduce_bytes"] == 4 and profiles["audio"]["reduce_bytes"] is None
+    params = 2 * 1000 + 500
+    for fsdp in (True, False):
+        p = dataclasses.replace(profile("language", fsdp=fsdp), reduce_bytes=2)
+        c = module_cost(p, P(dp=2), 8, 1, FAST, range(2))
+        expected = allgather_time(params * 2, 2, LINK) if fsdp else allreduce_time(params * 2, 2, LINK)
+        assert c.reduce == pytest.approx(expected), fsdp
+
+
+def test_an_encoders_load_is_its_items_not_the_rows_again(monkeypatch) -> None:
+    """A rank builds the global batch's token rows once (`Job.rows`) and reads its encoders'
+    items in the same call; `predict` adds each encoder's load to the rows. Token rows made slow
+    (4 ms a sample) and items free: the rows cost 4 ms a sample, an encoder's load next to
+    nothing (it was measured with the rows in it, counted again per encoder)."""
+    pytest.importorskip("sklearn")
+    import time
+
+    from dtensor_mimo.train import datasets
+    from dtensor_mimo.train.plan import measure_profiles
+
+    real = datasets.train_data
+
+    class SlowRows:
+        def __init__(self, source):
+            self.source = source
+
+        def __getattr__(self, name):
+            return getattr(self.source, name)
+
+        def batch(self, indices, load=None, **kwargs):
+            time.sleep(4e-3 * len(indices))
+            return self.source.batch(indices, load=load, **kwargs)
+
+    def slow(*args, **kwargs):
+        data = real(*args, **kwargs)
+        return dataclasses.replace(data, train=SlowRows(data.train))
+
+    monkeypatch.setattr(datasets, "train_data", slow)
+    job = Job.from_dict(measure_profiles(parse_args([]), log=lambda _: None)["job"])
+    assert job.rows.per_token >= 4e-3
+    for name in ("vision", "audio"):
+        load = job.module(name).load
+        assert load(32) < 0.25 * job.rows(32), (name, load, job.rows)
+
+
+def test_fsdp_without_reshard_after_forward_holds_every_gathered_block() -> None:
+    """``reshard_after_forward = False`` keeps each block's gathered parameters from its forward
+    to its backward (`ParallelOptions`: "more memory, one all-gather less"): at the end of a
+    forward every block of the rank is gathered at once, not one at a time. Two blocks of 1000
+    fp32 parameters and the rest's 500, dp = 2 (the sharded state and the activations as in
+    `test_module_cost_tp_and_fsdp_by_hand`)."""
+    p = dataclasses.replace(profile("language", fsdp=True), reshard_after_forward=False)
+    f = module_cost(p, P(dp=2), 8, 1, FAST, range(2))
+    params = 2 * 1000 + 500
+    assert f.memory == pytest.approx(params * 16 / 2 + (2 * 1000 + 500) * 4 + 100 * 40 * 2)
+    # an encoder keeping its blocks gathered over the step's microbatches (`Accumulation`)
+    kept = module_cost(dataclasses.replace(p, name="vision"), P(dp=2), 8, 2, FAST, range(2), held=2,
+                       accumulates=True)
+    assert kept.memory == pytest.approx(params * 16 / 2 + params * 4 + params * 4 + 100 * 20 * 2 * 2)
+
+
+def test_fsdp_accumulating_microbatches_holds_whole_gradients_and_gathered_blocks() -> None:
+    """The language model runs as torch's pipeline stages, which turn FSDP2's reduction and its
+    reshard after backward off for every backward of a step but the last (`PipelineStage.
+    backward_one_chunk`): from the first microbatch's backward on, every gradient is whole on
+    each rank and every block of the stage stays gathered (checked on two gloo ranks: each of four
+    FSDP2 Linear blocks holds its whole weight and a whole accumulated gradient at microbatches
+    1-3 of a 1F1B step). Two blocks of 1000 fp32 parameters and a rest of 500, dp = 2, M = 2:
+    the sharded state, all 2500 parameters gathered, 2500 whole fp32 gradients, activations.
+    At M = 1 the one backward reduces as it goes: one block gathered, no whole gradients."""
+    p = profile("language", fsdp=True)
+    params = 2 * 1000 + 500
+    two = module_cost(p, P(dp=2), 8, 2, FAST, range(2))
+    assert two.memory == pytest.approx(params * 16 / 2 + params * 4 + params * 4 + 100 * 20 * 2)
+    one = module_cost(p, P(dp=2), 8, 1, FAST, range(2))
+    assert one.memory == pytest.approx(params * 16 / 2 + (1000 + 500) * 4 + 100 * 40 * 2)
+    # an overlapped encoder's `Accumulation`: whole gradients, its blocks resharded after forward
+    enc = module_cost(profile("vision", fsdp=True), P(dp=2), 8, 2, FAST, range(2), held=2, accumulates=True)
+    assert enc.memory == pytest.approx(params * 16 / 2 + (1000 + 500) * 4 + params * 4 + 100 * 20 * 2 * 2)

@@ -182,12 +182,16 @@ def microbatch_tokens(profile: ModuleProfile, samples: int, par: Parallelism) ->
 
 def module_cost(profile: ModuleProfile, par: Parallelism, batch_size: int, microbatches: int,
                 device: DeviceProfile, ranks: Sequence[int], schedule: str = "1F1B",
-                virtual_stages: int = 1, held: int | None = None) -> ModuleCost:
+                virtual_stages: int = 1, held: int | None = None, accumulates: bool | None = None) -> ModuleCost:
     """`ModuleCost` of `profile` laid out as `par` on global `ranks` (mesh order, tp fastest).
 
     `held`: the microbatches whose activations the module keeps at once (an encoder:
     `encoder_held`); None: the module's own schedule's bound on its first stage
     (`dtensor_mimo.schedule.order.in_flight`: pp under 1F1B, all M under GPipe).
+    `accumulates`: FSDP2 accumulates the step's microbatches unreduced (torch's pipeline stages,
+    an overlapped encoder's `Accumulation`): every gradient unsharded, and under torch's stages
+    every block left gathered after each backward but the last. None: the language model's rule
+    (it runs as torch's pipeline stages): more than one microbatch.
     """
     m = microbatches
     samples = batch_size // m if batch_size % m == 0 else math.ceil(batch_size / m)
@@ -251,12 +255,19 @@ def module_cost(profile: ModuleProfile, par: Parallelism, batch_size: int, micro
     params = (profile.block_params * busiest_layers + profile.rest_params) / tp
     share = profile.trainable_params / max(1, profile.params)
     state = params * profile.param_bytes + params * share * (profile.param_bytes + ADAM_STATE_BYTES)
-    gathered = (profile.block_params + profile.rest_params) / tp * gather_bytes if fsdp else 0.0
+    # FSDP2 holds one gathered block at a time (and the root's rest), or, not resharding after
+    # forward, every block of the rank's stages from its forward to its backward
+    staged = accumulates is None and m > 1  # torch's stages: not resharded after a backward but the last
+    accumulating = fsdp and profile.trainable and (staged if accumulates is None else accumulates)
+    held_blocks = 1 if profile.reshard_after_forward and not (fsdp and staged) else busiest_layers
+    gathered = (profile.block_params * held_blocks + profile.rest_params) / tp * gather_bytes if fsdp else 0.0
+    # unreduced, a gradient is whole on every rank (in the reduce dtype), beside its shard
+    unsharded_grads = params * share * (profile.reduce_bytes or profile.param_bytes) if accumulating else 0.0
     in_flight = held if held is not None else order.in_flight(
         PipelineConfig(microbatches=m, schedule=schedule, virtual_stages=virtual_stages), par.pp)
     activations = profile.activation_bytes_per_token * tokens / tp * busiest_layers * in_flight
-    memory = state / shards + gathered + activations
-    grad_bytes = params * share * profile.param_bytes
+    memory = state / shards + gathered + unsharded_grads + activations
+    grad_bytes = params * share * (profile.reduce_bytes or profile.param_bytes)  # in the reduce dtype
     if not profile.trainable:
         reduce = 0.0
     elif profile.fsdp:  # a reduce-scatter over the shards (+ with HSDP an all-reduce of one shard across groups)
@@ -391,8 +402,8 @@ def predict(job: Job, candidate: Candidate, device: DeviceProfile) -> Prediction
     overlapped = all(e.trainable and not colocated[e.name] for e in encoders)
     lean = overlapped and all(pars[e.name].pp == 1 for e in encoders)
     held = encoder_held(job, lang_par.pp, m, lean)
-    costs = {e.name: module_cost(e, pars[e.name], job.batch_size, m, device, ranks(e.name), held=held)
-             for e in encoders}
+    costs = {e.name: module_cost(e, pars[e.name], job.batch_size, m, device, ranks(e.name), held=held,
+                                 accumulates=overlapped and m > 1) for e in encoders}
     if not overlapped and m > 1:
         # The colocated three phases: an encoder that runs every microbatch's items in one call
         # pays that call's fixed work (launches, FSDP2's gathers, the runtime's) once a step; its

@@ -99,6 +99,8 @@ class ModuleProfile:
         param_bytes: bytes of one parameter (and of its gradient).
         gather_bytes: bytes of one parameter as FSDP2 all-gathers it: its ``param_dtype`` under
             mixed precision (`MixedPrecisionPolicy`); None: `param_bytes`.
+        reduce_bytes: bytes of one gradient element as dp reduces it (FSDP2's reduce-scatter or the
+            all-reduce without FSDP): `ParallelOptions.gradient_reduce_dtype`'s; None: `param_bytes`.
         hidden: the block's hidden size: tp all-reduces tokens x hidden activations twice per block
             forward and twice backward (Megatron-style), cp gathers keys and values of that width.
         act_bytes: bytes of one activation element (what tp, cp and pp move): the module's
@@ -142,6 +144,7 @@ class ModuleProfile:
     param_bytes: int = 4
     act_bytes: int = 4
     gather_bytes: int | None = None
+    reduce_bytes: int | None = None
     load: Affine = field(default_factory=Affine)
     fsdp_forward_s: float = 0.0
     fsdp_backward_s: float = 0.0

@@ -288,7 +288,8 @@ class SearchResult:
 def _standalone(job: Job, profile: ModuleProfile, par: Parallelism, m: int, device: DeviceProfile) -> float:
     """A module's own step work on its ranks (for pruning): M microbatches + reduce + optimizer."""
     c = module_cost(profile, par, job.batch_size, m, device, range(par.size), job.schedule, job.virtual_stages,
-                    held=m if profile.name != job.language else None)
+                    held=m if profile.name != job.language else None,
+                    accumulates=None if profile.name == job.language else m > 1)
     return m * (c.forward + c.backward) + c.reduce + c.optimizer + c.load
 
 
@@ -302,7 +303,8 @@ def _pruned(job: Job, world_size: int, device: DeviceProfile, space: SearchSpace
                 scored = []
                 for par in module_options(job, profile, size, m, max_tp, device.ranks_per_node):
                     c = module_cost(profile, par, job.batch_size, m, device, range(size), job.schedule,
-                                    job.virtual_stages, held=m if profile.name != job.language else None)
+                                    job.virtual_stages, held=m if profile.name != job.language else None,
+                                    accumulates=None if profile.name == job.language else m > 1)
                     if device.memory_bytes is not None and c.memory > device.memory_bytes:
                         continue
                     scored.append((_standalone(job, profile, par, m, device), par))

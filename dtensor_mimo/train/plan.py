@@ -85,19 +85,23 @@ def measure_profiles(config: TrainerConfig, log: Callable[[str], None] = print) 
     b = config.data.batch_size
     probe = data.train.batch(list(range(max(b, 64))), load=None)  # the first samples only: read and tokenized now
 
-    def fit_load(load: Callable[[list[int]], dict[str, list[int]]]) -> Affine:
-        points = []
-        for n in (4, 16, 32):
-            idx = list(range(1000, 1000 + n))
-            t = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                data.train.batch(idx, load=load(idx))
-                t.append(time.perf_counter() - t0)
-            points.append((n, min(t)))
-        return Affine.fit(points)
+    def batch_time(n: int, load: Callable[[list[int]], dict[str, list[int]]]) -> float:
+        idx = list(range(1000, 1000 + n))
+        t = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            data.train.batch(idx, load=load(idx))
+            t.append(time.perf_counter() - t0)
+        return min(t)
 
-    rows = fit_load(lambda idx: {})
+    # A rank builds the global batch's token rows once (`Job.rows`) and reads its encoders' items
+    # in the same call: an encoder's load is what reading its items adds to that call.
+    rows_points = [(n, batch_time(n, lambda idx: {})) for n in (4, 16, 32)]
+    rows = Affine.fit(rows_points)
+
+    def fit_load(load: Callable[[list[int]], dict[str, list[int]]]) -> Affine:
+        return Affine.fit([(n, max(0.0, batch_time(n, load) - bare)) for n, bare in rows_points])
+
     profiles = []
     with measure.one_rank_mesh() as mesh:
         for name in config.module_names:
@@ -180,6 +184,9 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
     # gathers in param_dtype (`dtensor_mimo.parallelize.precision`)
     act_bytes = compute_dtype(options, module).itemsize
     gather_bytes = options.param_dtype.itemsize if options.param_dtype is not None else None
+    # gradients summed over dp in the reduce dtype (fp32 under param_dtype unless reduce_dtype says)
+    reduce_dtype = options.gradient_reduce_dtype
+    reduce_bytes = reduce_dtype.itemsize if reduce_dtype is not None else None
     pristine = copy.deepcopy(module)  # what the wrappers' cost is measured on, below
     # As the trainer runs it (activation checkpointing, mixed precision), on no mesh and uncompiled
     parallelize(module, None, None, dataclasses.replace(options, compile=False))
@@ -205,8 +212,8 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
         name=name, n_layers=n_layers, tokens_per_sample=tokens_per_sample,
         block_params=block_params, rest_params=params - block_params * n_layers, trainable_params=trainable,
         activation_bytes_per_token=0.0 if frozen_tower else act, width=width, hidden=hidden,
-        tp_divides=divides, cp=name == LANGUAGE, act_bytes=act_bytes, gather_bytes=gather_bytes, load=load,
-        one_call=one_call, **option_limits(options), **times,
+        tp_divides=divides, cp=name == LANGUAGE, act_bytes=act_bytes, gather_bytes=gather_bytes,
+        reduce_bytes=reduce_bytes, load=load, one_call=one_call, **option_limits(options), **times,
         **wrappers)
 
 

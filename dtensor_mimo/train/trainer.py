@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, Dataset
 from dtensor_mimo.data import IGNORE_INDEX, BatchError, MimoBatch, ResumableBatchSampler, microbatches, samples_to_load
 from dtensor_mimo.data.balance import CutRule, encoder_cuts
 from dtensor_mimo.data.conversation import MediaError
-from dtensor_mimo.data.transfer import Flat
+from dtensor_mimo.data.transfer import Flat, Handover
 from dtensor_mimo.mimo import MimoModel, prepare_batch
 from dtensor_mimo.models import ModalityEncoder
 from dtensor_mimo.train import checkpoint
@@ -140,17 +140,19 @@ class _Batches(Dataset):
     """A dataset whose item at a list of indices is this rank's view of that global batch, with
     what the step derives from all of it derived in the worker (`prepare_batch` for `cuts`: the
     microbatch count and `RankParts.cut_rules`; pickled with it), packed into one buffer for the
-    trip from a loader worker (`Flat`). `known`: rows known unusable when the loader starts (a
-    resumed run's), built left out without decoding their media again."""
+    trip from a loader worker (`Flat`), one of the worker's reused segments (`Handover`). `known`:
+    rows known unusable when the loader starts (a resumed run's), built left out without decoding
+    their media again."""
 
     def __init__(self, dataset: BatchSource, plan: _LoadPlan, cuts: tuple[int, tuple[CutRule, ...]],
                  known: frozenset[int] = frozenset()) -> None:
         self.dataset, self.plan, self.cuts, self.known = dataset, plan, cuts, known
+        self.handover = Handover()
 
     def __getitem__(self, indices: list[int]) -> Flat:
         batch, failed = self.plan.tolerant(self.dataset.batch, indices, _rows_of(indices, self.known))
         prepare_batch(batch, *self.cuts)
-        return Flat.pack((batch, failed))
+        return self.handover.pack((batch, failed))
 
     def __len__(self) -> int:
         return len(self.dataset)
