@@ -1,9 +1,11 @@
 """Run the trainer with a fault injected: ``python -m tests.inject_faults [trainer args]`` (or as
 torchrun's module) with ``DTENSOR_MIMO_FAULT=WHAT:STEP:RANK`` makes rank RANK fail in step STEP
 (1-based) of a run's first round (never after a torchrun restart, so the restarted world can
-resume). WHAT: ``kill`` (SIGKILL at the step's start, after step STEP-1 and its checkpoint),
-``data`` (the batch's loading raises), ``encoder`` / ``language`` (the forward of any of this
-rank's encoder or language modules raises; the rank must hold one).
+resume); several, comma-separated, for different ranks. WHAT: ``kill`` (SIGKILL at the step's
+start, after step STEP-1 and its checkpoint), ``data`` (the batch's loading raises), ``encoder``
+/ ``language`` (the forward of any of this rank's encoder or language modules raises; the rank
+must hold one), ``busy`` (the rank works on its own for `BUSY_S` seconds at the step's start,
+in no collective: as one compiling, or tokenizing a corpus, does).
 
 A test fixture, not a branch of the library's step: importing this module wraps `Trainer`'s
 construction and its step. The trainer's own launcher spawns its ranks, which import the main
@@ -23,7 +25,8 @@ import torch
 from dtensor_mimo.train import trainer as _trainer
 
 FAULT_ENV = "DTENSOR_MIMO_FAULT"
-FAULTS = ("kill", "data", "encoder", "language")
+FAULTS = ("kill", "data", "encoder", "language", "busy")
+BUSY_S = 120
 
 
 class InjectedFault(RuntimeError):
@@ -37,13 +40,17 @@ def _fire(message: str) -> None:
 
 def fault(rank: int) -> tuple[str, int] | None:
     """(what, step) of `FAULT_ENV` on this rank, None when it names another rank or a restart runs."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    specs = os.environ.get(FAULT_ENV)
+    if not specs or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return None
-    parts = spec.split(":")
-    if len(parts) != 3 or parts[0] not in FAULTS or not parts[1].isdigit() or not parts[2].isdigit():
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected WHAT:STEP:RANK with WHAT one of {FAULTS}, e.g. kill:5:1")
-    return (parts[0], int(parts[1])) if int(parts[2]) == rank else None
+    for spec in specs.split(","):
+        parts = spec.split(":")
+        if len(parts) != 3 or parts[0] not in FAULTS or not parts[1].isdigit() or not parts[2].isdigit():
+            raise ValueError(f"{FAULT_ENV}={specs!r}: expected WHAT:STEP:RANK with WHAT one of {FAULTS}, e.g. "
+                             "kill:5:1 (several: comma-separated)")
+        if int(parts[2]) == rank:
+            return parts[0], int(parts[1])
+    return None
 
 
 def _arm(trainer: Any, what: str, step: int) -> None:
@@ -80,7 +87,11 @@ def install() -> None:
 
     def _run_step(self, *args: Any, **kwargs: Any):
         f = self._fault
-        if f and f[1] == self.step + 1 and f[0] in ("kill", "data"):
+        if f and f[1] == self.step + 1 and f[0] in ("kill", "data", "busy"):
+            if f[0] == "busy":
+                _fire(f"{FAULT_ENV}: rank {self.rank} busy for {BUSY_S} s")
+                time.sleep(BUSY_S)
+                return run_step(self, *args, **kwargs)
             if f[0] == "kill":
                 _fire(f"{FAULT_ENV}: killing rank {self.rank}")
                 os.kill(os.getpid(), signal.SIGKILL)

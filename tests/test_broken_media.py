@@ -12,6 +12,10 @@ on ranks 0 / 1 (the image is decoded on rank 0 only), 4 steps of 8: every traini
 | sample's second epoch); then without skipping to step 12  | resumed: the sample named no more, counted 2x;  |
 |                                                            | without skipping: exit 1 naming it again        |
 | a held-out PNG truncated (no skipping), export_hf set      | the export written; then exit 1 naming it       |
+| zero-byte PNGs (no header) under dynamic_resolution: the   | passed, left to the steps (skipping, held-out); |
+| launcher's checks                                          | a training one not skipped: named now           |
+| the same, a held-out one, skipping, train.generate = 3     | evaluated and answered without it               |
+| the same, training sample 0's, skipping, export_hf set     | the export written                              |
 """
 
 from __future__ import annotations
@@ -122,3 +126,81 @@ def test_a_truncated_heldout_image_does_not_cost_the_export(tiny: str, tmp_path)
     assert f"sample {sid!r}: cannot decode its image file {path}" in out.stderr
     assert "the export was written" in out.stderr
 
+
+
+def test_the_launchers_checks_leave_unreadable_media_headers_to_the_steps(tiny: str, tmp_path, monkeypatch) -> None:
+    """Images at their own size (dynamic_resolution) have their headers read when a sample is
+    tokenized, as the launcher's checks do for the first samples. A zero-byte image there was a
+    config error before any rank started, with data.skip_bad_media (which leaves such a sample
+    out) and for held-out data (left out of the scores, named after the export) alike."""
+    from dtensor_mimo.train.config import ConfigError, parse_args
+    from dtensor_mimo.train.launch import preflight
+
+    shutil.copytree(tiny, tmp_path / "run")
+    monkeypatch.chdir(tmp_path / "run")
+    emptied = {}
+    for split in ("train", "val"):
+        with open(os.path.join("data", f"{split}.jsonl")) as f:
+            sample = next(s for s in map(json.loads, f) if "image" in s)
+        image = sample["image"] if isinstance(sample["image"], str) else sample["image"][0]
+        open(os.path.join("data", image), "wb").close()  # a zero-byte download: no header
+        emptied[split] = (sample["id"], image)
+    with open(os.path.join("data", "train.jsonl")) as f, open(os.path.join("data", "sound.jsonl"), "w") as out:
+        out.writelines(line for line in f if json.loads(line)["id"] != emptied["train"][0])
+    argv = ["--config", CONFIG, "--model.encoders.image.dynamic_resolution", "true", "--checkpoint.export_hf", "none"]
+    preflight(parse_args([*argv, "--data.skip_bad_media", "true"]))  # both left to the steps
+    preflight(parse_args([*argv, "--data.path", "data/sound.jsonl"]))  # a held-out image, not skipping
+    sid, image = emptied["train"]  # a training image, not skipping: named now, as the first step would
+    with pytest.raises(ConfigError, match=rf"sample {sid!r}: .*{image}: not an image Pillow reads"):
+        preflight(parse_args(argv))
+
+
+def _run_in(cwd: str, argv: list[str]) -> float | None:
+    from dtensor_mimo.train.config import parse_args
+    from dtensor_mimo.train.trainer import Trainer
+
+    os.chdir(cwd)
+    return Trainer(parse_args(argv)).run()
+
+
+def test_an_unreadable_heldout_header_is_left_out_of_the_generated_answers(tiny: str, tmp_path) -> None:
+    """A held-out image whose header cannot be read (dynamic_resolution reads it to count its
+    rows) is left out of the scores with data.skip_bad_media; the greedy answers at the end then
+    tokenized every held-out sample for its prompt, met it again and ended the run with its
+    MediaError (after the export: exit 1 for a run asked to skip)."""
+    from tests.harness import run_on_ranks
+
+    shutil.copytree(tiny, tmp_path / "run")
+    with open(tmp_path / "run" / "data" / "val.jsonl") as f:
+        sample = [s for s in map(json.loads, f) if "image" in s][0]
+    image = sample["image"] if isinstance(sample["image"], str) else sample["image"][0]
+    open(tmp_path / "run" / "data" / image, "wb").close()  # a zero-byte download: no header
+    argv = [*ARGS, "--train.steps", "1", "--train.generate", "3", "--data.skip_bad_media", "true",
+            "--model.encoders.image.dynamic_resolution", "true", "--checkpoint.export_hf", "none",
+            "--layout.language.offset", "0", "--pipeline.microbatches", "1"]
+    accuracy = run_on_ranks(_run_in, 1, str(tmp_path / "run"), argv, timeout=300)[0]
+    assert accuracy is not None
+    with open(tmp_path / "run" / "m.jsonl") as f:
+        evaluated = [r for r in map(json.loads, f) if "heldout_answer" in r]
+    assert len(evaluated) == 1
+
+
+def test_an_unreadable_header_in_the_first_training_sample_does_not_cost_the_export(tiny: str, tmp_path) -> None:
+    """The export reads the placeholder ids from training sample 0's row: where that sample's
+    image header cannot be read (dynamic_resolution) and data.skip_bad_media leaves it out of
+    every step, the export raised its MediaError after the last step and wrote nothing."""
+    from tests.harness import run_on_ranks
+
+    shutil.copytree(tiny, tmp_path / "run")
+    train = tmp_path / "run" / "data" / "train.jsonl"
+    samples = [json.loads(line) for line in open(train)]
+    first = next(s for s in samples if "image" in s)
+    with open(train, "w") as f:  # the imaged sample first: dataset index 0
+        f.writelines(json.dumps(s) + "\n" for s in [first] + [s for s in samples if s is not first])
+    image = first["image"] if isinstance(first["image"], str) else first["image"][0]
+    open(tmp_path / "run" / "data" / image, "wb").close()  # a zero-byte download: no header
+    argv = [*ARGS, "--train.steps", "1", "--data.heldout", "none", "--data.skip_bad_media", "true",
+            "--model.encoders.image.dynamic_resolution", "true", "--layout.language.offset", "0",
+            "--pipeline.microbatches", "1"]
+    run_on_ranks(_run_in, 1, str(tmp_path / "run"), argv, timeout=300)
+    assert os.path.exists(tmp_path / "run" / "out" / "hf" / "config.json")

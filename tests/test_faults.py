@@ -7,6 +7,10 @@
 | own launcher [2], an encoder raises in step 2 on rank 0          | exit 1; rank 0's traceback and error first, |
 |                                                                  | "(in step 2)"; rank 1's error after        |
 | own launcher [2], rank 1 SIGKILLed as step 2 starts               | exit 1; "rank 1 was killed by SIGKILL"     |
+| own launcher [2], rank 1 raises while rank 0 is busy (no          | rank 1's error first; rank 0, ended by the |
+| collective) when the launcher ends it                            | launcher, not named as "killed"            |
+| torchrun [2], rank 0's preflight refuses the config               | every worker ends at once (SIGTERM), none  |
+|                                                                  | SIGKILLed 30 s later                       |
 | `train.timeout_s` [2]: rank 1 never joins a collective            | rank 0 fails with a timeout, not a hang    |
 | `train.timeout_s` [3]: rank 2 never joins its mesh's dp group      | rank 1 fails after the same timeout        |
 | a NaN image [2]                                                  | step skipped, one warning line on rank 0   |
@@ -125,6 +129,37 @@ def test_a_jsonl_in_a_new_directory_is_written(tmp_path) -> None:
     logger.log({"step": 1, "loss": 1.0}, "step 1")
     logger.close()
     assert json.loads(path.read_text()) == {"step": 1, "loss": 1.0}
+
+
+def test_own_launcher_does_not_blame_a_rank_it_ended_itself(tmp_path) -> None:
+    """Rank 1 fails while rank 0 works on its own (no collective: it cannot hear of the failure).
+    The launcher ends rank 0 (SIGTERM, which a rank takes as a stop request, then SIGKILL): the
+    cause shown is rank 1's error, not "rank 0 was killed by SIGKILL (out of memory?)"."""
+    pytest.importorskip("sklearn")
+    start = time.monotonic()
+    out = _launch("data:2:1,busy:2:0", tmp_path)
+    assert out.returncode == 1
+    err = out.stderr
+    assert "error on rank 1: InjectedFault: DTENSOR_MIMO_FAULT: loading the batch on rank 1 (in step 2)" in err, \
+        err[-3000:]
+    assert "killed" not in err, err[-3000:]
+    assert time.monotonic() - start < 100  # rank 0 sleeps 120 s: ended by the launcher, not waited for
+
+
+def test_a_preflight_error_under_torchrun_ends_every_worker_at_once(tmp_path) -> None:
+    """Under torchrun rank 0 alone runs the preflight and exits with 2 before joining the world;
+    torchrun then SIGTERMs the workers waiting in the rendezvous for it. They end at once (nothing
+    is trained yet), not 30 s later by torchrun's SIGKILL after taking the SIGTERM as a stop."""
+    pytest.importorskip("sklearn")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    start = time.monotonic()
+    out = subprocess.run([torchrun, "--standalone", "--nproc-per-node=2", "-m", "dtensor_mimo.train", *TINY,
+                          "--checkpoint.load", str(tmp_path / "missing")], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode != 0
+    assert f"config error: checkpoint.load: checkpoint '{tmp_path / 'missing'}': no such directory" in out.stderr
+    assert "SIGKILL" not in out.stderr and "via 9" not in out.stderr, out.stderr[-3000:]
+    assert time.monotonic() - start < 30  # torchrun's SIGKILL would come 30 s after its SIGTERM
 
 
 def test_own_launcher_names_a_killed_rank(tmp_path) -> None:

@@ -213,6 +213,20 @@ def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> Non
      "a finite number of MiB > 0"),
     (["--train.timeout_s", "inf"], "train.timeout_s = inf: give a positive, finite number of seconds"),
     (["--metrics.peak_tflops", "-989"], "metrics.peak_tflops = -989.0: give the accelerator\'s peak dense TFLOP/s"),
+    # the key the user wrote, with the value written (not a warmup derived from it)
+    (["--lr_schedule.total_steps", "-5"], "lr_schedule.total_steps = -5: must be >= 1"),
+    (["--lr_schedule.total_steps", "-1", "--lr_schedule.decay", "constant"], "lr_schedule.total_steps = -1: must be"),
+    # an lr, eps or decay of inf cannot train (every update after the first is non-finite, skipped)
+    (["--optimizer.lr", "inf"], "optimizer: AdamWConfig.lr=inf"),
+    (["--optimizer.eps", "inf"], "optimizer: AdamWConfig.eps=inf"),
+    (["--optimizer.weight_decay", "inf"], "optimizer: AdamWConfig.weight_decay=inf"),
+    (["--optimizer.module_lr", "{vision = inf}"], "optimizer.module_lr = {'vision': inf}: a learning rate is"),
+    # an empty path (--checkpoint.dir="$UNSET") is not "none": no checkpoint would be saved or loaded
+    (["--checkpoint.dir", "''"], "checkpoint.dir = '': an empty path"),
+    (["--checkpoint.dir="], "checkpoint.dir = '': an empty path"),
+    (["--checkpoint.load", "''"], "checkpoint.load = '': an empty path"),
+    (["--checkpoint.export_hf", "''"], "checkpoint.export_hf = '': an empty path"),
+    (["--metrics.jsonl", "''"], "metrics.jsonl = '': an empty path"),
 ])
 def test_bad_input_names_the_key(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -694,12 +694,14 @@ class ConversationDataset(Dataset):
         """Rows: samples, or packed rows of several samples."""
         return len(self.samples) if self.rows is None else len(self.rows)
 
-    def check_lengths(self, limit: int | None = None) -> int:
+    def check_lengths(self, limit: int | None = None, skip_media: bool = False) -> int:
         """Tokenize the first `limit` samples (None: all) now: DataError names the first over
-        `seq_len` (unless truncating), a placeholder without its item, an unreadable media header.
-        Returns the longest one's token count."""
+        `seq_len` (unless truncating), a placeholder without its item, an unreadable media header
+        (`skip_media`: such a sample is passed over, as a batch leaves it out: ``data.skip_bad_media``,
+        held-out data). Returns the longest one's token count."""
         count = len(self.samples) if limit is None else min(limit, len(self.samples))
-        return max((len(self._record(index).tokens) for index in range(count)), default=0)
+        lengths = (self._length(index) if skip_media else len(self._record(index).tokens) for index in range(count))
+        return max((n for n in lengths if n is not None), default=0)
 
     def _pack(self, seed: int) -> list[list[int]]:
         """Samples in an order drawn from `seed`, each appended to the current row while it fits.

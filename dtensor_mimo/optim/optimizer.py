@@ -55,10 +55,13 @@ class AdamWConfig:
             object.__setattr__(self, "no_decay", tuple(self.no_decay))
         # What torch.optim.AdamW refuses (NaN included), refused when the config is made: its own
         # error would come only once every rank has built and loaded its modules.
+        # Infinity too: an infinite lr or decay makes the weights non-finite at the first update (every
+        # later step then skipped), an infinite eps makes every update zero.
         wrong = [f"{name}={getattr(self, name)!r}" for name in ("lr", "eps", "weight_decay")
-                 if not getattr(self, name) >= 0]
+                 if not 0 <= getattr(self, name) < math.inf]
         if wrong:
-            raise ValueError(f"AdamWConfig.{', '.join(wrong)}: lr, eps and weight_decay must be numbers >= 0")
+            raise ValueError(f"AdamWConfig.{', '.join(wrong)}: lr, eps and weight_decay must be numbers >= 0, "
+                             "and finite")
         betas = self.betas
         if (isinstance(betas, str) or not hasattr(betas, "__len__") or len(betas) != 2
                 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):

@@ -804,6 +804,10 @@ def _with_schedule_steps(raw: dict[str, Any]) -> dict[str, Any]:
     schedule = dict(schedule)
     if schedule.get("total_steps") is None:  # unset, or `none` on the command line: the run's steps
         schedule["total_steps"] = steps
+    total = schedule["total_steps"]
+    if isinstance(total, int) and not isinstance(total, bool) and total < 1:  # named before a warmup cut from it
+        raise ConfigError(f"lr_schedule.total_steps = {total}: must be >= 1 (the update where the decay ends; none: "
+                          "train.steps)")
     warmup = schedule.get("warmup_steps", LRSchedule.warmup_steps)
     if isinstance(warmup, int) and isinstance(schedule["total_steps"], int) and warmup >= schedule["total_steps"]:
         schedule["warmup_steps"] = schedule["total_steps"] // 2
@@ -960,6 +964,11 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
     if not 0 <= m.peak_tflops < math.inf:
         raise ConfigError(f"metrics.peak_tflops = {m.peak_tflops!r}: give the accelerator's peak dense TFLOP/s per "
                           "rank (e.g. 989 for an H100 SXM in bf16), or 0 for a known GPU's")
+    for key in ("checkpoint.dir", "checkpoint.load", "checkpoint.export_hf", "metrics.jsonl", "metrics.tensorboard",
+                "metrics.profile"):
+        section, name = key.split(".")
+        if getattr(getattr(config, section), name) == "":  # e.g. --checkpoint.dir="$UNSET": not none
+            raise ConfigError(f"{key} = '': an empty path; name one, or leave the key out (none) for no {key}")
     if not 0 < config.train.timeout_s < math.inf:
         raise ConfigError(f"train.timeout_s = {config.train.timeout_s!r}: give a positive, finite number of seconds "
                           "(e.g. 600)")
@@ -1018,9 +1027,9 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         unknown = [n for n in given if n not in names]
         if unknown:
             raise ConfigError(f"{key} names {unknown}: the modules are {names}")
-    wrong_lr = {n: lr for n, lr in config.optimizer.module_lr.items() if not lr >= 0}
+    wrong_lr = {n: lr for n, lr in config.optimizer.module_lr.items() if not 0 <= lr < math.inf}
     if wrong_lr:
-        raise ConfigError(f"optimizer.module_lr = {wrong_lr}: a learning rate is a number >= 0")
+        raise ConfigError(f"optimizer.module_lr = {wrong_lr}: a learning rate is a finite number >= 0")
     data = config.data
     _refuse_unused(config)
     if data.format == "digits":

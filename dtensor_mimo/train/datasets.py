@@ -276,7 +276,7 @@ def conversation_data(config: TrainerConfig, resolved: ResolvedModel, ahead: boo
                                             samples=train_source.first(len(head)))
                 raise ConfigError(f"data.seq_len = 0 takes the longest sample's length, which needs every sample of "
                                   f"{train_source.describe()} tokenized; give data.seq_len (the first {len(head)} "
-                                  f"samples' longest has {probe.check_lengths()} tokens)")
+                                  f"samples' longest has {probe.check_lengths(skip_media=True)} tokens)")
             probe = ConversationDataset(d.path, resolved.tokenizer, media, 0, truncate=d.truncate,
                                         samples=train_source)
             seq_len = round_seq_len(config, probe.seq_len)

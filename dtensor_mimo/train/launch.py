@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 import traceback
-from typing import TYPE_CHECKING, Callable, NoReturn, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,8 +56,10 @@ def preflight(config: TrainerConfig) -> None:
     for dataset in (data.train, data.heldout):  # the checked samples' lengths against seq_len, now
         check = getattr(dataset, "check_lengths", None)
         if check is not None:
+            # a media header that cannot be read: a batch leaves its sample out (held-out data, or skipping)
+            skip = dataset is data.heldout or getattr(config.data, "skip_bad_media", False)
             try:
-                check(CHECKED_SAMPLES)
+                check(CHECKED_SAMPLES, skip_media=skip)
             except ValueError as e:
                 if dataset is data.train or config.data.seq_len:
                     raise ConfigError(str(e)) from None
@@ -131,13 +133,18 @@ def _run_rank(config: TrainerConfig, on_error: Callable[[BaseException], None] |
     an error, `on_error` hears it first (while the peers still wait), then this rank's groups are
     aborted so the peers fail at once instead of waiting for `train.timeout_s`; the error
     propagates."""
-    signals = StopSignals().install()  # first: a signal while building is a stop after step 1
     from dtensor_mimo.train.trainer import Trainer
 
     _quiet_known_logs()
+    signals = StopSignals()
     try:
         if not dist.is_initialized():
+            # Until the world has formed a stop signal keeps its own action (nothing is trained
+            # yet): a launcher ending this rank while it waits for a peer that failed first (under
+            # torchrun, rank 0's preflight) ends it at once, not by SIGKILL 30 s after a SIGTERM
+            # taken for a stop. The own launcher's ranks hold the signals blocked until `install`.
             init_distributed(config.train.device, config.train.timeout_s)
+        signals.install()  # from here a signal while building is a stop after step 1
         if config.layout.auto:  # torchrun: rank 0 plans for this world, every rank trains its choice
             from dtensor_mimo.train.plan import auto_layout_collective
 
@@ -339,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         if forward.killed is not None:  # the second signal: the ranks were ended at once
             return exit_status(forward.killed)
-        _report(errors, e, _killed(ranks.processes))
+        _report(errors, e, _killed(ranks.processes, getattr(e, "ended_by_launcher", ())))
         return 1
     finally:
         forward.uninstall()
@@ -396,15 +403,23 @@ def _join(ranks) -> int:
             break
         if any(c != 0 for c in codes):
             break
-    while not ranks.join():  # a failure raises here, its peers terminated, as before
-        pass
+    # The ranks still running now are ended by `ProcessContext.join` (SIGTERM, which a rank takes
+    # as a stop request, then SIGKILL 30 s later): not a cause of the failure (`_killed`).
+    ended = [r for r, p in enumerate(ranks.processes) if p.exitcode is None]
+    try:
+        while not ranks.join():  # a failure raises here, its peers terminated, as before
+            pass
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        e.ended_by_launcher = ended
+        raise
     return 0
 
 
-def _killed(processes) -> list[tuple[int, str]]:
-    """(rank, signal) of the ranks that a signal other than the launcher's own SIGTERM ended."""
+def _killed(processes, ended: Collection[int] = ()) -> list[tuple[int, str]]:
+    """(rank, signal) of the ranks that a signal other than the launcher's own SIGTERM ended, less
+    the ranks in `ended` (still running when the launcher began ending them after a failure)."""
     out = []
     for rank, p in enumerate(processes):
-        if p.exitcode is not None and p.exitcode < 0 and -p.exitcode != signal.SIGTERM:
+        if rank not in ended and p.exitcode is not None and p.exitcode < 0 and -p.exitcode != signal.SIGTERM:
             out.append((rank, signal.Signals(-p.exitcode).name))
     return out

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import resource
 import os
 import signal
@@ -506,7 +507,10 @@ class Trainer:
         """Greedy answers to the first `n` held-out prompts (samples with an answer): (expected,
         generated). Each row starts as its prompt alone, with only the items before the answer."""
         heldout = self.data.heldout
-        chosen = [i for i in range(len(heldout)) if self.data.prompt(i) is not None][:n]
+        # (after an evaluation, which read every held-out sample: the rows left out are known, and
+        # tokenizing one whose media header cannot be read would raise)
+        chosen = list(itertools.islice((i for i in range(len(heldout)) if i not in self.heldout_left_out
+                                        and self.data.prompt(i) is not None), n))
         if not chosen:
             return []
         batch = self._heldout_batch(getattr(heldout, "prompts", heldout.batch), chosen)
@@ -744,7 +748,11 @@ class Trainer:
         r = self.resolved
         dtype = getattr(torch, self.config.checkpoint.export_dtype)
         modalities = {n: e.section.modality for n, e in r.encoders.items()}
-        ids = {n: b.special_token_id for n, b in self.data.train.batch([0], load={}).modalities.items()}
+        try:  # the placeholder ids, from sample 0's row (no media decoded)
+            first = self.data.train.batch([0], load={})
+        except MediaError:  # a media header of it cannot be read: its row built empty, as a step leaves it out
+            first = self.data.train.batch([0], load={}, left_out=(0,))
+        ids = {n: b.special_token_id for n, b in first.modalities.items()}
         export_hf(self.model, path, modalities=modalities, special_token_ids=ids, tokenizer=r.tokenizer,
                   processors={n: e.processor for n, e in r.encoders.items() if e.processor is not None}, dtype=dtype)
         self.log.print(f"step {self.step}: exported {path}")
