@@ -21,6 +21,7 @@ text-only samples) is written as the reference JSON list and again as:
 | test_images_are_read_as_their_exif_orientation_shows_them | EXIF orientation 6: pixels, header shape turned |
 | test_a_dataset_directory_with_a_trailing_slash_finds_the_same_media | 'data/hf/' and 'data/hf': media under data/ |
 | test_a_corrupt_parquet_row_group_names_the_file_and_row | a damaged row group: DataError naming the file and row |
+| test_a_tar_sample_missing_its_member_is_broken_media | past the checked head: MediaError on its row (skip_bad_media applies); left out, it builds |
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import tarfile
 
 import pytest
@@ -440,3 +442,39 @@ def test_a_corrupt_parquet_row_group_names_the_file_and_row(tmp_path) -> None:
     assert len(source) == 80 and source[45]["id"] == "s5" and source[79]["id"] == "s39"
     with pytest.raises(DataError, match=r"part-1\.parquet.*row 25\b"):
         source[65]
+
+
+def test_a_tar_sample_missing_its_member_is_broken_media(corpus, tmp_path, monkeypatch) -> None:
+    """A sample past the checked head whose JSON names a member its shard lacks (a file missing
+    from the corpus, as a failed download leaves it) is that sample's broken media, as a missing
+    file of the llava format is: MediaError naming the sample and the member, on the row holding
+    it, so that ``data.skip_bad_media`` leaves it out; the row left out builds, with its
+    neighbour's tokens as without it."""
+    from dtensor_mimo.data.conversation import MediaError
+    from dtensor_mimo.train import datasets
+
+    data = os.path.join(corpus["dir"], "data")
+    samples = [json.loads(line) for line in open(os.path.join(data, "train.jsonl"))]
+    imaged = [i for i, s in enumerate(samples) if len(_images(s)) == 1 and i >= 4]
+    k = imaged[0]
+    key = samples[k]["id"].replace("-", "_")
+    whole = tmp_path / "whole.tar"
+    _write_tar(str(whole), samples[:k + 2], data)
+    cut = tmp_path / "data" / "cut.tar"
+    cut.parent.mkdir()
+    with tarfile.open(whole) as src, tarfile.open(cut, "w") as dst:
+        for info in src.getmembers():
+            if info.name != f"{key}.png":
+                dst.addfile(info, src.extractfile(info))
+    shutil.copytree(os.path.join(corpus["dir"], "ckpt"), tmp_path / "ckpt")
+    monkeypatch.setattr(datasets, "CHECKED_SAMPLES", 2)  # the sample lies past the checked head
+    train = _data(str(tmp_path), ["--data.format", "webdataset", "--data.path", "data/cut.tar", "--data.root", "none",
+                                  "--data.batch_size", "2"]).train
+    with pytest.raises(MediaError) as e:
+        train.batch([k - 1, k])
+    assert e.value.row == 1 and e.value.sample_id == samples[k]["id"] and e.value.path.endswith("cut.tar[png]")
+    assert "no member of the sample" in str(e.value)
+    left_out = train.batch([k - 1, k], left_out=(1,))
+    alone = train.batch([k - 1])
+    n = int((alone.tokens[0] != alone.tokens[0, -1]).sum())
+    assert torch.equal(left_out.tokens[0, :n], alone.tokens[0, :n]) and int(left_out.loss_mask[1].sum()) == 0

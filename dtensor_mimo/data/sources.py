@@ -41,7 +41,7 @@ from typing import Any, BinaryIO, Mapping, Sequence
 
 import numpy as np
 
-from dtensor_mimo.data.conversation import DataError, item_paths
+from dtensor_mimo.data.conversation import DataError, MediaError, item_paths
 
 __all__ = ["FORMATS", "SampleSource", "JsonSource", "TarSource", "ArrowSource", "MediaBytes", "expand_paths",
            "open_source"]
@@ -494,10 +494,11 @@ class TarSource(SampleSource):
         refs = []
         for value in item_paths(sample, modality):
             suffix = value if value in found else value[len(key) + 1:] if value.startswith(key + ".") else None
-            if suffix not in found:
-                raise DataError(f"{self.files[k]}: sample {sample.get('id', key)!r}: its {modality} {value!r} is "
-                                f"no member of the sample (it has {', '.join(sorted(key + '.' + s for s in found))});"
-                                f" name a member as 'png' or '{key}.png'")
+            if suffix not in found:  # this sample's media (a file missing from a corpus): skip_bad_media applies
+                reason = (f"its {modality} {value!r} is no member of the sample (it has "
+                          f"{', '.join(sorted(key + '.' + s for s in found))}); name a member as 'png' or '{key}.png'")
+                raise MediaError(f"{self.files[k]}: sample {sample.get('id', key)!r}: {reason}",
+                                 sample_id=str(sample.get("id", key)), path=f"{self.files[k]}[{value}]", reason=reason)
             refs.append(f"{self.files[k]}[{key}.{suffix}]")
         return refs
 
