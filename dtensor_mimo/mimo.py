@@ -195,6 +195,13 @@ class MimoModel(nn.Module):
         """The modules whose dp sums start during backward, known on every rank."""
         self._sums_pending = False
         """A training run's sums are in flight: `reduce_gradients` (or ``zero_grad``) comes next."""
+        self._dp_summed = [n for n in self.module_names
+                           if not self.options[n].fsdp and layout.parallelism(n).dp * layout.parallelism(n).cp > 1]
+        """The modules whose gradients `reduce_gradients` sums over dp·cp itself (no FSDP2), on every rank."""
+        self._grads_summed = False
+        """`reduce_gradients` summed the gradients present: a run that accumulates onto them sets them aside."""
+        self._summed_grads: dict[nn.Parameter, torch.Tensor] = {}
+        """Gradients already summed over dp·cp, set aside while a run accumulates (`_set_aside_summed`)."""
         self._generating = False
         """Inside `generate`: its predictions keep the FSDP2 roots gathered, resharded once at its end."""
         self.gradient_reducers = self._reducers(self._overlapped)
@@ -428,7 +435,13 @@ class MimoModel(nn.Module):
         actions = self.parts.program(batch, mode, check)
         if self.graph_memory is not None:
             self.graph_memory.check()
+        if self._grads_summed and mode == "train":
+            self._set_aside_summed()
         result = execute(self.parts, actions, batch, self.parts.shape(batch, mode, check), loss_normalizer(batch))
+        if self._grads_summed and mode == "forward" and result.loss.requires_grad:
+            # set aside when its backward starts (the loss's hook runs before any parameter's
+            # gradient accumulates): a forward never backpropagated leaves the sums in place
+            result.loss.register_hook(lambda grad: self._set_aside_summed() if self._grads_summed else None)
         if self.graph_memory is not None:
             self.graph_memory.ran(mode, result.loss)
         if mode == "train" and self._overlapped:  # a forward or a prediction since does not change it
@@ -569,6 +582,20 @@ class MimoModel(nn.Module):
         for reducer in self.gradient_reducers.values():
             reducer.discard(self._sums_pending)
         self._sums_pending = False
+        self._grads_summed, self._summed_grads = False, {}
+
+    def _set_aside_summed(self) -> None:
+        """Before the backward of a run that accumulates onto gradients `reduce_gradients` already
+        summed over dp·cp without FSDP2: take those off their parameters (a sum over dp of a sum
+        would count them dp·cp times; FSDP2 accumulates its reduced shards itself) until the next
+        `reduce_gradients` has summed the run's own and adds them back. The same calls on every
+        rank: no message."""
+        for name in self._dp_summed:
+            for p in self.module_parameters(name).values():
+                if p.grad is not None:
+                    self._summed_grads[p] = p.grad
+                    p.grad = None
+        self._grads_summed = False
 
     def reduce_gradients(self) -> str | None:
         """Finish this rank's gradients after backward (call on every rank): dp (dp·cp) sums for
@@ -578,15 +605,30 @@ class MimoModel(nn.Module):
         `dtensor_mimo.parallelize.finish_gradients`), so that clipping and AdamW see ordinary
         shards. Returns what went wrong on this rank, if anything (a gradient that accumulated
         after its bucket left, `GradientReducer.finish`): `train_step` agrees on it with the
-        other ranks and refuses the step on every one."""
+        other ranks and refuses the step on every one.
+
+        Runs may accumulate after it: a training run (or ``model(batch)`` with gradients) that
+        follows sets the gradients summed here aside and the next call adds them to the run's
+        own sums, so ``forward_backward``, `reduce_gradients`, ``forward_backward``,
+        `reduce_gradients` gives the single-process sum of both runs' gradients on every layout
+        (a second call without a run between sums nothing again)."""
         problems = []
         self._sums_pending = False
+        if self._grads_summed:  # no run since the last call: its sums are final
+            self._set_aside_summed()
         for name in self.module_names:
             params = self.module_parameters(name)
             if params:
                 module = (self.language_stages if name == self.language_name else self.encoders[name])
                 problems.append(finish_gradients(module, params, *self._meshes(name), self.options[name],
                                                  self.gradient_reducers.get(name)))
+        with torch.no_grad():  # what earlier runs summed, set aside while the last one ran
+            for p, grad in self._summed_grads.items():
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad += grad
+        self._summed_grads, self._grads_summed = {}, bool(self._dp_summed)
         return next((p for p in problems if p), None)
 
 

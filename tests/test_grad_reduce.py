@@ -249,6 +249,53 @@ def test_training_runs_do_not_accumulate_onto_sums_in_flight() -> None:
             torch.testing.assert_close(w, plain["weights"][name], rtol=1e-6, atol=1e-7, msg=name)
 
 
+def _reduced_between_runs(overlap: bool, via_call: bool, disjoint: bool) -> dict:
+    """vision dp2 and language dp2 without FSDP2 (colocated on ranks 0-1, or `disjoint`: on ranks
+    0-1 and 2-3): two runs accumulating, `reduce_gradients` after each (as the refusal of a run
+    with sums in flight advises), and once more after the last; between them a loss evaluated
+    with gradients on and never backpropagated. The gradients of dp rank 0 of each module,
+    gathered whole. `via_call`: the runs are ``model(batch).backward()``, not `forward_backward`."""
+    from dtensor_mimo import MimoLayout, MimoModel, ParallelOptions, Parallelism
+    from tests.test_mimo import _batches, _modules
+    from tests.test_pipeline import _gathered_gradients
+
+    pars = {"vision": Parallelism(dp=2), "language": Parallelism(dp=2)}
+    layout = MimoLayout(pars) if disjoint else MimoLayout.colocated(pars)
+    plain = ParallelOptions(fsdp=False, overlap_grad_reduce=overlap)
+    model = MimoModel(layout, *_modules(("vision",)), options={"vision": plain, "language": plain})
+    batches = _batches(("vision",), False, 4, (64, 64))
+    for batch in batches[:2]:
+        if via_call:
+            model(batch).backward()
+        else:
+            model.forward_backward(batch)
+        assert model.reduce_gradients() is None
+        model(batches[0])  # an evaluation with gradients on, no backward: the sums stay
+    assert model.reduce_gradients() is None  # nothing ran since: nothing to sum again
+    model(batches[1])  # (as before an optimizer step): the gradients stay on their parameters
+    return _gathered_gradients(model)
+
+
+@pytest.mark.parametrize("overlap,via_call,disjoint", [(True, False, False), (False, False, False),
+                                                       (True, True, False), (True, True, True)],
+                         ids=["overlap", "after_backward", "model_call", "model_call_disjoint"])
+def test_runs_accumulate_after_reduce_gradients(overlap: bool, via_call: bool, disjoint: bool) -> None:
+    """Runs accumulating with `reduce_gradients` between them sum each run's gradients over dp
+    once: a module without FSDP2 summed the whole accumulated gradient again (the first run's
+    sum counted dp times; FSDP2 modules accumulated right), and a second `reduce_gradients`
+    summed it again; a forward never backpropagated changes nothing. Reference: the
+    single-process gradients of both batches, added."""
+    from tests.test_mimo import _batches
+    from tests.test_pipeline import _reference_gradients
+
+    first, second = (_reference_gradients(b)[1] for b in _batches(("vision",), False, 4, (64, 64))[:2])
+    results = run_on_ranks(_reduced_between_runs, 4 if disjoint else 2, overlap, via_call, disjoint, timeout=180)
+    got = {**results[0], **results[2]} if disjoint else results[0]
+    assert got.keys() == first.keys()
+    for k in first:
+        torch.testing.assert_close(got[k], first[k] + second[k], rtol=2e-5, atol=2e-6, msg=lambda m: f"{k}: {m}")
+
+
 def _fsdp_reduced_in_last_backward(pp: int) -> list[float]:
     """The share of each FSDP2 pipeline stage's parameters that are sharded again and hold their
     reduced gradient when torch's schedule starts its own reduction after the step (`perform_reduce_grad`),

@@ -479,3 +479,40 @@ def test_generate_refuses_prompts_whose_new_tokens_would_overwrite_items():
     assert not calls  # refused before any prediction
     room = batch.seq_len - max(past)  # prompts past every item: generated as before
     assert room >= 1 and greedy_generate(predict, batch, past, room) == [[0] * room] * 3 and len(calls) == room
+
+
+def _sharded_rows_from_a_user_tp_plan() -> str:
+    """A user's encoder (`PatchMLP`) whose tp plan leaves its rows sharded over tp (its last layer a
+    ColwiseParallel: each rank returns half the width) trains one step."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from dtensor_mimo import AdamWConfig, MimoOptimizer, train_step
+    from tests.test_mimo import LLAMA, PatchMLP, _batches, _modules
+
+    class HalfWidth(PatchMLP):
+        def parallelize(self, tp_mesh, options) -> None:
+            parallelize_module(self, tp_mesh, {"patch_in": ColwiseParallel(),
+                                               "patch_out": ColwiseParallel(input_layouts=Shard(-1))})
+
+    model = MimoModel(MimoLayout({"vision": P(tp=2), "language": P()}), _modules(("vision",))[0],
+                      {"vision": HalfWidth(LLAMA.dim)})
+    try:
+        train_step(model, MimoOptimizer(model, AdamWConfig()), _batches(("vision",), False, 4, (64,))[0])
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return str(e)
+    return ""
+
+
+def test_encoder_rows_of_another_width_name_the_width_not_tokens_per_item():
+    """Rows of the right count but another width than the language model's (a user's tp plan that
+    leaves them sharded) fail the step on every rank with a message about the width and tp, not
+    one telling the user to change the batch's tokens_per_item (which is right)."""
+    from tests.harness import run_on_ranks
+
+    messages = run_on_ranks(_sharded_rows_from_a_user_tp_plan, 3, timeout=60)
+    own = [m for m in messages if "produced rows" in m]
+    assert len(own) == 2 and all(m for m in messages), messages
+    for m in own:
+        assert "16 wide" in m and "dim is 32" in m and "replicated over its tp ranks" in m, m
+        assert "tokens_per_item match" not in m, m

@@ -144,11 +144,15 @@ class Crossing:
                 continue
             rows[name], bad = exchange.as_planned(x, (route.src_rows, self.dim))
             if bad:
+                fix = ("make the batch's tokens_per_item match the encoder's output length"
+                       if x.ndim != 2 or x.shape[-1] == self.dim else
+                       f"its rows are {x.shape[-1]} wide but the language model's dim is {self.dim}: an encoder "
+                       "returns whole rows, replicated over its tp ranks (a tp plan's last layer a "
+                       "RowwiseParallel, or a ColwiseParallel with output_layouts=Replicate())")
                 self.error = self.error or (
                     f"rank {self.rank}: encoder {name!r} produced rows of shape {tuple(x.shape)} for "
                     f"microbatch {self.index}, but the batch metadata plans ({route.src_rows}, {self.dim}) "
-                    f"(its dp shard's items x tokens_per_item, by the language model's width): make "
-                    "the batch's tokens_per_item match the encoder's output length")
+                    f"(its dp shard's items x tokens_per_item, by the language model's width): {fix}")
         return self._start(self.names, "forward", rows, receives)
 
     def check_world(self, rows: Mapping[str, torch.Tensor]) -> None:
