@@ -187,7 +187,10 @@ def save_hf(module: nn.Module, path: str, max_shard_bytes: int = DEFAULT_SHARD_B
     that holds it calls `save_hf`; the parameters are gathered one at a time over their own mesh
     and the `writer` rank (None: the first rank of every parameter's mesh; pass it explicitly
     where plain parameters are replicated on several ranks) writes each and drops it, so no rank
-    holds the whole model. The directory is complete when the writer returns.
+    holds the whole model. The directory is complete when the writer returns. After a forward
+    without backward with gradients on (which leaves FSDP2 roots gathered, their parameters the
+    copies in ``param_dtype``), call `MimoModel.reshard` first (`export_hf` does): a submodule
+    cannot reach its FSDP2 root to do it.
 
     A pipeline stage (a module holding some ``layers`` of the whole module under the whole
     module's names, see `dtensor_mimo.models.protocol.decoder_stage`): pass `layer_split`, the

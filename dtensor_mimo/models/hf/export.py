@@ -67,7 +67,9 @@ def module_spec(module: nn.Module, dtype: torch.dtype | None = None) -> ModuleSp
         dtypes = {p.dtype for p in module.parameters()}
         if len(dtypes) != 1:
             raise ValueError(f"the {kind.__name__}'s parameters have dtypes {sorted(map(str, dtypes))}; pass "
-                             "dtype= to write them in one")
+                             "dtype= to write them in one (unless a forward without backward left an FSDP2 root "
+                             "gathered, its parameters then the copies in param_dtype: call MimoModel.reshard(), "
+                             "or reshard() on the root, first)")
         dtype = dtypes.pop()
     if kind is Projection:
         config: Any = ProjectionShape(module.fc1.in_features, module.fc1.out_features, module.fc2.out_features)
