@@ -415,9 +415,12 @@ class MimoModel(nn.Module):
             raise RuntimeError("MimoModel: a training run (train_step, forward_backward) under torch.no_grad() or "
                                "torch.inference_mode() has no backward to run; call it outside them (model.predict "
                                "is the forward without backward)")
-        if mode == "forward" and self.pipelined:
+        if mode == "forward" and self.pipelined and torch.is_grad_enabled():
+            # Without autograd (an evaluation's loss) the forward runs one microbatch stage after
+            # stage, as `predict` does; a backward could not follow it through the stages.
             raise RuntimeError("a pipelined MimoModel runs forward and backward together: call "
-                               "model.forward_backward(batch) (or train_step) instead of model(batch)")
+                               "model.forward_backward(batch) (or train_step) instead of model(batch), or run "
+                               "model(batch) under torch.no_grad() for the loss alone")
         self._check_initialized()
         check_batch(self.layout, self.language_name, self.encoder_names, batch, self.item_rules, self.vocab_size,
                     self.options[self.language_name].sp)
@@ -470,12 +473,14 @@ class MimoModel(nn.Module):
     def forward(self, batch: MimoBatch) -> torch.Tensor:
         """This rank's share of the loss of the global `batch` (call on every rank, then
         ``.backward()``, then `reduce_gradients`). One stage, one microbatch: a pipelined model
-        runs `forward_backward` instead. The first time an item size is seen, every rank agrees
-        in one all-reduce that the encoder rows have their planned shapes (else all raise). Later
-        calls add no collective: rows of a wrong shape (an encoder whose output length changed
-        for a size already seen) cross as zeros and raise `PlanError` on the ranks that made
-        them only; their peers' backward then waits for them until the process group's timeout
-        (`train_step` agrees on such an error in its one all-reduce and raises on every rank)."""
+        runs `forward_backward` instead, or ``model(batch)`` under ``torch.no_grad()`` for the
+        loss alone (one microbatch, stage after stage, as `predict`). The first time an item
+        size is seen, every rank agrees in one all-reduce that the encoder rows have their
+        planned shapes (else all raise). Later calls add no collective: rows of a wrong shape
+        (an encoder whose output length changed for a size already seen) cross as zeros and
+        raise `PlanError` on the ranks that made them only; their peers' backward then waits
+        for them until the process group's timeout (`train_step` agrees on such an error in its
+        one all-reduce and raises on every rank)."""
         result = self.run(batch, "forward")
         if result.error is not None:
             raise PlanError(result.error)

@@ -516,3 +516,24 @@ def test_encoder_rows_of_another_width_name_the_width_not_tokens_per_item():
     for m in own:
         assert "16 wide" in m and "dim is 32" in m and "replicated over its tp ranks" in m, m
         assert "tokens_per_item match" not in m, m
+
+
+@pytest.mark.parametrize("max_new_tokens", [-2, 1.5, True])
+def test_generate_refuses_a_max_new_tokens_that_is_no_count(max_new_tokens):
+    """A negative `max_new_tokens` passed every check (a prompt of n tokens "fits" in a row of S
+    when n <= S - max_new_tokens) and `generate` returned an empty answer for every sample,
+    silently; it is refused by name before any prediction, as a non-integer one (1.5 raised
+    Python's "'float' object cannot be interpreted as an integer", True ran one token)."""
+    from dtensor_mimo.sequence import greedy_generate
+
+    batch = synthetic_batch(SyntheticSpec.tiny(batch_size=2, modalities={}), seed=0)
+    calls = []
+
+    def predict(b):
+        calls.append(b)
+        return torch.zeros(b.batch_size, b.seq_len, dtype=torch.int64)
+
+    with pytest.raises(ValueError, match=rf"generate: max_new_tokens={max_new_tokens!r}; .* an integer >= 0"):
+        greedy_generate(predict, batch, [3, 4], max_new_tokens)
+    assert not calls
+    assert greedy_generate(predict, batch, [3, 4], 0) == [[], []] and not calls  # zero: nothing to generate

@@ -401,3 +401,41 @@ def test_later_encoder_stages_copy_no_items():
     (first, losses), (later, _), _ = run_on_ranks(_item_copies, 3, timeout=120)
     assert first > 0 and later == 0, (first, later)
     assert all(loss > 0 for loss in losses)
+
+
+# ---------------------------------------------------------------- model(batch) without autograd
+NO_GRAD_FORWARD = {"language_pp2": "pp2", "vision_pp2": "vision_pp2_1mb", "one_stage_4mb": "coloc_pp1_recompute"}
+
+
+def _loss_without_autograd(case):
+    """``model(batch)`` under ``torch.no_grad()`` (an evaluation's loss) on a pipelined model:
+    the sum of the ranks' loss shares."""
+    import torch
+    import torch.distributed as dist
+
+    from dtensor_mimo import MimoModel
+    from tests.test_mimo import _batches, _modules
+
+    model = MimoModel(case.layout(), *_modules(case.encoders, n_layers=case.n_layers), options=case.options,
+                      pipeline=case.pipeline)
+    with torch.no_grad():
+        loss = model(_batches(case.encoders, case.packed, case.batch_size, case.seq_lens)[0])
+    share = loss.double().reshape(1) if model.holds_loss_share() else torch.zeros(1, dtype=torch.float64)
+    dist.all_reduce(share)
+    return share.item()
+
+
+@pytest.mark.parametrize("name", list(NO_GRAD_FORWARD))
+def test_pipelined_forward_without_autograd_gives_the_loss(name):
+    """``model(batch)`` under ``torch.no_grad()`` on a pipelined model (pp > 1, an encoder in
+    stages, or several microbatches) was refused, telling the caller to use `forward_backward`,
+    which refuses under ``torch.no_grad()`` in turn: an evaluation had no way to a loss through
+    ``model(batch)``. It runs one microbatch stage after stage, as `predict`, and its shares sum
+    to the single-process loss of the untrained model."""
+    from tests.harness import run_on_ranks
+    from tests.test_mimo import _reference
+
+    case = CASES[NO_GRAD_FORWARD[name]]
+    want = _reference(case.encoders, case.packed, case.frozen, case.batch_size, case.n_layers, case.seq_lens)[0]
+    for loss in run_on_ranks(_loss_without_autograd, case.layout().world_size, case, timeout=120):
+        assert loss == pytest.approx(want["loss"], rel=1e-5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Callable, Sequence
 
 import torch
@@ -18,6 +19,14 @@ def greedy_generate(predict: Callable[[MimoBatch], torch.Tensor], batch: MimoBat
     into the row after the prompt before the next call. On packed rows (``document_ids`` /
     ``positions``) each new id continues its prompt's document at the next position (the
     columns after a prompt belong to another document: the padding, or the next one packed)."""
+    try:  # an integer of any kind (numpy's, a 0-d tensor's), not a bool
+        count = None if isinstance(max_new_tokens, bool) else operator.index(max_new_tokens)
+    except TypeError:
+        count = None
+    if count is None or count < 0:
+        raise ValueError(f"generate: max_new_tokens={max_new_tokens!r}; give the number of tokens to generate "
+                         "per sample, an integer >= 0")
+    max_new_tokens = count
     if len(prompt_lengths) != batch.batch_size:
         raise ValueError(f"generate: {len(prompt_lengths)} prompt lengths for {batch.batch_size} samples")
     bad = [n for n in prompt_lengths if not 1 <= n <= batch.seq_len - max_new_tokens]
