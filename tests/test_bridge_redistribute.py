@@ -547,3 +547,79 @@ def _negative_shard_dim():
 
 def test_negative_shard_dim():
     assert run_on_ranks(_negative_shard_dim, 6, timeout=60) == [True] * 6
+
+
+# ---------------------------------------------------------------- a gradient arriving in other placements
+
+def _gradient_arrives_replicated_where_partial_is_declared(n_hops):
+    """``grad_placements=(Partial(),)`` declared over cp, but the gradient arrives as a DTensor with
+    y's own placements (``y.to_local()`` without ``grad_placements``): "a gradient arriving with other
+    placements is first redistributed to these". A replicated gradient is the whole gradient on
+    every replica, so it counts once (DTensor's convention for Replicate): x.grad == G, on every
+    rank, and no rank is left waiting in the exchange."""
+    src = DeviceMesh("cpu", torch.arange(0, 1), mesh_dim_names=("dp",))
+    dst = DeviceMesh("cpu", torch.arange(1, 3), mesh_dim_names=("cp",))
+    gen = torch.Generator().manual_seed(5)
+    X = torch.randn(5, H, generator=gen, dtype=torch.float64)
+    G = torch.randn(5, H, generator=gen, dtype=torch.float64)
+    x_local = X.clone().requires_grad_() if dist.get_rank() == 0 else torch.empty(0, dtype=torch.float64,
+                                                                                  requires_grad=True)
+    x = DTensor.from_local(x_local, src, (Shard(0),), run_check=False, shape=X.shape, stride=X.stride())
+    y = redistribute(x, dst, (Replicate(),), grad_placements=(Partial(),), hops=n_hops)
+    if dist.get_rank() == 0:
+        torch.autograd.backward([y], [torch.zeros_like(y)])
+        torch.testing.assert_close(x_local.grad, G, rtol=1e-12, atol=1e-12)
+    else:
+        torch.testing.assert_close(y.to_local(), X, rtol=0, atol=0)
+        torch.autograd.backward([y.to_local()], [G])  # y's own placements: Replicate
+    return True
+
+
+@pytest.mark.parametrize("n_hops", [1, 2])
+def test_a_replicated_gradient_where_partial_is_declared_counts_once(n_hops):
+    assert run_on_ranks(_gradient_arrives_replicated_where_partial_is_declared, 3, n_hops,
+                        timeout=40) == [True] * 3
+
+
+# ---------------------------------------------------------------- meshes whose ranks are not in ascending order
+
+def _shuffled_meshes(n_hops):
+    """Meshes built over ranks in another order than ascending (``DeviceMesh("cpu", [2, 3, 1])``):
+    the mesh coordinate, not the process group's rank order, says which rows a rank holds. A
+    Partial source (reduce-scattered before it crosses, two-hop) and a Replicate destination
+    (all-gathered after it crosses): values and gradients against the full tensors."""
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(3)
+    X = torch.randn(10, H, generator=gen, dtype=torch.float64)
+    G = torch.randn(10, H, generator=gen, dtype=torch.float64)
+    # Partial over [2, 3, 1] (member k holds (k + 1) / 6 of X) -> rank 0
+    src = DeviceMesh("cpu", torch.tensor([2, 3, 1]), mesh_dim_names=("tp",))
+    one = DeviceMesh("cpu", torch.tensor([0]), mesh_dim_names=("dp",))
+    c = src.get_coordinate()
+    x_local = (X * (c[0] + 1) / 6 if c is not None else torch.empty(0, dtype=torch.float64)).requires_grad_()
+    x = DTensor.from_local(x_local, src, (Partial(),), run_check=False, shape=X.shape, stride=X.stride())
+    y = redistribute(x, one, (Shard(0),), hops=n_hops)
+    if rank == 0:
+        torch.testing.assert_close(y.to_local(), X, rtol=1e-12, atol=1e-12)
+        torch.autograd.backward([y.to_local()], [G])
+    else:
+        torch.autograd.backward([y], [torch.zeros_like(y)])
+        torch.testing.assert_close(x_local.grad, G, rtol=1e-12, atol=1e-12)  # Partial: each member's is G
+    # rank 0 -> Replicate over [3, 1, 2]: every member holds X; the gradient counts once
+    rep = DeviceMesh("cpu", torch.tensor([3, 1, 2]), mesh_dim_names=("cp",))
+    x_local = (X.clone() if rank == 0 else torch.empty(0, dtype=torch.float64)).requires_grad_()
+    x = DTensor.from_local(x_local, one, (Shard(0),), run_check=False, shape=X.shape, stride=X.stride())
+    y = redistribute(x, rep, (Replicate(),), grad_placements=(Partial(),), hops=n_hops)
+    if rank == 0:
+        torch.autograd.backward([y], [torch.zeros_like(y)])
+        torch.testing.assert_close(x_local.grad, G, rtol=1e-12, atol=1e-12)
+    else:
+        torch.testing.assert_close(y.to_local(), X, rtol=0, atol=0)
+        k = rep.get_coordinate()[0]  # Partial gradient: member k holds (k + 1) / 6 of G
+        torch.autograd.backward([y.to_local(grad_placements=(Partial(),))], [G * (k + 1) / 6])
+    return True
+
+
+@pytest.mark.parametrize("n_hops", [1, 2])
+def test_meshes_over_ranks_out_of_order(n_hops):
+    assert run_on_ranks(_shuffled_meshes, 4, n_hops, timeout=60) == [True] * 4

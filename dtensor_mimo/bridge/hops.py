@@ -90,6 +90,14 @@ class Level:
     coord: int
     parent_rows: int
     partial: bool
+    group_ranks: tuple[int, ...] | None = None
+    """The rank in `group` of the member at each coordinate, or None where they are the same: a
+    process group orders its members by global rank, a mesh dim by coordinate, and the two differ
+    on a mesh built over ranks out of ascending order."""
+
+    def slot(self, coord: int) -> int:
+        """The position in the group's collectives of the member at mesh coordinate `coord`."""
+        return coord if self.group_ranks is None else self.group_ranks[coord]
 
     @property
     def chunk(self) -> int:
@@ -151,10 +159,24 @@ def _split_rows(spec: MeshSpec, split: Sequence[int], rank: int) -> list[tuple[i
     return out
 
 
+def _group_ranks(spec: MeshSpec, rank: int, d: int, group: dist.ProcessGroup) -> tuple[int, ...] | None:
+    """`Level.group_ranks` of `rank`'s group along mesh dim `d` of `spec`."""
+    coord = list(_coords(spec, rank))
+    members = []
+    for j in range(spec.shape[d]):
+        coord[d], node = j, spec.mesh
+        for c in coord:
+            node = node[c]
+        members.append(node)
+    ranks = tuple(dist.get_group_rank(group, r) for r in members)
+    return None if ranks == tuple(range(len(ranks))) else ranks
+
+
 def levels(spec: MeshSpec, split: Sequence[int], groups: Groups, rank: int) -> list[Level]:
     """`rank`'s split levels of `spec` (unsplit), outer first; [] off the mesh or with no split."""
-    return [Level(groups(d), spec.shape[d], c, rows, type(spec.placements[d]) is Partial)
-            for d, c, rows in _split_rows(spec, split, rank)]
+    return [Level(group, spec.shape[d], c, rows, type(spec.placements[d]) is Partial,
+                  _group_ranks(spec, rank, d, group))
+            for d, c, rows in _split_rows(spec, split, rank) for group in (groups(d),)]
 
 
 @dataclass(frozen=True)
@@ -292,8 +314,9 @@ def scatter(x: torch.Tensor, dim: int, lv: Sequence[Level], status: Status) -> t
             rows = rows[lo:hi]
             continue
         padded = rows.new_zeros(level.size * width, rows.shape[1])
-        for j, (a, b) in enumerate(spans):
-            padded[j * width: j * width + b - a] = rows[a:b]
+        for j, (a, b) in enumerate(spans):  # the group's member k receives the k-th piece
+            k = level.slot(j)
+            padded[k * width: k * width + b - a] = rows[a:b]
         send = _with_flags(padded, level.size, status).reshape(-1)
         out = send.new_empty(send.numel() // level.size)
         reduce_scatter_single(out, send, group=level.group)
@@ -319,6 +342,8 @@ def gather(piece: torch.Tensor, dim: int, lv: Sequence[Level], status: Status) -
         out = send.new_empty(level.size * send.numel())
         all_gather_single(out, send, group=level.group)
         out = out.view(level.size, -1)
+        if level.group_ranks is not None:  # the pieces in group order -> in mesh order
+            out = out[list(level.group_ranks)]
         if status is not None:
             status = out[:, -1].sum().round()
             out = out[:, :-1]

@@ -17,7 +17,7 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
@@ -288,15 +288,31 @@ class _RedistributeFunction(torch.autograd.Function):
             g_local = None
             if shape is not None and grad is not None:
                 if isinstance(grad, DTensor):
-                    if tuple(grad.placements) != leg.grad_placements:  # same-mesh, members only
-                        grad = grad.redistribute(leg.dst_mesh, leg.grad_placements)
-                    grad = grad.to_local()
+                    grad = _declared_local(grad, leg.dst_mesh, leg.grad_placements)
                 g_local = _as_rows(grad)
             elif shape is not None:  # output unused: a zero gradient
                 g_local = torch.zeros(shape, dtype=leg.dtype, device=device)
             g_locals.append(g_local)
         outs, _, _ = _exchange(legs, trip, g_locals, None, ctx.pool)
         return (None, None, None, *trip.wrap(outs))
+
+
+def _declared_local(grad: DTensor, mesh: DeviceMesh, declared: tuple[Placement, ...]) -> torch.Tensor:
+    """The local shard of `grad` (on `mesh`, the destination) under the `declared` gradient
+    placements: a same-mesh redistribution on the destination's members only. DTensor cannot
+    redistribute to `Partial`, so a dim declared `Partial` where the gradient arrives otherwise
+    is made whole there (`Replicate`: the gradient counts once, DTensor's convention) and kept by
+    its coordinate 0 alone, zeros on the other members: the same sum, with no collective on the
+    ranks off the mesh, which could not join one."""
+    current = tuple(grad.placements)
+    if current == declared:
+        return grad.to_local()
+    target = tuple(Replicate() if type(p) is Partial and c != p else p for p, c in zip(declared, current))
+    if target != current:
+        grad = grad.redistribute(mesh, target)
+    coord = mesh.get_coordinate()
+    held = all(c == 0 for p, t, c in zip(declared, target, coord) if type(p) is Partial and t != p)
+    return grad.to_local() if held else torch.zeros_like(grad.to_local())
 
 
 class Side(NamedTuple):
@@ -389,7 +405,8 @@ def redistribute(
             with `Partial` read as `Replicate`. Declare e.g. ``Partial()`` on the cp dim when
             each cp rank's gradient is a partial sum (and use the same ``grad_placements`` in
             ``y.to_local``); a gradient arriving with other placements is first redistributed
-            to these on ``device_mesh``.
+            to these on ``device_mesh`` (to a declared `Partial` dim: made whole there, then held
+            by its coordinate 0, zeros on the other members, as DTensor counts a `Replicate` one).
         check: what guards against a local shard whose shape disagrees with the plan.
             True (default): a status word rides ahead of the data in the same batch (one 8-byte
             message to each peer, no collective): the rank holding the wrong shard sends
