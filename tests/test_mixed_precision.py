@@ -31,6 +31,7 @@ from torch.nn.modules.module import register_module_forward_hook
 from dtensor_mimo import ParallelOptions, Parallelism, PipelineConfig
 from tests.harness import run_on_ranks
 from tests.test_mimo import Case, _distributed, _reference
+from tests.test_mimo import _batches as _unweighted_batches
 
 P = Parallelism
 BF16 = ParallelOptions(param_dtype="bf16")
@@ -103,3 +104,57 @@ def test_bf16_tracks_fp32_loss_over_20_steps() -> None:
     bf16 = [r["loss"] for r in per_rank[0]]
     assert bf16 == pytest.approx(fp32, rel=2e-2)
     assert fp32[-1] < 0.8 * fp32[0]  # it learns the two batches: the curves are not flat lines
+
+
+def _weighted_batches(*args, **kwargs):
+    """`tests.test_mimo._batches` with fractional loss weights: every loss mask divided by 3 (a
+    per-sample weighting such as 1 / tokens gives such weights; bf16 rounds 1/3 up by 0.2%)."""
+    return [dataclasses.replace(b, loss_mask=b.loss_mask / 3) for b in _unweighted_batches(*args, **kwargs)]
+
+
+def _distributed_weighted(case: Case) -> list[dict]:
+    import tests.test_mimo as test_mimo
+
+    test_mimo._batches = _weighted_batches
+    try:
+        return _distributed(case)
+    finally:
+        test_mimo._batches = _unweighted_batches
+
+
+@pytest.mark.parametrize("name", ["colocated", "pipelined"])
+def test_fractional_loss_weights_keep_their_precision(name: str) -> None:
+    """The loss weights (`MimoBatch.loss_mask`, fractional) weigh each token's loss in fp32 under
+    FSDP2's bf16 policy too, as under autocast: FSDP2 casts a root's floating forward inputs to
+    `param_dtype`, which would round the language stage's loss weights to bf16 while the
+    normalizer sums the fp32 ones (a loss and gradients 0.2% too large at weights of 1/3)."""
+    import tests.test_mimo as test_mimo
+
+    case = dataclasses.replace(CASES[name], seq_lens=(64,))
+    if name == "pipelined":  # the language stages under FSDP2 (dp2), the encoder on its own ranks
+        case = dataclasses.replace(case, modules={"vision": P(dp=2), "language": P(pp=2, dp=2)})
+    test_mimo._batches = _weighted_batches
+    try:
+        expected = _reference.__wrapped__(case.encoders, case.packed, case.frozen, case.batch_size, case.n_layers,
+                                          case.seq_lens, torch.bfloat16)
+    finally:
+        test_mimo._batches = _unweighted_batches
+    for records in run_on_ranks(_distributed_weighted, case.layout().world_size, case, timeout=300):
+        if records:
+            assert records[0]["loss"] == pytest.approx(expected[0]["loss"], rel=1e-3)
+
+
+def test_fp16_compute_is_refused() -> None:
+    """fp16 has 5 exponent bits: trained without loss scaling (the library has none), gradients
+    below 6e-8 flush to zero. With the loss normalised by a global batch's tokens that is most
+    of them: the `colocated` case at 16 x 256 tokens under ``param_dtype=float16`` gave the
+    language model's wk / wq gradients 57% / 45% away from fp32's (bf16: at most 1.2%), growing
+    with the batch. Refused by name, in the options and the trainer's config, before anything runs."""
+    from dtensor_mimo.train.config import ConfigError, parse_args
+
+    for spelling in ("fp16", "float16", torch.float16):
+        with pytest.raises(ValueError, match=r"param_dtype=torch.float16 trains without loss scaling.*'bf16'"):
+            ParallelOptions(param_dtype=spelling)
+    with pytest.raises(ConfigError, match=r"options.language.*param_dtype=torch.float16"):
+        parse_args(["--options.language.param_dtype", "fp16"])
+    assert ParallelOptions(param_dtype="bf16", reduce_dtype="fp16").param_dtype is torch.bfloat16

@@ -6,7 +6,9 @@ layer casts its input, weight and output gradient to float8 (e4m3) with dynamic 
 its three matmuls in float8, keeping fp32 master weights.
 
 - "tensorwise": one scale per tensor. Under FSDP2 the weights are all-gathered in float8
-  (``enable_fsdp_float8_all_gather``: half the bytes of bf16), and after each optimizer step
+  (``enable_fsdp_float8_all_gather``: half the bytes of bf16; a weight whose rows do not split
+  evenly over the FSDP2 shards, which torchao's float8 all-gather cannot take, is gathered in its
+  own precision and cast after: `even_rows`), and after each optimizer step
   `refresh_fp8_scales` computes every weight's scale in one all-reduce
   (``precompute_float8_dynamic_scale_for_fsdp``).
 - "rowwise": one scale per row (power-of-2 scales), more accurate; FSDP2 gathers in the
@@ -135,12 +137,14 @@ def shard_features(layer: nn.Linear, fqn: str, tp: int, splits: Mapping[str, int
 
 
 def convert_to_fp8(stack: nn.Module, config: Float8LinearConfig, module: str, recipe: str,
-                   tp: int = 1, splits: Mapping[str, int] | None = None) -> None:
+                   tp: int = 1, splits: Mapping[str, int] | None = None, shards: int = 1) -> None:
     """Swap `stack`'s Linear layers that `converts_to_fp8` selects for torchao's ``Float8Linear``
     (in place; parameters keep their names, dtype and values), each taking inputs without rows
     too (`Float8LinearOrEmpty`). On CUDA (not `config.emulate`) only those whose shard on one of
     `tp` ranks (`shard_features` by `splits`, the stack's tp plan; default: nothing sharded) has
-    both dims multiples of `FP8_DIM_MULTIPLE` and `fp8_pays`."""
+    both dims multiples of `FP8_DIM_MULTIPLE` and `fp8_pays`. With float8 all-gathers (FSDP2 over
+    `shards` ranks), a layer whose weight rows do not split evenly over ``shards x tp`` is
+    all-gathered in its own precision instead (`even_rows`)."""
     def selected(layer: nn.Module, fqn: str) -> bool:
         if not converts_to_fp8(layer, fqn):
             return False
@@ -150,12 +154,26 @@ def convert_to_fp8(stack: nn.Module, config: Float8LinearConfig, module: str, re
         return (out_features % FP8_DIM_MULTIPLE == 0 and in_features % FP8_DIM_MULTIPLE == 0
                 and fp8_pays(out_features, in_features, recipe))
 
-    _torchao_float8(module).convert_to_float8_training(stack, module_filter_fn=selected, config=config)
+    convert = _torchao_float8(module).convert_to_float8_training
+    if config.enable_fsdp_float8_all_gather:  # two disjoint sets: a converted layer is an nn.Linear too
+        uneven = dataclasses.replace(config, enable_fsdp_float8_all_gather=False)
+        convert(stack, module_filter_fn=lambda m, fqn: selected(m, fqn) and not even_rows(m, tp, shards),
+                config=uneven)
+        convert(stack, module_filter_fn=lambda m, fqn: selected(m, fqn) and even_rows(m, tp, shards), config=config)
+    else:
+        convert(stack, module_filter_fn=selected, config=config)
     from dtensor_mimo.parallelize.fp8_layer import Float8LinearOrEmpty
 
     for layer in stack.modules():
         if type(layer) is Float8LinearOrEmpty.__base__:
             layer.__class__ = Float8LinearOrEmpty  # as fully_shard swaps a module's class
+
+
+def even_rows(layer: nn.Linear, tp: int, shards: int) -> bool:
+    """Whether `layer`'s weight rows split evenly over `shards` FSDP2 ranks on each of `tp` ranks
+    (what torchao's float8 all-gather takes: it sends a shard unpadded, so a short last shard
+    would mismatch its peers' in the collective; checked on the whole rows, so for either tp split)."""
+    return layer.out_features % (shards * tp) == 0
 
 
 def fp8_layers(module: nn.Module) -> list[str]:

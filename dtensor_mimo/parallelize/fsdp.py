@@ -23,12 +23,14 @@ def apply_fsdp(
     blocks: Sequence[nn.Module],
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
+    root_policy: MixedPrecisionPolicy | None = None,
 ) -> None:
     """`fully_shard` each of `blocks`, then `model` (the rest of its parameters); sum over dp.
     `reshard_after_forward` applies to `blocks`; the root `model` is never resharded after forward.
 
     Parameters that are already DTensors on a tp mesh become 2-D (dp x tp) DTensors; `dp_mesh` and
-    that tp mesh must share one root mesh. `mp_policy`: FSDP2's mixed precision (default: none).
+    that tp mesh must share one root mesh. `mp_policy`: FSDP2's mixed precision (default: none);
+    `root_policy`: the root's own (default: `mp_policy`).
     """
     kwargs = dict(mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
     for block in blocks:
@@ -37,7 +39,8 @@ def apply_fsdp(
     # root: its backward starts at once). torch keeps that default only for `None`: an explicit
     # True reshards the root too, and its backward all-gathers them again (a decoder's embeddings
     # and output head, its largest tensors).
-    fully_shard(model, reshard_after_forward=None if reshard_after_forward else False, **kwargs)
+    fully_shard(model, reshard_after_forward=None if reshard_after_forward else False,
+                **{**kwargs, "mp_policy": root_policy or kwargs["mp_policy"]})
     for module in model.modules():
         if isinstance(module, FSDPModule):
             sum_gradients_over_dp(module)

@@ -176,7 +176,8 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
                  and not uses_fsdp(options, dp_mesh, wrap_one_rank))
     for stack in parts:
         if fp8 is not None:
-            convert_to_fp8(stack, fp8, name, options.fp8, tp_size(tp_mesh), tp_weight_splits(stack))
+            convert_to_fp8(stack, fp8, name, options.fp8, tp_size(tp_mesh), tp_weight_splits(stack),
+                           1 if dp_mesh is None else dp_mesh.shape[-1])  # FSDP2 shards over its last dim
         if tp_size(tp_mesh) > 1 or (wrap_one_rank and tp_mesh is not None):
             frozen = {n for n, p in stack.named_parameters() if not p.requires_grad}
             tp_plan(stack)(stack, tp_mesh, options)

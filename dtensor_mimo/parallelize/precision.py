@@ -14,6 +14,7 @@ the bridge — is cast to the compute dtype (`compute_dtype`), so it moves half 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -23,6 +24,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dtensor_mimo.parallelize.fsdp import apply_fsdp
 from dtensor_mimo.parallelize.options import ParallelOptions
+
+
+FP32_INPUTS = "keeps_float_inputs"
+"""A root module's class attribute: True where its floating forward inputs must reach it in their
+own dtype under FSDP2's mixed precision (its activations arrive in the compute dtype already)."""
 
 
 def compute_dtype(options: ParallelOptions, module: nn.Module) -> torch.dtype:
@@ -46,7 +52,11 @@ def apply_data_parallel(root: nn.Module, dp_mesh: DeviceMesh | None, blocks: Seq
     if uses_fsdp(options, dp_mesh, one_rank):
         policy = MixedPrecisionPolicy(param_dtype=options.param_dtype,
                                       reduce_dtype=options.gradient_reduce_dtype)
-        apply_fsdp(root, dp_mesh, blocks, options.reshard_after_forward, policy)
+        # FSDP2 casts every floating forward input of a module to param_dtype: a root whose float
+        # inputs are not activations (the language stage's loss weights, `FP32_INPUTS`) keeps them
+        root_policy = dataclasses.replace(policy, cast_forward_inputs=False) if getattr(
+            root, FP32_INPUTS, False) else policy
+        apply_fsdp(root, dp_mesh, blocks, options.reshard_after_forward, policy, root_policy)
     elif options.param_dtype is not None:
         autocast_forward(root, options.param_dtype)
 

@@ -57,6 +57,11 @@ class LanguageStage(nn.Module):
     """One pipeline stage of the decoder (an FSDP root); `llama` holds only this stage's parts,
     under the whole model's parameter names."""
 
+    keeps_float_inputs = True
+    """Under FSDP2's mixed precision its forward inputs keep their dtypes (`precision.FP32_INPUTS`):
+    the loss weights (``loss_mask``, fractional) weigh the tokens in fp32, as the normalizer sums
+    them; its other float input, a previous stage's hidden states, comes in the compute dtype."""
+
     def __init__(self, llama: nn.Module, first: bool, last: bool, cp_size: int, cp_rank: int,
                  hidden_dtype: torch.dtype | None = None, chunked_loss: bool = False,
                  loss_compile_backend: str | None = None, whole_compile: Mapping[str, Any] | None = None) -> None:
