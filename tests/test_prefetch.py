@@ -176,3 +176,58 @@ def test_a_loader_process_does_not_decode_rows_known_unusable_again() -> None:
     decoded.clear()
     batch, failed = loader[[8, 7]].unpack()
     assert [(e.row, str(e)) for e in failed] == [(0, "sample 8: cannot decode")] and 7 not in decoded
+
+
+class _BreaksAt:
+    """A training source of 40 rows whose batch holding row `broken` raises (in the process that builds it)."""
+
+    def __init__(self, broken: int) -> None:
+        self.broken = broken
+
+    def __len__(self) -> int:
+        return 40
+
+    def batch(self, indices, load=None, left_out=()):
+        import os
+
+        if self.broken in indices:
+            raise ValueError(f"row {self.broken}: not a conversation (process {os.getpid()})")
+        return _batch(indices[0])
+
+
+def _trainer_batches(source, workers: int):
+    """`Trainer._batches` of a trainer of `source` (batches of 4, seed 0) on the CPU, with `workers`
+    loader processes: the attributes it reads, and no process group."""
+    from types import SimpleNamespace
+
+    from dtensor_mimo.data import ResumableBatchSampler
+    from dtensor_mimo.train.trainer import Trainer, _LoadPlan
+
+    data = SimpleNamespace(workers=workers, prefetch=None, batch_size=4, seed=0, per_rank_loading=False)
+    trainer = SimpleNamespace(
+        config=SimpleNamespace(data=data, pipeline=SimpleNamespace(microbatches=1)),
+        model=SimpleNamespace(device=torch.device("cpu"), parts=SimpleNamespace(pipeline=SimpleNamespace(
+            microbatches=1), cut_rules=())),
+        data=SimpleNamespace(train=source), sampler=ResumableBatchSampler(40, 4, seed=0), left_out={},
+        _load_plan=lambda batch_size, microbatches: _LoadPlan(None, microbatches, {}))
+    return Trainer._batches(trainer), trainer.sampler
+
+
+def test_a_loader_worker_error_ends_the_loader_workers_with_the_run() -> None:
+    """`data.workers`: an error a loader process raises (a row it cannot build) reaches the step
+    with the loader's processes already ended, as any other error of the run leaves them
+    (`Trainer.run` joins them before the launcher aborts the rank's groups: a process forked from
+    the rank holds its sockets open, and a peer would wait until it noticed its parent's end). The
+    error still held, as the launcher holds it while it aborts the groups."""
+    import multiprocessing
+    import re
+
+    from dtensor_mimo.data import ResumableBatchSampler
+
+    order = [b for _, b in zip(range(6), ResumableBatchSampler(40, 4, seed=0))]
+    batches, _ = _trainer_batches(_BreaksAt(order[2][1]), workers=2)
+    assert [next(batches)[0] for _ in range(2)] == order[:2]
+    with pytest.raises(ValueError, match=f"row {order[2][1]}: not a conversation") as failed:
+        next(batches)
+    worker = int(re.search(r"process (\d+)\)", str(failed.value)).group(1))
+    assert worker not in [p.pid for p in multiprocessing.active_children()]

@@ -381,9 +381,15 @@ class Trainer:
                                 num_workers=workers, collate_fn=_as_is, persistent_workers=True,
                                 pin_memory=pin, worker_init_fn=ignore_stop_signals,
                                 multiprocessing_context=LOADER_START)
-            batches = (flat.unpack() for flat in loader)
-        for (batch, failed), indices in zip(batches, _Forever(self.sampler)):
-            yield list(indices), batch, list(failed)
+            stream = iter(loader)
+            batches = (flat.unpack() for flat in stream)
+        try:
+            for (batch, failed), indices in zip(batches, _Forever(self.sampler)):
+                yield list(indices), batch, list(failed)
+        finally:
+            if workers:  # joined here, also when a worker's error ends the batches: its traceback
+                # holds the loader, and with it the processes, for as long as the error lives
+                stream._shutdown_workers()
 
     def trainer_state(self) -> dict[str, Any]:
         """The loop's position for checkpoints: step, optimizer updates, the sampler's place, and
