@@ -3,23 +3,28 @@ input that must fail on every rank, never hang (hypothesis).
 
 | drawn                                                        | expected                               |
 |--------------------------------------------------------------|----------------------------------------|
-| placement: disjoint / colocated / encoders sharing ranks;     | loss, grad norm, every gradient and     |
-| vision pp·dp·tp (pp on ranks of its own), audio dp·tp on      | post-step weight == the single-process  |
-| vision's ranks, language dp·tp·cp·pp (world <= 4), HSDP where | run's (`tests.test_mimo`'s oracle, its  |
-| dp is even; per module sp (tp > 1), FSDP2 or not, dp sums     | tolerance); every encoder rank encoded  |
-| during backward or after, in one bucket or many, resharding,  | its planned share; HSDP on FSDP2's 2-D  |
-| activation checkpointing, an encoder's `balance` and          | mesh; one hop never scatters or         |
-| (colocated) recomputation, logits sharded or gathered, head   | gathers; the head on the rows with a    |
-| chunked or not; microbatches and every schedule (virtual      | loss weight only (none counted where a  |
-| stages: a deeper model); one or two bridge hops; packed rows; | microbatch has none)                   |
-| a frozen ViT, audio tower or whole vision; batch size (fewer  |                                        |
-| samples than language dp ranks unpipelined), two steps'       |                                        |
-| lengths, a step with no item at all; items of their own size; |                                        |
-| meta init; predict; the head's chunk small                    |                                        |
-| a valid layout + one malformation: microbatches that do not   | every rank raises, the error naming     |
-| cut the batch, tokens_per_item or image size the encoder does | what is wrong (no rank left waiting:    |
-| not make / take, a modality the model lacks, one rank fed     | the harness times out otherwise)       |
-| another batch                                                 |                                        |
+| placement: disjoint / colocated (audio too, or on ranks of   | loss, grad norm, every gradient and     |
+| its own) / encoders sharing ranks; vision pp·dp·tp (pp on     | post-step weight == the single-process  |
+| ranks of its own), audio dp·tp on vision's ranks, language    | run's (`tests.test_mimo`'s oracle, its  |
+| dp·tp·cp·pp (world <= 4), HSDP where dp is even; per module   | tolerance); every encoder rank encoded  |
+| sp (tp > 1), FSDP2 or not, dp sums during backward or after,  | its planned share; HSDP on FSDP2's 2-D  |
+| in one bucket or many, resharding, activation checkpointing,  | mesh; one hop never scatters or         |
+| an encoder's `balance` and (colocated) recomputation, logits  | gathers; the head on the rows with a    |
+| sharded or gathered, head chunked or not; 1-4 microbatches    | loss weight only (none counted where a  |
+| and every schedule (virtual stages, 2 or 3 looped: a deeper   | microbatch has none)                    |
+| model; layers split evenly or one stage holding one more);    | with float8 modules (one case in four): |
+| one or two bridge hops; packed rows; a frozen ViT, audio      | loss within 0.2% and grad norm within   |
+| tower or whole vision; batch size (fewer samples than         | 3% of the one-process float8 run        |
+| language dp ranks unpipelined), two steps' lengths, a step    |                                         |
+| with no item at all; items of their own size; meta init;      |                                         |
+| predict; the head's chunk small; float8 (emulated) modules    |                                         |
+| a valid layout (vision dp, tp or pp; language dp, tp, cp or   | every rank raises, the error naming     |
+| pp; colocated or not) + one malformation: microbatches that   | what is wrong (no rank left waiting:    |
+| do not cut the batch, tokens_per_item or image size the       | the harness times out otherwise)        |
+| encoder does not make / take, a modality the model lacks, one |                                         |
+| rank fed another batch, a token id past the vocabulary, a     |                                         |
+| length cp's chunks do not cut, items of their own size at     |                                         |
+| encoder pp                                                    |                                         |
 
 The suite runs a few derandomized examples (two drawn from `SUITE_SEED`, plus `RICH`; about 30 s
 on 2 cores);
@@ -34,6 +39,7 @@ import dataclasses
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, assume, example, given, seed, settings
 from hypothesis import strategies as st
@@ -41,19 +47,21 @@ from hypothesis import strategies as st
 from dtensor_mimo import LayoutError, ParallelOptions, Parallelism, PipelineConfig
 from dtensor_mimo.schedule import check_microbatching
 from dtensor_mimo.schedule.checks import check_batch, check_model
-from dtensor_mimo.schedule.config import MULTI_STAGE_SCHEDULES, SCHEDULES, check_pipeline_layout
+from dtensor_mimo.schedule.config import LOOPED_SCHEDULES, MULTI_STAGE_SCHEDULES, SCHEDULES, check_pipeline_layout
 from tests.harness import run_on_ranks
-from tests.test_mimo import (Case, _batches, _modules, check_against_reference, check_encoded_shares, check_hsdp_meshes,
-                             check_route)
+from tests.test_mimo import (LLAMA, Case, _batches, _distributed, _modules, _reference, check_against_reference,
+                             check_encoded_shares, check_hsdp_meshes, check_route)
 
 EXAMPLES = int(os.environ.get("DTENSOR_MIMO_FUZZ_EXAMPLES", "0"))
 """0: the suite's few derandomized examples; N: N random ones (``make fuzz``)."""
 FUZZ = settings(max_examples=EXAMPLES or 2, derandomize=not EXAMPLES, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck), print_blob=True)
-SUITE_SEED = seed(31) if not EXAMPLES else (lambda test: test)
-"""The suite's draws: the simplest case, then one of a bit of everything at 2 layers and no pipeline
-(colocated tp·dp HSDP vision with sp, recomputed, beside cp·dp language, items of their own size,
-two hops, predict), whatever the test's source (a derandomized draw follows its hash otherwise)."""
+SUITE_SEED = seed(60) if not EXAMPLES else (lambda test: test)
+"""The suite's draws: the simplest case, then one of a bit of everything at 3 layers (vision and audio
+dp4 HSDP colocated with cp2·tp2 language with sp, vision recomputed, both towers frozen, items of
+their own size, packed rows, 3 microbatches under InterleavedZeroBubble: two stages on one rank,
+split 2 + 1, a text-only step, predict), whatever the test's source (a derandomized draw follows its
+hash otherwise)."""
 WORLD = 4
 
 
@@ -62,18 +70,19 @@ def _parallelism(draw, dp: int, tp: int, **sizes: int) -> Parallelism:
     return Parallelism(dp=dp, tp=tp, dp_replicate=draw(st.sampled_from([1, 2])) if dp % 2 == 0 else 1, **sizes)
 
 
-def _options(draw, par: Parallelism, encoder: bool, colocated: bool) -> ParallelOptions:
+def _options(draw, par: Parallelism, encoder: bool, colocated: bool, fp8: bool) -> ParallelOptions:
     """One module's options: sp where tp > 1, FSDP2 or not (HSDP needs it), the dp sums during or
     after backward (in buckets of 32 MiB or of a few parameters), resharding, activation
     checkpointing; an encoder's balance and, colocated, its recomputation; the language model's
-    logits sharded or gathered over tp, its head chunked or not."""
+    logits sharded or gathered over tp, its head chunked or not; `fp8`: a float8 recipe or none."""
     return ParallelOptions(sp=par.tp > 1 and draw(st.booleans()), fsdp=par.hsdp or draw(st.booleans()),
                            overlap_grad_reduce=draw(st.booleans()), grad_bucket_mb=draw(st.sampled_from([32.0, 1e-3])),
                            reshard_after_forward=draw(st.booleans()),
                            activation_checkpointing=draw(st.sampled_from([0, 1, 2])),
                            balance=draw(st.sampled_from([None, True, False])) if encoder and par.pp == 1 else None,
                            recompute_colocated=encoder and colocated and draw(st.booleans()),
-                           loss_parallel=encoder or draw(st.booleans()), chunked_loss=encoder or draw(st.booleans()))
+                           loss_parallel=encoder or draw(st.booleans()), chunked_loss=encoder or draw(st.booleans()),
+                           fp8=draw(st.sampled_from([None, "tensorwise", "rowwise"])) if fp8 else None)
 
 
 @st.composite
@@ -90,6 +99,12 @@ def cases(draw) -> Case:
         modules = {"vision": _parallelism(draw, world // v_tp, v_tp),
                    "language": _parallelism(draw, l_dp, l_tp, cp=l_cp, pp=l_pp)}
         offsets = {"vision": 0, "language": 0}
+        audio = draw(st.sampled_from([None, "colocated"] + (["own"] if world == 2 else [])))
+        if audio == "colocated":  # all three modules over the same ranks
+            a_tp = draw(tp)
+            modules["audio"], offsets["audio"] = _parallelism(draw, world // a_tp, a_tp), 0
+        elif audio == "own":  # beside the colocated pair, on ranks of its own
+            modules["audio"], offsets["audio"] = _parallelism(draw, draw(st.sampled_from([1, 2])), 1), world
     else:
         v_dp, v_tp = draw(st.sampled_from([1, 2, 3])), draw(tp)
         v_pp = draw(st.sampled_from([1, 2])) if placement == "disjoint" else 1  # encoder stages: ranks of its own
@@ -104,11 +119,16 @@ def cases(draw) -> Case:
         else:
             modules, offsets = {"vision": vision, "language": language}, None
     lang = modules["language"]
-    microbatches = draw(st.sampled_from([1, 2, 4]))
+    microbatches = draw(st.sampled_from([1, 2, 3, 4]))
     # a static-shape pipeline: even microbatches and dp shards
     pipelined = microbatches > 1 or any(p.pp > 1 for p in modules.values())
     schedule = draw(st.sampled_from(SCHEDULES)) if pipelined else "1F1B"
-    virtual_stages = 2 if schedule in MULTI_STAGE_SCHEDULES else 1
+    virtual_stages = (draw(st.sampled_from([2, 3])) if schedule in LOOPED_SCHEDULES else
+                      2 if schedule in MULTI_STAGE_SCHEDULES else 1)
+    stages = lang.pp * virtual_stages
+    # layers per stage: even, or one stage holding one more than the others
+    longer = draw(st.sampled_from([None, *range(stages)])) if pipelined and stages > 1 else None
+    split = None if longer is None else tuple(2 if s == longer else 1 for s in range(stages))
     batch_size = draw(st.integers(1, 3)) * microbatches * lang.dp if pipelined else draw(st.integers(1, 6))
     assume(batch_size <= 8)
     varied = draw(st.booleans())  # items of their own size (images, clips)
@@ -117,13 +137,14 @@ def cases(draw) -> Case:
     frozen = draw(st.sampled_from([(), ("vision.encoder",), ("vision",)]
                                   + ([("audio.encoder",), ("vision.encoder", "audio.encoder")]
                                      if "audio" in modules else [])))
+    fp8 = draw(st.sampled_from([False, False, False, True]))  # float8 modules (emulated): a looser oracle
     return Case(modules, offsets=offsets,
-                options={n: _options(draw, par, n != "language", placement == "colocated")
+                options={n: _options(draw, par, n != "language", placement == "colocated" and offsets[n] == 0, fp8)
                          for n, par in modules.items()},
                 varied=varied, packed=draw(st.booleans()), batch_size=batch_size, seq_lens=seq_lens,
-                n_layers=max(2, lang.pp * virtual_stages), frozen=frozen,
+                n_layers=max(2, stages) if split is None else sum(split), frozen=frozen,
                 pipeline=PipelineConfig(microbatches=microbatches, schedule=schedule,
-                                        virtual_stages=virtual_stages) if pipelined else None,
+                                        virtual_stages=virtual_stages, split=split) if pipelined else None,
                 bridge_hops=draw(st.sampled_from([None, 1, 2])),
                 text_only_steps=(1,) if draw(st.booleans()) else (), meta=draw(st.booleans()),
                 predict=draw(st.booleans()), loss_chunk_rows=draw(st.sampled_from([None, 16])))
@@ -146,6 +167,32 @@ def _refused(case: Case) -> str | None:
     return None
 
 
+FP8_TOL, FP8_NORM_TOL = 2e-3, 3e-2
+"""float8 modules against the one-process float8 run: each rank (and each microbatch) casts its own
+activations with its own scales, so the losses are held to 0.2% (as in tests/test_fp8.py) and the
+grad norms to 3% (measured: 0.8% a step after one microbatch of two), not to the fp32 oracle's."""
+
+
+def _check_fp8(case: Case, recipes: dict[str, str]) -> list[list[dict]]:
+    """`check_against_reference` for a case with float8 modules (`recipes`): every rank's loss and
+    grad norm within `FP8_TOL` of the one-process run with the same modules in float8; predict's
+    ids the same on every rank. Returns every rank's records."""
+    from tests.test_fp8 import _fp8
+
+    expected = _reference(case.encoders, case.packed, case.frozen, case.batch_size, case.n_layers, case.seq_lens,
+                          text_only=case.text_only_steps, varied=case.varied, prepare=_fp8(recipes))
+    per_rank = run_on_ranks(_distributed, case.layout().world_size, case, timeout=300)
+    for step, want in enumerate(expected):
+        for records in per_rank:
+            assert records[step]["loss"] == pytest.approx(want["loss"], rel=FP8_TOL), f"step {step}: loss"
+            assert records[step]["grad_norm"] == pytest.approx(want["grad_norm"], rel=FP8_NORM_TOL), \
+                f"step {step}: norm"
+    if case.predict:
+        assert all(torch.equal(r[-1]["predicted"], per_rank[0][-1]["predicted"]) for r in per_rank), \
+            "ranks disagree on the predicted ids"
+    return per_rank
+
+
 # Hypothesis starts from the simplest draw; this one has a bit of everything (shared encoder
 # ranks, language pp2 with two microbatches, packed rows, a frozen ViT, a text-only step).
 RICH = Case({"vision": Parallelism(), "audio": Parallelism(), "language": Parallelism(pp=2)},
@@ -159,7 +206,8 @@ RICH = Case({"vision": Parallelism(), "audio": Parallelism(), "language": Parall
 @given(case=cases())
 def test_random_layouts_and_batches_match_the_single_process_run(case: Case) -> None:
     assume(_refused(case) is None)
-    per_rank = check_against_reference(case, chosen=False)
+    fp8 = {n: o.fp8 for n, o in case.options.items() if o.fp8}
+    per_rank = check_against_reference(case, chosen=False) if not fp8 else _check_fp8(case, fp8)
     check_encoded_shares(case, per_rank, chosen=False)
     check_hsdp_meshes(case, per_rank)
     if case.bridge_hops != 2:  # two hops scatter and gather only where the receiving side replicates rows
@@ -175,6 +223,9 @@ MALFORMED = {
     "image_size": "the batch's 'vision' items do not fit encoder 'vision'",
     "unknown_modality": "audio",
     "different_batch": "the ranks were fed different batches",
+    "vocabulary": "the batch's token ids must index the vocabulary",
+    "cp_length": "must be a multiple of 2*cp",
+    "varied_at_encoder_pp": "the batch's 'vision' items differ in size, but encoder 'vision' has pp=2",
 }
 
 
@@ -185,7 +236,7 @@ def _malformed_step(case: Case, malformation: str) -> str | None:
     from dtensor_mimo.optim.step import train_step
     from tests.test_mimo import MODALITIES, OPT, _batches
 
-    llama, encoders = _modules(case.encoders)
+    llama, encoders = _modules(case.encoders, varied=malformation == "varied_at_encoder_pp")
     model = MimoModel(case.layout(), llama, encoders, options=case.options, pipeline=case.pipeline)
     optimizer = MimoOptimizer(model, OPT)
     batch = _batches(case.encoders, case.packed, case.batch_size, case.seq_lens[:1])[0]
@@ -204,6 +255,12 @@ def _malformed_step(case: Case, malformation: str) -> str | None:
         batch = synthetic_batch(dataclasses.replace(spec, seq_len=case.seq_lens[0]), seed=0)
     elif malformation == "different_batch" and dist.get_rank() == dist.get_world_size() - 1:
         batch = _batches(case.encoders, case.packed, case.batch_size, case.seq_lens[1:])[0]
+    elif malformation == "vocabulary":  # one id past the vocabulary, in the last sample
+        batch.tokens[-1, -1] = LLAMA.vocab_size + 7
+    elif malformation == "cp_length":  # cp's load-balanced chunks: the length a multiple of 2 * cp, plus 2
+        batch = _batches(case.encoders, case.packed, case.batch_size, (4 * 2 * 6 + 2,))[0]
+    elif malformation == "varied_at_encoder_pp":
+        batch = _batches(case.encoders, case.packed, case.batch_size, case.seq_lens[:1], varied=True)[0]
     try:
         train_step(model, optimizer, batch)
     except Exception as e:  # noqa: BLE001 - the message is what is checked
@@ -213,16 +270,21 @@ def _malformed_step(case: Case, malformation: str) -> str | None:
 
 @st.composite
 def malformed(draw) -> tuple[Case, str]:
-    vision = Parallelism(dp=draw(st.sampled_from([1, 2])))
-    language = Parallelism(dp=draw(st.sampled_from([1, 2])))
+    """A valid layout (vision dp, tp or pp on ranks of its own, or colocated; language dp, tp,
+    cp or pp) and one malformation it can meet."""
     colocated = draw(st.booleans())
-    if colocated:
-        vision = language = Parallelism(dp=2)
-    mb = draw(st.sampled_from([1, 2]))
+    language = Parallelism(**{draw(st.sampled_from(["dp", "tp", "cp", "pp"])): 2} if draw(st.booleans()) else {})
+    if colocated:  # over two ranks at least (one rank fed another batch needs two)
+        language = language if language.size > 1 else Parallelism(dp=2)
+        vision = Parallelism(dp=language.size)
+    else:
+        vision = Parallelism(**{draw(st.sampled_from(["dp", "tp", "pp"])): 2} if draw(st.booleans()) else {})
+    mb = draw(st.sampled_from([1, 2])) if vision.pp == language.pp == 1 else 2
     case = Case({"vision": vision, "language": language}, offsets={"vision": 0, "language": 0} if colocated else None,
-                batch_size=2 * mb * language.dp, seq_lens=(48, 64),
+                batch_size=2 * mb * language.dp, seq_lens=(48, 64), n_layers=2,
                 pipeline=PipelineConfig(microbatches=mb) if mb > 1 else None)
-    kinds = [k for k in MALFORMED if k != "microbatches" or mb > 1]  # unpipelined, dp shards may be uneven
+    kinds = [k for k in MALFORMED if (k != "microbatches" or mb > 1)  # unpipelined, dp shards may be uneven
+             and (k != "cp_length" or language.cp > 1) and (k != "varied_at_encoder_pp" or vision.pp > 1)]
     return case, draw(st.sampled_from(kinds))
 
 

@@ -562,7 +562,7 @@ def check_encoded_shares(case: Case, per_rank: list[list[dict]], chosen: bool = 
     differ from by sample). Every rank of an encoder's mesh runs exactly one forward per
     microbatch (recomputed encoders, which train: then each again, in backward), or in the
     colocated three phases one forward on every microbatch's items at once (the library's
-    encoders, items of one size, not recomputed); encoders with pp > 1 (their stages run, not
+    encoders, items of one size, not recomputed, not in float8); encoders with pp > 1 (their stages run, not
     the module) are not looked at. The plan comes from `data.balance`, checked
     against every contiguous split in tests/test_balance.py; this checks the run follows it.
     `chosen`: a case chosen by hand, whose balancing must move items somewhere (a drawn one may
@@ -593,7 +593,8 @@ def check_encoded_shares(case: Case, per_rank: list[list[dict]], chosen: bool = 
             again = (key == "encoded" and case.options.get(name, ParallelOptions()).recompute_colocated
                      and name not in case.frozen)
             together = (three_phases and key == "encoded" and len(mbs) > 1 and not again and not case.varied
-                        and not (name == "vision" and case.custom_vision))
+                        and not (name == "vision" and case.custom_vision)
+                        and case.options.get(name, ParallelOptions()).fp8 is None)  # float8: scales per call
             for rank, records in enumerate(per_rank):
                 if layout.coordinate(name, rank) is None:
                     continue

@@ -151,7 +151,10 @@ class LanguageStage(nn.Module):
                 return token_loss_sum(head(h), labels, weights) / self.normalizer
         out = self.llama(h=x, positions=positions, document_ids=document_ids, sequence_index=sequence_index)
         if not self.last:
-            return out if self.hidden_dtype is None else out.to(self.hidden_dtype)
+            out = out if self.hidden_dtype is None else out.to(self.hidden_dtype)
+            # torch's zero-bubble input pass detaches each stage output in place (`detach_`),
+            # which a view refuses: under sp the hidden states are the view `full_tensor` returns.
+            return out.clone() if out._is_view() else out
         if self.predicting:  # the ids, and the loss share of the same logits (held-out loss)
             self.predicted_loss = token_loss_sum(out, labels, loss_mask).detach() / self.normalizer
             return vocab_parallel_argmax(out) if isinstance(out, DTensor) else out.argmax(-1)
