@@ -28,6 +28,7 @@ from dtensor_mimo.models.protocol import encoder_width, item_rule
 from dtensor_mimo.parallelize import (GradientReducer, ParallelOptions, compute_dtype, finish_gradients,
                                       replica_problems, reshard_fsdp_modules)
 from dtensor_mimo.parallelize.fp8 import check_fp8, refresh_fp8_scales
+from dtensor_mimo.parallelize.replicas import head_local
 from dtensor_mimo.schedule import (EncoderPipeline, LanguagePipeline, LanguageStage, PipelineConfig,
                                    check_microbatching, stage_inputs)
 from dtensor_mimo.schedule.checks import check_batch, check_model, ids_outside, overlapped
@@ -149,6 +150,16 @@ class MimoModel(nn.Module):
         # Known on every rank: whether each encoder trains (ranks off its mesh join its backward),
         # its item rule (batches are checked everywhere), and which modules lack init_weights.
         self._trainable = {n: any(p.requires_grad for p in e.parameters()) for n, e in encoders.items()}
+        trains_fp16 = [n for n, m in {**encoders, language_name: language}.items()
+                       if self.options[n].param_dtype == torch.float16 and any(p.requires_grad for p in m.parameters())]
+        if trains_fp16:
+            # fp16 keeps 5 exponent bits: without loss scaling (which nothing here does) gradients
+            # below 6e-8 flush to zero, and a loss normalised by the global batch's token count
+            # has them in every layer (the tiny test model at 4,096 tokens: 57% off); a frozen
+            # module has no gradients
+            raise ValueError(f"ParallelOptions(param_dtype=torch.float16) for {trains_fp16}: trains without loss "
+                             "scaling here, so its gradients underflow (more of them the more tokens a batch "
+                             "holds); use param_dtype='bf16' (fp32's exponent range), or freeze the module")
         self.item_rules = {n: item_rule(e) for n, e in encoders.items()}
         self._widths = {n: encoder_width(e) for n, e in encoders.items()}  # what an item costs (balancing)
         modules = {**encoders, language_name: language}
@@ -198,6 +209,8 @@ class MimoModel(nn.Module):
         self._dp_summed = [n for n in self.module_names
                            if not self.options[n].fsdp and layout.parallelism(n).dp * layout.parallelism(n).cp > 1]
         """The modules whose gradients `reduce_gradients` sums over dp·cp itself (no FSDP2), on every rank."""
+        self._tp_summed = [n for n in self.module_names if layout.parallelism(n).tp > 1 and n not in self._dp_summed]
+        """The other modules whose head-local gradients `reduce_gradients` sums over tp (`replicas.head_local`)."""
         self._grads_summed = False
         """`reduce_gradients` summed the gradients present: a run that accumulates onto them sets them aside."""
         self._summed_grads: dict[nn.Parameter, torch.Tensor] = {}
@@ -591,13 +604,15 @@ class MimoModel(nn.Module):
 
     def _set_aside_summed(self) -> None:
         """Before the backward of a run that accumulates onto gradients `reduce_gradients` already
-        summed over dp·cp without FSDP2: take those off their parameters (a sum over dp of a sum
-        would count them dp·cp times; FSDP2 accumulates its reduced shards itself) until the next
+        summed over dp·cp without FSDP2, and the head-local ones it summed over tp (any module with
+        tp > 1): take those off their parameters (a sum over dp of a sum would count them dp·cp
+        times, over tp tp times; FSDP2 accumulates its reduced shards itself) until the next
         `reduce_gradients` has summed the run's own and adds them back. The same calls on every
         rank: no message."""
-        for name in self._dp_summed:
-            for p in self.module_parameters(name).values():
-                if p.grad is not None:
+        for name in (*self._dp_summed, *self._tp_summed):
+            for pname, p in self.module_parameters(name).items():
+                # a sum over tp of a sum would count a head-local gradient tp times too
+                if p.grad is not None and (name in self._dp_summed or head_local(pname)):
                     self._summed_grads[p] = p.grad
                     p.grad = None
         self._grads_summed = False
@@ -633,7 +648,7 @@ class MimoModel(nn.Module):
                     p.grad = grad
                 else:
                     p.grad += grad
-        self._summed_grads, self._grads_summed = {}, bool(self._dp_summed)
+        self._summed_grads, self._grads_summed = {}, bool(self._dp_summed or self._tp_summed)
         return next((p for p in problems if p), None)
 
 

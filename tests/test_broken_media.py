@@ -127,7 +127,6 @@ def test_a_truncated_heldout_image_does_not_cost_the_export(tiny: str, tmp_path)
     assert "the export was written" in out.stderr
 
 
-
 def test_the_launchers_checks_leave_unreadable_media_headers_to_the_steps(tiny: str, tmp_path, monkeypatch) -> None:
     """Images at their own size (dynamic_resolution) have their headers read when a sample is
     tokenized, as the launcher's checks do for the first samples. A zero-byte image there was a

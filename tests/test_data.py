@@ -249,16 +249,22 @@ class _Numbered(torch.utils.data.Dataset):
 
 def _numbered_right(got, i) -> bool:
     values, (counted,) = got
-    return values.shape == (1000 + 700 * (i % 4),) and bool((values == i).all()) and counted.tolist() == list(range(i + 1))
+    return (values.shape == (1000 + 700 * (i % 4),) and bool((values == i).all())
+            and counted.tolist() == list(range(i + 1)))
 
 
-def test_a_loader_worker_reuses_its_segments_and_never_overwrites_a_batch_the_rank_holds():
+def test_a_loader_worker_reuses_its_segments_and_never_overwrites_a_batch_the_rank_holds(monkeypatch):
     """`Handover`: a worker's batches cross in a few shared segments that the rank frees as it
     drops each batch (the same addresses come back); batches the rank keeps hold their own
     values while the worker goes on (it takes other segments, then new buffers, never a held
     one); once dropped, their segments are reused again."""
+    from dtensor_mimo.data import transfer
     from dtensor_mimo.data.transfer import Handover
 
+    crossed = []  # per batch the rank takes from a segment: whether the segment itself crossed with it
+    take = transfer._Receiver.flat
+    monkeypatch.setattr(transfer._Receiver, "flat", lambda self, pool, index, segment, *rest: (
+        crossed.append(segment is not None), take(self, pool, index, segment, *rest))[1])
     context = "fork" if sys.platform.startswith("linux") else None
     loader = torch.utils.data.DataLoader(_Numbered(Handover(segments=4)), batch_size=None, num_workers=1,
                                          collate_fn=_as_is, multiprocessing_context=context, prefetch_factor=2,
@@ -271,6 +277,9 @@ def test_a_loader_worker_reuses_its_segments_and_never_overwrites_a_batch_the_ra
         addresses.append(got[0].untyped_storage().data_ptr())
         del got
     assert len(set(addresses[8:])) <= 4, addresses  # segments grow for the larger batches, then all fit
+    # (addresses alone cannot tell: a new segment is often mapped where the last one was unmapped):
+    # 4 segments made, each grown at most twice (8, 12, 16 KiB), every other batch by name
+    assert len(crossed) == 16 and sum(crossed) <= 4 * 3, crossed
     held = [(i, next(stream).unpack()) for i in range(16, 32)]  # kept: 4 segments, then buffers of their own
     assert all(_numbered_right(got, i) for i, got in held)
     assert len({got[0].untyped_storage().data_ptr() for _, got in held}) == len(held)

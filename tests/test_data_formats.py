@@ -21,7 +21,7 @@ text-only samples) is written as the reference JSON list and again as:
 | test_images_are_read_as_their_exif_orientation_shows_them | EXIF orientation 6: pixels, header shape turned |
 | test_a_dataset_directory_with_a_trailing_slash_finds_the_same_media | 'data/hf/' and 'data/hf': media under data/ |
 | test_a_corrupt_parquet_row_group_names_the_file_and_row | a damaged row group: DataError naming the file and row |
-| test_a_tar_sample_missing_its_member_is_broken_media | past the checked head: MediaError on its row (skip_bad_media applies); left out, it builds |
+| test_a_tar_sample_missing_its_member_is_broken_media | past the head: MediaError on its row; left out, it builds |
 """
 
 from __future__ import annotations

@@ -296,6 +296,53 @@ def test_runs_accumulate_after_reduce_gradients(overlap: bool, via_call: bool, d
         torch.testing.assert_close(got[k], first[k] + second[k], rtol=2e-5, atol=2e-6, msg=lambda m: f"{k}: {m}")
 
 
+def _qk_norm_reduced_between_runs(fsdp: bool) -> dict:
+    """Language tp2 (`fsdp`: tp2·dp2 under FSDP2) with Qwen3's per-head q/k norms (their gradient
+    a SUM over tp, `replicas.head_local`), vision over every rank, colocated: two runs with
+    `reduce_gradients` after each, as in `_reduced_between_runs`. The gradients, gathered whole."""
+    import dataclasses
+
+    import tests.test_mimo as test_mimo
+    from dtensor_mimo import MimoLayout, MimoModel, ParallelOptions, Parallelism
+    from tests.test_pipeline import _gathered_gradients
+
+    plain = test_mimo.LLAMA
+    test_mimo.LLAMA = dataclasses.replace(plain, qk_norm=True)
+    try:
+        dp = 2 if fsdp else 1  # FSDP2 needs dp > 1: language tp2·dp2, vision dp4 on 4 ranks
+        layout = MimoLayout.colocated({"vision": Parallelism(dp=2 * dp), "language": Parallelism(tp=2, dp=dp)})
+        options = ParallelOptions(fsdp=fsdp)
+        model = MimoModel(layout, *test_mimo._modules(("vision",)), options={"vision": options, "language": options})
+        for batch in test_mimo._batches(("vision",), False, 4, (64, 64)):
+            model.forward_backward(batch)
+            assert model.reduce_gradients() is None
+        return _gathered_gradients(model)
+    finally:
+        test_mimo.LLAMA = plain
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp"])
+def test_runs_accumulate_after_reduce_gradients_with_tp_summed_gradients(fsdp: bool) -> None:
+    """`reduce_gradients` sums the q/k norms' gradients over tp (each tp rank holds a partial sum
+    over its heads); a run accumulating after it must not sum the first run's total again.
+    Reference: the single-process gradients of both batches, added."""
+    import dataclasses
+
+    import tests.test_mimo as test_mimo
+    from tests.test_pipeline import _reference_gradients
+
+    plain = test_mimo.LLAMA
+    test_mimo.LLAMA = dataclasses.replace(plain, qk_norm=True)
+    try:
+        first, second = (_reference_gradients(b)[1] for b in test_mimo._batches(("vision",), False, 4, (64, 64)))
+    finally:
+        test_mimo.LLAMA = plain
+    got = run_on_ranks(_qk_norm_reduced_between_runs, 4 if fsdp else 2, fsdp, timeout=180)[0]
+    assert any("q_norm" in k for k in first)
+    for k in first:
+        torch.testing.assert_close(got[k], first[k] + second[k], rtol=2e-5, atol=2e-6, msg=lambda m: f"{k}: {m}")
+
+
 def _fsdp_reduced_in_last_backward(pp: int) -> list[float]:
     """The share of each FSDP2 pipeline stage's parameters that are sharded again and hold their
     reduced gradient when torch's schedule starts its own reduction after the step (`perform_reduce_grad`),

@@ -106,8 +106,9 @@ class ParallelOptions:
             dtype (e.g. ``torch.bfloat16`` or "bf16") while the parameters, their gradients and
             the optimizer state stay in the parameters' own dtype (fp32 master weights). With
             FSDP2 the parameters are all-gathered in it; without FSDP the module's forward runs
-            under `torch.autocast`. None: compute in the parameters' dtype. float16 is refused:
-            it needs loss scaling, which the library does not do (its gradients would underflow).
+            under `torch.autocast`. None: compute in the parameters' dtype. float16 only for a
+            frozen module: training in it needs loss scaling, which the library does not do
+            (its gradients would underflow); `MimoModel` refuses it for a module that trains.
         reduce_dtype: dtype of the data-parallel gradient reduction (FSDP2's reduce-scatter or
             the all-reduce without FSDP). None: float32 when `param_dtype` is set (fp32 gradient
             sums), else the gradients' dtype.
@@ -206,13 +207,6 @@ class ParallelOptions:
             elif value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise TypeError(f"ParallelOptions: {name}={value!r} must be a floating dtype such as "
                                 f"torch.bfloat16, one of {sorted(DTYPES)}, or None")
-        if self.param_dtype == torch.float16:
-            # fp16 keeps 5 exponent bits: without loss scaling (which nothing here does) gradients
-            # below 6e-8 flush to zero, and a loss normalised by the global batch's token count
-            # has them in every layer (the tiny test model at 4,096 tokens: 57% off)
-            raise ValueError("ParallelOptions: param_dtype=torch.float16 trains without loss scaling here, so "
-                             "its gradients underflow (more of them the more tokens a batch holds); use "
-                             "param_dtype='bf16' (fp32's exponent range), or None")
         flags = {n: getattr(self, n) for n in ("sp", "fsdp", "compile", "reshard_after_forward",
                                                "loss_parallel", "chunked_loss", "recompute_colocated",
                                                "overlap_grad_reduce")}

@@ -57,7 +57,7 @@ def preflight(config: TrainerConfig) -> None:
         check = getattr(dataset, "check_lengths", None)
         if check is not None:
             # a media header that cannot be read: a batch leaves its sample out (held-out data, or skipping)
-            skip = dataset is data.heldout or getattr(config.data, "skip_bad_media", False)
+            skip = dataset is data.heldout or config.data.skip_bad_media
             try:
                 check(CHECKED_SAMPLES, skip_media=skip)
             except ValueError as e:

@@ -389,6 +389,7 @@ class Trainer:
         finally:
             if workers:  # joined here, also when a worker's error ends the batches: its traceback
                 # holds the loader, and with it the processes, for as long as the error lives
+                # (torch has no public way to end an iterator's workers; 2.11 and 2.13 have this)
                 stream._shutdown_workers()
 
     def trainer_state(self) -> dict[str, Any]:
