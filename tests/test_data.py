@@ -255,7 +255,7 @@ def _numbered_right(got, i) -> bool:
 
 def test_a_loader_worker_reuses_its_segments_and_never_overwrites_a_batch_the_rank_holds(monkeypatch):
     """`Handover`: a worker's batches cross in a few shared segments that the rank frees as it
-    drops each batch (the same addresses come back); batches the rank keeps hold their own
+    drops each batch (each segment crosses once, or again when it grows); batches the rank keeps hold their own
     values while the worker goes on (it takes other segments, then new buffers, never a held
     one); once dropped, their segments are reused again."""
     from dtensor_mimo.data import transfer
@@ -270,14 +270,11 @@ def test_a_loader_worker_reuses_its_segments_and_never_overwrites_a_batch_the_ra
                                          collate_fn=_as_is, multiprocessing_context=context, prefetch_factor=2,
                                          persistent_workers=True)
     stream = iter(loader)
-    addresses = []
     for i in range(16):  # each batch dropped before the next: segments come back
         got = next(stream).unpack()
         assert _numbered_right(got, i), i
-        addresses.append(got[0].untyped_storage().data_ptr())
         del got
-    assert len(set(addresses[8:])) <= 4, addresses  # segments grow for the larger batches, then all fit
-    # (addresses alone cannot tell: a new segment is often mapped where the last one was unmapped):
+    # (addresses cannot tell: a new segment is often mapped where the last one was unmapped)
     # 4 segments made, each grown at most twice (8, 12, 16 KiB), every other batch by name
     assert len(crossed) == 16 and sum(crossed) <= 4 * 3, crossed
     held = [(i, next(stream).unpack()) for i in range(16, 32)]  # kept: 4 segments, then buffers of their own
@@ -285,13 +282,13 @@ def test_a_loader_worker_reuses_its_segments_and_never_overwrites_a_batch_the_ra
     assert len({got[0].untyped_storage().data_ptr() for _, got in held}) == len(held)
     del held
     gc.collect()
-    later = []
+    before = len(crossed)
     for i in range(32, 44):
         got = next(stream).unpack()
         assert _numbered_right(got, i), i
-        later.append(got[0].untyped_storage().data_ptr())
         del got
-    assert len(set(later[4:])) <= 4, later  # (the first few were made while the rank held every segment)
+    # dropped, the segments come back (the first few batches were made while the rank held them all)
+    assert len(crossed) - before >= 8, crossed[before:]
 
 
 def test_a_handover_pickled_into_a_worker_hands_its_batches_back_by_name():
