@@ -51,6 +51,10 @@ def tiny(tmp_path_factory) -> str:
     return out
 
 
+def _first_image(sample: dict) -> str:
+    return sample["image"] if isinstance(sample["image"], str) else sample["image"][0]
+
+
 def _copy_with_a_truncated_image(tiny: str, dest, splits: tuple[str, ...]) -> dict[str, tuple[str, str]]:
     """`tiny` copied to `dest` with the first image of the first imaged sample of each of `splits`
     cut to half its bytes: ``{split: (sample id, file)}``."""
@@ -59,8 +63,7 @@ def _copy_with_a_truncated_image(tiny: str, dest, splits: tuple[str, ...]) -> di
     for split in splits:
         with open(os.path.join(dest, "data", f"{split}.jsonl")) as f:
             sample = next(s for s in map(json.loads, f) if "image" in s)
-        image = sample["image"] if isinstance(sample["image"], str) else sample["image"][0]
-        path = os.path.join(dest, "data", image)
+        path = os.path.join(dest, "data", _first_image(sample))
         with open(path, "rb") as f:
             data = f.read()
         with open(path, "wb") as f:
@@ -127,6 +130,13 @@ def test_a_truncated_heldout_image_does_not_cost_the_export(tiny: str, tmp_path)
     assert "the export was written" in out.stderr
 
 
+def _emptied_image(data: str, sample: dict) -> str:
+    """`sample`'s first image under `data`, made zero bytes (a failed download: no header)."""
+    image = _first_image(sample)
+    open(os.path.join(data, image), "wb").close()
+    return image
+
+
 def test_the_launchers_checks_leave_unreadable_media_headers_to_the_steps(tiny: str, tmp_path, monkeypatch) -> None:
     """Images at their own size (dynamic_resolution) have their headers read when a sample is
     tokenized, as the launcher's checks do for the first samples. A zero-byte image there was a
@@ -141,9 +151,7 @@ def test_the_launchers_checks_leave_unreadable_media_headers_to_the_steps(tiny: 
     for split in ("train", "val"):
         with open(os.path.join("data", f"{split}.jsonl")) as f:
             sample = next(s for s in map(json.loads, f) if "image" in s)
-        image = sample["image"] if isinstance(sample["image"], str) else sample["image"][0]
-        open(os.path.join("data", image), "wb").close()  # a zero-byte download: no header
-        emptied[split] = (sample["id"], image)
+        emptied[split] = (sample["id"], _emptied_image("data", sample))
     with open(os.path.join("data", "train.jsonl")) as f, open(os.path.join("data", "sound.jsonl"), "w") as out:
         out.writelines(line for line in f if json.loads(line)["id"] != emptied["train"][0])
     argv = ["--config", CONFIG, "--model.encoders.image.dynamic_resolution", "true", "--checkpoint.export_hf", "none"]
@@ -172,8 +180,7 @@ def test_an_unreadable_heldout_header_is_left_out_of_the_generated_answers(tiny:
     shutil.copytree(tiny, tmp_path / "run")
     with open(tmp_path / "run" / "data" / "val.jsonl") as f:
         sample = [s for s in map(json.loads, f) if "image" in s][0]
-    image = sample["image"] if isinstance(sample["image"], str) else sample["image"][0]
-    open(tmp_path / "run" / "data" / image, "wb").close()  # a zero-byte download: no header
+    _emptied_image(str(tmp_path / "run" / "data"), sample)
     argv = [*ARGS, "--train.steps", "1", "--train.generate", "3", "--data.skip_bad_media", "true",
             "--model.encoders.image.dynamic_resolution", "true", "--checkpoint.export_hf", "none",
             "--layout.language.offset", "0", "--pipeline.microbatches", "1"]
@@ -196,8 +203,7 @@ def test_an_unreadable_header_in_the_first_training_sample_does_not_cost_the_exp
     first = next(s for s in samples if "image" in s)
     with open(train, "w") as f:  # the imaged sample first: dataset index 0
         f.writelines(json.dumps(s) + "\n" for s in [first] + [s for s in samples if s is not first])
-    image = first["image"] if isinstance(first["image"], str) else first["image"][0]
-    open(tmp_path / "run" / "data" / image, "wb").close()  # a zero-byte download: no header
+    _emptied_image(str(tmp_path / "run" / "data"), first)
     argv = [*ARGS, "--train.steps", "1", "--data.heldout", "none", "--data.skip_bad_media", "true",
             "--model.encoders.image.dynamic_resolution", "true", "--layout.language.offset", "0",
             "--pipeline.microbatches", "1"]

@@ -21,6 +21,7 @@ reference's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -112,14 +113,21 @@ def _weighted_batches(*args, **kwargs):
     return [dataclasses.replace(b, loss_mask=b.loss_mask / 3) for b in _unweighted_batches(*args, **kwargs)]
 
 
-def _distributed_weighted(case: Case) -> list[dict]:
+@contextlib.contextmanager
+def _weighted():
+    """`tests.test_mimo`'s runs on `_weighted_batches` inside the block."""
     import tests.test_mimo as test_mimo
 
     test_mimo._batches = _weighted_batches
     try:
-        return _distributed(case)
+        yield
     finally:
         test_mimo._batches = _unweighted_batches
+
+
+def _distributed_weighted(case: Case) -> list[dict]:
+    with _weighted():
+        return _distributed(case)
 
 
 @pytest.mark.parametrize("name", ["colocated", "pipelined"])
@@ -128,17 +136,12 @@ def test_fractional_loss_weights_keep_their_precision(name: str) -> None:
     FSDP2's bf16 policy too, as under autocast: FSDP2 casts a root's floating forward inputs to
     `param_dtype`, which would round the language stage's loss weights to bf16 while the
     normalizer sums the fp32 ones (a loss and gradients 0.2% too large at weights of 1/3)."""
-    import tests.test_mimo as test_mimo
-
     case = dataclasses.replace(CASES[name], seq_lens=(64,))
     if name == "pipelined":  # the language stages under FSDP2 (dp2), the encoder on its own ranks
         case = dataclasses.replace(case, modules={"vision": P(dp=2), "language": P(pp=2, dp=2)})
-    test_mimo._batches = _weighted_batches
-    try:
+    with _weighted():
         expected = _reference.__wrapped__(case.encoders, case.packed, case.frozen, case.batch_size, case.n_layers,
                                           case.seq_lens, torch.bfloat16)
-    finally:
-        test_mimo._batches = _unweighted_batches
     for records in run_on_ranks(_distributed_weighted, case.layout().world_size, case, timeout=300):
         if records:
             assert records[0]["loss"] == pytest.approx(expected[0]["loss"], rel=1e-3)
