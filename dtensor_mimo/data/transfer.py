@@ -191,15 +191,16 @@ class _Receiver:
             segments[index] = segment
         # The buffer's storage owns `view`: freeing the batch's last tensor frees the segment.
         view = segments[index][:nbytes].numpy()
-        weakref.finalize(view, _free, flags, index).atexit = False
+        weakref.finalize(view, _free, flags, index, os.getpid()).atexit = False
         return Flat(torch.from_numpy(view), skeleton, layout)
 
 
 _RECEIVERS: weakref.WeakValueDictionary[str, _Receiver] = weakref.WeakValueDictionary()
 
 
-def _free(flags: torch.Tensor, index: int) -> None:
-    flags[index] = 1
+def _free(flags: torch.Tensor, index: int, rank: int) -> None:
+    if os.getpid() == rank:  # not in a process forked from the rank, which shares the flags but not its batches
+        flags[index] = 1
 
 
 def _received(pool: tuple[str, str], index: int, segment: torch.Tensor | None, flags: torch.Tensor | None,
