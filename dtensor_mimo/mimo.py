@@ -27,7 +27,7 @@ from dtensor_mimo.models.hf import hf_parts, plan_hf
 from dtensor_mimo.models.protocol import encoder_width, item_rule
 from dtensor_mimo.parallelize import (GradientReducer, ParallelOptions, compute_dtype, finish_gradients,
                                       replica_problems, reshard_fsdp_modules)
-from dtensor_mimo.parallelize.fp8 import check_fp8, refresh_fp8_scales
+from dtensor_mimo.parallelize.fp8 import check_fp8, fp8_rows_problem, refresh_fp8_scales
 from dtensor_mimo.parallelize.replicas import head_local
 from dtensor_mimo.schedule import (EncoderPipeline, LanguagePipeline, LanguageStage, PipelineConfig,
                                    check_microbatching, stage_inputs)
@@ -191,6 +191,9 @@ class MimoModel(nn.Module):
                 roots.append(root)
                 if stages is not None:
                     self.encoder_pipelines[name] = stages
+        self._fp8_rows = (self.device.type == "cuda" and self.options[language_name].fp8 is not None
+                          and any(p.requires_grad for p in language.parameters()))
+        """A float8 language model that trains on CUDA: each batch's rows a call are checked (`fp8_rows_problem`)."""
         self.language_pipeline: LanguagePipeline | None = None
         self.language_stages = nn.ModuleList()  # this rank's stages (registered: .parameters())
         if layout.is_member(language_name, self.rank):
@@ -437,6 +440,12 @@ class MimoModel(nn.Module):
         self._check_initialized()
         check_batch(self.layout, self.language_name, self.encoder_names, batch, self.item_rules, self.vocab_size,
                     self.options[self.language_name].sp)
+        if self._fp8_rows and mode != "predict" and torch.is_grad_enabled():  # every rank alike
+            par = self.layout.parallelism(self.language_name)
+            problem = fp8_rows_problem(batch.batch_size, batch.seq_len,
+                                       self.pipeline.microbatches if mode == "train" else 1, par.dp, par.cp)
+            if problem is not None:
+                raise ValueError(problem)
         if mode == "train" and self.pipelined:
             check_microbatching(batch.batch_size, self.pipeline.microbatches,
                                 self.layout.parallelism(self.language_name).dp, self.language_name)

@@ -500,3 +500,48 @@ def test_float8_all_gathers_take_uneven_fsdp_shards() -> None:
     for records in run_on_ranks(_distributed, 3, case, timeout=180):
         losses = _losses(records)
         assert max(_relative(losses, one_process_fp8)) < DP_TOL, (losses, one_process_fp8)
+
+
+@pytest.mark.parametrize("batch_size,seq_len,microbatches,dp,cp,bad", [
+    (4, 64, 1, 2, 1, None),          # 2 x 64 = 128 rows a call
+    (5, 72, 1, 2, 1, [216]),         # dp shards of 3 and 2: 216 rows (off), 144 (a multiple of 16)
+    (4, 72, 2, 1, 1, None),          # 2 x 72 = 144
+    (3, 72, 1, 2, 1, [72]),          # 2 x 72 = 144, 1 x 72 = 72 (off)
+    (2, 72, 1, 4, 1, [72]),          # empty shards run a stand-in sample: 72 rows
+    (4, 72, 1, 2, 2, [72]),          # cp 2: chunks of 36, 2 x 36 = 72 (off)
+    (5, 96, 3, 2, 2, None),          # chunks of 48: any count fits
+])
+def test_float8_language_rows_a_call_on_cuda(batch_size, seq_len, microbatches, dp, cp, bad) -> None:
+    """The language model's float8 weight gradients take a call's rows (a dp rank's samples of a
+    microbatch x its cp chunk) as their matmuls' inner dim, which CUDA's ``_scaled_mm`` takes
+    only in multiples of 16: a batch that gives some dp rank another count is refused (by its
+    shape, on every rank alike), naming the counts and the seq_len that fits. Hand-counted rows."""
+    from dtensor_mimo.parallelize.fp8 import fp8_rows_problem
+
+    problem = fp8_rows_problem(batch_size, seq_len, microbatches, dp, cp)
+    if bad is None:
+        assert problem is None
+    else:
+        assert problem is not None and f"calls of {bad} rows" in problem and f"a multiple of {16 * cp}" in problem
+
+
+def _fp8_language_rows_on_cuda() -> str:
+    """Language dp2 in float8 (emulated here), as on CUDA (`MimoModel._fp8_rows`): a training run on
+    3 samples of 72 tokens (dp shards of 2 and 1: 144 and 72 rows) is refused before it starts."""
+    fp8 = {"language": ParallelOptions(fp8="tensorwise")}
+    layout = MimoLayout.colocated({"vision": Parallelism(dp=2), "language": Parallelism(dp=2)})
+    model = MimoModel(layout, *_modules(("vision",)), options=fp8)
+    model._fp8_rows = True
+    from tests.test_mimo import _batches
+
+    try:
+        model.forward_backward(_batches(("vision",), False, 3, (72,))[0])
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_float8_language_rows_off_sixteen_are_refused_on_every_rank() -> None:
+    pytest.importorskip("torchao")
+    messages = run_on_ranks(_fp8_language_rows_on_cuda, 2, timeout=120)
+    assert all("calls of [72] rows" in m for m in messages), messages

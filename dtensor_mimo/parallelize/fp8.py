@@ -169,6 +169,26 @@ def convert_to_fp8(stack: nn.Module, config: Float8LinearConfig, module: str, re
             layer.__class__ = Float8LinearOrEmpty  # as fully_shard swaps a module's class
 
 
+def fp8_rows_problem(batch_size: int, seq_len: int, microbatches: int, dp: int, cp: int) -> str | None:
+    """Why a float8 language model could not train on a batch of `batch_size` x `seq_len` on CUDA,
+    or None. Its weight gradients' float8 matmuls take the rows of a call (a dp rank's samples of
+    a microbatch x its cp chunk) as their inner dim, which ``torch._scaled_mm`` takes only in
+    multiples of `FP8_DIM_MULTIPLE`; the language model's rows are not padded (that would copy
+    aligned ones too), and a dp rank whose count is off would fail alone while its peers wait. The
+    same answer on every rank (the global batch's shape); O(1): the samples a call can hold take
+    at most four values (an empty shard runs a stand-in sample)."""
+    chunk = seq_len // cp
+    per_mb = {batch_size // microbatches, -(-batch_size // microbatches)}
+    counts = {max(1, n) for b in per_mb for n in (b // dp, -(-b // dp))}
+    bad = sorted(n * chunk for n in counts if n * chunk % FP8_DIM_MULTIPLE)
+    if not bad:
+        return None
+    return (f"fp8 on the language model: a batch of {batch_size} x {seq_len} tokens over {microbatches} "
+            f"microbatch(es), dp {dp} and cp {cp} gives calls of {bad} rows, and float8 weight gradients on "
+            f"CUDA take them in multiples of {FP8_DIM_MULTIPLE}; give seq_len a multiple of "
+            f"{FP8_DIM_MULTIPLE * cp} (16 x cp), or fp8 off for the language model")
+
+
 def even_rows(layer: nn.Linear, tp: int, shards: int) -> bool:
     """Whether `layer`'s weight rows split evenly over `shards` FSDP2 ranks on each of `tp` ranks
     (what torchao's float8 all-gather takes: it sends a shard unpadded, so a short last shard
