@@ -347,6 +347,20 @@ def test_seq_len_is_rounded_for_cp_chunks_and_each_cp_ranks_sp_shards(cp: int, t
     assert got == rounded and got % (2 * cp if cp > 1 else 1) == 0 and (got // cp) % tp == 0
 
 
+@pytest.mark.parametrize("cp, minimum, rounded", [(1, 72, 80), (2, 72, 96), (1, 64, 64)])
+def test_seq_len_is_rounded_for_a_float8_language_model_on_cuda(cp: int, minimum: int, rounded: int) -> None:
+    """On CUDA a float8 language model's weight gradients take each cp rank's rows in multiples of
+    16 (`fp8_rows_problem`, which a step would refuse): seq_len rounds to 16·cp there (72 -> 80,
+    at cp 2 -> 96); on the CPU (emulated float8) as without fp8."""
+    from dtensor_mimo.parallelize.fp8 import fp8_rows_problem
+    from dtensor_mimo.train.datasets import round_seq_len
+
+    argv = ["--layout.language.cp", str(cp), "--options.language.fp8", "tensorwise"]
+    got = round_seq_len(parse_args([*argv, "--train.device", "cuda"]), minimum)
+    assert got == rounded and fp8_rows_problem(5, got, 1, 2, cp) is None
+    assert round_seq_len(parse_args(argv), minimum) == round_seq_len(parse_args(argv[:2]), minimum)
+
+
 @pytest.mark.parametrize("seconds", [1.0, 2.01, 4.06, 8.03, 16.06, 29.99])
 def test_audio_max_seconds_keeps_a_clip_of_exactly_that_length_whole(seconds: float) -> None:
     """data.audio_max_seconds = 8.03 at Whisper's 16 kHz is 128480 samples (803 frames of 160): a clip

@@ -249,7 +249,7 @@ class DataSection:
             datasets directory, Parquet or Arrow files).
         seq_len: token row length (0: the longest sample's, for conversations only when the corpus
             has at most 256 samples; digits: at least the longest sample's, a shorter one is raised
-            to it; rounded up for cp / sp).
+            to it; rounded up for cp / sp, and to 16·cp for a float8 language model on CUDA).
         batch_size: rows per global batch (every module takes its dp shard of it).
         heldout_samples: held-out samples scored at each evaluation (conversations: 0 is all;
             digits: >= 1).

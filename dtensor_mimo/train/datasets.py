@@ -88,9 +88,13 @@ class TrainData:
 
 def round_seq_len(config: TrainerConfig, minimum: int) -> int:
     """`minimum` rounded up so the language model's cp (2·cp chunks) divides it, and tp each cp
-    rank's rows (sequence parallel shards them: evenly, as torch before 2.13 needs)."""
+    rank's rows (sequence parallel shards them: evenly, as torch before 2.13 needs); for a float8
+    language model on CUDA also 16 each cp rank's rows (its weight gradients' matmuls take them
+    as their inner dim: `dtensor_mimo.parallelize.fp8.fp8_rows_problem`)."""
     lang = config.module_layout(LANGUAGE)
     multiple = math.lcm(2 * lang.cp if lang.cp > 1 else 1, lang.cp * lang.tp)
+    if config.train.device == "cuda" and config.module_options(LANGUAGE).fp8 is not None:
+        multiple = math.lcm(multiple, 16 * lang.cp)
     return -(-minimum // multiple) * multiple
 
 
