@@ -150,8 +150,8 @@ class MimoModel(nn.Module):
         # Known on every rank: whether each encoder trains (ranks off its mesh join its backward),
         # its item rule (batches are checked everywhere), and which modules lack init_weights.
         self._trainable = {n: any(p.requires_grad for p in e.parameters()) for n, e in encoders.items()}
-        trains_fp16 = [n for n, m in {**encoders, language_name: language}.items()
-                       if self.options[n].param_dtype == torch.float16 and any(p.requires_grad for p in m.parameters())]
+        trainable = {**self._trainable, language_name: any(p.requires_grad for p in language.parameters())}
+        trains_fp16 = [n for n in self.module_names if self.options[n].param_dtype == torch.float16 and trainable[n]]
         if trains_fp16:
             # fp16 keeps 5 exponent bits: without loss scaling (which nothing here does) gradients
             # below 6e-8 flush to zero, and a loss normalised by the global batch's token count
@@ -170,7 +170,7 @@ class MimoModel(nn.Module):
         self.uninitialized = {n for n, m in modules.items() if _on_meta(m)}
         self._shapes_checked: set[tuple] = set()  # (modality, item shape, tokens) seen world-wide
         graphs = [n for n, o in self.options.items() if o.cuda_graphs]
-        trains = any(self._trainable.values()) or any(p.requires_grad for p in language.parameters())
+        trains = any(trainable.values())
         self.graph_memory = _GraphMemory(graphs, trains) if graphs else None
         """With CUDA graphs (`ParallelOptions.cuda_graphs`): what the last run left in their memory."""
         self.batches_compared = False
@@ -192,7 +192,7 @@ class MimoModel(nn.Module):
                 if stages is not None:
                     self.encoder_pipelines[name] = stages
         self._fp8_rows = (self.device.type == "cuda" and self.options[language_name].fp8 is not None
-                          and any(p.requires_grad for p in language.parameters()))
+                          and trainable[language_name])
         """A float8 language model that trains on CUDA: each batch's rows a call are checked (`fp8_rows_problem`)."""
         self.language_pipeline: LanguagePipeline | None = None
         self.language_stages = nn.ModuleList()  # this rank's stages (registered: .parameters())
@@ -204,7 +204,6 @@ class MimoModel(nn.Module):
         for root in roots:
             if any(p.is_meta for p in root.parameters()):
                 root.to_empty(device=self.device)
-        trainable = {**self._trainable, language_name: any(p.requires_grad for p in language.parameters())}
         self._overlapped = [n for n in self.module_names if trainable[n] and self._sums_during_backward(n)]
         """The modules whose dp sums start during backward, known on every rank."""
         self._sums_pending = False

@@ -33,6 +33,7 @@ from dtensor_mimo.data.conversation import (
     video_inputs,
 )
 from dtensor_mimo.data.sources import SampleSource, open_source
+from dtensor_mimo.parallelize.fp8 import FP8_DIM_MULTIPLE
 from dtensor_mimo.train.config import LANGUAGE, ConfigError, TrainerConfig
 from dtensor_mimo.train.modules import ResolvedModel
 
@@ -94,7 +95,7 @@ def round_seq_len(config: TrainerConfig, minimum: int) -> int:
     lang = config.module_layout(LANGUAGE)
     multiple = math.lcm(2 * lang.cp if lang.cp > 1 else 1, lang.cp * lang.tp)
     if config.train.device == "cuda" and config.module_options(LANGUAGE).fp8 is not None:
-        multiple = math.lcm(multiple, 16 * lang.cp)
+        multiple = math.lcm(multiple, FP8_DIM_MULTIPLE * lang.cp)
     return -(-minimum // multiple) * multiple
 
 
