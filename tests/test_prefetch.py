@@ -231,3 +231,20 @@ def test_a_loader_worker_error_ends_the_loader_workers_with_the_run() -> None:
         next(batches)
     worker = int(re.search(r"process (\d+)\)", str(failed.value)).group(1))
     assert worker not in [p.pid for p in multiprocessing.active_children()]
+
+
+def test_taking_batches_draws_nothing_from_the_global_generator() -> None:
+    """A resumed run restores torch's global random state, then starts its loader: a loader that
+    drew its workers' seed from that state (torch's DataLoader does, without a generator of its
+    own) would give a user module's dropout other masks than the uninterrupted run, which drew
+    before its first step, ahead of the saved state. The loader's generator is its own, seeded
+    by ``data.seed``."""
+    from dtensor_mimo.data import ResumableBatchSampler
+
+    order = [b for _, b in zip(range(3), ResumableBatchSampler(40, 4, seed=0))]
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    batches, _ = _trainer_batches(_BreaksAt(-1), workers=1)
+    assert [next(batches)[0] for _ in range(3)] == order
+    batches.close()
+    assert torch.equal(torch.get_rng_state(), before)

@@ -380,7 +380,10 @@ class Trainer:
                                 sampler=_Forever(ahead), batch_size=None,
                                 num_workers=workers, collate_fn=_as_is, persistent_workers=True,
                                 pin_memory=pin, worker_init_fn=ignore_stop_signals,
-                                multiprocessing_context=LOADER_START)
+                                multiprocessing_context=LOADER_START,
+                                # its workers' seed from a generator of its own: drawn from torch's
+                                # global one, it would move the state a resumed run restores
+                                generator=torch.Generator().manual_seed(d.seed))
             stream = iter(loader)
             batches = (flat.unpack() for flat in stream)
         try:
