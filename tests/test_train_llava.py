@@ -15,6 +15,7 @@ by `examples/make_tiny_llava.py` (no download).
 | test_an_error_inside_the_ranks_is_printed_once | a factory raising on every rank: one traceback, the ranks named |
 | test_layouts_give_one_process_numbers       | image dp1 / language dp1 [2], colocated dp2 [2]: losses and grad norms == one process [1]; loader workers; resume == uninterrupted; load under another layout |
 | test_factories_build_the_modules            | model.language.factory / model.encoders.<name>.factory: your functions' modules, with the offered arguments, train |
+| test_a_factory_encoder_takes_images_that_come_after_the_checked_samples | no checked sample has an image: the size from a blank one |
 | test_learns_heterogeneous (`make learn`)    | the README's file, 600 steps: held-out accuracy well above chance |
 | test_export_answers_like_the_trainer        | 150 steps: the export loads in transformers and its greedy answers are ours |
 | test_whisper_encoder_learns_audio           | a Whisper directory's encoder on tone conversations          |
@@ -557,6 +558,32 @@ def test_factories_build_the_modules(tiny: str, tmp_path) -> None:
     assert (kind, dim) == ("Llama", "48") and len(losses) == 8
     assert losses[-1] < losses[0]
 
+
+
+def test_a_factory_encoder_takes_images_that_come_after_the_checked_samples(tiny: str) -> None:
+    """A factory encoder's input size is its processor's, probed on the first checked sample with an
+    item; when none of the first 256 has one, the images after them were each refused as "unlike
+    the encoder's []" (with data.skip_bad_media: every one left out)."""
+    from PIL import Image
+
+    samples = [json.loads(line) for line in open(os.path.join(tiny, "data", "train.jsonl"))]
+    image = next(s for s in samples if isinstance(s.get("image"), str))
+    text = {"conversations": [{"from": "human", "value": "repeat : red"}, {"from": "gpt", "value": "red"}]}
+    with open(os.path.join(tiny, "data", "late_image.jsonl"), "w") as f:
+        f.writelines(json.dumps({"id": f"t-{k}", **text}) + "\n" for k in range(300))
+        f.write(json.dumps({**image, "id": "late"}) + "\n")
+    data, _ = _dataset(tiny, "--data.path", "data/late_image.jsonl", "--data.heldout", "none",
+                       "--model.encoders.image.hf", "none",
+                       "--model.encoders.image.factory", "tests.test_train_llava:tiny_vision",
+                       "--model.encoders.image.processor", "ckpt/siglip",
+                       "--model.encoders.image.tokens_per_item", "16")
+    processor = transformers.SiglipImageProcessor.from_pretrained(os.path.join(tiny, "ckpt", "siglip"))
+    with Image.open(os.path.join(tiny, "data", image["image"])) as pil:
+        want = processor(images=[pil.convert("RGB")], return_tensors="pt")["pixel_values"]
+    batch = data.train.batch([0, 300])
+    assert batch.modalities["image"].items_per_sample == (0, 1)
+    torch.testing.assert_close(batch.modalities["image"].inputs, want)
+    assert data.train.batch([0, 300], load={}).modalities["image"].inputs.shape == (1, 3, 16, 16)
 
 LEARN = ["--train.steps", "600", "--metrics.log_every", "100", "--metrics.progress", "off"]
 

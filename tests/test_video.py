@@ -7,6 +7,7 @@ Clips are MP4s (H.264, 16x16 px, 4 frames a second) of a moving coloured shape w
 |---------------------------------------------------|-------------------------------------------------------|
 | test_sample_frames_by_hand                        | frame indices for (frames, rate, fps, max_frames) worked out by hand |
 | test_video_keys_are_checked                       | data.video_* without a video encoder, out of range; a factory or variable_length video encoder |
+|                                                   | a frame text with a field besides {frame} (also `MediaSpec`: test_a_frame_text_...) |
 | test_video_rows_are_the_frames_decoded_alone      | a clip of 0.5 / 1.5 / 2.5 s -> 1 / 3 / 4 frames (4: spread over the clip), the header's count; |
 |                                                   | `<video>` -> frames x 16 rows; each frame's input == PyAV + the SigLIP processor in the test; |
 |                                                   | dynamic_resolution: one input and one row count per frame, the same pixels |
@@ -82,6 +83,10 @@ LLAVA = ["--data.format", "llava", "--data.path", "x.jsonl", "--data.tokenizer",
      "model.encoders.video.temporal_patch = 0: must be >= 1"),
     ([*LLAVA, "--model.encoders.video.modality", "video", "--data.video_frame_text", "Frame: "],
      "data.video_frame_text = 'Frame: ' has no {frame}"),
+    ([*LLAVA, "--model.encoders.video.modality", "video", "--data.video_frame_text", "Frame {frame} of {total}: "],
+     "data.video_frame_text = 'Frame {frame} of {total}: ': {frame} is the only field it may hold (KeyError: 'total')"),
+    ([*LLAVA, "--model.encoders.video.modality", "video", "--data.video_frame_text", "{frame}: {"],
+     "data.video_frame_text = '{frame}: {': {frame} is the only field it may hold (ValueError: "),
     ([*LLAVA, "--model.encoders.video.modality", "image", "--data.video_frame_text", "Frame{frame}: "],
      "data.video_frame_text: not used by this config"),
     (["--data.format", "llava", "--data.path", "x.jsonl", "--data.tokenizer", "t", "--model.encoders.video.modality",
@@ -95,6 +100,17 @@ def test_video_keys_are_checked(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as e:
         check_config(parse_args(argv))
     assert message in str(e.value)
+
+
+
+def test_a_frame_text_with_another_field_is_refused_when_built() -> None:
+    """frame_text is formatted with {frame} alone: another field (or a lone brace) was taken, then
+    raised a bare KeyError('total') in every rank at its first clip, naming neither key nor text."""
+    from dtensor_mimo.data.conversation import MediaSpec
+
+    with pytest.raises(ValueError, match=r"frame_text='Frame \{frame\} of \{total\}': \{frame\} is the only field"):
+        MediaSpec("video", 7, 16, (3, 16, 16), lambda paths: [], frames=True, frame_text="Frame {frame} of {total}")
+    assert MediaSpec("video", 7, 16, (3, 16, 16), lambda paths: [], frames=True, frame_text="{{{frame}}}").frame_text
 
 
 # ---------------------------------------------------------------------------- data

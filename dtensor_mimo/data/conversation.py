@@ -123,6 +123,13 @@ class MediaSpec:
         if self.frame_text and "{frame}" not in self.frame_text:
             raise ValueError(f"MediaSpec({self.modality!r}): frame_text={self.frame_text!r} has no {{frame}}: "
                              "every frame would get the same text; put {frame} where its number goes")
+        if self.frame_text:
+            try:
+                self.frame_text.format(frame=1)
+            except (KeyError, IndexError, ValueError) as e:
+                raise ValueError(f"MediaSpec({self.modality!r}): frame_text={self.frame_text!r}: {{frame}} is the only "
+                                 f"field it may hold ({type(e).__name__}: {e}); write a brace of the text as {{{{ or "
+                                 "}}") from None
 
     @property
     def varied(self) -> bool:

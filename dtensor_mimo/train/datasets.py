@@ -8,7 +8,7 @@ scored against the model's greedy predictions, and how a sample is prompted for 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import torch
@@ -216,12 +216,41 @@ def _decodes(spec: MediaSpec, source: SampleSource, ref: str) -> bool:
     return True
 
 
+def _blank_shape(name: str, spec: MediaSpec) -> tuple[int, ...]:
+    """The input shape `spec`'s processor gives an item (a black 16x16 PNG, a second of silence as
+    WAV): the size of a factory encoder's items where no checked sample has one to probe."""
+    import io
+    import wave
+
+    from dtensor_mimo.data.sources import MediaBytes
+
+    data = io.BytesIO()
+    if spec.modality == "audio":
+        rate = spec.prepare.feature_extractor.sampling_rate
+        with wave.open(data, "wb") as f:
+            f.setnchannels(1), f.setsampwidth(2), f.setframerate(rate)
+            f.writeframes(bytes(2 * rate))
+    else:
+        from PIL import Image
+
+        Image.new("RGB", (16, 16)).save(data, format="PNG")
+    try:
+        return tuple(spec.prepare([MediaBytes(data.getvalue(), f"a blank {spec.modality} item")]).shape[1:])
+    except Exception as e:  # noqa: BLE001 - what the processor raises
+        raise ConfigError(f"model.encoders.{name}: its processor cannot take a blank {spec.modality} item "
+                          f"({type(e).__name__}: {e}); check model.encoders.{name}.processor") from None
+
+
 def _probe_processors(media: dict[str, MediaSpec], source: SampleSource, head: list[dict[str, Any]]) -> None:
     """One item of each encoder through its processor: its shape against the encoder's (fixed
-    shapes are then taken from it: `media` is updated)."""
+    shapes are then taken from it: `media` is updated; a factory encoder's from a blank item where
+    no checked sample has one, else the later items would all be refused as unlike the encoder's)."""
     for name, spec in media.items():
         firsts = [source.media(i, s, spec.modality)[0] for i, s in enumerate(head) if s.get(spec.modality)]
         if not firsts:
+            if not spec.varied and not spec.item_shape:  # a factory encoder's input size is its processor's:
+                shape = _blank_shape(name, spec)  # from a blank item, as no checked sample has a file
+                media[name] = replace(spec, item_shape=shape)
             continue
         # A file that does not decode is the step's to name (or skip), not the config's: probe another.
         ref = next((r for r in firsts[:8] if _decodes(spec, source, r)), None)
@@ -252,7 +281,7 @@ def _probe_processors(media: dict[str, MediaSpec], source: SampleSource, head: l
             raise ConfigError(f"model.encoders.{name}: its processor turns {ref} into {list(shape)} but the "
                               f"encoder takes {list(spec.item_shape)}; give the processor the encoder's input size "
                               "(processor = 'DIR', or the preprocessor_config.json of its hf directory)")
-        media[name] = MediaSpec(spec.modality, spec.special_token_id, spec.tokens_per_item, shape, spec.prepare)
+        media[name] = replace(spec, item_shape=shape)
 
 
 def conversation_data(config: TrainerConfig, resolved: ResolvedModel, ahead: bool = False) -> TrainData:
