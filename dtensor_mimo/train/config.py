@@ -300,8 +300,8 @@ class ConversationData(DataSection):
     Attributes:
         path: the training data: a file, a list of files or a glob (one sequence, in that order).
         heldout: the held-out data scored at evaluations, as path (none: no evaluation).
-        root: media paths are relative to it (none: the first training file's directory;
-            webdataset: unused, media are members of the shards).
+        root: media paths are relative to it (none: the directory of the first file of path, and
+            of heldout for its samples; webdataset: unused, media are members of the shards).
         tokenizer: a tokenizer directory (none: model.language.hf).
         truncate: cut samples longer than seq_len (whole items only) instead of refusing them.
         pack: pack several samples into one row (document masks, per-document positions); needs
