@@ -15,6 +15,7 @@ images in 4x4 patches) with every weight, bias and norm perturbed, so a misplace
 | test_export_hf[colocated_tp_fsdp]           | `export_hf` of a MimoModel, 4 ranks: vision dp4 (FSDP2) and language dp2·tp2 (FSDP2) on the same ranks -> one LLaVA directory |
 | test_export_hf[disjoint_pp2]                | vision dp2 (FSDP2, frozen tower, ranks 0-1), language pp2 (ranks 2-3, one file per stage) -> one LLaVA directory |
 | test_export_hf[per_module]                  | vision + audio (dp2, colocated, 0-1; FSDP2 with uneven shards), language tp2 (2-3): SigLIP, Whisper, Qwen2 directories, projectors, tokenizer and processors; `save_hf` of the tp2 module itself writes the same bytes; `llava=True` and a wrong modality refused on every rank |
+| test_a_feature_extractor_of_other_clips... | a Whisper feature extractor of 3000 frames beside a 32-frame encoder: refused by name on every rank; one of 32 frames feeds the exported WhisperEncoder |
 | test_export_after_a_forward_without_...    | 2 ranks, vision + language dp2 (FSDP2, bf16 compute) colocated: a forward with gradients on and no backward leaves the FSDP2 roots gathered (bf16 copies); `export_hf` (own dtype, and dtype=fp32) still writes the single-process fp32 tensors exactly |
 """
 
@@ -94,6 +95,12 @@ def _image_processor(tower: str):
     if tower == "clip":
         return transformers.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
     return transformers.SiglipImageProcessor(size={"height": 16, "width": 16})
+
+
+def _feature_extractor(**overrides):
+    """A Whisper feature extractor of AUDIO's clips: 8 mel bins, 32 frames (1 s at 3.2 kHz, hop 100)."""
+    fields = dict(feature_size=AUDIO.n_mels, sampling_rate=3200, hop_length=100, chunk_length=1)
+    return transformers.WhisperFeatureExtractor(**(fields | overrides))
 
 
 def _whisper_encoder() -> type:
@@ -313,7 +320,7 @@ def _export(case: str, path: str) -> None:
     model = MimoModel(layout, llama, encoders, pipeline=pipeline)
     if case == "per_module":
         processors = {"vision": transformers.SiglipImageProcessor(size={"height": 16, "width": 16}),
-                      "audio": transformers.WhisperFeatureExtractor(feature_size=AUDIO.n_mels)}
+                      "audio": _feature_extractor()}
         export = dict(modalities={"vision": "image", "audio": "audio"},
                       special_token_ids={"vision": IMAGE_ID, "audio": AUDIO_ID}, processors=processors)
     else:
@@ -379,6 +386,44 @@ def test_export_hf(case: str, tmp_path) -> None:
         assert torch.equal(tensors["multi_modal_projector.linear_2.weight"], encoders[name].projection.fc2.weight)
     assert type(AutoImageProcessor.from_pretrained(str(tmp_path / "vision"))).__name__.startswith("Siglip")
     assert transformers.AutoFeatureExtractor.from_pretrained(str(tmp_path / "audio")).feature_size == AUDIO.n_mels
+
+
+def _export_audio(path: str, extractor) -> str:
+    """vision, audio and language dp2 on the same two ranks, exported with the audio `extractor`."""
+    from dtensor_mimo.train.export import export_hf
+
+    layout = MimoLayout(dict(vision=P(dp=2), audio=P(dp=2), language=P(dp=2)),
+                        offsets=dict(vision=0, audio=0, language=0))
+    layout.init_meshes("cpu")
+    llama, encoders = _mimo_modules("per_module")
+    model = MimoModel(layout, llama, encoders)
+    try:
+        export_hf(model, path, modalities={"vision": "image", "audio": "audio"},
+                  special_token_ids={"vision": IMAGE_ID, "audio": AUDIO_ID}, processors={"audio": extractor})
+    except ValueError as error:
+        return str(error)
+    return "exported"
+
+
+def test_a_feature_extractor_of_other_clips_than_the_encoder_is_refused(tmp_path) -> None:
+    """The exported WhisperEncoder takes clips of exactly the AudioEncoder's 32 frames: a feature
+    extractor of Whisper's 30 s clips (3000 frames) beside it could not feed it (transformers
+    raises on its features), so it is refused by name on every rank, before anything is written;
+    one of 32 frames is written and feeds the encoder its features."""
+    whisper_30s = transformers.WhisperFeatureExtractor(feature_size=AUDIO.n_mels)
+    errors = run_on_ranks(_export_audio, 2, str(tmp_path / "refused"), whisper_30s, timeout=120)
+    for error in errors:
+        assert ("processors 'audio': the feature extractor makes clips of 3000 frames but the AudioEncoder's "
+                "Whisper encoder takes 32") in error, error
+    assert not (tmp_path / "refused").exists()
+    assert run_on_ranks(_export_audio, 2, str(tmp_path / "out"), _feature_extractor(), timeout=120) == ["exported"] * 2
+    extractor = transformers.WhisperFeatureExtractor.from_pretrained(str(tmp_path / "out" / "audio"))
+    clip = np.random.default_rng(0).standard_normal(1600).astype(np.float32)  # half a second: padded to 1 s
+    mels = extractor(clip, sampling_rate=3200, return_tensors="pt").input_features
+    whisper = _whisper_encoder().from_pretrained(str(tmp_path / "out" / "audio")).eval()
+    _, encoders = _mimo_modules("per_module")
+    with torch.no_grad():
+        torch.testing.assert_close(whisper(mels).last_hidden_state, encoders["audio"].encoder(mels), rtol=0, atol=1e-5)
 
 
 def _export_with_a_failing_disk(path: str) -> str:

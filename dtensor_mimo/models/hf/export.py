@@ -214,4 +214,11 @@ def processor_problem(processor: Any, spec: ModuleSpec) -> str | None:
         if mels is not None and mels != spec.config.n_mels:
             return (f"the feature extractor makes {mels} mel bins but the AudioEncoder takes {spec.config.n_mels}; "
                     f"give it feature_size={spec.config.n_mels}")
+        # The exported WhisperEncoder takes clips of exactly 2 * max_source_positions frames.
+        frames = getattr(processor, "nb_max_frames", None)
+        wanted = 2 * spec.config.output_length(spec.config.max_frames)
+        if frames is not None and frames != wanted:
+            return (f"the feature extractor makes clips of {frames} frames but the AudioEncoder's Whisper encoder "
+                    f"takes {wanted} (max_frames={spec.config.max_frames}); give it chunk_length, sampling_rate and "
+                    f"hop_length with chunk_length * sampling_rate // hop_length = {wanted}")
     return None
