@@ -775,3 +775,93 @@ def test_training_after_a_predict_under_inference_mode(name: str) -> None:
         for module_name, module in (("language", llama), *encoders.items()):
             module.load_state_dict({n[len(module_name) + 1:]: w for n, w in weights.items()
                                     if n.startswith(module_name + ".")})
+
+
+# ------------------------------------------------------------------ greedy generation
+
+
+def _generation_batch(case: Case):
+    """`_batches`' first batch with each row's items moved to its front (after 0-2 text tokens, in
+    their order), and each row's prompt: through its last item and 2-4 text tokens more."""
+    batch = _batches(case.encoders, case.packed, case.batch_size, case.seq_lens[:1], varied=case.varied)[0]
+    special = torch.zeros_like(batch.tokens, dtype=torch.bool)
+    for token_id in batch.special_token_ids.values():
+        special |= batch.tokens == token_id
+    tokens, prompts = batch.tokens.clone(), []
+    for i, row in enumerate(batch.tokens):
+        text, items = row[~special[i]], row[special[i]]
+        lead = i % 3
+        tokens[i] = torch.cat([text[:lead], items, text[lead:]])
+        prompts.append(lead + len(items) + 2 + i % 3)
+    if not case.packed:
+        return dataclasses.replace(batch, tokens=tokens), prompts
+    # packed: the prompt one document, the rest of the row another (as the padding after it)
+    documents = (torch.arange(batch.seq_len)[None] >= torch.tensor(prompts)[:, None]).long()
+    positions = torch.where(documents == 0, torch.arange(batch.seq_len),
+                            torch.arange(batch.seq_len) - torch.tensor(prompts)[:, None])
+    return dataclasses.replace(batch, tokens=tokens, document_ids=documents, positions=positions), prompts
+
+
+def _generate_on_ranks(case: Case, counts: list[int], stop: int | None) -> list[list[int]]:
+    layout = case.layout()
+    layout.init_meshes("cpu")
+    model = MimoModel(layout, *_modules(case.encoders, n_layers=case.n_layers, varied=case.varied),
+                      options=case.options, pipeline=case.pipeline)
+    batch, prompts = _generation_batch(case)
+    return model.generate(batch, prompts, counts, stop_token=stop)
+
+
+def _generate_reference(case: Case, counts: list[int], stop: int | None) -> list[list[int]]:
+    """Sample by sample, no padding: the prompt alone (its items), then one token at a time,
+    the argmax of the last position of the grown row (None at a near-tie, where it ends)."""
+    llama, encs = _modules(case.encoders, n_layers=case.n_layers, varied=case.varied)
+    batch, prompts = _generation_batch(case)
+    out = []
+    for i, (n, count) in enumerate(zip(prompts, counts)):
+        one = batch.select_samples(range(i, i + 1))
+        row, ids = one.tokens[:, :n], []
+        rows = {name: torch.cat([encs[name](x[None]) for x in m.inputs]) if isinstance(m.inputs, list)
+                else encs[name](m.inputs) for name, m in one.modalities.items() if m.num_items}
+        for _ in range(count):
+            with torch.no_grad():
+                h = assemble(embed_text(llama.tok_embeddings, row, one.special_token_ids), row, rows,
+                             one.special_token_ids)
+                logits = llama(h=h)[0, -1]
+            top = logits.topk(2).values
+            ids.append(int(logits.argmax()) if top[0] - top[1] > 1e-4 else None)
+            if ids[-1] is None or ids[-1] == stop:
+                break
+            row = torch.cat([row, torch.tensor([[ids[-1]]])], dim=1)
+        out.append(ids)
+    return out
+
+
+# `MimoModel.generate` (one count of new tokens per sample, a stop id) on these layouts; the
+# prompts of different lengths, each holding 0-2 images (and 0-1 clips). (cp 2 alone, packed:
+# as coloc_cp_tp, which adds tp, and 11 s more of the suite.)
+GENERATE = {
+    "tp_sp": Case({"vision": P(dp=2), "language": P(tp=2)}, options={"language": SP}),
+    "coloc_cp_tp": Case({"vision": P(dp=4), "language": P(cp=2, tp=2)}, offsets={"vision": 0, "language": 0},
+                        options={"language": SP}, packed=True),
+    "zbv": Case({"vision": P(), "language": P(pp=2)}, n_layers=4,
+                pipeline=PipelineConfig(microbatches=4, schedule="ZBVZeroBubble", virtual_stages=2)),
+    "varied": Case({"vision": P(dp=2), "audio": P(dp=2), "language": P(dp=2)}, varied=True, batch_size=8,
+                   offsets={"vision": 0, "audio": 0, "language": 2}),
+    "one_sample_dp2_cp2": Case({"vision": P(dp=4), "language": P(dp=2, cp=2)}, offsets={"vision": 0, "language": 0},
+                               batch_size=1),
+}
+
+
+@pytest.mark.parametrize("name", list(GENERATE))
+def test_generate_matches_a_step_by_step_reference(name: str) -> None:
+    """Every rank's ids are the single-process greedy loop's, sample by sample without padding:
+    each up to its own count or through the stop id (sample 0's second id), up to a near-tie."""
+    case = GENERATE[name]
+    counts = [6 - i % 3 for i in range(case.batch_size)]
+    stop = _generate_reference(case, counts, None)[0][1]
+    want = _generate_reference(case, counts, stop)
+    assert stop is not None and want[0][-1] == stop
+    for got in run_on_ranks(_generate_on_ranks, case.layout().world_size, case, counts, stop, timeout=300):
+        for g, w in zip(got, want):
+            k = w.index(None) if None in w else len(w)
+            assert g[:k] == w[:k] and (None in w or len(g) == len(w)), (got, want)

@@ -537,3 +537,27 @@ def test_generate_refuses_a_max_new_tokens_that_is_no_count(max_new_tokens):
         greedy_generate(predict, batch, [3, 4], max_new_tokens)
     assert not calls
     assert greedy_generate(predict, batch, [3, 4], 0) == [[], []] and not calls  # zero: nothing to generate
+
+
+def test_generate_ends_a_sample_at_a_modality_placeholder_it_generates():
+    """A model whose vocabulary holds a modality's placeholder id (the trainer's does: the
+    tokenizer's added ``<image>`` has a head row) may pick it greedily. Written into the row, it
+    marked one more item position than the sample's items fill, and the next prediction's batch
+    check raised ``BatchError: sample 0 has 17 'vision' tokens (id 5) but items_per_sample[0]=1 ...``
+    from arguments that were right (the trainer's held-out answers at the end of a run among
+    them). The placeholder ends its sample instead, as its last id; the other samples go on."""
+    from dtensor_mimo.data import ModalitySpec
+    from dtensor_mimo.sequence import greedy_generate
+
+    spec = SyntheticSpec.tiny(batch_size=3, text_only_samples=1, modalities={
+        "vision": ModalitySpec.image(ViTConfig.tiny(), special_token_id=5, max_items=1)})
+    batch = synthetic_batch(spec, seed=4)
+    assert batch.modalities["vision"].items_per_sample == (1, 0, 0) and (batch.tokens[0, 18:] != 5).all()
+    prompts = [20, 3, 5]
+
+    def predict(b):  # 7 everywhere, but the placeholder after sample 0's first new id and as sample 1's first
+        ids = torch.full((b.batch_size, b.seq_len), 7)
+        ids[0, prompts[0]] = ids[1, prompts[1] - 1] = 5
+        return ids
+
+    assert greedy_generate(predict, batch, prompts, 4) == [[7, 5], [5], [7, 7, 7, 7]]

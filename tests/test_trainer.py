@@ -249,6 +249,44 @@ def test_predict_matches_one_process(layout: list[str]) -> None:
     assert clear.float().mean() > 0.9
 
 
+def test_answers_are_not_cut_short_by_another_samples_longer_prompt() -> None:
+    """`Trainer.answers` generated every held-out answer with the room the longest prompt left
+    (``seq_len - max(prompt lengths)`` new tokens for all), so a short prompt's longer answer was
+    printed cut off, beside its expected text, whenever another prompt was long; each answer now
+    has its own row's room. The "model" answers by hand-written ids at the positions after each prompt."""
+    from types import SimpleNamespace
+
+    from dtensor_mimo.data import IGNORE_INDEX, MimoBatch
+    from dtensor_mimo.sequence import greedy_generate
+    from dtensor_mimo.train.trainer import Trainer
+
+    seq, stop = 16, 9
+    prompts = [13, 4]  # sample 0 leaves 3 positions; sample 1's answer is 5 tokens
+    answers = [[3, stop], [5, 6, 7, 8, stop]]
+
+    def predict(b: MimoBatch) -> torch.Tensor:
+        ids = torch.zeros(b.batch_size, b.seq_len, dtype=torch.int64)
+        for row, (n, answer) in enumerate(zip(prompts, answers)):
+            ids[row, n - 1:n - 1 + len(answer)] = torch.tensor(answer)
+        return ids
+
+    class Heldout:
+        def __len__(self) -> int:
+            return 2
+
+        def batch(self, indices):
+            return MimoBatch(torch.ones(len(indices), seq, dtype=torch.int64),
+                             torch.full((len(indices), seq), IGNORE_INDEX), torch.zeros(len(indices), seq))
+
+    data = SimpleNamespace(heldout=Heldout(), prompt=lambda i: (prompts[i], f"expected {i}", stop),
+                           decode=lambda ids: " ".join(map(str, ids)))
+    model = SimpleNamespace(generate=lambda batch, lengths, new, stop_token: greedy_generate(
+        predict, batch, lengths, new, stop_token))
+    trainer = SimpleNamespace(data=data, model=model, seq_len=seq, heldout_left_out={},
+                              _heldout_batch=lambda make, indices: make(indices))
+    assert Trainer.answers(trainer, 2) == [("expected 0", "3 9"), ("expected 1", "5 6 7 8 9")]
+
+
 VARIED = ["--model.encoders.vision.dynamic_resolution", "true", "--model.encoders.audio.variable_length", "true"]
 
 

@@ -528,7 +528,8 @@ class Trainer:
         lengths = [p[0] for p in prompts]
         stops = {p[2] for p in prompts}
         stop = stops.pop() if len(stops) == 1 else None
-        out = self.model.generate(batch, lengths, self.seq_len - max(lengths), stop_token=stop)
+        # each prompt with its own row's room (a long prompt of another sample cut the others' answers)
+        out = self.model.generate(batch, lengths, [self.seq_len - n for n in lengths], stop_token=stop)
         return [(expected, self.data.decode(ids)) for i, (_, expected, _), ids in zip(chosen, prompts, out)
                 if i not in self.heldout_left_out]
 
