@@ -78,14 +78,15 @@ def _llava_modules(tower: str = "siglip") -> tuple[ViT, Projection, Llama]:
     return (_perturbed(ViT(TOWERS[tower]), 1), _perturbed(Projection(32, 32), 2), _perturbed(Llama(LLAMA), 3))
 
 
-def _tokenizer(image_token_id: int):
-    """A word-level tokenizer: t0..t59 are ids 0..59, <unk> 60, <image> `image_token_id`."""
+def _tokenizer(image_token_id: int, eos: str | None = None):
+    """A word-level tokenizer: t0..t59 are ids 0..59, <unk> 60, <image> `image_token_id`; `eos`
+    its end-of-sequence word, if any."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {f"t{i}": i for i in range(60)} | {"<unk>": 60, "<image>": image_token_id}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token=eos,
                                                 additional_special_tokens=["<image>"])
     fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     return fast
@@ -328,7 +329,7 @@ def _export(case: str, path: str) -> None:
                       processors={"vision": _image_processor("siglip")})
     from dtensor_mimo.train.export import export_hf
 
-    export_hf(model, path, tokenizer=_tokenizer(IMAGE_ID), **export)
+    export_hf(model, path, tokenizer=_tokenizer(IMAGE_ID, eos="t2" if case == "per_module" else None), **export)
     # The directory is complete on every rank when export_hf returns.
     assert os.path.exists(os.path.join(path, "language" if case == "per_module" else "", "config.json"))
     refusals = []  # every rank refuses, before anything is written
@@ -366,6 +367,7 @@ def test_export_hf(case: str, tmp_path) -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "language")).eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, llama(tokens), rtol=0, atol=1e-5)
+    assert hf.generation_config.eos_token_id == 2  # the tokenizer's: transformers' generate stops there
     # (AutoTokenizer would pick Qwen2's own tokenizer class for this toy word-level vocabulary)
     tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "language"))
     assert tokenizer("t3 t5 <image>").input_ids == [3, 5, IMAGE_ID] and tokenizer.chat_template

@@ -343,7 +343,11 @@ def _module_directories(model: MimoModel, path: str, rank: int, merged: Mapping[
         held = _held(model, name, rank, main)
         holders = {"module": holder(held, part, _writer(model, name, rank))} if held else {}
         extra = tokenizer if name == model.language_name else processors.get(name)
-        directories.append(_Directory(os.path.join(path, name), [part], config_to_hf(d.main), holders,
+        config = config_to_hf(d.main)
+        if name == model.language_name and tokenizer is not None:  # transformers' generate stops at its eos
+            config |= {f: getattr(tokenizer, f) for f in ("bos_token_id", "eos_token_id", "pad_token_id")
+                       if getattr(tokenizer, f, None) is not None}
+        directories.append(_Directory(os.path.join(path, name), [part], config, holders,
                                       None if extra is None else extra.save_pretrained))
         if name == model.language_name or d.projection is None:
             continue
