@@ -23,6 +23,8 @@ from dtensor_mimo.data.balance import CutRule, encoder_cuts, max_over_mean, micr
 from dtensor_mimo.layout import LANGUAGE, MimoLayout
 from dtensor_mimo.layout.world import check_device_type
 from dtensor_mimo.layout.mesh import check_agreement
+from dtensor_mimo.models import Llama, ModalityEncoder
+from dtensor_mimo.models.layers import flex_backward_problem
 from dtensor_mimo.models.hf import hf_parts, plan_hf
 from dtensor_mimo.models.protocol import encoder_width, item_rule
 from dtensor_mimo.parallelize import (GradientReducer, ParallelOptions, compute_dtype, finish_gradients,
@@ -160,6 +162,19 @@ class MimoModel(nn.Module):
             raise ValueError(f"ParallelOptions(param_dtype=torch.float16) for {trains_fp16}: trains without loss "
                              "scaling here, so its gradients underflow (more of them the more tokens a batch "
                              "holds); use param_dtype='bf16' (fp32's exponent range), or freeze the module")
+        # Modules whose attention runs through FlexAttention with gradients on a device where torch's
+        # FlexAttention has no backward (the CPU): a training run is refused on every rank (`run`),
+        # instead of failing in the forward on their ranks alone while the other modules' ranks wait.
+        flex_problem = flex_backward_problem(self.device) if any(o.flex_attention for o in self.options.values()) \
+            else None
+        takes_grad = {n: any(p.requires_grad for p in (e.encoder if isinstance(e, ModalityEncoder) else e).parameters())
+                      for n, e in encoders.items()}
+        takes_grad[language_name] = any(trainable.values())  # the encoder rows carry gradients into it
+        flexed = [n for n in self.module_names if takes_grad[n] and (
+            self.options[n].language_flex(self.device, layout.parallelism(n).cp, isinstance(language, Llama))
+            if n == language_name else self.options[n].flex_attention)]
+        self._flex_without_backward = (flexed, flex_problem) if flex_problem and flexed else None
+        """(modules, torch's reason) where a training run through FlexAttention cannot take gradients here."""
         self.item_rules = {n: item_rule(e) for n, e in encoders.items()}
         self._widths = {n: encoder_width(e) for n, e in encoders.items()}  # what an item costs (balancing)
         modules = {**encoders, language_name: language}
@@ -430,6 +445,13 @@ class MimoModel(nn.Module):
             raise RuntimeError("MimoModel: a training run (train_step, forward_backward) under torch.no_grad() or "
                                "torch.inference_mode() has no backward to run; call it outside them (model.predict "
                                "is the forward without backward)")
+        if self._flex_without_backward is not None and mode != "predict" and torch.is_grad_enabled():
+            flexed, why = self._flex_without_backward  # from the options and the device type: alike on every rank
+            raise ValueError(f"ParallelOptions(flex_attention=True) for {flexed} on device {self.device.type!r}: "
+                             f"torch's FlexAttention has no backward there ({why}), so this training run would fail "
+                             "in their forward on their ranks alone; set flex_attention=False (or None) for them to "
+                             f"train on {self.device.type!r}, or train on CUDA (predict and forwards under "
+                             "torch.no_grad() may keep it)")
         if mode == "forward" and self.pipelined and torch.is_grad_enabled():
             # Without autograd (an evaluation's loss) the forward runs one microbatch stage after
             # stage, as `predict` does; a backward could not follow it through the stages.

@@ -25,10 +25,19 @@ def _cpu_backward(monkeypatch=None) -> None:
     """Let torch's eager FlexAttention run backward on the CPU (see the module docstring)."""
     import torch.nn.attention.flex_attention as flex
 
+    if not hasattr(flex, "_torch_validate_device"):  # torch's own check, for `_torch_flex_check`
+        flex._torch_validate_device = flex._validate_device
     if monkeypatch is not None:
         monkeypatch.setattr(flex, "_validate_device", lambda *args, **kwargs: None)
     else:
         flex._validate_device = lambda *args, **kwargs: None
+
+
+def _torch_flex_check() -> None:
+    """Put torch's device check of FlexAttention back in this (reused) rank process."""
+    import torch.nn.attention.flex_attention as flex
+
+    flex._validate_device = getattr(flex, "_torch_validate_device", flex._validate_device)
 
 
 def _qkv(batch: int, rows: int, keys: int, heads: int = 4, kv_heads: int = 2, dim: int = 8):
@@ -158,6 +167,44 @@ def test_flex_attention_matches_the_single_process_run(case) -> None:
     zigzag rows against the gathered keys, by global index) over plain and packed rows; the
     vision tower at dp 2 over images of their own size packed into one sequence."""
     check_against_reference(case, run=_flex_distributed)
+
+
+def _train_on_cpu_with_flex() -> list[str]:
+    """A training run, a forward with grad and a prediction of a model whose language model (cp 2,
+    on ranks of its own) attends through FlexAttention on the CPU, torch's check in place."""
+    from torch.distributed.tensor import DTensor
+
+    from dtensor_mimo import MimoLayout
+    from tests.test_context_parallel import _mimo_batch, _mimo_modules
+
+    _torch_flex_check()
+    layout = MimoLayout({"vision": Parallelism(dp=2), "audio": Parallelism(dp=2), "language": Parallelism(cp=2)},
+                        offsets={"vision": 0, "audio": 0, "language": 2})
+    layout.init_meshes("cpu")
+    llama, encoders = _mimo_modules()
+    model = MimoModel(layout, llama, encoders, options={"language": ParallelOptions(flex_attention=True)})
+    batch, out = _mimo_batch(), []
+    for run in (model.forward_backward, model):
+        try:
+            run(batch)
+            out.append("ran")
+        except ValueError as e:
+            out.append(str(e))
+    out.append(str(model.predict(batch).shape))  # no gradients: FlexAttention runs on the CPU
+    assert all(p.grad is None or not (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).any()
+               for p in model.parameters())
+    return out
+
+
+def test_training_through_flex_on_the_cpu_is_refused_on_every_rank() -> None:
+    """torch's FlexAttention has no backward on the CPU: a training run through it once failed in
+    the language ranks' forward alone while the encoder ranks waited for gradients (a hang); it is
+    refused on every rank before any exchange, naming the module and the fix; predict still runs."""
+    for out in run_on_ranks(_train_on_cpu_with_flex, 4, timeout=60):
+        assert len(out) == 3 and out[2] == "torch.Size([4, 16])", out
+        for message in out[:2]:
+            assert "flex_attention=True) for ['language'] on device 'cpu'" in message, message
+            assert "set flex_attention=False" in message and "no backward" in message, message
 
 
 def test_refused_for_a_users_encoder_before_any_group() -> None:

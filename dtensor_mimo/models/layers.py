@@ -317,6 +317,24 @@ class FlexAttentionCore:
         return "FlexAttentionCore()"
 
 
+def flex_backward_problem(device: torch.device) -> str | None:
+    """Why torch's FlexAttention cannot take gradients on `device` (its own message: no backward
+    on the CPU or MPS), or None where it can. Asks torch's device check of `flex_attention` on an
+    empty query that requires grad (no kernel runs): a training step through it would otherwise
+    fail inside the forward, on the ranks of the modules that attend through it only."""
+    from torch.nn.attention import flex_attention as flex
+
+    check = getattr(flex, "_validate_device", None)
+    if device.type == "cuda" or check is None:
+        return None
+    q = torch.zeros(1, 1, 0, 8, device=device, requires_grad=True)
+    try:
+        check(q, q, q)
+    except (NotImplementedError, ValueError) as e:
+        return str(e)
+    return None
+
+
 # Query rows per chunk of the masked attention path: its transient memory is about
 # chunk x Skv (mask and, without a fused kernel, scores per head) whatever the sequence length.
 ATTENTION_QUERY_CHUNK = 1024

@@ -136,7 +136,8 @@ class ParallelOptions:
             item shape): items of their own size packed into one sequence attend through one
             FlexAttention kernel over the block-diagonal mask of the items
             (`FlexAttentionCore.packed`) instead of one SDPA call per span of items. Needs CUDA to
-            train (torch's FlexAttention has no CPU backward). Numerics unchanged. None (default): on for
+            train (torch's FlexAttention has no CPU backward: `MimoModel` refuses a training run
+            through it there on every rank; predict runs). Numerics unchanged. None (default): on for
             the library's decoder at cp = 1 on CUDA devices of compute capability 9.0+ (on an
             H200 the packed 1B LM step took 234 ms against 360 ms through the masked chunks,
             `benchmarks/RESULTS.md`; torch's compiled FlexAttention backward runs out of shared
