@@ -230,6 +230,10 @@ class MimoModel(nn.Module):
         """The other modules whose head-local gradients `reduce_gradients` sums over tp (`replicas.head_local`)."""
         self._grads_summed = False
         """`reduce_gradients` summed the gradients present: a run that accumulates onto them sets them aside."""
+        self._trains = trains
+        self.gradients_unfinished = False
+        """A run with gradients (a training run, a forward with autograd) since the last
+        `reduce_gradients` or ``zero_grad``: the same on every rank (`grad_sumsq_shares` refuses it)."""
         self._summed_grads: dict[nn.Parameter, torch.Tensor] = {}
         """Gradients already summed over dp·cp, set aside while a run accumulates (`_set_aside_summed`)."""
         self._generating = False
@@ -490,6 +494,8 @@ class MimoModel(nn.Module):
             result.loss.register_hook(lambda grad: self._set_aside_summed() if self._grads_summed else None)
         if self.graph_memory is not None:
             self.graph_memory.ran(mode, result.loss)
+        if mode in ("train", "forward") and torch.is_grad_enabled() and self._trains:  # alike on every rank
+            self.gradients_unfinished = True
         if mode == "train" and self._overlapped:  # a forward or a prediction since does not change it
             self._sums_pending = True
         if mode != "train":
@@ -631,6 +637,7 @@ class MimoModel(nn.Module):
             reducer.discard(self._sums_pending)
         self._sums_pending = False
         self._grads_summed, self._summed_grads = False, {}
+        self.gradients_unfinished = False
 
     def _set_aside_summed(self) -> None:
         """Before the backward of a run that accumulates onto gradients `reduce_gradients` already
@@ -663,7 +670,7 @@ class MimoModel(nn.Module):
         `reduce_gradients` gives the single-process sum of both runs' gradients on every layout
         (a second call without a run between sums nothing again)."""
         problems = []
-        self._sums_pending = False
+        self._sums_pending = self.gradients_unfinished = False
         if self._grads_summed:  # no run since the last call: its sums are final
             self._set_aside_summed()
         for name in self.module_names:

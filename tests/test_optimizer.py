@@ -21,9 +21,12 @@ files), learning rates set before each update from the closed-form schedule belo
 | test_matches_plain_adamw              | 1     | every module on one process; a skipped step in between  |
 | test_state_dict_resumes               | 1     | -                                                       |
 | test_state_dict_resumes_with_this_runs_config | 1 | another weight decay, betas and eps after the resume |
+| test_state_dict_resumes_under_another_no_decay | 1 | other no-decay groups after the resume              |
 | test_config_errors                    | 1     | -                                                       |
+| test_config_errors_name_a_value_that_is_not_a_number | 1 | -                                            |
 | test_distributed_matches_reference    | 4     | vision dp2 FSDP (0-1), audio dp2 all-reduce (0-1), language dp2 FSDP (2-3) |
 |                                       | 4     | vision tp2·dp2 + sp (0-3), language tp4 (0-3), colocated |
+| test_norm_before_reduce_gradients_is_refused_on_every_rank | 3 | vision (0), language tp2 + sp (1-2) |
 """
 
 from __future__ import annotations
@@ -236,6 +239,48 @@ def test_state_dict_resumes_with_this_runs_config() -> None:
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}.{n}: {m}")
 
 
+def test_state_dict_resumes_under_another_no_decay() -> None:
+    """`no_decay` is a hyperparameter like the others: a run resumed from `state_dict()` whose
+    config exempts other parameters from weight decay (None: every parameter decays; or one more
+    name) takes each parameter's saved moments and count, and steps with its own groups, as a resume
+    from a DCP checkpoint does (torch's positional load refused it: "loaded state dict has a
+    different number of parameter groups"). Reference: plain AdamW per module built from the new
+    config, each parameter's moments copied from the first run's by name."""
+    modules = _all_modules()
+    optimizer = MimoOptimizer(_OneProcess(modules), BASE, per_module=PER_MODULE)
+    for seed in range(2):
+        _set_grads(modules, seed, 1e-3)
+        optimizer.step(0.1)
+    new_base = dataclasses.replace(BASE, no_decay=None)
+    new_vision = dataclasses.replace(PER_MODULE["vision"], no_decay=("embed", "projection"))
+    new_audio = dataclasses.replace(PER_MODULE["audio"], no_decay=("embed",))
+    configs = {"vision": new_vision, "audio": new_audio, "language": new_base}
+    resumed_modules = copy.deepcopy(modules)
+    resumed = MimoOptimizer(_OneProcess(resumed_modules), new_base,
+                            per_module={"vision": new_vision, "audio": new_audio})
+    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    reference_modules = copy.deepcopy(modules)
+    _set_grads(reference_modules, 2, 1e-3)
+    for name, module in reference_modules.items():
+        config = configs[name]
+        named = dict(module.named_parameters())
+        exempt = {n for n, p in named.items() if config.no_decay is not None
+                  and (p.ndim < 2 or any(s in n for s in config.no_decay))}
+        reference = torch.optim.AdamW(
+            [{"params": [p for n, p in named.items() if n not in exempt], "weight_decay": config.weight_decay},
+             {"params": [p for n, p in named.items() if n in exempt], "weight_decay": 0.0}],
+            lr=config.lr, betas=config.betas, eps=config.eps)
+        saved = optimizer.optimizers[name].state
+        for (n, p), q in zip(named.items(), modules[name].parameters()):
+            reference.state[p] = {k: v.clone() for k, v in saved[q].items()}
+        reference.step()
+    _set_grads(resumed_modules, 2, 1e-3)
+    resumed.step(0.1)
+    for name in modules:
+        for (n, p), q in zip(resumed_modules[name].named_parameters(), reference_modules[name].parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}.{n}: {m}")
+
+
 def test_config_errors() -> None:
     model = _OneProcess(_all_modules())
     with pytest.raises(ValueError, match=r"\['video'\] are not modules.*\['vision', 'audio', 'language'\]"):
@@ -257,6 +302,18 @@ def test_config_errors() -> None:
         with pytest.raises(ValueError, match=r"AdamWConfig.betas=.* must be two numbers in \[0, 1\)"):
             AdamWConfig(betas=bad)
     assert AdamWConfig(betas=[0.8, 0.9]).betas == (0.8, 0.9)  # a config file's list
+
+
+def test_config_errors_name_a_value_that_is_not_a_number() -> None:
+    """A string or None where a number belongs (a config file's "3e-4") is refused naming the field
+    and the value, not by a comparison's bare TypeError ("'<=' not supported between ...")."""
+    for field, bad in (("lr", "3e-4"), ("eps", None), ("weight_decay", "0.1"), ("max_grad_norm", "1.0")):
+        with pytest.raises(TypeError, match=rf"AdamWConfig.{field}={bad!r}: must be a number"):
+            AdamWConfig(**{field: bad})
+    for field, bad in (("warmup_start", "0.1"), ("min_lr_ratio", None)):
+        with pytest.raises(TypeError, match=rf"LRSchedule.{field}={bad!r}: must be a number"):
+            LRSchedule(**{field: bad})
+    assert AdamWConfig(lr=1, max_grad_norm=None).lr == 1  # an int is a number; None: no clipping
 
 
 # ------------------------------------------------------------------ distributed
@@ -379,3 +436,30 @@ def test_predict_between_backward_and_step() -> None:
         for step, (want, (loss, norm)) in enumerate(zip(expected, records)):
             assert loss == pytest.approx(want["loss"], rel=1e-5), f"step {step}: loss"
             assert norm == pytest.approx(want["grad_norm"], rel=1e-5), f"step {step}: norm"
+
+
+def _norm_before_reduce_gradients() -> str | None:
+    """vision on rank 0, language tp2 + sp on ranks 1-2, trained by hand with the gradient
+    reduction forgotten: what `grad_sumsq_shares` says on this rank (no collective follows)."""
+    from dtensor_mimo.optim.optimizer import grad_sumsq_shares
+
+    case = Case({"vision": Parallelism(), "language": Parallelism(tp=2)},
+                options={"language": ParallelOptions(sp=True)})
+    layout = case.layout()
+    layout.init_meshes("cpu")
+    model = MimoModel(layout, *_modules(case.encoders), options=case.options)
+    model.forward_backward(_batches(case.encoders, packed=False)[0])
+    try:
+        grad_sumsq_shares(model)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_norm_before_reduce_gradients_is_refused_on_every_rank() -> None:
+    """A hand-written loop that computes the norm without `model.reduce_gradients()` is refused on
+    every rank alike, before the all-reduce of the norm: refused on the ranks whose gradients were
+    still partial sums (the language model's sp norms) only, the vision rank went on into that
+    all-reduce and waited for peers that had raised (on NCCL until the timeout)."""
+    errors = run_on_ranks(_norm_before_reduce_gradients, 3, timeout=180)
+    assert all(e is not None and "reduce_gradients()" in e for e in errors), errors

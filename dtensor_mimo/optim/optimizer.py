@@ -53,6 +53,10 @@ class AdamWConfig:
                 raise TypeError(f"AdamWConfig.no_decay={self.no_decay!r} must be a tuple of name "
                                 "substrings such as ('embed',), or None")
             object.__setattr__(self, "no_decay", tuple(self.no_decay))
+        # A number's field given something else (a config file's string, None) is named here, not
+        # left to a comparison's TypeError that names neither the field nor the value
+        _check_numbers("AdamWConfig", self, ("lr", "eps", "weight_decay")
+                       + (("max_grad_norm",) if self.max_grad_norm is not None else ()))
         # What torch.optim.AdamW refuses (NaN included), refused when the config is made: its own
         # error would come only once every rank has built and loaded its modules.
         # Infinity too: an infinite lr or decay makes the weights non-finite at the first update (every
@@ -107,6 +111,7 @@ class LRSchedule:
     def __post_init__(self) -> None:
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"LRSchedule.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        _check_numbers("LRSchedule", self, ("warmup_start", "min_lr_ratio"))
         for name in ("warmup_start", "min_lr_ratio"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"LRSchedule.{name} is a fraction of the peak lr in [0, 1], "
@@ -131,6 +136,15 @@ class LRSchedule:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
 
 
+def _check_numbers(owner: str, config: object, names: tuple[str, ...]) -> None:
+    """Raise TypeError naming each of `names` whose value in `config` is not a real number."""
+    wrong = [f"{name}={getattr(config, name)!r}" for name in names
+             if isinstance(getattr(config, name), bool) or not isinstance(getattr(config, name), (int, float))]
+    if wrong:
+        raise TypeError(f"{owner}.{', '.join(wrong)}: must be a number (an int or a float), "
+                        "not a string or None")
+
+
 def _local_grad(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     """This rank's gradient shard of `param` and how many distinct shards the gradient has."""
     grad = param.grad
@@ -146,7 +160,13 @@ def _local_grad(param: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def grad_sumsq_shares(model: "MimoModel") -> torch.Tensor:
     """Per module (in `model.module_names` order), this rank's share of the squared gradient
-    norm (float64); summed over the world it is each module's squared norm."""
+    norm (float64); summed over the world it is each module's squared norm. Refused on every
+    rank alike while a run's gradients await `MimoModel.reduce_gradients` (some ranks' would
+    still be partial sums or unsummed over dp)."""
+    if getattr(model, "gradients_unfinished", False):
+        raise RuntimeError("grad_sumsq_shares: the gradients of the last run are not finished: call "
+                           "model.reduce_gradients() on every rank after backward, before the norm (the dp "
+                           "sums and the tp partial sums; train_step does)")
     shares = []
     for name in model.module_names:
         par = model.layout.parallelism(name)
@@ -300,14 +320,22 @@ class MimoOptimizer:
         self._set_lrs()
 
     def state_dict(self) -> dict[str, Any]:
-        """The schedule's position and this rank's AdamW states (plain torch state dicts)."""
+        """The schedule's position and this rank's AdamW states (plain torch state dicts), with
+        each module's parameter names in the order of their states' indices ("names")."""
         return {"updates": self.updates,
-                "optimizers": {name: opt.state_dict() for name, opt in self.optimizers.items()}}
+                "optimizers": {name: opt.state_dict() for name, opt in self.optimizers.items()},
+                "names": {name: self._index_names(name) for name in self.optimizers}}
+
+    def _index_names(self, module: str) -> list[str]:
+        """Module `module`'s parameter names in the order torch's state dict indexes them."""
+        names = {id(p): n for n, p in self.model.module_parameters(module).items()}
+        return [names[id(p)] for group in self.optimizers[module].param_groups for p in group["params"]]
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()` saved by the same rank under the same layout: the moments, step
         counts and the schedule's position. The hyperparameters stay this optimizer's own (its
-        configs' weight decay, betas and eps, as its lr), as a resume from a DCP checkpoint
+        configs' weight decay, betas, eps and no-decay groups, as its lr; states are matched by
+        parameter name), as a resume from a DCP checkpoint
         (`dtensor_mimo.train.checkpoint`, which stores the moments only) takes them."""
         if set(state["optimizers"]) != set(self.optimizers):
             raise ValueError(f"MimoOptimizer.load_state_dict: the state holds modules "
@@ -316,11 +344,34 @@ class MimoOptimizer:
         for name, opt in self.optimizers.items():
             # torch's load_state_dict takes the saved groups' hyperparameters too
             own = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
-            opt.load_state_dict(state["optimizers"][name])
+            saved = state["optimizers"][name]
+            if "names" in state:  # by parameter name: this config's groups may differ (its no_decay)
+                saved = self._by_name(name, saved, state["names"][name], own)
+            opt.load_state_dict(saved)
             for group, hyper in zip(opt.param_groups, own):
                 group.update(hyper)
         self.updates = state["updates"]
         self._set_lrs()
+
+    def _by_name(self, module: str, saved: Mapping[str, Any], saved_names: list[str],
+                 own: list[dict[str, Any]]) -> dict[str, Any]:
+        """`saved` (a torch AdamW state dict whose index i is the parameter `saved_names[i]`)
+        re-indexed for this optimizer's groups of module `module`, which may group the
+        parameters otherwise (another `AdamWConfig.no_decay`)."""
+        names = self._index_names(module)
+        if sorted(saved_names) != sorted(names):
+            missing, unknown = sorted(set(names) - set(saved_names)), sorted(set(saved_names) - set(names))
+            raise ValueError(f"MimoOptimizer.load_state_dict: module {module!r}'s saved state is of other "
+                             f"parameters than this rank's (missing {missing[:4]}, unknown {unknown[:4]}): "
+                             "load a state saved by the same rank under the same layout")
+        states = {saved_names[i]: value for i, value in saved["state"].items()}
+        position = {n: i for i, n in enumerate(names)}
+        by_index = {position[n]: value for n, value in states.items()}
+        groups, start = [], 0
+        for group, hyper in zip(self.optimizers[module].param_groups, own):
+            groups.append({**hyper, "params": list(range(start, start + len(group["params"])))})
+            start += len(group["params"])
+        return {"state": by_index, "param_groups": groups}
 
 
 def _implementation(device: torch.device) -> dict[str, bool]:
