@@ -11,6 +11,7 @@ by `examples/make_tiny_llava.py` (no download).
 | test_a_heldout_answer_cut_by_truncation_is_not_prompted | nor is one cut short (a fragment, no end of turn) |
 | test_long_samples_refused_or_truncated      | a sample over seq_len names its id; truncation drops a cut item whole |
 | test_packed_rows_equal_their_samples_alone  | data.pack: every sample once; a packed row's logits and labels == each sample's alone; the launcher's checks pack nothing |
+| test_packed_rows_do_not_depend_on_the_layout | data.pack: the same rows whatever the layout rounds seq_len to |
 | test_bad_input_fails_before_any_process     | missing dirs/files, unsupported architecture, placeholder count, tokenizer without template, processor size, checkpoint.load without checkpoints |
 | test_an_error_inside_the_ranks_is_printed_once | a factory raising on every rank: one traceback, the ranks named |
 | test_layouts_give_one_process_numbers       | image dp1 / language dp1 [2], colocated dp2 [2]: losses and grad norms == one process [1]; loader workers; resume == uninterrupted; load under another layout |
@@ -333,6 +334,20 @@ def test_packed_rows_equal_their_samples_alone(tiny: str) -> None:
             assert torch.equal(batch.labels[b, start:start + n], one.labels[0, :n])
             torch.testing.assert_close(got[b, start:start + n], _logits(modules, one)[0, :n], rtol=1e-5, atol=1e-5)
             start += n
+
+
+def test_packed_rows_do_not_depend_on_the_layout(tiny: str) -> None:
+    """data.pack's rows are the same whatever the layout rounds data.seq_len to (language tp 2
+    pads rows of 149 to 150): a checkpoint loaded under another layout (checkpoint.load) resumes
+    at its sampler position over the same rows. Packed to the rounded length, the rows differed
+    while their count stayed 192, so the check of the data position let the resume through and
+    the rest of the epoch drew other samples (some twice, some never)."""
+    one, _ = _dataset(tiny, "--data.pack", "true", "--data.seq_len", "149")
+    tp2, _ = _dataset(tiny, "--data.pack", "true", "--data.seq_len", "149", "--layout.language.tp", "2")
+    assert (one.seq_len, tp2.seq_len) == (149, 150)  # the rows are padded to the layout's multiple
+    assert len(tp2.train) == len(one.train)  # what the checkpoint's data position is checked by
+    assert tp2.train.rows == one.train.rows
+    assert sorted(sum(tp2.train.rows, [])) == list(range(512))
 
 
 def _preflight(tiny: str, argv: list[str], message: str) -> None:

@@ -653,6 +653,9 @@ class ConversationDataset(Dataset):
         pack: rows hold several samples each (greedy, in an order drawn from `seed`), as
             documents: ``document_ids`` and per-document ``positions`` keep them apart. The
             dataset's indices (`__len__`, `batch`) are then rows; ``dataset[i]`` stays sample i.
+        pack_len: the tokens a packed row takes in samples (default `seq_len`): the trainer's
+            ``data.seq_len`` before the layout rounds the rows up (cp / tp multiples), so that
+            the rows, and a checkpoint's position in them, are the same under every layout.
         cache_samples: tokenized samples kept (the first met; int32 tokens): the rest are
             tokenized again when met again.
 
@@ -664,7 +667,7 @@ class ConversationDataset(Dataset):
     def __init__(self, path: str | Sequence[str], tokenizer: Any, media: Mapping[str, MediaSpec], seq_len: int = 0,
                  root: str | None = None, truncate: bool = False,
                  samples: Sequence[dict[str, Any]] | SampleSource | None = None, pack: bool = False, seed: int = 0,
-                 cache_samples: int = CACHE_SAMPLES) -> None:
+                 cache_samples: int = CACHE_SAMPLES, pack_len: int | None = None) -> None:
         from dtensor_mimo.data.sources import JsonSource, SampleSource, open_source
 
         if not getattr(tokenizer, "chat_template", None):
@@ -695,6 +698,7 @@ class ConversationDataset(Dataset):
         self.seq_len = seq_len or max((n for i in range(len(self.samples)) if (n := self._length(i)) is not None),
                                       default=0)
         self.pack = pack
+        self.pack_len = min(pack_len or self.seq_len, self.seq_len)
         self.rows = self._pack(seed) if pack else None
 
     def __len__(self) -> int:
@@ -720,13 +724,13 @@ class ConversationDataset(Dataset):
         order = torch.randperm(len(self.samples), generator=torch.Generator().manual_seed(seed)).tolist()
         rows: list[list[int]] = []
         alone: list[list[int]] = []
-        used = self.seq_len
+        used = self.pack_len
         for index in order:
             n = self._length(index)
             if n is None:
                 alone.append([index])
                 continue
-            if used + n > self.seq_len:
+            if used + n > self.pack_len:  # (a sample longer than pack_len, up to seq_len: a row of its own)
                 rows.append([])
                 used = 0
             rows[-1].append(index)

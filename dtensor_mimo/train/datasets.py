@@ -304,6 +304,7 @@ def conversation_data(config: TrainerConfig, resolved: ResolvedModel, ahead: boo
         raise ConfigError(str(e)) from None
     try:
         seq_len = round_seq_len(config, d.seq_len) if d.seq_len else 0
+        pack_len = d.seq_len  # packed rows take this many tokens of samples whatever the layout rounds rows to
         if not seq_len:  # the longest sample's, rounded for cp / sp: only where that is cheap
             if not whole:
                 probe = ConversationDataset(d.path, resolved.tokenizer, media, 1 << 30, truncate=d.truncate,
@@ -313,9 +314,10 @@ def conversation_data(config: TrainerConfig, resolved: ResolvedModel, ahead: boo
                                   f"samples' longest has {probe.check_lengths(skip_media=True)} tokens)")
             probe = ConversationDataset(d.path, resolved.tokenizer, media, 0, truncate=d.truncate,
                                         samples=train_source)
-            seq_len = round_seq_len(config, probe.seq_len)
+            seq_len, pack_len = round_seq_len(config, probe.seq_len), probe.seq_len
         train = ConversationDataset(d.path, resolved.tokenizer, media, seq_len, truncate=d.truncate,
-                                    samples=train_source, pack=d.pack and (whole or not ahead), seed=d.seed)
+                                    samples=train_source, pack=d.pack and (whole or not ahead), seed=d.seed,
+                                    pack_len=pack_len)
         heldout = None
         if d.heldout:
             held_source, _ = open_checked(config, d.heldout, "data.heldout")
