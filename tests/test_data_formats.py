@@ -478,3 +478,27 @@ def test_a_tar_sample_missing_its_member_is_broken_media(corpus, tmp_path, monke
     alone = train.batch([k - 1])
     n = int((alone.tokens[0] != alone.tokens[0, -1]).sum())
     assert torch.equal(left_out.tokens[0, :n], alone.tokens[0, :n]) and int(left_out.loss_mask[1].sum()) == 0
+
+
+def test_packing_starts_a_row_for_a_first_sample_without_tokens() -> None:
+    """`ConversationDataset._pack`: a sample truncated to no tokens (an item at position 0 longer
+    than seq_len, data.truncate) may come first in the drawn order; it opens the first row as any
+    sample would (it raised IndexError), and the others fill rows up to pack_len."""
+    from types import SimpleNamespace
+
+    from dtensor_mimo.data.conversation import ConversationDataset
+
+    lengths = [0, 5, 4, 3, 6]
+    stub = SimpleNamespace(samples=lengths, pack_len=9, _length=lambda i: lengths[i])
+    rows = ConversationDataset._pack(stub, seed=0)
+    order = torch.randperm(5, generator=torch.Generator().manual_seed(0)).tolist()
+    expected, used = [], 0  # greedy by hand in the drawn order
+    for i in order:
+        if not expected or used + lengths[i] > 9:
+            expected.append([])
+            used = 0
+        expected[-1].append(i)
+        used += lengths[i]
+    assert rows == expected and sorted(i for r in rows for i in r) == list(range(5))
+    stub.samples, lengths[:] = [0], [0]
+    assert ConversationDataset._pack(stub, seed=0) == [[0]]

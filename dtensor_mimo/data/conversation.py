@@ -724,13 +724,13 @@ class ConversationDataset(Dataset):
         order = torch.randperm(len(self.samples), generator=torch.Generator().manual_seed(seed)).tolist()
         rows: list[list[int]] = []
         alone: list[list[int]] = []
-        used = self.pack_len
+        used = 0
         for index in order:
             n = self._length(index)
             if n is None:
                 alone.append([index])
                 continue
-            if used + n > self.pack_len:  # (a sample longer than pack_len, up to seq_len: a row of its own)
+            if not rows or used + n > self.pack_len:  # (longer than pack_len, up to seq_len: a row of its own)
                 rows.append([])
                 used = 0
             rows[-1].append(index)
