@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -166,3 +167,60 @@ def test_step_flops_count_attention_at_the_heads_width() -> None:
                               modules={"language": llama}, seq_len=seq, resolved=SimpleNamespace(encoders={}),
                               data=SimpleNamespace(tokens_per_item={}, items_per_sample={}))
     assert Trainer._flops(trainer) == expected
+
+
+def _stopped_at_the_last_step_then_rerun(argv: list[str]) -> str | None:
+    """The run of `argv` stopped by SIGTERM during its last step (its checkpoint then holds that
+    step, and no evaluation ran), then the requeued command, which resumes there and evaluates."""
+    import signal
+
+    from dtensor_mimo.train.config import parse_args
+    from dtensor_mimo.train.trainer import Trainer
+
+    config = parse_args(argv)
+
+    class LastStepSignal:  # what `StopSignals` says once SIGTERM came during the last step
+        def __init__(self, trainer: Trainer) -> None:
+            self.trainer = trainer
+
+        @property
+        def requested(self) -> signal.Signals | None:
+            return signal.SIGTERM if self.trainer.step == config.train.steps - 1 else None
+
+    first = Trainer(config)
+    first.signals = LastStepSignal(first)
+    assert first.run() is None and first.stopped == signal.SIGTERM and first.step == config.train.steps
+    again = Trainer(parse_args(argv))
+    again.run()
+    return again.saved
+
+
+def test_a_run_resumed_at_its_last_step_keeps_that_steps_tensorboard_scalars(tmp_path) -> None:
+    """A run stopped by SIGTERM during its last step writes that step's checkpoint and skips the
+    final evaluation; the requeued command resumes at the last step, trains nothing and evaluates.
+    Its first record (the held-out scores, at the last step) opened TensorBoard purging from that
+    step: the stopped run's loss, grad norm, lr, ... of the last step were dropped from the
+    event files (the JSONL still had them). Only the steps the resumed run trains are logged
+    again, so only those may be purged."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("sklearn")  # the digits data
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.harness import run_on_ranks
+
+    steps = 3
+    argv = ["--train.steps", str(steps), "--data.batch_size", "4", "--pipeline.microbatches", "1",
+            "--data.heldout_samples", "4", "--train.generate", "0", "--metrics.log_every", "1",
+            "--metrics.progress", "off", "--layout.audio.offset", "0", "--layout.language.offset", "0",
+            "--checkpoint.dir", str(tmp_path / "ckpt"), "--metrics.tensorboard", str(tmp_path / "tb"),
+            "--metrics.jsonl", str(tmp_path / "m.jsonl"),
+            *[f"--options.{m}.compile=false" for m in ("vision", "audio", "language")]]
+    run_on_ranks(_stopped_at_the_last_step_then_rerun, 1, argv, timeout=300)
+    with open(tmp_path / "m.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]  # the stopped run logged every step
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("heldout_answer")] == [steps]  # the rerun's evaluation
+    for key in ("loss", "grad_norm", "lr"):
+        assert [e.step for e in events.Scalars(key)] == [1, 2, 3], key

@@ -157,8 +157,12 @@ class MetricsLogger:
         show = progress == "on" or (progress == "auto" and self.out.isatty())
         self._bar = _bar(total_steps) if enabled and show else None
         self._started = time.perf_counter()
+        self._purge: int | None = None  # TensorBoard's purge step (`start_at`)
 
     def start_at(self, step: int) -> None:
+        """The run starts after `step` (a resumed run: its checkpoint's): the steps from ``step + 1``
+        on are the ones it logs again."""
+        self._purge = step + 1
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
 
@@ -175,9 +179,12 @@ class MetricsLogger:
             self._jsonl.flush()
         if self._tb is None and self._tb_dir is not None:
             # A resumed run logs again the steps after its checkpoint that the stopped run had
-            # logged: TensorBoard drops those earlier events (from this step on) instead of
-            # drawing both.
-            self._tb = self._tb_writer(self._tb_dir, purge_step=record["step"])
+            # logged: TensorBoard drops those earlier events (from the first step it trains on)
+            # instead of drawing both. Not from this record's step: a run resumed at its last step
+            # (stopped during it) trains nothing, and its evaluation's record at that step dropped
+            # the stopped run's scalars of it.
+            purge = self._purge if self._purge is not None else record["step"]
+            self._tb = self._tb_writer(self._tb_dir, purge_step=purge)
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
