@@ -145,6 +145,51 @@ def test_sizes_tp_cannot_split_fail_every_rank_before_any_process_group(modules,
     assert all(re.search(match, e) for e in errors), errors
 
 
+class _UserTower(torch.nn.Module):
+    """A user's own tower inside a library `ModalityEncoder`: no tp plan, no blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = torch.nn.Linear(48, 32)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:  # [N, 3, 16, 16] -> [N, 16, 32]
+        return self.patch(images.unfold(2, 4, 4).unfold(3, 4, 4).permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2))
+
+
+def _user_tower_error(vision: Parallelism, options: ParallelOptions) -> str:
+    """Build a model whose vision encoder is ModalityEncoder(a user's tower, Projection); the error raised here."""
+    encoders = {"vision": ModalityEncoder(_UserTower(), Projection(32, 32))}
+    try:
+        MimoModel(MimoLayout({"vision": vision, "language": P()}), Llama(LlamaConfig.tiny()), encoders,
+                  options={"vision": options})
+    except (TypeError, ValueError, AttributeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "built"
+
+
+@pytest.mark.parametrize("vision, options, match", [
+    (P(tp=2), ParallelOptions(), r"TypeError: encoder 'vision' \(ModalityEncoder\) does not meet the encoder protocol "
+                                 r".*: it needs its encoder \(_UserTower\) to have parallelize\(tp_mesh, options\) "
+                                 r"\(its tensor parallel plan: the layout gives it tp=2\)"),
+    (P(), ParallelOptions(activation_checkpointing=1),
+     r"TypeError: encoder 'vision' \(ModalityEncoder\) does not meet the encoder protocol .*: it needs its encoder "
+     r"or projection to have layers \(an nn.ModuleDict of blocks, for activation_checkpointing\)"),
+], ids=["tp_without_a_plan", "checkpointing_without_blocks"])
+def test_modality_encoder_of_a_user_tower_is_checked_on_every_rank_before_any_process_group(vision, options, match):
+    """A `ModalityEncoder` around a user's tower is parallelized part by part, the tower through its own
+    ``parallelize``: at tp 2 without one, it raised a bare AttributeError (and with activation checkpointing
+    over no blocks a ValueError) on the encoder's ranks alone, inside its tp plan after the meshes were made,
+    while the language rank built its part and went on to wait for them. Refused by name in pure Python."""
+    import re
+
+    from tests.harness import run_on_ranks
+
+    assert re.search(match, _user_tower_error(vision, options))  # no process group here
+    world = MimoLayout({"vision": vision, "language": P()}).world_size
+    errors = run_on_ranks(_user_tower_error, world, vision, options, timeout=60)
+    assert all(re.search(match, e) for e in errors), errors
+
+
 def test_batch_with_a_modality_the_model_lacks():
     batch = synthetic_batch(SyntheticSpec.tiny(), seed=0)  # vision and audio
     layout = MimoLayout({"vision": P(), "language": P()})

@@ -58,8 +58,11 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from dtensor_mimo.models.audio import AudioEncoder
 from dtensor_mimo.models.llama import Llama
 from dtensor_mimo.models.modality_encoder import ModalityEncoder
+from dtensor_mimo.models.projection import Projection
+from dtensor_mimo.models.vit import ViT
 
 
 ItemRule = Callable[[tuple[int, ...], int], "str | None"]
@@ -72,9 +75,6 @@ def item_rule(encoder: nn.Module) -> ItemRule | None:
     `AudioEncoder` (their configs' `item_problem` and `tokens_for`), and for a user's encoder
     that has ``tokens_per_item(item_shape) -> int``; None otherwise (the first crossing checks
     the rows)."""
-    from dtensor_mimo.models.audio import AudioEncoder
-    from dtensor_mimo.models.vit import ViT
-
     tower = encoder.encoder if isinstance(encoder, ModalityEncoder) else encoder
     config = getattr(tower, "config", None)
     if isinstance(tower, (ViT, AudioEncoder)):
@@ -120,12 +120,21 @@ def encoder_problems(module: object, *, tp: int, activation_checkpointing: int) 
     problems = []
     if not isinstance(getattr(module, "out_dim", None), int):
         problems.append("out_dim (an int: the width of its output rows)")
-    if isinstance(module, ModalityEncoder):
-        return problems
-    if tp > 1 and not callable(getattr(module, "parallelize", None)):
-        problems.append(f"parallelize(tp_mesh, options) (its tensor parallel plan: the layout gives it tp={tp})")
-    if activation_checkpointing and not isinstance(getattr(module, "layers", None), nn.ModuleDict):
-        problems.append("layers (an nn.ModuleDict of blocks, for activation_checkpointing)")
+    # A ModalityEncoder is parallelized part by part (its tower, its projection): a part that is
+    # not one of the library's own needs its own tp plan, as a user's encoder does.
+    parts = ({"encoder": module.encoder, "projection": module.projection} if isinstance(module, ModalityEncoder)
+             else {"": module})
+    parts = {n: p for n, p in parts.items() if p is not None}
+    for part_name, part in parts.items():
+        if tp > 1 and not isinstance(part, (ViT, AudioEncoder, Projection)) and not callable(
+                getattr(part, "parallelize", None)):
+            whose = f"its {part_name} ({type(part).__name__}) to have " if part_name else ""
+            problems.append(f"{whose}parallelize(tp_mesh, options) (its tensor parallel plan: the layout gives it "
+                            f"tp={tp})")
+    if activation_checkpointing and not any(isinstance(getattr(p, "layers", None), nn.ModuleDict)
+                                            for p in parts.values()):
+        where = "its encoder or projection to have " if isinstance(module, ModalityEncoder) else ""
+        problems.append(f"{where}layers (an nn.ModuleDict of blocks, for activation_checkpointing)")
     return problems
 
 
