@@ -606,3 +606,50 @@ def test_generate_ends_a_sample_at_a_modality_placeholder_it_generates():
         return ids
 
     assert greedy_generate(predict, batch, prompts, 4) == [[7, 5], [5], [7, 7, 7, 7]]
+
+
+def _two_images(swapped: bool):
+    """One sample holding two images of 16 and 4 patches (the tiny dynamic-resolution ViT, patch 4),
+    or the same two in the other order: the same token ids, items and tokens per sample."""
+    from dtensor_mimo.data import MimoBatch, ModalityInputs
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 16, 16), (3, 8, 8)][::-1 if swapped else 1]
+    inputs = [torch.randn(*s, generator=g) for s in shapes]
+    tokens = torch.randint(0, 60, (1, 48), generator=g)
+    tokens[0, 4:24] = 64
+    labels = torch.roll(tokens, -1, 1)
+    labels[0, -1] = -100
+    per_item = tuple((h // 4) * (w // 4) for _, h, w in shapes)
+    return MimoBatch(tokens, labels, (tokens != 64).float(), {"vision": ModalityInputs(inputs, (2,), per_item, 64)})
+
+
+def _items_swapped_on_one_rank():
+    """A first step whose language rank (2) was fed the batch with its two images in the other
+    order: this rank's error, or None."""
+    import torch.distributed as dist
+
+    from dtensor_mimo import MimoOptimizer, train_step
+    from tests.test_mimo import OPT, _modules
+
+    llama, encoders = _modules(("vision",), varied=True)
+    model = MimoModel(MimoLayout({"vision": P(dp=2), "language": P()}), llama, encoders)
+    try:
+        train_step(model, MimoOptimizer(model, OPT), _two_images(swapped=dist.get_rank() == 2))
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_ranks_fed_items_in_another_order_fail_every_rank_before_the_exchange():
+    """Ranks whose batches differ only in how a sample's tokens split among its items (the same token
+    ids and tokens per sample) derive other balanced encoder shares, so other exchange sizes: the
+    first step's batch comparison must tell them apart. It compared the tokens per sample alone:
+    gloo aborted the language rank ("Received data size doesn't match") and the encoder ranks died."""
+    from tests.harness import run_on_ranks
+
+    # Independent of the library's cuts: by item cost the 16-patch image and the 4-patch one go to
+    # vision dp ranks 0 and 1, so the rows of dp rank 0 are 16 in one order and 4 in the other.
+    errors = run_on_ranks(_items_swapped_on_one_rank, 3, timeout=90)
+    for rank, error in enumerate(errors):
+        assert error is not None and "the ranks were fed different batches" in error, f"rank {rank}: {error}"

@@ -678,8 +678,10 @@ def synthetic_batch(spec: SyntheticSpec, seed: int) -> MimoBatch:
 
 def step_fingerprint(batch: MimoBatch) -> int:
     """`batch_fingerprint` of a global batch: its per-token tensors (when on the host: hashing
-    device memory would sync) and each modality's items and tokens per sample; once per batch
-    (`MimoBatch.memo`)."""
+    device memory would sync) and each modality's items per sample and tokens per item (they give
+    the tokens per sample; where an encoder balances its items over its dp ranks, the rows each
+    rank sends follow the per-item counts, which samples of equal sums can still differ in); once
+    per batch (`MimoBatch.memo`)."""
     tensors = (batch.tokens, batch.labels, batch.loss_mask) if batch.tokens.is_cpu else ()
     return batch.memo("step fingerprint", lambda: batch_fingerprint(
-        tensors, {n: (m.items_per_sample, m.tokens_per_sample()) for n, m in batch.modalities.items()}))
+        tensors, {n: (m.items_per_sample, m.item_tokens) for n, m in batch.modalities.items()}))

@@ -75,7 +75,7 @@ def _default(f: dataclasses.Field) -> Any:
 
 def batch_fingerprint(tokens: Any, items: Mapping[str, tuple[Sequence[int], Sequence[int]]]) -> int:
     """The step fingerprint of a global batch's metadata: its token ids (a tensor, or a tuple of
-    the per-token tensors) and, per modality, the items per sample and tokens per sample (what
+    the per-token tensors) and, per modality, the items per sample and the tokens per item (what
     every rank derives its exchange sizes from)."""
     return fingerprint(tokens, {k: [list(a), list(b)] for k, (a, b) in items.items()}, bits=STEP_BITS)
 

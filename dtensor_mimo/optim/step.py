@@ -126,7 +126,7 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
     same clip and skip decision, and raises together, before any weight changes, when:
 
     - the ranks were fed different batches (`batch_fingerprint` of the token ids, labels, loss
-      mask and each modality's items and tokens per sample; `agreed`);
+      mask and each modality's items per sample and tokens per item; `agreed`);
     - a parameter's ``requires_grad`` changed after the model was built (the step runs with the
       trainable set as built, so the crossings match on every rank, then is refused);
     - the step found encoder rows that contradict the batch metadata (`MimoModel.run`'s result),
@@ -246,7 +246,7 @@ def _check_same_batch(fp: int, device: torch.device) -> None:
 
 def _different_batches(fp: int) -> str:
     return ("the ranks were fed different batches in this step (their batch fingerprints differ: token ids, "
-            f"labels, loss mask or a modality's items / tokens per sample; this rank's is {fp}): every rank "
+            f"labels, loss mask or a modality's items per sample / tokens per item; this rank's is {fp}): every rank "
             "must pass the same global batch (the same data, seed and position); the step was not applied")
 
 
