@@ -50,6 +50,21 @@ def test_config_validation() -> None:
     assert PipelineConfig(4, "Interleaved1F1B", 2).num_stages(pp=3) == 6
 
 
+@pytest.mark.parametrize("split, shown", [(4, "4"), (2.5, "2.5"), ("31", "'31'"), ((True, 3), r"\(True, 3\)"),
+                                          ((2, 2.0), r"\(2, 2.0\)")])
+def test_split_of_no_layer_counts_is_refused_by_name(split, shown) -> None:
+    """`PipelineConfig.split` is layers per stage: a single number (split=4) failed in `tuple()`
+    with "'int' object is not iterable", naming neither the field nor the value; a string was cut
+    into its characters (the error then showed ('3', '1')); a bool counted as one layer (while
+    microbatches=True is refused by name)."""
+    with pytest.raises(ValueError, match=rf"PipelineConfig.split={shown}: .*layers per stage.*integers >= 1"):
+        PipelineConfig(microbatches=2, split=split)
+    if isinstance(split, tuple):  # a split made by hand reaches `stage_layers` without the config
+        with pytest.raises(LayoutError, match=r"PipelineConfig.split=\("):
+            stage_layers(4, len(split), split)
+    assert PipelineConfig(microbatches=2, split=[3, 1]).split == (3, 1)
+
+
 def test_batch_not_divisible_by_microbatches_times_dp() -> None:
     check_microbatching(8, 4, 2)
     with pytest.raises(ValueError, match=r"12 samples cannot be cut into 4 microbatches x 'language' "

@@ -93,7 +93,13 @@ class PipelineConfig:
                 "virtual_stages=2"
             )
         if self.split is not None:
-            object.__setattr__(self, "split", tuple(self.split))
+            split = self.split
+            counts = () if isinstance(split, (str, bytes)) or not hasattr(split, "__iter__") else tuple(split)
+            if not counts or not all(_layer_count(n) for n in counts):
+                raise ValueError(
+                    f"PipelineConfig.split={split!r}: give decoder layers per stage, integers >= 1, one per "
+                    "stage (pp x virtual_stages of them), e.g. split=(3, 1); or None for an even split")
+            object.__setattr__(self, "split", counts)
 
     def num_stages(self, pp: int) -> int:
         """Stages of a module with pipeline size `pp`."""
@@ -113,6 +119,11 @@ class PipelineConfig:
         return rank_stages(pp_rank, self.num_stages(pp), pp, self.placement)
 
 
+def _layer_count(n: object) -> bool:
+    """Whether `n` is a stage's count of layers: an integer >= 1 (a bool is no count)."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+
 def stage_layers(n_layers: int, n_stages: int, split: Sequence[int] | None = None,
                  module: str = "language") -> list[range]:
     """Layer indices of each stage of `module`: `split` if given, else as even as possible."""
@@ -125,7 +136,7 @@ def stage_layers(n_layers: int, n_stages: int, split: Sequence[int] | None = Non
         base, extra = divmod(n_layers, n_stages)
         split = [base + (1 if s < extra else 0) for s in range(n_stages)]
     split = list(split)
-    if len(split) != n_stages or any(not isinstance(n, int) or n < 1 for n in split) or sum(split) != n_layers:
+    if len(split) != n_stages or not all(_layer_count(n) for n in split) or sum(split) != n_layers:
         raise LayoutError(
             f"PipelineConfig.split={tuple(split)} must give {n_stages} stages (pp x virtual_stages) "
             f"at least one layer each, {n_layers} layers in all"

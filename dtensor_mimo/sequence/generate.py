@@ -71,7 +71,7 @@ def greedy_generate(predict: Callable[[MimoBatch], torch.Tensor], batch: MimoBat
         done |= torch.isin(new, placeholders) | (limits == step + 1)
         write = ~done
         live, at = rows[write], ends[write]
-        tokens[live, at] = new[write]
+        tokens[live, at] = new[write].to(tokens.device)  # (a batch already on an accelerator)
         if documents is not None:  # the new token continues its prompt's document ...
             documents[live, at] = documents[live, at - 1]
         if positions is not None:  # ... at the position after the prompt's last token
