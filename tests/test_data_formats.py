@@ -22,6 +22,8 @@ text-only samples) is written as the reference JSON list and again as:
 | test_a_dataset_directory_with_a_trailing_slash_finds_the_same_media | 'data/hf/' and 'data/hf': media under data/ |
 | test_a_corrupt_parquet_row_group_names_the_file_and_row | a damaged row group: DataError naming the file and row |
 | test_a_tar_sample_missing_its_member_is_broken_media | past the head: MediaError on its row; left out, it builds |
+| test_a_corpus_of_more_files_than_may_be_open_reads_through | 150 files, room for 100 open: JSONL, tar, Parquet |
+| test_parquet_files_read_keep_a_bounded_number_of_row_groups | Arrow memory after 400 files < half their groups |
 """
 
 from __future__ import annotations
@@ -502,3 +504,68 @@ def test_packing_starts_a_row_for_a_first_sample_without_tokens() -> None:
     assert rows == expected and sorted(i for r in rows for i in r) == list(range(5))
     stub.samples, lengths[:] = [0], [0]
     assert ConversationDataset._pack(stub, seed=0) == [[0]]
+
+
+def test_a_corpus_of_more_files_than_may_be_open_reads_through(tmp_path) -> None:
+    """A corpus of more files than the process may hold open (its RLIMIT_NOFILE, 1024 by default
+    on Linux; LLaVA-scale webdataset / Parquet corpora come in thousands of shards), read in a
+    shuffled order as the sampler reads it: every sample and media member read is the one
+    written. (Each JSONL, tar and Parquet file read stayed open for the life of the source: past
+    the limit, OSError "Too many open files" naming no file, mid-epoch.)"""
+    import random
+    import resource
+
+    import pyarrow as pa
+
+    from dtensor_mimo.data.sources import open_source
+
+    files = 150
+    conv = [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "yo"}]
+    for k in range(files):
+        sample = {"id": f"s{k}", "conversations": conv}
+        (tmp_path / f"p-{k:03d}.jsonl").write_text(json.dumps(sample) + "\n")
+        _tar(str(tmp_path / f"p-{k:03d}.tar"), tarfile.PAX_FORMAT,
+             [(f"k{k}.json", json.dumps({**sample, "image": "png"}).encode()), (f"k{k}.png", f"png {k}".encode())])
+        pq.write_table(pa.table({"id": [f"s{k}"], "conversations": [conv], "image": [f"png {k}".encode()]}),
+                       str(tmp_path / f"p-{k:03d}.parquet"))
+    order = list(range(files))
+    random.Random(0).shuffle(order)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    sources = [open_source(format_, str(tmp_path / f"p-*.{ext}"), None)
+               for format_, ext in (("llava", "jsonl"), ("webdataset", "tar"), ("hf", "parquet"))]
+    try:
+        for source in sources:  # room for 100 more open files than are open now
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 100, hard))
+            assert len(source) == files
+            for i in order:
+                sample = source[i]
+                assert sample["id"] == f"s{i}", source.format
+                if source.format != "llava":
+                    [ref] = source.media(i, sample, "image")
+                    assert source.open(ref).read() == f"png {i}".encode(), source.format
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_parquet_files_read_keep_a_bounded_number_of_row_groups(tmp_path) -> None:
+    """A Parquet source keeps a decoded row group for the rows read next to it (a sample's media
+    are read right after its row), not one for every file of the corpus it has read from: Arrow
+    memory held after reading a row of each of 400 files of one 128 KiB row group stays under
+    half of the 50 MiB all their groups take (it held them all: memory that grows with the
+    corpus, in every rank and loader worker)."""
+    import pyarrow as pa
+
+    from dtensor_mimo.data.sources import open_source
+
+    files, size = 400, 128 << 10
+    conv = [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "yo"}]
+    for k in range(files):
+        pq.write_table(pa.table({"conversations": [conv], "image": [os.urandom(size)]}),
+                       str(tmp_path / f"p-{k:03d}.parquet"))
+    source = open_source("hf", str(tmp_path / "p-*.parquet"), None)
+    assert len(source) == files
+    before = pa.total_allocated_bytes()
+    for i in range(files):
+        [ref] = source.media(i, source[i], "image")
+        assert len(source.open(ref).read()) == size
+    assert pa.total_allocated_bytes() - before < files * size / 2

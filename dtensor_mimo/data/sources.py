@@ -16,12 +16,13 @@ Three formats hold the same LLaVA-style samples (``conversations``, ``id``, ``im
   ``datasets.load_from_disk``), or Parquet / Arrow files (pyarrow), with the samples' keys as
   columns; media as paths or bytes (an ``Image()`` column's ``{"bytes", "path"}``). Arrow is
   memory-mapped; Parquet is compressed by row group, so a sample costs decoding its row group
-  (the last one kept): for shuffled reads write small row groups or save_to_disk instead.
+  (each open file's last one kept): for shuffled reads write small row groups or save_to_disk instead.
 
 Several files (a list, or a glob) are one sequence, in the order given (a glob's sorted).
 Media are named by references: a file's path, or ``SHARD[MEMBER]`` / ``FILE[row R COLUMN K]``
 for bytes inside a shard or a table; `SampleSource.open` gives what Pillow and `wave` read.
-Sources pickle without their open handles (loader workers reopen them).
+Sources pickle without their open handles (loader workers reopen them); a process holds at
+most `OPEN_FILES` of a source's files open, the least recently read closed past it.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ import mmap
 import os
 import re
 import tarfile
+import threading
 import warnings
-from typing import Any, BinaryIO, Mapping, Sequence
+from typing import Any, BinaryIO, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -50,6 +52,11 @@ FORMATS = ("llava", "webdataset", "hf")
 LARGE_JSON_LIST = 100_000
 """Samples of a JSON list above which reading it warns (JSONL is indexed, not parsed whole)."""
 BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which Windows tools put before a file's JSON
+OPEN_FILES = 64
+"""Files a source holds open at once in a process (a JSONL file's or shard's descriptor, a Parquet
+file and its last decoded row group, an Arrow file's map): past it the least recently read is
+closed. (Kept open for the source's life, a corpus of thousands of shards read in shuffled order
+ran out of the process's open files, often 1024, mid-epoch, and held a row group for each file.)"""
 
 
 def expand_paths(path: str | Sequence[str], key: str) -> list[str]:
@@ -92,6 +99,26 @@ def _check_sample(sample: Any, where: str) -> dict[str, Any]:
     return sample
 
 
+class _OpenFiles:
+    """The files one source holds open in this process, least recently used first (at most
+    `OPEN_FILES`), and the lock of threads sharing the source (one closes what another reads)."""
+
+    def __init__(self) -> None:
+        self.pid, self.lock = os.getpid(), threading.Lock()
+        self.handles: dict[int, tuple[Any, Callable[[Any], None]]] = {}
+
+    def get(self, k: int, opener: Callable[[], Any], closer: Callable[[Any], None]) -> Any:
+        """File `k`'s handle, opened now if it is not open (the caller holds `lock`)."""
+        found = self.handles.pop(k, None)
+        handle = opener() if found is None else found[0]
+        while len(self.handles) >= OPEN_FILES:
+            old = next(iter(self.handles))
+            h, close = self.handles.pop(old)
+            close(h)
+        self.handles[k] = (handle, closer)
+        return handle
+
+
 class SampleSource:
     """A sequence of LLaVA-style samples from files, read by index.
 
@@ -111,6 +138,19 @@ class SampleSource:
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_h_")}  # handles reopen
+
+    def _open_files(self) -> _OpenFiles:
+        """This process's open files of the source (a forked loader worker starts its own)."""
+        files = self.__dict__.get("_h_files")
+        if files is None or files.pid != os.getpid():
+            files = self._h_files = _OpenFiles()
+        return files
+
+    def _pread(self, k: int, size: int, offset: int) -> bytes:
+        """`size` bytes at `offset` of file `k`."""
+        files = self._open_files()
+        with files.lock:
+            return os.pread(files.get(k, lambda: os.open(self.files[k], os.O_RDONLY), os.close), size, offset)
 
     def describe(self) -> str:
         """What the user wrote, for messages: ``data.path = 'x-*.jsonl'`` (and the file count)."""
@@ -173,7 +213,8 @@ class SampleSource:
 
     def first(self, n: int) -> SampleSource:
         """The first `n` samples (all if fewer), sharing this source's indexes."""
-        view = copy.copy(self)
+        view = copy.copy(self)  # (without the handles: `__getstate__`)
+        view._h_files = self._open_files()  # one set of open files for both
         view.limit = n if self.limit is None else min(n, self.limit)
         return view
 
@@ -268,10 +309,7 @@ class JsonSource(SampleSource):
         if isinstance(lines, list):
             return dict(_check_sample(lines[j], f"{self.files[k]}: sample {j}"))
         start, end = int(lines[0, j]), int(lines[1, j])
-        fd = self.__dict__.setdefault("_h_fds", {}).get(k)
-        if fd is None:
-            fd = self._h_fds[k] = os.open(self.files[k], os.O_RDONLY)
-        return self._parse(k, j, os.pread(fd, end - start, start), start)
+        return self._parse(k, j, self._pread(k, end - start, start), start)
 
     def _head(self, k: int, n: int) -> list[dict[str, Any]]:
         if k in self._lines:
@@ -470,10 +508,7 @@ class TarSource(SampleSource):
         return len(self._index(k))
 
     def _bytes(self, k: int, offset: int, size: int) -> bytes:
-        fd = self.__dict__.setdefault("_h_fds", {}).get(k)
-        if fd is None:
-            fd = self._h_fds[k] = os.open(self.files[k], os.O_RDONLY)
-        return os.pread(fd, size, offset)
+        return self._pread(k, size, offset)
 
     def _read(self, k: int, j: int) -> dict[str, Any]:
         index = self._index(k)
@@ -577,6 +612,13 @@ class _Table:
         self._h_table = h
         return h
 
+    def release(self) -> None:
+        """Close the file and drop its decoded row group (`handle` opens it again when wanted)."""
+        self.__dict__.pop("_h_group", None)
+        close = getattr(self.__dict__.pop("_h_table", None), "close", None)  # a ParquetFile's
+        if close is not None:
+            close()
+
     def row(self, j: int) -> dict[str, Any]:
         """Row `j` as a dict; DataError naming the file and the row where pyarrow cannot read it."""
         h = self.handle()
@@ -616,19 +658,28 @@ class ArrowSource(SampleSource):
 
     def _table(self, k: int) -> _Table:
         if k not in self._tables:
-            table = _Table(self.files[k], self.describe())
+            table = _Table(self.files[k], self.describe())  # (opened to count its rows)
             if "conversations" not in table.columns:
+                table.release()
                 raise DataError(f"{self.describe()}: {self.files[k]} has the columns {table.columns} but no "
                                 "'conversations' column (a list of {'from', 'value'} turns); rename yours, "
                                 "e.g. dataset.rename_column('messages', 'conversations'), and save it again")
             self._tables[k] = table
+            self._row(k)  # among the files held open
         return self._tables[k]
+
+    def _row(self, k: int, j: int | None = None) -> dict[str, Any] | None:
+        """Row `j` of file `k` (None: none), the file among the `OPEN_FILES` held open."""
+        table, files = self._table(k), self._open_files()
+        with files.lock:
+            files.get(k, table.handle, lambda _: table.release())
+            return None if j is None else table.row(j)
 
     def _count(self, k: int) -> int:
         return self._table(k).rows
 
     def _read(self, k: int, j: int) -> dict[str, Any]:
-        row = self._table(k).row(j)
+        row = self._row(k, j)
         if row.get("id") is None:
             row.pop("id", None)
         return _check_sample(row, f"{self.files[k]}: row {j}")
@@ -655,7 +706,7 @@ class ArrowSource(SampleSource):
         if match is None or match.group(1) not in self._files():
             return ref
         path, j, modality, n = match.group(1), int(match.group(2)), match.group(3), int(match.group(4))
-        value = self._table(self._files()[path]).row(j)[modality]
+        value = self._row(self._files()[path], j)[modality]
         value = value[n] if isinstance(value, list) else value
         return MediaBytes(value["bytes"] if isinstance(value, dict) else value, ref)
 
