@@ -154,7 +154,7 @@ def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> Non
     (["--data.format", "llava", *IMAGE], "data.format = 'llava' needs data.path"),
     (["--data.format", "llava", "--data.path", "x.jsonl", *IMAGE], "needs a tokenizer"),
     (["--data.format", "llava", "--data.path", "x.jsonl", "--data.tokenizer", "t", *IMAGE,
-      "--model.encoders.v2.image_size", "8"], "several encoders take ['image']"),
+      "--model.encoders.v2.image_size", "8"], "model.encoders.image, model.encoders.v2 all take 'image' items"),
     (["--optimizer.module_lr", "{video = 1e-4}"], "optimizer.module_lr names ['video']"),
     (["--train.steps", "0"], "train.steps = 0: must be >= 1"),
     (["--data.batch_size", "30"], "data.batch_size = 30 must split into pipeline.microbatches = 4"),
@@ -227,6 +227,13 @@ def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> Non
     (["--checkpoint.load", "''"], "checkpoint.load = '': an empty path"),
     (["--checkpoint.export_hf", "''"], "checkpoint.export_hf = '': an empty path"),
     (["--metrics.jsonl", "''"], "metrics.jsonl = '': an empty path"),
+    # a misspelt encoder is a new one (modality "image"): named, not "several encoders take ['image'] items"
+    (["--data.format", "llava", "--data.path", "x", "--data.tokenizer", "t", *IMAGE, "--model.encoders.imag.frozen",
+      "true"], "model.encoders.image, model.encoders.imag all take 'image' items"),
+    # the language model's head and loss options do nothing for an encoder, an encoder's for the decoder
+    (["--options.vision.chunked_loss", "false"], "options.vision.chunked_loss: not used by this config"),
+    (["--options.audio.loss_parallel", "false"], "options.audio.loss_parallel: not used by this config"),
+    (["--options.language.recompute_colocated", "true"], "options.language.recompute_colocated: not used by this"),
 ])
 def test_bad_input_names_the_key(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as e:

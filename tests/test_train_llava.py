@@ -13,6 +13,8 @@ by `examples/make_tiny_llava.py` (no download).
 | test_packed_rows_equal_their_samples_alone  | data.pack: every sample once; a packed row's logits and labels == each sample's alone; the launcher's checks pack nothing |
 | test_packed_rows_do_not_depend_on_the_layout | data.pack: the same rows whatever the layout rounds seq_len to |
 | test_bad_input_fails_before_any_process     | missing dirs/files, unsupported architecture, placeholder count, tokenizer without template, processor size, checkpoint.load without checkpoints |
+| test_a_decoder_smaller_than_its_tokenizer_fails_before_any_process | vocab < tokenizer: launcher |
+| test_a_llava_projector_that_cannot_load_fails_before_any_process | LLaVA projector misfit: launcher |
 | test_an_error_inside_the_ranks_is_printed_once | a factory raising on every rank: one traceback, the ranks named |
 | test_layouts_give_one_process_numbers       | image dp1 / language dp1 [2], colocated dp2 [2]: losses and grad norms == one process [1]; loader workers; resume == uninterrupted; load under another layout |
 | test_factories_build_the_modules            | model.language.factory / model.encoders.<name>.factory: your functions' modules, with the offered arguments, train |
@@ -398,6 +400,69 @@ def test_bad_input_fails_before_any_process(tiny: str, tmp_path) -> None:
     out = subprocess.run([sys.executable, "-m", "dtensor_mimo.train", "--config", CONFIG, "--data.path", str(bad)],
                          capture_output=True, text=True, timeout=120, cwd=tiny)
     assert out.returncode == 2 and out.stderr.count("does not exist") == 1 and "Traceback" not in out.stderr
+
+
+def _qwen2(path, vocab_size: int, hidden_size: int = 64) -> None:
+    config = transformers.Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, tie_word_embeddings=False)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(path)
+
+
+def test_a_decoder_smaller_than_its_tokenizer_fails_before_any_process(tiny: str, tmp_path) -> None:
+    """A decoder whose vocab_size is less than the tokenizer's text ids passed the launcher's checks:
+    every rank built and loaded its modules, then refused the first batch holding such an id (any
+    step: a rare token's sample may come late)."""
+    from dtensor_mimo.train.launch import preflight
+
+    tokens = len(transformers.AutoTokenizer.from_pretrained(os.path.join(tiny, "ckpt", "lm")))  # no <image> yet
+    assert tokens > 128
+    _qwen2(tmp_path / "small", 128)
+    _preflight(tiny, ["--model.language.hf", str(tmp_path / "small"), "--data.tokenizer", "ckpt/lm"],
+               f"vocab_size = 128 is less than the {tokens} token ids of the tokenizer")
+    # Exactly the text's ids: the <image> placeholder the trainer adds lies past them, which is fine.
+    _qwen2(tmp_path / "exact", tokens)
+    cwd = os.getcwd()
+    os.chdir(tiny)
+    try:
+        preflight(parse_args(["--config", CONFIG, "--model.language.hf", str(tmp_path / "exact"),
+                              "--data.tokenizer", "ckpt/lm", "--checkpoint.export_hf", "none"]))
+    finally:
+        os.chdir(cwd)
+
+
+def _llava(path, tiny: str, text_width: int, act: str = "gelu") -> None:
+    vision = transformers.SiglipVisionConfig(image_size=16, patch_size=4, hidden_size=48, num_hidden_layers=2,
+                                             num_attention_heads=4, intermediate_size=96)
+    text = transformers.Qwen2Config(vocab_size=384, hidden_size=text_width, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=256, tie_word_embeddings=False)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=383,
+                                      projector_hidden_act=act, vision_feature_layer=-1,
+                                      vision_feature_select_strategy="full")
+    transformers.LlavaForConditionalGeneration(config).save_pretrained(path)
+    shutil.copy(os.path.join(tiny, "ckpt", "siglip", "preprocessor_config.json"), path)
+
+
+def test_a_llava_projector_that_cannot_load_fails_before_any_process(tiny: str, tmp_path) -> None:
+    """A LLaVA directory as an encoder brings its projector: one of another language model's width
+    (the tiny decoder is 64 wide), or not Linear-GELU-Linear, passed the launcher's checks and was
+    refused by load_hf on the ranks, after the meshes and modules were built."""
+    from dtensor_mimo.train.launch import preflight
+
+    _llava(tmp_path / "narrow", tiny, 32)
+    _preflight(tiny, ["--model.encoders.image.hf", str(tmp_path / "narrow")],
+               "its projector projects to its own language model's width, 32, but model.language is 64 wide")
+    _llava(tmp_path / "relu", tiny, 64, act="relu")
+    _preflight(tiny, ["--model.encoders.image.hf", str(tmp_path / "relu")], "projector_hidden_act='relu'")
+    _llava(tmp_path / "fits", tiny, 64)
+    cwd = os.getcwd()
+    os.chdir(tiny)
+    try:
+        preflight(parse_args(["--config", CONFIG, "--model.encoders.image.hf", str(tmp_path / "fits"),
+                              "--checkpoint.export_hf", "none"]))
+    finally:
+        os.chdir(cwd)
 
 
 def failing_decoder(**_) -> torch.nn.Module:

@@ -1063,11 +1063,15 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         if data.image_min_pixels and data.image_max_pixels and data.image_min_pixels > data.image_max_pixels:
             raise ConfigError(f"data.image_min_pixels = {data.image_min_pixels} is above data.image_max_pixels = "
                               f"{data.image_max_pixels}; images are resized to a pixel count between the two")
-        kinds = [e.modality for e in config.model.encoders.values()]
-        twice = sorted({k for k in kinds if kinds.count(k) > 1})
+        by_kind: dict[str, list[str]] = {}
+        for name, enc in config.model.encoders.items():
+            by_kind.setdefault(enc.modality, []).append(name)
+        twice = "; ".join(f"{', '.join(f'model.encoders.{n}' for n in names)} all take {kind!r} items"
+                          for kind, names in sorted(by_kind.items()) if len(names) > 1)
         if twice:
-            raise ConfigError(f"model.encoders: several encoders take {twice} items; conversation data gives "
-                              "each <image> / <audio> / <video> placeholder to one encoder")
+            raise ConfigError(f"{twice}: conversation data gives each <image> / <audio> / <video> placeholder to "
+                              "one encoder; remove the others (a misspelt name declares a new encoder, of modality "
+                              "'image' unless it says otherwise)")
 
     # With layout.auto the planner replaces the layout for the world: it need not fit it yet.
     layout = build_layout(config, None if config.layout.auto else world_size)  # no rank left over, none missing
@@ -1130,6 +1134,9 @@ def _refuse_unused(config: TrainerConfig) -> None:
         if not options.compile:
             unused += [f"options.{name}.{n}" for n in _changed(options, ("compile_mode", "compile_options",
                                                                          "compile_scope", "compile_backend"))]
+        # the language model's head and loss; an encoder's schedule beside the language model
+        only = ("loss_parallel", "chunked_loss") if name != LANGUAGE else ("recompute_colocated",)
+        unused += [f"options.{name}.{n}" for n in _changed(options, only)]
     lang = config.model.language
     if lang.hf or lang.factory:
         unused += [f"model.{LANGUAGE}.{n}" for n in _changed(lang, ("dim", "n_layers", "n_heads", "n_kv_heads",
@@ -1143,7 +1150,8 @@ def _refuse_unused(config: TrainerConfig) -> None:
                           "(audio_max_seconds) with an encoder's dynamic_resolution (variable_length); data.video_fps, video_max_frames, "
                           "video_frame_text with a video encoder; data.root with files, not "
                           "webdataset shards; options.<module>.compile_mode, compile_options, compile_scope, "
-                          "compile_backend with options.<module>.compile = true); remove them")
+                          "compile_backend with options.<module>.compile = true; loss_parallel, chunked_loss for "
+                          f"options.{LANGUAGE}, recompute_colocated for an encoder's); remove them")
 
 
 def _check_source(key: str, hf: str | None, factory: str | None) -> None:

@@ -30,7 +30,8 @@ from dtensor_mimo.models import (
     ViT,
     ViTConfig,
 )
-from dtensor_mimo.models.config_json import read_config
+from dtensor_mimo.models.config_json import read_config, with_defaults
+from dtensor_mimo.models.hf.vision import check_projector
 from dtensor_mimo.train.config import LANGUAGE, ConfigError, EncoderSection, TrainerConfig
 
 _TOWERS = {"siglip_vision_model": -1, "clip_vision_model": -2, "siglip": -1, "clip": -2}
@@ -219,6 +220,12 @@ def resolve_encoder(config: TrainerConfig, name: str, section: EncoderSection) -
                               f"(siglip, clip, their vision models, llava); for audio set modality = 'audio'")
         vit = dataclasses.replace(vision_config(f"{key}.hf", path, section.feature_layer),
                                   temporal_patch=section.temporal_patch)
+        if kind == "llava":  # its projector loads into the Projection: what load_hf refuses, named now
+            try:
+                check_projector(path)
+            except ValueError as e:
+                raise ConfigError(f"{key}.hf: {e}; the library cannot load that projector: use a SigLIP / CLIP "
+                                  "directory of the tower (its projection then starts from its seed)") from None
         proc = _processor(key, section.processor or path, "image")
         if section.dynamic_resolution:
             vit, pixels = dynamic_vit(config, name, vit)
@@ -340,14 +347,54 @@ def resolve(config: TrainerConfig) -> ResolvedModel:
         except (ValueError, KeyError) as e:
             raise ConfigError(f"model.{LANGUAGE}.hf: {e}") from None
         hf_paths[LANGUAGE] = path
+        if tokenizer is not None:
+            _check_vocab(config, tokenizer, language.vocab_size)
     elif not lang.factory:
         language = LlamaConfig(vocab_size=vocab, dim=lang.dim, n_layers=lang.n_layers, n_heads=lang.n_heads,
                                n_kv_heads=lang.n_kv_heads, ffn_hidden=lang.ffn_hidden)
     for name, e in encoders.items():
         if e.section.hf:
             hf_paths[name] = e.section.hf
+            if language is not None:
+                _check_projector_width(name, e.section.hf, language.dim)
     seeds = {LANGUAGE: lang.seed, **{n: s.seed for n, s in config.model.encoders.items()}}
     return ResolvedModel(language, encoders, vocab, tokenizer, hf_paths, seeds)
+
+
+def _check_vocab(config: TrainerConfig, tokenizer: Any, vocab_size: int) -> None:
+    """Refuse a language model whose embedding cannot take every text id of the tokenizer (the
+    modalities' placeholders aside: their rows come from the encoders): the ranks would find
+    such an id only in a batch holding it, after building and loading every module."""
+    from dtensor_mimo.data.conversation import PLACEHOLDERS
+
+    # Text ids, and of the added tokens those every batch may hold (pad, bos, eos): another added
+    # token past the embedding fails only in a batch that holds it (`check_batch` names it then)
+    placeholders, added = set(PLACEHOLDERS.values()), tokenizer.get_added_vocab()
+    used = {tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id} - {None}
+    past = sorted((i, t) for t, i in tokenizer.get_vocab().items()
+                  if i >= vocab_size and t not in placeholders and (t not in added or i in used))
+    if past:
+        key = "data.tokenizer" if config.data.tokenizer else f"model.{LANGUAGE}.hf"
+        path = config.data.tokenizer or config.model.language.hf
+        shown = ", ".join(f"{t!r} = {i}" for i, t in past[:3])
+        raise ConfigError(f"model.{LANGUAGE}.hf = {config.model.language.hf!r}: its vocab_size = {vocab_size} is less "
+                          f"than the {past[-1][0] + 1} token ids of the tokenizer ({key} = {path!r}): {len(past)} "
+                          f"text token(s) ({shown}, ...) would index past its embedding; use this model's own "
+                          f"tokenizer, or a model whose vocab_size is at least {past[-1][0] + 1}")
+
+
+def _check_projector_width(name: str, path: str, language_dim: int) -> None:
+    """Refuse a LLaVA directory whose projector (loaded into the encoder's Projection) does not
+    project to the language model's width: `load_hf` would refuse it only inside the ranks."""
+    top = read_config(path)
+    if top.get("model_type") != "llava":
+        return
+    width = with_defaults(top.get("text_config") or {"model_type": "llama"}).get("hidden_size")
+    if width != language_dim:
+        raise ConfigError(f"model.encoders.{name}.hf = {path!r}: its projector projects to its own language "
+                          f"model's width, {width}, but model.{LANGUAGE} is {language_dim} wide; use the LLaVA "
+                          f"directory's language model (model.{LANGUAGE}.hf = {path!r}), or a tower without a "
+                          "projector (a SigLIP / CLIP directory: the projection then starts from its seed)")
 
 
 def _call_factory(key: str, spec: str, args: dict[str, Any], offered: dict[str, Any]) -> nn.Module:
