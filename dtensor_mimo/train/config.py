@@ -143,7 +143,8 @@ class EncoderSection:
         tokens_per_item: rows a factory encoder gives per item.
         feature_layer: a SigLIP / CLIP tower's features come after this many blocks, negative
             from the end (LLaVA's vision_feature_layer); none: -1 for SigLIP, -2 for CLIP.
-        frozen: the tower does not train (its projection does; a factory's module is frozen whole).
+        frozen: the tower does not train (its projection does; a factory's module is frozen whole
+            unless it is a ModalityEncoder, whose encoder is the tower).
         seed: init seed of what the checkpoint does not fill (e.g. a new projection).
         dim: the library tower's width (no hf, no factory).
         n_layers: the library tower's blocks.
