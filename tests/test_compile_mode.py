@@ -555,3 +555,40 @@ def test_sequence_parallel_first_block_breaks_once_outside_the_graph() -> None:
     for reasons, diff in run_on_ranks(_first_block_breaks, 2, timeout=180):
         assert set(reasons) == {"Skip calling `torch.compiler.disable()`d function"}, reasons
         assert diff < 1e-5
+
+
+def _loss_compile_calls() -> list[tuple[str, dict]]:
+    """World 1, vision and language colocated, the language model compiled with inductor's
+    `compile_options` and its chunked loss taking several chunks: what each ``torch.compile`` call
+    of one training step got (the calls recorded, the functions left eager: no compile time)."""
+    from dtensor_mimo.sequence import loss as token_loss
+
+    calls: list[tuple[str, dict]] = []
+    original, terms, chunk = torch.compile, token_loss._COMPILED_TERMS, token_loss.LOSS_CHUNK_LOGITS
+
+    def recorded(fn, **kwargs):
+        calls.append((getattr(fn, "__name__", type(fn).__name__), kwargs))
+        return fn
+
+    torch.compile, token_loss._COMPILED_TERMS = recorded, {}
+    try:
+        llama, encoders = _modules(("vision",), n_layers=1)
+        token_loss.LOSS_CHUNK_LOGITS = 7 * llama.config.vocab_size  # chunks of 7 rows: the chunked path
+        layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()}, offsets={"vision": 0, "language": 0})
+        model = MimoModel(layout, llama, encoders, options={"language": CPP})
+        train_step(model, MimoOptimizer(model, AdamWConfig(lr=1e-2)), _batches(("vision",), packed=False)[0])
+        return calls
+    finally:
+        torch.compile, token_loss._COMPILED_TERMS, token_loss.LOSS_CHUNK_LOGITS = original, terms, chunk
+
+
+def test_compile_options_reach_the_chunked_loss() -> None:
+    """The chunked loss's arithmetic, compiled with the language model (`compile=True`), is one of
+    its compiled pieces: it takes the module's `compile_options` (here the C++ wrapper) as its
+    blocks do, not inductor's defaults."""
+    [calls] = run_on_ranks(_loss_compile_calls, 1, timeout=180)
+    chunks = [kwargs for name, kwargs in calls if name == "_chunk_terms"]
+    blocks = [kwargs for name, kwargs in calls if name == "_call_impl"]
+    assert blocks and all(kw["options"] == {"cpp_wrapper": True} for kw in blocks), calls
+    assert len(chunks) == 1 and chunks[0]["backend"] == "inductor", calls
+    assert chunks[0].get("options") == {"cpp_wrapper": True}, calls

@@ -46,10 +46,11 @@ class ParallelOptions:
             `GradientReducer` (during backward with `overlap_grad_reduce`; a loop of one's own
             can call `allreduce_gradients(module, dp_mesh)` after it; nothing for size 1).
         compile: `torch.compile` the module's pieces (`compile_scope`; a projection whole).
-        compile_options: inductor's options for the module's compiled pieces (torch.compile's
-            ``options``; e.g. ``{"cpp_wrapper": True}``, compiled code that calls its kernels from
-            C++ instead of Python, or ``{"coordinate_descent_tuning": True}``; in a config file a
-            table, ``cpp_wrapper = true``), laid over `compile_mode`'s own
+        compile_options: inductor's options for the module's compiled pieces, the chunked loss's
+            arithmetic included (torch.compile's ``options``; e.g. ``{"cpp_wrapper": True}``,
+            compiled code that calls its kernels from C++ instead of Python, or
+            ``{"coordinate_descent_tuning": True}``; in a config file a table, ``cpp_wrapper =
+            true``), laid over `compile_mode`'s own
             (``torch._inductor.list_mode_options``). Names, and value types where torch's check
             can, are checked against inductor's config when the options are made; values are
             plain (bool, int, float, str, or lists of them). Inductor only; CUDA graphs are asked

@@ -64,7 +64,8 @@ class LanguageStage(nn.Module):
 
     def __init__(self, llama: nn.Module, first: bool, last: bool, cp_size: int, cp_rank: int,
                  hidden_dtype: torch.dtype | None = None, chunked_loss: bool = False,
-                 loss_compile_backend: str | None = None, whole_compile: Mapping[str, Any] | None = None) -> None:
+                 loss_compile_backend: str | None = None, whole_compile: Mapping[str, Any] | None = None,
+                 loss_compile_options: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.llama, self.first, self.last = llama, first, last
         # The head runs inside the loss (`linear_token_loss_sum`) for the library's decoder, whose
@@ -76,6 +77,7 @@ class LanguageStage(nn.Module):
         self.plain_head = last and isinstance(llama, Llama) and type(head) is nn.Linear and head.bias is None
         self.chunked_loss = chunked_loss and self.plain_head
         self.loss_compile_backend = loss_compile_backend  # the chunked loss's arithmetic compiled with it
+        self.loss_compile_options = loss_compile_options  # and inductor's options (the module's, not its mode)
         # The decoder compiled whole (`whole_compile`: its torch.compile keywords): where its logits
         # fit in one chunk, the head and the loss join its graph (`_decoder_loss`), one compiled
         # call per forward and backward instead of a dozen eager operations each, on a host-bound
@@ -140,6 +142,7 @@ class LanguageStage(nn.Module):
                 if self.chunked_loss:  # tp = 1: the head's weight is plain
                     return linear_token_loss_sum(h, head.weight, labels, loss_mask,
                                                  compile_backend=self.loss_compile_backend,
+                                                 compile_options=self.loss_compile_options,
                                                  counted=loss_rows) / self.normalizer
                 # The head on the loss rows only, as the decoder applies it: under tp its input a
                 # replicated DTensor (its colwise plan then moves nothing), its logits sharded over
@@ -237,6 +240,7 @@ class LanguagePipeline:
             module = LanguageStage(part, s == 0, s == self.n_stages - 1, par.cp, self.cp_rank, self.dtype,
                                    chunked_loss=options.chunked_loss and par.tp == 1,
                                    loss_compile_backend=options.compile_backend if options.compile else None,
+                                   loss_compile_options=options.compile_options if options.compile else None,
                                    whole_compile=options.compile_kwargs
                                    if options.compile and options.compile_scope == "module" else None)
             self.stages.append(parallelize(module, tp_mesh, dp_mesh, options, parts=[part], name=name))

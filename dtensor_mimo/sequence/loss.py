@@ -19,7 +19,7 @@ re-exports these names.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -73,7 +73,7 @@ LOSS_CHUNK_LOGITS = 1 << 26
 
 def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                           loss_mask: torch.Tensor, *, compile_backend: str | None = None,
-                          counted: int | None = None) -> torch.Tensor:
+                          counted: int | None = None, compile_options: Mapping[str, Any] | None = None) -> torch.Tensor:
     """`token_loss_sum` of the logits ``hidden @ weight.T`` (the output head, no bias) without
     ever holding them: ``hidden`` ``[..., dim]``, ``weight`` ``[vocab, dim]`` (plain tensors).
 
@@ -100,7 +100,8 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     over its fp32 copy (on an H200 those passes were about 7 ms of the 1B LM's 249 ms step; on
     the CPU a chunk of 2,097 x 32,000 bf16 logits takes 93 ms against 364 ms). Training only
     (evaluation's chunks stay eager). Numerics: the eager path's up to the fused kernels' order
-    of operations.
+    of operations. `compile_options`: inductor's options for that compilation (the language
+    model's `ParallelOptions.compile_options`; not its `compile_mode`), None for its defaults.
 
     `counted`: how many positions carry a nonzero loss weight, or more, when the caller knows it
     from host metadata (the language pipeline counts them on the batch before it reaches the
@@ -115,7 +116,7 @@ def linear_token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     if hidden.shape[0] * weight.shape[0] <= LOSS_CHUNK_LOGITS:
         return checked_token_loss_sum(F.linear(hidden, weight), labels, weights)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(hidden, weight, labels, weights, compile_backend)
+        return _LinearCrossEntropy.apply(hidden, weight, labels, weights, compile_backend, compile_options)
     return _chunked_cross_entropy(hidden, weight, labels, weights, False, False, compile_backend)[0]
 
 
@@ -157,7 +158,8 @@ def _outside(labels: torch.Tensor, counted: torch.Tensor, vocab: int) -> torch.T
 
 
 def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                           want_h: bool, want_w: bool, compile_backend: str | None = None
+                           want_h: bool, want_w: bool, compile_backend: str | None = None,
+                           compile_options: Mapping[str, Any] | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The summed weighted loss and, where wanted, the gradients of `hidden` (in the compute dtype) and
     `weight` (fp32, float64 for a float64 head)."""
@@ -174,7 +176,7 @@ def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     rows = max(1, LOSS_CHUNK_LOGITS // max(vocab, 1))
     # Compiled for training only: evaluation's loss-only chunks would add graphs to the same cache.
     compiled = compile_backend is not None and (want_h or want_w)
-    terms = _compiled_chunk_terms(compile_backend) if compiled else _chunk_terms
+    terms = _compiled_chunk_terms(compile_backend, compile_options) if compiled else _chunk_terms
     with torch.autocast(device, enabled=False):
         for start in range(0, h.shape[0], rows):
             hc = h[start:start + rows]
@@ -258,24 +260,26 @@ def _chunk_terms(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tens
     return loss, grad.to(logits.dtype)
 
 
-_COMPILED_TERMS: dict[str, Callable] = {}
+_COMPILED_TERMS: dict[tuple[str, str], Callable] = {}
 
 
-def _compiled_chunk_terms(backend: str) -> Callable:
-    """`_chunk_terms` through ``torch.compile`` with `backend` (one per backend; the row count
-    becomes dynamic at its second value, the last chunk's, so batches of any size reuse it: a few
-    graphs per logits dtype, a one-row chunk its own)."""
-    if backend not in _COMPILED_TERMS:
-        _COMPILED_TERMS[backend] = torch.compile(_chunk_terms, backend=backend)
-    return _COMPILED_TERMS[backend]
+def _compiled_chunk_terms(backend: str, options: Mapping[str, Any] | None = None) -> Callable:
+    """`_chunk_terms` through ``torch.compile`` with `backend` and inductor's `options` (one per
+    backend and options; the row count becomes dynamic at its second value, the last chunk's, so
+    batches of any size reuse it: a few graphs per logits dtype, a one-row chunk its own)."""
+    key = (backend, repr(sorted(options.items())) if options else "")
+    if key not in _COMPILED_TERMS:
+        _COMPILED_TERMS[key] = torch.compile(_chunk_terms, backend=backend, options=dict(options) if options else None)
+    return _COMPILED_TERMS[key]
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                weights: torch.Tensor, compile_backend: str | None) -> torch.Tensor:
+                weights: torch.Tensor, compile_backend: str | None,
+                compile_options: Mapping[str, Any] | None = None) -> torch.Tensor:
         total, grad_h, grad_w = _chunked_cross_entropy(hidden, weight, labels, weights, *ctx.needs_input_grad[:2],
-                                                       compile_backend)
+                                                       compile_backend, compile_options)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = hidden.dtype, weight.dtype
         return total
@@ -286,7 +290,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
         return (None if grad_h is None else (grad_h * grad).to(hidden_dtype),
-                None if grad_w is None else (grad_w * grad).to(weight_dtype), None, None, None)
+                None if grad_w is None else (grad_w * grad).to(weight_dtype), None, None, None, None)
 
 
 def vocab_parallel_cross_entropy(logits: DTensor, labels: torch.Tensor) -> torch.Tensor:
