@@ -22,6 +22,10 @@ Clips are MP4s (H.264, 16x16 px, 4 frames a second) of a moving coloured shape w
 |                                                   | skip_bad_media: the unreadable sample a row of its own, left out; |
 |                                                   | no ConfigError at the start                           |
 | test_a_clip_cut_without_reencoding_keeps_its_shown_frames | edit list hides 3 of 10 frames: 4 of 7 taken, == PyAV |
+| test_a_clip_with_a_display_rotation_is_turned_as_a_player_shows_it | a display matrix of 90 / -90 / 180 |
+|                                                   | degrees: frames == PyAV's turned with numpy; sides swapped under fit |
+| test_a_matroska_clip_counts_its_video_not_a_longer_audio_track | 2 s video, 6 s audio in MKV: 4 frames at 2 fps |
+| test_video_inputs_refuses_an_infinite_fps_by_name | fps = inf: ValueError naming fps (and data.video_fps = inf) |
 | test_dp2_frames_give_one_process_numbers          | video dp2 + language dp2 colocated [2], frames (or pairs) balanced: losses == one process [1] (1e-5); |
 |                                                   | encoder max/mean logged, 1.0 (clips of 1 or 3 frames, 2 a microbatch: every total even) |
 | test_the_example_learns_motion (`make learn`)     | the example's 3,000 steps on 1,024 clips: held-out exact match >= 0.85 |
@@ -64,6 +68,17 @@ def test_sample_frames_by_hand() -> None:
     assert sample_frames(30, 29.97, 0.5, 16) == [0]
     assert sample_frames(100, 25, 2, 1) == [0]
     assert sample_frames(1, 25, 2, 16) == [0] and sample_frames(0, 25, 2, 16) == []
+    # one frame every 116 days: the first (its fps was rounded to 0: ZeroDivisionError, naming nothing)
+    assert sample_frames(100, 25, 1e-7, 16) == [0]
+
+
+def test_video_inputs_refuses_an_infinite_fps_by_name() -> None:
+    """fps = inf passed `not fps > 0`, then every clip failed with OverflowError ("cannot convert
+    Infinity to integer ratio"), which the trainer reported as the files failing their processor."""
+    from dtensor_mimo.data.conversation import image_inputs, video_inputs
+
+    with pytest.raises(ValueError, match=r"fps=inf must be a finite number > 0"):
+        video_inputs(image_inputs(None), fps=float("inf"), max_frames=16)
 
 
 LLAVA = ["--data.format", "llava", "--data.path", "x.jsonl", "--data.tokenizer", "t",
@@ -74,7 +89,9 @@ LLAVA = ["--data.format", "llava", "--data.path", "x.jsonl", "--data.tokenizer",
     ([*LLAVA, "--model.encoders.video.modality", "image", "--data.video_fps", "4"],
      "data.video_fps: not used by this config"),
     ([*LLAVA, "--model.encoders.video.modality", "video", "--data.video_fps", "0"],
-     "data.video_fps = 0.0: frames taken per second of video must be > 0"),
+     "data.video_fps = 0.0: frames taken per second of video must be a finite number > 0"),
+    ([*LLAVA, "--model.encoders.video.modality", "video", "--data.video_fps", "inf"],
+     "data.video_fps = inf: frames taken per second of video must be a finite number > 0"),
     ([*LLAVA, "--model.encoders.video.modality", "video", "--data.video_max_frames", "0"],
      "data.video_max_frames = 0: must be >= 1"),
     ([*LLAVA, "--model.encoders.video.modality", "image", "--model.encoders.video.temporal_patch", "2"],
@@ -373,6 +390,80 @@ def test_a_clip_cut_without_reencoding_keeps_its_shown_frames(tmp_path) -> None:
     assert len(shown) == 7
     # 1.75 s at 2 fps: frames 0, 2, 4, 6 of the 7 shown
     expected = torch.tensor(np.stack([shown[i] for i in (0, 2, 4, 6)])).permute(0, 3, 1, 2)
+    clips = video_inputs(image_inputs(_Pixels()), fps=2.0, max_frames=16, frame_shape=(3, 16, 16))
+    assert clips.shape(path) == (4, 3, 16, 16)
+    assert torch.equal(clips([path])[0], expected)
+
+
+class _KeepSize(_Pixels):
+    """`_Pixels` that takes (and ignores) the resize arguments `image_inputs` gives under `fit`."""
+
+    def __call__(self, images, return_tensors: str, **resize) -> dict[str, torch.Tensor]:
+        return super().__call__(images, return_tensors)
+
+
+@pytest.mark.parametrize("degrees", [90, -90, 180])
+def test_a_clip_with_a_display_rotation_is_turned_as_a_player_shows_it(tmp_path, degrees: int) -> None:
+    """A phone records a portrait clip as landscape frames and a display matrix saying how to turn
+    them (images: EXIF orientation, which `image_inputs` applies). Its frames were taken as
+    stored, on their side (a clip "moving up" then shows motion to the left), and under
+    dynamic resolution its shape had the stored sides."""
+    import numpy as np
+
+    from dtensor_mimo.data.conversation import image_inputs, video_inputs
+
+    path = str(tmp_path / "turned.mp4")
+    with av.open(path, "w") as container:
+        stream = container.add_stream("libx264", rate=4)
+        stream.width, stream.height = 32, 16  # stored landscape
+        stream.pix_fmt = "yuv444p"
+        stream.options = {"qp": "0"}
+        stream.set_display_rotation(degrees)  # counter-clockwise, as PyAV reads it back
+        for i in range(4):
+            stored = np.zeros((16, 32, 3), np.uint8)
+            stored[:, :8] = 255  # the left quarter white: which way it turned shows
+            stored[:4, :, 1] = 60 * i
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(stored, format="rgb24")))
+        container.mux(stream.encode())
+    with av.open(path) as container:  # the reference: the stored frames, turned here with numpy
+        stored = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    shown = [np.ascontiguousarray(np.rot90(a, k=degrees // 90)) for a in stored]
+    expected = torch.tensor(np.stack([shown[i] for i in (0, 2)])).permute(0, 3, 1, 2)  # 1 s at 2 fps
+    fixed = video_inputs(image_inputs(_Pixels()), fps=2.0, max_frames=16, frame_shape=(3, *expected.shape[2:]))
+    assert torch.equal(fixed([path])[0], expected)
+    dynamic = video_inputs(image_inputs(_KeepSize(), fit=(16, 256, 4096)), fps=2.0, max_frames=16)
+    assert dynamic.shape(path) == (2, 3, *expected.shape[2:])
+    assert torch.equal(dynamic([path])[0], expected)
+
+
+def test_a_matroska_clip_counts_its_video_not_a_longer_audio_track(tmp_path) -> None:
+    """Matroska / WebM record no frame count and no stream duration, only each stream's DURATION
+    tag; the container's duration is its longest stream's. A 2 s video with 6 s of audio was
+    counted 24 frames, not 8: at 2 fps 12 taken instead of 4, 8 of them the last frame again."""
+    import numpy as np
+
+    from dtensor_mimo.data.conversation import image_inputs, video_inputs
+
+    path = str(tmp_path / "talk.mkv")
+    with av.open(path, "w") as container:
+        video = container.add_stream("libx264", rate=4)
+        video.width = video.height = 16
+        video.pix_fmt = "yuv444p"
+        video.options = {"qp": "0"}
+        audio = container.add_stream("aac", rate=16000)
+        for i in range(8):  # 2 s of video
+            frame = av.VideoFrame.from_ndarray(np.full((16, 16, 3), 30 * i, np.uint8), format="rgb24")
+            container.mux(video.encode(frame))
+        container.mux(video.encode())
+        for start in range(0, 6 * 16000, 1024):  # 6 s of audio
+            silence = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+            silence.sample_rate, silence.pts = 16000, start
+            container.mux(audio.encode(silence))
+        container.mux(audio.encode())
+    with av.open(path) as container:  # the reference: every frame PyAV decodes
+        decoded = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(decoded) == 8
+    expected = torch.tensor(np.stack([decoded[i] for i in (0, 2, 4, 6)])).permute(0, 3, 1, 2)  # 2 s at 2 fps
     clips = video_inputs(image_inputs(_Pixels()), fps=2.0, max_frames=16, frame_shape=(3, 16, 16))
     assert clips.shape(path) == (4, 3, 16, 16)
     assert torch.equal(clips([path])[0], expected)

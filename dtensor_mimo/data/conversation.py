@@ -384,10 +384,41 @@ def sample_frames(num_frames: int, rate: float, fps: float, max_frames: int) -> 
     gives frames 0, 12, 25, 37 (12.5 rounded down)."""
     if num_frames < 1:
         return []
-    rate_q, fps_q = Fraction(rate).limit_denominator(1 << 20), Fraction(fps).limit_denominator(1 << 20)
+    # (a rate below 2^-21 would round to 0: kept exact)
+    rate_q, fps_q = (Fraction(x).limit_denominator(1 << 20) or Fraction(x) for x in (rate, fps))
     step = max(rate_q / fps_q, Fraction(num_frames, max_frames), Fraction(1))
     count = min(max_frames, math.ceil(num_frames / step))
     return [math.floor(k * step) for k in range(count)]
+
+
+def _duration_tag(metadata: Mapping[str, str]) -> float | None:
+    """Seconds in a stream's ``DURATION`` tag (``HH:MM:SS.fraction``: Matroska, WebM), else None."""
+    for key, value in metadata.items():
+        if key.upper().split("-")[0] == "DURATION":
+            parts = str(value).strip().split(":")
+            try:
+                seconds = sum(float(p) * 60 ** i for i, p in enumerate(reversed(parts))) if len(parts) <= 3 else -1
+            except ValueError:
+                continue
+            if seconds > 0:
+                return seconds
+    return None
+
+
+_TURNS = {1: 2, 2: 3, 3: 4}
+"""Quarter turns counter-clockwise -> the `PIL.Image.Transpose` (ROTATE_90, _180, _270) that makes them."""
+
+
+def _turns(frame: Any) -> int:
+    """Quarter turns counter-clockwise a player gives a decoded video frame: its stream's display
+    matrix (a phone's portrait clip is stored landscape with one), as PyAV reads it."""
+    return round(getattr(frame, "rotation", 0) / 90) % 4
+
+
+def _shown_frame(frame: Any) -> Any:
+    """A decoded video frame as an RGB PIL image, turned as a player shows it (`_turns`)."""
+    image, turns = frame.to_image(), _turns(frame)
+    return image.transpose(_TURNS[turns]) if turns else image
 
 
 class video_inputs:  # noqa: N801 - used as a function; a class so that loader workers can pickle it
@@ -395,7 +426,9 @@ class video_inputs:  # noqa: N801 - used as a function; a class so that loader w
     PyAV: frames at `fps` up to `max_frames` (`sample_frames`), their count from the container's
     header (the video stream's frame count and average rate; a container that records no frame
     count, or fewer frames in its duration than it counts, as an edit list hiding the frames
-    before a cut does: its duration times the rate), so `shape` decodes nothing. With
+    before a cut does: the video stream's duration times the rate, read from the Matroska / WebM
+    tag of that stream where the stream records none, the container's last), so `shape` decodes
+    nothing (under ``images.fit``, a first frame: its display matrix). With
     `temporal_patch` k > 1, every k consecutive frames are stacked along channels into one item:
     ``[ceil(F / k), 3k, H, W]``, the clip's last frame repeated to fill its last stack (as
     Qwen2-VL pads).
@@ -410,14 +443,16 @@ class video_inputs:  # noqa: N801 - used as a function; a class so that loader w
         temporal_patch: frames per item (a tower with `ViTConfig.temporal_patch`).
 
     Frames are taken by index at the stream's average rate (a variable-rate clip is sampled as
-    if constant). A clip that decodes fewer frames than its header counts is broken (an error);
-    when the count was estimated from the duration, the last frame decoded stands in.
+    if constant), turned as a player shows them (the stream's display matrix, as a phone records
+    a portrait clip: its sides swap in `shape` under ``images.fit``).
+    A clip that decodes fewer frames than its header counts is broken (an error); when the count
+    was estimated from the duration, the last frame decoded stands in.
     """
 
     def __init__(self, images: image_inputs, fps: float, max_frames: int,
                  frame_shape: tuple[int, ...] | None = None, temporal_patch: int = 1) -> None:
-        if not fps > 0 or max_frames < 1 or temporal_patch < 1:
-            raise ValueError(f"video_inputs: fps={fps} must be > 0, max_frames={max_frames} and "
+        if not (fps > 0 and math.isfinite(fps)) or max_frames < 1 or temporal_patch < 1:
+            raise ValueError(f"video_inputs: fps={fps} must be a finite number > 0, max_frames={max_frames} and "
                              f"temporal_patch={temporal_patch} >= 1")
         self.images, self.fps, self.max_frames, self.frame_shape = images, fps, max_frames, frame_shape
         self.temporal_patch = temporal_patch
@@ -442,6 +477,10 @@ class video_inputs:  # noqa: N801 - used as a function; a class so that loader w
             return stream, int(stream.frames), float(rate), True
         if stream.duration is not None and stream.time_base:
             seconds = float(stream.duration * stream.time_base)
+        elif (tagged := _duration_tag(stream.metadata)) is not None:
+            # Matroska / WebM record no stream duration, but each stream's own in a tag; the
+            # container's is its longest stream's (an audio track outlasting the video).
+            seconds = tagged
         elif container.duration is not None:
             seconds = container.duration / 1_000_000  # av.time_base
         else:
@@ -467,6 +506,8 @@ class video_inputs:  # noqa: N801 - used as a function; a class so that loader w
             with av.open(path) as container:
                 stream, frames, rate, _ = self._header(container, path)
                 height, width = stream.codec_context.height, stream.codec_context.width
+                if self.frame_shape is None and self._quarter_turned(container, stream):
+                    height, width = width, height  # shown turned a quarter: its sides swap
         except av.FFmpegError as e:
             raise DataError(f"{path}: not a video PyAV reads ({e})") from None
         k = self.temporal_patch
@@ -475,8 +516,20 @@ class video_inputs:  # noqa: N801 - used as a function; a class so that loader w
             return (items, self.frame_shape[0] * k, *self.frame_shape[1:])
         return (items, 3 * k, *fit_image_size(height, width, *self.images.fit))
 
+    @staticmethod
+    def _quarter_turned(container: Any, stream: Any) -> bool:
+        """Whether a player shows the clip turned a quarter (its display matrix, which PyAV gives
+        on decoded frames only: the first frame decoded; a clip that does not decode fails later,
+        where its frames are decoded, and counts as not turned here)."""
+        try:
+            first = next(container.decode(stream), None)
+        except Exception:  # noqa: BLE001 - named where the frames are decoded
+            return False
+        return first is not None and _turns(first) % 2 == 1
+
     def frames(self, path: Any) -> list[Any]:
-        """The sampled frames of `path` as RGB PIL images."""
+        """The sampled frames of `path` as RGB PIL images, turned as a player shows them (the
+        stream's display matrix: a phone's portrait clip)."""
         import av
 
         with av.open(path) as container:
@@ -487,14 +540,14 @@ class video_inputs:  # noqa: N801 - used as a function; a class so that loader w
             for i, frame in enumerate(container.decode(stream)):
                 last = frame
                 if i in wanted:
-                    taken[i] = frame.to_image()
+                    taken[i] = _shown_frame(frame)
                 if i >= wanted[-1]:
                     break
         missing = [i for i in wanted if i not in taken]
         if missing and (exact or last is None):
             raise DataError(f"{path}: decoded {i + 1 if last is not None else 0} frames but its header counts "
                             f"{frames} (frame {missing[0]} is missing): a truncated or broken clip")
-        return [taken[i] if i in taken else last.to_image() for i in wanted]
+        return [taken[i] if i in taken else _shown_frame(last) for i in wanted]
 
     def __call__(self, paths: list[Any]) -> list[torch.Tensor]:
         out, k = [], self.temporal_patch

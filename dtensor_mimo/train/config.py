@@ -1048,8 +1048,9 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         if not data.tokenizer and not lang.hf:
             raise ConfigError(f"data.format = {data.format!r} needs a tokenizer: data.tokenizer = 'DIR' or "
                               "model.language.hf = 'DIR' (a directory with tokenizer files)")
-        if not data.video_fps > 0:
-            raise ConfigError(f"data.video_fps = {data.video_fps!r}: frames taken per second of video must be > 0")
+        if not (data.video_fps > 0 and math.isfinite(data.video_fps)):
+            raise ConfigError(f"data.video_fps = {data.video_fps!r}: frames taken per second of video must be a finite "
+                              "number > 0 (one above a clip's own rate takes its every frame)")
         positive("data.video_max_frames", data.video_max_frames)
         if data.video_frame_text and "{frame}" not in data.video_frame_text:
             raise ConfigError(f"data.video_frame_text = {data.video_frame_text!r} has no {{frame}}: every frame would "
