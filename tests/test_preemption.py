@@ -15,6 +15,7 @@
 | `checkpoint.dir` holding no checkpoint                                | "no checkpoint in DIR: starting at step 0" |
 | own launcher [2], SIGTERM while its ranks still import (no handlers)  | exit 143 after step 1, its checkpoint       |
 | no `checkpoint.dir`, SIGTERM                                          | "nothing saved", exit 143                   |
+| SIGTERM reaching rank 1 inside step 2's forward [2]                   | both stop after step 2, its checkpoint     |
 """
 
 from __future__ import annotations
@@ -234,3 +235,37 @@ def test_sigterm_without_a_checkpoint_dir_says_nothing_was_saved(tmp_path) -> No
     assert out.returncode == 143, out.stderr[-3000:]
     assert re.search(r"stopped by SIGTERM at step \d+: nothing saved \(no checkpoint.dir is set\) "
                      r"\(exit status 143\)", out.stdout), out.stdout[-2000:]
+
+
+# ---------------------------------------------------------------------------- a signal in the middle of a step
+
+
+def _signalled_mid_step(argv: list[str], during: int) -> tuple[int, str | None, str | None]:
+    """Train with a `StopSignals` whose SIGTERM reaches rank 1 inside step `during`'s forward (its
+    handler's effect, as Python runs it between two bytecodes of the step); (step, signal, checkpoint)."""
+    from dtensor_mimo.train.preemption import StopSignals
+    from dtensor_mimo.train.trainer import Trainer
+
+    signals = StopSignals()  # not installed: the pool's process keeps its handlers
+    trainer = Trainer(parse_args(argv), signals)
+    run = trainer.model.run
+
+    def forward(*args, **kwargs):
+        if trainer.step + 1 == during and dist.get_rank() == 1:
+            signals._handle(signal.SIGTERM, None)
+        return run(*args, **kwargs)
+
+    trainer.model.run = forward
+    assert trainer.run() is None
+    return trainer.step, trainer.stopped and trainer.stopped.name, trainer.saved
+
+
+def test_a_signal_during_a_step_stops_after_that_step(tmp_path) -> None:
+    """SIGTERM arriving while step 2 runs (its forward: where a step spends its time, or the first
+    step's compile) stops every rank after step 2, "the step in flight", with step 2's checkpoint:
+    not after step 3 (the votes read when the step began; under torchrun's 30 s grace a whole extra
+    step can cost the checkpoint)."""
+    pytest.importorskip("sklearn")
+    argv = [*TINY, "--train.steps", "6", "--checkpoint.dir", str(tmp_path / "ckpt")]
+    got = run_on_ranks(_signalled_mid_step, 2, argv, 2, timeout=300)
+    assert got == [(2, "SIGTERM", str(tmp_path / "ckpt" / "step-000002"))] * 2

@@ -7,7 +7,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -117,8 +117,8 @@ def read_totals(readback: _Readback) -> list[float]:
 
 
 def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
-               timings: dict[str, float] | None = None, *, votes: Sequence[float] = (),
-               unusable: bool = False) -> StepMetrics:
+               timings: dict[str, float] | None = None, *,
+               votes: Sequence[float] | Callable[[], Sequence[float]] = (), unusable: bool = False) -> StepMetrics:
     """One optimizer step on the global `batch`; call on every rank with the same batch.
 
     One small all-reduce over the world carries the loss, every module's squared gradient norm,
@@ -138,7 +138,8 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
     `votes` are numbers of this rank's that ride in the same all-reduce and come back summed over
     the world in `StepMetrics.votes` (the same on every rank): a decision every rank must take at
     the same step (e.g. stop after it, `dtensor_mimo.train.preemption`) costs no collective of
-    its own.
+    its own. A callable is asked for them after the backward, just before that all-reduce: what
+    happened during the step's forward and backward (a stop signal, a compile) counts in this step.
 
     A model's first step also compares the batch fingerprints before its first exchange (one more
     all-reduce, once): ranks fed different data from the start fail there, every rank with the
@@ -182,6 +183,7 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
         # words and the terms sum to in a step every rank may apply.
         world = dist.get_world_size()
         error = result.error or stale
+        votes = tuple(votes() if callable(votes) else votes)  # read now: after the forward and backward
         words = torch.tensor([float(error is not None), float(bool(changed)), float(unusable),
                               *agreement_terms(fp, world), *map(float, votes), 0.0, 0.0, 0.0, *agreed_sums(fp, world)],
                              dtype=torch.float64).to(model.device, non_blocking=True)

@@ -648,7 +648,7 @@ class Trainer:
             failed = [e for e in failed if indices[e.row] not in self.left_out]  # new ones
             try:
                 metrics = train_step(self.model, self.optimizer, _without_labels(batch, rows), timings,
-                                     votes=self._votes(), unusable=bool(failed))
+                                     votes=self._votes, unusable=bool(failed))
                 break
             except UnusableBatch:
                 # Some rank could not decode a file: all learn which (raises here unless skipping),
@@ -708,8 +708,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ stopping
     def _votes(self) -> tuple[float, ...]:
-        """What this rank says in the step's all-reduce (`train_step`'s votes): its votes to stop,
-        then, when checkpoints are written in the background, 1.0 while its writer is running
+        """What this rank says in the step's all-reduce (`train_step`'s votes, asked for after the
+        step's backward: a signal during its forward or backward stops the run after it): its votes
+        to stop, then, when checkpoints are written in the background, 1.0 while its writer is running
         (the sum is 0 once every rank's has ended: all finish the save at that step)."""
         writing = (float(self.background.writing()),) if self.background is not None else ()
         return (*self._stop_votes(), *writing)
