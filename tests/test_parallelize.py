@@ -523,6 +523,43 @@ def test_checkpointed_blocks_are_compiled_once_inside_their_checkpoint() -> None
     assert x.grad is not None
 
 
+def _checkpointed_block_keys(every: int) -> dict[str, list[int]]:
+    """The keys of the blocks this rank's stages checkpoint, per module: vision pp2 (ranks 0-1)
+    and language pp2 (ranks 2-3), six blocks each, cut 3 | 3."""
+    import functools
+
+    from dtensor_mimo import PipelineConfig
+    from dtensor_mimo.models.llama import TransformerBlock
+    from dtensor_mimo.models.vit import EncoderBlock
+
+    layout = MimoLayout({"vision": Parallelism(pp=2), "language": Parallelism(pp=2)})
+    layout.init_meshes("cpu")
+    llama = Llama(LlamaConfig.tiny(n_layers=6))
+    vision = ModalityEncoder(ViT(ViTConfig.tiny(n_layers=6)), Projection(32, 32))
+    options = {n: ParallelOptions(activation_checkpointing=every) for n in ("vision", "language")}
+    model = MimoModel(layout, llama, {"vision": vision}, options=options, pipeline=PipelineConfig(microbatches=2))
+    keys: dict[str, list[int]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (TransformerBlock, EncoderBlock)) and isinstance(module.__dict__.get("forward"),
+                                                                               functools.partial):
+            kind = "language" if isinstance(module, TransformerBlock) else "vision"
+            keys.setdefault(kind, []).append(int(name.rsplit(".", 1)[-1]))
+    return {kind: sorted(set(k)) for kind, k in keys.items()}
+
+
+def test_checkpointing_every_n_counts_the_whole_modules_blocks_under_pp() -> None:
+    """`activation_checkpointing=2` on a six-block module checkpoints blocks 0, 2 and 4 whatever
+    the pipeline cut ("the first, then every n-th" of the module's blocks), for the language
+    model's stages and an encoder's. Counted per stage, the stage holding blocks 3-5 checkpointed
+    3 and 5: four blocks of six, and with one block per (virtual) stage every block."""
+    per_rank = run_on_ranks(_checkpointed_block_keys, 4, 2, timeout=120)
+    got: dict[str, set[int]] = {}
+    for keys in per_rank:
+        for kind, k in keys.items():
+            got.setdefault(kind, set()).update(k)
+    assert got == {"vision": {0, 2, 4}, "language": {0, 2, 4}}
+
+
 def test_inductor_compiled_blocks_match_eager() -> None:
     """The main job's compile (inductor, per block: `compile_blocks`) gives the eager loss and
     gradients; the suite's other compiled cases use "aot_eager", which shares everything but

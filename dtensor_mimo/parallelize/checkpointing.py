@@ -15,9 +15,12 @@ def _recomputed(forward, *args, **kwargs):
 
 
 def checkpoint_blocks(blocks: nn.ModuleDict, every: int, compile_backend: str | None = None,
-                      compile_mode: str | None = None, compile_options: Mapping[str, Any] | None = None) -> set[str]:
+                      compile_mode: str | None = None, compile_options: Mapping[str, Any] | None = None,
+                      first: int = 0) -> set[str]:
     """Recompute the activations of every `every`-th block (the first, then every n-th) in
-    backward instead of keeping them; returns the names of those blocks.
+    backward instead of keeping them; returns the names of those blocks. `first`: the position
+    of the first of `blocks` in the whole stack (a pipeline stage's blocks are counted as the
+    whole module's: with `every` 2 the stage holding blocks 3-5 checkpoints block 4 alone).
 
     The block's own ``forward`` is wrapped in place (non-reentrant `torch.utils.checkpoint`),
     not the block in a wrapper module, so parameter names and checkpoints stay those of the
@@ -29,7 +32,7 @@ def checkpoint_blocks(blocks: nn.ModuleDict, every: int, compile_backend: str | 
     before the recomputation needs the parameters.
     """
     names = set()
-    for i, (name, block) in enumerate(blocks.items()):
+    for i, (name, block) in enumerate(blocks.items(), start=first):
         if i % every == 0:
             forward = block.forward
             if compile_backend is not None:

@@ -101,7 +101,8 @@ class ParallelOptions:
             The root module is never resharded after forward (FSDP2's own default).
         activation_checkpointing: recompute block activations in backward instead of keeping
             them: 0 off, 1 every transformer block, n every n-th block (the first, then every
-            n-th). Composes with tp/sp, compile (a checkpointed block is compiled inside its
+            n-th). The blocks are counted over the whole module, wherever pipeline stages cut
+            it. Composes with tp/sp, compile (a checkpointed block is compiled inside its
             checkpoint) and FSDP2; numerics unchanged.
         param_dtype: mixed precision (FSDP2's `MixedPrecisionPolicy` words): compute in this
             dtype (e.g. ``torch.bfloat16`` or "bf16") while the parameters, their gradients and

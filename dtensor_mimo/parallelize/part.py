@@ -148,7 +148,8 @@ def blocks(module: nn.Module) -> nn.ModuleDict | None:
 
 def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh | None,
                 options: ParallelOptions = ParallelOptions(), parts: Sequence[nn.Module] | None = None, *,
-                wrap_one_rank: bool = False, name: str | None = None, ragged_rows: bool = False) -> nn.Module:
+                wrap_one_rank: bool = False, name: str | None = None, ragged_rows: bool = False,
+                first_block: int = 0) -> nn.Module:
     """Parallelize the stacks `parts` held by `root` (default: `stacks(root)`; steps 1-3 each),
     then FSDP2 or autocast on `root` (step 4), in place; returns `root`. `tp_mesh`: the module's
     "tp" sub-mesh (None or size 1: no tensor parallel); `dp_mesh`: its flattened dp·cp sub-mesh,
@@ -156,7 +157,9 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
     blocks cannot take activation checkpointing (refused by name). `wrap_one_rank`: apply tensor
     parallel and FSDP2 on meshes of one rank too (nothing is sharded; the planner times their
     per-call cost so). `name`: the module's name in errors (default: its class name).
-    `ragged_rows`: its rows per call vary (an encoder's items; `fp8_config`)."""
+    `ragged_rows`: its rows per call vary (an encoder's items; `fp8_config`). `first_block`: the
+    position in the whole module of the first block the parts hold (a pipeline stage's), from
+    which `activation_checkpointing` counts its every n-th block."""
     parts = stacks(root) if parts is None else list(parts)
     name = name or type(root).__name__
     check_tp_sizes(name, root, tp_size(tp_mesh), parts)
@@ -197,7 +200,7 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
             continue
         compiled = options.compile_kwargs if options.compile else {}
         done = (checkpoint_blocks(layers, options.activation_checkpointing, compiled.get("backend"),
-                                  compiled.get("mode"), compiled.get("options"))
+                                  compiled.get("mode"), compiled.get("options"), first=first_block)
                 if options.activation_checkpointing else set())
         if options.compile and not whole:
             compile_blocks(layers, skip=done, **options.compile_kwargs)

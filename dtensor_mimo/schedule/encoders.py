@@ -459,12 +459,15 @@ def build_encoder_part(layout: MimoLayout, name: str, module: nn.Module, options
         for attention in self_attentions(module):
             attention.packed_attention_fn = core.packed
     root: nn.Module = module
-    pipeline = None
+    pipeline, first_block = None, 0
     if pp > 1:  # the stage keeps only its parts of the encoder (names unchanged); FSDP2 on the stage
         s = layout.coordinate(name, rank)["pp"]
-        keep_encoder_stage(module, stage_layers(len(module.encoder.layers), pp, module=name)[s], s == 0, s == pp - 1)
+        layers = stage_layers(len(module.encoder.layers), pp, module=name)[s]
+        first_block = layers.start  # activation checkpointing counts the whole tower's blocks
+        keep_encoder_stage(module, layers, s == 0, s == pp - 1)
         root = EncoderStage(module, s == 0, s == pp - 1, dtype, compute_dtype(options, module))
         pipeline = EncoderPipeline(name, root, s, pp, layout.mesh(name, "pp").get_group(),
                                    module.encoder.config.dim, device)
-    parallelize(root, tp_mesh, dp_mesh, options, parts=stacks(module), name=name, ragged_rows=True)
+    parallelize(root, tp_mesh, dp_mesh, options, parts=stacks(module), name=name, ragged_rows=True,
+                first_block=first_block)
     return module, root, pipeline

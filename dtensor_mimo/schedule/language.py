@@ -243,7 +243,8 @@ class LanguagePipeline:
                                    loss_compile_options=options.compile_options if options.compile else None,
                                    whole_compile=options.compile_kwargs
                                    if options.compile and options.compile_scope == "module" else None)
-            self.stages.append(parallelize(module, tp_mesh, dp_mesh, options, parts=[part], name=name))
+            self.stages.append(parallelize(module, tp_mesh, dp_mesh, options, parts=[part], name=name,
+                                           first_block=bounds[s].start))
         # Each FSDP2 stage reduce-scatters during its last backward of a step, not after torch's
         # schedule; not under a split backward, whose weight half comes after the counted one
         # (torch's reduction after the schedule does it there).
