@@ -103,7 +103,9 @@ class ParallelOptions:
             them: 0 off, 1 every transformer block, n every n-th block (the first, then every
             n-th). The blocks are counted over the whole module, wherever pipeline stages cut
             it. Composes with tp/sp, compile (a checkpointed block is compiled inside its
-            checkpoint) and FSDP2; numerics unchanged.
+            checkpoint) and FSDP2; numerics unchanged. Under the zero-bubble schedules (a backward
+            split in two: torch's ``stage_backward_input`` and ``stage_backward_weight``) a
+            checkpointed block is recomputed in each half, two recomputations per microbatch.
         param_dtype: mixed precision (FSDP2's `MixedPrecisionPolicy` words): compute in this
             dtype (e.g. ``torch.bfloat16`` or "bf16") while the parameters, their gradients and
             the optimizer state stay in the parameters' own dtype (fp32 master weights). With
