@@ -141,3 +141,82 @@ def test_a_model_check_that_refuses_on_one_rank_fails_on_every_rank():
     assert "; rank 1: None." in got["options"] and "the ParallelOptions mapping differs" in got["options"], got
     assert got["machine"].startswith("the model check differs between ranks: rank 0: \"ImportError: ParallelOptions("
                                      "fp8='tensorwise') for module 'vision' needs torchao\"; rank 1: None."), got
+
+
+def _parts_named_differently():
+    from dtensor_mimo.layout.mesh import check_agreement
+
+    layout = MimoLayout({"language": Parallelism(dp=2)})  # the same on both ranks
+    parts = {"layout": layout, "model check": None}
+    if dist.get_rank() == 1:  # rank 1 compares one more part, and its own check refused
+        parts = {"layout": layout, "options": 3, "model check": "ValueError: bad"}
+    try:
+        check_agreement(parts)
+    except RuntimeError as e:
+        return str(e)
+    return "agreed"
+
+
+def test_agreement_on_parts_named_differently_names_only_what_differs():
+    """Ranks that compare different parts (a rank whose arguments were refused before its options
+    could be read compares fewer) get one message on every rank, naming the parts that differ with
+    what each rank holds, and not a part that every rank holds alike (the layout here)."""
+    results = run_on_ranks(_parts_named_differently, 2, timeout=60)
+    assert results[0] == results[1], results
+    tail = "Every rank must build the same {} (the same config file and arguments on every rank)"
+    assert results[0] == (
+        "the model check differs between ranks: rank 0: None; rank 1: 'ValueError: bad'. "
+        + tail.format("model check") + " | the options differs between ranks: rank 0: (no such part); rank 1: 3. "
+        + tail.format("options")), results[0]
+
+
+def _long_parts_differ_at_the_end():
+    from dtensor_mimo.layout.mesh import check_agreement
+
+    # a vision tower frozen on both ranks; rank 1 also froze the projector (another config file)
+    frozen = [f"encoder.blocks.{i}.attn.qkv.weight" for i in range(12)]
+    if dist.get_rank() == 1:
+        frozen.append("projector.proj.weight")
+    try:
+        check_agreement({"frozen parameter list": {"vision": frozen, "language": []}})
+    except RuntimeError as e:
+        return str(e)
+    return "agreed"
+
+
+def test_agreement_shows_where_long_parts_differ():
+    """Parts longer than a message's excerpt (a frozen list of a whole tower) that differ past its
+    first characters: the message shows each rank's text where it differs, not the same opening
+    twice."""
+    results = run_on_ranks(_long_parts_differ_at_the_end, 2, timeout=60)
+    assert results[0] == results[1], results
+    rank0, rank1 = results[0].split("; rank 1: ")
+    assert "'encoder.blocks.11.attn.qkv.weight'], language: []}" in rank0, results[0]
+    assert "'encoder.blocks.11.attn.qkv.weight', 'projector.proj.weight'], language: []}" in rank1, results[0]
+
+
+def _meshes_for_device(devices):
+    layout = MimoLayout({"language": Parallelism(dp=2)})
+    try:
+        layout.init_meshes(devices[dist.get_rank()])
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "built"
+
+
+@pytest.mark.parametrize("word", ["gpu", "nccl", "cuda:0"])
+def test_init_meshes_refuses_a_device_word_on_every_rank(word):
+    """A device word other than 'cpu' or 'cuda' is refused by name on every rank (it was taken,
+    and the model built on the meshes then failed inside FSDP2: "'NoneType' object has no
+    attribute 'current_device'")."""
+    got = run_on_ranks(_meshes_for_device, 2, [word, word], timeout=60)
+    assert got == [f"ValueError: init_meshes: device_type={word!r} is not 'cpu' (gloo) or 'cuda' (NCCL; each "
+                   "rank's GPU is its LOCAL_RANK, set as the current device)"] * 2, got
+
+
+def test_init_meshes_with_device_types_that_differ_fails_on_every_rank():
+    """Ranks given different device words (one refused) all raise, naming both: none is left in a
+    collective the refusing rank never joins."""
+    got = run_on_ranks(_meshes_for_device, 2, ["cpu", "gpu"], timeout=60)
+    assert got[0] == got[1], got
+    assert got[0].startswith("RuntimeError: the device type differs between ranks: rank 0: 'cpu'; rank 1: 'gpu'."), got

@@ -51,9 +51,10 @@ def fingerprint(*values: Any, bits: int = 32) -> int:
     return zlib.crc32(text.encode()) & ((1 << bits) - 1)
 
 
-def summary(value: Any, limit: int = 300) -> str:
+def summary(value: Any, limit: int | None = 300) -> str:
     """A short text of `value` for an error message: a dataclass shows only its fields that
-    differ from their defaults (``ParallelOptions(sp=True)``); a mapping, its entries so shown."""
+    differ from their defaults (``ParallelOptions(sp=True)``); a mapping, its entries so shown.
+    At most `limit` characters (None: the whole text, for `excerpt`)."""
     if isinstance(value, Mapping):
         text = "{" + ", ".join(f"{k}: {summary(v, limit)}" for k, v in value.items()) + "}"
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -62,7 +63,23 @@ def summary(value: Any, limit: int = 300) -> str:
         text = f"{type(value).__name__}({', '.join(changed)})"
     else:
         text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if limit is None or len(text) <= limit else text[:limit - 3] + "..."
+
+
+def common_prefix(a: str, b: str) -> int:
+    """How many leading characters `a` and `b` share."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def excerpt(text: str, at: int, limit: int = 300) -> str:
+    """At most about `limit` characters of `text` around position `at` (where it first differs from
+    another rank's): the whole of a short text, else from a little before `at`, elisions marked."""
+    if len(text) <= limit:
+        return text
+    start = max(0, min(at - limit // 3, len(text) - limit))
+    end = start + limit
+    return ("..." if start else "") + text[start:end] + ("..." if end < len(text) else "")
 
 
 def _default(f: dataclasses.Field) -> Any:

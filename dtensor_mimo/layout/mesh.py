@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtensor_mimo.layout.fingerprint import disagreement, fingerprint, summary
+from dtensor_mimo.layout.fingerprint import common_prefix, disagreement, excerpt, fingerprint, summary
 from dtensor_mimo.layout.parallelism import HSDP_DIMS, MESH_DIMS, Parallelism
+from dtensor_mimo.layout.world import check_device_type
 
 
 class Layout(Protocol):
@@ -51,7 +52,15 @@ class ModuleMeshes:
     def __init__(self, layout: Layout, device_type: str, agree: Mapping[str, Any] | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("init_meshes needs torch.distributed initialised (torchrun + init_process_group)")
-        check_agreement({"layout": layout, **(agree or {})})  # before the first new_group
+        try:  # a typo ("gpu", "nccl", "cuda:0") would otherwise fail inside FSDP2, naming nothing
+            check_device_type(device_type, "init_meshes: device_type")
+            refused = None
+        except ValueError as e:
+            refused = e
+        # before the first new_group; the device type too, so that a refusal is every rank's
+        check_agreement({"layout": layout, "device type": device_type, **(agree or {})})
+        if refused is not None:
+            raise refused
         world = dist.get_world_size()
         if world != layout.world_size:
             raise RuntimeError(
@@ -165,20 +174,36 @@ def check_agreement(parts: Mapping[str, Any]) -> None:
     `parts` (``{what: value}``, the same keys everywhere: a layout, options, a config).
 
     Collective over the world: one all-gather of the parts' fingerprints; only when some differ
-    (every rank sees it in the gathered fingerprints) a second one of their `summary` texts, for
-    the message. Call it before any collective that a disagreement would hang."""
+    (every rank sees it in the gathered fingerprints) a broadcast of rank 0's `summary` texts of
+    them and an all-gather of each rank's own `excerpt` where it first differs, for the message.
+    Parts are matched by name (a part some rank lacks is named so). Call it before any collective
+    that a disagreement would hang."""
     names = list(parts)
     mine = [fingerprint(parts[n]) for n in names]
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (names, mine))
     if all(g == gathered[0] for g in gathered):
         return
-    texts: list[Any] = [None] * len(gathered)
-    dist.all_gather_object(texts, [summary(parts[n]) for n in names])
+    # Parts by name, in an order every rank derives alike (rank 0's, then each rank's new ones): a
+    # part a rank lacks shows as such, and a part every rank holds alike is not named.
+    held = [dict(zip(names_r, fps)) for names_r, fps in gathered]
+    differ = [n for n in dict.fromkeys(n for names_r, _ in gathered for n in names_r)
+              if len({h.get(n, -1) for h in held}) > 1]
+    # A part's text may differ only past a message's excerpt (a whole tower's frozen list): rank 0's
+    # whole texts go to every rank, and each rank shows its own where it first differs from them.
+    texts = {n: summary(parts[n], limit=None) for n in differ if n in parts}
+    reference: list[Any] = [texts if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(reference, src=0)
+    at = {n: common_prefix(t, reference[0].get(n, "")) for n, t in texts.items()}
+    shown: list[Any] = [None] * len(gathered)
+    dist.all_gather_object(shown, {n: (at[n], excerpt(t, at[n])) for n, t in texts.items()})
     problems = []
-    for i, name in enumerate(names):
-        per_rank = [(fps[i] if names_r == names else -1, texts[r][i] if names_r == names else
-                     f"other parts {names_r}") for r, (names_r, fps) in enumerate(gathered)]
+    for name in differ:
+        per_rank = [(h.get(name, -1), shown[r][name][1] if name in shown[r] else "(no such part)")
+                    for r, h in enumerate(held)]
+        first = next(r for r, (fp, _) in enumerate(per_rank) if fp != per_rank[0][0])
+        if name in reference[0] and name in shown[first]:  # rank 0's text where the first other's differs
+            per_rank[0] = (per_rank[0][0], excerpt(reference[0][name], shown[first][name][0]))
         if (problem := disagreement(per_rank, name)) is not None:
             problems.append(problem)
     raise RuntimeError(" | ".join(problems) or f"ranks disagree on which state to compare: {names}")
