@@ -111,6 +111,10 @@ class MimoModel(nn.Module):
             check_model(layout, language, encoders, language_name, options or {}, pipeline)
             check_hops(bridge_hops, "MimoModel bridge_hops")
             check_device_type(device_type, "MimoModel device_type")
+            if layout.meshes_ready and layout.mesh_device_type != device_type:  # agreed on every rank
+                raise ValueError(f"MimoModel(device_type={device_type!r}) on meshes built for "
+                                 f"{layout.mesh_device_type!r} (layout.init_meshes({layout.mesh_device_type!r})): "
+                                 "build both for the same device type")
             for name, opts in (options or {}).items():  # torchao and the GPU, before any group is made
                 check_fp8(name, opts.fp8, device_type)
         except Exception as e:  # noqa: BLE001 — raised below, on every rank alike

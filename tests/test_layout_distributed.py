@@ -220,3 +220,27 @@ def test_init_meshes_with_device_types_that_differ_fails_on_every_rank():
     got = run_on_ranks(_meshes_for_device, 2, ["cpu", "gpu"], timeout=60)
     assert got[0] == got[1], got
     assert got[0].startswith("RuntimeError: the device type differs between ranks: rank 0: 'cpu'; rank 1: 'gpu'."), got
+
+
+def _model_on_meshes_of_another_device():
+    from dtensor_mimo import MimoModel
+    from tests.test_mimo import _modules
+
+    layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()})
+    layout.init_meshes("cpu")
+    layout._meshes.device_type = "cuda"  # as `init_meshes("cuda")` records it (no GPU here to build them)
+    llama, encs = _modules(("vision",))
+    try:
+        MimoModel(layout, llama, encs, device_type="cpu")
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+def test_a_model_of_another_device_type_than_its_meshes_is_refused_on_every_rank():
+    """Meshes built for one device type (the README's ``init_meshes("cpu")`` copied into a GPU
+    script) and a `MimoModel` of another: refused by name on every rank before its groups are used
+    (FSDP2 failed deep inside torch on the meshes' device)."""
+    got = run_on_ranks(_model_on_meshes_of_another_device, 2, timeout=60)
+    assert got == ["MimoModel(device_type='cpu') on meshes built for 'cuda' (layout.init_meshes('cuda')): build "
+                   "both for the same device type"] * 2, got

@@ -256,6 +256,11 @@ class MimoLayout:
         """Whether `init_meshes` has run on this rank."""
         return self._meshes is not None
 
+    @property
+    def mesh_device_type(self) -> str | None:
+        """The device type `init_meshes` built the meshes for (None before)."""
+        return None if self._meshes is None else self._meshes.device_type
+
     def mesh(self, name: str, dims: str | tuple[str, ...] | None = None):
         """The module's DeviceMesh (dims pp, dp, cp, tp), or a sub-mesh such as ``("dp", "cp")``.
 

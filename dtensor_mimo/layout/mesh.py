@@ -67,7 +67,7 @@ class ModuleMeshes:
                 f"the layout covers {layout.world_size} ranks but the job has {world}: launch with "
                 f"torchrun --nproc-per-node={layout.world_size}, or change the layout ({layout!r})"
             )
-        self._layout = layout
+        self._layout, self.device_type = layout, device_type
         self._roots: dict[str, DeviceMesh] = {}
         self._meshes: dict[str, DeviceMesh] = {}
         self._slices: dict[tuple[str, tuple[str, ...]], DeviceMesh] = {}  # torch builds a new one per slicing
