@@ -88,7 +88,7 @@ def mark_host(*tensors: torch.Tensor) -> None:
 def mark_batch(batch) -> None:
     """The global batch is host metadata (the data loader's CPU tensors)."""
     mark_host(batch.tokens, batch.labels, batch.loss_mask, batch.document_ids, batch.positions,
-              *(m.inputs for m in batch.modalities.values()))
+              *(x for m in batch.modalities.values() for x in (m.inputs if isinstance(m.inputs, list) else [m.inputs])))
 
 
 def _blocking_host_to_device(func, args, kwargs) -> bool:
@@ -189,20 +189,20 @@ class DeviceSyncCounter(TorchFunctionMode):
 
 
 def _model(modules: dict[str, Parallelism], pipeline: PipelineConfig | None, hops: int | None,
-           options: dict[str, ParallelOptions] | None = None) -> MimoModel:
+           options: dict[str, ParallelOptions] | None = None, varied: bool = False) -> MimoModel:
     case = Case(modules, pipeline=pipeline)
     layout = case.layout()
     layout.init_meshes("cpu")
-    llama, encs = _modules(case.encoders, n_layers=2)
+    llama, encs = _modules(case.encoders, n_layers=2, varied=varied)
     return MimoModel(layout, llama, encs, pipeline=pipeline, bridge_hops=hops, options=options)
 
 
 def _counted_step(modules: dict[str, Parallelism], pipeline: PipelineConfig | None,
                   batch_size: int, hops: int | None = None,
-                  options: dict[str, ParallelOptions] | None = None) -> dict[str, int]:
-    model = _model(modules, pipeline, hops, options)
+                  options: dict[str, ParallelOptions] | None = None, varied: bool = False) -> dict[str, int]:
+    model = _model(modules, pipeline, hops, options, varied)
     optimizer = MimoOptimizer(model, OPT)
-    warm, counted = _batches(("vision",), False, batch_size=batch_size, seq_lens=(64, 64))
+    warm, counted = _batches(("vision",), False, batch_size=batch_size, seq_lens=(64, 64), varied=varied)
     train_step(model, optimizer, warm)  # builds schedules, plans; the first-seen shape check
     mark_batch(counted)
     mark_host_state(optimizer)
@@ -213,8 +213,8 @@ def _counted_step(modules: dict[str, Parallelism], pipeline: PipelineConfig | No
     return dict(counter.counts)
 
 
-def _per_rank(modules, pipeline, batch_size, hops=None, options=None) -> list[dict[str, int]]:
-    return run_on_ranks(_counted_step, 3, modules, pipeline, batch_size, hops, options)
+def _per_rank(modules, pipeline, batch_size, hops=None, options=None, varied=False) -> list[dict[str, int]]:
+    return run_on_ranks(_counted_step, 3, modules, pipeline, batch_size, hops, options, varied)
 
 
 def _check(small: list[dict[str, int]], large: list[dict[str, int]]) -> None:
@@ -243,6 +243,37 @@ def test_unpipelined_step_syncs_are_fixed(language: Parallelism, hops: int | Non
     ride in each bucket and which a rank holding every gradient need not read)."""
     modules, options = {"vision": P(), "language": language}, {"language": ParallelOptions(fsdp=fsdp)}
     _check(_per_rank(modules, None, 4, hops, options), _per_rank(modules, None, 8, hops, options))
+
+
+def test_items_of_their_own_sizes_make_no_sync() -> None:
+    """Images at their own resolution (a list per microbatch, encoded as one packed sequence with
+    per-item attention, `models.layers.packed_attention`): a span of several small items is
+    masked by each row's item index, made on the host and copied without waiting for the device
+    (made with ``torch.tensor(..., device=)``, a blocking copy, it waited for the device's queue
+    once per span, block and microbatch)."""
+    modules = {"vision": P(), "language": P(dp=2)}
+    _check(_per_rank(modules, PipelineConfig(microbatches=2), 8, varied=True),
+           _per_rank(modules, PipelineConfig(microbatches=4), 8, varied=True))
+
+
+def test_flex_attention_of_packed_items_makes_no_sync() -> None:
+    """`FlexAttentionCore.packed` (``flex_attention=True``: items of their own sizes in one
+    FlexAttention kernel) builds each new list of item lengths' block mask from every row's item
+    index, made on the host and copied without waiting for the device (a blocking ``.to(device)``
+    waited for the device's queue once per encoder call with new sizes: each microbatch of a step).
+    The mask alone here: torch's FlexAttention kernel runs through dynamo, which the counter's
+    mode cannot follow."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dtensor_mimo.models.layers import FlexAttentionCore
+
+    core = FlexAttentionCore()
+    core._functions = lambda cuda: ((lambda q, k, v, **kwargs: q), create_block_mask)
+    q = torch.randn(1, 2, 30, 8)  # made without the counter: "on the device"
+    counter = DeviceSyncCounter()
+    with counter:
+        core.packed(q, q, q, [10, 12, 8])
+    assert not counter.counts, dict(counter.counts)
 
 
 def _colocated(pipeline: PipelineConfig) -> MimoModel:

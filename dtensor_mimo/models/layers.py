@@ -281,7 +281,9 @@ class FlexAttentionCore:
         kernel, build = self._functions(q.is_cuda)
 
         def same_item():
-            item = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(q.device)
+            # on the host, then copied without waiting for the device's queue (no host sync)
+            item = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+            item = item.to(q.device, non_blocking=True)
             return lambda b, h, qi, ki: item[ki] == item[qi]
 
         mask = self._block_mask(build, (lengths,), same_item, q.shape[0], q.shape[2], k.shape[2], q.device)
@@ -395,7 +397,9 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for span, qs, ks, vs in zip(spans, q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2)):
         mask = None
         if len(span) > 1:
-            item = torch.tensor([i for i, n in enumerate(span) for _ in range(n)], device=q.device)
+            # made on the host and copied without waiting for the device's queue (`torch.tensor(...,
+            # device=)` copies blocking: a host sync per span, block and microbatch)
+            item = torch.tensor([i for i, n in enumerate(span) for _ in range(n)]).to(q.device, non_blocking=True)
             mask = item.unsqueeze(0) == item.unsqueeze(1)  # [span, span]: same item
         outputs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
