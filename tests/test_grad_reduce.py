@@ -384,3 +384,39 @@ def test_fsdp_stages_reduce_during_their_last_backward() -> None:
     themselves: `tests/test_pipeline.py`, `tests/test_mimo.py` against the single-process run)."""
     assert run_on_ranks(_fsdp_reduced_in_last_backward, 2, 1, timeout=120) == [[1.0]] * 2
     assert run_on_ranks(_fsdp_reduced_in_last_backward, 5, 2, timeout=120) == [[1.0]] * 4 + [[]]
+
+
+def _unfrozen_after_build(overlap: bool) -> tuple[str | None, dict]:
+    """vision and language dp2 without FSDP2 (colocated on ranks 0-1), vision's second block frozen
+    when the model is built and made trainable afterwards; one `forward_backward` and
+    `reduce_gradients`. What `reduce_gradients` reported, and the gradients gathered whole."""
+    from dtensor_mimo import MimoLayout, MimoModel, ParallelOptions, Parallelism
+    from tests.test_mimo import _batches, _modules
+    from tests.test_pipeline import _gathered_gradients
+
+    layout = MimoLayout.colocated({"vision": Parallelism(dp=2), "language": Parallelism(dp=2)})
+    plain = ParallelOptions(fsdp=False, overlap_grad_reduce=overlap)
+    model = MimoModel(layout, *_modules(("vision",), ("vision.encoder.layers.1.",)),
+                      options={"vision": plain, "language": plain})
+    for p in model.encoders["vision"].parameters():
+        p.requires_grad_(True)
+    model.forward_backward(_batches(("vision",), False, 4, (64,))[0])
+    return model.reduce_gradients(), _gathered_gradients(model)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "after_backward"])
+def test_parameters_made_trainable_after_build_are_summed(overlap: bool) -> None:
+    """A module's `GradientReducer` fixes its buckets at construction, over the parameters that
+    required a gradient then; one made trainable afterwards (unfreezing a block between
+    `forward_backward` calls) kept this rank's own gradient without a word, where the sums after
+    backward (`overlap_grad_reduce=False`) summed it over dp. Reference: the single-process
+    gradients with every parameter trainable."""
+    from tests.test_mimo import _batches
+    from tests.test_pipeline import _reference_gradients
+
+    want = _reference_gradients(_batches(("vision",), False, 4, (64,))[0])[1]
+    problem, got = run_on_ranks(_unfrozen_after_build, 2, overlap, timeout=120)[0]
+    assert problem is None and got.keys() == want.keys()
+    assert any(k.startswith("vision.encoder.layers.1.") for k in want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=2e-5, atol=2e-6, msg=lambda m: f"{k}: {m}")

@@ -127,6 +127,11 @@ def finish_gradients(module: nn.Module, params: Mapping[str, nn.Parameter], tp_m
     problem = None
     if reducer is not None:
         problem = reducer.finish()
+        # Parameters made trainable after the reducer was built (its buckets are fixed then): summed
+        # after backward, as `allreduce_gradients` sums every parameter that requires a gradient now.
+        known = set(reducer.names)
+        if late := {n: p for n, p in params.items() if p.requires_grad and n not in known}:
+            GradientReducer(late, reducer.group, reducer.reduce_dtype, options.grad_bucket_bytes, hooks=False).finish()
     elif not uses_fsdp(options, dp_mesh):
         allreduce_gradients(module, dp_mesh, options.gradient_reduce_dtype, options.grad_bucket_bytes)
     reduce_tp_replicated_gradients(params, tp_mesh)
