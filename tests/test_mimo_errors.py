@@ -584,6 +584,22 @@ def test_generate_refuses_a_max_new_tokens_that_is_no_count(max_new_tokens):
     assert greedy_generate(predict, batch, [3, 4], 0) == [[], []] and not calls  # zero: nothing to generate
 
 
+@pytest.mark.parametrize("counts", [range(1, 3), torch.tensor([1, 2])], ids=["range", "tensor"])
+def test_generate_takes_any_sequence_of_counts_per_sample(counts):
+    """`MimoModel.generate` / `greedy_generate` take ``max_new_tokens: int | Sequence[int]``
+    ("one count, or one per sample"), but only a list or a tuple was read as per-sample counts: a
+    range (a Sequence[int]) or a 1-D tensor was refused with "give the number of tokens to generate
+    per sample, an integer >= 0". Each is read as a list of the same counts."""
+    from dtensor_mimo.sequence import greedy_generate
+
+    batch = synthetic_batch(SyntheticSpec.tiny(batch_size=2, modalities={}), seed=0)
+
+    def predict(b):
+        return torch.full((b.batch_size, b.seq_len), 7, dtype=torch.int64)
+
+    assert greedy_generate(predict, batch, [3, 4], counts) == [[7], [7, 7]]  # 1 and 2 new ids, as [1, 2]
+
+
 def test_generate_ends_a_sample_at_a_modality_placeholder_it_generates():
     """A model whose vocabulary holds a modality's placeholder id (the trainer's does: the
     tokenizer's added ``<image>`` has a head row) may pick it greedily. Written into the row, it

@@ -21,7 +21,9 @@ def greedy_generate(predict: Callable[[MimoBatch], torch.Tensor], batch: MimoBat
     packed rows (``document_ids`` / ``positions``) each new id continues its prompt's document
     at the next position (the columns after a prompt belong to another document: the padding,
     or the next one packed)."""
-    per_sample = isinstance(max_new_tokens, (list, tuple))
+    # one count per sample: any sequence (a list, a tuple, a range) or a 1-D array / tensor
+    per_sample = not isinstance(max_new_tokens, (str, bytes)) and (
+        isinstance(max_new_tokens, Sequence) or getattr(max_new_tokens, "ndim", 0) == 1)
     counts = [_count(n) for n in max_new_tokens] if per_sample else [_count(max_new_tokens)] * batch.batch_size
     if None in counts or (not per_sample and _count(max_new_tokens) is None):
         raise ValueError(f"generate: max_new_tokens={max_new_tokens!r}; give the number of tokens to generate "
