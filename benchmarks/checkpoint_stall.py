@@ -91,6 +91,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--json", default="bench_results/checkpoint_stall.json")
     args = parser.parse_args()
+    if not 1 <= args.every < args.steps:  # every rank, before any collective: no saves, no figures
+        parser.error(f"--every {args.every} with --steps {args.steps}: a run saves every --every steps before its "
+                     f"last (none at the last step), so give --every at least 1 and below --steps "
+                     f"(e.g. --steps 16 --every 4)")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)

@@ -29,6 +29,7 @@ Timing: a barrier before each timed op; the op's time is the max over ranks; med
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -89,15 +90,25 @@ def configs(args):
     return vision, llama, spec
 
 
-def two_ranks(args) -> dict:
-    vision, llama_cfg, spec = configs(args)
-    batch = synthetic_batch(spec, seed=0)
+def two_rank_models(args) -> tuple[MimoModel, MimoModel, MimoModel]:
+    """The 2-rank layout's models: unpipelined, pipelined (lean encoders), and pipelined with
+    the crossing window at M (every encoder forward first: the order before lean encoders)."""
+    vision, llama_cfg, _ = configs(args)
     layout = MimoLayout({"vision": P(), "language": P()})
     layout.init_meshes("cpu")
     plain = build(layout, args, None, vision, llama_cfg)
     piped = build(layout, args, PipelineConfig(microbatches=args.microbatches), vision, llama_cfg)
     gpipe_order = build(layout, args, PipelineConfig(microbatches=args.microbatches), vision, llama_cfg)
-    gpipe_order.window = args.microbatches  # every rank: the encoder's forwards all first (before lean encoders)
+    # Every rank: the encoder's forwards all first. The executor reads the window from the
+    # model's `RankParts` (an attribute set on the model itself is never read).
+    gpipe_order.parts = dataclasses.replace(gpipe_order.parts, window=args.microbatches)
+    return plain, piped, gpipe_order
+
+
+def two_ranks(args) -> dict:
+    vision, llama_cfg, spec = configs(args)
+    batch = synthetic_batch(spec, seed=0)
+    plain, piped, gpipe_order = two_rank_models(args)
     rank = dist.get_rank()
     items = batch.modalities["vision"].inputs
     rows = torch.randn(batch.num_tokens("vision"), llama_cfg.dim)

@@ -118,3 +118,50 @@ def test_gpu_pairs_step_the_same_adamw():
         assert r[pair]["theirs"] == r[pair]["ours"], (
             f"{pair}: transformers' AdamW {sorted(r[pair]['theirs'].items())} against the library's "
             f"{sorted(r[pair]['ours'].items())}")
+
+
+def _pipeline_orders() -> dict:
+    """`pipeline.py`'s 2-rank models at tiny sizes: one step each, and the order of the encoder
+    rank's encoder forwards and backwards in each one's program."""
+    import argparse
+
+    import pipeline
+
+    from dtensor_mimo.data import synthetic_batch
+
+    args = argparse.Namespace(microbatches=4, batch=8, seq_len=64, images=1, dim=32, vision_layers=1,
+                              language_layers=1)
+    batch = synthetic_batch(pipeline.configs(args)[2], seed=0)
+    orders = {}
+    for name, model in zip(("unpipelined", "pipelined", "pipelined, window M"), pipeline.two_rank_models(args)):
+        model.forward_backward(batch)
+        ops = [a.op for a in model.parts.program(batch) if a.op in ("encode", "backward")]
+        orders[name] = "".join("F" if op == "encode" else "B" for op in ops)
+    return orders
+
+
+def test_pipeline_window_m_runs_every_encoder_forward_first():
+    """`pipeline.py`'s "pipelined, window M" row (the order before lean encoders: every encoder
+    forward, then every backward) runs that order on the encoder rank, and "pipelined" the lean
+    one (a backward before the last forward): the two rows are different schedules."""
+    orders, _ = run_on_ranks(_pipeline_orders, 2, timeout=300)
+    assert orders["pipelined, window M"] == "FFFFBBBB", orders
+    assert orders["pipelined"] != orders["pipelined, window M"], orders
+
+
+def test_checkpoint_stall_names_a_run_without_saves():
+    """`checkpoint_stall.py` saves every ``--every`` steps before the last: with ``--every`` not
+    below ``--steps`` (or 0) a run has no save to time. Said on every rank before the process
+    group is made, naming both flags (it ran every repeat, then died on a ZeroDivisionError).
+    (Run as one process: the refusal comes before the process group a torchrun world would make.)"""
+    import subprocess
+
+    script = os.path.join(BENCHMARKS, "checkpoint_stall.py")
+    for every in ("4", "0"):
+        out = subprocess.run([sys.executable, script, "--dim", "32", "--layers", "1",
+                              "--steps", "4", "--every", every, "--repeats", "1", "--json", os.devnull],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": os.path.dirname(BENCHMARKS)})
+        assert out.returncode != 0
+        assert "ZeroDivisionError" not in out.stderr, out.stderr[-2000:]
+        assert f"--every {every} with --steps 4" in out.stderr, out.stderr[-2000:]
