@@ -144,6 +144,8 @@ def main() -> None:
     parser.add_argument("--case", choices=list(CASES), help=argparse.SUPPRESS)  # one run, in this process
     parser.add_argument("--jsonl", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.steps <= WARM:  # before any run: nothing after the warm-up steps would be timed
+        parser.error(f"--steps {args.steps}: the first {WARM} steps are warm-up, not timed; give more (e.g. 60)")
     if args.case:
         return _one(args.dir, args.case, args.steps, args.batch_size, args.jsonl)
     if not os.path.exists(os.path.join(args.dir, "data", "train.jsonl")):
