@@ -411,6 +411,30 @@ def test_vocab_parallel_cross_entropy_and_argmax_match_full_vocabulary(tp: int) 
     run_on_ranks(_vocab_parallel_matches_full, tp, tp, timeout=60)
 
 
+def _vocab_parallel_argmax_nan(tp: int) -> list[int]:
+    mesh = MimoLayout({"m": Parallelism(tp=tp)})
+    mesh.init_meshes("cpu")
+    tp_mesh = mesh.mesh("m", "tp")
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    logits[0, 13] = float("nan")  # a NaN in the last shard beats every number, as in torch.argmax
+    logits[1, 2] = logits[1, 9] = float("nan")  # the first NaN wins
+    logits[2, 1], logits[2, 14] = float("inf"), float("nan")  # a NaN beats +inf
+    logits[3] = float("-inf")  # every logit -inf: id 0
+    want = logits.argmax(-1)
+    shard = DTensor.from_local(logits.chunk(tp, -1)[dist.get_rank()], tp_mesh, [Shard(1)])
+    got = vocab_parallel_argmax(shard)
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
+    return got.tolist()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vocab_parallel_argmax_takes_torchs_nan_rule(tp: int) -> None:
+    """`vocab_parallel_argmax` is ``logits.argmax(-1)``, NaN included (torch's argmax takes the
+    first NaN of a row, as the max): logits that went NaN on one vocabulary shard gave the id
+    2**63 - 1 under tp, where one process gives an id of the vocabulary."""
+    assert run_on_ranks(_vocab_parallel_argmax_nan, tp, tp, timeout=60) == [[13, 2, 14, 0]] * tp
+
+
 # --------------------------------------------------------------------------------------------
 # parameters tp leaves whole: gradients averaged over tp; a debug check names a drifted replica
 # --------------------------------------------------------------------------------------------

@@ -322,12 +322,16 @@ def _vocab_shards(logits: DTensor) -> tuple[torch.Tensor, int, dist.ProcessGroup
 def vocab_parallel_argmax(logits: DTensor) -> torch.Tensor:
     """``logits.argmax(-1)`` of vocabulary-sharded logits (a plain tensor, the same on every
     rank of the sharding group) without gathering them: two ``[N]`` all-reduces (the maximum,
-    then the smallest id holding it, which is torch's first-occurrence rule)."""
+    then the smallest id holding it, which is torch's first-occurrence rule). A NaN is the
+    maximum, as in torch's argmax (a reduction's MAX skips it): the row's first NaN wins."""
     local, start, group = _vocab_shards(logits)
-    best, index = local.max(-1)
-    top = best.clone()
+    best, index = local.max(-1)  # a row's first NaN where it holds one
+    nan = best.isnan()
+    # one MAX of [2, N]: whether any shard's row holds a NaN, and the largest number elsewhere
+    top = torch.stack((nan.to(best.dtype), best.masked_fill(nan, float("-inf"))))
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    ids = torch.where(best == top, index + start, torch.iinfo(torch.int64).max)
+    wins = torch.where(top[0] > 0, nan, ~nan & (best == top[1]))
+    ids = torch.where(wins, index + start, torch.iinfo(torch.int64).max)
     dist.all_reduce(ids, op=dist.ReduceOp.MIN, group=group)
     return ids.view(logits.shape[:-1])
 
