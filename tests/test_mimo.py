@@ -89,7 +89,7 @@ from dtensor_mimo.models import (
     ViTConfig,
 )
 from dtensor_mimo.sequence import loss as token_loss
-from tests.harness import run_on_ranks
+from tests.harness import needs_torch, run_on_ranks
 
 FIRST_SEED = 11  # step i's global batch comes from seed FIRST_SEED + i
 # Adam's eps bounds how much last-ulp gradient differences (sums reordered by sharding) move a
@@ -852,7 +852,8 @@ GENERATE = {
 }
 
 
-@pytest.mark.parametrize("name", list(GENERATE))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=needs_torch((2, 13), "ZBVZeroBubble is refused by name"))
+                                  if n == "zbv" else n for n in GENERATE])
 def test_generate_matches_a_step_by_step_reference(name: str) -> None:
     """Every rank's ids are the single-process greedy loop's, sample by sample without padding:
     each up to its own count or through the stop id (sample 0's second id), up to a near-tie."""
