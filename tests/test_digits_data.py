@@ -392,6 +392,23 @@ def test_tokenizer_round_trip_and_unknown_words():
         encode("images seven")
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("noise_std", math.inf, r"noise_std=inf must be a finite number >= 0"),
+    ("noise_std", math.nan, r"noise_std=nan must be a finite number >= 0"),
+    ("noise_std", -0.5, r"noise_std=-0.5 must be a finite number >= 0"),
+    ("amplitude", (1.0, 0.2), r"amplitude=\(1.0, 0.2\) must be a range \(low, high\)"),
+    ("twist", (0.6, math.inf), r"twist=\(0.6, inf\) must be a range \(low, high\)"),
+    ("frequency_jitter", -0.1, r"frequency_jitter=-0.1 must be in \[0, 1\)"),
+])
+def test_tone_settings_out_of_range_are_named(field, value, message):
+    """A tone setting that cannot make a keypad tone is refused by name: noise_std = inf (or nan) made
+    every clip NaN (the audio encoder's inputs, then the loss), a negative std passed as its opposite."""
+    wave = dtmf_tone(3, 0, DigitsTask(noise_std=1e6), 960)  # finite at any finite noise
+    assert torch.isfinite(log_mel_spectrogram(wave, DigitsTask(), 16)).all()
+    with pytest.raises(ValueError, match=message):
+        DigitsTask(**{field: value})
+
+
 def test_without_scikit_learn_the_error_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "sklearn", None)
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)

@@ -127,6 +127,10 @@ def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> Non
     (["--options.text.sp", "true"], "options names ['text']"),
     (["--model.encoders.text.modality", "image"], "data.format = 'digits' trains the library's image encoder 'vision'"),
     (["--data.heldout_samples", "0"], "data.heldout_samples = 0: must be >= 1"),
+    # the tones' noise: inf or nan made every tone NaN (a NaN loss naming nothing), -0.5 passed as 0.5
+    (["--data.noise_std", "nan"], "data.noise_std = nan: the tones' noise std must be a finite number >= 0"),
+    (["--data.noise_std", "inf"], "data.noise_std = inf: the tones' noise std must be a finite number >= 0"),
+    (["--data.noise_std", "-0.5"], "data.noise_std = -0.5: the tones' noise std must be a finite number >= 0"),
     (["--data.pack", "true"], "data.pack is a key of data.format = 'llava'; this config has data.format = "
      "'digits': remove it"),
     (["--model.encoders.vision.feature_layer", "-1"], "model.encoders.vision.feature_layer: not used"),
@@ -259,6 +263,27 @@ def test_digits_dynamic_resolution_checks_its_sizes(argv: list[str], message: st
     assert audio.config.variable_length and audio.tokens_per_item == 4  # 16 frames, strides 2, 2: 16 -> 8 -> 4
     with pytest.raises(ConfigError) as e:
         resolve(parse_args([*on, *argv]))
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model.encoders.vision.image_size", "12"], "model.encoders.vision.image_size = 12: the digits scans are 8x8"),
+    # 8x8 images in 3x3 patches: 2 x 2 patches cover pixels 0..5; rows and columns 6 and 7 were dropped
+    (["--model.encoders.vision.patch_size", "3"], "model.encoders.vision.patch_size = 3 does not divide the scans' "
+     "image size 8 (model.encoders.vision.image_size): the last 2 pixel rows and columns"),
+    (["--model.encoders.vision.image_size", "16", "--model.encoders.vision.patch_size", "5"],
+     "model.encoders.vision.patch_size = 5 does not divide the scans' image size 16"),
+])
+def test_digits_vit_sees_the_whole_scan(argv: list[str], message: str) -> None:
+    """The digits ViT at one size: an image size that is not a multiple of the 8x8 scans was a bare
+    ValueError naming ViTConfig (a traceback from the launcher), and patches that do not tile the image
+    silently dropped the scans' last pixel rows and columns (3x3 patches of 8x8 images: a quarter of
+    every scan's pixels never seen). Both are named as config keys, before any process starts."""
+    from dtensor_mimo.train.modules import resolve
+
+    assert resolve(parse_args(["--model.encoders.vision.image_size", "16"])).encoders["vision"].tokens_per_item == 16
+    with pytest.raises(ConfigError) as e:
+        resolve(parse_args(argv))
     assert message in str(e.value)
 
 

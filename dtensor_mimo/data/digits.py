@@ -188,6 +188,17 @@ class DigitsTask:
         if not 0 <= self.f_min < self.f_max <= self.sample_rate / 2:
             raise ValueError(f"DigitsTask: need 0 <= f_min={self.f_min} < f_max={self.f_max} <= "
                              f"sample_rate/2={self.sample_rate / 2}")
+        if not 0 <= self.noise_std < math.inf:
+            raise ValueError(f"DigitsTask: noise_std={self.noise_std} must be a finite number >= 0 (the tones' "
+                             f"white noise std; 0: none)")
+        for name in ("amplitude", "twist"):
+            lo, hi = getattr(self, name)
+            if not 0 <= lo <= hi < math.inf:
+                raise ValueError(f"DigitsTask: {name}={getattr(self, name)} must be a range (low, high) of finite "
+                                 f"numbers with 0 <= low <= high")
+        if not 0 <= self.frequency_jitter < 1:
+            raise ValueError(f"DigitsTask: frequency_jitter={self.frequency_jitter} must be in [0, 1) (a relative "
+                             f"frequency error)")
         if not 0 <= self.max_shift < 8:
             raise ValueError(f"DigitsTask: max_shift={self.max_shift} must be in 0..7 (scans "
                              f"are 8x8)")

@@ -1040,6 +1040,9 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
                               f"'audio' (model.encoders: {kinds}); for your own modules and data use "
                               "data.format = 'llava' (or 'webdataset', 'hf')")
         positive("data.heldout_samples", data.heldout_samples)
+        if not 0 <= data.noise_std < math.inf:  # inf / nan: every tone's input NaN, a NaN loss naming nothing
+            raise ConfigError(f"data.noise_std = {data.noise_std!r}: the tones' noise std must be a finite number "
+                              ">= 0 (0: no noise; default 0.5)")
     else:
         if not data.path:
             what = {"llava": "LLaVA conversation JSON / JSONL files", "webdataset": "tar shards",

@@ -237,6 +237,8 @@ def resolve_encoder(config: TrainerConfig, name: str, section: EncoderSection) -
         size = section.image_size or (8 if digits else 0)
         if not size:
             raise ConfigError(f"{key}.image_size: a library ViT on conversation data needs its image size")
+        if digits:
+            _check_digits_vit(key, size, section.patch_size)
         vit = ViTConfig(image_size=size, patch_size=section.patch_size, in_channels=1 if digits else 3,
                         dim=section.dim, n_layers=section.n_layers, n_heads=section.n_heads,
                         mlp_hidden=section.mlp_hidden, temporal_patch=section.temporal_patch)
@@ -267,6 +269,20 @@ def resolve_encoder(config: TrainerConfig, name: str, section: EncoderSection) -
         longest = audio.output_length(samples // proc.hop_length)
         return ResolvedEncoder(name, section, audio, longest, proc, clip_samples=samples)
     return ResolvedEncoder(name, section, audio, audio.output_length(audio.max_frames), proc)
+
+
+def _check_digits_vit(key: str, size: int, patch: int) -> None:
+    """The digits ViT sees every pixel of a scan: its image (the 8x8 scan enlarged by pixel
+    repetition) a multiple of 8, cut into whole patches (a patch convolution drops the pixels past
+    the last whole patch)."""
+    if size % 8:
+        raise ConfigError(f"{key}.image_size = {size}: the digits scans are 8x8, enlarged by pixel repetition; "
+                          f"give a multiple of 8 (e.g. {max(8, size // 8 * 8)})")
+    if size % patch:
+        divisors = [p for p in range(1, size + 1) if size % p == 0 and p <= patch] or [size]
+        raise ConfigError(f"{key}.patch_size = {patch} does not divide the scans' image size {size} "
+                          f"({key}.image_size): the last {size % patch} pixel rows and columns of every scan would "
+                          f"never be seen; give a divisor of {size} (e.g. {divisors[-1]})")
 
 
 def _digits_dynamic(key: str, section: EncoderSection, vit: ViTConfig) -> ViTConfig:
