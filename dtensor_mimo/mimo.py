@@ -572,11 +572,12 @@ class MimoModel(nn.Module):
         return ids, share.item()
 
     def generate(self, batch: MimoBatch, prompt_lengths: Sequence[int], max_new_tokens: int | Sequence[int],
-                 stop_token: int | None = None) -> list[list[int]]:
+                 stop_token: int | None | Sequence[int | None] = None) -> list[list[int]]:
         """Greedy decoding (`dtensor_mimo.sequence.greedy_generate` over `predict`): each
         sample's `batch` row up to ``prompt_lengths[i]`` tokens is its prompt (its encoder items
         included); returns the generated ids per sample, up to `max_new_tokens` (one count, or
-        one per sample) or through `stop_token` (or through a modality's special id). Call on
+        one per sample) or through `stop_token` (one id, or one per sample) or through a
+        modality's special id. Call on
         every rank with the same arguments; every rank returns the same. Its predictions keep
         the FSDP2 roots gathered (no weight changes between them), resharded once at the end."""
         self._generating = True

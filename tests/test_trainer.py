@@ -287,6 +287,45 @@ def test_answers_are_not_cut_short_by_another_samples_longer_prompt() -> None:
     assert Trainer.answers(trainer, 2) == [("expected 0", "3 9"), ("expected 1", "5 6 7 8 9")]
 
 
+
+def test_answers_stop_each_at_its_own_stop_id() -> None:
+    """Prompts whose stop ids differ (an answer without the end-of-sequence token stops at its own
+    last token): each sample stops at its own; with one stop id for all, or none where they
+    differed, the others ran to their row's end (a forward of the whole model per token)."""
+    from types import SimpleNamespace
+
+    from dtensor_mimo.data import IGNORE_INDEX, MimoBatch
+    from dtensor_mimo.sequence import greedy_generate
+    from dtensor_mimo.train.trainer import Trainer
+
+    seq, prompts, stops = 12, [3, 5], [9, 8]
+    answers = [[5, 9, 8, 4], [6, 9, 8, 4]]  # sample 1 passes sample 0's stop id first
+    calls = []
+
+    def predict(b: MimoBatch) -> torch.Tensor:
+        calls.append(1)
+        ids = torch.full((b.batch_size, b.seq_len), 4, dtype=torch.int64)
+        for row, (n, answer) in enumerate(zip(prompts, answers)):
+            ids[row, n - 1:n - 1 + len(answer)] = torch.tensor(answer)
+        return ids
+
+    class Heldout:
+        def __len__(self) -> int:
+            return 2
+
+        def batch(self, indices):
+            return MimoBatch(torch.ones(len(indices), seq, dtype=torch.int64),
+                             torch.full((len(indices), seq), IGNORE_INDEX), torch.zeros(len(indices), seq))
+
+    data = SimpleNamespace(heldout=Heldout(), prompt=lambda i: (prompts[i], f"expected {i}", stops[i]),
+                           decode=lambda ids: " ".join(map(str, ids)))
+    model = SimpleNamespace(generate=lambda batch, lengths, new, stop_token: greedy_generate(
+        predict, batch, lengths, new, stop_token))
+    trainer = SimpleNamespace(data=data, model=model, seq_len=seq, heldout_left_out={},
+                              _heldout_batch=lambda make, indices: make(indices))
+    assert Trainer.answers(trainer, 2) == [("expected 0", "5 9"), ("expected 1", "6 9 8")]
+    assert len(calls) == 3  # the last sample's third token ends the loop
+
 VARIED = ["--model.encoders.vision.dynamic_resolution", "true", "--model.encoders.audio.variable_length", "true"]
 
 

@@ -12,22 +12,26 @@ from dtensor_mimo.data import MimoBatch
 
 
 def greedy_generate(predict: Callable[[MimoBatch], torch.Tensor], batch: MimoBatch, prompt_lengths: Sequence[int],
-                    max_new_tokens: int | Sequence[int], stop_token: int | None = None) -> list[list[int]]:
+                    max_new_tokens: int | Sequence[int],
+                    stop_token: int | None | Sequence[int | None] = None) -> list[list[int]]:
     """Each sample's `batch` row up to ``prompt_lengths[i]`` tokens is its prompt (its encoder
     items included); returns the ids `predict` (next-token ids ``[B, S]`` at every position)
     generates per sample, up to `max_new_tokens` (one count for every sample, or one per
-    sample) or through `stop_token` (or through a modality's special id, which the row cannot
-    take as text), writing each new id into the row after the prompt before the next call. On
+    sample) or through `stop_token` (one id, or one per sample; None: none) or through a
+    modality's special id (which the row cannot take as text), writing each new id into the row
+    after the prompt before the next call. On
     packed rows (``document_ids`` / ``positions``) each new id continues its prompt's document
     at the next position (the columns after a prompt belong to another document: the padding,
     or the next one packed)."""
-    # one count per sample: any sequence (a list, a tuple, a range) or a 1-D array / tensor
-    per_sample = not isinstance(max_new_tokens, (str, bytes)) and (
-        isinstance(max_new_tokens, Sequence) or getattr(max_new_tokens, "ndim", 0) == 1)
-    counts = [_count(n) for n in max_new_tokens] if per_sample else [_count(max_new_tokens)] * batch.batch_size
-    if None in counts or (not per_sample and _count(max_new_tokens) is None):
+    given, per_sample = _each(max_new_tokens, batch.batch_size)
+    counts = [_count(n) for n in given]
+    if None in counts:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens!r}; give the number of tokens to generate "
                          "per sample, an integer >= 0" + (" for each sample" if per_sample else ""))
+    stop_ids, _ = _each(stop_token, batch.batch_size)
+    if len(stop_ids) != batch.batch_size or any(s is not None and _count(s) is None for s in stop_ids):
+        raise ValueError(f"generate: stop_token={stop_token!r}; give a token id (an integer >= 0) or None, once or "
+                         f"one per sample ({batch.batch_size})")
     if len(prompt_lengths) != batch.batch_size:
         raise ValueError(f"generate: {len(prompt_lengths)} prompt lengths for {batch.batch_size} samples")
     if len(counts) != batch.batch_size:
@@ -58,6 +62,7 @@ def greedy_generate(predict: Callable[[MimoBatch], torch.Tensor], batch: MimoBat
     rows = torch.arange(batch.batch_size)
     placeholders = torch.tensor(list(batch.special_token_ids.values()), dtype=torch.int64)
     limits = torch.tensor(counts)
+    stops = torch.tensor([-1 if i is None else _count(i) for i in stop_ids])  # -1: no id is negative
     done = limits == 0
     generated: list[list[int]] = [[] for _ in prompt_lengths]
     for step in range(max(counts, default=0)):
@@ -79,11 +84,17 @@ def greedy_generate(predict: Callable[[MimoBatch], torch.Tensor], batch: MimoBat
         if positions is not None:  # ... at the position after the prompt's last token
             positions[live, at] = positions[live, at - 1] + 1
         ends = ends + write.long()
-        if stop_token is not None:
-            done |= new == stop_token
+        done |= new == stops
         if done.all():
             break
     return generated
+
+
+def _each(value: object, n: int) -> tuple[list, bool]:
+    """`value` for each of `n` samples: given one per sample (any sequence but a string, or a 1-D
+    array / tensor), or once for all; and whether it was given per sample."""
+    per_sample = not isinstance(value, (str, bytes)) and (isinstance(value, Sequence) or getattr(value, "ndim", 0) == 1)
+    return (list(value) if per_sample else [value] * n), per_sample
 
 
 def _count(value: object) -> int | None:

@@ -526,10 +526,10 @@ class Trainer:
         batch = self._heldout_batch(getattr(heldout, "prompts", heldout.batch), chosen)
         prompts = [self.data.prompt(i) for i in chosen]
         lengths = [p[0] for p in prompts]
-        stops = {p[2] for p in prompts}
-        stop = stops.pop() if len(stops) == 1 else None
-        # each prompt with its own row's room (a long prompt of another sample cut the others' answers)
-        out = self.model.generate(batch, lengths, [self.seq_len - n for n in lengths], stop_token=stop)
+        # each prompt with its own row's room (a long prompt of another sample cut the others'
+        # answers) and its own stop id (with one for all, samples of other ids ran to their row's end)
+        out = self.model.generate(batch, lengths, [self.seq_len - n for n in lengths],
+                                  stop_token=[p[2] for p in prompts])
         return [(expected, self.data.decode(ids)) for i, (_, expected, _), ids in zip(chosen, prompts, out)
                 if i not in self.heldout_left_out]
 
