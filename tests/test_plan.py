@@ -707,3 +707,84 @@ def test_fsdp_accumulating_microbatches_holds_whole_gradients_and_gathered_block
     # an overlapped encoder's `Accumulation`: whole gradients, its blocks resharded after forward
     enc = module_cost(profile("vision", fsdp=True), P(dp=2), 8, 2, FAST, range(2), held=2, accumulates=True)
     assert enc.memory == pytest.approx(params * 16 / 2 + (1000 + 500) * 4 + params * 4 + 100 * 20 * 2 * 2)
+
+
+def test_layout_auto_keeps_the_configured_pipeline_split(monkeypatch) -> None:
+    """``pipeline.split`` (layers per decoder stage) is the user's, and ``layout.auto`` replaces
+    only the layout and the microbatches (docs/trainer.md): the layout it chooses must have the
+    stages the split gives, ``pp · virtual_stages = len(split)``, and the split's layers. A
+    4-layer language model split (3, 1) over pp = 2: every ranked layout has language pp = 2
+    (the planner proposed pp = 1 or 4 and the trainer then refused the split at build time,
+    after the measurements), and its busiest stage holds 3 blocks, not the even split's 2."""
+    from dtensor_mimo.schedule.config import stage_layers as layers_of
+    from dtensor_mimo.train import plan as trainer_plan
+
+    job = digits_job(batch_size=32)
+    lang = dataclasses.replace(job.lang, n_layers=4)
+    job = dataclasses.replace(job, modules=(*job.encoders, lang))
+    monkeypatch.setattr(trainer_plan, "load_profiles", lambda *args, **kwargs: (job, FAST, "cache"))
+    config = parse_args(["--layout.auto", "true", "--layout.language.pp", "2", "--pipeline.split", "[3, 1]"])
+    ranked = trainer_plan.plan(config, 4, top=1, log=lambda _: None)
+    assert ranked
+    for pred in ranked:
+        par = pred.candidate.parallelisms["language"]
+        assert par.pp == 2, pred.candidate.describe()
+    planned = trainer_plan.auto_layout(config, 4, log=lambda _: None)
+    pp = build_layout(planned, 4).parallelism("language").pp
+    assert [len(r) for r in layers_of(4, pp, planned.pipeline.split)] == [3, 1]
+    # costed on the split: the busiest stage runs 3 blocks, one more than the even split's 2, in
+    # every slot of the pipeline (M microbatches + the 1F1B bubble of pp - 1), by hand
+    pred = next(p for p in ranked if p.candidate.parallelisms["language"] in (P(pp=2), P(pp=2, dp=2)))
+    cand, par = pred.candidate, pred.candidate.parallelisms["language"]
+    m = cand.microbatches
+    tokens = 32 // m / par.dp * lang.tokens_per_sample
+    one_block = lang.block_forward(tokens) + lang.block_backward(tokens)
+    even = predict(job, cand, FAST)
+    assert pred.parts["language pipeline"] - even.parts["language pipeline"] == pytest.approx((m + 1) * one_block)
+
+
+@pytest.mark.parametrize("name", ["vision_recomputed", "zero_bubble_fsdp"])
+def test_the_planners_calibration_runs_are_layouts_the_library_builds(name: str, monkeypatch) -> None:
+    """The planner measures the runtime's overhead and the collectives' cost from short real runs
+    of the trainer (`calibrate_runtime`: encoders on rank 0, the language model on rank 1;
+    `calibrate_collectives`: every module on every rank, dp = world). With options that refuse
+    those layouts — an encoder recomputed in the colocated three phases (it must share the
+    language model's ranks), a zero-bubble schedule with FSDP2 resharding after forward over
+    dp > 1 — each run died in the spawned ranks on the library's LayoutError, and so did
+    ``python -m dtensor_mimo.plan`` and ``layout.auto`` for every such config. Every run the
+    calibration starts must pass the library's own `check_model` with the modules' options (as
+    the calibration runs them: uncompiled)."""
+    from dtensor_mimo.layout import torch_compat
+    from dtensor_mimo.models import Llama, LlamaConfig, ModalityEncoder, Projection, ViT, ViTConfig
+    from dtensor_mimo.schedule.checks import check_model
+    from dtensor_mimo.schedule.config import PipelineConfig
+    from dtensor_mimo.train import plan as trainer_plan
+
+    monkeypatch.setattr(torch_compat, "RELEASE", (2, 13))
+    options, schedule = OPTION_LIMITS[name]
+    virtual = 2 if schedule != "1F1B" else 1
+    limits = {n: trainer_plan.option_limits(options.get(n, ParallelOptions())) for n in ("vision", "language")}
+    job = Job((dataclasses.replace(profile("vision", divides=(4, 64, 32)), **limits["vision"]),
+               dataclasses.replace(profile("language", layers=4, tokens=32, cp=True, divides=(4, 2, 64, 64)),
+                                   **limits["language"])),
+              batch_size=8, schedule=schedule, virtual_stages=virtual)
+    runs: list[tuple[dict, int]] = []
+
+    def fake_run(config, layout, microbatches, *args, **kwargs) -> float:
+        runs.append((layout, microbatches))
+        return 0.5
+
+    monkeypatch.setattr(trainer_plan, "_train_steps", fake_run)
+    trainer_plan.calibrate_runtime(None, job, FAST, log=lambda _: None)
+    trainer_plan.calibrate_collectives(None, job, FAST, 2, log=lambda _: None)
+    assert runs
+    llama = Llama(LlamaConfig.tiny(n_layers=4))
+    encoders = {"vision": ModalityEncoder(ViT(ViTConfig.tiny()), Projection(32, 32))}
+    for layout, m in runs:
+        mimo = MimoLayout({n: P(**{k: v for k, v in keys.items() if k != "offset"}) for n, keys in layout.items()},
+                          offsets={n: keys["offset"] for n, keys in layout.items()})
+        try:
+            check_model(mimo, llama, encoders, "language", options,
+                        PipelineConfig(microbatches=m, schedule=schedule, virtual_stages=virtual))
+        except (LayoutError, ValueError) as e:
+            pytest.fail(f"the planner's calibration runs {layout} (M={m}), which the library refuses: {e}")

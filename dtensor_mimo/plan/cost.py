@@ -182,7 +182,8 @@ def microbatch_tokens(profile: ModuleProfile, samples: int, par: Parallelism) ->
 
 def module_cost(profile: ModuleProfile, par: Parallelism, batch_size: int, microbatches: int,
                 device: DeviceProfile, ranks: Sequence[int], schedule: str = "1F1B",
-                virtual_stages: int = 1, held: int | None = None, accumulates: bool | None = None) -> ModuleCost:
+                virtual_stages: int = 1, held: int | None = None, accumulates: bool | None = None,
+                split: Sequence[int] | None = None) -> ModuleCost:
     """`ModuleCost` of `profile` laid out as `par` on global `ranks` (mesh order, tp fastest).
 
     `held`: the microbatches whose activations the module keeps at once (an encoder:
@@ -192,6 +193,7 @@ def module_cost(profile: ModuleProfile, par: Parallelism, batch_size: int, micro
     an overlapped encoder's `Accumulation`): every gradient unsharded, and under torch's stages
     every block left gathered after each backward but the last. None: the language model's rule
     (it runs as torch's pipeline stages): more than one microbatch.
+    `split`: layers per stage (`PipelineConfig.split`; None: as even as possible).
     """
     m = microbatches
     samples = batch_size // m if batch_size % m == 0 else math.ceil(batch_size / m)
@@ -229,7 +231,7 @@ def module_cost(profile: ModuleProfile, par: Parallelism, batch_size: int, micro
     gather_rest = allgather_time(profile.rest_params * gather_bytes / tp, shards, shard_link)
     regather = profile.reshard_after_forward and trains_blocks
 
-    per_rank = rank_layers(profile.n_layers, par.pp, schedule, virtual_stages) if par.pp > 1 else \
+    per_rank = rank_layers(profile.n_layers, par.pp, schedule, virtual_stages, split) if par.pp > 1 else \
         [(profile.n_layers, True)]
     stage_send = 0.0
     if par.pp > 1:  # a stage receives its input and sends its output, forward and backward
@@ -415,7 +417,7 @@ def predict(job: Job, candidate: Candidate, device: DeviceProfile) -> Prediction
                                         stage_trip=once.stage_trip / m)
     lang = job.lang
     costs[lang_name] = module_cost(lang, lang_par, job.batch_size, m, device, ranks(lang_name), job.schedule,
-                                   job.virtual_stages)
+                                   job.virtual_stages, split=job.split)
     cross_f = {e.name: crossing_time(e, pars[e.name], lang_par, colocated[e.name], samples, device,
                                      ranks(e.name), ranks(lang_name), lang.act_bytes) for e in encoders}
     cross_b = {e.name: cross_f[e.name] if e.trainable else 0.0 for e in encoders}

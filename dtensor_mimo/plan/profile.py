@@ -258,6 +258,8 @@ class Job:
         virtual_stages: stages per pp rank (`PipelineConfig.virtual_stages`).
         language: the language module's name.
         rows: building the global batch's token rows on every rank, seconds vs samples.
+        split: the language model's layers per stage (`PipelineConfig.split`; None: even): only
+            layouts of ``len(split)`` stages take it, costed on its layers.
     """
 
     modules: tuple[ModuleProfile, ...]
@@ -266,9 +268,12 @@ class Job:
     virtual_stages: int = 1
     language: str = LANGUAGE
     rows: Affine = field(default_factory=Affine)
+    split: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "modules", tuple(self.modules))
+        if self.split is not None:
+            object.__setattr__(self, "split", tuple(self.split))
         names = [m.name for m in self.modules]
         if self.language not in names:
             raise ValueError(f"Job: no module named {self.language!r} among {names}")
@@ -302,7 +307,7 @@ class Job:
     def to_dict(self) -> dict[str, Any]:
         return {"modules": [m.to_dict() for m in self.modules], "batch_size": self.batch_size,
                 "schedule": self.schedule, "virtual_stages": self.virtual_stages, "language": self.language,
-                "rows": dataclasses.asdict(self.rows)}
+                "rows": dataclasses.asdict(self.rows), "split": list(self.split) if self.split else None}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Job":

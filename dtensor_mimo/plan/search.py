@@ -121,7 +121,7 @@ def module_problem(job: Job, profile: ModuleProfile, par: Parallelism, microbatc
             check_microbatching(job.batch_size, microbatches, par.dp, job.language)
             config = PipelineConfig(microbatches=microbatches, schedule=job.schedule,
                                     virtual_stages=job.virtual_stages)
-            stage_layers(profile.n_layers, config.num_stages(par.pp), module=profile.name)
+            stage_layers(profile.n_layers, config.num_stages(par.pp), job.split, module=profile.name)
         except ValueError as e:
             return str(e)
     return None
@@ -289,7 +289,8 @@ def _standalone(job: Job, profile: ModuleProfile, par: Parallelism, m: int, devi
     """A module's own step work on its ranks (for pruning): M microbatches + reduce + optimizer."""
     c = module_cost(profile, par, job.batch_size, m, device, range(par.size), job.schedule, job.virtual_stages,
                     held=m if profile.name != job.language else None,
-                    accumulates=None if profile.name == job.language else m > 1)
+                    accumulates=None if profile.name == job.language else m > 1,
+                    split=job.split if profile.name == job.language else None)
     return m * (c.forward + c.backward) + c.reduce + c.optimizer + c.load
 
 
@@ -304,7 +305,8 @@ def _pruned(job: Job, world_size: int, device: DeviceProfile, space: SearchSpace
                 for par in module_options(job, profile, size, m, max_tp, device.ranks_per_node):
                     c = module_cost(profile, par, job.batch_size, m, device, range(size), job.schedule,
                                     job.virtual_stages, held=m if profile.name != job.language else None,
-                                    accumulates=None if profile.name == job.language else m > 1)
+                                    accumulates=None if profile.name == job.language else m > 1,
+                                    split=job.split if profile.name == job.language else None)
                     if device.memory_bytes is not None and c.memory > device.memory_bytes:
                         continue
                     scored.append((_standalone(job, profile, par, m, device), par))

@@ -331,11 +331,15 @@ def calibrate_runtime(config: TrainerConfig, job: Job, device: DeviceProfile,
     """The runtime's busy time per microbatch and per step (`DeviceProfile.microbatch_s`,
     `step_s`), from two short real runs on 2 local ranks — the encoders on rank 0, the language
     model on rank 1, with 1 and with M microbatches — minus what the cost model already predicts
-    for them. Measured at 2 ranks, used at any world."""
+    for them. Measured at 2 ranks, used at any world. An encoder whose options keep it on the
+    language model's ranks (`ModuleProfile.colocated_only`: recompute_colocated) runs on rank 1
+    with it (every encoder such: one rank in all)."""
     m = max(mm for mm in (2, 4, 8) if job.batch_size % mm == 0) if job.batch_size % 2 == 0 else 1
     encoders = [n for n in job.names if n != job.language]
-    layout = {**{n: {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "offset": 0} for n in encoders},
-              job.language: {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "offset": 1}}
+    own = [n for n in encoders if not job.module(n).colocated_only]  # the library refuses the others apart
+    lang_at = 1 if own else 0
+    layout = {**{n: {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "offset": 0 if n in own else lang_at} for n in encoders},
+              job.language: {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "offset": lang_at}}
     log(f"measuring the runtime's overhead: 2 ranks, 1 and {m} microbatches ...")
     measured = {1: _train_steps(config, layout, 1)}
     if m > 1:
@@ -359,9 +363,18 @@ def calibrate_collectives(config: TrainerConfig, job: Job, device: DeviceProfile
     gathers and reduce-scatters every block, the collectives every other layout has too) so that
     its prediction is the measured step. A ping-pong between idle processes misses what a
     collective costs when its peers are busy computing on shared cores (each waits to be
-    scheduled); None when the batch does not split over `world` ranks."""
+    scheduled); None when the batch does not split over `world` ranks, or the library refuses
+    that layout with the modules' options (e.g. a zero-bubble schedule with FSDP2 resharding
+    after forward): then the idle ping-pong's wait stands."""
     base = homogeneous(job, world)
     if base is None:
+        return None
+    uncompiled = dataclasses.replace(job, modules=tuple(  # as `_train_steps` runs it
+        dataclasses.replace(p, compiled_whole=False, cuda_graphs=False) for p in job.modules))
+    try:
+        validate(uncompiled, base, world)
+    except InvalidCandidate as e:
+        log(f"the collectives' cost under load is not measured: the homogeneous layout does not train ({e})")
         return None
     log(f"measuring the collectives' cost under load: the homogeneous layout on {world} ranks ...")
     measured = _train_steps(config, {n: {"pp": 1, "dp": world, "cp": 1, "tp": 1, "offset": 0} for n in job.names},
@@ -407,10 +420,16 @@ def plan(config: TrainerConfig, world: int, top: int = 10, cache: str | None = N
          log: Callable[[str], None] = print) -> list[Prediction]:
     """Rank the layouts of `world` ranks for `config`'s job; print the table's `top` rows."""
     job, device, _ = load_profiles(config, world, cache, remeasure, log)
+    # the user's layers per stage: only layouts of that many language stages, costed on them
+    job = dataclasses.replace(job, split=config.pipeline.split)
     result = search(job, world, device)
     if not result.ranked:
         raise ConfigError(f"no layout of {world} ranks trains this job (modules {job.names}, batch "
-                          f"{job.batch_size}); try another world size or data.batch_size")
+                          f"{job.batch_size}"
+                          + (f", pipeline.split = {list(job.split)}: {len(job.split)} language stages"
+                             if job.split else "")
+                          + "); try another world size or data.batch_size"
+                          + (", or leave pipeline.split out" if job.split else ""))
     base = homogeneous(job, world)
     try:
         if base is not None:
