@@ -101,9 +101,9 @@ LLAVA = ["--data.format", "llava", "--data.path", "x.jsonl", "--data.tokenizer",
     ([*LLAVA, "--model.encoders.video.modality", "video", "--data.video_frame_text", "Frame: "],
      "data.video_frame_text = 'Frame: ' has no {frame}"),
     ([*LLAVA, "--model.encoders.video.modality", "video", "--data.video_frame_text", "Frame {frame} of {total}: "],
-     "data.video_frame_text = 'Frame {frame} of {total}: ': {frame} is the only field it may hold (KeyError: 'total')"),
+     "data.video_frame_text = 'Frame {frame} of {total}: ' holds more than {frame} (KeyError: 'total')"),
     ([*LLAVA, "--model.encoders.video.modality", "video", "--data.video_frame_text", "{frame}: {"],
-     "data.video_frame_text = '{frame}: {': {frame} is the only field it may hold (ValueError: "),
+     "data.video_frame_text = '{frame}: {' holds more than {frame} (ValueError: "),
     ([*LLAVA, "--model.encoders.video.modality", "image", "--data.video_frame_text", "Frame{frame}: "],
      "data.video_frame_text: not used by this config"),
     (["--data.format", "llava", "--data.path", "x.jsonl", "--data.tokenizer", "t", "--model.encoders.video.modality",
@@ -125,7 +125,7 @@ def test_a_frame_text_with_another_field_is_refused_when_built() -> None:
     raised a bare KeyError('total') in every rank at its first clip, naming neither key nor text."""
     from dtensor_mimo.data.conversation import MediaSpec
 
-    with pytest.raises(ValueError, match=r"frame_text='Frame \{frame\} of \{total\}': \{frame\} is the only field"):
+    with pytest.raises(ValueError, match=r"frame_text='Frame \{frame\} of \{total\}' holds more than \{frame\}"):
         MediaSpec("video", 7, 16, (3, 16, 16), lambda paths: [], frames=True, frame_text="Frame {frame} of {total}")
     assert MediaSpec("video", 7, 16, (3, 16, 16), lambda paths: [], frames=True, frame_text="{{{frame}}}").frame_text
 

@@ -76,6 +76,19 @@ class MediaError(DataError):
         return type(self), (str(self), self.row, self.sample_id, self.path, self.reason)
 
 
+def frame_text_problem(text: str) -> str | None:
+    """What is wrong with a clip's per-frame text `text` (`MediaSpec.frame_text`,
+    ``data.video_frame_text``), said after it; None: nothing."""
+    if "{frame}" not in text:
+        return "has no {frame}: every frame would get the same text; put {frame} where its number goes"
+    try:
+        text.format(frame=1)
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as e:
+        return (f"holds more than {{frame}} ({type(e).__name__}: {e}): {{frame}} is the only field it may hold; "
+                "write a brace of the text as {{ or }}")
+    return None
+
+
 @dataclass(frozen=True)
 class MediaSpec:
     """How one encoder's items enter the rows.
@@ -120,16 +133,8 @@ class MediaSpec:
         if self.frame_text and not self.frames:
             raise ValueError(f"MediaSpec({self.modality!r}): frame_text={self.frame_text!r} is for clips of "
                              "frames (frames=True)")
-        if self.frame_text and "{frame}" not in self.frame_text:
-            raise ValueError(f"MediaSpec({self.modality!r}): frame_text={self.frame_text!r} has no {{frame}}: "
-                             "every frame would get the same text; put {frame} where its number goes")
-        if self.frame_text:
-            try:
-                self.frame_text.format(frame=1)
-            except (KeyError, IndexError, ValueError) as e:
-                raise ValueError(f"MediaSpec({self.modality!r}): frame_text={self.frame_text!r}: {{frame}} is the only "
-                                 f"field it may hold ({type(e).__name__}: {e}); write a brace of the text as {{{{ or "
-                                 "}}") from None
+        if self.frame_text and (problem := frame_text_problem(self.frame_text)):
+            raise ValueError(f"MediaSpec({self.modality!r}): frame_text={self.frame_text!r} {problem}")
 
     @property
     def varied(self) -> bool:

@@ -52,15 +52,9 @@ class ModuleMeshes:
     def __init__(self, layout: Layout, device_type: str, agree: Mapping[str, Any] | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("init_meshes needs torch.distributed initialised (torchrun + init_process_group)")
-        try:  # a typo ("gpu", "nccl", "cuda:0") would otherwise fail inside FSDP2, naming nothing
-            check_device_type(device_type, "init_meshes: device_type")
-            refused = None
-        except ValueError as e:
-            refused = e
-        # before the first new_group; the device type too, so that a refusal is every rank's
+        # before the first new_group; the device type too: agreed, its check refuses on every rank
         check_agreement({"layout": layout, "device type": device_type, **(agree or {})})
-        if refused is not None:
-            raise refused
+        check_device_type(device_type, "init_meshes: device_type")  # a typo ("gpu") failed inside FSDP2
         world = dist.get_world_size()
         if world != layout.world_size:
             raise RuntimeError(

@@ -138,11 +138,10 @@ class LRSchedule:
 
 def _check_numbers(owner: str, config: object, names: tuple[str, ...]) -> None:
     """Raise TypeError naming each of `names` whose value in `config` is not a real number."""
-    wrong = [f"{name}={getattr(config, name)!r}" for name in names
+    wrong = [f"{owner}.{name}={getattr(config, name)!r}" for name in names
              if isinstance(getattr(config, name), bool) or not isinstance(getattr(config, name), (int, float))]
     if wrong:
-        raise TypeError(f"{owner}.{', '.join(wrong)}: must be a number (an int or a float), "
-                        "not a string or None")
+        raise TypeError(f"{', '.join(wrong)}: must be a number (an int or a float), not a string or None")
 
 
 def _local_grad(param: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -120,6 +120,7 @@ class GradientReducer:
                  reduce_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES,
                  hooks: bool = True) -> None:
         self.names, self.params = list(params), list(params.values())
+        self.known = frozenset(self.names)
         self.group, self.reduce_dtype = group, reduce_dtype
         order = list(reversed(range(len(self.params))))
         locals_ = [local_part(self.params[i]) for i in order]
@@ -346,10 +347,17 @@ def allreduce_gradients(module: nn.Module, dp_mesh: DeviceMesh | None, reduce_dt
     same shard on the other dp replicas. A mesh of size 1 or None does nothing."""
     if dp_mesh is None or dp_mesh.size() == 1:
         return
-    params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    sum_gradients({n: p for n, p in module.named_parameters() if p.requires_grad}, dp_mesh.get_group(),
+                  reduce_dtype, bucket_bytes)
+
+
+def sum_gradients(params: Mapping[str, nn.Parameter], group: dist.ProcessGroup, reduce_dtype: torch.dtype | None,
+                  bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Sum the gradients of `params` over `group` now, in buckets (a `GradientReducer` without
+    hooks), DTensor gradients put on their parameters' placements first; nothing for none."""
     if params:
         place_gradients(params.values())
-        GradientReducer(params, dp_mesh.get_group(), reduce_dtype, bucket_bytes, hooks=False).finish()
+        GradientReducer(params, group, reduce_dtype, bucket_bytes, hooks=False).finish()
 
 
 def cut(nbytes: Sequence[int], kinds: Sequence[object], bucket_bytes: int) -> list[list[int]]:

@@ -23,7 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from dtensor_mimo.models.layers import local_part
-from dtensor_mimo.parallelize.reducer import GradientReducer, allreduce_gradients, place_gradients, sum_in_place
+from dtensor_mimo.parallelize.reducer import (GradientReducer, allreduce_gradients, place_gradients, sum_gradients,
+                                             sum_in_place)
 from dtensor_mimo.parallelize.options import ParallelOptions
 from dtensor_mimo.parallelize.precision import uses_fsdp
 
@@ -129,9 +130,8 @@ def finish_gradients(module: nn.Module, params: Mapping[str, nn.Parameter], tp_m
         problem = reducer.finish()
         # Parameters made trainable after the reducer was built (its buckets are fixed then): summed
         # after backward, as `allreduce_gradients` sums every parameter that requires a gradient now.
-        known = set(reducer.names)
-        if late := {n: p for n, p in params.items() if p.requires_grad and n not in known}:
-            GradientReducer(late, reducer.group, reducer.reduce_dtype, options.grad_bucket_bytes, hooks=False).finish()
+        sum_gradients({n: p for n, p in params.items() if p.requires_grad and n not in reducer.known},
+                      reducer.group, reducer.reduce_dtype, options.grad_bucket_bytes)
     elif not uses_fsdp(options, dp_mesh):
         allreduce_gradients(module, dp_mesh, options.gradient_reduce_dtype, options.grad_bucket_bytes)
     reduce_tp_replicated_gradients(params, tp_mesh)

@@ -1055,16 +1055,11 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
             raise ConfigError(f"data.video_fps = {data.video_fps!r}: frames taken per second of video must be a finite "
                               "number > 0 (one above a clip's own rate takes its every frame)")
         positive("data.video_max_frames", data.video_max_frames)
-        if data.video_frame_text and "{frame}" not in data.video_frame_text:
-            raise ConfigError(f"data.video_frame_text = {data.video_frame_text!r} has no {{frame}}: every frame would "
-                              "get the same text; put {frame} where the frame's number goes")
         if data.video_frame_text:
-            try:
-                data.video_frame_text.format(frame=1)
-            except (KeyError, IndexError, ValueError) as e:
-                raise ConfigError(f"data.video_frame_text = {data.video_frame_text!r}: {{frame}} is the only field "
-                                  f"it may hold ({type(e).__name__}: {e}); write a brace of the text as {{{{ or "
-                                  "}}") from None
+            from dtensor_mimo.data.conversation import frame_text_problem
+
+            if problem := frame_text_problem(data.video_frame_text):
+                raise ConfigError(f"data.video_frame_text = {data.video_frame_text!r} {problem}")
         if data.image_min_pixels and data.image_max_pixels and data.image_min_pixels > data.image_max_pixels:
             raise ConfigError(f"data.image_min_pixels = {data.image_min_pixels} is above data.image_max_pixels = "
                               f"{data.image_max_pixels}; images are resized to a pixel count between the two")

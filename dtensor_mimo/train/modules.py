@@ -383,8 +383,8 @@ def _check_vocab(config: TrainerConfig, tokenizer: Any, vocab_size: int) -> None
     such an id only in a batch holding it, after building and loading every module."""
     from dtensor_mimo.data.conversation import PLACEHOLDERS
 
-    # Text ids, and of the added tokens those every batch may hold (pad, bos, eos): another added
-    # token past the embedding fails only in a batch that holds it (`check_batch` names it then)
+    # Text ids, and of the added tokens pad, bos and eos: another added token past the embedding
+    # (one the chat template writes included) is named by `check_batch` in the first batch holding it
     placeholders, added = set(PLACEHOLDERS.values()), tokenizer.get_added_vocab()
     used = {tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id} - {None}
     past = sorted((i, t) for t, i in tokenizer.get_vocab().items()
