@@ -623,3 +623,34 @@ def _shuffled_meshes(n_hops):
 @pytest.mark.parametrize("n_hops", [1, 2])
 def test_meshes_over_ranks_out_of_order(n_hops):
     assert run_on_ranks(_shuffled_meshes, 4, n_hops, timeout=60) == [True] * 4
+
+
+def _bridge_casts_locals_to_its_dtype(n_hops):
+    """A bf16 `Bridge` given fp32 locals (rows, and the gradient the destination computed in fp32):
+    they cross as bf16, as autograd casts a gradient to its tensor's dtype. Before, the receivers
+    got a message twice the size of their buffers and gloo aborted them (naming nothing)."""
+    rank = dist.get_rank()
+    X = torch.arange(12, dtype=torch.float32).reshape(4, H)  # exact in bf16
+    G = -2 * X
+    src = DeviceMesh("cpu", torch.tensor([1, 0]), mesh_dim_names=("dp",))
+    dst = DeviceMesh("cpu", torch.tensor([[3, 2]]), mesh_dim_names=("dp", "tp"))  # replicated: two hops split
+    bridge = Bridge(src, (Shard(0),), dst, (Shard(0), Replicate()), global_shape=X.shape, dtype=torch.bfloat16,
+                    hops=n_hops)
+    sc = _coord(src)
+    if sc is not None:
+        rows = X[2 * sc[0]: 2 * sc[0] + 2]
+        assert bridge.send_forward(rows).wait() is None
+        gx = bridge.recv_backward().wait()
+        assert gx.dtype == torch.bfloat16
+        torch.testing.assert_close(gx, G[2 * sc[0]: 2 * sc[0] + 2].bfloat16(), rtol=0, atol=0)
+    else:
+        y = bridge.recv_forward().wait()
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y, X.bfloat16(), rtol=0, atol=0)
+        bridge.send_backward(G.clone()).wait()  # an fp32 gradient of the bf16 rows
+    return rank
+
+
+@pytest.mark.parametrize("n_hops", [1, 2])
+def test_bridge_casts_fp32_locals_to_its_dtype(n_hops):
+    assert run_on_ranks(_bridge_casts_locals_to_its_dtype, 4, n_hops, timeout=60) == [0, 1, 2, 3]

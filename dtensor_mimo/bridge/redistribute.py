@@ -635,13 +635,18 @@ def post_together(bridges: Sequence[Bridge], direction: str, locals_: Sequence[t
     reduce-scatters, so every member of the sending side posts the same bridges in the same
     order), then one `exchange.start` of every cross hop's messages. What every rank sharing the
     bridges must do in the same order (NCCL safety). `send` / `recv`: which sides this rank posts;
-    the bridges share a dim, dtype and buffers (the first's). Returns one `Delivery` per bridge."""
+    the bridges share a dim, dtype and buffers (the first's). A local of another dtype (an fp32
+    gradient of bf16 rows) is cast to the bridges' dtype first, as autograd casts a gradient to its
+    tensor's: the receivers' buffers hold that dtype, and a message of another size would abort
+    them. Returns one `Delivery` per bridge."""
     if not bridges:
         return []
     first, forward = bridges[0], direction == "forward"
     device, dim = (first._dst_device if forward else first._src_device), first.dim
     transfers, routes = [], [b.route(direction) for b in bridges]
     for bridge, route, local in zip(bridges, routes, locals_):
+        if local is not None and local.dtype != first.dtype:
+            local = local.to(first.dtype)
         if send and route.scatter:
             if local is None:
                 raise ValueError(f"rank {dist.get_rank()} scatters rows over its replicas before they "
