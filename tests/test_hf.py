@@ -22,6 +22,7 @@ each test writes with ``save_pretrained``; no download; skipped without transfor
 | test_llava_kin_take_their_feature_layer | LLaVA-NeXT / -OneVision towers: up to their vision_feature_layer |
 | test_quantized_checkpoints_are_refused_... | FP8 / int8 weights: named while checking, nothing read |
 | test_mimo_load_hf_refuses_a_quantized_... | an FP8 checkpoint: every rank raises, none reads |
+| test_a_temporal_patch_tower_round_trips... | a video tower (2 frames): save_hf, from_hf, load_hf: same features |
 | test_mimo_load_hf_trains_like_one_process | `MimoModel.load_hf` on language tp2·dp2 + FSDP2 (colocated with vision dp4, meta-built): oracle numbers of a one-process model loaded the same way; each rank reads under 60% of the checkpoint |
 """
 
@@ -560,3 +561,29 @@ def test_mimo_load_hf_refuses_a_quantized_checkpoint_on_every_rank(tmp_path) -> 
     vision_rank, language_rank = run_on_ranks(_load_quantized, 2, path, timeout=60)
     assert "quantization_config" in language_rank, language_rank
     assert vision_rank.startswith("RuntimeError: MimoModel.load_hf: 1 rank(s) found the checkpoints"), vision_rank
+
+
+def test_a_temporal_patch_tower_round_trips_through_save_hf(tmp_path) -> None:
+    """A video tower (temporal_patch = 2: two 3-channel frames stacked into 6 channels) written by
+    `save_hf` and read back the way it was built (`from_hf`, the same temporal_patch, as the
+    trainer's ``hf`` + ``temporal_patch`` does): the same weights and features, not a kernel
+    inflated a second time to 12 channels."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    config = ViTConfig.tiny(temporal_patch=2)
+    tower = ViT(config).eval()
+    path = str(tmp_path / "video")
+    save_hf(tower, path)
+    back = ViT(dataclasses.replace(ViTConfig.from_hf(path), temporal_patch=2)).eval()
+    assert back.config.in_channels == 3 and back.config.item_channels == 6
+    load_hf(back, path)
+    assert torch.equal(back.patch_embed.weight, tower.patch_embed.weight)
+    x = torch.randn(2, 6, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), tower(x), rtol=0, atol=0)
+    # transformers reads it as a SigLIP tower of the stacked channels: the same features
+    hf = transformers.SiglipVisionModel.from_pretrained(path).eval()
+    assert hf.config.num_channels == 6
+    with torch.no_grad():
+        torch.testing.assert_close(hf(pixel_values=x).last_hidden_state, tower(x), rtol=1e-5, atol=1e-5)

@@ -1022,3 +1022,17 @@ def test_a_heldout_answer_cut_by_truncation_is_not_prompted(tiny: str, tmp_path)
                       "--data.truncate", "true")
     assert cut.heldout[0].answers == [(start, start + 3)]  # trained on, as far as it goes
     assert cut.prompt(0) is None
+
+
+def test_an_export_its_processor_would_refuse_fails_before_any_process(tiny: str, tmp_path) -> None:
+    """Under dynamic_resolution the processor's own size is never used for training (each image is
+    resized to its own fit), so a processor of 32 px beside the 16 px tower trains; but
+    `export_hf` refuses it (the exported tower takes 16 px images): named by the launch check,
+    not after the run's last step."""
+    big = tmp_path / "big"
+    shutil.copytree(os.path.join(tiny, "ckpt", "siglip"), big)
+    proc = json.loads((big / "preprocessor_config.json").read_text())
+    proc["size"] = {"height": 32, "width": 32}
+    (big / "preprocessor_config.json").write_text(json.dumps(proc))
+    _preflight(tiny, ["--model.encoders.image.processor", str(big), "--model.encoders.image.dynamic_resolution",
+                      "true"], "the image processor makes {'height': 32, 'width': 32} images but the ViT takes 16x16")

@@ -151,7 +151,13 @@ class ViTConfig:
                 raise ValueError(f"{path}: vision_feature_layer={layer} is outside the tower's {layers} blocks "
                                  f"(hidden states {-layers - 1}..{layers}: the embeddings, then each block's output)")
             layers, final_norm = (layers + 1 + layer if layer < 0 else layer), False
-        return cls(image_size=c["image_size"], patch_size=c["patch_size"], in_channels=c.get("num_channels", 3),
+        # a video tower `save_hf` wrote: num_channels holds `temporal_patch` stacked frames
+        frames, channels = c.get("temporal_patch", 1), c.get("num_channels", 3)
+        if not isinstance(frames, int) or frames < 1 or channels % frames:
+            raise ValueError(f"{path}: temporal_patch={frames!r} does not divide num_channels={channels} into "
+                             "frames (it is the frames per item stacked in num_channels, an int >= 1)")
+        return cls(image_size=c["image_size"], patch_size=c["patch_size"], in_channels=channels // frames,
+                   temporal_patch=frames,
                          dim=c["hidden_size"], n_layers=layers, n_heads=c["num_attention_heads"],
                          mlp_hidden=c["intermediate_size"], norm_eps=c.get("layer_norm_eps", 1e-6),
                          activation=HF_ACTIVATIONS[c["hidden_act"]], class_token=clip, pre_norm=clip,

@@ -166,16 +166,21 @@ def export_hf(model: MimoModel, path: str, *, modalities: Mapping[str, str], spe
 
 
 def config_problem(language: LlamaConfig, towers: Mapping[str, ViTConfig | AudioConfig],
-                   modalities: Mapping[str, str]) -> str | None:
+                   modalities: Mapping[str, str], processors: Mapping[str, object] | None = None) -> str | None:
     """Why `export_hf` would refuse a model of a `Llama` of config `language` and an encoder per
     `towers` entry (its tower's config, then a `Projection` to the language width, as the
-    trainer builds them), or None. Pure, from the configs alone: a run that ends with an export
-    learns before its first step, not after its last, that the export cannot be written."""
+    trainer builds them), with `processors` (``{encoder name: processor}``, as the trainer passes
+    them), or None. Pure, from the configs alone: a run that ends with an export learns before
+    its first step, not after its last, that the export cannot be written."""
     dtype = torch.float32  # what a family cannot express does not depend on it
     language_spec = ModuleSpec(Llama, language, dtype)
     merged = {name: _Described(ModuleSpec(ViT if isinstance(c, ViTConfig) else AudioEncoder, c, dtype),
                                ModuleSpec(Projection, ProjectionShape(c.dim, language.dim, language.dim), dtype))
               for name, c in towers.items()}
+    bad = [f"{n!r}: {problem}" for n, p in (processors or {}).items()
+           if n in merged and (problem := processor_problem(p, merged[n].main))]
+    if bad:
+        return "processors " + "; ".join(bad)
     try:
         if _llava_shape_problem(list(towers), modalities, merged) is None:
             (vision,) = merged.values()

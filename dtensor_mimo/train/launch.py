@@ -71,6 +71,7 @@ def preflight(config: TrainerConfig) -> None:
     if data.known_rows < config.data.batch_size:
         raise ConfigError(f"data.batch_size = {config.data.batch_size} is more than the {data.known_rows} training "
                           f"rows of {config.data.path} (samples, or packed rows with data.pack)")
+    _check_export(config, resolved, with_processors=True)
     if config.checkpoint.load and not (config.checkpoint.dir and checkpoint.latest_checkpoint(config.checkpoint.dir)):
         try:
             checkpoint.resolve_load(config.checkpoint.load, checksums=False)  # sizes: the ranks checksum
@@ -101,7 +102,7 @@ def _check_writable(option: str, path: str, directory: bool) -> None:
                           "writable directory")
 
 
-def _check_export(config: TrainerConfig, resolved: ResolvedModel) -> None:
+def _check_export(config: TrainerConfig, resolved: ResolvedModel, with_processors: bool = False) -> None:
     """Refuse a `checkpoint.export_hf` whose model no Hugging Face directory can hold now, not
     after the run's last step (a factory's module is judged by `export_hf` itself: its kind is
     known only once built)."""
@@ -111,7 +112,11 @@ def _check_export(config: TrainerConfig, resolved: ResolvedModel) -> None:
     from dtensor_mimo.train.export import config_problem
 
     modalities = {n: e.section.modality for n, e in resolved.encoders.items()}
-    problem = config_problem(resolved.language, towers, modalities)
+    # the processors once the data checks passed: an input size training itself cannot take is
+    # named by those, as what the steps would meet
+    processors = ({n: e.processor for n, e in resolved.encoders.items() if e.processor is not None}
+                  if with_processors else None)
+    problem = config_problem(resolved.language, towers, modalities, processors)
     if problem:
         raise ConfigError(f"checkpoint.export_hf = {config.checkpoint.export_hf!r}: the trained model cannot be "
                           f"written as Hugging Face directories: {problem}; remove checkpoint.export_hf (and save "

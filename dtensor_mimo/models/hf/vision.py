@@ -59,7 +59,10 @@ def _tower_fields(config: ViTConfig, dtype: str) -> dict[str, Any]:
     return {"image_size": config.image_size, "patch_size": config.patch_size, "num_channels": config.item_channels,
             "hidden_size": config.dim, "num_hidden_layers": config.n_layers,
             "num_attention_heads": config.n_heads, "intermediate_size": config.mlp_hidden,
-            "layer_norm_eps": config.norm_eps, "hidden_act": act, "torch_dtype": dtype, "dtype": dtype}
+            "layer_norm_eps": config.norm_eps, "hidden_act": act, "torch_dtype": dtype, "dtype": dtype,
+            # the frames stacked in num_channels (the library's own field; transformers keeps it as is):
+            # `ViTConfig.from_hf` reads the tower back as `in_channels` per frame, not one wide frame
+            **({"temporal_patch": config.temporal_patch} if config.temporal_patch > 1 else {})}
 
 
 def vit_config_to_hf(config: ViTConfig, dtype: str) -> dict[str, Any]:
@@ -100,16 +103,25 @@ class _StackedFrames(Source):
     """The patch embedding of a tower taking `frames` frames stacked along channels (a video
     tower's temporal patch) from an image tower's: its kernel repeated over the frames and divided
     by their number (Qwen2-VL's inflation of a 2-D patch embedding), so a stack of one frame
-    repeated embeds as that frame alone."""
+    repeated embeds as that frame alone. A checkpoint whose kernel already takes the stack (a
+    video tower `save_hf` wrote: `channels` x `frames` channels) is read as it is."""
 
     frames: int = 1
+    channels: int | None = None  # per frame; None: any checkpoint kernel is one frame's
+
+    def _inflates(self, files: SafetensorsDir) -> bool:
+        return self.channels is None or files.shape(self.name)[1] == self.channels
 
     def read(self, files: SafetensorsDir, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        if not self._inflates(files):
+            return super().read(files, offset, shape)
         rows = files.read(self.name, slice(offset[0], offset[0] + shape[0]))
         rows = rows.repeat(1, self.frames, 1, 1) / self.frames
         return rows[(slice(None), *(slice(o, o + n) for o, n in zip(offset[1:], shape[1:])))]
 
     def module_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.channels is not None and shape[1] != self.channels:
+            return shape
         return (shape[0], shape[1] * self.frames, *shape[2:])
 
 
@@ -118,7 +130,7 @@ def vit_source(name: str, config: ViTConfig | None = None) -> Source:
     `config`: a temporal patch's embedding comes from an image tower's, `_StackedFrames`)."""
     source = table_source(name, "ViT", _TOP, _LAYER, "encoder.layers")
     if name == "patch_embed.weight" and config is not None and config.temporal_patch > 1:
-        return _StackedFrames(source.name, frames=config.temporal_patch)
+        return _StackedFrames(source.name, frames=config.temporal_patch, channels=config.in_channels)
     return source
 
 
