@@ -1,7 +1,7 @@
 """Does it learn? A small vision + audio + language model on the digits dataset, one process.
 
     python examples/train_digits.py [--steps 1200] [--batch-size 32] [--lr 1e-3] [--threads 1]
-        [--ablate] [--task max_images=2 noise_std=0.8 ...]
+        [--ablate] [--task max_images=2 noise_std=0.8 amplitude=0.1,0.5 ...]
 
 Each sample shows 0-3 handwritten digit scans and 0-2 keypad tones; the model answers which
 digits it saw and heard (`dtensor_mimo.data.digits`). Plain modules, no process group: the
@@ -16,6 +16,7 @@ reaches about 0.95 at 1,200 steps, 40-60 s on one CPU thread.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import math
 import time
@@ -97,6 +98,44 @@ def evaluate(model: DigitsModel, batch: MimoBatch) -> dict[str, float]:
             **{n: exact_match_accuracy(logits, batch.labels, p) for n, p in parts.items()}}
 
 
+# DigitsTask fields that only matter with a dynamic-resolution ViT or a variable-length audio encoder:
+# this script's encoders are neither, so it refuses them rather than ignore them.
+UNUSED_TASK_FIELDS = ("image_scales", "image_fit", "min_clip_fraction")
+
+
+def parse_task(items: list[str]) -> DigitsTask:
+    """The `DigitsTask` of ``--task FIELD=VALUE ...``: int, float and str fields as written, tuple
+    fields as a Python literal (``amplitude=0.1,0.5`` or ``amplitude="(0.1, 0.5)"``). ValueError
+    names the item and what to write instead."""
+    defaults = DigitsTask()
+    fields = [f.name for f in dataclasses.fields(DigitsTask) if f.name not in UNUSED_TASK_FIELDS]
+    overrides: dict[str, object] = {}
+    for item in items:
+        name, eq, text = item.partition("=")
+        if not eq:
+            raise ValueError(f"--task {item!r}: write FIELD=VALUE, e.g. max_images=2")
+        if name in UNUSED_TASK_FIELDS:
+            raise ValueError(f"--task {item!r}: {name} has no effect here (this script's ViT has a fixed "
+                             f"resolution and its audio encoder fixed-length clips); leave it out")
+        if name not in fields:
+            raise ValueError(f"--task {item!r}: DigitsTask has no field {name!r}; fields: {', '.join(fields)}")
+        default = getattr(defaults, name)
+        try:
+            if isinstance(default, tuple):
+                value = ast.literal_eval(text)
+                if not isinstance(value, (tuple, list)) or len(value) != len(default):
+                    raise ValueError
+                value = tuple(float(v) for v in value)
+            else:
+                value = type(default)(text)
+        except (ValueError, SyntaxError, TypeError):
+            example = ",".join(str(v) for v in default) if isinstance(default, tuple) else default
+            raise ValueError(f"--task {item!r}: {name} takes {type(default).__name__} "
+                             f"{'values' if isinstance(default, tuple) else 'value'} like {name}={example}") from None
+        overrides[name] = value
+    return DigitsTask(**overrides)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1200)
@@ -111,15 +150,23 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=LLAMA.n_layers, help="decoder layers")
     parser.add_argument("--patch-size", type=int, default=VISION.patch_size)
     parser.add_argument("--task", nargs="*", default=[], metavar="FIELD=VALUE",
-                        help="DigitsTask overrides, e.g. max_images=2 noise_std=0.3")
+                        help="DigitsTask overrides, e.g. max_images=2 noise_std=0.3 twist=0.5,1")
     args = parser.parse_args()
+    for flag in ("steps", "batch_size", "eval_every", "eval_samples", "threads", "patch_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a number >= 1")
+    if VISION.image_size % args.patch_size:
+        divisors = [p for p in range(1, VISION.image_size + 1) if VISION.image_size % p == 0]
+        parser.error(f"--patch-size {args.patch_size} does not divide the scans' image size {VISION.image_size}: "
+                     f"the last pixels of every scan would never be seen; give one of {divisors}")
+    try:
+        task = parse_task(args.task)
+    except ValueError as e:
+        parser.error(str(e))
     torch.set_num_threads(args.threads)
 
     llama = dataclasses.replace(LLAMA, n_layers=args.layers)
     vision = dataclasses.replace(VISION, patch_size=args.patch_size)
-    defaults = DigitsTask()
-    task = DigitsTask(**{k: type(getattr(defaults, k))(v)  # int and float fields
-                         for k, v in (item.split("=") for item in args.task)})
     train = DigitsDataset("train", vision, AUDIO, num_samples=1_000_000, seed=args.seed, task=task)
     heldout = DigitsDataset("heldout", vision, AUDIO, num_samples=args.eval_samples,
                             seed=args.seed, task=task)

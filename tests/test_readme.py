@@ -196,3 +196,40 @@ def test_readme_cluster_table_is_the_paper_planners() -> None:
         (cut and cut.groups(), cuts)
     said = re.search(r"where it would idle (\d+)-(\d+) % of the step", text)
     assert said and [int(i) for i in said.groups()] == [round(min(idle)), round(max(idle))], (said, idle)
+
+
+def _train_digits(*flags: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(ROOT))
+    return subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_digits.py"), "--steps", "1",
+                           "--batch-size", "2", "--eval-samples", "4", *flags],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_train_digits_task_tuple_fields() -> None:
+    """examples/train_digits.py's --task takes DigitsTask's tuple fields (amplitude, twist) as pairs
+    of numbers; they reached DigitsTask as tuples of characters (a bare unpacking error)."""
+    import importlib.util
+
+    run = _train_digits("--task", "amplitude=0.1,0.5")
+    assert run.returncode == 0, run.stderr[-2000:]
+    spec = importlib.util.spec_from_file_location("train_digits", os.path.join(ROOT, "examples", "train_digits.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    task = module.parse_task(["amplitude=0.1,0.5", "twist=(0.7, 0.9)", "max_images=2", "noise_std=0.25"])
+    assert (task.amplitude, task.twist, task.max_images, task.noise_std) == ((0.1, 0.5), (0.7, 0.9), 2, 0.25)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (("--task", "max_images"), "--task 'max_images': write FIELD=VALUE"),
+    (("--task", "max_images=1.5"), "max_images takes int value like max_images=3"),
+    (("--task", "maximages=1"), "DigitsTask has no field 'maximages'"),
+    (("--task", "amplitude=0.5"), "amplitude takes tuple values like amplitude=0.2,1.0"),
+    (("--task", "image_fit=stretch"), "image_fit has no effect here"),  # only for a dynamic-resolution ViT
+    (("--patch-size", "3"), "--patch-size 3 does not divide the scans' image size 8"),  # silently cropped
+    (("--eval-every", "0"), "--eval-every 0: give a number >= 1"),  # ZeroDivisionError
+])
+def test_train_digits_refuses_bad_flags(flags, said) -> None:
+    """Flags the script cannot honour are refused with a message naming them, not ignored (image_fit,
+    a patch leaving pixels unseen) or crashing with an error that names nothing."""
+    run = _train_digits(*flags)
+    assert run.returncode == 2 and said in run.stderr, run.stderr[-2000:]
