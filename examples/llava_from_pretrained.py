@@ -56,9 +56,9 @@ def main() -> None:
     model = MimoModel(layout, llama, {"vision": vision},
                       options={"language": ParallelOptions(sp=args.language_tp > 1)})
     model.init_weights({"language": 0, "vision": 1})  # the fresh projector (the rest is loaded)
-    model.load_hf({"language": args.language, "vision": args.vision})
-    if args.projector:
+    if args.projector:  # a LLaVA directory fills the tower too: first, so that --vision's tower is the one kept
         model.load_hf({"vision": args.projector})
+    model.load_hf({"language": args.language, "vision": args.vision})
     optimizer = MimoOptimizer(model, AdamWConfig(lr=args.lr, max_grad_norm=1.0))
 
     vocab = llama_config.vocab_size
