@@ -201,6 +201,31 @@ def test_state_dict_resumes() -> None:
             assert torch.equal(p, q), name
 
 
+def _check_resumed(optimizer: MimoOptimizer, modules: dict[str, nn.Module], resumed: MimoOptimizer,
+                   resumed_modules: dict[str, nn.Module], configs: dict[str, AdamWConfig], exempt) -> None:
+    """One more step of `resumed` (loaded from `optimizer`'s state) against plain AdamW per module
+    built from `configs` (`exempt(config, module)`: the names without weight decay), each
+    parameter's moments copied from `optimizer`'s: every post-step weight alike."""
+    reference_modules = copy.deepcopy(modules)
+    _set_grads(reference_modules, 2, 1e-3)
+    for name, module in reference_modules.items():
+        config = configs[name]
+        named, skip = dict(module.named_parameters()), exempt(config, module)
+        reference = torch.optim.AdamW(
+            [{"params": [p for n, p in named.items() if n not in skip], "weight_decay": config.weight_decay},
+             {"params": [p for n, p in named.items() if n in skip], "weight_decay": 0.0}],
+            lr=config.lr, betas=config.betas, eps=config.eps)
+        saved = optimizer.optimizers[name].state
+        for (n, p), q in zip(named.items(), modules[name].parameters()):
+            reference.state[p] = {k: v.clone() for k, v in saved[q].items()}
+        reference.step()
+    _set_grads(resumed_modules, 2, 1e-3)
+    resumed.step(0.1)
+    for name in modules:
+        for (n, p), q in zip(resumed_modules[name].named_parameters(), reference_modules[name].parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}.{n}: {m}")
+
+
 def test_state_dict_resumes_with_this_runs_config() -> None:
     """A run resumed from `state_dict()` under a config of other hyperparameters (weight decay,
     betas, eps of a module) steps with them, as it does with its new lr and as a resume from a
@@ -218,25 +243,9 @@ def test_state_dict_resumes_with_this_runs_config() -> None:
     resumed = MimoOptimizer(_OneProcess(resumed_modules), new_base,
                             per_module={"vision": new_vision, "audio": PER_MODULE["audio"]})
     resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
-    reference_modules = copy.deepcopy(modules)
-    _set_grads(reference_modules, 2, 1e-3)
-    for name, module in reference_modules.items():
-        config = {"vision": new_vision, "audio": PER_MODULE["audio"]}.get(name, new_base)
-        exempt = set() if config.no_decay is None else _no_decay_names(module)
-        named = dict(module.named_parameters())
-        reference = torch.optim.AdamW(
-            [{"params": [p for n, p in named.items() if n not in exempt], "weight_decay": config.weight_decay},
-             {"params": [p for n, p in named.items() if n in exempt], "weight_decay": 0.0}],
-            lr=config.lr, betas=config.betas, eps=config.eps)
-        saved = optimizer.optimizers[name].state
-        for (n, p), q in zip(named.items(), modules[name].parameters()):
-            reference.state[p] = {k: v.clone() for k, v in saved[q].items()}
-        reference.step()
-    _set_grads(resumed_modules, 2, 1e-3)
-    resumed.step(0.1)
-    for name in modules:
-        for (n, p), q in zip(resumed_modules[name].named_parameters(), reference_modules[name].parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}.{n}: {m}")
+    configs = {"vision": new_vision, "audio": PER_MODULE["audio"], "language": new_base}
+    _check_resumed(optimizer, modules, resumed, resumed_modules, configs,
+                   lambda config, module: set() if config.no_decay is None else _no_decay_names(module))
 
 
 def test_state_dict_resumes_under_another_no_decay() -> None:
@@ -259,26 +268,9 @@ def test_state_dict_resumes_under_another_no_decay() -> None:
     resumed = MimoOptimizer(_OneProcess(resumed_modules), new_base,
                             per_module={"vision": new_vision, "audio": new_audio})
     resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
-    reference_modules = copy.deepcopy(modules)
-    _set_grads(reference_modules, 2, 1e-3)
-    for name, module in reference_modules.items():
-        config = configs[name]
-        named = dict(module.named_parameters())
-        exempt = {n for n, p in named.items() if config.no_decay is not None
-                  and (p.ndim < 2 or any(s in n for s in config.no_decay))}
-        reference = torch.optim.AdamW(
-            [{"params": [p for n, p in named.items() if n not in exempt], "weight_decay": config.weight_decay},
-             {"params": [p for n, p in named.items() if n in exempt], "weight_decay": 0.0}],
-            lr=config.lr, betas=config.betas, eps=config.eps)
-        saved = optimizer.optimizers[name].state
-        for (n, p), q in zip(named.items(), modules[name].parameters()):
-            reference.state[p] = {k: v.clone() for k, v in saved[q].items()}
-        reference.step()
-    _set_grads(resumed_modules, 2, 1e-3)
-    resumed.step(0.1)
-    for name in modules:
-        for (n, p), q in zip(resumed_modules[name].named_parameters(), reference_modules[name].parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}.{n}: {m}")
+    _check_resumed(optimizer, modules, resumed, resumed_modules, configs,
+                   lambda config, module: {n for n, p in module.named_parameters() if config.no_decay is not None
+                                           and (p.ndim < 2 or any(s in n for s in config.no_decay))})
 
 
 def test_config_errors() -> None:

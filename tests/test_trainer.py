@@ -249,69 +249,25 @@ def test_predict_matches_one_process(layout: list[str]) -> None:
     assert clear.float().mean() > 0.9
 
 
-def test_answers_are_not_cut_short_by_another_samples_longer_prompt() -> None:
-    """`Trainer.answers` generated every held-out answer with the room the longest prompt left
-    (``seq_len - max(prompt lengths)`` new tokens for all), so a short prompt's longer answer was
-    printed cut off, beside its expected text, whenever another prompt was long; each answer now
-    has its own row's room. The "model" answers by hand-written ids at the positions after each prompt."""
+def _answering(prompts: list[int], answers: list[list[int]], stops: list[int], seq: int, fill: int, calls: list):
+    """A stand-in of what `Trainer.answers` reads: held-out prompts of `prompts` tokens with stop
+    ids `stops`, and a "model" that answers `answers[i]` at the positions after prompt i (`fill`
+    elsewhere), counting its calls in `calls`."""
     from types import SimpleNamespace
 
     from dtensor_mimo.data import IGNORE_INDEX, MimoBatch
     from dtensor_mimo.sequence import greedy_generate
-    from dtensor_mimo.train.trainer import Trainer
-
-    seq, stop = 16, 9
-    prompts = [13, 4]  # sample 0 leaves 3 positions; sample 1's answer is 5 tokens
-    answers = [[3, stop], [5, 6, 7, 8, stop]]
-
-    def predict(b: MimoBatch) -> torch.Tensor:
-        ids = torch.zeros(b.batch_size, b.seq_len, dtype=torch.int64)
-        for row, (n, answer) in enumerate(zip(prompts, answers)):
-            ids[row, n - 1:n - 1 + len(answer)] = torch.tensor(answer)
-        return ids
-
-    class Heldout:
-        def __len__(self) -> int:
-            return 2
-
-        def batch(self, indices):
-            return MimoBatch(torch.ones(len(indices), seq, dtype=torch.int64),
-                             torch.full((len(indices), seq), IGNORE_INDEX), torch.zeros(len(indices), seq))
-
-    data = SimpleNamespace(heldout=Heldout(), prompt=lambda i: (prompts[i], f"expected {i}", stop),
-                           decode=lambda ids: " ".join(map(str, ids)))
-    model = SimpleNamespace(generate=lambda batch, lengths, new, stop_token: greedy_generate(
-        predict, batch, lengths, new, stop_token))
-    trainer = SimpleNamespace(data=data, model=model, seq_len=seq, heldout_left_out={},
-                              _heldout_batch=lambda make, indices: make(indices))
-    assert Trainer.answers(trainer, 2) == [("expected 0", "3 9"), ("expected 1", "5 6 7 8 9")]
-
-
-
-def test_answers_stop_each_at_its_own_stop_id() -> None:
-    """Prompts whose stop ids differ (an answer without the end-of-sequence token stops at its own
-    last token): each sample stops at its own; with one stop id for all, or none where they
-    differed, the others ran to their row's end (a forward of the whole model per token)."""
-    from types import SimpleNamespace
-
-    from dtensor_mimo.data import IGNORE_INDEX, MimoBatch
-    from dtensor_mimo.sequence import greedy_generate
-    from dtensor_mimo.train.trainer import Trainer
-
-    seq, prompts, stops = 12, [3, 5], [9, 8]
-    answers = [[5, 9, 8, 4], [6, 9, 8, 4]]  # sample 1 passes sample 0's stop id first
-    calls = []
 
     def predict(b: MimoBatch) -> torch.Tensor:
         calls.append(1)
-        ids = torch.full((b.batch_size, b.seq_len), 4, dtype=torch.int64)
+        ids = torch.full((b.batch_size, b.seq_len), fill, dtype=torch.int64)
         for row, (n, answer) in enumerate(zip(prompts, answers)):
             ids[row, n - 1:n - 1 + len(answer)] = torch.tensor(answer)
         return ids
 
     class Heldout:
         def __len__(self) -> int:
-            return 2
+            return len(prompts)
 
         def batch(self, indices):
             return MimoBatch(torch.ones(len(indices), seq, dtype=torch.int64),
@@ -321,10 +277,33 @@ def test_answers_stop_each_at_its_own_stop_id() -> None:
                            decode=lambda ids: " ".join(map(str, ids)))
     model = SimpleNamespace(generate=lambda batch, lengths, new, stop_token: greedy_generate(
         predict, batch, lengths, new, stop_token))
-    trainer = SimpleNamespace(data=data, model=model, seq_len=seq, heldout_left_out={},
-                              _heldout_batch=lambda make, indices: make(indices))
+    return SimpleNamespace(data=data, model=model, seq_len=seq, heldout_left_out={},
+                           _heldout_batch=lambda make, indices: make(indices))
+
+
+def test_answers_are_not_cut_short_by_another_samples_longer_prompt() -> None:
+    """`Trainer.answers` generated every held-out answer with the room the longest prompt left
+    (``seq_len - max(prompt lengths)`` new tokens for all), so a short prompt's longer answer was
+    printed cut off, beside its expected text, whenever another prompt was long; each answer now
+    has its own row's room. The "model" answers by hand-written ids at the positions after each prompt."""
+    from dtensor_mimo.train.trainer import Trainer
+
+    stop = 9  # sample 0's prompt leaves 3 positions; sample 1's answer is 5 tokens
+    trainer = _answering([13, 4], [[3, stop], [5, 6, 7, 8, stop]], [stop, stop], seq=16, fill=0, calls=[])
+    assert Trainer.answers(trainer, 2) == [("expected 0", "3 9"), ("expected 1", "5 6 7 8 9")]
+
+
+def test_answers_stop_each_at_its_own_stop_id() -> None:
+    """Prompts whose stop ids differ (an answer without the end-of-sequence token stops at its own
+    last token): each sample stops at its own; with one stop id for all, or none where they
+    differed, the others ran to their row's end (a forward of the whole model per token)."""
+    from dtensor_mimo.train.trainer import Trainer
+
+    calls: list = []  # sample 1 passes sample 0's stop id first
+    trainer = _answering([3, 5], [[5, 9, 8, 4], [6, 9, 8, 4]], [9, 8], seq=12, fill=4, calls=calls)
     assert Trainer.answers(trainer, 2) == [("expected 0", "5 9"), ("expected 1", "6 9 8")]
     assert len(calls) == 3  # the last sample's third token ends the loop
+
 
 VARIED = ["--model.encoders.vision.dynamic_resolution", "true", "--model.encoders.audio.variable_length", "true"]
 
