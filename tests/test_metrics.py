@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 
@@ -224,3 +225,81 @@ def test_a_run_resumed_at_its_last_step_keeps_that_steps_tensorboard_scalars(tmp
     assert [e.step for e in events.Scalars("heldout_answer")] == [steps]  # the rerun's evaluation
     for key in ("loss", "grad_norm", "lr"):
         assert [e.step for e in events.Scalars(key)] == [1, 2, 3], key
+
+
+def test_a_resumed_run_replaces_the_jsonl_records_it_logs_again(tmp_path) -> None:
+    """A run that logged steps 1-5 (the last one cut short by a kill while it was written) and
+    resumes from its checkpoint of step 3 logs steps 4 and 5 again: the JSONL holds each step once,
+    the resumed run's records after the stopped run's of steps 1-3 (as TensorBoard purges them),
+    not steps 4, 5 twice, nor the resumed run's first record glued to the cut line."""
+    path = tmp_path / "m.jsonl"
+    first = metrics.MetricsLogger(True, 5, str(path), None, "off", out=open(os.devnull, "w"))
+    first.start_at(0)
+    for step in range(1, 6):
+        first.log({"step": step, "loss": float(step)}, "")
+    first.log({"step": 3, "heldout_answer": 0.5}, "")  # logged late: a step before the resume's, kept
+    first.close()
+    with open(path, "a") as f:
+        f.write('{"step": 6, "lo')  # killed while writing
+    out = io.StringIO()
+    resumed = metrics.MetricsLogger(True, 5, str(path), None, "off", out=out)
+    resumed.start_at(3)
+    for step in (4, 5):
+        resumed.log({"step": step, "loss": 10.0 * step}, "")
+    resumed.close()
+    with open(path) as f:
+        records = [json.loads(line) for line in f]
+    assert [(r["step"], r.get("loss")) for r in records] == [(1, 1.0), (2, 2.0), (3, 3.0), (3, None), (4, 40.0),
+                                                              (5, 50.0)]
+    assert f"{path}: dropped 2 record(s) of steps after 3 written by an earlier run" in out.getvalue()
+
+
+def _train(argv: list[str]) -> None:
+    from dtensor_mimo.train.config import parse_args
+    from dtensor_mimo.train.trainer import Trainer
+
+    Trainer(parse_args(argv)).run()
+
+
+def _interrupted_then_resumed(argv: list[str], checkpoint_dir: str) -> None:
+    """The run of `argv` to its end, its last checkpoint then removed (the run killed after it had
+    logged its last steps, before that checkpoint was written), then the same command again: it
+    resumes from the checkpoint before and trains the last steps again."""
+    import shutil
+
+    from dtensor_mimo.train.config import parse_args
+    from dtensor_mimo.train.trainer import Trainer
+
+    Trainer(parse_args(argv)).run()
+    shutil.rmtree(os.path.join(checkpoint_dir, max(n for n in os.listdir(checkpoint_dir) if n.startswith("step-"))))
+    again = Trainer(parse_args(argv))
+    again.run()
+    assert again.step == parse_args(argv).train.steps
+
+
+def test_a_resumed_trainer_logs_each_step_once_in_the_jsonl(tmp_path) -> None:
+    """The trainer resumed at step 3 of a run that had logged steps 1-5: the JSONL has steps 1-5
+    once each, with the losses of an uninterrupted run (the stopped run's 1-3, the resumed
+    run's 4-5), not steps 4 and 5 twice."""
+    pytest.importorskip("sklearn")  # the digits data
+    from tests.harness import run_on_ranks
+
+    def digits(steps: int) -> list[str]:
+        return ["--train.steps", str(steps), "--data.batch_size", "4", "--pipeline.microbatches", "1",
+                "--data.heldout_samples", "4", "--train.generate", "0", "--train.eval_every", "0",
+                "--metrics.log_every", "1", "--metrics.progress", "off", "--lr_schedule.warmup_steps", "2",
+                "--layout.audio.offset", "0",
+                "--layout.language.offset", "0",
+                *[f"--options.{m}.compile=false" for m in ("vision", "audio", "language")]]
+
+    run_on_ranks(_train, 1, [*digits(5), "--metrics.jsonl", str(tmp_path / "ref.jsonl")], timeout=300)  # uninterrupted
+    with open(tmp_path / "ref.jsonl") as f:
+        reference = [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
+    ckpt = str(tmp_path / "ckpt")
+    run_on_ranks(_interrupted_then_resumed, 1, [*digits(5), "--checkpoint.dir", ckpt, "--checkpoint.every", "3",
+                                                "--metrics.jsonl", str(tmp_path / "m.jsonl")], ckpt, timeout=300)
+    with open(tmp_path / "m.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [(r["step"], r["loss"]) for r in records if "loss" in r] == reference
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
+    assert [r["checkpoint_step"] for r in records if "checkpoint" in r] == [3, 5]  # the stopped run's of 5: dropped

@@ -484,6 +484,27 @@ def test_layout_auto_config() -> None:
     assert build_layout(planned, 4).world_size == 4
 
 
+@pytest.mark.parametrize("argv", [
+    ["--data.batch_size", "6"],  # the configured 4 microbatches do not split it; 1, 2, 3 and 6 do
+    ["--layout.language.pp", "2", "--pipeline.microbatches", "1"],  # 1F1B: fewer microbatches than stages
+])
+def test_layout_auto_is_not_refused_for_the_layout_it_replaces(monkeypatch, argv: list[str]) -> None:
+    """``layout.auto`` replaces every module's layout and pipeline.microbatches: a config is not
+    refused for the configured ones (it was, by the rules of a layout the run never trains on),
+    and the layout it trains on passes every rule of the config check."""
+    from dtensor_mimo.train import plan as trainer_plan
+
+    config = parse_args(["--layout.auto", "true", *argv])
+    world = build_layout(config).world_size  # the own launcher's world: the configured layout's
+    job = digits_job(batch_size=config.data.batch_size)
+    monkeypatch.setattr(trainer_plan, "load_profiles", lambda *args, **kwargs: (job, FAST, "cache"))
+    planned = trainer_plan.auto_layout(config, world, log=lambda _: None)
+    check_config(planned, world)
+    language = build_layout(planned, world).parallelism("language")
+    assert config.data.batch_size % (planned.pipeline.microbatches * language.dp) == 0
+    assert planned.pipeline.microbatches >= language.pp
+
+
 OPTION_LIMITS = {  # (options per module, the language pipeline's schedule): what each refuses on some layouts
     "language_compiled_whole": ({"language": ParallelOptions(compile=True, compile_scope="module")}, "1F1B"),
     # two stages on every pp rank: no layout compiles the decoder whole

@@ -1,4 +1,4 @@
-"""Nothing lost on preemption: SIGTERM / SIGINT stop the run after the step in flight, with a checkpoint.
+"""Nothing lost on preemption: SIGTERM / SIGINT / SIGUSR1 stop the run after the step in flight, with a checkpoint.
 
 | case                                                                  | expected                                   |
 |-----------------------------------------------------------------------|--------------------------------------------|
@@ -6,6 +6,9 @@
 | `train_step` unusable [2]: rank 1 could not build its part             | `UnusableBatch` on both, weights unchanged  |
 | `StopSignals`: a signal, the same again at once, then a second one     | first recorded; the repeat ignored; the    |
 |                                                                       | second exits at once with 143              |
+| `StopSignals`: SIGUSR1 (Slurm's warning before the time limit)         | recorded as a stop request (status 138)    |
+| own launcher [2], SIGUSR1 to the launcher after a logged step           | exit 138; "stopped by SIGUSR1 at step N";  |
+|                                                                       | the checkpoint verifies                    |
 | own launcher [2], SIGTERM to the launcher after a logged step           | exit 143; "stopped by SIGTERM at step N:    |
 |                                                                       | checkpoint written to ckpt/step-N"; verifies |
 | torchrun [2], a loader worker per rank, background saves every 3      | "resumed from ... at step N"; workers exit |
@@ -99,6 +102,23 @@ def test_a_second_signal_exits_at_once() -> None:
     assert "SIGTERM again: exiting now, without a checkpoint" in out.stderr
 
 
+USR1 = """
+import os, signal
+from dtensor_mimo.train import preemption
+s = preemption.StopSignals().install()
+os.kill(os.getpid(), signal.SIGUSR1)
+print("requested", s.requested.name, preemption.exit_status(s.requested), flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 on this platform")
+def test_sigusr1_is_a_stop_request() -> None:
+    """Slurm's warning before the time limit (``--signal=USR1@60``) is recorded as a stop, not the
+    default action of SIGUSR1 (the process ended at once, exit -10)."""
+    out = subprocess.run([sys.executable, "-c", USR1], capture_output=True, text=True, timeout=120, env=ENV)
+    assert (out.returncode, out.stdout) == (0, "requested SIGUSR1 138\n"), out.stderr
+
+
 # ---------------------------------------------------------------------------- whole runs
 
 
@@ -123,8 +143,9 @@ def _records(path) -> list[tuple[int, float]]:
     return out
 
 
-def _stop_when_logged(cmd: list[str], cwd, jsonl, after_step: int, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Start `cmd`, SIGTERM it once `jsonl` logs a step past `after_step`, wait for it to end."""
+def _stop_when_logged(cmd: list[str], cwd, jsonl, after_step: int, timeout: float = 240,
+                      sig: signal.Signals = signal.SIGTERM) -> subprocess.CompletedProcess:
+    """Start `cmd`, send it `sig` once `jsonl` logs a step past `after_step`, wait for it to end."""
     p = subprocess.Popen(cmd, cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout
     try:
@@ -132,7 +153,7 @@ def _stop_when_logged(cmd: list[str], cwd, jsonl, after_step: int, timeout: floa
             assert p.poll() is None, p.communicate()
             assert time.monotonic() < deadline, "no step logged"
             time.sleep(0.05)
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(sig)
         stdout, stderr = p.communicate(timeout=timeout)
     finally:
         if p.poll() is None:
@@ -140,9 +161,9 @@ def _stop_when_logged(cmd: list[str], cwd, jsonl, after_step: int, timeout: floa
     return subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr)
 
 
-def _stopped_line(out: subprocess.CompletedProcess, ckpt: str) -> int:
-    found = re.findall(r"stopped by SIGTERM at step (\d+): checkpoint written to (\S+); rerun the same command to "
-                       r"resume \(exit status 143\)", out.stdout)
+def _stopped_line(out: subprocess.CompletedProcess, ckpt: str, sig: signal.Signals = signal.SIGTERM) -> int:
+    found = re.findall(rf"stopped by {sig.name} at step (\d+): checkpoint written to (\S+); rerun the same command "
+                       rf"to resume \(exit status {128 + sig}\)", out.stdout)
     assert len(found) == 1, (out.stdout[-3000:], out.stderr[-3000:])
     step, path = int(found[0][0]), found[0][1]
     assert path == os.path.join(ckpt, f"step-{step:06d}") and 0 < step < STEPS
@@ -183,6 +204,21 @@ def test_sigterm_under_both_launchers_loses_nothing(tmp_path) -> None:
     got = [*_records(tmp_path / "a.jsonl"), *_records(tmp_path / "b.jsonl"), *_records(tmp_path / "c.jsonl")]
     assert [s for s, _ in got] == list(range(1, STEPS + 1))
     assert [loss for _, loss in got] == [reference[s] for s, _ in got]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 on this platform")
+def test_sigusr1_stops_with_a_checkpoint(tmp_path) -> None:
+    """Slurm's warning before the time limit (``sbatch --signal=USR1@60``; Lightning's requeue
+    signal) is SIGUSR1, whose default action ends a process at once: the ranks died with no
+    checkpoint, the minute of warning lost. It stops the run as SIGTERM does: after the step in
+    flight, with its checkpoint, exit status 128 + 10."""
+    pytest.importorskip("sklearn")
+    out = _stop_when_logged([sys.executable, "-m", "dtensor_mimo.train", *TINY, "--checkpoint.dir", "ckpt",
+                             "--metrics.jsonl", "m.jsonl"], tmp_path, tmp_path / "m.jsonl", 0, timeout=600,
+                            sig=signal.SIGUSR1)
+    assert out.returncode == 138, (out.returncode, out.stderr[-3000:])
+    step = _stopped_line(out, "ckpt", signal.SIGUSR1)
+    assert verify(str(tmp_path / "ckpt" / f"step-{step:06d}")) == []
 
 
 def _spawned_ranks(launcher: int) -> list[int]:

@@ -1075,6 +1075,10 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
 
     # With layout.auto the planner replaces the layout for the world: it need not fit it yet.
     layout = build_layout(config, None if config.layout.auto else world_size)  # no rank left over, none missing
+    if config.layout.auto:
+        # ... nor the rules below, of each module's layout and pipeline.microbatches: the planner
+        # replaces both with a choice that passes them (none: it says so, naming the batch)
+        return
     for name in names:
         par = layout.parallelism(name)
         if name != LANGUAGE and par.cp > 1:

@@ -4,7 +4,7 @@ Without a launcher it starts the layout's world of local ranks itself (gloo on C
 per rank); under ``torchrun`` it joins the given world (NCCL with ``--train.device cuda``) and
 checks that the layout fits it. The config is parsed and checked before any process starts.
 
-SIGTERM / SIGINT: every rank handles them (`dtensor_mimo.train.preemption`): the run stops after
+SIGTERM / SIGINT / SIGUSR1: every rank handles them (`dtensor_mimo.train.preemption`): the run stops after
 the step in flight with a checkpoint and every rank exits with 128 + the signal's number (143,
 130), as does the own launcher, which forwards the signals it gets to its ranks (torchrun forwards
 them itself). A second signal ends the ranks at once.
@@ -358,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 class _Forward:
-    """The launcher's SIGTERM / SIGINT handlers: each signal is sent on to every live rank (a
+    """The launcher's SIGTERM / SIGINT / SIGUSR1 handlers: each signal is sent on to every live rank (a
     rank takes one arriving twice within `REPEAT_S`, from a terminal's Ctrl-C and from here, as
     one); a second one, `REPEAT_S` or more after the first, SIGKILLs the ranks: out at once even
     if one is stuck in a collective (where its own handler cannot run)."""

@@ -144,7 +144,8 @@ class MetricsLogger:
         self.enabled, self.out, self.total = enabled, sys.stdout if out is None else out, total_steps
         if enabled and jsonl:  # its directory created as checkpoint.dir's and TensorBoard's are
             os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
-        self._jsonl = open(jsonl, "a") if enabled and jsonl else None
+        self._jsonl_path = jsonl if enabled and jsonl else None
+        self._jsonl = open(jsonl, "a") if self._jsonl_path else None
         self._tb, self._tb_dir = None, None
         if enabled and tensorboard:
             try:
@@ -161,8 +162,17 @@ class MetricsLogger:
 
     def start_at(self, step: int) -> None:
         """The run starts after `step` (a resumed run: its checkpoint's): the steps from ``step + 1``
-        on are the ones it logs again."""
+        on are the ones it logs again. The JSONL file drops the records an earlier run wrote of
+        them (as TensorBoard purges its events from ``step + 1``), so that each step is there once;
+        a last line cut short (a process killed while writing it) goes too."""
         self._purge = step + 1
+        if self._jsonl is not None:
+            self._jsonl.close()
+            dropped = _drop_records_after(self._jsonl_path, step)
+            self._jsonl = open(self._jsonl_path, "a")
+            if dropped:
+                self.print(f"metrics.jsonl: {self._jsonl_path}: dropped {dropped} record(s) of steps after {step} "
+                           "written by an earlier run (this run logs those steps again)")
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
 
@@ -203,6 +213,31 @@ class MetricsLogger:
         for handle in (self._jsonl, self._tb, self._bar):
             if handle is not None:
                 handle.close()
+
+
+def _drop_records_after(path: str, step: int) -> int:
+    """Rewrite the JSONL file `path` without its records of steps after `step` and without a last
+    line cut short (no newline, not JSON); how many lines went. Other lines are kept as they are."""
+    kept, dropped, cut = [], 0, False
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                if not line.endswith("\n"):  # the last line, its write cut short
+                    dropped, cut = dropped + 1, True
+                    continue
+                record = None
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
+                dropped += 1
+            else:
+                kept.append(line)
+    if dropped:
+        temporary = f"{path}.tmp{os.getpid()}"
+        with open(temporary, "w") as f:
+            f.writelines(kept)
+        os.replace(temporary, path)
+    return dropped - cut
 
 
 def _bar(total: int):

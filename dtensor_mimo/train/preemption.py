@@ -1,12 +1,15 @@
-"""SIGTERM and SIGINT on a rank: stop after the step in flight, with a checkpoint, not at once.
+"""SIGTERM, SIGINT and SIGUSR1 on a rank: stop after the step in flight, with a checkpoint, not at once.
 
 A cluster scheduler sends SIGTERM before it takes the nodes (Slurm at the time limit or on
-preemption, Kubernetes on eviction), a user Ctrl-C (SIGINT). `StopSignals` records the first one;
+preemption, Kubernetes on eviction), a user Ctrl-C (SIGINT); Slurm sends SIGUSR1 ahead of the
+time limit when asked to (``sbatch --signal=USR1@60``, the requeue signal Lightning waits for),
+and its default action would end the rank at once, without a checkpoint. `StopSignals` records
+the first one;
 the trainer folds "this rank was signalled" into the step's own all-reduce
 (`dtensor_mimo.optim.step.train_step`'s ``votes``), so every rank learns at the same step that
 some rank was asked to stop, finishes that step, writes a checkpoint and exits with
 `exit_status` (128 + the signal's number, what a shell reports for a process the signal ended:
-143 for SIGTERM, 130 for SIGINT), so a scheduler that requeues on it resumes the run.
+143 for SIGTERM, 130 for SIGINT, 138 for SIGUSR1), so a scheduler that requeues on it resumes the run.
 
 A second signal ends the process at once (same status). The same signal arriving again within
 `REPEAT_S` seconds is the same request: Ctrl-C reaches every process of the terminal's process
@@ -25,7 +28,7 @@ import time
 from types import FrameType
 from typing import Callable, Iterator
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, *([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else []))
 REPEAT_S = 2.0
 """A signal within this many seconds of the first is the first one again (see the module's doc)."""
 
@@ -57,7 +60,7 @@ def held_stop_signals() -> Iterator[None]:
 
 
 def exit_status(sig: int) -> int:
-    """The exit status of a run stopped by `sig`: 128 + its number (143 SIGTERM, 130 SIGINT)."""
+    """The exit status of a run stopped by `sig`: 128 + its number (143 SIGTERM, 130 SIGINT, 138 SIGUSR1)."""
     return 128 + int(sig)
 
 

@@ -16,7 +16,7 @@ group. What a step does on a rank:
    next steps run, finished at the step whose all-reduce says every rank's writer ended); held-out evaluation every
    `train.eval_every` steps and at the end, which prints ``held-out accuracy: 0.xx``.
 
-SIGTERM / SIGINT (`dtensor_mimo.train.preemption`): a rank that got one says so in the step's
+SIGTERM / SIGINT / SIGUSR1 (`dtensor_mimo.train.preemption`): a rank that got one says so in the step's
 own all-reduce (two votes of `train_step`), so every rank learns it in the same step, whichever
 rank was signalled; they finish that step, write a checkpoint (as a periodic one: atomic, with
 its manifest) and `run` returns with `stopped` set. No collective of its own: a stop waits at
@@ -727,7 +727,7 @@ class Trainer:
 
     def _agree_on_stop(self, votes: Sequence[float]) -> None:
         """The signal every rank stops for, from the summed `votes`: the first of `STOP_SIGNALS`
-        any rank got (SIGTERM before SIGINT: the scheduler's word wins)."""
+        any rank got (SIGTERM before SIGINT: the scheduler's word wins; SIGUSR1 after both)."""
         for sig, count in zip(STOP_SIGNALS, votes):
             if count:
                 self.stopped = sig
