@@ -157,15 +157,20 @@ class MimoModel(nn.Module):
         # its item rule (batches are checked everywhere), and which modules lack init_weights.
         self._trainable = {n: any(p.requires_grad for p in e.parameters()) for n, e in encoders.items()}
         trainable = {**self._trainable, language_name: any(p.requires_grad for p in language.parameters())}
-        trains_fp16 = [n for n in self.module_names if self.options[n].param_dtype == torch.float16 and trainable[n]]
+        # A frozen language model's backward still carries the gradients of the encoders that train
+        carries = {n: trainable[n] or (n == language_name and any(trainable.values())) for n in self.module_names}
+        trains_fp16 = [n for n in self.module_names if self.options[n].param_dtype == torch.float16 and carries[n]]
         if trains_fp16:
             # fp16 keeps 5 exponent bits: without loss scaling (which nothing here does) gradients
             # below 6e-8 flush to zero, and a loss normalised by the global batch's token count
-            # has them in every layer (the tiny test model at 4,096 tokens: 57% off); a frozen
-            # module has no gradients
+            # has them in every layer (the tiny test model at 4,096 tokens: 57% off; an encoder's
+            # through a frozen fp16 language model: 11%); a frozen module nothing trains through
+            # has no gradients
             raise ValueError(f"ParallelOptions(param_dtype=torch.float16) for {trains_fp16}: trains without loss "
-                             "scaling here, so its gradients underflow (more of them the more tokens a batch "
-                             "holds); use param_dtype='bf16' (fp32's exponent range), or freeze the module")
+                             "scaling here (a frozen language model too: its backward carries the gradients of the "
+                             "encoders that train), so its gradients underflow (more of them the more tokens a "
+                             "batch holds); use param_dtype='bf16' (fp32's exponent range), or freeze the module "
+                             "(the language model: and every encoder)")
         # Modules whose attention runs through FlexAttention with gradients on a device where torch's
         # FlexAttention has no backward (the CPU): a training run is refused on every rank (`run`),
         # instead of failing in the forward on their ranks alone while the other modules' ranks wait.

@@ -24,11 +24,13 @@ each test writes with ``save_pretrained``; no download; skipped without transfor
 | test_mimo_load_hf_refuses_a_quantized_... | an FP8 checkpoint: every rank raises, none reads |
 | test_a_temporal_patch_tower_round_trips... | a video tower (2 frames): save_hf, from_hf, load_hf: same features |
 | test_mimo_load_hf_trains_like_one_process | `MimoModel.load_hf` on language tp2·dp2 + FSDP2 (colocated with vision dp4, meta-built): oracle numbers of a one-process model loaded the same way; each rank reads under 60% of the checkpoint |
+| test_load_hf_reads_only_the_block_... | language tp2: a row-parallel weight's columns read alone, not the tensor |
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -177,8 +179,8 @@ def _distributed_counting_reads(case: Case) -> list[dict]:
     """`_distributed`, recording in the first record how many checkpoint elements this rank read."""
     read, count = SafetensorsDir.read, [0]
 
-    def counting(self, name, rows=None):
-        out = read(self, name, rows)
+    def counting(self, *args, **kwargs):
+        out = read(self, *args, **kwargs)
         count[0] += out.numel()
         return out
 
@@ -587,3 +589,54 @@ def test_a_temporal_patch_tower_round_trips_through_save_hf(tmp_path) -> None:
     assert hf.config.num_channels == 6
     with torch.no_grad():
         torch.testing.assert_close(hf(pixel_values=x).last_hidden_state, tower(x), rtol=1e-5, atol=1e-5)
+
+
+
+def _reads_per_block(path: str) -> list[tuple[str, int, int]]:
+    """`MimoModel.load_hf` of a tp2 language model (FSDP off: each rank holds half of every
+    split weight, a row-parallel weight's columns among them): per block of a parameter this rank
+    fills, (checkpoint tensor, the block's elements, the most elements one read of it made)."""
+    from dtensor_mimo import ParallelOptions
+    from dtensor_mimo.models.hf.convert import Source
+
+    layout = MimoLayout({"vision": Parallelism(dp=2), "language": Parallelism(tp=2)},
+                        offsets={"vision": 0, "language": 0})
+    layout.init_meshes("cpu")
+    with torch.device("meta"):
+        llama = Llama(LlamaConfig.from_hf(path))
+        vision = ModalityEncoder(ViT(ViTConfig.tiny()), Projection(32, llama.config.dim, hidden_dim=64))
+    model = MimoModel(layout, llama, {"vision": vision},
+                      options={n: ParallelOptions(fsdp=False) for n in ("vision", "language")})
+    model.init_weights({"vision": 1, "language": 2})
+    read, source_read, blocks, made = SafetensorsDir.read, Source.read, [], [0]
+
+    def counting(self, *args, **kwargs):
+        out = read(self, *args, **kwargs)
+        made[0] = max(made[0], out.numel())
+        return out
+
+    def block(self, files, offset, shape):
+        made[0] = 0
+        out = source_read(self, files, offset, shape)
+        blocks.append((self.name, math.prod(shape), made[0]))
+        return out
+
+    SafetensorsDir.read, Source.read = counting, block
+    try:
+        model.load_hf({"language": path})
+    finally:
+        SafetensorsDir.read, Source.read = read, source_read
+    return blocks
+
+
+def test_load_hf_reads_only_the_block_a_rank_holds(tmp_path) -> None:
+    """A tp rank holding the columns of a row-parallel weight (attention output, MLP down
+    projection: ``Shard(1)``) materializes those columns only, never the whole tensor (the
+    files are memory-mapped so that a rank owning a shard reads its shard): each read of a
+    tensor makes exactly the elements of the block the rank holds (heads stay whole at tp2)."""
+    path = str(tmp_path / "hf")
+    _write(path, "qwen2", num_attention_heads=8, num_key_value_heads=4)
+    for rank, blocks in enumerate(run_on_ranks(_reads_per_block, 2, path, timeout=120)):
+        assert any(name.endswith("down_proj.weight") for name, _, _ in blocks), blocks
+        over = [(name, held, made) for name, held, made in blocks if made != held]
+        assert not over, f"rank {rank} read more than it holds (tensor, held, read): {over}"

@@ -669,3 +669,43 @@ def test_ranks_fed_items_in_another_order_fail_every_rank_before_the_exchange():
     errors = run_on_ranks(_items_swapped_on_one_rank, 3, timeout=90)
     for rank, error in enumerate(errors):
         assert error is not None and "the ranks were fed different batches" in error, f"rank {rank}: {error}"
+
+
+def _rows_as_a_dtensor(layouts) -> list[float]:
+    """A user's encoder (`PatchMLP`, vision tp2 on ranks 0-1, the language model on rank 2) whose tp
+    plan keeps its output a DTensor, replicated or sharded by width (`layouts`): three training
+    steps' losses."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from dtensor_mimo import MimoOptimizer, train_step
+    from tests.test_mimo import LLAMA, OPT, PatchMLP, _batches, _modules
+
+    class DTensorRows(PatchMLP):
+        def parallelize(self, tp_mesh, options) -> None:
+            replicate = layouts == "replicate"
+            parallelize_module(self, tp_mesh, {
+                "patch_in": ColwiseParallel() if replicate else ColwiseParallel(output_layouts=Replicate()),
+                "patch_out": (RowwiseParallel if replicate else ColwiseParallel)(use_local_output=False)})
+
+    llama, encoders = _modules(("vision",), custom_vision=True)
+    vision = DTensorRows(LLAMA.dim)
+    vision.load_state_dict(encoders["vision"].state_dict())
+    model = MimoModel(MimoLayout({"vision": P(tp=2), "language": P()}), llama, {"vision": vision})
+    optimizer = MimoOptimizer(model, OPT)
+    return [train_step(model, optimizer, batch).loss for batch in _batches(("vision",), False)]
+
+
+@pytest.mark.parametrize("layouts", ["replicate", "width"])
+def test_encoder_rows_as_a_dtensor_train_like_the_single_process_model(layouts):
+    """An encoder whose tp plan keeps its rows a DTensor (Replicate, or sharded over tp by width)
+    trains as the single-process model: its rows are made whole on each tp rank before
+    they cross. They were sent as DTensors: the send failed on one tp rank ("c10d.send.default
+    does not have a sharding strategy registered", naming nothing of the encoder) while the other
+    and the language rank waited for each other (a hang)."""
+    from tests.harness import run_on_ranks
+    from tests.test_mimo import _reference
+
+    want = [r["loss"] for r in _reference(("vision",), False, (), custom_vision=True)]
+    for losses in run_on_ranks(_rows_as_a_dtensor, 3, layouts, timeout=90):
+        assert losses == pytest.approx(want, rel=2e-5), (losses, want)

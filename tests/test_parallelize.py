@@ -765,3 +765,39 @@ def test_parameters_shared_by_two_modules_are_refused_by_name() -> None:
         assert r["trainable"].startswith(share + "each module trains on its own ranks"), r
         assert r["frozen_colocated"].startswith(share + "they share ranks"), r
         assert r["frozen_disjoint"] is None, r
+
+
+def _frozen_tower_held(frozen: bool, reshard_after_forward: bool) -> list[tuple[int, int]]:
+    """vision dp2 under FSDP2 (ranks 0-1), frozen whole or not, and the language model (rank 2): after
+    each of two training steps, on a vision rank, (elements of its parameters held whole, elements
+    of the tower)."""
+    from torch.distributed.tensor import DTensor
+
+    from dtensor_mimo import AdamWConfig, MimoModel, MimoOptimizer, train_step
+    from tests.test_mimo import _batches, _modules
+
+    model = MimoModel(MimoLayout({"vision": Parallelism(dp=2), "language": Parallelism()}),
+                      *_modules(("vision",), frozen=("vision",) if frozen else ()),
+                      options={"vision": ParallelOptions(reshard_after_forward=reshard_after_forward)})
+    optimizer = MimoOptimizer(model, AdamWConfig(lr=1e-3))
+    held = []
+    for batch in _batches(("vision",), False, 4, (64, 64)):
+        train_step(model, optimizer, batch)
+        if "vision" in model.encoders:
+            params = list(model.encoders["vision"].parameters())
+            held.append((sum(p.numel() for p in params if not isinstance(p, DTensor)),
+                         sum(p.numel() for p in params)))
+    return held
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.parametrize("frozen", [False, True], ids=["trains", "frozen"])
+def test_frozen_fsdp_tower_keeps_no_full_copy_after_a_step(frozen: bool, reshard: bool) -> None:
+    """FSDP2 reshards a root (and, with reshard_after_forward=False, every block) in its backward: a
+    tower frozen whole has none, so after a training step its root's parameters (embeddings,
+    final norm, projection) stayed gathered on every dp rank for good, and with
+    reshard_after_forward=False the whole tower (a full copy of a sharded module on each rank). A
+    trainable tower holds none of them whole after a step; a frozen one neither."""
+    vision = run_on_ranks(_frozen_tower_held, 3, frozen, reshard, timeout=120)[:2]
+    for held in vision:
+        assert len(held) == 2 and all(whole == 0 < total for whole, total in held), held

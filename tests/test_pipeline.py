@@ -445,3 +445,45 @@ def test_pipelined_forward_without_autograd_gives_the_loss(name):
     want = _reference(case.encoders, case.packed, case.frozen, case.batch_size, case.n_layers, case.seq_lens)[0]
     for loss in run_on_ranks(_loss_without_autograd, case.layout().world_size, case, timeout=120):
         assert loss == pytest.approx(want["loss"], rel=1e-5)
+
+
+def _items_change_dtype(debug: bool) -> list[float]:
+    """vision pp2 (ranks 0-1) and the language model (rank 2), lr 0: the same batch's training
+    step on float32 pixels, then on float64 pixels, then on float32 again (whole numbers: the
+    same values in both dtypes), under torch's DETAIL debug level if `debug` (which makes its
+    pipeline stages check their inputs against the shapes and dtypes they were built for)."""
+    import torch
+    import torch.distributed as dist
+
+    from dtensor_mimo import AdamWConfig, MimoLayout, MimoModel, MimoOptimizer, train_step
+    from tests.test_mimo import _batches, _modules
+
+    level = dist.get_debug_level()
+    if debug:
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        model = MimoModel(MimoLayout(dict(vision=P(pp=2), language=P())), *_modules(("vision",)), pipeline=MB4)
+        optimizer = MimoOptimizer(model, AdamWConfig(lr=0.0, max_grad_norm=None))
+        batch = _batches(("vision",), False, 8, (64,))[0]
+        m = batch.modalities["vision"]
+        whole = m.inputs.mul(50).round()
+        losses = []
+        for dtype in (torch.float32, torch.float64, torch.float32):
+            items = dataclasses.replace(m, inputs=whole.to(dtype))
+            losses.append(train_step(model, optimizer, dataclasses.replace(batch, modalities={"vision": items})).loss)
+        return losses
+    finally:
+        dist.set_debug_level(level)
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["default", "detail"])
+def test_encoder_stages_take_items_of_a_new_dtype(debug):
+    """An encoder pipeline's stages were cached per (bucket, microbatches, tokens per item, item
+    shape, width), not per the items' dtype: a later step on items of another dtype (float64 from
+    numpy after float32) reused the first stage built for the old one, whose inputs torch checks
+    under TORCH_DISTRIBUTED_DEBUG=DETAIL: stage 0 alone raised, the other ranks waited in the
+    pipeline and the bridge (a hang). The three steps (lr 0) must give one loss, on every rank."""
+    from tests.harness import run_on_ranks
+
+    for losses in run_on_ranks(_items_change_dtype, 3, debug, timeout=120):
+        assert losses[1] == pytest.approx(losses[0], rel=1e-6) and losses[2] == pytest.approx(losses[0], rel=1e-6)

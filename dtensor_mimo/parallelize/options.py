@@ -112,7 +112,9 @@ class ParallelOptions:
             FSDP2 the parameters are all-gathered in it; without FSDP the module's forward runs
             under `torch.autocast`. None: compute in the parameters' dtype. float16 only for a
             frozen module: training in it needs loss scaling, which the library does not do
-            (its gradients would underflow); `MimoModel` refuses it for a module that trains.
+            (its gradients would underflow); `MimoModel` refuses it for a module that trains,
+            and for a frozen language model beside encoders that train (their gradients run
+            through its backward). Not a float8 dtype (`fp8` trains Linear layers in float8).
         reduce_dtype: dtype of the data-parallel gradient reduction (FSDP2's reduce-scatter or
             the all-reduce without FSDP). None: float32 when `param_dtype` is set (fp32 gradient
             sums), else the gradients' dtype.
@@ -212,6 +214,12 @@ class ParallelOptions:
             elif value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise TypeError(f"ParallelOptions: {name}={value!r} must be a floating dtype such as "
                                 f"torch.bfloat16, one of {sorted(DTYPES)}, or None")
+            elif value is not None and value.itemsize == 1:
+                # torch counts float8 as floating, but FSDP2 cannot gather or sum in it ("Invalid
+                # scalar type") and CPU autocast turns itself off for it (fp32 compute, silently)
+                raise TypeError(f"ParallelOptions: {name}={value!r}: a float8 dtype is neither a compute nor a "
+                                f"reduce dtype; use one of {sorted(DTYPES)}, and for float8 matmuls "
+                                "fp8='tensorwise' or fp8='rowwise' (torchao's float8 training)")
         flags = {n: getattr(self, n) for n in ("sp", "fsdp", "compile", "reshard_after_forward",
                                                "loss_parallel", "chunked_loss", "recompute_colocated",
                                                "overlap_grad_reduce")}

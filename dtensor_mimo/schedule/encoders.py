@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import ScheduleGPipe
+from torch.distributed.tensor import DTensor, Replicate
 
 from dtensor_mimo.bridge.hops import Delivery
 from dtensor_mimo.layout import MimoLayout, torch_compat
@@ -236,7 +237,7 @@ class Accumulation:
 
 class EncoderPipeline:
     """One encoder's pipeline stage on this rank (encoder pp > 1) and torch's GPipe over its pp
-    group, cached per item bucket and item shape."""
+    group, cached per item bucket, item shape and item dtype."""
 
     def __init__(self, name: str, stage: EncoderStage, stage_index: int, n_stages: int,
                  pp_group: dist.ProcessGroup, hidden: int, device: torch.device) -> None:
@@ -260,15 +261,17 @@ class EncoderPipeline:
         return ScheduleGPipe(stage, self.microbatches, loss_fn=sender.loss, scale_grads=False), stage, sender
 
     def run(self, items: list[torch.Tensor | None], counts: list[int], item_shape: tuple[int, ...],
-            tokens_per_item: int, out_dim: int, crossings: Sequence[Crossing]) -> None:
+            tokens_per_item: int, item_dtype: torch.dtype, out_dim: int, crossings: Sequence[Crossing]) -> None:
         """`items`: this rank's dp shard of every microbatch's items on the first stage (None on
         the others, which copy no item to their device);
-        `counts`, `item_shape`, `tokens_per_item`: from the batch metadata, the same on every
-        stage, which therefore all pick the same bucket and cached stages."""
+        `counts`, `item_shape`, `tokens_per_item`, `item_dtype`: from the batch metadata, the same
+        on every stage, which therefore all pick the same bucket and cached stages (the first stage
+        is built for the items' dtype, which torch checks under TORCH_DISTRIBUTED_DEBUG=DETAIL: a
+        stage built for another dtype would fail there alone)."""
         bucket, self.microbatches = item_bucket(counts), len(counts)
-        key = (bucket, len(counts), tokens_per_item, tuple(item_shape), out_dim)
+        key = (bucket, len(counts), tokens_per_item, tuple(item_shape), item_dtype, out_dim)
         schedule, torch_stage, sender = cached(self._cache, key, lambda: self._build(
-            bucket, tokens_per_item, tuple(item_shape), items[0].dtype if self.index == 0 else None, out_dim))
+            bucket, tokens_per_item, tuple(item_shape), item_dtype if self.index == 0 else None, out_dim))
         self.stage.expected_tokens = tokens_per_item
         padded = [(torch.cat([x, x.new_zeros(bucket - x.shape[0], *x.shape[1:])]),) if self.index == 0 else ()
                   for x in items]
@@ -390,8 +393,8 @@ class LocalEncoders:
             # only where an item's rows depend on that item alone (no batch statistics to shift).
             bucket = 1
         if bucket is None or len(x) == bucket:
-            return self.encoders[name](x).to(self.dtype)
-        rows = self.encoders[name](torch.cat([x, x.new_zeros(bucket - len(x), *x.shape[1:])]))
+            return _plain(self.encoders[name](x)).to(self.dtype)
+        rows = _plain(self.encoders[name](torch.cat([x, x.new_zeros(bucket - len(x), *x.shape[1:])])))
         return rows[: len(rows) // bucket * len(x)].to(self.dtype)
 
     def backward(self, grads: Mapping[int, Mapping[str, torch.Tensor]],
@@ -420,6 +423,19 @@ class LocalEncoders:
                 with _replayed(self._rng.pop((k, n)), self.device):
                     rows = self._rows(n, x)
                 _backward([{n: rows}], [grads[k]])
+
+
+def _plain(rows: torch.Tensor) -> torch.Tensor:
+    """An encoder's rows as the plain tensor the bridge sends: a DTensor (a user's tp plan that
+    keeps its output one, e.g. ``RowwiseParallel(use_local_output=False)``) made whole on every
+    rank of its mesh (the same collective on each, differentiable), then its local tensor. Sent
+    as it was, it failed in the bridge's send on some tp ranks only ("c10d.send.default does not
+    have a sharding strategy"), the language ranks waiting for its rows."""
+    if isinstance(rows, DTensor):
+        if any(not p.is_replicate() for p in rows.placements):
+            rows = rows.redistribute(rows.device_mesh, [Replicate()] * rows.device_mesh.ndim)
+        rows = rows.to_local()
+    return rows
 
 
 def _backward(outputs: Sequence[Mapping[str, torch.Tensor]], grads: Sequence[Mapping[str, torch.Tensor]]) -> None:

@@ -33,7 +33,7 @@ from dtensor_mimo.data import MimoBatch, ModalityInputs, microbatches, shard
 from dtensor_mimo.data.batch import stand_in_sample
 from dtensor_mimo.data.balance import CutRule, microbatch_cuts
 from dtensor_mimo.layout import MimoLayout, Parallelism
-from dtensor_mimo.parallelize import GradientReducer, ParallelOptions
+from dtensor_mimo.parallelize import GradientReducer, ParallelOptions, reshard_fsdp_modules
 from dtensor_mimo.schedule.config import PipelineConfig
 from dtensor_mimo.schedule.crossing import Crossing, CrossingSetup
 from dtensor_mimo.schedule.encoders import Accumulation, EncoderPipeline, LocalEncoders, independent_rows
@@ -231,6 +231,13 @@ class _Run:
     # ------------------------------------------------------------------ encoders
     def do_encode(self, a: Action) -> None:
         self.local.encode(a.microbatch, a.module)
+        if (not self.parts.trainable[a.module] and self.shape.mode != "predict"
+                and (a.microbatch is None or a.microbatch == len(self.crossings) - 1)):
+            # A frozen encoder has no backward, where FSDP2 reshards a root (and, with
+            # reshard_after_forward=False, every block): its last forward of the step puts it
+            # back on its shards (no communication), or it would stay gathered for good.
+            # (A prediction keeps it gathered: `generate` reshards at its end.)
+            reshard_fsdp_modules(self.local.encoders[a.module])
 
     def do_backward(self, a: Action) -> None:
         ks = range(len(self.crossings)) if a.microbatch is None else [a.microbatch]
@@ -262,7 +269,7 @@ class _Run:
             first = pipeline.index == 0
             pipeline.run([per[name].to(self.parts.device).inputs if first else None for per in self.items],
                          [per[name].num_items for per in self.items], tuple(modality.inputs.shape[1:]),
-                         modality.tokens_per_item, self.parts.dim, self.crossings)
+                         modality.tokens_per_item, modality.inputs.dtype, self.parts.dim, self.crossings)
         if pipeline.stage.error:
             self.errors.append(pipeline.stage.error)
         pipeline.stage.error = None

@@ -2,7 +2,7 @@
 
 A `Source` names the checkpoint tensor a parameter comes from and how its rows are ordered.
 `read_local` gives this rank's block of a parameter (all of a plain tensor; the block a DTensor
-holds: tensor or FSDP shard), reading only the checkpoint rows that block needs.
+holds: tensor or FSDP shard), reading only that block (rows, and columns of a column shard).
 """
 
 from __future__ import annotations
@@ -31,13 +31,12 @@ class Source:
             return files.read(self.name)
         first, last = offset[0], offset[0] + shape[0]
         hd = self.rotary_head_dim
+        box = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:]))  # read alone: no whole rows
         if hd is None:
-            rows = files.read(self.name, slice(first, last))
-        else:  # whole heads around the block, reordered, then the block's rows
-            lo, hi = first // hd * hd, -(-last // hd) * hd
-            rows = to_adjacent_pairs(files.read(self.name, slice(lo, hi)), hd)[first - lo:last - lo]
-        box = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:]))
-        return rows[(slice(None), *box)]
+            return files.read(self.name, slice(first, last), box)
+        # whole heads around the block, reordered, then the block's rows
+        lo, hi = first // hd * hd, -(-last // hd) * hd
+        return to_adjacent_pairs(files.read(self.name, slice(lo, hi), box), hd)[first - lo:last - lo]
 
     def module_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The module parameter's shape for a checkpoint tensor of `shape`."""

@@ -71,8 +71,10 @@ class SafetensorsDir:
         """The safetensors dtype of tensor `name` as its header spells it ("BF16", "F8_E4M3", ...)."""
         return self._entries[name][2]["dtype"]
 
-    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
-        """Tensor `name` (rows `rows` of dim 0 only, if given) as a fresh tensor."""
+    def read(self, name: str, rows: slice | None = None, box: Sequence[slice] = ()) -> torch.Tensor:
+        """Tensor `name` (rows `rows` of dim 0 only, if given; of those, the slices `box` of
+        dims 1, 2, ..., if given) as a fresh tensor holding that block alone: a rank holding some
+        columns of a tensor (a row-parallel weight's ``Shard(1)``) never materializes the others."""
         data, start, entry = self._entries[name]
         dtype, shape = DTYPES[entry["dtype"]], entry["shape"]
         begin = entry["data_offsets"][0]
@@ -82,9 +84,10 @@ class SafetensorsDir:
         row = math.prod(shape[1:])
         count = (last - first) * row
         if count == 0:
-            return torch.empty(0, *shape[1:], dtype=dtype)
+            return torch.empty(0, *shape[1:], dtype=dtype)[(slice(None), *box)]
         offset = start + begin + first * row * torch.empty((), dtype=dtype).element_size()
-        return torch.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(-1, *shape[1:]).clone()
+        view = torch.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(-1, *shape[1:])
+        return view[(slice(None), *box)].clone()  # the mapped pages, copied for the block only
 
 
 class SafetensorsWriter:
