@@ -42,7 +42,9 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dtensor_mimo import MimoLayout, MimoModel, ParallelOptions, Parallelism
 from dtensor_mimo.models import Llama, ViT, ViTConfig
@@ -197,6 +199,123 @@ def test_a_module_with_no_layer_worth_float8_says_so(monkeypatch: pytest.MonkeyP
         parallelize(llama, None, None, ParallelOptions(fp8="rowwise"), name="language")
     assert fp8_layers(llama) == []
     assert "fp8='rowwise') for language: none of its Linear layers converts" in caplog.text
+
+
+class ScaledLinear(nn.Linear):
+    """A user's Linear subclass with a forward of its own (twice the plain product)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+class TorchEncoder(nn.Module):
+    """A user's encoder of torch's own blocks: ``nn.TransformerEncoderLayer`` (whose attention,
+    ``nn.MultiheadAttention``, reads its ``out_proj`` Linear's weight itself, never calling the
+    layer), then a `ScaledLinear`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({"0": nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)})
+        self.scaled = ScaledLinear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers.values():
+            x = block(x)
+        return self.scaled(x)
+
+
+def _fp8_torch_encoder(dp: int) -> tuple[list[str], float]:
+    """`TorchEncoder` in tensorwise float8, FSDP2 over `dp` ranks (float8 all-gathers) or whole:
+    the layers converted, and the relative distance of this rank's output from the fp32 module's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    plain = TorchEncoder()
+    module = TorchEncoder()
+    module.load_state_dict(plain.state_dict())
+    mesh = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",)) if dp > 1 else None
+    parallelize(module, None, mesh, ParallelOptions(fp8="tensorwise"), name="vision")
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    out = module(x)
+    out.square().mean().backward()
+    want = plain(x)
+    return fp8_layers(module), float((out - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_only_plain_linear_layers_convert(dp: int) -> None:
+    """A Linear that its owner does not call (``nn.MultiheadAttention``'s ``out_proj``, whose
+    weight the attention passes to ``F.linear`` itself) would not run in float8, and under
+    FSDP2's float8 all-gather its gathered weight would reach ``F.linear`` as a float8 tensor
+    (torchao's bare AssertionError); a Linear subclass's own forward would be replaced by
+    ``Float8Linear``'s (here: the factor 2 lost). Both stay as they are; the plain Linear layers
+    convert, and the module computes what the fp32 one does, to float8's precision."""
+    for converted, distance in run_on_ranks(_fp8_torch_encoder, dp, dp, timeout=120):
+        assert converted == ["layers.0.linear1", "layers.0.linear2"], converted
+        assert 0 < distance < FP8_TOL, distance
+
+
+class TiedHead(nn.Module):
+    """A user's module whose vocabulary head (not named ``output`` / ``lm_head``) is tied to its
+    token embedding: one parameter under two names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(64, 32)
+        self.layers = nn.ModuleDict({"0": nn.Sequential(nn.Linear(32, 32))})
+        self.unembed = nn.Linear(32, 64, bias=False)
+        self.unembed.weight = self.tok_embeddings.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(ids)
+        for block in self.layers.values():
+            h = block(h)
+        return self.unembed(h)
+
+
+def _tied_steps(dp: int, recipe: str | None = "tensorwise") -> tuple[list[str], list[float], bool]:
+    """`TiedHead` in tensorwise float8, FSDP2 over `dp` ranks (each given its own ids) or in one
+    process (all of them), 3 SGD steps on predicting each next id: its parameter names, the
+    losses (of all the ids), and
+    whether embedding and head are still one tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    module = TiedHead()
+    with torch.no_grad():
+        module.tok_embeddings.weight.mul_(0.1)
+    mesh = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",)) if dp > 1 else None
+    parallelize(module, None, mesh, ParallelOptions(fp8=recipe), name="language")
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    ids = torch.arange(32).reshape(4, 8).chunk(dp)[dist.get_rank() if dp > 1 else 0]
+    losses = []
+    for _ in range(3):
+        # FSDP2 sums the ranks' gradients (as the library's losses are normalised): each rank's
+        # share of the mean over every id
+        loss = nn.functional.cross_entropy(module(ids).flatten(0, 1), ((ids + 1) % 64).flatten(), reduction="sum") / 32
+        loss.backward()
+        if dp > 1:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    full = [w.full_tensor() if isinstance(w, DTensor) else w for w in (module.tok_embeddings.weight,
+                                                                         module.unembed.weight)]
+    return [n for n, _ in module.named_parameters()], losses, torch.equal(*full)
+
+
+def test_tied_weights_stay_tied_under_float8_all_gathers() -> None:
+    """torchao wraps a weight all-gathered in float8 (tensorwise under FSDP2) in a new parameter:
+    a Linear tied to another parameter would be untied (two parameters, each trained on its own),
+    which the single process, where the tie holds, does not do. A tied weight is gathered in its
+    own precision and cast after: one parameter, and the one-process fp8 run's losses."""
+    (names, one_process, tied), = run_on_ranks(_tied_steps, 1, 1, timeout=120)
+    assert names == ["tok_embeddings.weight", "layers.0.0.weight", "layers.0.0.bias"] and tied
+    for got_names, losses, got_tied in run_on_ranks(_tied_steps, 2, 2, timeout=120):
+        assert got_names == names and got_tied, (got_names, got_tied)
+        print(f"tied dp2 vs one process: {losses} vs {one_process}, relative {_relative(losses, one_process)}")
+        assert max(_relative(losses, one_process)) < DP_TOL, (losses, one_process)
 
 
 # ------------------------------------------------------------------ numerics

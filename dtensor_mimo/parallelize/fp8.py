@@ -8,14 +8,17 @@ its three matmuls in float8, keeping fp32 master weights.
 - "tensorwise": one scale per tensor. Under FSDP2 the weights are all-gathered in float8
   (``enable_fsdp_float8_all_gather``: half the bytes of bf16; a weight whose rows do not split
   evenly over the FSDP2 shards, which torchao's float8 all-gather cannot take, is gathered in its
-  own precision and cast after: `even_rows`), and after each optimizer step
+  own precision and cast after: `even_rows`; so is a tied weight, which torchao's float8 weight
+  parameter would untie), and after each optimizer step
   `refresh_fp8_scales` computes every weight's scale in one all-reduce
   (``precompute_float8_dynamic_scale_for_fsdp``).
 - "rowwise": one scale per row (power-of-2 scales), more accurate; FSDP2 gathers in the
   parameters' own precision (torchao's float8 all-gather is tensorwise only).
 
-Which layers convert (`converts_to_fp8`): every ``nn.Linear`` whose in and out features are
-multiples of 16 (what the float8 matmul kernels take), except the output head (a layer named
+Which layers convert (`converts_to_fp8`): every plain ``nn.Linear`` (not a subclass: its own
+forward would be replaced, and ``nn.MultiheadAttention``'s ``out_proj`` is never called, its owner
+reading the weight) whose in and out features are multiples of 16 (what the float8 matmul
+kernels take), except the output head (a layer named
 one of `KEPT_HEADS`, e.g. the decoder's ``output`` or a user decoder's ``lm_head``): the logits
 stay in the compute dtype, as in torchtitan and Megatron-LM. On CUDA also only where float8 pays
 (`fp8_pays`): a layer whose matmuls torchao measured slower in float8 than in bf16 on an H100
@@ -44,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
+from collections import Counter
 from typing import TYPE_CHECKING, Any, Literal, Mapping, get_args
 
 import torch
@@ -108,10 +112,12 @@ def fp8_config(module: str, recipe: str, device_type: str, fsdp: bool,
 
 
 def converts_to_fp8(layer: nn.Module, fqn: str) -> bool:
-    """Whether `layer` (named `fqn` inside its stack) becomes a ``Float8Linear``: an
-    ``nn.Linear`` with in and out features multiples of `FP8_DIM_MULTIPLE`, not named one of
-    `KEPT_HEADS`."""
-    return (isinstance(layer, nn.Linear) and fqn.rsplit(".", 1)[-1] not in KEPT_HEADS
+    """Whether `layer` (named `fqn` inside its stack) becomes a ``Float8Linear``: a plain
+    ``nn.Linear`` (not a subclass, e.g. ``nn.MultiheadAttention``'s ``out_proj``) with in and out
+    features multiples of `FP8_DIM_MULTIPLE`, not named one of `KEPT_HEADS`."""
+    # a plain nn.Linear only: a subclass's own forward would be replaced by Float8Linear's, and
+    # nn.MultiheadAttention's out_proj (a subclass) is never called: its owner reads the weight
+    return (type(layer) is nn.Linear and fqn.rsplit(".", 1)[-1] not in KEPT_HEADS
             and layer.in_features % FP8_DIM_MULTIPLE == 0 and layer.out_features % FP8_DIM_MULTIPLE == 0)
 
 
@@ -143,8 +149,9 @@ def convert_to_fp8(stack: nn.Module, config: Float8LinearConfig, module: str, re
     too (`Float8LinearOrEmpty`). On CUDA (not `config.emulate`) only those whose shard on one of
     `tp` ranks (`shard_features` by `splits`, the stack's tp plan; default: nothing sharded) has
     both dims multiples of `FP8_DIM_MULTIPLE` and `fp8_pays`. With float8 all-gathers (FSDP2 over
-    `shards` ranks), a layer whose weight rows do not split evenly over ``shards x tp`` is
-    all-gathered in its own precision instead (`even_rows`)."""
+    `shards` ranks), a layer whose weight rows do not split evenly over ``shards x tp``
+    (`even_rows`), or whose weight is tied (registered under several names in `stack`), is
+    all-gathered in its own precision instead."""
     def selected(layer: nn.Module, fqn: str) -> bool:
         if not converts_to_fp8(layer, fqn):
             return False
@@ -155,11 +162,18 @@ def convert_to_fp8(stack: nn.Module, config: Float8LinearConfig, module: str, re
                 and fp8_pays(out_features, in_features, recipe))
 
     convert = _torchao_float8(module).convert_to_float8_training
-    if config.enable_fsdp_float8_all_gather:  # two disjoint sets: a converted layer is an nn.Linear too
+    if config.enable_fsdp_float8_all_gather:  # two disjoint sets: a converted layer is not a plain nn.Linear
+        # torchao wraps a weight it all-gathers in float8 in a new parameter: one registered
+        # under several names (tied) would be untied, so it is gathered in its own precision
+        names = Counter(id(p) for _, p in stack.named_parameters(remove_duplicate=False))
+        tied = {i for i, n in names.items() if n > 1}
+
+        def in_float8(m: nn.Module) -> bool:
+            return even_rows(m, tp, shards) and id(m.weight) not in tied
+
         uneven = dataclasses.replace(config, enable_fsdp_float8_all_gather=False)
-        convert(stack, module_filter_fn=lambda m, fqn: selected(m, fqn) and not even_rows(m, tp, shards),
-                config=uneven)
-        convert(stack, module_filter_fn=lambda m, fqn: selected(m, fqn) and even_rows(m, tp, shards), config=config)
+        convert(stack, module_filter_fn=lambda m, fqn: selected(m, fqn) and not in_float8(m), config=uneven)
+        convert(stack, module_filter_fn=lambda m, fqn: selected(m, fqn) and in_float8(m), config=config)
     else:
         convert(stack, module_filter_fn=selected, config=config)
     from dtensor_mimo.parallelize.fp8_layer import Float8LinearOrEmpty
