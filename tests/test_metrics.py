@@ -303,3 +303,28 @@ def test_a_resumed_trainer_logs_each_step_once_in_the_jsonl(tmp_path) -> None:
     assert [(r["step"], r["loss"]) for r in records if "loss" in r] == reference
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
     assert [r["checkpoint_step"] for r in records if "checkpoint" in r] == [3, 5]  # the stopped run's of 5: dropped
+
+
+def test_a_finished_run_rerun_logs_its_last_evaluation_once(tmp_path) -> None:
+    """The command of a finished run given again (a requeued job that had completed): it resumes
+    at its last step, trains nothing and evaluates that step again. The JSONL holds that step's
+    held-out scores once (the rerun's, equal to the first run's: the same weights), not twice."""
+    pytest.importorskip("sklearn")  # the digits data
+    from tests.harness import run_on_ranks
+
+    argv = ["--train.steps", "2", "--data.batch_size", "4", "--pipeline.microbatches", "1",
+            "--data.heldout_samples", "4", "--train.generate", "0", "--metrics.log_every", "1",
+            "--metrics.progress", "off", "--layout.audio.offset", "0", "--layout.language.offset", "0",
+            "--checkpoint.dir", str(tmp_path / "ckpt"), "--metrics.jsonl", str(tmp_path / "m.jsonl"),
+            *[f"--options.{m}.compile=false" for m in ("vision", "audio", "language")]]
+    run_on_ranks(_train, 1, argv, timeout=300)
+    with open(tmp_path / "m.jsonl") as f:
+        first = [json.loads(line) for line in f]
+    run_on_ranks(_train, 1, argv, timeout=300)  # the same command: resumes at step 2, trains nothing
+    with open(tmp_path / "m.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    evaluations = [r for r in records if "heldout_answer" in r]
+    assert [r["step"] for r in evaluations] == [2]
+    assert evaluations[0]["heldout_loss"] == [r for r in first if "heldout_answer" in r][0]["heldout_loss"]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    assert [r["checkpoint_step"] for r in records if "checkpoint" in r] == [2]

@@ -168,11 +168,15 @@ class MetricsLogger:
         self._purge = step + 1
         if self._jsonl is not None:
             self._jsonl.close()
-            dropped = _drop_records_after(self._jsonl_path, step)
+            # A run resumed at its last step trains nothing but evaluates that step again: an
+            # earlier run's evaluation of it goes too (that run ended there, evaluated).
+            again = step >= self.total
+            dropped = _drop_records_after(self._jsonl_path, step, evaluation_of_step=again)
             self._jsonl = open(self._jsonl_path, "a")
             if dropped:
-                self.print(f"metrics.jsonl: {self._jsonl_path}: dropped {dropped} record(s) of steps after {step} "
-                           "written by an earlier run (this run logs those steps again)")
+                what = f"steps after {step}" + (f" and the held-out scores of step {step}" if again else "")
+                self.print(f"metrics.jsonl: {self._jsonl_path}: dropped {dropped} record(s) of {what} "
+                           "written by an earlier run (this run logs them again)")
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
 
@@ -215,9 +219,10 @@ class MetricsLogger:
                 handle.close()
 
 
-def _drop_records_after(path: str, step: int) -> int:
-    """Rewrite the JSONL file `path` without its records of steps after `step` and without a last
-    line cut short (no newline, not JSON); how many lines went. Other lines are kept as they are."""
+def _drop_records_after(path: str, step: int, evaluation_of_step: bool = False) -> int:
+    """Rewrite the JSONL file `path` without its records of steps after `step` (with
+    `evaluation_of_step`, also its held-out evaluation records of `step`) and without a last line
+    cut short (no newline, not JSON); how many lines went. Other lines are kept as they are."""
     kept, dropped, cut = [], 0, False
     with open(path) as f:
         for line in f:
@@ -228,7 +233,9 @@ def _drop_records_after(path: str, step: int) -> int:
                     dropped, cut = dropped + 1, True
                     continue
                 record = None
-            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and (
+                    record["step"] > step or (evaluation_of_step and record["step"] == step
+                                              and any(k.startswith("heldout_") for k in record))):
                 dropped += 1
             else:
                 kept.append(line)
