@@ -211,7 +211,7 @@ class MimoModel(nn.Module):
         for name, module in encoders.items():
             if layout.is_member(name, self.rank):
                 self.encoders[name], root, stages = build_encoder_part(
-                    layout, name, self._to_device(module), self.options[name], self.rank, self.dtype, self.device)
+                    layout, name, module, self.options[name], self.rank, self.dtype, self.device)
                 roots.append(root)
                 if stages is not None:
                     self.encoder_pipelines[name] = stages
@@ -221,13 +221,18 @@ class MimoModel(nn.Module):
         self.language_pipeline: LanguagePipeline | None = None
         self.language_stages = nn.ModuleList()  # this rank's stages (registered: .parameters())
         if layout.is_member(language_name, self.rank):
-            self.language_pipeline = LanguagePipeline(layout, language_name, self._to_device(language),
+            self.language_pipeline = LanguagePipeline(layout, language_name, language,
                                                       self.options[language_name], self.pipeline, self.device)
             self.language_stages = self.language_pipeline.stages
             roots.extend(self.language_stages)
+        # On the device only now, split and sharded: a rank moves the parts it keeps (tp and FSDP2
+        # move each parameter as they shard it), never a whole module (its other stages stay on the
+        # host with the caller's module); a meta module's shards are allocated, uninitialized.
         for root in roots:
             if any(p.is_meta for p in root.parameters()):
                 root.to_empty(device=self.device)
+            else:
+                root.to(self.device)
         self._overlapped = [n for n in self.module_names if trainable[n] and self._sums_during_backward(n)]
         """The modules whose dp sums start during backward, known on every rank."""
         self._sums_pending = False
@@ -289,10 +294,6 @@ class MimoModel(nn.Module):
             if pipeline is not None:
                 pipeline.reductions.attach(reducer)
         return reducers
-
-    def _to_device(self, module: nn.Module) -> nn.Module:
-        """A module on this rank's device; a meta module stays on meta until parallelized."""
-        return module if _on_meta(module) else module.to(self.device)
 
     # ------------------------------------------------------------------ queries
     @property

@@ -487,3 +487,48 @@ def test_encoder_stages_take_items_of_a_new_dtype(debug):
 
     for losses in run_on_ranks(_items_change_dtype, 3, debug, timeout=120):
         assert losses[1] == pytest.approx(losses[0], rel=1e-6) and losses[2] == pytest.approx(losses[0], rel=1e-6)
+
+
+# ---------------------------------------------------------------- what a rank moves to its device
+def _moved_and_held(modules: dict, offsets: dict | None) -> tuple[int, int]:
+    """Build a `MimoModel` of `modules` (each module's Parallelism, the language model 4 blocks)
+    from full modules built on the host, counting the parameter bytes of every module that
+    ``nn.Module.to`` moves to the rank's device meanwhile (a DTensor's local shard); and the
+    parameter bytes this rank holds once built."""
+    from torch import nn
+
+    from dtensor_mimo import MimoLayout, MimoModel
+    from dtensor_mimo.models.layers import local_part
+    from tests.test_mimo import _modules
+
+    llama, encoders = _modules(tuple(n for n in modules if n != "language"), n_layers=4)
+    moved, to = [0], nn.Module.to
+
+    def counted(self, *args, **kwargs):
+        moved[0] += sum(local_part(p).numel() * local_part(p).element_size() for p in self.parameters())
+        return to(self, *args, **kwargs)
+
+    nn.Module.to = counted
+    try:
+        model = MimoModel(MimoLayout(modules, offsets=offsets), llama, encoders, pipeline=MB4)
+    finally:
+        nn.Module.to = to
+    held = sum(local_part(p).numel() * local_part(p).element_size() for p in model.parameters())
+    return moved[0], held
+
+
+@pytest.mark.parametrize("name", ["stages", "shards"])
+def test_a_rank_moves_only_what_it_keeps_to_its_device(name):
+    """Full modules built on the host (docs/library.md's example, built from seeds) go to each
+    rank's device as the parts it keeps: its pipeline stages ("stages": vision pp2 on ranks 0-1,
+    language pp2 on ranks 2-3), FSDP2's shards ("shards": colocated, vision dp4 and language
+    pp2·dp2 on ranks 0-3). On a GPU the whole module went to every member's device before it was
+    split and sharded: every language rank held all stages' blocks (kept there for as long as the
+    caller's module lives), each FSDP2 rank the unsharded module (its peak: the full model)."""
+    from tests.harness import run_on_ranks
+
+    modules = {"vision": P(pp=2), "language": P(pp=2)} if name == "stages" else \
+        {"vision": P(dp=4), "language": P(pp=2, dp=2)}
+    offsets = None if name == "stages" else {"vision": 0, "language": 0}
+    for rank, (moved, held) in enumerate(run_on_ranks(_moved_and_held, 4, modules, offsets, timeout=120)):
+        assert 0 < moved <= held, f"rank {rank} moved {moved} parameter bytes to its device, holds {held}"
