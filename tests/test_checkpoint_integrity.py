@@ -31,6 +31,8 @@
 | `load` into an optimizer that trained the vision tower,   | the tower's AdamW state is fresh (step 0, zero    |
 | of a checkpoint saved with it frozen (a rollback) [1]     | moments) and the next step's weights those of an  |
 |                                                           | optimizer built anew                              |
+| `load` after more random draws than the save saw [2]      | each rank's host generator as it was saved (the   |
+|                                                           | draws after the load == the draws after the save) |
 """
 
 from __future__ import annotations
@@ -835,3 +837,34 @@ def test_a_load_gives_the_parameters_the_checkpoint_has_no_adamw_state_for_a_fre
     assert out["used state"] == [(0.0, 0.0, 0.0)], out["used state"]
     for n, w in out["fresh weights"].items():
         assert torch.equal(out["used weights"][n], w), n
+
+
+def _random_draws_around_a_load(root: str) -> tuple[list[float], list[float]]:
+    """Each rank's host generator seeded on its own, a checkpoint saved, the draws right after the
+    save; then more draws (training that goes on), a load of that checkpoint, and the draws after it."""
+    from dtensor_mimo import MimoLayout, MimoModel, MimoOptimizer, train_step
+    from tests.test_mimo import OPT, P, _batches, _modules
+
+    layout = MimoLayout({"vision": P(dp=2), "language": P(dp=2)}, offsets={"vision": 0, "language": 0})
+    layout.init_meshes("cpu")
+    encoders_and_language = _modules(("vision",))
+    model = MimoModel(layout, *encoders_and_language)
+    optimizer = MimoOptimizer(model, OPT)
+    train_step(model, optimizer, _batches(("vision",), False, 4, (64,))[0])
+    torch.manual_seed(100 + dist.get_rank())
+    path = checkpoint.save(os.path.join(root, "ckpt"), 1, model, optimizer, {"step": 1}, keep=1)
+    after_save = torch.rand(6).tolist()
+    torch.rand(100)  # the run goes on, then rolls back to the checkpoint
+    language, encoders = encoders_and_language
+    checkpoint.load(path, model, optimizer, checkpoint.expected_shapes({**encoders, "language": language}))
+    return after_save, torch.rand(6).tolist()
+
+
+def test_a_load_puts_back_each_ranks_random_state(tmp_path) -> None:
+    """`load` puts back the host generator of each rank as it was saved (dropout in a user's
+    module draws the same numbers after a resume as in the run that saved): the draws after the
+    load are those right after the save, on each rank its own."""
+    per_rank = run_on_ranks(_random_draws_around_a_load, 2, str(tmp_path), timeout=180)
+    for after_save, after_load in per_rank:
+        assert after_load == after_save
+    assert per_rank[0][0] != per_rank[1][0]  # each rank's own state, not one for all

@@ -374,6 +374,21 @@ def test_exact_match_on_hand_made_logits():
     assert math.isnan(exact_match_accuracy(logits, torch.full_like(labels, IGNORE_INDEX)))
 
 
+def test_the_trainers_scores_count_each_part_on_its_own_rows_and_positions():
+    """`train.datasets.exact_match`, what the trainer's held-out "answer" and per-part scores
+    are: (rows right, rows counted). A part counts only the rows holding a scored position of
+    it, and is right where its own positions are, whatever the rest of the answer got."""
+    from dtensor_mimo.train.datasets import exact_match as scores
+
+    ignore = IGNORE_INDEX
+    labels = torch.tensor([[ignore, 5, 6, 7], [ignore, 5, 6, ignore], [ignore] * 4])
+    pred = torch.tensor([[0, 5, 6, 0], [0, 5, 6, 0], [0, 0, 0, 0]])  # row 0 misses its last target
+    a = torch.tensor([[False, True, True, False]] * 3)
+    b = torch.tensor([[False, False, False, True]] * 3)  # a position only row 0 scores
+    batch = MimoBatch(torch.ones(3, 4, dtype=torch.int64), labels, (labels != ignore).float())
+    assert scores(batch, pred, {"a": a, "b": b}) == {"answer": (1, 2), "a": (2, 2), "b": (0, 1)}
+
+
 def test_answer_digit_positions_split_images_from_tones():
     ignore = IGNORE_INDEX
     labels = torch.tensor([[ignore, *encode("images 3 7 ; tones 5 <eos>"), ignore],

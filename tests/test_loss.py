@@ -378,3 +378,33 @@ def test_first_true_is_nonzero_static_without_a_sync() -> None:
         mask = torch.tensor([rng.random() < p for _ in range(n)], dtype=torch.bool)
         count = rng.randint(1, 50)
         assert torch.equal(first_true(mask, count), torch.nonzero_static(mask, size=count, fill_value=0).squeeze(-1))
+
+
+def _argmax_of_vocab_shards(full: torch.Tensor) -> torch.Tensor:
+    """`vocab_parallel_argmax` of `full` ``[B, S, V]`` sharded over its vocabulary on a 2-rank mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dtensor_mimo.sequence import vocab_parallel_argmax
+
+    mesh = init_device_mesh("cpu", (2,))
+    return vocab_parallel_argmax(distribute_tensor(full, mesh, [Shard(2)]))
+
+
+def test_vocab_parallel_argmax_is_torchs_argmax_on_ties_and_nans() -> None:
+    """Under tp the predicted ids (`predict`, greedy generation) come from vocabulary shards:
+    they must be ``argmax(-1)`` of the whole logits, with torch's rules, which bf16 logits meet
+    often: of equal maxima the first id wins (here across the two shards and within one), and a
+    NaN is the maximum (the row's first NaN wins, also against a larger number elsewhere)."""
+    full = torch.zeros(1, 6, 8)
+    full[0, 0, [1, 6]] = 3.0  # a tie across the shards (ids 0-3 | 4-7)
+    full[0, 1, [5, 7]] = 2.0  # a tie within the second shard
+    full[0, 2, [2, 3]] = 4.0  # a tie within the first shard
+    full[0, 3, 6] = float("nan")  # a NaN in the second shard, a larger number in the first
+    full[0, 3, 1] = 9.0
+    full[0, 4, [2, 5]] = float("nan")  # NaNs in both shards
+    full[0, 5] = torch.arange(8.0)  # no tie: the last id
+    want = full.argmax(-1)
+    assert want.tolist() == [[1, 5, 2, 6, 2, 7]]  # torch's own rules, as written above
+    for got in run_on_ranks(_argmax_of_vocab_shards, 2, full, timeout=120):
+        assert torch.equal(got, want)

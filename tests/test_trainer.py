@@ -305,6 +305,44 @@ def test_answers_stop_each_at_its_own_stop_id() -> None:
     assert len(calls) == 3  # the last sample's third token ends the loop
 
 
+def test_heldout_loss_is_per_target_token_over_every_batch() -> None:
+    """`Trainer.evaluate`'s "loss" is documented "per target token, as the training loss": the
+    held-out batches' losses weighted by their target tokens, not the mean of the batches' means
+    (the last batch is short). A stand-in model whose token losses are known by hand: a token's
+    loss is its label, so the reference is the mean of every held-out target label."""
+    from types import SimpleNamespace
+
+    from dtensor_mimo.data import IGNORE_INDEX, MimoBatch
+    from dtensor_mimo.train.trainer import Trainer
+
+    seq = 6
+    targets = [[3, 5, 7, 9], [1], [2, 2], [8, 6, 4], [10]]  # each sample's target labels (5 samples)
+
+    def batch(indices):
+        labels = torch.full((len(indices), seq), IGNORE_INDEX)
+        for row, i in enumerate(indices):
+            labels[row, :len(targets[i])] = torch.tensor(targets[i])
+        return MimoBatch(torch.ones(len(indices), seq, dtype=torch.int64), labels,
+                         (labels != IGNORE_INDEX).float())
+
+    def predict(b: MimoBatch, with_loss: bool):  # the batch's loss per target token, as the model's
+        counted = b.labels != IGNORE_INDEX
+        return torch.zeros_like(b.tokens), float(b.labels[counted].float().sum() / counted.sum())
+
+    class Heldout:
+        def __len__(self) -> int:
+            return len(targets)
+
+    heldout = Heldout()
+    heldout.batch = batch
+    trainer = SimpleNamespace(data=SimpleNamespace(heldout=heldout, score=lambda b, pred: {"answer": (0, 1)}),
+                              config=SimpleNamespace(data=SimpleNamespace(batch_size=2)),
+                              model=SimpleNamespace(predict=predict),
+                              _heldout_batch=lambda make, indices: make(indices))
+    every = [t for ts in targets for t in ts]
+    assert Trainer.evaluate(trainer)["loss"] == pytest.approx(sum(every) / len(every))  # 57 / 11
+
+
 VARIED = ["--model.encoders.vision.dynamic_resolution", "true", "--model.encoders.audio.variable_length", "true"]
 
 
