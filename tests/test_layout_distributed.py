@@ -244,3 +244,35 @@ def test_a_model_of_another_device_type_than_its_meshes_is_refused_on_every_rank
     got = run_on_ranks(_model_on_meshes_of_another_device, 2, timeout=60)
     assert got == ["MimoModel(device_type='cpu') on meshes built for 'cuda' (layout.init_meshes('cuda')): build "
                    "both for the same device type"] * 2, got
+
+
+def _rng_tracker_on_every_rank():
+    """`init_meshes`' DTensor RNG tracker (made under NCCL; here with a stand-in tracker class):
+    the module meshes it is made with, whether it would sync the RNG state, and the broadcasts."""
+    from torch.distributed.tensor import _random
+
+    made, broadcasts = [], []
+
+    class Tracker:
+        def __init__(self, mesh, run_state_sync=True):
+            made.append((mesh.mesh.flatten().tolist(), run_state_sync))
+
+    layout = MimoLayout({"vision": Parallelism(dp=1), "language": Parallelism(tp=2)})
+    layout.init_meshes("cpu")
+    saved = _random._rng_tracker, _random.OffsetBasedRNGTracker, dist.broadcast
+    _random._rng_tracker, _random.OffsetBasedRNGTracker = None, Tracker
+    dist.broadcast = lambda *args, **kwargs: broadcasts.append(args)
+    try:
+        layout._meshes._rng_tracker()
+        layout._meshes._rng_tracker()  # made once
+    finally:
+        _random._rng_tracker, _random.OffsetBasedRNGTracker, dist.broadcast = saved
+    return made, len(broadcasts)
+
+
+def test_dtensor_rng_tracker_is_made_on_every_rank_without_a_world_broadcast():
+    """torch makes DTensor's RNG tracker at the first random op on a DTensor with a broadcast over
+    the WORLD group, which only the ranks of the module that draws would join (a hang under NCCL).
+    Every rank makes it with its own module's mesh, once, without that broadcast."""
+    got = run_on_ranks(_rng_tracker_on_every_rank, 3, timeout=60)
+    assert got == [([([0], False)], 0), ([([1, 2], False)], 0), ([([1, 2], False)], 0)], got

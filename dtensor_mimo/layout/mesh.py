@@ -94,8 +94,10 @@ class ModuleMeshes:
         groups in opposite orders. The default group, where the bridge's exchanges run, needs no
         such step: ``init_process_group(device_id=...)`` (`dtensor_mimo.layout.world`)
         creates its communicator eagerly, and its first operation is `check_agreement`'s
-        all-gather of every rank, before any exchange."""
+        all-gather of every rank, before any exchange. DTensor's RNG tracker is made here too,
+        without the world broadcast torch would make with it later on some ranks only."""
         device = torch.device("cuda", torch.cuda.current_device())
+        self._rng_tracker()
         for name in self._layout.names:
             if self._meshes[name].get_coordinate() is None:
                 continue
@@ -103,6 +105,19 @@ class ModuleMeshes:
                 group = self.get(name, dims).get_group()
                 if group.size() > 1:
                     dist.all_reduce(torch.zeros(1, device=device), group=group)
+
+    def _rng_tracker(self) -> None:
+        """DTensor's RNG tracker, made on every rank now (torch 2.11 to 2.13's private
+        ``_random``). torch makes it at the first random op on a DTensor (dropout in a user's tp
+        module) with a broadcast of rank 0's RNG state over the WORLD group, which only that
+        module's ranks would join: the others never do (a hang). Made here without that broadcast
+        (torchtitan's choice): DTensor random ops draw from each rank's own generator, which torch
+        asks users to seed alike on a module's tp ranks."""
+        from torch.distributed.tensor import _random
+
+        mine = next((m for n in self._layout.names if (m := self._meshes[n]).get_coordinate() is not None), None)
+        if not _random._rng_tracker and mine is not None:
+            _random._rng_tracker = _random.OffsetBasedRNGTracker(mine, run_state_sync=False)
 
     def own_dp_group(self, name: str) -> dist.ProcessGroup | None:
         """A new process group over this rank's dp·cp ranks of module `name`, which nothing else
