@@ -28,6 +28,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
@@ -209,3 +210,52 @@ def test_an_unreadable_header_in_the_first_training_sample_does_not_cost_the_exp
             "--pipeline.microbatches", "1"]
     run_on_ranks(_run_in, 1, str(tmp_path / "run"), argv, timeout=300)
     assert os.path.exists(tmp_path / "run" / "out" / "hf" / "config.json")
+
+
+def _row_weights_per_step(cwd: str, argv: list[str]) -> list[list[float]]:
+    """`_run_in`, recording the loss weight of each row of every batch a step trained on (what
+    `train_step` was handed and returned from): ``[step][row]``."""
+    from dtensor_mimo.data import IGNORE_INDEX
+    from dtensor_mimo.train import trainer
+
+    step = trainer.train_step
+    seen = []
+
+    def recording(model, optimizer, batch, *args, **kwargs):
+        metrics = step(model, optimizer, batch, *args, **kwargs)
+        weights = torch.where(batch.labels == IGNORE_INDEX, 0.0, batch.loss_mask.float()).sum(1)
+        seen.append(weights.tolist())
+        return metrics
+
+    trainer.train_step = recording
+    try:
+        _run_in(cwd, argv)
+    finally:
+        trainer.train_step = step
+    return seen
+
+
+def test_a_skipped_sample_has_no_loss_weight_in_its_step(tiny: str, tmp_path) -> None:
+    """data.skip_bad_media leaves a sample whose image fails to decode out of its step: its row
+    (tokens and labels intact, its image zeros) has no loss weight, every other row the weight
+    it has when nothing is broken. Counting the skipped samples did not show a step that trained
+    the row on a zero image."""
+    from dtensor_mimo.data import ResumableBatchSampler
+    from dtensor_mimo.train.config import parse_args
+    from tests.harness import run_on_ranks
+
+    shutil.copytree(tiny, tmp_path / "intact")
+    (sid, _), = _copy_with_a_truncated_image(tiny, tmp_path / "broken", ("train",)).values()
+    argv = [*ARGS, "--data.skip_bad_media", "true", "--data.heldout", "none", "--checkpoint.export_hf", "none",
+            "--layout.language.offset", "0", "--pipeline.microbatches", "1"]
+    intact = run_on_ranks(_row_weights_per_step, 1, str(tmp_path / "intact"), argv, timeout=300)[0]
+    broken = run_on_ranks(_row_weights_per_step, 1, str(tmp_path / "broken"), argv, timeout=300)[0]
+    with open(tmp_path / "broken" / "data" / "train.jsonl") as f:
+        index = [json.loads(line)["id"] for line in f].index(sid)
+    seed = parse_args(argv).data.seed
+    order = [b for _, b in zip(range(4), ResumableBatchSampler(32, 8, seed=seed))]
+    step, row = next((s, b.index(index)) for s, b in enumerate(order) if index in b)
+    assert len(intact) == len(broken) == 4 and intact[step][row] > 0
+    expected = [list(w) for w in intact]
+    expected[step][row] = 0.0
+    assert broken == expected, f"sample {sid!r} (step {step + 1}, row {row}) trained on while skipped"

@@ -408,3 +408,46 @@ def test_vocab_parallel_argmax_is_torchs_argmax_on_ties_and_nans() -> None:
     assert want.tolist() == [[1, 5, 2, 6, 2, 7]]  # torch's own rules, as written above
     for got in run_on_ranks(_argmax_of_vocab_shards, 2, full, timeout=120):
         assert torch.equal(got, want)
+
+
+def _weighted_everywhere(batch):
+    """`batch` with a loss mask of 1 on every position, those whose label is IGNORE_INDEX included
+    (a user's batch may weight them: `loss_weights` gives them none)."""
+    import dataclasses
+
+    return dataclasses.replace(batch, loss_mask=torch.ones_like(batch.loss_mask))
+
+
+def _loss_and_gradients_of_a_mask_on_ignored_labels(modules, pipeline):
+    from dtensor_mimo import AdamWConfig, MimoLayout, MimoModel, MimoOptimizer, train_step
+    from tests.test_mimo import _batches, _modules
+    from tests.test_pipeline import _gathered_gradients
+
+    layout = MimoLayout(modules, offsets={"vision": 0, "language": 0})
+    model = MimoModel(layout, *_modules(("vision",)), pipeline=pipeline)
+    optimizer = MimoOptimizer(model, AdamWConfig(lr=0.0, max_grad_norm=None))
+    loss = train_step(model, optimizer, _weighted_everywhere(_batches(("vision",), True, 4, (64,))[0])).loss
+    return loss, _gathered_gradients(model)
+
+
+def test_a_loss_mask_on_ignored_labels_weighs_nothing_across_ranks() -> None:
+    """A position whose label is IGNORE_INDEX has no loss weight whatever its mask (`loss_weights`):
+    the loss over the global batch is divided by the weighted labels, not by the mask's sum, on a
+    layout where each rank holds some of the rows (language pp2 x cp2, two microbatches): the loss
+    and every gradient are the single-process ones. The synthetic batches mask every unlabelled
+    position, so the layouts of tests/test_mimo.py could not tell the two apart."""
+    from dtensor_mimo import Parallelism, PipelineConfig
+    from tests.test_mimo import _batches
+    from tests.test_pipeline import _reference_gradients
+
+    batch = _weighted_everywhere(_batches(("vision",), True, 4, (64,))[0])
+    assert bool((batch.labels == IGNORE_INDEX).any())
+    want_loss, want = _reference_gradients(batch)
+    modules = dict(vision=Parallelism(dp=4), language=Parallelism(pp=2, cp=2))
+    per_rank = run_on_ranks(_loss_and_gradients_of_a_mask_on_ignored_labels, 4, modules,
+                            PipelineConfig(microbatches=2), timeout=180)
+    assert all(loss == pytest.approx(want_loss, rel=1e-5) for loss, _ in per_rank)
+    got = {k: v for _, grads in per_rank for k, v in grads.items()}
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=2e-5, atol=2e-6, msg=lambda m: f"{k}: {m}")

@@ -273,6 +273,31 @@ def test_state_dict_resumes_under_another_no_decay() -> None:
                                            and (p.ndim < 2 or any(s in n for s in config.no_decay))})
 
 
+def test_a_state_of_other_modules_is_refused_by_name() -> None:
+    """`load_state_dict` of a state saved by an optimizer of other modules (a layout without the
+    audio encoder, or with one more) is a ValueError naming both sets of modules, before any module's
+    state is loaded: not a KeyError naming one module, nor the other modules' states loaded
+    silently while the extra one is dropped; a module's state of other parameters names them."""
+    modules = _all_modules()
+    full = MimoOptimizer(_OneProcess(modules), BASE, per_module=PER_MODULE)
+    _set_grads(modules, 0, 1e-3)
+    full.step(0.1)
+    fewer = {n: m for n, m in copy.deepcopy(modules).items() if n != "audio"}
+    without_audio = MimoOptimizer(_OneProcess(fewer), BASE, per_module={"vision": PER_MODULE["vision"]})
+    with pytest.raises(ValueError, match=r"the state holds modules \['language', 'vision'\], this rank's optimizer "
+                                         r"\['audio', 'language', 'vision'\]"):
+        full.load_state_dict(copy.deepcopy(without_audio.state_dict()))
+    with pytest.raises(ValueError, match=r"the state holds modules \['audio', 'language', 'vision'\], this rank's "
+                                         r"optimizer \['language', 'vision'\]"):
+        without_audio.load_state_dict(copy.deepcopy(full.state_dict()))
+    assert all(not opt.state for opt in without_audio.optimizers.values())  # nothing loaded
+    state = copy.deepcopy(full.state_dict())
+    state["names"]["vision"] = [n.replace("encoder.", "tower.") for n in state["names"]["vision"]]
+    with pytest.raises(ValueError, match=r"module 'vision''s saved state is of other parameters than this rank's "
+                                         r"\(missing \['encoder\."):
+        MimoOptimizer(_OneProcess(copy.deepcopy(modules)), BASE, per_module=PER_MODULE).load_state_dict(state)
+
+
 def test_config_errors() -> None:
     model = _OneProcess(_all_modules())
     with pytest.raises(ValueError, match=r"\['video'\] are not modules.*\['vision', 'audio', 'language'\]"):

@@ -334,6 +334,10 @@ def test_packed_rows_equal_their_samples_alone(tiny: str) -> None:
             one = alone.train.batch([index])
             n = len(alone.train[index].tokens)
             assert torch.equal(batch.labels[b, start:start + n], one.labels[0, :n])
+            # each document's positions from 0 (documented): with rotary embeddings alone a document's
+            # constant offset changes no logit, so the logits below cannot tell (a user decoder's
+            # absolute positions would)
+            assert batch.positions[b, start:start + n].tolist() == list(range(n)), (row, index)
             torch.testing.assert_close(got[b, start:start + n], _logits(modules, one)[0, :n], rtol=1e-5, atol=1e-5)
             start += n
 
