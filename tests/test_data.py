@@ -773,6 +773,50 @@ def test_an_image_its_processor_sizes_unlike_the_others_is_a_media_error(tmp_pat
         assert torch.equal(inputs[0], square if 0 in rows else torch.zeros_like(square))
 
 
+def test_media_no_sample_could_be_read_with_are_refused_when_the_dataset_is_built(tmp_path) -> None:
+    """Two image towers (a SigLIP and a CLIP one, as hybrid-vision models have) given one
+    `MediaSpec` each, or a spec whose special_token_id is not the tokenizer's <image>: the dataset
+    was built, and every sample with an image then failed as if its own placeholders were wrong
+    ("sample 's0': 0 <image> token(s) after tokenization but 1 item(s)"), at the first such sample
+    a batch met. Refused when the dataset is built, naming the encoders (or the id) and the fix;
+    one spec per modality, each with its placeholder's id, builds the rows as before. So is a
+    `MediaSpec` whose items' rows nothing could count (below)."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dtensor_mimo.data.conversation import ConversationDataset, DataError, MediaSpec
+
+    vocab = {f"t{i}": i for i in range(60)} | {"<unk>": 60, "<image>": 61, "<audio>": 62}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                                     additional_special_tokens=["<image>", "<audio>"])
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"id": "s0", "image": "a.png", "conversations": [
+        {"from": "human", "value": "<image> t1"}, {"from": "gpt", "value": "t2"}]}) + "\n")
+
+    def spec(modality: str, token: int) -> MediaSpec:
+        return MediaSpec(modality, token, 4, (3, 16, 16), lambda paths: torch.zeros(len(paths), 3, 16, 16))
+
+    with pytest.raises(DataError, match=re.escape("media: encoders ['siglip', 'clip'] all take 'image' items, but "
+                                                  "each <image> placeholder")):
+        ConversationDataset(str(path), tokenizer, {"siglip": spec("image", 61), "clip": spec("image", 61)}, 16)
+    with pytest.raises(DataError, match=re.escape("media['audio']: special_token_id = 61, but the tokenizer makes "
+                                                  "<audio> the token(s) [62]")):
+        ConversationDataset(str(path), tokenizer, {"vision": spec("image", 61), "audio": spec("audio", 61)}, 16)
+    data = ConversationDataset(str(path), tokenizer, {"vision": spec("image", 61), "audio": spec("audio", 62)}, 16)
+    assert data[0].tokens == [61] * 4 + [1, 2] and data.batch([0]).modalities["vision"].items_per_sample == (1,)
+    # A clip spec whose frame count nothing reads (shape_of): each clip's row got one frame's rows, and every
+    # clip was then refused as a broken file; rows without a rule (tokens_for): a bare TypeError.
+    with pytest.raises(ValueError, match=r"MediaSpec\('video'\): frames=True needs shape_of"):
+        MediaSpec("video", 63, 4, (3, 16, 16), lambda paths: [], frames=True)
+    with pytest.raises(ValueError, match=r"MediaSpec\('image'\): shape_of and tokens_for go together"):
+        MediaSpec("image", 61, 4, (), lambda paths: [], shape_of=lambda path: (3, 16, 16))
+
+
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
               r"|\s+(?!\S)|\s+")
 """Qwen2's pre-tokenizer: a run of whitespace ending in newlines is one piece ("\\n\\n" one token)."""

@@ -13,6 +13,11 @@ by `examples/make_tiny_llava.py` (no download).
 | test_packed_rows_equal_their_samples_alone  | data.pack: every sample once; a packed row's logits and labels == each sample's alone; the launcher's checks pack nothing |
 | test_packed_rows_do_not_depend_on_the_layout | data.pack: the same rows whatever the layout rounds seq_len to |
 | test_bad_input_fails_before_any_process     | missing dirs/files, unsupported architecture, placeholder count, tokenizer without template, processor size, checkpoint.load without checkpoints |
+| test_placeholders_unlike_the_items_past_the_checked_samples_name_the_file_and_sample |     |
+|                                             | image + audio encoders: a placeholder count unlike the items, |
+|                                             | launcher or rank, names data.path, the sample, the fix |
+| test_heldout_scores_of_an_encoder_no_heldout_sample_has_are_json_null | held-out data without audio:   |
+|                                             | heldout_with_audio is JSON null in metrics.jsonl, not NaN |
 | test_a_decoder_smaller_than_its_tokenizer_fails_before_any_process | vocab < tokenizer: launcher |
 | test_a_llava_projector_that_cannot_load_fails_before_any_process | LLaVA projector misfit: launcher |
 | test_an_error_inside_the_ranks_is_printed_once | a factory raising on every rank: one traceback, the ranks named |
@@ -196,6 +201,78 @@ def test_items_no_encoder_takes_past_the_checked_samples_are_refused(tiny: str) 
         with pytest.raises(DataError, match=f"data.path = 'data/late_audio.jsonl': sample '{sid}' has audio items "
                                             r"but no encoder takes 'audio' \(model.encoders.<name>.modality\)"):
             data.train.batch([index])
+
+
+def test_placeholders_unlike_the_items_past_the_checked_samples_name_the_file_and_sample(tiny: str) -> None:
+    """An image and an audio encoder: the launcher refuses a sample whose placeholders of a
+    modality are not as many as its items among the first 256 (naming data.path, the sample and the
+    fix); one further on, with its placeholders in a later turn, is refused by a rank in the same
+    words (counted as the chat template renders its turns). It was "sample 't-300': 1 <image>
+    token(s) after tokenization but 2 item(s)": no file (data.path or data.heldout?), no fix."""
+    from dtensor_mimo.data.conversation import DataError
+
+    good = {"conversations": [{"from": "human", "value": "repeat : red"}, {"from": "gpt", "value": "red"}]}
+    data_dir = os.path.join(tiny, "data")
+    tone = next(os.path.join("audio", f) for f in sorted(os.listdir(os.path.join(data_dir, "audio"))))
+    images = [os.path.join("images", f) for f in sorted(os.listdir(os.path.join(data_dir, "images")))[:2]]
+    turns = [{"from": "human", "value": "repeat : red"}, {"from": "gpt", "value": "red"}]
+    bad = {"t-300": {"image": images, "audio": tone, "conversations": [
+               *turns, {"from": "human", "value": "<audio> and <image> ?"}, {"from": "gpt", "value": "low"}]},
+           "t-301": {"audio": [tone], "image": images[0], "conversations": [
+               *turns, {"from": "human", "value": "<image> <audio> <audio> ?"}, {"from": "gpt", "value": "low"}]}}
+    expected = {"t-300": ("1 <image> placeholder(s)", "but 2 image item(s); put one <image> in the text"),
+                "t-301": ("2 <audio> placeholder(s)", "but 1 audio item(s); put one <audio> in the text")}
+    rendered = " (in its turns as the chat template renders them) "
+    audio = ["--model.encoders.audio.hf", "ckpt/whisper", "--model.encoders.audio.modality", "audio"]
+    for late in (False, True):
+        path = os.path.join(data_dir, f"count_{late}.jsonl")
+        with open(path, "w") as f:
+            for k in range(300 if late else 0):
+                f.write(json.dumps({"id": f"t-{k}", **good}) + "\n")
+            for sid, sample in bad.items():
+                f.write(json.dumps({"id": sid, **sample}) + "\n")
+            f.write(json.dumps({"id": "fine", **good}) + "\n")
+        argv = ["--data.path", f"data/count_{late}.jsonl", "--data.heldout", "none", "--data.batch_size", "2", *audio]
+        if not late:  # the launcher's check names the first
+            with pytest.raises(ConfigError, match=re.escape(f"data.path = 'data/count_{late}.jsonl': sample 't-300' "
+                                                            f"has {' '.join(expected['t-300'])}")):
+                _dataset(tiny, *argv)
+            continue
+        data, _ = _dataset(tiny, *argv)
+        assert data.train.batch([0, 302]).modalities["audio"].items_per_sample == (0, 0)
+        for index, sid in enumerate(bad, start=300):
+            with pytest.raises(DataError, match=re.escape(f"data.path = 'data/count_{late}.jsonl': sample {sid!r} "
+                                                          f"has {rendered.join(expected[sid])}")):
+                data.train.batch([index])
+
+
+def _strict_json(line: str) -> dict:
+    """A JSON line as RFC 8259 has it (JavaScript's JSON.parse, Go's encoding/json): no NaN / Infinity."""
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON: {line.strip()}")
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_heldout_scores_of_an_encoder_no_heldout_sample_has_are_json_null(tiny: str, tmp_path) -> None:
+    """An image and an audio encoder, held-out samples with images only: the part "with audio"
+    counts no answer. metrics.jsonl (one JSON object per record, as the docs say) wrote it as
+    ``"heldout_with_audio": NaN``, which no JSON parser but Python's reads (every record after it
+    unreadable to JSON.parse, Go, jq streams...); it is null, as an MFU the run cannot know is."""
+    argv = [*ORACLE, "--train.steps", "1", "--lr_schedule.warmup_steps", "0", "--data.heldout_samples", "4",
+            "--metrics.jsonl", str(tmp_path / "m.jsonl"),
+            "--data.path", "data/mixed_audio.jsonl", "--model.encoders.audio.hf", "ckpt/whisper",
+            "--model.encoders.audio.modality", "audio", "--layout.image.offset", "0", "--layout.audio.offset", "0",
+            "--layout.language.offset", "0"]
+    images = [json.loads(line) for line in open(os.path.join(tiny, "data", "train.jsonl"))][:8]
+    tones = [json.loads(line) for line in open(os.path.join(tiny, "data", "audio_train.jsonl"))][:8]
+    with open(os.path.join(tiny, "data", "mixed_audio.jsonl"), "w") as f:
+        f.writelines(json.dumps(s) + "\n" for s in images + tones)
+    result = _run(tiny, argv)
+    assert result["with image"] >= 0 and result["with audio"] != result["with audio"]  # NaN: nothing counted
+    records = [_strict_json(line) for line in open(tmp_path / "m.jsonl")]
+    scores = next(r for r in records if "heldout_answer" in r)
+    assert scores["heldout_with_audio"] is None and isinstance(scores["heldout_with_image"], float)
+    assert isinstance(records[0]["loss"], float) and records[0]["mfu"] is None
 
 
 def test_answers_end_at_the_end_of_turn_token_when_eos_is_another(tiny: str, tmp_path) -> None:

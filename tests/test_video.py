@@ -127,7 +127,8 @@ def test_a_frame_text_with_another_field_is_refused_when_built() -> None:
 
     with pytest.raises(ValueError, match=r"frame_text='Frame \{frame\} of \{total\}' holds more than \{frame\}"):
         MediaSpec("video", 7, 16, (3, 16, 16), lambda paths: [], frames=True, frame_text="Frame {frame} of {total}")
-    assert MediaSpec("video", 7, 16, (3, 16, 16), lambda paths: [], frames=True, frame_text="{{{frame}}}").frame_text
+    assert MediaSpec("video", 7, 16, (3, 16, 16), lambda paths: [], frames=True, frame_text="{{{frame}}}",
+                     shape_of=lambda path: (1, 3, 16, 16), tokens_for=lambda shape: 16).frame_text
 
 
 # ---------------------------------------------------------------------------- data

@@ -135,6 +135,16 @@ class MediaSpec:
                              "frames (frames=True)")
         if self.frame_text and (problem := frame_text_problem(self.frame_text)):
             raise ValueError(f"MediaSpec({self.modality!r}): frame_text={self.frame_text!r} {problem}")
+        # Without them an item's rows would be tokens_per_item whatever its file: a clip's frames (or an
+        # item of its own size) then unlike its row, every file refused as broken; or a bare TypeError.
+        if self.frames and self.shape_of is None:
+            raise ValueError(f"MediaSpec({self.modality!r}): frames=True needs shape_of, a clip's input shape "
+                             "(frames, C, H, W) from its header (e.g. video_inputs(...).shape): its placeholder "
+                             "expands to every frame's rows")
+        if (self.shape_of is None) != (self.tokens_for is None):
+            raise ValueError(f"MediaSpec({self.modality!r}): shape_of and tokens_for go together (an item's input "
+                             "shape from its file, and the encoder's rows for that shape, e.g. "
+                             "ViTConfig.tokens_for); give both or neither")
 
     @property
     def varied(self) -> bool:
@@ -694,6 +704,33 @@ class audio_inputs:  # noqa: N801 - used as a function; a class so that loader w
 # ---------------------------------------------------------------------------- the dataset
 
 
+def _check_media(media: Mapping[str, MediaSpec], tokenizer: Any) -> None:
+    """DataError, when a dataset is built, for `media` no sample could be read with: a modality
+    of no placeholder, two encoders of one modality (a sample's <image> placeholders, and its
+    "image" items, go to one encoder), or a spec whose special_token_id is not the one token the
+    tokenizer makes of its placeholder. Each would otherwise be found only in the first sample
+    holding such an item, and named as that sample's fault (its placeholders "not" its items)."""
+    by_modality: dict[str, list[str]] = {}
+    for name, spec in media.items():
+        if spec.modality not in PLACEHOLDERS:
+            raise DataError(f"media[{name!r}]: modality {spec.modality!r} is none of {sorted(PLACEHOLDERS)} (the "
+                            "samples' keys of item paths, and the placeholders <image>, <audio>, <video>)")
+        by_modality.setdefault(spec.modality, []).append(name)
+    for modality, names in by_modality.items():
+        if len(names) > 1:
+            raise DataError(f"media: encoders {names} all take {modality!r} items, but each {PLACEHOLDERS[modality]} "
+                            f"placeholder of a sample (and each path of its {modality!r} list) goes to one encoder; "
+                            "give each modality one MediaSpec")
+    for name, spec in media.items():
+        placeholder = PLACEHOLDERS[spec.modality]
+        ids = tokenizer(placeholder, add_special_tokens=False)["input_ids"]
+        if ids != [spec.special_token_id]:
+            raise DataError(f"media[{name!r}]: special_token_id = {spec.special_token_id}, but the tokenizer makes "
+                            f"{placeholder} the token(s) {ids}: the samples' {placeholder} would never be found; "
+                            f"add {placeholder} to the tokenizer as a special token and give its id "
+                            f"(tokenizer.convert_tokens_to_ids({placeholder!r}))")
+
+
 class ConversationDataset(Dataset):
     """The samples of a LLaVA conversation file as `MimoBatch` rows of `seq_len` tokens.
 
@@ -742,6 +779,7 @@ class ConversationDataset(Dataset):
         self.samples = self.source  # sample i's dict as written: self.samples[i]
         self.root = self.source.root
         self.truncate = truncate
+        _check_media(self.media, tokenizer)
         self.by_modality = {spec.modality: name for name, spec in self.media.items()}
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = 0 if pad is None else pad
@@ -910,9 +948,13 @@ class ConversationDataset(Dataset):
             spans[name].append(len(tokens) - starts[name][-1])
             is_answer += [False] * spans[name][-1]
         for name, found in starts.items():
-            if len(found) != len(items[name]):
-                raise DataError(f"sample {sid!r}: {len(found)} {PLACEHOLDERS[self.media[name].modality]} "
-                                f"token(s) after tokenization but {len(items[name])} item(s)")
+            if len(found) != len(items[name]):  # (the launcher checks only the first samples: `check_samples`)
+                modality = self.media[name].modality
+                placeholder = PLACEHOLDERS[modality]
+                raise DataError(f"{self.source.describe()}: sample {sid!r} has {len(found)} {placeholder} "
+                                f"placeholder(s) (in its turns as the chat template renders them) but "
+                                f"{len(items[name])} {modality} item(s); put one {placeholder} in the text where "
+                                "each item goes")
         limit = getattr(self, "seq_len", 0)
         answer_cut = False
         if limit and len(tokens) > limit:

@@ -189,7 +189,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.write(json.dumps(_json_values(record), allow_nan=False) + "\n")
             self._jsonl.flush()
         if self._tb is None and self._tb_dir is not None:
             # A resumed run logs again the steps after its checkpoint that the stopped run had
@@ -217,6 +217,13 @@ class MetricsLogger:
         for handle in (self._jsonl, self._tb, self._bar):
             if handle is not None:
                 handle.close()
+
+
+def _json_values(record: Mapping[str, Any]) -> dict[str, Any]:
+    """`record` as JSON can hold it: a number that is not finite (a held-out part no sample counts
+    in, a skipped step's gradient norm) is null; Python's NaN / Infinity literals are no JSON, and
+    other readers (JavaScript's JSON.parse, Go, strict parsers) refuse the whole line."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
 
 
 def _drop_records_after(path: str, step: int, evaluation_of_step: bool = False) -> int:
