@@ -5,7 +5,8 @@ input that must fail on every rank, never hang (hypothesis).
 |--------------------------------------------------------------|----------------------------------------|
 | placement: disjoint / colocated (audio too, or on ranks of   | loss, grad norm, every gradient and     |
 | its own) / encoders sharing ranks; vision pp·dp·tp (pp on     | post-step weight == the single-process  |
-| ranks of its own), audio dp·tp on vision's ranks, language    | run's (`tests.test_mimo`'s oracle, its  |
+| ranks of its own; or audio alone there, its stages too),      | run's (`tests.test_mimo`'s oracle, its  |
+| audio dp·tp on vision's ranks, language                       |                                         |
 | dp·tp·cp·pp (world <= 4), HSDP where dp is even; per module   | tolerance); every encoder rank encoded  |
 | sp (tp > 1), FSDP2 or not, dp sums during backward or after,  | its planned share; HSDP on FSDP2's 2-D  |
 | in one bucket or many, resharding, activation checkpointing,  | mesh; one hop never scatters or         |
@@ -17,7 +18,8 @@ input that must fail on every rank, never hang (hypothesis).
 | tower or whole vision; batch size (fewer samples than         | 3% of the one-process float8 run        |
 | language dp ranks unpipelined), two steps' lengths, a step    |                                         |
 | with no item at all; items of their own size; meta init;      |                                         |
-| predict; the head's chunk small; float8 (emulated) modules    |                                         |
+| predict; the head's chunk small; float8 (emulated) modules;   |                                         |
+| modules compiled (aot_eager; drawn last, one case in five)    |                                         |
 | a valid layout (vision dp, tp or pp; language dp, tp, cp or   | every rank raises, the error naming     |
 | pp; colocated or not) + one malformation: microbatches that   | what is wrong (no rank left waiting:    |
 | do not cut the batch, tokens_per_item or image size the       | the harness times out otherwise)        |
@@ -26,7 +28,8 @@ input that must fail on every rank, never hang (hypothesis).
 | length cp's chunks do not cut, items of their own size at     |                                         |
 | encoder pp                                                    |                                         |
 
-The suite runs a few derandomized examples (two drawn from `SUITE_SEED`, plus `RICH`; about 30 s
+The suite runs a few derandomized examples (two drawn from `SUITE_SEED`, plus `RICH` and the shrunk
+draws that failed once, `EMPTY_COMPILED_SP`; about 30 s
 on 2 cores);
 ``make fuzz`` runs
 ``DTENSOR_MIMO_FUZZ_EXAMPLES`` (default there: 40) random ones. Layouts the library refuses by
@@ -108,6 +111,8 @@ def cases(draw) -> Case:
     else:
         v_dp, v_tp = draw(st.sampled_from([1, 2, 3])), draw(tp)
         v_pp = draw(st.sampled_from([1, 2])) if placement == "disjoint" else 1  # encoder stages: ranks of its own
+        # the encoder on ranks of its own: the ViT, or the audio tower (its stages too)
+        encoder = draw(st.sampled_from(["vision", "audio"])) if placement == "disjoint" else "vision"
         language = _parallelism(draw, draw(st.sampled_from([1, 2])), draw(tp), cp=draw(st.sampled_from([1, 2])),
                                 pp=draw(st.sampled_from([1, 2])))
         vision = _parallelism(draw, v_dp, v_tp, pp=v_pp)
@@ -117,7 +122,7 @@ def cases(draw) -> Case:
             modules = {"vision": vision, "audio": _parallelism(draw, vision.size // a_tp, a_tp), "language": language}
             offsets = {"vision": 0, "audio": 0, "language": vision.size}
         else:
-            modules, offsets = {"vision": vision, "language": language}, None
+            modules, offsets = {encoder: vision, "language": language}, None
     lang = modules["language"]
     microbatches = draw(st.sampled_from([1, 2, 3, 4]))
     # a static-shape pipeline: even microbatches and dp shards
@@ -134,13 +139,14 @@ def cases(draw) -> Case:
     varied = draw(st.booleans())  # items of their own size (images, clips)
     lengths = [64, 96] if "audio" in modules or varied else [32, 48, 64]  # room for every item of a sample
     seq_lens = tuple(draw(st.sampled_from(lengths)) for _ in range(2))
-    frozen = draw(st.sampled_from([(), ("vision.encoder",), ("vision",)]
+    frozen = draw(st.sampled_from([(), ("audio.encoder",), ("audio",)] if "vision" not in modules else
+                                  [(), ("vision.encoder",), ("vision",)]
                                   + ([("audio.encoder",), ("vision.encoder", "audio.encoder")]
                                      if "audio" in modules else [])))
     fp8 = draw(st.sampled_from([False, False, False, True]))  # float8 modules (emulated): a looser oracle
-    return Case(modules, offsets=offsets,
-                options={n: _options(draw, par, n != "language", placement == "colocated" and offsets[n] == 0, fp8)
-                         for n, par in modules.items()},
+    options = {n: _options(draw, par, n != "language", placement == "colocated" and offsets[n] == 0, fp8)
+               for n, par in modules.items()}
+    case = Case(modules, offsets=offsets, options=options,
                 varied=varied, packed=draw(st.booleans()), batch_size=batch_size, seq_lens=seq_lens,
                 n_layers=max(2, stages) if split is None else sum(split), frozen=frozen,
                 pipeline=PipelineConfig(microbatches=microbatches, schedule=schedule,
@@ -148,6 +154,11 @@ def cases(draw) -> Case:
                 bridge_hops=draw(st.sampled_from([None, 1, 2])),
                 text_only_steps=(1,) if draw(st.booleans()) else (), meta=draw(st.booleans()),
                 predict=draw(st.booleans()), loss_chunk_rows=draw(st.sampled_from([None, 16])))
+    # drawn last, so that the draws before them (the suite's derandomized ones) stay as they were
+    if draw(st.sampled_from([False] * 4 + [True])):  # modules compiled (aot_eager: no C++ build)
+        options = {n: dataclasses.replace(o, compile=draw(st.booleans()), compile_backend="aot_eager")
+                   for n, o in options.items()}
+    return dataclasses.replace(case, options=options)
 
 
 def _refused(case: Case) -> str | None:
@@ -199,10 +210,17 @@ RICH = Case({"vision": Parallelism(), "audio": Parallelism(), "language": Parall
             offsets={"vision": 0, "audio": 0, "language": 1}, packed=True, batch_size=4, seq_lens=(48, 64),
             frozen=("vision.encoder",), pipeline=PipelineConfig(microbatches=2), text_only_steps=(1,))
 
+# Shrunk from a draw: a compiled encoder under tp with sp, a microbatch without images (the first
+# of two): dynamo failed on the empty sequence shard on the encoder's ranks, the language rank waiting.
+EMPTY_COMPILED_SP = Case({"vision": Parallelism(tp=2), "language": Parallelism()},
+                         options={"vision": ParallelOptions(sp=True, compile=True, compile_backend="aot_eager")},
+                         batch_size=2, seq_lens=(32, 32), pipeline=PipelineConfig(microbatches=2))
+
 
 @FUZZ
 @SUITE_SEED
 @example(case=RICH)
+@example(case=EMPTY_COMPILED_SP)
 @given(case=cases())
 def test_random_layouts_and_batches_match_the_single_process_run(case: Case) -> None:
     assume(_refused(case) is None)

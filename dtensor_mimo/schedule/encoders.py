@@ -335,14 +335,21 @@ class LocalEncoders:
         padded: names of the encoders whose items are padded to the step's bucket.
         independent: names of the encoders whose rows of an item depend on that item alone (the
             same on every rank of an encoder: the calls, and so FSDP2's collectives, match).
+        pad_empty: names of the encoders (of the library's, `independent_items`) whose call on no
+            item runs on one zero item instead, its rows dropped: compiled blocks under tp with sp,
+            which dynamo cannot trace on a sequence shard of an empty batch (torch 2.13:
+            "unhashable type: non-nested SymInt", on the encoder's ranks only, the language ranks
+            left waiting for its rows).
         device: the device the encoders and their items are on: whose random state a
             recomputation replays (items of their own sizes come as a list, possibly empty).
     """
 
     def __init__(self, encoders: Mapping[str, nn.Module], inputs: Sequence[Mapping[str, torch.Tensor]],
                  dtype: torch.dtype, recompute: Collection[str] = (), padded: Collection[str] = (),
-                 independent: Collection[str] = (), device: torch.device = torch.device("cpu")) -> None:
+                 independent: Collection[str] = (), device: torch.device = torch.device("cpu"),
+                 pad_empty: Collection[str] = ()) -> None:
         self.encoders, self.inputs, self.dtype, self.device = encoders, inputs, dtype, device
+        self.pad_empty = set(pad_empty)
         self.recompute = set(recompute)
         self.padded, self.independent = set(padded), set(independent)
         self.buckets: dict[str, int] = {}
@@ -385,12 +392,13 @@ class LocalEncoders:
         """Encoder `name`'s rows of items `x`, in the bridge's dtype; run on the step's bucket of
         items when it pads them, the rows of the padding dropped."""
         bucket = self.buckets.get(name)
-        if (bucket is None and isinstance(x, torch.Tensor) and len(x) == 0 and torch_compat.RELEASE < (2, 13)
-                and name in self.independent):
+        if (bucket is None and isinstance(x, torch.Tensor) and len(x) == 0
+                and (torch_compat.RELEASE < (2, 13) and name in self.independent or name in self.pad_empty)):
             # torch 2.11's DTensor cannot view an empty batch [0, tokens, dim] (its view rule
-            # raises IndexError), which a tp encoder meets on a microbatch without items: one
-            # zero item instead, its rows dropped (no rows, every parameter a zero gradient);
-            # only where an item's rows depend on that item alone (no batch statistics to shift).
+            # raises IndexError), which a tp encoder meets on a microbatch without items, nor can
+            # 2.13's dynamo trace one under sp (`pad_empty`): one zero item instead, its rows
+            # dropped (no rows, every parameter a zero gradient); only where an item's rows
+            # depend on that item alone (no batch statistics to shift).
             bucket = 1
         if bucket is None or len(x) == bucket:
             return _plain(self.encoders[name](x)).to(self.dtype)

@@ -36,7 +36,8 @@ from dtensor_mimo.layout import MimoLayout, Parallelism
 from dtensor_mimo.parallelize import GradientReducer, ParallelOptions, reshard_fsdp_modules
 from dtensor_mimo.schedule.config import PipelineConfig
 from dtensor_mimo.schedule.crossing import Crossing, CrossingSetup
-from dtensor_mimo.schedule.encoders import Accumulation, EncoderPipeline, LocalEncoders, independent_rows
+from dtensor_mimo.schedule.encoders import (Accumulation, EncoderPipeline, LocalEncoders, independent_items,
+                                            independent_rows)
 from dtensor_mimo.schedule.feed import LanguageFeed
 from dtensor_mimo.schedule.language import LanguagePipeline
 from dtensor_mimo.schedule.order import first_stage_actions
@@ -106,6 +107,14 @@ class RankParts:
         step's microbatches in one call. Decided once, not per step, the same on every rank of
         an encoder."""
         return frozenset(n for n, m in self.encoders.items() if independent_rows(m, self.options[n]))
+
+    @functools.cached_property
+    def empty_padded_encoders(self) -> frozenset[str]:
+        """This rank's pp = 1 encoders (the library's, `independent_items`) whose call on no item
+        `LocalEncoders` runs on one zero item: blocks compiled under tp with sp."""
+        return frozenset(n for n, m in self.encoders.items()
+                         if independent_items(m) and self.options[n].compile and self.options[n].sp
+                         and self.layout.parallelism(n).tp > 1)
 
     @functools.cached_property
     def padded_encoders(self) -> frozenset[str]:
@@ -216,7 +225,7 @@ class _Run:
         local = {n: parts.encoders[n] for n in held if n in parts.encoders}
         self.local = LocalEncoders(local, inputs, parts.dtype, recompute if shape.mode == "train" else (),
                                    parts.padded_encoders & local.keys(), parts.independent_encoders & local.keys(),
-                                   parts.device)
+                                   parts.device, parts.empty_padded_encoders & local.keys())
         self.accumulation: Accumulation | None = None
         self.received: dict[int, list[Delivery]] = {}  # forward crossings this rank receives
         self.grads: dict[int, list[Delivery]] = {}  # backward crossings this rank receives
