@@ -317,6 +317,7 @@ def test_options_are_validated():
     with pytest.raises(TypeError, match=r"reduce_dtype=torch.int32 must be a floating dtype"):
         ParallelOptions(reduce_dtype=torch.int32)
     assert ParallelOptions(param_dtype="bf16").param_dtype is torch.bfloat16
+    assert ParallelOptions(param_dtype="torch.bfloat16").param_dtype is torch.bfloat16  # the spelling --help shows
     assert ParallelOptions(param_dtype="bf16").gradient_reduce_dtype is torch.float32  # fp32 sums by default
     assert ParallelOptions(param_dtype="bf16", reduce_dtype="bf16").gradient_reduce_dtype is torch.bfloat16
     assert ParallelOptions().gradient_reduce_dtype is None

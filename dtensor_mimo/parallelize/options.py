@@ -209,8 +209,8 @@ class ParallelOptions:
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
-            if isinstance(value, str) and value in DTYPES:
-                object.__setattr__(self, name, DTYPES[value])
+            if isinstance(value, str) and value.removeprefix("torch.") in DTYPES:  # "torch.bfloat16" as written in code
+                object.__setattr__(self, name, DTYPES[value.removeprefix("torch.")])
             elif value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise TypeError(f"ParallelOptions: {name}={value!r} must be a floating dtype such as "
                                 f"torch.bfloat16, one of {sorted(DTYPES)}, or None")
