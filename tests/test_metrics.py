@@ -238,6 +238,8 @@ def test_a_resumed_run_replaces_the_jsonl_records_it_logs_again(tmp_path) -> Non
     for step in range(1, 6):
         first.log({"step": step, "loss": float(step)}, "")
     first.log({"step": 3, "heldout_answer": 0.5}, "")  # logged late: a step before the resume's, kept
+    first.log({"step": 4, "checkpoint": "c3", "checkpoint_step": 3}, "")  # the one resumed from: kept
+    first.log({"step": 5, "checkpoint": "c4", "checkpoint_step": 4}, "")  # written after it: dropped
     first.close()
     with open(path, "a") as f:
         f.write('{"step": 6, "lo')  # killed while writing
@@ -249,9 +251,34 @@ def test_a_resumed_run_replaces_the_jsonl_records_it_logs_again(tmp_path) -> Non
     resumed.close()
     with open(path) as f:
         records = [json.loads(line) for line in f]
-    assert [(r["step"], r.get("loss")) for r in records] == [(1, 1.0), (2, 2.0), (3, 3.0), (3, None), (4, 40.0),
-                                                              (5, 50.0)]
-    assert f"{path}: dropped 2 record(s) of steps after 3 written by an earlier run" in out.getvalue()
+    assert [(r["step"], r.get("loss")) for r in records] == [(1, 1.0), (2, 2.0), (3, 3.0), (3, None), (4, None),
+                                                              (4, 40.0), (5, 50.0)]
+    assert records[4]["checkpoint_step"] == 3
+    assert f"{path}: dropped 3 record(s) of steps after 3 written by an earlier run" in out.getvalue()
+
+
+def test_a_run_from_step_0_or_into_no_regular_file_appends_to_the_jsonl(tmp_path) -> None:
+    """Only a resumed run drops records: one from step 0 appends to a file that holds another run's
+    (nothing of it lost), and so does a resumed one whose JSONL is not a regular file (a FIFO here,
+    ``/dev/stdout`` piped to ``tee`` in use: reading it would block), which says so."""
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 7, "loss": 1.0}\n')
+    fresh = metrics.MetricsLogger(True, 5, str(path), None, "off", out=open(os.devnull, "w"))
+    fresh.start_at(0)
+    fresh.log({"step": 1, "loss": 2.0}, "")
+    fresh.close()
+    assert [json.loads(line)["step"] for line in open(path)] == [7, 1]
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # the other end, as tee's
+    out = io.StringIO()
+    resumed = metrics.MetricsLogger(True, 5, str(fifo), None, "off", out=out)
+    resumed.start_at(3)  # returns: the file is not read
+    resumed.log({"step": 4, "loss": 3.0}, "")
+    resumed.close()
+    assert json.loads(os.read(reader, 1000).decode()) == {"step": 4, "loss": 3.0}
+    os.close(reader)
+    assert f"{fifo} is not a regular file: records an earlier run wrote of steps after 3 stay in it" in out.getvalue()
 
 
 def _train(argv: list[str]) -> None:

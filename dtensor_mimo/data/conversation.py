@@ -707,8 +707,9 @@ class audio_inputs:  # noqa: N801 - used as a function; a class so that loader w
 def _check_media(media: Mapping[str, MediaSpec], tokenizer: Any) -> None:
     """DataError, when a dataset is built, for `media` no sample could be read with: a modality
     of no placeholder, two encoders of one modality (a sample's <image> placeholders, and its
-    "image" items, go to one encoder), or a spec whose special_token_id is not the one token the
-    tokenizer makes of its placeholder. Each would otherwise be found only in the first sample
+    "image" items, go to one encoder), or a spec whose special_token_id is none of the tokens the
+    tokenizer makes of its placeholder, alone or within text (each sample's count of it is
+    checked as it is read). Each would otherwise be found only in the first sample
     holding such an item, and named as that sample's fault (its placeholders "not" its items)."""
     by_modality: dict[str, list[str]] = {}
     for name, spec in media.items():
@@ -724,7 +725,9 @@ def _check_media(media: Mapping[str, MediaSpec], tokenizer: Any) -> None:
     for name, spec in media.items():
         placeholder = PLACEHOLDERS[spec.modality]
         ids = tokenizer(placeholder, add_special_tokens=False)["input_ids"]
-        if ids != [spec.special_token_id]:
+        # also within text: a vocabulary may hold the placeholder only with its leading space
+        within = tokenizer(f"a {placeholder} a", add_special_tokens=False)["input_ids"]
+        if spec.special_token_id not in (*ids, *within):
             raise DataError(f"media[{name!r}]: special_token_id = {spec.special_token_id}, but the tokenizer makes "
                             f"{placeholder} the token(s) {ids}: the samples' {placeholder} would never be found; "
                             f"add {placeholder} to the tokenizer as a special token and give its id "

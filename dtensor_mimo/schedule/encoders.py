@@ -40,7 +40,7 @@ from torch.distributed.pipelining.schedules import ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate
 
 from dtensor_mimo.bridge.hops import Delivery
-from dtensor_mimo.layout import MimoLayout, torch_compat
+from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.models import FlexAttentionCore
 from dtensor_mimo.models.vit import self_attentions
 from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, fsdp_units, parallelize, stacks
@@ -335,11 +335,10 @@ class LocalEncoders:
         padded: names of the encoders whose items are padded to the step's bucket.
         independent: names of the encoders whose rows of an item depend on that item alone (the
             same on every rank of an encoder: the calls, and so FSDP2's collectives, match).
-        pad_empty: names of the encoders (of the library's, `independent_items`) whose call on no
-            item runs on one zero item instead, its rows dropped: compiled blocks under tp with sp,
-            which dynamo cannot trace on a sequence shard of an empty batch (torch 2.13:
-            "unhashable type: non-nested SymInt", on the encoder's ranks only, the language ranks
-            left waiting for its rows).
+        pad_empty: names of the encoders whose call on no item runs on one zero item instead, its
+            rows dropped (`RankParts.empty_padded_encoders`: where torch cannot run the empty call,
+            e.g. dynamo tracing the sequence shard of compiled blocks under tp with sp, "unhashable
+            type: non-nested SymInt" on the encoder's ranks only, the language ranks left waiting).
         device: the device the encoders and their items are on: whose random state a
             recomputation replays (items of their own sizes come as a list, possibly empty).
     """
@@ -392,13 +391,11 @@ class LocalEncoders:
         """Encoder `name`'s rows of items `x`, in the bridge's dtype; run on the step's bucket of
         items when it pads them, the rows of the padding dropped."""
         bucket = self.buckets.get(name)
-        if (bucket is None and isinstance(x, torch.Tensor) and len(x) == 0
-                and (torch_compat.RELEASE < (2, 13) and name in self.independent or name in self.pad_empty)):
+        if bucket is None and isinstance(x, torch.Tensor) and len(x) == 0 and name in self.pad_empty:
             # torch 2.11's DTensor cannot view an empty batch [0, tokens, dim] (its view rule
             # raises IndexError), which a tp encoder meets on a microbatch without items, nor can
-            # 2.13's dynamo trace one under sp (`pad_empty`): one zero item instead, its rows
-            # dropped (no rows, every parameter a zero gradient); only where an item's rows
-            # depend on that item alone (no batch statistics to shift).
+            # 2.13's dynamo trace one under sp: one zero item instead, its rows dropped (no rows,
+            # every parameter a zero gradient)
             bucket = 1
         if bucket is None or len(x) == bucket:
             return _plain(self.encoders[name](x)).to(self.dtype)

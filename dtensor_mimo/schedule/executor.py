@@ -32,7 +32,7 @@ from dtensor_mimo.bridge.hops import Delivery
 from dtensor_mimo.data import MimoBatch, ModalityInputs, microbatches, shard
 from dtensor_mimo.data.batch import stand_in_sample
 from dtensor_mimo.data.balance import CutRule, microbatch_cuts
-from dtensor_mimo.layout import MimoLayout, Parallelism
+from dtensor_mimo.layout import MimoLayout, Parallelism, torch_compat
 from dtensor_mimo.parallelize import GradientReducer, ParallelOptions, reshard_fsdp_modules
 from dtensor_mimo.schedule.config import PipelineConfig
 from dtensor_mimo.schedule.crossing import Crossing, CrossingSetup
@@ -110,11 +110,13 @@ class RankParts:
 
     @functools.cached_property
     def empty_padded_encoders(self) -> frozenset[str]:
-        """This rank's pp = 1 encoders (the library's, `independent_items`) whose call on no item
-        `LocalEncoders` runs on one zero item: blocks compiled under tp with sp."""
-        return frozenset(n for n, m in self.encoders.items()
-                         if independent_items(m) and self.options[n].compile and self.options[n].sp
-                         and self.layout.parallelism(n).tp > 1)
+        """This rank's pp = 1 encoders whose call on no item `LocalEncoders` runs on one zero item
+        (its rows dropped; only where an item's rows depend on that item alone): on torch before
+        2.13 every such one (its DTensor cannot view an empty batch under tp), and blocks compiled
+        under tp with sp (dynamo cannot trace the empty sequence shard)."""
+        return frozenset(n for n, m in self.encoders.items() if independent_items(m) and (
+            torch_compat.RELEASE < (2, 13) and n in self.independent_encoders
+            or self.options[n].compile and self.options[n].sp and self.layout.parallelism(n).tp > 1))
 
     @functools.cached_property
     def padded_encoders(self) -> frozenset[str]:

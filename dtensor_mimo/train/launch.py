@@ -4,10 +4,11 @@ Without a launcher it starts the layout's world of local ranks itself (gloo on C
 per rank); under ``torchrun`` it joins the given world (NCCL with ``--train.device cuda``) and
 checks that the layout fits it. The config is parsed and checked before any process starts.
 
-SIGTERM / SIGINT / SIGUSR1: every rank handles them (`dtensor_mimo.train.preemption`): the run stops after
-the step in flight with a checkpoint and every rank exits with 128 + the signal's number (143,
-130), as does the own launcher, which forwards the signals it gets to its ranks (torchrun forwards
-them itself). A second signal ends the ranks at once.
+SIGTERM / SIGINT / SIGUSR1: every rank handles them (`dtensor_mimo.train.preemption`): the run stops
+after the step in flight with a checkpoint and every rank exits with 128 + the signal's number (143,
+130, 138), as does the own launcher, which forwards the signals it gets to its ranks (torchrun
+forwards them itself; SIGUSR1 only with ``--signals-to-handle`` naming it). A second signal ends the
+ranks at once.
 """
 
 from __future__ import annotations

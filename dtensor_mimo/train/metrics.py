@@ -162,11 +162,19 @@ class MetricsLogger:
 
     def start_at(self, step: int) -> None:
         """The run starts after `step` (a resumed run: its checkpoint's): the steps from ``step + 1``
-        on are the ones it logs again. The JSONL file drops the records an earlier run wrote of
-        them (as TensorBoard purges its events from ``step + 1``), so that each step is there once;
-        a last line cut short (a process killed while writing it) goes too."""
+        on are the ones it logs again. A resumed run's JSONL file drops the records an earlier run
+        wrote of them (as TensorBoard purges its events from ``step + 1``), so that each step is
+        there once; a last line cut short (a process killed while writing it) goes too. A run
+        from step 0 appends (the file may hold other runs), as does one whose file is not a
+        regular file (``/dev/stdout``: read, a pipe would block)."""
         self._purge = step + 1
-        if self._jsonl is not None:
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+        if self._jsonl is not None and step > 0:
+            if not os.path.isfile(os.path.realpath(self._jsonl_path)):
+                self.print(f"metrics.jsonl: {self._jsonl_path} is not a regular file: records an earlier run "
+                           f"wrote of steps after {step} stay in it")
+                return
             self._jsonl.close()
             # A run resumed at its last step trains nothing but evaluates that step again: an
             # earlier run's evaluation of it goes too (that run ended there, evaluated).
@@ -177,8 +185,6 @@ class MetricsLogger:
                 what = f"steps after {step}" + (f" and the held-out scores of step {step}" if again else "")
                 self.print(f"metrics.jsonl: {self._jsonl_path}: dropped {dropped} record(s) of {what} "
                            "written by an earlier run (this run logs them again)")
-        if self._bar is not None:
-            self._bar.update(step - self._bar.n)
 
     def tick(self, step: int, loss: float) -> None:
         if self._bar is not None:
@@ -240,13 +246,16 @@ def _drop_records_after(path: str, step: int, evaluation_of_step: bool = False) 
                     dropped, cut = dropped + 1, True
                     continue
                 record = None
-            if isinstance(record, dict) and isinstance(record.get("step"), int) and (
-                    record["step"] > step or (evaluation_of_step and record["step"] == step
-                                              and any(k.startswith("heldout_") for k in record))):
+            # a checkpoint's record: by the step it holds (one written in the background is
+            # logged at a later step; the checkpoint a run resumes from stays)
+            of = record.get("checkpoint_step", record.get("step")) if isinstance(record, dict) else None
+            if isinstance(of, int) and (of > step or (evaluation_of_step and of == step
+                                                      and any(k.startswith("heldout_") for k in record))):
                 dropped += 1
             else:
                 kept.append(line)
     if dropped:
+        path = os.path.realpath(path)  # a link keeps pointing at the file rewritten
         temporary = f"{path}.tmp{os.getpid()}"
         with open(temporary, "w") as f:
             f.writelines(kept)

@@ -17,7 +17,7 @@ group. What a step does on a rank:
    `train.eval_every` steps and at the end, which prints ``held-out accuracy: 0.xx``.
 
 SIGTERM / SIGINT / SIGUSR1 (`dtensor_mimo.train.preemption`): a rank that got one says so in the step's
-own all-reduce (two votes of `train_step`), so every rank learns it in the same step, whichever
+own all-reduce (a vote of `train_step` per stop signal), so every rank learns it in the same step, whichever
 rank was signalled; they finish that step, write a checkpoint (as a periodic one: atomic, with
 its manifest) and `run` returns with `stopped` set. No collective of its own: a stop waits at
 most for the step in flight.
