@@ -158,7 +158,9 @@ class MimoModel(nn.Module):
         self._trainable = {n: any(p.requires_grad for p in e.parameters()) for n, e in encoders.items()}
         trainable = {**self._trainable, language_name: any(p.requires_grad for p in language.parameters())}
         # A frozen language model's backward still carries the gradients of the encoders that train
-        carries = {n: trainable[n] or (n == language_name and any(trainable.values())) for n in self.module_names}
+        # (the encoder rows carry gradients into it)
+        backward_through_language = any(trainable.values())
+        carries = {**trainable, language_name: backward_through_language}
         trains_fp16 = [n for n in self.module_names if self.options[n].param_dtype == torch.float16 and carries[n]]
         if trains_fp16:
             # fp16 keeps 5 exponent bits: without loss scaling (which nothing here does) gradients
@@ -178,7 +180,7 @@ class MimoModel(nn.Module):
             else None
         takes_grad = {n: any(p.requires_grad for p in (e.encoder if isinstance(e, ModalityEncoder) else e).parameters())
                       for n, e in encoders.items()}
-        takes_grad[language_name] = any(trainable.values())  # the encoder rows carry gradients into it
+        takes_grad[language_name] = backward_through_language
         flexed = [n for n in self.module_names if takes_grad[n] and (
             self.options[n].language_flex(self.device, layout.parallelism(n).cp, isinstance(language, Llama))
             if n == language_name else self.options[n].flex_attention)]
