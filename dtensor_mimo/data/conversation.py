@@ -704,6 +704,15 @@ class audio_inputs:  # noqa: N801 - used as a function; a class so that loader w
 # ---------------------------------------------------------------------------- the dataset
 
 
+def shared_modalities(modalities: Mapping[str, str]) -> dict[str, list[str]]:
+    """Each modality that several encoders take, with their names (`modalities`: encoder name ->
+    modality): a sample's placeholders of a modality, and its items, go to one encoder."""
+    by_modality: dict[str, list[str]] = {}
+    for name, modality in modalities.items():
+        by_modality.setdefault(modality, []).append(name)
+    return {m: names for m, names in sorted(by_modality.items()) if len(names) > 1}
+
+
 def _check_media(media: Mapping[str, MediaSpec], tokenizer: Any) -> None:
     """DataError, when a dataset is built, for `media` no sample could be read with: a modality
     of no placeholder, two encoders of one modality (a sample's <image> placeholders, and its
@@ -711,17 +720,15 @@ def _check_media(media: Mapping[str, MediaSpec], tokenizer: Any) -> None:
     tokenizer makes of its placeholder, alone or within text (each sample's count of it is
     checked as it is read). Each would otherwise be found only in the first sample
     holding such an item, and named as that sample's fault (its placeholders "not" its items)."""
-    by_modality: dict[str, list[str]] = {}
     for name, spec in media.items():
         if spec.modality not in PLACEHOLDERS:
             raise DataError(f"media[{name!r}]: modality {spec.modality!r} is none of {sorted(PLACEHOLDERS)} (the "
                             "samples' keys of item paths, and the placeholders <image>, <audio>, <video>)")
-        by_modality.setdefault(spec.modality, []).append(name)
-    for modality, names in by_modality.items():
-        if len(names) > 1:
-            raise DataError(f"media: encoders {names} all take {modality!r} items, but each {PLACEHOLDERS[modality]} "
-                            f"placeholder of a sample (and each path of its {modality!r} list) goes to one encoder; "
-                            "give each modality one MediaSpec")
+    if shared := shared_modalities({n: spec.modality for n, spec in media.items()}):
+        modality, names = next(iter(shared.items()))
+        raise DataError(f"media: encoders {names} all take {modality!r} items, but each {PLACEHOLDERS[modality]} "
+                        f"placeholder of a sample (and each path of its {modality!r} list) goes to one encoder; "
+                        "give each modality one MediaSpec")
     for name, spec in media.items():
         placeholder = PLACEHOLDERS[spec.modality]
         ids = tokenizer(placeholder, add_special_tokens=False)["input_ids"]

@@ -64,8 +64,7 @@ class LanguageStage(nn.Module):
 
     def __init__(self, llama: nn.Module, first: bool, last: bool, cp_size: int, cp_rank: int,
                  hidden_dtype: torch.dtype | None = None, chunked_loss: bool = False,
-                 loss_compile_backend: str | None = None, whole_compile: Mapping[str, Any] | None = None,
-                 loss_compile_options: Mapping[str, Any] | None = None) -> None:
+                 loss_compile: Mapping[str, Any] | None = None, whole_compile: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.llama, self.first, self.last = llama, first, last
         # The head runs inside the loss (`linear_token_loss_sum`) for the library's decoder, whose
@@ -76,8 +75,10 @@ class LanguageStage(nn.Module):
         # a loss weight only (`loss_rows`), chunked (tp = 1) or as the decoder's own (tp > 1).
         self.plain_head = last and isinstance(llama, Llama) and type(head) is nn.Linear and head.bias is None
         self.chunked_loss = chunked_loss and self.plain_head
-        self.loss_compile_backend = loss_compile_backend  # the chunked loss's arithmetic compiled with it
-        self.loss_compile_options = loss_compile_options  # and inductor's options (the module's, not its mode)
+        # The chunked loss's arithmetic compiled with `loss_compile`'s "backend" and inductor's
+        # "options" (the module's, not its mode); None: eager
+        self.loss_compile_backend = (loss_compile or {}).get("backend")
+        self.loss_compile_options = (loss_compile or {}).get("options")
         # The decoder compiled whole (`whole_compile`: its torch.compile keywords): where its logits
         # fit in one chunk, the head and the loss join its graph (`_decoder_loss`), one compiled
         # call per forward and backward instead of a dozen eager operations each, on a host-bound
@@ -239,8 +240,8 @@ class LanguagePipeline:
             part = llama_stage(llama, bounds[s], s == 0, s == self.n_stages - 1)
             module = LanguageStage(part, s == 0, s == self.n_stages - 1, par.cp, self.cp_rank, self.dtype,
                                    chunked_loss=options.chunked_loss and par.tp == 1,
-                                   loss_compile_backend=options.compile_backend if options.compile else None,
-                                   loss_compile_options=options.compile_options if options.compile else None,
+                                   loss_compile={"backend": options.compile_backend,
+                                                 "options": options.compile_options} if options.compile else None,
                                    whole_compile=options.compile_kwargs
                                    if options.compile and options.compile_scope == "module" else None)
             self.stages.append(parallelize(module, tp_mesh, dp_mesh, options, parts=[part], name=name,

@@ -1063,11 +1063,11 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         if data.image_min_pixels and data.image_max_pixels and data.image_min_pixels > data.image_max_pixels:
             raise ConfigError(f"data.image_min_pixels = {data.image_min_pixels} is above data.image_max_pixels = "
                               f"{data.image_max_pixels}; images are resized to a pixel count between the two")
-        by_kind: dict[str, list[str]] = {}
-        for name, enc in config.model.encoders.items():
-            by_kind.setdefault(enc.modality, []).append(name)
+        from dtensor_mimo.data.conversation import shared_modalities
+
+        shared = shared_modalities({n: enc.modality for n, enc in config.model.encoders.items()})
         twice = "; ".join(f"{', '.join(f'model.encoders.{n}' for n in names)} all take {kind!r} items"
-                          for kind, names in sorted(by_kind.items()) if len(names) > 1)
+                          for kind, names in shared.items())
         if twice:
             raise ConfigError(f"{twice}: conversation data gives each <image> / <audio> / <video> placeholder to "
                               "one encoder; remove the others (a misspelt name declares a new encoder, of modality "
