@@ -3,7 +3,8 @@ each test writes with ``save_pretrained``; no download; skipped without transfor
 
 | test                                   | what                                                          |
 |----------------------------------------|---------------------------------------------------------------|
-| test_llama_family_matches_transformers | Llama 3.1 (llama3 rope scaling, tied embeddings), Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k norms, head_dim 16 != dim / heads): logits within 1e-5 after `load_hf`, 128 tokens beyond the 64 of the original context; `save_hf` -> transformers -> the same logits |
+| test_llama_family_matches_transformers | Llama 3.1 (llama3 rope scaling, tied embeddings), Mistral, Qwen2 (q/k/v biases), Qwen3 (q/k norms, head_dim 16 != dim / heads), Mistral with head_dim 16 and 6 heads over dim 32 (no Llama config can hold it): logits within 1e-5 after `load_hf`, 128 tokens beyond the 64 of the original context; `save_hf` -> transformers -> the same logits |
+| test_rope_fields_left_to_...           | llama3 rope without its original context, rope_theta out of rope_parameters |
 | test_sharded_checkpoint_and_bf16       | `save_hf` in several files with an index; bf16 weights read back exactly |
 | test_refused_configs_are_named         | what the model cannot express                                 |
 | test_load_hf_names_a_config_mismatch   | a module built from another config                            |
@@ -69,6 +70,9 @@ FAMILIES = {
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=None)),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=16)),
+    # Mistral-Nemo's kind: head_dim given, hidden_size not a multiple of the heads (32 / 6)
+    "mistral_head_dim": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=None, num_attention_heads=6,
+                                                                     head_dim=16)),
 }
 
 
@@ -99,6 +103,27 @@ def test_llama_family_matches_transformers(family: str, tmp_path) -> None:
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(back(TOKENS).logits, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("edit", ["no_original_max_position_embeddings", "rope_theta_outside_rope_parameters"])
+def test_rope_fields_left_to_transformers_fallbacks(edit: str, tmp_path) -> None:
+    """A llama3 rope whose config.json leaves out original_max_position_embeddings (transformers
+    takes max_position_embeddings), or keeps rope_theta beside rope_parameters instead of in it
+    (transformers takes the top-level one): the logits of transformers reading the same directory."""
+    path = str(tmp_path / "hf")
+    _write(path, "llama3.1")
+    file = tmp_path / "hf" / "config.json"
+    config = json.loads(file.read_text())
+    if edit == "no_original_max_position_embeddings":
+        del config["rope_parameters"]["original_max_position_embeddings"]
+    else:
+        config["rope_theta"] = config["rope_parameters"].pop("rope_theta")
+    file.write_text(json.dumps(config))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llama = Llama(LlamaConfig.from_hf(path))
+    load_hf(llama, path)
+    with torch.no_grad():
+        torch.testing.assert_close(llama(TOKENS), hf(TOKENS).logits, rtol=0, atol=1e-5)
 
 
 def test_sharded_checkpoint_and_bf16(tmp_path) -> None:

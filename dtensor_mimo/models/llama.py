@@ -105,7 +105,9 @@ class LlamaConfig:
             refused.append("attention_bias=true (an o_proj bias)")
         if c.get("use_sliding_window") or (family == "mistral" and c.get("sliding_window")):
             refused.append(f"sliding_window={c.get('sliding_window')} (attention is full causal)")
-        rope = c.get("rope_parameters") or {**(c.get("rope_scaling") or {}), "rope_theta": c.get("rope_theta", 10000.0)}
+        # transformers' fallbacks: rope_theta beside the rope fields (v4) or in them (v5), a llama3
+        # rope's original context the model's max_position_embeddings
+        rope = {"rope_theta": c.get("rope_theta", 10000.0), **(c.get("rope_parameters") or c.get("rope_scaling") or {})}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             refused.append(f"rope_type={rope_type!r} (supported: 'default', 'llama3')")
@@ -113,7 +115,8 @@ class LlamaConfig:
             raise ValueError(f"{path}: the library's Llama cannot express " + "; ".join(refused))
         scaling = None if rope_type == "default" else RopeScaling(
             factor=rope["factor"], low_freq_factor=rope["low_freq_factor"], high_freq_factor=rope["high_freq_factor"],
-            original_max_position_embeddings=rope["original_max_position_embeddings"])
+            original_max_position_embeddings=rope.get("original_max_position_embeddings",
+                                                      c.get("max_position_embeddings", 2048)))
         return cls(
             vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
             n_heads=c["num_attention_heads"], n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],

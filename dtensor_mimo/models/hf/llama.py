@@ -34,8 +34,11 @@ def llama_config_to_hf(config: LlamaConfig, dtype: str) -> dict[str, Any]:
     """A transformers ``config.json`` for `config` (the family its variants need)."""
     if config.qk_norm and config.qkv_bias:
         raise ValueError("save_hf: no Hugging Face family has both qk_norm and qkv_bias")
-    family = "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else "llama"
-    architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    # transformers' Llama requires heads that divide the width; Mistral takes any head_dim (as Mistral-Nemo's)
+    plain = "llama" if config.dim % config.n_heads == 0 else "mistral"
+    family = "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else plain
+    architecture = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM"}[family]
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_scaling is not None:
         s = config.rope_scaling
