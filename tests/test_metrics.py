@@ -146,6 +146,35 @@ def test_a_resumed_run_replaces_the_tensorboard_steps_it_logs_again(tmp_path) ->
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
 
 
+def test_a_rerun_at_the_last_step_writes_each_tensorboard_scalar_once(tmp_path) -> None:
+    """A finished run (steps 1-2 and its final evaluation at step 2) given again resumes at step 2,
+    trains nothing and evaluates step 2 again: its held-out scalars stood twice at step 2 in the
+    event files (metrics.jsonl keeps them once). A run stopped during its last step (no evaluation)
+    and rerun gets them once too, and the steps' losses stay either way."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    quiet = open(os.devnull, "w")
+    for evaluated in (True, False):
+        tb = tmp_path / str(evaluated)
+        first = metrics.MetricsLogger(True, 2, None, str(tb), "off", out=quiet)
+        first.start_at(0)
+        for step in (1, 2):
+            first.log({"step": step, "loss": float(step)}, "")
+        if evaluated:
+            first.log({"step": 2, "heldout_answer": 0.5, "heldout_loss": 1.5}, "")
+        first.close()
+        rerun = metrics.MetricsLogger(True, 2, None, str(tb), "off", out=quiet)
+        rerun.start_at(2)
+        rerun.log({"step": 2, "heldout_answer": 0.5, "heldout_loss": 1.5}, "")
+        rerun.close()
+        events = EventAccumulator(str(tb))
+        events.Reload()
+        assert [(e.step, e.value) for e in events.Scalars("heldout_answer")] == [(2, 0.5)], evaluated
+        assert [(e.step, e.value) for e in events.Scalars("heldout_loss")] == [(2, 1.5)], evaluated
+        assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 2.0)], evaluated
+
+
 def test_step_flops_count_attention_at_the_heads_width() -> None:
     """A decoder whose heads are not dim wide in all (Qwen3, Mistral-Nemo: head_dim != dim /
     n_heads): attention's scores and weighted sums run over n_heads * head_dim per token (PaLM's
@@ -335,14 +364,19 @@ def test_a_resumed_trainer_logs_each_step_once_in_the_jsonl(tmp_path) -> None:
 def test_a_finished_run_rerun_logs_its_last_evaluation_once(tmp_path) -> None:
     """The command of a finished run given again (a requeued job that had completed): it resumes
     at its last step, trains nothing and evaluates that step again. The JSONL holds that step's
-    held-out scores once (the rerun's, equal to the first run's: the same weights), not twice."""
+    held-out scores once (the rerun's, equal to the first run's: the same weights), not twice; so
+    do TensorBoard's event files."""
     pytest.importorskip("sklearn")  # the digits data
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from tests.harness import run_on_ranks
 
     argv = ["--train.steps", "2", "--data.batch_size", "4", "--pipeline.microbatches", "1",
             "--data.heldout_samples", "4", "--train.generate", "0", "--metrics.log_every", "1",
             "--metrics.progress", "off", "--layout.audio.offset", "0", "--layout.language.offset", "0",
             "--checkpoint.dir", str(tmp_path / "ckpt"), "--metrics.jsonl", str(tmp_path / "m.jsonl"),
+            "--metrics.tensorboard", str(tmp_path / "tb"),
             *[f"--options.{m}.compile=false" for m in ("vision", "audio", "language")]]
     run_on_ranks(_train, 1, argv, timeout=300)
     with open(tmp_path / "m.jsonl") as f:
@@ -355,3 +389,7 @@ def test_a_finished_run_rerun_logs_its_last_evaluation_once(tmp_path) -> None:
     assert evaluations[0]["heldout_loss"] == [r for r in first if "heldout_answer" in r][0]["heldout_loss"]
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
     assert [r["checkpoint_step"] for r in records if "checkpoint" in r] == [2]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    for key, steps in (("heldout_answer", [2]), ("heldout_loss", [2]), ("loss", [1, 2]), ("grad_norm", [1, 2])):
+        assert [e.step for e in events.Scalars(key)] == steps, key

@@ -238,6 +238,25 @@ def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> Non
     (["--options.vision.chunked_loss", "false"], "options.vision.chunked_loss: not used by this config"),
     (["--options.audio.loss_parallel", "false"], "options.audio.loss_parallel: not used by this config"),
     (["--options.language.recompute_colocated", "true"], "options.language.recompute_colocated: not used by this"),
+    # refused by MimoModel on every rank, but only after the ranks had started and built their meshes
+    (["--layout.language.pp", "4"], "layout.language.pp = 4 cuts the language model into 4 pipeline stages, but "
+     "model.language.n_layers = 2 gives it 2 block(s): every stage needs at least one; lower layout.language.pp, or "
+     "raise model.language.n_layers"),
+    (["--layout.language.pp", "2", "--pipeline.schedule", "Interleaved1F1B", "--pipeline.virtual_stages", "2"],
+     "layout.language.pp = 2 x pipeline.virtual_stages = 2 cuts the language model into 4 pipeline stages"),
+    (["--layout.language.pp", "2", "--pipeline.split", "[1, 2]"], "pipeline.split = [1, 2]: give the layers of each "
+     "of the language model's 2 pipeline stages (layout.language.pp = 2), each >= 1, 2 in all (model.language.n_layers"
+     " = 2)"),
+    (["--layout.vision.pp", "3"], "layout.vision.pp = 3 cuts encoder 'vision' into 3 pipeline stages, but "
+     "model.encoders.vision.n_layers = 2 gives it 2 block(s)"),
+    (["--options.language.balance", "true"], "options.language.balance: not used by this config"),
+    (["--options.vision.recompute_colocated", "true"], "options.vision.recompute_colocated = true, but encoder "
+     "'vision' (ranks 0) shares no rank with the language model (ranks 2)"),
+    # accepted, and did nothing: one dp rank encodes every item
+    (["--options.vision.balance", "true"], "options.vision.balance = true, but layout.vision.dp = 1: balancing "
+     "splits the encoder's items over its dp ranks"),
+    (["--layout.vision.pp", "2", "--layout.vision.dp", "2", "--options.vision.balance", "true"],
+     "options.vision.balance = true with layout.vision.pp = 2"),
 ])
 def test_bad_input_names_the_key(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as e:
@@ -285,6 +304,15 @@ def test_digits_vit_sees_the_whole_scan(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as e:
         resolve(parse_args(argv))
     assert message in str(e.value)
+
+
+def test_options_the_layout_gives_a_use_are_accepted() -> None:
+    """The other side of the refusals above: a colocated encoder recomputes, one of dp 2 balances, and
+    stages of one block each are cut."""
+    colocated = ["--layout.vision.offset", "0", "--layout.audio.offset", "0", "--layout.language.offset", "0"]
+    parse_args([*colocated, "--options.vision.recompute_colocated", "true"])
+    parse_args(["--layout.vision.dp", "2", "--options.vision.balance", "true", "--options.audio.balance", "false"])
+    parse_args(["--layout.language.pp", "2", "--layout.vision.pp", "2", "--pipeline.split", "[1, 1]"])
 
 
 def test_bad_toml_file_names_the_file(tmp_path) -> None:

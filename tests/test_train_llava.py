@@ -512,6 +512,71 @@ def test_a_decoder_smaller_than_its_tokenizer_fails_before_any_process(tiny: str
         os.chdir(cwd)
 
 
+def test_pipeline_stages_past_a_directorys_layers_fail_before_any_process(tiny: str) -> None:
+    """More pipeline stages than a Hugging Face directory's blocks (the tiny decoder and SigLIP tower
+    have 2) passed the launcher's checks: every rank started and built its meshes, then MimoModel
+    refused the layout on each of them."""
+    _preflight(tiny, ["--layout.language.pp", "4", "--pipeline.microbatches", "4"], "layout.language.pp = 4 cuts "
+               "the language model into 4 pipeline stages, but model.language.hf = 'ckpt/lm' (2 layers) gives it "
+               "2 block(s)")
+    _preflight(tiny, ["--layout.image.pp", "3"], "layout.image.pp = 3 cuts encoder 'image' into 3 pipeline stages, "
+               "but model.encoders.image.hf = 'ckpt/siglip' (2 blocks to its features) gives it 2 block(s)")
+    _preflight(tiny, ["--layout.language.pp", "2", "--pipeline.split", "[2, 1]"], "pipeline.split = [2, 1]: give the "
+               "layers of each of the language model's 2 pipeline stages (layout.language.pp = 2), each >= 1, 2 in all")
+
+
+def test_heldout_samples_past_those_scored_are_not_checked(tiny: str, tmp_path) -> None:
+    """The launcher checked the first 256 held-out samples whatever data.heldout_samples said: a
+    sample the run never scores (the 9th of 8 scored) refused the run. Only the scored ones are
+    checked; all of them with data.heldout_samples = 0 (every sample) or more than are good."""
+    from dtensor_mimo.train.launch import preflight
+
+    with open(os.path.join(tiny, "data", "val.jsonl")) as f:
+        good = [json.loads(line) for line in f][:8]
+    bad = {"id": "two-for-one", "image": [good[0]["image"], good[1]["image"]],
+           "conversations": [{"from": "human", "value": "<image> what ?"}, {"from": "gpt", "value": "a red bar"}]}
+    path = tmp_path / "heldout.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in [*good, bad]))
+    argv = ["--data.heldout", str(path), "--checkpoint.export_hf", "none"]
+    cwd = os.getcwd()
+    os.chdir(tiny)
+    try:
+        preflight(parse_args(["--config", CONFIG, *argv, "--data.heldout_samples", "8"]))
+    finally:
+        os.chdir(cwd)
+    for scored in ("9", "0"):
+        _preflight(tiny, [*argv, "--data.heldout_samples", scored],
+                   "sample 'two-for-one' has 1 <image> placeholder(s) but 2 image item(s)")
+
+
+def test_two_library_encoders_of_one_size_start_apart(tiny: str) -> None:
+    """An image and a video ViT of one size, built from scratch: both took the default seed 10 and
+    started with the same weights (two copies of one encoder). The default is 10 times the
+    encoder's place in model.encoders: the first encoder starts as before (seed 10), the second
+    otherwise (seed 20)."""
+    from dtensor_mimo.models import ModalityEncoder, Projection, ViT
+    from dtensor_mimo.train.modules import build_modules, resolve
+
+    argv = ["--config", CONFIG, "--model.encoders.image.hf", "none", "--model.encoders.image.image_size", "16",
+            "--model.encoders.video.modality", "video", "--model.encoders.video.image_size", "16",
+            "--checkpoint.export_hf", "none"]
+    cwd = os.getcwd()
+    os.chdir(tiny)
+    try:
+        resolved = resolve(parse_args(argv))
+    finally:
+        os.chdir(cwd)
+    modules = build_modules(parse_args(argv), resolved, 96, meta=False)
+    image, video = (dict(modules[n].named_parameters()) for n in ("image", "video"))
+    assert image.keys() == video.keys()
+    assert all(not torch.equal(image[k], video[k]) for k in image if "norm" not in k and not k.endswith("bias"))
+    dim = resolved.language.dim
+    for name, seed in (("image", 10), ("video", 20)):  # each as a module initialized alone from that seed
+        alone = ModalityEncoder(ViT(resolved.encoders[name].config), Projection(48, dim))
+        alone.init_weights(seed)
+        assert all(torch.equal(p, dict(modules[name].named_parameters())[k]) for k, p in alone.named_parameters())
+
+
 def _llava(path, tiny: str, text_width: int, act: str = "gelu") -> None:
     vision = transformers.SiglipVisionConfig(image_size=16, patch_size=4, hidden_size=48, num_hidden_layers=2,
                                              num_attention_heads=4, intermediate_size=96)

@@ -34,7 +34,7 @@ from typing import Any, Literal, Mapping, Sequence
 from dtensor_mimo.layout.parallelism import FIELDS, Parallelism
 from dtensor_mimo.optim.optimizer import AdamWConfig, LRSchedule
 from dtensor_mimo.parallelize.options import ParallelOptions
-from dtensor_mimo.schedule.config import PipelineConfig, check_pipeline_layout
+from dtensor_mimo.schedule.config import PipelineConfig, check_pipeline_layout, stage_layers
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -145,7 +145,10 @@ class EncoderSection:
             from the end (LLaVA's vision_feature_layer); none: -1 for SigLIP, -2 for CLIP.
         frozen: the tower does not train (its projection does; a factory's module is frozen whole
             unless it is a ModalityEncoder, whose encoder is the tower).
-        seed: init seed of what the checkpoint does not fill (e.g. a new projection).
+        seed: init seed of what the checkpoint does not fill (e.g. a new projection); none: 10 times
+            the encoder's place in model.encoders (10, 20, 30 and on), so that no two encoders start
+            alike. Two encoders given one seed start with the same weights where their parameters
+            are alike (two library ViTs of one size).
         dim: the library tower's width (no hf, no factory).
         n_layers: the library tower's blocks.
         n_heads: attention heads.
@@ -175,7 +178,7 @@ class EncoderSection:
     tokens_per_item: int = 0
     feature_layer: int | None = None
     frozen: bool = False
-    seed: int = 10
+    seed: int | None = None
     dim: int = 48
     n_layers: int = 2
     n_heads: int = 4
@@ -471,6 +474,12 @@ class TrainerConfig:
 
     def module_options(self, name: str) -> ParallelOptions:
         return self.options.get(name, ParallelOptions())
+
+    def encoder_seed(self, name: str) -> int:
+        """Encoder `name`'s init seed: its own, else 10 times its place in model.encoders (10, 20, ...;
+        the digits job's vision 10 and audio 20)."""
+        seed = self.model.encoders[name].seed
+        return 10 * (list(self.model.encoders).index(name) + 1) if seed is None else seed
 
     def describe(self) -> str:
         """The resolved config, one line per section (printed at start)."""
@@ -939,8 +948,9 @@ def build_layout(config: TrainerConfig, world_size: int | None = None):
 
 def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
     """Everything that can be checked without processes or files: values in range, module names,
-    the layout and its fit to `world_size` (when given), batch divisibility. (Files and
-    directories: `dtensor_mimo.train.preflight`.)"""
+    the layout and its fit to `world_size` (when given), the library modules' blocks against their
+    pipeline stages, the encoders' options against the layout, batch divisibility. (Files and
+    directories, and a Hugging Face directory's blocks: `dtensor_mimo.train.preflight`.)"""
     def positive(key: str, value: int | float, minimum: int = 1) -> None:
         if value < minimum:
             raise ConfigError(f"{key} = {value!r}: must be >= {minimum}")
@@ -1093,12 +1103,82 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
     except ValueError as e:
         raise ConfigError(f"pipeline.microbatches = {pipe.microbatches}, pipeline.schedule = {pipe.schedule!r}, "
                           f"layout.{LANGUAGE}.pp = {lang_par.pp}: {e}") from None
+    check_module_options(config, layout)
+    check_stages(config, layout, library_blocks(config))
     per_mb, rem = divmod(data.batch_size, pipe.microbatches)
     if rem or per_mb % lang_par.dp:
         raise ConfigError(f"data.batch_size = {data.batch_size} must split into pipeline.microbatches "
                           f"= {pipe.microbatches} microbatches of a multiple of layout.{LANGUAGE}.dp = "
                           f"{lang_par.dp} samples; e.g. data.batch_size = "
                           f"{pipe.microbatches * lang_par.dp * max(1, per_mb // lang_par.dp)}")
+
+
+def check_module_options(config: TrainerConfig, layout: Any) -> None:
+    """The encoders' `ParallelOptions` that the layout makes meaningless or that the library would
+    refuse inside the ranks (after their meshes are built): named here, before any process starts."""
+    for name in config.model.encoders:
+        options, par = config.module_options(name), layout.parallelism(name)
+        ranks, lang = layout.ranks(name), layout.ranks(LANGUAGE)
+        if options.recompute_colocated and not set(ranks) & set(lang):
+            raise ConfigError(f"options.{name}.recompute_colocated = true, but encoder {name!r} (ranks {_span(ranks)}) "
+                              f"shares no rank with the language model (ranks {_span(lang)}): only an encoder on the "
+                              "language model's ranks keeps its graph through the language model's microbatches (one "
+                              f"on ranks of its own already holds only its crossing window); remove it, or colocate "
+                              f"the encoder (layout.{name} of the language model's size and offset)")
+        if options.balance and par.dp == 1:
+            raise ConfigError(f"options.{name}.balance = true, but layout.{name}.dp = 1: balancing splits the "
+                              f"encoder's items over its dp ranks, and one rank encodes them all; remove it, or give "
+                              f"layout.{name}.dp > 1")
+        if options.balance and par.pp > 1:
+            raise ConfigError(f"options.{name}.balance = true with layout.{name}.pp = {par.pp}: balancing moves "
+                              f"items between the dp ranks of an encoder of pp = 1; remove it, or use "
+                              f"layout.{name}.pp = 1")
+
+
+def _span(ranks: Sequence[int]) -> str:
+    return f"{ranks[0]}..{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+
+
+def library_blocks(config: TrainerConfig) -> dict[str, tuple[int, str, str | None]]:
+    """The blocks of each library module the config sizes (no hf, no factory), as `check_stages`
+    takes them."""
+    lang = config.model.language
+    keys = {} if lang.hf or lang.factory else {LANGUAGE: (lang.n_layers, f"model.{LANGUAGE}.n_layers")}
+    for name, enc in config.model.encoders.items():
+        if not enc.hf and not enc.factory:
+            keys[name] = (enc.n_layers, f"model.encoders.{name}.n_layers")
+    return {name: (n, f"{key} = {n}", key) for name, (n, key) in keys.items()}
+
+
+def check_stages(config: TrainerConfig, layout: Any, blocks: Mapping[str, tuple[int, str, str | None]]) -> None:
+    """Every pipeline stage of the modules in `blocks` (``{module: (blocks, what gives them, the key
+    that sizes them or None)}``) holds at least one block, and pipeline.split cuts the language model's layers (the
+    library's `stage_layers`, which `MimoModel` applies inside the ranks): a ConfigError naming
+    the keys, before any process starts."""
+    pipe = config.pipeline
+    for name, (n, where, key) in blocks.items():
+        pp = layout.parallelism(name).pp
+        if name == LANGUAGE:
+            stages, split = pipe.num_stages(pp), pipe.split
+            cut = f"layout.{LANGUAGE}.pp = {pp}" + (f" x pipeline.virtual_stages = {pipe.virtual_stages}"
+                                                     if pipe.virtual_stages > 1 else "")
+        else:
+            stages, split, cut = pp, None, f"layout.{name}.pp = {pp}"
+        if stages == 1 and split is None:
+            continue
+        try:
+            stage_layers(n, stages, split, module=name)
+        except ValueError:
+            if split is not None:
+                raise ConfigError(f"pipeline.split = {list(split)}: give the layers of each of the language model's "
+                                  f"{stages} pipeline stages ({cut}), each >= 1, {n} in all ({where}); or leave "
+                                  "pipeline.split out for an even split") from None
+            fix = (f"lower layout.{name}.pp" + (" or pipeline.virtual_stages" if name == LANGUAGE and
+                                                pipe.virtual_stages > 1 else "")
+                   + (f", or raise {key}" if key else ""))
+            raise ConfigError(f"{cut} cuts {'the language model' if name == LANGUAGE else f'encoder {name!r}'} "
+                              f"into {stages} pipeline stages, but {where} gives it {n} block(s): every stage needs "
+                              f"at least one; {fix}") from None
 
 
 def _changed(obj: Any, names: Sequence[str]) -> list[str]:
@@ -1139,7 +1219,7 @@ def _refuse_unused(config: TrainerConfig) -> None:
             unused += [f"options.{name}.{n}" for n in _changed(options, ("compile_mode", "compile_options",
                                                                          "compile_scope", "compile_backend"))]
         # the language model's head and loss; an encoder's schedule beside the language model
-        only = ("loss_parallel", "chunked_loss") if name != LANGUAGE else ("recompute_colocated",)
+        only = ("loss_parallel", "chunked_loss") if name != LANGUAGE else ("recompute_colocated", "balance")
         unused += [f"options.{name}.{n}" for n in _changed(options, only)]
     lang = config.model.language
     if lang.hf or lang.factory:
@@ -1155,7 +1235,7 @@ def _refuse_unused(config: TrainerConfig) -> None:
                           "video_frame_text with a video encoder; data.root with files, not "
                           "webdataset shards; options.<module>.compile_mode, compile_options, compile_scope, "
                           "compile_backend with options.<module>.compile = true; loss_parallel, chunked_loss for "
-                          f"options.{LANGUAGE}, recompute_colocated for an encoder's); remove them")
+                          f"options.{LANGUAGE}, recompute_colocated and balance for an encoder's); remove them")
 
 
 def _check_source(key: str, hf: str | None, factory: str | None) -> None:

@@ -193,13 +193,14 @@ def mean_tokens(spec: MediaSpec, source: SampleSource, samples: Sequence[Mapping
     return sum(rows) / sum(items), sum(items) / len(items)
 
 
-def open_checked(config: TrainerConfig, path: str | list[str], key: str,
-                 least: int = 0) -> tuple[SampleSource, list[dict[str, Any]]]:
-    """The `data.format` source of `path` and its first ``max(CHECKED_SAMPLES, least)`` samples,
-    checked (JSON shape, placeholders, media exist); nothing else of the corpus is read."""
+def open_checked(config: TrainerConfig, path: str | list[str], key: str, least: int = 0,
+                 most: int | None = None) -> tuple[SampleSource, list[dict[str, Any]]]:
+    """The `data.format` source of `path` and its first ``max(CHECKED_SAMPLES, least)`` samples
+    (``min(CHECKED_SAMPLES, most)`` with `most`: the samples the run uses, e.g. the held-out ones it
+    scores), checked (JSON shape, placeholders, media exist); nothing else of the corpus is read."""
     try:
         source = open_source(config.data.format, path, config.data.root, key)
-        head = source.head(max(CHECKED_SAMPLES, least))
+        head = source.head(max(CHECKED_SAMPLES, least) if most is None else min(CHECKED_SAMPLES, most))
         check_samples(source, head, [e.modality for e in config.model.encoders.values()], source.describe())
     except DataError as e:
         raise ConfigError(str(e)) from None
@@ -320,7 +321,8 @@ def conversation_data(config: TrainerConfig, resolved: ResolvedModel, ahead: boo
                                     pack_len=pack_len)
         heldout = None
         if d.heldout:
-            held_source, _ = open_checked(config, d.heldout, "data.heldout")
+            # the samples scored only (data.heldout_samples; 0: all): a sample past them is never read
+            held_source, _ = open_checked(config, d.heldout, "data.heldout", most=d.heldout_samples or None)
             if d.heldout_samples:
                 held_source = held_source.first(d.heldout_samples)
             heldout = ConversationDataset(d.heldout, resolved.tokenizer, media, train.seq_len, truncate=d.truncate,

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dtensor_mimo.train.config import ConfigError, TrainerConfig, build_layout, check_config, help_text, parse_args
+from dtensor_mimo.train.config import (LANGUAGE, ConfigError, TrainerConfig, build_layout, check_config, check_stages,
+                                       help_text, parse_args)
 from dtensor_mimo.train.preemption import REPEAT_S, STOP_SIGNALS, StopSignals, exit_status, held_stop_signals
 from dtensor_mimo.layout.world import abort, hold_store, init_distributed, local_rank_env
 
@@ -35,10 +36,12 @@ if TYPE_CHECKING:
 
 def preflight(config: TrainerConfig) -> None:
     """What can be checked from files before any process starts: Hugging Face directories and
-    their architectures, the tokenizer and its chat template, processors, the data files (they
-    exist; the first `CHECKED_SAMPLES` samples' JSON shape, placeholders against items, media
-    files, token lengths: a bounded sample, never a pass over the whole corpus), the batch
-    against the data, `checkpoint.load`, that `checkpoint.export_hf` can write the model, and
+    their architectures (and their blocks against the layout's pipeline stages), the tokenizer
+    and its chat template, processors, the data files (they exist; the first `CHECKED_SAMPLES`
+    samples' JSON shape, placeholders against items, media files, token lengths: a bounded
+    sample, never a pass over the whole corpus; of the held-out data at most the
+    `data.heldout_samples` scored), the batch against the data, `checkpoint.load`, that
+    `checkpoint.export_hf` can write the model, and
     that the run's outputs (`checkpoint.dir`, `checkpoint.export_hf`, `metrics.jsonl`,
     `metrics.tensorboard`) can be written where they are named (`_check_writable`).
     Prints one line saying what of the data it did not check. Raises ConfigError."""
@@ -52,6 +55,8 @@ def preflight(config: TrainerConfig) -> None:
         if path:
             _check_writable(option, path, directory)
     resolved = resolve(config)
+    if not config.layout.auto:  # (the planner's layout keeps every stage's blocks)
+        check_stages(config, build_layout(config), _hf_blocks(config, resolved))
     _check_export(config, resolved)
     data = train_data(config, resolved, ahead=True)
     for dataset in (data.train, data.heldout):  # the checked samples' lengths against seq_len, now
@@ -78,6 +83,20 @@ def preflight(config: TrainerConfig) -> None:
             checkpoint.resolve_load(config.checkpoint.load, checksums=False)  # sizes: the ranks checksum
         except checkpoint.CheckpointError as e:
             raise ConfigError(f"checkpoint.load: {e}") from None
+
+
+def _hf_blocks(config: TrainerConfig, resolved: ResolvedModel) -> dict[str, tuple[int, str, None]]:
+    """The blocks of each module built from a Hugging Face directory, as `check_stages` takes them
+    (the library's modules are checked by `check_config`; a factory's are known once built)."""
+    out: dict[str, tuple[int, str, None]] = {}
+    if config.model.language.hf and resolved.language is not None:
+        n = resolved.language.n_layers
+        out[LANGUAGE] = (n, f"model.{LANGUAGE}.hf = {config.model.language.hf!r} ({n} layers)", None)
+    for name, e in resolved.encoders.items():
+        if e.section.hf and e.config is not None:
+            n = e.config.n_layers
+            out[name] = (n, f"model.encoders.{name}.hf = {e.section.hf!r} ({n} blocks to its features)", None)
+    return out
 
 
 def _check_writable(option: str, path: str, directory: bool) -> None:

@@ -159,6 +159,7 @@ class MetricsLogger:
         self._bar = _bar(total_steps) if enabled and show else None
         self._started = time.perf_counter()
         self._purge: int | None = None  # TensorBoard's purge step (`start_at`)
+        self._tb_kept: tuple[int, set[str]] = (0, set())  # (step, its scalars the event files hold: `start_at`)
 
     def start_at(self, step: int) -> None:
         """The run starts after `step` (a resumed run: its checkpoint's): the steps from ``step + 1``
@@ -166,8 +167,15 @@ class MetricsLogger:
         wrote of them (as TensorBoard purges its events from ``step + 1``), so that each step is
         there once; a last line cut short (a process killed while writing it) goes too. A run
         from step 0 appends (the file may hold other runs), as does one whose file is not a
-        regular file (``/dev/stdout``: read, a pipe would block)."""
+        regular file (``/dev/stdout``: read, a pipe would block).
+
+        TensorBoard purges by step, every tag alike: a run resumed at its last step (a finished
+        run's command given again) logs that step's held-out scores again, but the step's other
+        scalars only the earlier run has. Its scalars of that step that the event files already
+        hold (an earlier run evaluated it) are not written again."""
         self._purge = step + 1
+        if self._tb_dir is not None and step > 0 and step >= self.total:
+            self._tb_kept = (step, _tensorboard_tags_at(self._tb_dir, step))
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
         if self._jsonl is not None and step > 0:
@@ -206,8 +214,9 @@ class MetricsLogger:
             purge = self._purge if self._purge is not None else record["step"]
             self._tb = self._tb_writer(self._tb_dir, purge_step=purge)
         if self._tb is not None:
+            kept = self._tb_kept[1] if record["step"] == self._tb_kept[0] else set()
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                if key != "step" and key not in kept and isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(key, value, record["step"])
         self.print(line)
 
@@ -223,6 +232,21 @@ class MetricsLogger:
         for handle in (self._jsonl, self._tb, self._bar):
             if handle is not None:
                 handle.close()
+
+
+def _tensorboard_tags_at(directory: str, step: int) -> set[str]:
+    """The scalar tags that the event files in `directory` hold at `step`, as TensorBoard reads them
+    (purged events left out); none when there are no event files, or they cannot be read."""
+    if not os.path.isdir(directory):
+        return set()
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+        events = EventAccumulator(directory, size_guidance={SCALARS: 0})  # 0: every event, none sampled away
+        events.Reload()
+        return {tag for tag in events.Tags()["scalars"] if any(e.step == step for e in events.Scalars(tag))}
+    except Exception:  # noqa: BLE001 - unreadable event files: the scalars are written (twice at worst)
+        return set()
 
 
 def _json_values(record: Mapping[str, Any]) -> dict[str, Any]:

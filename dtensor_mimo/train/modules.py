@@ -373,7 +373,7 @@ def resolve(config: TrainerConfig) -> ResolvedModel:
             hf_paths[name] = e.section.hf
             if language is not None:
                 _check_projector_width(name, e.section.hf, language.dim)
-    seeds = {LANGUAGE: lang.seed, **{n: s.seed for n, s in config.model.encoders.items()}}
+    seeds = {LANGUAGE: lang.seed, **{n: config.encoder_seed(n) for n in config.model.encoders}}
     return ResolvedModel(language, encoders, vocab, tokenizer, hf_paths, seeds)
 
 
