@@ -34,7 +34,7 @@ from dtensor_mimo.parallelize.replicas import head_local
 from dtensor_mimo.schedule import (EncoderPipeline, LanguagePipeline, LanguageStage, PipelineConfig,
                                    check_microbatching, stage_inputs)
 from dtensor_mimo.schedule.checks import check_batch, check_model, ids_outside, overlapped
-from dtensor_mimo.schedule.encoders import build_encoder_part
+from dtensor_mimo.schedule.encoders import build_encoder_part, independent_items
 from dtensor_mimo.schedule.executor import RankParts, StepResult, execute
 from dtensor_mimo.schedule.order import crossing_window
 from dtensor_mimo.schedule.program import Action
@@ -187,6 +187,11 @@ class MimoModel(nn.Module):
         self._flex_without_backward = (flexed, flex_problem) if flex_problem and flexed else None
         """(modules, torch's reason) where a training run through FlexAttention cannot take gradients here."""
         self.item_rules = {n: item_rule(e) for n, e in encoders.items()}
+        self._rows_agreed = not all(independent_items(e) for e in encoders.values())
+        """Whether `forward_backward` and ``model(batch)`` agree on their rows' errors (`agree_on_rows`):
+        with a user's encoder, whose rows may change shape for an item size already seen. The
+        library's encoders make rows of a shape their items fix (`item_rules`, checked before any
+        collective), so their calls add no collective. From the modules' types: alike on every rank."""
         self._widths = {n: encoder_width(e) for n, e in encoders.items()}  # what an item costs (balancing)
         modules = {**encoders, language_name: language}
         self._no_init = [n for n, m in modules.items() if not callable(getattr(m, "init_weights", None))]
@@ -523,12 +528,13 @@ class MimoModel(nn.Module):
         """Forward and backward of the global `batch` on every rank (`run` in "train" mode);
         returns this rank's loss share (detached). Then call `reduce_gradients` (`train_step`
         does both). Encoder rows whose shape contradicts the batch metadata cross as zeros, so
-        that no peer waits; this raises them here, on the ranks that made them (`run` returns
-        them instead, for a caller that agrees on them with its peers, as `train_step` does).
-        No host sync: every count comes from the batch metadata."""
+        that no peer waits. With a user's encoder (whose rows may change shape for an item size
+        already seen) the ranks then agree on that in one small all-reduce (`agree_on_rows`, the
+        call's one host sync; `train_step` carries it in its own) and every rank raises the same
+        `PlanError`, the lowest failing rank's, naming the encoder and the shapes. The library's
+        encoders make rows of the shape their items fix, checked before any collective: no sync."""
         result = self.run(batch, "train")
-        if result.error is not None:
-            raise PlanError(result.error)
+        self._raise_row_error(result.error)
         return result.loss
 
     def forward(self, batch: MimoBatch) -> torch.Tensor:
@@ -537,14 +543,13 @@ class MimoModel(nn.Module):
         runs `forward_backward` instead, or ``model(batch)`` under ``torch.no_grad()`` for the
         loss alone (one microbatch, stage after stage, as `predict`). The first time an item
         size is seen, every rank agrees in one all-reduce that the encoder rows have their
-        planned shapes (else all raise). Later calls add no collective: rows of a wrong shape
-        (an encoder whose output length changed for a size already seen) cross as zeros and
-        raise `PlanError` on the ranks that made them only; their peers' backward then waits
-        for them until the process group's timeout (`train_step` agrees on such an error in its
-        one all-reduce and raises on every rank)."""
+        planned shapes before they cross (else all raise). Rows of a wrong shape later (a
+        user's encoder whose output changed for a size already seen) cross as zeros, and the ranks
+        agree on them after the forward in one small all-reduce (`agree_on_rows`, only with such
+        an encoder): every rank raises the same `PlanError`, naming the encoder and the shapes,
+        and none calls backward."""
         result = self.run(batch, "forward")
-        if result.error is not None:
-            raise PlanError(result.error)
+        self._raise_row_error(result.error)
         return result.loss
 
     @torch.no_grad()
@@ -594,6 +599,15 @@ class MimoModel(nn.Module):
         finally:
             self._generating = False
             self.reshard()
+
+    def _raise_row_error(self, error: str | None) -> None:
+        """Raise the error a call's encoder rows met (`StepResult.error`) on every rank alike: agreed
+        in one small all-reduce with a user's encoder (`_rows_agreed`); else only a rank's own, which
+        the item rules leave impossible."""
+        if self._rows_agreed:
+            agree_on_rows(error, self.device)
+        elif error is not None:
+            raise PlanError(error)
 
     def _new_item_kinds(self, batch: MimoBatch) -> bool:
         """Whether `batch` holds an item size not yet seen by a forward or a prediction (the
@@ -764,6 +778,37 @@ def _agreement_parts(language: nn.Module, encoders: Mapping[str, nn.Module], opt
         "frozen parameter list": {n: [p for p, w in m.named_parameters() if not w.requires_grad]
                                   for n, m in modules.items()},
     }
+
+
+_ERROR_WORDS = 128
+"""Words of an error message `agree_on_rows` carries, 5 bytes each (640 bytes; longer is cut)."""
+_RANK_SHIFT = 40  # a word: (world - 1 - rank) above 40 bits of the message's bytes
+
+
+def agree_on_rows(error: str | None, device: torch.device) -> None:
+    """Agree over the world on the error a step's encoder rows met (`StepResult.error`: rows of a
+    wrong shape, which crossed as zeros so that no peer waits), in one all-reduce (MAX) of 130
+    int64 words: the highest failing rank, the lowest, and the lowest one's message, each word
+    tagged with ``world - 1 - rank`` above its bytes, so that MAX takes every word from that same
+    rank. Every rank then raises the same `PlanError`: that rank's message, naming the encoder
+    and the shapes, and which ranks failed. Call on every rank."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    words = torch.full((2 + _ERROR_WORDS,), -1, dtype=torch.int64)
+    if error is not None:
+        data = error.encode()[:5 * _ERROR_WORDS].ljust(5 * _ERROR_WORDS, b"\0")
+        tag = (world - 1 - rank) << _RANK_SHIFT
+        words[0], words[1] = rank, world - 1 - rank
+        words[2:] = torch.tensor([tag | int.from_bytes(data[5 * i:5 * i + 5], "big") for i in range(_ERROR_WORDS)])
+    words = words.to(device)
+    dist.all_reduce(words, op=dist.ReduceOp.MAX)
+    high, low, *chunks = words.tolist()  # the one device-to-host read
+    if high < 0:
+        return
+    low, mask = world - 1 - low, (1 << _RANK_SHIFT) - 1
+    text = b"".join((w & mask).to_bytes(5, "big") for w in chunks).rstrip(b"\0").decode(errors="ignore")
+    ranks = f"rank {low}" if low == high else f"ranks {low} to {high} (the lowest and the highest; rank {low}'s error)"
+    raise PlanError(f"{text} [the step failed on {ranks}; every rank raises this error, and the step's "
+                    "gradients, computed on zeros for those rows, are to be dropped: model.zero_grad()]")
 
 
 def _item_kinds(batch: MimoBatch, names: Sequence[str]) -> set[tuple]:

@@ -1,6 +1,7 @@
 """`MimoModel` refuses what it cannot run, in pure Python, naming the module and the numbers."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -709,3 +710,112 @@ def test_encoder_rows_as_a_dtensor_train_like_the_single_process_model(layouts):
     want = [r["loss"] for r in _reference(("vision",), False, (), custom_vision=True)]
     for losses in run_on_ranks(_rows_as_a_dtensor, 3, layouts, timeout=90):
         assert losses == pytest.approx(want, rel=2e-5), (losses, want)
+
+
+def _rows_change_after_the_first_step(call: str, wrong: str) -> str:
+    """A user's encoder whose rows change shape on rank 0 only (one row fewer, or one feature
+    fewer) after a first step with the same items went through: the call raises on every rank."""
+    import torch.distributed as dist
+
+    from dtensor_mimo.bridge import PlanError
+    from tests.test_mimo import LLAMA, PatchMLP, _batches, _modules
+
+    class Changing(PatchMLP):
+        bad = False
+
+        def forward(self, images):
+            rows = super().forward(images)
+            if not self.bad:
+                return rows
+            return (rows[:-1] if wrong == "count" else rows[:, :-1]).clone()
+
+    model = MimoModel(MimoLayout({"vision": P(dp=2), "language": P()}), _modules(("vision",))[0],
+                      {"vision": Changing(LLAMA.dim)})
+    batch = _batches(("vision",), False, 4, (64,))[0]
+
+    def step():
+        if call == "forward_backward":
+            model.forward_backward(batch)
+        else:
+            model(batch).backward()
+        model.reduce_gradients()
+        model.zero_grad()
+
+    step()  # the item size is seen: a later call adds no world check of its own
+    if dist.get_rank() == 0:
+        model.encoders["vision"].bad = True
+    try:
+        step()
+    except PlanError as e:
+        message = str(e)
+    else:
+        message = ""
+    dist.barrier()  # nobody is left inside an exchange
+    return message
+
+
+@pytest.mark.parametrize("call, wrong", [("forward_backward", "count"), ("forward_backward", "width"),
+                                         ("forward", "count")])
+def test_encoder_rows_that_change_shape_after_the_first_step_fail_every_rank_alike(call, wrong):
+    """`forward_backward` and ``model(batch)`` (not `train_step`, which agrees in its own
+    all-reduce): rows of a wrong shape made on one rank after the item size was first seen raised
+    on that rank only; its vision dp peer and the language rank went on (the language rank's loss
+    computed on zero rows) and waited for it at their next collective. Every rank now raises the
+    same `PlanError`, naming the encoder, the shape made and the shape planned."""
+    from tests.harness import run_on_ranks
+
+    messages = run_on_ranks(_rows_change_after_the_first_step, 3, call, wrong, timeout=60)
+    assert all(messages) and len(set(messages)) == 1, messages
+    made = r"\(\d+, 32\)" if wrong == "count" else r"\(\d+, 31\)"
+    assert re.search(rf"encoder 'vision' produced rows of shape {made} for microbatch 0, but the batch metadata "
+                     r"plans \(\d+, 32\)", messages[0]), messages[0]
+
+
+class _OwnForward(ModalityEncoder):
+    """A user's encoder: the library's parts under a forward of its own (it might mix items), so
+    the library does not pad its calls."""
+
+    def forward(self, inputs):
+        return super().forward(inputs)
+
+
+def _own_encoder_compiled_under_sp(vision) -> list:
+    """One `train_step` of a user's encoder compiled under tp with sp on a batch whose first
+    microbatch holds no image: the loss and every encoder gradient, or the error."""
+    from torch.distributed.tensor import DTensor
+
+    from dtensor_mimo import AdamWConfig, MimoOptimizer, PipelineConfig, train_step
+    from tests.test_mimo import _batches, _modules
+
+    llama, built = _modules(("vision",))
+    encoder = _OwnForward(built["vision"].encoder, built["vision"].projection)
+    model = MimoModel(MimoLayout({"vision": vision, "language": P()}), llama, {"vision": encoder},
+                      options={"vision": ParallelOptions(sp=True, compile=True, compile_backend="aot_eager")},
+                      pipeline=PipelineConfig(microbatches=2))
+    batch = _batches(("vision",), False, 2, (32,))[0]
+    assert not batch.modalities["vision"].select_samples(range(1)).num_items  # microbatch 0: no image
+    try:
+        loss = train_step(model, MimoOptimizer(model, AdamWConfig(lr=0.0)), batch).loss
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return [f"{type(e).__name__}: {e}"]
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+             for n, p in model.module_parameters("vision").items()}
+    return [loss, grads]
+
+
+@pytest.mark.parametrize("vision", [P(tp=2)], ids=["tp2"])
+def test_own_encoder_compiled_under_sp_trains_a_microbatch_without_items(vision):
+    """A user's encoder (not the library's ViT, which the library pads with one zero item) compiled
+    under tp with sp, on a microbatch where its dp rank has no item: dynamo failed to trace its
+    empty sequence shard ("unhashable type: non-nested SymInt") on the encoder's ranks alone, the
+    language rank left waiting. It trains, with the single-process run's loss and gradients."""
+    from tests.harness import run_on_ranks
+    from tests.test_mimo import _reference
+
+    want = _reference(("vision",), False, (), 2, seq_lens=(32,))[0]
+    for out in run_on_ranks(_own_encoder_compiled_under_sp, vision.size + 1, vision, timeout=90):
+        assert len(out) == 2, out[0]
+        loss, grads = out
+        assert loss == pytest.approx(want["loss"], rel=1e-5)
+        for n, g in grads.items():
+            torch.testing.assert_close(g, want["grads"][f"vision.{n}"], rtol=1e-4, atol=1e-6)

@@ -36,8 +36,7 @@ from dtensor_mimo.layout import MimoLayout, Parallelism, torch_compat
 from dtensor_mimo.parallelize import GradientReducer, ParallelOptions, reshard_fsdp_modules
 from dtensor_mimo.schedule.config import PipelineConfig
 from dtensor_mimo.schedule.crossing import Crossing, CrossingSetup
-from dtensor_mimo.schedule.encoders import (Accumulation, EncoderPipeline, LocalEncoders, independent_items,
-                                            independent_rows)
+from dtensor_mimo.schedule.encoders import Accumulation, EncoderPipeline, LocalEncoders, independent_rows
 from dtensor_mimo.schedule.feed import LanguageFeed
 from dtensor_mimo.schedule.language import LanguagePipeline
 from dtensor_mimo.schedule.order import first_stage_actions
@@ -111,10 +110,15 @@ class RankParts:
     @functools.cached_property
     def empty_padded_encoders(self) -> frozenset[str]:
         """This rank's pp = 1 encoders whose call on no item `LocalEncoders` runs on one zero item
-        (its rows dropped; only where an item's rows depend on that item alone): on torch before
-        2.13 every such one (its DTensor cannot view an empty batch under tp), and blocks compiled
-        under tp with sp (dynamo cannot trace the empty sequence shard)."""
-        return frozenset(n for n, m in self.encoders.items() if independent_items(m) and (
+        instead, all its rows dropped: on torch before 2.13 those whose rows of an item depend on
+        that item alone (their DTensor cannot view an empty batch under tp), and any encoder
+        compiled under tp with sp (dynamo cannot trace the empty sequence shard: "unhashable type:
+        non-nested SymInt" on the ranks without items only, their peers left waiting). A call on
+        no item keeps no row of the padded one, so no real row can mix with it: this holds for a
+        user's encoder that mixes the items of a call too. Its parameters get a zero gradient
+        from it (an encoder whose backward is not finite at an all-zero item makes the step's
+        gradients non-finite, which `train_step` skips on every rank)."""
+        return frozenset(n for n, m in self.encoders.items() if (
             torch_compat.RELEASE < (2, 13) and n in self.independent_encoders
             or self.options[n].compile and self.options[n].sp and self.layout.parallelism(n).tp > 1))
 
