@@ -395,8 +395,11 @@ class MimoModel(nn.Module):
         gathered, and the next forward would use that copy, not the shards: `init_weights`,
         `load_hf` and `dtensor_mimo.train.checkpoint.load` call it before writing weights, and
         `run` after a forward without backward; call it before writing this rank's parameters
-        yourself."""
+        yourself. An encoder pipeline's stage (the FSDP2 root of a pp > 1 encoder, holding its
+        embedding or projection) is not a submodule of the model: resharded by name too."""
         reshard_fsdp_modules(self)
+        for pipeline in self.encoder_pipelines.values():
+            reshard_fsdp_modules(pipeline.stage)
 
     def refresh_fp8_scales(self) -> None:
         """After the weights changed (`MimoOptimizer` calls it after each applied update; a checkpoint

@@ -205,9 +205,9 @@ def test_recomputed_colocated_encoder_replays_its_dropout() -> None:
 
 
 # ---------------------------------------------------------------- schedules new on some ranks only
-def _reference_gradients(batch) -> tuple[float, dict]:
+def _reference_gradients(batch, seeds: dict[str, int] | None = None) -> tuple[float, dict]:
     """The single-process loss and every parameter's gradient (`tests/test_mimo.py`'s modules and
-    seeds) of one forward and backward over `batch`."""
+    seeds, or each module initialized from `seeds`) of one forward and backward over `batch`."""
     import torch
     import torch.nn.functional as F
 
@@ -216,6 +216,9 @@ def _reference_gradients(batch) -> tuple[float, dict]:
     from tests.test_mimo import _modules
 
     llama, encoders = _modules(("vision",))
+    for name, module in {"language": llama, **encoders}.items():
+        if seeds is not None:
+            module.init_weights(seeds[name])
     ids = batch.special_token_ids
     rows = {n: encoders[n](m.inputs) for n, m in batch.modalities.items()}
     h = assemble(embed_text(llama.tok_embeddings, batch.tokens, ids), batch.tokens, rows, ids)
@@ -299,6 +302,46 @@ def test_training_after_predict_when_some_ranks_build_a_new_schedule(name):
         assert got.keys() == want.keys()
         for k, v in want.items():
             torch.testing.assert_close(got[k], v, rtol=2e-5, atol=2e-6, msg=lambda m: f"step {step} {k}: {m}")
+
+
+RESEEDED = {"language": 5, "vision": 700}
+
+
+def _reinitialized_after_predict():
+    """vision pp2·dp2 (FSDP2 stages, ranks 0-3), language on rank 4: a `predict`, then
+    `init_weights` from `RESEEDED`, then one forward and backward: its loss share and gradients."""
+    from dtensor_mimo import MimoLayout, MimoModel
+    from tests.test_mimo import _batches, _modules
+
+    model = MimoModel(MimoLayout(dict(vision=P(pp=2, dp=2), language=P())), *_modules(("vision",)),
+                      pipeline=PipelineConfig(microbatches=2))
+    batch = _batches(("vision",), False, 4, (64,))[0]
+    model.predict(batch)  # leaves each FSDP2 root gathered until `reshard`
+    model.init_weights(RESEEDED)
+    loss = model.forward_backward(batch).item()
+    assert model.reduce_gradients() is None
+    return loss if model.holds_loss_share() else None, _gathered_gradients(model)
+
+
+def test_weights_written_after_predict_reach_encoder_stages():
+    """`init_weights` (like `load_hf` and a checkpoint load) calls `MimoModel.reshard` first, so
+    that it writes the shards and not what a `predict` left gathered. An encoder pipeline's stage
+    (the FSDP2 root of a pp > 1 encoder: patch embedding on stage 0, norm and projection on the
+    last) is no submodule of the model, and stayed gathered: the new weights went into that copy,
+    which the next training run dropped, training on the old embedding and projection. The loss
+    and gradients are those of the single-process model initialized from the new seeds."""
+    import torch
+
+    from tests.harness import run_on_ranks
+    from tests.test_mimo import _batches
+
+    want_loss, want = _reference_gradients(_batches(("vision",), False, 4, (64,))[0], RESEEDED)
+    per_rank = run_on_ranks(_reinitialized_after_predict, 5, timeout=120)
+    assert [loss for loss, _ in per_rank if loss is not None] == [pytest.approx(want_loss, rel=1e-5)]
+    got = {k: v for _, grads in per_rank for k, v in grads.items()}
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=2e-5, atol=2e-6, msg=lambda m: f"{k}: {m}")
 
 
 def _two_runs(seq_lens):
