@@ -16,6 +16,7 @@ images in 4x4 patches) with every weight, bias and norm perturbed, so a misplace
 | test_export_hf[disjoint_pp2]                | vision dp2 (FSDP2, frozen tower, ranks 0-1), language pp2 (ranks 2-3, one file per stage) -> one LLaVA directory |
 | test_export_hf[per_module]                  | vision + audio (dp2, colocated, 0-1; FSDP2 with uneven shards), language tp2 (2-3): SigLIP, Whisper, Qwen2 directories, projectors, tokenizer and processors; `save_hf` of the tp2 module itself writes the same bytes; `llava=True` and a wrong modality refused on every rank |
 | test_a_feature_extractor_of_other_clips... | a Whisper feature extractor of 3000 frames beside a 32-frame encoder: refused by name on every rank; one of 32 frames feeds the exported WhisperEncoder |
+| test_export_hf_gathers_each_tensor_... | 4 ranks: a rank that does not write makes no tensor over its shards |
 | test_export_after_a_forward_without_...    | 2 ranks, vision + language dp2 (FSDP2, bf16 compute) colocated: a forward with gradients on and no backward leaves the FSDP2 roots gathered (bf16 copies); `export_hf` (own dtype, and dtype=fp32) still writes the single-process fp32 tensors exactly |
 """
 
@@ -514,3 +515,62 @@ def test_export_after_a_forward_without_backward_writes_the_fp32_weights(tmp_pat
         for name, value in m.named_parameters():
             got = saved[f"model.{module}.{name}"]
             assert got.dtype == torch.float32 and torch.equal(got, value.detach()), (module, name)
+
+
+def _largest_tensor_during_export(path: str, language: str) -> tuple[bool, int, int]:
+    """vision dp4 (FSDP2) and language dp2·tp2 (FSDP2 over tp: strided shards; the same with FP8
+    weights, which FSDP2 all-gathers in float8: a tensor subclass; or tp DTensors and dp replicas
+    without FSDP2) on the same four ranks, exported as one LLaVA directory: (whether this rank writes, the most elements
+    of its parameters' local shards, the most elements of any floating-point tensor it made during the
+    export)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from dtensor_mimo import ParallelOptions
+    from dtensor_mimo.train.export import export_hf
+
+    layout = MimoLayout(dict(vision=P(dp=4), language=P(dp=2, tp=2)), offsets=dict(vision=0, language=0))
+    layout.init_meshes("cpu")
+    llama, encoders = _mimo_modules("colocated_tp_fsdp")
+    model = MimoModel(layout, llama, encoders, options={"language": ParallelOptions(**LANGUAGE_OPTIONS[language])})
+    shards = [p.to_local() if isinstance(p, DTensor) else p for m in (model.language, model.encoders["vision"])
+              for p in m.parameters()]
+    largest = [0]
+
+    class Largest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                # not all_gather_object's bytes, nor the meta modules that describe a module's names
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type != "meta":
+                    largest[0] = max(largest[0], (t.to_local() if isinstance(t, DTensor) else t).numel())
+            return out
+
+    with Largest():
+        export_hf(model, path, modalities={"vision": "image"}, special_token_ids={"vision": IMAGE_ID})
+    return dist.get_rank() == 0, max(s.numel() for s in shards), largest[0]
+
+
+LANGUAGE_OPTIONS = {"fsdp": {}, "fp8": dict(fp8="tensorwise"), "replicas": dict(fsdp=False)}
+
+
+@pytest.mark.parametrize("language", list(LANGUAGE_OPTIONS))
+def test_export_hf_gathers_each_tensor_to_its_writer_only(language: str, tmp_path) -> None:
+    """Only the writer of a module holds a whole tensor: the other ranks of a tp / FSDP2 module
+    send it their shards and never make a tensor larger than the largest shard they hold (a
+    whole embedding on every rank of a cluster would not fit), dp replicas of a module without
+    FSDP2 send nothing; the directory holds exactly the single-process tensors."""
+    results = run_on_ranks(_largest_tensor_during_export, 4, str(tmp_path / "out"), language, timeout=120)
+    whole = LLAMA.vocab_size * LLAMA.dim  # the embedding (and head): the largest parameter
+    for rank, (writer, shard, made) in enumerate(results):
+        if writer:
+            assert made >= whole, (rank, made)
+        else:
+            assert shard < whole and made <= shard, f"rank {rank} made a tensor of {made} elements, holds {shard}"
+    llama, encoders = _mimo_modules("colocated_tp_fsdp")
+    vision = encoders["vision"]
+    save_llava_hf(vision.encoder, vision.projection, llama, str(tmp_path / "reference"), image_token_id=IMAGE_ID)
+    for file in sorted(os.listdir(tmp_path / "reference")):
+        if file.endswith(".safetensors") or file.endswith(".json") and file.startswith("model"):
+            assert (tmp_path / "out" / file).read_bytes() == (tmp_path / "reference" / file).read_bytes(), file

@@ -168,9 +168,11 @@ def _refused(case: Case) -> str | None:
         llama, encoders = _modules(case.encoders, case.frozen, case.n_layers, meta=True, varied=case.varied)
         check_model(layout, llama, encoders, "language", case.options, case.pipeline)
         check_pipeline_layout(layout, "language", case.pipeline)
+        compiled = {n for n in case.encoders if case.options.get(n, ParallelOptions()).compile}
         for batch in _batches(case.encoders, case.packed, case.batch_size, case.seq_lens,
                               text_only=case.text_only_steps, varied=case.varied):
-            check_batch(layout, "language", list(case.encoders), batch)  # e.g. varied items at encoder pp > 1
+            # e.g. varied items at encoder pp > 1, or into an encoder compiled at tp > 1
+            check_batch(layout, "language", list(case.encoders), batch, compiled=compiled)
         if case.pipeline is not None:  # unpipelined, dp shards may be uneven (a language rank without samples)
             check_microbatching(case.batch_size, case.pipeline.microbatches, layout.parallelism("language").dp)
     except (LayoutError, ValueError, TypeError) as e:
@@ -314,6 +316,41 @@ def test_malformed_input_fails_on_every_rank(drawn: tuple[Case, str]) -> None:
     for rank, error in enumerate(errors):
         assert error is not None, f"rank {rank} took a {malformation} step without an error"
         assert MALFORMED[malformation] in error, f"rank {rank}: {error}"
+
+
+# Shrunk from a draw (ZBV, 3 microbatches, a float8 HSDP audio tower beside, vision recomputed): items
+# of their own size into a ViT compiled at tp2 made torch's tracer of the joint graph recurse without
+# end (RecursionError on every encoder rank at its first backward); now refused by name, on every rank.
+VARIED_COMPILED_TP = Case({"vision": Parallelism(tp=2), "language": Parallelism(dp=2)},
+                          offsets={"vision": 0, "language": 0},
+                          options={"vision": ParallelOptions(compile=True, compile_backend="aot_eager")},
+                          batch_size=2, seq_lens=(64, 64), n_layers=2, varied=True)
+
+
+def _steps(case: Case) -> str | None:
+    """A training step per batch of `case` (items of their own size): this rank's error, or None."""
+    from dtensor_mimo import MimoModel, MimoOptimizer
+    from dtensor_mimo.optim.step import train_step
+    from tests.test_mimo import OPT
+
+    llama, encoders = _modules(case.encoders, varied=case.varied)
+    model = MimoModel(case.layout(), llama, encoders, options=case.options, pipeline=case.pipeline)
+    optimizer = MimoOptimizer(model, OPT)
+    try:
+        for batch in _batches(case.encoders, case.packed, case.batch_size, case.seq_lens, varied=case.varied):
+            train_step(model, optimizer, batch)
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_items_of_their_own_size_into_a_compiled_tp_encoder_are_refused_on_every_rank() -> None:
+    errors = run_on_ranks(_steps, 2, VARIED_COMPILED_TP, timeout=120)
+    for rank, error in enumerate(errors):
+        assert error is not None and ("ValueError: the batch's 'vision' items differ in size, but encoder 'vision' "
+                                      "is compiled (ParallelOptions.compile) at tp=2") in error, f"rank {rank}: {error}"
+        assert "compile=False for 'vision', give it tp = 1" in error
+    assert _refused(VARIED_COMPILED_TP) is not None  # the fuzzer skips such draws
 
 
 @pytest.mark.skipif(not EXAMPLES, reason="a spot check of the strategy, for `make fuzz`")

@@ -3,7 +3,7 @@ the same verdict on every rank, raised before any process group is used."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import AbstractSet, Mapping
 
 import torch
 from torch import nn
@@ -207,12 +207,13 @@ def overlapped(layout: MimoLayout, language_name: str, encoders: Mapping[str, nn
 
 def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str], batch: MimoBatch,
                 item_rules: Mapping[str, ItemRule | None] | None = None, vocab_size: int | None = None,
-                sequence_parallel: bool = False) -> None:
+                sequence_parallel: bool = False, compiled: AbstractSet[str] = frozenset()) -> None:
     """Pure checks of a global batch against the model: the same verdict on every rank, raised
     before any collective. `item_rules`: each encoder's `item_rule`. `vocab_size`: the language
     model's embedding rows, which every token id that is not a modality's special id must index
     (checked once per batch, in host memory: a batch already on an accelerator is not read).
-    `sequence_parallel`: the language model's `ParallelOptions.sp`."""
+    `sequence_parallel`: the language model's `ParallelOptions.sp`. `compiled`: the encoders
+    compiled (`ParallelOptions.compile`) whose backward this call traces."""
     unknown = [n for n in batch.modalities if n not in encoder_names]
     if unknown:
         raise ValueError(
@@ -230,6 +231,13 @@ def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str]
             raise ValueError(f"the batch's {name!r} items differ in size, but encoder {name!r} has pp="
                              f"{layout.parallelism(name).pp}: an encoder pipeline's stage links have one "
                              "shape per item; give it pp = 1 (dp or tp instead), or items of one size")
+        if m.varied and name in compiled and layout.parallelism(name).tp > 1:
+            # torch 2.13's tracer of the joint graph recurses without end on the tp blocks' packed
+            # row count (a lazy SymInt proxy of sym_max(rows, 1) that refers to itself): RecursionError
+            raise ValueError(f"the batch's {name!r} items differ in size, but encoder {name!r} is compiled "
+                             f"(ParallelOptions.compile) at tp={layout.parallelism(name).tp}: torch's compiler "
+                             "cannot trace the backward of its packed items under tensor parallel; set "
+                             f"compile=False for {name!r}, give it tp = 1 (dp instead), or items of one size")
     if vocab_size is not None and batch.tokens.is_cpu:
         problem = ids_outside(batch, vocab_size)
         if problem:

@@ -3,10 +3,11 @@
 Collective: every rank of the world calls it with the same arguments, after training. Each rank
 describes what it holds (module kinds, configs, pipeline splits: one small ``all_gather_object``,
 the only world collective besides the closing barrier), so every rank computes the same
-directories, files and index. Then each module's ranks gather its parameters one at a time over
-the module's own mesh (never the world), one writer per module stage streams them into that
-stage's files, and rank 0 writes ``config.json``, the indexes, the tokenizer and the processors.
-No rank holds more than one whole tensor; a rank writes only what it holds.
+directories, files and index. Then each module stage's writer (its first dp, cp, tp rank)
+gathers its parameters one at a time, the other ranks of the stage sending it their shards (point
+to point, never a world collective; dp replicas of a module without FSDP2 send nothing), streams
+them into that stage's files, and rank 0 writes ``config.json``, the indexes, the tokenizer and
+the processors. Only a writer holds a whole tensor, one at a time; a rank writes only what it holds.
 
 What is written:
 
@@ -302,6 +303,14 @@ def _writer(model: MimoModel, name: str, rank: int) -> bool:
     return c is not None and c["dp"] == c["cp"] == c["tp"] == 0
 
 
+def _holder(model: MimoModel, name: str, rank: int, modules: list[nn.Module], part: Part) -> Holder:
+    """This rank's `Holder` of `part` of module `name`: its stage's writer (`_writer`) gathers
+    each tensor, the other ranks send it their shards."""
+    stage = model.layout.coordinate(name, rank)["pp"]
+    writer_rank = model.layout.groups(name, ("dp", "cp", "tp"))[stage][0]
+    return holder(modules, part, _writer(model, name, rank), writer_rank)
+
+
 def _held(model: MimoModel, name: str, rank: int, part: str) -> list[nn.Module]:
     """This rank's modules of `part` ("tower", "projection", "language") of module `name`."""
     if not model.layout.is_member(name, rank):
@@ -329,7 +338,7 @@ def _llava_directory(model: MimoModel, path: str, rank: int, merged: Mapping[str
     for key, (module, what) in modules.items():
         held = _held(model, module, rank, what)
         if held:
-            holders[key] = holder(held, parts[key], _writer(model, module, rank))
+            holders[key] = _holder(model, module, rank, held, parts[key])
     image_processor = processors.get(name)
     return _Directory(path, llava.parts, llava.config, holders,
                       lambda p: write_processors(p, llava, tokenizer, image_processor))
@@ -346,7 +355,7 @@ def _module_directories(model: MimoModel, path: str, rank: int, merged: Mapping[
         main = "language" if name == model.language_name else "tower"
         part = module_part(d.main, "module", layer_split=d.split, module=f"{name!r} {d.main.kind.__name__}")
         held = _held(model, name, rank, main)
-        holders = {"module": holder(held, part, _writer(model, name, rank))} if held else {}
+        holders = {"module": _holder(model, name, rank, held, part)} if held else {}
         extra = tokenizer if name == model.language_name else processors.get(name)
         config = config_to_hf(d.main)
         if name == model.language_name and tokenizer is not None:  # transformers' generate stops at its eos
@@ -358,7 +367,7 @@ def _module_directories(model: MimoModel, path: str, rank: int, merged: Mapping[
             continue
         part = module_part(d.projection, "module", module=f"{name!r} Projection")
         held = _held(model, name, rank, "projection")
-        holders = {"module": holder(held, part, _writer(model, name, rank))} if held else {}
+        holders = {"module": _holder(model, name, rank, held, part)} if held else {}
         config = {**config_to_hf(d.projection), "modality": modalities[name],
                   "special_token_id": special_token_ids[name]}
         directories.append(_Directory(os.path.join(path, name, "projector"), [part], config, holders))

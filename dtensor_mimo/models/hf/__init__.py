@@ -187,7 +187,9 @@ def save_hf(module: nn.Module, path: str, max_shard_bytes: int = DEFAULT_SHARD_B
     that holds it calls `save_hf`; the parameters are gathered one at a time over their own mesh
     and the `writer` rank (None: the first rank of every parameter's mesh; pass it explicitly
     where plain parameters are replicated on several ranks) writes each and drops it, so no rank
-    holds the whole model. The directory is complete when the writer returns. After a forward
+    holds the whole model. With `writer` None only the first rank of each mesh makes a whole
+    tensor (the others send it their shards); an explicit `writer`, which the other ranks cannot
+    name, makes every rank gather each tensor whole. The directory is complete when the writer returns. After a forward
     without backward with gradients on (which leaves FSDP2 roots gathered, their parameters the
     copies in ``param_dtype``), call `MimoModel.reshard` first (`export_hf` does): a submodule
     cannot reach its FSDP2 root to do it.

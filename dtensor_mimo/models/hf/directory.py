@@ -7,10 +7,10 @@ header and the index follow from the parts alone, and parts are built from the m
 (`dtensor_mimo.models.hf.export`), so every rank computes the same plan without asking another
 rank anything. Then:
 
-- the ranks that hold a group gather its parameters one at a time (`DTensor.full_tensor`: a
-  collective over the parameter's own mesh, i.e. among the holders of that group, never the
-  world), and the group's writer rank streams each into its file and drops it, so no rank ever
-  holds more than one whole tensor;
+- the ranks that hold a group gather its parameters one at a time to the group's writer (each
+  sends its shard of a DTensor to the rank `Holder.gather_to` names, among the holders of that
+  group, never the world), and the writer streams each into its file and drops it, so only a
+  writer holds a whole tensor, and one at a time;
 - a file never mixes groups, so each file has exactly one writer;
 - one rank (the caller says which) writes ``config.json`` and the index.
 
@@ -20,6 +20,7 @@ that group's gathers, in the plan's order, which is the same on every rank.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -28,7 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from dtensor_mimo.models.hf.convert import Source
 from dtensor_mimo.models.hf.safetensors import INDEX, SINGLE, SafetensorsWriter
@@ -78,14 +81,25 @@ class Part:
     skipped: frozenset[str] = frozenset()
 
 
+FIRST = "first"
+"""`Holder.gather_to`: each DTensor goes to the first rank of its own mesh."""
+
+
 @dataclass
 class Holder:
     """What this rank holds of a part: its parameters (plain names, DTensors or plain tensors),
-    the stages (group indices) they make up, and whether this rank writes those groups' files."""
+    the stages (group indices) they make up, and whether this rank writes those groups' files.
+
+    `gather_to` says where a DTensor parameter is made whole (the same on every rank of its
+    mesh): the global rank of the writer of these stages (the other ranks of a mesh holding it
+    send it their shards; a mesh without it, e.g. a dp replica of a tp group, sends nothing);
+    `FIRST`: the first rank of each parameter's mesh (the writer `first_of_meshes` picks); None:
+    every rank (``full_tensor``), for a writer the other ranks cannot name."""
 
     params: Mapping[str, torch.Tensor]
     stages: list[int]
     writer: bool
+    gather_to: int | str | None = None
 
 
 @dataclass(frozen=True)
@@ -145,10 +159,90 @@ def check_holder(part: Part, holder: Holder) -> None:
                          f"{len(part.groups)}; missing {missing[:4]}, not in those stages {extra[:4]}")
 
 
-def full_value(param: torch.Tensor) -> torch.Tensor:
-    """The whole parameter: a DTensor gathered over its mesh (a collective among the ranks of
-    that mesh), a plain tensor as it is."""
-    return param.full_tensor() if isinstance(param, DTensor) else param
+def full_value(param: torch.Tensor, gather_to: int | str | None = None) -> torch.Tensor | None:
+    """The whole parameter on the rank that gathers it (`Holder.gather_to`), None on the others:
+    a plain tensor as it is; a DTensor gathered over its mesh (among the ranks of that mesh,
+    never the world), by ``full_tensor`` when `gather_to` is None, else each shard sent to the
+    gathering rank once (one replica of it), so no other rank makes the whole tensor."""
+    if not isinstance(param, DTensor):
+        return param
+    mesh, local = param.device_mesh, _plain(param.to_local())
+    placements = param.placements
+    if gather_to is None or local is None or not all(
+            isinstance(p, (Replicate, Shard, _StridedShard)) for p in placements):
+        return param.full_tensor()
+    ranks = mesh.mesh
+    target = int(ranks.flatten()[0]) if gather_to == FIRST else gather_to
+    found = (ranks == target).nonzero()
+    if len(found) == 0:
+        return None  # a replica of the writer's mesh: the writer has its own copy
+    at = tuple(found[0].tolist())
+    me = dist.get_rank()
+    # One copy of each shard: the ranks at the target's coordinates on Replicate dims.
+    senders = [c for c in itertools.product(*(range(n) for n in ranks.shape))
+               if all(c[i] == at[i] for i, p in enumerate(placements) if isinstance(p, Replicate))]
+    # One batch of point-to-point operations per tensor on each side (`batch_isend_irecv`): NCCL
+    # runs a batch on the default group's communicator, where single sends would each make a
+    # communicator of their own for every (writer, sender) pair.
+    if me != target:
+        if tuple(mesh.get_coordinate()) in senders:
+            _wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, local.detach().contiguous(), target)]))
+        return None
+    full = torch.empty(param.shape, dtype=local.dtype, device=local.device)
+    blocks, ops = [], []
+    for c in senders:
+        where = _indices(param.shape, placements, ranks.shape, c)
+        if c == at:
+            blocks.append((where, local.detach()))
+        else:
+            block = torch.empty(tuple(len(w) for w in where), dtype=local.dtype, device=local.device)
+            blocks.append((where, block))
+            ops.append(dist.P2POp(dist.irecv, block, int(ranks[c])))
+    if ops:
+        _wait(dist.batch_isend_irecv(ops))
+    for where, block in blocks:
+        full[_index(where)] = block
+    return full
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+def _plain(local: torch.Tensor) -> torch.Tensor | None:
+    """A shard as a plain tensor: itself, or the one inner tensor of its shape and dtype of a
+    tensor subclass (torchao's float8 all-gather weight wraps its high-precision shard); None if
+    there is none (the same verdict on every rank of the mesh)."""
+    if type(local) is torch.Tensor:
+        return local
+    names = local.__tensor_flatten__()[0] if hasattr(local, "__tensor_flatten__") else []
+    inner = [t for t in (getattr(local, n) for n in names)
+             if type(t) is torch.Tensor and t.shape == local.shape and t.dtype == local.dtype]
+    return inner[0] if len(inner) == 1 else None
+
+
+def _indices(shape: torch.Size, placements, mesh_shape: torch.Size, coordinate: tuple[int, ...]) -> list[torch.Tensor]:
+    """Per dim of a tensor of `shape`, the global indices of the block the rank at `coordinate`
+    of a mesh of `mesh_shape` holds under `placements` (DTensor's own split, dim by dim: a shard
+    along one dim takes those indices of that dim alone)."""
+    where = [torch.arange(n) for n in shape]
+    for i, p in enumerate(placements):
+        if isinstance(p, Replicate):
+            continue
+        one_dim = _StridedShard(0, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(0)
+        where[p.dim] = one_dim._select_split_tensor(where[p.dim], mesh_shape[i], coordinate[i], with_padding=False,
+                                                    contiguous=False, clone=False)
+    return where
+
+
+def _index(where: list[torch.Tensor]) -> tuple:
+    """`where` as an index: slices where each dim's indices run in order, else broadcast index tensors."""
+    runs = [len(w) == 0 or bool((w == torch.arange(int(w[0]), int(w[0]) + len(w))).all()) for w in where]
+    if all(runs):
+        return tuple(slice(int(w[0]), int(w[0]) + len(w)) if len(w) else slice(0, 0) for w in where)
+    n = len(where)
+    return tuple(w.view(*([1] * d), -1, *([1] * (n - d - 1))) for d, w in enumerate(where))
 
 
 @torch.no_grad()
@@ -191,7 +285,7 @@ def write_directory(path: str, parts: list[Part], holders: Mapping[str, Holder],
                                                 [(e.name, dtype, e.shape) for e in entries]).__enter__()) \
             if holder.writer else None
         for entry in entries:
-            full = None if entry.param is None else full_value(holder.params[entry.param])
+            full = None if entry.param is None else full_value(holder.params[entry.param], holder.gather_to)
             if out is not None and not errors:
                 try:
                     out.write(entry.value(full, dtype))

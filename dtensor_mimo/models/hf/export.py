@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from dtensor_mimo.models.audio import AudioEncoder
 from dtensor_mimo.models.hf.audio import audio_skipped, audio_source, whisper_config_to_hf
 from dtensor_mimo.models.hf.convert import Source
-from dtensor_mimo.models.hf.directory import Entry, Holder, Part
+from dtensor_mimo.models.hf.directory import FIRST, Entry, Holder, Part
 from dtensor_mimo.models.hf.llama import llama_config_to_hf, llama_source
 from dtensor_mimo.models.hf.vision import (
     ProjectionShape,
@@ -188,12 +188,18 @@ def first_of_meshes(params: Sequence[torch.Tensor]) -> bool:
     return True
 
 
-def holder(modules: Sequence[nn.Module], part: Part, writer: bool | None = None) -> Holder:
+def holder(modules: Sequence[nn.Module], part: Part, writer: bool | None = None,
+           writer_rank: int | None = None) -> Holder:
     """What this rank holds of `part` in `modules` (one module, or a rank's several pipeline
-    stages of it); `writer` None: `first_of_meshes`."""
+    stages of it); `writer` None: `first_of_meshes`. `writer_rank`: the global rank that writes
+    these stages, where each tensor is gathered (the other ranks send their shards); None: the
+    first rank of each tensor's mesh when `writer` is None, else every rank gathers it."""
     params = {plain_name(n): p for m in modules for n, p in m.named_parameters()}
     stages = held_stages(part, params)
-    return Holder(params, stages, first_of_meshes(list(params.values())) if writer is None else writer)
+    if writer is None:
+        return Holder(params, stages, first_of_meshes(list(params.values())),
+                      FIRST if writer_rank is None else writer_rank)
+    return Holder(params, stages, writer, writer_rank)
 
 
 def processor_problem(processor: Any, spec: ModuleSpec) -> str | None:
