@@ -248,3 +248,37 @@ def test_taking_batches_draws_nothing_from_the_global_generator() -> None:
     assert [next(batches)[0] for _ in range(3)] == order
     batches.close()
     assert torch.equal(torch.get_rng_state(), before)
+
+
+class _BadLineAt(_BreaksAt):
+    """A training source whose batch holding row `broken` meets a malformed sample (a `DataError`,
+    as a JSONL line past the checked ones raises when a rank first reads it)."""
+
+    MESSAGE = "data/train.jsonl: the line at byte 4711 (sample 17 of the file): not valid JSON: Expecting value"
+
+    def batch(self, indices, load=None, left_out=()):
+        from dtensor_mimo.data.conversation import DataError
+
+        if self.broken in indices:
+            raise DataError(self.MESSAGE)
+        return _batch(indices[0])
+
+
+def test_a_loader_workers_data_error_reaches_the_rank_as_the_step_path_raises_it() -> None:
+    """`data.workers`: a sample a loader process cannot build (a `DataError`, a user error the
+    launcher shows as its message alone, `USER_ERRORS`) is raised on the rank as it is, its
+    message the source's: not torch's re-raised copy ("Caught DataError in DataLoader worker
+    process 0. Original Traceback ..."), whose first line names nothing and which the launcher
+    would show, traceback and all, as the message (cut at 4000 characters)."""
+    from dtensor_mimo.data import ResumableBatchSampler
+    from dtensor_mimo.data.conversation import DataError
+    from dtensor_mimo.train.launch import describe
+
+    order = [b for _, b in zip(range(3), ResumableBatchSampler(40, 4, seed=0))]
+    batches, sampler = _trainer_batches(_BadLineAt(order[1][0]), workers=1)
+    assert next(batches)[0] == order[0]
+    with pytest.raises(DataError) as failed:
+        next(batches)
+    assert str(failed.value) == _BadLineAt.MESSAGE
+    assert describe(failed.value) == f"DataError: {_BadLineAt.MESSAGE}"
+    assert sampler.state_dict()["index"] == 1  # the failed batch was not taken

@@ -30,6 +30,7 @@ import functools
 import itertools
 import resource
 import os
+import pickle
 import signal
 import sys
 import time
@@ -42,7 +43,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dtensor_mimo.data import IGNORE_INDEX, BatchError, MimoBatch, ResumableBatchSampler, microbatches, samples_to_load
 from dtensor_mimo.data.balance import CutRule, encoder_cuts
-from dtensor_mimo.data.conversation import MediaError
+from dtensor_mimo.data.conversation import DataError, MediaError
 from dtensor_mimo.data.transfer import Flat, Handover
 from dtensor_mimo.mimo import MimoModel, prepare_batch
 from dtensor_mimo.models import ModalityEncoder
@@ -150,13 +151,46 @@ class _Batches(Dataset):
         self.dataset, self.plan, self.cuts, self.known = dataset, plan, cuts, known
         self.handover = Handover()
 
-    def __getitem__(self, indices: list[int]) -> Flat:
-        batch, failed = self.plan.tolerant(self.dataset.batch, indices, _rows_of(indices, self.known))
-        prepare_batch(batch, *self.cuts)
+    def __getitem__(self, indices: list[int]) -> Flat | _Failed:
+        try:
+            batch, failed = self.plan.tolerant(self.dataset.batch, indices, _rows_of(indices, self.known))
+            prepare_batch(batch, *self.cuts)
+        except (DataError, BatchError) as e:
+            if _crosses(e):
+                return _Failed(e)
+            raise
         return self.handover.pack((batch, failed))
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+
+class _Failed:
+    """A user error (`DataError`, `BatchError`: its message says what to fix) that a loader worker
+    met building a batch, handed to its rank as it is and raised there as the rank's own path
+    raises it. Raised in the worker, torch's loader would re-raise on the rank a copy made from
+    "Caught DataError in DataLoader worker process 0. Original Traceback ...": its first line
+    names nothing, and the launcher shows that text, traceback and all, as the message."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _crosses(e: Exception) -> bool:
+    """Whether `e` pickles to an error of its type and message (one that does not is left to
+    torch's loader to re-raise)."""
+    try:
+        copy = pickle.loads(pickle.dumps(e))
+    except Exception:  # noqa: BLE001 - whatever its reduction raises
+        return False
+    return type(copy) is type(e) and str(copy) == str(e)
+
+
+def _unpacked(item: Flat | _Failed) -> Any:
+    """A loader worker's batch on the rank, or the user error it met, raised here."""
+    if isinstance(item, _Failed):
+        raise item.error
+    return item.unpack()
 
 
 def _rows_of(indices: Sequence[int], known: Collection[int]) -> list[int]:
@@ -385,7 +419,7 @@ class Trainer:
                                 # global one, it would move the state a resumed run restores
                                 generator=torch.Generator().manual_seed(d.seed))
             stream = iter(loader)
-            batches = (flat.unpack() for flat in stream)
+            batches = (_unpacked(item) for item in stream)
         try:
             for (batch, failed), indices in zip(batches, _Forever(self.sampler)):
                 yield list(indices), batch, list(failed)
