@@ -655,8 +655,15 @@ class MimoModel(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """`nn.Module.zero_grad`; with CUDA graphs, ``set_to_none`` releases the gradients for the
-        next run (see `_GraphMemory`)."""
+        next run (see `_GraphMemory`). Every parameter as built (FSDP2's shards, which hold the
+        gradients): a forward not backpropagated leaves a root's gathered copies registered."""
         super().zero_grad(set_to_none)
+        for p in self._named_parameters.values():
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().requires_grad_(False).zero_()
         if set_to_none and self.graph_memory is not None:
             self.graph_memory.release()
         self.drop_pending_sums()

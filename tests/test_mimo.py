@@ -734,6 +734,48 @@ def test_weights_written_after_predict_reach_the_next_forward(tmp_path) -> None:
         assert after_predict == never_predicted
 
 
+def _gradients_after_a_dropped_forward() -> dict[str, torch.Tensor]:
+    """vision dp2 and language dp2, both FSDP2 on ranks 0-1: ``model(b0).backward()``, then a
+    ``model(b1)`` never backpropagated (what `forward` leaves after its PlanError, dropped as the
+    error says: ``model.zero_grad()``), then ``model(b2).backward()`` and `reduce_gradients`: every
+    gradient, gathered whole (the dp rank 0's report)."""
+    case = Case({"vision": P(dp=2), "language": P(dp=2)}, offsets={"vision": 0, "language": 0}, batch_size=4)
+    layout = case.layout()
+    layout.init_meshes("cpu")
+    model = MimoModel(layout, *_modules(case.encoders))
+    batches = _batches(case.encoders, case.packed, case.batch_size, case.seq_lens)
+    model(batches[0]).backward()
+    model(batches[1])  # dropped: never backpropagated (FSDP2's roots stay gathered)
+    model.zero_grad()
+    model(batches[2]).backward()
+    assert model.reduce_gradients() is None
+    return {f"{m}.{n}": (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+            for m in model.module_names for n, p in model.module_parameters(m).items()}
+
+
+def test_zero_grad_after_a_forward_never_backpropagated_drops_every_gradient() -> None:
+    """``model.zero_grad()`` is how a ``model(batch)`` loss that will not be backpropagated is
+    dropped (`forward`'s PlanError, CUDA graphs' refusal). Such a forward leaves each FSDP2 root's
+    parameters gathered, so torch's ``zero_grad`` walked the gathered copies and left the shards'
+    gradients of the earlier backward (embeddings, norms, projection, head) in place: the next
+    backward added onto them. The gradients are the single-process ones of the last batch alone."""
+    batch = _batches(("vision",), False, 4)[2]
+    llama, encoders = _modules(("vision",))
+    ids = batch.special_token_ids
+    rows = {n: encoders[n](m.inputs) for n, m in batch.modalities.items()}
+    logits = llama(h=assemble(embed_text(llama.tok_embeddings, batch.tokens, ids), batch.tokens, rows, ids))
+    weight = torch.where(batch.labels == IGNORE_INDEX, 0.0, batch.loss_mask).flatten()
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE_INDEX,
+                         reduction="none")
+    ((ce * weight).sum() / weight.sum()).backward()
+    want = {f"{m}.{n}": p.grad for m, module in (("vision", encoders["vision"]), ("language", llama))
+            for n, p in module.named_parameters()}
+    for got in run_on_ranks(_gradients_after_a_dropped_forward, 2, timeout=120):
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, **TOL, msg=lambda m: f"{k}: {m}")
+
+
 # ------------------------------------------------------------------ predict under torch.inference_mode
 
 
