@@ -486,6 +486,41 @@ def test_tp_replicated_gradients_are_averaged_and_drift_is_named() -> None:
         assert error == "replicas differ: module 'language': parameter 'layers.1.ffn_norm.weight' differs over tp"
 
 
+def _sp_replicas(fsdp: bool, drift: bool) -> str | None:
+    """Language tp2 with sp (`fsdp`: tp2·dp2 under FSDP2, colocated with vision): the norms are
+    DTensors replicated over tp (FSDP2's 2-D ones: dp shards, replicated over tp), one copy per tp
+    rank; with `drift` tp rank 1's copy of one of them moves."""
+    pars = {"vision": Parallelism(dp=4 if fsdp else 1), "language": Parallelism(tp=2, dp=2 if fsdp else 1)}
+    layout = MimoLayout(pars, offsets={"vision": 0, "language": 0} if fsdp else None)
+    layout.init_meshes("cpu")
+    llama = Llama(LlamaConfig.tiny())
+    llama.init_weights(1)
+    vision = ModalityEncoder(ViT(ViTConfig.tiny()), Projection(32, 32))
+    vision.init_weights(2)
+    model = MimoModel(layout, llama, {"vision": vision}, options={"language": ParallelOptions(sp=True, fsdp=fsdp)})
+    params = model.module_parameters("language")
+    norm = "layers.1.ffn_norm.weight"
+    if drift and norm in params and layout.coordinate("language", dist.get_rank())["tp"] == 1:
+        with torch.no_grad():
+            params[norm].to_local()[3] += 1e-6
+    return _replica_error(model)
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["plain", "fsdp"])
+def test_drift_of_norms_replicated_over_tp_under_sp_is_named(fsdp: bool) -> None:
+    """Under sp the block norms are DTensors replicated over tp (each tp rank holds the whole
+    weight), copies `check_replicas` must compare over tp as it does the plain ones: it compared
+    only plain tensors there, and a drifted norm under sp passed the check on every rank."""
+    world = 4 if fsdp else 3
+    assert run_on_ranks(_sp_replicas, world, fsdp, False, timeout=60) == [None] * world
+    errors = run_on_ranks(_sp_replicas, world, fsdp, True, timeout=60)
+    named = "replicas differ: module 'language': parameter 'layers.1.ffn_norm.weight' differs over tp"
+    if fsdp:
+        assert errors == [named] * 4, errors
+    else:
+        assert errors == ["replicas differ: on 2 other rank(s)", named, named], errors
+
+
 def _hsdp_replicas(drift: bool) -> str | None:
     layout = MimoLayout({"vision": Parallelism(dp=4), "language": Parallelism(dp=4, dp_replicate=2)},
                         offsets={"vision": 0, "language": 0})

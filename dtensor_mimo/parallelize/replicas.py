@@ -35,6 +35,13 @@ def tp_replicated(param: torch.Tensor) -> bool:
     return not isinstance(param, DTensor) or "tp" not in (param.device_mesh.mesh_dim_names or ())
 
 
+def whole_over_tp(param: torch.Tensor) -> bool:
+    """Whether every tp rank holds the same copy of `param`'s local part: a `tp_replicated` one,
+    or a DTensor replicated over its mesh's "tp" dim (the norms under sp; FSDP2's 2-D ones, dp
+    shards replicated over tp). Their copies must stay identical (`first_differing_replica`)."""
+    return tp_replicated(param) or param.placements[param.device_mesh.mesh_dim_names.index("tp")].is_replicate()
+
+
 # Parameters that act on this rank's heads only (a tp shard of the heads), shared by all heads.
 HEAD_LOCAL = ("attention.q_norm.weight", "attention.k_norm.weight")
 
@@ -97,9 +104,9 @@ def first_differing_replica(params: Mapping[str, nn.Parameter], mesh: DeviceMesh
 def replica_problems(name: str, params: Mapping[str, nn.Parameter], tp_mesh: DeviceMesh | None,
                      dp_mesh: DeviceMesh | None, options: ParallelOptions) -> list[str]:
     """What differs among module `name`'s replicas: the parameters tp leaves whole over
-    `tp_mesh`; every parameter over `dp_mesh` when the module does not use FSDP2, and with HSDP
-    each shard over its replica groups (the parameters' "dp_replicate" dim)."""
-    checks = [("tp", tp_mesh, {n: p for n, p in params.items() if tp_replicated(p)})]
+    `tp_mesh` (`whole_over_tp`); every parameter over `dp_mesh` when the module does not use
+    FSDP2, and with HSDP each shard over its replica groups (the parameters' "dp_replicate" dim)."""
+    checks = [("tp", tp_mesh, {n: p for n, p in params.items() if whole_over_tp(p)})]
     if not uses_fsdp(options, dp_mesh):
         checks.append(("dp·cp", dp_mesh, params))
     elif hsdp := {n: p for n, p in params.items() if isinstance(p, DTensor)
