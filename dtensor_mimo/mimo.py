@@ -258,6 +258,10 @@ class MimoModel(nn.Module):
         self._summed_grads: dict[nn.Parameter, torch.Tensor] = {}
         """Gradients already summed over dp·cp, set aside while a run accumulates (`_set_aside_summed`)."""
         self._generating = False
+        self.gathered_by_forward = False
+        """A forward with autograd whose backward has not started (``model(batch)`` not
+        backpropagated, e.g. an evaluation without ``torch.no_grad()``) left FSDP2's roots gathered:
+        `MimoOptimizer` reshards before its update, else the next forward would use the stale copy."""
         """Inside `generate`: its predictions keep the FSDP2 roots gathered, resharded once at its end."""
         self.gradient_reducers = self._reducers(self._overlapped)
         """Per module of `_overlapped`, on its members: its `GradientReducer`."""
@@ -400,6 +404,7 @@ class MimoModel(nn.Module):
         reshard_fsdp_modules(self)
         for pipeline in self.encoder_pipelines.values():
             reshard_fsdp_modules(pipeline.stage)
+        self.gathered_by_forward = False
 
     def refresh_fp8_scales(self) -> None:
         """After the weights changed (`MimoOptimizer` calls it after each applied update; a checkpoint
@@ -510,6 +515,9 @@ class MimoModel(nn.Module):
         if self._grads_summed and mode == "train":
             self._set_aside_summed()
         result = execute(self.parts, actions, batch, self.parts.shape(batch, mode, check), loss_normalizer(batch))
+        if mode == "forward" and result.loss.requires_grad:
+            self.gathered_by_forward = True  # until its backward starts (which reshards as it ends)
+            result.loss.register_hook(lambda grad: setattr(self, "gathered_by_forward", False))
         if self._grads_summed and mode == "forward" and result.loss.requires_grad:
             # set aside when its backward starts (the loss's hook runs before any parameter's
             # gradient accumulates): a forward never backpropagated leaves the sums in place

@@ -910,3 +910,33 @@ def test_generate_matches_a_step_by_step_reference(name: str) -> None:
         for g, w in zip(got, want):
             k = w.index(None) if None in w else len(w)
             assert g[:k] == w[:k] and (None in w or len(g) == len(w)), (got, want)
+
+
+def _losses_after_an_update_past_a_dropped_forward() -> list[list[float]]:
+    """vision dp2 and language dp2, both FSDP2 on ranks 0-1, two models alike: one runs
+    ``model(b0).backward()``, a ``model(b1)`` with gradients on that it never backpropagates (an
+    evaluation without ``torch.no_grad()``), the optimizer's update of b0's gradients, then the loss
+    of b2; the other the same without the dropped forward."""
+    case = Case({"vision": P(dp=2), "language": P(dp=2)}, offsets={"vision": 0, "language": 0}, batch_size=4)
+    layout = case.layout()
+    layout.init_meshes("cpu")
+    batches = _batches(case.encoders, case.packed, case.batch_size, case.seq_lens)
+    out = []
+    for dropped in (True, False):
+        model = MimoModel(layout, *_modules(case.encoders))
+        optimizer = MimoOptimizer(model, OPT)
+        model(batches[0]).backward()
+        if dropped:
+            model(batches[1])  # FSDP2's roots stay gathered: the update must not leave this copy in use
+        model.reduce_gradients()
+        assert optimizer.step(1.0)
+        with torch.no_grad():
+            out.append([model(batches[2]).item()])
+    return out
+
+
+def test_an_update_after_a_dropped_forward_reaches_the_next_forward() -> None:
+    """A forward with gradients on that is never backpropagated leaves FSDP2's roots gathered; the
+    optimizer's update, written to the shards, must be what the next forward computes with."""
+    for dropped, plain in run_on_ranks(_losses_after_an_update_past_a_dropped_forward, 2, timeout=120):
+        assert dropped == plain

@@ -284,6 +284,8 @@ class MimoOptimizer:
         (`MimoModel.reduce_gradients` puts them there): DTensor would step any other on a
         redistributed copy, and the clipped copy would not be written back. Devices without a
         fused AdamW (foreach) read `skip` first: a host sync."""
+        if getattr(self.model, "gathered_by_forward", False):
+            self.model.reshard()  # the update goes to the shards: no stale gathered copy may stay in use
         max_norm = self.config.max_grad_norm
         scale = None if max_norm is None else ((total_norm + 1e-6) / max_norm).clamp(min=1.0).float()
         found_inf = skip.float()
