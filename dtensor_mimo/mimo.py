@@ -10,6 +10,7 @@ builds this rank's parts once (`RankParts`) and gives them one face: `run` (a tr
 
 from __future__ import annotations
 
+import numbers
 from typing import Mapping, Sequence
 
 import torch
@@ -355,6 +356,14 @@ class MimoModel(nn.Module):
         if self._no_init:  # the same list on every rank: every rank raises
             raise TypeError(f"MimoModel.init_weights: modules {self._no_init} have no init_weights(seed) "
                             "method; initialize them yourself before building the model")
+        # Checked here for every module, on every rank: a module's own init would raise on its
+        # ranks alone (a string, a float), or overflow on a NumPy integer, while the others go on
+        # to their first collective and wait for them.
+        wrong = {n: s for n, s in seeds.items() if isinstance(s, bool) or not isinstance(s, numbers.Integral)}
+        if wrong:
+            raise TypeError("MimoModel.init_weights: " + ", ".join(f"seeds[{n!r}]={s!r}" for n, s in wrong.items())
+                            + ": each seed must be an integer, e.g. {'language': 0, 'vision': 10}")
+        seeds = {n: int(s) for n, s in seeds.items()}
         self.reshard()  # fill the shards, not what a predict left gathered
         for name in self.encoders:
             self.encoders[name].init_weights(seeds[name])

@@ -873,3 +873,32 @@ def test_an_answer_starting_with_a_newline_is_labelled_as_transformers_masks_it(
         first = mask.index(1)
         assert data[k].answers[0][0] == first
         assert (data.prompts([k]).tokens[0, first:] == tokenizer.pad_token_id).all()
+
+
+def test_a_batch_written_in_place_is_read_anew() -> None:
+    """A loop that refills its batch's tensors in place (one MimoBatch, new values every step) kept
+    what the first step derived from the old values (`MimoBatch.memo`): the loss divided by the old
+    loss-token count (a quarter of the tokens taken out of the loss: its value and gradients about 3/4 of
+    the truth), and a token id outside the vocabulary written in not refused (the language ranks'
+    embedding then raised alone, the encoder ranks waiting for them). What a step reads is the
+    batch's current content; what it derived before a write carries over pinning and pickling."""
+    from dtensor_mimo.data.batch import step_fingerprint
+    from dtensor_mimo.schedule.checks import ids_outside
+    from dtensor_mimo.sequence import loss_normalizer
+
+    batch = synthetic_batch(SyntheticSpec.tiny(), seed=3)
+    weight = lambda: float(((batch.labels != IGNORE_INDEX) & (batch.loss_mask > 0)).sum())  # noqa: E731
+    assert loss_normalizer(batch) == weight() and ids_outside(batch, 64) is None
+    before = step_fingerprint(batch)
+    counted = (batch.loss_mask > 0).nonzero()
+    batch.loss_mask[counted[::4, 0], counted[::4, 1]] = 0.0  # in place: every 4th loss token out
+    assert loss_normalizer(batch) == weight() < len(counted)
+    assert step_fingerprint(batch) != before
+    text = ((batch.tokens < 64) & (batch.labels != IGNORE_INDEX)).nonzero()[0].tolist()
+    batch.tokens[text[0], text[1]] = 70
+    assert f"sample {text[0]} holds id 70 at position {text[1]}" in ids_outside(batch, 64)
+    # Derived from the current values: carried by pickling (a loader process's batch), dropped when stale.
+    crossed = pickle.loads(pickle.dumps(batch))
+    assert crossed.__dict__["_memo"] == batch.__dict__["_memo"] and loss_normalizer(crossed) == weight()
+    batch.labels[0] = IGNORE_INDEX
+    assert "_memo" not in pickle.loads(pickle.dumps(batch)).__dict__ and loss_normalizer(batch) == weight()

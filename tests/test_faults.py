@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -569,3 +570,19 @@ def test_init_distributed_binds_the_gpu_on_cuda(monkeypatch) -> None:
     assert calls == [("set_device", 3), (("nccl",), {"store": "client", "rank": 2, "world_size": 4,
                                                      "timeout": datetime.timedelta(seconds=42),
                                                      "device_id": torch.device("cuda", 3)})]
+
+
+@pytest.mark.parametrize("timeout_s", ["600", None, 0, float("inf")])
+def test_init_distributed_names_a_timeout_that_is_no_number_of_seconds(monkeypatch, timeout_s) -> None:
+    """A timeout as a string (read from an environment variable) or None raised a TypeError from a
+    comparison ("'<' not supported between instances of 'int' and 'str'") that named neither the
+    argument nor the value; refused by name like a zero or infinite one, before any process group."""
+    from dtensor_mimo.layout import world as distributed
+
+    calls = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    with pytest.raises(ValueError, match=re.escape(f"init_distributed: timeout_s={timeout_s!r}: give a positive, "
+                                                   "finite number of seconds")):
+        distributed.init_distributed("cpu", timeout_s)
+    assert calls == []

@@ -819,3 +819,56 @@ def test_own_encoder_compiled_under_sp_trains_a_microbatch_without_items(vision)
         assert loss == pytest.approx(want["loss"], rel=1e-5)
         for n, g in grads.items():
             torch.testing.assert_close(g, want["grads"][f"vision.{n}"], rtol=1e-4, atol=1e-6)
+
+
+def _init_weights_seeds(vision_seed):
+    """vision on rank 0, language on rank 1, built on the meta device: init_weights with
+    `vision_seed` for the encoder. Returns the error (None) and, when it initialized, the
+    encoder's weights on its rank and the language model's on its own."""
+    import torch.distributed as dist
+
+    from tests.test_mimo import _modules
+
+    model = MimoModel(MimoLayout({"vision": P(), "language": P()}), *_modules(("vision",), meta=True))
+    try:
+        model.init_weights({"language": 0, "vision": vision_seed})
+        error = None
+    except TypeError as e:
+        error = str(e)
+    dist.barrier()  # every rank raised (or none did) before any collective: none is left waiting
+    weights = None if error else {n: p.detach().clone() for n, p in model.named_parameters()}
+    return error, weights
+
+
+@pytest.mark.parametrize("seed", ["10", 10.0, None], ids=["str", "float", "none"])
+def test_init_weights_refuses_a_seed_that_is_no_integer_on_every_rank(seed):
+    """A seed that is no integer (a config file's string, a float) raised inside the module's own
+    init (TypeError "can only concatenate str", RuntimeError "manual_seed expected a long") on
+    that module's ranks only: the other modules' ranks went on to their first collective and
+    waited for them. Refused on every rank before any weight is drawn, naming the module and the seed."""
+    from tests.harness import run_on_ranks
+
+    outs = run_on_ranks(_init_weights_seeds, 2, seed, timeout=60)
+    errors = [e for e, _ in outs]
+    assert all(e is not None and e == errors[0] for e in errors), errors
+    assert f"seeds['vision']={seed!r}" in errors[0] and "an integer" in errors[0], errors[0]
+
+
+def test_init_weights_takes_a_numpy_integer_seed():
+    """A NumPy integer seed (what a NumPy generator or array gives) failed with an OverflowError
+    naming nothing ("Python int too large to convert to C long"), on the encoder's rank alone; it
+    gives the weights the same int seed gives (the single-process module's own init)."""
+    import numpy as np
+
+    from tests.harness import run_on_ranks
+    from tests.test_mimo import _modules
+
+    outs = run_on_ranks(_init_weights_seeds, 2, np.int64(10), timeout=60)
+    assert [e for e, _ in outs] == [None, None], outs
+    _, reference = _modules(("vision",), meta=True)
+    reference = reference["vision"].to_empty(device="cpu")
+    reference.init_weights(10)
+    vision = {n.removeprefix("encoders.vision."): p for n, p in outs[0][1].items()}
+    assert vision.keys() == dict(reference.named_parameters()).keys()
+    for name, p in reference.named_parameters():
+        assert torch.equal(vision[name], p.detach()), name

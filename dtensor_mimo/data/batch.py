@@ -284,8 +284,9 @@ class MimoBatch:
         this). Needs an accelerator. Stand-ins for items another rank loads (zeros expanded from one
         element) stay as they are. What `memo` holds carries over (the same values)."""
         pinned = self._derive(_pinned, {n: m.pin_memory() for n, m in self.modalities.items()})
-        if "_memo" in self.__dict__:
+        if self._memo_current():
             pinned.__dict__["_memo"] = dict(self.__dict__["_memo"])
+            pinned.__dict__["_memo_versions"] = pinned._versions()
         return pinned
 
     def memo(self, key: Hashable, compute: Callable[[], Any]) -> Any:
@@ -293,12 +294,44 @@ class MimoBatch:
         derives from the whole global batch (its fingerprint, its loss weight, the encoders' item
         cuts: host work that grows with the batch) is computed once, and before the step where a
         loader thread prepares batches (the trainer's prefetch, `MimoModel.prepare`). `key` names
-        the result and everything besides the batch it depends on. A batch is never changed in
-        place: a changed one is a new batch (``dataclasses.replace``), which computes anew."""
+        the result and everything besides the batch it depends on. A changed batch is a new one
+        (``dataclasses.replace``), which computes anew; a per-token tensor written in place (a
+        loop that refills its batch's tensors) makes everything computed before it void (their
+        version counters moved), so what a step reads is always the batch's current content."""
         memo = self.__dict__.setdefault("_memo", {})
+        versions = self._versions()
+        if self.__dict__.get("_memo_versions", versions) != versions:
+            memo.clear()
+        self.__dict__["_memo_versions"] = versions
         if key not in memo:
             memo[key] = compute()
         return memo[key]
+
+    def _versions(self) -> tuple[int, ...] | None:
+        """The version counters of the per-token tensors (they move with every in-place write), or
+        None for inference tensors, which keep none (taken as unchanged)."""
+        try:
+            return tuple(t._version for t in (self.tokens, self.labels, self.loss_mask, self.document_ids,
+                                               self.positions) if t is not None)
+        except RuntimeError:
+            return None
+
+    def _memo_current(self) -> bool:
+        """Whether `memo` holds results for the per-token tensors as they are now."""
+        return "_memo" in self.__dict__ and self.__dict__.get("_memo_versions") == self._versions()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a loader process hands its batch over) with what `memo` holds while current: the
+        tensors come back with counters of their own (`__setstate__`)."""
+        state = {k: v for k, v in self.__dict__.items() if k != "_memo_versions"}
+        if "_memo" in state and not self._memo_current():
+            del state["_memo"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if "_memo" in state:
+            self.__dict__["_memo_versions"] = self._versions()
 
     def _derive(self, per_token, modalities: dict[str, ModalityInputs]) -> MimoBatch:
         """A batch of `per_token` applied to every [B, S] field, and `modalities`.

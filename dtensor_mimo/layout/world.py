@@ -57,8 +57,10 @@ def init_distributed(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) 
     rendezvous store, so a restarted world connects instead of finding the dead round's ranks.
     """
     check_device_type(device, "init_distributed: device")
-    if not 0 < timeout_s < math.inf:
-        raise ValueError(f"timeout_s = {timeout_s}: give a positive, finite number of seconds (e.g. 600)")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        # a string (a config's, an environment variable's) or None: named, not a comparison's TypeError
+        raise ValueError(f"init_distributed: timeout_s={timeout_s!r}: give a positive, finite number of seconds "
+                         "(e.g. 600)")
     timeout = datetime.timedelta(seconds=timeout_s)
     backend, device_id = "gloo", None
     if device == "cuda":
