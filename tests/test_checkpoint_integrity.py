@@ -868,3 +868,37 @@ def test_a_load_puts_back_each_ranks_random_state(tmp_path) -> None:
     for after_save, after_load in per_rank:
         assert after_load == after_save
     assert per_rank[0][0] != per_rank[1][0]  # each rank's own state, not one for all
+
+
+class _LoadableModel(_Model):
+    """`_Model` with what `checkpoint.load` calls besides."""
+
+    uninitialized: set = set()
+
+    def reshard(self) -> None:
+        pass
+
+    def refresh_fp8_scales(self) -> None:
+        pass
+
+
+def _resume_after_skipped_steps(directory: str) -> tuple[dict, int]:
+    """Step 5 saved after 3 applied updates (two steps skipped for a non-finite norm: the
+    schedule does not advance on those); loaded into a fresh optimizer."""
+    model = _LoadableModel(64)
+    optimizer = _Optimizer(model)
+    optimizer.updates = 3
+    path = checkpoint.save(directory, 5, model, optimizer, {"step": 5}, keep=1)
+    shapes = {f"model.{m}.{n}": tuple(p.shape) for m, ps in model.params.items() for n, p in ps.items()}
+    fresh_model = _LoadableModel(64)
+    fresh = _Optimizer(fresh_model)
+    trainer = checkpoint.load(path, fresh_model, fresh, shapes)
+    return trainer, fresh.updates
+
+
+def test_a_load_puts_the_schedule_at_the_updates_applied_not_the_step(tmp_path) -> None:
+    """The learning-rate schedule resumes at the updates applied before the save (3), not at the
+    step (5): steps skipped for a non-finite norm do not move it, before the save or after."""
+    ((trainer, updates),) = run_on_ranks(_resume_after_skipped_steps, 1, str(tmp_path), timeout=120)
+    assert trainer == {"step": 5, "updates": 3}
+    assert updates == 3

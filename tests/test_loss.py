@@ -235,6 +235,35 @@ def test_the_head_runs_on_the_counted_rows_only(rows, extra, monkeypatch) -> Non
 
 
 @pytest.mark.parametrize("rows", [3, 14], ids=["chunks", "one chunk: the plain path"])
+def test_a_count_too_high_adds_nothing_when_the_first_row_carries_a_loss(rows, monkeypatch) -> None:
+    """The rows a count too high adds repeat the first row (`first_true`'s fill) at weight 0: with
+    the first position weighted (a packed row, a pretraining row) they must not count it again.
+    Against the cross entropy written out over every position, and its gradients."""
+    monkeypatch.setattr(loss, "LOSS_CHUNK_LOGITS", rows * VOCAB)
+    hidden, weight, labels, mask = _inputs()
+    labels[0, 0], labels[1, 6] = 3, IGNORE_INDEX  # the first position weighted, three of 14 not
+    mask[0, 0] = 0.75
+    weights = mask.flatten() * (labels.flatten() != IGNORE_INDEX)
+    assert weights[0] != 0 and int(torch.count_nonzero(weights)) == 11
+
+    def by_hand(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        logits = h.reshape(-1, DIM) @ w.t()
+        picked = logits.gather(1, labels.clamp(min=0).reshape(-1, 1)).squeeze(1)
+        return ((logits.logsumexp(-1) - picked) * weights).sum()
+
+    want_h, want_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    want = by_hand(want_h, want_w)
+    want.backward()
+    for extra in (1, 2):  # a count below the 14 rows: the head runs on that many
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        got = linear_token_loss_sum(h, w, labels, mask, counted=11 + extra)
+        got.backward()
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-6, atol=1e-6, msg=f"count 11 + {extra}")
+        torch.testing.assert_close(h.grad, want_h.grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(w.grad, want_w.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("rows", [3, 14], ids=["chunks", "one chunk: the plain path"])
 def test_a_label_outside_the_vocabulary_makes_the_loss_nan(rows, monkeypatch) -> None:
     """Not clamped into the vocabulary (a wrong loss), nor an error (a device-side assert on CUDA):
     NaN, which train_step reports as a non-finite step; an uncounted position may hold any id."""

@@ -1035,8 +1035,10 @@ def test_truncation_cuts_at_item_boundaries_of_their_own_sizes(varied: str) -> N
     first = row.index(image_id)
     second = first + 16 + row[first + 16:].index(image_id)  # 16 rows of the 16x16 image, then the 16x24 one's 24
     assert whole.train.prompts([pair]).modalities["image"].item_tokens == (16, 24)  # both before the answer
-    # (seq_len, rows of the images kept, where the row is cut: before an image cut in two)
-    for limit, kept, cut in ((second + 5, [16], second), (second + 24, [16, 24], second + 24), (first + 3, [], first)):
+    # (seq_len, rows of the images kept, where the row is cut: before an image cut in two, also one
+    # that lacks its last row only)
+    for limit, kept, cut in ((second + 5, [16], second), (second + 24, [16, 24], second + 24), (first + 3, [], first),
+                             (second + 23, [16], second), (first + 15, [], first)):
         data, _ = _dataset(varied, *DYNAMIC, "--data.seq_len", str(limit), "--data.truncate", "true")
         sample = data.train[pair]
         assert sample.item_tokens["image"] == kept and len(sample.items["image"]) == len(kept), limit
@@ -1168,6 +1170,30 @@ def test_a_heldout_answer_cut_by_truncation_is_not_prompted(tiny: str, tmp_path)
                       "--data.truncate", "true")
     assert cut.heldout[0].answers == [(start, start + 3)]  # trained on, as far as it goes
     assert cut.prompt(0) is None
+    # cut right after the answer's end of turn (the template's "\n" after it gone): the answer is whole
+    assert len(whole.heldout[0].tokens) > stop
+    kept, _ = _dataset(tiny, "--data.heldout", str(path), "--data.root", "data", "--data.seq_len", str(stop),
+                       "--data.truncate", "true")
+    assert kept.heldout[0].answers == [(start, stop)] and not kept.heldout[0].answer_cut
+    assert kept.prompt(0) == whole.prompt(0)
+
+
+def test_a_system_prompt_is_not_trained_on(tiny: str, tmp_path) -> None:
+    """A conversation that opens with a system turn: the loss counts the assistant's answers only
+    (each through its end of turn), never the system prompt, whatever role is not the user's."""
+    turns = [{"from": "system", "value": "you describe images"},
+             {"from": "human", "value": "what is in the image ?"},
+             {"from": "gpt", "value": "a red bar"},
+             {"from": "human", "value": "and then ?"},
+             {"from": "gpt", "value": "a blue ring"}]
+    path = tmp_path / "system.jsonl"
+    path.write_text(json.dumps({"id": "system", "conversations": turns}) + "\n")
+    data, tokenizer = _dataset(tiny, "--data.heldout", str(path), "--data.root", "data")
+    row = data.heldout[0]
+    assert tokenizer.decode(row.tokens[:row.answers[0][0]]).startswith("<|im_start|>system\nyou describe images")
+    assert [tokenizer.decode(row.tokens[a:b]) for a, b in row.answers] == ["a red bar<|im_end|>",
+                                                                         "a blue ring<|im_end|>"]
+    assert tokenizer.decode([t for t in row.labels if t != -100]) == "a red bar<|im_end|>a blue ring<|im_end|>"
 
 
 def test_an_export_its_processor_would_refuse_fails_before_any_process(tiny: str, tmp_path) -> None:
