@@ -480,3 +480,31 @@ def test_norm_before_reduce_gradients_is_refused_on_every_rank() -> None:
     all-reduce and waited for peers that had raised (on NCCL until the timeout)."""
     errors = run_on_ranks(_norm_before_reduce_gradients, 3, timeout=180)
     assert all(e is not None and "reduce_gradients()" in e for e in errors), errors
+
+
+def _optimizers_of_other_models() -> list[str]:
+    """On one rank: `train_step` with the optimizer of another model, and a `per_module` value
+    that is no AdamWConfig: their errors."""
+    case = Case({"vision": Parallelism(), "language": Parallelism()}, offsets={"vision": 0, "language": 0})
+    layout = case.layout()
+    layout.init_meshes("cpu")
+    model, other = (MimoModel(layout, *_modules(case.encoders)) for _ in range(2))
+    errors = []
+    try:
+        train_step(model, MimoOptimizer(other, OPT), _batches(case.encoders, packed=False)[0])
+    except ValueError as e:
+        errors.append(str(e))
+    try:
+        MimoOptimizer(model, OPT, per_module={"vision": {"lr": 1e-3}})
+    except TypeError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_an_optimizer_of_another_model_and_a_per_module_dict_are_refused_by_name() -> None:
+    """`train_step(model, optimizer_of_another_model, batch)` stepped nothing of `model`, silently;
+    ``per_module={"vision": {"lr": ...}}`` failed with an AttributeError naming nothing."""
+    (errors,) = run_on_ranks(_optimizers_of_other_models, 1, timeout=120)
+    assert len(errors) == 2, errors
+    assert "built for another MimoModel" in errors[0]
+    assert "per_module['vision']" in errors[1] and "AdamWConfig" in errors[1]

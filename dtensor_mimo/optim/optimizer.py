@@ -213,6 +213,9 @@ class MimoOptimizer:
             raise ValueError(f"MimoOptimizer: per_module names {unknown} are not modules of the model; "
                              f"its modules are {model.module_names}")
         for name, cfg in per_module.items():
+            if not isinstance(cfg, AdamWConfig):
+                raise TypeError(f"MimoOptimizer: per_module[{name!r}] = {cfg!r}: give an AdamWConfig, e.g. "
+                                "dataclasses.replace(config, lr=...)")
             if cfg.max_grad_norm != config.max_grad_norm:
                 raise ValueError(
                     f"MimoOptimizer: per_module[{name!r}].max_grad_norm={cfg.max_grad_norm} differs from "

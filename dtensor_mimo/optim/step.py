@@ -160,6 +160,9 @@ def train_step(model: MimoModel, optimizer: MimoOptimizer, batch: MimoBatch,
     totals, not for the update, and the device goes from backward to the update without waiting
     for the host.
     """
+    if optimizer.model is not model:  # every rank makes the same call: all refuse
+        raise ValueError("train_step: the optimizer was built for another MimoModel (MimoOptimizer(model, ...)), so "
+                         "this model's gradients would update nothing; build the optimizer from this model")
     start = _mark(model.device) if timings is not None else 0.0
     optimizer.zero_grad()
     fp = step_fingerprint(batch)
