@@ -74,6 +74,18 @@ def test_balancing_evens_out_what_the_sample_rule_leaves_uneven() -> None:
     assert balanced != by_sample
 
 
+@pytest.mark.parametrize("parts, cuts", [
+    (1, (0, 7)), (2, (0, 3, 7)), (3, (0, 3, 6, 7)), (4, (0, 3, 3, 6, 7)), (7, (0, 1, 3, 3, 6, 7, 7, 7))])
+def test_sample_cuts_of_ragged_counts_follow_the_shard_rule(parts, cuts) -> None:
+    """Items per sample 1, 2, 0, 3, 1 (7 items): part k starts at the first item of its first sample
+    under torch.tensor_split's rule (the first 5 % parts parts take a sample more), written by hand:
+    2 parts hold samples [0, 1, 2] [3, 4], 3 parts [0, 1] [2, 3] [4], 4 parts [0, 1] [2] [3] [4],
+    7 parts one sample each then two empty parts."""
+    got = sample_cuts([1, 2, 0, 3, 1], parts)
+    assert tuple(got) == cuts and got == cuts and len(got) == parts + 1
+    assert got[-1] == 7 and got[-2] == cuts[-2] and got[1:3] == cuts[1:3]
+
+
 def test_shard_bounds_split_the_rows_as_given() -> None:
     src = MeshSpec([0, 1], (Shard(0),), sample_sizes=(6, 4, 2), shard_bounds=(0, 3, 12))
     assert src.local_range(0) == (0, 3) and src.local_range(1) == (3, 12)

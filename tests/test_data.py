@@ -164,6 +164,37 @@ def test_microbatches_follow_the_shard_rule(dp):
         assert _item_ids(mb.modalities["audio"].inputs) == clips
 
 
+# Batch H's images at their own size: image i is a [1, i + 1] tensor of value i with V_TOKENS[i] tokens.
+V_TOKENS = (1, 2, 3, 4, 5, 6, 7)
+
+
+def varied_hand_batch() -> MimoBatch:
+    per_sample = [sum(V_TOKENS[i] for i in range(a, a + n))
+                  for a, n in zip([0, 1, 3, 3, 6], H_IMAGES)]  # images 0 | 1, 2 | - | 3, 4, 5 | 6
+    assert per_sample == [1, 5, 0, 15, 7]
+    tokens = torch.tensor([[VISION] * n + [7] * (16 - n) for n in per_sample])
+    return MimoBatch(tokens=tokens, labels=tokens, loss_mask=torch.ones(5, 16),
+                     modalities={"vision": ModalityInputs(
+                         inputs=[torch.full((1, i + 1), float(i)) for i in range(7)],
+                         items_per_sample=H_IMAGES, tokens_per_item=V_TOKENS, special_token_id=VISION)})
+
+
+@pytest.mark.parametrize("dp", sorted(H_SHARDS))
+def test_shard_of_items_of_their_own_size_keeps_each_items_tokens(dp):
+    """Per-item token counts are cut by item, like the inputs: a shard's tokens_per_item are its
+    own images' counts (hand-written V_TOKENS of H_SHARDS' image ids), and its tokens per sample
+    the sums over each sample's own images, as shard and microbatches give them alike."""
+    batch = varied_hand_batch()
+    per_sample = [1, 5, 0, 15, 7]
+    for parts in (shard(batch, dp, r) for r in range(dp)), microbatches(batch, dp):
+        for (samples, images, _), part in zip(H_SHARDS[dp], parts):
+            m = part.modalities["vision"]
+            assert [int(x[0, 0]) for x in m.inputs] == images
+            assert [x.shape[1] for x in m.inputs] == [i + 1 for i in images]
+            assert m.tokens_per_item == tuple(V_TOKENS[i] for i in images)
+            assert part.tokens_per_sample("vision") == [per_sample[s] for s in samples]
+
+
 def test_tokens_per_sample_hand_built():
     batch = hand_batch()
     assert batch.tokens_per_sample("vision") == [2, 4, 0, 6, 2]
@@ -209,6 +240,22 @@ class _OneFlat(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return 1
+
+
+def test_flat_keeps_tensors_of_any_byte_size_and_dtype():
+    """`Flat` round trip of tensors whose byte sizes are not multiples of the next one's element
+    size (a bool loss mask of 15 bytes, then int64 ids, bf16, float64, 0-element and 0-d ones):
+    each comes back with its dtype, shape and values, as torch holds them (each lies at an
+    aligned offset of the one buffer, so a view of any dtype can be taken)."""
+    from dtensor_mimo.data.transfer import Flat
+
+    obj = [torch.tensor([[True, False, True]] * 5), torch.arange(6).view(2, 3), torch.tensor([1.5, -2.0]).bfloat16(),
+           torch.tensor([7], dtype=torch.uint8), torch.arange(3, dtype=torch.float64), torch.empty(0, 4),
+           torch.tensor(3, dtype=torch.int32), torch.tensor([[0.25] * 3])]
+    got = pickle.loads(pickle.dumps(Flat.pack(obj))).unpack()
+    assert len(got) == len(obj)
+    for g, o in zip(got, obj):
+        assert g.dtype == o.dtype and g.shape == o.shape and torch.equal(g, o), (g, o)
 
 
 def test_a_batch_crosses_from_a_loader_worker_as_one_buffer():

@@ -165,6 +165,29 @@ def test_a_truncated_shard_is_refused_before_any_read(tmp_path) -> None:
         load_hf(Llama(LlamaConfig.from_hf(str(tmp_path / "out"))), str(tmp_path / "out"))
 
 
+def test_blocks_read_are_the_tensors_slices(tmp_path) -> None:
+    """`SafetensorsDir.read` of rows of dim 0 and slices of the other dims, of tensors of 1 to 4
+    dims and several dtypes that the safetensors package wrote: each block equals the written
+    tensor sliced by torch (a rank's Shard(0) rows of a conv patch embedding [out, C, P, P] start
+    ``first * C * P * P`` elements in, not ``first * P``)."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(7, generator=gen), "b": torch.randn(6, 5, generator=gen).bfloat16(),
+               "c": torch.randn(5, 3, 4, generator=gen, dtype=torch.float64),
+               "d": torch.randint(-9, 9, (4, 3, 2, 5), generator=gen, dtype=torch.int32),
+               "e": torch.rand(5, 2, 3, generator=gen) > 0.5, "f": torch.tensor(2.5)}
+    os.makedirs(tmp_path / "st")
+    safetensors_torch.save_file(tensors, str(tmp_path / "st" / "model.safetensors"))
+    d = SafetensorsDir(str(tmp_path / "st"))
+    for name, t in tensors.items():
+        assert torch.equal(d.read(name), t) and d.read(name).dtype == t.dtype, name
+        if t.dim() == 0:
+            continue
+        for rows in (slice(0, 2), slice(1, 3), slice(2, t.shape[0]), slice(3, 3)):
+            assert torch.equal(d.read(name, rows), t[rows]), (name, rows)
+            box = tuple(slice(1, n) for n in t.shape[1:])
+            assert torch.equal(d.read(name, rows, box), t[(rows, *box)]), (name, rows, box)
+
+
 def test_a_directory_transformers_rewrote_as_one_file_loads_that_file(tmp_path) -> None:
     """transformers' `save_pretrained` into a directory it had written sharded removes the old
     shards but leaves their index, and reads ``model.safetensors`` first: `load_hf` reads the
