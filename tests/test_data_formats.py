@@ -19,6 +19,8 @@ text-only samples) is written as the reference JSON list and again as:
 | test_parquet_rows_are_found_in_their_row_groups | rows of a file of many small and empty row groups, read in any order |
 | test_sixteen_bit_grey_images_keep_their_shades | 16-bit grey PNG / TIFF: value x 255 / 65535, not clipped |
 | test_images_are_read_as_their_exif_orientation_shows_them | EXIF orientation 6: pixels, header shape turned |
+| test_transparent_images_are_what_transformers_... | RGBA / LA / palette: over white, as the processor |
+| test_images_at_their_own_size_are_not_padded_... | dynamic resolution, do_pad: the image's own pixels |
 | test_a_dataset_directory_with_a_trailing_slash_finds_the_same_media | 'data/hf/' and 'data/hf': media under data/ |
 | test_a_corrupt_parquet_row_group_names_the_file_and_row | a damaged row group: DataError naming the file and row |
 | test_a_tar_sample_missing_its_member_is_broken_media | past the head: MediaError on its row; left out, it builds |
@@ -404,6 +406,79 @@ def test_images_are_read_as_their_exif_orientation_shows_them(tmp_path) -> None:
         fitted = image_inputs(_Pixels(), fit=(16, 0, 32 * 32))
         assert fitted.shape(str(tmp_path / name)) == (3, 32, 16), name
         assert torch.equal(fitted([str(tmp_path / name)])[0], shown), name
+
+
+def test_transparent_images_are_what_transformers_processors_make_of_them(tmp_path) -> None:
+    """An image with transparency (RGBA or grey + alpha PNG, RGBA WebP, a palette PNG with a
+    transparent index: logos, screenshots, stickers) becomes the pixels transformers' own image
+    processor makes of the file (``do_convert_rgb``: transparency composited onto white), with a
+    SigLIP processor and a CLIP one (shortest edge + center crop), at the processor's size and
+    at an image's own size (dynamic resolution). Pillow's RGB conversion drops the alpha band,
+    baring whatever colour the transparent pixels store (black here): the pretrained tower saw
+    black where its processor gives white."""
+    import numpy as np
+    import transformers
+    from PIL import Image
+
+    from dtensor_mimo.data.conversation import fit_image_size, image_inputs
+
+    rng = np.random.default_rng(0)
+    rgb = rng.integers(0, 256, (20, 28, 3), dtype=np.uint8)
+    alpha = rng.integers(0, 256, (20, 28), dtype=np.uint8)
+    alpha[:6] = 0  # fully transparent rows
+    rgb[:6] = 0  # which store black, as most encoders write them
+    Image.fromarray(np.dstack([rgb, alpha]), "RGBA").save(tmp_path / "rgba.png")
+    Image.fromarray(np.dstack([rgb, alpha]), "RGBA").save(tmp_path / "rgba.webp", lossless=True)
+    Image.fromarray(np.dstack([rgb[..., 0], alpha]), "LA").save(tmp_path / "la.png")
+    Image.fromarray(rgb).quantize(16).save(tmp_path / "palette.png", transparency=0)
+    processors = [transformers.SiglipImageProcessor(size={"height": 16, "width": 16}),
+                  transformers.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})]
+    for processor in processors:
+        for name in ("rgba.png", "rgba.webp", "la.png", "palette.png"):
+            path = str(tmp_path / name)
+            with Image.open(path) as image:
+                want = processor(images=image, return_tensors="pt")["pixel_values"]
+            torch.testing.assert_close(image_inputs(processor)([path]), want, rtol=0, atol=1e-6,
+                                       msg=f"{type(processor).__name__} {name}")
+            fit = (4, 16, 32 * 32)
+            h, w = fit_image_size(20, 28, *fit)
+            with Image.open(path) as image:
+                want = processor(images=image, size={"height": h, "width": w}, do_center_crop=False,
+                                 return_tensors="pt")["pixel_values"][0]
+            torch.testing.assert_close(image_inputs(processor, fit)([path])[0], want, rtol=0, atol=1e-6,
+                                       msg=f"{type(processor).__name__} {name} at its own size")
+
+
+def test_images_at_their_own_size_are_not_padded_to_a_square_first(tmp_path) -> None:
+    """Dynamic resolution with a processor that pads each image to a square before resizing
+    (transformers' LlavaImageProcessor, ``do_pad``: LLaVA's "pad to square"): a 16x48 image,
+    whose own size (`fit_image_size`) is 16x48, was padded to 48x48 with the mean colour and
+    then squeezed into 16x48: two thirds of its rows padding, its content a third as high, at the
+    size the header predicted (nothing named it). Its pixels are the image's own: left third
+    black, the rest grey 200, normalized by the processor's mean and std."""
+    import numpy as np
+    from PIL import Image
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    from dtensor_mimo.data.conversation import fit_image_size, image_inputs
+
+    stored = np.full((16, 48, 3), 200, dtype=np.uint8)
+    stored[:, :16] = 0
+    Image.fromarray(stored).save(tmp_path / "wide.png")
+    processor = LlavaImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
+                                       do_pad=True)
+    fit = (4, 16, 64 * 64)
+    assert fit_image_size(16, 48, *fit) == (16, 48)  # already its size: no resampling
+    mean, std = (torch.tensor(v, dtype=torch.float64)[:, None, None] for v in (processor.image_mean,
+                                                                                processor.image_std))
+    want = (torch.tensor(stored, dtype=torch.float64).permute(2, 0, 1) / 255 - mean) / std
+    got = image_inputs(processor, fit)([str(tmp_path / "wide.png")])[0]
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+    # the processor's own square input keeps its padding (transformers' LLaVA preprocessing)
+    square = image_inputs(processor)([str(tmp_path / "wide.png")])
+    with Image.open(tmp_path / "wide.png") as image:
+        torch.testing.assert_close(square, processor(images=image, return_tensors="pt")["pixel_values"],
+                                   rtol=0, atol=1e-6)
 
 
 def test_a_dataset_directory_with_a_trailing_slash_finds_the_same_media(corpus) -> None:

@@ -12,6 +12,7 @@ images in 4x4 patches) with every weight, bias and norm perturbed, so a misplace
 | test_pipeline_stages_and_bf16               | two pipeline stages of a Llama (and of a ViT), saved one by one (`layer_split`), make one directory; bf16 export equals the bf16 cast |
 | test_writing_over_an_earlier_export_...     | rewritten (sharded <-> one file): both readers get the new weights |
 | test_refusals_are_named                     | a ViT with a final norm in LLaVA, a projector LLaVA cannot express, a tokenizer without the image token, an image processor of another size, Whisper strides, a stage without its split |
+| test_an_image_processor_that_keeps_...      | CLIP shortest_edge without crop / no resize: refused by name |
 | test_export_hf[colocated_tp_fsdp]           | `export_hf` of a MimoModel, 4 ranks: vision dp4 (FSDP2) and language dp2·tp2 (FSDP2) on the same ranks -> one LLaVA directory |
 | test_export_hf[disjoint_pp2]                | vision dp2 (FSDP2, frozen tower, ranks 0-1), language pp2 (ranks 2-3, one file per stage) -> one LLaVA directory |
 | test_export_hf[per_module]                  | vision + audio (dp2, colocated, 0-1; FSDP2 with uneven shards), language tp2 (2-3): SigLIP, Whisper, Qwen2 directories, projectors, tokenizer and processors; `save_hf` of the tp2 module itself writes the same bytes; `llava=True` and a wrong modality refused on every rank |
@@ -263,6 +264,35 @@ def test_refusals_are_named(tmp_path) -> None:
     with pytest.raises(ValueError, match="pass layer_split"):
         save_hf(decoder_stage(llama, [0], first=True, last=False), str(tmp_path / "e"))
     assert not any((tmp_path / d).exists() for d in "abcdef")  # refused before anything was written
+
+
+@pytest.mark.parametrize("fields", [dict(size={"shortest_edge": 16}, do_center_crop=False),
+                                    dict(size={"shortest_edge": 32}, do_center_crop=False),
+                                    dict(size={"height": 16, "width": 16}, do_resize=False, do_center_crop=False)],
+                         ids=["shortest_edge", "shortest_edge_32", "no_resize"])
+def test_an_image_processor_that_keeps_each_images_shape_is_refused(fields, tmp_path) -> None:
+    """A CLIP processor resizing the shortest edge without a center crop (or not resizing at all)
+    makes each image its own shape: a 16x40 image becomes 16x40 (32x80) pixels, and the exported
+    LlavaProcessor expands its <image> to 40 (160) placeholders for a 16x16 tower of 16 patches.
+    `processor_problem` read only height / width sizes, found none, and passed it: the export
+    was written (and a run that exports passed the launcher's checks). Refused by name, before
+    anything is written; a crop to the tower's size passes."""
+    from dtensor_mimo.models.hf.export import module_spec, processor_problem
+
+    processor = transformers.CLIPImageProcessor(**fields)
+    wide = PIL.fromarray(np.zeros((16, 40, 3), dtype=np.uint8))
+    made = processor(images=wide, return_tensors="pt")["pixel_values"].shape[-2:]
+    assert tuple(made) != (16, 16)  # what the exported processor would give the 16x16 tower
+    modules = _llava_modules("clip")
+    with pytest.raises(ValueError, match=r"save_llava_hf: the image processor .*does not center crop: each "
+                                         r"image.*16x16.*"
+                                         r"\{'height': 16, 'width': 16\}"):
+        save_llava_hf(*modules, str(tmp_path / "out"), image_token_id=62, tokenizer=_tokenizer(62),
+                      image_processor=processor)
+    assert not (tmp_path / "out").exists()
+    cropped = transformers.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    assert tuple(cropped(images=wide, return_tensors="pt")["pixel_values"].shape[-2:]) == (16, 16)
+    assert processor_problem(cropped, module_spec(modules[0])) is None
 
 
 @pytest.mark.parametrize("first_shard_bytes, second_shard_bytes", [(4096, None), (None, 4096)])

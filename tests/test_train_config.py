@@ -466,3 +466,33 @@ def test_a_feature_extractor_of_other_mel_bins_than_the_whisper_encoder_is_refus
     with pytest.raises(ConfigError, match=r"model.encoders.audio: the feature extractor makes 16 mel bins but the "
                                           r"encoder takes 8"):
         resolve_encoder(config, "audio", section)
+
+
+@pytest.mark.parametrize("modality", ["image", "video"])
+def test_an_image_processor_that_keeps_each_images_shape_is_refused_for_a_fixed_size_tower(tmp_path, modality) -> None:
+    """model.encoders.image.processor = a CLIP processor that resizes the shortest edge to the
+    tower's 16 pixels without a center crop: a square image becomes 16x16, a 16x40 one 16x40.
+    The launcher's probe of the first file passed it where that file was square, and every
+    other image then failed its step (MediaError; with data.skip_bad_media, left out). Refused
+    when the config resolves, naming the key and the fix; with a crop to 16x16 it resolves."""
+    import numpy as np
+    from PIL import Image
+
+    from dtensor_mimo.train.config import ConversationData, EncoderSection
+    from dtensor_mimo.train.modules import resolve_encoder
+
+    transformers = pytest.importorskip("transformers")
+    path = str(tmp_path / "clip")
+    processor = transformers.CLIPImageProcessor(size={"shortest_edge": 16}, do_center_crop=False)
+    processor.save_pretrained(path)
+    wide = Image.fromarray(np.zeros((16, 40, 3), dtype=np.uint8))
+    assert tuple(processor(images=wide, return_tensors="pt")["pixel_values"].shape) == (1, 3, 16, 40)
+    config = TrainerConfig(data=ConversationData())
+    section = EncoderSection(modality=modality, image_size=16, patch_size=4, processor=path)
+    with pytest.raises(ConfigError, match=rf"model.encoders.{modality}: the image processor resizes to size="
+                                          r"\{'shortest_edge': 16\} and does not center crop: .*16x16.*"
+                                          r"\{'height': 16, 'width': 16\}"):
+        resolve_encoder(config, modality, section)
+    transformers.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}) \
+        .save_pretrained(path)
+    assert resolve_encoder(config, modality, section).item_shape == (3, 16, 16)

@@ -324,9 +324,9 @@ def _orientation(image: Any) -> int:
 
 
 def _shown_rgb(image: Any) -> Any:
-    """An opened image as RGB, as a viewer shows it: turned by its EXIF orientation, and 16-bit
-    grey (mode I;16, which Pillow's RGB conversion clips at 255: white above 255 / 65535) scaled
-    to 8 bits."""
+    """An opened image as RGB, as a viewer shows it: turned by its EXIF orientation, transparency
+    over white (as transformers' processors composite it), and 16-bit grey (mode I;16, which
+    Pillow's RGB conversion clips at 255: white above 255 / 65535) scaled to 8 bits."""
     orientation = _orientation(image)  # before the pixels are loaded (as `image_inputs.shape` reads it)
     if image.mode.startswith("I;16"):
         from PIL import Image
@@ -335,17 +335,25 @@ def _shown_rgb(image: Any) -> Any:
         image = Image.fromarray(np.rint(grey).astype(np.uint8))
     if orientation != 1:
         image = image.transpose(_TRANSPOSE[orientation])
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        # Transparency composited onto white, as transformers' processors do (`convert_to_rgb`): Pillow's
+        # RGB conversion drops the alpha band, baring whatever colour transparent pixels store (often black).
+        from PIL import Image
+
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
     return image.convert("RGB")
 
 
 class image_inputs:  # noqa: N801 - used as a function; a class so that loader workers can pickle it
     """Image files -> ``pixel_values`` with a transformers image processor (RGB, as a viewer shows
-    the file: turned by its EXIF orientation, 16-bit grey scaled to 8 bits).
+    the file: turned by its EXIF orientation, transparency over white, 16-bit grey scaled to 8 bits).
 
     Args:
         processor: the encoder's image processor: it resizes, rescales and normalizes.
         fit: ``(patch, min_pixels, max_pixels)``: each image at its own size (`fit_image_size`),
-            the processor resizing it to that size instead of its configured square (no crop);
+            the processor resizing it to that size instead of its configured square (no crop, no
+            padding to a square);
             the call then returns one ``[3, H_i, W_i]`` tensor per path. None: one size for all.
     """
 
@@ -382,10 +390,12 @@ class image_inputs:  # noqa: N801 - used as a function; a class so that loader w
         if self.fit is None:
             return self.processor(images=images, return_tensors="pt")["pixel_values"].float()
         out = []
+        # nor padded (LlavaImageProcessor pads to a square first: the image would be squeezed into its size)
+        unpadded = {"do_pad": False} if getattr(self.processor, "do_pad", False) else {}
         for image in images:
             h, w = fit_image_size(image.height, image.width, *self.fit)
             pixels = self.processor(images=[image], size={"height": h, "width": w}, do_resize=True,
-                                    do_center_crop=False, return_tensors="pt")["pixel_values"]
+                                    do_center_crop=False, return_tensors="pt", **unpadded)["pixel_values"]
             out.append(pixels[0].float())
         return out
 

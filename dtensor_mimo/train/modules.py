@@ -230,6 +230,7 @@ def resolve_encoder(config: TrainerConfig, name: str, section: EncoderSection) -
         if section.dynamic_resolution:
             vit, pixels = dynamic_vit(config, name, vit)
             return ResolvedEncoder(name, section, vit, vit.max_patches, proc, image_pixels=pixels)
+        _check_image_processor(key, proc, vit)
         return ResolvedEncoder(name, section, vit, vit.num_patches, proc)
     # the library's own encoder
     digits = config.data.format == "digits"
@@ -252,6 +253,7 @@ def resolve_encoder(config: TrainerConfig, name: str, section: EncoderSection) -
         if section.dynamic_resolution:
             vit, pixels = dynamic_vit(config, name, vit)
             return ResolvedEncoder(name, section, vit, vit.max_patches, proc, image_pixels=pixels)
+        _check_image_processor(key, proc, vit)
         return ResolvedEncoder(name, section, vit, vit.num_patches, proc)
     if digits:
         audio = AudioConfig(n_mels=16, max_frames=16, conv_strides=(2, 2), dim=section.dim, n_layers=section.n_layers,
@@ -269,6 +271,18 @@ def resolve_encoder(config: TrainerConfig, name: str, section: EncoderSection) -
         longest = audio.output_length(samples // proc.hop_length)
         return ResolvedEncoder(name, section, audio, longest, proc, clip_samples=samples)
     return ResolvedEncoder(name, section, audio, audio.output_length(audio.max_frames), proc)
+
+
+def _check_image_processor(key: str, processor: Any, vit: ViTConfig) -> None:
+    """Refuse an image processor that does not make every image the tower's size (one resizing
+    the shortest edge without a crop, or not resizing: each image its own shape). The launcher's
+    probe of one file would pass it where that file is square, and every other image would then
+    fail its step."""
+    from dtensor_mimo.models.hf.export import image_shape_problem
+
+    if problem := image_shape_problem(processor, vit.image_size):
+        raise ConfigError(f"{key}: {problem} (its processor, {key}.processor or the preprocessor_config.json of "
+                          f"its hf directory; or set {key}.dynamic_resolution = true to keep each image's shape)")
 
 
 def _check_digits_vit(key: str, size: int, patch: int) -> None:

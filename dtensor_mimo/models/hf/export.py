@@ -202,19 +202,48 @@ def holder(modules: Sequence[nn.Module], part: Part, writer: bool | None = None,
     return Holder(params, stages, writer, writer_rank)
 
 
+def _sides(size: Any) -> set[Any]:
+    return {size.get(k) if isinstance(size, Mapping) else getattr(size, k, None) for k in ("height", "width")}
+
+
+def image_processor_problem(processor: Any, image_size: int) -> str | None:
+    """Why `processor` (a transformers image processor) does not make every image
+    `image_size` x `image_size` pixels, as far as its attributes tell (its crop, else its resize),
+    or None."""
+    crop = getattr(processor, "crop_size", None) if getattr(processor, "do_center_crop", False) else None
+    made = crop or (getattr(processor, "size", None) if getattr(processor, "do_resize", True) else None)
+    sides = _sides(made) - {None}
+    if sides and sides != {image_size}:
+        return (f"the image processor makes {dict(height=min(sides), width=max(sides))} images but the ViT takes "
+                f"{image_size}x{image_size}: set its size (and crop_size, if it crops) to "
+                f"{{'height': {image_size}, 'width': {image_size}}}")
+    return image_shape_problem(processor, image_size)
+
+
+def image_shape_problem(processor: Any, image_size: int) -> str | None:
+    """Why `processor` (a transformers image processor) makes images of their own shapes rather
+    than one size (a resize to a shortest / longest edge without a center crop, or none), said
+    for a ViT of `image_size`, or None."""
+    crop = getattr(processor, "crop_size", None) if getattr(processor, "do_center_crop", False) else None
+    resize, size = getattr(processor, "do_resize", True), getattr(processor, "size", None)
+    if crop is not None or not hasattr(processor, "size") or resize and (size is None or _sides(size) - {None}):
+        return None
+    square = f"{{'height': {image_size}, 'width': {image_size}}}"
+    keys = ("height", "width", "shortest_edge", "longest_edge")
+    given = size.items() if isinstance(size, Mapping) else ((k, getattr(size, k, None)) for k in keys)
+    how = (f"resizes to size={ {k: v for k, v in given if v is not None} }" if resize
+           else "does not resize (do_resize=False)")
+    return (f"the image processor {how} and does not center crop: each image keeps its own aspect ratio or size "
+            f"(a 16x40 image does not become square), but the ViT takes {image_size}x{image_size}: set its size "
+            f"to {square} (or do_center_crop=True with crop_size={square})")
+
+
 def processor_problem(processor: Any, spec: ModuleSpec) -> str | None:
     """Why `processor` (a transformers image processor / feature extractor) cannot feed the tower
-    of `spec`, as far as its attributes tell (an image size other than the ViT's, a mel count
-    other than the audio encoder's), or None."""
+    of `spec`, as far as its attributes tell (an image size other than the ViT's, or none: each
+    image its own shape; a mel count other than the audio encoder's), or None."""
     if spec.kind is ViT:
-        size = getattr(processor, "crop_size", None) if getattr(processor, "do_center_crop", False) else None
-        size = size or getattr(processor, "size", None)
-        sides = {size.get(k) if isinstance(size, Mapping) else getattr(size, k, None) for k in ("height", "width")}
-        if sides - {None} and sides != {spec.config.image_size}:
-            return (f"the image processor makes {dict(height=min(sides - {None}), width=max(sides - {None}))} "
-                    f"images but the ViT takes {spec.config.image_size}x"
-                    f"{spec.config.image_size}: set its size (and crop_size, if it crops) to {{'height': "
-                    f"{spec.config.image_size}, 'width': {spec.config.image_size}}}")
+        return image_processor_problem(processor, spec.config.image_size)
     if spec.kind is AudioEncoder:
         mels = getattr(processor, "feature_size", None)
         if mels is not None and mels != spec.config.n_mels:
