@@ -118,6 +118,17 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
             raise LayoutError(f"encoder {name!r} has ParallelOptions(recompute_colocated=True) but shares no rank "
                               f"with {language_name!r}: only a colocated encoder keeps its graph through the "
                               "language schedule (one on ranks of its own already holds only its crossing window)")
+        tp = layout.parallelism(name).tp
+        if (mine.recompute_colocated and mine.compile and tp > 1 and pipeline is not None
+                and pipeline.microbatches > 1 and any(p.requires_grad for p in module.parameters())):
+            # torch 2.13: the tp weight gradients a compiled block's backward leaves (DTensors whose
+            # _StridedShard placement `__tensor_unflatten__` cannot rebuild) fail dynamo's next trace
+            # of the block, a recomputed microbatch's forward holding the gradients of the one before
+            raise LayoutError(f"encoder {name!r} is compiled (ParallelOptions.compile) at tp={tp} with "
+                              f"recompute_colocated=True and {pipeline.microbatches} microbatches: torch's compiler "
+                              "fails on the second microbatch's recomputed forward (the first one's tensor-parallel "
+                              f"weight gradients); set recompute_colocated=False or compile=False for {name!r}, "
+                              "give it tp = 1, or use one microbatch")
         if options.get(name, ParallelOptions()).balance and pp > 1:
             raise LayoutError(f"encoder {name!r} has pp={pp} and ParallelOptions(balance=True): balancing "
                               "moves items between the dp ranks of a pp = 1 encoder; drop balance, or use pp = 1")

@@ -120,6 +120,12 @@ class LanguageStage(nn.Module):
             feed = self.feed
             rows = {} if feed is None else feed if isinstance(feed, Mapping) else feed.rows(microbatch)
             x = assemble(text, x, rows, ids, counts=special_counts)
+            if x is text and x._is_view():
+                # No rows scattered in (a text-only microbatch): the tp embedding's output as it
+                # came, the view its `to_local` returns. A compiled first block that took that view
+                # as its input broke the embedding's backward (torch 2.13: its redistribution's
+                # backward got a plain tensor, on every tp rank).
+                x = x.clone()
             if self.cp_size > 1:
                 x = zigzag_shard(x, self.cp_size, self.cp_rank)
         # `loss_rows` reaches every stage of the microbatch (torch passes the keywords to all):
