@@ -257,6 +257,11 @@ def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> Non
      "splits the encoder's items over its dp ranks"),
     (["--layout.vision.pp", "2", "--layout.vision.dp", "2", "--options.vision.balance", "true"],
      "options.vision.balance = true with layout.vision.pp = 2"),
+    # torch's compiler fails on every vision rank at the second microbatch (tests/test_fuzz.py RECOMPUTED_COMPILED_TP)
+    (["--layout.vision.offset", "0", "--layout.audio.offset", "0", "--layout.language.offset", "0",
+      "--layout.vision.tp", "2", "--layout.language.dp", "2", "--layout.audio.dp", "2",
+      "--options.vision.recompute_colocated", "true", "--options.vision.compile", "true",
+      "--pipeline.microbatches", "2"], "options.vision.recompute_colocated = true with options.vision.compile = true"),
 ])
 def test_bad_input_names_the_key(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as e:

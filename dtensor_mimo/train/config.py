@@ -1125,6 +1125,13 @@ def check_module_options(config: TrainerConfig, layout: Any) -> None:
                               "language model's ranks keeps its graph through the language model's microbatches (one "
                               f"on ranks of its own already holds only its crossing window); remove it, or colocate "
                               f"the encoder (layout.{name} of the language model's size and offset)")
+        if options.recompute_colocated and options.compile and par.tp > 1 and config.pipeline.microbatches > 1:
+            # (the library's check_model refuses it inside the ranks, where the encoder trains)
+            raise ConfigError(f"options.{name}.recompute_colocated = true with options.{name}.compile = true, "
+                              f"layout.{name}.tp = {par.tp} and pipeline.microbatches = {config.pipeline.microbatches}: "
+                              "torch's compiler fails on the second microbatch's recomputed forward (the first one's "
+                              f"tensor-parallel weight gradients); set one of them false, layout.{name}.tp = 1, or "
+                              "pipeline.microbatches = 1")
         if options.balance and par.dp == 1:
             raise ConfigError(f"options.{name}.balance = true, but layout.{name}.dp = 1: balancing splits the "
                               f"encoder's items over its dp ranks, and one rank encodes them all; remove it, or give "
