@@ -480,3 +480,52 @@ def test_a_loss_mask_on_ignored_labels_weighs_nothing_across_ranks() -> None:
     assert got.keys() == want.keys()
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, rtol=2e-5, atol=2e-6, msg=lambda m: f"{k}: {m}")
+
+
+def _fraction_of_a_token(batch):
+    """`batch` with loss weights of the same proportions as its own, summing to 0.5 over the batch
+    (fractional weights, e.g. each sample's weights divided by the tokens of the batch)."""
+    import dataclasses
+
+    from dtensor_mimo.sequence import loss_weights
+
+    weights = loss_weights(batch.labels, batch.loss_mask)
+    return dataclasses.replace(batch, loss_mask=weights / weights.sum() * 0.5)
+
+
+def _step_of_fractional_weights(modules):
+    from dtensor_mimo import AdamWConfig, MimoLayout, MimoModel, MimoOptimizer, train_step
+    from tests.test_mimo import _batches, _modules
+    from tests.test_pipeline import _gathered_gradients
+
+    model = MimoModel(MimoLayout(modules), *_modules(("vision",)))
+    optimizer = MimoOptimizer(model, AdamWConfig(lr=0.0, max_grad_norm=None))
+    loss = train_step(model, optimizer, _fraction_of_a_token(_batches(("vision",), False, 4, (64,))[0])).loss
+    return loss, _gathered_gradients(model)
+
+
+def test_loss_weights_summing_below_one_give_the_weighted_mean() -> None:
+    """The loss is the weighted mean over the global batch, sum(w * ce) / sum(w), whatever the
+    weights add up to: fractional loss weights whose total is below 1 (here 0.5) are divided by
+    that total, as the single-process loss is. Before, the normalizer was max(total, 1) (meant for
+    a batch without targets), so such a batch gave a loss and gradients 2x too small, on every
+    layout; and the trainer's held-out loss, which weighs each batch's loss by its total weight,
+    was off alike. A batch with no loss weight at all still has loss 0."""
+    import dataclasses
+
+    from dtensor_mimo import Parallelism
+    from dtensor_mimo.sequence import loss_normalizer
+    from tests.test_mimo import _batches
+    from tests.test_pipeline import _reference_gradients
+
+    batch = _fraction_of_a_token(_batches(("vision",), False, 4, (64,))[0])
+    assert loss_normalizer(batch) == pytest.approx(0.5)
+    assert loss_normalizer(dataclasses.replace(batch, loss_mask=torch.zeros_like(batch.loss_mask))) == 1.0
+    want_loss, want = _reference_gradients(batch)
+    modules = dict(vision=Parallelism(), language=Parallelism(dp=2))
+    per_rank = run_on_ranks(_step_of_fractional_weights, 3, modules, timeout=180)
+    assert all(loss == pytest.approx(want_loss, rel=1e-5) for loss, _ in per_rank), (want_loss, per_rank[0][0])
+    got = {k: v for _, grads in per_rank for k, v in grads.items()}
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=2e-5, atol=2e-6, msg=lambda m: f"{k}: {m}")

@@ -266,6 +266,47 @@ def test_token_ids_outside_the_vocabulary_fail_every_rank_by_name(mode, token):
             f"(1 such token in the batch)") in errors[0]
 
 
+def _empty_batch(kind: str, mode: str) -> str | None:
+    """vision dp2 on ranks 0-1, the language model at tp2 on ranks 2-3; a global batch of no
+    samples, or of rows of no positions: what a `mode` run raises on this rank."""
+    import torch.distributed as dist
+
+    from dtensor_mimo import MimoOptimizer, train_step
+    from dtensor_mimo.data import MimoBatch
+    from tests.test_mimo import _batches, _modules
+
+    model = MimoModel(MimoLayout({"vision": P(dp=2), "language": P(tp=2)}), *_modules(("vision",)))
+    optimizer = MimoOptimizer(model)
+    good = _batches(("vision",), packed=False, batch_size=4)[0]
+    bad = (good.select_samples(range(0)) if kind == "no samples" else
+           MimoBatch(good.tokens[:, :0], good.labels[:, :0], good.loss_mask[:, :0]))
+    run = {"train": lambda b: train_step(model, optimizer, b), "predict": model.predict}[mode]
+    try:
+        run(bad)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    dist.barrier()  # every rank raised before any exchange: none is left waiting inside one
+    train_step(model, optimizer, good)  # and the model still trains
+    return error
+
+
+@pytest.mark.parametrize("mode", ["train", "predict"])
+@pytest.mark.parametrize("kind, shape", [("no samples", "[0, 64]"), ("no positions", "[4, 0]")])
+def test_a_batch_of_no_samples_or_no_positions_fails_every_rank_by_name(kind, shape, mode):
+    """A global batch of no samples (``select_samples(range(0))``, a loader's empty last batch) or
+    of rows of no positions: the language ranks failed alone inside DTensor's sharding propagation
+    under tp ("integer modulo by zero"), or every rank hung, while the encoder ranks waited for them;
+    on other layouts a training step over nothing was applied (AdamW's momentum and weight decay
+    moved the weights, the lr schedule advanced). Refused on every rank before any exchange,
+    naming the tokens' shape."""
+    from tests.harness import run_on_ranks
+
+    errors = run_on_ranks(_empty_batch, 4, kind, mode, timeout=120)
+    assert all(e is not None and e == errors[0] for e in errors), errors
+    assert f"the batch has {kind} (tokens of shape {shape})" in errors[0], errors[0]
+
+
 def _train_without_grad(context: str) -> list[str | float]:
     """vision on rank 0, language on rank 1: a train_step under `context` (refused on every rank),
     then one outside it (trains: the refusal left nothing half done)."""

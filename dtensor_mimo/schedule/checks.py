@@ -225,6 +225,11 @@ def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str]
     (checked once per batch, in host memory: a batch already on an accelerator is not read).
     `sequence_parallel`: the language model's `ParallelOptions.sp`. `compiled`: the encoders
     compiled (`ParallelOptions.compile`) whose backward this call traces."""
+    for empty, what in ((batch.batch_size == 0, "no samples"), (batch.seq_len == 0, "no positions")):
+        if empty:  # the language ranks would fail alone (DTensor under tp) or a step would train on nothing
+            raise ValueError(f"the batch has {what} (tokens of shape {list(batch.tokens.shape)}): a run needs at "
+                             "least one sample of at least one position; leave an empty batch out (a loader's "
+                             "last one: drop_last)")
     unknown = [n for n in batch.modalities if n not in encoder_names]
     if unknown:
         raise ValueError(

@@ -37,9 +37,15 @@ def loss_weights(labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def loss_normalizer(batch: MimoBatch) -> float:
-    """Total loss weight of the global `batch` (at least 1, so a batch without targets has loss
-    0); once per batch (`MimoBatch.memo`)."""
-    return batch.memo("loss normalizer", lambda: max(float(loss_weights(batch.labels, batch.loss_mask).sum()), 1.0))
+    """Total loss weight of the global `batch`, or 1 where it has none (a batch without targets has
+    loss 0): the loss is the weighted mean ``sum(w * ce) / sum(w)`` also for fractional weights
+    summing to less than 1; once per batch (`MimoBatch.memo`)."""
+    return batch.memo("loss normalizer", lambda: _positive_or_one(float(loss_weights(batch.labels,
+                                                                                     batch.loss_mask).sum())))
+
+
+def _positive_or_one(total: float) -> float:
+    return total if total > 0 else 1.0
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
