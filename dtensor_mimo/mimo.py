@@ -34,7 +34,7 @@ from dtensor_mimo.parallelize.fp8 import check_fp8, fp8_rows_problem, refresh_fp
 from dtensor_mimo.parallelize.replicas import head_local
 from dtensor_mimo.schedule import (EncoderPipeline, LanguagePipeline, LanguageStage, PipelineConfig,
                                    check_microbatching, stage_inputs)
-from dtensor_mimo.schedule.checks import check_batch, check_model, ids_outside, overlapped
+from dtensor_mimo.schedule.checks import bad_loss_weights, check_batch, check_model, ids_outside, overlapped
 from dtensor_mimo.schedule.encoders import build_encoder_part, independent_items
 from dtensor_mimo.schedule.executor import RankParts, StepResult, execute
 from dtensor_mimo.schedule.order import crossing_window
@@ -465,6 +465,8 @@ class MimoModel(nn.Module):
         prepare_batch(batch, self.parts.shape(batch, mode).microbatches, self.parts.cut_rules)
         if self.vocab_size is not None and batch.tokens.is_cpu:  # (read on the host only: no sync)
             ids_outside(batch, self.vocab_size)
+        if batch.loss_mask.is_cpu:
+            bad_loss_weights(batch)
 
     def run(self, batch: MimoBatch, mode: str = "train") -> StepResult:
         """One `mode` step over the global `batch` on this rank (call on every rank): its program

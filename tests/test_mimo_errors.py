@@ -205,6 +205,26 @@ def test_cp_needs_sequence_multiple_of_two_cp():
         check_batch(layout, "language", ["vision"], batch)
 
 
+@pytest.mark.parametrize("weight", [float("nan"), -0.5, float("inf")])
+def test_loss_weights_that_are_negative_or_not_finite_are_refused_by_name(weight):
+    """A NaN loss weight made every step's gradients non-finite (each step skipped, the warning
+    blaming the lr or the labels); a negative one trained away from its target. Refused where the
+    batch is checked (every rank, before any exchange), naming the sample and position; a weight
+    on an IGNORE label counts nothing and stays allowed."""
+    from dtensor_mimo.data import IGNORE_INDEX
+
+    batch = synthetic_batch(SyntheticSpec.tiny(modalities={}), seed=0)
+    layout = MimoLayout({"vision": P(), "language": P()})
+    target = int((batch.labels[1] != IGNORE_INDEX).nonzero()[0])
+    batch.loss_mask[1, target] = weight
+    with pytest.raises(ValueError, match=rf"weighs its target at position {target} by {weight}"):
+        check_batch(layout, "language", ["vision"], batch)
+    ignored = synthetic_batch(SyntheticSpec.tiny(modalities={}), seed=0)
+    ignored.labels[1, target] = IGNORE_INDEX
+    ignored.loss_mask[1, target] = weight
+    check_batch(layout, "language", ["vision"], ignored)
+
+
 def test_sequence_parallel_rows_that_tp_does_not_divide_on_torch_before_2_13(monkeypatch):
     """torch 2.11's DTensor backward fails on a sequence sharded unevenly over tp (2.13 trains it:
     test_mimo's tp_sp_odd): there the batch is refused by name, on every rank before any collective."""

@@ -8,7 +8,7 @@ from typing import AbstractSet, Mapping
 import torch
 from torch import nn
 
-from dtensor_mimo.data import MimoBatch
+from dtensor_mimo.data import IGNORE_INDEX, MimoBatch
 from dtensor_mimo.layout import LayoutError, MimoLayout, torch_compat
 from dtensor_mimo.models import ModalityEncoder
 from dtensor_mimo.models.protocol import ItemRule, encoder_problems, language_problems
@@ -261,6 +261,9 @@ def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str]
                              f"{vocab_size}) or be the special token id of one of its modalities "
                              f"{batch.special_token_ids}: {problem}; fix the tokenizer / pad id, or the "
                              "modalities' special token ids")
+    if batch.loss_mask.is_cpu and (problem := bad_loss_weights(batch)):
+        raise ValueError(f"the batch's loss_mask must weigh each target token by a finite number >= 0: {problem}; "
+                         "fix the weights (0 leaves a token out of the loss)")
     cp = layout.parallelism(language_name).cp
     if cp > 1 and batch.seq_len % (2 * cp):
         raise ValueError(
@@ -276,6 +279,25 @@ def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str]
             + (f" over cp={cp}" if cp > 1 else "") + f"; pad the rows to a multiple of {tp * cp} (the trainer "
             "does), or use torch 2.13"
         )
+
+
+def bad_loss_weights(batch: MimoBatch) -> str | None:
+    """Where `batch`'s loss weights of its target tokens (labels not IGNORE) are negative or not
+    finite, or None: a NaN would make every step's gradients non-finite (each skipped, the cause
+    named nowhere), a negative weight would train away from its target. Once per batch
+    (`MimoBatch.memo`: `MimoModel.prepare` finds it ahead of the step)."""
+    return batch.memo("bad loss weights", lambda: _bad_loss_weights(batch))
+
+
+def _bad_loss_weights(batch: MimoBatch) -> str | None:
+    weights = batch.loss_mask
+    bad = ((weights < 0) | ~torch.isfinite(weights)) & (batch.labels != IGNORE_INDEX)
+    count = int(bad.sum())
+    if not count:
+        return None
+    row, column = (int(i) for i in bad.nonzero()[0])
+    return (f"sample {row} weighs its target at position {column} by {float(weights[row, column])} ({count} such "
+            f"weight{'s' if count > 1 else ''} in the batch)")
 
 
 def ids_outside(batch: MimoBatch, vocab_size: int) -> str | None:
