@@ -262,6 +262,9 @@ def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> Non
       "--layout.vision.tp", "2", "--layout.language.dp", "2", "--layout.audio.dp", "2",
       "--options.vision.recompute_colocated", "true", "--options.vision.compile", "true",
       "--pipeline.microbatches", "2"], "options.vision.recompute_colocated = true with options.vision.compile = true"),
+    # torch's tracer recursion at the second step (tests/test_fuzz.py VARIED_COMPILED_TP)
+    (["--model.encoders.vision.dynamic_resolution", "true", "--options.vision.compile", "true",
+      "--layout.vision.tp", "2"], "model.encoders.vision.dynamic_resolution = true with options.vision.compile"),
 ])
 def test_bad_input_names_the_key(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -1132,6 +1132,13 @@ def check_module_options(config: TrainerConfig, layout: Any) -> None:
                               "torch's compiler fails on the second microbatch's recomputed forward (the first one's "
                               f"tensor-parallel weight gradients); set one of them false, layout.{name}.tp = 1, or "
                               "pipeline.microbatches = 1")
+        own_size = config.model.encoders[name].dynamic_resolution or config.model.encoders[name].variable_length
+        if own_size and options.compile and par.tp > 1:  # (the library's check_batch, at the first batch)
+            which = "dynamic_resolution" if config.model.encoders[name].dynamic_resolution else "variable_length"
+            raise ConfigError(f"model.encoders.{name}.{which} = true with options.{name}.compile = true and "
+                              f"layout.{name}.tp = {par.tp}: torch's compiler cannot trace the backward of items of "
+                              f"their own size under tensor parallel; set options.{name}.compile = false, "
+                              f"layout.{name}.tp = 1 (dp instead), or items of one size")
         if options.balance and par.dp == 1:
             raise ConfigError(f"options.{name}.balance = true, but layout.{name}.dp = 1: balancing splits the "
                               f"encoder's items over its dp ranks, and one rank encodes them all; remove it, or give "
