@@ -433,17 +433,28 @@ def test_transparent_images_are_what_transformers_processors_make_of_them(tmp_pa
     Image.fromarray(rgb).quantize(16).save(tmp_path / "palette.png", transparency=0)
     processors = [transformers.SiglipImageProcessor(size={"height": 16, "width": 16}),
                   transformers.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})]
+    def over_white(image):  # transformers' `convert_to_rgb` (4.x, and 5.x's torchvision backend)
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+
+    # The file given to the processor, where it composites itself (transformers 5.24); else the file
+    # composited as above (5.17's PIL backend drops the alpha band, as Pillow's RGB conversion does).
+    with Image.open(tmp_path / "rgba.png") as image:
+        probe = processors[0](images=image, return_tensors="pt")["pixel_values"]
+        itself = torch.equal(probe, processors[0](images=over_white(image), return_tensors="pt")["pixel_values"])
     for processor in processors:
         for name in ("rgba.png", "rgba.webp", "la.png", "palette.png"):
             path = str(tmp_path / name)
             with Image.open(path) as image:
-                want = processor(images=image, return_tensors="pt")["pixel_values"]
+                given = image if itself else over_white(image)
+                want = processor(images=given, return_tensors="pt")["pixel_values"]
             torch.testing.assert_close(image_inputs(processor)([path]), want, rtol=0, atol=1e-6,
                                        msg=f"{type(processor).__name__} {name}")
             fit = (4, 16, 32 * 32)
             h, w = fit_image_size(20, 28, *fit)
             with Image.open(path) as image:
-                want = processor(images=image, size={"height": h, "width": w}, do_center_crop=False,
+                given = image if itself else over_white(image)
+                want = processor(images=given, size={"height": h, "width": w}, do_center_crop=False,
                                  return_tensors="pt")["pixel_values"][0]
             torch.testing.assert_close(image_inputs(processor, fit)([path])[0], want, rtol=0, atol=1e-6,
                                        msg=f"{type(processor).__name__} {name} at its own size")
