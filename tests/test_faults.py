@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -586,3 +587,132 @@ def test_init_distributed_names_a_timeout_that_is_no_number_of_seconds(monkeypat
                                                    "finite number of seconds")):
         distributed.init_distributed("cpu", timeout_s)
     assert calls == []
+
+
+# ------------------------------------------------------------------ the own launcher's end, its ranks scripted
+# | ranks (each: `_scripted_rank`)                                  | expected                                |
+# |----------------------------------------------------------------|-----------------------------------------|
+# | one stops (exit 143) while its peer raises, either first        | exit 1 (a failure, not a requeueable     |
+# |                                                                | stop); the peer's error shown            |
+# | one stops while its peer is SIGKILLed (out of memory)           | exit 1; "rank 1 was killed by SIGKILL"   |
+# | every rank stops                                                | exit 143                                 |
+# | 4 ranks each raise with a long report (20,000 characters: > the | exit 1 within seconds, every rank's      |
+# | report pipe's 64 KiB together)                                  | report read                              |
+
+SCRIPT_ENV = "DTENSOR_MIMO_TEST_RANKS"
+
+
+def _scripted_rank(rank: int, world: int, port: int, config, errors) -> None:
+    """A rank of the own launcher (`launch._local_rank`, its error report and exit) whose run does
+    what `SCRIPT_ENV` (comma-separated, one per rank, each ``WHAT@SECONDS``) says SECONDS after
+    every rank has started:
+    ``stop`` (returns a SIGTERM stop's status), ``error`` (raises; then file ``failed-RANK``),
+    ``long`` (raises with a 20,000-character message, as one holding a tensor's repr), ``kill``
+    (SIGKILLs itself), ``hang`` (works on its own for 600 s, deaf to SIGTERM)."""
+    import signal as signals
+
+    what, _, after = os.environ[SCRIPT_ENV].split(",")[rank].partition("@")
+    ready = os.environ[SCRIPT_ENV + "_READY"]  # a directory: every rank started before any acts
+
+    def run_rank(config, on_error=None) -> int:
+        open(os.path.join(ready, str(rank)), "w").close()
+        while len(os.listdir(ready)) < world:
+            time.sleep(0.05)
+        time.sleep(float(after or 0))
+        if what == "stop":
+            return 128 + signals.SIGTERM
+        if what == "kill":
+            os.kill(os.getpid(), signals.SIGKILL)
+        if what == "hang":  # the stop signals stay blocked (the launcher starts its ranks so)
+            time.sleep(600)
+        try:
+            if what == "long":
+                raise RuntimeError(f"rank {rank} failed: " + "x" * 20000)
+            raise RuntimeError(f"scripted failure on rank {rank}")
+        except BaseException as e:
+            if on_error is not None:
+                on_error(e)
+            open(os.path.join(ready, f"failed-{rank}"), "w").close()
+            raise
+
+    launch._run_rank = run_rank
+    launch._local_rank(rank, world, port, config, errors)
+
+
+LAUNCH_SCRIPTED = """
+import os, sys, types
+from dtensor_mimo.train import launch
+from tests.test_faults import SCRIPT_ENV, TINY, _scripted_rank
+launch.preflight = lambda config: None
+world = len(os.environ[SCRIPT_ENV].split(","))
+launch.build_layout = lambda config: types.SimpleNamespace(world_size=world)
+launch._local_rank = _scripted_rank
+sys.exit(launch.main(TINY))
+"""
+
+
+def _scripted_env(ranks: str, ready) -> dict[str, str]:
+    os.makedirs(ready)
+    return {**os.environ, "PYTHONPATH": REPO, SCRIPT_ENV: ranks, SCRIPT_ENV + "_READY": str(ready)}
+
+
+def _launch_scripted(ranks: str, ready, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", LAUNCH_SCRIPTED], capture_output=True, text=True, timeout=timeout,
+                          env=_scripted_env(ranks, ready))
+
+
+@pytest.mark.parametrize("ranks", ["stop,error@1", "error,stop@1", "stop@1,error"])
+def test_own_launcher_a_stop_beside_a_failure_is_a_failure(ranks: str, tmp_path) -> None:
+    """A mixed end: one rank exits with a stop's status (143) while its peer fails. The status a
+    scheduler sees must be a failure (1), not the stop's, which it would take for a preemption to
+    requeue; the peer's error is shown."""
+    out = _launch_scripted(ranks, tmp_path / "ready")
+    assert out.returncode == 1, (out.returncode, out.stderr[-3000:])
+    failing = ranks.split(",").index(next(r for r in ranks.split(",") if r.startswith("error")))
+    assert f"error on rank {failing}: RuntimeError: scripted failure on rank {failing}" in out.stderr, \
+        out.stderr[-3000:]
+
+
+def test_own_launcher_a_stop_beside_a_killed_rank_is_a_failure(tmp_path) -> None:
+    out = _launch_scripted("stop,kill@1", tmp_path / "ready")
+    assert out.returncode == 1, (out.returncode, out.stderr[-3000:])
+    assert "error: rank 1 was killed by SIGKILL" in out.stderr, out.stderr[-3000:]
+
+
+def test_own_launcher_every_rank_stopped_is_the_stop_status(tmp_path) -> None:
+    out = _launch_scripted("stop,stop@1", tmp_path / "ready")
+    assert out.returncode == 143, (out.returncode, out.stderr[-3000:])
+
+
+def test_own_launcher_reads_reports_larger_than_the_pipe(tmp_path) -> None:
+    """Each failing rank puts its report (message, traceback: up to 20,000 characters) on a pipe
+    that the launcher read only once every rank had ended: with more than the pipe's 64 KiB in
+    all, the last ranks blocked in their put, were SIGKILLed 30 s later, their reports lost (and
+    one killed in the middle of its write left the launcher reading the rest forever)."""
+    out = _launch_scripted("long,long,long,long", tmp_path / "ready", timeout=300)
+    assert out.returncode == 1, (out.returncode, out.stderr[-3000:])
+    for rank in range(4):
+        assert f"rank {rank} failed: xxx" in out.stderr, out.stderr[-3000:]
+    assert "SIGKILL" not in out.stderr and "killed" not in out.stderr, out.stderr[-3000:]
+
+
+def test_own_launcher_a_second_signal_after_a_failure_is_still_a_failure(tmp_path) -> None:
+    """Rank 0 fails while rank 1 works on its own (the launcher gives it 30 s after its SIGTERM);
+    meanwhile Ctrl-C twice (or SIGUSR1 then the time limit's SIGTERM): the launcher SIGKILLs the
+    ranks at the second. It exited with the signal's stop status (130: a scheduler requeues) and
+    printed nothing of rank 0's error; the run had failed: 1, rank 0's error, rank 1 not blamed."""
+    p = subprocess.Popen([sys.executable, "-c", LAUNCH_SCRIPTED], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=_scripted_env("error,hang", tmp_path / "ready"))
+    try:
+        _wait_for(str(tmp_path / "ready" / "failed-0"), 240)
+        time.sleep(1.0)  # rank 0 out; the launcher waits out rank 1's grace
+        p.send_signal(signal.SIGINT)
+        time.sleep(2.5)  # a second signal (REPEAT_S = 2 s later)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 1, (p.returncode, err[-3000:])
+    assert "error on rank 0: RuntimeError: scripted failure on rank 0" in err, err[-3000:]
+    assert "rank 1 was killed" not in err, err[-3000:]

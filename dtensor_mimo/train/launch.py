@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import TYPE_CHECKING, Callable, Collection, NoReturn, Sequence
@@ -196,9 +197,8 @@ def _local_rank(rank: int, world: int, port: int, config: TrainerConfig, errors)
     local_rank_env(rank, world, port)
 
     def report(e: BaseException) -> None:
-        # Bounded: a put larger than the pipe's buffer would block until the launcher reads,
-        # which it does only once every rank has ended. Stamped before this rank's groups close,
-        # so the rank that failed first is known even when a peer reports sooner.
+        # Bounded (the launcher reads the reports as they come: `_Reports`). Stamped before this
+        # rank's groups close, so the rank that failed first is known even when a peer reports sooner.
         errors.put((time.time(), rank, describe(e)[:4000], type(e).__name__, traceback.format_exc()[-16000:]))
 
     try:
@@ -359,38 +359,87 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     errors = mp.get_context("spawn").SimpleQueue()
+    reports = _Reports(errors)
     store = hold_store(world, config.train.timeout_s)  # held until the ranks end
     # A signal from here on is forwarded; one that reaches a rank before its handlers exist (while it
     # imports) waits for them there: the ranks start with the stop signals blocked.
     with held_stop_signals():
         ranks = mp.start_processes(_local_rank, args=(world, store.port, config, errors), nprocs=world,
                                    start_method="spawn", join=False)
-        forward = _Forward(ranks.processes)
+        forward = _Forward(ranks.processes, reports)
     try:
         return _join(ranks)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        if forward.killed is not None:  # the second signal: the ranks were ended at once
+        if forward.killed is not None and not forward.failed:  # the second signal: the ranks were ended at once
             return exit_status(forward.killed)
-        _report(errors, e, _killed(ranks.processes, getattr(e, "ended_by_launcher", ())))
+        # (a rank had failed before a second signal: a failure, not a stop a scheduler would requeue)
+        ended = [*getattr(e, "ended_by_launcher", ()), *forward.ended]
+        _report(reports.finish(), e, _killed(ranks.processes, ended))
         return 1
     finally:
         forward.uninstall()
+
+
+class _Reports:
+    """The ranks' error reports (`_local_rank`), read from their queue by a thread as they come.
+    A pipe holds 64 KiB: read only once every rank had ended, the reports of a few ranks (up to
+    20,000 characters each) filled it, the next ranks blocked in their put until the launcher
+    SIGKILLed them 30 s later, their reports lost, and one killed in the middle of its write left
+    the launcher waiting for the rest of it for ever. `finish`, once every rank has ended: what
+    was read (`empty` / `get`, as the queue's)."""
+
+    def __init__(self, queue) -> None:
+        self.queue, self.items, self.read, self.done = queue, [], [], threading.Event()
+        self.thread = threading.Thread(target=self._read, name="rank reports", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        while not self.done.is_set() or not self.queue.empty():
+            if self.queue.empty():
+                time.sleep(0.05)
+                continue
+            try:
+                self.items.append(self.queue.get())
+            except Exception:  # noqa: BLE001 — a report cut short (its rank killed as it wrote): the rest
+                return
+
+    def finish(self, timeout: float = 5.0) -> _Reports:
+        """Every complete report (a report cut short, its rank killed as it wrote, is waited for
+        at most `timeout` seconds)."""
+        self.done.set()
+        self.thread.join(timeout)
+        self.read = list(self.items)  # the thread may still wait for the rest of a report cut short
+        return self
+
+    def empty(self) -> bool:
+        return not self.read
+
+    def get(self):
+        return self.read.pop(0)
 
 
 class _Forward:
     """The launcher's SIGTERM / SIGINT / SIGUSR1 handlers: each signal is sent on to every live rank (a
     rank takes one arriving twice within `REPEAT_S`, from a terminal's Ctrl-C and from here, as
     one); a second one, `REPEAT_S` or more after the first, SIGKILLs the ranks: out at once even
-    if one is stuck in a collective (where its own handler cannot run)."""
+    if one is stuck in a collective (where its own handler cannot run). `failed`: a rank had
+    failed (an error reported, or an end neither 0 nor a stop's) before that second signal;
+    `ended`: the ranks it SIGKILLed."""
 
-    def __init__(self, processes) -> None:
-        self.processes, self.first_at, self.killed = processes, None, None
+    def __init__(self, processes, reports: _Reports) -> None:
+        self.processes, self.reports, self.first_at, self.killed = processes, reports, None, None
+        self.failed, self.ended = False, []
         self.previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
 
     def _handle(self, signum: int, _frame) -> None:
         now = time.monotonic()
         second = self.first_at is not None and now - self.first_at >= REPEAT_S
         self.first_at = now if self.first_at is None else self.first_at
+        if second and self.killed is None:
+            stops = {0, *(exit_status(s) for s in STOP_SIGNALS)}
+            self.ended = [r for r, p in enumerate(self.processes) if p.exitcode is None]
+            self.failed = bool(self.reports.items) or any(p.exitcode not in stops for p in self.processes
+                                                          if p.exitcode is not None)
         for p in self.processes:
             if p.is_alive():
                 try:
