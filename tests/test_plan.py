@@ -512,6 +512,8 @@ OPTION_LIMITS = {  # (options per module, the language pipeline's schedule): wha
                                        "Interleaved1F1B"),
     "vision_cuda_graphs": ({"vision": ParallelOptions(compile=True, compile_mode="reduce-overhead")}, "1F1B"),
     "vision_recomputed": ({"vision": ParallelOptions(recompute_colocated=True)}, "1F1B"),
+    # compiled (by blocks) and recomputed: no tp > 1 over more than one microbatch
+    "vision_recomputed_compiled": ({"vision": ParallelOptions(recompute_colocated=True, compile=True)}, "1F1B"),
     "zero_bubble_fsdp": ({}, "InterleavedZeroBubble"),
 }
 
@@ -744,7 +746,8 @@ def test_layout_auto_keeps_the_configured_pipeline_split(monkeypatch) -> None:
     lang = dataclasses.replace(job.lang, n_layers=4)
     job = dataclasses.replace(job, modules=(*job.encoders, lang))
     monkeypatch.setattr(trainer_plan, "load_profiles", lambda *args, **kwargs: (job, FAST, "cache"))
-    config = parse_args(["--layout.auto", "true", "--layout.language.pp", "2", "--pipeline.split", "[3, 1]"])
+    config = parse_args(["--layout.auto", "true", "--layout.language.pp", "2", "--pipeline.split", "[3, 1]",
+                         "--model.language.n_layers", "4"])  # the profile's 4 blocks
     ranked = trainer_plan.plan(config, 4, top=1, log=lambda _: None)
     assert ranked
     for pred in ranked:
@@ -809,3 +812,111 @@ def test_the_planners_calibration_runs_are_layouts_the_library_builds(name: str,
                         PipelineConfig(microbatches=m, schedule=schedule, virtual_stages=virtual))
         except (LayoutError, ValueError) as e:
             pytest.fail(f"the planner's calibration runs {layout} (M={m}), which the library refuses: {e}")
+
+
+def test_a_compiled_encoder_of_items_of_their_own_size_is_planned_where_its_batches_train(monkeypatch) -> None:
+    """An encoder of items of their own size compiled (``options.vision.compile``, by blocks) cannot
+    train at tp > 1: the library refuses every training batch there (`check_batch`, torch's tracer
+    of the packed items' backward). The measured profile says the items vary and the encoder is
+    compiled, and every layout the planner ranks (``layout.auto`` trains the first) passes the
+    library's own `check_batch` on a real batch of the run's data and the trainer's config check;
+    the planner proposed vision at tp = 2 and the run failed at its first step, after planning."""
+    pytest.importorskip("sklearn")
+    from dtensor_mimo.schedule.checks import check_batch
+    from dtensor_mimo.train import plan as trainer_plan
+    from dtensor_mimo.train.datasets import train_data
+    from dtensor_mimo.train.modules import resolve
+
+    config = parse_args(["--layout.auto", "true", "--model.encoders.vision.dynamic_resolution", "true",
+                         "--options.vision.compile", "true", "--data.batch_size", "8"])
+    job = Job.from_dict(trainer_plan.measure_profiles(config, log=lambda _: None)["job"])
+    monkeypatch.setattr(trainer_plan, "load_profiles", lambda *args, **kwargs: (job, FAST, "cache"))
+    ranked = trainer_plan.plan(config, 4, top=1, log=lambda _: None)
+    assert ranked
+    batch = train_data(config, resolve(config)).train.batch(list(range(8)), load=None)
+    assert batch.modalities["vision"].varied
+    for pred in ranked:
+        cand = pred.candidate
+        try:
+            check_batch(cand.layout(4), "language", ["vision", "audio"], batch, compiled={"vision", "audio"})
+        except ValueError as e:
+            pytest.fail(f"the planner proposed {cand.describe()} (M={cand.microbatches}), whose batches the "
+                        f"library refuses: {e}")
+        check_config(trainer_plan.with_candidate(config, entry(pred)), 4)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--options.vision.balance", "true"],  # balance needs dp > 1 (the trainer's check_module_options)
+    ["--options.vision.recompute_colocated", "true", "--options.vision.compile", "true"],  # tp 1 or M = 1
+])
+def test_every_layout_the_planner_ranks_passes_the_trainers_config_check(monkeypatch, argv: list[str]) -> None:
+    """``layout.auto`` trains the planner's first choice and ``--json`` writes the ranked list as
+    trainer overrides: each must pass the trainer's own config check (`check_config`, whose
+    `check_module_options` refuses an encoder balanced at dp = 1, a compiled tp encoder recomputed
+    over microbatches). The planner proposed such layouts (the first choice, for balance), and the
+    run with them was refused, or trained against the trainer's rules, after planning."""
+    from dtensor_mimo.train import plan as trainer_plan
+    from dtensor_mimo.train.config import ConfigError
+
+    config = parse_args(["--layout.auto", "true", *argv])
+    job = digits_job(batch_size=config.data.batch_size)
+    monkeypatch.setattr(trainer_plan, "load_profiles", lambda *args, **kwargs: (job, FAST, "cache"))
+    ranked = trainer_plan.plan(config, 4, top=1, log=lambda _: None)
+    assert ranked
+    for pred in ranked:
+        try:
+            check_config(trainer_plan.with_candidate(config, entry(pred)), 4)
+        except ConfigError as e:
+            pytest.fail(f"the planner proposed {pred.candidate.describe()} (M={pred.candidate.microbatches}), "
+                        f"which the trainer refuses: {e}")
+    check_config(trainer_plan.auto_layout(config, 4, log=lambda _: None), 4)
+
+
+def plain_decoder(vocab_size: int, seq_len: int):
+    """A factory's decoder (``model.language.factory = 'tests.test_plan:plain_decoder'``): the
+    library's tiny Llama as a class of the user's, which meets the language protocol but has no
+    tensor parallel plan (no ``parallelize``) nor an attention core to swap (no ``set_attention_fn``)."""
+    from torch import nn
+
+    from dtensor_mimo.models import Llama, LlamaConfig
+
+    plain = type("PlainDecoder", (nn.Module,), {k: v for k, v in vars(Llama).items()
+                                                if k not in ("__dict__", "__weakref__", "__init__", "parallelize",
+                                                             "set_attention_fn")})
+    module = Llama(LlamaConfig.tiny(vocab_size=vocab_size, max_seq_len=seq_len))
+    module.__class__ = plain
+    return module
+
+
+def test_a_decoder_without_a_tensor_parallel_plan_is_planned_without_tp_or_cp(monkeypatch) -> None:
+    """A factory decoder with no ``parallelize`` (tensor parallel plan) nor ``set_attention_fn``
+    (context parallel) is refused by the library at tp > 1 or cp > 1 (`check_model`, the language
+    protocol). Every layout the planner ranks for it, from its measured profile, passes the
+    library's own `check_model` with the real modules; the planner proposed language tp = 2 and
+    cp = 2 (two thirds of the layouts of 4 ranks), each failing in the ranks after planning."""
+    pytest.importorskip("sklearn")
+    from dtensor_mimo.schedule.checks import check_model
+    from dtensor_mimo.schedule.config import PipelineConfig
+    from dtensor_mimo.train import plan as trainer_plan
+    from dtensor_mimo.train.datasets import train_data
+    from dtensor_mimo.train.modules import build_modules, resolve
+
+    config = parse_args(["--layout.auto", "true", "--model.language.factory", "tests.test_plan:plain_decoder",
+                         "--data.batch_size", "8"])
+    job = Job.from_dict(trainer_plan.measure_profiles(config, log=lambda _: None)["job"])
+    monkeypatch.setattr(trainer_plan, "load_profiles", lambda *args, **kwargs: (job, FAST, "cache"))
+    ranked = trainer_plan.plan(config, 4, top=1, log=lambda _: None)
+    assert ranked
+    resolved = resolve(config)
+    modules = build_modules(config, resolved, train_data(config, resolved).seq_len)
+    language = modules.pop("language")
+    options = {n: config.module_options(n) for n in config.module_names}
+    for pred in ranked:
+        cand = pred.candidate
+        try:
+            check_model(cand.layout(4), language, modules, "language", options,
+                        PipelineConfig(microbatches=cand.microbatches, schedule=config.pipeline.schedule,
+                                       virtual_stages=config.pipeline.virtual_stages))
+        except (LayoutError, TypeError, ValueError) as e:
+            pytest.fail(f"the planner proposed {cand.describe()} (M={cand.microbatches}), which the library "
+                        f"refuses: {e}")

@@ -122,6 +122,13 @@ class ModuleProfile:
             FSDP2 sharding it and tp or cp > 1.
         colocated_only: an encoder recomputed in the colocated three phases
             (`ParallelOptions.recompute_colocated`): it must share ranks with the language model.
+        compiled: compiled at all (`ParallelOptions.compile`, either scope): the library refuses
+            a compiled encoder at tp > 1 recomputed over microbatches (`colocated_only`), and at
+            tp > 1 on items of their own size (`varied`).
+        varied: an encoder whose items have their own sizes (a list, one tensor per item:
+            dynamic resolution, variable-length clips, video).
+        tensor_parallel: the module has a tensor parallel plan (the library's, or its own
+            ``parallelize``): tp > 1 is possible at all (`dtensor_mimo.models.protocol`).
     """
 
     name: str
@@ -154,6 +161,9 @@ class ModuleProfile:
     compiled_whole: bool = False
     cuda_graphs: bool = False
     colocated_only: bool = False
+    compiled: bool = False
+    varied: bool = False
+    tensor_parallel: bool = True
 
     @property
     def params(self) -> int:

@@ -14,7 +14,9 @@ Every candidate passes the real validators (`validate`): `MimoLayout` itself, th
 trainer's rules (encoders at pp = 1, the search's own limit, and cp = 1; tp divides the heads and widths the module
 cuts; every dp rank of a module gets at least one sample per microbatch), and what the modules'
 options refuse on a layout (`ModuleProfile.compiled_whole`, `cuda_graphs`, `colocated_only`; a
-zero-bubble schedule with FSDP2 resharding after forward). So every printed candidate trains.
+compiled encoder at tp > 1 recomputed over microbatches or on items of their own size, by the
+library's own `recomputed_compile_problem` and `compiled_varied_problem`; a zero-bubble schedule
+with FSDP2 resharding after forward). So every printed candidate trains.
 
 `search` ranks them by `predict`. Small worlds are searched exhaustively; larger ones are pruned
 per module first (for each size and M, the few fastest factorisations, and only the sizes at
@@ -35,6 +37,7 @@ from dtensor_mimo.parallelize.part import check_compile_layout
 from dtensor_mimo.plan.candidate import Candidate
 from dtensor_mimo.plan.cost import Prediction, module_cost, predict
 from dtensor_mimo.plan.profile import DeviceProfile, Job, ModuleProfile
+from dtensor_mimo.schedule.checks import compiled_varied_problem, recomputed_compile_problem
 from dtensor_mimo.schedule.config import (ZERO_BUBBLE_SCHEDULES, PipelineConfig, check_microbatching,
                                           check_pipeline_layout, stage_layers)
 
@@ -77,11 +80,13 @@ def _factorizations(size: int, dims: int) -> Iterator[tuple[int, ...]]:
 
 
 def _compile_options(profile: ModuleProfile) -> ParallelOptions:
-    """The compile options a profile's limits stand for (`ModuleProfile.compiled_whole`,
-    `cuda_graphs`, `fsdp`), as `check_compile_layout` reads them."""
-    return ParallelOptions(fsdp=profile.fsdp, compile=profile.compiled_whole or profile.cuda_graphs,
+    """The options a profile's limits stand for (`ModuleProfile.compiled`, `compiled_whole`,
+    `cuda_graphs`, `fsdp`, `colocated_only`), as the library's checks read them."""
+    return ParallelOptions(fsdp=profile.fsdp,
+                           compile=profile.compiled or profile.compiled_whole or profile.cuda_graphs,
                            compile_scope="module" if profile.compiled_whole else "block",
-                           compile_mode="reduce-overhead" if profile.cuda_graphs else None)
+                           compile_mode="reduce-overhead" if profile.cuda_graphs else None,
+                           recompute_colocated=profile.colocated_only and not profile.cuda_graphs)
 
 
 def module_problem(job: Job, profile: ModuleProfile, par: Parallelism, microbatches: int,
@@ -90,6 +95,8 @@ def module_problem(job: Job, profile: ModuleProfile, par: Parallelism, microbatc
     is_lang = profile.name == job.language
     if max_tp is not None and par.tp > max_tp:
         return f"tp={par.tp} exceeds the search's max_tp={max_tp}"
+    if par.tp > 1 and not profile.tensor_parallel:
+        return f"tp={par.tp}: {profile.name!r} has no tensor parallel plan (a parallelize(tp_mesh, options))"
     bad = [d for d in profile.tp_divides if d % par.tp]
     if bad:
         return f"tp={par.tp} does not divide {bad}"
@@ -99,10 +106,16 @@ def module_problem(job: Job, profile: ModuleProfile, par: Parallelism, microbatc
         return "context parallel applies to the language model only"
     # What the module's options refuse on a layout (`dtensor_mimo.schedule.checks.check_model`):
     # the compile rules are the library's own check, of the options the profile stands for
+    options = _compile_options(profile)
     try:
-        check_compile_layout(profile.name, _compile_options(profile), par)
+        check_compile_layout(profile.name, options, par)
     except LayoutError as e:
         return str(e)
+    if not is_lang:  # the library's own rules of a compiled encoder at tp > 1 (`check_model`, `check_batch`)
+        problem = (recomputed_compile_problem(profile.name, options, par.tp, microbatches, profile.trainable)
+                   or compiled_varied_problem(profile.name, par.tp, profile.varied, options.compile))
+        if problem:
+            return problem
     shards = par.dp * par.cp
     stages = par.pp * (job.virtual_stages if is_lang else 1)
     if profile.compiled_whole and stages > 1:

@@ -118,17 +118,11 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
             raise LayoutError(f"encoder {name!r} has ParallelOptions(recompute_colocated=True) but shares no rank "
                               f"with {language_name!r}: only a colocated encoder keeps its graph through the "
                               "language schedule (one on ranks of its own already holds only its crossing window)")
-        tp = layout.parallelism(name).tp
-        if (mine.recompute_colocated and mine.compile and tp > 1 and pipeline is not None
-                and pipeline.microbatches > 1 and any(p.requires_grad for p in module.parameters())):
-            # torch 2.13: the tp weight gradients a compiled block's backward leaves (DTensors whose
-            # _StridedShard placement `__tensor_unflatten__` cannot rebuild) fail dynamo's next trace
-            # of the block, a recomputed microbatch's forward holding the gradients of the one before
-            raise LayoutError(f"encoder {name!r} is compiled (ParallelOptions.compile) at tp={tp} with "
-                              f"recompute_colocated=True and {pipeline.microbatches} microbatches: torch's compiler "
-                              "fails on the second microbatch's recomputed forward (the first one's tensor-parallel "
-                              f"weight gradients); set recompute_colocated=False or compile=False for {name!r}, "
-                              "give it tp = 1, or use one microbatch")
+        problem = recomputed_compile_problem(name, mine, layout.parallelism(name).tp,
+                                             pipeline.microbatches if pipeline is not None else 1,
+                                             any(p.requires_grad for p in module.parameters()))
+        if problem:
+            raise LayoutError(problem)
         if options.get(name, ParallelOptions()).balance and pp > 1:
             raise LayoutError(f"encoder {name!r} has pp={pp} and ParallelOptions(balance=True): balancing "
                               "moves items between the dp ranks of a pp = 1 encoder; drop balance, or use pp = 1")
@@ -178,6 +172,39 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
         if module.out_dim != language.config.dim:
             raise ValueError(f"encoder {name!r} projects to {module.out_dim} features but the language "
                              f"model's dim is {language.config.dim}; set the projection's out_dim to it")
+
+
+def recomputed_compile_problem(name: str, options: ParallelOptions, tp: int, microbatches: int,
+                               trains: bool) -> str | None:
+    """Why encoder `name` with `options` cannot train at `tp` over `microbatches` (None: it can):
+    compiled and recomputed in the colocated three phases (`ParallelOptions.recompute_colocated`)
+    at tp > 1 over more than one microbatch, where it `trains`. `check_model` refuses it; the
+    planner (`dtensor_mimo.plan.search`) skips such layouts by this same rule."""
+    if not (options.recompute_colocated and options.compile and tp > 1 and microbatches > 1 and trains):
+        return None
+    # torch 2.13: the tp weight gradients a compiled block's backward leaves (DTensors whose
+    # _StridedShard placement `__tensor_unflatten__` cannot rebuild) fail dynamo's next trace
+    # of the block, a recomputed microbatch's forward holding the gradients of the one before
+    return (f"encoder {name!r} is compiled (ParallelOptions.compile) at tp={tp} with "
+            f"recompute_colocated=True and {microbatches} microbatches: torch's compiler "
+            "fails on the second microbatch's recomputed forward (the first one's tensor-parallel "
+            f"weight gradients); set recompute_colocated=False or compile=False for {name!r}, "
+            "give it tp = 1, or use one microbatch")
+
+
+def compiled_varied_problem(name: str, tp: int, varied: bool, compiled: bool) -> str | None:
+    """Why encoder `name` at `tp` cannot train on a batch whose items of its modality differ in
+    size (`varied`) where it is `compiled` and its backward traced (None: it can). `check_batch`
+    refuses such a batch; the planner (`dtensor_mimo.plan.search`) skips such layouts by this same
+    rule."""
+    if not (varied and compiled and tp > 1):
+        return None
+    # torch 2.13's tracer of the joint graph recurses without end on the tp blocks' packed
+    # row count (a lazy SymInt proxy of sym_max(rows, 1) that refers to itself): RecursionError
+    return (f"the batch's {name!r} items differ in size, but encoder {name!r} is compiled "
+            f"(ParallelOptions.compile) at tp={tp}: torch's compiler "
+            "cannot trace the backward of its packed items under tensor parallel; set "
+            f"compile=False for {name!r}, give it tp = 1 (dp instead), or items of one size")
 
 
 def encoder_pipeline_problem(layout: MimoLayout, language_name: str, encoders: Mapping[str, nn.Module],
@@ -247,13 +274,8 @@ def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str]
             raise ValueError(f"the batch's {name!r} items differ in size, but encoder {name!r} has pp="
                              f"{layout.parallelism(name).pp}: an encoder pipeline's stage links have one "
                              "shape per item; give it pp = 1 (dp or tp instead), or items of one size")
-        if m.varied and name in compiled and layout.parallelism(name).tp > 1:
-            # torch 2.13's tracer of the joint graph recurses without end on the tp blocks' packed
-            # row count (a lazy SymInt proxy of sym_max(rows, 1) that refers to itself): RecursionError
-            raise ValueError(f"the batch's {name!r} items differ in size, but encoder {name!r} is compiled "
-                             f"(ParallelOptions.compile) at tp={layout.parallelism(name).tp}: torch's compiler "
-                             "cannot trace the backward of its packed items under tensor parallel; set "
-                             f"compile=False for {name!r}, give it tp = 1 (dp instead), or items of one size")
+        if problem := compiled_varied_problem(name, layout.parallelism(name).tp, m.varied, name in compiled):
+            raise ValueError(problem)
     if vocab_size is not None and batch.tokens.is_cpu:
         problem = ids_outside(batch, vocab_size)
         if problem:

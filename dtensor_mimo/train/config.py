@@ -1116,6 +1116,8 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
 def check_module_options(config: TrainerConfig, layout: Any) -> None:
     """The encoders' `ParallelOptions` that the layout makes meaningless or that the library would
     refuse inside the ranks (after their meshes are built): named here, before any process starts."""
+    from dtensor_mimo.schedule.checks import compiled_varied_problem, recomputed_compile_problem
+
     for name in config.model.encoders:
         options, par = config.module_options(name), layout.parallelism(name)
         ranks, lang = layout.ranks(name), layout.ranks(LANGUAGE)
@@ -1125,15 +1127,15 @@ def check_module_options(config: TrainerConfig, layout: Any) -> None:
                               "language model's ranks keeps its graph through the language model's microbatches (one "
                               f"on ranks of its own already holds only its crossing window); remove it, or colocate "
                               f"the encoder (layout.{name} of the language model's size and offset)")
-        if options.recompute_colocated and options.compile and par.tp > 1 and config.pipeline.microbatches > 1:
-            # (the library's check_model refuses it inside the ranks, where the encoder trains)
+        if recomputed_compile_problem(name, options, par.tp, config.pipeline.microbatches, trains=True):
+            # (the library's rule: its check_model refuses it inside the ranks, where the encoder trains)
             raise ConfigError(f"options.{name}.recompute_colocated = true with options.{name}.compile = true, "
                               f"layout.{name}.tp = {par.tp} and pipeline.microbatches = {config.pipeline.microbatches}: "
                               "torch's compiler fails on the second microbatch's recomputed forward (the first one's "
                               f"tensor-parallel weight gradients); set one of them false, layout.{name}.tp = 1, or "
                               "pipeline.microbatches = 1")
         own_size = config.model.encoders[name].dynamic_resolution or config.model.encoders[name].variable_length
-        if own_size and options.compile and par.tp > 1:  # (the library's check_batch, at the first batch)
+        if compiled_varied_problem(name, par.tp, own_size, options.compile):  # (the library's rule: check_batch's)
             which = "dynamic_resolution" if config.model.encoders[name].dynamic_resolution else "variable_length"
             raise ConfigError(f"model.encoders.{name}.{which} = true with options.{name}.compile = true and "
                               f"layout.{name}.tp = {par.tp}: torch's compiler cannot trace the backward of items of "

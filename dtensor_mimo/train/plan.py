@@ -43,7 +43,7 @@ from dtensor_mimo.plan import (Affine, DeviceProfile, Job, Link, ModuleProfile, 
 from dtensor_mimo.plan.candidate import Candidate
 from dtensor_mimo.plan.search import InvalidCandidate, canonical
 from dtensor_mimo.train.config import (LANGUAGE, ConfigError, ModuleLayout, TrainerConfig, build_layout,
-                                       parse_args)
+                                       check_config, parse_args)
 
 USAGE = ("usage: python -m dtensor_mimo.plan (or: python -m dtensor_mimo.train plan) [--config FILE.toml] "
          "[--world N] [--top K] [--json OUT] [--cache FILE] [--remeasure] [--section.key VALUE ...]")
@@ -134,6 +134,7 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
 
     import torch
 
+    from dtensor_mimo.models.protocol import encoder_problems, language_problems
     from dtensor_mimo.parallelize import parallelize
     from dtensor_mimo.parallelize.precision import compute_dtype
     from dtensor_mimo.plan import measure
@@ -187,6 +188,14 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
     # gradients summed over dp in the reduce dtype (fp32 under param_dtype unless reduce_dtype says)
     reduce_dtype = options.gradient_reduce_dtype
     reduce_bytes = reduce_dtype.itemsize if reduce_dtype is not None else None
+    # what the library's protocol lets the module take at all (`check_model` refuses the rest): a
+    # tensor parallel plan; context parallel (the language model's attention core)
+    if name == LANGUAGE:
+        tensor_parallel = not language_problems(module, tp=2, cp=1)
+        context_parallel = not language_problems(module, tp=1, cp=2)
+    else:
+        tensor_parallel = not encoder_problems(module, tp=2, activation_checkpointing=0)
+        context_parallel = False
     pristine = copy.deepcopy(module)  # what the wrappers' cost is measured on, below
     # As the trainer runs it (activation checkpointing, mixed precision), on no mesh and uncompiled
     parallelize(module, None, None, dataclasses.replace(options, compile=False))
@@ -212,9 +221,10 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
         name=name, n_layers=n_layers, tokens_per_sample=tokens_per_sample,
         block_params=block_params, rest_params=params - block_params * n_layers, trainable_params=trainable,
         activation_bytes_per_token=0.0 if frozen_tower else act, width=width, hidden=hidden,
-        tp_divides=divides, cp=name == LANGUAGE, act_bytes=act_bytes, gather_bytes=gather_bytes,
+        tp_divides=divides, cp=context_parallel, tensor_parallel=tensor_parallel, act_bytes=act_bytes,
+        gather_bytes=gather_bytes,
         reduce_bytes=reduce_bytes, load=load, one_call=one_call, **option_limits(options), **times,
-        **wrappers)
+        varied=name != LANGUAGE and probe.modalities[name].varied, **wrappers)
 
 
 def option_limits(options: Any) -> dict[str, bool]:
@@ -223,7 +233,8 @@ def option_limits(options: Any) -> dict[str, bool]:
     proposes only layouts the trainer can build."""
     return {"fsdp": options.fsdp, "reshard_after_forward": options.reshard_after_forward,
             "compiled_whole": options.compile and options.compile_scope == "module",
-            "cuda_graphs": options.cuda_graphs, "colocated_only": options.recompute_colocated}
+            "cuda_graphs": options.cuda_graphs, "colocated_only": options.recompute_colocated,
+            "compiled": options.compile}
 
 
 def load_profiles(config: TrainerConfig, world: int, cache: str | None = None, remeasure: bool = False,
@@ -370,7 +381,7 @@ def calibrate_collectives(config: TrainerConfig, job: Job, device: DeviceProfile
     if base is None:
         return None
     uncompiled = dataclasses.replace(job, modules=tuple(  # as `_train_steps` runs it
-        dataclasses.replace(p, compiled_whole=False, cuda_graphs=False) for p in job.modules))
+        dataclasses.replace(p, compiled_whole=False, cuda_graphs=False, compiled=False) for p in job.modules))
     try:
         validate(uncompiled, base, world)
     except InvalidCandidate as e:
@@ -416,6 +427,17 @@ def with_candidate(config: TrainerConfig, chosen: dict[str, Any]) -> TrainerConf
     return dataclasses.replace(config, layout=layout, pipeline=pipeline)
 
 
+def trainer_problem(config: TrainerConfig, candidate: Candidate, world: int) -> str | None:
+    """Why the trainer's config check (`check_config`) refuses `config` on `candidate`'s layout
+    and microbatches for `world` ranks, as ``layout.auto`` and a ``--json`` entry would train it
+    (None: it accepts)."""
+    try:
+        check_config(with_candidate(config, candidate.as_json()), world)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def plan(config: TrainerConfig, world: int, top: int = 10, cache: str | None = None, remeasure: bool = False,
          log: Callable[[str], None] = print) -> list[Prediction]:
     """Rank the layouts of `world` ranks for `config`'s job; print the table's `top` rows."""
@@ -423,11 +445,24 @@ def plan(config: TrainerConfig, world: int, top: int = 10, cache: str | None = N
     # the user's layers per stage: only layouts of that many language stages, costed on them
     job = dataclasses.replace(job, split=config.pipeline.split)
     result = search(job, world, device)
+    # the trainer's own config check of each candidate (`check_config`: e.g. an encoder's options
+    # against its layout, `check_module_options`): the run trains on none that it refuses
+    refused: list[str] = []
+    ranked = []
+    for pred in result.ranked:
+        problem = trainer_problem(config, pred.candidate, world)
+        if problem is None:
+            ranked.append(pred)
+        else:
+            refused.append(problem)
+    result = dataclasses.replace(result, ranked=ranked)
     if not result.ranked:
         raise ConfigError(f"no layout of {world} ranks trains this job (modules {job.names}, batch "
                           f"{job.batch_size}"
                           + (f", pipeline.split = {list(job.split)}: {len(job.split)} language stages"
                              if job.split else "")
+                          + (f"; the trainer's config check refused all {len(refused)} others, the first: "
+                             f"{refused[0]}" if refused else "")
                           + "); try another world size or data.batch_size"
                           + (", or leave pipeline.split out" if job.split else ""))
     base = homogeneous(job, world)
@@ -437,7 +472,8 @@ def plan(config: TrainerConfig, world: int, top: int = 10, cache: str | None = N
     except InvalidCandidate:
         base = None
     baseline = predict(job, base, device) if base is not None else None
-    log(f"{result.evaluated} layouts of {world} ranks ({'all' if result.exhaustive else 'pruned search'}); "
+    log(f"{result.evaluated} layouts of {world} ranks ({'all' if result.exhaustive else 'pruned search'}"
+        + (f"; {len(refused)} refused by the trainer's config check" if refused else "") + "); "
         f"predicted on {device.name}, blocks measured uncompiled; '!': over memory")
     log(table(result.ranked, job.names, top, baseline))
     own = configured_candidate(config, world)
