@@ -355,6 +355,72 @@ def test_a_user_decoder_keeps_its_own_head() -> None:
     assert run_on_ranks(_user_decoder_keeps_its_head, 1, timeout=120) == [False]
 
 
+def _rescaled_llama():
+    """A user's decoder that subclasses the library's `Llama` and transforms its logits in its own
+    forward (a scale and a square: as a logit soft-cap or a learned temperature would), returning
+    its hidden states when ``output`` is None as the protocol asks."""
+    from dtensor_mimo.models import Llama
+    from tests.test_mimo import LLAMA
+
+    class Rescaled(Llama):
+        def forward(self, tokens=None, **kwargs):
+            out = super().forward(tokens, **kwargs)
+            return 3.0 * out + 0.5 * out.square() if self.output is not None else out
+
+    llama = Rescaled(LLAMA)
+    llama.init_weights(1)
+    return llama
+
+
+def _rescaled_llama_losses(tp: int, chunk_rows: int | None) -> tuple[float, float]:
+    """One batch through `MimoModel` (vision and the `_rescaled_llama` colocated on `tp` ranks, the
+    language model at tp): the training step's loss (`forward_backward`, summed over the loss
+    shares) and `predict`'s; `chunk_rows`: the chunked head's chunk (its rows picked on the host)."""
+    import torch.distributed as dist
+
+    from dtensor_mimo import MimoLayout, MimoModel, Parallelism
+    from tests.test_mimo import _batches, _modules
+
+    layout = MimoLayout({"vision": Parallelism(tp=tp), "language": Parallelism(tp=tp)},
+                        offsets={"vision": 0, "language": 0})
+    model = MimoModel(layout, _rescaled_llama(), _modules(("vision",))[1])
+    batch = _batches(("vision",), packed=False, batch_size=4, seq_lens=(64,))[0]
+    chunk = loss.LOSS_CHUNK_LOGITS
+    if chunk_rows is not None:
+        loss.LOSS_CHUNK_LOGITS = chunk_rows * 64
+    try:  # the rank's process runs later tests: the library's chunk again after this one
+        share = model.forward_backward(batch).double().reshape(1)
+        _, predicted = model.predict(batch, with_loss=True)
+    finally:
+        loss.LOSS_CHUNK_LOGITS = chunk
+    if not model.holds_loss_share():
+        share.zero_()
+    dist.all_reduce(share)
+    return share.item(), predicted
+
+
+@pytest.mark.parametrize("tp, chunk_rows", [(1, None), (1, 16), (2, 16)])
+def test_a_llama_subclass_with_its_own_forward_trains_on_its_own_logits(tp, chunk_rows) -> None:
+    """A `Llama` subclass whose forward transforms the logits: the training loss (and so every
+    gradient) was that of the plain head's logits, its transform dropped without a word (the
+    chunked head at tp = 1, the library's default; the head on the loss rows only at tp > 1), while
+    `predict` used its forward. Both now give the single-process loss of its own forward."""
+    from dtensor_mimo.assemble import assemble, embed_text
+    from tests.test_mimo import _batches, _modules
+
+    llama, encoders = _rescaled_llama(), _modules(("vision",))[1]
+    batch = _batches(("vision",), packed=False, batch_size=4, seq_lens=(64,))[0]
+    ids = batch.special_token_ids
+    rows = {"vision": encoders["vision"](batch.modalities["vision"].inputs)}
+    h = assemble(embed_text(llama.tok_embeddings, batch.tokens, ids), batch.tokens, rows, ids)
+    logits = llama(h=h, positions=batch.positions, document_ids=batch.document_ids)
+    want = (token_loss_sum(logits, batch.labels, batch.loss_mask)
+            / torch.where(batch.labels == IGNORE_INDEX, 0.0, batch.loss_mask).sum()).item()
+    for trained, predicted in run_on_ranks(_rescaled_llama_losses, tp, tp, chunk_rows, timeout=120):
+        assert trained == pytest.approx(want, rel=1e-5) and predicted == pytest.approx(want, rel=1e-5), \
+            (trained, predicted, want)
+
+
 def _model_grads(chunked: bool, chunk_rows: int, compile_backend: str | None = None
                  ) -> tuple[float, dict[str, torch.Tensor]]:
     """One text batch through `MimoModel` (world 1, vision colocated): loss and every gradient;

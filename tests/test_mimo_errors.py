@@ -778,7 +778,6 @@ def _rows_change_after_the_first_step(call: str, wrong: str) -> str:
     fewer) after a first step with the same items went through: the call raises on every rank."""
     import torch.distributed as dist
 
-    from dtensor_mimo.bridge import PlanError
     from tests.test_mimo import LLAMA, PatchMLP, _batches, _modules
 
     class Changing(PatchMLP):
@@ -805,14 +804,7 @@ def _rows_change_after_the_first_step(call: str, wrong: str) -> str:
     step()  # the item size is seen: a later call adds no world check of its own
     if dist.get_rank() == 0:
         model.encoders["vision"].bad = True
-    try:
-        step()
-    except PlanError as e:
-        message = str(e)
-    else:
-        message = ""
-    dist.barrier()  # nobody is left inside an exchange
-    return message
+    return _plan_error_of(step)
 
 
 @pytest.mark.parametrize("call, wrong", [("forward_backward", "count"), ("forward_backward", "width"),
@@ -933,3 +925,54 @@ def test_init_weights_takes_a_numpy_integer_seed():
     assert vision.keys() == dict(reference.named_parameters()).keys()
     for name, p in reference.named_parameters():
         assert torch.equal(vision[name], p.detach()), name
+
+
+def _encoder_returning(kind: str, call: str) -> str:
+    """A user's encoder (`PatchMLP`, vision dp2 with FSDP2 on ranks 0-1, the language model on rank 2)
+    whose forward returns its rows inside a tuple or a dict, as many towers do: the error each rank
+    raises from `call` (a training step, or `forward_backward`)."""
+    from dtensor_mimo import MimoOptimizer, train_step
+    from tests.test_mimo import LLAMA, OPT, PatchMLP, _batches, _modules
+
+    class Wrapped(PatchMLP):
+        def forward(self, images):
+            rows = super().forward(images)
+            return (rows, rows.mean()) if kind == "tuple" else {"last_hidden_state": rows}
+
+    model = MimoModel(MimoLayout({"vision": P(dp=2), "language": P()}), _modules(("vision",))[0],
+                      {"vision": Wrapped(LLAMA.dim)})
+    batch = _batches(("vision",), False, 4, (64,))[0]
+    return _plan_error_of(lambda: train_step(model, MimoOptimizer(model, OPT), batch) if call == "train_step"
+                          else model.forward_backward(batch))
+
+
+def _plan_error_of(run) -> str:
+    """The PlanError `run` raised on this rank ("" for none), once every rank is past it (a barrier:
+    nobody is left inside an exchange)."""
+    import torch.distributed as dist
+
+    from dtensor_mimo.bridge import PlanError
+
+    try:
+        run()
+    except PlanError as e:
+        message = str(e)
+    else:
+        message = ""
+    dist.barrier()
+    return message
+
+
+@pytest.mark.parametrize("kind, call", [("tuple", "train_step"), ("dict", "forward_backward")])
+def test_encoder_returning_no_tensor_fails_every_rank_by_name(kind, call):
+    """An encoder whose forward returns a tuple or a dict (not the protocol's one tensor of rows)
+    raised AttributeError ("'tuple' object has no attribute 'to'") on its own ranks alone, naming
+    nothing of the protocol, while the language rank waited for its rows in the exchange for good.
+    Every rank now raises a `PlanError`, the encoder's ranks (`forward_backward`: every rank) naming
+    the encoder and what it returned."""
+    from tests.harness import run_on_ranks
+
+    messages = run_on_ranks(_encoder_returning, 3, kind, call, timeout=90)
+    assert all(messages), messages  # every rank raised (a training step: the others say how many failed)
+    named = rf"encoder 'vision' returned a {kind}, not a tensor: an encoder's forward returns its rows as one tensor"
+    assert all(re.search(named, m) for m in (messages if call == "forward_backward" else messages[:2])), messages

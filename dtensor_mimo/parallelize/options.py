@@ -126,11 +126,12 @@ class ParallelOptions:
             ``[vocab, dim]`` weight gradient is held per microbatch in flight instead (more than
             the logits only for microbatches of fewer tokens than ``dim``). Used by training and
             `model(batch)`; `predict` takes the logits' argmax and keeps the plain head, and so
-            do a user's decoder (which may change its logits) and a head that is not a bias-free
-            ``nn.Linear``. Numerics unchanged up to the order of sums. Chunked or not, and at
-            any tp, the library's decoder runs its head on the positions with a loss weight
-            only where the logits would take more than one chunk, counted on the batch while it
-            is in host memory (as a loader gives it, pinned or not; no device sync): the image
+            do a user's decoder (which may change its logits; a `Llama` subclass with a forward
+            of its own too) and a head that is not a bias-free ``nn.Linear``. Numerics unchanged
+            up to the order of sums. Chunked or not, and at any tp, the library's decoder runs its
+            head on the positions with a loss weight only where the logits would take more than
+            one chunk, counted on the batch while it is in host memory (as a loader gives it,
+            pinned or not; no device sync): the image
             rows and masked prompts of fine-tuning data cost it nothing. A batch already on the
             accelerator runs the head on every row.
         flex_attention: language model: rows with documents (packed samples, e.g. the trainer's

@@ -356,6 +356,8 @@ class LocalEncoders:
         by the step's first ``encode``: for each microbatch, or for all of them at once."""
         self.outputs: dict[int, dict[str, torch.Tensor]] = {}
         """Rows per microbatch and encoder, until their backward."""
+        self.errors: list[str] = []
+        """Encoder outputs that were no tensor of rows (`_as_rows`: they cross as zeros, the step agrees)."""
         self._rng: dict[tuple[int, str], tuple] = {}
 
     def encode(self, k: int | None, name: str) -> None:
@@ -398,9 +400,27 @@ class LocalEncoders:
             # every parameter a zero gradient)
             bucket = 1
         if bucket is None or len(x) == bucket:
-            return _plain(self.encoders[name](x)).to(self.dtype)
-        rows = _plain(self.encoders[name](torch.cat([x, x.new_zeros(bucket - len(x), *x.shape[1:])])))
+            return _plain(self._as_rows(name, self.encoders[name](x))).to(self.dtype)
+        rows = _plain(self._as_rows(name, self.encoders[name](torch.cat([x, x.new_zeros(bucket - len(x),
+                                                                                            *x.shape[1:])]))))
         return rows[: len(rows) // bucket * len(x)].to(self.dtype)
+
+    def _as_rows(self, name: str, out: object) -> torch.Tensor:
+        """Encoder `name`'s output `out` if it is a tensor (the protocol's rows). Anything else (a
+        tuple, a dict, a model-output object) raised on the encoder's ranks alone, while the
+        language ranks waited for its rows in the exchange: it is recorded in `errors` (the step
+        agrees on it, every rank raises) and stands in as a scalar of its tensors times zero, which
+        the crossing sends as zeros of the planned shape and whose backward still reaches the
+        parameters those tensors came from (a zero gradient each: the dp peers' reductions match)."""
+        if isinstance(out, torch.Tensor):
+            return out
+        kind = type(out).__name__
+        self.errors.append(f"rank {dist.get_rank()}: encoder {name!r} returned a {kind}, not a tensor: "
+                           "an encoder's forward returns its rows as one tensor [items * tokens_per_item, out_dim] "
+                           f"(return the rows from the {kind}, e.g. in a wrapper module's forward)")
+        floats = [(t.to_local() if isinstance(t, DTensor) else t).float().sum() for t in _tensors(out)
+                  if t.is_floating_point()]
+        return (sum(floats) * 0 if floats else torch.zeros((), device=self.device)).reshape(1)
 
     def backward(self, grads: Mapping[int, Mapping[str, torch.Tensor]],
                  arm: Callable[[str], None] | None = None) -> None:
@@ -428,6 +448,15 @@ class LocalEncoders:
                 with _replayed(self._rng.pop((k, n)), self.device):
                     rows = self._rows(n, x)
                 _backward([{n: rows}], [grads[k]])
+
+
+def _tensors(out: object) -> list[torch.Tensor]:
+    """The tensors inside an encoder's output of another kind than a tensor (tuples, lists, dicts)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, Mapping):
+        out = list(out.values())
+    return [t for x in out for t in _tensors(x)] if isinstance(out, (list, tuple)) else []
 
 
 def _plain(rows: torch.Tensor) -> torch.Tensor:

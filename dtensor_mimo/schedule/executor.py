@@ -199,7 +199,8 @@ def execute(parts: RankParts, actions: Sequence[Action], batch: MimoBatch, shape
         for action in actions:
             with phase(action.op, action.microbatch, action.module):
                 getattr(run, "do_" + action.op.replace(" ", "_"))(action)
-    return StepResult(run.loss, run.ids, next((e for e in [*run.errors, *(c.error for c in run.crossings)] if e), None))
+    errors = [*run.errors, *run.local.errors, *(c.error for c in run.crossings)]
+    return StepResult(run.loss, run.ids, next((e for e in errors if e), None))
 
 
 class _Run:

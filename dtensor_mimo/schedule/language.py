@@ -72,8 +72,11 @@ class LanguageStage(nn.Module):
         # decoder may do more to its logits; a float8 head keeps its own forward).
         head = getattr(llama, "output", None)
         # The library's decoder with its plain head: its loss may run the head on the rows with
-        # a loss weight only (`loss_rows`), chunked (tp = 1) or as the decoder's own (tp > 1).
-        self.plain_head = last and isinstance(llama, Llama) and type(head) is nn.Linear and head.bias is None
+        # a loss weight only (`loss_rows`), chunked (tp = 1) or as the decoder's own (tp > 1). Not
+        # a subclass with a forward of its own, which may transform its logits (the headless
+        # paths below would drop that).
+        self.plain_head = (last and isinstance(llama, Llama) and type(llama).forward is Llama.forward
+                           and type(head) is nn.Linear and head.bias is None)
         self.chunked_loss = chunked_loss and self.plain_head
         # The chunked loss's arithmetic compiled with `loss_compile`'s "backend" and inductor's
         # "options" (the module's, not its mode); None: eager
@@ -86,8 +89,7 @@ class LanguageStage(nn.Module):
         # may transform them, which the headless path below would not). The function is compiled
         # unbound and takes the stage, so that a copy of the stage runs its own modules.
         self.small_loss = (torch.compile(_decoder_loss, **whole_compile)
-                           if whole_compile is not None and self.chunked_loss and type(llama).forward is Llama.forward
-                           else None)
+                           if whole_compile is not None and self.chunked_loss else None)
         self.cp_size, self.cp_rank = cp_size, cp_rank
         self.hidden_dtype = hidden_dtype  # what a non-last stage sends on (the compute dtype)
         self.predicting = False  # the last stage returns next-token ids instead of a loss share
