@@ -168,7 +168,8 @@ def _refused(case: Case) -> str | None:
         llama, encoders = _modules(case.encoders, case.frozen, case.n_layers, meta=True, varied=case.varied)
         check_model(layout, llama, encoders, "language", case.options, case.pipeline)
         check_pipeline_layout(layout, "language", case.pipeline)
-        compiled = {n for n in case.encoders if case.options.get(n, ParallelOptions()).compile}
+        compiled = {n for n in case.encoders if case.options.get(n, ParallelOptions()).compile  # a tower that trains
+                    and not {n, f"{n}.encoder"} & set(case.frozen)}
         for batch in _batches(case.encoders, case.packed, case.batch_size, case.seq_lens,
                               text_only=case.text_only_steps, varied=case.varied):
             # e.g. varied items at encoder pp > 1, or into an encoder compiled at tp > 1
@@ -360,6 +361,9 @@ def test_items_of_their_own_size_into_a_compiled_tp_encoder_are_refused_on_every
                                       "is compiled (ParallelOptions.compile) at tp=2") in error, f"rank {rank}: {error}"
         assert "compile=False for 'vision', give it tp = 1" in error
     assert _refused(VARIED_COMPILED_TP) is not None  # the fuzzer skips such draws
+    frozen = dataclasses.replace(VARIED_COMPILED_TP, frozen=("vision.encoder",))
+    assert _refused(frozen) is None  # a frozen tower traces no backward: it trains (LLaVA's usual setup)
+    check_against_reference(frozen, chosen=False)
 
 
 # Shrunk from a draw (a tp2·dp2r2 ViT compiled and recomputed, colocated with cp2·pp2 language, GPipe over
@@ -384,6 +388,9 @@ def test_a_compiled_tp_encoder_recomputed_over_microbatches_is_refused_on_every_
     one = dataclasses.replace(RECOMPUTED_COMPILED_TP, batch_size=2, pipeline=None)
     assert _refused(one) is None  # one microbatch: a single recomputed forward, which trains
     check_against_reference(one, chosen=False)
+    frozen = dataclasses.replace(RECOMPUTED_COMPILED_TP, frozen=("vision.encoder",))
+    assert _refused(frozen) is None  # a frozen tower leaves no tp weight gradient: it trains
+    check_against_reference(frozen, chosen=False)
 
 
 @pytest.mark.skipif(not EXAMPLES, reason="a spot check of the strategy, for `make fuzz`")

@@ -321,6 +321,9 @@ def test_options_the_layout_gives_a_use_are_accepted() -> None:
     parse_args([*colocated, "--options.vision.recompute_colocated", "true"])
     parse_args(["--layout.vision.dp", "2", "--options.vision.balance", "true", "--options.audio.balance", "false"])
     parse_args(["--layout.language.pp", "2", "--layout.vision.pp", "2", "--pipeline.split", "[1, 1]"])
+    # a frozen tower compiled at tp 2 traces no backward: own-size items train (LLaVA's usual setup)
+    parse_args(["--model.encoders.vision.frozen", "true", "--model.encoders.vision.dynamic_resolution", "true",
+                "--options.vision.compile", "true", "--layout.vision.tp", "2"])
 
 
 def test_bad_toml_file_names_the_file(tmp_path) -> None:

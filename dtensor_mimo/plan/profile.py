@@ -173,6 +173,11 @@ class ModuleProfile:
     def trainable(self) -> bool:
         return self.trainable_params > 0
 
+    @property
+    def blocks_train(self) -> bool:
+        """Whether its blocks take gradients (a frozen tower's do not: its projection alone may train)."""
+        return self.trainable_params > self.rest_params
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

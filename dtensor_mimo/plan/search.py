@@ -112,8 +112,9 @@ def module_problem(job: Job, profile: ModuleProfile, par: Parallelism, microbatc
     except LayoutError as e:
         return str(e)
     if not is_lang:  # the library's own rules of a compiled encoder at tp > 1 (`check_model`, `check_batch`)
-        problem = (recomputed_compile_problem(profile.name, options, par.tp, microbatches, profile.trainable)
-                   or compiled_varied_problem(profile.name, par.tp, profile.varied, options.compile))
+        problem = (recomputed_compile_problem(profile.name, options, par.tp, microbatches, profile.blocks_train)
+                   or compiled_varied_problem(profile.name, par.tp, profile.varied,
+                                              options.compile and profile.blocks_train))
         if problem:
             return problem
     shards = par.dp * par.cp

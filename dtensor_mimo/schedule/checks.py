@@ -120,7 +120,8 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
                               "language schedule (one on ranks of its own already holds only its crossing window)")
         problem = recomputed_compile_problem(name, mine, layout.parallelism(name).tp,
                                              pipeline.microbatches if pipeline is not None else 1,
-                                             any(p.requires_grad for p in module.parameters()))
+                                             any(p.requires_grad for p in (module.encoder if isinstance(module, ModalityEncoder)
+                                                                          else module).parameters()))
         if problem:
             raise LayoutError(problem)
         if options.get(name, ParallelOptions()).balance and pp > 1:
@@ -178,7 +179,8 @@ def recomputed_compile_problem(name: str, options: ParallelOptions, tp: int, mic
                                trains: bool) -> str | None:
     """Why encoder `name` with `options` cannot train at `tp` over `microbatches` (None: it can):
     compiled and recomputed in the colocated three phases (`ParallelOptions.recompute_colocated`)
-    at tp > 1 over more than one microbatch, where it `trains`. `check_model` refuses it; the
+    at tp > 1 over more than one microbatch, where it `trains` (its tower: a frozen tower's
+    projection alone leaves no tp weight gradient in the blocks). `check_model` refuses it; the
     planner (`dtensor_mimo.plan.search`) skips such layouts by this same rule."""
     if not (options.recompute_colocated and options.compile and tp > 1 and microbatches > 1 and trains):
         return None
@@ -194,7 +196,8 @@ def recomputed_compile_problem(name: str, options: ParallelOptions, tp: int, mic
 
 def compiled_varied_problem(name: str, tp: int, varied: bool, compiled: bool) -> str | None:
     """Why encoder `name` at `tp` cannot train on a batch whose items of its modality differ in
-    size (`varied`) where it is `compiled` and its backward traced (None: it can). `check_batch`
+    size (`varied`) where it is `compiled` and its tower's backward traced (None: it can; a frozen
+    tower traces none). `check_batch`
     refuses such a batch; the planner (`dtensor_mimo.plan.search`) skips such layouts by this same
     rule."""
     if not (varied and compiled and tp > 1):

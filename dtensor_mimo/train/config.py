@@ -1127,7 +1127,8 @@ def check_module_options(config: TrainerConfig, layout: Any) -> None:
                               "language model's ranks keeps its graph through the language model's microbatches (one "
                               f"on ranks of its own already holds only its crossing window); remove it, or colocate "
                               f"the encoder (layout.{name} of the language model's size and offset)")
-        if recomputed_compile_problem(name, options, par.tp, config.pipeline.microbatches, trains=True):
+        tower_trains = not config.model.encoders[name].frozen
+        if recomputed_compile_problem(name, options, par.tp, config.pipeline.microbatches, tower_trains):
             # (the library's rule: its check_model refuses it inside the ranks, where the encoder trains)
             raise ConfigError(f"options.{name}.recompute_colocated = true with options.{name}.compile = true, "
                               f"layout.{name}.tp = {par.tp} and pipeline.microbatches = {config.pipeline.microbatches}: "
@@ -1135,7 +1136,7 @@ def check_module_options(config: TrainerConfig, layout: Any) -> None:
                               f"tensor-parallel weight gradients); set one of them false, layout.{name}.tp = 1, or "
                               "pipeline.microbatches = 1")
         own_size = config.model.encoders[name].dynamic_resolution or config.model.encoders[name].variable_length
-        if compiled_varied_problem(name, par.tp, own_size, options.compile):  # (the library's rule: check_batch's)
+        if compiled_varied_problem(name, par.tp, own_size, options.compile and tower_trains):  # (the library's rule: check_batch's)
             which = "dynamic_resolution" if config.model.encoders[name].dynamic_resolution else "variable_length"
             raise ConfigError(f"model.encoders.{name}.{which} = true with options.{name}.compile = true and "
                               f"layout.{name}.tp = {par.tp}: torch's compiler cannot trace the backward of items of "
