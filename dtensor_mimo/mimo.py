@@ -25,7 +25,7 @@ from dtensor_mimo.layout import LANGUAGE, MimoLayout
 from dtensor_mimo.layout.world import check_device_type
 from dtensor_mimo.layout.mesh import check_agreement
 from dtensor_mimo.models import Llama, ModalityEncoder
-from dtensor_mimo.models.layers import flex_backward_problem
+from dtensor_mimo.models.layers import flex_backward_problem, named_buffers
 from dtensor_mimo.models.hf import hf_parts, plan_hf
 from dtensor_mimo.models.protocol import encoder_width, item_rule
 from dtensor_mimo.parallelize import (GradientReducer, ParallelOptions, compute_dtype, finish_gradients,
@@ -197,6 +197,11 @@ class MimoModel(nn.Module):
         self._widths = {n: encoder_width(e) for n, e in encoders.items()}  # what an item costs (balancing)
         modules = {**encoders, language_name: language}
         self._no_init = [n for n, m in modules.items() if not callable(getattr(m, "init_weights", None))]
+        # Read before the modules are split, sharded or converted: the same on every rank.
+        self.buffer_names = {n: (tuple(named_buffers(m, True)), tuple(named_buffers(m, False)))
+                             for n, m in modules.items()}
+        """Per module, the names of the user's whole module's persistent buffers (checkpoints hold
+        them: `module_buffers`) and of its other buffers (rebuilt by its ``init_weights``, not saved)."""
         self.dtype = compute_dtype(self.options[language_name], language)  # what crosses the bridge
         # Modules built on the meta device: only this rank's shards get allocated, uninitialized
         # until `init_weights` or a checkpoint load.
@@ -328,6 +333,17 @@ class MimoModel(nn.Module):
     def module_parameters(self, name: str) -> dict[str, nn.Parameter]:
         """This rank's parameters of module `name`, named as in the user's module ({} off its mesh)."""
         return self._module_parameters[name]
+
+    def module_buffers(self, name: str) -> dict[str, torch.Tensor]:
+        """This rank's persistent buffers of module `name` (a BatchNorm's running statistics),
+        named as in the user's module ({} off its mesh): what a checkpoint holds besides the
+        parameters. Read anew at each call (a module may replace a buffer)."""
+        if name == self.language_name:
+            parts = [s.llama for s in self.language_stages] if self.language_pipeline is not None else []
+        else:
+            parts = [self.encoders[name]] if name in self.encoders else []
+        kept = set(self.buffer_names[name][0])  # not what the library added (a float8 layer's, say)
+        return {n: b for part in parts for n, b in named_buffers(part, True).items() if n in kept}
 
     def _collect_parameters(self, name: str) -> dict[str, nn.Parameter]:
         if name == self.language_name:

@@ -33,6 +33,14 @@
 |                                                           | optimizer built anew                              |
 | `load` after more random draws than the save saw [2]      | each rank's host generator as it was saved (the   |
 |                                                           | draws after the load == the draws after the save) |
+| a user's encoder with BatchNorm and a table of its own    | buffers of the save's step, and the eval loss and |
+| (non-persistent), saved at step 2, loaded into a fresh    | buffers after two more steps, == the uninterrupted|
+| model [2]; and into vision dp2 on ranks 0-1               | run's; the table is not in the checkpoint; dp2:   |
+|                                                           | both replicas hold the saved buffers              |
+| the same checkpoint without its buffers (an earlier       | a warning naming them, the model's own values     |
+| release's) [2]                                            | kept; into a meta-built model: refused by name    |
+| `load` into a meta-built model before `init_weights` [2]  | CheckpointError naming its non-persistent buffer, |
+|                                                           | on every rank, before DCP's collectives         |
 """
 
 from __future__ import annotations
@@ -61,7 +69,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class _Model:
-    """What `checkpoint.save` reads of a MimoModel: module names and their parameters."""
+    """What `checkpoint.save` reads of a MimoModel: module names, their parameters and buffers
+    (none), and that no module is left uninitialized."""
+
+    uninitialized: set = set()
 
     def __init__(self, numel: int) -> None:
         torch.manual_seed(0)
@@ -73,6 +84,9 @@ class _Model:
 
     def module_parameters(self, name: str) -> dict[str, torch.nn.Parameter]:
         return self.params[name]
+
+    def module_buffers(self, name: str) -> dict[str, torch.Tensor]:
+        return {}
 
 
 class _Optimizer:
@@ -873,8 +887,6 @@ def test_a_load_puts_back_each_ranks_random_state(tmp_path) -> None:
 class _LoadableModel(_Model):
     """`_Model` with what `checkpoint.load` calls besides."""
 
-    uninitialized: set = set()
-
     def reshard(self) -> None:
         pass
 
@@ -902,3 +914,202 @@ def test_a_load_puts_the_schedule_at_the_updates_applied_not_the_step(tmp_path) 
     ((trainer, updates),) = run_on_ranks(_resume_after_skipped_steps, 1, str(tmp_path), timeout=120)
     assert trainer == {"step": 5, "updates": 3}
     assert updates == 3
+
+
+# ---------------------------------------------------------------------------- a module's buffers
+
+
+class _PatchNorm(torch.nn.Module):
+    """A user's own encoder with buffers: `PatchMLP`'s patches through a BatchNorm (running
+    statistics, persistent) and a per-channel scale table of its own (non-persistent, rebuilt by
+    its ``init_weights``)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.out_dim = dim
+        self.patch_in = torch.nn.Linear(3 * 4 * 4, 64)
+        self.norm = torch.nn.BatchNorm1d(64)
+        self.patch_out = torch.nn.Linear(64, dim)
+        self.register_buffer("table", self._table(), persistent=False)
+
+    @staticmethod
+    def _table() -> torch.Tensor:
+        return torch.linspace(0.5, 1.5, 64)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        patches = images.unfold(2, 4, 4).unfold(3, 4, 4)  # [N, 3, 4, 4, 4, 4]
+        x = patches.permute(0, 2, 3, 1, 4, 5).flatten(3).flatten(1, 2).flatten(0, 1)  # [N * 16, 48]
+        return self.patch_out(torch.nn.functional.gelu(self.norm(self.patch_in(x)) * self.table))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        from dtensor_mimo.models import init_weights
+
+        init_weights(self, seed)
+        self.norm.weight.fill_(1.0)
+        self.norm.reset_running_stats()
+        self.table.copy_(self._table())
+
+
+def _norm_model(meta: bool = False, dp: int = 1):
+    """vision (`_PatchNorm`) on rank 0, language on rank 1: the buffers are on rank 0 only
+    (`dp` = 2: both modules dp2 on ranks 0-1, the buffers on both)."""
+    from dtensor_mimo import MimoLayout, MimoModel, MimoOptimizer
+    from tests.test_mimo import LLAMA, OPT, P, _modules
+
+    layout = MimoLayout({"vision": P(dp=dp), "language": P(dp=dp)}, offsets={"vision": 0, "language": 2 - dp})
+    layout.init_meshes("cpu")
+    language, _ = _modules((), meta=meta)
+    with torch.device("meta" if meta else "cpu"):
+        vision = _PatchNorm(LLAMA.dim)
+    if not meta:
+        vision.init_weights(10)
+    modules = {"vision": vision, "language": language}
+    model = MimoModel(layout, language, {"vision": vision})
+    return model, MimoOptimizer(model, OPT), checkpoint.expected_shapes(modules)
+
+
+def _buffers(model) -> dict[str, torch.Tensor]:
+    """This rank's BatchNorm statistics of the vision encoder, read off the user's module."""
+    held = dict(model.encoders["vision"].norm.named_buffers()) if "vision" in model.encoders else {}
+    return {f"norm.{n}": b.detach().clone() for n, b in held.items()}
+
+
+def _eval_loss(model, batch) -> float:
+    model.eval()
+    try:
+        return model.predict(batch, with_loss=True)[1]
+    finally:
+        model.train()
+
+
+def _resume_with_buffers(root: str) -> dict[str, object]:
+    """Trained 2 steps and saved, then 2 more (the uninterrupted run); a fresh model loads the
+    checkpoint and trains the same 2 steps: the buffers and eval losses of both runs."""
+    from dtensor_mimo import train_step
+    from tests.test_mimo import _batches
+
+    batches = _batches(("vision",), False, 4, (64,) * 5)
+    model, optimizer, shapes = _norm_model()
+    for batch in batches[:2]:
+        train_step(model, optimizer, batch)
+    path = checkpoint.save(os.path.join(root, "ckpt"), 2, model, optimizer, {"step": 2}, keep=1)
+    out: dict[str, object] = {"saved": _buffers(model), "saved eval": _eval_loss(model, batches[4])}
+    out["keys"] = sorted(k for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+                         if k.startswith("buffer."))
+    for name, m, o in [("uninterrupted", model, optimizer), ("resumed", *_norm_model()[:2])]:
+        if name == "resumed":
+            out["fresh"] = _buffers(m)
+            checkpoint.load(path, m, o, shapes)
+            out["loaded"] = _buffers(m)
+            out["loaded eval"] = _eval_loss(m, batches[4])
+        out[f"{name} losses"] = [train_step(m, o, b).loss for b in batches[2:4]]
+        out[f"{name} buffers"] = _buffers(m)
+        out[f"{name} eval"] = _eval_loss(m, batches[4])
+    other, other_optimizer, _ = _norm_model(dp=2)  # another layout: every replica reads them
+    checkpoint.load(path, other, other_optimizer, shapes)
+    out["dp2 loaded"] = _buffers(other)
+    return out
+
+
+def test_a_resume_restores_a_modules_persistent_buffers(tmp_path) -> None:
+    """A user's encoder with a BatchNorm: its running statistics and `num_batches_tracked` are in
+    the checkpoint (not its non-persistent table); a fresh model that loads it holds the save's
+    buffers, evaluates as the saving model did, and after two more steps has the buffers and eval
+    loss of the uninterrupted run."""
+    rank0, rank1 = run_on_ranks(_resume_with_buffers, 2, str(tmp_path), timeout=300)
+    assert rank1["saved"] == {} and rank1["loaded"] == {}  # rank 1 holds no vision buffer
+    saved, loaded = rank0["saved"], rank0["loaded"]
+    assert int(saved["norm.num_batches_tracked"]) == 2
+    assert sorted(saved) == ["norm.num_batches_tracked", "norm.running_mean", "norm.running_var"]
+    assert not torch.equal(rank0["fresh"]["norm.running_mean"], saved["norm.running_mean"])
+    for n, b in saved.items():
+        assert torch.equal(loaded[n], b), n
+        assert torch.equal(rank0["dp2 loaded"][n], b) and torch.equal(rank1["dp2 loaded"][n], b), n
+    for rank in (rank0, rank1):
+        assert rank["loaded eval"] == rank["saved eval"]
+        assert rank["resumed losses"] == rank["uninterrupted losses"]
+        assert rank["resumed eval"] == rank["uninterrupted eval"]
+    for n, b in rank0["uninterrupted buffers"].items():
+        assert torch.equal(rank0["resumed buffers"][n], b), n
+    assert rank0["keys"] == rank1["keys"] == ["buffer.vision.norm.num_batches_tracked",
+                                              "buffer.vision.norm.running_mean", "buffer.vision.norm.running_var"]
+
+
+def _load_without_buffers(root: str) -> dict[str, object]:
+    """A checkpoint as an earlier release wrote it (no ``buffer.`` keys) loaded into a model
+    whose buffers were set apart, and into a meta-built one not initialized."""
+    from dtensor_mimo import train_step
+    from tests.test_mimo import _batches
+
+    model, optimizer, shapes = _norm_model()
+    train_step(model, optimizer, _batches(("vision",), False, 4, (64,))[0])
+    state = {k: v for k, v in checkpoint._state(model, optimizer, {"step": 1}).items() if not k.startswith("buffer.")}
+    directory = os.path.join(root, "old")
+    path = checkpoint._write(state, directory, 1, checkpoint._prepare(directory, 1), keep=1)
+    fresh, fresh_optimizer, _ = _norm_model()
+    with torch.no_grad():
+        for b in fresh.module_buffers("vision").values():
+            b.fill_(3)
+    said: list[str] = []
+    checkpoint.load(path, fresh, fresh_optimizer, shapes, warn=said.append)
+    out: dict[str, object] = {"said": said, "kept": {n: b.unique().tolist() for n, b in _buffers(fresh).items()},
+                              "weights": [n for n, p in model.module_parameters("vision").items()
+                                          if not torch.equal(p, fresh.module_parameters("vision")[n])]}
+    meta, meta_optimizer, _ = _norm_model(meta=True)
+    meta.init_weights({"vision": 10, "language": 0})
+    meta.uninitialized.add("vision")  # as if built and never initialized, its table rebuilt: only the stats lack
+    meta.buffer_names["vision"] = (meta.buffer_names["vision"][0], ())
+    try:
+        checkpoint.load(path, meta, meta_optimizer, shapes, warn=said.append)
+        out["meta"] = None
+    except CheckpointError as e:
+        out["meta"] = str(e)
+    return out
+
+
+def test_a_checkpoint_without_buffers_keeps_the_models_with_a_warning(tmp_path) -> None:
+    """A checkpoint saved before checkpoints held buffers still loads: the parameters come from
+    it, the buffers keep the model's values, and one warning line names them; into a meta-built
+    model whose buffers nothing initialized it is refused on every rank, naming them."""
+    for out in run_on_ranks(_load_without_buffers, 2, str(tmp_path), timeout=300):
+        (said,) = out["said"]
+        assert "\n" not in said
+        for n in ("buffer.vision.norm.num_batches_tracked", "buffer.vision.norm.running_mean",
+                  "buffer.vision.norm.running_var"):
+            assert n in said and n in out["meta"], (n, said, out["meta"])
+        assert "model.init_weights" in out["meta"]
+        assert out["weights"] == []
+        assert all(v == [3] for v in out["kept"].values()), out["kept"]
+
+
+def _load_into_meta(root: str) -> dict[str, object]:
+    from dtensor_mimo import train_step
+    from tests.test_mimo import _batches
+
+    batches = _batches(("vision",), False, 4, (64, 64))
+    model, optimizer, shapes = _norm_model()
+    train_step(model, optimizer, batches[0])
+    path = checkpoint.save(os.path.join(root, "ckpt"), 1, model, optimizer, {"step": 1}, keep=1)
+    meta, meta_optimizer, _ = _norm_model(meta=True)
+    out: dict[str, object] = {}
+    try:
+        checkpoint.load(path, meta, meta_optimizer, shapes)
+        out["error"] = None
+    except CheckpointError as e:
+        out["error"] = str(e)
+    meta.init_weights({"vision": 0, "language": 0})
+    checkpoint.load(path, meta, meta_optimizer, shapes)  # then it loads
+    out["losses"] = [train_step(m, o, batches[1]).loss for m, o in ((model, optimizer), (meta, meta_optimizer))]
+    return out
+
+
+def test_a_load_into_a_meta_built_model_before_init_weights_names_its_non_persistent_buffers(tmp_path) -> None:
+    """`load` into a meta-built model before `init_weights`: the encoder's non-persistent table
+    (no checkpoint holds it) would stay uninitialized memory while the model counts as
+    initialized; refused on every rank naming it. After `init_weights` the load goes through
+    and the next step is the saving model's."""
+    for out in run_on_ranks(_load_into_meta, 2, str(tmp_path), timeout=300):
+        assert out["error"] is not None and "vision.table" in out["error"] and "init_weights" in out["error"]
+        saved, loaded = out["losses"]
+        assert loaded == saved

@@ -517,6 +517,18 @@ def plain_name(name: str) -> str:
     return name
 
 
+def named_buffers(module: nn.Module, persistent: bool) -> dict[str, torch.Tensor]:
+    """The buffers of `module` under their names relative to it (`plain_name`), the persistent ones
+    (in its ``state_dict``: a BatchNorm's running statistics) or the others (tables the module
+    rebuilds itself, not saved)."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, mod in module.named_modules():
+        for name, buffer in mod._buffers.items():
+            if buffer is not None and (name not in mod._non_persistent_buffers_set) == persistent:
+                out.setdefault(plain_name(f"{prefix}.{name}" if prefix else name), buffer)
+    return out
+
+
 def local_part(param: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds of `param` (a DTensor's local shard, else `param` itself)."""
     return param.to_local() if isinstance(param, DTensor) else param

@@ -7,6 +7,13 @@ What a checkpoint holds, under layout-independent keys:
   not torchao's wrapper, `_plain`). DCP writes each distinct element once
   (replicas deduplicated) and reads any slice back, so a checkpoint saved under one layout loads
   under another (other dp/tp/pp sizes, colocated or not, another world size);
+- ``buffer.<module>.<buffer>``: every persistent buffer (a BatchNorm's running statistics and
+  ``num_batches_tracked``, a module's ``register_buffer(..., persistent=True)``) under the name it
+  has in the user's module, as the module holds it (a DTensor's shards; a plain tensor from the
+  first dp·cp replica, ``dp = cp = 0``, and read back into every replica: one value for all of
+  them). Non-persistent buffers are not saved (the module's ``init_weights`` rebuilds them). A
+  checkpoint without them (saved before checkpoints held buffers) loads with the model's own
+  values kept and a warning naming them (refused into a meta-built model not yet initialized);
 - ``optim.<module>.<param>.<exp_avg|exp_avg_sq|step>``: AdamW's state, sharded like the parameter;
 - ``trainer``: step, optimizer updates, data position (the same on every rank);
 - ``rng.<rank>``, ``rng.<device type>.<rank>``: each rank's torch RNG states, the host's and on an
@@ -35,6 +42,7 @@ import os
 import re
 import shutil
 import threading
+import warnings
 import zlib
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -49,7 +57,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from dtensor_mimo.mimo import MimoModel
-from dtensor_mimo.models.layers import local_part, with_local
+from dtensor_mimo.models.layers import local_part, named_buffers, with_local
 from dtensor_mimo.optim.optimizer import MimoOptimizer
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -231,10 +239,13 @@ def _from_rank_0(compute: Callable[[], Any], what: str = "") -> Any:
 
 
 def expected_shapes(modules: Mapping[str, torch.nn.Module]) -> dict[str, tuple[int, ...]]:
-    """The global shape of every model key of full (unparallelized, possibly meta) `modules`:
-    what every rank of any layout agrees a checkpoint must hold."""
-    return {f"model.{m}.{n}": tuple(p.shape) for m, module in modules.items()
-            for n, p in module.named_parameters()}
+    """The global shape of every parameter and persistent buffer key of full (unparallelized,
+    possibly meta) `modules`: what every rank of any layout agrees a checkpoint must hold (its
+    buffers may be missing: `load` keeps the model's own values)."""
+    return {**{f"model.{m}.{n}": tuple(p.shape) for m, module in modules.items()
+               for n, p in module.named_parameters()},
+            **{f"buffer.{m}.{n}": tuple(b.shape) for m, module in modules.items()
+               for n, b in named_buffers(module, True).items()}}
 
 
 def _optimizer_keys(model: MimoModel, optimizer: MimoOptimizer, init: bool) -> dict[str, Any]:
@@ -285,12 +296,28 @@ def _plain(param: torch.Tensor) -> torch.Tensor:
 def _state(model: MimoModel, optimizer: MimoOptimizer, trainer: dict[str, Any]) -> dict[str, Any]:
     state: dict[str, Any] = {f"model.{m}.{n}": _plain(p) for m in model.module_names
                              for n, p in model.module_parameters(m).items()}
+    state.update(_buffer_keys(model, saving=True))
     state.update(_optimizer_keys(model, optimizer, init=True))
     # one leaf: DCP stores it once (equal on every rank); with the optimizer's update count (the
     # learning-rate schedule's position), whatever the caller's trainer state holds
     state["trainer"] = json.dumps(trainer | {"updates": optimizer.updates})
     state.update(_rng_states(model.device))
     return state
+
+
+def _buffer_keys(model: MimoModel, saving: bool) -> dict[str, torch.Tensor]:
+    """This rank's persistent buffers under checkpoint keys. `saving`: a plain tensor only from
+    the first dp·cp replica of its module (FSDP2 and dp leave buffers whole on every replica, and
+    a BatchNorm's statistics differ between replicas: one replica's, the same whichever world
+    saves); a DTensor's shards from every rank (DCP writes each element once)."""
+    out: dict[str, torch.Tensor] = {}
+    for m in model.module_names:
+        held = model.module_buffers(m)
+        coord = model.layout.coordinate(m, model.rank) if held else None
+        first = coord is not None and coord["dp"] == 0 and coord["cp"] == 0
+        out.update({f"buffer.{m}.{n}": b.detach() for n, b in held.items()
+                    if not saving or first or isinstance(b, DTensor)})
+    return out
 
 
 def _rng_states(device: torch.device) -> dict[str, torch.Tensor]:
@@ -613,16 +640,17 @@ def _newest(directory: str, keep: int, upto: int) -> set[str]:
 
 
 def check_checkpoint(path: str, expected: Mapping[str, tuple[int, ...]]) -> None:
-    """Raise CheckpointError naming the model keys missing from the checkpoint at `path`, the
-    checkpoint's model keys the model does not have, and shapes that differ. Reads only the
+    """Raise CheckpointError naming the parameter keys missing from the checkpoint at `path`, the
+    checkpoint's parameter and buffer keys the model does not have, and shapes that differ (a
+    buffer the checkpoint lacks is not refused: `load` keeps the model's value). Reads only the
     metadata; every rank reaches the same verdict without communicating."""
     try:
         meta = FileSystemReader(path).read_metadata().state_dict_metadata
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} is not a readable checkpoint: {e}") from None
     saved = {k: tuple(v.size) for k, v in meta.items()
-             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-    missing = sorted(set(expected) - set(saved))
+             if k.startswith(("model.", "buffer.")) and isinstance(v, TensorStorageMetadata)}
+    missing = sorted(k for k in set(expected) - set(saved) if not k.startswith("buffer."))  # `load` keeps them
     unexpected = sorted(set(saved) - set(expected))
     shapes = [f"{k}: checkpoint {saved[k]}, model {expected[k]}" for k in sorted(set(saved) & set(expected))
               if saved[k] != expected[k]]
@@ -645,7 +673,8 @@ def _short(items: list[str], limit: int = 8) -> str:
 
 def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
          expected: Mapping[str, tuple[int, ...]], verified: bool = False,
-         check: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+         check: Callable[[dict[str, Any]], None] | None = None,
+         warn: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Load the checkpoint at `path` into this rank's shards of `model` and `optimizer`, whatever
     layout it was saved under; returns the trainer state. Call on every rank.
 
@@ -654,13 +683,33 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
     chose another path (e.g. a file system that is not shared), all of them raise instead of
     leaving the others waiting in `dcp.load`. `check`: called with the saved trainer state,
     read alone before the weights and optimizer state are, to refuse it early (it must reach the
-    same verdict on every rank)."""
-    problem = None
+    same verdict on every rank). `warn` (default `warnings.warn`): told, in one line, the
+    persistent buffers of `expected` the checkpoint lacks (saved before checkpoints held
+    buffers), which keep the model's values.
+
+    A module built on the meta device and not initialized since (``model.uninitialized``) is
+    refused, on every rank before DCP's collectives, when it has buffers no checkpoint holds (its
+    non-persistent ones, or persistent ones this checkpoint lacks): they would stay uninitialized
+    memory; call ``model.init_weights`` first (the module's own rebuilds them)."""
+    problem, absent = None, []
     try:
         problems = [] if verified else verify(path, (dist.get_rank(), dist.get_world_size()))
         if problems:
             raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}")
         check_checkpoint(path, expected)
+        unbuilt = [f"{m}.{b}" for m in sorted(model.uninitialized) for b in model.buffer_names[m][1]]
+        if unbuilt:
+            raise CheckpointError(f"checkpoint.load into modules {sorted(model.uninitialized)} built on the meta "
+                                  f"device: their non-persistent buffers {_short(unbuilt)} are in no checkpoint "
+                                  "and would stay uninitialized memory; call model.init_weights({module: seed, "
+                                  "...}) first (it rebuilds them), then load")
+        meta = FileSystemReader(path).read_metadata().state_dict_metadata
+        absent = sorted(k for k in expected if k.startswith("buffer.") and k not in meta)
+        blank = [k for k in absent if k.split(".")[1] in model.uninitialized]
+        if blank:
+            raise CheckpointError(f"checkpoint {path} holds no {_short(blank)} (saved before checkpoints held "
+                                  "buffers), which would stay uninitialized memory in a model built on the meta "
+                                  "device: call model.init_weights({module: seed, ...}) first, then load")
     except CheckpointError as e:
         problem = e
     verdicts: list[Any] = [None] * dist.get_world_size()  # small: a path and at most one message per rank
@@ -683,10 +732,15 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
                               "applied before it")
     if check is not None:
         check(trainer)
-    meta = FileSystemReader(path).read_metadata().state_dict_metadata
+    if absent:
+        (warn or warnings.warn)(f"checkpoint {path} holds no {_short(absent)} (saved before checkpoints held "
+                                "buffers): they keep the model's current values")
     model.reshard()  # the next forward gathers the loaded shards, not what a predict left gathered
     state = _state(model, optimizer, {})
     del state["trainer"]  # read above
+    state = {k: v for k, v in state.items() if not k.startswith("buffer.")}
+    # every replica reads the buffers it holds; one the checkpoint lacks keeps its value (`absent`)
+    state.update({k: v for k, v in _buffer_keys(model, saving=False).items() if k in meta})
     world = dist.get_world_size()
     for rng in _rng_states(model.device):
         if rng not in meta or f"rng.{world - 1}" not in meta or f"rng.{world}" in meta:
@@ -695,7 +749,7 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
     for k in missing_optim:  # saved before that parameter trained (e.g. frozen then): fresh state,
         state.pop(k).zero_()  # also where this optimizer already stepped it (step 0, zero moments)
     dcp.load(state, checkpoint_id=path)  # in place: parameters, AdamW state; the rest replaced
-    model.uninitialized.clear()  # every parameter came from the checkpoint
+    model.uninitialized.clear()  # every parameter and buffer came from the checkpoint (`unbuilt`, `blank`)
     model.refresh_fp8_scales()
     _set_rng_states(state, model.device)
     optimizer.set_updates(trainer["updates"])

@@ -516,7 +516,8 @@ class Trainer:
                     "resume it with the data.batch_size, data.seed and training data it was saved with (with "
                     "data.pack, the rows depend on data.seq_len and data.truncate too)")
 
-        state = checkpoint.load(path, self.model, self.optimizer, self.expected_keys, verified=verified, check=fits)
+        state = checkpoint.load(path, self.model, self.optimizer, self.expected_keys, verified=verified, check=fits,
+                                warn=lambda w: self.log.print(f"warning: {w}"))
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         # absent from checkpoints of earlier versions; JSON made the row numbers strings
