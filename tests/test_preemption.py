@@ -19,6 +19,8 @@
 | own launcher [2], SIGTERM while its ranks still import (no handlers)  | exit 143 after step 1, its checkpoint       |
 | no `checkpoint.dir`, SIGTERM                                          | "nothing saved", exit 143                   |
 | SIGTERM reaching rank 1 inside step 2's forward [2]                   | both stop after step 2, its checkpoint     |
+| the same at an evaluation step (eval_every 2), then resumed [2]        | held-out records of steps 2 and 4, once    |
+|                                                                       | each, == the uninterrupted run's           |
 """
 
 from __future__ import annotations
@@ -305,3 +307,30 @@ def test_a_signal_during_a_step_stops_after_that_step(tmp_path) -> None:
     argv = [*TINY, "--train.steps", "6", "--checkpoint.dir", str(tmp_path / "ckpt")]
     got = run_on_ranks(_signalled_mid_step, 2, argv, 2, timeout=300)
     assert got == [(2, "SIGTERM", str(tmp_path / "ckpt" / "step-000002"))] * 2
+
+
+def _heldout_steps(path) -> dict[int, float]:
+    with open(path) as f:
+        return {r["step"]: r["heldout_loss"] for r in map(json.loads, f) if "heldout_loss" in r}
+
+
+def test_a_stop_at_an_evaluation_step_is_evaluated_by_the_resumed_run(tmp_path) -> None:
+    """A stop at a step whose held-out evaluation is due (train.eval_every) skips it, so that the
+    checkpoint is written within the grace; the resumed run started after that step, and so that
+    step's evaluation was never made by either run (its record missing from metrics.jsonl). The
+    resumed run evaluates it first: the records are the uninterrupted run's, each step once."""
+    pytest.importorskip("sklearn")
+    argv = [*TINY, "--train.steps", "4", "--train.eval_every", "2", "--checkpoint.dir", str(tmp_path / "ckpt")]
+    reference = str(tmp_path / "ref.jsonl")
+    run_on_ranks(_train, 2, [*argv, "--checkpoint.dir", str(tmp_path / "ref"), "--metrics.jsonl", reference],
+                 timeout=300)
+    expected = _heldout_steps(reference)
+    assert sorted(expected) == [2, 4]
+    jsonl = str(tmp_path / "m.jsonl")
+    stopped = run_on_ranks(_signalled_mid_step, 2, [*argv, "--metrics.jsonl", jsonl], 2, timeout=300)
+    assert stopped == [(2, "SIGTERM", str(tmp_path / "ckpt" / "step-000002"))] * 2
+    run_on_ranks(_train, 2, [*argv, "--metrics.jsonl", jsonl], timeout=300)
+    with open(jsonl) as f:
+        records = [r for r in map(json.loads, f) if "heldout_loss" in r]
+    assert [r["step"] for r in records] == [2, 4]
+    assert {r["step"]: r["heldout_loss"] for r in records} == pytest.approx(expected, rel=1e-6)

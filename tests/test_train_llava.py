@@ -24,6 +24,8 @@ by `examples/make_tiny_llava.py` (no download).
 | test_layouts_give_one_process_numbers       | image dp1 / language dp1 [2], colocated dp2 [2]: losses and grad norms == one process [1]; loader workers; resume == uninterrupted; load under another layout |
 | test_factories_build_the_modules            | model.language.factory / model.encoders.<name>.factory: your functions' modules, with the offered arguments, train |
 | test_a_factory_encoder_takes_images_that_come_after_the_checked_samples | no checked sample has an image: the size from a blank one |
+| test_an_evaluation_leaves_a_dropout_encoders_training_as_it_was | a factory encoder with dropout: |
+|                                             | losses and held-out scores with eval_every 1 == without |
 | test_learns_heterogeneous (`make learn`)    | the README's file, 600 steps: held-out accuracy well above chance |
 | test_export_answers_like_the_trainer        | 150 steps: the export loads in transformers and its greedy answers are ours |
 | test_whisper_encoder_learns_audio           | a Whisper directory's encoder on tone conversations          |
@@ -784,6 +786,44 @@ def test_factories_build_the_modules(tiny: str, tmp_path) -> None:
     assert (kind, dim) == ("Llama", "48") and len(losses) == 8
     assert losses[-1] < losses[0]
 
+
+
+def dropout_vision(language_dim: int) -> torch.nn.Module:
+    """`tiny_vision` whose projected rows go through dropout (p = 0.5) while the module trains."""
+    from dtensor_mimo.models import ModalityEncoder, Projection, ViT, ViTConfig
+
+    class DroppedProjection(Projection):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.dropout(super().forward(x), 0.5, self.training)
+
+    vit = ViTConfig(image_size=16, patch_size=4, dim=24, n_layers=1, n_heads=2, mlp_hidden=48)
+    return ModalityEncoder(ViT(vit), DroppedProjection(vit.dim, language_dim))
+
+
+def _seeded_factory_run(cwd: str, argv: list[str]) -> tuple[list[float], dict]:
+    """`_factory_run` from torch's seed of a fresh process (the harness reuses its rank processes)."""
+    torch.manual_seed(67280421310721)
+    losses = _factory_run(cwd, argv)[2]
+    with open(argv[argv.index("--metrics.jsonl") + 1]) as f:
+        return losses, [r for r in map(json.loads, f) if "heldout_loss" in r][-1]
+
+
+def test_an_evaluation_leaves_a_dropout_encoders_training_as_it_was(tiny: str, tmp_path) -> None:
+    """A factory encoder with dropout: the held-out evaluation after each step ran it in training
+    mode (dropout on: a noisy score, not the model's), drawing from torch's generator, so every
+    step after the first evaluation trained on other dropout masks than a run without evaluations
+    (train.eval_every = 0). Evaluating must change no training number, and the last held-out
+    scores are the same either way."""
+    got = {}
+    for every in ("1", "0"):
+        argv = [*ORACLE, "--train.steps", "3", "--train.eval_every", every, "--model.encoders.image.hf", "none",
+                "--model.encoders.image.factory", "tests.test_train_llava:dropout_vision",
+                "--model.encoders.image.processor", "ckpt/siglip", "--model.encoders.image.tokens_per_item", "16",
+                "--metrics.jsonl", str(tmp_path / f"every{every}.jsonl")]
+        got[every] = run_on_ranks(_seeded_factory_run, 2, tiny, argv, timeout=300)[0]
+    (losses, last), (plain, plain_last) = got["1"], got["0"]
+    assert len(losses) == 3 and losses == plain
+    assert last["step"] == plain_last["step"] == 3 and last == plain_last
 
 
 def test_a_factory_encoder_takes_images_that_come_after_the_checked_samples(tiny: str) -> None:

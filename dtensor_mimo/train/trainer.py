@@ -25,6 +25,7 @@ most for the step in flight.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -203,6 +204,21 @@ def _as_is(batch: Any) -> Any:
     return batch
 
 
+@contextlib.contextmanager
+def _evaluating(model: Any) -> Iterator[None]:
+    """`model`'s modules in eval mode (a user's dropout off: the scores are the model's own, and an
+    evaluation draws nothing from the generators the next training step's dropout draws from),
+    each put back in its own mode after (a stand-in that is no module: as it is)."""
+    modes = {m: m.training for m in model.modules()} if isinstance(model, torch.nn.Module) else {}
+    for m in modes:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
 def _without_labels(batch: MimoBatch, rows: Sequence[int]) -> MimoBatch:
     """`batch` with no loss (and no score) on `rows`: a row left out, with the shapes unchanged."""
     if not rows:
@@ -346,6 +362,7 @@ class Trainer:
         self.left_out: dict[int, str] = {}  # training rows whose media fail to decode: why (every rank)
         self.heldout_left_out: dict[int, str] = {}  # held-out rows, likewise
         self.skipped_samples = 0  # rows left out of steps (data.skip_bad_media), since step 0
+        self.evaluation_due = False  # the resumed checkpoint's step was not evaluated (a stop skipped it)
 
     # ------------------------------------------------------------------ pieces
     def _flops(self) -> float:
@@ -432,9 +449,16 @@ class Trainer:
     def trainer_state(self) -> dict[str, Any]:
         """The loop's position for checkpoints: step, optimizer updates, the sampler's place, and
         the training rows known to be unusable (equal on every rank: agreed when found), so a
-        resumed run neither decodes them again nor restarts their count."""
+        resumed run neither decodes them again nor restarts their count; and whether the step's held-out
+        evaluation is still to be made (a stop skips the one due at its step: the resumed run makes it)."""
         return {"step": self.step, "updates": self.optimizer.updates, "sampler": self.sampler.state_dict(),
-                "skipped_samples": self.skipped_samples, "left_out": self.left_out}
+                "skipped_samples": self.skipped_samples, "left_out": self.left_out,
+                "evaluation_due": self.stopped is not None and self._evaluation_due()}
+
+    def _evaluation_due(self) -> bool:
+        """Whether `train.eval_every` evaluates this step during the loop (the last step's is the run's end's)."""
+        every = self.config.train.eval_every
+        return bool(every and self.step % every == 0 and self.step < self.config.train.steps)
 
     def save(self) -> None:
         """A checkpoint of this step in `checkpoint.dir` (every rank): written now, or, with
@@ -524,6 +548,7 @@ class Trainer:
         self.skipped_samples = state.get("skipped_samples", 0)
         if self.skip_bad_media:  # without it, a known row is named again (its file may have been mended), not dropped
             self.left_out = {int(row): why for row, why in state.get("left_out", {}).items()}
+        self.evaluation_due = bool(state.get("evaluation_due", False))
         self.log.print(f"resumed from {path} at step {self.step}")
 
     # ------------------------------------------------------------------ evaluation
@@ -531,6 +556,10 @@ class Trainer:
         """Held-out exact match of every answer ("answer", and the task's parts): teacher-forced
         argmax over the answer tokens, which equals greedy decoding's answer; and the held-out
         loss ("loss": per target token, as the training loss, from the same logits)."""
+        with _evaluating(self.model):
+            return Trainer._scores(self)
+
+    def _scores(self) -> dict[str, float]:
         heldout, b = self.data.heldout, self.config.data.batch_size
         right: dict[str, int] = {}
         counted: dict[str, int] = {}
@@ -551,6 +580,10 @@ class Trainer:
     def answers(self, n: int) -> list[tuple[str, str]]:
         """Greedy answers to the first `n` held-out prompts (samples with an answer): (expected,
         generated). Each row starts as its prompt alone, with only the items before the answer."""
+        with _evaluating(self.model):
+            return Trainer._answers(self, n)
+
+    def _answers(self, n: int) -> list[tuple[str, str]]:
         heldout = self.data.heldout
         # (after an evaluation, which read every held-out sample: the rows left out are known, and
         # tokenizing one whose media header cannot be read would raise)
@@ -616,6 +649,9 @@ class Trainer:
         if self.model.device.type == "cuda":  # the logged peak is training's, not building's or loading's
             torch.cuda.reset_peak_memory_stats(self.model.device)
         self.log.start_at(self.step)
+        if self.evaluation_due and self.step < c.train.steps:  # skipped by the stop the checkpoint was written at
+            self._report_eval()
+        self.evaluation_due = False
         if self.profiler is not None and self.step >= self.profiler.last:
             self.log.print(f"metrics.profile: this run starts after step {self.step}, past the profiled steps "
                            f"{self.profiler.first}-{self.profiler.last}: nothing is profiled")
@@ -706,8 +742,7 @@ class Trainer:
         if c.checkpoint.dir and ((c.checkpoint.every and self.step % c.checkpoint.every == 0)
                                  or self.step == c.train.steps or self.stopped is not None):
             self.save()
-        if (c.train.eval_every and self.step % c.train.eval_every == 0 and self.step < c.train.steps
-                and self.stopped is None):
+        if self._evaluation_due() and self.stopped is None:  # (a stop's is made by the resumed run)
             self._report_eval()
         return window
 
