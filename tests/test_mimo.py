@@ -734,7 +734,7 @@ def test_weights_written_after_predict_reach_the_next_forward(tmp_path) -> None:
         assert after_predict == never_predicted
 
 
-def _gradients_after_a_dropped_forward() -> dict[str, torch.Tensor]:
+def _gradients_after_a_dropped_forward(set_to_none: bool = True) -> dict[str, torch.Tensor]:
     """vision dp2 and language dp2, both FSDP2 on ranks 0-1: ``model(b0).backward()``, then a
     ``model(b1)`` never backpropagated (what `forward` leaves after its PlanError, dropped as the
     error says: ``model.zero_grad()``), then ``model(b2).backward()`` and `reduce_gradients`: every
@@ -746,19 +746,21 @@ def _gradients_after_a_dropped_forward() -> dict[str, torch.Tensor]:
     batches = _batches(case.encoders, case.packed, case.batch_size, case.seq_lens)
     model(batches[0]).backward()
     model(batches[1])  # dropped: never backpropagated (FSDP2's roots stay gathered)
-    model.zero_grad()
+    model.zero_grad(set_to_none)
     model(batches[2]).backward()
     assert model.reduce_gradients() is None
     return {f"{m}.{n}": (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
             for m in model.module_names for n, p in model.module_parameters(m).items()}
 
 
-def test_zero_grad_after_a_forward_never_backpropagated_drops_every_gradient() -> None:
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_after_a_forward_never_backpropagated_drops_every_gradient(set_to_none: bool) -> None:
     """``model.zero_grad()`` is how a ``model(batch)`` loss that will not be backpropagated is
     dropped (`forward`'s PlanError, CUDA graphs' refusal). Such a forward leaves each FSDP2 root's
     parameters gathered, so torch's ``zero_grad`` walked the gathered copies and left the shards'
     gradients of the earlier backward (embeddings, norms, projection, head) in place: the next
-    backward added onto them. The gradients are the single-process ones of the last batch alone."""
+    backward added onto them. The gradients are the single-process ones of the last batch alone,
+    also where ``zero_grad(set_to_none=False)`` zeroes them in place."""
     batch = _batches(("vision",), False, 4)[2]
     llama, encoders = _modules(("vision",))
     ids = batch.special_token_ids
@@ -770,7 +772,7 @@ def test_zero_grad_after_a_forward_never_backpropagated_drops_every_gradient() -
     ((ce * weight).sum() / weight.sum()).backward()
     want = {f"{m}.{n}": p.grad for m, module in (("vision", encoders["vision"]), ("language", llama))
             for n, p in module.named_parameters()}
-    for got in run_on_ranks(_gradients_after_a_dropped_forward, 2, timeout=120):
+    for got in run_on_ranks(_gradients_after_a_dropped_forward, 2, set_to_none, timeout=120):
         assert got.keys() == want.keys()
         for k, v in want.items():
             torch.testing.assert_close(got[k], v, **TOL, msg=lambda m: f"{k}: {m}")

@@ -824,6 +824,53 @@ def test_encoder_rows_that_change_shape_after_the_first_step_fail_every_rank_ali
                      r"plans \(\d+, 32\)", messages[0]), messages[0]
 
 
+def _rows_change_on_two_ranks(call: str) -> str:
+    """As `_rows_change_after_the_first_step`, with both vision ranks wrong after the first step,
+    each its own way: rank 0 one row fewer, rank 1 two rows fewer."""
+    import torch.distributed as dist
+
+    from tests.test_mimo import LLAMA, PatchMLP, _batches, _modules
+
+    class Changing(PatchMLP):
+        fewer = 0
+
+        def forward(self, images):
+            rows = super().forward(images)
+            return rows[:rows.shape[0] - self.fewer].clone() if self.fewer else rows
+
+    model = MimoModel(MimoLayout({"vision": P(dp=2), "language": P()}), _modules(("vision",))[0],
+                      {"vision": Changing(LLAMA.dim)})
+    batch = _batches(("vision",), False, 4, (64,))[0]
+
+    def step():
+        if call == "forward_backward":
+            model.forward_backward(batch)
+        else:
+            model(batch).backward()
+        model.reduce_gradients()
+        model.zero_grad()
+
+    step()
+    if dist.get_rank() < 2:
+        model.encoders["vision"].fewer = dist.get_rank() + 1
+    return _plan_error_of(step)
+
+
+@pytest.mark.parametrize("call", ["forward_backward", "forward"])
+def test_encoder_rows_wrong_on_two_ranks_raise_the_lowest_ranks_error_everywhere(call):
+    """Two vision ranks make rows of a wrong shape, each its own: every rank raises rank 0's error
+    (its rows one fewer than planned, not rank 1's two fewer) and names ranks 0 to 1 as failed
+    (`agree_on_rows`: each word of the all-reduce from the same, lowest failing rank)."""
+    from tests.harness import run_on_ranks
+
+    messages = run_on_ranks(_rows_change_on_two_ranks, 3, call, timeout=60)
+    assert all(messages) and len(set(messages)) == 1, messages
+    found = re.search(r"encoder 'vision' produced rows of shape \((\d+), 32\) for microbatch 0, but the batch "
+                      r"metadata plans \((\d+), 32\)", messages[0])
+    assert found and int(found[1]) == int(found[2]) - 1, messages[0]  # rank 0's rows: one fewer
+    assert "the step failed on ranks 0 to 1 (the lowest and the highest; rank 0's error)" in messages[0], messages[0]
+
+
 class _OwnForward(ModalityEncoder):
     """A user's encoder: the library's parts under a forward of its own (it might mix items), so
     the library does not pad its calls."""
