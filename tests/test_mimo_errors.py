@@ -774,20 +774,22 @@ def test_encoder_rows_as_a_dtensor_train_like_the_single_process_model(layouts):
 
 
 def _rows_change_after_the_first_step(call: str, wrong: str) -> str:
-    """A user's encoder whose rows change shape on rank 0 only (one row fewer, or one feature
-    fewer) after a first step with the same items went through: the call raises on every rank."""
+    """A user's encoder whose rows change shape after a first step with the same items went
+    through: on rank 0 only (`wrong` "count": one row fewer, "width": one feature fewer), or on
+    both vision ranks ("two ranks": rank 0 one row fewer, rank 1 two fewer). The error each rank
+    raises from `call` ("forward_backward", or ``model(batch).backward()``)."""
     import torch.distributed as dist
 
     from tests.test_mimo import LLAMA, PatchMLP, _batches, _modules
 
     class Changing(PatchMLP):
-        bad = False
+        fewer = 0  # rows (or, for "width", features) left out once the first step went through
 
         def forward(self, images):
             rows = super().forward(images)
-            if not self.bad:
+            if not self.fewer:
                 return rows
-            return (rows[:-1] if wrong == "count" else rows[:, :-1]).clone()
+            return (rows[:, :-1] if wrong == "width" else rows[:rows.shape[0] - self.fewer]).clone()
 
     model = MimoModel(MimoLayout({"vision": P(dp=2), "language": P()}), _modules(("vision",))[0],
                       {"vision": Changing(LLAMA.dim)})
@@ -802,8 +804,8 @@ def _rows_change_after_the_first_step(call: str, wrong: str) -> str:
         model.zero_grad()
 
     step()  # the item size is seen: a later call adds no world check of its own
-    if dist.get_rank() == 0:
-        model.encoders["vision"].bad = True
+    if dist.get_rank() == 0 or (wrong == "two ranks" and dist.get_rank() == 1):
+        model.encoders["vision"].fewer = dist.get_rank() + 1
     return _plan_error_of(step)
 
 
@@ -824,38 +826,6 @@ def test_encoder_rows_that_change_shape_after_the_first_step_fail_every_rank_ali
                      r"plans \(\d+, 32\)", messages[0]), messages[0]
 
 
-def _rows_change_on_two_ranks(call: str) -> str:
-    """As `_rows_change_after_the_first_step`, with both vision ranks wrong after the first step,
-    each its own way: rank 0 one row fewer, rank 1 two rows fewer."""
-    import torch.distributed as dist
-
-    from tests.test_mimo import LLAMA, PatchMLP, _batches, _modules
-
-    class Changing(PatchMLP):
-        fewer = 0
-
-        def forward(self, images):
-            rows = super().forward(images)
-            return rows[:rows.shape[0] - self.fewer].clone() if self.fewer else rows
-
-    model = MimoModel(MimoLayout({"vision": P(dp=2), "language": P()}), _modules(("vision",))[0],
-                      {"vision": Changing(LLAMA.dim)})
-    batch = _batches(("vision",), False, 4, (64,))[0]
-
-    def step():
-        if call == "forward_backward":
-            model.forward_backward(batch)
-        else:
-            model(batch).backward()
-        model.reduce_gradients()
-        model.zero_grad()
-
-    step()
-    if dist.get_rank() < 2:
-        model.encoders["vision"].fewer = dist.get_rank() + 1
-    return _plan_error_of(step)
-
-
 @pytest.mark.parametrize("call", ["forward_backward", "forward"])
 def test_encoder_rows_wrong_on_two_ranks_raise_the_lowest_ranks_error_everywhere(call):
     """Two vision ranks make rows of a wrong shape, each its own: every rank raises rank 0's error
@@ -863,7 +833,7 @@ def test_encoder_rows_wrong_on_two_ranks_raise_the_lowest_ranks_error_everywhere
     (`agree_on_rows`: each word of the all-reduce from the same, lowest failing rank)."""
     from tests.harness import run_on_ranks
 
-    messages = run_on_ranks(_rows_change_on_two_ranks, 3, call, timeout=60)
+    messages = run_on_ranks(_rows_change_after_the_first_step, 3, call, "two ranks", timeout=60)
     assert all(messages) and len(set(messages)) == 1, messages
     found = re.search(r"encoder 'vision' produced rows of shape \((\d+), 32\) for microbatch 0, but the batch "
                       r"metadata plans \((\d+), 32\)", messages[0])
