@@ -118,10 +118,10 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
             raise LayoutError(f"encoder {name!r} has ParallelOptions(recompute_colocated=True) but shares no rank "
                               f"with {language_name!r}: only a colocated encoder keeps its graph through the "
                               "language schedule (one on ranks of its own already holds only its crossing window)")
+        tower = module.encoder if isinstance(module, ModalityEncoder) else module
         problem = recomputed_compile_problem(name, mine, layout.parallelism(name).tp,
                                              pipeline.microbatches if pipeline is not None else 1,
-                                             any(p.requires_grad for p in (module.encoder if isinstance(module, ModalityEncoder)
-                                                                          else module).parameters()))
+                                             any(p.requires_grad for p in tower.parameters()))
         if problem:
             raise LayoutError(problem)
         if options.get(name, ParallelOptions()).balance and pp > 1:
@@ -197,9 +197,8 @@ def recomputed_compile_problem(name: str, options: ParallelOptions, tp: int, mic
 def compiled_varied_problem(name: str, tp: int, varied: bool, compiled: bool) -> str | None:
     """Why encoder `name` at `tp` cannot train on a batch whose items of its modality differ in
     size (`varied`) where it is `compiled` and its tower's backward traced (None: it can; a frozen
-    tower traces none). `check_batch`
-    refuses such a batch; the planner (`dtensor_mimo.plan.search`) skips such layouts by this same
-    rule."""
+    tower traces none). `check_batch` refuses such a batch; the planner (`dtensor_mimo.plan.search`)
+    skips such layouts by this same rule."""
     if not (varied and compiled and tp > 1):
         return None
     # torch 2.13's tracer of the joint graph recurses without end on the tp blocks' packed

@@ -1131,12 +1131,14 @@ def check_module_options(config: TrainerConfig, layout: Any) -> None:
         if recomputed_compile_problem(name, options, par.tp, config.pipeline.microbatches, tower_trains):
             # (the library's rule: its check_model refuses it inside the ranks, where the encoder trains)
             raise ConfigError(f"options.{name}.recompute_colocated = true with options.{name}.compile = true, "
-                              f"layout.{name}.tp = {par.tp} and pipeline.microbatches = {config.pipeline.microbatches}: "
+                              f"layout.{name}.tp = {par.tp} and pipeline.microbatches = "
+                              f"{config.pipeline.microbatches}: "
                               "torch's compiler fails on the second microbatch's recomputed forward (the first one's "
                               f"tensor-parallel weight gradients); set one of them false, layout.{name}.tp = 1, or "
                               "pipeline.microbatches = 1")
         own_size = config.model.encoders[name].dynamic_resolution or config.model.encoders[name].variable_length
-        if compiled_varied_problem(name, par.tp, own_size, options.compile and tower_trains):  # (the library's rule: check_batch's)
+        # (the library's rule: check_batch's, at the first batch)
+        if compiled_varied_problem(name, par.tp, own_size, options.compile and tower_trains):
             which = "dynamic_resolution" if config.model.encoders[name].dynamic_resolution else "variable_length"
             raise ConfigError(f"model.encoders.{name}.{which} = true with options.{name}.compile = true and "
                               f"layout.{name}.tp = {par.tp}: torch's compiler cannot trace the backward of items of "
