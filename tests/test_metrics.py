@@ -225,6 +225,17 @@ def _stopped_at_the_last_step_then_rerun(argv: list[str]) -> str | None:
     return again.saved
 
 
+def _logged_digits_run(steps: int, tmp_path) -> list[str]:
+    """The digits job for `steps` steps on one rank, eager, every step logged to ``m.jsonl`` and
+    TensorBoard's ``tb``, checkpoints in ``ckpt`` (under `tmp_path`)."""
+    return ["--train.steps", str(steps), "--data.batch_size", "4", "--pipeline.microbatches", "1",
+            "--data.heldout_samples", "4", "--train.generate", "0", "--metrics.log_every", "1",
+            "--metrics.progress", "off", "--layout.audio.offset", "0", "--layout.language.offset", "0",
+            "--checkpoint.dir", str(tmp_path / "ckpt"), "--metrics.tensorboard", str(tmp_path / "tb"),
+            "--metrics.jsonl", str(tmp_path / "m.jsonl"),
+            *[f"--options.{m}.compile=false" for m in ("vision", "audio", "language")]]
+
+
 def test_a_run_resumed_at_its_last_step_keeps_that_steps_tensorboard_scalars(tmp_path) -> None:
     """A run stopped by SIGTERM during its last step writes that step's checkpoint and skips the
     final evaluation; the requeued command resumes at the last step, trains nothing and evaluates.
@@ -239,12 +250,7 @@ def test_a_run_resumed_at_its_last_step_keeps_that_steps_tensorboard_scalars(tmp
     from tests.harness import run_on_ranks
 
     steps = 3
-    argv = ["--train.steps", str(steps), "--data.batch_size", "4", "--pipeline.microbatches", "1",
-            "--data.heldout_samples", "4", "--train.generate", "0", "--metrics.log_every", "1",
-            "--metrics.progress", "off", "--layout.audio.offset", "0", "--layout.language.offset", "0",
-            "--checkpoint.dir", str(tmp_path / "ckpt"), "--metrics.tensorboard", str(tmp_path / "tb"),
-            "--metrics.jsonl", str(tmp_path / "m.jsonl"),
-            *[f"--options.{m}.compile=false" for m in ("vision", "audio", "language")]]
+    argv = _logged_digits_run(steps, tmp_path)
     run_on_ranks(_stopped_at_the_last_step_then_rerun, 1, argv, timeout=300)
     with open(tmp_path / "m.jsonl") as f:
         records = [json.loads(line) for line in f]
@@ -372,12 +378,7 @@ def test_a_finished_run_rerun_logs_its_last_evaluation_once(tmp_path) -> None:
 
     from tests.harness import run_on_ranks
 
-    argv = ["--train.steps", "2", "--data.batch_size", "4", "--pipeline.microbatches", "1",
-            "--data.heldout_samples", "4", "--train.generate", "0", "--metrics.log_every", "1",
-            "--metrics.progress", "off", "--layout.audio.offset", "0", "--layout.language.offset", "0",
-            "--checkpoint.dir", str(tmp_path / "ckpt"), "--metrics.jsonl", str(tmp_path / "m.jsonl"),
-            "--metrics.tensorboard", str(tmp_path / "tb"),
-            *[f"--options.{m}.compile=false" for m in ("vision", "audio", "language")]]
+    argv = _logged_digits_run(2, tmp_path)
     run_on_ranks(_train, 1, argv, timeout=300)
     with open(tmp_path / "m.jsonl") as f:
         first = [json.loads(line) for line in f]

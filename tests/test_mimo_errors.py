@@ -248,8 +248,6 @@ def _token_outside_vocabulary(mode: str, token: int) -> str | None:
     sample 1 holds text id `token` at position 2: what a `mode` step raises on this rank."""
     import dataclasses
 
-    import torch.distributed as dist
-
     from dtensor_mimo import MimoOptimizer, train_step
     from tests.test_mimo import _batches, _modules
 
@@ -260,14 +258,7 @@ def _token_outside_vocabulary(mode: str, token: int) -> str | None:
     tokens[1, 2] = token
     bad = dataclasses.replace(good, tokens=tokens)
     run = {"train": lambda b: train_step(model, optimizer, b), "predict": model.predict, "forward": model}[mode]
-    try:
-        run(bad)
-        error = None
-    except ValueError as e:
-        error = str(e)
-    dist.barrier()  # every rank raised before any exchange: none is left waiting inside one
-    train_step(model, optimizer, good)  # and the model still trains (ids 64, vision's special id, are fine)
-    return error
+    return _refused_then_trains(run, bad, lambda: train_step(model, optimizer, good))  # (64: vision's special id)
 
 
 @pytest.mark.parametrize("token", [70, -1])
@@ -289,8 +280,6 @@ def test_token_ids_outside_the_vocabulary_fail_every_rank_by_name(mode, token):
 def _empty_batch(kind: str, mode: str) -> str | None:
     """vision dp2 on ranks 0-1, the language model at tp2 on ranks 2-3; a global batch of no
     samples, or of rows of no positions: what a `mode` run raises on this rank."""
-    import torch.distributed as dist
-
     from dtensor_mimo import MimoOptimizer, train_step
     from dtensor_mimo.data import MimoBatch
     from tests.test_mimo import _batches, _modules
@@ -301,13 +290,22 @@ def _empty_batch(kind: str, mode: str) -> str | None:
     bad = (good.select_samples(range(0)) if kind == "no samples" else
            MimoBatch(good.tokens[:, :0], good.labels[:, :0], good.loss_mask[:, :0]))
     run = {"train": lambda b: train_step(model, optimizer, b), "predict": model.predict}[mode]
+    return _refused_then_trains(run, bad, lambda: train_step(model, optimizer, good))
+
+
+def _refused_then_trains(run, bad, train) -> str | None:
+    """The ValueError `run` raises on `bad` on this rank (None: none), once every rank is past it
+    (a barrier: every rank raised before any exchange, none is left waiting inside one); then
+    `train` (a good step: the model still trains)."""
+    import torch.distributed as dist
+
     try:
         run(bad)
         error = None
     except ValueError as e:
         error = str(e)
-    dist.barrier()  # every rank raised before any exchange: none is left waiting inside one
-    train_step(model, optimizer, good)  # and the model still trains
+    dist.barrier()
+    train()
     return error
 
 

@@ -316,12 +316,8 @@ def bad_loss_weights(batch: MimoBatch) -> str | None:
 def _bad_loss_weights(batch: MimoBatch) -> str | None:
     weights = batch.loss_mask
     bad = ((weights < 0) | ~torch.isfinite(weights)) & (batch.labels != IGNORE_INDEX)
-    count = int(bad.sum())
-    if not count:
-        return None
-    row, column = (int(i) for i in bad.nonzero()[0])
-    return (f"sample {row} weighs its target at position {column} by {float(weights[row, column])} ({count} such "
-            f"weight{'s' if count > 1 else ''} in the batch)")
+    return _first_marked(bad, "weight", lambda row, column: f"sample {row} weighs its target at position {column} "
+                                                            f"by {float(weights[row, column])}")
 
 
 def ids_outside(batch: MimoBatch, vocab_size: int) -> str | None:
@@ -337,9 +333,15 @@ def _ids_outside(batch: MimoBatch, vocab_size: int) -> str | None:
     outside = (tokens < 0) | (tokens >= vocab_size)
     for token_id in batch.special_token_ids.values():
         outside &= tokens != token_id
-    count = int(outside.sum())
+    return _first_marked(outside, "token", lambda row, column: f"sample {row} holds id {int(tokens[row, column])} "
+                                                                f"at position {column}")
+
+
+def _first_marked(marked: torch.Tensor, noun: str, describe) -> str | None:
+    """None where `marked` (``[B, S]`` bools) marks nothing, else `describe` of its first marked
+    (row, column) and how many `noun`s of the batch are marked."""
+    count = int(marked.sum())
     if not count:
         return None
-    row, column = (int(i) for i in outside.nonzero()[0])
-    return (f"sample {row} holds id {int(tokens[row, column])} at position {column} ({count} such token"
-            f"{'s' if count > 1 else ''} in the batch)")
+    row, column = (int(i) for i in marked.nonzero()[0])
+    return f"{describe(row, column)} ({count} such {noun}{'s' if count > 1 else ''} in the batch)"
