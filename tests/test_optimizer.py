@@ -333,6 +333,21 @@ def test_config_errors_name_a_value_that_is_not_a_number() -> None:
     assert AdamWConfig(lr=1, max_grad_norm=None).lr == 1  # an int is a number; None: no clipping
 
 
+
+def test_schedule_step_counts_refuse_a_bool_and_take_a_numpy_integer() -> None:
+    """`LRSchedule.warmup_steps` and `total_steps` are counts of updates: True was taken as one
+    warmup step (and as total_steps=1) without a word, while `PipelineConfig` and `AdamWConfig`
+    refuse a bool where a number belongs; a NumPy integer (a count computed with NumPy) was
+    refused as "not an integer"."""
+    import numpy as np
+
+    for field, bad in (("warmup_steps", True), ("warmup_steps", False), ("total_steps", True), ("total_steps", 3.0)):
+        with pytest.raises(ValueError, match=rf"LRSchedule.{field} must be an integer.*got {bad!r}"):
+            LRSchedule(**{field: bad, "decay": "linear", **({} if field == "total_steps" else {"total_steps": 9})})
+    schedule = LRSchedule(warmup_steps=np.int64(2), decay="linear", total_steps=np.int64(4))
+    assert type(schedule.warmup_steps) is int and type(schedule.total_steps) is int
+    assert [schedule.factor(s) for s in range(5)] == pytest.approx([0.5, 1.0, 0.5, 0.0, 0.0])
+
 # ------------------------------------------------------------------ distributed
 
 

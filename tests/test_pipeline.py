@@ -204,6 +204,62 @@ def test_recomputed_colocated_encoder_replays_its_dropout() -> None:
     assert torch.equal(after_kept, after_re)
 
 
+def test_recomputed_colocated_encoder_counts_each_microbatch_once_in_its_batchnorm() -> None:
+    """A user's encoder with a BatchNorm under `recompute_colocated` ("numerics unchanged"): its
+    running statistics and `num_batches_tracked` take each microbatch once, as a plain BatchNorm
+    run once per microbatch has them. The recomputed forward before the backward updated them a
+    second time (num_batches_tracked 4 for 2 microbatches, the running mean moved twice)."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    from dtensor_mimo.schedule.encoders import LocalEncoders
+
+    torch.manual_seed(0)
+    encoder = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+    reference = copy.deepcopy(encoder[:2])
+    inputs = [{"vision": torch.randn(5, 6)}, {"vision": torch.randn(3, 6) + 2}]
+    grads = [{"vision": torch.randn(5, 4)}, {"vision": torch.randn(3, 4)}]
+    local = LocalEncoders({"vision": encoder}, inputs, torch.float32, ("vision",))
+    for k in range(len(inputs)):
+        local.encode(k, "vision")
+    local.backward(dict(enumerate(grads)))
+    with torch.no_grad():
+        for x in inputs:
+            reference(x["vision"])
+    for name, want in reference[1].named_buffers():
+        assert torch.allclose(getattr(encoder[1], name), want, rtol=1e-6, atol=1e-7), name
+    assert int(encoder[1].num_batches_tracked) == 2
+
+
+def test_checkpointed_block_counts_a_forward_once_in_its_batchnorm() -> None:
+    """`activation_checkpointing` on a user's block with a BatchNorm: the recomputation in
+    backward does not update its running statistics again (torch's checkpoint reruns the block's
+    forward in training mode: num_batches_tracked 2 after one forward, the running mean moved
+    twice); they are those of the block run once without checkpointing."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    from dtensor_mimo.parallelize.checkpointing import checkpoint_blocks
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleDict({"0": nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.GELU())})
+    reference = copy.deepcopy(blocks["0"])
+    assert checkpoint_blocks(blocks, 1) == {"0"}
+    x = torch.randn(7, 6) + 1
+    out = blocks["0"](x)
+    want = reference(x)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    for name, value in reference[1].named_buffers():
+        assert torch.allclose(getattr(blocks["0"][1], name), value, rtol=1e-6, atol=1e-7), name
+    for p, q in zip(blocks.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- schedules new on some ranks only
 def _reference_gradients(batch, seeds: dict[str, int] | None = None) -> tuple[float, dict]:
     """The single-process loss and every parameter's gradient (`tests/test_mimo.py`'s modules and

@@ -65,6 +65,21 @@ def test_split_of_no_layer_counts_is_refused_by_name(split, shown) -> None:
     assert PipelineConfig(microbatches=2, split=[3, 1]).split == (3, 1)
 
 
+
+def test_numpy_integers_are_counts() -> None:
+    """A split computed with NumPy (``np.array_split``'s sizes, an ``np.array``) is layers per
+    stage: it was refused as "give decoder layers per stage, integers >= 1" though it gave them;
+    the counts are kept as Python ints."""
+    import numpy as np
+
+    config = PipelineConfig(microbatches=np.int64(4), virtual_stages=np.int32(2), schedule="Interleaved1F1B",
+                            split=np.array([3, 1, 2, 2]))
+    assert config.split == (3, 1, 2, 2) and all(type(n) is int for n in config.split)
+    assert type(config.microbatches) is int and config.num_stages(pp=2) == 4
+    assert [list(r) for r in stage_layers(8, 4, config.split)] == [[0, 1, 2], [3], [4, 5], [6, 7]]
+    with pytest.raises(ValueError, match=r"PipelineConfig.split=array\(\[3, 0\]\)"):
+        PipelineConfig(split=np.array([3, 0]))
+
 def test_batch_not_divisible_by_microbatches_times_dp() -> None:
     check_microbatching(8, 4, 2)
     with pytest.raises(ValueError, match=r"12 samples cannot be cut into 4 microbatches x 'language' "

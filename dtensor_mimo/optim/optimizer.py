@@ -12,6 +12,7 @@ skip a step with a non-finite norm.
 from __future__ import annotations
 
 import math
+import numbers
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Mapping
@@ -109,7 +110,14 @@ class LRSchedule:
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+        for name in ("warmup_steps", "total_steps"):  # a bool is no count (True was taken as 1 step)
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                object.__setattr__(self, name, int(value))  # (a NumPy integer too)
+            elif value is not None or name == "warmup_steps":
+                raise ValueError(f"LRSchedule.{name} must be an integer"
+                                 f"{' >= 0' if name == 'warmup_steps' else ' or None'}, got {value!r}")
+        if self.warmup_steps < 0:
             raise ValueError(f"LRSchedule.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
         _check_numbers("LRSchedule", self, ("warmup_start", "min_lr_ratio"))
         for name in ("warmup_start", "min_lr_ratio"):

@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-def _recomputed(forward, *args, **kwargs):
+@contextlib.contextmanager
+def _buffers_set_aside(block: nn.Module) -> Iterator[None]:
+    """While a block's forward is recomputed: each of its buffers replaced by a copy, the block's
+    own put back after. A BatchNorm's running statistics and `num_batches_tracked`, updated in
+    place by every forward in training mode, took the batch in the forward already; without this
+    torch's checkpoint counted it twice (the copies also keep what the recomputed graph saved)."""
+    held = [(m, name, b) for m in block.modules() for name, b in m._buffers.items() if b is not None]
+    for m, name, b in held:
+        m._buffers[name] = b.detach().clone()
+    try:
+        yield
+    finally:
+        for m, name, b in held:
+            m._buffers[name] = b
+
+
+def _recomputed(block: nn.Module, forward, *args, **kwargs):
+    if next(block.buffers(), None) is not None:  # (the library's blocks hold none)
+        kwargs["context_fn"] = lambda: (contextlib.nullcontext(), _buffers_set_aside(block))
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
@@ -37,6 +56,6 @@ def checkpoint_blocks(blocks: nn.ModuleDict, every: int, compile_backend: str | 
             forward = block.forward
             if compile_backend is not None:
                 forward = torch.compile(forward, backend=compile_backend, mode=compile_mode, options=compile_options)
-            block.forward = functools.partial(_recomputed, forward)
+            block.forward = functools.partial(_recomputed, block, forward)
             names.add(name)
     return names

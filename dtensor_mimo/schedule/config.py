@@ -6,6 +6,7 @@ communicates, with messages that name the sizes that would work.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -77,8 +78,9 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         for name in ("microbatches", "virtual_stages"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _layer_count(value):
                 raise ValueError(f"PipelineConfig.{name} must be an integer >= 1, got {value!r}")
+            object.__setattr__(self, name, int(value))  # (a NumPy integer too)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"PipelineConfig.schedule={self.schedule!r} is not one of {list(SCHEDULES)}")
         if self.virtual_stages > 1 and self.schedule in SINGLE_STAGE_SCHEDULES:
@@ -99,7 +101,7 @@ class PipelineConfig:
                 raise ValueError(
                     f"PipelineConfig.split={split!r}: give decoder layers per stage, integers >= 1, one per "
                     "stage (pp x virtual_stages of them), e.g. split=(3, 1); or None for an even split")
-            object.__setattr__(self, "split", counts)
+            object.__setattr__(self, "split", tuple(int(n) for n in counts))
 
     def num_stages(self, pp: int) -> int:
         """Stages of a module with pipeline size `pp`."""
@@ -120,8 +122,8 @@ class PipelineConfig:
 
 
 def _layer_count(n: object) -> bool:
-    """Whether `n` is a stage's count of layers: an integer >= 1 (a bool is no count)."""
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+    """Whether `n` is a stage's count of layers: an integer >= 1, a NumPy one too (a bool is no count)."""
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1
 
 
 def stage_layers(n_layers: int, n_stages: int, split: Sequence[int] | None = None,

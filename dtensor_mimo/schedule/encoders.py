@@ -306,7 +306,8 @@ class LocalEncoders:
 
     An encoder named in `recompute` keeps no graph between its ``encode`` and its ``backward``:
     it encodes without autograd (saving the RNG state) and recomputes the microbatch right before
-    its backward (same RNG state, so dropout masks repeat), freeing the graph before the next
+    its backward (same RNG state, so dropout masks repeat; its buffers put back after, so a
+    BatchNorm's running statistics take each microbatch once), freeing the graph before the next
     microbatch's. Costs one more encoder forward per step; what colocated encoders hold while the
     language schedule runs drops from M microbatches' activations to none.
 
@@ -445,9 +446,11 @@ class LocalEncoders:
                     if arm is not None:
                         arm(n)
                 x = self.inputs[k][n]
+                kept = _buffer_values(self.encoders[n])
                 with _replayed(self._rng.pop((k, n)), self.device):
                     rows = self._rows(n, x)
                 _backward([{n: rows}], [grads[k]])
+                _restore_buffers(kept)
 
 
 def _tensors(out: object) -> list[torch.Tensor]:
@@ -478,6 +481,24 @@ def _backward(outputs: Sequence[Mapping[str, torch.Tensor]], grads: Sequence[Map
              for i, mb in enumerate(outputs) for n, out in mb.items() if out.requires_grad]
     if pairs:
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+def _buffer_values(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]:
+    """Every buffer of `module` as it is before a recomputed forward: its owner, name, tensor and
+    a copy of its value (`_restore_buffers`)."""
+    return [(m, name, b, b.detach().clone()) for m in module.modules()
+            for name, b in m._buffers.items() if b is not None]
+
+
+@torch.no_grad()
+def _restore_buffers(kept: Sequence[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]) -> None:
+    """Put back the buffers as they were before a recomputed forward, after its backward (which
+    may hold them): a BatchNorm's running statistics and `num_batches_tracked` took the
+    microbatch in its encode already (its kernel updates them in place without moving their
+    version counter, so every buffer is copied back)."""
+    for m, name, b, value in kept:
+        m._buffers[name] = b
+        b.copy_(value)
 
 
 def _rng_state(device: torch.device) -> tuple:
