@@ -710,3 +710,57 @@ def test_own_launcher_a_second_signal_after_a_failure_is_still_a_failure(tmp_pat
     assert p.returncode == 1, (p.returncode, err[-3000:])
     assert "error on rank 0: RuntimeError: scripted failure on rank 0" in err, err[-3000:]
     assert "rank 1 was killed" not in err, err[-3000:]
+
+
+def test_init_distributed_on_cuda_refuses_a_world_without_local_rank(monkeypatch) -> None:
+    """RANK and WORLD_SIZE set by hand (no torchrun) without LOCAL_RANK: every rank of a node took
+    GPU 0 (``LOCAL_RANK`` read as 0) without a word; refused by name before any process group (every
+    rank of such a launch lacks it alike). A world of one keeps its GPU 0."""
+    from dtensor_mimo.layout import world as distributed
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match="device='cuda' in a world of 8 ranks without LOCAL_RANK: every rank of a "
+                                         "node would take GPU 0; launch with torchrun"):
+        distributed.init_distributed("cuda", 42.0)
+    assert calls == []
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    distributed.init_distributed("cuda", 42.0)
+    assert calls[0] == ("set_device", 0)
+
+
+@pytest.mark.parametrize("env", [{"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "8"},
+                                 {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "8"}, {"SLURM_PROCID": "2"}])
+def test_srun_tasks_without_torchrun_are_refused(env, monkeypatch, capsys) -> None:
+    """``srun -n 8 python -m dtensor_mimo.train`` (no torchrun: no RANK / WORLD_SIZE): each task
+    started a whole world of its own, eight trainings of one job into one checkpoint directory;
+    every task refuses (exit 2) naming torchrun, and starts nothing."""
+    from dtensor_mimo.train import launch
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    started = []
+    monkeypatch.setattr(launch, "parse_args", lambda argv: started.append(argv))
+    assert launch.main(["--train.steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"config error: started as Slurm task {env['SLURM_PROCID']} of " in err
+    assert "without torchrun's environment (RANK, WORLD_SIZE): each task would start a whole world" in err
+    assert started == []
+
+
+def test_a_single_slurm_task_runs_as_before(monkeypatch) -> None:
+    """The batch script of an allocation (``sbatch``: task 0 of one) runs the own launcher as before."""
+    from dtensor_mimo.train import launch
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")
+    launch.refuse_srun_tasks()

@@ -32,6 +32,7 @@ def test_transformer_flops_by_hand() -> None:
     # 2 params/token forward + 4 * layers * seq * dim per token; x3 when trained
     assert metrics.transformer_flops(100, 10, 2, 8, 5, False) == 2 * 100 * 10 + 4 * 2 * 5 * 8 * 10
     assert metrics.transformer_flops(100, 10, 2, 8, 5, True) == 3 * (2 * 100 * 10 + 4 * 2 * 5 * 8 * 10)
+    assert metrics.transformer_flops(100, 10, 2, 8, 5, False, through=True) == 2 * (2 * 100 * 10 + 4 * 2 * 5 * 8 * 10)
 
 
 def test_phase_times_between_cuda_events_are_read_once_when_used() -> None:
@@ -193,10 +194,14 @@ def test_step_flops_count_attention_at_the_heads_width() -> None:
     params = layers * per_layer + dim + vocab * dim  # the final norm, the output head (embeddings: no FLOPs)
     tokens = batch * seq
     expected = 3 * (2 * params * tokens + 4 * layers * seq * heads * head_dim * tokens)
-    trainer = SimpleNamespace(config=SimpleNamespace(data=SimpleNamespace(batch_size=batch)),
+    language = SimpleNamespace(frozen=False)
+    trainer = SimpleNamespace(config=SimpleNamespace(data=SimpleNamespace(batch_size=batch),
+                                                     model=SimpleNamespace(language=language)),
                               modules={"language": llama}, seq_len=seq, resolved=SimpleNamespace(encoders={}),
                               data=SimpleNamespace(tokens_per_item={}, items_per_sample={}))
     assert Trainer._flops(trainer) == expected
+    language.frozen = True  # forward, and the backward through it to the projections' rows (no weight gradients)
+    assert Trainer._flops(trainer) == expected * 2 / 3
 
 
 def _stopped_at_the_last_step_then_rerun(argv: list[str]) -> str | None:

@@ -29,6 +29,7 @@ by `examples/make_tiny_llava.py` (no download).
 | test_learns_heterogeneous (`make learn`)    | the README's file, 600 steps: held-out accuracy well above chance |
 | test_export_answers_like_the_trainer        | 150 steps: the export loads in transformers and its greedy answers are ours |
 | test_whisper_encoder_learns_audio           | a Whisper directory's encoder on tone conversations          |
+| test_a_second_stage_starts_from_the_first_stages_llava_export | stage 1 (tower and decoder frozen: `model.language.frozen`) moves the projector alone and exports LLaVA; stage 2 with both `hf` = that export starts from its tensors, bit for bit |
 | test_fit_image_size_keeps_the_aspect_within_the_budget | dynamic resolution's resize: sizes worked out by hand |
 | test_dynamic_resolution_expands_each_image_to_its_own_rows | SigLIP dynamic_resolution: each placeholder -> (H/4)(W/4) rows; per-item inputs == PIL bicubic resize; per-rank loading; one-process forward |
 | test_truncation_cuts_at_item_boundaries_of_their_own_sizes | truncation inside the second (24-row) / first image drops it whole |
@@ -37,6 +38,7 @@ by `examples/make_tiny_llava.py` (no download).
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 import os
@@ -1248,3 +1250,51 @@ def test_an_export_its_processor_would_refuse_fails_before_any_process(tiny: str
     (big / "preprocessor_config.json").write_text(json.dumps(proc))
     _preflight(tiny, ["--model.encoders.image.processor", str(big), "--model.encoders.image.dynamic_resolution",
                       "true"], "the image processor makes {'height': 32, 'width': 32} images but the ViT takes 16x16")
+
+
+def _start_from_export(cwd: str, argv: list[str], export: str) -> None:
+    """A trainer built on this rank (the model initialized from its config's directories),
+    exported at once: the weights it starts from."""
+    from dtensor_mimo.train.trainer import Trainer
+
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        Trainer(parse_args(["--config", CONFIG, *argv])).export(export)
+    finally:
+        os.chdir(here)
+
+
+def test_a_second_stage_starts_from_the_first_stages_llava_export(tiny: str) -> None:
+    """LLaVA's second stage from the first's weights alone (not its optimizer or data position):
+    stage 1 trains the projection (tower frozen) and exports a LLaVA directory; stage 2 names that
+    directory as both the encoder's and the language model's `hf`. Its image processor is in
+    ``processor_config.json`` (where transformers 5 saves a LLaVA processor's; AutoImageProcessor
+    loads it), which the trainer once refused, asking for ``processor = DIR``. Stage 2 starts
+    from stage 1's tensors, every one of them bit for bit."""
+    from safetensors.torch import load_file
+
+    quick = [*QUICK, "--data.heldout_samples", "4", "--train.eval_every", "0", "--data.batch_size", "8"]
+    run_on_ranks(_train, 2, tiny, [*quick, "--train.steps", "2", "--model.encoders.image.frozen", "true",
+                                   "--model.language.frozen", "true", "--checkpoint.export_hf", "out/stage1"],
+                 CONFIG, timeout=300)
+    stage1 = os.path.join(tiny, "out", "stage1")
+    run_on_ranks(_start_from_export, 2, tiny, [*quick, "--model.encoders.image.hf", "out/stage1",
+                                               "--model.language.hf", "out/stage1"],
+                 os.path.join(tiny, "out", "stage2"), timeout=300)
+
+    def tensors(directory: str) -> dict[str, torch.Tensor]:
+        return {k: v for f in sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+                for k, v in load_file(f).items()}
+
+    want, got = tensors(stage1), tensors(os.path.join(tiny, "out", "stage2"))
+    assert want and got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    # Stage 1 (`model.language.frozen` with the tower frozen): the projector alone moved; the
+    # decoder and the tower are the pretrained directories' tensors, bit for bit.
+    lm, siglip = (tensors(os.path.join(tiny, "ckpt", d)) for d in ("lm", "siglip"))
+    source = {**{"language_model." + k: v for k, v in lm.items()},
+              **{"vision_tower." + k: v for k, v in siglip.items()}}
+    projector = [k for k in want if k.startswith("multi_modal_projector.")]
+    assert projector and all(k in source or k in projector for k in want), sorted(set(want) - set(source))
+    assert [k for k in want if k in source and not torch.equal(want[k], source[k].to(want[k].dtype))] == []

@@ -111,6 +111,8 @@ class LanguageSection:
         n_kv_heads: key/value heads (grouped-query attention).
         ffn_hidden: the SwiGLU hidden width.
         seed: init seed of whatever the checkpoint does not fill.
+        frozen: the decoder does not train (LLaVA's first stage: only the projections do; its
+            backward still carries the rows' gradients to them).
     """
 
     hf: str | None = None
@@ -122,6 +124,7 @@ class LanguageSection:
     n_kv_heads: int = 2
     ffn_hidden: int = 128
     seed: int = 0
+    frozen: bool = False
 
 
 @dataclass

@@ -310,6 +310,21 @@ def refuse_auto(config: TrainerConfig, launched: bool) -> None:
                           "chosen entry as --layout.<module>.* and --pipeline.microbatches overrides")
 
 
+def refuse_srun_tasks() -> None:
+    """A process started without torchrun's environment (RANK, WORLD_SIZE) as one of several tasks
+    of a Slurm step (``srun -n 8 python -m dtensor_mimo.train``): each would start a whole world of
+    its own on its host, all training the same job into one checkpoint directory. Refused
+    (ConfigError) on every task alike, before any process starts."""
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1)
+    if tasks > 1 or int(os.environ.get("SLURM_PROCID") or 0) > 0:
+        raise ConfigError(f"started as Slurm task {os.environ.get('SLURM_PROCID', '?')} of {tasks} without torchrun's "
+                          "environment (RANK, WORLD_SIZE): each task would start a whole world of its own; run one "
+                          "task per node that starts torchrun (srun --ntasks-per-node=1 torchrun "
+                          "--nnodes=$SLURM_NNODES --nproc-per-node=GPUS --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT "
+                          "-m dtensor_mimo.train ...), or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and "
+                          "MASTER_PORT for each task")
+
+
 def command() -> NoReturn:
     """``python -m dtensor_mimo.train``: `main` on the command line's arguments, its status the
     process's. A torchrun worker then ends at once (`_exit_now`), as the own launcher's ranks do;
@@ -328,6 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     launched = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     try:
+        if not launched:
+            refuse_srun_tasks()
         config = parse_args(argv)
         if config.layout.auto:
             refuse_auto(config, launched)

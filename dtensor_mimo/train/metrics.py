@@ -32,13 +32,15 @@ def peak_tflops(device: torch.device, configured: float) -> float | None:
     return None
 
 
-def transformer_flops(params: int, tokens: int, layers: int, dim: int, seq: int, trained: bool) -> float:
+def transformer_flops(params: int, tokens: int, layers: int, dim: int, seq: int, trained: bool,
+                      through: bool = False) -> float:
     """FLOPs of one pass of a transformer over `tokens` tokens in sequences of `seq`: 2 per
     parameter per token plus attention's ``4 * layers * seq * dim`` per token (causal or not,
     counted dense; `dim`: the width attention runs over, ``n_heads * head_dim``) for forward;
-    backward doubles both when the module trains."""
+    backward doubles both when the module trains, and adds one forward's worth when it is frozen
+    but `through` (its inputs' gradients: a frozen decoder behind trained projections)."""
     forward = 2.0 * params * tokens + 4.0 * layers * seq * dim * tokens
-    return forward * (3 if trained else 1)
+    return forward * (3 if trained else 2 if through else 1)
 
 
 def profile_tables(prof: Any, cuda: bool, rows: int = 40, host_rows: int = 20) -> str:

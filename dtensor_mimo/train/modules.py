@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -164,6 +165,16 @@ def variable_audio(config: TrainerConfig, name: str, audio: AudioConfig, fe: Any
     return dataclasses.replace(audio, variable_length=True), samples
 
 
+def _nested_image_processor(path: str, modality: str) -> bool:
+    """Whether `path` holds an image processor inside ``processor_config.json`` (where transformers 5
+    saves a LLaVA processor's, e.g. the trainer's own LLaVA export), which AutoImageProcessor loads."""
+    try:
+        with open(os.path.join(path, "processor_config.json")) as f:
+            return modality != "audio" and isinstance(json.load(f).get("image_processor"), dict)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _processor(key: str, path: str, modality: str) -> Any:
     """The transformers image processor / feature extractor saved in `path`."""
     import transformers
@@ -172,7 +183,7 @@ def _processor(key: str, path: str, modality: str) -> Any:
     from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
     file = "preprocessor_config.json"
-    if not os.path.exists(os.path.join(path, file)):
+    if not os.path.exists(os.path.join(path, file)) and not _nested_image_processor(path, modality):
         raise ConfigError(f"{key}: {path} has no {file} (the {modality} processor); set "
                           f"processor = 'DIR' to a directory that has one")
     try:
@@ -446,7 +457,7 @@ def _call_factory(key: str, spec: str, args: dict[str, Any], offered: dict[str, 
 def build_modules(config: TrainerConfig, resolved: ResolvedModel, seq_len: int,
                   meta: bool = True) -> dict[str, nn.Module]:
     """The full modules ``{encoder names..., "language"}`` (on the meta device with `meta`: no
-    memory; else initialized from their seeds), frozen towers marked."""
+    memory; else initialized from their seeds), frozen towers (and a frozen decoder) marked."""
     lang = config.model.language
     language_dim = resolved.language.dim if resolved.language is not None else None
     modules: dict[str, nn.Module] = {}
@@ -471,6 +482,8 @@ def build_modules(config: TrainerConfig, resolved: ResolvedModel, seq_len: int,
         for name, module in modules.items():
             if callable(getattr(module, "init_weights", None)):
                 module.init_weights(resolved.seeds[name])
+    if lang.frozen:
+        modules[LANGUAGE].requires_grad_(False)
     for name, e in resolved.encoders.items():
         if e.section.frozen:  # the tower; its projection to the language width trains
             module = modules[name]

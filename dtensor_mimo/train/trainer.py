@@ -369,13 +369,14 @@ class Trainer:
         """Model FLOPs of one step: the language model over every token row, each encoder over
         its expected items at their expected rows (the data's mean when items have their own
         sizes; attention then counted at that mean length, an estimate: the cost of one item's
-        attention grows with its rows squared) (2·params per token forward, x3 when trained;
+        attention grows with its rows squared) (2·params per token forward, x3 when trained, x2 for a frozen decoder;
         attention counted dense)."""
         b = self.config.data.batch_size
         llama = self.modules[LANGUAGE]
         lc = llama.config
         total = transformer_flops(sum(p.numel() for n, p in llama.named_parameters() if "embed" not in n),
-                                  b * self.seq_len, lc.n_layers, _attention_width(lc), self.seq_len, True)
+                                  b * self.seq_len, lc.n_layers, _attention_width(lc), self.seq_len,
+                                  not self.config.model.language.frozen, through=True)
         for name, e in self.resolved.encoders.items():
             enc = self.modules[name]
             per_item = self.data.tokens_per_item.get(name, e.tokens_per_item)
