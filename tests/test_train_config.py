@@ -229,6 +229,8 @@ def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> Non
     (["--checkpoint.dir", "''"], "checkpoint.dir = '': an empty path"),
     (["--checkpoint.dir="], "checkpoint.dir = '': an empty path"),
     (["--checkpoint.load", "''"], "checkpoint.load = '': an empty path"),
+    # a weights-only start needs the checkpoint to take the weights from
+    (["--checkpoint.load_model_only", "true"], "checkpoint.load_model_only = true without checkpoint.load"),
     (["--checkpoint.export_hf", "''"], "checkpoint.export_hf = '': an empty path"),
     (["--metrics.jsonl", "''"], "metrics.jsonl = '': an empty path"),
     # a misspelt encoder is a new one (modality "image"): named, not "several encoders take ['image'] items"
@@ -507,3 +509,89 @@ def test_an_image_processor_that_keeps_each_images_shape_is_refused_for_a_fixed_
     transformers.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}) \
         .save_pretrained(path)
     assert resolve_encoder(config, modality, section).item_shape == (3, 16, 16)
+
+
+@pytest.mark.parametrize("key, value", [("image_size", "16"), ("patch_size", "2")])
+def test_an_audio_encoders_image_sizes_are_refused(key: str, value: str) -> None:
+    """--help: image_size is "the library ViT's square input", patch_size "the library ViT's
+    patches". The library's audio encoder takes mel frames (digits: 16 bins x 16 frames; on
+    conversations its feature extractor's): it read neither, and a run given either trained the
+    same model as without it, in silence. Refused by name, as the library sizes of an hf encoder."""
+    from dtensor_mimo.train.modules import resolve
+
+    plain = resolve(parse_args([])).encoders["audio"].config
+    with pytest.raises(ConfigError, match=rf"model.encoders.audio.{key}: not used by this config"):
+        parse_args([f"--model.encoders.audio.{key}", value])
+    with pytest.raises(ConfigError, match=rf"model.encoders.sound.{key}: not used by this config"):
+        parse_args(["--data.format", "llava", "--data.path", "x", "--data.tokenizer", "t", *IMAGE,
+                    "--model.encoders.sound.modality", "audio", "--model.encoders.sound.processor", "p",
+                    f"--model.encoders.sound.{key}", value])
+    # the image encoder's are its ViT's: its rows follow them
+    vision = resolve(parse_args([f"--model.encoders.vision.{key}", value])).encoders["vision"]
+    assert vision.tokens_per_item == {"image_size": 16, "patch_size": 16}[key] != 4
+    assert plain.n_mels == 16 and plain.max_frames == 16
+
+
+@pytest.mark.parametrize("argv, main", [
+    (["--checkpoint.every", "20"], "checkpoint.dir"),
+    (["--checkpoint.keep", "5"], "checkpoint.dir"),
+    (["--checkpoint.async_mode", "async"], "checkpoint.dir"),
+    (["--checkpoint.export_dtype", "bfloat16"], "checkpoint.export_hf"),
+    (["--metrics.profile_at", "3"], "metrics.profile"),
+    (["--metrics.profile_steps", "4"], "metrics.profile"),
+])
+def test_a_setting_of_an_output_that_is_not_written_is_refused(tmp_path, argv: list[str], main: str) -> None:
+    """--help: checkpoint.every "steps between saves", keep "the most recent checkpoints kept",
+    async_mode how each save is written, export_dtype "the exported weights' dtype", profile_at /
+    profile_steps which steps are profiled. Without checkpoint.dir no save is made (checkpoint.dir:
+    "None: no checkpoints"), without export_hf no export, without metrics.profile no profile: a run
+    given `--checkpoint.every 20` and no directory trained to its end with no checkpoint at all, in
+    silence. Refused by name before any process starts, as the config's other unused keys; with
+    the output named they are accepted."""
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv)
+    key = argv[0][2:]
+    assert f"{key}: not used by this config" in str(e.value) and main in str(e.value)
+    config = parse_args([*argv, f"--{main}", str(tmp_path / "out")])
+    assert str(getattr(getattr(config, key.split(".")[0]), key.split(".")[1])) == argv[1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    # accepted, and did nothing: sequence parallel shards over the module's tp ranks (the library: "ignored
+    # without a tp mesh of size > 1"), the --help line says only "on top of tensor parallel"
+    (["--options.language.sp", "true"], "options.language.sp = true, but layout.language.tp = 1"),
+    (["--options.vision.sp", "true"], "options.vision.sp = true, but layout.vision.tp = 1"),
+    # accepted, then refused by MimoModel on every rank once they had started (LayoutError: "set sp=False",
+    # "use compile_scope='block'"), in the library's words, not the config's keys
+    (["--layout.vision.pp", "2", "--layout.vision.tp", "2", "--options.vision.sp", "true"],
+     "options.vision.sp = true with layout.vision.pp = 2"),
+    (["--layout.vision.pp", "2", "--options.vision.compile_scope", "module"],
+     "options.vision.compile_scope = 'module' with layout.vision.pp = 2"),
+    (["--model.encoders.vision.dynamic_resolution", "true", "--options.vision.compile_scope", "module"],
+     "options.vision.compile_scope = 'module' with model.encoders.vision.dynamic_resolution = true"),
+    (["--layout.language.pp", "2", "--options.language.compile_scope", "module"],
+     "options.language.compile_scope = 'module' with 2 pipeline stages of the language model"),
+    (["--layout.vision.dp", "2", "--options.vision.compile_scope", "module"],
+     "options.vision with layout.vision (dp = 2, cp = 1, tp = 1): vision: ParallelOptions(compile_scope='module') "
+     "compiles the module whole, but FSDP2 shards it"),
+])
+def test_options_the_layout_cannot_take_are_named_before_any_process(argv: list[str], message: str) -> None:
+    """--help: compile_scope 'module' is "refused where FSDP2 shards the module, ..., for an encoder
+    with pp > 1, ..., for an encoder with items of their own sizes, and for a decoder cut into
+    pipeline stages" -- refused by the library inside the ranks (a 4-rank digits run: 34 s to
+    "error on ranks 0, 1, 2, 3: LayoutError: encoder 'vision' has pp=2: sequence parallel is not
+    supported on encoder stages: set sp=False"); and sp at tp = 1 did nothing at all. Named by
+    key before any process starts; the same options on a layout that gives them a use pass."""
+    from dtensor_mimo.layout import LayoutError, Parallelism
+    from dtensor_mimo.parallelize.options import ParallelOptions
+    from dtensor_mimo.parallelize.part import check_compile_layout
+
+    with pytest.raises(ConfigError) as e:
+        parse_args(argv)
+    assert message in str(e.value)
+    parse_args(["--layout.vision.tp", "2", "--options.vision.sp", "true", "--layout.language.tp", "2",
+                "--options.language.sp", "true"])
+    parse_args(["--options.vision.compile_scope", "module", "--options.language.compile_scope", "module",
+                "--layout.language.dp", "2", "--options.language.fsdp", "false"])
+    with pytest.raises(LayoutError):  # the library's own verdict on the last one above
+        check_compile_layout("vision", ParallelOptions(compile=True, compile_scope="module"), Parallelism(dp=2))

@@ -10,6 +10,11 @@
 | C: everything on one rank [1]                            | loads B's step 5 (saved from HSDP), step 6 == A's |
 | A, cp2 language, pp2 language (1F1B)                     | `MimoModel.predict` == argmax of a one-process model |
 | D: vision + audio @0, language @1 [2], items at their own size | losses and grad norms == C's on the same data   |
+| E: vision + audio @0, language @1 [2]                   | 3 steps, a checkpoint at the end                  |
+| F: colocated vision dp2, audio dp2, language tp2 [2],   | E's weights alone (load_model_only): first loss   |
+| other data seed, lr, frozen vision                      | == a one-process forward of E's checkpoint; step  |
+|                                                         | 0, fresh AdamW, warmup and data from the start;   |
+|                                                         | requeued, F resumes its own checkpoint            |
 
 Losses under other layouts agree to float rounding (other reduction orders); a resumed run under
 the same layout reproduces them exactly.
@@ -395,6 +400,139 @@ def test_encoder_pipeline_gives_one_process_numbers(tmp_path) -> None:
     for step, (loss, norm) in expected.items():
         assert got[step][0] == pytest.approx(loss, rel=1e-5) and got[step][1] == pytest.approx(norm, rel=1e-5), step
     assert scores["vision_pp2"] == scores["one"]
+
+
+# ---------------------------------------------------------------------------- weights-only start
+
+LAYOUT_E = ["--layout.audio.offset", "0"]  # vision + audio @0, language @1
+LAYOUT_F = ["--layout.vision.dp", "2", "--layout.audio.dp", "2", "--layout.audio.offset", "0",
+            "--layout.language.offset", "0", "--layout.language.tp", "2"]  # all colocated, FSDP2 over dp2
+# Other data, another peak lr (no weight decay: AdamW's first update is then lr * g / (|g| + eps)),
+# another frozen setting (the vision tower: its weights are A's, bit for bit, after B's steps).
+OTHER_RUN = ["--data.seed", "1", "--optimizer.lr", "2e-3", "--optimizer.weight_decay", "0",
+             "--model.encoders.vision.frozen", "true", "--lr_schedule.total_steps", "100"]
+
+
+def _read(path: str, keys) -> dict:
+    """The checkpoint's entries `keys`, read in this process (DCP without a process group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) if hasattr(meta[k], "size") else ""
+             for k in keys}
+    dcp.load(state, checkpoint_id=path)
+    return {k: json.loads(v) if isinstance(v, (str, bytes)) else v for k, v in state.items()}
+
+
+def _entries(path: str) -> list[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return sorted(FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+@pytest.fixture(scope="module")
+def model_only_runs(tmp_path_factory):
+    """A: layout E, 3 steps, checkpointed at the end. B: layout F, other data, lr and frozen
+    tower, 2 steps from A's weights alone (checkpoints at steps 1 and 2)."""
+    d = tmp_path_factory.mktemp("model_only")
+    a = [*SHORT, *LAYOUT_E, "--train.steps", "3", "--checkpoint.dir", str(d / "a")]
+    run_on_ranks(_train, 2, a, timeout=300)
+    b = [*SHORT, *LAYOUT_F, *OTHER_RUN, "--train.steps", "2", "--checkpoint.load", str(d / "a"),
+         "--checkpoint.load_model_only", "true", "--checkpoint.dir", str(d / "b"), "--checkpoint.every", "1",
+         "--metrics.jsonl", str(d / "b.jsonl")]
+    run_on_ranks(_train, 2, b, timeout=300)
+    return d, a, b
+
+
+def _first_batch_loss(argv: list[str], weights: str | None) -> float:
+    """The loss of the run `argv`'s first batch in one process, with the library's plain modules
+    holding the checkpoint `weights`' parameters and buffers (None: their init)."""
+    import torch.nn.functional as F
+
+    from dtensor_mimo.data import IGNORE_INDEX, ResumableBatchSampler
+    from dtensor_mimo.train.datasets import train_data
+    from dtensor_mimo.train.modules import build_modules, resolve
+
+    config = parse_args(argv)
+    resolved = resolve(config)
+    data = train_data(config, resolved)
+    modules = build_modules(config, resolved, data.seq_len, meta=False)
+    if weights is not None:
+        saved = _read(weights, expected_shapes(modules))
+        for name, module in modules.items():
+            module.load_state_dict({k.split(".", 2)[2]: v for k, v in saved.items() if k.split(".")[1] == name})
+    indices = next(iter(ResumableBatchSampler(len(data.train), config.data.batch_size, seed=config.data.seed)))
+    batch = data.train.batch(indices)
+    ids = batch.special_token_ids
+    with torch.no_grad():
+        rows = {n: modules[n](m.inputs) for n, m in batch.modalities.items()}
+        llama = modules["language"]
+        h = assemble(embed_text(llama.tok_embeddings, batch.tokens, ids), batch.tokens, rows, ids)
+        logits = llama(h=h, positions=batch.positions, document_ids=batch.document_ids)
+    weight = torch.where(batch.labels == IGNORE_INDEX, 0.0, batch.loss_mask).flatten()
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE_INDEX,
+                         reduction="none")
+    return ((ce * weight).sum() / weight.sum()).item()
+
+
+def test_load_model_only_takes_the_weights_alone(model_only_runs) -> None:
+    """B's first loss is A's weights' on B's own first batch (a one-process forward of A's
+    checkpointed weights), and nothing but the weights came from A: step 0, AdamW's first update
+    (state step 1, every element moved by at most lr and most by lr itself, as from zero moments),
+    the warmup from its start, B's own data from its start (A's seed differs: a full load refuses)."""
+    d, a, b = model_only_runs
+    logged = [r for r in map(json.loads, open(d / "b.jsonl")) if "loss" in r]
+    assert [r["step"] for r in logged] == [1, 2]
+    assert [r["lr"] for r in logged] == pytest.approx([1e-3, 2e-3])  # warmup 2 steps from update 1: 2e-3 / 2
+    reference = _first_batch_loss(b, str(d / "a" / "step-000003"))
+    assert logged[0]["loss"] == pytest.approx(reference, rel=1e-5)
+    assert abs(_first_batch_loss(b, None) - reference) > 1e-3  # A's 3 steps show in B's first loss
+
+    a3, b1 = str(d / "a" / "step-000003"), str(d / "b" / "step-000001")
+    saved = _read(b1, [k for k in _entries(b1) if k.startswith(("optim.", "trainer"))])
+    trainer = saved.pop("trainer")
+    assert (trainer["step"], trainer["updates"]) == (1, 1)
+    from dtensor_mimo.data import ResumableBatchSampler
+
+    sampler = ResumableBatchSampler(trainer["sampler"]["num_samples"], 8, seed=1)
+    next(iter(sampler))
+    assert trainer["sampler"] == json.loads(json.dumps(sampler.state_dict()))
+    steps = {k: v for k, v in saved.items() if k.endswith(".step")}
+    assert steps and all(float(v) == 1.0 for v in steps.values()), steps  # A's state was at 3
+    weights = [k for k in _entries(a3) if k.startswith("model.")]
+    before, after = _read(a3, weights), _read(b1, weights)
+    trained = {k for k in weights if f"optim.{k[len('model.'):]}.step" in steps}
+    frozen = [k for k in weights if k not in trained]
+    assert frozen and all(k.startswith("model.vision.") for k in frozen)
+    for k in frozen:  # B's vision tower: A's weights, bit for bit
+        assert torch.equal(before[k], after[k]), k
+    moved = torch.cat([(after[k] - before[k]).abs().flatten() for k in sorted(trained)]) / logged[0]["lr"]
+    # AdamW's first update is lr * g / (|g| + eps): lr itself wherever the gradient is not ~0; one
+    # that resumed A's moments (state step 4) moved 1 % of these elements by lr, half by < 0.53 lr
+    assert moved.max() < 1.01
+    nonzero = moved[moved > 0]
+    assert (nonzero > 0.99).float().mean() > 0.95, nonzero.quantile(torch.tensor([0.01, 0.05, 0.5]))
+
+
+def test_a_requeued_load_model_only_run_resumes_its_own_checkpoint(model_only_runs, tmp_path) -> None:
+    """B's command again with B's step-1 checkpoint in its checkpoint.dir (a requeue): it resumes
+    its own full state, not A's weights again, and its step 2 is B's, exactly."""
+    d, _, b = model_only_runs
+    shutil.copytree(d / "b" / "step-000001", tmp_path / "ckpt" / "step-000001")
+    run_on_ranks(_train, 2, [*b, "--checkpoint.dir", str(tmp_path / "ckpt"), "--metrics.jsonl",
+                             str(tmp_path / "m.jsonl")], timeout=300)
+    got, expected = _losses(str(tmp_path / "m.jsonl")), _losses(str(d / "b.jsonl"))
+    assert sorted(got) == [2]
+    assert got[2] == expected[2]
+
+
+def test_load_model_only_names_a_module_the_checkpoint_lacks(model_only_runs) -> None:
+    d, a, _ = model_only_runs
+    expected = {**_shapes(parse_args(a)), "model.extra.weight": (4, 4)}
+    with pytest.raises(CheckpointError) as e:
+        check_checkpoint(str(d / "a" / "step-000003"), expected)
+    assert "module 'extra' is not in it (it holds 'audio', 'language', 'vision')" in str(e.value)
 
 
 # ---------------------------------------------------------------------------- the command

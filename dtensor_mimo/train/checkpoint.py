@@ -30,6 +30,10 @@ checkpoint that still matches its manifest (each rank checks the sizes and check
 and says which file made it skip a newer one (`choose_checkpoint`); a checkpoint named by
 ``checkpoint.load`` is verified the same way and refused when it does not match.
 
+`load` restores all of it (a resume); `load_model` reads only the ``model.`` and ``buffer.`` keys
+(a weights-only start: ``checkpoint.load_model_only``), leaving the optimizer, the trainer state
+and the RNG states to the run that loads them.
+
 Saves can be written in the background (`BackgroundSaves`, the trainer's
 ``checkpoint.async_mode = "async"``): the step waits for a copy of the state in host memory; a
 thread writes the same files, manifest and rename on a gloo group of its own.
@@ -640,10 +644,10 @@ def _newest(directory: str, keep: int, upto: int) -> set[str]:
 
 
 def check_checkpoint(path: str, expected: Mapping[str, tuple[int, ...]]) -> None:
-    """Raise CheckpointError naming the parameter keys missing from the checkpoint at `path`, the
-    checkpoint's parameter and buffer keys the model does not have, and shapes that differ (a
-    buffer the checkpoint lacks is not refused: `load` keeps the model's value). Reads only the
-    metadata; every rank reaches the same verdict without communicating."""
+    """Raise CheckpointError naming the modules and the parameter keys missing from the checkpoint
+    at `path`, the checkpoint's parameter and buffer keys the model does not have, and shapes that
+    differ (a buffer the checkpoint lacks is not refused: `load` keeps the model's value). Reads
+    only the metadata; every rank reaches the same verdict without communicating."""
     try:
         meta = FileSystemReader(path).read_metadata().state_dict_metadata
     except (OSError, ValueError) as e:
@@ -656,6 +660,11 @@ def check_checkpoint(path: str, expected: Mapping[str, tuple[int, ...]]) -> None
               if saved[k] != expected[k]]
     if missing or unexpected or shapes:
         parts = []
+        held = sorted({k.split(".")[1] for k in saved if k.startswith("model.")})
+        lacking = sorted({k.split(".")[1] for k in missing} - set(held))
+        if lacking:  # a whole module: said first, by name (its many keys would hide it)
+            parts.append(f"module{'s' * (len(lacking) > 1)} {', '.join(map(repr, lacking))} "
+                         f"{'are' if len(lacking) > 1 else 'is'} not in it (it holds {', '.join(map(repr, held))})")
         if missing:
             parts.append(f"missing from the checkpoint: {_short(missing)}")
         if unexpected:
@@ -671,27 +680,12 @@ def _short(items: list[str], limit: int = 8) -> str:
     return ", ".join(items[:limit]) + more
 
 
-def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
-         expected: Mapping[str, tuple[int, ...]], verified: bool = False,
-         check: Callable[[dict[str, Any]], None] | None = None,
-         warn: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Load the checkpoint at `path` into this rank's shards of `model` and `optimizer`, whatever
-    layout it was saved under; returns the trainer state. Call on every rank.
-
-    Before DCP's collectives, one small all-gather makes every rank agree: if any rank cannot
-    read the checkpoint, finds it mismatched or corrupt (`verify`, skipped when `verified`), or
-    chose another path (e.g. a file system that is not shared), all of them raise instead of
-    leaving the others waiting in `dcp.load`. `check`: called with the saved trainer state,
-    read alone before the weights and optimizer state are, to refuse it early (it must reach the
-    same verdict on every rank). `warn` (default `warnings.warn`): told, in one line, the
-    persistent buffers of `expected` the checkpoint lacks (saved before checkpoints held
-    buffers), which keep the model's values.
-
-    A module built on the meta device and not initialized since (``model.uninitialized``) is
-    refused, on every rank before DCP's collectives, when it has buffers no checkpoint holds (its
-    non-persistent ones, or persistent ones this checkpoint lacks): they would stay uninitialized
-    memory; call ``model.init_weights`` first (the module's own rebuilds them)."""
-    problem, absent = None, []
+def _agree_to_load(path: str, model: MimoModel, expected: Mapping[str, tuple[int, ...]],
+                   verified: bool) -> tuple[Mapping[str, Any], list[str]]:
+    """The checks `load` and `load_model` make before DCP's collectives, agreed by every rank in
+    one small all-gather (see `load`); returns the checkpoint's metadata and the buffer keys of
+    `expected` it lacks."""
+    problem, absent, meta = None, [], {}
     try:
         problems = [] if verified else verify(path, (dist.get_rank(), dist.get_world_size()))
         if problems:
@@ -722,6 +716,30 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
     if len({p for p, _ in verdicts}) > 1:
         raise CheckpointError(f"loading {path}: the ranks chose different checkpoint paths; put "
                               "checkpoint.dir on a file system every rank sees")
+    return meta, absent
+
+
+def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
+         expected: Mapping[str, tuple[int, ...]], verified: bool = False,
+         check: Callable[[dict[str, Any]], None] | None = None,
+         warn: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Load the checkpoint at `path` into this rank's shards of `model` and `optimizer`, whatever
+    layout it was saved under; returns the trainer state. Call on every rank.
+
+    Before DCP's collectives, one small all-gather makes every rank agree: if any rank cannot
+    read the checkpoint, finds it mismatched or corrupt (`verify`, skipped when `verified`), or
+    chose another path (e.g. a file system that is not shared), all of them raise instead of
+    leaving the others waiting in `dcp.load`. `check`: called with the saved trainer state,
+    read alone before the weights and optimizer state are, to refuse it early (it must reach the
+    same verdict on every rank). `warn` (default `warnings.warn`): told, in one line, the
+    persistent buffers of `expected` the checkpoint lacks (saved before checkpoints held
+    buffers), which keep the model's values.
+
+    A module built on the meta device and not initialized since (``model.uninitialized``) is
+    refused, on every rank before DCP's collectives, when it has buffers no checkpoint holds (its
+    non-persistent ones, or persistent ones this checkpoint lacks): they would stay uninitialized
+    memory; call ``model.init_weights`` first (the module's own rebuilds them)."""
+    meta, absent = _agree_to_load(path, model, expected, verified)
     saved = {"trainer": ""}
     dcp.load(saved, checkpoint_id=path)  # one small object, read alike on every rank before the state
     trainer = json.loads(saved["trainer"])
@@ -732,15 +750,9 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
                               "applied before it")
     if check is not None:
         check(trainer)
-    if absent:
-        (warn or warnings.warn)(f"checkpoint {path} holds no {_short(absent)} (saved before checkpoints held "
-                                "buffers): they keep the model's current values")
-    model.reshard()  # the next forward gathers the loaded shards, not what a predict left gathered
-    state = _state(model, optimizer, {})
-    del state["trainer"]  # read above
-    state = {k: v for k, v in state.items() if not k.startswith("buffer.")}
-    # every replica reads the buffers it holds; one the checkpoint lacks keeps its value (`absent`)
-    state.update({k: v for k, v in _buffer_keys(model, saving=False).items() if k in meta})
+    state = _model_keys(path, model, meta, absent, warn)
+    state.update(_optimizer_keys(model, optimizer, init=True))
+    state.update(_rng_states(model.device))
     world = dist.get_world_size()
     for rng in _rng_states(model.device):
         if rng not in meta or f"rng.{world - 1}" not in meta or f"rng.{world}" in meta:
@@ -749,10 +761,43 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
     for k in missing_optim:  # saved before that parameter trained (e.g. frozen then): fresh state,
         state.pop(k).zero_()  # also where this optimizer already stepped it (step 0, zero moments)
     dcp.load(state, checkpoint_id=path)  # in place: parameters, AdamW state; the rest replaced
-    model.uninitialized.clear()  # every parameter and buffer came from the checkpoint (`unbuilt`, `blank`)
-    model.refresh_fp8_scales()
+    _loaded(model)
     _set_rng_states(state, model.device)
     optimizer.set_updates(trainer["updates"])
     return trainer
 
 
+def _model_keys(path: str, model: MimoModel, meta: Mapping[str, Any], absent: list[str],
+                warn: Callable[[str], None] | None) -> dict[str, Any]:
+    """What a load reads of `model`, this rank's shards resharded first (the next forward gathers
+    the loaded shards, not what a predict left gathered): its parameters, and the buffers it holds
+    that the checkpoint has (every replica reads its own; those in `absent` keep their values,
+    told to `warn` in one line)."""
+    if absent:
+        (warn or warnings.warn)(f"checkpoint {path} holds no {_short(absent)} (saved before checkpoints held "
+                                "buffers): they keep the model's current values")
+    model.reshard()
+    state: dict[str, Any] = {f"model.{m}.{n}": _plain(p) for m in model.module_names
+                             for n, p in model.module_parameters(m).items()}
+    state.update({k: v for k, v in _buffer_keys(model, saving=False).items() if k in meta})
+    return state
+
+
+def _loaded(model: MimoModel) -> None:
+    """After DCP wrote a load's parameters and buffers in place."""
+    model.uninitialized.clear()  # every parameter and buffer came from the checkpoint (`unbuilt`, `blank`)
+    model.refresh_fp8_scales()
+
+
+def load_model(path: str, model: MimoModel, expected: Mapping[str, tuple[int, ...]], verified: bool = False,
+               warn: Callable[[str], None] | None = None) -> None:
+    """Load only the model's parameters and persistent buffers of the checkpoint at `path` into
+    this rank's shards of `model`, whatever layout it was saved under (the trainer's
+    ``checkpoint.load_model_only``: a weights-only start, torchtitan's ``initial_load_model_only``).
+    The optimizer's state, the trainer state (step, updates, data position) and the RNG states
+    are not read: they stay this run's own, so a checkpoint of other data, another optimizer or
+    other frozen modules loads. Call on every rank; the same checks as `load` (a module the
+    checkpoint lacks is named), agreed by every rank before DCP's collective."""
+    meta, absent = _agree_to_load(path, model, expected, verified)
+    dcp.load(_model_keys(path, model, meta, absent, warn), checkpoint_id=path)  # in place, each rank its slices
+    _loaded(model)

@@ -394,6 +394,11 @@ class CheckpointSection:
         keep: the most recent checkpoints kept; older ones are deleted after a save.
         load: a checkpoint to start from when dir holds none (a step directory, or a directory of
             them: its latest), e.g. one saved under another layout.
+        load_model_only: take only the model's parameters and persistent buffers from load (any
+            layout, any data; torchtitan's initial_load_model_only): the run starts at step 0 with
+            a fresh optimizer, its lr schedule from the start and its own data from the start
+            (LLaVA's second stage, a fine-tune on other data); a checkpoint in dir still resumes
+            with its full state.
         export_hf: after the last step, a Hugging Face directory (LLaVA-shaped models) or one per
             module under it.
         export_dtype: the exported weights' dtype.
@@ -410,6 +415,7 @@ class CheckpointSection:
     every: int = 0
     keep: int = 2
     load: str | None = None
+    load_model_only: bool = False
     export_hf: str | None = None
     export_dtype: Literal["float32", "bfloat16"] = "float32"
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
@@ -983,6 +989,9 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         section, name = key.split(".")
         if getattr(getattr(config, section), name) == "":  # e.g. --checkpoint.dir="$UNSET": not none
             raise ConfigError(f"{key} = '': an empty path; name one, or leave the key out (none) for no {key}")
+    if config.checkpoint.load_model_only and not config.checkpoint.load:
+        raise ConfigError("checkpoint.load_model_only = true without checkpoint.load: name the checkpoint whose "
+                          "model weights the run starts from (checkpoint.load = 'DIR'), or drop load_model_only")
     if not 0 < config.train.timeout_s < math.inf:
         raise ConfigError(f"train.timeout_s = {config.train.timeout_s!r}: give a positive, finite number of seconds "
                           "(e.g. 600)")
@@ -1155,6 +1164,42 @@ def check_module_options(config: TrainerConfig, layout: Any) -> None:
             raise ConfigError(f"options.{name}.balance = true with layout.{name}.pp = {par.pp}: balancing moves "
                               f"items between the dp ranks of an encoder of pp = 1; remove it, or use "
                               f"layout.{name}.pp = 1")
+        # (the library's rules of encoder stages: `encoder_pipeline_problem`, inside the ranks)
+        if options.sp and par.pp > 1:
+            raise ConfigError(f"options.{name}.sp = true with layout.{name}.pp = {par.pp}: sequence parallel does "
+                              f"not run on an encoder's pipeline stages; remove it, or use layout.{name}.pp = 1")
+        if options.compile and options.compile_scope == "module" and par.pp > 1:
+            raise ConfigError(f"options.{name}.compile_scope = 'module' with layout.{name}.pp = {par.pp}: an "
+                              "encoder's pipeline stages run their blocks themselves, which a whole-module graph "
+                              f"would not reach; use options.{name}.compile_scope = 'block', or layout.{name}.pp = 1")
+        section = config.model.encoders[name]
+        if options.compile and options.compile_scope == "module" and (section.dynamic_resolution
+                                                                       or section.variable_length):
+            which = "dynamic_resolution" if section.dynamic_resolution else "variable_length"
+            raise ConfigError(f"options.{name}.compile_scope = 'module' with model.encoders.{name}.{which} = true: "
+                              "items of their own sizes come as a list per call, and the whole forward would compile "
+                              f"once per count of items; use options.{name}.compile_scope = 'block'")
+    from dtensor_mimo.layout import LayoutError
+    from dtensor_mimo.parallelize.part import check_compile_layout
+
+    for name in config.module_names:
+        options, par = config.module_options(name), layout.parallelism(name)
+        if options.sp and par.tp == 1:  # sequence parallel shards over the tp ranks: none at tp = 1
+            raise ConfigError(f"options.{name}.sp = true, but layout.{name}.tp = 1: sequence parallel shards the "
+                              f"activations over the module's tensor-parallel ranks, and there is one; remove it, "
+                              f"or give layout.{name}.tp > 1")
+        try:  # the library's rules of compile options on a layout (`check_model`, inside the ranks)
+            check_compile_layout(name, options, par)
+        except LayoutError as e:
+            raise ConfigError(f"options.{name} with layout.{name} (dp = {par.dp}, cp = {par.cp}, tp = {par.tp}): "
+                              f"{e}") from None
+    stages = config.pipeline.num_stages(layout.parallelism(LANGUAGE).pp)
+    lang = config.module_options(LANGUAGE)
+    if lang.compile and lang.compile_scope == "module" and stages > 1:
+        raise ConfigError(f"options.{LANGUAGE}.compile_scope = 'module' with {stages} pipeline stages of the "
+                          f"language model (layout.{LANGUAGE}.pp x pipeline.virtual_stages): the stages' pieces of "
+                          f"one forward would each compile variants of it; use options.{LANGUAGE}.compile_scope = "
+                          "'block'")
 
 
 def _span(ranks: Sequence[int]) -> str:
@@ -1230,6 +1275,8 @@ def _refuse_unused(config: TrainerConfig) -> None:
             unused += [f"{key}.{n}" for n in _changed(enc, ("max_patches",))]
         if enc.hf or enc.factory:
             unused += [f"{key}.{n}" for n in _changed(enc, library)]
+        elif enc.modality == "audio":  # the library's audio encoder: mel frames, no image, no patches
+            unused += [f"{key}.{n}" for n in _changed(enc, ("image_size", "patch_size"))]
         if not enc.factory:
             unused += [f"{key}.{n}" for n in _changed(enc, ("tokens_per_item", "factory_args"))]
         if not enc.hf or enc.modality not in ("image", "video"):
@@ -1243,6 +1290,13 @@ def _refuse_unused(config: TrainerConfig) -> None:
         # the language model's head and loss; an encoder's schedule beside the language model
         only = ("loss_parallel", "chunked_loss") if name != LANGUAGE else ("recompute_colocated", "balance")
         unused += [f"options.{name}.{n}" for n in _changed(options, only)]
+    # checkpoints are written only to checkpoint.dir, an export only to export_hf, a profile only to profile
+    if not config.checkpoint.dir:
+        unused += [f"checkpoint.{n}" for n in _changed(config.checkpoint, ("every", "keep", "async_mode"))]
+    if not config.checkpoint.export_hf:
+        unused += [f"checkpoint.{n}" for n in _changed(config.checkpoint, ("export_dtype",))]
+    if not config.metrics.profile:
+        unused += [f"metrics.{n}" for n in _changed(config.metrics, ("profile_at", "profile_steps"))]
     lang = config.model.language
     if lang.hf or lang.factory:
         unused += [f"model.{LANGUAGE}.{n}" for n in _changed(lang, ("dim", "n_layers", "n_heads", "n_kv_heads",
@@ -1251,13 +1305,16 @@ def _refuse_unused(config: TrainerConfig) -> None:
         unused += [f"model.{LANGUAGE}.{n}" for n in _changed(lang, ("factory_args",))]
     if unused:
         raise ConfigError(f"{', '.join(unused)}: not used by this config (the library model's sizes apply without "
-                          "hf or factory; tokens_per_item and factory_args with a factory; feature_layer with an "
-                          "image tower's hf; max_patches with dynamic_resolution; data.image_max_pixels, image_min_pixels "
-                          "(audio_max_seconds) with an encoder's dynamic_resolution (variable_length); data.video_fps, video_max_frames, "
-                          "video_frame_text with a video encoder; data.root with files, not "
-                          "webdataset shards; options.<module>.compile_mode, compile_options, compile_scope, "
-                          "compile_backend with options.<module>.compile = true; loss_parallel, chunked_loss for "
-                          f"options.{LANGUAGE}, recompute_colocated and balance for an encoder's); remove them")
+                          "hf or factory, image_size and patch_size to an image or video encoder's ViT; "
+                          "tokens_per_item and factory_args with a factory; feature_layer with an image tower's hf; "
+                          "max_patches with dynamic_resolution; data.image_max_pixels, image_min_pixels "
+                          "(audio_max_seconds) with an encoder's dynamic_resolution (variable_length); "
+                          "data.video_fps, video_max_frames, video_frame_text with a video encoder; data.root with "
+                          "files, not webdataset shards; options.<module>.compile_mode, compile_options, "
+                          "compile_scope, compile_backend with options.<module>.compile = true; loss_parallel, "
+                          f"chunked_loss for options.{LANGUAGE}, recompute_colocated and balance for an encoder's; "
+                          "checkpoint.every, keep, async_mode with checkpoint.dir; checkpoint.export_dtype with "
+                          "checkpoint.export_hf; metrics.profile_at, profile_steps with metrics.profile); remove them")
 
 
 def _check_source(key: str, hf: str | None, factory: str | None) -> None:

@@ -510,7 +510,9 @@ class Trainer:
 
     def restore(self) -> None:
         """Resume from `checkpoint.dir`'s newest checkpoint that verifies (newer damaged ones are
-        skipped with a warning naming the file), else start from `checkpoint.load`."""
+        skipped with a warning naming the file), else start from `checkpoint.load`: all of its
+        state, or with `checkpoint.load_model_only` its model's weights alone (step 0, a fresh
+        optimizer, the lr schedule and this run's data from the start)."""
         c = self.config.checkpoint
         path, verified = None, False
         if c.dir:
@@ -521,13 +523,20 @@ class Trainer:
             if path is None:  # a mistyped dir would otherwise start over in silence
                 what = f"no checkpoint in {c.dir} verifies (each skipped above)" if warnings else \
                     f"no checkpoint in {c.dir}"
-                self.log.print(f"{what}: " + ("starting from checkpoint.load" if c.load else "starting at step 0"))
+                start = "starting from checkpoint.load" + ("'s model weights" if c.load_model_only else "")
+                self.log.print(f"{what}: " + (start if c.load else "starting at step 0"))
         if path is None and c.load:
             # Every rank loads the same path or raises together; a directory of checkpoints is
             # chosen from as checkpoint.dir is, each rank checksumming its share.
             path, warnings, verified = checkpoint.choose_load(c.load)
             for warning in warnings:
                 self.log.print(f"warning: {warning}")
+            if c.load_model_only:  # a requeued run took its own checkpoint above, with its full state
+                checkpoint.load_model(path, self.model, self.expected_keys, verified=verified,
+                                      warn=lambda w: self.log.print(f"warning: {w}"))
+                self.log.print(f"loaded the model's weights from {path} (checkpoint.load_model_only): starting at "
+                               "step 0 with a fresh optimizer, the lr schedule and the data from the start")
+                return
         if path is None:
             return
         def fits(saved: dict[str, Any]) -> None:  # the same verdict on every rank: one checkpoint, one config
