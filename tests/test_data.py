@@ -49,6 +49,7 @@ Other cases:
 from __future__ import annotations
 
 import gc
+import os
 import pickle
 import re
 import sys
@@ -366,6 +367,35 @@ def test_a_handover_pickled_into_a_worker_hands_its_batches_back_by_name():
     gc.collect()
     with pytest.raises(RuntimeError, match="without its Handover"):
         pickle.loads(ForkingPickler.dumps(copy.pack(obj)))
+
+
+def test_a_process_forked_from_the_rank_frees_no_segment_the_rank_holds():
+    """A process forked from the rank (a new epoch's loader workers, any subprocess) inherits the
+    rank's batches and the pools' shared free flags; when it drops its copy of a batch, the
+    segment stays the rank's: the worker's next batch must not be written over the batch the rank
+    still holds (its values: the ones packed, not the next batch's)."""
+    import torch.multiprocessing  # noqa: F401 - registers the tensor reductions on ForkingPickler
+    from multiprocessing.reduction import ForkingPickler
+
+    from dtensor_mimo.data.transfer import Handover
+
+    if not hasattr(os, "fork"):
+        pytest.skip("needs fork")
+    handover = Handover()
+    worker = pickle.loads(pickle.dumps(handover))  # as a spawned worker gets it
+    obj = torch.arange(6).view(2, 3)
+    held = pickle.loads(ForkingPickler.dumps(worker.pack(obj))).unpack()  # the rank keeps this batch
+    pid = os.fork()
+    if pid == 0:  # the forked process drops its copy of the batch, then ends
+        try:
+            del held
+            gc.collect()
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    nxt = pickle.loads(ForkingPickler.dumps(worker.pack(obj * 10))).unpack()
+    assert torch.equal(held, obj), held  # not overwritten by the worker's next batch
+    assert torch.equal(nxt, obj * 10)
 
 
 def test_sample_range_is_tensor_split():

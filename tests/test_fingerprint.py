@@ -88,6 +88,15 @@ def test_disagreement_names_the_ranks() -> None:
     assert disagreement([(7, "a")] * 3, "layout") is None
 
 
+def test_disagreement_names_every_differing_rank_up_to_four() -> None:
+    """Every rank that differs from rank 0 is named (up to four, then counted), not only the first."""
+    per_rank = [(7, "dp2"), (9, "dp4"), (7, "dp2"), (8, "dp3")]
+    message = disagreement(per_rank, "layout")
+    assert message is not None and "rank 1: dp4; rank 3: dp3." in message and "rank 2" not in message
+    many = disagreement([(7, "dp2")] + [(9, f"dp{r}") for r in range(1, 7)], "layout")
+    assert many is not None and "rank 4: dp4 (+2 more ranks)" in many and "rank 5" not in many
+
+
 def test_summary_shows_what_differs_from_the_defaults() -> None:
     from dtensor_mimo import ParallelOptions, PipelineConfig
 

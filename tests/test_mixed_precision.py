@@ -247,3 +247,63 @@ def test_fp16_is_refused_for_a_frozen_language_model_that_encoders_train_through
     message, = run_on_ranks(_fp16_language_models, 1, timeout=60)[0]
     assert "ParallelOptions(param_dtype=torch.float16) for ['language']" in message
     assert "gradients of the encoders that train" in message and "'bf16'" in message
+
+
+def _fsdp_bf16_gradient_sum() -> list[float]:
+    """A bias-free Linear(1, 2) under FSDP2 with ``param_dtype=bf16`` on 2 ranks, each rank's
+    input bf16-exact: 1 on rank 0, 2**-9 on rank 1. Each weight's gradient is the rank's input
+    (exact in bf16), so the dp sum is 1 + 2**-9: exact in fp32, rounded to 1 in bf16."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dtensor_mimo.parallelize.precision import apply_data_parallel
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = nn.Linear(1, 2, bias=False)
+    apply_data_parallel(model, mesh, [], BF16)
+    x = torch.full((1, 1), 1.0 if dist.get_rank() == 0 else 2.0 ** -9)
+    model(x).float().sum().backward()
+    grad = model.weight.grad
+    return [str(grad.dtype), *grad.full_tensor().flatten().tolist()]
+
+
+def test_fsdp_sums_bf16_gradients_in_fp32() -> None:
+    """`ParallelOptions.reduce_dtype` None with a `param_dtype`: the dp sum runs in fp32 (the
+    options' and the module docs' promise). Summed in bf16 instead (FSDP2's default: its
+    `param_dtype`), the small rank's gradient is lost: no test over the library's models tells,
+    their gradients being compared within 8%."""
+    assert BF16.gradient_reduce_dtype is torch.float32
+    for got in run_on_ranks(_fsdp_bf16_gradient_sum, 2, timeout=60):
+        assert got == ["torch.float32", 1 + 2.0 ** -9, 1 + 2.0 ** -9], got
+
+
+def _dtypes_that_cross() -> list[str]:
+    """One rank, vision beside a language model computing in bf16 (vision in fp32): the dtype of
+    every row tensor this rank posts across the bridge in ``model(batch)``."""
+    from dtensor_mimo import MimoLayout, MimoModel
+    from dtensor_mimo.schedule import crossing
+    from tests.test_mimo import _modules
+
+    layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()}, offsets={"vision": 0, "language": 0})
+    model = MimoModel(layout, *_modules(("vision",)), options={"language": BF16})
+    sent, post = [], crossing.post_together
+
+    def recording(bridges, direction, locals_, **kw):
+        sent.extend(str(x.dtype) for x in locals_ if x is not None)
+        return post(bridges, direction, locals_, **kw)
+
+    crossing.post_together = recording
+    try:
+        model(_unweighted_batches(("vision",), False, 2, (64,))[0])
+    finally:
+        crossing.post_together = post
+    return sent
+
+
+def test_rows_cross_the_bridge_in_the_language_models_compute_dtype() -> None:
+    """Encoder rows are cast to the language model's compute dtype (`ParallelOptions.param_dtype`)
+    before they cross: bf16, half the bytes of the fp32 encoder's own rows (the module docs'
+    promise, and what the planner costs: tests/test_plan.py)."""
+    sent, = run_on_ranks(_dtypes_that_cross, 1, timeout=120)
+    assert sent and set(sent) == {"torch.bfloat16"}, sent

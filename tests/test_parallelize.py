@@ -583,6 +583,32 @@ def test_checkpointed_blocks_are_compiled_once_inside_their_checkpoint() -> None
     assert x.grad is not None
 
 
+def test_checkpointed_blocks_replay_their_dropout_in_the_recomputation() -> None:
+    """A checkpointed block (a user's, with dropout) recomputes its forward in backward under the
+    RNG state its forward drew from: the same dropout masks, so the gradients are those of the
+    block run without checkpointing (same seed, one process). Recomputed from the generator's
+    state at backward (moved on by the later blocks' dropout), the masks differ and so do the
+    gradients: the library's own models have no dropout, so no oracle case tells."""
+    import copy
+
+    from dtensor_mimo.parallelize import checkpoint_blocks
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleDict({str(i): torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5),
+                                                               torch.nn.Tanh()) for i in range(3)})
+    reference = copy.deepcopy(blocks)
+    checkpoint_blocks(blocks, every=1)
+    x = torch.randn(4, 8)
+    for model in (reference, blocks):
+        torch.manual_seed(1)
+        h = x
+        for block in model.values():
+            h = block(h)
+        h.square().sum().backward()
+    for (name, want), got in zip(reference.named_parameters(), blocks.parameters()):
+        assert torch.equal(got.grad, want.grad), name
+
+
 def _checkpointed_block_keys(every: int) -> dict[str, list[int]]:
     """The keys of the blocks this rank's stages checkpoint, per module: vision pp2 (ranks 0-1)
     and language pp2 (ranks 2-3), six blocks each, cut 3 | 3."""

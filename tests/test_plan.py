@@ -315,6 +315,28 @@ def test_rows_cross_in_the_language_models_compute_dtype() -> None:
     assert step(8) - step(0) == pytest.approx(2 * 2 * 20 * 8 * 2 / 1e6)
 
 
+def test_a_frozen_encoders_rows_cross_one_way() -> None:
+    """A frozen encoder (no parameter trains) gets no gradient back (`Crossing.backward_names`):
+    its rows cross forward only. The layout of the two tests above, vision frozen: 2 microbatches
+    x 20 rows x 8 fp32 features at 1 MB/s in the step, once per microbatch."""
+    from dtensor_mimo.plan.candidate import Candidate
+
+    def step(width: int) -> float:
+        vision = dataclasses.replace(profile("vision", tokens=10, frozen=True), width=width, trainable_params=0)
+        cand = Candidate.of({"vision": P(dp=2), "language": P(tp=2)}, {"vision": 0, "language": 0}, 2)
+        return predict(Job((vision, profile("language", tokens=32)), batch_size=8), cand, FAST).step_s
+
+    assert step(8) - step(0) == pytest.approx(2 * 20 * 8 * 4 / 1e6)
+
+
+def test_module_cost_of_an_uneven_dp_shard_is_its_largest() -> None:
+    """dp that does not divide a microbatch's samples: the busiest rank holds the larger shard
+    (`microbatch_tokens`: 5 samples over dp 2, 3 on dp rank 0: 30 tokens), not the smaller."""
+    c = module_cost(profile("language"), P(dp=2), 5, 1, FAST, range(2))
+    assert c.forward == pytest.approx(2 * (1e-3 + 30e-6))
+    assert c.backward == pytest.approx(2 * (2e-3 + 60e-6))
+
+
 def test_a_colocated_one_call_encoder_pays_its_call_once_a_step() -> None:
     """In the colocated three phases an encoder that runs every microbatch's items in one call
     (`ModuleProfile.one_call`: the library's) pays its per-call work once a step: the step is

@@ -382,3 +382,24 @@ def test_first_stage_actions_follow_torch_zero_bubble_order():
     assert [a for a in actions if a[0] == "F"] == [("F", k) for k in range(4)]
     assert sorted(j for kind, j in actions if kind == "W") == [0, 1, 2, 3]
     assert in_flight(config, 2) == 4
+
+
+def test_the_shape_cache_keeps_the_most_recently_used() -> None:
+    """`runtime.cached` (stages and schedules per shape): a new shape is built once and returned,
+    and beyond `CACHED_SHAPES` the least recently used is dropped, never the one just built (a
+    run's fifth sequence length or item bucket raised KeyError on every rank)."""
+    from collections import OrderedDict
+
+    from dtensor_mimo.schedule.runtime import CACHED_SHAPES, cached
+
+    cache, built = OrderedDict(), []
+
+    def get(key: int) -> str:
+        return cached(cache, key, lambda: built.append(key) or f"stages {key}")
+
+    for key in range(CACHED_SHAPES):
+        assert get(key) == f"stages {key}"
+    assert get(0) == "stages 0" and built == list(range(CACHED_SHAPES))  # a hit: not built again
+    assert get(CACHED_SHAPES) == f"stages {CACHED_SHAPES}"  # drops 1, the least recently used
+    assert list(cache) == [*range(2, CACHED_SHAPES), 0, CACHED_SHAPES]
+    assert get(1) == "stages 1" and built == [*range(CACHED_SHAPES + 1), 1]
