@@ -130,6 +130,11 @@ def test_colocated_three_phases(trainable):
     encoder_only, language_only = program(ENCODER, shape), program(FIRST, shape)
     assert _posts(encoder_only) == _posts(language_only) == _posts(both)
     assert [str(a) for a in language_only if a.op == "grads"] == [g.replace("send+recv", "send") for g in grads]
+    # Every send of the step is completed in it: the language-only rank's gradient sends too (after
+    # the last one), the colocated rank's by its backward's waits (sends and receives in one batch).
+    ops = [a.op for a in language_only]
+    last_grads = max((i for i, op in enumerate(ops) if op == "grads"), default=-1)
+    assert ops[-1] == "finish sends" and last_grads < len(ops) - 1
 
 
 @pytest.mark.parametrize("mode", ["forward", "predict"])

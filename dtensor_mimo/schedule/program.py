@@ -178,7 +178,9 @@ def program(roles: RankRoles, shape: StepShape,
 def _colocated(roles: RankRoles, shape: StepShape, local: list[str]) -> list[Action]:
     """Three phases on every rank: encode every microbatch (each encoder over all of them at once)
     and post each one's rows (sends and receives in one batch), the language schedule, then every
-    gradient crossing and one encoder backward."""
+    gradient crossing and one encoder backward; a first stage without encoders completes its
+    gradient sends before the step ends (every send of a step is waited: NCCL keeps a dropped
+    send's tensor alive, but nothing would then order its completion)."""
     m, first = shape.microbatches, roles.first_stage and bool(shape.encoders)
     actions = [Action("encode", module=n) for n in local]
     if local or first:
@@ -189,6 +191,8 @@ def _colocated(roles: RankRoles, shape: StepShape, local: list[str]) -> list[Act
         actions.append(Action("finish sends"))
     if shape.trainable and (first or any(n in shape.trainable for n in local)):
         actions += [Action("grads", i, send=first, recv=bool(local)) for i in range(m)]
+        if first and not local:  # (with local encoders their backward waits for each batch, sends included)
+            actions.append(Action("finish sends"))
     if local:
         actions.append(Action("backward"))
     return actions
