@@ -27,6 +27,7 @@ from dtensor_mimo.train import trainer as _trainer
 FAULT_ENV = "DTENSOR_MIMO_FAULT"
 FAULTS = ("kill", "data", "encoder", "language", "busy")
 BUSY_S = 120
+GRACE_ENV = "DTENSOR_MIMO_TEST_KILL_GRACE_S"  # torch's 30 s between SIGTERM and SIGKILL, shortened for a test
 
 
 class InjectedFault(RuntimeError):
@@ -103,7 +104,22 @@ def install() -> None:
     cls.__init__, cls._run_step, cls._faults_installed = __init__, _run_step, True
 
 
+def shorten_kill_grace() -> None:
+    """With `GRACE_ENV` set, the own launcher's wait between the SIGTERM that ends the ranks still
+    running after a failure and their SIGKILL (torch's `ProcessContext.join`: 30 s) lasts at most
+    that many seconds: a test of a rank that ignores the SIGTERM (``busy``) need not wait out 30 s
+    for the same SIGTERM, then SIGKILL."""
+    from torch.multiprocessing.spawn import ProcessContext
+
+    grace = os.environ.get(GRACE_ENV)
+    join_procs = getattr(ProcessContext, "_join_procs_with_timeout", None)  # (torch's private wait)
+    if not grace or join_procs is None:
+        return
+    ProcessContext._join_procs_with_timeout = lambda self, timeout: join_procs(self, min(timeout, float(grace)))
+
+
 install()
+shorten_kill_grace()
 
 if __name__ == "__main__":
     from dtensor_mimo.train.launch import command

@@ -84,10 +84,10 @@ def test_report_names_a_killed_rank_before_the_errors_it_caused(capsys) -> None:
     assert "Traceback" not in err
 
 
-def _launch(fault: str, tmp_path) -> subprocess.CompletedProcess:
+def _launch(fault: str, tmp_path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tests.inject_faults", *TINY], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": REPO, "DTENSOR_MIMO_FAULT": fault})
+                          env={**os.environ, "PYTHONPATH": REPO, "DTENSOR_MIMO_FAULT": fault, **env})
 
 
 def test_own_launcher_shows_the_failing_ranks_error_first(tmp_path) -> None:
@@ -136,14 +136,17 @@ def test_a_jsonl_in_a_new_directory_is_written(tmp_path) -> None:
 def test_own_launcher_does_not_blame_a_rank_it_ended_itself(tmp_path) -> None:
     """Rank 1 fails while rank 0 works on its own (no collective: it cannot hear of the failure).
     The launcher ends rank 0 (SIGTERM, which a rank takes as a stop request, then SIGKILL): the
-    cause shown is rank 1's error, not "rank 0 was killed by SIGKILL (out of memory?)"."""
+    cause shown is rank 1's error, not "rank 0 was killed by SIGKILL (out of memory?)". Rank 0 takes
+    the SIGTERM as a stop request and stays busy: its SIGKILL comes after torch's grace, shortened
+    from 30 s to 2 (`inject_faults.GRACE_ENV`: the same SIGTERM, then SIGKILL)."""
     pytest.importorskip("sklearn")
-    out = _launch("data:2:1,busy:2:0", tmp_path)
+    out = _launch("data:2:1,busy:2:0", tmp_path, DTENSOR_MIMO_TEST_KILL_GRACE_S="2")
     assert out.returncode == 1
     err = out.stderr
     assert "error on rank 1: InjectedFault: DTENSOR_MIMO_FAULT: loading the batch on rank 1 (in step 2)" in err, \
         err[-3000:]
     assert "killed" not in err, err[-3000:]
+    assert "forcefully exiting via SIGKILL" in err, err[-3000:]  # torch's log line: rank 0 was SIGKILLed
 
 
 def test_a_preflight_error_under_torchrun_ends_every_worker_at_once(tmp_path) -> None:
