@@ -215,6 +215,27 @@ def test_refused_configs_are_named(family: str, overrides: dict, message: str, t
         LlamaConfig.from_hf(str(tmp_path / "hf"))
 
 
+def test_checkpoints_that_train_with_dropout_are_refused_by_name(tmp_path) -> None:
+    """transformers trains a checkpoint whose config sets a dropout with it; the library's models
+    have none, and trained it without, in silence: each model's config names the fields."""
+    import transformers
+
+    _write(str(tmp_path / "lm"), "qwen2", attention_dropout=0.1)
+    with pytest.raises(ValueError, match=r"attention_dropout=0.1: the library's models train without dropout; set "
+                                         r"attention_dropout to 0.0 in config.json"):
+        LlamaConfig.from_hf(str(tmp_path / "lm"))
+    transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                    image_size=32, patch_size=8, attention_dropout=0.2).save_pretrained(tmp_path / "v")
+    with pytest.raises(ValueError, match=r"attention_dropout=0.2: the library's models train without dropout"):
+        ViTConfig.from_hf(str(tmp_path / "v"))
+    transformers.WhisperConfig(d_model=32, encoder_layers=1, encoder_attention_heads=2, decoder_layers=1,
+                               decoder_attention_heads=2, num_mel_bins=16, max_source_positions=16, dropout=0.1,
+                               activation_dropout=0.05).save_pretrained(tmp_path / "a")
+    with pytest.raises(ValueError, match=r"dropout=0.1, activation_dropout=0.05: the library's models train without "
+                                         r"dropout; set dropout and activation_dropout to 0.0"):
+        AudioConfig.from_hf(str(tmp_path / "a"))
+
+
 def test_load_hf_names_a_config_mismatch(tmp_path) -> None:
     _write(str(tmp_path / "hf"), "qwen2")
     with pytest.raises(ValueError, match=r"config differs from the checkpoint's \(norm_eps: module 1e-05, "

@@ -47,3 +47,15 @@ def with_defaults(config: dict[str, Any]) -> dict[str, Any]:
     """`config` (one model's, e.g. a nested ``vision_config``) with each field it leaves out at
     the default transformers gives it (`DEFAULTS` of its ``model_type``)."""
     return {**DEFAULTS.get(config.get("model_type"), {}), **config}
+
+
+DROPOUTS = ("attention_dropout", "dropout", "hidden_dropout", "activation_dropout", "encoder_layerdrop")
+"""The ``config.json`` fields of transformers' dropouts (attention, residual, MLP, layer drop)."""
+
+
+def refuse_dropout(path: str, c: dict[str, Any]) -> None:
+    """Refuse (ValueError naming each field) a ``config.json`` `c` that trains with dropout: the
+    library's models have none, and would train such a checkpoint without it, in silence."""
+    if on := [f"{k}={c[k]}" for k in DROPOUTS if c.get(k)]:
+        raise ValueError(f"{path}: {', '.join(on)}: the library's models train without dropout; set "
+                         f"{' and '.join(k.split('=')[0] for k in on)} to 0.0 in config.json to train it without")
