@@ -230,8 +230,10 @@ class MimoModel(nn.Module):
                 if stages is not None:
                     self.encoder_pipelines[name] = stages
         self._fp8_rows = (self.device.type == "cuda" and self.options[language_name].fp8 is not None
-                          and trainable[language_name])
-        """A float8 language model that trains on CUDA: each batch's rows a call are checked (`fp8_rows_problem`)."""
+                          and backward_through_language)
+        """A float8 language model that runs a backward on CUDA (it trains, or carries gradients to the
+        encoders: torchao's float8 backward computes the weight gradients of a frozen weight too):
+        each batch's rows a call are checked (`fp8_rows_problem`)."""
         self.language_pipeline: LanguagePipeline | None = None
         self.language_stages = nn.ModuleList()  # this rank's stages (registered: .parameters())
         if layout.is_member(language_name, self.rank):

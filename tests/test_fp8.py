@@ -454,7 +454,8 @@ def test_fp8_checkpoints_resume_the_run_exactly(tmp_path, name: str) -> None:
 def _fp8_weights_rewritten(root: str) -> list[tuple[str, float, float]]:
     """The fsdp case's language model (tensorwise, float8 all-gathers), vision frozen: after a
     step (which precomputes every float8 weight's scale), its weights rewritten by `load_hf` (a
-    Llama at 5x the init's scale) and then by `init_weights`; the `predict` loss after each,
+    Llama at 5x the init's scale), then by `init_weights`, then by `checkpoint.load_model` (the
+    load_hf weights again); the `predict` loss after each,
     and that of a model built anew and given the same weights without a step before."""
     import os
 
@@ -481,11 +482,20 @@ def _fp8_weights_rewritten(root: str) -> list[tuple[str, float, float]]:
         layout.init_meshes("cpu")
         return MimoModel(layout, *_modules(case.encoders, case.frozen), options=case.options)
 
+    from dtensor_mimo.train import checkpoint
+
+    # a checkpoint of the load_hf weights (5x the init's scale), read back weights-only last
+    donor = build()
+    donor.load_hf({"language": os.path.join(root, "hf")})
+    saved = checkpoint.save(os.path.join(root, "ckpt"), 1, donor, MimoOptimizer(donor, OPT), {"step": 0}, keep=1)
+    language, encoders = _modules(case.encoders, case.frozen)
+    shapes = checkpoint.expected_shapes({**encoders, "language": language})
     model = build()
     train_step(model, MimoOptimizer(model, OPT), batches[0])
     out = []
     for what, write in (("load_hf", lambda m: m.load_hf({"language": os.path.join(root, "hf")})),
-                        ("init_weights", lambda m: m.init_weights(_seeds(case.encoders)))):
+                        ("init_weights", lambda m: m.init_weights(_seeds(case.encoders))),
+                        ("checkpoint.load_model", lambda m: checkpoint.load_model(saved, m, shapes))):
         write(model)
         fresh = build()
         write(fresh)
@@ -496,7 +506,8 @@ def _fp8_weights_rewritten(root: str) -> list[tuple[str, float, float]]:
 def test_weights_rewritten_after_a_step_get_their_own_float8_scales(tmp_path) -> None:
     """A step leaves each float8 weight's precomputed scale (`refresh_fp8_scales`), which the next
     all-gather casts with: `load_hf` and `init_weights` compute the new weights' scales, as
-    `checkpoint.load` does, so the model computes what one given those weights anew does."""
+    `checkpoint.load` does and `checkpoint.load_model` (a weights-only start), so the model computes
+    what one given those weights anew does."""
     for per_rank in run_on_ranks(_fp8_weights_rewritten, 2, str(tmp_path), timeout=180):
         for what, got, fresh in per_rank:
             assert got == fresh, (what, got, fresh)

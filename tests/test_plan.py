@@ -942,3 +942,57 @@ def test_a_decoder_without_a_tensor_parallel_plan_is_planned_without_tp_or_cp(mo
         except (LayoutError, TypeError, ValueError) as e:
             pytest.fail(f"the planner proposed {cand.describe()} (M={cand.microbatches}), which the library "
                         f"refuses: {e}")
+
+
+def test_a_frozen_decoder_is_measured_with_the_backward_through_it() -> None:
+    """``model.language.frozen``: the decoder takes no weight gradients, but its backward still
+    runs, carrying the loss's gradients to the projections' rows (the trainer's FLOPs count it:
+    2 forwards' worth), and its blocks keep their activations for it. The planner measured the
+    frozen decoder on token ids alone: no gradient anywhere, so no backward (block_backward ~0,
+    a third of a nanosecond a token) and no activations (0 bytes a token): every layout's language
+    time and memory came out too low. Reference: the bytes autograd keeps for one block of the
+    frozen decoder whose input takes a gradient (as the assembled rows do), counted here. (One
+    timing assertion, with a margin of hundreds: the backward at a tenth of the forward at least.)"""
+    pytest.importorskip("sklearn")
+    import torch
+
+    from dtensor_mimo.train import plan as trainer_plan
+    from dtensor_mimo.train.datasets import train_data
+    from dtensor_mimo.train.modules import build_modules, resolve
+
+    config = parse_args(["--model.language.frozen", "true", "--options.language.compile", "false"])
+    resolved = resolve(config)
+    data = train_data(config, resolved)
+    torch.manual_seed(0)
+    modules = build_modules(config, resolved, data.seq_len, meta=False)
+    probe = data.train.batch(list(range(64)), load=None)
+    profile = trainer_plan._measure_module(config, resolved, data, modules, probe, data.seq_len, "language", None,
+                                           lambda load: Affine(), lambda _: None)
+    assert profile.trainable_params == 0  # no weight gradients, no optimizer state
+    llama = build_modules(config, resolved, data.seq_len, meta=False)["language"]
+    tokens = 8 * data.seq_len
+    h = llama.tok_embeddings(torch.randint(0, llama.config.vocab_size, (8, data.seq_len))).detach().requires_grad_()
+
+    weights = {p.untyped_storage().data_ptr() for p in llama.parameters()}  # (a weight is no activation)
+
+    def kept_bytes() -> int:
+        kept: dict[int, int] = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in weights:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            assert llama(h=h).requires_grad
+        return sum(kept.values())
+
+    full = kept_bytes()
+    blocks, llama.layers = llama.layers, torch.nn.ModuleDict()
+    rest = kept_bytes()
+    llama.layers = blocks
+    per_block = (full - rest) / len(blocks) / tokens
+    assert per_block > 0
+    assert profile.activation_bytes_per_token == pytest.approx(per_block, rel=0.05)
+    assert profile.block_backward(tokens) > 0.1 * profile.block_forward(tokens), (profile.block_forward,
+                                                                                 profile.block_backward)

@@ -1298,3 +1298,53 @@ def test_a_second_stage_starts_from_the_first_stages_llava_export(tiny: str) -> 
     projector = [k for k in want if k.startswith("multi_modal_projector.")]
     assert projector and all(k in source or k in projector for k in want), sorted(set(want) - set(source))
     assert [k for k in want if k in source and not torch.equal(want[k], source[k].to(want[k].dtype))] == []
+
+
+class _Whole(torch.nn.Module):
+    """A user's encoder that is not a ModalityEncoder (`model.encoders.<name>.frozen` freezes it whole)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.out_dim = inner, inner.out_dim
+
+    def init_weights(self, seed: int) -> None:
+        self.inner.init_weights(seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def whole_vision(language_dim: int) -> torch.nn.Module:
+    return _Whole(tiny_vision(language_dim))
+
+
+def test_a_run_where_nothing_trains_is_refused_before_any_process(tiny: str, tmp_path) -> None:
+    """`model.language.frozen` with a factory encoder frozen whole (not a ModalityEncoder, so no
+    projection trains): no parameter takes a gradient. The run trained to its end in silence,
+    every step `grad norm 0.000`, its weights those it started from. Refused by name, by the
+    launcher before any process starts, and by every rank alike before any collective."""
+    from tests.harness import DistributedTestFailure
+
+    argv = [*QUICK, "--train.steps", "2", "--data.heldout_samples", "4", "--train.eval_every", "0",
+            "--data.batch_size", "8", "--model.encoders.image.hf", "none", "--checkpoint.export_hf", "none",
+            "--model.encoders.image.factory", "tests.test_train_llava:whole_vision",
+            "--model.encoders.image.processor", "ckpt/siglip", "--model.encoders.image.tokens_per_item", "16",
+            "--model.encoders.image.frozen", "true", "--model.language.frozen", "true",
+            "--metrics.jsonl", str(tmp_path / "m.jsonl")]
+    message = ("no parameter of any module trains (model.language.frozen, model.encoders.image.frozen; a factory's "
+               "encoder that is not a ModalityEncoder is frozen whole): the run would train nothing")
+    _preflight(tiny, argv, message)
+    with pytest.raises(DistributedTestFailure) as refused:
+        run_on_ranks(_train, 2, tiny, argv, timeout=300)
+    assert str(refused.value).count(message) == 2, str(refused.value)[-3000:]
+    assert not os.path.exists(tmp_path / "m.jsonl")  # no step ran
+    # the encoder's projection trains when it is a ModalityEncoder: accepted
+    cwd = os.getcwd()
+    os.chdir(tiny)
+    try:
+        from dtensor_mimo.train.launch import preflight
+
+        preflight(parse_args(["--config", CONFIG, *argv, "--model.encoders.image.factory",
+                              "tests.test_train_llava:tiny_vision"]))
+    finally:
+        os.chdir(cwd)

@@ -48,7 +48,7 @@ def preflight(config: TrainerConfig) -> None:
     Prints one line saying what of the data it did not check. Raises ConfigError."""
     from dtensor_mimo.train import checkpoint
     from dtensor_mimo.train.datasets import CHECKED_SAMPLES, train_data
-    from dtensor_mimo.train.modules import resolve
+    from dtensor_mimo.train.modules import build_modules, refuse_nothing_trains, resolve
 
     c, m = config.checkpoint, config.metrics
     for option, path, directory in (("checkpoint.dir", c.dir, True), ("checkpoint.export_hf", c.export_hf, True),
@@ -79,6 +79,9 @@ def preflight(config: TrainerConfig) -> None:
         raise ConfigError(f"data.batch_size = {config.data.batch_size} is more than the {data.known_rows} training "
                           f"rows of {config.data.path} (samples, or packed rows with data.pack)")
     _check_export(config, resolved, with_processors=True)
+    if config.model.language.frozen and all(e.frozen and e.factory for e in config.model.encoders.values()):
+        # (a factory's module is frozen whole unless it is a ModalityEncoder: known once built)
+        refuse_nothing_trains(config, build_modules(config, resolved, data.seq_len, meta=True))
     if config.checkpoint.load and not (config.checkpoint.dir and checkpoint.latest_checkpoint(config.checkpoint.dir)):
         try:
             checkpoint.resolve_load(config.checkpoint.load, checksums=False)  # sizes: the ranks checksum

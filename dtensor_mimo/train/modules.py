@@ -489,3 +489,17 @@ def build_modules(config: TrainerConfig, resolved: ResolvedModel, seq_len: int,
             module = modules[name]
             (module.encoder if isinstance(module, ModalityEncoder) else module).requires_grad_(False)
     return modules
+
+
+def refuse_nothing_trains(config: TrainerConfig, modules: dict[str, nn.Module]) -> None:
+    """Refuse (ConfigError) `modules` (`build_modules`') of which no parameter takes a gradient:
+    the run would step an optimizer over nothing, every step, its loss never moving. The same
+    verdict on every rank (the same modules), before any collective."""
+    if any(p.requires_grad for module in modules.values() for p in module.parameters()):
+        return
+    frozen = [f"model.{LANGUAGE}.frozen"] if config.model.language.frozen else []
+    frozen += [f"model.encoders.{n}.frozen" for n, e in config.model.encoders.items() if e.frozen]
+    raise ConfigError(f"no parameter of any module trains ({', '.join(frozen) or 'the modules hold none that does'}"
+                      "; a factory's encoder that is not a ModalityEncoder is frozen whole): the run would train "
+                      "nothing; unfreeze a module (e.g. drop model.language.frozen), or give the encoder a projection "
+                      "that trains (a ModalityEncoder: its tower frozen, its projection trained)")

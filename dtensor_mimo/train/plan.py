@@ -74,7 +74,7 @@ def measure_profiles(config: TrainerConfig, log: Callable[[str], None] = print) 
 
     from dtensor_mimo.plan import measure
     from dtensor_mimo.train.datasets import train_data
-    from dtensor_mimo.train.modules import build_modules, resolve
+    from dtensor_mimo.train.modules import build_modules, refuse_nothing_trains, resolve
 
     torch.set_num_threads(max(1, config.train.threads))
     torch.manual_seed(0)
@@ -82,6 +82,7 @@ def measure_profiles(config: TrainerConfig, log: Callable[[str], None] = print) 
     data = train_data(config, resolved)
     seq_len = data.seq_len
     modules = build_modules(config, resolved, seq_len, meta=False)
+    refuse_nothing_trains(config, modules)  # (before minutes of measuring a run that would train nothing)
     b = config.data.batch_size
     probe = data.train.batch(list(range(max(b, 64))), load=None)  # the first samples only: read and tokenized now
 
@@ -196,6 +197,13 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
     else:
         tensor_parallel = not encoder_problems(module, tp=2, activation_checkpointing=0)
         context_parallel = False
+    # A frozen decoder's backward still runs (the rows' gradients to the encoders that train, no
+    # weight gradients) and its blocks keep activations for it: measured so, its text embedding's
+    # output taking a gradient as the assembled rows do (token ids alone took none: no backward)
+    through = name == LANGUAGE and not trainable and any(
+        p.requires_grad for n, m in modules.items() if n != LANGUAGE for p in m.parameters())
+    if through:
+        module.tok_embeddings.register_forward_hook(lambda _m, _args, out: out.detach().requires_grad_())
     pristine = copy.deepcopy(module)  # what the wrappers' cost is measured on, below
     # As the trainer runs it (activation checkpointing, mixed precision), on no mesh and uncompiled
     parallelize(module, None, None, dataclasses.replace(options, compile=False))

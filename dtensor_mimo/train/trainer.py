@@ -53,7 +53,7 @@ from dtensor_mimo.train.preemption import STOP_SIGNALS, StopSignals, exit_status
 from dtensor_mimo.train.config import LANGUAGE, ConfigError, TrainerConfig, build_layout
 from dtensor_mimo.train.datasets import BatchSource, train_data
 from dtensor_mimo.train.metrics import MetricsLogger, StepProfiler, peak_tflops, transformer_flops
-from dtensor_mimo.train.modules import build_modules, resolve
+from dtensor_mimo.train.modules import build_modules, refuse_nothing_trains, resolve
 from dtensor_mimo.optim.optimizer import MimoOptimizer
 from dtensor_mimo.optim.step import UnusableBatch, train_step
 from dtensor_mimo.sequence.loss import loss_weights
@@ -324,6 +324,7 @@ class Trainer:
         self.seq_len = self.data.seq_len
         # On the meta device: each rank allocates and initializes only its own shards, below.
         self.modules = build_modules(config, self.resolved, self.seq_len, meta=True)
+        refuse_nothing_trains(config, self.modules)  # (every rank alike, before any collective)
         d = config.data
         # The exact sample count (the sampler's shuffle and the checkpoint's data position need it):
         # conversation files are indexed here (JSONL line starts, tar headers, table row counts),
