@@ -718,7 +718,8 @@ def test_own_launcher_a_second_signal_after_a_failure_is_still_a_failure(tmp_pat
 def test_init_distributed_on_cuda_refuses_a_world_without_local_rank(monkeypatch) -> None:
     """RANK and WORLD_SIZE set by hand (no torchrun) without LOCAL_RANK: every rank of a node took
     GPU 0 (``LOCAL_RANK`` read as 0) without a word; refused by name before any process group (every
-    rank of such a launch lacks it alike). A world of one keeps its GPU 0."""
+    rank of such a launch lacks it alike) where a rank sees several GPUs. One visible GPU a rank, or a
+    world of one, keeps GPU 0."""
     from dtensor_mimo.layout import world as distributed
 
     calls = []
@@ -728,10 +729,16 @@ def test_init_distributed_on_cuda_refuses_a_world_without_local_rank(monkeypatch
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     monkeypatch.setenv("RANK", "5")
     monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     with pytest.raises(ValueError, match="device='cuda' in a world of 8 ranks without LOCAL_RANK: every rank of a "
                                          "node would take GPU 0; launch with torchrun"):
         distributed.init_distributed("cuda", 42.0)
     assert calls == []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # one visible GPU a rank: GPU 0 is its own
+    distributed.init_distributed("cuda", 42.0)
+    assert calls[0] == ("set_device", 0)
+    calls.clear()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setenv("WORLD_SIZE", "1")
     distributed.init_distributed("cuda", 42.0)
     assert calls[0] == ("set_device", 0)

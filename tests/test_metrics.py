@@ -32,7 +32,7 @@ def test_transformer_flops_by_hand() -> None:
     # 2 params/token forward + 4 * layers * seq * dim per token; x3 when trained
     assert metrics.transformer_flops(100, 10, 2, 8, 5, False) == 2 * 100 * 10 + 4 * 2 * 5 * 8 * 10
     assert metrics.transformer_flops(100, 10, 2, 8, 5, True) == 3 * (2 * 100 * 10 + 4 * 2 * 5 * 8 * 10)
-    assert metrics.transformer_flops(100, 10, 2, 8, 5, False, through=True) == 2 * (2 * 100 * 10 + 4 * 2 * 5 * 8 * 10)
+    assert metrics.transformer_flops(100, 10, 2, 8, 5, False, through=True) == 2 * 2 * 100 * 10 + 3 * 4 * 2 * 5 * 8 * 10
 
 
 def test_phase_times_between_cuda_events_are_read_once_when_used() -> None:
@@ -201,7 +201,7 @@ def test_step_flops_count_attention_at_the_heads_width() -> None:
                               data=SimpleNamespace(tokens_per_item={}, items_per_sample={}))
     assert Trainer._flops(trainer) == expected
     language.frozen = True  # forward, and the backward through it to the projections' rows (no weight gradients)
-    assert Trainer._flops(trainer) == expected * 2 / 3
+    assert Trainer._flops(trainer) == 2 * 2 * params * tokens + 3 * 4 * layers * seq * heads * head_dim * tokens
 
 
 def _stopped_at_the_last_step_then_rerun(argv: list[str]) -> str | None:

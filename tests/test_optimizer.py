@@ -333,7 +333,6 @@ def test_config_errors_name_a_value_that_is_not_a_number() -> None:
     assert AdamWConfig(lr=1, max_grad_norm=None).lr == 1  # an int is a number; None: no clipping
 
 
-
 def test_schedule_step_counts_refuse_a_bool_and_take_a_numpy_integer() -> None:
     """`LRSchedule.warmup_steps` and `total_steps` are counts of updates: True was taken as one
     warmup step (and as total_steps=1) without a word, while `PipelineConfig` and `AdamWConfig`

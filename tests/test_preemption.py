@@ -170,7 +170,7 @@ def _stopped_line(out: subprocess.CompletedProcess, ckpt: str, sig: signal.Signa
     return step
 
 
-def test_sigterm_under_both_launchers_loses_nothing(tmp_path) -> None:
+def test_a_stop_under_both_launchers_loses_nothing(tmp_path) -> None:
     """SIGUSR1 to the own launcher, then SIGTERM to torchrun resuming its checkpoint, then the rest:
     nothing lost. (The own launcher's leg was `test_sigusr1_stops_with_a_checkpoint`, a run of
     its own before: one launch less, the same assertions.)"""

@@ -80,6 +80,7 @@ def test_numpy_integers_are_counts() -> None:
     with pytest.raises(ValueError, match=r"PipelineConfig.split=array\(\[3, 0\]\)"):
         PipelineConfig(split=np.array([3, 0]))
 
+
 def test_batch_not_divisible_by_microbatches_times_dp() -> None:
     check_microbatching(8, 4, 2)
     with pytest.raises(ValueError, match=r"12 samples cannot be cut into 4 microbatches x 'language' "

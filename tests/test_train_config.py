@@ -231,6 +231,9 @@ def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> Non
     (["--checkpoint.load", "''"], "checkpoint.load = '': an empty path"),
     # a weights-only start needs the checkpoint to take the weights from
     (["--checkpoint.load_model_only", "true"], "checkpoint.load_model_only = true without checkpoint.load"),
+    (["--checkpoint.load_model_only", "true", "--checkpoint.load", "runs/a/step-000020", "--checkpoint.dir",
+      "runs/a"], "checkpoint.load = 'runs/a/step-000020' inside checkpoint.dir = 'runs/a': a checkpoint in dir is "
+                 "resumed with its full state"),
     (["--checkpoint.export_hf", "''"], "checkpoint.export_hf = '': an empty path"),
     (["--metrics.jsonl", "''"], "metrics.jsonl = '': an empty path"),
     # a misspelt encoder is a new one (modality "image"): named, not "several encoders take ['image'] items"
@@ -536,15 +539,14 @@ def test_an_audio_encoders_image_sizes_are_refused(key: str, value: str) -> None
     (["--checkpoint.every", "20"], "checkpoint.dir"),
     (["--checkpoint.keep", "5"], "checkpoint.dir"),
     (["--checkpoint.async_mode", "async"], "checkpoint.dir"),
-    (["--checkpoint.export_dtype", "bfloat16"], "checkpoint.export_hf"),
     (["--metrics.profile_at", "3"], "metrics.profile"),
     (["--metrics.profile_steps", "4"], "metrics.profile"),
 ])
 def test_a_setting_of_an_output_that_is_not_written_is_refused(tmp_path, argv: list[str], main: str) -> None:
     """--help: checkpoint.every "steps between saves", keep "the most recent checkpoints kept",
-    async_mode how each save is written, export_dtype "the exported weights' dtype", profile_at /
-    profile_steps which steps are profiled. Without checkpoint.dir no save is made (checkpoint.dir:
-    "None: no checkpoints"), without export_hf no export, without metrics.profile no profile: a run
+    async_mode how each save is written, profile_at / profile_steps which steps are profiled.
+    Without checkpoint.dir no save is made (checkpoint.dir: "None: no checkpoints"), without
+    metrics.profile no profile (export_dtype stays: `Trainer.export(path)` reads it): a run
     given `--checkpoint.every 20` and no directory trained to its end with no checkpoint at all, in
     silence. Refused by name before any process starts, as the config's other unused keys; with
     the output named they are accepted."""
@@ -557,10 +559,6 @@ def test_a_setting_of_an_output_that_is_not_written_is_refused(tmp_path, argv: l
 
 
 @pytest.mark.parametrize("argv, message", [
-    # accepted, and did nothing: sequence parallel shards over the module's tp ranks (the library: "ignored
-    # without a tp mesh of size > 1"), the --help line says only "on top of tensor parallel"
-    (["--options.language.sp", "true"], "options.language.sp = true, but layout.language.tp = 1"),
-    (["--options.vision.sp", "true"], "options.vision.sp = true, but layout.vision.tp = 1"),
     # accepted, then refused by MimoModel on every rank once they had started (LayoutError: "set sp=False",
     # "use compile_scope='block'"), in the library's words, not the config's keys
     (["--layout.vision.pp", "2", "--layout.vision.tp", "2", "--options.vision.sp", "true"],
@@ -580,8 +578,9 @@ def test_options_the_layout_cannot_take_are_named_before_any_process(argv: list[
     with pp > 1, ..., for an encoder with items of their own sizes, and for a decoder cut into
     pipeline stages" -- refused by the library inside the ranks (a 4-rank digits run: 34 s to
     "error on ranks 0, 1, 2, 3: LayoutError: encoder 'vision' has pp=2: sequence parallel is not
-    supported on encoder stages: set sp=False"); and sp at tp = 1 did nothing at all. Named by
-    key before any process starts; the same options on a layout that gives them a use pass."""
+    supported on encoder stages: set sp=False"). Named by key before any process starts; the same
+    options on a layout that gives them a use pass, and sp at tp = 1 (the library's "ignored
+    without a tp mesh of size > 1": the planner's candidates at tp = 1 keep it)."""
     from dtensor_mimo.layout import LayoutError, Parallelism
     from dtensor_mimo.parallelize.options import ParallelOptions
     from dtensor_mimo.parallelize.part import check_compile_layout
@@ -591,6 +590,7 @@ def test_options_the_layout_cannot_take_are_named_before_any_process(argv: list[
     assert message in str(e.value)
     parse_args(["--layout.vision.tp", "2", "--options.vision.sp", "true", "--layout.language.tp", "2",
                 "--options.language.sp", "true"])
+    parse_args(["--options.vision.sp", "true", "--options.language.sp", "true"])
     parse_args(["--options.vision.compile_scope", "module", "--options.language.compile_scope", "module",
                 "--layout.language.dp", "2", "--options.language.fsdp", "false"])
     with pytest.raises(LayoutError):  # the library's own verdict on the last one above

@@ -64,8 +64,10 @@ def init_distributed(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) 
     timeout = datetime.timedelta(seconds=timeout_s)
     backend, device_id = "gloo", None
     if device == "cuda":
-        if "LOCAL_RANK" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # every rank of such a launch lacks it alike: all refuse, none joins a group
+        if ("LOCAL_RANK" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+                and torch.cuda.device_count() > 1):
+            # (one visible GPU a rank, e.g. srun --gpus-per-task=1: GPU 0 is its own) every rank of
+            # such a launch lacks it alike: all refuse, none joins a group
             raise ValueError(f"init_distributed: device='cuda' in a world of {os.environ['WORLD_SIZE']} ranks without "
                              "LOCAL_RANK: every rank of a node would take GPU 0; launch with torchrun (it sets "
                              "LOCAL_RANK) or set LOCAL_RANK to each rank's GPU on its node")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtensor_mimo.models.config_json import read_config, refuse_dropout
+from dtensor_mimo.models.config_json import read_config, warn_dropout
 from dtensor_mimo.models.layers import PackedItems, init_weights, pad_empty_packed
 from dtensor_mimo.models.vit import EncoderBlock
 
@@ -88,7 +88,7 @@ class AudioConfig:
             raise ValueError(f"{path}: model_type {c.get('model_type')!r} is not 'whisper'")
         if c.get("activation_function", "gelu") != "gelu":
             raise ValueError(f"{path}: activation_function={c['activation_function']!r} (the encoder uses gelu)")
-        refuse_dropout(path, c)
+        warn_dropout(path, c)
         return cls(n_mels=c["num_mel_bins"], max_frames=2 * c["max_source_positions"], conv_strides=(1, 2),
                            dim=c["d_model"], n_layers=c["encoder_layers"], n_heads=c["encoder_attention_heads"],
                            mlp_hidden=c["encoder_ffn_dim"], norm_eps=1e-5, key_bias=False, frozen_positions=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 _LLAMA_SIZES = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, hidden_act="silu",
@@ -53,9 +54,12 @@ DROPOUTS = ("attention_dropout", "dropout", "hidden_dropout", "activation_dropou
 """The ``config.json`` fields of transformers' dropouts (attention, residual, MLP, layer drop)."""
 
 
-def refuse_dropout(path: str, c: dict[str, Any]) -> None:
-    """Refuse (ValueError naming each field) a ``config.json`` `c` that trains with dropout: the
-    library's models have none, and would train such a checkpoint without it, in silence."""
+def warn_dropout(path: str, c: dict[str, Any]) -> None:
+    """Warn (naming each field) of a ``config.json`` `c` that trains with dropout: the library's
+    models have none, and train such a checkpoint without it (a prediction, an evaluation or a
+    frozen tower are the same either way: a warning, not a refusal)."""
     if on := [f"{k}={c[k]}" for k in DROPOUTS if c.get(k)]:
-        raise ValueError(f"{path}: {', '.join(on)}: the library's models train without dropout; set "
-                         f"{' and '.join(k.split('=')[0] for k in on)} to 0.0 in config.json to train it without")
+        warnings.warn(f"{path}: {', '.join(on)}: the library's models have no dropout and train this checkpoint "
+                      f"without it (transformers would train it with); set "
+                      f"{' and '.join(k.split('=')[0] for k in on)} to 0.0 in config.json to silence this",
+                      stacklevel=3)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtensor_mimo.models.config_json import read_config, refuse_dropout, with_defaults
+from dtensor_mimo.models.config_json import read_config, warn_dropout, with_defaults
 from dtensor_mimo.models.layers import (
     AttentionFn,
     RMSNorm,
@@ -89,14 +89,14 @@ class LlamaConfig:
     def from_hf(cls, path: str) -> LlamaConfig:
         """The config of a Hugging Face Llama-family checkpoint directory (its ``config.json``:
         Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3; transformers v4 or v5 layout). What the
-        model cannot express (sliding windows, other rope types, MLP or output biases, dropout, ...) is
-        refused by name."""
+        model cannot express (sliding windows, other rope types, MLP or output biases, ...) is
+        refused by name; a dropout is warned of (the model trains without)."""
         c = read_config(path)
         c = with_defaults(c.get("text_config", c))  # a LLaVA checkpoint's language model
         family = c.get("model_type")
         if family not in FAMILIES:
             raise ValueError(f"{path}: model_type {family!r} is not a Llama-family decoder ({', '.join(FAMILIES)})")
-        refuse_dropout(path, c)
+        warn_dropout(path, c)
         refused = []
         if c.get("hidden_act", "silu") != "silu":
             refused.append(f"hidden_act={c['hidden_act']!r} (the MLP is SwiGLU with silu)")

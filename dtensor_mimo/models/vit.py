@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtensor_mimo.models.config_json import read_config, refuse_dropout, with_defaults
+from dtensor_mimo.models.config_json import read_config, warn_dropout, with_defaults
 from dtensor_mimo.models.layers import PackedItems, init_weights, packed_attention, pad_empty_packed
 
 
@@ -131,7 +131,7 @@ class ViTConfig:
         tower = c.get("model_type")
         if tower not in TOWERS:
             raise ValueError(f"{path}: model_type {tower!r} is not a vision tower the ViT loads ({', '.join(TOWERS)})")
-        refuse_dropout(path, c)
+        warn_dropout(path, c)
         clip = tower == "clip_vision_model"
         if c.get("hidden_act") not in HF_ACTIVATIONS:
             raise ValueError(f"{path}: hidden_act={c.get('hidden_act')!r} is not one of {sorted(HF_ACTIVATIONS)}")

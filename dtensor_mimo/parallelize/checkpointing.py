@@ -12,12 +12,14 @@ from torch.utils.checkpoint import checkpoint
 
 
 @contextlib.contextmanager
-def _buffers_set_aside(block: nn.Module) -> Iterator[None]:
-    """While a block's forward is recomputed: each of its buffers replaced by a copy, the block's
-    own put back after. A BatchNorm's running statistics and `num_batches_tracked`, updated in
-    place by every forward in training mode, took the batch in the forward already; without this
-    torch's checkpoint counted it twice (the copies also keep what the recomputed graph saved)."""
-    held = [(m, name, b) for m in block.modules() for name, b in m._buffers.items() if b is not None]
+def buffers_set_aside(module: nn.Module) -> Iterator[None]:
+    """While a forward of `module` is recomputed (activation checkpointing, an encoder's
+    ``recompute_colocated``): each of its buffers replaced by a copy, the module's own put back
+    after. A BatchNorm's running statistics and `num_batches_tracked`, updated in place by every
+    forward in training mode, took the batch in the first forward already; without this they
+    counted it twice (the copies also keep what the recomputed graph saved). A module without
+    buffers (the library's blocks): nothing."""
+    held = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
     for m, name, b in held:
         m._buffers[name] = b.detach().clone()
     try:
@@ -29,7 +31,7 @@ def _buffers_set_aside(block: nn.Module) -> Iterator[None]:
 
 def _recomputed(block: nn.Module, forward, *args, **kwargs):
     if next(block.buffers(), None) is not None:  # (the library's blocks hold none)
-        kwargs["context_fn"] = lambda: (contextlib.nullcontext(), _buffers_set_aside(block))
+        kwargs["context_fn"] = lambda: (contextlib.nullcontext(), buffers_set_aside(block))
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 

@@ -44,6 +44,7 @@ from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.models import FlexAttentionCore
 from dtensor_mimo.models.vit import self_attentions
 from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, fsdp_units, parallelize, stacks
+from dtensor_mimo.parallelize.checkpointing import buffers_set_aside
 from dtensor_mimo.parallelize.reducer import StageReductions
 from dtensor_mimo.schedule.config import stage_layers
 from dtensor_mimo.schedule.crossing import Crossing
@@ -446,11 +447,9 @@ class LocalEncoders:
                     if arm is not None:
                         arm(n)
                 x = self.inputs[k][n]
-                kept = _buffer_values(self.encoders[n])
-                with _replayed(self._rng.pop((k, n)), self.device):
+                with _replayed(self._rng.pop((k, n)), self.device), buffers_set_aside(self.encoders[n]):
                     rows = self._rows(n, x)
                 _backward([{n: rows}], [grads[k]])
-                _restore_buffers(kept)
 
 
 def _tensors(out: object) -> list[torch.Tensor]:
@@ -481,24 +480,6 @@ def _backward(outputs: Sequence[Mapping[str, torch.Tensor]], grads: Sequence[Map
              for i, mb in enumerate(outputs) for n, out in mb.items() if out.requires_grad]
     if pairs:
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-
-
-def _buffer_values(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]:
-    """Every buffer of `module` as it is before a recomputed forward: its owner, name, tensor and
-    a copy of its value (`_restore_buffers`)."""
-    return [(m, name, b, b.detach().clone()) for m in module.modules()
-            for name, b in m._buffers.items() if b is not None]
-
-
-@torch.no_grad()
-def _restore_buffers(kept: Sequence[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]) -> None:
-    """Put back the buffers as they were before a recomputed forward, after its backward (which
-    may hold them): a BatchNorm's running statistics and `num_batches_tracked` took the
-    microbatch in its encode already (its kernel updates them in place without moving their
-    version counter, so every buffer is copied back)."""
-    for m, name, b, value in kept:
-        m._buffers[name] = b
-        b.copy_(value)
 
 
 def _rng_state(device: torch.device) -> tuple:

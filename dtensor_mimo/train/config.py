@@ -989,9 +989,15 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
         section, name = key.split(".")
         if getattr(getattr(config, section), name) == "":  # e.g. --checkpoint.dir="$UNSET": not none
             raise ConfigError(f"{key} = '': an empty path; name one, or leave the key out (none) for no {key}")
-    if config.checkpoint.load_model_only and not config.checkpoint.load:
+    c = config.checkpoint
+    if c.load_model_only and not c.load:
         raise ConfigError("checkpoint.load_model_only = true without checkpoint.load: name the checkpoint whose "
                           "model weights the run starts from (checkpoint.load = 'DIR'), or drop load_model_only")
+    if c.load_model_only and c.dir and os.path.commonpath([os.path.abspath(c.load), os.path.abspath(c.dir)]) == \
+            os.path.abspath(c.dir):  # the run would resume that checkpoint, all of it, as its own
+        raise ConfigError(f"checkpoint.load_model_only = true with checkpoint.load = {c.load!r} inside "
+                          f"checkpoint.dir = {c.dir!r}: a checkpoint in dir is resumed with its full state (optimizer, "
+                          "step, data), not its weights alone; give the new run a checkpoint.dir of its own")
     if not 0 < config.train.timeout_s < math.inf:
         raise ConfigError(f"train.timeout_s = {config.train.timeout_s!r}: give a positive, finite number of seconds "
                           "(e.g. 600)")
@@ -1184,10 +1190,6 @@ def check_module_options(config: TrainerConfig, layout: Any) -> None:
 
     for name in config.module_names:
         options, par = config.module_options(name), layout.parallelism(name)
-        if options.sp and par.tp == 1:  # sequence parallel shards over the tp ranks: none at tp = 1
-            raise ConfigError(f"options.{name}.sp = true, but layout.{name}.tp = 1: sequence parallel shards the "
-                              f"activations over the module's tensor-parallel ranks, and there is one; remove it, "
-                              f"or give layout.{name}.tp > 1")
         try:  # the library's rules of compile options on a layout (`check_model`, inside the ranks)
             check_compile_layout(name, options, par)
         except LayoutError as e:
@@ -1293,8 +1295,6 @@ def _refuse_unused(config: TrainerConfig) -> None:
     # checkpoints are written only to checkpoint.dir, an export only to export_hf, a profile only to profile
     if not config.checkpoint.dir:
         unused += [f"checkpoint.{n}" for n in _changed(config.checkpoint, ("every", "keep", "async_mode"))]
-    if not config.checkpoint.export_hf:
-        unused += [f"checkpoint.{n}" for n in _changed(config.checkpoint, ("export_dtype",))]
     if not config.metrics.profile:
         unused += [f"metrics.{n}" for n in _changed(config.metrics, ("profile_at", "profile_steps"))]
     lang = config.model.language
@@ -1313,8 +1313,8 @@ def _refuse_unused(config: TrainerConfig) -> None:
                           "files, not webdataset shards; options.<module>.compile_mode, compile_options, "
                           "compile_scope, compile_backend with options.<module>.compile = true; loss_parallel, "
                           f"chunked_loss for options.{LANGUAGE}, recompute_colocated and balance for an encoder's; "
-                          "checkpoint.every, keep, async_mode with checkpoint.dir; checkpoint.export_dtype with "
-                          "checkpoint.export_hf; metrics.profile_at, profile_steps with metrics.profile); remove them")
+                          "checkpoint.every, keep, async_mode with checkpoint.dir; metrics.profile_at, profile_steps "
+                          "with metrics.profile); remove them")
 
 
 def _check_source(key: str, hf: str | None, factory: str | None) -> None:

@@ -37,10 +37,11 @@ def transformer_flops(params: int, tokens: int, layers: int, dim: int, seq: int,
     """FLOPs of one pass of a transformer over `tokens` tokens in sequences of `seq`: 2 per
     parameter per token plus attention's ``4 * layers * seq * dim`` per token (causal or not,
     counted dense; `dim`: the width attention runs over, ``n_heads * head_dim``) for forward;
-    backward doubles both when the module trains, and adds one forward's worth when it is frozen
-    but `through` (its inputs' gradients: a frozen decoder behind trained projections)."""
-    forward = 2.0 * params * tokens + 4.0 * layers * seq * dim * tokens
-    return forward * (3 if trained else 2 if through else 1)
+    backward doubles both when the module trains; when it is frozen but `through` (its inputs'
+    gradients only: a frozen decoder behind trained projections) it adds one forward's worth of the
+    parameters' term (no weight gradients) and still doubles attention's (which has no weights)."""
+    weights, attention = 2.0 * params * tokens, 4.0 * layers * seq * dim * tokens
+    return weights * (3 if trained else 2 if through else 1) + attention * (3 if trained or through else 1)
 
 
 def profile_tables(prof: Any, cuda: bool, rows: int = 40, host_rows: int = 20) -> str:

@@ -370,8 +370,8 @@ class Trainer:
         """Model FLOPs of one step: the language model over every token row, each encoder over
         its expected items at their expected rows (the data's mean when items have their own
         sizes; attention then counted at that mean length, an estimate: the cost of one item's
-        attention grows with its rows squared) (2·params per token forward, x3 when trained, x2 for a frozen decoder;
-        attention counted dense)."""
+        attention grows with its rows squared) (2·params per token forward, x3 when trained, x2 for
+        a frozen decoder, whose attention still x3; attention counted dense)."""
         b = self.config.data.batch_size
         llama = self.modules[LANGUAGE]
         lc = llama.config
