@@ -37,6 +37,7 @@ from dtensor_mimo.schedule import (EncoderPipeline, LanguagePipeline, LanguageSt
 from dtensor_mimo.schedule.checks import bad_loss_weights, check_batch, check_model, ids_outside, overlapped
 from dtensor_mimo.schedule.encoders import build_encoder_part, independent_items
 from dtensor_mimo.schedule.executor import RankParts, StepResult, execute
+from dtensor_mimo.schedule.language import untie_for_stages
 from dtensor_mimo.schedule.order import crossing_window
 from dtensor_mimo.schedule.program import Action
 from dtensor_mimo.sequence import greedy_generate, loss_normalizer
@@ -53,6 +54,25 @@ def prepare_batch(batch: MimoBatch, count: int, rules: Sequence[CutRule]) -> Non
     step_fingerprint(batch)
     loss_normalizer(batch)
     microbatch_cuts(batch, count, rules)
+
+
+def _to_device(root: nn.Module, device: torch.device) -> None:
+    """Move `root` to `device` (a meta module's tensors allocated, uninitialized), keeping each
+    parameter registered under several names one parameter: `to_empty` of a plain meta tensor
+    makes a new parameter per name (a tied head would then train apart from its embedding)."""
+    names: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in root.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                names.setdefault(id(p), []).append((module, name))
+    if any(p.is_meta for p in root.parameters()):
+        root.to_empty(device=device)
+    else:
+        root.to(device)
+    for (first, first_name), *others in (group for group in names.values() if len(group) > 1):
+        for module, name in others:
+            if module._parameters[name] is not first._parameters[first_name]:
+                setattr(module, name, first._parameters[first_name])
 
 
 class MimoModel(nn.Module):
@@ -109,6 +129,7 @@ class MimoModel(nn.Module):
         super().__init__()
         refused: Exception | None = None
         try:
+            untie_for_stages(layout, language, language_name, pipeline)
             check_model(layout, language, encoders, language_name, options or {}, pipeline)
             check_hops(bridge_hops, "MimoModel bridge_hops")
             check_device_type(device_type, "MimoModel device_type")
@@ -245,10 +266,7 @@ class MimoModel(nn.Module):
         # move each parameter as they shard it), never a whole module (its other stages stay on the
         # host with the caller's module); a meta module's shards are allocated, uninitialized.
         for root in roots:
-            if any(p.is_meta for p in root.parameters()):
-                root.to_empty(device=self.device)
-            else:
-                root.to(self.device)
+            _to_device(root, self.device)
         self._overlapped = [n for n in self.module_names if trainable[n] and self._sums_during_backward(n)]
         """The modules whose dp sums start during backward, known on every rank."""
         self._sums_pending = False

@@ -12,7 +12,7 @@ import math
 import os
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -461,7 +461,7 @@ def _parameter_seed(seed: int, fqn: str) -> int:
 INIT_BLOCK_ELEMENTS = 1 << 20
 
 
-def init_weights(module: nn.Module, seed: int, std: float = 0.02) -> None:
+def init_weights(module: nn.Module, seed: int, std: float = 0.02, same_as: Mapping[str, str] | None = None) -> None:
     """Initialise every parameter of `module` in place, deterministically, from `seed`.
 
     - weight and bias of a norm layer (RMSNorm, LayerNorm): ones and zeros;
@@ -479,17 +479,23 @@ def init_weights(module: nn.Module, seed: int, std: float = 0.02) -> None:
     The blocks are independent, so they are drawn on `init_threads()` threads at once (torch's
     CPU generator draws on one core; a 1B model is seconds of drawing per core). Call it on the
     model the names are relative to (e.g. `vit.init_weights`, not a parent that renames it).
+    A parameter registered under several names (tied) is drawn once, under its first name;
+    `same_as` draws a parameter as another name's (a copy that must start equal to it).
     """
     norm_types = (RMSNorm, nn.LayerNorm)
-    draws = []
+    draws, seen = [], set()
     with torch.no_grad():
         for module_name, mod in module.named_modules():
             for param_name, param in mod.named_parameters(recurse=False):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
                 if isinstance(mod, norm_types) or param_name == "bias":
                     fill = 1.0 if isinstance(mod, norm_types) and param_name == "weight" else 0.0
                     local_part(param).fill_(fill)
                     continue
                 fqn = plain_name(f"{module_name}.{param_name}" if module_name else param_name)
+                fqn = (same_as or {}).get(fqn, fqn)
                 offset, shape = local_box(param)
                 draws += _normal_blocks(_parameter_seed(seed, fqn), tuple(param.shape), offset, shape,
                                         local_part(param), std)

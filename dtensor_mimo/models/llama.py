@@ -14,6 +14,8 @@ Written to be parallelised from outside (torchtitan style), so the module itself
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +59,9 @@ class LlamaConfig:
     qkv_bias: bool = False  # biases on wq, wk, wv (Qwen2 / Qwen2.5)
     qk_norm: bool = False  # RMSNorm over each query and key head before the rotation (Qwen3)
     rope_scaling: RopeScaling | None = None  # Llama 3.1 / 3.2 long-context frequencies
+    # The output head is the token embedding: one parameter under both names (transformers'
+    # tie_word_embeddings: Qwen2 0.5B, Qwen2.5 0.5B-3B, Llama 3.2 1B / 3B), trained as one
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -123,7 +128,8 @@ class LlamaConfig:
             n_heads=c["num_attention_heads"], n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
             ffn_hidden=c["intermediate_size"], norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=rope["rope_theta"],
             max_seq_len=c.get("max_position_embeddings", 2048), head_dim=c.get("head_dim"),
-            qkv_bias=family == "qwen2" or bool(c.get("attention_bias")), qk_norm=family == "qwen3", rope_scaling=scaling)
+            qkv_bias=family == "qwen2" or bool(c.get("attention_bias")), qk_norm=family == "qwen3",
+            rope_scaling=scaling, tie_embeddings=bool(c.get("tie_word_embeddings", False)))
 
 
 class Attention(nn.Module):
@@ -207,7 +213,9 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """Decoder-only language model. Output head is not tied to the token embedding.
+    """Decoder-only language model. With `LlamaConfig.tie_embeddings` the output head's weight is
+    the token embedding's (one parameter, ``output.weight is tok_embeddings.weight``; its
+    gradient sums both uses), else a parameter of its own.
 
     Weights: the constructor uses PyTorch's default init (global RNG); call `init_weights(seed)`
     for weights that depend only on the seed and each parameter's name, identical in a
@@ -223,10 +231,16 @@ class Llama(nn.Module):
         )
         self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # The head is a copy of a tied embedding (`untie_embeddings`: a pipeline split): drawn as it
+        self.head_copies_embedding = False
 
     def init_weights(self, seed: int = 0) -> None:
-        """Deterministic init from `seed`; see `dtensor_mimo.models.layers.init_weights`."""
-        init_weights(self, seed)
+        """Deterministic init from `seed`; see `dtensor_mimo.models.layers.init_weights`. A head
+        untied from its embedding by `untie_embeddings` starts as the embedding does."""
+        init_weights(self, seed, same_as={"output.weight": "tok_embeddings.weight"} if self.head_copies_embedding
+                     else None)
 
     def set_attention_fn(self, attention_fn: AttentionFn) -> None:
         """Use `attention_fn` as the attention core of every layer this module holds."""
@@ -284,3 +298,18 @@ class Llama(nn.Module):
         if self.output is not None:
             h = self.output(h)
         return h
+
+
+def untie_embeddings(llama: Llama, why: str) -> None:
+    """Give a tied `llama`'s head a parameter of its own, a copy of the token embedding, in place
+    (the whole model's config then says untied: its checkpoints and exports hold both), and warn
+    naming `why` (a pipeline split, which puts the embedding and the head in different stages):
+    from then on the two train apart, where transformers' tied model sums their gradients."""
+    weight = llama.tok_embeddings.weight
+    llama.output.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+    llama.config = dataclasses.replace(llama.config, tie_embeddings=False)
+    llama.head_copies_embedding = True
+    warnings.warn(f"{why}: the tied output head (output.weight = tok_embeddings.weight, tie_word_embeddings) "
+                  "becomes a copy of the token embedding that trains on its own (two parameters, as an untied "
+                  "model: gradients and updates differ from the tied model's, and it exports untied); use pp = 1 "
+                  "and one stage per rank to train it tied", stacklevel=3)

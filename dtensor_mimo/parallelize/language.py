@@ -86,7 +86,14 @@ def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh, options: ParallelOptions) 
             output_layouts=Shard(-1) if options.loss_parallel else Replicate(),
             use_local_output=not options.loss_parallel,
         )
+    # A tied head (`LlamaConfig.tie_embeddings`): the vocab-parallel embedding and the colwise
+    # head both shard the weight over the vocabulary, Shard(0) on the tp mesh, but each style
+    # registers its own DTensor; the head takes the embedding's again, one parameter as before.
+    tied = (model.tok_embeddings is not None and model.output is not None
+            and model.output.weight is model.tok_embeddings.weight)
     parallelize_module(model, tp_mesh, plan)
+    if tied:
+        model.output.weight = model.tok_embeddings.weight
 
     layer_plan = block_plan(sp=sp, **LLAMA_BLOCK)
     parallelize_blocks(model.layers.values(), tp_mesh, layer_plan, sp=sp)

@@ -110,14 +110,16 @@ def check_tp_sizes(name: str, module: nn.Module, tp: int, parts: Iterable[nn.Mod
         return
     for stack in stacks(module) if parts is None else parts:
         check_divisible(f"module {name!r} ({type(stack).__name__})", tp_sizes(stack), tp)
-    check_untied(name, module, f"tp={tp}: the tensor parallel plan registers each layer's own shards")
+    check_untied(name, module, f"tp={tp}: the tensor parallel plan registers each layer's own shards",
+                 allowed=library_ties(module))
 
 
-def check_untied(name: str, module: nn.Module, why: str) -> None:
+def check_untied(name: str, module: nn.Module, why: str, allowed: Iterable[tuple[str, ...]] = ()) -> None:
     """Refuse (ValueError naming module `name` and the names) parameters of `module` registered
     under several names (tied weights), which `why` (a tp plan, a pipeline split) would untie:
-    each copy would then train on its own, where the single process sums their gradients. Pure."""
-    if tied := tied_parameters(module):
+    each copy would then train on its own, where the single process sums their gradients. The
+    groups of names in `allowed` are ties that survive it (`library_ties`). Pure."""
+    if tied := [group for group in tied_parameters(module) if tuple(group) not in set(allowed)]:
         detail = "; ".join(" = ".join(names) for names in tied)
         raise ValueError(f"module {name!r}: tied parameters ({detail}: one tensor under several names) with "
                          f"{why}, which would untie them and train each on its own; give each name its own copy "
@@ -130,6 +132,17 @@ def tied_parameters(module: nn.Module) -> list[list[str]]:
     for n, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
     return [group for group in names.values() if len(group) > 1]
+
+
+def library_ties(module: nn.Module) -> list[tuple[str, ...]]:
+    """The names of the tied head of each library `Llama` in `module` built tied
+    (`LlamaConfig.tie_embeddings`: ``tok_embeddings.weight``, ``output.weight`` under its
+    prefix), which its tp plan keeps tied (`apply_llama_tp`) and its exports write tied; a user's
+    module, or a Llama tied by hand against its config, keeps its ties refused."""
+    return [(f"{prefix}tok_embeddings.weight", f"{prefix}output.weight")
+            for prefix, m in ((f"{n}." if n else "", m) for n, m in module.named_modules())
+            if isinstance(m, Llama) and m.config.tie_embeddings and m.tok_embeddings is not None
+            and m.output is not None and m.output.weight is m.tok_embeddings.weight]
 
 
 def stacks(module: nn.Module) -> list[nn.Module]:

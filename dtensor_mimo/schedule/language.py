@@ -40,6 +40,7 @@ from dtensor_mimo.assemble import assemble, embed_text
 from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.models import FlexAttentionCore, Llama, causal_attention
+from dtensor_mimo.models.llama import untie_embeddings
 from dtensor_mimo.models.protocol import decoder_stage
 from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, parallelize
 from dtensor_mimo.parallelize.reducer import StageReductions
@@ -204,6 +205,25 @@ def llama_stage(llama: nn.Module, layers: range, first: bool, last: bool) -> nn.
     norm and head on the last: `dtensor_mimo.models.protocol.decoder_stage`, the decoder's own
     class sharing its modules; parameter names stay those of the whole model."""
     return decoder_stage(llama, layers, first, last)
+
+
+def untie_for_stages(layout: MimoLayout, language: nn.Module, name: str, config: PipelineConfig | None) -> None:
+    """Where the library's tied decoder (`LlamaConfig.tie_embeddings`) is cut into several pipeline
+    stages (pp > 1, or virtual stages on one rank: the embedding on the first, the head on the
+    last, each stage its own FSDP2 root), give its head its own copy of the embedding, with a
+    warning naming the module (`dtensor_mimo.models.llama.untie_embeddings`): the copies train
+    apart, as before tied models were supported. A user's tied decoder stays refused by name
+    (`check_untied`). Before `check_model`, on every rank alike."""
+    if (not isinstance(language, Llama) or not language.config.tie_embeddings or name not in layout.names
+            or language.tok_embeddings is None
+            or language.output is None or language.output.weight is not language.tok_embeddings.weight):
+        return
+    pp = layout.parallelism(name).pp
+    stages = config.num_stages(pp) if config is not None else pp
+    if stages > 1:
+        cut = f"pp={pp}" if stages == pp else f"pp={pp} x virtual_stages={stages // pp} = {stages} pipeline stages"
+        untie_embeddings(language, f"language model {name!r} with {cut} (the embedding on the first stage, "
+                                   "the head on the last)")
 
 
 def _stage_loss(loss_share: torch.Tensor, _target: None) -> torch.Tensor:

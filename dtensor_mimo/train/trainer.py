@@ -56,6 +56,7 @@ from dtensor_mimo.train.metrics import MetricsLogger, StepProfiler, peak_tflops,
 from dtensor_mimo.train.modules import build_modules, refuse_nothing_trains, resolve
 from dtensor_mimo.optim.optimizer import MimoOptimizer
 from dtensor_mimo.optim.step import UnusableBatch, train_step
+from dtensor_mimo.schedule.language import untie_for_stages
 from dtensor_mimo.sequence.loss import loss_weights
 
 
@@ -334,6 +335,9 @@ class Trainer:
             raise ConfigError(f"data.batch_size = {d.batch_size} is more than the {rows} training rows of "
                               f"{d.path}{' (packed with data.pack)' if d.pack else ''}; lower data.batch_size")
         self.sampler = ResumableBatchSampler(rows, d.batch_size, seed=d.seed)
+        # A tied decoder cut into pipeline stages trains two copies (MimoModel would untie it): the
+        # checkpoint keys are those of the model as it trains
+        untie_for_stages(self.layout, self.modules[LANGUAGE], LANGUAGE, config.pipeline)
         self.expected_keys = checkpoint.expected_shapes(self.modules)
         self.flops_per_step = self._flops()
 

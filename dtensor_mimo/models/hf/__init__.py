@@ -137,7 +137,9 @@ def plan_hf(module: nn.Module, path: str) -> Callable[[], None]:
     if expected is not None:
         differ = [f"{f.name}: module {getattr(config, f.name)!r}, checkpoint {getattr(expected, f.name)!r}"
                   for f in dataclasses.fields(expected)
-                  if f.name not in _FREE_FIELDS and getattr(config, f.name) != getattr(expected, f.name)]
+                  if f.name not in _FREE_FIELDS and getattr(config, f.name) != getattr(expected, f.name)
+                  # an untied module takes a tied checkpoint: its head a copy of the embedding
+                  and not (f.name == "tie_embeddings" and getattr(expected, f.name))]
         if differ:
             raise ValueError(f"load_hf({path!r}): the {type(module).__name__} config differs from the checkpoint's "
                              f"({'; '.join(differ)}); build the module from {type(expected).__name__}.from_hf(path)")

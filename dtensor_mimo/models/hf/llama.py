@@ -55,13 +55,15 @@ def llama_config_to_hf(config: LlamaConfig, dtype: str) -> dict[str, Any]:
         "rope_parameters": rope, "rope_theta": config.rope_theta,
         "rope_scaling": None if config.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"},
         "attention_bias": False, "mlp_bias": False, "use_sliding_window": False, "sliding_window": None,
-        "tie_word_embeddings": False, "torch_dtype": dtype, "dtype": dtype,
+        "tie_word_embeddings": config.tie_embeddings, "torch_dtype": dtype, "dtype": dtype,
     }
 
 
 def llama_source(name: str, config: LlamaConfig, tied: bool) -> Source:
     """Where the library parameter `name` comes from in a Hugging Face Llama-family checkpoint
-    (`tied`: the checkpoint has no ``lm_head`` and reuses the token embedding)."""
+    (`tied`: the checkpoint has no ``lm_head`` and reuses the token embedding). A tied `Llama`
+    (`LlamaConfig.tie_embeddings`) has no ``output.weight`` of its own: its one parameter is
+    ``tok_embeddings.weight``, written as ``model.embed_tokens.weight`` and no ``lm_head``."""
     if name == "output.weight" and tied:
         return Source("model.embed_tokens.weight")
     return table_source(name, "Llama", _TOP, _LAYER, "model.layers", {part: config.head_dim for part in _ROTATED})

@@ -93,7 +93,7 @@ def llava_directory(vision: ModuleSpec, projection: ModuleSpec, language: Module
         "image_token_index": image_token_id, "image_seq_length": vit.num_patches,
         "projector_hidden_act": "gelu", "multimodal_projector_bias": True,
         "vision_feature_layer": -1, "vision_feature_select_strategy": strategy,
-        "tie_word_embeddings": False, "torch_dtype": language.dtype_name, "dtype": language.dtype_name,
+        "tie_word_embeddings": llama.tie_embeddings, "torch_dtype": language.dtype_name, "dtype": language.dtype_name,
     }
     generation = {"suppress_tokens": added} if added else {}
     return LlavaDirectory(parts, config, generation, image_token_id, vit.patch_size, strategy, additional)
