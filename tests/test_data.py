@@ -740,6 +740,34 @@ def test_extensible_wav_files_read_as_plain_pcm(tmp_path) -> None:
         _read_wav(str(tmp_path / "float.wav"))
 
 
+def test_wav_samples_are_mono_floats_worked_out_by_hand(tmp_path) -> None:
+    """`_read_wav` gives what a Whisper feature extractor takes: mono float samples in [-1, 1].
+    8-bit WAV is unsigned (128 is silence: (v - 128) / 128), 16 and 32-bit signed (v / 2^15,
+    v / 2^31); several channels are averaged, not one of them kept."""
+    import wave
+
+    import numpy as np
+
+    from dtensor_mimo.data.conversation import _read_wav
+
+    cases = {  # name: (sample width, channels, frames as written, the floats expected)
+        "u8": (1, 1, np.array([[0], [64], [128], [255]], dtype=np.uint8), [-1.0, -0.5, 0.0, 127 / 128]),
+        "s16 stereo": (2, 2, np.array([[16384, -16384], [32767, 32767], [-32768, 0]], dtype=np.int16),
+                       [0.0, 32767 / 32768, -0.5]),
+        "s32 three": (4, 3, np.array([[1 << 30, 0, -(1 << 30)], [1 << 30, 1 << 30, 1 << 30]], dtype=np.int32),
+                      [0.0, 0.5]),
+    }
+    for name, (width, channels, frames, expected) in cases.items():
+        path = str(tmp_path / f"{name.replace(' ', '_')}.wav")
+        with wave.open(path, "wb") as w:
+            w.setnchannels(channels)
+            w.setsampwidth(width)
+            w.setframerate(16000)
+            w.writeframes(frames.tobytes())
+        samples, rate = _read_wav(path)
+        assert rate == 16000 and samples.tolist() == expected, name
+
+
 def test_non_pcm_extensible_wav_is_named_alike_on_every_python(tmp_path, monkeypatch) -> None:
     """From Python 3.12 on, `wave` reads WAVE_FORMAT_EXTENSIBLE itself and refuses a non-PCM
     subformat with its own words ("unknown extended format: <uuid>"), not the "unknown format:
@@ -950,6 +978,48 @@ def test_an_answer_starting_with_a_newline_is_labelled_as_transformers_masks_it(
         first = mask.index(1)
         assert data[k].answers[0][0] == first
         assert (data.prompts([k]).tokens[0, first:] == tokenizer.pad_token_id).all()
+
+
+def test_an_answer_whose_first_token_resplits_the_prompts_last_is_labelled_as_transformers_masks_it(
+        tmp_path) -> None:
+    """A template whose generation prompt ends in "\\n\\n" (one token alone) and an answer that
+    starts " \\n": the tokenizer's merges ("\\n " before "\\n\\n") split the run "\\n\\n \\n"
+    as "\\n" + "\\n " + "\\n", so the conversation's tokens part from the prompt's at a "\\n"
+    wholly inside the prompt. The answer starts at the next token, the first to reach into it,
+    as transformers' assistant mask has it; its labels and the held-out prompt likewise."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    from dtensor_mimo.data.conversation import ConversationDataset
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate([*specials, *sorted(pre_tokenizers.ByteLevel.alphabet()), "ĊĠ", "ĊĊ"])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("Ċ", "Ġ"), ("Ċ", "Ċ")]))
+    backend.add_special_tokens(specials)
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
+                                                     pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHATML.replace("'\\n' }}{% if message['role'] == 'assistant' %}",
+                                             "'\\n' }}{% if message['role'] == 'assistant' %}{{ '\\n' }}"
+                                             ).replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n\\n'")
+    assert tokenizer.tokenize("a\n\n") == ["a", "ĊĊ"] and tokenizer.tokenize("a\n\n \nb") == ["a", "Ċ", "ĊĠ", "Ċ", "b"]
+    turns = [("human", "What ?"), ("gpt", " \nA cat .")]
+    data = ConversationDataset(str(tmp_path / "train.jsonl"), tokenizer, {}, seq_len=96,
+                               samples=[{"id": "s", "conversations": [{"from": f, "value": v} for f, v in turns]}])
+    roles = {"human": "user", "gpt": "assistant"}
+    reference = tokenizer.apply_chat_template([{"role": roles[f], "content": v} for f, v in turns],
+                                              return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = reference["input_ids"], reference["assistant_masks"]
+    first = mask.index(1)
+    assert tokenizer.convert_ids_to_tokens(ids[first - 1:first + 1]) == ["Ċ", "ĊĠ"]  # the case at hand
+    expected = [ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
+    batch = data.batch([0])
+    assert batch.tokens[0, :len(ids)].tolist() == ids
+    assert batch.labels[0].tolist() == expected + [IGNORE_INDEX] * (96 - len(ids))
+    assert data[0].answers[0][0] == first
+    assert (data.prompts([0]).tokens[0, first:] == tokenizer.pad_token_id).all()
 
 
 def test_a_batch_written_in_place_is_read_anew() -> None:

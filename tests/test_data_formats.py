@@ -31,6 +31,7 @@ text-only samples) is written as the reference JSON list and again as:
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import shutil
@@ -139,9 +140,16 @@ def test_every_format_gives_the_json_batches(corpus) -> None:
         assert m.items_per_sample == w.items_per_sample, name
         assert torch.equal(m.inputs, w.inputs), name
         assert [got.train[i].id for i in indices] == [reference.train[i].id for i in indices], name
-        # a rank that encodes only sample 2 of the batch: the same rows, only that sample's pixels
-        part = got.train.batch(indices, load={"image": [2]})
-        assert torch.equal(part.tokens, want.tokens)
+        # a rank that encodes only some samples of the batch: the same rows, only those samples' pixels
+        # (each at its own items; every other item zeros)
+        offsets = [0, *itertools.accumulate(w.items_per_sample)]
+        for loaded in ([2], [0, 2, 3, 6]):
+            part = got.train.batch(indices, load={"image": loaded})
+            assert torch.equal(part.tokens, want.tokens)
+            expected = torch.zeros_like(w.inputs)
+            for r in loaded:
+                expected[offsets[r]:offsets[r + 1]] = w.inputs[offsets[r]:offsets[r + 1]]
+            assert torch.equal(part.modalities["image"].inputs, expected), (name, loaded)
         assert got.items_per_sample == reference.items_per_sample, name
 
 
@@ -406,6 +414,31 @@ def test_images_are_read_as_their_exif_orientation_shows_them(tmp_path) -> None:
         fitted = image_inputs(_Pixels(), fit=(16, 0, 32 * 32))
         assert fitted.shape(str(tmp_path / name)) == (3, 32, 16), name
         assert torch.equal(fitted([str(tmp_path / name)])[0], shown), name
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_images_of_every_exif_orientation_are_what_pillows_exif_transpose_shows(tmp_path, orientation) -> None:
+    """Each of the eight EXIF orientations (mirrored ones, 2 4 5 7, as a front camera writes them;
+    5 and 7 also stored on their side): the pixels are Pillow's `ImageOps.exif_transpose` of the
+    file, and under items of their own size the header's shape is the shown image's (5 to 8:
+    height and width swapped)."""
+    import numpy as np
+    from PIL import Image, ImageOps
+
+    from dtensor_mimo.data.conversation import image_inputs
+
+    stored = np.random.default_rng(orientation).integers(0, 256, (16, 32, 3), dtype=np.uint8)  # no symmetry
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    path = str(tmp_path / f"o{orientation}.png")
+    Image.fromarray(stored).save(path, exif=exif)
+    with Image.open(path) as image:
+        shown = np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
+    expected = torch.tensor(shown.copy()).permute(2, 0, 1).float()
+    assert torch.equal(image_inputs(_Pixels())([path])[0], expected)
+    fitted = image_inputs(_Pixels(), fit=(16, 0, 32 * 32))
+    assert fitted.shape(path) == (3, *shown.shape[:2])
+    assert torch.equal(fitted([path])[0], expected)
 
 
 def test_transparent_images_are_what_transformers_processors_make_of_them(tmp_path) -> None:

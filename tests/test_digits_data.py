@@ -333,6 +333,18 @@ def test_sampler_epochs_are_permutations_and_differ():
     assert [i for b in ResumableBatchSampler(10, 3, shuffle=False) for i in b] == list(range(9))
 
 
+def test_sampler_orders_follow_the_seed():
+    """data.seed draws the order (documented: shuffled per epoch from (seed, epoch)): two seeds
+    give other orders in every epoch, not one order whatever the seed."""
+    for epoch in range(3):
+        orders = set()
+        for seed in range(4):
+            sampler = ResumableBatchSampler(num_samples=64, batch_size=8, seed=seed)
+            sampler.epoch = epoch
+            orders.add(tuple(i for b in sampler for i in b))
+        assert len(orders) == 4, epoch
+
+
 @pytest.mark.parametrize("taken", [0, 2, 3, 5])  # 3 batches per epoch: mid-epoch and at its end
 def test_sampler_state_round_trips(taken):
     reference = ResumableBatchSampler(10, 3, seed=5)

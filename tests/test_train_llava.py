@@ -933,6 +933,25 @@ def test_fit_image_size_keeps_the_aspect_within_the_budget(source, fitted) -> No
     assert fit_image_size(*source, patch=4, min_pixels=128, max_pixels=512) == fitted
 
 
+def test_fit_image_size_is_qwen2_vls_smart_resize() -> None:
+    """Where Qwen2-VL's own rule (transformers' `smart_resize`) gives sides of at least one patch
+    within the budget, `fit_image_size` is it, for every source size up to 96 x 96 (e.g. 8 x 12,
+    96 px under the 128 minimum: scaled by 1.155 to 9.2 x 13.9, each side rounded up to 12 x 16;
+    rounded to the nearest patch it would be 8 x 12 again, under the minimum)."""
+    qwen = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+    from dtensor_mimo.data.conversation import fit_image_size
+
+    compared = 0
+    for height in range(3, 97):
+        for width in range(3, 97):
+            expected = qwen.smart_resize(height, width, factor=4, min_pixels=128, max_pixels=512)
+            if min(expected) < 4 or expected[0] * expected[1] > 512:  # outside the rule's own bounds
+                continue
+            assert fit_image_size(height, width, 4, 128, 512) == expected, (height, width)
+            compared += 1
+    assert compared > 8000 and fit_image_size(8, 12, 4, 128, 512) == (12, 16)
+
+
 # The varied data set: sample id -> its images' source sizes (h, w); -> sizes and 4x4-patch rows after fitting.
 VARIED = {"square": [(16, 16)], "wide": [(16, 24)], "big": [(40, 40)], "small": [(8, 8)],
           "pair": [(16, 16), (16, 24)], "text": []}
