@@ -207,9 +207,18 @@ def test_an_unreadable_header_in_the_first_training_sample_does_not_cost_the_exp
     _emptied_image(str(tmp_path / "run" / "data"), first)
     argv = [*ARGS, "--train.steps", "1", "--data.heldout", "none", "--data.skip_bad_media", "true",
             "--model.encoders.image.dynamic_resolution", "true", "--layout.language.offset", "0",
-            "--pipeline.microbatches", "1"]
+            "--pipeline.microbatches", "1", "--checkpoint.export_dtype", "bfloat16"]
     run_on_ranks(_run_in, 1, str(tmp_path / "run"), argv, timeout=300)
     assert os.path.exists(tmp_path / "run" / "out" / "hf" / "config.json")
+    # every tensor written in checkpoint.export_dtype (the run trains in float32)
+    from safetensors import safe_open
+
+    shards = [n for n in os.listdir(tmp_path / "run" / "out" / "hf") if n.endswith(".safetensors")]
+    dtypes = set()
+    for name in shards:
+        with safe_open(str(tmp_path / "run" / "out" / "hf" / name), "pt") as f:
+            dtypes |= {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert shards and dtypes == {"BF16"}, (shards, dtypes)
 
 
 def _row_weights_per_step(cwd: str, argv: list[str]) -> list[list[float]]:

@@ -725,6 +725,26 @@ def test_keep_counts_the_checkpoints_up_to_the_step_saved(tmp_path) -> None:
     assert names == ["step-000002", "step-000003", "step-000009"]
 
 
+def _save_past_a_newer_corrupt_one(directory: str) -> tuple[list[str], str | None]:
+    _save(directory, [1, 2, 9])  # keep = 2: steps 2 and 9 stay
+    if dist.get_rank() == 0:
+        _flip(checkpoint.checkpoint_path(directory, 9))  # every file of its size: only its checksum is wrong
+    dist.barrier()
+    resumed, _ = checkpoint.choose_checkpoint(directory)
+    _save(directory, [3])
+    return sorted(os.listdir(directory)), resumed
+
+
+def test_keep_does_not_count_a_newer_checkpoint_whose_checksum_is_wrong(tmp_path) -> None:
+    """keep = 2 after resuming past a newer checkpoint that fails only its checksum (a bit flipped,
+    every file of its size): the resumed run starts at step 2, and saving step 3 keeps steps 2 and
+    3. The newer step 9, complete to a size check, is not one of the two (counting it deleted step
+    2, the only good checkpoint but the new save) and is not deleted either."""
+    ((names, resumed),) = run_on_ranks(_save_past_a_newer_corrupt_one, 1, str(tmp_path), timeout=120)
+    assert resumed == checkpoint.checkpoint_path(str(tmp_path), 2)
+    assert names == ["step-000002", "step-000003", "step-000009"]
+
+
 def _save_past_an_older_damaged_one(directory: str) -> tuple[list[str], list[str]]:
     _save(directory, [1, 2])
     if dist.get_rank() == 0:

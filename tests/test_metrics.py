@@ -204,6 +204,44 @@ def test_step_flops_count_attention_at_the_heads_width() -> None:
     assert Trainer._flops(trainer) == 2 * 2 * params * tokens + 3 * 4 * layers * seq * heads * head_dim * tokens
 
 
+def test_step_flops_count_each_encoder_at_its_items_and_training() -> None:
+    """An encoder's FLOPs per step: its tower over batch x (mean items per sample) x (rows per
+    item) rows, attention at the item's rows; forward only when the tower is frozen (no backward
+    runs through it: nothing before it trains), x3 when it trains; its projection always trained."""
+    from types import SimpleNamespace
+
+    from dtensor_mimo.models.llama import Llama, LlamaConfig
+    from dtensor_mimo.models.modality_encoder import ModalityEncoder
+    from dtensor_mimo.models.projection import Projection
+    from dtensor_mimo.models.vit import ViT, ViTConfig
+    from dtensor_mimo.train.trainer import Trainer
+
+    batch, seq, items, rows, vdim, vlayers = 2, 8, 1.5, 4, 16, 2
+    with torch.device("meta"):
+        llama = Llama(LlamaConfig(vocab_size=50, dim=32, n_layers=1, n_heads=4, n_kv_heads=4, ffn_hidden=64))
+        tower = ViT(ViTConfig(image_size=8, patch_size=4, dim=vdim, n_layers=vlayers, n_heads=2))
+        vision = ModalityEncoder(tower, Projection(vdim, 32))
+    section = SimpleNamespace(frozen=True)
+    trainer = SimpleNamespace(
+        config=SimpleNamespace(data=SimpleNamespace(batch_size=batch), model=SimpleNamespace(
+            language=SimpleNamespace(frozen=False))),
+        modules={"language": llama, "vision": vision}, seq_len=seq,
+        resolved=SimpleNamespace(encoders={"vision": SimpleNamespace(tokens_per_item=99, section=section)}),
+        data=SimpleNamespace(tokens_per_item={"vision": float(rows)}, items_per_sample={"vision": items}))
+    language_only = dict(trainer.modules)
+    del language_only["vision"]
+    alone = SimpleNamespace(**{**vars(trainer), "modules": language_only, "resolved": SimpleNamespace(encoders={})})
+    language = Trainer._flops(alone)
+    t = int(batch * items * rows)  # 12 rows of the tower per step
+    tower_params = sum(p.numel() for p in tower.parameters())
+    projection_params = 16 * 32 + 32 + 32 * 32 + 32  # fc1, fc2 with their biases
+    tower_pass = 2 * tower_params * t + 4 * vlayers * rows * vdim * t
+    projection = 3 * 2 * projection_params * t
+    assert Trainer._flops(trainer) == language + tower_pass + projection  # frozen tower: its forward alone
+    section.frozen = False
+    assert Trainer._flops(trainer) == language + 3 * tower_pass + projection
+
+
 def _stopped_at_the_last_step_then_rerun(argv: list[str]) -> str | None:
     """The run of `argv` stopped by SIGTERM during its last step (its checkpoint then holds that
     step, and no evaluation ran), then the requeued command, which resumes there and evaluates."""

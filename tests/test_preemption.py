@@ -35,6 +35,7 @@ import pytest
 import torch.distributed as dist
 
 from dtensor_mimo.train.checkpoint import verify
+from dtensor_mimo.train.preemption import STOP_SIGNALS
 from dtensor_mimo.train.config import parse_args
 from tests.harness import run_on_ranks
 
@@ -49,6 +50,23 @@ ENV = {**os.environ, "PYTHONPATH": REPO}
 
 
 # ---------------------------------------------------------------------------- the step's votes
+
+
+@pytest.mark.parametrize(("votes", "expected"), [
+    ((0.0, 1.0, 1.0), signal.SIGINT), ((1.0, 2.0, 1.0), signal.SIGTERM), ((0.0, 0.0, 3.0), signal.SIGUSR1),
+    ((0.0, 0.0, 0.0), None)])
+def test_the_summed_stop_votes_name_the_first_signal_any_rank_got(votes, expected) -> None:
+    """The summed votes (SIGTERM, SIGINT, SIGUSR1: ranks that got each) stop the run for SIGTERM
+    when any rank got it, else SIGINT, else SIGUSR1 (the scheduler's word wins: its exit status
+    143 is what it requeues on); none: the run goes on."""
+    from types import SimpleNamespace
+
+    from dtensor_mimo.train.trainer import Trainer
+
+    assert [s.name for s in STOP_SIGNALS] == ["SIGTERM", "SIGINT", "SIGUSR1"]
+    trainer = SimpleNamespace(stopped=None)
+    Trainer._agree_on_stop(trainer, votes)
+    assert trainer.stopped == expected
 
 
 def _votes_and_unusable() -> tuple[tuple[float, ...], str]:

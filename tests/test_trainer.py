@@ -69,7 +69,7 @@ def run_a(tmp_path_factory):
     """Layout A, 6 steps, checkpoints at steps 3 and 6, written in the background."""
     d = tmp_path_factory.mktemp("a")
     argv = [*SHORT, *LAYOUT_A, "--checkpoint.dir", str(d / "ckpt"), "--checkpoint.every", "3",
-            "--checkpoint.async_mode", "async", "--metrics.jsonl", str(d / "m.jsonl")]
+            "--checkpoint.async_mode", "async", "--metrics.jsonl", str(d / "m.jsonl"), "--metrics.peak_tflops", "2"]
     run_on_ranks(_train, 4, argv, timeout=300)
     return d, argv
 
@@ -84,6 +84,8 @@ def test_metrics_jsonl_fields(run_a) -> None:
         for key in ("loss", "grad_norm", "tokens_per_s", "lr", "step_s", "forward_backward_s"):
             assert isinstance(r[key], float) and math.isfinite(r[key]), (key, r)
         assert r["tokens_per_s"] > 0 and r["lr"] > 0
+        # MFU: the step's model FLOPs/s (the whole world's) over the peak of the 4 ranks (2 TFLOP/s each)
+        assert r["mfu"] == pytest.approx(r["tflops"] / (2.0 * 4)), r
     assert steps[0]["lr"] == pytest.approx(1e-3 * 0.5)  # warmup 2 steps: half the peak at step 1
     assert "heldout_answer" in records[-1]
     assert math.isfinite(records[-1]["heldout_loss"]) and records[-1]["heldout_loss"] > 0
@@ -546,13 +548,13 @@ def test_main_command_short_run(tmp_path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "dtensor_mimo.train", "--train.steps", "6", "--data.heldout_samples", "8",
          "--lr_schedule.warmup_steps", "2", "--metrics.jsonl", str(tmp_path / "m.jsonl"),
-         "--metrics.log_every", "3",
+         "--metrics.log_every", "4",
          *[f"--options.{m}.compile_backend=aot_eager" for m in ("vision", "audio", "language")]],
         capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "held-out accuracy: 0." in out.stdout or "held-out accuracy: 1.00" in out.stdout
     assert "language  1   1   1   1   2..2   own ranks" in out.stdout
-    assert len(_losses(str(tmp_path / "m.jsonl"))) == 2
+    assert sorted(_losses(str(tmp_path / "m.jsonl"))) == [4, 6]  # every log_every-th step, and the last
 
 
 def test_main_command_rejects_bad_config_before_starting(tmp_path) -> None:
