@@ -1357,6 +1357,14 @@ def test_a_run_where_nothing_trains_is_refused_before_any_process(tiny: str, tmp
         run_on_ranks(_train, 2, tiny, argv, timeout=300)
     assert str(refused.value).count(message) == 2, str(refused.value)[-3000:]
     assert not os.path.exists(tmp_path / "m.jsonl")  # no step ran
+    # A factory's module no Hugging Face directory holds, with checkpoint.export_hf: the run trained
+    # to its end, then failed in the export (TypeError); refused by every rank before any step.
+    export = [*argv, "--model.language.frozen", "false", "--checkpoint.export_hf", "out/hf"]
+    with pytest.raises(DistributedTestFailure) as refused:
+        run_on_ranks(_train, 2, tiny, export, timeout=300)
+    assert str(refused.value).count("checkpoint.export_hf = 'out/hf': the trained model cannot be written as Hugging "
+                                    "Face directories: module 'image': no Hugging Face export for") == 2
+    assert not os.path.exists(tmp_path / "m.jsonl")
     # the encoder's projection trains when it is a ModalityEncoder: accepted
     cwd = os.getcwd()
     os.chdir(tiny)

@@ -166,6 +166,20 @@ def export_hf(model: MimoModel, path: str, *, modalities: Mapping[str, str], spe
                            "the problem); the directory is incomplete")
 
 
+def kind_problem(modules: Mapping[str, nn.Module]) -> str | None:
+    """Why `modules` (the trainer's, built on the meta device) could not be exported, or None: a
+    module, or a `ModalityEncoder`'s tower or projection, of a kind no Hugging Face directory
+    holds (a factory's). Known once they are built, before the first step: not after the last."""
+    for name, module in modules.items():
+        parts = [module.encoder, module.projection] if isinstance(module, ModalityEncoder) else [module]
+        for part in parts:
+            try:
+                module_spec(part, torch.float32)
+            except TypeError as e:
+                return f"module {name!r}: {e}"
+    return None
+
+
 def config_problem(language: LlamaConfig, towers: Mapping[str, ViTConfig | AudioConfig],
                    modalities: Mapping[str, str], processors: Mapping[str, object] | None = None) -> str | None:
     """Why `export_hf` would refuse a model of a `Llama` of config `language` and an encoder per

@@ -128,8 +128,8 @@ def _check_writable(option: str, path: str, directory: bool) -> None:
 
 def _check_export(config: TrainerConfig, resolved: ResolvedModel, with_processors: bool = False) -> None:
     """Refuse a `checkpoint.export_hf` whose model no Hugging Face directory can hold now, not
-    after the run's last step (a factory's module is judged by `export_hf` itself: its kind is
-    known only once built)."""
+    after the run's last step (a factory's module is judged once built, by every rank before its
+    first step: `dtensor_mimo.train.export.kind_problem`)."""
     towers = {n: e.config for n, e in resolved.encoders.items()}
     if not config.checkpoint.export_hf or resolved.language is None or None in towers.values():
         return

@@ -326,6 +326,13 @@ class Trainer:
         # On the meta device: each rank allocates and initializes only its own shards, below.
         self.modules = build_modules(config, self.resolved, self.seq_len, meta=True)
         refuse_nothing_trains(config, self.modules)  # (every rank alike, before any collective)
+        if config.checkpoint.export_hf:  # a factory's module: its kind known now, not after the last step
+            from dtensor_mimo.train.export import kind_problem
+
+            if problem := kind_problem(self.modules):
+                raise ConfigError(f"checkpoint.export_hf = {config.checkpoint.export_hf!r}: the trained model cannot "
+                                  f"be written as Hugging Face directories: {problem}; remove checkpoint.export_hf "
+                                  "(and save with checkpoint.dir) or change that module")
         d = config.data
         # The exact sample count (the sampler's shuffle and the checkpoint's data position need it):
         # conversation files are indexed here (JSONL line starts, tar headers, table row counts),
