@@ -129,7 +129,6 @@ class MimoModel(nn.Module):
         super().__init__()
         refused: Exception | None = None
         try:
-            untie_for_stages(layout, language, language_name, pipeline)
             check_model(layout, language, encoders, language_name, options or {}, pipeline)
             check_hops(bridge_hops, "MimoModel bridge_hops")
             check_device_type(device_type, "MimoModel device_type")
@@ -164,6 +163,7 @@ class MimoModel(nn.Module):
                 raise refused
         else:
             layout.init_meshes(device_type, agree)
+        untie_for_stages(layout, language, language_name, pipeline)  # (checked and agreed: the model is kept)
         self.layout, self.language_name, self.encoder_names = layout, language_name, list(encoders)
         self.options = {name: (options or {}).get(name, ParallelOptions()) for name in self.module_names}
         self.dim = language.config.dim

@@ -202,6 +202,12 @@ def test_step_flops_count_attention_at_the_heads_width() -> None:
     assert Trainer._flops(trainer) == expected
     language.frozen = True  # forward, and the backward through it to the projections' rows (no weight gradients)
     assert Trainer._flops(trainer) == 2 * 2 * params * tokens + 3 * 4 * layers * seq * heads * head_dim * tokens
+    language.frozen = False  # a tied head (one parameter, listed once as the embedding) is still a matmul
+    with torch.device("meta"):
+        trainer.modules["language"] = Llama(LlamaConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads,
+                                                        n_kv_heads=kv_heads, head_dim=head_dim, ffn_hidden=ffn,
+                                                        tie_embeddings=True))
+    assert Trainer._flops(trainer) == expected
 
 
 def test_step_flops_count_each_encoder_at_its_items_and_training() -> None:

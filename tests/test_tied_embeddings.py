@@ -274,6 +274,7 @@ def test_the_trainer_trains_a_tied_directory_tied(tmp_path) -> None:
     holds the one tensor, and its LLaVA export is tied (no lm_head tensor) and loads in
     transformers with the head as the embedding."""
     pytest.importorskip("PIL")
+    from tests.harness import DistributedTestFailure
     from tests.test_train_llava import ORACLE, _run, make
 
     tiny = str(tmp_path / "tiny")
@@ -291,6 +292,17 @@ def test_the_trainer_trains_a_tied_directory_tied(tmp_path) -> None:
     (step,) = glob.glob(os.path.join(ckpt, "step*"))
     keys = FileSystemReader(step).read_metadata().state_dict_metadata
     assert "model.language.tok_embeddings.weight" in keys and "model.language.output.weight" not in keys
+    # `model.language.untie_embeddings`: two copies (as runs before tied training, whose checkpoints
+    # hold both); resuming the tied run's checkpoint so is refused naming the tie and the key
+    untied = [*ORACLE, "--train.steps", "3", "--layout.language.offset", "0", "--model.language.hf", lm,
+              "--checkpoint.export_hf", "none", "--model.language.untie_embeddings", "true"]
+    with pytest.raises(DistributedTestFailure, match=r"missing from the checkpoint: model.language.output.weight "
+                                                     r"\(model.language.output.weight: a decoder with tied embeddings"):
+        _run(tiny, [*untied, "--checkpoint.dir", ckpt])
+    _run(tiny, [*untied, "--train.steps", "1", "--checkpoint.dir", str(tmp_path / "two")])
+    (step,) = glob.glob(os.path.join(tmp_path, "two", "step*"))
+    keys = FileSystemReader(step).read_metadata().state_dict_metadata
+    assert "model.language.tok_embeddings.weight" in keys and "model.language.output.weight" in keys
 
 
 def test_a_head_untied_for_stages_starts_as_the_embedding() -> None:

@@ -146,6 +146,7 @@ def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> Non
     (["--lr_schedule.min_lr_ratio", "2"], "lr_schedule: LRSchedule.min_lr_ratio is a fraction of the peak lr"),
     (["--layout.vision.offset", "-1"], "layout.vision: offset must be a rank >= 0, got -1"),
     (["--model.language.freeze", "true"], "unknown key 'model.language.freeze'"),
+    (["--model.language.untie_embeddings", "true"], "model.language.untie_embeddings: not used by this config"),
     (["--model.language.hf", "a", "--model.language.factory", "b:c"], "model.language: give hf or factory, not both"),
     (["--model.encoders.vision.factory", "nodots"], "expected 'package.module:function'"),
     # a module named like a key of [layout] could not be laid out (its table read as that key's value)

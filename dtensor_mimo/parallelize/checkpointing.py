@@ -37,7 +37,7 @@ def _recomputed(block: nn.Module, forward, *args, **kwargs):
 
 def checkpoint_blocks(blocks: nn.ModuleDict, every: int, compile_backend: str | None = None,
                       compile_mode: str | None = None, compile_options: Mapping[str, Any] | None = None,
-                      first: int = 0) -> set[str]:
+                      first: int = 0, dynamic: bool | None = None) -> set[str]:
     """Recompute the activations of every `every`-th block (the first, then every n-th) in
     backward instead of keeping them; returns the names of those blocks. `first`: the position
     of the first of `blocks` in the whole stack (a pipeline stage's blocks are counted as the
@@ -48,7 +48,7 @@ def checkpoint_blocks(blocks: nn.ModuleDict, every: int, compile_backend: str | 
     eager model. With `compile_backend` (and torch.compile's `compile_mode` or `compile_options`), the block's
     forward is compiled *inside* the checkpoint (torch 2.13's traced checkpoint region fails on
     DTensor activations: "expected all tensors_saved_with_vc_check to be Tensors");
-    recomputation reruns the compiled code.
+    recomputation reruns the compiled code; `dynamic`: torch.compile's (`compile_blocks`).
     Applied before FSDP2, whose hooks sit outside ``forward``: its pre-backward unshard runs
     before the recomputation needs the parameters.
     """
@@ -57,7 +57,8 @@ def checkpoint_blocks(blocks: nn.ModuleDict, every: int, compile_backend: str | 
         if i % every == 0:
             forward = block.forward
             if compile_backend is not None:
-                forward = torch.compile(forward, backend=compile_backend, mode=compile_mode, options=compile_options)
+                forward = torch.compile(forward, backend=compile_backend, mode=compile_mode, options=compile_options,
+                                        dynamic=dynamic)
             block.forward = functools.partial(_recomputed, block, forward)
             names.add(name)
     return names

@@ -18,10 +18,11 @@ _SHARERS: dict[Any, weakref.WeakSet] = {}
 
 
 def compile_blocks(blocks: nn.ModuleDict, backend: str = "inductor", skip: AbstractSet[str] = frozenset(),
-                   mode: str | None = None, options: Mapping[str, Any] | None = None) -> None:
+                   mode: str | None = None, options: Mapping[str, Any] | None = None,
+                 dynamic: bool | None = None) -> None:
     """Compile each block in place with `nn.Module.compile`, except the blocks named in `skip`;
     `mode` and `options`: torch.compile's (`ParallelOptions.compile_kwargs`; one or the other),
-    None for its defaults.
+    None for its defaults; `dynamic`: torch.compile's (False: static shapes, one variant each).
 
     `skip`: blocks already compiled another way — `checkpoint_blocks` compiles a checkpointed
     block's forward *inside* its checkpoint; compiling it again from outside would trace the
@@ -34,7 +35,8 @@ def compile_blocks(blocks: nn.ModuleDict, backend: str = "inductor", skip: Abstr
     """
     for name, block in blocks.items():
         if name not in skip:
-            block.compile(backend=backend, mode=mode, options=options)
+            block.compile(backend=backend, mode=mode, options=options,
+                          **({} if dynamic is None else {"dynamic": dynamic}))
 
 
 def share_variants(stack: nn.Module, *pieces: nn.Module) -> None:

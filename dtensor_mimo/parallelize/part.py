@@ -135,10 +135,11 @@ def tied_parameters(module: nn.Module) -> list[list[str]]:
 
 
 def library_ties(module: nn.Module) -> list[tuple[str, ...]]:
-    """The names of the tied head of each library `Llama` in `module` built tied
-    (`LlamaConfig.tie_embeddings`: ``tok_embeddings.weight``, ``output.weight`` under its
-    prefix), which its tp plan keeps tied (`apply_llama_tp`) and its exports write tied; a user's
-    module, or a Llama tied by hand against its config, keeps its ties refused."""
+    """The names of the tied head of each library `Llama` in `module` (itself, or the stage that
+    holds it) built tied (`LlamaConfig.tie_embeddings`: ``tok_embeddings.weight``,
+    ``output.weight`` under its prefix), which its tp plan keeps tied (`apply_llama_tp`), a
+    pipeline split unties by name (`untie_for_stages`) and its exports write tied; a user's own
+    tied parameters, or a Llama tied by hand against its config, stay refused."""
     return [(f"{prefix}tok_embeddings.weight", f"{prefix}output.weight")
             for prefix, m in ((f"{n}." if n else "", m) for n, m in module.named_modules())
             if isinstance(m, Llama) and m.config.tie_embeddings and m.tok_embeddings is not None
@@ -212,11 +213,16 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
                 units.append(stack)
             continue
         compiled = options.compile_kwargs if options.compile else {}
+        # Blocks under tp whose rows per call are fixed (a decoder's: its sequence length) compile
+        # static shapes, one variant per length: traced with a symbolic length, a second length's
+        # backward recursed without end in torch's tracer (a DTensor `sym_max`), on every tp rank.
+        static = tp_size(tp_mesh) > 1 and not ragged_rows
         done = (checkpoint_blocks(layers, options.activation_checkpointing, compiled.get("backend"),
-                                  compiled.get("mode"), compiled.get("options"), first=first_block)
+                                  compiled.get("mode"), compiled.get("options"), first=first_block,
+                                  dynamic=False if static else None)
                 if options.activation_checkpointing else set())
         if options.compile and not whole:
-            compile_blocks(layers, skip=done, **options.compile_kwargs)
+            compile_blocks(layers, skip=done, **options.compile_kwargs, dynamic=False if static else None)
             share_variants(stack, *layers.values())
         units.extend(layers.values())
     if fp8 is not None and not fp8.emulate and not fp8_layers(root):

@@ -14,7 +14,7 @@ from dtensor_mimo.models import ModalityEncoder
 from dtensor_mimo.models.protocol import ItemRule, encoder_problems, language_problems
 from dtensor_mimo.models.vit import self_attentions
 from dtensor_mimo.parallelize import ParallelOptions
-from dtensor_mimo.parallelize.part import check_compile_layout, check_tp_sizes, check_untied
+from dtensor_mimo.parallelize.part import check_compile_layout, check_tp_sizes, check_untied, library_ties
 from dtensor_mimo.schedule.config import (ZERO_BUBBLE_SCHEDULES, PipelineConfig, check_pipeline_layout,
                                           stage_layers)
 
@@ -89,8 +89,9 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
         if stages > 1:
             cut = f"pp={par.pp}" if stages == par.pp else \
                 f"pp={par.pp} x virtual_stages={stages // par.pp} = {stages} pipeline stages"
-            check_untied(name, language if name == language_name else encoders[name],
-                         f"{cut}: the pipeline split gives each stage its own pieces")
+            module = language if name == language_name else encoders[name]
+            check_untied(name, module, f"{cut}: the pipeline split gives each stage its own pieces",
+                         allowed=library_ties(module))  # (the library's tied decoder: `untie_for_stages` after)
         check_compile_layout(name, options.get(name, ParallelOptions()), par)
         if par.hsdp and not options.get(name, ParallelOptions()).fsdp:
             raise LayoutError(f"{name!r} has dp_replicate={par.dp_replicate} (HSDP: FSDP2 shards within replica "

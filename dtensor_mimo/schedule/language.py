@@ -213,7 +213,7 @@ def untie_for_stages(layout: MimoLayout, language: nn.Module, name: str, config:
     last, each stage its own FSDP2 root), give its head its own copy of the embedding, with a
     warning naming the module (`dtensor_mimo.models.llama.untie_embeddings`): the copies train
     apart, as before tied models were supported. A user's tied decoder stays refused by name
-    (`check_untied`). Before `check_model`, on every rank alike."""
+    (`check_untied`). After `check_model` (a refused model is left as it was), on every rank alike."""
     if (not isinstance(language, Llama) or not language.config.tie_embeddings or name not in layout.names
             or language.tok_embeddings is None
             or language.output is None or language.output.weight is not language.tok_embeddings.weight):

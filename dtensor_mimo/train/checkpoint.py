@@ -671,7 +671,13 @@ def check_checkpoint(path: str, expected: Mapping[str, tuple[int, ...]]) -> None
             parts.append(f"not in the model: {_short(unexpected)}")
         if shapes:
             parts.append(f"different shapes: {_short(shapes)}")
-        raise CheckpointError(f"checkpoint {path} does not match the model: " + "; ".join(parts) +
+        heads = [k for k in missing + unexpected if k.endswith(".output.weight")
+                 and k.replace(".output.weight", ".tok_embeddings.weight") in saved]
+        hint = (f" ({heads[0]}: a decoder with tied embeddings (tie_word_embeddings) trains one parameter "
+                "unless pipeline stages cut it in two, and decoders from such directories trained two copies "
+                "before 2026-11-29: resume under the layout it was saved with, or with model.language."
+                "untie_embeddings = true for a checkpoint of two copies)") if heads else ""
+        raise CheckpointError(f"checkpoint {path} does not match the model: " + "; ".join(parts) + hint +
                               ". Build the model with the config the checkpoint was saved with.")
 
 

@@ -113,6 +113,9 @@ class LanguageSection:
         seed: init seed of whatever the checkpoint does not fill.
         frozen: the decoder does not train (LLaVA's first stage: only the projections do; its
             backward still carries the rows' gradients to them).
+        untie_embeddings: train a tied hf directory's output head (tie_word_embeddings) as a copy
+            of the token embedding of its own, as pipeline stages do and runs before 2026-11-29
+            did (their checkpoints hold both); default: tied, as transformers trains it.
     """
 
     hf: str | None = None
@@ -125,6 +128,7 @@ class LanguageSection:
     ffn_hidden: int = 128
     seed: int = 0
     frozen: bool = False
+    untie_embeddings: bool = False
 
 
 @dataclass
@@ -993,8 +997,9 @@ def check_config(config: TrainerConfig, world_size: int | None = None) -> None:
     if c.load_model_only and not c.load:
         raise ConfigError("checkpoint.load_model_only = true without checkpoint.load: name the checkpoint whose "
                           "model weights the run starts from (checkpoint.load = 'DIR'), or drop load_model_only")
-    if c.load_model_only and c.dir and os.path.commonpath([os.path.abspath(c.load), os.path.abspath(c.dir)]) == \
-            os.path.abspath(c.dir):  # the run would resume that checkpoint, all of it, as its own
+    if c.load_model_only and c.dir and os.path.abspath(c.dir) in (os.path.abspath(c.load),
+                                                                  os.path.dirname(os.path.abspath(c.load))):
+        # the run would resume that checkpoint (dir's step-N directories), all of it, as its own
         raise ConfigError(f"checkpoint.load_model_only = true with checkpoint.load = {c.load!r} inside "
                           f"checkpoint.dir = {c.dir!r}: a checkpoint in dir is resumed with its full state (optimizer, "
                           "step, data), not its weights alone; give the new run a checkpoint.dir of its own")
@@ -1303,10 +1308,13 @@ def _refuse_unused(config: TrainerConfig) -> None:
                                                                       "ffn_hidden"))]
     if not lang.factory:
         unused += [f"model.{LANGUAGE}.{n}" for n in _changed(lang, ("factory_args",))]
+    if not lang.hf:
+        unused += [f"model.{LANGUAGE}.{n}" for n in _changed(lang, ("untie_embeddings",))]
     if unused:
         raise ConfigError(f"{', '.join(unused)}: not used by this config (the library model's sizes apply without "
                           "hf or factory, image_size and patch_size to an image or video encoder's ViT; "
-                          "tokens_per_item and factory_args with a factory; feature_layer with an image tower's hf; "
+                          "tokens_per_item and factory_args with a factory; feature_layer with an image tower's hf, "
+                          f"untie_embeddings with model.{LANGUAGE}.hf; "
                           "max_patches with dynamic_resolution; data.image_max_pixels, image_min_pixels "
                           "(audio_max_seconds) with an encoder's dynamic_resolution (variable_length); "
                           "data.video_fps, video_max_frames, video_frame_text with a video encoder; data.root with "

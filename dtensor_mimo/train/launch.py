@@ -325,8 +325,8 @@ def refuse_srun_tasks() -> None:
                           "task per node that starts torchrun (srun --ntasks-per-node=1 torchrun "
                           "--nnodes=$SLURM_NNODES --nproc-per-node=GPUS --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT "
                           "-m dtensor_mimo.train ...), or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and "
-                          "MASTER_PORT for each task (one process alone in a step of several tasks: set "
-                          "SLURM_STEP_NUM_TASKS=1 for it)")
+                          "MASTER_PORT for each task (one process alone in a step of several tasks: unset "
+                          "SLURM_STEP_NUM_TASKS and SLURM_PROCID for it)")
 
 
 def command() -> NoReturn:

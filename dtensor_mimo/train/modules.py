@@ -387,6 +387,8 @@ def resolve(config: TrainerConfig) -> ResolvedModel:
             language = LlamaConfig.from_hf(path)
         except (ValueError, KeyError) as e:
             raise ConfigError(f"model.{LANGUAGE}.hf: {e}") from None
+        if lang.untie_embeddings:  # (its head then loads a copy of the embedding: `llama_source`)
+            language = dataclasses.replace(language, tie_embeddings=False)
         hf_paths[LANGUAGE] = path
         if tokenizer is not None:
             _check_vocab(config, tokenizer, language.vocab_size)

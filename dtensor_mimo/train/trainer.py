@@ -386,7 +386,9 @@ class Trainer:
         b = self.config.data.batch_size
         llama = self.modules[LANGUAGE]
         lc = llama.config
-        total = transformer_flops(sum(p.numel() for n, p in llama.named_parameters() if "embed" not in n),
+        # (every name: a tied head, listed once as the embedding, is a matmul the embedding is not)
+        total = transformer_flops(sum(p.numel() for n, p in llama.named_parameters(remove_duplicate=False)
+                                      if "embed" not in n),
                                   b * self.seq_len, lc.n_layers, _attention_width(lc), self.seq_len,
                                   not self.config.model.language.frozen, through=True)
         for name, e in self.resolved.encoders.items():
