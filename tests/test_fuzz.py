@@ -512,8 +512,11 @@ COMPILED_TP_NEW_LENGTH = Case({"vision": Parallelism(dp=2), "language": Parallel
 
 @pytest.mark.parametrize("case", [COMPILED_TP_NEW_LENGTH, dataclasses.replace(
     COMPILED_TP_NEW_LENGTH, options={"language": ParallelOptions(fsdp=False, compile=True, compile_backend="aot_eager",
-                                                                 sp=True, activation_checkpointing=1)})],
-    ids=["tp", "tp_sp_checkpointed"])
+                                                                 sp=True, activation_checkpointing=1)}),
+    dataclasses.replace(COMPILED_TP_NEW_LENGTH, options={"language": ParallelOptions(
+        fsdp=False, compile=True, compile_backend="aot_eager", compile_scope="module", loss_parallel=False,
+        chunked_loss=False)})],
+    ids=["tp", "tp_sp_checkpointed", "tp_whole"])
 def test_a_compiled_tp_decoder_trains_on_a_second_sequence_length(case: Case) -> None:
     """The fuzzer's draw (seed 31337, minimized): a decoder compiled per block at tp 2 trained at
     32 then 48 tokens; traced with a symbolic length, the second length's backward recursed

@@ -191,6 +191,10 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
     # backward instead of two.
     one_graph = (options.compile and options.compile_scope == "module" and isinstance(root, ModalityEncoder)
                  and not uses_fsdp(options, dp_mesh, wrap_one_rank))
+    # Stacks under tp whose rows per call are fixed (a decoder's: its sequence length) compile
+    # static shapes, one variant per length: traced with a symbolic length, a second length's
+    # backward recursed without end in torch's tracer (a DTensor `sym_max`), on every tp rank.
+    static = {"dynamic": False} if tp_size(tp_mesh) > 1 and not ragged_rows else {}
     for stack in parts:
         if fp8 is not None:
             convert_to_fp8(stack, fp8, name, options.fp8, tp_size(tp_mesh), tp_weight_splits(stack),
@@ -206,23 +210,19 @@ def parallelize(root: nn.Module, tp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh
         layers = blocks(stack)
         whole = layers is None or options.compile_scope == "module"
         if options.compile and whole and not one_graph:
-            stack.compile(**options.compile_kwargs)
+            stack.compile(**options.compile_kwargs, **static)
             share_variants(stack, stack)
         if layers is None:  # one FSDP2 unit (a projection: not checkpointed)
             if stack is not root:
                 units.append(stack)
             continue
         compiled = options.compile_kwargs if options.compile else {}
-        # Blocks under tp whose rows per call are fixed (a decoder's: its sequence length) compile
-        # static shapes, one variant per length: traced with a symbolic length, a second length's
-        # backward recursed without end in torch's tracer (a DTensor `sym_max`), on every tp rank.
-        static = tp_size(tp_mesh) > 1 and not ragged_rows
         done = (checkpoint_blocks(layers, options.activation_checkpointing, compiled.get("backend"),
                                   compiled.get("mode"), compiled.get("options"), first=first_block,
-                                  dynamic=False if static else None)
+                                  dynamic=static.get("dynamic"))
                 if options.activation_checkpointing else set())
         if options.compile and not whole:
-            compile_blocks(layers, skip=done, **options.compile_kwargs, dynamic=False if static else None)
+            compile_blocks(layers, skip=done, **options.compile_kwargs, dynamic=static.get("dynamic"))
             share_variants(stack, *layers.values())
         units.extend(layers.values())
     if fp8 is not None and not fp8.emulate and not fp8_layers(root):

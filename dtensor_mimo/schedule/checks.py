@@ -10,7 +10,7 @@ from torch import nn
 
 from dtensor_mimo.data import IGNORE_INDEX, MimoBatch
 from dtensor_mimo.layout import LayoutError, MimoLayout, torch_compat
-from dtensor_mimo.models import ModalityEncoder
+from dtensor_mimo.models import Llama, ModalityEncoder
 from dtensor_mimo.models.protocol import ItemRule, encoder_problems, language_problems
 from dtensor_mimo.models.vit import self_attentions
 from dtensor_mimo.parallelize import ParallelOptions
@@ -91,7 +91,8 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
                 f"pp={par.pp} x virtual_stages={stages // par.pp} = {stages} pipeline stages"
             module = language if name == language_name else encoders[name]
             check_untied(name, module, f"{cut}: the pipeline split gives each stage its own pieces",
-                         allowed=library_ties(module))  # (the library's tied decoder: `untie_for_stages` after)
+                         # the library's tied decoder itself: `untie_for_stages` unties it after the checks
+                         allowed=library_ties(module) if name == language_name and isinstance(module, Llama) else ())
         check_compile_layout(name, options.get(name, ParallelOptions()), par)
         if par.hsdp and not options.get(name, ParallelOptions()).fsdp:
             raise LayoutError(f"{name!r} has dp_replicate={par.dp_replicate} (HSDP: FSDP2 shards within replica "

@@ -675,8 +675,8 @@ def check_checkpoint(path: str, expected: Mapping[str, tuple[int, ...]]) -> None
                  and k.replace(".output.weight", ".tok_embeddings.weight") in saved]
         hint = (f" ({heads[0]}: a decoder with tied embeddings (tie_word_embeddings) trains one parameter "
                 "unless pipeline stages cut it in two, and decoders from such directories trained two copies "
-                "before 2026-11-29: resume under the layout it was saved with, or with model.language."
-                "untie_embeddings = true for a checkpoint of two copies)") if heads else ""
+                "before 2026-11-29: resume under the layout it was saved with, or, for a checkpoint of two copies, "
+                "with model.language.untie_embeddings = true (model.language.hf's decoder))") if heads else ""
         raise CheckpointError(f"checkpoint {path} does not match the model: " + "; ".join(parts) + hint +
                               ". Build the model with the config the checkpoint was saved with.")
 

@@ -172,7 +172,7 @@ def kind_problem(modules: Mapping[str, nn.Module]) -> str | None:
     holds (a factory's). Known once they are built, before the first step: not after the last."""
     for name, module in modules.items():
         parts = [module.encoder, module.projection] if isinstance(module, ModalityEncoder) else [module]
-        for part in parts:
+        for part in filter(None, parts):  # (a ModalityEncoder without a projection exports its tower)
             try:
                 module_spec(part, torch.float32)
             except TypeError as e:
