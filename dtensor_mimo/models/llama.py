@@ -300,6 +300,13 @@ class Llama(nn.Module):
         return h
 
 
+def head_is_embedding(llama: Llama) -> bool:
+    """Whether `llama` (a whole model or a pipeline stage's) holds both its token embedding and its
+    output head as one parameter (`LlamaConfig.tie_embeddings`)."""
+    return (llama.tok_embeddings is not None and llama.output is not None
+            and llama.output.weight is llama.tok_embeddings.weight)
+
+
 def untie_embeddings(llama: Llama, why: str) -> None:
     """Give a tied `llama`'s head a parameter of its own, a copy of the token embedding, in place
     (the whole model's config then says untied: its checkpoints and exports hold both), and warn

@@ -19,7 +19,7 @@ _SHARERS: dict[Any, weakref.WeakSet] = {}
 
 def compile_blocks(blocks: nn.ModuleDict, backend: str = "inductor", skip: AbstractSet[str] = frozenset(),
                    mode: str | None = None, options: Mapping[str, Any] | None = None,
-                 dynamic: bool | None = None) -> None:
+                   dynamic: bool | None = None) -> None:
     """Compile each block in place with `nn.Module.compile`, except the blocks named in `skip`;
     `mode` and `options`: torch.compile's (`ParallelOptions.compile_kwargs`; one or the other),
     None for its defaults; `dynamic`: torch.compile's (False: static shapes, one variant each).

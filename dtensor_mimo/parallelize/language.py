@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtensor_mimo.models import Llama
+from dtensor_mimo.models.llama import head_is_embedding
 from dtensor_mimo.parallelize.options import ParallelOptions
 from dtensor_mimo.parallelize.tensor_parallel import (
     SEQUENCE_DIM,
@@ -89,8 +90,7 @@ def apply_llama_tp(model: Llama, tp_mesh: DeviceMesh, options: ParallelOptions) 
     # A tied head (`LlamaConfig.tie_embeddings`): the vocab-parallel embedding and the colwise
     # head both shard the weight over the vocabulary, Shard(0) on the tp mesh, but each style
     # registers its own DTensor; the head takes the embedding's again, one parameter as before.
-    tied = (model.tok_embeddings is not None and model.output is not None
-            and model.output.weight is model.tok_embeddings.weight)
+    tied = head_is_embedding(model)
     parallelize_module(model, tp_mesh, plan)
     if tied:
         model.output.weight = model.tok_embeddings.weight

@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from dtensor_mimo.layout import LayoutError, Parallelism
 from dtensor_mimo.models import AudioEncoder, Llama, ModalityEncoder, Projection, ViT
+from dtensor_mimo.models.llama import head_is_embedding
 from dtensor_mimo.parallelize.checkpointing import checkpoint_blocks
 from dtensor_mimo.parallelize.compile import compile_blocks, share_variants
 from dtensor_mimo.parallelize.encoders import (ENCODER_BLOCK, apply_encoder_tp, apply_projection_tp,
@@ -142,8 +143,7 @@ def library_ties(module: nn.Module) -> list[tuple[str, ...]]:
     tied parameters, or a Llama tied by hand against its config, stay refused."""
     return [(f"{prefix}tok_embeddings.weight", f"{prefix}output.weight")
             for prefix, m in ((f"{n}." if n else "", m) for n, m in module.named_modules())
-            if isinstance(m, Llama) and m.config.tie_embeddings and m.tok_embeddings is not None
-            and m.output is not None and m.output.weight is m.tok_embeddings.weight]
+            if isinstance(m, Llama) and m.config.tie_embeddings and head_is_embedding(m)]
 
 
 def stacks(module: nn.Module) -> list[nn.Module]:

@@ -40,7 +40,7 @@ from dtensor_mimo.assemble import assemble, embed_text
 from dtensor_mimo.data import MimoBatch
 from dtensor_mimo.layout import MimoLayout
 from dtensor_mimo.models import FlexAttentionCore, Llama, causal_attention
-from dtensor_mimo.models.llama import untie_embeddings
+from dtensor_mimo.models.llama import head_is_embedding, untie_embeddings
 from dtensor_mimo.models.protocol import decoder_stage
 from dtensor_mimo.parallelize import ParallelOptions, compute_dtype, parallelize
 from dtensor_mimo.parallelize.reducer import StageReductions
@@ -215,8 +215,7 @@ def untie_for_stages(layout: MimoLayout, language: nn.Module, name: str, config:
     apart, as before tied models were supported. A user's tied decoder stays refused by name
     (`check_untied`). After `check_model` (a refused model is left as it was), on every rank alike."""
     if (not isinstance(language, Llama) or not language.config.tie_embeddings or name not in layout.names
-            or language.tok_embeddings is None
-            or language.output is None or language.output.weight is not language.tok_embeddings.weight):
+            or not head_is_embedding(language)):
         return
     pp = layout.parallelism(name).pp
     stages = config.num_stages(pp) if config is not None else pp

@@ -297,9 +297,13 @@ def _plain(param: torch.Tensor) -> torch.Tensor:
     return with_local(param, inner)
 
 
+def _parameter_keys(model: MimoModel) -> dict[str, Any]:
+    """This rank's parameters under checkpoint keys (``model.<module>.<name>``, `_plain`)."""
+    return {f"model.{m}.{n}": _plain(p) for m in model.module_names for n, p in model.module_parameters(m).items()}
+
+
 def _state(model: MimoModel, optimizer: MimoOptimizer, trainer: dict[str, Any]) -> dict[str, Any]:
-    state: dict[str, Any] = {f"model.{m}.{n}": _plain(p) for m in model.module_names
-                             for n, p in model.module_parameters(m).items()}
+    state = _parameter_keys(model)
     state.update(_buffer_keys(model, saving=True))
     state.update(_optimizer_keys(model, optimizer, init=True))
     # one leaf: DCP stores it once (equal on every rank); with the optimizer's update count (the
@@ -783,8 +787,7 @@ def _model_keys(path: str, model: MimoModel, meta: Mapping[str, Any], absent: li
         (warn or warnings.warn)(f"checkpoint {path} holds no {_short(absent)} (saved before checkpoints held "
                                 "buffers): they keep the model's current values")
     model.reshard()
-    state: dict[str, Any] = {f"model.{m}.{n}": _plain(p) for m in model.module_names
-                             for n, p in model.module_parameters(m).items()}
+    state = _parameter_keys(model)
     state.update({k: v for k, v in _buffer_keys(model, saving=False).items() if k in meta})
     return state
 
