@@ -84,6 +84,20 @@ def test_the_thread_derives_what_the_step_needs_from_the_global_batch() -> None:
     assert loss_normalizer(fewer) == 1.0 and step_fingerprint(fewer) != step_fingerprint(batch)
 
 
+def test_the_fingerprint_covers_a_packed_rows_documents() -> None:
+    """Ranks fed the same tokens cut into other documents (another packing) attend and rotate
+    otherwise: their step fingerprints differ, as do those of other rotary positions."""
+    s = _batch(0).seq_len
+    documents = torch.arange(s).div(4, rounding_mode="floor").expand(_batch(0).batch_size, s).contiguous()
+    packed = dataclasses.replace(_batch(0), document_ids=documents, positions=torch.arange(s).remainder(4).expand_as(
+        documents).contiguous())
+    same = dataclasses.replace(_batch(0), document_ids=documents.clone(), positions=packed.positions.clone())
+    halves = dataclasses.replace(same, document_ids=documents.div(2, rounding_mode="floor"))
+    shifted = dataclasses.replace(same, positions=packed.positions + 1)
+    assert step_fingerprint(same) == step_fingerprint(packed)
+    assert len({step_fingerprint(b) for b in (packed, halves, shifted, _batch(0))}) == 4
+
+
 def test_what_a_loader_worker_derives_crosses_with_the_batch() -> None:
     """A batch from a loader process (`Flat`, pickled) keeps what the worker derived from it."""
     from dtensor_mimo.data.transfer import Flat
