@@ -414,8 +414,10 @@ class MimoModel(nn.Module):
         (call on every rank with the same mapping). Each rank reads only the checkpoint rows of
         the blocks it holds (its tp / FSDP shards, its pipeline stages); an encoder's path fills
         its tower and, when the checkpoint holds one (a LLaVA directory), its projection
-        (`dtensor_mimo.models.hf.hf_parts`). On a meta-built model call `init_weights` first: a
-        loaded language model counts as initialized, an encoder's projection does not.
+        (`dtensor_mimo.models.hf.hf_parts`; an "anyres" directory, LLaVA-NeXT / -OneVision, whose
+        model tiles each image and adds an ``image_newline``, is refused). On a meta-built model
+        call `init_weights` first: a loaded language model counts as initialized, an encoder's
+        projection does not.
 
         Every rank checks what it holds (configs, tensor names and shapes) and the world agrees
         on the verdict before anyone reads a weight: a bad checkpoint raises on every rank."""

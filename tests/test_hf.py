@@ -21,6 +21,7 @@ each test writes with ``save_pretrained``; no download; skipped without transfor
 | test_a_sliding_window_left_at_mistrals_default_is_refused | Mistral's default 4096-token window, refused by name |
 | test_default_table_is_transformers_own | `config_json.DEFAULTS` against transformers' config classes |
 | test_llava_kin_take_their_feature_layer | LLaVA-NeXT / -OneVision towers: up to their vision_feature_layer |
+| test_an_anyres_llava_directory_is_refused_... | LLaVA-NeXT / -OneVision: the tower loads; projector, encoder refused |
 | test_quantized_checkpoints_are_refused_... | FP8 / int8 weights: named while checking, nothing read |
 | test_mimo_load_hf_refuses_a_quantized_... | an FP8 checkpoint: every rank raises, none reads |
 | test_a_temporal_patch_tower_round_trips... | a video tower (2 frames): save_hf, from_hf, load_hf: same features |
@@ -545,6 +546,55 @@ def test_llava_kin_take_their_feature_layer(kind: str, tower: str, layer: int, w
         hidden = hf.model.vision_tower(_images(16), output_hidden_states=True).hidden_states[layer]
         want = hidden[:, 1:] if tower == "CLIP" else hidden
         torch.testing.assert_close(vit(_images(16)), want, rtol=0, atol=1e-5)
+
+
+def _load_anyres(path: str) -> str:
+    layout = MimoLayout({"vision": Parallelism(), "language": Parallelism()})
+    layout.init_meshes("cpu")
+    llama = Llama(LlamaConfig.from_hf(path))
+    vit = ViT(ViTConfig.from_hf(path))
+    model = MimoModel(layout, llama, {"vision": ModalityEncoder(vit, Projection(vit.config.dim, llama.config.dim))})
+    try:
+        model.load_hf({"vision": path, "language": path})
+    except (ValueError, RuntimeError) as error:
+        return str(error)
+    return "loaded"
+
+
+@pytest.mark.parametrize("kind, tower", [("LlavaNext", "CLIP"), ("LlavaOnevision", "Siglip")])
+def test_an_anyres_llava_directory_is_refused_beyond_its_tower(kind: str, tower: str, tmp_path) -> None:
+    """A LLaVA-NeXT / -OneVision directory ("anyres") is not LLaVA-1.5: its model cuts each image into
+    a base image and grid tiles and appends its learned image_newline after each row of the tiles'
+    features (transformers' pack_image_features: 52 rows for a 16x32 image here, not the tower's 16).
+    Its tower, projector and decoder loaded silently (image_newline dropped, no tiles): a model that is
+    not the checkpoint's was trained. Its tower alone still loads; the projector, and so the encoder
+    of a MimoModel and the trainer's encoder, are refused by name on every rank, saying what to use."""
+    from dtensor_mimo.train.config import ConfigError, EncoderSection, TrainerConfig
+    from dtensor_mimo.train.modules import resolve_encoder
+
+    text = transformers.Qwen2Config(**(SMALL | dict(vocab_size=80)))
+    config = getattr(transformers, kind + "Config")(
+        vision_config=getattr(transformers, tower + "VisionConfig")(**VISION, image_size=16), text_config=text,
+        image_token_index=70, image_grid_pinpoints=[[16, 32], [32, 16], [32, 32]])
+    hf = randomized(getattr(transformers, kind + "ForConditionalGeneration")(config))
+    path = str(tmp_path / "hf")
+    hf.save_pretrained(path)
+    # the reference: transformers' own features of one 16x32 image (a base image and two tiles)
+    with torch.no_grad():
+        rows = hf.model.get_image_features(pixel_values=torch.randn(1, 3, 3, 16, 16),
+                                           image_sizes=torch.tensor([[16, 32]])).pooler_output[0].shape[0]
+    vit = ViT(ViTConfig.from_hf(path))
+    assert rows > vit.config.num_patches == 16
+    assert any(n.endswith("image_newline") for n in SafetensorsDir(path).names())
+    load_hf(vit, path)  # the tower is the tower
+    message = "cuts each image into a base image and grid tiles"
+    with pytest.raises(ValueError, match=message):
+        load_hf(Projection(32, 32), path)
+    vision_rank, language_rank = run_on_ranks(_load_anyres, 2, path, timeout=60)
+    assert message in vision_rank and "image_newline" in vision_rank and "LLaVA-1.5" in vision_rank, vision_rank
+    assert language_rank.startswith("MimoModel.load_hf: 1 rank(s) found the checkpoints"), language_rank
+    with pytest.raises(ConfigError, match=f"model.encoders.vision.hf = '{path}': .*{message}"):
+        resolve_encoder(TrainerConfig(), "vision", EncoderSection(hf=path))
 
 
 @pytest.mark.parametrize("layer", [-5, 4])

@@ -32,7 +32,7 @@ from dtensor_mimo.models import (
     ViTConfig,
 )
 from dtensor_mimo.models.config_json import read_config, with_defaults
-from dtensor_mimo.models.hf.vision import check_projector
+from dtensor_mimo.models.hf.vision import anyres_problem, check_projector
 from dtensor_mimo.train.config import LANGUAGE, ConfigError, EncoderSection, TrainerConfig
 
 _TOWERS = {"siglip_vision_model": -1, "clip_vision_model": -2, "siglip": -1, "clip": -2}
@@ -226,6 +226,9 @@ def resolve_encoder(config: TrainerConfig, name: str, section: EncoderSection) -
                 raise ConfigError(f"{key}: the feature extractor gives {frames} frames per clip but the encoder "
                                   f"takes {audio.max_frames}")
             return ResolvedEncoder(name, section, audio, audio.output_length(frames), proc)
+        if problem := anyres_problem(path):  # LLaVA-NeXT, -OneVision: not the model the encoder would be
+            raise ConfigError(f"{key}.hf = {path!r}: {problem}; here: set {key}.hf to the tower's own SigLIP / "
+                              "CLIP directory")
         if kind not in (*_TOWERS, "llava"):
             raise ConfigError(f"{key}.hf = {path!r}: model_type {kind!r} is not a vision tower the library loads "
                               f"(siglip, clip, their vision models, llava); for audio set modality = 'audio'")

@@ -134,8 +134,31 @@ def vit_source(name: str, config: ViTConfig | None = None) -> Source:
     return source
 
 
+ANYRES = ("llava_next", "llava_next_video", "llava_onevision")
+"""The LLaVA-family model types whose images are "anyres" tiles joined by a learned ``image_newline``."""
+
+
+def anyres_problem(path: str) -> str | None:
+    """Why the LLaVA-family directory `path` is not a model the library's encoder is (its images
+    "anyres": LLaVA-NeXT, -NeXT-Video, -OneVision, or any ``image_grid_pinpoints``), or None."""
+    c = read_config(path)
+    kind = c.get("model_type")
+    if kind not in ANYRES and "image_grid_pinpoints" not in c:
+        return None
+    return (f"{path}: model_type {kind!r} is an \"anyres\" LLaVA (image_grid_pinpoints): its model cuts each image "
+            "into a base image and grid tiles, unpads the tiles' features to the image's aspect ratio and appends "
+            "its learned image_newline after each row, so its projector's features mean something only in that "
+            "arrangement; the library's encoder gives one image's patch rows (no tiles, no image_newline, other "
+            "image-token counts) and would train another model than this checkpoint's. Load its tower alone "
+            "(ViTConfig.from_hf and load_hf on the ViT, or the tower's own SigLIP / CLIP directory) with a fresh "
+            "projection, or use a LLaVA-1.5 directory (model_type 'llava')")
+
+
 def check_projector(path: str) -> None:
-    """Refuse a LLaVA projector the library's `Projection` (Linear, GELU, Linear, biases) is not."""
+    """Refuse a LLaVA projector the library's `Projection` (Linear, GELU, Linear, biases) is not,
+    or one of an "anyres" directory (`anyres_problem`)."""
+    if problem := anyres_problem(path):
+        raise ValueError(problem)
     c = read_config(path)
     act, bias = c.get("projector_hidden_act", "gelu"), c.get("multimodal_projector_bias", True)
     if act != "gelu" or not bias:
