@@ -238,6 +238,23 @@ def test_checkpoints_that_train_with_dropout_are_warned_of_by_name(tmp_path) -> 
         AudioConfig.from_hf(str(tmp_path / "a"))
 
 
+def _config_warnings(path: str) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        LlamaConfig.from_hf(path)
+    return [str(w.message) for w in caught]
+
+
+def test_a_dropout_warning_is_said_once_in_a_world(tmp_path) -> None:
+    """Every rank reads the config alike: the warning comes from rank 0 alone (at 1,000 ranks the
+    log would hold it 1,000 times)."""
+    _write(str(tmp_path / "lm"), "qwen2", attention_dropout=0.1)
+    said = run_on_ranks(_config_warnings, 2, str(tmp_path / "lm"), timeout=60)
+    assert [len([w for w in r if "attention_dropout=0.1" in w]) for r in said] == [1, 0], said
+
+
 def test_load_hf_names_a_config_mismatch(tmp_path) -> None:
     _write(str(tmp_path / "hf"), "qwen2")
     with pytest.raises(ValueError, match=r"config differs from the checkpoint's \(norm_eps: module 1e-05, "

@@ -329,6 +329,40 @@ def test_a_frozen_encoders_rows_cross_one_way() -> None:
     assert step(8) - step(0) == pytest.approx(2 * 20 * 8 * 4 / 1e6)
 
 
+@pytest.mark.parametrize("pp, schedule, virtual", [(2, "ZBVZeroBubble", 2), (1, "Interleaved1F1B", 2),
+                                                   (2, "1F1B", 1)])
+def test_a_tied_decoders_head_copy_is_counted_where_one_rank_holds_both(pp: int, schedule: str,
+                                                                         virtual: int) -> None:
+    """A tied decoder cut into stages trains its head as a copy of the embedding (`untie_for_stages`):
+    the rank holding the first and the last stage (a V's first pp rank; virtual stages at pp = 1)
+    holds both with their gradients and AdamW state. The planner's parameters on the busiest rank
+    (no activations, no FSDP: memory / 16 bytes) against the real count of that rank's stages."""
+    from dtensor_mimo.models import Llama, LlamaConfig
+    from dtensor_mimo.models.llama import untie_embeddings
+    from dtensor_mimo.models.protocol import decoder_stage
+    from dtensor_mimo.schedule.config import PipelineConfig, stage_layers
+
+    llama = Llama(LlamaConfig.tiny(tie_embeddings=True, n_layers=4))
+    blocks = sum(p.numel() for p in llama.layers["0"].parameters())
+    params = sum(p.numel() for p in llama.parameters())  # the tied one once, as measured
+    tied = dataclasses.replace(profile("language", layers=4), block_params=blocks, rest_params=params - 4 * blocks,
+                               trainable_params=params, activation_bytes_per_token=0.0,
+                               tied_params=llama.tok_embeddings.weight.numel())
+    cost = module_cost(tied, P(pp=pp), 8, 2 * pp, FAST, range(pp), schedule, virtual)
+    with pytest.warns(UserWarning):
+        untie_embeddings(llama, "a test")
+    config = PipelineConfig(microbatches=2 * pp, schedule=schedule, virtual_stages=virtual)
+    bounds = stage_layers(4, config.num_stages(pp))
+    busiest = 0
+    for r in range(pp):
+        stages = [decoder_stage(llama, bounds[s], s == 0, s == len(bounds) - 1) for s in config.rank_stages(r, pp)]
+        busiest = max(busiest, sum({id(p): p.numel() for m in stages for p in m.parameters()}.values()))
+    if schedule == "1F1B":  # one copy a rank; the rest counted whole (embedding and norm): not below
+        assert cost.memory / 16 >= busiest
+    else:
+        assert cost.memory / 16 == busiest
+
+
 def test_module_cost_of_an_uneven_dp_shard_is_its_largest() -> None:
     """dp that does not divide a microbatch's samples: the busiest rank holds the larger shard
     (`microbatch_tokens`: 5 samples over dp 2, 3 on dp rank 0: 30 tokens), not the smaller."""

@@ -17,6 +17,8 @@ them. The checkpoint is a tiny random transformers Llama with tied embeddings (t
 | tp_keeps_a_user_modules_tie_refused      | (pure)                                           | refusal  |
 | a_head_untied_for_stages_starts_as_...   | (pure)                                           | seeds    |
 | the_trainer_trains_a_tied_directory_tied | the tiny LLaVA task, its decoder made tied (1)   | HF       |
+| a_tied_checkpoint_resumes_at_pp2_as_...  | saved tied (1), resumed at language pp2 (0-1)    | oracle1  |
+| a_pp2_checkpoint_of_equal_copies_...     | saved at pp2 (0-1), resumed tied at dp2 (0-1)    | oracle1  |
 
 HF: transformers' tied model (one step: loss, grad norm, every gradient, the tied one the sum of
 both uses, the weights after AdamW given the library's no-decay rule; an export: loaded tied, no
@@ -27,6 +29,9 @@ coloc_tp_compiled gathers its logits. fp32 run: one parameter still, the loss wi
 untied: a warning naming the module, and an untied one-process model whose head is the
 checkpoint's embedding (loss, both gradients). refusal: a user's tie stays refused under tp.
 seeds: the head's copy draws the embedding's seed.
+oracle1: one process, plain torch AdamW: the tied model's steps, then (at pp2) the head and its
+AdamW state made copies of the embedding's: each step's loss and the weights after; copies that
+trained apart are refused tied on every rank, by name.
 """
 
 from __future__ import annotations
@@ -216,12 +221,14 @@ def test_float8_keeps_the_tie(tmp_path) -> None:
 
 def test_pipeline_stages_keep_two_copies(tmp_path) -> None:
     """pp2: the embedding on the first stage, the head on the last; the head becomes a copy of the
-    embedding (read from the checkpoint's embedding) that trains on its own, said once by name."""
+    embedding (read from the checkpoint's embedding) that trains on its own, said by name once in
+    the world (rank 0), not once per rank."""
     path = str(tmp_path / "hf")
     _write(path, "llama3.2_tied")
     per_rank = run_on_ranks(_language_step, 2, path, P(pp=2), 2, ParallelOptions(), True, timeout=180)
+    said = [[w for w in r["warnings"] if "language model 'language' with pp=2" in w] for r in per_rank]
+    assert [len(s) for s in said] == [1, 0], said  # once in the world: rank 0's
     for r in per_rank:
-        assert len(r["warnings"]) == 1 and "language model 'language' with pp=2" in r["warnings"][0], r["warnings"]
         assert r["tied"] == []
     grads = {n: g for r in per_rank for n, g in r["grads"].items()}
     assert {"tok_embeddings.weight", "output.weight"} <= grads.keys()
@@ -293,16 +300,18 @@ def test_the_trainer_trains_a_tied_directory_tied(tmp_path) -> None:
     keys = FileSystemReader(step).read_metadata().state_dict_metadata
     assert "model.language.tok_embeddings.weight" in keys and "model.language.output.weight" not in keys
     # `model.language.untie_embeddings`: two copies (as runs before tied training, whose checkpoints
-    # hold both); resuming the tied run's checkpoint so is refused naming the tie and the key
+    # hold both); the tied run's checkpoint resumes so, both copies from its one tensor
     untied = [*ORACLE, "--train.steps", "3", "--layout.language.offset", "0", "--model.language.hf", lm,
               "--checkpoint.export_hf", "none", "--model.language.untie_embeddings", "true"]
-    with pytest.raises(DistributedTestFailure, match=r"missing from the checkpoint: model.language.output.weight "
-                                                     r"\(model.language.output.weight: a decoder with tied embeddings"):
-        _run(tiny, [*untied, "--checkpoint.dir", ckpt])
-    _run(tiny, [*untied, "--train.steps", "1", "--checkpoint.dir", str(tmp_path / "two")])
-    (step,) = glob.glob(os.path.join(tmp_path, "two", "step*"))
+    _run(tiny, [*untied, "--checkpoint.dir", ckpt, "--checkpoint.every", "1"])
+    step = os.path.join(ckpt, "step-000003")
     keys = FileSystemReader(step).read_metadata().state_dict_metadata
     assert "model.language.tok_embeddings.weight" in keys and "model.language.output.weight" in keys
+    # the copies trained apart: resuming them tied is refused by name
+    with pytest.raises(DistributedTestFailure, match=r"holds model.language.output.weight apart from "
+                                                     r"model.language.tok_embeddings.weight and they differ"):
+        _run(tiny, [*ORACLE, "--train.steps", "4", "--layout.language.offset", "0", "--model.language.hf", lm,
+                    "--checkpoint.export_hf", "none", "--checkpoint.dir", ckpt])
 
 
 def test_a_head_untied_for_stages_starts_as_the_embedding() -> None:
@@ -321,3 +330,132 @@ def test_a_head_untied_for_stages_starts_as_the_embedding() -> None:
     plain = Llama(LlamaConfig.tiny())
     plain.init_weights(3)
     torch.testing.assert_close(plain.tok_embeddings.weight, tied.tok_embeddings.weight, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------- a checkpoint's tie across layouts
+
+
+def _checkpoint_step(path: str, par: Parallelism, microbatches: int | None, ckpt: str, load: str | None,
+                     steps: int, model_only: bool = False) -> dict:
+    """A language-only `MimoModel` of the tied checkpoint at `path` on layout `par`: loads the DCP
+    checkpoint `load` (all of it, or with `model_only` its weights alone: `load_model`) and reports
+    the weights it got; then `steps` steps on `_batch(4 + i)` (i counted from the loaded step),
+    saving the checkpoint of the last one to `ckpt`, the loss of each step and the weights after (full)."""
+    from dtensor_mimo.train import checkpoint
+
+    layout = MimoLayout({"language": par})
+    layout.init_meshes("cpu")
+    llama = Llama(LlamaConfig.from_hf(path))
+    load_hf(llama, path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = MimoModel(layout, llama, {}, pipeline=None if microbatches is None else
+                          PipelineConfig(microbatches=microbatches))
+    optimizer = MimoOptimizer(model, ADAMW)
+    expected = checkpoint.expected_shapes({"language": llama})  # of the model as it trains (two keys at pp2)
+
+    def weights() -> dict:
+        return {n: _full(p) for n, p in model.module_parameters("language").items()}
+
+    loaded, done = None, 0
+    if load is not None:
+        if model_only:
+            checkpoint.load_model(load, model, expected)
+        else:
+            done = checkpoint.load(load, model, optimizer, expected)["step"]
+        loaded = weights()
+    losses = [train_step(model, optimizer, _batch(4 + done + i)).loss for i in range(steps)]
+    checkpoint.save(ckpt, done + steps, model, optimizer, {"step": done + steps}, keep=1)
+    return dict(loaded=loaded, losses=losses, weights=weights(), keys=sorted(expected))
+
+
+def _ref_loss(llama: Llama, batch) -> torch.Tensor:
+    logits = llama(batch.tokens, positions=batch.positions)
+    weight = torch.where(batch.labels == IGNORE_INDEX, 0.0, batch.loss_mask).flatten()
+    return (F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX,
+                            reduction="none") * weight).sum() / weight.sum()
+
+
+def _reference(path: str, tied_steps: int, untied_steps: int) -> tuple[list[float], dict]:
+    """One process, plain torch: the tied model of `path` trained `tied_steps` steps with AdamW
+    (the library's no-decay rule), then its head made a copy of the embedding, its AdamW state
+    a copy of the embedding's, and `untied_steps` more: each step's loss and the weights after."""
+    llama = Llama(LlamaConfig.from_hf(path))
+    load_hf(llama, path)
+    named = dict(llama.named_parameters())
+    decay = [p for n, p in named.items() if p.ndim >= 2 and "embed" not in n]
+    rest = [p for n, p in named.items() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": ADAMW.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=ADAMW.lr, betas=ADAMW.betas, eps=ADAMW.eps)
+    losses = []
+    for i in range(tied_steps + untied_steps):
+        if i == tied_steps and untied_steps:
+            embedding = llama.tok_embeddings.weight
+            llama.output.weight = head = torch.nn.Parameter(embedding.detach().clone())
+            opt.param_groups[0]["params"].append(head)  # output.weight decays
+            opt.state[head] = {k: v.clone() for k, v in opt.state[embedding].items()}
+        opt.zero_grad()
+        loss = _ref_loss(llama, _batch(4 + i))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in llama.named_parameters()}
+
+
+def test_a_tied_checkpoint_resumes_at_pp2_as_two_copies(tmp_path) -> None:
+    """Saved tied (pp1: one key), resumed at pp2 (the head a copy on the last stage: two keys):
+    both copies and their AdamW state come from the one saved tensor, and the next step is the
+    one-process run's that unties there; `load_model` likewise gives both the saved weight."""
+    path, tied, untied = str(tmp_path / "hf"), str(tmp_path / "tied"), str(tmp_path / "untied")
+    _write(path, "llama3.2_tied")
+    (one,) = run_on_ranks(_checkpoint_step, 1, path, P(), None, tied, None, 1, timeout=120)
+    assert "model.language.output.weight" not in one["keys"]
+    (step,) = glob.glob(os.path.join(tied, "step*"))
+    per_rank = run_on_ranks(_checkpoint_step, 2, path, P(pp=2), 2, untied, step, 1, timeout=180)
+    losses, want = _reference(path, 1, 1)
+    assert one["losses"][0] == pytest.approx(losses[0], rel=1e-5)
+    saved = one["weights"]["tok_embeddings.weight"]
+    loaded = {n: w for r in per_rank for n, w in r["loaded"].items()}
+    torch.testing.assert_close(loaded["output.weight"], saved, rtol=0, atol=0)
+    torch.testing.assert_close(loaded["tok_embeddings.weight"], saved, rtol=0, atol=0)
+    assert per_rank[0]["losses"][0] == pytest.approx(losses[1], rel=1e-5)
+    got = {n: w for r in per_rank for n, w in r["weights"].items()}
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"weight {name}: {m}")
+    for r in run_on_ranks(_checkpoint_step, 2, path, P(pp=2), 2, str(tmp_path / "w"), step, 0, True, timeout=180):
+        for name, w in r["loaded"].items():
+            torch.testing.assert_close(w, saved if name == "output.weight" else one["weights"][name], rtol=0, atol=0)
+
+
+def _refused_load(path: str, par: Parallelism, load: str) -> str:
+    from dtensor_mimo.train import checkpoint
+
+    try:
+        _checkpoint_step(path, par, None, load + ".out", load, 0)
+    except checkpoint.CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_a_pp2_checkpoint_of_equal_copies_resumes_tied(tmp_path) -> None:
+    """Saved at pp2 before the copies trained apart (two equal keys), resumed tied at dp2: the next
+    step is the uninterrupted one-process tied run's; saved after a pp2 step (the copies differ),
+    refused on every rank naming the head and how to load it."""
+    path, before, after = str(tmp_path / "hf"), str(tmp_path / "before"), str(tmp_path / "after")
+    _write(path, "llama3.2_tied")
+    for r in run_on_ranks(_checkpoint_step, 2, path, P(pp=2), 2, before, None, 0, timeout=180):
+        assert "model.language.output.weight" in r["keys"]
+    (step,) = glob.glob(os.path.join(before, "step*"))
+    per_rank = run_on_ranks(_checkpoint_step, 2, path, P(dp=2), None, str(tmp_path / "dp2"), step, 1, timeout=180)
+    losses, want = _reference(path, 1, 0)
+    for r in per_rank:
+        assert r["losses"][0] == pytest.approx(losses[0], rel=1e-5)
+        assert r["weights"].keys() == want.keys()
+        for name, w in want.items():
+            torch.testing.assert_close(r["weights"][name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    run_on_ranks(_checkpoint_step, 2, path, P(pp=2), 2, after, None, 1, timeout=180)
+    (step,) = glob.glob(os.path.join(after, "step*"))
+    for said in run_on_ranks(_refused_load, 2, path, P(dp=2), step, timeout=180):
+        assert "holds model.language.output.weight apart from model.language.tok_embeddings.weight and they " \
+               "differ" in said and "untie_embeddings = true" in said, said

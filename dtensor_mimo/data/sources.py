@@ -38,12 +38,12 @@ import os
 import re
 import tarfile
 import threading
-import warnings
 from typing import Any, BinaryIO, Callable, Mapping, Sequence
 
 import numpy as np
 
 from dtensor_mimo.data.conversation import DataError, MediaError, item_paths
+from dtensor_mimo.layout.world import warn_once
 
 __all__ = ["FORMATS", "SampleSource", "JsonSource", "TarSource", "ArrowSource", "MediaBytes", "expand_paths",
            "open_source"]
@@ -275,10 +275,10 @@ class JsonSource(SampleSource):
                 if not isinstance(samples, list):
                     raise DataError(f"{path}: a JSON file holds a list of samples")
                 if len(samples) > LARGE_JSON_LIST:
-                    warnings.warn(f"{self.describe()}: {path} is a JSON list of {len(samples):,} samples, parsed "
-                                  f"whole into Python objects in every rank and loader worker (about 1 GiB a "
-                                  f"million); write it as JSONL (one sample a line), which is indexed instead",
-                                  stacklevel=2)
+                    warn_once(f"{self.describe()}: {path} is a JSON list of {len(samples):,} samples, parsed "
+                              f"whole into Python objects in every rank and loader worker (about 1 GiB a "
+                              f"million); write it as JSONL (one sample a line), which is indexed instead",
+                              stacklevel=2)
                 return samples
             data = np.frombuffer(mm, dtype=np.uint8)
             newlines = [np.flatnonzero(data[s:s + _SCAN] == 10) + s for s in range(0, size, _SCAN)]

@@ -33,11 +33,22 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 600.0
+
+
+def warn_once(message: str, category: type[Warning] = UserWarning, stacklevel: int = 2) -> None:
+    """`warnings.warn` of what every rank finds alike (a config read, a model cut into stages), on
+    one rank: rank 0 of the default process group, or before one is joined of a torchrun world
+    (``RANK``); a single process warns. At 1,000 ranks the log holds it once, not 1,000 times."""
+    first = dist.get_rank() == 0 if dist.is_available() and dist.is_initialized() else \
+        os.environ.get("RANK", "0") == "0"
+    if first:
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
 
 
 def check_device_type(device: str, where: str) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from typing import Any
+
+from dtensor_mimo.layout.world import warn_once
 
 _LLAMA_SIZES = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, hidden_act="silu",
                     rms_norm_eps=1e-6, rope_theta=10000.0)
@@ -57,9 +58,10 @@ DROPOUTS = ("attention_dropout", "dropout", "hidden_dropout", "activation_dropou
 def warn_dropout(path: str, c: dict[str, Any]) -> None:
     """Warn (naming each field) of a ``config.json`` `c` that trains with dropout: the library's
     models have none, and train such a checkpoint without it (a prediction, an evaluation or a
-    frozen tower are the same either way: a warning, not a refusal)."""
+    frozen tower are the same either way: a warning, not a refusal), once on rank 0 (every rank
+    reads the config)."""
     if on := [f"{k}={c[k]}" for k in DROPOUTS if c.get(k)]:
-        warnings.warn(f"{path}: {', '.join(on)}: the library's models have no dropout and train this checkpoint "
-                      f"without it (transformers would train it with); set "
-                      f"{' and '.join(k.split('=')[0] for k in on)} to 0.0 in config.json to silence this",
-                      stacklevel=3)
+        warn_once(f"{path}: {', '.join(on)}: the library's models have no dropout and train this checkpoint "
+                  f"without it (transformers would train it with); set "
+                  f"{' and '.join(k.split('=')[0] for k in on)} to 0.0 in config.json to silence this",
+                  stacklevel=3)

@@ -15,13 +15,13 @@ Written to be parallelised from outside (torchtitan style), so the module itself
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtensor_mimo.layout.world import warn_once
 from dtensor_mimo.models.config_json import read_config, warn_dropout, with_defaults
 from dtensor_mimo.models.layers import (
     AttentionFn,
@@ -310,13 +310,14 @@ def head_is_embedding(llama: Llama) -> bool:
 def untie_embeddings(llama: Llama, why: str) -> None:
     """Give a tied `llama`'s head a parameter of its own, a copy of the token embedding, in place
     (the whole model's config then says untied: its checkpoints and exports hold both), and warn
-    naming `why` (a pipeline split, which puts the embedding and the head in different stages):
-    from then on the two train apart, where transformers' tied model sums their gradients."""
+    naming `why` (a pipeline split, which puts the embedding and the head in different stages),
+    once on rank 0 (every rank unties its copy alike): from then on the two train apart, where
+    transformers' tied model sums their gradients."""
     weight = llama.tok_embeddings.weight
     llama.output.weight = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
     llama.config = dataclasses.replace(llama.config, tie_embeddings=False)
     llama.head_copies_embedding = True
-    warnings.warn(f"{why}: the tied output head (output.weight = tok_embeddings.weight, tie_word_embeddings) "
-                  "becomes a copy of the token embedding that trains on its own (two parameters, as an untied "
-                  "model: gradients and updates differ from the tied model's, and it exports untied); use pp = 1 "
-                  "and one stage per rank to train it tied", stacklevel=3)
+    warn_once(f"{why}: the tied output head (output.weight = tok_embeddings.weight, tie_word_embeddings) "
+              "becomes a copy of the token embedding that trains on its own (two parameters, as an untied "
+              "model: gradients and updates differ from the tied model's, and it exports untied); use pp = 1 "
+              "and one stage per rank to train it tied", stacklevel=3)

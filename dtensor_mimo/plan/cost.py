@@ -174,6 +174,13 @@ def rank_layers(n_layers: int, pp: int, schedule: str = "1F1B", virtual_stages: 
     return out
 
 
+def _ends_together(pp: int, schedule: str, virtual_stages: int) -> bool:
+    """Whether a pp rank holds both the first and the last of a module's several stages."""
+    config = PipelineConfig(microbatches=max(1, pp), schedule=schedule, virtual_stages=virtual_stages)
+    n_stages = config.num_stages(pp)
+    return n_stages > 1 and config.stage_rank(0, pp) == config.stage_rank(n_stages - 1, pp)
+
+
 def microbatch_tokens(profile: ModuleProfile, samples: int, par: Parallelism) -> float:
     """Rows one rank of the module processes per microbatch: its dp shard (the largest, when dp
     does not divide the samples), cut by cp."""
@@ -251,10 +258,12 @@ def module_cost(profile: ModuleProfile, par: Parallelism, batch_size: int, micro
     fwd, bwd = max(works, key=lambda fb: fb[0] + fb[1])
     trip = sum(f + b for f, b in works)
 
-    # Parameters per rank: blocks of its stages (+ the rest, counted whole: conservative) over tp,
-    # sharded over dp·cp by FSDP2.
+    # Parameters per rank: blocks of its stages (+ the rest, counted whole: conservative, and a tied
+    # head's copy where one rank holds the first and the last of several stages) over tp, sharded
+    # over dp·cp by FSDP2.
     busiest_layers = max(layers for layers, _ in per_rank)
-    params = (profile.block_params * busiest_layers + profile.rest_params) / tp
+    params = (profile.block_params * busiest_layers + profile.rest_params
+              + (profile.tied_params if _ends_together(par.pp, schedule, virtual_stages) else 0)) / tp
     share = profile.trainable_params / max(1, profile.params)
     state = params * profile.param_bytes + params * share * (profile.param_bytes + ADAM_STATE_BYTES)
     # FSDP2 holds one gathered block at a time (and the root's rest), or, not resharding after

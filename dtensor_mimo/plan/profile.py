@@ -88,6 +88,11 @@ class ModuleProfile:
         block_params: parameters of one block.
         rest_params: the other parameters.
         trainable_params: parameters that train (a frozen tower's projection only).
+        tied_params: of the rest, those a tied decoder holds under two names (its token embedding,
+            which is its output head: `LlamaConfig.tie_embeddings`). Cut into pipeline stages it
+            trains the head as a copy (`untie_for_stages`): a rank holding the first and the last
+            stage (a V schedule's first pp rank, virtual stages at pp = 1) holds both, with their
+            gradients and optimizer state.
         activation_bytes_per_token: bytes one block keeps for backward per token (0 when frozen).
         width: features of the rows the module sends on (encoders: the projection's output, what
             crosses the bridge; language: its hidden size, what crosses between pp stages).
@@ -164,6 +169,7 @@ class ModuleProfile:
     compiled: bool = False
     varied: bool = False
     tensor_parallel: bool = True
+    tied_params: int = 0
 
     @property
     def params(self) -> int:

@@ -30,6 +30,12 @@ checkpoint that still matches its manifest (each rank checks the sizes and check
 and says which file made it skip a newer one (`choose_checkpoint`); a checkpoint named by
 ``checkpoint.load`` is verified the same way and refused when it does not match.
 
+A decoder's tied head (`tied_copies`) is saved as the model holds it: one key (the embedding's)
+where it is tied, two where pipeline stages (or an untied config) train it as a copy. Either form
+loads into the other: a tied checkpoint into two copies, both (and their AdamW state) from the one
+tensor; two copies into a tied model where they are equal (saved before they trained apart),
+taking the embedding's, else refused on every rank naming the head (`stored_as`).
+
 `load` restores all of it (a resume); `load_model` reads only the ``model.`` and ``buffer.`` keys
 (a weights-only start: ``checkpoint.load_model_only``), leaving the optimizer, the trainer state
 and the RNG states to the run that loads them.
@@ -46,7 +52,6 @@ import os
 import re
 import shutil
 import threading
-import warnings
 import zlib
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -60,6 +65,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from dtensor_mimo.layout.world import warn_once
 from dtensor_mimo.mimo import MimoModel
 from dtensor_mimo.models.layers import local_part, named_buffers, with_local
 from dtensor_mimo.optim.optimizer import MimoOptimizer
@@ -647,19 +653,49 @@ def _newest(directory: str, keep: int, upto: int) -> set[str]:
     return kept
 
 
-def check_checkpoint(path: str, expected: Mapping[str, tuple[int, ...]]) -> None:
+def tied_copies(language: str) -> dict[str, str]:
+    """{the checkpoint key of decoder `language`'s output head: its token embedding's}. A tied decoder
+    (`LlamaConfig.tie_embeddings`) holds them as one parameter (one key, the embedding's); cut into
+    pipeline stages, or untied by its config, as two (two keys). A checkpoint of either form loads
+    into the other (`stored_as`)."""
+    return {f"model.{language}.output.weight": f"model.{language}.tok_embeddings.weight"}
+
+
+def stored_as(expected: Mapping[str, tuple[int, ...]], saved: Mapping[str, tuple[int, ...]],
+              copies: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """How the checkpoint keys `saved` (shapes) hold the model's `expected` ones where a head of
+    `copies` (`tied_copies`) is saved in the other form: (read: {a head key of a model of two copies:
+    the embedding key of the tied checkpoint it is read from, its optimizer state likewise}, merged:
+    the head keys a checkpoint of two copies holds beside the embedding of a tied model, which reads
+    the embedding alone, where the two are equal: `load` checks it). Pure."""
+    read, merged = {}, []
+    for head, embedding in copies.items():
+        if embedding not in saved or saved[embedding] != expected.get(embedding, expected.get(head)):
+            continue
+        if head in expected and embedding in expected and head not in saved:
+            read[head] = embedding
+        elif head in saved and head not in expected and saved[head] == saved[embedding]:
+            merged.append(head)
+    return read, merged
+
+
+def check_checkpoint(path: str, expected: Mapping[str, tuple[int, ...]],
+                     copies: Mapping[str, str] | None = None) -> None:
     """Raise CheckpointError naming the modules and the parameter keys missing from the checkpoint
     at `path`, the checkpoint's parameter and buffer keys the model does not have, and shapes that
-    differ (a buffer the checkpoint lacks is not refused: `load` keeps the model's value). Reads
-    only the metadata; every rank reaches the same verdict without communicating."""
+    differ (a buffer the checkpoint lacks is not refused: `load` keeps the model's value; nor a tied
+    head of `copies` saved in the other form: `stored_as`). Reads only the metadata; every rank
+    reaches the same verdict without communicating."""
     try:
         meta = FileSystemReader(path).read_metadata().state_dict_metadata
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} is not a readable checkpoint: {e}") from None
     saved = {k: tuple(v.size) for k, v in meta.items()
              if k.startswith(("model.", "buffer.")) and isinstance(v, TensorStorageMetadata)}
-    missing = sorted(k for k in set(expected) - set(saved) if not k.startswith("buffer."))  # `load` keeps them
-    unexpected = sorted(set(saved) - set(expected))
+    read, merged = stored_as(expected, saved, copies or {})
+    missing = sorted(k for k in set(expected) - set(saved) - set(read)
+                     if not k.startswith("buffer."))  # `load` keeps them
+    unexpected = sorted(set(saved) - set(expected) - set(merged))
     shapes = [f"{k}: checkpoint {saved[k]}, model {expected[k]}" for k in sorted(set(saved) & set(expected))
               if saved[k] != expected[k]]
     if missing or unexpected or shapes:
@@ -675,13 +711,7 @@ def check_checkpoint(path: str, expected: Mapping[str, tuple[int, ...]]) -> None
             parts.append(f"not in the model: {_short(unexpected)}")
         if shapes:
             parts.append(f"different shapes: {_short(shapes)}")
-        heads = [k for k in missing + unexpected if k.endswith(".output.weight")
-                 and k.replace(".output.weight", ".tok_embeddings.weight") in saved]
-        hint = (f" ({heads[0]}: a decoder with tied embeddings (tie_word_embeddings) trains one parameter "
-                "unless pipeline stages cut it in two, and decoders from such directories trained two copies "
-                "before 2026-11-29: resume under the layout it was saved with, or, for a checkpoint of two copies, "
-                "with model.language.untie_embeddings = true (model.language.hf's decoder))") if heads else ""
-        raise CheckpointError(f"checkpoint {path} does not match the model: " + "; ".join(parts) + hint +
+        raise CheckpointError(f"checkpoint {path} does not match the model: " + "; ".join(parts) +
                               ". Build the model with the config the checkpoint was saved with.")
 
 
@@ -691,16 +721,17 @@ def _short(items: list[str], limit: int = 8) -> str:
 
 
 def _agree_to_load(path: str, model: MimoModel, expected: Mapping[str, tuple[int, ...]],
-                   verified: bool) -> tuple[Mapping[str, Any], list[str]]:
+                   verified: bool) -> tuple[Mapping[str, Any], list[str], dict[str, str]]:
     """The checks `load` and `load_model` make before DCP's collectives, agreed by every rank in
-    one small all-gather (see `load`); returns the checkpoint's metadata and the buffer keys of
-    `expected` it lacks."""
-    problem, absent, meta = None, [], {}
+    one small all-gather (see `load`), then the tied heads a checkpoint of two copies holds (equal
+    to its embedding, or refused on every rank: `_check_merged`); returns the checkpoint's metadata,
+    the buffer keys of `expected` it lacks and the keys read from others (`stored_as`)."""
+    problem, absent, meta, read, merged = None, [], {}, {}, []
     try:
         problems = [] if verified else verify(path, (dist.get_rank(), dist.get_world_size()))
         if problems:
             raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}")
-        check_checkpoint(path, expected)
+        check_checkpoint(path, expected, tied_copies(model.language_name))
         unbuilt = [f"{m}.{b}" for m in sorted(model.uninitialized) for b in model.buffer_names[m][1]]
         if unbuilt:
             raise CheckpointError(f"checkpoint.load into modules {sorted(model.uninitialized)} built on the meta "
@@ -708,6 +739,8 @@ def _agree_to_load(path: str, model: MimoModel, expected: Mapping[str, tuple[int
                                   "and would stay uninitialized memory; call model.init_weights({module: seed, "
                                   "...}) first (it rebuilds them), then load")
         meta = FileSystemReader(path).read_metadata().state_dict_metadata
+        read, merged = stored_as(expected, {k: tuple(v.size) for k, v in meta.items()
+                                            if isinstance(v, TensorStorageMetadata)}, tied_copies(model.language_name))
         absent = sorted(k for k in expected if k.startswith("buffer.") and k not in meta)
         blank = [k for k in absent if k.split(".")[1] in model.uninitialized]
         if blank:
@@ -726,7 +759,61 @@ def _agree_to_load(path: str, model: MimoModel, expected: Mapping[str, tuple[int
     if len({p for p, _ in verdicts}) > 1:
         raise CheckpointError(f"loading {path}: the ranks chose different checkpoint paths; put "
                               "checkpoint.dir on a file system every rank sees")
-    return meta, absent
+    _check_merged(path, model, merged)
+    return meta, absent, read
+
+
+def _check_merged(path: str, model: MimoModel, heads: list[str]) -> None:
+    """Refuse, on every rank, a checkpoint of two copies whose `heads` differ from their embeddings
+    (`stored_as`'s merged: the run trained them apart) where the model ties them (collective: one
+    DCP read of both into scratch shards where this rank holds the embedding, one all-gather)."""
+    if not heads:
+        return
+    copies = tied_copies(model.language_name)
+    params = {f"model.{m}.{n}": p for m in model.module_names for n, p in model.module_parameters(m).items()}
+    scratch = {}
+    for head in heads:
+        if copies[head] in params:
+            like = _plain(params[copies[head]]).detach()
+            scratch[head], scratch[copies[head]] = torch.zeros_like(like), torch.zeros_like(like)
+    dcp.load(scratch, checkpoint_id=path)
+    differ = {h: float((local_part(scratch[h]).float() - local_part(scratch[copies[h]]).float()).abs().max())
+              for h in heads if h in scratch and local_part(scratch[h]).numel()}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {h: d for h, d in differ.items() if d > 0})
+    found = {h: max(part[h] for part in everyone if h in part) for h in heads if any(h in part for part in everyone)}
+    if found:
+        raise CheckpointError("; ".join(
+            f"checkpoint {path} holds {h} apart from {copies[h]} and they differ (by up to {d:.3g}): it trained "
+            "the head as a copy of its own (pipeline stages, or model.language.untie_embeddings), and this model "
+            "ties them (one parameter); load it where the head is a copy: the language model at pp > 1 (or "
+            "virtual_stages > 1), or with model.language.untie_embeddings = true (model.language.hf's decoder)"
+            for h, d in found.items()))
+
+
+def _read_copies(state: dict[str, Any], read: Mapping[str, str]) -> list[tuple[torch.Tensor, str]]:
+    """Move `state`'s keys that the checkpoint holds under others (`read`, `stored_as`: a head of
+    two copies from a tied checkpoint's embedding; its AdamW state likewise) onto those keys. Where
+    this rank holds both (their stages on one rank) the second is filled after the load: returns
+    (its tensor, the key it copies)."""
+    keys = dict(read)
+    for head, embedding in read.items():
+        keys.update({f"optim.{head[6:]}.{k}": f"optim.{embedding[6:]}.{k}" for k in ("step", *_ADAM_KEYS)})
+    after = []
+    for key, source in keys.items():
+        if key in state:
+            value = state.pop(key)
+            if source in state:
+                after.append((value, source))
+            else:
+                state[source] = value
+    return after
+
+
+def _copy_after(state: Mapping[str, Any], after: list[tuple[torch.Tensor, str]]) -> None:
+    with torch.no_grad():
+        for value, source in after:
+            value.copy_(state[source])
 
 
 def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
@@ -741,7 +828,7 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
     chose another path (e.g. a file system that is not shared), all of them raise instead of
     leaving the others waiting in `dcp.load`. `check`: called with the saved trainer state,
     read alone before the weights and optimizer state are, to refuse it early (it must reach the
-    same verdict on every rank). `warn` (default `warnings.warn`): told, in one line, the
+    same verdict on every rank). `warn` (default `warn_once`: rank 0's): told, in one line, the
     persistent buffers of `expected` the checkpoint lacks (saved before checkpoints held
     buffers), which keep the model's values.
 
@@ -749,7 +836,7 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
     refused, on every rank before DCP's collectives, when it has buffers no checkpoint holds (its
     non-persistent ones, or persistent ones this checkpoint lacks): they would stay uninitialized
     memory; call ``model.init_weights`` first (the module's own rebuilds them)."""
-    meta, absent = _agree_to_load(path, model, expected, verified)
+    meta, absent, read = _agree_to_load(path, model, expected, verified)
     saved = {"trainer": ""}
     dcp.load(saved, checkpoint_id=path)  # one small object, read alike on every rank before the state
     trainer = json.loads(saved["trainer"])
@@ -762,6 +849,7 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
         check(trainer)
     state = _model_keys(path, model, meta, absent, warn)
     state.update(_optimizer_keys(model, optimizer, init=True))
+    after = _read_copies(state, read)
     state.update(_rng_states(model.device))
     world = dist.get_world_size()
     for rng in _rng_states(model.device):
@@ -771,6 +859,7 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
     for k in missing_optim:  # saved before that parameter trained (e.g. frozen then): fresh state,
         state.pop(k).zero_()  # also where this optimizer already stepped it (step 0, zero moments)
     dcp.load(state, checkpoint_id=path)  # in place: parameters, AdamW state; the rest replaced
+    _copy_after(state, after)
     _loaded(model)
     _set_rng_states(state, model.device)
     optimizer.set_updates(trainer["updates"])
@@ -784,7 +873,7 @@ def _model_keys(path: str, model: MimoModel, meta: Mapping[str, Any], absent: li
     that the checkpoint has (every replica reads its own; those in `absent` keep their values,
     told to `warn` in one line)."""
     if absent:
-        (warn or warnings.warn)(f"checkpoint {path} holds no {_short(absent)} (saved before checkpoints held "
+        (warn or warn_once)(f"checkpoint {path} holds no {_short(absent)} (saved before checkpoints held "
                                 "buffers): they keep the model's current values")
     model.reshard()
     state = _parameter_keys(model)
@@ -807,6 +896,9 @@ def load_model(path: str, model: MimoModel, expected: Mapping[str, tuple[int, ..
     are not read: they stay this run's own, so a checkpoint of other data, another optimizer or
     other frozen modules loads. Call on every rank; the same checks as `load` (a module the
     checkpoint lacks is named), agreed by every rank before DCP's collective."""
-    meta, absent = _agree_to_load(path, model, expected, verified)
-    dcp.load(_model_keys(path, model, meta, absent, warn), checkpoint_id=path)  # in place, each rank its slices
+    meta, absent, read = _agree_to_load(path, model, expected, verified)
+    state = _model_keys(path, model, meta, absent, warn)
+    after = _read_copies(state, read)
+    dcp.load(state, checkpoint_id=path)  # in place, each rank its slices
+    _copy_after(state, after)
     _loaded(model)

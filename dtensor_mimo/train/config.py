@@ -27,11 +27,11 @@ import re
 import sys
 import types
 import typing
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
 from dtensor_mimo.layout.parallelism import FIELDS, Parallelism
+from dtensor_mimo.layout.world import warn_once
 from dtensor_mimo.optim.optimizer import AdamWConfig, LRSchedule
 from dtensor_mimo.parallelize.options import ParallelOptions
 from dtensor_mimo.schedule.config import PipelineConfig, check_pipeline_layout, stage_layers
@@ -811,8 +811,7 @@ def _read_moved(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _tell(message: str, category: type[Warning]) -> None:
     """A warning about the config, once (rank 0 of a torchrun world, where every rank parses it)."""
-    if os.environ.get("RANK", "0") == "0":
-        warnings.warn(message, category, stacklevel=4)
+    warn_once(message, category, stacklevel=4)
 
 
 def _with_schedule_steps(raw: dict[str, Any]) -> dict[str, Any]:

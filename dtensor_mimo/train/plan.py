@@ -135,6 +135,7 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
 
     import torch
 
+    from dtensor_mimo.models.llama import Llama, head_is_embedding
     from dtensor_mimo.models.protocol import encoder_problems, language_problems
     from dtensor_mimo.parallelize import parallelize
     from dtensor_mimo.parallelize.precision import compute_dtype
@@ -147,6 +148,8 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
     log(f"measuring {name} ...")
     params = sum(p.numel() for p in module.parameters())
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    # a tied decoder's embedding, which pipeline stages train twice (`ModuleProfile.tied_params`)
+    tied = module.tok_embeddings.weight.numel() if isinstance(module, Llama) and head_is_embedding(module) else 0
     if name == LANGUAGE:
         c = resolved.language
         vocab = c.vocab_size if c is not None else resolved.vocab_size
@@ -228,6 +231,7 @@ def _measure_module(config: TrainerConfig, resolved: Any, data: Any, modules: di
     return ModuleProfile(
         name=name, n_layers=n_layers, tokens_per_sample=tokens_per_sample,
         block_params=block_params, rest_params=params - block_params * n_layers, trainable_params=trainable,
+        tied_params=tied,
         activation_bytes_per_token=0.0 if frozen_tower else act, width=width, hidden=hidden,
         tp_divides=divides, cp=context_parallel, tensor_parallel=tensor_parallel, act_bytes=act_bytes,
         gather_bytes=gather_bytes,
