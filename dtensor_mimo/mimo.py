@@ -541,7 +541,8 @@ class MimoModel(nn.Module):
         traced = mode != "predict" and torch.is_grad_enabled()  # the same on every rank
         check_batch(self.layout, self.language_name, self.encoder_names, batch, self.item_rules, self.vocab_size,
                     self.options[self.language_name].sp,
-                    {n for n in self.encoder_names if traced and self.options[n].compile and self._tower_trains[n]})
+                    {n for n in self.encoder_names if traced and self.options[n].compile and self._tower_trains[n]},
+                    {n for n in self.encoder_names if traced and self.options[n].sp and self._tower_trains[n]})
         if self._fp8_rows and mode != "predict" and torch.is_grad_enabled():  # every rank alike
             par = self.layout.parallelism(self.language_name)
             problem = fp8_rows_problem(batch.batch_size, batch.seq_len,

@@ -991,3 +991,50 @@ def test_encoder_returning_no_tensor_fails_every_rank_by_name(kind, call):
     assert all(messages), messages  # every rank raised (a training step: the others say how many failed)
     named = rf"encoder 'vision' returned a {kind}, not a tensor: an encoder's forward returns its rows as one tensor"
     assert all(re.search(named, m) for m in (messages if call == "forward_backward" else messages[:2])), messages
+
+
+def _encoder_sp_odd_tokens(release: tuple[int, int]) -> str | None:
+    """audio tp2 with sp on ranks 0-1 (Whisper-style clips of 30 frames: 15 tokens each, or 32: 16), the
+    language model on rank 2, torch's release read as `release`: what a step on the 15-token clips raises
+    on this rank (then a step on 16-token clips trains)."""
+    from dtensor_mimo import MimoOptimizer, train_step
+    from dtensor_mimo.data import ModalitySpec
+    from dtensor_mimo.layout import torch_compat
+    from dtensor_mimo.models import AudioConfig, AudioEncoder
+
+    torch_compat.RELEASE = release  # (this rank's process only)
+    config = AudioConfig.tiny(variable_length=True)
+    llama = Llama(LlamaConfig.tiny())
+    llama.init_weights(0)
+    audio = ModalityEncoder(AudioEncoder(config), Projection(32, llama.config.dim, hidden_dim=64))
+    audio.init_weights(1)
+    model = MimoModel(MimoLayout({"audio": P(tp=2), "language": P()}), llama, {"audio": audio},
+                      options={"audio": ParallelOptions(sp=True)})
+    optimizer = MimoOptimizer(model)
+
+    def batch(frames: int):
+        spec = ModalitySpec.audio(config, special_token_id=65, max_items=1, lengths=[frames])
+        return synthetic_batch(SyntheticSpec.tiny(modalities={"audio": spec}, batch_size=4), seed=0)
+
+    odd, even = batch(30), batch(32)
+    assert {t for t in odd.modalities["audio"].item_tokens} == {15}
+    return _refused_then_trains(lambda b: train_step(model, optimizer, b), odd, lambda: train_step(model, optimizer,
+                                                                                                    even))
+
+
+def test_encoder_sequence_parallel_on_tokens_tp_does_not_divide_on_torch_before_2_13():
+    """An encoder at tp2 with sp on items of 15 tokens: torch 2.11's DTensor backward failed inside the
+    encoder's blocks ("view size is not compatible with input tensor's size and stride", naming nothing)
+    on the encoder's ranks alone, while the language rank waited for them: a hang on the GPU machines'
+    torch. There the batch is refused by name on every rank before any exchange (the language model's
+    own rows already were); torch 2.13 trains it."""
+    from dtensor_mimo.layout import torch_compat
+    from tests.harness import run_on_ranks
+
+    errors = run_on_ranks(_encoder_sp_odd_tokens, 3, (2, 11), timeout=180)
+    assert all(e is not None and e == errors[0] for e in errors), errors
+    assert re.search(r"encoder 'audio' has tp=2 with sequence parallel \(sp\): on torch .* the batch's 'audio' items "
+                     r"have 15 tokens; set sp=False for 'audio', give its items a multiple of 2 tokens, or use "
+                     r"torch 2.13", errors[0]), errors[0]
+    if torch_compat.RELEASE >= (2, 13):
+        assert run_on_ranks(_encoder_sp_odd_tokens, 3, (2, 13), timeout=180) == [None] * 3

@@ -283,7 +283,8 @@ STEP_PREPARATION = {
     },
 }
 STEP_REPLACED = ("not torch.is_grad_enabled()",  # the grad-mode check: our steps always run with grad
-                 "self._split_inputs(", "_split_tensor(target")  # the chunking: our callers build the lists
+                 "self._split_inputs(", "_split_tensor(target",  # the chunking: our callers build the lists
+                 "torch.tensor_split(target")  # (torch 2.11's spelling of the target's chunking)
 
 
 def _preparation(step) -> list[str]:
@@ -304,7 +305,6 @@ def _preparation(step) -> list[str]:
                          "dtensor_mimo/schedule/runtime.py::run_schedule")
 
 
-@needs_torch((2, 13), "its private pipelining source differs from the 2.13 source this test pins")
 def test_private_torch_pipelining_api_we_rely_on() -> None:
     import inspect
 
