@@ -172,6 +172,22 @@ opens no group and holds no socket of a rank; the one idle native thread that im
 transformers each start is not copied into a forked child."""
 
 
+RECYCLE_THREADS = 400
+"""Threads of a rank process beyond which the pool replaces its ranks after a call. torch 2.13's
+ranks keep about 80 through test_mimo and test_pipeline (38 of them gloo's); torch 2.11's gloo
+keeps each destroyed group's ``pt_gloo_runloop`` thread, which wakes every 10 ms: 238 of them
+after 19 calls of test_mimo, 2,000 in a rank by the end of the suite, whose 1,000 runnable
+threads on 2 cores left it unfinished after 50 minutes (2026-11-29)."""
+
+
+def _threads(pid: int) -> int:
+    """Threads of process `pid` (0 where /proc does not say: not Linux, or the process is gone)."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
+
+
 class _RankPool:
     """Rank processes by position; a call on N ranks uses positions 0..N-1."""
 
@@ -270,6 +286,8 @@ class _RankPool:
                 why = "after another rank failed" if failures else f"within {timeout:.0f} s"
                 parts.append(f"--- ranks {hung} did not finish {why} (hang or deadlock)")
             raise DistributedTestFailure("\n".join(parts))
+        if any(_threads(p.pid) > RECYCLE_THREADS for p in procs):
+            self.close()  # the next call starts fresh ranks (from the fork server: a second)
         return [done[r] for r in range(world_size)]
 
     def close(self) -> None:
