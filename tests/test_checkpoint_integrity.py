@@ -69,10 +69,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class _Model:
-    """What `checkpoint.save` reads of a MimoModel: module names, their parameters and buffers
-    (none), and that no module is left uninitialized."""
+    """What `checkpoint.save` and `load` read of a MimoModel: module names, their parameters and
+    buffers (none), that no module is left uninitialized, and which one is the language model."""
 
     uninitialized: set = set()
+    language_name = "language"
 
     def __init__(self, numel: int) -> None:
         torch.manual_seed(0)

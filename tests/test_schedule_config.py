@@ -191,6 +191,24 @@ def test_zero_bubble_is_refused_by_name_before_torch_2_13(schedule, monkeypatch)
     _check_model(layout, llama, encoders, "language", {}, zb)
 
 
+def test_two_stages_on_one_rank_are_refused_by_name_before_torch_2_13(monkeypatch) -> None:
+    """torch 2.11's stage set-up sends to the next stage, on the same rank at pp = 1 with virtual
+    stages, which gloo refuses on the language ranks alone (test_fuzz drew it); pp = 2 is not."""
+    from dtensor_mimo.layout import torch_compat
+
+    llama, encoders = _modules(n_layers=4)
+    looped = PipelineConfig(microbatches=4, schedule="Interleaved1F1B", virtual_stages=2)
+    one_rank, two_ranks = (MimoLayout({"vision": P(), "language": P(pp=pp)}) for pp in (1, 2))
+    monkeypatch.setattr(torch_compat, "RELEASE", (2, 11))
+    with pytest.raises(LayoutError, match=r"'language' runs 2 pipeline stages on each of its ranks \(pp=1, "
+                                          r"virtual_stages=2\), which needs torch >= 2.13 .* use virtual_stages=1, "
+                                          r"pp > 1, or torch 2.13"):
+        _check_model(one_rank, llama, encoders, "language", {}, looped)
+    _check_model(two_ranks, llama, encoders, "language", {}, looped)
+    monkeypatch.setattr(torch_compat, "RELEASE", (2, 13))
+    _check_model(one_rank, llama, encoders, "language", {}, looped)
+
+
 def test_too_few_layers_for_the_stages_is_refused_before_any_process_group() -> None:
     llama, encoders = _modules()  # 2 layers
     layout = MimoLayout({"vision": P(), "language": P(pp=2)})
