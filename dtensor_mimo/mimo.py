@@ -203,6 +203,9 @@ class MimoModel(nn.Module):
         takes_grad = {n: any(p.requires_grad for p in (e.encoder if isinstance(e, ModalityEncoder) else e).parameters())
                       for n, e in encoders.items()}
         self._tower_trains = dict(takes_grad)  # (the encoders' own; a frozen tower's projection may train)
+        # rows each item carries through the blocks beyond its tokens: a CLIP-style tower's class token
+        self._class_rows = {n: int(bool(getattr(getattr(e.encoder if isinstance(e, ModalityEncoder) else e, "config",
+                                                        None), "class_token", False))) for n, e in encoders.items()}
         takes_grad[language_name] = backward_through_language
         flexed = [n for n in self.module_names if takes_grad[n] and (
             self.options[n].language_flex(self.device, layout.parallelism(n).cp, isinstance(language, Llama))
@@ -542,7 +545,8 @@ class MimoModel(nn.Module):
         check_batch(self.layout, self.language_name, self.encoder_names, batch, self.item_rules, self.vocab_size,
                     self.options[self.language_name].sp,
                     {n for n in self.encoder_names if traced and self.options[n].compile and self._tower_trains[n]},
-                    {n for n in self.encoder_names if traced and self.options[n].sp and self._tower_trains[n]})
+                    {n: self._class_rows[n] for n in self.encoder_names
+                     if traced and self.options[n].sp and self._tower_trains[n]})
         if self._fp8_rows and mode != "predict" and torch.is_grad_enabled():  # every rank alike
             par = self.layout.parallelism(self.language_name)
             problem = fp8_rows_problem(batch.batch_size, batch.seq_len,

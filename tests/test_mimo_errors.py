@@ -1038,3 +1038,55 @@ def test_encoder_sequence_parallel_on_tokens_tp_does_not_divide_on_torch_before_
                      r"torch 2.13", errors[0]), errors[0]
     if torch_compat.RELEASE >= (2, 13):
         assert run_on_ranks(_encoder_sp_odd_tokens, 3, (2, 13), timeout=180) == [None] * 3
+
+
+def _class_token_sp(image_size: int) -> str | None:
+    """A CLIP-style ViT (a class token first in every item's rows through the blocks) at tp2 with
+    sp on ranks 0-1, the language model on rank 2, torch's release read as 2.11: what a step on
+    images of `image_size` pixels (4-pixel patches) raises on this rank (None: it trained)."""
+    from dtensor_mimo.layout import torch_compat
+
+    release, torch_compat.RELEASE = torch_compat.RELEASE, (2, 11)  # (this rank's process, until it returns)
+    try:
+        return _class_token_step(image_size)
+    finally:
+        torch_compat.RELEASE = release
+
+
+def _class_token_step(image_size: int) -> str | None:
+    from dtensor_mimo import MimoOptimizer, train_step
+    from dtensor_mimo.data import ModalitySpec
+
+    config = ViTConfig.tiny(image_size=image_size, class_token=True)
+    llama = Llama(LlamaConfig.tiny())
+    llama.init_weights(0)
+    vision = ModalityEncoder(ViT(config), Projection(32, llama.config.dim, hidden_dim=64))
+    vision.init_weights(1)
+    model = MimoModel(MimoLayout({"vision": P(tp=2), "language": P()}), llama, {"vision": vision},
+                      options={"vision": ParallelOptions(sp=True)})
+    optimizer = MimoOptimizer(model)
+    spec = ModalitySpec.image(config, special_token_id=65, max_items=1)
+    batch = synthetic_batch(SyntheticSpec.tiny(modalities={"vision": spec}, batch_size=4), seed=0)
+    assert set(batch.modalities["vision"].item_tokens) == {(image_size // 4) ** 2}
+    try:
+        train_step(model, optimizer, batch)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_encoder_sequence_parallel_counts_a_class_token_on_torch_before_2_13():
+    """A CLIP-style tower runs each item's tokens and its class token through the blocks, so sp
+    at tp2 shards tokens + 1 rows. On torch 2.11 (run there: `make test-torch2.11`) a step on
+    16-token images (17 rows) failed in DTensor's backward on the vision ranks while the language
+    rank waited (a hang), yet passed the check, and 9-token images (10 rows, which 2.11 trains)
+    were refused. With the release read as 2.11: the 17 rows are refused by name on every rank,
+    the 10 train."""
+    from tests.harness import run_on_ranks
+
+    errors = run_on_ranks(_class_token_sp, 3, 16, timeout=180)
+    assert all(e is not None and e == errors[0] for e in errors), errors
+    assert re.search(r"encoder 'vision' has tp=2 with sequence parallel \(sp\): .* the batch's 'vision' items have "
+                     r"17 tokens with the class token its tower adds; set sp=False for 'vision', give its items a "
+                     r"multiple of 2 tokens \(the class token included\)", errors[0]), errors[0]
+    assert run_on_ranks(_class_token_sp, 3, 12, timeout=180) == [None] * 3

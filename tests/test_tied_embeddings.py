@@ -459,3 +459,65 @@ def test_a_pp2_checkpoint_of_equal_copies_resumes_tied(tmp_path) -> None:
     for said in run_on_ranks(_refused_load, 2, path, P(dp=2), step, timeout=180):
         assert "holds model.language.output.weight apart from model.language.tok_embeddings.weight and they " \
                "differ" in said and "untie_embeddings = true" in said, said
+
+
+def _embedding_frozen_step(path: str, pipeline: PipelineConfig | None, ckpt: str, load: str | None) -> dict:
+    """One step of the tied model of `path` at pp1 (`pipeline`: its stages, all on this one rank):
+    without `load`, the embedding (the tied head) frozen, saved to `ckpt`; with `load`, everything
+    training, resumed from it (`checkpoint.load`). The loss and the weights after (full)."""
+    from dtensor_mimo.train import checkpoint
+
+    layout = MimoLayout({"language": P()})
+    layout.init_meshes("cpu")
+    llama = Llama(LlamaConfig.from_hf(path))
+    load_hf(llama, path)
+    llama.tok_embeddings.weight.requires_grad_(load is not None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = MimoModel(layout, llama, {}, pipeline=pipeline)
+    optimizer = MimoOptimizer(model, ADAMW)
+    done = 0 if load is None else checkpoint.load(load, model, optimizer,
+                                                  checkpoint.expected_shapes({"language": llama}))["step"]
+    loss = train_step(model, optimizer, _batch(4 + done)).loss
+    checkpoint.save(ckpt, done + 1, model, optimizer, {"step": done + 1}, keep=1)
+    return dict(loss=loss, weights={n: _full(p) for n, p in model.module_parameters("language").items()})
+
+
+def test_a_tied_checkpoint_of_a_frozen_embedding_resumes_as_two_copies_on_one_rank(tmp_path) -> None:
+    """Saved tied with the embedding frozen (no AdamW state for it: `load` gives such a parameter
+    fresh state), resumed training at virtual_stages 2 on one rank (the embedding on the first
+    stage, its copy the head on the last, both on this rank): the load raised a KeyError after
+    DCP's read (the head's state was to copy the embedding's, dropped as absent), on the ranks
+    holding both alone. Both copies start from the saved weight with fresh AdamW state: the step
+    is one-process plain torch's."""
+    path, tied = str(tmp_path / "hf"), str(tmp_path / "tied")
+    _write(path, "llama3.2_tied")
+    (one,) = run_on_ranks(_embedding_frozen_step, 1, path, None, tied, None, timeout=120)
+    (step,) = glob.glob(os.path.join(tied, "step*"))
+    stages = PipelineConfig(microbatches=2, schedule="Interleaved1F1B", virtual_stages=2)
+    (got,) = run_on_ranks(_embedding_frozen_step, 1, path, stages, str(tmp_path / "two"), step, timeout=180)
+    # the reference: one process, the embedding frozen for a step, then training with the head its copy
+    llama = Llama(LlamaConfig.from_hf(path))
+    load_hf(llama, path)
+    embedding = llama.tok_embeddings.weight.requires_grad_(False)
+    decay = [p for n, p in llama.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": ADAMW.weight_decay},
+                             {"params": [p for p in llama.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=ADAMW.lr, betas=ADAMW.betas, eps=ADAMW.eps)
+    losses = []
+    for i in range(2):
+        if i == 1:
+            llama.output.weight = head = torch.nn.Parameter(embedding.detach().clone())
+            opt.param_groups[0]["params"].append(head)  # output.weight decays, the embedding does not
+            opt.param_groups[1]["params"].append(embedding.requires_grad_(True))
+        opt.zero_grad()
+        loss = _ref_loss(llama, _batch(4 + i))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert [one["loss"], got["loss"]] == pytest.approx(losses, rel=1e-5)
+    named = dict(llama.named_parameters())
+    assert got["weights"].keys() == named.keys()
+    for name, w in named.items():
+        torch.testing.assert_close(got["weights"][name], w.detach(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"weight {name}: {m}")

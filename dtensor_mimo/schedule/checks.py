@@ -258,14 +258,16 @@ def overlapped(layout: MimoLayout, language_name: str, encoders: Mapping[str, nn
 def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str], batch: MimoBatch,
                 item_rules: Mapping[str, ItemRule | None] | None = None, vocab_size: int | None = None,
                 sequence_parallel: bool = False, compiled: AbstractSet[str] = frozenset(),
-                sequence_parallel_encoders: AbstractSet[str] = frozenset()) -> None:
+                sequence_parallel_encoders: Mapping[str, int] | None = None) -> None:
     """Pure checks of a global batch against the model: the same verdict on every rank, raised
     before any collective. `item_rules`: each encoder's `item_rule`. `vocab_size`: the language
     model's embedding rows, which every token id that is not a modality's special id must index
     (checked once per batch, in host memory: a batch already on an accelerator is not read).
     `sequence_parallel`: the language model's `ParallelOptions.sp`. `compiled`: the encoders
     compiled (`ParallelOptions.compile`) whose backward this call traces.
-    `sequence_parallel_encoders`: the encoders with `ParallelOptions.sp` whose backward it traces."""
+    `sequence_parallel_encoders`: the encoders with `ParallelOptions.sp` whose backward it traces,
+    each with the rows an item carries through its blocks beyond its tokens (1: a CLIP-style
+    tower's class token, `ViTConfig.class_token`; else 0)."""
     for empty, what in ((batch.batch_size == 0, "no samples"), (batch.seq_len == 0, "no positions")):
         if empty:  # the language ranks would fail alone (DTensor under tp) or a step would train on nothing
             raise ValueError(f"the batch has {what} (tokens of shape {list(batch.tokens.shape)}): a run needs at "
@@ -291,8 +293,9 @@ def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str]
         if problem := compiled_varied_problem(name, layout.parallelism(name).tp, m.varied, name in compiled):
             raise ValueError(problem)
         tp = layout.parallelism(name).tp
-        if name in sequence_parallel_encoders and tp > 1 and torch_compat.RELEASE < (2, 13):
-            if odd := sorted({t for t in m.item_tokens if t % tp}):
+        extra = (sequence_parallel_encoders or {}).get(name)
+        if extra is not None and tp > 1 and torch_compat.RELEASE < (2, 13):
+            if odd := sorted({t + extra for t in m.item_tokens if (t + extra) % tp}):
                 # torch 2.11's DTensor leaves the rows an uneven Shard(1) gathers non-contiguous, and
                 # the block's backward then fails viewing them ("view size is not compatible"), on
                 # the encoder's ranks alone while the others wait for its gradients: a hang.
@@ -300,8 +303,9 @@ def check_batch(layout: MimoLayout, language_name: str, encoder_names: list[str]
                     f"encoder {name!r} has tp={tp} with sequence parallel (sp): on torch {torch.__version__} "
                     f"the tokens of each of its items must split evenly over tp (a sequence tp does not divide "
                     f"fails in DTensor's backward before torch 2.13), but the batch's {name!r} items have "
-                    f"{', '.join(map(str, odd))} tokens; set sp=False for {name!r}, give its items a multiple "
-                    f"of {tp} tokens, or use torch 2.13")
+                    f"{', '.join(map(str, odd))} tokens{' with the class token its tower adds' if extra else ''}; "
+                    f"set sp=False for {name!r}, give its items a multiple of {tp} tokens"
+                    f"{' (the class token included)' if extra else ''}, or use torch 2.13")
     if vocab_size is not None and batch.tokens.is_cpu:
         problem = ids_outside(batch, vocab_size)
         if problem:

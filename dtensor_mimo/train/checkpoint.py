@@ -858,6 +858,10 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
     missing_optim = [k for k in state if k.startswith("optim.") and k not in meta]
     for k in missing_optim:  # saved before that parameter trained (e.g. frozen then): fresh state,
         state.pop(k).zero_()  # also where this optimizer already stepped it (step 0, zero moments)
+    for value, source in after:  # a head copying such a state on this rank: fresh too
+        if source in missing_optim:
+            value.zero_()
+    after = [(value, source) for value, source in after if source not in missing_optim]
     dcp.load(state, checkpoint_id=path)  # in place: parameters, AdamW state; the rest replaced
     _copy_after(state, after)
     _loaded(model)
