@@ -15,6 +15,7 @@ them. The checkpoint is a tiny random transformers Llama with tied embeddings (t
 | float8_keeps_the_tie                     | language dp2 FSDP2, fp8 tensorwise (emulated)    | fp32 run |
 | pipeline_stages_keep_two_copies          | language pp2 (0-1), meta, `MimoModel.load_hf`    | untied   |
 | tp_keeps_a_user_modules_tie_refused      | (pure)                                           | refusal  |
+| fsdp2_keeps_ties_within_one_unit         | (pure)                                           | refusal  |
 | a_head_untied_for_stages_starts_as_...   | (pure)                                           | seeds    |
 | the_trainer_trains_a_tied_directory_tied | the tiny LLaVA task, its decoder made tied (1)   | HF       |
 | a_tied_checkpoint_resumes_at_pp2_as_...  | saved tied (1), resumed at language pp2 (0-1)    | oracle1  |
@@ -258,6 +259,32 @@ def test_tp_keeps_a_user_modules_tie_refused() -> None:
     with pytest.raises(ValueError, match=r"tied parameters \(layers.0.attention.wk.weight = "
                                          r"layers.1.attention.wk.weight"):
         check_tp_sizes("language", other, 2)
+
+
+def test_fsdp2_keeps_ties_within_one_unit() -> None:
+    """FSDP2 shards each block (and the root) on its own: a parameter tied across two blocks, or
+    a block and the root, is refused by name before any process group wherever FSDP2 shards the
+    module (torch 2.13 raised it inside fully_shard, on the language ranks alone); a tie within
+    one block, the library's tied head (both in the root), and fsdp=False pass."""
+    from dtensor_mimo.schedule.checks import check_model
+
+    layout = MimoLayout({"language": Parallelism(dp=2)})
+    check_model(layout, Llama(LlamaConfig.tiny(tie_embeddings=True)), {}, "language", {}, None)
+    across = Llama(LlamaConfig.tiny())
+    across.layers["1"].attention.wk.weight = across.layers["0"].attention.wk.weight
+    with pytest.raises(ValueError, match=r"tied parameters \(layers.0.attention.wk.weight \(in layers.0\) = "
+                                         r"layers.1.attention.wk.weight \(in layers.1\).* different FSDP2 units with "
+                                         r"fsdp over dp·cp = 2"):
+        check_model(layout, across, {}, "language", {}, None)
+    check_model(layout, across, {}, "language", {"language": ParallelOptions(fsdp=False)}, None)
+    check_model(MimoLayout({"language": Parallelism()}), across, {}, "language", {}, None)
+    root = Llama(LlamaConfig.tiny())
+    root.layers["1"].ffn_norm.weight = root.norm.weight
+    with pytest.raises(ValueError, match=r"\(layers.1.ffn_norm.weight \(in layers.1\) = norm.weight \(in the root\)"):
+        check_model(layout, root, {}, "language", {}, None)
+    within = Llama(LlamaConfig.tiny())
+    within.layers["0"].attention.wk.weight = within.layers["0"].attention.wv.weight
+    check_model(layout, within, {}, "language", {}, None)
 
 
 def _tied_copy(tiny: str) -> str:

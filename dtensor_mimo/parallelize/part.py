@@ -127,6 +127,33 @@ def check_untied(name: str, module: nn.Module, why: str, allowed: Iterable[tuple
                          "(untie them), or leave that parallelism at 1")
 
 
+def check_fsdp_ties(name: str, module: nn.Module, shards: int) -> None:
+    """Refuse (ValueError naming module `name` and the names) parameters of `module` registered
+    under several names in different FSDP2 units (each block of a stack, a projection, the root:
+    `parallelize_part`'s), which FSDP2 over `shards` dp·cp ranks would shard apart (torch 2.13
+    refuses it inside ``fully_shard``, on the module's ranks alone, the others then waiting). A tie
+    within one unit (the library's tied head and embedding, both in the root) stays one tensor. Pure."""
+    units = [f"{prefix}layers.{key}." for prefix, stack in _stacks_named(module)
+             if (layers := blocks(stack)) is not None for key in layers]
+    units += [prefix for prefix, stack in _stacks_named(module) if blocks(stack) is None and prefix]
+
+    def unit(param: str) -> str:
+        return max((u for u in units if param.startswith(u)), key=len, default="the root")
+
+    if split := [group for group in tied_parameters(module) if len({unit(n) for n in group}) > 1]:
+        detail = "; ".join(" = ".join(f"{n} (in {unit(n).rstrip('.')})" for n in group) for group in split)
+        raise ValueError(f"module {name!r}: tied parameters ({detail}: one tensor under several names) in different "
+                         f"FSDP2 units with fsdp over dp·cp = {shards}: FSDP2 shards each unit on its own, which would "
+                         "untie them; tie only parameters of one block (or of the root), give each name its own copy, "
+                         "or set ParallelOptions(fsdp=False) for it")
+
+
+def _stacks_named(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """`stacks(module)`, each with the prefix of its parameter names in `module` ("" for itself)."""
+    prefixes = {id(m): f"{n}." if n else "" for n, m in module.named_modules()}
+    return [(prefixes[id(stack)], stack) for stack in stacks(module)]
+
+
 def tied_parameters(module: nn.Module) -> list[list[str]]:
     """The names of each parameter of `module` registered under more than one name (tied weights)."""
     names: dict[int, list[str]] = {}

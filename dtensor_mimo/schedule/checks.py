@@ -14,7 +14,8 @@ from dtensor_mimo.models import Llama, ModalityEncoder
 from dtensor_mimo.models.protocol import ItemRule, encoder_problems, language_problems
 from dtensor_mimo.models.vit import self_attentions
 from dtensor_mimo.parallelize import ParallelOptions
-from dtensor_mimo.parallelize.part import check_compile_layout, check_tp_sizes, check_untied, library_ties
+from dtensor_mimo.parallelize.part import (check_compile_layout, check_fsdp_ties, check_tp_sizes, check_untied,
+                                           library_ties)
 from dtensor_mimo.schedule.config import (ZERO_BUBBLE_SCHEDULES, PipelineConfig, check_pipeline_layout,
                                           stage_layers)
 
@@ -93,6 +94,8 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
             check_untied(name, module, f"{cut}: the pipeline split gives each stage its own pieces",
                          # the library's tied decoder itself: `untie_for_stages` unties it after the checks
                          allowed=library_ties(module) if name == language_name and isinstance(module, Llama) else ())
+        if options.get(name, ParallelOptions()).fsdp and par.dp * par.cp > 1:
+            check_fsdp_ties(name, language if name == language_name else encoders[name], par.dp * par.cp)
         check_compile_layout(name, options.get(name, ParallelOptions()), par)
         if par.hsdp and not options.get(name, ParallelOptions()).fsdp:
             raise LayoutError(f"{name!r} has dp_replicate={par.dp_replicate} (HSDP: FSDP2 shards within replica "
