@@ -22,6 +22,7 @@ each test writes with ``save_pretrained``; no download; skipped without transfor
 | test_default_table_is_transformers_own | `config_json.DEFAULTS` against transformers' config classes |
 | test_llava_kin_take_their_feature_layer | LLaVA-NeXT / -OneVision towers: up to their vision_feature_layer |
 | test_an_anyres_llava_directory_is_refused_... | LLaVA-NeXT / -OneVision: the tower loads; projector, encoder refused |
+| test_an_anyres_directory_is_known_by_... | image_grid_pinpoints under type 'llava'; llava_next_video by its type |
 | test_quantized_checkpoints_are_refused_... | FP8 / int8 weights: named while checking, nothing read |
 | test_mimo_load_hf_refuses_a_quantized_... | an FP8 checkpoint: every rank raises, none reads |
 | test_a_temporal_patch_tower_round_trips... | a video tower (2 frames): save_hf, from_hf, load_hf: same features |
@@ -612,6 +613,25 @@ def test_an_anyres_llava_directory_is_refused_beyond_its_tower(kind: str, tower:
     assert language_rank.startswith("MimoModel.load_hf: 1 rank(s) found the checkpoints"), language_rank
     with pytest.raises(ConfigError, match=f"model.encoders.vision.hf = '{path}': .*{message}"):
         resolve_encoder(TrainerConfig(), "vision", EncoderSection(hf=path))
+
+
+@pytest.mark.parametrize("kind", ["llava", "llava_next_video"])
+def test_an_anyres_directory_is_known_by_its_grid_pinpoints_or_its_type(kind: str, tmp_path) -> None:
+    """`anyres_problem`: any ``image_grid_pinpoints`` is anyres, whatever the model_type says (the
+    original LLaVA-1.6 directories are model_type 'llava' with image_grid_pinpoints), and
+    LLaVA-NeXT-Video is anyres by its type alone (a config.json without the pinpoints)."""
+    from dtensor_mimo.models.hf.vision import check_projector
+
+    config = {"model_type": kind, "projector_hidden_act": "gelu"}
+    if kind == "llava":
+        config["image_grid_pinpoints"] = [[336, 672], [672, 336]]
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=f"model_type '{kind}' is an \"anyres\" LLaVA"):
+        check_projector(str(tmp_path))
+    with open(tmp_path / "config.json", "w") as f:  # LLaVA-1.5: no pinpoints, its own type
+        json.dump({"model_type": "llava", "projector_hidden_act": "gelu"}, f)
+    check_projector(str(tmp_path))
 
 
 @pytest.mark.parametrize("layer", [-5, 4])

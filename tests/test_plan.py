@@ -330,13 +330,14 @@ def test_a_frozen_encoders_rows_cross_one_way() -> None:
 
 
 @pytest.mark.parametrize("pp, schedule, virtual", [(2, "ZBVZeroBubble", 2), (1, "Interleaved1F1B", 2),
-                                                   (2, "1F1B", 1)])
+                                                   (2, "1F1B", 1), (1, "1F1B", 1)])
 def test_a_tied_decoders_head_copy_is_counted_where_one_rank_holds_both(pp: int, schedule: str,
                                                                          virtual: int) -> None:
     """A tied decoder cut into stages trains its head as a copy of the embedding (`untie_for_stages`):
     the rank holding the first and the last stage (a V's first pp rank; virtual stages at pp = 1)
-    holds both with their gradients and AdamW state. The planner's parameters on the busiest rank
-    (no activations, no FSDP: memory / 16 bytes) against the real count of that rank's stages."""
+    holds both with their gradients and AdamW state; one stage (pp = 1) holds the one tied parameter
+    once. The planner's parameters on the busiest rank (no activations, no FSDP: memory / 16 bytes)
+    against the real count of that rank's stages."""
     from dtensor_mimo.models import Llama, LlamaConfig
     from dtensor_mimo.models.llama import untie_embeddings
     from dtensor_mimo.models.protocol import decoder_stage
@@ -349,15 +350,16 @@ def test_a_tied_decoders_head_copy_is_counted_where_one_rank_holds_both(pp: int,
                                trainable_params=params, activation_bytes_per_token=0.0,
                                tied_params=llama.tok_embeddings.weight.numel())
     cost = module_cost(tied, P(pp=pp), 8, 2 * pp, FAST, range(pp), schedule, virtual)
-    with pytest.warns(UserWarning):
-        untie_embeddings(llama, "a test")
     config = PipelineConfig(microbatches=2 * pp, schedule=schedule, virtual_stages=virtual)
+    if config.num_stages(pp) > 1:  # one stage (pp = 1, no virtual stages): the model stays tied, one parameter
+        with pytest.warns(UserWarning):
+            untie_embeddings(llama, "a test")
     bounds = stage_layers(4, config.num_stages(pp))
     busiest = 0
     for r in range(pp):
         stages = [decoder_stage(llama, bounds[s], s == 0, s == len(bounds) - 1) for s in config.rank_stages(r, pp)]
         busiest = max(busiest, sum({id(p): p.numel() for m in stages for p in m.parameters()}.values()))
-    if schedule == "1F1B":  # one copy a rank; the rest counted whole (embedding and norm): not below
+    if schedule == "1F1B" and pp > 1:  # one copy a rank; the rest counted whole (embedding and norm): not below
         assert cost.memory / 16 >= busiest
     else:
         assert cost.memory / 16 == busiest
@@ -976,6 +978,37 @@ def test_a_decoder_without_a_tensor_parallel_plan_is_planned_without_tp_or_cp(mo
         except (LayoutError, TypeError, ValueError) as e:
             pytest.fail(f"the planner proposed {cand.describe()} (M={cand.microbatches}), which the library "
                         f"refuses: {e}")
+
+
+def test_only_a_tied_decoder_is_measured_with_a_head_copy() -> None:
+    """`ModuleProfile.tied_params`, which the planner adds where one rank holds a tied decoder's first
+    and last stages (`module_cost`): the embedding's size for a decoder whose head is its embedding
+    (counted once in its parameters), none for an untied one (the default), whose head is a
+    parameter of its own already counted."""
+    pytest.importorskip("sklearn")
+    import torch
+
+    from dtensor_mimo.models import Llama
+    from dtensor_mimo.train import plan as trainer_plan
+    from dtensor_mimo.train.datasets import train_data
+    from dtensor_mimo.train.modules import build_modules, resolve
+
+    config = parse_args(["--options.language.compile", "false"])
+    resolved = resolve(config)
+    data = train_data(config, resolved)
+    torch.manual_seed(0)
+    modules = build_modules(config, resolved, data.seq_len, meta=False)
+    probe = data.train.batch(list(range(8)), load=None)
+    untied = modules["language"]
+    assert not untied.config.tie_embeddings and untied.output.weight is not untied.tok_embeddings.weight
+    tied = Llama(dataclasses.replace(untied.config, tie_embeddings=True))
+    embedding = untied.tok_embeddings.weight.numel()
+    for llama, want in ((untied, 0), (tied, embedding)):
+        profile = trainer_plan._measure_module(config, resolved, data, {**modules, "language": llama}, probe,
+                                               data.seq_len, "language", None, lambda load: Affine(),
+                                               lambda _: None)
+        assert profile.tied_params == want
+        assert profile.params == sum(p.numel() for p in llama.parameters())  # the tied one once
 
 
 def test_a_frozen_decoder_is_measured_with_the_backward_through_it() -> None:

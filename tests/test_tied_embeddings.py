@@ -17,9 +17,12 @@ them. The checkpoint is a tiny random transformers Llama with tied embeddings (t
 | tp_keeps_a_user_modules_tie_refused      | (pure)                                           | refusal  |
 | fsdp2_keeps_ties_within_one_unit         | (pure)                                           | refusal  |
 | a_head_untied_for_stages_starts_as_...   | (pure)                                           | seeds    |
+| a_frozen_tied_head_untied_for_stages_... | (pure)                                           | frozen   |
 | the_trainer_trains_a_tied_directory_tied | the tiny LLaVA task, its decoder made tied (1)   | HF       |
 | a_tied_checkpoint_resumes_at_pp2_as_...  | saved tied (1), resumed at language pp2 (0-1)    | oracle1  |
 | a_pp2_checkpoint_of_equal_copies_...     | saved at pp2 (0-1), resumed tied at dp2 (0-1)    | oracle1  |
+| a_tied_checkpoint_resumes_in_two_stages_... | saved tied (1), resumed pp1 x virtual 2 (1)   | oracle1  |
+| a_frozen_tied_embeddings_checkpoint_...  | saved tied, embedding frozen (1), pp1 x v2 (1)   | oracle1  |
 
 HF: transformers' tied model (one step: loss, grad norm, every gradient, the tied one the sum of
 both uses, the weights after AdamW given the library's no-decay rule; an export: loaded tied, no
@@ -29,7 +32,7 @@ vocab-parallel loss and fsdp_dp2's chunked head run on the loss rows only, both 
 coloc_tp_compiled gathers its logits. fp32 run: one parameter still, the loss within 2%.
 untied: a warning naming the module, and an untied one-process model whose head is the
 checkpoint's embedding (loss, both gradients). refusal: a user's tie stays refused under tp.
-seeds: the head's copy draws the embedding's seed.
+seeds: the head's copy draws the embedding's seed. frozen: the head's copy of a frozen tie is frozen.
 oracle1: one process, plain torch AdamW: the tied model's steps, then (at pp2) the head and its
 AdamW state made copies of the embedding's: each step's loss and the weights after; copies that
 trained apart are refused tied on every rank, by name.
@@ -359,25 +362,41 @@ def test_a_head_untied_for_stages_starts_as_the_embedding() -> None:
     torch.testing.assert_close(plain.tok_embeddings.weight, tied.tok_embeddings.weight, rtol=0, atol=0)
 
 
+def test_a_frozen_tied_head_untied_for_stages_stays_frozen() -> None:
+    """A frozen tied decoder (``requires_grad_(False)``: model.language.frozen) cut into stages: the
+    head's copy is frozen too, as the one tied parameter was; a trainable one stays trainable."""
+    from dtensor_mimo.models.llama import untie_embeddings
+
+    for trains in (False, True):
+        llama = Llama(LlamaConfig.tiny(tie_embeddings=True)).requires_grad_(trains)
+        with pytest.warns(UserWarning, match="a pipeline split"):
+            untie_embeddings(llama, "a pipeline split")
+        assert llama.output.weight.requires_grad is trains and llama.tok_embeddings.weight.requires_grad is trains
+
+
 # ---------------------------------------------------------------------------- a checkpoint's tie across layouts
 
 
 def _checkpoint_step(path: str, par: Parallelism, microbatches: int | None, ckpt: str, load: str | None,
-                     steps: int, model_only: bool = False) -> dict:
-    """A language-only `MimoModel` of the tied checkpoint at `path` on layout `par`: loads the DCP
-    checkpoint `load` (all of it, or with `model_only` its weights alone: `load_model`) and reports
-    the weights it got; then `steps` steps on `_batch(4 + i)` (i counted from the loaded step),
-    saving the checkpoint of the last one to `ckpt`, the loss of each step and the weights after (full)."""
+                     steps: int, model_only: bool = False, virtual_stages: int = 1, frozen: bool = False) -> dict:
+    """A language-only `MimoModel` of the tied checkpoint at `path` on layout `par` (`virtual_stages`
+    > 1: an Interleaved1F1B schedule of that many stages a pp rank; `frozen`: the tied embedding
+    frozen, so trained without AdamW state): loads the DCP checkpoint `load`
+    (all of it, or with `model_only` its weights alone: `load_model`) and reports the weights it got;
+    then `steps` steps on `_batch(4 + i)` (i counted from the loaded step), saving the checkpoint of
+    the last one to `ckpt`, the loss of each step and the weights after (full)."""
     from dtensor_mimo.train import checkpoint
 
     layout = MimoLayout({"language": par})
     layout.init_meshes("cpu")
     llama = Llama(LlamaConfig.from_hf(path))
     load_hf(llama, path)
+    llama.tok_embeddings.weight.requires_grad_(not frozen)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = MimoModel(layout, llama, {}, pipeline=None if microbatches is None else
-                          PipelineConfig(microbatches=microbatches))
+        model = MimoModel(layout, llama, {}, pipeline=None if microbatches is None else PipelineConfig(
+            microbatches=microbatches, schedule="1F1B" if virtual_stages == 1 else "Interleaved1F1B",
+            virtual_stages=virtual_stages))
     optimizer = MimoOptimizer(model, ADAMW)
     expected = checkpoint.expected_shapes({"language": llama})  # of the model as it trains (two keys at pp2)
 
@@ -403,12 +422,14 @@ def _ref_loss(llama: Llama, batch) -> torch.Tensor:
                             reduction="none") * weight).sum() / weight.sum()
 
 
-def _reference(path: str, tied_steps: int, untied_steps: int) -> tuple[list[float], dict]:
+def _reference(path: str, tied_steps: int, untied_steps: int, frozen: bool = False) -> tuple[list[float], dict]:
     """One process, plain torch: the tied model of `path` trained `tied_steps` steps with AdamW
-    (the library's no-decay rule), then its head made a copy of the embedding, its AdamW state
-    a copy of the embedding's, and `untied_steps` more: each step's loss and the weights after."""
+    (the library's no-decay rule; `frozen`: its embedding frozen, no AdamW state), then its head made
+    a copy of the embedding, its AdamW state a copy of the embedding's (both trainable), and
+    `untied_steps` more: each step's loss and the weights after."""
     llama = Llama(LlamaConfig.from_hf(path))
     load_hf(llama, path)
+    llama.tok_embeddings.weight.requires_grad_(not frozen)
     named = dict(llama.named_parameters())
     decay = [p for n, p in named.items() if p.ndim >= 2 and "embed" not in n]
     rest = [p for n, p in named.items() if not (p.ndim >= 2 and "embed" not in n)]
@@ -417,7 +438,7 @@ def _reference(path: str, tied_steps: int, untied_steps: int) -> tuple[list[floa
     losses = []
     for i in range(tied_steps + untied_steps):
         if i == tied_steps and untied_steps:
-            embedding = llama.tok_embeddings.weight
+            embedding = llama.tok_embeddings.weight.requires_grad_(True)
             llama.output.weight = head = torch.nn.Parameter(embedding.detach().clone())
             opt.param_groups[0]["params"].append(head)  # output.weight decays
             opt.state[head] = {k: v.clone() for k, v in opt.state[embedding].items()}
@@ -488,63 +509,47 @@ def test_a_pp2_checkpoint_of_equal_copies_resumes_tied(tmp_path) -> None:
                "differ" in said and "untie_embeddings = true" in said, said
 
 
-def _embedding_frozen_step(path: str, pipeline: PipelineConfig | None, ckpt: str, load: str | None) -> dict:
-    """One step of the tied model of `path` at pp1 (`pipeline`: its stages, all on this one rank):
-    without `load`, the embedding (the tied head) frozen, saved to `ckpt`; with `load`, everything
-    training, resumed from it (`checkpoint.load`). The loss and the weights after (full)."""
-    from dtensor_mimo.train import checkpoint
-
-    layout = MimoLayout({"language": P()})
-    layout.init_meshes("cpu")
-    llama = Llama(LlamaConfig.from_hf(path))
-    load_hf(llama, path)
-    llama.tok_embeddings.weight.requires_grad_(load is not None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = MimoModel(layout, llama, {}, pipeline=pipeline)
-    optimizer = MimoOptimizer(model, ADAMW)
-    done = 0 if load is None else checkpoint.load(load, model, optimizer,
-                                                  checkpoint.expected_shapes({"language": llama}))["step"]
-    loss = train_step(model, optimizer, _batch(4 + done)).loss
-    checkpoint.save(ckpt, done + 1, model, optimizer, {"step": done + 1}, keep=1)
-    return dict(loss=loss, weights={n: _full(p) for n, p in model.module_parameters("language").items()})
-
-
-def test_a_tied_checkpoint_of_a_frozen_embedding_resumes_as_two_copies_on_one_rank(tmp_path) -> None:
-    """Saved tied with the embedding frozen (no AdamW state for it: `load` gives such a parameter
-    fresh state), resumed training at virtual_stages 2 on one rank (the embedding on the first
-    stage, its copy the head on the last, both on this rank): the load raised a KeyError after
-    DCP's read (the head's state was to copy the embedding's, dropped as absent), on the ranks
-    holding both alone. Both copies start from the saved weight with fresh AdamW state: the step
-    is one-process plain torch's."""
-    path, tied = str(tmp_path / "hf"), str(tmp_path / "tied")
+def test_a_tied_checkpoint_resumes_in_two_stages_on_one_rank(tmp_path) -> None:
+    """Saved tied (one key), resumed at pp = 1 x virtual_stages = 2 on one rank: the split unties the
+    head, and this rank holds both copies, so the one saved tensor fills both (and both AdamW
+    states), as at pp2 where each rank holds one; the next step is the one-process run's that
+    unties there. `load_model` likewise gives both the saved weight, not the head's own from the
+    hf directory."""
+    path, tied, untied = str(tmp_path / "hf"), str(tmp_path / "tied"), str(tmp_path / "untied")
     _write(path, "llama3.2_tied")
-    (one,) = run_on_ranks(_embedding_frozen_step, 1, path, None, tied, None, timeout=120)
+    (one,) = run_on_ranks(_checkpoint_step, 1, path, P(), None, tied, None, 1, timeout=120)
     (step,) = glob.glob(os.path.join(tied, "step*"))
-    stages = PipelineConfig(microbatches=2, schedule="Interleaved1F1B", virtual_stages=2)
-    (got,) = run_on_ranks(_embedding_frozen_step, 1, path, stages, str(tmp_path / "two"), step, timeout=180)
-    # the reference: one process, the embedding frozen for a step, then training with the head its copy
-    llama = Llama(LlamaConfig.from_hf(path))
-    load_hf(llama, path)
-    embedding = llama.tok_embeddings.weight.requires_grad_(False)
-    decay = [p for n, p in llama.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": ADAMW.weight_decay},
-                             {"params": [p for p in llama.parameters() if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=ADAMW.lr, betas=ADAMW.betas, eps=ADAMW.eps)
-    losses = []
-    for i in range(2):
-        if i == 1:
-            llama.output.weight = head = torch.nn.Parameter(embedding.detach().clone())
-            opt.param_groups[0]["params"].append(head)  # output.weight decays, the embedding does not
-            opt.param_groups[1]["params"].append(embedding.requires_grad_(True))
-        opt.zero_grad()
-        loss = _ref_loss(llama, _batch(4 + i))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert [one["loss"], got["loss"]] == pytest.approx(losses, rel=1e-5)
-    named = dict(llama.named_parameters())
-    assert got["weights"].keys() == named.keys()
-    for name, w in named.items():
-        torch.testing.assert_close(got["weights"][name], w.detach(), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"weight {name}: {m}")
+    saved = one["weights"]["tok_embeddings.weight"]
+    (got,) = run_on_ranks(_checkpoint_step, 1, path, P(), 2, untied, step, 1, False, 2, timeout=180)
+    assert "model.language.output.weight" in got["keys"]  # two copies
+    torch.testing.assert_close(got["loaded"]["output.weight"], saved, rtol=0, atol=0)
+    torch.testing.assert_close(got["loaded"]["tok_embeddings.weight"], saved, rtol=0, atol=0)
+    losses, want = _reference(path, 1, 1)
+    assert got["losses"][0] == pytest.approx(losses[1], rel=1e-5)
+    assert got["weights"].keys() == want.keys()
+    for name, w in want.items():
+        torch.testing.assert_close(got["weights"][name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"weight {name}: {m}")
+    (got,) = run_on_ranks(_checkpoint_step, 1, path, P(), 2, str(tmp_path / "w"), step, 0, True, 2, timeout=180)
+    for name, w in got["loaded"].items():
+        torch.testing.assert_close(w, saved if name == "output.weight" else one["weights"][name], rtol=0, atol=0)
+
+
+def test_a_frozen_tied_embeddings_checkpoint_resumes_in_two_stages_on_one_rank(tmp_path) -> None:
+    """Saved tied with the embedding (so the head) frozen: the checkpoint holds no AdamW state for it.
+    Resumed trainable at pp = 1 x virtual_stages = 2 on one rank (both copies there): both copies
+    start with fresh AdamW state, as any parameter saved frozen does (`load`), and the step is the
+    one-process run's; it raised a KeyError of the embedding's optimizer key on that rank alone."""
+    path, tied, untied = str(tmp_path / "hf"), str(tmp_path / "tied"), str(tmp_path / "untied")
+    _write(path, "llama3.2_tied")
+    (one,) = run_on_ranks(_checkpoint_step, 1, path, P(), None, tied, None, 1, frozen=True, timeout=120)
+    (step,) = glob.glob(os.path.join(tied, "step*"))
+    keys = FileSystemReader(step).read_metadata().state_dict_metadata
+    assert "model.language.tok_embeddings.weight" in keys
+    assert not [k for k in keys if k.startswith("optim.language.tok_embeddings.weight")]
+    (got,) = run_on_ranks(_checkpoint_step, 1, path, P(), 2, untied, step, 1, False, 2, timeout=180)
+    losses, want = _reference(path, 1, 1, frozen=True)
+    assert one["losses"][0] == pytest.approx(losses[0], rel=1e-5)
+    assert got["losses"][0] == pytest.approx(losses[1], rel=1e-5)
+    assert got["weights"].keys() == want.keys()
+    for name, w in want.items():
+        torch.testing.assert_close(got["weights"][name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"weight {name}: {m}")

@@ -105,6 +105,22 @@ def test_sections_are_the_library_dataclasses_and_moved_keys_still_read() -> Non
         ["--optimizer.module_lr", "{audio = 2e-3}"]).optimizer.per_module()["audio"].lr == 2e-3
 
 
+@pytest.mark.parametrize("rank", ["0", "2"])
+def test_a_config_warning_is_given_once_in_a_torchrun_world(rank: str, monkeypatch) -> None:
+    """Every torchrun rank parses the config before joining a group: a warning about it (a moved key)
+    is given by rank 0 (``RANK``) alone, not once a rank."""
+    import warnings
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        moved = parse_args(["--optimizer.warmup_steps", "3"])
+    assert moved.lr_schedule.warmup_steps == 3
+    said = [str(w.message) for w in caught if "optimizer.warmup_steps is now" in str(w.message)]
+    assert len(said) == (rank == "0"), said
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--train.stepz", "3"], "unknown key 'train.stepz'; train has steps, eval_every"),
     (["--trian.steps", "3"], "unknown key 'trian'; the config has model, layout, options"),

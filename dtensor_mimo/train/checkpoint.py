@@ -811,9 +811,14 @@ def _read_copies(state: dict[str, Any], read: Mapping[str, str]) -> list[tuple[t
 
 
 def _copy_after(state: Mapping[str, Any], after: list[tuple[torch.Tensor, str]]) -> None:
+    """Fill each of `_read_copies`' `after` from its source, loaded; a source `load` left out (AdamW
+    state the checkpoint lacks: a parameter saved frozen, zeroed as fresh) leaves its copy fresh too."""
     with torch.no_grad():
         for value, source in after:
-            value.copy_(state[source])
+            if source in state:
+                value.copy_(state[source])
+            else:
+                value.zero_()
 
 
 def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
@@ -858,10 +863,6 @@ def load(path: str, model: MimoModel, optimizer: MimoOptimizer,
     missing_optim = [k for k in state if k.startswith("optim.") and k not in meta]
     for k in missing_optim:  # saved before that parameter trained (e.g. frozen then): fresh state,
         state.pop(k).zero_()  # also where this optimizer already stepped it (step 0, zero moments)
-    for value, source in after:  # a head copying such a state on this rank: fresh too
-        if source in missing_optim:
-            value.zero_()
-    after = [(value, source) for value, source in after if source not in missing_optim]
     dcp.load(state, checkpoint_id=path)  # in place: parameters, AdamW state; the rest replaced
     _copy_after(state, after)
     _loaded(model)
