@@ -711,10 +711,10 @@ def synthetic_batch(spec: SyntheticSpec, seed: int) -> MimoBatch:
 
 def step_fingerprint(batch: MimoBatch) -> int:
     """`batch_fingerprint` of a global batch: its per-token tensors, a packed row's documents and
-    positions among them (when on the host: hashing device memory would sync), and each modality's items per sample and tokens per item (they give
-    the tokens per sample; where an encoder balances its items over its dp ranks, the rows each
-    rank sends follow the per-item counts, which samples of equal sums can still differ in); once
-    per batch (`MimoBatch.memo`)."""
+    positions among them (when on the host: hashing device memory would sync), and each
+    modality's items per sample and tokens per item (they give the tokens per sample; where an
+    encoder balances its items over its dp ranks, the rows each rank sends follow the per-item
+    counts, which samples of equal sums can still differ in); once per batch (`MimoBatch.memo`)."""
     tensors = tuple(t for t in (batch.tokens, batch.labels, batch.loss_mask, batch.document_ids, batch.positions)
                     if t is not None) if batch.tokens.is_cpu else ()
     return batch.memo("step fingerprint", lambda: batch_fingerprint(
