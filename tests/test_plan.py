@@ -670,6 +670,31 @@ def test_measured_job_of_items_of_their_own_size_parallelized_as_trained() -> No
         assert profiles[name]["tokens_per_sample"] == pytest.approx(drawn, rel=0.15), name
 
 
+def test_a_conversation_corpus_smaller_than_the_measured_batches_is_measured(tmp_path, monkeypatch) -> None:
+    """The README's planner command on the README's own LLaVA setup (`examples/llava_tiny.toml`,
+    `make_tiny_llava.py`'s 512 samples; here 48, fewer than the 64 the probe reads too): the rows'
+    timing read samples 1000.. of the corpus and raised IndexError ("sample 1000 of 512") before
+    anything was measured. It reads them modulo the corpus."""
+    pytest.importorskip("sklearn")
+    import importlib.util
+    import os
+
+    from dtensor_mimo.train.plan import measure_profiles
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    spec = importlib.util.spec_from_file_location("make_tiny_llava", os.path.join(root, "examples",
+                                                                                  "make_tiny_llava.py"))
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    make.write_checkpoints(str(tmp_path))
+    make.write_data(str(tmp_path), train=48, val=16)
+    monkeypatch.chdir(tmp_path)
+    config = parse_args(["--config", os.path.abspath(os.path.join(root, "examples", "llava_tiny.toml"))])
+    job = Job.from_dict(measure_profiles(config, log=lambda _: None)["job"])
+    assert {m.name for m in job.modules} == {"image", "language"}
+    assert job.rows(16) > 0
+
+
 @pytest.mark.parametrize("command", [["dtensor_mimo.plan"], ["dtensor_mimo.train", "plan"]])
 def test_planner_command_both_ways(command: list[str]) -> None:
     """``python -m dtensor_mimo.plan`` is ``python -m dtensor_mimo.train plan`` (the planner's

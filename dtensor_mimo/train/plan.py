@@ -84,10 +84,13 @@ def measure_profiles(config: TrainerConfig, log: Callable[[str], None] = print) 
     modules = build_modules(config, resolved, seq_len, meta=False)
     refuse_nothing_trains(config, modules)  # (before minutes of measuring a run that would train nothing)
     b = config.data.batch_size
-    probe = data.train.batch(list(range(max(b, 64))), load=None)  # the first samples only: read and tokenized now
+    # The first samples only, read and tokenized now; indices modulo the corpus, which may hold
+    # fewer samples than are read here (a small conversation file)
+    samples = len(data.train)
+    probe = data.train.batch([i % samples for i in range(max(b, 64))], load=None)
 
     def batch_time(n: int, load: Callable[[list[int]], dict[str, list[int]]]) -> float:
-        idx = list(range(1000, 1000 + n))
+        idx = [i % samples for i in range(1000, 1000 + n)]
         t = []
         for _ in range(5):
             t0 = time.perf_counter()
