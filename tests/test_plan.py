@@ -763,6 +763,9 @@ def test_an_encoders_load_is_its_items_not_the_rows_again(monkeypatch) -> None:
         def __getattr__(self, name):
             return getattr(self.source, name)
 
+        def __len__(self):
+            return len(self.source)
+
         def batch(self, indices, load=None, **kwargs):
             time.sleep(4e-3 * len(indices))
             return self.source.batch(indices, load=load, **kwargs)

@@ -50,6 +50,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dtensor_mimo.train.config import ConfigError, parse_args
 from tests.harness import run_on_ranks
@@ -771,8 +772,10 @@ def _factory_run(cwd: str, argv: list[str]) -> tuple[str, str, list[float]]:
         trainer.run()
     finally:
         os.chdir(here)
-    with open(argv[argv.index("--metrics.jsonl") + 1]) as f:
-        losses = [r["loss"] for r in map(json.loads, f) if "loss" in r]
+    losses = []
+    if dist.get_rank() == 0:  # the file rank 0 writes (another rank may finish before its last lines)
+        with open(argv[argv.index("--metrics.jsonl") + 1]) as f:
+            losses = [r["loss"] for r in map(json.loads, f) if "loss" in r]
     return type(trainer.modules["language"]).__name__, str(trainer.modules["language"].config.dim), losses
 
 
@@ -806,6 +809,8 @@ def _seeded_factory_run(cwd: str, argv: list[str]) -> tuple[list[float], dict]:
     """`_factory_run` from torch's seed of a fresh process (the harness reuses its rank processes)."""
     torch.manual_seed(67280421310721)
     losses = _factory_run(cwd, argv)[2]
+    if dist.get_rank():
+        return losses, {}  # (rank 0's file: `_factory_run`)
     with open(argv[argv.index("--metrics.jsonl") + 1]) as f:
         return losses, [r for r in map(json.loads, f) if "heldout_loss" in r][-1]
 
