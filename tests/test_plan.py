@@ -612,6 +612,31 @@ def test_every_candidate_is_a_layout_the_library_builds_with_the_modules_options
                         f"refuses: {e}")
 
 
+def test_before_torch_2_13_no_candidate_runs_two_language_stages_on_one_rank(monkeypatch) -> None:
+    """torch 2.11 cannot run two stages of the language model on one rank (pp = 1 with virtual
+    stages: `check_model` refuses it): the planner does not propose it there; on 2.13 it does."""
+    from dtensor_mimo.layout import torch_compat
+    from dtensor_mimo.models import Llama, LlamaConfig, ModalityEncoder, Projection, ViT, ViTConfig
+    from dtensor_mimo.schedule.checks import check_model
+    from dtensor_mimo.schedule.config import PipelineConfig
+
+    llama = Llama(LlamaConfig.tiny(n_layers=4))
+    encoders = {"vision": ModalityEncoder(ViT(ViTConfig.tiny()), Projection(32, 32))}
+    job = Job((profile("vision", divides=(4, 64, 32)), profile("language", layers=4, tokens=32, cp=True,
+                                                                divides=(4, 2, 64, 64))),
+              batch_size=8, schedule="Interleaved1F1B", virtual_stages=2)
+    pps = {}
+    for release in ((2, 11), (2, 13)):
+        monkeypatch.setattr(torch_compat, "RELEASE", release)
+        ranked = search(job, 4, FAST).ranked
+        pps[release] = {p.candidate.layout(4).parallelism("language").pp for p in ranked}
+        for pred in ranked:
+            cand = pred.candidate
+            check_model(cand.layout(4), llama, encoders, "language", {},
+                        PipelineConfig(microbatches=cand.microbatches, schedule="Interleaved1F1B", virtual_stages=2))
+    assert 1 not in pps[(2, 11)] and pps[(2, 11)] and 1 in pps[(2, 13)]
+
+
 @pytest.mark.parametrize("env, argv, match", [
     ({}, ["--train.device", "cuda"], "train.device = 'cuda'"),
     ({"WORLD_SIZE": "16", "RANK": "0", "LOCAL_WORLD_SIZE": "8"}, [], "a world of 16 ranks over several nodes"),

@@ -37,7 +37,7 @@ from dtensor_mimo.parallelize.part import check_compile_layout
 from dtensor_mimo.plan.candidate import Candidate
 from dtensor_mimo.plan.cost import Prediction, module_cost, predict
 from dtensor_mimo.plan.profile import DeviceProfile, Job, ModuleProfile
-from dtensor_mimo.schedule.checks import compiled_varied_problem, recomputed_compile_problem
+from dtensor_mimo.schedule.checks import compiled_varied_problem, one_rank_stages_problem, recomputed_compile_problem
 from dtensor_mimo.schedule.config import (ZERO_BUBBLE_SCHEDULES, PipelineConfig, check_microbatching,
                                           check_pipeline_layout, stage_layers)
 
@@ -119,6 +119,8 @@ def module_problem(job: Job, profile: ModuleProfile, par: Parallelism, microbatc
             return problem
     shards = par.dp * par.cp
     stages = par.pp * (job.virtual_stages if is_lang else 1)
+    if is_lang and (problem := one_rank_stages_problem(profile.name, par.pp, stages)):
+        return problem
     if profile.compiled_whole and stages > 1:
         return f"compiled whole (compile_scope = 'module'), it cannot be cut into {stages} pipeline stages"
     if (is_lang and profile.fsdp and profile.reshard_after_forward and shards > 1

@@ -152,14 +152,8 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
                           "pipelining fails on this library's stages under the zero-bubble schedules): use "
                           "schedule='Interleaved1F1B' or '1F1B', or torch 2.13")
     lang = layout.parallelism(language_name)
-    if pipeline is not None and stages > 1 and lang.pp == 1 and torch_compat.RELEASE < (2, 13):
-        # Measured on torch 2.11 (2026-11-29, test_fuzz): the schedule's stage set-up sends each
-        # stage's shapes to the next one, here on the same rank, which gloo refuses ("Pair is not
-        # connected") on the language ranks alone while the encoders' ranks wait.
-        raise LayoutError(f"{language_name!r} runs {stages} pipeline stages on each of its ranks (pp=1, "
-                          f"virtual_stages={pipeline.virtual_stages}), which needs torch >= 2.13 (this is "
-                          f"{torch.__version__}, whose pipelining sends a stage's set-up to the next stage on the "
-                          "same rank, and gloo refuses a send to itself): use virtual_stages=1, pp > 1, or torch 2.13")
+    if pipeline is not None and (problem := one_rank_stages_problem(language_name, lang.pp, stages)):
+        raise LayoutError(problem)
     if (pipeline is not None and pipeline.schedule in ZERO_BUBBLE_SCHEDULES and lang_options.fsdp
             and lang_options.reshard_after_forward and lang.dp * lang.cp > 1):
         # Measured on torch 2.13 at pp2·dp2 against the single-process run (2026-11-28): with the
@@ -186,6 +180,19 @@ def check_model(layout: MimoLayout, language: nn.Module, encoders: Mapping[str, 
         if module.out_dim != language.config.dim:
             raise ValueError(f"encoder {name!r} projects to {module.out_dim} features but the language "
                              f"model's dim is {language.config.dim}; set the projection's out_dim to it")
+
+
+def one_rank_stages_problem(name: str, pp: int, stages: int) -> str | None:
+    """Why the language model `name` cannot run `stages` pipeline stages over `pp` ranks on this
+    torch, or None. Measured on torch 2.11 (2026-11-29, test_fuzz): at pp = 1 the schedule's stage
+    set-up sends each stage's shapes to the next one, on the same rank, which gloo refuses ("Pair
+    is not connected") on the language ranks alone while the encoders' ranks wait. Pure."""
+    if stages > 1 and pp == 1 and torch_compat.RELEASE < (2, 13):
+        return (f"{name!r} runs {stages} pipeline stages on each of its ranks (pp=1, virtual_stages={stages}), "
+                f"which needs torch >= 2.13 (this is {torch.__version__}, whose pipelining sends a stage's set-up to "
+                "the next stage on the same rank, and gloo refuses a send to itself): use virtual_stages=1, pp > 1, "
+                "or torch 2.13")
+    return None
 
 
 def recomputed_compile_problem(name: str, options: ParallelOptions, tp: int, microbatches: int,
