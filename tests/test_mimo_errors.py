@@ -1,7 +1,9 @@
 """`MimoModel` refuses what it cannot run, in pure Python, naming the module and the numbers."""
 
+import contextlib
 import math
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -993,33 +995,53 @@ def test_encoder_returning_no_tensor_fails_every_rank_by_name(kind, call):
     assert all(re.search(named, m) for m in (messages if call == "forward_backward" else messages[:2])), messages
 
 
+@contextlib.contextmanager
+def _release_read_as(release: tuple[int, int]):
+    """torch's release read as `release` by the library (`torch_compat.RELEASE`) in this rank's
+    process, put back after: the harness reuses its rank processes for later tests."""
+    from dtensor_mimo.layout import torch_compat
+
+    before, torch_compat.RELEASE = torch_compat.RELEASE, release
+    try:
+        yield
+    finally:
+        torch_compat.RELEASE = before
+
+
+def _sp_encoder(name: str, tower: torch.nn.Module) -> tuple[MimoModel, Any]:
+    """`tower` (32 wide) and a projection as encoder `name` at tp2 with sp on ranks 0-1, a tiny
+    Llama on rank 2; the model and its optimizer."""
+    from dtensor_mimo import MimoOptimizer
+
+    llama = Llama(LlamaConfig.tiny())
+    llama.init_weights(0)
+    encoder = ModalityEncoder(tower, Projection(32, llama.config.dim, hidden_dim=64))
+    encoder.init_weights(1)
+    model = MimoModel(MimoLayout({name: P(tp=2), "language": P()}), llama, {name: encoder},
+                      options={name: ParallelOptions(sp=True)})
+    return model, MimoOptimizer(model)
+
+
 def _encoder_sp_odd_tokens(release: tuple[int, int]) -> str | None:
     """audio tp2 with sp on ranks 0-1 (Whisper-style clips of 30 frames: 15 tokens each, or 32: 16), the
     language model on rank 2, torch's release read as `release`: what a step on the 15-token clips raises
     on this rank (then a step on 16-token clips trains)."""
-    from dtensor_mimo import MimoOptimizer, train_step
+    from dtensor_mimo import train_step
     from dtensor_mimo.data import ModalitySpec
-    from dtensor_mimo.layout import torch_compat
     from dtensor_mimo.models import AudioConfig, AudioEncoder
 
-    torch_compat.RELEASE = release  # (this rank's process only)
     config = AudioConfig.tiny(variable_length=True)
-    llama = Llama(LlamaConfig.tiny())
-    llama.init_weights(0)
-    audio = ModalityEncoder(AudioEncoder(config), Projection(32, llama.config.dim, hidden_dim=64))
-    audio.init_weights(1)
-    model = MimoModel(MimoLayout({"audio": P(tp=2), "language": P()}), llama, {"audio": audio},
-                      options={"audio": ParallelOptions(sp=True)})
-    optimizer = MimoOptimizer(model)
 
     def batch(frames: int):
         spec = ModalitySpec.audio(config, special_token_id=65, max_items=1, lengths=[frames])
         return synthetic_batch(SyntheticSpec.tiny(modalities={"audio": spec}, batch_size=4), seed=0)
 
-    odd, even = batch(30), batch(32)
-    assert {t for t in odd.modalities["audio"].item_tokens} == {15}
-    return _refused_then_trains(lambda b: train_step(model, optimizer, b), odd, lambda: train_step(model, optimizer,
-                                                                                                    even))
+    with _release_read_as(release):
+        model, optimizer = _sp_encoder("audio", AudioEncoder(config))
+        odd, even = batch(30), batch(32)
+        assert {t for t in odd.modalities["audio"].item_tokens} == {15}
+        return _refused_then_trains(lambda b: train_step(model, optimizer, b), odd,
+                                    lambda: train_step(model, optimizer, even))
 
 
 def test_encoder_sequence_parallel_on_tokens_tp_does_not_divide_on_torch_before_2_13():
@@ -1044,27 +1066,16 @@ def _class_token_sp(image_size: int) -> str | None:
     """A CLIP-style ViT (a class token first in every item's rows through the blocks) at tp2 with
     sp on ranks 0-1, the language model on rank 2, torch's release read as 2.11: what a step on
     images of `image_size` pixels (4-pixel patches) raises on this rank (None: it trained)."""
-    from dtensor_mimo.layout import torch_compat
-
-    release, torch_compat.RELEASE = torch_compat.RELEASE, (2, 11)  # (this rank's process, until it returns)
-    try:
+    with _release_read_as((2, 11)):
         return _class_token_step(image_size)
-    finally:
-        torch_compat.RELEASE = release
 
 
 def _class_token_step(image_size: int) -> str | None:
-    from dtensor_mimo import MimoOptimizer, train_step
+    from dtensor_mimo import train_step
     from dtensor_mimo.data import ModalitySpec
 
     config = ViTConfig.tiny(image_size=image_size, class_token=True)
-    llama = Llama(LlamaConfig.tiny())
-    llama.init_weights(0)
-    vision = ModalityEncoder(ViT(config), Projection(32, llama.config.dim, hidden_dim=64))
-    vision.init_weights(1)
-    model = MimoModel(MimoLayout({"vision": P(tp=2), "language": P()}), llama, {"vision": vision},
-                      options={"vision": ParallelOptions(sp=True)})
-    optimizer = MimoOptimizer(model)
+    model, optimizer = _sp_encoder("vision", ViT(config))
     spec = ModalitySpec.image(config, special_token_id=65, max_items=1)
     batch = synthetic_batch(SyntheticSpec.tiny(modalities={"vision": spec}, batch_size=4), seed=0)
     assert set(batch.modalities["vision"].item_tokens) == {(image_size // 4) ** 2}
